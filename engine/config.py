@@ -1,0 +1,117 @@
+"""Engine configuration: frozen dataclasses, validated at construction.
+
+`ModelConfig` describes an architecture (read from GGUF metadata or a Hugging Face config.json);
+`CacheConfig` and `SchedulerConfig` describe how a replica serves it; `EngineConfig` nests them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Llama-family architecture (dense, or MoE when `num_experts` > 0)."""
+
+    architecture: str  # "llama", "mixtral", "qwen2_moe", "olmoe", ...
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, object], ...] | None = None  # HF rope_scaling dict as sorted items
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    # MoE (0 experts = dense MLP)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    qk_norm: bool = False  # OLMoE normalises q and k
+    # Tokens: every id that ends a generation (eos and end-of-turn tokens)
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    model_id: str = "model"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts):
+            raise ValueError("num_experts_per_tok must be in 1..num_experts")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: `block_size` is in tokens, `kv_cache_memory_bytes` is the whole budget."""
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """One token budget per step; `max_num_seqs` caps the running batch."""
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    # Longest-cached-prefix-first among the first `prefix_aware_window` waiting requests.
+    prefix_aware_window: int = 8
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.prefix_aware_window < 1:
+            raise ValueError("prefix_aware_window must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: all cores
+    compile: bool = False  # torch.compile the decode step
+    quantization: str | None = None  # None or "fp8"
+    replica_id: str = "replica-0"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"unsupported quantization {self.quantization!r}")
+
+    @cached_property
+    def resolved_dtype(self) -> str:
+        if self.dtype is not None:
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"

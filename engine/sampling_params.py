@@ -1,0 +1,55 @@
+"""SamplingParams: how one request samples, with OpenAI semantics (+ vLLM's common extensions)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; the message is safe to show to the client."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int | None = None  # None = no top-k
+    seed: int | None = None
+    max_tokens: int | None = None  # None: up to the context window
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        checks = [
+            (0.0 <= self.temperature <= 2.0, "temperature must be between 0 and 2"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (self.top_k is None or self.top_k >= 1, "top_k must be >= 1"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (self.min_tokens >= 0, "min_tokens must be >= 0"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             "min_tokens must not exceed max_tokens"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be between -2 and 2"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be between -2 and 2"),
+            (0 <= self.top_logprobs <= 20, "top_logprobs must be between 0 and 20"),
+            (1 <= self.n <= 16, "n must be between 1 and 16"),
+            (len(self.stop) <= 16, "at most 16 stop sequences"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop sequences must be non-empty strings"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SamplingParamsError(message)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

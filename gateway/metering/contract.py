@@ -1,0 +1,59 @@
+"""The metering contract: the usage record, and the two calls the gateway makes per request.
+
+    admission = await meter.admit(principal, model, num_prompt_tokens, max_tokens)   # may raise RateLimited
+    ... dispatch, stream ...
+    await meter.settle(admission, record)   # exactly once per request id, even on disconnect/failure
+
+`settle` is idempotent on `record.request_id`: calling it twice never counts twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from auth.principal import Principal
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    request_id: str
+    project: str
+    key_id: str
+    model: str
+    endpoint: str  # the replica/upstream that served it ("" if none did)
+    prompt_tokens: int
+    cached_tokens: int  # part of prompt_tokens that hit the prompt cache
+    completion_tokens: int
+    cost_usd: float
+    latency_ms: float
+    status: int  # HTTP status the client got (200 also for a stream that ended in an error event)
+    created_at: float  # unix seconds
+    stream: bool = False
+    finish_reason: str | None = None
+
+
+class RateLimited(Exception):
+    """Over a limit: answer 429 with these headers (Retry-After, x-ratelimit-*)."""
+
+    def __init__(self, message: str, retry_after_s: float, headers: dict[str, str]) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+        self.headers = headers
+
+
+@dataclass
+class Admission:
+    request_id: str
+    principal: Principal
+    model: str
+    reserved_tokens: int
+    headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* to send back
+
+
+class Meter(Protocol):
+    async def admit(self, request_id: str, principal: Principal, model: str,
+                    num_prompt_tokens: int, max_tokens: int) -> Admission: ...
+
+    async def settle(self, admission: Admission, record: UsageRecord) -> None: ...
