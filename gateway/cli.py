@@ -1,0 +1,42 @@
+"""`aigw`: one console script; each package registers its own subcommands.
+
+    aigw serve ...            gateway (gateway/serve_cli.py)
+    aigw replica|generate     engine  (engine/cli.py)
+    aigw projects|keys|usage  auth    (auth/cli.py)
+    aigw bench <what>         benchmarks (bench/ via engine/gateway)
+
+Heavy modules are imported inside the subcommand handlers, so `aigw --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Each entry: a module with `register(subparsers) -> None`; handlers are set with set_defaults(func=...).
+_COMMAND_MODULES = ("gateway.serve_cli", "engine.cli", "auth.cli", "bench.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aigw", description="AI gateway with its own inference engine")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for module_name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:  # that part is not built yet
+                continue
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result = args.func(args)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
