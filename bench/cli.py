@@ -1,0 +1,32 @@
+"""`aigw bench <name>`: each benchmark is a module `bench/<name>_bench.py` exposing
+`add_arguments(parser)` and `run(args) -> int`. Benchmarks print their figures beside a baseline
+measured in the same run, and write a PNG when given `--plot PATH`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS = {
+    "engine": "bench.engine_bench",      # prefill/decode/concurrency vs transformers
+    "agent": "bench.agent_bench",        # prompt caching on agent-loop / shared-prefix workloads
+    "gateway": "bench.gateway_bench",    # gateway overhead vs bare proxy and LiteLLM
+    "routing": "bench.routing_bench",    # routing policies, real replicas + simulator
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    bench = subparsers.add_parser("bench", help="run a benchmark (not a test)")
+    names = bench.add_subparsers(dest="benchmark", required=True)
+    for name, module_name in BENCHMARKS.items():
+        parser = names.add_parser(name, help=f"benchmark: {name}")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            parser.set_defaults(func=lambda _args, n=name: print(f"benchmark {n!r} is not built") or 2)
+            continue
+        module.add_arguments(parser)
+        parser.set_defaults(func=module.run)
