@@ -1,0 +1,153 @@
+"""Llama-architecture GGUF files -> `Checkpoint` with Hugging Face names and layout.
+
+Config: `llama.*` metadata -> `ModelConfig` (head_dim = embedding_length / head_count unless
+`attention.key_length` is given; tie_word_embeddings when there is no `output.weight`).
+
+Tensors: dequantized with `gguf.quants.dequantize`; GGUF names map to HF names (`_TENSOR_NAMES`).
+
+The q/k permutation. llama.cpp's converter reorders the rows of q_proj and k_proj (weights and
+biases) so that GGML's RoPE, which rotates adjacent pairs (x0, x1), (x2, x3)..., computes what HF's
+`rotate_half`, which rotates (x_i, x_{i + d/2}), computes on the original rows:
+
+    per head of d = head_dim rows:   GGUF row 2j   <- HF row j           (first half)
+                                     GGUF row 2j+1 <- HF row j + d/2     (second half)
+
+We undo it exactly as transformers does (`LlamaTensorProcessor._reverse_permute_weights`):
+
+    w.reshape(num_heads, d/2, 2, in)  # GGUF: [head, pair j, member]
+     .swapaxes(1, 2)                  # HF:   [head, half, j]
+     .reshape(out, in)
+
+with num_heads = head_count for q and head_count_kv for k. Quantized blocks run along the input
+dim, so each output row is a whole number of blocks and the same row permutation applied to the
+raw block bytes (`RawQuantized.data`, [out, bytes_per_row]) is exact.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from engine.config import ModelConfig
+from engine.loader.checkpoint import Checkpoint, RawQuantized
+from engine.loader.gguf_metadata import read_gguf_metadata
+from engine.loader.special_tokens import collect_eos_token_ids
+
+_TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSOR_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Present in some llama GGUFs, derivable from the config; we skip them.
+_SKIPPED_TENSORS = {"rope_freqs.weight"}
+_FLOAT_TYPES = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                gguf.GGMLQuantizationType.BF16, gguf.GGMLQuantizationType.F64}
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The Hugging Face name of a GGUF tensor; KeyError for a tensor we do not know."""
+    if gguf_name in _TENSOR_NAMES:
+        return _TENSOR_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_TENSOR_NAMES:
+        raise KeyError(f"unknown GGUF tensor {gguf_name!r}")
+    layer, module, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_TENSOR_NAMES[module]}.{kind}"
+
+
+def unpermute_rope_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order (module docstring). `rows`: [out, ...], out = heads * d."""
+    head_dim = rows.shape[0] // num_heads
+    # [out, ...] -> [heads, d/2, 2, ...] -> [heads, 2, d/2, ...] -> [out, ...]
+    grouped = rows.reshape(num_heads, head_dim // 2, 2, *rows.shape[1:])
+    return np.ascontiguousarray(grouped.swapaxes(1, 2).reshape(rows.shape))
+
+
+def model_config_from_gguf(metadata: Mapping[str, object], tensor_names: set[str],
+                           model_id: str) -> ModelConfig:
+    arch = metadata.get("general.architecture")
+    if arch != "llama":
+        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+    if metadata.get("llama.expert_count"):
+        raise NotImplementedError("MoE GGUF files are not supported; use the HF directory")
+
+    def get(key: str, default: object = None) -> object:
+        return metadata.get(f"llama.{key}", default)
+
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+    assert isinstance(tokens, list)
+    hidden, num_heads = int(get("embedding_length")), int(get("attention.head_count"))  # type: ignore[call-overload]
+    head_dim = get("attention.key_length") or hidden // num_heads
+    scaling = get("rope.scaling.type")
+    rope_scaling = None
+    if scaling not in (None, "none"):
+        items: dict[str, object] = {"rope_type": scaling,
+                                    "factor": float(get("rope.scaling.factor", 1.0))}  # type: ignore[arg-type]
+        if get("rope.scaling.original_context_length"):
+            items["original_max_position_embeddings"] = get("rope.scaling.original_context_length")
+        rope_scaling = tuple(sorted(items.items()))
+    token_index = {token: i for i, token in enumerate(tokens)}
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
+    bos = metadata.get("tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=int(get("vocab_size") or len(tokens)),  # type: ignore[call-overload]
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),  # type: ignore[call-overload]
+        num_layers=int(get("block_count")),  # type: ignore[call-overload]
+        num_heads=num_heads,
+        num_kv_heads=int(get("attention.head_count_kv") or num_heads),  # type: ignore[call-overload]
+        head_dim=int(head_dim),  # type: ignore[call-overload]
+        max_position_embeddings=int(get("context_length")),  # type: ignore[call-overload]
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),  # type: ignore[arg-type]
+        rope_theta=float(get("rope.freq_base", 10000.0)),  # type: ignore[arg-type]
+        rope_scaling=rope_scaling,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        eos_token_ids=collect_eos_token_ids([eos] if isinstance(eos, int) else [],
+                                            token_index.get),
+        bos_token_id=bos if isinstance(bos, int) else None,
+        model_id=model_id,
+    )
+
+
+def load_gguf_checkpoint(path: Path, dtype: torch.dtype = torch.float32,
+                         progress: bool = True) -> Checkpoint:
+    metadata = read_gguf_metadata(path)
+    reader = gguf.GGUFReader(str(path))
+    config = model_config_from_gguf(metadata, {t.name for t in reader.tensors}, path.stem)
+    heads_by_module = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
+
+    weights: dict[str, torch.Tensor] = {}
+    raw: dict[str, RawQuantized] = {}
+    for tensor in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor",
+                       disable=not progress):
+        if tensor.name in _SKIPPED_TENSORS:
+            continue
+        name = hf_tensor_name(tensor.name)
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        blocks = None if tensor.tensor_type in _FLOAT_TYPES else np.array(tensor.data)
+        module = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        if module in heads_by_module:
+            values = unpermute_rope_rows(values, heads_by_module[module])
+            if blocks is not None:
+                blocks = unpermute_rope_rows(blocks, heads_by_module[module])
+        weights[name] = torch.from_numpy(np.array(values, dtype=np.float32)).to(dtype)
+        if blocks is not None and values.ndim == 2:
+            out_features, in_features = values.shape
+            raw[name] = RawQuantized(ggml_type=tensor.tensor_type.name,
+                                     shape=(out_features, in_features), data=blocks)
+    return Checkpoint(config=config, weights=weights, raw=raw)

@@ -1,0 +1,143 @@
+"""Hugging Face directories (config.json + *.safetensors, sharded or not) -> `Checkpoint`.
+
+config.json maps to `ModelConfig` for these `model_type`s (kept as `architecture`):
+
+    llama, mistral    dense; attention_bias from the config (default False)
+    qwen2             dense; q/k/v biases (attention_bias=True)
+    mixtral           num_local_experts, num_experts_per_tok; expert size = intermediate_size;
+                      top-k weights renormalised (norm_topk_prob=True)
+    qwen2_moe         num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
+                      shared_expert_intermediate_size; q/k/v biases (qkv_bias, default True)
+    olmoe             num_experts, num_experts_per_tok; expert size = intermediate_size;
+                      norm_topk_prob; qk_norm=True
+
+rope: `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4.x); a "default"
+rope type means no scaling. Tensor names stay as in the file; `raw` is empty. Not mapped:
+sliding windows, qwen2_moe `mlp_only_layers`/`decoder_sparse_step`, olmoe `clip_qkv`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from engine.config import ModelConfig
+from engine.loader.checkpoint import Checkpoint
+from engine.loader.special_tokens import as_id_list, collect_eos_token_ids
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "olmoe")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _hashable(value: object) -> object:
+    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
+
+
+def _rope(config: Mapping[str, Any]) -> tuple[float, tuple[tuple[str, object], ...] | None]:
+    params = dict(config.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    if not params:
+        params = dict(config.get("rope_scaling") or {})
+    if "type" in params:
+        params.setdefault("rope_type", params.pop("type"))
+    if params.get("rope_type") in (None, "default"):
+        return theta, None
+    return theta, tuple(sorted((k, _hashable(v)) for k, v in params.items()))
+
+
+def _moe_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    model_type = config["model_type"]
+    if model_type == "mixtral":
+        return {"num_experts": config["num_local_experts"],
+                "num_experts_per_tok": config["num_experts_per_tok"],
+                "moe_intermediate_size": config["intermediate_size"], "norm_topk_prob": True}
+    if model_type == "qwen2_moe":
+        return {"num_experts": config["num_experts"],
+                "num_experts_per_tok": config["num_experts_per_tok"],
+                "moe_intermediate_size": config["moe_intermediate_size"],
+                "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+                "shared_expert_intermediate_size": config.get("shared_expert_intermediate_size", 0),
+                "attention_bias": bool(config.get("qkv_bias", True))}
+    if model_type == "olmoe":
+        return {"num_experts": config["num_experts"],
+                "num_experts_per_tok": config["num_experts_per_tok"],
+                "moe_intermediate_size": config["intermediate_size"],
+                "norm_topk_prob": bool(config.get("norm_topk_prob", False)), "qk_norm": True}
+    if model_type == "qwen2":
+        return {"attention_bias": True}
+    return {}
+
+
+def _token_lookup(directory: Path) -> Any:
+    """token -> id over tokenizer.json's vocab and added tokens (None if there is none)."""
+    data = _read_json(directory / "tokenizer.json")
+    vocab = dict((data.get("model") or {}).get("vocab") or {})
+    if not isinstance(vocab, dict):  # unigram vocabularies are [token, score] lists
+        vocab = {}
+    for added in data.get("added_tokens") or []:
+        vocab[added["content"]] = added["id"]
+    return vocab.get
+
+
+def model_config_from_hf(directory: Path) -> ModelConfig:
+    config = _read_json(directory / "config.json")
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(
+            f"model_type {model_type!r} is not supported (one of {SUPPORTED_MODEL_TYPES})")
+    generation = _read_json(directory / "generation_config.json")
+    num_heads = config["num_attention_heads"]
+    rope_theta, rope_scaling = _rope(config)
+    bos = as_id_list(generation.get("bos_token_id", config.get("bos_token_id")))
+    declared_eos = as_id_list(config.get("eos_token_id")) + as_id_list(generation.get("eos_token_id"))
+    fields: dict[str, Any] = {
+        "attention_bias": bool(config.get("attention_bias", False)), **_moe_fields(config)}
+    return ModelConfig(
+        architecture=model_type,
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=config.get("num_key_value_heads") or num_heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+        max_position_embeddings=config["max_position_embeddings"],
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        eos_token_ids=collect_eos_token_ids(declared_eos, _token_lookup(directory)),
+        bos_token_id=bos[0] if bos else None,
+        model_id=directory.resolve().name,
+        **fields,
+    )
+
+
+def load_hf_checkpoint(directory: Path, dtype: torch.dtype = torch.float32,
+                       progress: bool = True) -> Checkpoint:
+    config = model_config_from_hf(directory)
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory} has no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    with tqdm(desc=f"loading {directory.name}", unit="tensor", disable=not progress) as bar:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                    tensor = f.get_tensor(name)
+                    weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                    bar.update(1)
+    return Checkpoint(config=config, weights=weights, raw={})

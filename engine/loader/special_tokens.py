@@ -1,0 +1,42 @@
+"""Which token ids end a generation.
+
+A checkpoint names one eos id (GGUF `tokenizer.ggml.eos_token_id`, HF `eos_token_id`), but chat
+models also stop on their end-of-turn token, and the base model's end-of-text token may appear
+too. The stop set is the declared ids, in order, then every token of `END_OF_TURN_TOKENS` that the
+vocabulary holds. Both `ModelConfig.eos_token_ids` and `Tokenizer.eos_token_ids` come from here, so
+the engine and the gateway agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>")
+
+
+def as_id_list(value: object) -> list[int]:
+    """An HF `eos_token_id` field (int, list of ints, or absent) as a list."""
+    if value is None:
+        return []
+    if isinstance(value, bool):
+        raise TypeError(f"token id must be an int, got {value!r}")
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    raise TypeError(f"token id must be an int or a list of ints, got {value!r}")
+
+
+def collect_eos_token_ids(
+    declared_ids: Iterable[int], token_to_id: Callable[[str], int | None]
+) -> tuple[int, ...]:
+    """`declared_ids` (deduplicated, order kept) followed by the end-of-turn tokens in the vocab."""
+    ids: list[int] = []
+    for token_id in declared_ids:
+        if token_id not in ids:
+            ids.append(token_id)
+    for token in END_OF_TURN_TOKENS:
+        token_id = token_to_id(token)
+        if token_id is not None and token_id not in ids:
+            ids.append(token_id)
+    return tuple(ids)

@@ -1,0 +1,168 @@
+"""The model's tokenizer and chat template, from a GGUF file or a Hugging Face directory.
+
+Sources:
+  - GGUF: vocabulary, merges, token types, special ids and `tokenizer.chat_template` from the
+    metadata (see gguf_vocab.py for how the BPE is rebuilt; ids match transformers'
+    `AutoTokenizer.from_pretrained(dir, gguf_file=...)`).
+  - HF directory: `tokenizer.json`; `tokenizer_config.json` for the special tokens and the chat
+    template (or `chat_template.jinja` / `chat_template.json`, as newer transformers save it);
+    `config.json` / `generation_config.json` for extra eos ids.
+
+This module imports no torch: the gateway builds a `Tokenizer` to hash prompts. Construction
+reads only metadata (tens of milliseconds for a 49k vocabulary) and may be done repeatedly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as _BackendTokenizer
+
+from engine.loader.chat_template import ChatTemplate, Message
+from engine.loader.gguf_metadata import is_gguf_file, read_gguf_metadata
+from engine.loader.gguf_vocab import build_gguf_tokenizer
+from engine.loader.special_tokens import as_id_list, collect_eos_token_ids
+
+# Used when a checkpoint has no chat template at all.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class Tokenizer:
+    """Text <-> token ids, plus the chat template. Immutable after construction."""
+
+    def __init__(self, backend: _BackendTokenizer, *, chat_template: str | None,
+                 bos_token_id: int | None, eos_token_id: int | None,
+                 extra_eos_token_ids: Sequence[int] = (),
+                 unk_token_id: int | None = None, pad_token_id: int | None = None) -> None:
+        self._backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        declared = ([eos_token_id] if eos_token_id is not None else []) + list(extra_eos_token_ids)
+        self.eos_token_ids: tuple[int, ...] = collect_eos_token_ids(declared, backend.token_to_id)
+        self.special_token_ids: frozenset[int] = frozenset(
+            i for i, token in backend.get_added_tokens_decoder().items() if token.special)
+        self.chat_template = ChatTemplate(chat_template or CHATML_TEMPLATE)
+        names = {"bos_token": bos_token_id, "eos_token": eos_token_id,
+                 "unk_token": unk_token_id, "pad_token": pad_token_id}
+        self._special_token_strings = {name: backend.id_to_token(i)
+                                       for name, i in names.items() if i is not None}
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce (base vocabulary plus added tokens)."""
+        return int(self._backend.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text are matched whole.
+
+        `add_special_tokens` applies the checkpoint's post-processor (e.g. a bos prefix when the
+        checkpoint asks for one; SmolLM2 asks for none).
+        """
+        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return [str(self._backend.id_to_token(i)) for i in ids]
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def apply_chat_template(self, messages: Sequence[Message],
+                            tools: Sequence[Mapping[str, Any]] | None = None,
+                            add_generation_prompt: bool = True, **extra: Any) -> str:
+        """The prompt text for `messages` (see chat_template.py for normalisation and tools)."""
+        return self.chat_template.render(messages, tools=tools,
+                                         add_generation_prompt=add_generation_prompt,
+                                         special_tokens=self._special_token_strings, **extra)
+
+    def encode_chat(self, messages: Sequence[Message],
+                    tools: Sequence[Mapping[str, Any]] | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+        """Render, then encode without added special tokens (the template writes them)."""
+        text = self.apply_chat_template(messages, tools=tools,
+                                        add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of a GGUF file or a Hugging Face directory."""
+    path = Path(path)
+    if is_gguf_file(path):
+        return _tokenizer_from_gguf(path)
+    if path.is_dir():
+        return _tokenizer_from_hf_dir(path)
+    raise FileNotFoundError(f"{path} is neither a GGUF file nor a model directory")
+
+
+def _tokenizer_from_gguf(path: Path) -> Tokenizer:
+    metadata = read_gguf_metadata(path)
+
+    def token_id(key: str) -> int | None:
+        value = metadata.get(f"tokenizer.ggml.{key}")
+        return value if isinstance(value, int) else None
+
+    template = metadata.get("tokenizer.chat_template")
+    return Tokenizer(build_gguf_tokenizer(metadata),
+                     chat_template=template if isinstance(template, str) else None,
+                     bos_token_id=token_id("bos_token_id"), eos_token_id=token_id("eos_token_id"),
+                     unk_token_id=token_id("unknown_token_id"),
+                     pad_token_id=token_id("padding_token_id"))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _hf_chat_template(directory: Path, tokenizer_config: Mapping[str, Any]) -> str | None:
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: take "default"
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    if isinstance(template, str):
+        return template
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    template = _read_json(directory / "chat_template.json").get("chat_template")
+    return template if isinstance(template, str) else None
+
+
+def _tokenizer_from_hf_dir(directory: Path) -> Tokenizer:
+    if not (directory / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{directory} has no tokenizer.json")
+    backend = _BackendTokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer_config = _read_json(directory / "tokenizer_config.json")
+
+    def special_id(name: str) -> int | None:
+        token = tokenizer_config.get(name)
+        if isinstance(token, Mapping):
+            token = token.get("content")
+        return backend.token_to_id(token) if isinstance(token, str) else None
+
+    model_config = _read_json(directory / "config.json")
+    generation_config = _read_json(directory / "generation_config.json")
+    extra_eos = (as_id_list(model_config.get("eos_token_id"))
+                 + as_id_list(generation_config.get("eos_token_id")))
+    eos_token_id = special_id("eos_token")
+    if eos_token_id is None and extra_eos:
+        eos_token_id = extra_eos[0]
+    bos_token_id = special_id("bos_token")
+    if bos_token_id is None:
+        bos_ids = as_id_list(generation_config.get("bos_token_id", model_config.get("bos_token_id")))
+        bos_token_id = bos_ids[0] if bos_ids else None
+    return Tokenizer(backend, chat_template=_hf_chat_template(directory, tokenizer_config),
+                     bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                     extra_eos_token_ids=extra_eos, unk_token_id=special_id("unk_token"),
+                     pad_token_id=special_id("pad_token"))
