@@ -1,0 +1,70 @@
+"""The replica's aiohttp app: `create_app` (factory), `serve` (async) and `run_replica` (sync).
+
+    app = create_app(engine, ReplicaServerSettings.from_env())
+    run_replica(engine, "127.0.0.1", 8001, settings)        # blocks; used by `aigw replica`
+
+The engine is created and closed by the caller; the app only serves it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from engine.server.keys import SERVING_KEY
+from engine.server.metrics import ReplicaMetrics
+from engine.server.middlewares import add_request_id, error_middleware
+from engine.server.routes import setup_routes
+from engine.server.serving import ServingContext
+from engine.server.settings import ReplicaServerSettings
+from engine.server.typedefs import ServedEngine
+
+log = logging.getLogger(__name__)
+
+
+def create_app(engine: ServedEngine, settings: ReplicaServerSettings | None = None
+               ) -> web.Application:
+    settings = settings or ReplicaServerSettings.from_env()
+    app = web.Application(client_max_size=settings.client_max_size_bytes,
+                          middlewares=[error_middleware])
+    metrics = ReplicaMetrics(engine.stats, model=engine.model_config.model_id,
+                             replica=engine.replica_id)
+    app[SERVING_KEY] = ServingContext(engine=engine, settings=settings, metrics=metrics)
+    app.on_response_prepare.append(add_request_id)
+    app.cleanup_ctx.append(_log_lifecycle)
+    setup_routes(app)
+    return app
+
+
+async def _log_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    ctx = app[SERVING_KEY]
+    log.info("replica %s serving %s", ctx.engine.replica_id, ctx.engine.model_config.model_id)
+    yield
+    log.info("replica %s HTTP server stopped", ctx.engine.replica_id)
+
+
+async def serve(engine: ServedEngine, host: str, port: int,
+                settings: ReplicaServerSettings | None = None) -> None:
+    """Serve until cancelled; then stop accepting and close connections."""
+    settings = settings or ReplicaServerSettings.from_env()
+    runner = web.AppRunner(create_app(engine, settings),
+                           handler_cancellation=settings.handler_cancellation)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        log.info("listening on http://%s:%d", host, port)
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def run_replica(engine: ServedEngine, host: str, port: int,
+                settings: ReplicaServerSettings | None = None) -> None:
+    """Blocking entry point for the CLI: serve on a fresh event loop until Ctrl-C."""
+    try:
+        asyncio.run(serve(engine, host, port, settings))
+    except KeyboardInterrupt:
+        pass

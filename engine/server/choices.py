@@ -1,0 +1,45 @@
+"""ChoiceState: one choice's accumulated output, and usage summed over choices."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.server.responses import usage
+
+
+@dataclass
+class ChoiceState:
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def add(self, output: RequestOutput) -> None:
+        """Fold in one engine output (counters are totals, so the latest wins)."""
+        self.text_parts.append(output.text)
+        if output.logprobs:
+            self.logprobs.extend(output.logprobs)
+        if output.finish_reason is not None:
+            self.finish_reason = str(output.finish_reason)
+        self.num_prompt_tokens = output.num_prompt_tokens
+        self.num_cached_tokens = output.num_cached_tokens
+        self.num_output_tokens = output.num_output_tokens
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+def usage_of(states: Sequence[ChoiceState], n: int) -> dict[str, Any]:
+    """Completion tokens over all choices; each prompt's tokens once (from its first choice)."""
+    firsts = states[::n]
+    return usage(
+        num_prompt_tokens=sum(s.num_prompt_tokens for s in firsts),
+        num_completion_tokens=sum(s.num_output_tokens for s in states),
+        num_cached_tokens=sum(s.num_cached_tokens for s in firsts),
+    )

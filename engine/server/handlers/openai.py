@@ -1,0 +1,53 @@
+"""POST /v1/chat/completions, POST /v1/completions, GET /v1/models."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from engine.server import responses as shapes
+from engine.server.chat import complete_chat, stream_chat
+from engine.server.completions import complete_text, stream_text
+from engine.server.errors import json_response
+from engine.server.keys import SERVING_KEY
+from engine.server.prompts import check_context_length, chat_prompt_token_ids, completion_prompts
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from engine.server.serving import parse_body, sampling_params
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    ctx = request.app[SERVING_KEY]
+    req = await parse_body(request, ChatCompletionRequest)
+    ctx.check_model(req.model)
+    params = sampling_params(req)
+    prompt = chat_prompt_token_ids(req, ctx.engine.tokenizer)
+    check_context_length(len(prompt), params.max_tokens, ctx.engine.max_model_len, "messages")
+    id_, created = shapes.new_id("chatcmpl"), shapes.now_s()
+    async with ctx.fanout(request, id_, [prompt], params, cache_salt=req.cache_salt,
+                          param="messages") as fanout:
+        if req.stream:
+            return await stream_chat(request, ctx, req, fanout, id_, created)
+        return await complete_chat(ctx, req, fanout, id_, created)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    ctx = request.app[SERVING_KEY]
+    req = await parse_body(request, CompletionRequest)
+    ctx.check_model(req.model)
+    params = sampling_params(req)
+    prompts = completion_prompts(req, ctx.engine.tokenizer, ctx.engine.model_config.vocab_size)
+    for prompt in prompts:
+        check_context_length(len(prompt), params.max_tokens, ctx.engine.max_model_len, "prompt")
+    id_, created = shapes.new_id("cmpl"), shapes.now_s()
+    num_choices = len(prompts) * params.n
+    async with ctx.fanout(request, id_, prompts, params, cache_salt=req.cache_salt,
+                          param="prompt") as fanout:
+        if req.stream:
+            return await stream_text(request, ctx, req, fanout, num_choices, id_, created)
+        return await complete_text(ctx, req, fanout, num_choices, id_, created)
+
+
+async def models(request: web.Request) -> web.Response:
+    ctx = request.app[SERVING_KEY]
+    engine = ctx.engine
+    return json_response(shapes.model_list(ctx.model_names, engine.model_config.model_id,
+                                           ctx.started_at_s, engine.max_model_len))

@@ -1,0 +1,134 @@
+"""From request bodies to prompt token ids, and the context-window check.
+
+Chat: messages become the tokenizer's chat-template dicts. `developer` is sent as `system` (open
+chat templates know no developer role); text parts are joined with newlines; an assistant
+message's tool-call `arguments` are parsed back into objects when they are JSON objects (chat
+templates render them with `tojson`). Tools go into the template unless tool_choice is "none".
+
+tool_choice "required" or a named function is only *asked for* in the prompt (a system line, and
+only the named tool is offered): there is no grammar-constrained decoding, so the model may
+still answer in plain text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from engine.server.errors import ContextLengthExceeded, InvalidRequestError
+from engine.server.protocol import (
+    AssistantMessage,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Content,
+    NamedToolChoice,
+    SystemMessage,
+    ToolMessage,
+)
+from engine.server.typedefs import ServedTokenizer
+
+REQUIRED_TOOL_INSTRUCTION = "You must call at least one of the provided tools."
+NAMED_TOOL_INSTRUCTION = "You must call the function `{name}`."
+
+
+def _text(content: Content | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(part.text for part in content)
+
+
+def _arguments(arguments: str) -> Any:
+    try:
+        value = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+def chat_template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    for message in req.messages:
+        if isinstance(message, SystemMessage):
+            messages.append({"role": "system", "content": _text(message.content)})
+        elif isinstance(message, ToolMessage):
+            messages.append({"role": "tool", "content": _text(message.content),
+                             "tool_call_id": message.tool_call_id})
+        elif isinstance(message, AssistantMessage):
+            entry: dict[str, Any] = {"role": "assistant", "content": _text(message.content)}
+            if message.tool_calls:
+                entry["tool_calls"] = [
+                    {"id": call.id, "type": "function",
+                     "function": {"name": call.function.name,
+                                  "arguments": _arguments(call.function.arguments)}}
+                    for call in message.tool_calls
+                ]
+            messages.append(entry)
+        else:
+            messages.append({"role": "user", "content": _text(message.content)})
+    instruction = _tool_instruction(req)
+    if instruction is not None:
+        if messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{instruction}"}
+        else:
+            messages.insert(0, {"role": "system", "content": instruction})
+    return messages
+
+
+def _tool_instruction(req: ChatCompletionRequest) -> str | None:
+    if not req.uses_tools:
+        return None
+    if req.tool_choice == "required":
+        return REQUIRED_TOOL_INSTRUCTION
+    if isinstance(req.tool_choice, NamedToolChoice):
+        return NAMED_TOOL_INSTRUCTION.format(name=req.tool_choice.function.name)
+    return None
+
+
+def chat_template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    if not req.uses_tools or req.tools is None:
+        return None
+    tools = req.tools
+    if isinstance(req.tool_choice, NamedToolChoice):
+        tools = [t for t in tools if t.function.name == req.tool_choice.function.name]
+    return [tool.model_dump(exclude_none=True) for tool in tools]
+
+
+def chat_prompt_token_ids(req: ChatCompletionRequest, tokenizer: ServedTokenizer) -> list[int]:
+    try:
+        return tokenizer.encode_chat(chat_template_messages(req), tools=chat_template_tools(req),
+                                     add_generation_prompt=True)
+    except (ValueError, TypeError, KeyError) as exc:  # the template rejected the conversation
+        raise InvalidRequestError(f"messages cannot be rendered by the chat template: {exc}",
+                                  param="messages") from exc
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: ServedTokenizer, vocab_size: int
+                       ) -> list[list[int]]:
+    """One token-id list per prompt; token ids are checked against the vocabulary."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt, add_special_tokens=True)]
+    if all(isinstance(p, str) for p in prompt):
+        return [tokenizer.encode(p, add_special_tokens=True) for p in prompt]  # type: ignore[arg-type]
+    prompts = [prompt] if all(isinstance(p, int) for p in prompt) else prompt
+    for ids in prompts:
+        if any(not 0 <= tid < vocab_size for tid in ids):  # type: ignore[union-attr]
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})",
+                                      param="prompt")
+    return [list(ids) for ids in prompts]  # type: ignore[arg-type]
+
+
+def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                         param: str) -> None:
+    """400 context_length_exceeded when the prompt (+ max_tokens, if given) cannot fit."""
+    num_requested = num_prompt_tokens + (max_tokens or 1)
+    if num_requested <= max_model_len:
+        return
+    completion = f"{max_tokens} in the completion" if max_tokens else "at least 1 to generate"
+    raise ContextLengthExceeded(
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{num_requested} tokens ({num_prompt_tokens} in the {param}, {completion}). "
+        f"Please reduce the length of the {param} or completion.", param=param)

@@ -1,0 +1,207 @@
+"""OpenAI request bodies at the replica's edge (pydantic v2), mapped onto `SamplingParams`.
+
+Types are checked strictly (a string is not a number); value ranges are checked once, by
+`SamplingParams`, whose `SamplingParamsError` the server answers with 400. Unknown fields are
+ignored, as OpenAI-compatible servers do. `cache_salt` is our (and vLLM's) extension: requests
+with different salts never share prefix-cache blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.sampling_params import SamplingParams
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+Content = str | list[TextPart]
+
+
+class FunctionCallIn(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class SystemMessage(_Body):
+    role: Literal["system", "developer"]
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(_Body):
+    role: Literal["user"]
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(_Body):
+    role: Literal["assistant"]
+    content: Content | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    name: str | None = None
+
+
+class ToolMessage(_Body):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+Message = Annotated[
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
+
+
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingBody(_Body):
+    """Fields shared by chat completions and completions."""
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    user: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _SamplingBody:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage_chunk(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: bool, top_logprobs: int
+                         ) -> SamplingParams:
+        """Raises SamplingParamsError for out-of-range values."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            n=self.n,
+        )
+
+
+class ChatCompletionRequest(_SamplingBody):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice requires tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {tool.function.name for tool in self.tools or ()}
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names an unknown function "
+                                 f"{self.tool_choice.function.name!r}")
+        return self
+
+    @property
+    def uses_tools(self) -> bool:
+        """True when tools go into the prompt and the output is parsed for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_tokens
+        if self.max_completion_tokens is not None:
+            max_tokens = self.max_completion_tokens
+        return self._sampling_params(max_tokens, self.logprobs, self.top_logprobs or 0)
+
+
+class CompletionRequest(_SamplingBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _check_prompt(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if isinstance(self.prompt, list) and (
+            not self.prompt or any(isinstance(p, list) and not p for p in self.prompt)
+        ):
+            raise ValueError("prompt must not be empty")
+        return self
+
+    def to_sampling_params(self) -> SamplingParams:
+        logprobs = self.logprobs is not None
+        return self._sampling_params(self.max_tokens, logprobs, self.logprobs or 0)
+
+
+def per_choice_params(params: SamplingParams, choice: int) -> SamplingParams:
+    """The params of one fanned-out engine request: n=1, and seed+choice when seeded."""
+    seed = None if params.seed is None else params.seed + choice
+    return replace(params, n=1, seed=seed)

@@ -1,0 +1,130 @@
+"""OpenAI response shapes, built from plain values (no I/O): the only place JSON layouts live.
+
+Chat:        chat.completion / chat.completion.chunk, logprobs {content: [{token, logprob, bytes,
+             top_logprobs}]}, tool calls {id, type: "function", function: {name, arguments}}.
+Completions: text_completion (also for chunks), logprobs {tokens, token_logprobs, top_logprobs,
+             text_offset}.
+Usage:       {prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details{cached_tokens}}.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from engine.outputs import TokenLogprob
+from engine.tool_parsers import ToolCall
+
+TokenText = Callable[[int], str]  # token id -> its text
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int
+          ) -> dict[str, Any]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """A tool call as in a message; with `index` as in a streaming delta."""
+    body: dict[str, Any] = {"id": call.id, "type": "function",
+                            "function": {"name": call.name, "arguments": call.arguments}}
+    return body if index is None else {"index": index, **body}
+
+
+def chat_message(content: str | None, tool_calls: Sequence[ToolCall]) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = [tool_call_json(call) for call in tool_calls]
+    return message
+
+
+def chat_completion(id_: str, created: int, model: str, choices: list[dict[str, Any]],
+                    usage_: dict[str, Any]) -> dict[str, Any]:
+    return {"id": id_, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_}
+
+
+def chat_choice(index: int, message: dict[str, Any], logprobs: dict[str, Any] | None,
+                finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def chat_chunk(id_: str, created: int, model: str, choices: list[dict[str, Any]], *,
+               with_usage_field: bool, usage_: dict[str, Any] | None = None) -> dict[str, Any]:
+    chunk: dict[str, Any] = {"id": id_, "object": "chat.completion.chunk", "created": created,
+                             "model": model, "choices": choices}
+    if with_usage_field:  # OpenAI sends "usage": null on every chunk but the last when asked
+        chunk["usage"] = usage_
+    return chunk
+
+
+def chat_chunk_choice(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
+                      finish_reason: str | None = None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText) -> dict[str, Any]:
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [
+        {**one(e.token_id, e.logprob), "top_logprobs": [one(tid, lp) for tid, lp in e.top]}
+        for e in entries
+    ], "refusal": None}
+
+
+def completion(id_: str, created: int, model: str, choices: list[dict[str, Any]],
+               usage_: dict[str, Any] | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"id": id_, "object": "text_completion", "created": created,
+                            "model": model, "choices": choices}
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None,
+                      finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText,
+                        first_offset: int = 0) -> dict[str, Any]:
+    """`text_offset` counts characters from the start of the completion text."""
+    tokens, offsets = [], []
+    offset = first_offset
+    for entry in entries:
+        text = token_text(entry.token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{token_text(tid): lp for tid, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def model_list(model_ids: Sequence[str], root: str, created: int, max_model_len: int
+               ) -> dict[str, Any]:
+    return {"object": "list", "data": [
+        {"id": model_id, "object": "model", "created": created, "owned_by": "aigw",
+         "root": root, "max_model_len": max_model_len}
+        for model_id in model_ids
+    ]}

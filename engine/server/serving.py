@@ -1,0 +1,117 @@
+"""ServingContext: what the OpenAI handlers share (engine, settings, metrics), and their steps.
+
+A handler reads as: parse body -> check model -> sampling params -> prompt ids -> context check
+-> `fanout()` -> respond (JSON or SSE).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import orjson
+import pydantic
+from aiohttp import web
+
+from engine.outputs import PromptTooLongError
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.server.errors import ContextLengthExceeded, InvalidRequestError, NotFoundError
+from engine.server.fanout import FanOut, SubRequest
+from engine.server.metrics import ReplicaMetrics
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest, per_choice_params
+from engine.server.settings import ReplicaServerSettings
+from engine.server.typedefs import ServedEngine
+from engine.tool_parsers import ToolParser, get_tool_parser, tool_parser_for_model
+
+Body = TypeVar("Body", bound=pydantic.BaseModel)
+TRACE_HEADERS = ("traceparent", "tracestate", "baggage")
+
+
+@dataclass
+class ServingContext:
+    engine: ServedEngine
+    settings: ReplicaServerSettings
+    metrics: ReplicaMetrics
+    started_at_s: int = field(default_factory=lambda: int(time.time()))
+    _token_text_cache: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.engine.model_config.model_id, *self.settings.served_model_aliases)
+
+    def check_model(self, model: str) -> None:
+        if model not in self.model_names:
+            raise NotFoundError(f"The model `{model}` does not exist.", param="model",
+                                code="model_not_found")
+
+    def new_tool_parser(self) -> ToolParser:
+        if self.settings.tool_parser is not None:
+            return get_tool_parser(self.settings.tool_parser)
+        config = self.engine.model_config
+        return tool_parser_for_model(config.architecture, config.model_id)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (memoized; the vocabulary is fixed)."""
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = self.engine.tokenizer.decode([token_id])
+            self._token_text_cache[token_id] = text
+        return text
+
+    @asynccontextmanager
+    async def fanout(self, request: web.Request, request_id: str, prompts: list[list[int]],
+                     params: SamplingParams, *, cache_salt: str | None, param: str
+                     ) -> AsyncIterator[FanOut]:
+        """Started engine requests, `params.n` per prompt, ids `{request_id}-{choice}` when
+        there are several; closed (aborting any still running) on exit."""
+        num_choices = len(prompts) * params.n
+        subs = [
+            SubRequest(index=i, prompt_token_ids=prompts[i // params.n],
+                       request_id=request_id if num_choices == 1 else f"{request_id}-{i}",
+                       params=per_choice_params(params, i % params.n))
+            for i in range(num_choices)
+        ]
+        fanout = FanOut(self.engine, subs, metrics=self.metrics, cache_salt=cache_salt,
+                        trace_headers=trace_headers(request.headers))
+        try:
+            try:
+                await fanout.start()
+            except PromptTooLongError as exc:
+                raise ContextLengthExceeded(str(exc), param=param) from exc
+            yield fanout
+        finally:
+            await fanout.aclose()
+
+
+def trace_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    return {name: headers[name] for name in TRACE_HEADERS if name in headers}
+
+
+async def parse_body(request: web.Request, model: type[Body]) -> Body:
+    """The JSON body validated as `model`; InvalidRequestError names the first bad field."""
+    raw = await request.read()  # raises HTTPRequestEntityTooLarge over client_max_size
+    try:
+        payload = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(f"The request body is not valid JSON: {exc}") from exc
+    if not isinstance(payload, dict):
+        raise InvalidRequestError("The request body must be a JSON object.")
+    try:
+        return model.model_validate(payload)
+    except pydantic.ValidationError as exc:
+        error = exc.errors()[0]
+        loc = ".".join(str(part) for part in error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        raise InvalidRequestError(f"{loc}: {message}" if loc else message,
+                                  param=loc or None) from exc
+
+
+def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+    """The body's SamplingParams; out-of-range values become 400s."""
+    try:
+        return body.to_sampling_params()
+    except SamplingParamsError as exc:
+        raise InvalidRequestError(str(exc)) from exc

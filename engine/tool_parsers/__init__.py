@@ -1,0 +1,55 @@
+"""Tool-call parsers, one per model family's output format, behind `ToolParser` (base.py).
+
+    get_tool_parser("hermes")                 -> a parser by format name
+    tool_parser_for_model("qwen2_moe", id)    -> the format a model family speaks
+
+Every family we load today (Llama-architecture SmolLM2, Qwen, Mixtral/OLMoE fine-tunes with
+ChatML templates) is served with the Hermes format; a family with its own format registers here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine.tool_parsers.base import (
+    ParsedToolCalls,
+    StreamDelta,
+    ToolCall,
+    ToolCallStream,
+    ToolParser,
+    new_tool_call_id,
+)
+from engine.tool_parsers.hermes import HermesToolParser
+
+__all__ = [
+    "ParsedToolCalls", "StreamDelta", "ToolCall", "ToolCallStream", "ToolParser", "HermesToolParser",
+    "new_tool_call_id", "get_tool_parser", "tool_parser_for_model", "TOOL_PARSERS",
+]
+
+TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {"hermes": HermesToolParser}
+
+# Model family (ModelConfig.architecture) -> format name. Families not listed use DEFAULT_FORMAT.
+_FAMILY_FORMATS: dict[str, str] = {
+    "llama": "hermes",  # SmolLM2 and other ChatML Llama fine-tunes
+    "qwen2": "hermes",
+    "qwen2_moe": "hermes",
+    "qwen3": "hermes",
+    "qwen3_moe": "hermes",
+    "mixtral": "hermes",
+    "olmoe": "hermes",
+}
+DEFAULT_FORMAT = "hermes"
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    """A new parser for the format `name`; KeyError names the known formats."""
+    try:
+        return TOOL_PARSERS[name]()
+    except KeyError:
+        raise KeyError(f"unknown tool parser {name!r}; known: {sorted(TOOL_PARSERS)}") from None
+
+
+def tool_parser_for_model(architecture: str, model_id: str = "") -> ToolParser:
+    """The parser for a model family; `model_id` is reserved for families split by checkpoint."""
+    del model_id
+    return get_tool_parser(_FAMILY_FORMATS.get(architecture, DEFAULT_FORMAT))

@@ -1,0 +1,137 @@
+"""ToolParser: turns a model's raw completion text into OpenAI tool calls.
+
+A parser knows one model family's tagged format (`<tool_call>...</tool_call>` for Hermes-style
+models). It has two faces:
+
+- `extract(text)` for a finished completion: every well-formed call, and the text around them.
+- `stream()` for streaming: a `ToolCallStream` that is fed text deltas and hands back the content
+  that is safe to show and the calls completed so far. Text is held back from the moment a start
+  tag *may* be forming (a suffix that is a prefix of the tag) until it is known not to be one, so
+  a client never sees a half-printed `<tool_ca`.
+
+A tag whose body cannot be parsed (bad JSON, no name) is not a call: its raw text is content.
+"""
+
+from __future__ import annotations
+
+import secrets
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+
+def new_tool_call_id() -> str:
+    """An OpenAI-style call id: `call_` + 24 random alphanumerics."""
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    return "call_" + "".join(secrets.choice(alphabet) for _ in range(24))
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call; `arguments` is a JSON string, as OpenAI sends it."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=new_tool_call_id)
+
+
+@dataclass(frozen=True)
+class ParsedToolCalls:
+    """`content` is the text outside the calls (None when only whitespace was left)."""
+
+    content: str | None
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """What a streaming feed released: text safe to show now, and calls completed now."""
+
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+class ToolParser(ABC):
+    """A tagged tool-call format: subclasses give the tags and parse one call's body."""
+
+    start_tag: str
+    end_tag: str
+
+    @abstractmethod
+    def parse_call(self, body: str) -> ToolCall | None:
+        """The call inside one start/end tag pair, or None when the body is not a valid call."""
+
+    def extract(self, text: str) -> ParsedToolCalls:
+        """All calls in a finished completion; an unterminated last tag is parsed if it can be."""
+        stream = self.stream()
+        first = stream.feed(text)
+        last = stream.finish()
+        content = first.content + last.content
+        calls = first.tool_calls + last.tool_calls
+        if calls and not content.strip():
+            return ParsedToolCalls(content=None, tool_calls=calls)
+        return ParsedToolCalls(content=content, tool_calls=calls)
+
+    def stream(self) -> ToolCallStream:
+        return ToolCallStream(self)
+
+
+class ToolCallStream:
+    """Incremental parsing for one completion; `feed` deltas in order, then `finish` once."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self._parser = parser
+        self._pending = ""  # text not yet released: a possible start tag, or an open call
+        self._in_call = False
+        self.num_calls = 0
+
+    def feed(self, text: str) -> StreamDelta:
+        self._pending += text
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        start, end = self._parser.start_tag, self._parser.end_tag
+        while True:
+            if self._in_call:
+                end_at = self._pending.find(end)
+                if end_at < 0:
+                    break
+                body = self._pending[:end_at]
+                self._pending = self._pending[end_at + len(end):]
+                self._in_call = False
+                call = self._parser.parse_call(body)
+                if call is None:
+                    content.append(start + body + end)
+                else:
+                    calls.append(call)
+                continue
+            start_at = self._pending.find(start)
+            if start_at >= 0:
+                content.append(self._pending[:start_at])
+                self._pending = self._pending[start_at + len(start):]
+                self._in_call = True
+                continue
+            keep = _partial_suffix_len(self._pending, start)
+            content.append(self._pending[: len(self._pending) - keep])
+            self._pending = self._pending[len(self._pending) - keep:]
+            break
+        self.num_calls += len(calls)
+        return StreamDelta(content="".join(content), tool_calls=tuple(calls))
+
+    def finish(self) -> StreamDelta:
+        """Release what is left: an unterminated call is parsed if possible, else shown as text."""
+        pending, self._pending = self._pending, ""
+        if not self._in_call:
+            return StreamDelta(content=pending)
+        self._in_call = False
+        call = self._parser.parse_call(pending)
+        if call is None:
+            return StreamDelta(content=self._parser.start_tag + pending)
+        self.num_calls += 1
+        return StreamDelta(tool_calls=(call,))
+
+
+def _partial_suffix_len(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0
