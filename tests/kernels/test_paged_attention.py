@@ -40,7 +40,7 @@ def make_batch(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, dtype, block
 def naive_attention(q, cu, dense_k, dense_v, scale):
     """Plain causal softmax attention on unpaged K/V, float64, one head at a time."""
     out = torch.empty(q.shape, dtype=torch.float64)
-    for i, (k, v) in enumerate(zip(dense_k, dense_v)):
+    for i, (k, v) in enumerate(zip(dense_k, dense_v, strict=True)):
         start, end = int(cu[i]), int(cu[i + 1])
         ctx, n = k.shape[0], end - start
         group = q.shape[1] // k.shape[1]

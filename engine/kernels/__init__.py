@@ -1,0 +1,148 @@
+"""Kernel dispatch: Triton kernels on CUDA, the PyTorch references on CPU.
+
+Each kernel module holds one Triton kernel, its launcher and its torch reference; the references are
+what the CPU engine runs. Triton itself is imported only when a Triton kernel is first built, so the
+CPU path never imports it. `AIGW_KERNELS=triton|torch` overrides the choice (triton on CPU needs
+`TRITON_INTERPRET=1`, for tests). Tuned Triton launch configs are cached per GPU model in
+~/.cache/aigw/kernels/<gpu name>.json (see tuning.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.kernels import activation, fp8, rmsnorm, rotary
+from engine.kernels import fused_moe as _moe
+from engine.kernels import paged_attention as _attn
+from engine.kernels import store_kv as _store
+from engine.kernels.fused_moe import select_experts
+
+__all__ = [
+    "apply_rotary",
+    "fp8_linear",
+    "fused_moe",
+    "kernel_backend",
+    "paged_attention",
+    "rms_norm",
+    "select_experts",
+    "silu_and_mul",
+    "store_kv",
+]
+
+_BACKENDS = ("triton", "torch")
+
+
+def kernel_backend(device: torch.device | str | None = None) -> str:
+    """"triton" or "torch" for tensors on `device` (None: the default CUDA device if any)."""
+    forced = os.environ.get("AIGW_KERNELS")
+    if forced:
+        if forced not in _BACKENDS:
+            raise ValueError(f"AIGW_KERNELS must be one of {_BACKENDS}, got {forced!r}")
+        return forced
+    if device is None:
+        return "triton" if torch.cuda.is_available() else "torch"
+    return "triton" if torch.device(device).type == "cuda" else "torch"
+
+
+def _triton(t: torch.Tensor) -> bool:
+    return kernel_backend(t.device) == "triton"
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Mixed prefill+decode attention over the paged cache -> [T, H, D] (paged_attention.py)."""
+    if _triton(q):
+        return _attn.paged_attention_triton(
+            q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables, scale,
+            max_query_len=max_query_len, max_seq_len=max_seq_len,
+        )
+    return _attn.paged_attention_reference(
+        q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables, scale
+    )
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k, v [T, KVH, D] into the caches at slot_mapping [T] int64 (store_kv.py)."""
+    if _triton(k):
+        _store.store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        _store.store_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """SwiGLU experts, routed top-k: hidden [T, H] -> [T, H] (fused_moe.py)."""
+    if _triton(hidden):
+        return _moe.fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)
+    return _moe.fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [..., H] -> (normed, x + residual or None when no residual given) (rmsnorm.py)."""
+    if not _triton(x):
+        return rmsnorm.rms_norm_reference(x, weight, eps, residual)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])  # [T, H]
+    r2 = residual.reshape(-1, shape[-1]) if residual is not None else None
+    normed, new_res = rmsnorm.rms_norm_triton(x2, weight, eps, r2)
+    return normed.view(shape), (new_res.view(shape) if new_res is not None else None)
+
+
+def apply_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> None:
+    """Rotate q [T, H, D] and k [T, KVH, D] in place, rotate-half style (rotary.py)."""
+    if _triton(q):
+        rotary.apply_rotary_triton(q, k, positions, cos_cache, sin_cache)
+    else:
+        rotary.apply_rotary_reference(q, k, positions, cos_cache, sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] -> silu(x[..., :I]) * x[..., I:]  [..., I] (activation.py)."""
+    if not _triton(x):
+        return activation.silu_and_mul_reference(x)
+    out = activation.silu_and_mul_triton(x.reshape(-1, x.shape[-1]))  # [T, I]
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def fp8_linear(
+    x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] with FP8 weight wq [N, K] and per-channel scales [N] -> [..., N] (fp8.py).
+
+    On GPUs with FP8 tensor cores (compute capability >= 8.9) activations are quantized per token
+    and the w8a8 kernel runs; elsewhere the weight is dequantized (weight-only).
+    """
+    if _triton(x) and (not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 9)):
+        return fp8.fp8_linear_w8a8(x, wq, w_scale, bias)
+    return fp8.fp8_linear_weight_only(x, wq, w_scale, bias)
