@@ -1,0 +1,96 @@
+"""Projects, API keys, scopes and JWTs: who is calling, and what they may do.
+
+    services = await open_auth(settings)        # store + authenticator + revocation watcher
+    principal = await services.authenticator.authenticate(credential)
+    app.add_routes(services.admin_routes())      # /admin/v1/...
+    secret = await ensure_default_project(services)   # first embedded start only
+    await services.close()
+
+The gateway sees only the seam in auth/principal.py (Authenticator, Principal, Scope, AuthError).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from auth.bootstrap import ensure_default_project
+from auth.cache_salt import cache_salt_for
+from auth.principal import Authenticator, AuthError, Principal, Scope
+from auth.settings import AuthSettings
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from auth.key_admin import KeyAdmin
+    from auth.revocation import RevocationWatcher
+    from auth.store import KeyStore
+
+__all__ = ["AuthError", "AuthServices", "AuthSettings", "Authenticator", "Principal", "Scope",
+           "cache_salt_for", "ensure_default_project", "open_auth"]
+
+
+@dataclass
+class AuthServices:
+    settings: AuthSettings
+    store: KeyStore
+    authenticator: Authenticator
+    admin: KeyAdmin
+    redis: Any | None  # redis.asyncio.Redis when settings.redis_url is set; share it with metering
+    watcher: RevocationWatcher | None = None
+    usage_reader: Any | None = field(default=None)  # set by admin_routes' first usage request
+
+    def admin_routes(self, app_prefix: str = "/admin/v1",
+                     usage_reader: Any | None = None) -> list[web.RouteDef]:
+        """aiohttp routes of the admin API, authenticated by `self.authenticator`.
+
+        `usage_reader` (a gateway.metering UsageReader) defaults to one on the same store.
+        """
+        from auth.admin_routes import build_admin_routes
+
+        if usage_reader is not None:
+            self.usage_reader = usage_reader
+        return build_admin_routes(self, app_prefix)
+
+    async def close(self) -> None:
+        if self.watcher is not None:
+            await self.watcher.stop()
+        if self.usage_reader is not None and hasattr(self.usage_reader, "close"):
+            await self.usage_reader.close()
+        await self.store.close()
+        if self.redis is not None:
+            await self.redis.aclose()
+
+
+async def open_auth(settings: AuthSettings) -> AuthServices:
+    """Open the store (Redis when settings.redis_url, else SQLite under data_dir), resolve the
+    pepper, and start the revocation watcher. Call `close()` on shutdown."""
+    from auth.authenticator import AnonymousAuthenticator, KeyAuthenticator
+    from auth.jwt_verifier import JwtVerifier
+    from auth.key_admin import KeyAdmin
+    from auth.revocation import RevocationWatcher
+    from auth.store import open_key_store
+
+    redis = None
+    if settings.redis_url:
+        from auth.store_redis import connect_redis
+
+        redis = connect_redis(settings.redis_url)
+    store = await open_key_store(settings, redis=redis)
+    try:
+        pepper = (settings.key_pepper.encode() if settings.key_pepper
+                  else await store.load_or_create_pepper(secrets.token_bytes(32)))
+        admin = KeyAdmin(store, pepper)
+        if not settings.enabled:
+            return AuthServices(settings, store, AnonymousAuthenticator(), admin, redis)
+        authenticator = KeyAuthenticator(store, pepper, JwtVerifier(settings),
+                                         settings.key_cache_ttl_s)
+        watcher = RevocationWatcher(store, authenticator, settings.revocation_poll_interval_s)
+        await watcher.start()
+    except BaseException:
+        await store.close()
+        if redis is not None:
+            await redis.aclose()
+        raise
+    return AuthServices(settings, store, authenticator, admin, redis, watcher)

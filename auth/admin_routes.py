@@ -1,0 +1,162 @@
+"""The admin HTTP API (aiohttp): projects, keys and usage. Thin handlers over KeyAdmin.
+
+    GET    /admin/v1/projects                        admin   list projects
+    POST   /admin/v1/projects        {name}          admin   create a project
+    GET    /admin/v1/projects/{project}/keys         admin   list keys (no secrets, no hashes)
+    POST   /admin/v1/projects/{project}/keys         admin   create: {scopes, name?, models?,
+                                                             expires_in?} -> the key, once
+    GET    /admin/v1/keys/{key_id}                   admin   one key
+    DELETE /admin/v1/keys/{key_id}                   admin   revoke (also POST .../revoke)
+    POST   /admin/v1/keys/{key_id}/rotate            admin   {grace_seconds} -> the new key, once
+    GET    /admin/v1/projects/{project}/usage        usage:read of that project (or admin);
+                                                     ?group_by=model,day&since=&until=&format=json|csv
+
+The credential comes from `Authorization: Bearer ...` or `x-api-key`. Errors are JSON
+{"error": {"type", "code", "message"}} with 400/401/403/404/409.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from auth.key_admin import InvalidRequest
+from auth.principal import AuthError, Principal, Scope
+from auth.store import ProjectExists, UnknownKey, UnknownProject
+
+if TYPE_CHECKING:
+    from auth import AuthServices
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def credential_of(request: web.Request) -> str | None:
+    authorization = request.headers.get("Authorization", "")
+    if authorization[:7].lower() == "bearer ":
+        return authorization[7:].strip() or None
+    return request.headers.get("x-api-key") or None
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": {"type": "admin_error", "code": code, "message": message}},
+                             status=status)
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json() if request.can_read_body else {}
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest("body must be a JSON object")
+    return body
+
+
+def build_admin_routes(services: AuthServices, prefix: str) -> list[web.RouteDef]:
+    admin = services.admin
+    reader_lock = asyncio.Lock()
+
+    def guarded(scope: Scope, handler: Callable[[web.Request, Principal],
+                                               Awaitable[web.StreamResponse]]) -> Handler:
+        async def wrapper(request: web.Request) -> web.StreamResponse:
+            try:
+                principal = await services.authenticator.authenticate(credential_of(request))
+                principal.require(scope)
+                return await handler(request, principal)
+            except AuthError as exc:
+                return _error(exc.status, exc.code, exc.message)
+            except InvalidRequest as exc:
+                return _error(400, "invalid_request", str(exc))
+            except ProjectExists as exc:
+                return _error(409, "project_exists", f"project {exc} already exists")
+            except UnknownProject as exc:
+                return _error(404, "unknown_project", f"no project {exc}")
+            except UnknownKey as exc:
+                return _error(404, "unknown_key", f"no key {exc}")
+        return wrapper
+
+    async def list_projects(request: web.Request, _: Principal) -> web.Response:
+        projects = await services.store.list_projects()
+        return web.json_response({"data": [{"name": p.name, "created_at": p.created_at}
+                                           for p in projects]})
+
+    async def create_project(request: web.Request, _: Principal) -> web.Response:
+        name = (await _body(request)).get("name")
+        if not isinstance(name, str):
+            raise InvalidRequest("'name' is required")
+        project = await admin.create_project(name)
+        return web.json_response({"name": project.name, "created_at": project.created_at},
+                                 status=201)
+
+    async def list_keys(request: web.Request, _: Principal) -> web.Response:
+        project = request.match_info["project"]
+        if await services.store.get_project(project) is None:
+            raise UnknownProject(project)
+        keys = await services.store.list_keys(project)
+        return web.json_response({"data": [k.public_view() for k in keys]})
+
+    async def create_key(request: web.Request, _: Principal) -> web.Response:
+        body = await _body(request)
+        scopes, models, expires_in = body.get("scopes"), body.get("models"), body.get("expires_in")
+        if not isinstance(scopes, list) or not all(isinstance(s, str) for s in scopes):
+            raise InvalidRequest("'scopes' must be a list of scope names")
+        if models is not None and not (isinstance(models, list)
+                                       and all(isinstance(m, str) for m in models)):
+            raise InvalidRequest("'models' must be a list of model names")
+        if expires_in is not None and not isinstance(expires_in, int | float):
+            raise InvalidRequest("'expires_in' must be a number of seconds")
+        record, secret = await admin.create_key(
+            request.match_info["project"], scopes, name=str(body.get("name", "")),
+            allowed_models=models, expires_in_s=expires_in)
+        return web.json_response({**record.public_view(), "key": secret}, status=201)
+
+    async def get_key(request: web.Request, _: Principal) -> web.Response:
+        return web.json_response((await admin.get_key(request.match_info["key_id"])).public_view())
+
+    async def revoke_key(request: web.Request, _: Principal) -> web.Response:
+        record = await admin.revoke_key(request.match_info["key_id"])
+        return web.json_response(record.public_view())
+
+    async def rotate_key(request: web.Request, _: Principal) -> web.Response:
+        grace = (await _body(request)).get("grace_seconds", 0)
+        if not isinstance(grace, int | float):
+            raise InvalidRequest("'grace_seconds' must be a number")
+        record, secret = await admin.rotate_key(request.match_info["key_id"], float(grace))
+        return web.json_response({**record.public_view(), "key": secret})
+
+    async def project_usage(request: web.Request, principal: Principal) -> web.Response:
+        from gateway.metering import open_usage_reader, render_csv, render_json
+
+        project = request.match_info["project"]
+        principal.require_project(project)
+        query = request.query
+        group_by = [g for g in query.get("group_by", "model,day").split(",") if g]
+        async with reader_lock:
+            if services.usage_reader is None:
+                services.usage_reader = await open_usage_reader(services.redis,
+                                                                services.settings.data_dir)
+        try:
+            rows = await services.usage_reader.usage_by_project(
+                project, group_by, since=query.get("since"), until=query.get("until"))
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        if query.get("format", "json") == "csv":
+            return web.Response(text=render_csv(rows), content_type="text/csv")
+        return web.json_response(text=render_json(project, rows))
+
+    admin_scope = Scope.ADMIN
+    return [
+        web.get(f"{prefix}/projects", guarded(admin_scope, list_projects)),
+        web.post(f"{prefix}/projects", guarded(admin_scope, create_project)),
+        web.get(f"{prefix}/projects/{{project}}/keys", guarded(admin_scope, list_keys)),
+        web.post(f"{prefix}/projects/{{project}}/keys", guarded(admin_scope, create_key)),
+        web.get(f"{prefix}/projects/{{project}}/usage", guarded(Scope.USAGE_READ, project_usage)),
+        web.get(f"{prefix}/keys/{{key_id}}", guarded(admin_scope, get_key)),
+        web.delete(f"{prefix}/keys/{{key_id}}", guarded(admin_scope, revoke_key)),
+        web.post(f"{prefix}/keys/{{key_id}}/revoke", guarded(admin_scope, revoke_key)),
+        web.post(f"{prefix}/keys/{{key_id}}/rotate", guarded(admin_scope, rotate_key)),
+    ]

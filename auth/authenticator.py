@@ -1,0 +1,91 @@
+"""The `Authenticator` the gateway calls on every request: API keys and bearer JWTs.
+
+API keys are looked up by key id and their records cached in process for `key_cache_ttl_s`, so the
+hot path is one HMAC and one constant-time compare. The cache is emptied by the revocation watcher
+(auth/revocation.py) within a second of any revoke/rotate on any instance. A presented secret is
+checked before the key's state, so a stranger learns nothing about whether a key id is revoked.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from auth.jwt_verifier import JwtVerifier
+from auth.keys import KeyRecord, ParsedKey, hash_secret, parse_key
+from auth.principal import AuthError, Principal, Scope
+from auth.store import KeyStore
+
+_MAX_CACHED_KEYS = 100_000
+
+
+@dataclass(frozen=True)
+class _CachedKey:
+    record: KeyRecord
+    principal: Principal
+    fetched_at: float  # monotonic seconds
+
+
+class KeyAuthenticator:
+    def __init__(self, store: KeyStore, pepper: bytes, jwt_verifier: JwtVerifier | None,
+                 cache_ttl_s: float) -> None:
+        self._store = store
+        self._pepper = pepper
+        self._jwt = jwt_verifier if jwt_verifier is not None and jwt_verifier.configured else None
+        self._cache_ttl_s = cache_ttl_s
+        self._cache: dict[str, _CachedKey] = {}
+
+    async def authenticate(self, credential: str | None) -> Principal:
+        """The caller, or AuthError(401) for a missing/invalid/revoked/expired credential."""
+        if not credential:
+            raise AuthError(401, "missing_credential", "no API key or bearer token was given")
+        parsed = parse_key(credential)
+        if parsed is not None:
+            return await self._authenticate_key(parsed)
+        if self._jwt is not None and credential.count(".") == 2:
+            return await self._jwt.verify(credential)
+        raise AuthError(401, "invalid_api_key", "the API key is not valid")
+
+    def invalidate(self, key_id: str | None = None) -> None:
+        """Forget one cached key (or all of them): the next use reads the store."""
+        if key_id is None:
+            self._cache.clear()
+        else:
+            self._cache.pop(key_id, None)
+
+    async def _authenticate_key(self, parsed: ParsedKey) -> Principal:
+        cached = self._cache.get(parsed.key_id)
+        if cached is None or time.monotonic() - cached.fetched_at > self._cache_ttl_s:
+            cached = await self._fetch(parsed.key_id)
+        now = time.time()
+        if not cached.record.matches(hash_secret(self._pepper, parsed.key_id, parsed.secret), now):
+            raise AuthError(401, "invalid_api_key", "the API key is not valid")
+        if cached.record.revoked_at is not None:
+            raise AuthError(401, "revoked_api_key", "the API key has been revoked")
+        if cached.record.is_expired(now):
+            raise AuthError(401, "expired_api_key", "the API key has expired")
+        return cached.principal
+
+    async def _fetch(self, key_id: str) -> _CachedKey:
+        record = await self._store.get_key(key_id)
+        if record is None:
+            raise AuthError(401, "invalid_api_key", "the API key is not valid")
+        principal = Principal(
+            project=record.project, key_id=record.key_id, scopes=frozenset(record.scopes),
+            allowed_models=None if record.allowed_models is None else frozenset(record.allowed_models),
+            via="api_key")
+        if len(self._cache) >= _MAX_CACHED_KEYS:
+            self._cache.clear()
+        entry = _CachedKey(record, principal, time.monotonic())
+        self._cache[key_id] = entry
+        return entry
+
+
+class AnonymousAuthenticator:
+    """Auth turned off: every caller is the `default` project with every scope."""
+
+    PRINCIPAL = Principal(project="default", key_id="anonymous",
+                          scopes=frozenset(s.value for s in Scope), via="anonymous")
+
+    async def authenticate(self, credential: str | None) -> Principal:
+        return self.PRINCIPAL

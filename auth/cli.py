@@ -1,0 +1,137 @@
+"""`aigw projects|keys|usage`: manage a gateway's data from the shell.
+
+The store is chosen like the gateway's: AIGW_REDIS_URL set -> Redis, else SQLite under
+AIGW_DATA_DIR (default ./.aigw). `aigw keys create` and `aigw keys rotate` print the key alone on
+stdout (for `KEY=$(aigw keys create ...)`), everything else about it on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from auth.store import StoreError
+
+Action = Callable[[Any, argparse.Namespace], Awaitable[int]]
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    projects = subparsers.add_parser("projects", help="create and list projects")
+    project_cmds = projects.add_subparsers(dest="projects_command", required=True)
+    create_project = project_cmds.add_parser("create", help="create a project")
+    create_project.add_argument("name")
+    create_project.set_defaults(func=_runner(_create_project))
+    project_cmds.add_parser("list", help="list projects").set_defaults(func=_runner(_list_projects))
+
+    keys = subparsers.add_parser("keys", help="create, list, revoke and rotate API keys")
+    key_cmds = keys.add_subparsers(dest="keys_command", required=True)
+    create_key = key_cmds.add_parser("create", help="create a key; prints it alone on stdout")
+    create_key.add_argument("--project", required=True)
+    create_key.add_argument("--scope", action="append", required=True, dest="scopes",
+                            help="ai_gateway:invoke, ai_gateway:usage:read or ai_gateway:admin")
+    create_key.add_argument("--name", default="")
+    create_key.add_argument("--model", action="append", dest="models",
+                            help="allow only these models (repeat); default: every model")
+    create_key.add_argument("--expires-in", type=float, dest="expires_in_s", metavar="SECONDS")
+    create_key.set_defaults(func=_runner(_create_key))
+    list_keys = key_cmds.add_parser("list", help="list a project's keys (JSON lines)")
+    list_keys.add_argument("--project", required=True)
+    list_keys.set_defaults(func=_runner(_list_keys))
+    revoke = key_cmds.add_parser("revoke", help="revoke a key (every instance within 1 s)")
+    revoke.add_argument("key_id")
+    revoke.set_defaults(func=_runner(_revoke_key))
+    rotate = key_cmds.add_parser("rotate", help="new secret, same key id; prints it on stdout")
+    rotate.add_argument("key_id")
+    rotate.add_argument("--grace-seconds", type=float, default=0.0, dest="grace_s")
+    rotate.set_defaults(func=_runner(_rotate_key))
+
+    usage = subparsers.add_parser("usage", help="a project's usage by model and day")
+    usage.add_argument("--project", required=True)
+    usage.add_argument("--format", choices=("json", "csv"), default="json")
+    usage.add_argument("--group-by", default="model,day", help="model, day or model,day")
+    usage.add_argument("--since", help="first UTC day, YYYY-MM-DD")
+    usage.add_argument("--until", help="last UTC day, YYYY-MM-DD")
+    usage.set_defaults(func=_runner(_usage))
+
+
+def _runner(action: Action) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        return asyncio.run(_with_services(action, args))
+    return run
+
+
+async def _with_services(action: Action, args: argparse.Namespace) -> int:
+    from auth import open_auth
+    from auth.settings import AuthSettings
+
+    # enabled=False: the CLI manages the store but authenticates nobody, so no watcher runs.
+    services = await open_auth(AuthSettings.from_env().model_copy(update={"enabled": False}))
+    try:
+        return await action(services, args)
+    except (StoreError, ValueError) as exc:
+        print(f"aigw: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        await services.close()
+
+
+async def _create_project(services: Any, args: argparse.Namespace) -> int:
+    project = await services.admin.create_project(args.name)
+    print(project.name)
+    return 0
+
+
+async def _list_projects(services: Any, args: argparse.Namespace) -> int:
+    for project in await services.store.list_projects():
+        print(project.name)
+    return 0
+
+
+async def _create_key(services: Any, args: argparse.Namespace) -> int:
+    record, secret = await services.admin.create_key(
+        args.project, args.scopes, name=args.name, allowed_models=args.models,
+        expires_in_s=args.expires_in_s)
+    print(json.dumps(record.public_view()), file=sys.stderr)
+    print("this key is shown once: store it now", file=sys.stderr)
+    print(secret)
+    return 0
+
+
+async def _list_keys(services: Any, args: argparse.Namespace) -> int:
+    if await services.store.get_project(args.project) is None:
+        print(f"aigw: no project {args.project}", file=sys.stderr)
+        return 1
+    for record in await services.store.list_keys(args.project):
+        print(json.dumps(record.public_view()))
+    return 0
+
+
+async def _revoke_key(services: Any, args: argparse.Namespace) -> int:
+    record = await services.admin.revoke_key(args.key_id)
+    print(json.dumps(record.public_view()), file=sys.stderr)
+    return 0
+
+
+async def _rotate_key(services: Any, args: argparse.Namespace) -> int:
+    record, secret = await services.admin.rotate_key(args.key_id, args.grace_s)
+    print(json.dumps(record.public_view()), file=sys.stderr)
+    print(secret)
+    return 0
+
+
+async def _usage(services: Any, args: argparse.Namespace) -> int:
+    from gateway.metering import open_usage_reader, render_csv, render_json
+
+    reader = await open_usage_reader(services.redis, services.settings.data_dir)
+    try:
+        rows = await reader.usage_by_project(args.project, args.group_by.split(","),
+                                             since=args.since, until=args.until)
+    finally:
+        await reader.close()
+    print(render_csv(rows) if args.format == "csv" else render_json(args.project, rows),
+          end="" if args.format == "csv" else "\n")
+    return 0

@@ -1,0 +1,82 @@
+"""Managing projects and keys: create (the secret is returned once), list, revoke, rotate.
+
+Used by the admin HTTP API, the CLI and the first-start bootstrap. Secrets leave this module only as
+the return value of create_key/rotate_key; only their HMAC is handed to the store.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import replace
+
+from auth.keys import KeyRecord, ProjectRecord, format_key, hash_secret, new_key_id, new_secret
+from auth.principal import Scope
+from auth.store import KeyStore, UnknownKey, UnknownProject
+
+_PROJECT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_VALID_SCOPES = frozenset(s.value for s in Scope)
+
+
+class InvalidRequest(ValueError):
+    """A name, scope or duration that the admin API answers with 400."""
+
+
+class KeyAdmin:
+    def __init__(self, store: KeyStore, pepper: bytes) -> None:
+        self.store = store
+        self._pepper = pepper
+
+    async def create_project(self, name: str) -> ProjectRecord:
+        if not _PROJECT_NAME.match(name):
+            raise InvalidRequest(f"invalid project name {name!r}: letters, digits, '_.-', 1-64 chars")
+        project = ProjectRecord(name=name, created_at=time.time())
+        await self.store.create_project(project)
+        return project
+
+    async def create_key(self, project: str, scopes: list[str], name: str = "",
+                         allowed_models: list[str] | None = None,
+                         expires_in_s: float | None = None) -> tuple[KeyRecord, str]:
+        """A new key of `project`: (its record, the full key string, shown once)."""
+        unknown = set(scopes) - _VALID_SCOPES
+        if not scopes or unknown:
+            raise InvalidRequest(f"scopes must be a non-empty subset of {sorted(_VALID_SCOPES)}")
+        if expires_in_s is not None and expires_in_s <= 0:
+            raise InvalidRequest("expires_in must be positive")
+        if await self.store.get_project(project) is None:
+            raise UnknownProject(project)
+        now = time.time()
+        key_id, secret = new_key_id(), new_secret()
+        record = KeyRecord(
+            key_id=key_id, project=project, name=name, scopes=tuple(dict.fromkeys(scopes)),
+            secret_hash=hash_secret(self._pepper, key_id, secret), created_at=now,
+            allowed_models=None if not allowed_models else tuple(allowed_models),
+            expires_at=None if expires_in_s is None else now + expires_in_s)
+        await self.store.add_key(record)
+        return record, format_key(key_id, secret)
+
+    async def get_key(self, key_id: str) -> KeyRecord:
+        record = await self.store.get_key(key_id)
+        if record is None:
+            raise UnknownKey(key_id)
+        return record
+
+    async def revoke_key(self, key_id: str) -> KeyRecord:
+        record = await self.get_key(key_id)
+        if record.revoked_at is not None:
+            return record
+        revoked = replace(record, revoked_at=time.time())
+        await self.store.replace_key(revoked)
+        return revoked
+
+    async def rotate_key(self, key_id: str, grace_s: float) -> tuple[KeyRecord, str]:
+        """A new secret for the same key id; the old one keeps working for grace_s seconds."""
+        if grace_s < 0:
+            raise InvalidRequest("grace period must be >= 0")
+        record = await self.get_key(key_id)
+        if record.revoked_at is not None:
+            raise InvalidRequest(f"key {key_id} is revoked")
+        secret = new_secret()
+        rotated = record.rotated(hash_secret(self._pepper, key_id, secret), time.time(), grace_s)
+        await self.store.replace_key(rotated)
+        return rotated, format_key(key_id, secret)

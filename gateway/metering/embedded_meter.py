@@ -1,0 +1,112 @@
+"""The embedded meter: usage in SQLite (<data_dir>/aigw.sqlite3), limits in this process.
+
+    usage(request_id PRIMARY KEY, project, key_id, model, endpoint, prompt_tokens, cached_tokens,
+          completion_tokens, cost_nanos, latency_ms, status, created_at, day, stream, finish_reason)
+
+`INSERT OR IGNORE` on the request id makes settle idempotent; only a row that was really inserted
+moves the limit counters. Budgets survive restarts: a scope's spend of the day is read back from
+the table the first time it is needed. Limits are per process (one embedded gateway).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import asdict
+from pathlib import Path
+
+from auth.sqlite_runner import SqliteRunner
+from gateway.metering.contract import UsageRecord
+from gateway.metering.limits import Clock, LocalLimiter, MeterAdmission, ScopeLimits, rate_headers
+from gateway.metering.meter import BaseMeter, usage_day
+from gateway.metering.settings import MeteringSettings
+from gateway.metering.usage_report import UsageRow
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS usage (
+    request_id TEXT PRIMARY KEY, project TEXT NOT NULL, key_id TEXT NOT NULL, model TEXT NOT NULL,
+    endpoint TEXT NOT NULL, prompt_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL, cost_nanos INTEGER NOT NULL, latency_ms REAL NOT NULL,
+    status INTEGER NOT NULL, created_at REAL NOT NULL, day TEXT NOT NULL, stream INTEGER NOT NULL,
+    finish_reason TEXT);
+CREATE INDEX IF NOT EXISTS usage_by_project_day ON usage (project, day);
+"""
+_RECORD_COLUMNS = ("request_id", "project", "key_id", "model", "endpoint", "prompt_tokens",
+                   "cached_tokens", "completion_tokens", "latency_ms", "status", "created_at",
+                   "stream", "finish_reason")
+
+
+class EmbeddedMeter(BaseMeter):
+    def __init__(self, settings: MeteringSettings, runner: SqliteRunner) -> None:
+        super().__init__(settings)
+        self._db = runner
+        self._limiter = LocalLimiter()
+
+    @classmethod
+    async def open(cls, settings: MeteringSettings, path: Path) -> EmbeddedMeter:
+        runner = SqliteRunner(path)
+        await runner.run(lambda conn: conn.executescript(_SCHEMA))
+        return cls(settings, runner)
+
+    async def _reserve(self, admission: MeterAdmission, scopes: list[ScopeLimits],
+                       clock: Clock) -> None:
+        for scope in scopes:
+            if scope.limits.daily_budget_usd is not None and not self._limiter.has_spent(
+                    scope.name, clock.day):
+                self._limiter.seed_spent(scope.name, clock.day,
+                                         await self._spent_today(admission, scope.name, clock.day))
+        after, refusal = self._limiter.admit(scopes, clock, admission.reserved_tokens,
+                                             admission.reserved_nanos)
+        if refusal is not None:
+            raise refusal
+        admission.minute_window, admission.day = clock.minute_window, clock.day
+        admission.headers = rate_headers(after, clock)
+
+    async def _spent_today(self, admission: MeterAdmission, scope: str, day: str) -> int:
+        project = admission.principal.project
+        if scope == "proj":
+            sql, args = "SELECT SUM(cost_nanos) FROM usage WHERE project = ? AND day = ?", \
+                (project, day)
+        else:
+            sql, args = ("SELECT SUM(cost_nanos) FROM usage WHERE project = ? AND day = ? "
+                         "AND key_id = ?", (project, day, admission.principal.key_id))
+        row = await self._db.run(lambda conn: conn.execute(sql, args).fetchone())
+        return int(row[0] or 0)
+
+    async def _record(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
+                      delta_tokens: int, delta_nanos: int) -> None:
+        values = asdict(record)
+        row = tuple(values[c] for c in _RECORD_COLUMNS) + (cost_nanos, usage_day(record.created_at))
+
+        def insert(conn: sqlite3.Connection) -> bool:
+            cursor = conn.execute(
+                f"INSERT OR IGNORE INTO usage ({', '.join(_RECORD_COLUMNS)}, cost_nanos, day) "
+                f"VALUES ({', '.join('?' * (len(_RECORD_COLUMNS) + 2))})", row)
+            return cursor.rowcount == 1
+
+        if await self._db.run(insert) and admission.scopes:
+            self._limiter.settle(admission, delta_tokens, delta_nanos)
+
+    async def _daily_rows(self, project: str, since: str | None,
+                          until: str | None) -> list[UsageRow]:
+        sql = ("SELECT day, model, COUNT(*), SUM(prompt_tokens), SUM(cached_tokens), "
+               "SUM(completion_tokens), SUM(cost_nanos) FROM usage WHERE project = ? "
+               "AND day >= ? AND day <= ? GROUP BY day, model")
+        args = (project, since or "", until or "9999-99-99")
+        rows = await self._db.run(lambda conn: conn.execute(sql, args).fetchall())
+        return [UsageRow(*row) for row in rows]
+
+    async def usage_records(self, project: str, since: str | None = None,
+                            until: str | None = None) -> list[UsageRecord]:
+        sql = (f"SELECT {', '.join(_RECORD_COLUMNS)}, cost_nanos FROM usage WHERE project = ? "
+               "AND day >= ? AND day <= ? ORDER BY created_at, request_id")
+        args = (project, since or "", until or "9999-99-99")
+        rows = await self._db.run(lambda conn: conn.execute(sql, args).fetchall())
+        records = []
+        for row in rows:
+            fields = dict(zip(_RECORD_COLUMNS, row[:-1], strict=True))
+            fields["stream"] = bool(fields["stream"])
+            records.append(UsageRecord(**fields, cost_usd=row[-1] / 1e9))
+        return records
+
+    async def close(self) -> None:
+        await self._db.close()

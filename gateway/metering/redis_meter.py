@@ -1,0 +1,183 @@
+"""The shared meter: usage and limit counters in Redis, so every gateway instance counts together.
+
+Key layout (all keys of one project share the hash tag `{p:<project>}`, so each Lua script below
+touches a single Redis Cluster slot):
+
+    aigw:{p:<P>}:lim:<scope>:req:<minute>    int  requests admitted in that minute window
+    aigw:{p:<P>}:lim:<scope>:tok:<minute>    int  tokens reserved/settled in that minute window
+    aigw:{p:<P>}:lim:<scope>:spent:<day>     int  nano-USD reserved/settled that UTC day
+    aigw:{p:<P>}:usage:req:<request_id>      str  UsageRecord JSON; SET NX = idempotency (TTL)
+    aigw:{p:<P>}:usage:day:<day>             hash "<model>|<metric>" -> int (requests, tokens,
+                                                  cost_nanos) summed at settle
+    aigw:{p:<P>}:usage:ids:<day>             list request ids of that day, in settle order (TTL)
+    aigw:{p:<P>}:usage:days                  set  days that have usage
+    <scope> = "proj" or "key:<key_id>"; <minute> = unix_s // 60; <day> = YYYY-MM-DD (UTC)
+
+ADMIT checks every scope and reserves in all or none, in one script (atomic: no two gateways can
+both take the last tokens). SETTLE writes the record with SET NX and, only when that created it,
+moves the counters by (actual - reserved) and adds to the day's sums, also in one script.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Any
+
+from gateway.metering.contract import UsageRecord
+from gateway.metering.limits import (
+    WINDOW_S,
+    Clock,
+    Counts,
+    MeterAdmission,
+    ScopeLimits,
+    rate_headers,
+    rate_limited,
+)
+from gateway.metering.meter import BaseMeter, usage_day
+from gateway.metering.settings import MeteringSettings
+from gateway.metering.usage_report import UsageRow, in_range
+
+_METRICS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_nanos")
+
+# KEYS: per scope (requests, tokens, spent). ARGV: reserve tokens, reserve nanos, window ttl,
+# day ttl, then per scope (rpm, tpm, budget nanos; '' = no limit). Mirrors limits.denied_limit.
+_ADMIT_LUA = """
+local rt, rc = tonumber(ARGV[1]), tonumber(ARGV[2])
+local counts, denied, what = {}, 0, ''
+for s = 0, #KEYS / 3 - 1 do
+  local req = tonumber(redis.call('GET', KEYS[3*s+1]) or '0')
+  local tok = tonumber(redis.call('GET', KEYS[3*s+2]) or '0')
+  local spent = tonumber(redis.call('GET', KEYS[3*s+3]) or '0')
+  local rpm, tpm, bud = ARGV[5+3*s], ARGV[6+3*s], ARGV[7+3*s]
+  if denied == 0 then
+    if rpm ~= '' and req >= tonumber(rpm) then denied, what = s + 1, 'requests'
+    elseif tpm ~= '' and (tok >= tonumber(tpm) or (tok > 0 and tok + rt > tonumber(tpm))) then
+      denied, what = s + 1, 'tokens'
+    elseif bud ~= '' and (spent >= tonumber(bud) or (spent > 0 and spent + rc > tonumber(bud))) then
+      denied, what = s + 1, 'budget'
+    end
+  end
+  counts[#counts + 1] = req; counts[#counts + 1] = tok; counts[#counts + 1] = spent
+end
+if denied == 0 then
+  for s = 0, #KEYS / 3 - 1 do
+    redis.call('INCR', KEYS[3*s+1]); redis.call('EXPIRE', KEYS[3*s+1], ARGV[3])
+    redis.call('INCRBY', KEYS[3*s+2], rt); redis.call('EXPIRE', KEYS[3*s+2], ARGV[3])
+    redis.call('INCRBY', KEYS[3*s+3], rc); redis.call('EXPIRE', KEYS[3*s+3], ARGV[4])
+  end
+end
+return {denied, what, unpack(counts)}
+"""
+
+# KEYS: record, day hash, day ids, days set, then per scope (tokens, spent).
+# ARGV: record JSON, record ttl, delta tokens, delta nanos, model, prompt, cached, completion,
+# cost nanos, request id, day.
+_SETTLE_LUA = """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return 0 end
+for i = 5, #KEYS, 2 do
+  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('INCRBY', KEYS[i], ARGV[3]) end
+  if redis.call('EXISTS', KEYS[i+1]) == 1 then redis.call('INCRBY', KEYS[i+1], ARGV[4]) end
+end
+local m = ARGV[5]
+redis.call('HINCRBY', KEYS[2], m .. '|requests', 1)
+redis.call('HINCRBY', KEYS[2], m .. '|prompt_tokens', ARGV[6])
+redis.call('HINCRBY', KEYS[2], m .. '|cached_tokens', ARGV[7])
+redis.call('HINCRBY', KEYS[2], m .. '|completion_tokens', ARGV[8])
+redis.call('HINCRBY', KEYS[2], m .. '|cost_nanos', ARGV[9])
+redis.call('RPUSH', KEYS[3], ARGV[10]); redis.call('EXPIRE', KEYS[3], ARGV[2])
+redis.call('SADD', KEYS[4], ARGV[11])
+return 1
+"""
+
+
+def _project_prefix(project: str) -> str:
+    return f"aigw:{{p:{project}}}"
+
+
+class RedisMeter(BaseMeter):
+    def __init__(self, settings: MeteringSettings, client: Any, owns_client: bool = False) -> None:
+        super().__init__(settings)
+        self.client = client
+        self._owns_client = owns_client
+        self._admit_script = client.register_script(_ADMIT_LUA)
+        self._settle_script = client.register_script(_SETTLE_LUA)
+
+    async def _reserve(self, admission: MeterAdmission, scopes: list[ScopeLimits],
+                       clock: Clock) -> None:
+        prefix = _project_prefix(admission.principal.project)
+        keys: list[str] = []
+        args: list[Any] = [admission.reserved_tokens, admission.reserved_nanos, 2 * WINDOW_S,
+                           2 * 86_400]
+        for scope in scopes:
+            base = f"{prefix}:lim:{scope.name}"
+            keys += [f"{base}:req:{clock.minute_window}", f"{base}:tok:{clock.minute_window}",
+                     f"{base}:spent:{clock.day}"]
+            budget = scope.budget_nanos
+            args += [_arg(scope.limits.requests_per_minute), _arg(scope.limits.tokens_per_minute),
+                     _arg(budget)]
+        denied, what, *raw = await self._admit_script(keys=keys, args=args)
+        before = [Counts(int(raw[3 * i]), int(raw[3 * i + 1]), int(raw[3 * i + 2]))
+                  for i in range(len(scopes))]
+        if int(denied):
+            pairs = list(zip(scopes, before, strict=True))
+            raise rate_limited(scopes[int(denied) - 1], str(what), pairs, clock)
+        after = [(s, Counts(c.num_requests + 1, c.num_tokens + admission.reserved_tokens,
+                            c.spent_nanos + admission.reserved_nanos))
+                 for s, c in zip(scopes, before, strict=True)]
+        admission.minute_window, admission.day = clock.minute_window, clock.day
+        admission.headers = rate_headers(after, clock)
+
+    async def _record(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
+                      delta_tokens: int, delta_nanos: int) -> None:
+        prefix = _project_prefix(record.project)
+        day = usage_day(record.created_at)
+        keys = [f"{prefix}:usage:req:{record.request_id}", f"{prefix}:usage:day:{day}",
+                f"{prefix}:usage:ids:{day}", f"{prefix}:usage:days"]
+        if admission.principal.project == record.project:
+            for name in admission.scopes:
+                base = f"{prefix}:lim:{name}"
+                keys += [f"{base}:tok:{admission.minute_window}", f"{base}:spent:{admission.day}"]
+        args = [json.dumps(asdict(record)), self.settings.record_ttl_days * 86_400, delta_tokens,
+                delta_nanos, record.model, record.prompt_tokens, record.cached_tokens,
+                record.completion_tokens, cost_nanos, record.request_id, day]
+        await self._settle_script(keys=keys, args=args)
+
+    async def _daily_rows(self, project: str, since: str | None,
+                          until: str | None) -> list[UsageRow]:
+        prefix = _project_prefix(project)
+        days = sorted(d for d in await self.client.smembers(f"{prefix}:usage:days")
+                      if in_range(d, since, until))
+        pipe = self.client.pipeline(transaction=False)
+        for day in days:
+            pipe.hgetall(f"{prefix}:usage:day:{day}")
+        rows = []
+        for day, sums in zip(days, await pipe.execute(), strict=True):
+            per_model: dict[str, dict[str, int]] = {}
+            for field, value in sums.items():
+                model, _, metric = field.rpartition("|")
+                per_model.setdefault(model, {})[metric] = int(value)
+            rows += [UsageRow(day, model, *(m.get(k, 0) for k in _METRICS))
+                     for model, m in sorted(per_model.items())]
+        return rows
+
+    async def usage_records(self, project: str, since: str | None = None,
+                            until: str | None = None) -> list[UsageRecord]:
+        prefix = _project_prefix(project)
+        days = sorted(d for d in await self.client.smembers(f"{prefix}:usage:days")
+                      if in_range(d, since, until))
+        records = []
+        for day in days:
+            ids = await self.client.lrange(f"{prefix}:usage:ids:{day}", 0, -1)
+            if ids:
+                raws = await self.client.mget([f"{prefix}:usage:req:{i}" for i in ids])
+                records += [UsageRecord(**json.loads(raw)) for raw in raws if raw is not None]
+        return sorted(records, key=lambda r: (r.created_at, r.request_id))
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self.client.aclose()
+
+
+def _arg(limit: int | None) -> Any:
+    return "" if limit is None else limit
