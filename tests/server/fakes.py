@@ -115,6 +115,7 @@ class FakeEngine:
     reply: str | Callable[[str], str] = "Hello! I am a fake engine."
     token_delay_s: float = 0.0  # sleep before each token (lets tests disconnect mid-stream)
     fail_after_num_tokens: int | None = None  # raise RuntimeError after this many tokens
+    kv_capacity_tokens: int | None = None  # prompts longer than this never fit the KV cache
     replica_id: str = "fake-replica"
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     calls: list[GenerateCall] = field(default_factory=list)
@@ -142,6 +143,8 @@ class FakeEngine:
         num_prompt_tokens = len(prompt_token_ids)
         if num_prompt_tokens + 1 > self.max_model_len:
             raise PromptTooLongError(num_prompt_tokens, self.max_model_len)
+        if self.kv_capacity_tokens is not None and num_prompt_tokens >= self.kv_capacity_tokens:
+            raise PromptTooLongError(num_prompt_tokens, self.kv_capacity_tokens, "KV cache size")
         call = GenerateCall(request_id, list(prompt_token_ids), params, cache_salt,
                             dict(trace_headers or {}))
         self.calls.append(call)

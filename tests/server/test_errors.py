@@ -1,0 +1,144 @@
+"""Every failure answers in OpenAI's error envelope with the right status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.server.fakes import FakeEngine
+from tests.server.test_chat import sse_events
+
+MODEL = "fake-model"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": USER, **fields}
+
+
+def assert_envelope(response: httpx.Response, status: int, type_: str = "invalid_request_error",
+                    code: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == type_ and error["code"] == code
+    assert "Traceback" not in error["message"]
+    return error  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(("name", "body", "param"), [
+    ("wrong type", chat(temperature="hot"), "temperature"),
+    ("string number", chat(max_tokens="10"), "max_tokens"),
+    ("missing messages", {"model": MODEL}, "messages"),
+    ("empty messages", chat(messages=[]), "messages"),
+    ("missing model", {"messages": USER}, "model"),
+    ("unknown role", chat(messages=[{"role": "robot", "content": "x"}]), "messages.0"),
+    ("image part", chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), None),
+    ("tool message without id", chat(messages=[{"role": "tool", "content": "x"}]), None),
+    ("stream_options without stream", chat(stream_options={"include_usage": True}), None),
+    ("stream_options wrong type", chat(stream=True, stream_options="yes"), "stream_options"),
+    ("tool_choice without tools", chat(tool_choice="required"), None),
+    ("top_logprobs without logprobs", chat(top_logprobs=2), None),
+])
+def test_malformed_bodies_are_400(http: httpx.Client, name: str, body: dict[str, Any],
+                                  param: str | None) -> None:
+    error = assert_envelope(http.post("/v1/chat/completions", json=body), 400)
+    if param is not None:
+        assert error["param"] == param, name
+
+
+@pytest.mark.parametrize("fields", [
+    {"temperature": 5}, {"top_p": 0}, {"n": 0}, {"max_tokens": 0}, {"top_logprobs": 21,
+                                                                    "logprobs": True},
+    {"presence_penalty": 3}, {"stop": [""]},
+])
+def test_out_of_range_sampling_values_are_400(http: httpx.Client, fields: dict[str, Any]) -> None:
+    assert_envelope(http.post("/v1/chat/completions", json=chat(**fields)), 400)
+
+
+def test_completion_logprobs_above_5_are_400(http: httpx.Client) -> None:
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "logprobs": 6})
+    assert assert_envelope(response, 400)["param"] == "logprobs"
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b""])
+def test_non_object_json_is_400(http: httpx.Client, raw: bytes) -> None:
+    response = http.post("/v1/chat/completions", content=raw,
+                         headers={"content-type": "application/json"})
+    assert_envelope(response, 400)
+
+
+def test_unknown_model_is_404_model_not_found(http: httpx.Client) -> None:
+    response = http.post("/v1/chat/completions", json=chat(model="gpt-9"))
+    assert assert_envelope(response, 404, code="model_not_found")["param"] == "model"
+
+
+def test_prompt_longer_than_the_window_is_context_length_exceeded(http: httpx.Client) -> None:
+    body = chat(messages=[{"role": "user", "content": "x" * 2000}])
+    assert_envelope(http.post("/v1/chat/completions", json=body), 400,
+                    code="context_length_exceeded")
+
+
+def test_prompt_plus_max_tokens_over_the_window_is_context_length_exceeded(
+        http: httpx.Client, engine: FakeEngine) -> None:
+    error = assert_envelope(http.post("/v1/chat/completions", json=chat(max_tokens=1020)), 400,
+                            code="context_length_exceeded")
+    assert "1020 in the completion" in error["message"]
+    assert engine.calls == []
+
+
+def test_engine_prompt_too_long_error_is_context_length_exceeded(
+        http: httpx.Client, engine: FakeEngine) -> None:
+    engine.kv_capacity_tokens = 10  # tighter than the window the server checks against
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 20,
+                                                  "stream": True, "n": 2})
+    error = assert_envelope(response, 400, code="context_length_exceeded")
+    assert "KV cache size is 10 tokens" in error["message"] and error["param"] == "prompt"
+
+
+def test_body_over_the_cap_is_413(http: httpx.Client) -> None:
+    body = chat(messages=[{"role": "user", "content": "x" * (2 * 1024 * 1024)}])
+    assert_envelope(http.post("/v1/chat/completions", json=body), 413, code="request_too_large")
+
+
+def test_unknown_route_and_wrong_method_answer_json(http: httpx.Client) -> None:
+    assert_envelope(http.get("/v1/nope"), 404, code="not_found")
+    assert_envelope(http.get("/v1/chat/completions"), 405, code="method_not_allowed")
+
+
+def test_engine_failure_is_a_500_envelope_without_traceback(http: httpx.Client,
+                                                            engine: FakeEngine) -> None:
+    engine.fail_after_num_tokens = 2
+    response = http.post("/v1/chat/completions", json=chat())
+    assert_envelope(response, 500, type_="server_error")
+
+
+def test_engine_failure_mid_stream_sends_error_event_without_done(
+        http: httpx.Client, engine: FakeEngine) -> None:
+    engine.fail_after_num_tokens = 2
+    with http.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as response:
+        assert response.status_code == 200
+        events = sse_events(response)
+    assert "[DONE]" not in events
+    assert '"error"' in events[-1] and "server_error" in events[-1]
+
+
+def test_sdk_raises_typed_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=USER)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=USER, temperature=5)  # type: ignore[arg-type]
+
+
+def test_request_id_is_echoed_or_generated(http: httpx.Client) -> None:
+    given = http.post("/v1/chat/completions", json=chat(), headers={"x-request-id": "abc-123"})
+    assert given.headers["x-request-id"] == "abc-123"
+    generated = http.post("/v1/chat/completions", json=chat(model="gpt-9"))
+    assert len(generated.headers["x-request-id"]) == 32
+    streamed = http.post("/v1/chat/completions", json=chat(stream=True),
+                         headers={"x-request-id": "s-1"})
+    assert streamed.headers["x-request-id"] == "s-1"

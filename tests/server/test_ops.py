@@ -1,0 +1,121 @@
+"""Operations endpoints: health, models, metrics, KV events/snapshot, admin-only KV reset."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from aiohttp.test_utils import make_mocked_request
+
+from engine.server.errors import AuthenticationError, PermissionDeniedError
+from engine.server.handlers.ops import _require_admin
+from engine.server.settings import ADMIN_TOKEN_ENV, ReplicaServerSettings
+from tests.server.conftest import ServerThread
+from tests.server.fakes import FakeEngine
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def test_health_is_ok_while_the_engine_is_alive(http: httpx.Client, engine: FakeEngine) -> None:
+    response = http.get("/health")
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+    engine.is_alive = False
+    assert http.get("/health").status_code == 503
+
+
+def test_models_lists_the_served_model_and_aliases(client: openai.OpenAI, http: httpx.Client
+                                                   ) -> None:
+    assert [m.id for m in client.models.list()] == ["fake-model", "fake-alias"]
+    first = http.get("/v1/models").json()["data"][0]
+    assert first["owned_by"] == "aigw" and first["max_model_len"] == 1024
+
+
+def test_metrics_expose_engine_state_and_latencies(client: openai.OpenAI, http: httpx.Client,
+                                                   model: str) -> None:
+    client.chat.completions.create(model=model, messages=USER)  # type: ignore[arg-type]
+    response = http.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    text = response.text
+    for name in ("aigw_replica_num_requests_running", "aigw_replica_num_requests_waiting",
+                 "aigw_replica_kv_blocks_used", "aigw_replica_kv_blocks_total",
+                 "aigw_replica_prompt_tokens_total", "aigw_replica_generation_tokens_total",
+                 "aigw_replica_prefix_cache_queried_tokens_total",
+                 "aigw_replica_prefix_cache_hit_tokens_total",
+                 "aigw_replica_prefix_cache_hit_ratio", "aigw_replica_preemptions_total",
+                 "aigw_replica_time_to_first_token_seconds_bucket",
+                 "aigw_replica_inter_token_latency_seconds_bucket",
+                 "aigw_replica_e2e_request_latency_seconds_count"):
+        assert f"\n{name}{{" in text, name
+    assert ('aigw_replica_requests_total{finish_reason="stop",model="fake-model",'
+            'replica="fake-replica"} 1.0') in text
+
+
+def test_two_apps_keep_separate_metric_registries(engine: FakeEngine) -> None:
+    settings = ReplicaServerSettings()
+    first, second = ServerThread(engine, settings), ServerThread(engine, settings)
+    first.start()
+    second.start()  # a global registry would reject the second app's duplicate metrics
+    first.stop()
+    second.stop()
+
+
+def test_kv_events_and_snapshot_delegate_to_the_engine(http: httpx.Client) -> None:
+    assert http.get("/kv/events", params={"since": 5}).json()["next_seq"] == 5
+    assert http.get("/kv/events").json()["next_seq"] == 0
+    assert http.get("/kv/events", params={"since": "-1"}).status_code == 400
+    assert http.get("/kv/snapshot").json()["block_hashes"] == []
+
+
+def test_kv_reset_without_token_is_allowed_from_loopback(http: httpx.Client,
+                                                         engine: FakeEngine) -> None:
+    response = http.post("/kv/reset")
+    assert response.status_code == 200 and response.json() == {"reset": True}
+    assert engine.num_prefix_cache_resets == 1
+
+
+class TestKvResetWithToken:
+    @pytest.fixture
+    def settings(self) -> ReplicaServerSettings:
+        return ReplicaServerSettings(admin_token="s3cret")
+
+    @pytest.fixture
+    def admin(self, server: ServerThread) -> Iterator[httpx.Client]:
+        with httpx.Client(base_url=server.base_url) as client:
+            yield client
+
+    def test_missing_token_is_401(self, admin: httpx.Client, engine: FakeEngine) -> None:
+        response = admin.post("/kv/reset")
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+        assert engine.num_prefix_cache_resets == 0
+
+    def test_wrong_token_is_403(self, admin: httpx.Client, engine: FakeEngine) -> None:
+        response = admin.post("/kv/reset", headers={"Authorization": "Bearer nope"})
+        assert response.status_code == 403
+        assert engine.num_prefix_cache_resets == 0
+
+    def test_right_token_resets(self, admin: httpx.Client, engine: FakeEngine) -> None:
+        response = admin.post("/kv/reset", headers={"Authorization": "Bearer s3cret"})
+        assert response.status_code == 200 and engine.num_prefix_cache_resets == 1
+
+
+def test_without_token_remote_clients_are_refused() -> None:
+    class Transport:
+        def get_extra_info(self, name: str, default: object = None) -> object:
+            return ("10.0.0.7", 5555) if name == "peername" else default
+
+    request = make_mocked_request("POST", "/kv/reset", transport=Transport())
+    with pytest.raises(PermissionDeniedError):
+        _require_admin(request, None)
+    with pytest.raises(AuthenticationError):
+        _require_admin(request, "token")
+
+
+def test_admin_token_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, "from-env")
+    assert ReplicaServerSettings.from_env().admin_token == "from-env"
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, "")
+    assert ReplicaServerSettings.from_env().admin_token is None

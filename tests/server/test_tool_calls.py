@@ -1,0 +1,88 @@
+"""Tool calls end to end: tools in the prompt, calls parsed out of the reply (SDK shapes)."""
+
+from __future__ import annotations
+
+import openai
+import orjson
+
+from tests.server.fakes import FakeEngine
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+CALL_REPLY = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+              '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+
+
+def test_reply_with_calls_becomes_tool_calls(client: openai.OpenAI, engine: FakeEngine,
+                                             model: str) -> None:
+    engine.reply = CALL_REPLY
+    completion = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS)  # type: ignore[arg-type]
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    calls = choice.message.tool_calls or []
+    assert [c.function.name for c in calls] == ["get_weather", "get_time"]  # type: ignore[union-attr]
+    assert orjson.loads(calls[0].function.arguments) == {"city": "Paris"}  # type: ignore[union-attr]
+    assert all(c.type == "function" and c.id.startswith("call_") for c in calls)
+    assert "get_weather" in engine.prompt_text(engine.calls[0])  # tools went into the template
+
+
+def test_streamed_calls_arrive_as_indexed_deltas(client: openai.OpenAI, engine: FakeEngine,
+                                                 model: str) -> None:
+    engine.reply = "Checking." + CALL_REPLY
+    chunks = list(client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,  # type: ignore[arg-type]
+                                                 stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert content == "Checking."
+    assert [(d.index, d.function.name) for d in deltas] == [(0, "get_weather"), (1, "get_time")]  # type: ignore[union-attr]
+    assert orjson.loads(deltas[0].function.arguments) == {"city": "Paris"}  # type: ignore[union-attr, arg-type]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_none_leaves_tools_out_and_text_unparsed(
+        client: openai.OpenAI, engine: FakeEngine, model: str) -> None:
+    engine.reply = CALL_REPLY
+    completion = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,  # type: ignore[arg-type]
+                                                tool_choice="none")
+    assert completion.choices[0].message.content == CALL_REPLY
+    assert completion.choices[0].finish_reason == "stop"
+    assert "get_weather" not in engine.prompt_text(engine.calls[0])
+
+
+def test_required_and_named_tool_choice_are_asked_for_in_the_prompt(
+        client: openai.OpenAI, engine: FakeEngine, model: str) -> None:
+    client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,  # type: ignore[arg-type]
+                                   tool_choice="required")
+    client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,  # type: ignore[arg-type]
+                                   tool_choice={"type": "function",
+                                                "function": {"name": "get_time"}})
+    required, named = (engine.prompt_text(call) for call in engine.calls)
+    assert "You must call at least one of the provided tools." in required
+    assert "You must call the function `get_time`." in named
+    assert "get_weather" not in named  # only the named tool is offered
+
+
+def test_assistant_tool_calls_and_tool_results_round_trip(
+        client: openai.OpenAI, engine: FakeEngine, model: str) -> None:
+    client.chat.completions.create(model=model, tools=TOOLS, messages=[  # type: ignore[arg-type]
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C and sunny"},
+    ])
+    prompt = engine.prompt_text(engine.calls[0])
+    assert '"arguments":{"city":"Paris"}' in prompt  # arguments reach the template as an object
+    assert "<|im_start|>tool\n18C and sunny" in prompt
+
+
+def test_reply_without_calls_is_plain_content_when_tools_given(
+        client: openai.OpenAI, engine: FakeEngine, model: str) -> None:
+    completion = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS)  # type: ignore[arg-type]
+    assert completion.choices[0].message.content == engine.reply
+    assert completion.choices[0].message.tool_calls is None
+    assert completion.choices[0].finish_reason == "stop"

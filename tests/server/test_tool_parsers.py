@@ -1,0 +1,74 @@
+"""The Hermes tool-call parser, whole and streamed."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from engine.tool_parsers import HermesToolParser, get_tool_parser, tool_parser_for_model
+
+WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_single_call_is_extracted_with_json_string_arguments() -> None:
+    parsed = HermesToolParser().extract(WEATHER)
+    assert parsed.content is None
+    (call,) = parsed.tool_calls
+    assert call.name == "get_weather"
+    assert orjson.loads(call.arguments) == {"city": "Paris"}
+    assert call.id.startswith("call_") and len(call.id) == 29
+
+
+def test_several_calls_and_surrounding_text_are_kept_in_order() -> None:
+    text = ("Let me check.<tool_call>{\"name\":\"a\",\"arguments\":{}}</tool_call>\n"
+            "<tool_call>  {\"name\": \"b\", \"arguments\": \"{\\\"x\\\": 1}\"}  </tool_call>")
+    parsed = HermesToolParser().extract(text)
+    assert parsed.content == "Let me check.\n"
+    assert [c.name for c in parsed.tool_calls] == ["a", "b"]
+    assert orjson.loads(parsed.tool_calls[1].arguments) == {"x": 1}
+    assert len({c.id for c in parsed.tool_calls}) == 2
+
+
+def test_malformed_call_stays_content() -> None:
+    text = "<tool_call>{not json}</tool_call>"
+    parsed = HermesToolParser().extract(text)
+    assert parsed.tool_calls == () and parsed.content == text
+
+
+def test_unterminated_call_is_parsed_at_the_end() -> None:
+    parsed = HermesToolParser().extract('<tool_call>{"name": "a", "arguments": {"k": 2}}')
+    assert [c.name for c in parsed.tool_calls] == ["a"]
+
+
+def test_plain_text_without_calls_is_untouched() -> None:
+    parsed = HermesToolParser().extract("Just text < with a bracket")
+    assert parsed.content == "Just text < with a bracket" and parsed.tool_calls == ()
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_streaming_in_any_split_matches_whole_extraction(step: int) -> None:
+    text = "Sure.<tool_call>{\"name\":\"a\",\"arguments\":{\"q\":\"<x>\"}}</tool_call> done <"
+    stream = HermesToolParser().stream()
+    content, names = "", []
+    for start in range(0, len(text), step):
+        delta = stream.feed(text[start:start + step])
+        content += delta.content
+        names += [c.name for c in delta.tool_calls]
+    rest = stream.finish()
+    content += rest.content
+    names += [c.name for c in rest.tool_calls]
+    whole = HermesToolParser().extract(text)
+    assert content == whole.content and names == [c.name for c in whole.tool_calls]
+
+
+def test_streaming_holds_back_a_possible_tag_start() -> None:
+    stream = HermesToolParser().stream()
+    assert stream.feed("Hi <tool_ca").content == "Hi "
+    assert stream.feed("r").content == "<tool_car"
+
+
+def test_registry_maps_families_and_rejects_unknown_formats() -> None:
+    assert isinstance(tool_parser_for_model("qwen2_moe"), HermesToolParser)
+    assert isinstance(tool_parser_for_model("some-new-family"), HermesToolParser)
+    with pytest.raises(KeyError, match="hermes"):
+        get_tool_parser("nope")
