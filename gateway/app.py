@@ -1,0 +1,76 @@
+"""The app factory: `create_app(settings, authenticator=..., meter=...)`.
+
+Lifecycles (cleanup_ctx, in order): the upstream transport (one pooled ClientSession per upstream),
+then the health checker task. With `settings.auth_enabled` false and nothing injected, the
+permissive gateway/open_access.py pair is used; with auth on, gateway/services.py builds the real
+ones unless they are injected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from auth.principal import Authenticator
+from gateway.endpoints import Fleet
+from gateway.health import check_fleet, run_health_checks
+from gateway.keys import AUTHENTICATOR, FLEET, METER, PIPELINE, ROUTER, SETTINGS, TRANSPORT
+from gateway.metering.contract import Meter
+from gateway.middlewares import envelope_middleware
+from gateway.open_access import AllowAllAuthenticator, NullMeter
+from gateway.pipeline import Pipeline
+from gateway.routes import setup_routes
+from gateway.routing import Router, create_router
+from gateway.settings import GatewaySettings
+from gateway.transport import AiohttpTransport, Transport
+
+
+def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None = None,
+               meter: Meter | None = None, router: Router | None = None,
+               transport: Transport | None = None) -> web.Application:
+    # the body cap is enforced by the pipeline (413 in the dialect's envelope); aiohttp's own cap
+    # sits just above it so a chunked body over the cap is still cut off.
+    app = web.Application(client_max_size=settings.max_body_bytes + 1,
+                          middlewares=[envelope_middleware])
+    app[SETTINGS] = settings
+    app[TRANSPORT] = transport or AiohttpTransport()
+    app[ROUTER] = router or create_router(settings.router)
+    app[FLEET] = Fleet(settings, app[TRANSPORT])
+    if not settings.auth_enabled:
+        app[AUTHENTICATOR] = authenticator or AllowAllAuthenticator()
+        app[METER] = meter or NullMeter()
+    elif authenticator is not None and meter is not None:
+        app[AUTHENTICATOR], app[METER] = authenticator, meter
+    else:
+        from gateway.services import setup_services  # the real auth/ and metering/ (lazy import)
+
+        setup_services(app, authenticator=authenticator, meter=meter)
+    app[PIPELINE] = Pipeline(settings, app[AUTHENTICATOR], app[METER], app[ROUTER], app[FLEET])
+    app.cleanup_ctx.append(_transport_ctx)
+    app.cleanup_ctx.append(_health_ctx)
+    app.on_shutdown.append(_start_draining)
+    setup_routes(app)
+    return app
+
+
+async def _transport_ctx(app: web.Application) -> AsyncIterator[None]:
+    yield
+    await app[TRANSPORT].aclose()
+
+
+async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    with contextlib.suppress(TimeoutError):  # first round before serving, bounded
+        await asyncio.wait_for(check_fleet(app[FLEET]), settings.health_timeout_s * 2)
+    task = asyncio.create_task(run_health_checks(app[FLEET], settings.health_interval_s))
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _start_draining(app: web.Application) -> None:
+    app[PIPELINE].draining = True

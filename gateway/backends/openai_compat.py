@@ -1,0 +1,230 @@
+"""Any OpenAI-compatible upstream (vLLM, SGLang, llama.cpp server, Ollama, a hosted API).
+
+Streams always ask for `stream_options.include_usage`, so usage is never lost; if an upstream still
+sends none, tokens are counted here: with the model's tokenizer (`ModelSettings.tokenizer`, a
+tokenizer.json) when configured, else `canonical.estimate_num_tokens` (~4 characters per token).
+Endpoint URLs are origins (`http://host:port`); `/v1/...` paths are appended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from functools import lru_cache
+from typing import Any
+
+import orjson
+
+from gateway.backends.base import Backend
+from gateway.canonical import (
+    Accumulator,
+    CanonicalEvent,
+    CanonicalRequest,
+    Finish,
+    FinishReason,
+    TextDelta,
+    ToolCallDelta,
+    Usage,
+    estimate_num_tokens,
+    estimate_prompt_tokens,
+)
+from gateway.endpoints import Endpoint
+from gateway.errors import UpstreamRejected, UpstreamUnavailable
+from gateway.transport import UpstreamRequest, UpstreamResponse
+
+_FINISH_REASONS: dict[str, FinishReason] = {
+    "stop": "stop", "length": "length", "tool_calls": "tool_calls", "function_call": "tool_calls",
+    "content_filter": "content_filter", "eos": "stop",
+}
+
+
+class OpenAICompatBackend(Backend):
+    name = "openai"
+
+    def upstream_body(self, request: CanonicalRequest, endpoint: Endpoint) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": endpoint.model.upstream_name, "stream": request.stream}
+        if request.kind == "chat":
+            body["messages"] = [_message_json(m) for m in request.messages]
+            if request.tools:
+                body["tools"] = [{"type": "function", "function": {
+                    "name": t.name, "description": t.description, "parameters": t.parameters}}
+                    for t in request.tools]
+            if request.tool_choice is not None:
+                body["tool_choice"] = request.tool_choice
+        else:
+            body["prompt"] = request.prompt
+        if request.stream:
+            body["stream_options"] = {"include_usage": True}
+        for key in ("max_tokens", "temperature", "top_p", "seed"):
+            value = getattr(request, key)
+            if value is not None:
+                body[key] = value
+        if request.stop:
+            body["stop"] = request.stop
+        return body
+
+    def upstream_headers(self, request: CanonicalRequest, endpoint: Endpoint) -> dict[str, str]:
+        headers = {"content-type": "application/json", "x-request-id": request.request_id}
+        if endpoint.model.api_key:
+            headers["authorization"] = f"Bearer {endpoint.model.api_key}"
+        return headers
+
+    async def stream(self, request: CanonicalRequest, endpoint: Endpoint) -> AsyncIterator[CanonicalEvent]:
+        path = "/v1/chat/completions" if request.kind == "chat" else "/v1/completions"
+        upstream = UpstreamRequest(
+            "POST", endpoint.url + path, orjson.dumps(self.upstream_body(request, endpoint)),
+            self.upstream_headers(request, endpoint), self.settings.connect_timeout_s)
+        response = await self.transport.send(upstream)
+        try:
+            await _raise_for_status(response)
+            parse = _parse_stream if request.stream else _parse_whole
+            accumulator = Accumulator()
+            usage: Usage | None = None
+            async for event in parse(response, request.kind):
+                if isinstance(event, Usage):
+                    usage = event
+                    continue
+                accumulator.add(event)
+                if not isinstance(event, Finish):
+                    yield event
+            yield Finish(accumulator.finish_reason or "stop")
+            yield usage or self._count_usage(request, endpoint, accumulator)
+        finally:
+            response.close()
+
+    def _count_usage(self, request: CanonicalRequest, endpoint: Endpoint, acc: Accumulator) -> Usage:
+        tokenizer_path = endpoint.model.tokenizer
+        completion = acc.text + "".join(c.arguments for c in acc.response().tool_calls)
+        if tokenizer_path:
+            tokenizer = _load_tokenizer(tokenizer_path)
+            prompt = request.prompt + "".join(m.content for m in request.messages)
+            return Usage(len(tokenizer.encode(prompt).ids) + 4 * len(request.messages),
+                         len(tokenizer.encode(completion).ids))
+        return Usage(estimate_prompt_tokens(request), estimate_num_tokens(len(completion)))
+
+    async def health(self, endpoint: Endpoint) -> bool:
+        for path in ("/health", "/v1/models"):
+            status = await self._get_status(endpoint, path)
+            if status != 404:
+                return status == 200
+        return False
+
+    async def context_length(self, endpoint: Endpoint) -> int | None:
+        body = await self._get_json(endpoint, "/v1/models")
+        for entry in (body or {}).get("data") or []:
+            if isinstance(entry, dict) and entry.get("id") in (endpoint.model.upstream_name, None):
+                value = entry.get("max_model_len") or entry.get("context_length")
+                return int(value) if isinstance(value, int) and value > 0 else None
+        return None
+
+    async def _get_status(self, endpoint: Endpoint, path: str) -> int | None:
+        try:
+            response = await self.transport.send(UpstreamRequest(
+                "GET", endpoint.url + path, connect_timeout_s=self.settings.health_timeout_s))
+        except Exception:  # noqa: BLE001 - health must not raise
+            return None
+        try:
+            await response.read()
+            return response.status
+        except Exception:  # noqa: BLE001
+            return None
+        finally:
+            response.close()
+
+    async def _get_json(self, endpoint: Endpoint, path: str) -> Any:
+        try:
+            response = await self.transport.send(UpstreamRequest(
+                "GET", endpoint.url + path, connect_timeout_s=self.settings.health_timeout_s))
+            try:
+                return orjson.loads(await response.read()) if response.status == 200 else None
+            finally:
+                response.close()
+        except Exception:  # noqa: BLE001 - must not raise
+            return None
+
+
+def _message_json(message: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name:
+        out["name"] = message.name
+    return out
+
+
+async def _raise_for_status(response: UpstreamResponse) -> None:
+    if response.status < 400:
+        return
+    body = await response.read()
+    message = f"upstream answered {response.status}: {body[:500].decode('utf-8', 'replace')}"
+    if 400 <= response.status < 500 and response.status not in (408, 429):
+        raise UpstreamRejected(message, status=response.status)
+    raise UpstreamUnavailable(message)
+
+
+def _chunk_events(chunk: dict[str, Any], kind: str) -> list[CanonicalEvent]:
+    if "error" in chunk:
+        error = chunk["error"]
+        message = error.get("message") if isinstance(error, dict) else str(error)
+        raise UpstreamUnavailable(f"upstream error mid-stream: {message}")
+    events: list[CanonicalEvent] = []
+    for choice in chunk.get("choices") or ():
+        if choice.get("index", 0) != 0:
+            continue
+        if kind == "chat":
+            delta = choice.get("delta") or choice.get("message") or {}
+            if delta.get("content"):
+                events.append(TextDelta(delta["content"]))
+            for position, call in enumerate(delta.get("tool_calls") or ()):
+                function = call.get("function") or {}
+                events.append(ToolCallDelta(call.get("index", position), call.get("id"),
+                                            function.get("name"), function.get("arguments") or ""))
+        elif choice.get("text"):
+            events.append(TextDelta(choice["text"]))
+        if choice.get("finish_reason"):
+            events.append(Finish(_FINISH_REASONS.get(choice["finish_reason"], "stop")))
+    usage = chunk.get("usage")
+    if usage:
+        details = usage.get("prompt_tokens_details") or {}
+        events.append(Usage(int(usage.get("prompt_tokens") or 0),
+                            int(usage.get("completion_tokens") or 0),
+                            int(details.get("cached_tokens") or 0)))
+    return events
+
+
+async def _parse_stream(response: UpstreamResponse, kind: str) -> AsyncIterator[CanonicalEvent]:
+    finished = False
+    async for line in response.lines():
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            finished = True
+            break
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise UpstreamUnavailable("upstream sent a malformed stream chunk") from exc
+        for event in _chunk_events(chunk, kind):
+            yield event
+    if not finished:
+        raise UpstreamUnavailable("upstream stream ended before [DONE]")
+
+
+async def _parse_whole(response: UpstreamResponse, kind: str) -> AsyncIterator[CanonicalEvent]:
+    try:
+        body = orjson.loads(await response.read())
+    except orjson.JSONDecodeError as exc:
+        raise UpstreamUnavailable("upstream sent malformed JSON") from exc
+    for event in _chunk_events(body, kind):
+        yield event
+
+
+@lru_cache(maxsize=8)
+def _load_tokenizer(path: str) -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path)

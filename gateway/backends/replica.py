@@ -1,0 +1,69 @@
+"""Our engine replicas: OpenAI-compatible HTTP plus a per-project `cache_salt` and /metrics load.
+
+`cache_salt` keeps one project's prefix cache invisible to another (a timing side channel
+otherwise); `ModelSettings.share_cache_across_projects = true` drops it. Load is parsed from the
+replica's Prometheus text defensively: any gauge whose name ends in one of the suffixes below.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from gateway.backends.openai_compat import OpenAICompatBackend
+from gateway.canonical import CanonicalRequest
+from gateway.endpoints import Endpoint, EndpointLoad
+from gateway.transport import UpstreamRequest
+
+_LOAD_SUFFIXES = {
+    "num_requests_running": "num_requests_running",
+    "num_requests_waiting": "num_requests_waiting",
+    "kv_blocks_used": "num_kv_blocks_used",
+    "kv_blocks_total": "num_kv_blocks_total",
+}
+
+
+def cache_salt(project: str) -> str:
+    return hashlib.sha256(b"aigw-project:" + project.encode()).hexdigest()[:32]
+
+
+class ReplicaBackend(OpenAICompatBackend):
+    name = "replica"
+
+    def upstream_body(self, request: CanonicalRequest, endpoint: Endpoint) -> dict[str, Any]:
+        body = super().upstream_body(request, endpoint)
+        if request.project and not endpoint.model.share_cache_across_projects:
+            body["cache_salt"] = cache_salt(request.project)
+        return body
+
+    async def health(self, endpoint: Endpoint) -> bool:
+        return await self._get_status(endpoint, "/health") == 200
+
+    async def load(self, endpoint: Endpoint) -> EndpointLoad | None:
+        try:
+            response = await self.transport.send(UpstreamRequest(
+                "GET", endpoint.url + "/metrics", connect_timeout_s=self.settings.health_timeout_s))
+            try:
+                text = (await response.read()).decode("utf-8", "replace")
+                return parse_load(text) if response.status == 200 else None
+            finally:
+                response.close()
+        except Exception:  # noqa: BLE001 - must not raise
+            return None
+
+
+def parse_load(metrics_text: str) -> EndpointLoad | None:
+    """Read load gauges from Prometheus text; unknown or malformed lines are skipped."""
+    values: dict[str, int] = {}
+    for line in metrics_text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_part, _, value_part = line.rpartition(" ")
+        name = name_part.split("{", 1)[0].strip()
+        for suffix, field in _LOAD_SUFFIXES.items():
+            if name.endswith(suffix):
+                try:
+                    values[field] = values.get(field, 0) + int(float(value_part))
+                except ValueError:
+                    pass
+    return EndpointLoad(**values) if values else None

@@ -1,0 +1,160 @@
+"""The one internal form every dialect translates to and from.
+
+    client JSON --dialect.parse--> CanonicalRequest --backend.stream--> CanonicalEvent* --dialect--> client
+
+A backend yields, in order: any number of `TextDelta` / `ToolCallDelta`, then one `Finish`, then one
+`Usage` (the backend guarantees a `Usage`, counting tokens itself if the upstream gave none).
+`Accumulator` folds the events into a `CanonicalResponse` for non-streaming answers and for metering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "user", "assistant", "tool"]
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "error"]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI carries it
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    role: Role
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None  # role == "tool": the call this result answers
+    name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)  # JSON schema
+
+
+@dataclass(slots=True)
+class CanonicalRequest:
+    """One client request, dialect-free. `kind` picks the upstream route (chat or completion)."""
+
+    request_id: str
+    model: str
+    kind: Literal["chat", "completion"] = "chat"
+    messages: list[Message] = field(default_factory=list)
+    prompt: str = ""  # kind == "completion"
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: str | dict[str, Any] | None = None  # OpenAI form: "auto"|"none"|"required"|{...}
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False  # OpenAI stream_options.include_usage as the client asked
+    project: str | None = None  # set after authentication (cache isolation, metering)
+
+    def text_length(self) -> int:
+        """Characters of prompt text (a cheap input to token estimates)."""
+        num_chars = len(self.prompt)
+        for message in self.messages:
+            num_chars += len(message.content)
+            for call in message.tool_calls:
+                num_chars += len(call.arguments) + len(call.name)
+        for tool in self.tools:
+            num_chars += len(tool.name) + len(tool.description) + len(str(tool.parameters))
+        return num_chars
+
+
+def estimate_num_tokens(num_chars: int) -> int:
+    """The documented fallback when no tokenizer is known: ~4 characters per token, at least 1."""
+    return max(1, (num_chars + 3) // 4)
+
+
+def estimate_prompt_tokens(request: CanonicalRequest) -> int:
+    """An admission-time estimate: text tokens plus ~4 tokens of chat framing per message."""
+    return estimate_num_tokens(request.text_length()) + 4 * len(request.messages)
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of tool call `index`; `id` and `name` arrive on its first piece only."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    reason: FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # part of prompt_tokens served from the prefix cache
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+CanonicalEvent = TextDelta | ToolCallDelta | Finish | Usage
+
+
+@dataclass(slots=True)
+class CanonicalResponse:
+    text: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+class Accumulator:
+    """Folds events into a `CanonicalResponse`; `num_events` counts what has been seen."""
+
+    def __init__(self) -> None:
+        self._text: list[str] = []
+        self._calls: dict[int, list[str]] = {}  # index -> [id, name, arguments...]
+        self.finish_reason: FinishReason | None = None
+        self.usage: Usage | None = None
+        self.num_events = 0
+
+    def add(self, event: CanonicalEvent) -> None:
+        self.num_events += 1
+        if isinstance(event, TextDelta):
+            self._text.append(event.text)
+        elif isinstance(event, ToolCallDelta):
+            parts = self._calls.setdefault(event.index, ["", ""])
+            if event.id:
+                parts[0] = event.id
+            if event.name:
+                parts[1] = event.name
+            parts.append(event.arguments)
+        elif isinstance(event, Finish):
+            self.finish_reason = event.reason
+        else:
+            self.usage = event
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    def response(self) -> CanonicalResponse:
+        calls = [ToolCall(id=p[0] or f"call_{i}", name=p[1], arguments="".join(p[2:]) or "{}")
+                 for i, p in sorted(self._calls.items())]
+        return CanonicalResponse(text=self.text, tool_calls=calls,
+                                 finish_reason=self.finish_reason, usage=self.usage)

@@ -1,0 +1,242 @@
+"""Anthropic Messages: POST /anthropic/v1/messages and /v1/messages.
+
+Mapping to the canonical form:
+  system (string or text blocks)       -> a leading system message
+  user text blocks                     -> a user message; `tool_result` blocks -> tool messages
+                                          (placed before the user's text, as they answer the
+                                          previous assistant turn)
+  assistant text + `tool_use` blocks   -> one assistant message with tool calls (input -> JSON text)
+  tools[].input_schema                 -> Tool.parameters;  tool_choice auto/any/tool/none -> OpenAI's
+  cache_control anywhere               -> accepted and ignored (our replicas cache prefixes themselves)
+Usage: `cache_read_input_tokens` = cached prompt tokens; `input_tokens` = prompt tokens NOT read
+from cache (Anthropic's definition: input_tokens + cache_read + cache_creation = whole prompt);
+`cache_creation_input_tokens` = 0. While streaming, message_start carries input_tokens 0 (the
+upstream reports usage at the end) and message_delta carries the real input/cache/output counts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.canonical import (
+    CanonicalEvent,
+    CanonicalRequest,
+    CanonicalResponse,
+    Message,
+    TextDelta,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
+from gateway.dialects.base import Dialect, StreamEncoder
+from gateway.dialects.validate import (
+    InvalidParam,
+    get_bool,
+    get_int,
+    get_list,
+    get_number,
+    get_object,
+    get_stop,
+    get_str,
+    need_object,
+)
+
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
+                 "content_filter": "refusal", "error": "end_turn"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                503: "overloaded_error"}
+
+
+def error_body(status: int, code: str, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"),
+                                       "message": message, "code": code}}
+
+
+def _text_of(value: Any, param: str) -> str:
+    if isinstance(value, str):
+        return value
+    texts = []
+    for i, block in enumerate(get_list({"v": value}, "v", param) or ()):
+        block = need_object(block, f"{param}[{i}]")
+        if block.get("type") != "text":
+            raise InvalidParam(f"{param}[{i}].type", f"unsupported block {block.get('type')!r}")
+        texts.append(get_str(block, "text", f"{param}[{i}].text", required=True) or "")
+    return "".join(texts)
+
+
+def _parse_message(raw: Any, i: int) -> list[Message]:
+    param = f"messages[{i}]"
+    raw = need_object(raw, param)
+    role = get_str(raw, "role", f"{param}.role", required=True)
+    if role not in ("user", "assistant"):
+        raise InvalidParam(f"{param}.role", "expected 'user' or 'assistant'")
+    content = raw.get("content")
+    if isinstance(content, str):
+        return [Message(role, content)]  # type: ignore[arg-type]
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    results: list[Message] = []
+    for j, block in enumerate(get_list(raw, "content", f"{param}.content", required=True) or ()):
+        where = f"{param}.content[{j}]"
+        block = need_object(block, where)
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(get_str(block, "text", f"{where}.text", required=True) or "")
+        elif kind == "tool_use" and role == "assistant":
+            arguments = orjson.dumps(get_object(block, "input", f"{where}.input") or {}).decode()
+            calls.append(ToolCall(get_str(block, "id", f"{where}.id", required=True) or "",
+                                  get_str(block, "name", f"{where}.name", required=True) or "",
+                                  arguments))
+        elif kind == "tool_result" and role == "user":
+            text = _text_of(block.get("content") or "", f"{where}.content")
+            if get_bool(block, "is_error", f"{where}.is_error"):
+                text = f"Error: {text}"
+            results.append(Message("tool", text, tool_call_id=get_str(
+                block, "tool_use_id", f"{where}.tool_use_id", required=True)))
+        elif kind in ("thinking", "redacted_thinking"):
+            continue
+        else:
+            raise InvalidParam(f"{where}.type", f"unsupported block {kind!r} in a {role} message")
+    if role == "assistant":
+        return [Message("assistant", "".join(texts), tuple(calls))]
+    return results + ([Message("user", "".join(texts))] if texts or not results else [])
+
+
+def _parse_tool_choice(value: Any) -> str | dict[str, Any] | None:
+    if value is None:
+        return None
+    choice = need_object(value, "tool_choice")
+    kind = choice.get("type")
+    if kind == "tool":
+        name = get_str(choice, "name", "tool_choice.name", required=True)
+        return {"type": "function", "function": {"name": name}}
+    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)  # type: ignore[arg-type]
+    if mapped is None:
+        raise InvalidParam("tool_choice.type", "expected 'auto', 'any', 'tool' or 'none'")
+    return mapped
+
+
+def _usage(usage: Usage | None) -> dict[str, Any]:
+    usage = usage or Usage(0, 0)
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens,
+            "output_tokens": usage.completion_tokens}
+
+
+class AnthropicMessages(Dialect):
+    name = "anthropic"
+
+    def parse(self, body: Any, request_id: str) -> CanonicalRequest:
+        body = need_object(body, "body")
+        request = CanonicalRequest(request_id, get_str(body, "model", required=True,
+                                                       allow_empty=False) or "")
+        request.max_tokens = get_int(body, "max_tokens", required=True, minimum=1)
+        system = body.get("system")
+        if system is not None:
+            request.messages.append(Message("system", _text_of(system, "system")))
+        for i, raw in enumerate(get_list(body, "messages", required=True, non_empty=True) or ()):
+            request.messages += _parse_message(raw, i)
+        for i, raw in enumerate(get_list(body, "tools") or ()):
+            raw = need_object(raw, f"tools[{i}]")
+            request.tools.append(Tool(
+                get_str(raw, "name", f"tools[{i}].name", required=True, allow_empty=False) or "",
+                get_str(raw, "description", f"tools[{i}].description") or "",
+                get_object(raw, "input_schema", f"tools[{i}].input_schema") or {}))
+        request.tool_choice = _parse_tool_choice(body.get("tool_choice"))
+        request.temperature = get_number(body, "temperature", minimum=0.0, maximum=1.0)
+        request.top_p = get_number(body, "top_p", minimum=0.0, maximum=1.0)
+        get_int(body, "top_k", minimum=0)  # accepted; not forwarded (OpenAI upstreams lack it)
+        request.stop = get_stop(body, "stop_sequences", max_items=16)
+        request.stream = bool(get_bool(body, "stream"))
+        return request
+
+    def render(self, request: CanonicalRequest, response: CanonicalResponse) -> dict[str, Any]:
+        content: list[dict[str, Any]] = []
+        if response.text:
+            content.append({"type": "text", "text": response.text})
+        content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": _json_input(c.arguments)}
+                    for c in response.tool_calls]
+        return {"id": f"msg_{request.request_id}", "type": "message", "role": "assistant",
+                "model": request.model, "content": content,
+                "stop_reason": _STOP_REASONS.get(response.finish_reason or "stop", "end_turn"),
+                "stop_sequence": None, "usage": _usage(response.usage)}
+
+    def encoder(self, request: CanonicalRequest) -> StreamEncoder:
+        return _MessagesEncoder(request)
+
+    def error_body(self, status: int, code: str, message: str) -> dict[str, Any]:
+        return error_body(status, code, message)
+
+
+def _json_input(arguments: str) -> Any:
+    try:
+        value = orjson.loads(arguments or "{}")
+    except orjson.JSONDecodeError:
+        return {"_raw": arguments}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def _sse(kind: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+class _MessagesEncoder(StreamEncoder):
+    def __init__(self, request: CanonicalRequest) -> None:
+        self._request = request
+        self._num_blocks = 0
+        self._open: str | None = None  # "text" | "tool_use"
+        self._text_head = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":')
+
+    def start(self) -> bytes:
+        return _sse("message_start", {"type": "message_start", "message": {
+            "id": f"msg_{self._request.request_id}", "type": "message", "role": "assistant",
+            "model": self._request.model, "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": _usage(None)}})
+
+    def _close_block(self) -> bytes:
+        if self._open is None:
+            return b""
+        self._open = None
+        self._num_blocks += 1
+        return _sse("content_block_stop", {"type": "content_block_stop", "index": self._num_blocks - 1})
+
+    def event(self, event: CanonicalEvent) -> bytes:
+        out = b""
+        if isinstance(event, TextDelta):
+            if self._open != "text":
+                out += self._close_block()
+                self._open = "text"
+                out += _sse("content_block_start", {"type": "content_block_start",
+                                                    "index": self._num_blocks,
+                                                    "content_block": {"type": "text", "text": ""}})
+            return out + (self._text_head + str(self._num_blocks).encode()
+                          + b',"delta":{"type":"text_delta","text":' + orjson.dumps(event.text)
+                          + b"}}\n\n")
+        if isinstance(event, ToolCallDelta):
+            if event.id or self._open != "tool_use":
+                out += self._close_block()
+                self._open = "tool_use"
+                out += _sse("content_block_start", {
+                    "type": "content_block_start", "index": self._num_blocks,
+                    "content_block": {"type": "tool_use", "id": event.id or f"toolu_{event.index}",
+                                      "name": event.name or "", "input": {}}})
+            if event.arguments:
+                out += _sse("content_block_delta", {
+                    "type": "content_block_delta", "index": self._num_blocks,
+                    "delta": {"type": "input_json_delta", "partial_json": event.arguments}})
+        return out
+
+    def finish(self, response: CanonicalResponse) -> bytes:
+        reason = _STOP_REASONS.get(response.finish_reason or "stop", "end_turn")
+        return (self._close_block()
+                + _sse("message_delta", {"type": "message_delta",
+                                         "delta": {"stop_reason": reason, "stop_sequence": None},
+                                         "usage": _usage(response.usage)})
+                + _sse("message_stop", {"type": "message_stop"}))
+
+    def error(self, status: int, code: str, message: str) -> bytes:
+        return _sse("error", error_body(status, code, message))

@@ -1,0 +1,163 @@
+"""OpenAI Chat Completions: POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from gateway.canonical import (
+    CanonicalEvent,
+    CanonicalRequest,
+    CanonicalResponse,
+    Message,
+    TextDelta,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+)
+from gateway.dialects import openai_common as common
+from gateway.dialects.base import Dialect, StreamEncoder
+from gateway.dialects.validate import (
+    InvalidParam,
+    get_list,
+    get_object,
+    get_str,
+    need_object,
+)
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+          "tool": "tool"}
+
+
+def parse_content(value: Any, param: str) -> str:
+    """A string, null, or an array of text parts (other part types are not supported)."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise InvalidParam(param, "expected a string or an array of content parts")
+    texts = []
+    for i, part in enumerate(value):
+        part = need_object(part, f"{param}[{i}]")
+        if part.get("type") not in ("text", "input_text", "output_text"):
+            raise InvalidParam(f"{param}[{i}].type", f"unsupported content part {part.get('type')!r}")
+        texts.append(get_str(part, "text", f"{param}[{i}].text", required=True) or "")
+    return "".join(texts)
+
+
+def parse_tools(body: dict[str, Any]) -> list[Tool]:
+    tools = []
+    for i, raw in enumerate(get_list(body, "tools") or ()):
+        raw = need_object(raw, f"tools[{i}]")
+        if raw.get("type") != "function":
+            raise InvalidParam(f"tools[{i}].type", "only 'function' tools are supported")
+        function = need_object(raw.get("function"), f"tools[{i}].function")
+        tools.append(Tool(get_str(function, "name", f"tools[{i}].function.name", required=True,
+                                  allow_empty=False) or "",
+                          get_str(function, "description") or "",
+                          get_object(function, "parameters", f"tools[{i}].function.parameters") or {}))
+    return tools
+
+
+def parse_tool_choice(value: Any) -> str | dict[str, Any] | None:
+    if value is None or value in ("none", "auto", "required"):
+        return value  # type: ignore[no-any-return]
+    if isinstance(value, dict) and isinstance((value.get("function") or {}).get("name"), str):
+        return {"type": "function", "function": {"name": value["function"]["name"]}}
+    raise InvalidParam("tool_choice", "expected 'none', 'auto', 'required' or a function choice")
+
+
+def _parse_message(raw: Any, i: int) -> Message:
+    param = f"messages[{i}]"
+    raw = need_object(raw, param)
+    role = _ROLES.get(get_str(raw, "role", f"{param}.role", required=True) or "")
+    if role is None:
+        raise InvalidParam(f"{param}.role", f"unknown role {raw.get('role')!r}")
+    content = parse_content(raw.get("content"), f"{param}.content")
+    calls = []
+    for j, call in enumerate(get_list(raw, "tool_calls", f"{param}.tool_calls") or ()):
+        call = need_object(call, f"{param}.tool_calls[{j}]")
+        function = need_object(call.get("function"), f"{param}.tool_calls[{j}].function")
+        calls.append(ToolCall(get_str(call, "id", f"{param}.tool_calls[{j}].id", required=True) or "",
+                              get_str(function, "name", required=True) or "",
+                              get_str(function, "arguments") or "{}"))
+    tool_call_id = get_str(raw, "tool_call_id", f"{param}.tool_call_id", required=role == "tool")
+    return Message(role, content, tuple(calls), tool_call_id,  # type: ignore[arg-type]
+                   get_str(raw, "name", f"{param}.name"))
+
+
+class OpenAIChat(Dialect):
+    name = "openai"
+
+    def parse(self, body: Any, request_id: str) -> CanonicalRequest:
+        body = need_object(body, "body")
+        request = CanonicalRequest(request_id, get_str(body, "model", required=True,
+                                                       allow_empty=False) or "")
+        messages = get_list(body, "messages", required=True, non_empty=True) or []
+        request.messages = [_parse_message(raw, i) for i, raw in enumerate(messages)]
+        request.tools = parse_tools(body)
+        request.tool_choice = parse_tool_choice(body.get("tool_choice"))
+        common.parse_sampling(body, request, max_tokens_keys=("max_tokens", "max_completion_tokens"))
+        return request
+
+    def render(self, request: CanonicalRequest, response: CanonicalResponse) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": response.text or None}
+        if response.tool_calls:
+            message["tool_calls"] = [_call_json(c) for c in response.tool_calls]
+        return {"id": f"chatcmpl-{request.request_id}", "object": "chat.completion",
+                "created": int(time.time()), "model": request.model,
+                "choices": [{"index": 0, "message": message, "logprobs": None,
+                             "finish_reason": response.finish_reason or "stop"}],
+                "usage": common.usage_json(response.usage)}
+
+    def encoder(self, request: CanonicalRequest) -> StreamEncoder:
+        return _ChatEncoder(request)
+
+    def error_body(self, status: int, code: str, message: str) -> dict[str, Any]:
+        return common.error_body(status, code, message)
+
+
+def _call_json(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+class _ChatEncoder(StreamEncoder):
+    def __init__(self, request: CanonicalRequest) -> None:
+        self._request = request
+        self._head = (b'data: {"id":"chatcmpl-' + request.request_id.encode()
+                      + b'","object":"chat.completion.chunk","created":'
+                      + str(int(time.time())).encode() + b',"model":' + orjson.dumps(request.model)
+                      + b',"choices":[{"index":0,"delta":')
+        self._tail = b',"logprobs":null,"finish_reason":null}]}\n\n'
+
+    def start(self) -> bytes:
+        return self._head + b'{"role":"assistant","content":""}' + self._tail
+
+    def event(self, event: CanonicalEvent) -> bytes:
+        if isinstance(event, TextDelta):
+            return self._head + b'{"content":' + orjson.dumps(event.text) + b"}" + self._tail
+        assert isinstance(event, ToolCallDelta)
+        call: dict[str, Any] = {"index": event.index, "function": {"arguments": event.arguments}}
+        if event.id:
+            call["id"] = event.id
+            call["type"] = "function"
+        if event.name:
+            call["function"]["name"] = event.name
+        return self._head + orjson.dumps({"tool_calls": [call]}) + self._tail
+
+    def finish(self, response: CanonicalResponse) -> bytes:
+        reason = orjson.dumps(response.finish_reason or "stop")
+        out = (self._head + b'{},"logprobs":null,"finish_reason":' + reason + b"}]}\n\n")
+        if self._request.include_usage:
+            out += common.sse_data({
+                "id": f"chatcmpl-{self._request.request_id}", "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": self._request.model, "choices": [],
+                "usage": common.usage_json(response.usage)})
+        return out + common.SSE_DONE
+
+    def error(self, status: int, code: str, message: str) -> bytes:
+        return common.sse_data(common.error_body(status, code, message))

@@ -1,0 +1,55 @@
+"""Pieces shared by the OpenAI dialects: the error envelope, usage JSON, SSE framing, sampling."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.canonical import CanonicalRequest, Usage
+from gateway.dialects.validate import InvalidParam, get_bool, get_int, get_number, get_object, get_stop
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def error_body(status: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    error_type = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def sse_data(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def usage_json(usage: Usage | None) -> dict[str, Any]:
+    usage = usage or Usage(0, 0)
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def parse_sampling(body: dict[str, Any], request: CanonicalRequest, *, max_tokens_keys: tuple[str, ...]
+                   ) -> None:
+    """temperature, top_p, n, seed, stop, max tokens, stream and stream_options onto `request`."""
+    for key in max_tokens_keys:
+        value = get_int(body, key, minimum=1)
+        if value is not None:
+            request.max_tokens = value
+    request.temperature = get_number(body, "temperature", minimum=0.0, maximum=2.0)
+    request.top_p = get_number(body, "top_p", minimum=0.0, maximum=1.0)
+    n = get_int(body, "n", minimum=1)
+    if n not in (None, 1):
+        raise InvalidParam("n", "only n=1 is supported")
+    request.seed = get_int(body, "seed")
+    request.stop = get_stop(body, "stop")
+    request.stream = bool(get_bool(body, "stream"))
+    options = get_object(body, "stream_options")
+    if options is not None:
+        if not request.stream:
+            raise InvalidParam("stream_options", "is only allowed when stream is true")
+        request.include_usage = bool(get_bool(options, "include_usage",
+                                              "stream_options.include_usage"))

@@ -1,0 +1,82 @@
+"""OpenAI legacy Completions: POST /v1/completions (one text prompt, n=1, no echo/logprobs)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from gateway.canonical import CanonicalEvent, CanonicalRequest, CanonicalResponse, TextDelta
+from gateway.dialects import openai_common as common
+from gateway.dialects.base import Dialect, StreamEncoder
+from gateway.dialects.validate import InvalidParam, get_bool, get_str, need_object
+
+
+def _parse_prompt(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        return value[0]
+    if value is None:
+        raise InvalidParam("prompt", "is required")
+    raise InvalidParam("prompt", "expected a string (or an array of exactly one string)")
+
+
+class OpenAICompletions(Dialect):
+    name = "openai"
+
+    def parse(self, body: Any, request_id: str) -> CanonicalRequest:
+        body = need_object(body, "body")
+        request = CanonicalRequest(request_id, get_str(body, "model", required=True,
+                                                       allow_empty=False) or "", kind="completion")
+        request.prompt = _parse_prompt(body.get("prompt"))
+        if get_bool(body, "echo"):
+            raise InvalidParam("echo", "echo is not supported")
+        common.parse_sampling(body, request, max_tokens_keys=("max_tokens",))
+        if request.max_tokens is None:
+            request.max_tokens = 16  # the legacy API's documented default
+        return request
+
+    def render(self, request: CanonicalRequest, response: CanonicalResponse) -> dict[str, Any]:
+        return {"id": f"cmpl-{request.request_id}", "object": "text_completion",
+                "created": int(time.time()), "model": request.model,
+                "choices": [{"text": response.text, "index": 0, "logprobs": None,
+                             "finish_reason": response.finish_reason or "stop"}],
+                "usage": common.usage_json(response.usage)}
+
+    def encoder(self, request: CanonicalRequest) -> StreamEncoder:
+        return _CompletionEncoder(request)
+
+    def error_body(self, status: int, code: str, message: str) -> dict[str, Any]:
+        return common.error_body(status, code, message)
+
+
+class _CompletionEncoder(StreamEncoder):
+    def __init__(self, request: CanonicalRequest) -> None:
+        self._request = request
+        self._head = (b'data: {"id":"cmpl-' + request.request_id.encode()
+                      + b'","object":"text_completion","created":' + str(int(time.time())).encode()
+                      + b',"model":' + orjson.dumps(request.model) + b',"choices":[{"text":')
+
+    def start(self) -> bytes:
+        return b""
+
+    def event(self, event: CanonicalEvent) -> bytes:
+        if not isinstance(event, TextDelta):
+            return b""
+        return (self._head + orjson.dumps(event.text)
+                + b',"index":0,"logprobs":null,"finish_reason":null}]}\n\n')
+
+    def finish(self, response: CanonicalResponse) -> bytes:
+        out = (self._head + b'"","index":0,"logprobs":null,"finish_reason":'
+               + orjson.dumps(response.finish_reason or "stop") + b"}]}\n\n")
+        if self._request.include_usage:
+            out += common.sse_data({
+                "id": f"cmpl-{self._request.request_id}", "object": "text_completion",
+                "created": int(time.time()), "model": self._request.model, "choices": [],
+                "usage": common.usage_json(response.usage)})
+        return out + common.SSE_DONE
+
+    def error(self, status: int, code: str, message: str) -> bytes:
+        return common.sse_data(common.error_body(status, code, message))

@@ -1,0 +1,251 @@
+"""OpenAI Responses API: POST /v1/responses (and /openai/v1/responses). Stateless: no `store`d
+responses, so `previous_response_id` is refused; send the conversation as `input` items.
+
+Stream events: response.created, response.in_progress, then per output item
+output_item.added -> (content_part.added, output_text.delta*, output_text.done, content_part.done |
+function_call_arguments.delta*, function_call_arguments.done) -> output_item.done, and finally
+response.completed (or `event: error` with an `error` object when the upstream fails mid-stream).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from gateway.canonical import (
+    CanonicalEvent,
+    CanonicalRequest,
+    CanonicalResponse,
+    Message,
+    TextDelta,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
+from gateway.dialects import openai_common as common
+from gateway.dialects.base import Dialect, StreamEncoder
+from gateway.dialects.openai_chat import parse_content
+from gateway.dialects.validate import (
+    InvalidParam,
+    get_bool,
+    get_int,
+    get_list,
+    get_number,
+    get_object,
+    get_str,
+    need_object,
+)
+
+_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+
+
+def _parse_input(body: dict[str, Any]) -> list[Message]:
+    value = body.get("input")
+    if isinstance(value, str):
+        return [Message("user", value)]
+    items = get_list(body, "input", required=True, non_empty=True) or []
+    messages: list[Message] = []
+    for i, item in enumerate(items):
+        item = need_object(item, f"input[{i}]")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = _ROLES.get(get_str(item, "role", f"input[{i}].role", required=True) or "")
+            if role is None:
+                raise InvalidParam(f"input[{i}].role", f"unknown role {item.get('role')!r}")
+            messages.append(Message(role, parse_content(item.get("content"),  # type: ignore[arg-type]
+                                                        f"input[{i}].content")))
+        elif kind == "function_call":
+            call = ToolCall(get_str(item, "call_id", f"input[{i}].call_id", required=True) or "",
+                            get_str(item, "name", f"input[{i}].name", required=True) or "",
+                            get_str(item, "arguments", f"input[{i}].arguments") or "{}")
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant" and last.tool_calls:
+                messages[-1] = Message("assistant", last.content, (*last.tool_calls, call))
+            else:
+                messages.append(Message("assistant", "", (call,)))
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append(Message("tool", parse_content(output, f"input[{i}].output"),
+                                    tool_call_id=get_str(item, "call_id", f"input[{i}].call_id",
+                                                         required=True)))
+        elif kind != "reasoning":
+            raise InvalidParam(f"input[{i}].type", f"unsupported input item {kind!r}")
+    return messages
+
+
+def _parse_tools(body: dict[str, Any]) -> list[Tool]:
+    tools = []
+    for i, raw in enumerate(get_list(body, "tools") or ()):
+        raw = need_object(raw, f"tools[{i}]")
+        if raw.get("type") != "function":
+            raise InvalidParam(f"tools[{i}].type", "only 'function' tools are supported")
+        tools.append(Tool(get_str(raw, "name", f"tools[{i}].name", required=True,
+                                  allow_empty=False) or "",
+                          get_str(raw, "description", f"tools[{i}].description") or "",
+                          get_object(raw, "parameters", f"tools[{i}].parameters") or {}))
+    return tools
+
+
+def _parse_tool_choice(value: Any) -> str | dict[str, Any] | None:
+    if value is None or value in ("none", "auto", "required"):
+        return value  # type: ignore[no-any-return]
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
+        return {"type": "function", "function": {"name": value["name"]}}
+    raise InvalidParam("tool_choice", "expected 'none', 'auto', 'required' or a function choice")
+
+
+def _usage(usage: Usage | None) -> dict[str, Any]:
+    usage = usage or Usage(0, 0)
+    return {"input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": usage.total_tokens}
+
+
+def _message_item(request: CanonicalRequest, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+    return {"type": "message", "id": f"msg_{request.request_id}", "status": status,
+            "role": "assistant", "content": content}
+
+
+def _call_item(request: CanonicalRequest, index: int, call: ToolCall, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{request.request_id}_{index}", "call_id": call.id,
+            "name": call.name, "arguments": call.arguments if status == "completed" else "",
+            "status": status}
+
+
+def _response(request: CanonicalRequest, response: CanonicalResponse | None) -> dict[str, Any]:
+    output: list[dict[str, Any]] = []
+    status = "in_progress"
+    incomplete = None
+    if response is not None:
+        status = "completed"
+        if response.finish_reason == "length":
+            status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+        if response.text:
+            output.append(_message_item(request, response.text, "completed"))
+        output += [_call_item(request, i, c, "completed") for i, c in enumerate(response.tool_calls)]
+    return {"id": f"resp_{request.request_id}", "object": "response", "created_at": int(time.time()),
+            "status": status, "error": None, "incomplete_details": incomplete,
+            "instructions": None, "max_output_tokens": request.max_tokens, "model": request.model,
+            "output": output, "parallel_tool_calls": True, "previous_response_id": None,
+            "temperature": request.temperature, "top_p": request.top_p,
+            "tool_choice": "auto" if request.tool_choice is None else request.tool_choice,
+            "tools": [{"type": "function", "name": t.name, "description": t.description,
+                       "parameters": t.parameters, "strict": False} for t in request.tools],
+            "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": {},
+            "usage": _usage(response.usage) if response is not None else None}
+
+
+class OpenAIResponses(Dialect):
+    name = "openai"
+
+    def parse(self, body: Any, request_id: str) -> CanonicalRequest:
+        body = need_object(body, "body")
+        request = CanonicalRequest(request_id, get_str(body, "model", required=True,
+                                                       allow_empty=False) or "")
+        if body.get("previous_response_id") is not None:
+            raise InvalidParam("previous_response_id", "stored responses are not supported; "
+                               "send the conversation as input items")
+        instructions = get_str(body, "instructions")
+        request.messages = ([Message("system", instructions)] if instructions else []) + _parse_input(body)
+        request.tools = _parse_tools(body)
+        request.tool_choice = _parse_tool_choice(body.get("tool_choice"))
+        request.max_tokens = get_int(body, "max_output_tokens", minimum=1)
+        request.temperature = get_number(body, "temperature", minimum=0.0, maximum=2.0)
+        request.top_p = get_number(body, "top_p", minimum=0.0, maximum=1.0)
+        request.stream = bool(get_bool(body, "stream"))
+        return request
+
+    def render(self, request: CanonicalRequest, response: CanonicalResponse) -> dict[str, Any]:
+        return _response(request, response)
+
+    def encoder(self, request: CanonicalRequest) -> StreamEncoder:
+        return _ResponsesEncoder(request)
+
+    def error_body(self, status: int, code: str, message: str) -> dict[str, Any]:
+        return common.error_body(status, code, message)
+
+
+class _ResponsesEncoder(StreamEncoder):
+    def __init__(self, request: CanonicalRequest) -> None:
+        self._request = request
+        self._sequence_number = 0
+        self._num_items = 0
+        self._open: dict[str, Any] | None = None  # the item being streamed
+        self._text: list[str] = []
+        self._args: list[str] = []
+
+    def _emit(self, kind: str, **fields: Any) -> bytes:
+        fields["type"] = kind
+        fields["sequence_number"] = self._sequence_number
+        self._sequence_number += 1
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(fields) + b"\n\n"
+
+    def start(self) -> bytes:
+        snapshot = _response(self._request, None)
+        return (self._emit("response.created", response=snapshot)
+                + self._emit("response.in_progress", response=snapshot))
+
+    def _open_item(self, item: dict[str, Any]) -> bytes:
+        out = self._close_item()
+        self._open = item
+        out += self._emit("response.output_item.added", output_index=self._num_items, item=item)
+        if item["type"] == "message":
+            out += self._emit("response.content_part.added", item_id=item["id"],
+                              output_index=self._num_items, content_index=0,
+                              part={"type": "output_text", "text": "", "annotations": []})
+        return out
+
+    def _close_item(self) -> bytes:
+        item, self._open = self._open, None
+        if item is None:
+            return b""
+        index = self._num_items
+        self._num_items += 1
+        if item["type"] == "message":
+            text, self._text = "".join(self._text), []
+            part = {"type": "output_text", "text": text, "annotations": []}
+            done = dict(item, status="completed", content=[part])
+            return (self._emit("response.output_text.done", item_id=item["id"], output_index=index,
+                               content_index=0, text=text, logprobs=[])
+                    + self._emit("response.content_part.done", item_id=item["id"], output_index=index,
+                                 content_index=0, part=part)
+                    + self._emit("response.output_item.done", output_index=index, item=done))
+        arguments, self._args = "".join(self._args) or "{}", []
+        done = dict(item, status="completed", arguments=arguments)
+        return (self._emit("response.function_call_arguments.done", item_id=item["id"],
+                           output_index=index, arguments=arguments)
+                + self._emit("response.output_item.done", output_index=index, item=done))
+
+    def event(self, event: CanonicalEvent) -> bytes:
+        out = b""
+        if isinstance(event, TextDelta):
+            if self._open is None or self._open["type"] != "message":
+                out += self._open_item(_message_item(self._request, "", "in_progress"))
+            self._text.append(event.text)
+            assert self._open is not None
+            return out + self._emit("response.output_text.delta", item_id=self._open["id"],
+                                    output_index=self._num_items, content_index=0,
+                                    delta=event.text, logprobs=[])
+        if isinstance(event, ToolCallDelta):
+            if event.id or self._open is None or self._open["type"] != "function_call":
+                call = ToolCall(event.id or f"call_{event.index}", event.name or "", "")
+                out += self._open_item(_call_item(self._request, event.index, call, "in_progress"))
+            self._args.append(event.arguments)
+            assert self._open is not None
+            if event.arguments:
+                out += self._emit("response.function_call_arguments.delta", item_id=self._open["id"],
+                                  output_index=self._num_items, delta=event.arguments)
+        return out
+
+    def finish(self, response: CanonicalResponse) -> bytes:
+        return self._close_item() + self._emit("response.completed",
+                                               response=_response(self._request, response))
+
+    def error(self, status: int, code: str, message: str) -> bytes:
+        error = common.error_body(status, code, message)["error"]
+        return self._emit("error", code=code, message=message, param=None, error=error)

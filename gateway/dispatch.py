@@ -1,0 +1,107 @@
+"""Getting a first event: pick an endpoint, start the backend stream, retry before the first token.
+
+    attempt = await dispatch(...)      # Attempt(endpoint, events, first_event), or raises
+    try: ... read attempt.events ...
+    finally: await attempt.release()   # exactly once: closes the upstream, frees the slot
+
+Retries happen only before the first event, only for retryable `UpstreamError`s, at most
+`settings.num_retries` per request and within the shared `RetryBudget`; each retry goes to an
+endpoint not yet tried for this request. Each failure feeds the endpoint's circuit breaker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from gateway.canonical import CanonicalEvent, CanonicalRequest
+from gateway.endpoints import Endpoint, ModelRoute
+from gateway.errors import NoHealthyEndpoint, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from gateway.retry_budget import RetryBudget
+from gateway.routing.base import Router
+from gateway.settings import GatewaySettings
+
+
+@dataclass(slots=True)
+class Timing:
+    """Where a request's time went; `upstream_s` is time spent awaiting the backend."""
+
+    started: float
+    upstream_s: float = 0.0
+
+    def overhead_ms(self) -> float:
+        return max(0.0, (time.perf_counter() - self.started - self.upstream_s) * 1000.0)
+
+
+@dataclass(slots=True)
+class Attempt:
+    endpoint: Endpoint
+    events: AsyncIterator[CanonicalEvent]
+    first_event: CanonicalEvent
+    _released: bool = False
+
+    async def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self.endpoint.num_outstanding -= 1
+        await _close(self.events)
+
+
+async def _close(events: AsyncIterator[CanonicalEvent]) -> None:
+    aclose = getattr(events, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def _as_upstream_error(exc: BaseException, endpoint: Endpoint, timeout_s: float) -> UpstreamError:
+    if isinstance(exc, UpstreamError):
+        return exc
+    if isinstance(exc, TimeoutError):
+        return UpstreamTimeout(f"{endpoint.name} sent no first token within {timeout_s:g}s")
+    return UpstreamUnavailable(f"{endpoint.name} ended the stream before any event")
+
+
+async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
+                   settings: GatewaySettings, budget: RetryBudget, timing: Timing) -> Attempt:
+    budget.on_request()
+    tried: set[int] = set()
+    last_error: UpstreamError | None = None
+    num_retries = 0
+    while True:
+        now = time.monotonic()
+        candidates = [e for e in route.endpoints if id(e) not in tried and e.can_serve(now)]
+        if not candidates:
+            if last_error is not None:
+                raise last_error
+            raise NoHealthyEndpoint(f"no healthy endpoint for model {request.model!r}")
+        endpoint = router.pick(request, candidates).endpoint
+        endpoint.breaker.on_attempt(now)
+        endpoint.num_outstanding += 1
+        events = route.backend.stream(request, endpoint)
+        wait_started = time.perf_counter()
+        try:
+            async with asyncio.timeout(settings.first_token_timeout_s):
+                first = await anext(events)
+            timing.upstream_s += time.perf_counter() - wait_started
+            return Attempt(endpoint, events, first)
+        except (UpstreamError, TimeoutError, StopAsyncIteration) as exc:
+            timing.upstream_s += time.perf_counter() - wait_started
+            endpoint.num_outstanding -= 1
+            await _close(events)
+            error = _as_upstream_error(exc, endpoint, settings.first_token_timeout_s)
+            tried.add(id(endpoint))
+            last_error = error
+            if not error.retryable:
+                endpoint.breaker.record_success()  # the endpoint answered; the request was at fault
+                raise error from None
+            endpoint.breaker.record_failure(time.monotonic())
+            if num_retries >= settings.num_retries or not budget.try_withdraw():
+                raise error from None
+            num_retries += 1
+        except BaseException:
+            endpoint.num_outstanding -= 1
+            await _close(events)
+            raise

@@ -1,0 +1,79 @@
+"""Endpoint state (one upstream URL of one model: health, breaker, load) and the fleet of them.
+
+The pipeline is the only writer of `num_outstanding` and the breaker; the health checker is the
+only writer of `is_healthy`, `load` and `context_length`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from typing import TYPE_CHECKING
+
+from gateway.breaker import CircuitBreaker
+from gateway.settings import GatewaySettings, ModelSettings
+
+if TYPE_CHECKING:
+    from gateway.backends.base import Backend
+    from gateway.transport import Transport
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointLoad:
+    """What an upstream reports about itself (None where it did not say)."""
+
+    num_requests_running: int | None = None
+    num_requests_waiting: int | None = None
+    num_kv_blocks_used: int | None = None
+    num_kv_blocks_total: int | None = None
+
+
+class Endpoint:
+    def __init__(self, url: str, model: ModelSettings, breaker: CircuitBreaker) -> None:
+        self.url = url
+        self.model = model
+        self.breaker = breaker
+        self.name = url.split("://", 1)[-1]  # host:port, what x-aigw-replica shows
+        self.is_healthy = True  # optimistic until the first active check says otherwise
+        self.num_outstanding = 0
+        self.load: EndpointLoad | None = None
+        self.context_length: int | None = model.context_length
+
+    def can_serve(self, now: float | None = None) -> bool:
+        return self.is_healthy and self.breaker.can_attempt(time.monotonic() if now is None else now)
+
+    def __repr__(self) -> str:
+        return f"Endpoint({self.url}, healthy={self.is_healthy}, {self.breaker.state.value})"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRoute:
+    """A client-visible model: its settings, the backend that speaks to it, its endpoints."""
+
+    settings: ModelSettings
+    backend: Backend
+    endpoints: tuple[Endpoint, ...]
+
+
+class Fleet:
+    """model name -> ModelRoute, one breaker per endpoint, one backend instance per backend kind."""
+
+    def __init__(self, settings: GatewaySettings, transport: Transport) -> None:
+        from gateway.backends import get_backend_class
+
+        backends: dict[str, Backend] = {}
+        self.routes: dict[str, ModelRoute] = {}
+        for model in settings.models:
+            if model.backend not in backends:
+                backends[model.backend] = get_backend_class(model.backend)(transport, settings)
+            endpoints = tuple(
+                Endpoint(url, model, CircuitBreaker(settings.num_failures_to_eject, settings.ejection_s))
+                for url in model.endpoints)
+            self.routes[model.name] = ModelRoute(model, backends[model.backend], endpoints)
+
+    def get(self, model: str) -> ModelRoute | None:
+        return self.routes.get(model)
+
+    def all_endpoints(self) -> list[tuple[ModelRoute, Endpoint]]:
+        return [(route, endpoint) for route in self.routes.values() for endpoint in route.endpoints]

@@ -1,0 +1,75 @@
+"""Errors the gateway answers with, each carrying its HTTP status and a stable code.
+
+    GatewayError(status, code, message)
+     ├── BadRequest              400  malformed JSON, wrong types, missing fields
+     ├── ModelNotFound           404  no model of that name is configured
+     ├── PayloadTooLarge         413  body over settings.max_body_bytes
+     ├── NoHealthyEndpoint       503  every endpoint of the model is unhealthy or ejected
+     └── UpstreamError                the backend failed; `retryable` only before the first token
+          ├── UpstreamUnavailable 502  connect refused/reset, 5xx, malformed upstream answer
+          ├── UpstreamTimeout     504  no first token / no next chunk within the timeout
+          └── UpstreamRejected    4xx  the upstream refused the request itself (not retried)
+
+`auth.principal.AuthError` (401/403) and `gateway.metering.contract.RateLimited` (429) come from
+their own seams; the pipeline maps all three families onto the dialect's error envelope.
+"""
+
+from __future__ import annotations
+
+
+class GatewayError(Exception):
+    status: int = 500
+    code: str = "internal_error"
+
+    def __init__(self, message: str, *, status: int | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+        if code is not None:
+            self.code = code
+
+
+class BadRequest(GatewayError):
+    status = 400
+    code = "invalid_request"
+
+
+class ModelNotFound(GatewayError):
+    status = 404
+    code = "model_not_found"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    code = "payload_too_large"
+
+
+class NoHealthyEndpoint(GatewayError):
+    status = 503
+    code = "no_healthy_endpoint"
+
+
+class UpstreamError(GatewayError):
+    """The backend failed. `retryable` is True when another endpoint may be tried."""
+
+    status = 502
+    code = "upstream_error"
+    retryable = True
+
+
+class UpstreamUnavailable(UpstreamError):
+    status = 502
+    code = "upstream_unavailable"
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    code = "upstream_timeout"
+
+
+class UpstreamRejected(UpstreamError):
+    """A 4xx from the upstream: the request itself is at fault, so no retry."""
+
+    code = "upstream_rejected"
+    retryable = False

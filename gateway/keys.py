@@ -1,0 +1,21 @@
+"""Typed application state: every shared object has one `web.AppKey`."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from auth.principal import Authenticator
+from gateway.endpoints import Fleet
+from gateway.metering.contract import Meter
+from gateway.pipeline import Pipeline
+from gateway.routing.base import Router
+from gateway.settings import GatewaySettings
+from gateway.transport import Transport
+
+SETTINGS = web.AppKey("settings", GatewaySettings)
+AUTHENTICATOR = web.AppKey("authenticator", Authenticator)
+METER = web.AppKey("meter", Meter)
+ROUTER = web.AppKey("router", Router)
+TRANSPORT = web.AppKey("transport", Transport)
+FLEET = web.AppKey("fleet", Fleet)
+PIPELINE = web.AppKey("pipeline", Pipeline)

@@ -1,0 +1,43 @@
+"""One middleware: every answer carries x-request-id / x-aigw-replica / x-aigw-overhead-ms, and
+anything that escaped a handler (unknown route, wrong method, a bug) still answers in the route's
+error envelope, with no traceback."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from gateway.dialects import AnthropicMessages, OpenAIChat
+from gateway.pipeline import error_response, request_id_of
+from gateway.routes import is_anthropic_path
+
+log = logging.getLogger("aigw.gateway")
+_OPENAI = OpenAIChat()
+_ANTHROPIC = AnthropicMessages()
+_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+
+
+@web.middleware
+async def envelope_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    started = time.perf_counter()
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:
+        return _error(request, exc.status, _CODES.get(exc.status, "http_error"), exc.reason, started)
+    except Exception:  # noqa: BLE001 - never a traceback to the client
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _error(request, 500, "internal_error", "internal gateway error", started)
+    if not response.prepared and "x-request-id" not in response.headers:
+        response.headers["x-request-id"] = request_id_of(request)
+        response.headers.setdefault("x-aigw-replica", "none")
+        response.headers["x-aigw-overhead-ms"] = f"{(time.perf_counter() - started) * 1000:.3f}"
+    return response
+
+
+def _error(request: web.Request, status: int, code: str, message: str, started: float) -> web.Response:
+    dialect = _ANTHROPIC if is_anthropic_path(request.path) else _OPENAI
+    return error_response(dialect, status, code, message, request_id_of(request),
+                          (time.perf_counter() - started) * 1000)

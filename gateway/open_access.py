@@ -1,0 +1,36 @@
+"""Auth and metering turned OFF: every caller is one anonymous principal, nothing is counted.
+
+Used when `settings.auth_enabled` is false (`aigw serve --no-auth`, unit tests, the benchmark's
+"auth off" row). Never the default of a served gateway.
+"""
+
+from __future__ import annotations
+
+from auth.principal import Principal, Scope
+from gateway.metering.contract import Admission, UsageRecord
+
+ANONYMOUS = Principal(project="anonymous", key_id="anonymous",
+                      scopes=frozenset({Scope.INVOKE.value, Scope.USAGE_READ.value}),
+                      via="anonymous")
+
+
+class AllowAllAuthenticator:
+    async def authenticate(self, credential: str | None) -> Principal:
+        return ANONYMOUS
+
+
+class NullMeter:
+    """Admits everything; `settled` keeps the last records for tests (bounded)."""
+
+    def __init__(self, num_records_kept: int = 1000) -> None:
+        self.settled: dict[str, UsageRecord] = {}
+        self._num_records_kept = num_records_kept
+
+    async def admit(self, request_id: str, principal: Principal, model: str,
+                    num_prompt_tokens: int, max_tokens: int) -> Admission:
+        return Admission(request_id, principal, model, num_prompt_tokens + max_tokens)
+
+    async def settle(self, admission: Admission, record: UsageRecord) -> None:
+        if len(self.settled) >= self._num_records_kept:
+            self.settled.pop(next(iter(self.settled)))
+        self.settled[record.request_id] = record

@@ -1,0 +1,241 @@
+"""The one request pipeline every dialect runs through.
+
+    request id -> body cap -> parse + validate (dialect) -> authenticate -> require scope & model
+      -> meter.admit -> dispatch (pick endpoint, first event, retries) -> respond or stream
+      -> meter.settle (exactly once per admitted request: also on disconnect and failure)
+
+Errors before admission answer in the dialect's envelope and are never metered. After the stream
+has started, a failure ends it with the dialect's error event (status 200 already sent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from auth.principal import Authenticator, AuthError, Principal, Scope
+from gateway.canonical import Accumulator, CanonicalRequest, Finish, Usage, estimate_prompt_tokens
+from gateway.dialects.base import Dialect
+from gateway.dispatch import Attempt, Timing, dispatch
+from gateway.endpoints import Fleet, ModelRoute
+from gateway.errors import BadRequest, GatewayError, ModelNotFound, PayloadTooLarge, UpstreamError, UpstreamTimeout
+from gateway.metering.contract import Admission, Meter, RateLimited
+from gateway.retry_budget import RetryBudget
+from gateway.routing.base import Router
+from gateway.settings import GatewaySettings
+from gateway.usage import STATUS_CLIENT_CLOSED, build_record
+
+log = logging.getLogger("aigw.gateway")
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_CLIENT_GONE = (ConnectionResetError, ConnectionError)
+_SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
+
+
+def request_id_of(request: web.Request) -> str:
+    """The client's x-request-id if it is safe to echo, else a fresh one."""
+    given = request.headers.get("x-request-id")
+    return given if given and _REQUEST_ID.match(given) else uuid.uuid4().hex
+
+
+def credential_of(request: web.Request) -> str | None:
+    authorization = request.headers.get("authorization")
+    if authorization:
+        scheme, _, token = authorization.partition(" ")
+        return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    return request.headers.get("x-api-key") or None
+
+
+def error_response(dialect: Dialect, status: int, code: str, message: str, request_id: str,
+                   overhead_ms: float, replica: str = "none",
+                   headers: dict[str, str] | None = None) -> web.Response:
+    response = web.Response(status=status, body=orjson.dumps(dialect.error_body(status, code, message)),
+                            content_type="application/json", headers=headers)
+    _stamp(response, request_id, replica, overhead_ms)
+    return response
+
+
+def _stamp(response: web.StreamResponse, request_id: str, replica: str, overhead_ms: float) -> None:
+    response.headers["x-request-id"] = request_id
+    response.headers["x-aigw-replica"] = replica
+    response.headers["x-aigw-overhead-ms"] = f"{overhead_ms:.3f}"
+
+
+class Pipeline:
+    def __init__(self, settings: GatewaySettings, authenticator: Authenticator, meter: Meter,
+                 router: Router, fleet: Fleet) -> None:
+        self.settings = settings
+        self.authenticator = authenticator
+        self.meter = meter
+        self.router = router
+        self.fleet = fleet
+        self.retry_budget = RetryBudget(settings.retry_budget_ratio, settings.num_retries_reserve)
+        self.draining = False
+
+    async def _read_body(self, request: web.Request) -> Any:
+        if (request.content_length or 0) > self.settings.max_body_bytes:
+            raise PayloadTooLarge(f"body over {self.settings.max_body_bytes} bytes")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise PayloadTooLarge(f"body over {self.settings.max_body_bytes} bytes") from exc
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"body is not valid JSON: {exc}") from exc
+
+    async def _admit(self, request: web.Request, dialect: Dialect, request_id: str
+                     ) -> tuple[CanonicalRequest, Principal, ModelRoute, Admission]:
+        if self.draining:
+            raise GatewayError("the gateway is shutting down", status=503, code="draining")
+        canonical = dialect.parse(await self._read_body(request), request_id)
+        principal = await self.authenticator.authenticate(credential_of(request))
+        principal.require(Scope.INVOKE)
+        principal.require_model(canonical.model)
+        route = self.fleet.get(canonical.model)
+        if route is None:
+            raise ModelNotFound(f"the model {canonical.model!r} does not exist")
+        canonical.project = principal.project
+        admission = await self.meter.admit(request_id, principal, canonical.model,
+                                           estimate_prompt_tokens(canonical),
+                                           canonical.max_tokens or self.settings.default_max_tokens)
+        return canonical, principal, route, admission
+
+    async def handle(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
+        timing = Timing(time.perf_counter())
+        request_id = request_id_of(request)
+        try:
+            canonical, principal, route, admission = await self._admit(request, dialect, request_id)
+        except GatewayError as exc:
+            return error_response(dialect, exc.status, exc.code, exc.message, request_id,
+                                  timing.overhead_ms())
+        except AuthError as exc:
+            return error_response(dialect, exc.status, exc.code, exc.message, request_id,
+                                  timing.overhead_ms())
+        except RateLimited as exc:
+            return error_response(dialect, 429, "rate_limit_exceeded", exc.message, request_id,
+                                  timing.overhead_ms(), headers=exc.headers)
+        outcome = _Outcome()
+        try:
+            if canonical.stream:
+                return await self._stream(request, dialect, canonical, route, timing, outcome,
+                                          admission.headers)
+            return await self._respond(dialect, canonical, route, timing, outcome, admission.headers)
+        except GatewayError as exc:
+            outcome.status = exc.status
+            return error_response(dialect, exc.status, exc.code, exc.message, request_id,
+                                  timing.overhead_ms(), outcome.replica)
+        finally:
+            latency_ms = (time.perf_counter() - timing.started) * 1000.0
+            record = build_record(canonical, principal, route.settings,
+                                  "" if outcome.replica == "none" else outcome.replica,
+                                  outcome.accumulator, outcome.status, latency_ms)
+            await asyncio.shield(self._settle(admission, record))
+
+    async def _settle(self, admission: Admission, record: Any) -> None:
+        try:
+            await self.meter.settle(admission, record)
+        except Exception:  # noqa: BLE001 - a metering outage must not fail the answer
+            log.exception("settle failed for %s", record.request_id)
+
+    async def _respond(self, dialect: Dialect, canonical: CanonicalRequest, route: ModelRoute,
+                       timing: Timing, outcome: _Outcome, extra_headers: dict[str, str]
+                       ) -> web.Response:
+        attempt = await dispatch(canonical, route, self.router, self.settings, self.retry_budget, timing)
+        outcome.replica = attempt.endpoint.name
+        outcome.status = 499  # until the answer is built (a cancelled handler keeps this)
+        try:
+            outcome.accumulator.add(attempt.first_event)
+            await self._drain_events(attempt, outcome.accumulator, timing)
+            attempt.endpoint.breaker.record_success()
+        except (UpstreamError, TimeoutError) as exc:
+            attempt.endpoint.breaker.record_failure(time.monotonic())
+            raise _after_start(exc, self.settings) from None
+        finally:
+            await attempt.release()
+        outcome.status = 200
+        body = orjson.dumps(dialect.render(canonical, outcome.accumulator.response()))
+        response = web.Response(body=body, content_type="application/json", headers=extra_headers)
+        _stamp(response, canonical.request_id, outcome.replica, timing.overhead_ms())
+        return response
+
+    async def _drain_events(self, attempt: Attempt, accumulator: Accumulator, timing: Timing) -> None:
+        events = attempt.events
+        while True:
+            waited = time.perf_counter()
+            try:
+                async with asyncio.timeout(self.settings.idle_timeout_s):
+                    event = await anext(events)
+            except StopAsyncIteration:
+                break
+            finally:
+                timing.upstream_s += time.perf_counter() - waited
+            accumulator.add(event)
+
+    async def _stream(self, request: web.Request, dialect: Dialect, canonical: CanonicalRequest,
+                      route: ModelRoute, timing: Timing, outcome: _Outcome,
+                      extra_headers: dict[str, str]) -> web.StreamResponse:
+        attempt = await dispatch(canonical, route, self.router, self.settings, self.retry_budget, timing)
+        outcome.replica = attempt.endpoint.name
+        outcome.status = STATUS_CLIENT_CLOSED
+        accumulator = outcome.accumulator
+        encoder = dialect.encoder(canonical)
+        response = web.StreamResponse(headers={**_SSE_HEADERS, **extra_headers})
+        try:
+            _stamp(response, canonical.request_id, outcome.replica, timing.overhead_ms())
+            await response.prepare(request)
+            outcome.status = 200
+            accumulator.add(attempt.first_event)
+            await response.write(encoder.start() + _delta_bytes(encoder, attempt.first_event))
+            try:
+                while True:
+                    async with asyncio.timeout(self.settings.idle_timeout_s):
+                        try:
+                            event = await anext(attempt.events)
+                        except StopAsyncIteration:
+                            break
+                    accumulator.add(event)
+                    if not isinstance(event, Finish | Usage):
+                        await response.write(encoder.event(event))
+                attempt.endpoint.breaker.record_success()
+                tail = encoder.finish(accumulator.response())
+            except (UpstreamError, TimeoutError) as exc:
+                attempt.endpoint.breaker.record_failure(time.monotonic())
+                error = _after_start(exc, self.settings)
+                log.warning("stream %s failed after start: %s", canonical.request_id, error.message)
+                accumulator.finish_reason = "error"
+                tail = encoder.error(error.status, error.code, error.message)
+            await response.write(tail)
+            await response.write_eof()
+            return response
+        except _CLIENT_GONE:
+            outcome.status = STATUS_CLIENT_CLOSED  # the upstream is closed by release() below
+            return response
+        finally:
+            await attempt.release()
+
+
+def _delta_bytes(encoder: Any, event: Any) -> bytes:
+    return b"" if isinstance(event, Finish | Usage) else encoder.event(event)  # type: ignore[no-any-return]
+
+
+def _after_start(exc: BaseException, settings: GatewaySettings) -> UpstreamError:
+    if isinstance(exc, UpstreamError):
+        return exc
+    return UpstreamTimeout(f"the upstream sent nothing for {settings.idle_timeout_s:g}s")
+
+
+class _Outcome:
+    __slots__ = ("accumulator", "replica", "status")
+
+    def __init__(self) -> None:
+        self.accumulator = Accumulator()
+        self.replica = "none"
+        self.status = 502

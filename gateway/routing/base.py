@@ -1,0 +1,40 @@
+"""The Router interface: given a request and the endpoints that may serve it, pick one.
+
+Contract: `pick` is called on the event loop and must not block or await; `endpoints` is non-empty
+and holds only endpoints that can serve right now (healthy, breaker not open, not already tried
+for this request). A router keeps its own state (e.g. a prefix index) and may read, never write,
+`Endpoint` fields.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gateway.canonical import CanonicalRequest
+from gateway.endpoints import Endpoint
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    endpoint: Endpoint
+    reason: str = ""  # for logs and the bench: "least_outstanding", "prefix_hit", ...
+
+
+class Router(ABC):
+    @abstractmethod
+    def pick(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision: ...
+
+
+class LeastOutstandingRouter(Router):
+    """Fewest requests in flight from this gateway; ties go to the lower reported queue."""
+
+    def pick(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision:
+        best = min(endpoints, key=_load_key)
+        return Decision(best, "least_outstanding")
+
+
+def _load_key(endpoint: Endpoint) -> tuple[int, int]:
+    waiting = endpoint.load.num_requests_waiting if endpoint.load else None
+    return endpoint.num_outstanding, waiting or 0

@@ -1,0 +1,149 @@
+"""Gateway settings: environment (prefix `AIGW_`, nested with `__`) over a TOML or YAML file.
+
+    # gateway.toml  (AIGW_CONFIG=gateway.toml or `aigw serve --config gateway.toml`)
+    auth_enabled = true
+    [[models]]
+    name = "smollm2"
+    backend = "replica"                       # or "openai", or a plugin from `aigw.backends`
+    endpoints = ["http://10.0.0.5:8001", "http://10.0.0.6:8001"]
+    context_length = 8192
+    prices = { input_per_token = 1e-7, cached_input_per_token = 2.5e-8, output_per_token = 4e-7 }
+
+Precedence: explicit arguments > environment > config file > defaults. With no `models`, `aigw serve`
+starts embedded replicas (gateway/embedded.py) and fills them in.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+_config_path: contextvars.ContextVar[Path | None] = contextvars.ContextVar("aigw_config", default=None)
+
+
+class Prices(BaseModel):
+    """US dollars per token."""
+
+    model_config = ConfigDict(frozen=True)
+    input_per_token: float = Field(0.0, ge=0)
+    cached_input_per_token: float = Field(0.0, ge=0)
+    output_per_token: float = Field(0.0, ge=0)
+
+    def cost_usd(self, num_prompt_tokens: int, num_cached_tokens: int, num_completion_tokens: int) -> float:
+        num_uncached = max(0, num_prompt_tokens - num_cached_tokens)
+        return (num_uncached * self.input_per_token + num_cached_tokens * self.cached_input_per_token
+                + num_completion_tokens * self.output_per_token)
+
+
+class ModelSettings(BaseModel):
+    """One client-visible model: which backend serves it and on which endpoints."""
+
+    model_config = ConfigDict(frozen=True)
+    name: str = Field(min_length=1)
+    backend: str = "replica"
+    endpoints: tuple[str, ...] = Field(min_length=1)
+    upstream_model: str | None = None  # the name sent upstream; defaults to `name`
+    api_key: str | None = None  # for hosted OpenAI-compatible upstreams
+    context_length: int | None = Field(None, gt=0)  # else read from the upstream's /v1/models
+    prices: Prices = Prices()
+    share_cache_across_projects: bool = False  # replica: omit the per-project cache_salt
+    tokenizer: str | None = None  # tokenizer.json path, to count tokens when usage is missing
+    owned_by: str = "aigw"
+
+    @field_validator("endpoints")
+    @classmethod
+    def _strip_slash(cls, endpoints: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(url.rstrip("/") for url in endpoints)
+
+    @property
+    def upstream_name(self) -> str:
+        return self.upstream_model or self.name
+
+
+class LimitDefaults(BaseModel):
+    """Defaults handed to the meter for projects without their own limits (None = unlimited)."""
+
+    model_config = ConfigDict(frozen=True)
+    requests_per_minute: int | None = Field(None, gt=0)
+    tokens_per_minute: int | None = Field(None, gt=0)
+
+
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = _config_path.get()
+        if path is None:
+            return {}
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        else:
+            data = tomllib.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the config file must hold a mapping")
+        return data
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="AIGW_", env_nested_delimiter="__", frozen=True,
+                                      extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    models: tuple[ModelSettings, ...] = ()
+    auth_enabled: bool = True
+    redis_url: str | None = None
+    data_dir: Path = Path(".aigw")
+    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    default_max_tokens: int = Field(1024, gt=0)  # admission reserve when the client sets none
+    limits: LimitDefaults = LimitDefaults()
+    # Retries before the first token: at most `num_retries` per request, and in all at most
+    # `retry_budget_ratio` retries per request plus `num_retries_reserve` (a retry budget).
+    num_retries: int = Field(2, ge=0)
+    retry_budget_ratio: float = Field(0.2, ge=0)
+    num_retries_reserve: int = Field(10, ge=0)
+    connect_timeout_s: float = Field(5.0, gt=0)
+    first_token_timeout_s: float = Field(60.0, gt=0)  # request sent -> first event
+    idle_timeout_s: float = Field(60.0, gt=0)  # between two events of a stream
+    # Endpoint health
+    health_interval_s: float = Field(5.0, gt=0)
+    health_timeout_s: float = Field(2.0, gt=0)
+    num_failures_to_eject: int = Field(3, gt=0)  # consecutive failures that open the breaker
+    ejection_s: float = Field(10.0, gt=0)  # open -> half-open after this long
+    drain_timeout_s: float = Field(30.0, ge=0)  # SIGTERM: finish in-flight within this
+    router: str = "least_outstanding"
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings],
+                                   init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _ConfigFileSource(settings_cls)
+
+    def find_model(self, name: str) -> ModelSettings | None:
+        for model in self.models:
+            if model.name == name:
+                return model
+        return None
+
+
+def load_settings(config_path: str | Path | None = None, **overrides: Any) -> GatewaySettings:
+    """Settings from `overrides` > env > the config file (`config_path`, else $AIGW_CONFIG)."""
+    import os
+
+    path = config_path or os.environ.get("AIGW_CONFIG")
+    token = _config_path.set(Path(path) if path else None)
+    try:
+        return GatewaySettings(**overrides)
+    finally:
+        _config_path.reset(token)

@@ -1,0 +1,149 @@
+"""Upstream I/O behind one method: `Transport.send(UpstreamRequest) -> UpstreamResponse`.
+
+Backends never touch aiohttp directly; tests hand them a `MockTransport`. `AiohttpTransport` keeps
+one pooled `ClientSession` per upstream origin (keep-alive connections, no per-request session).
+Connection failures surface as `UpstreamUnavailable`, connect timeouts as `UpstreamTimeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from gateway.errors import UpstreamTimeout, UpstreamUnavailable
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamRequest:
+    method: str
+    url: str
+    body: bytes | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+    connect_timeout_s: float = 5.0
+
+
+class UpstreamResponse(ABC):
+    """An upstream answer whose body is read once, either whole or line by line; close() always."""
+
+    status: int
+    headers: Mapping[str, str]
+
+    @abstractmethod
+    async def read(self) -> bytes: ...
+
+    @abstractmethod
+    def lines(self) -> AsyncIterator[bytes]:
+        """Body lines as they arrive, each with its trailing newline (if any)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Drop the connection if the body was not fully read (this is how an upstream is aborted)."""
+
+
+class Transport(ABC):
+    @abstractmethod
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
+        """Send the request; return once the status line and headers have arrived."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Release pooled connections."""
+
+
+class _AiohttpResponse(UpstreamResponse):
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+        self.status = response.status
+        self.headers = response.headers
+
+    async def read(self) -> bytes:
+        try:
+            return await self._response.read()
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise UpstreamUnavailable(f"upstream body failed: {exc!r}") from exc
+
+    async def lines(self) -> AsyncIterator[bytes]:  # type: ignore[override]
+        content = self._response.content
+        try:
+            while True:
+                line = await content.readline()
+                if not line:
+                    return
+                yield line
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise UpstreamUnavailable(f"upstream stream broke: {exc!r}") from exc
+
+    def close(self) -> None:
+        self._response.close()
+
+
+class AiohttpTransport(Transport):
+    def __init__(self, *, limit_per_host: int = 0, keepalive_timeout_s: float = 60.0) -> None:
+        self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._limit_per_host = limit_per_host
+        self._keepalive_timeout_s = keepalive_timeout_s
+
+    def _session(self, url: str) -> aiohttp.ClientSession:
+        parts = urlsplit(url)
+        origin = f"{parts.scheme}://{parts.netloc}"
+        session = self._sessions.get(origin)
+        if session is None:
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=self._limit_per_host,
+                                             keepalive_timeout=self._keepalive_timeout_s)
+            session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                            timeout=aiohttp.ClientTimeout(total=None))
+            self._sessions[origin] = session
+        return session
+
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=request.connect_timeout_s)
+        try:
+            response = await self._session(request.url).request(
+                request.method, request.url, data=request.body, headers=dict(request.headers),
+                timeout=timeout)
+        except (aiohttp.ServerTimeoutError, asyncio.TimeoutError) as exc:
+            raise UpstreamTimeout(f"connecting to {request.url} timed out") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise UpstreamUnavailable(f"cannot reach {request.url}: {exc!r}") from exc
+        return _AiohttpResponse(response)
+
+    async def aclose(self) -> None:
+        sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            await session.close()
+
+
+class MockResponse(UpstreamResponse):
+    """A canned answer for tests: `chunks` are yielded as lines (split on newlines)."""
+
+    def __init__(self, status: int, body: bytes = b"", headers: Mapping[str, str] | None = None) -> None:
+        self.status = status
+        self.headers = dict(headers or {})
+        self._body = body
+        self.closed = False
+
+    async def read(self) -> bytes:
+        return self._body
+
+    async def lines(self) -> AsyncIterator[bytes]:  # type: ignore[override]
+        for line in self._body.splitlines(keepends=True):
+            yield line
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class MockTransport(Transport):
+    """Answers every request with `handler(request)`; records what was sent in `requests`."""
+
+    def __init__(self, handler: Callable[[UpstreamRequest], Awaitable[UpstreamResponse]]) -> None:
+        self._handler = handler
+        self.requests: list[UpstreamRequest] = []
+
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
+        self.requests.append(request)
+        return await self._handler(request)

@@ -1,0 +1,29 @@
+"""Building the one `UsageRecord` a client request settles with."""
+
+from __future__ import annotations
+
+import time
+
+from auth.principal import Principal
+from gateway.canonical import Accumulator, CanonicalRequest, Usage, estimate_num_tokens, estimate_prompt_tokens
+from gateway.metering.contract import UsageRecord
+from gateway.settings import ModelSettings
+
+STATUS_CLIENT_CLOSED = 499  # nginx's code for "the client went away before the answer"
+
+
+def build_record(request: CanonicalRequest, principal: Principal, model: ModelSettings,
+                 endpoint_name: str, accumulator: Accumulator, status: int,
+                 latency_ms: float) -> UsageRecord:
+    """Usage as the upstream reported it, else estimated from what was produced so far."""
+    usage = accumulator.usage or Usage(
+        estimate_prompt_tokens(request) if accumulator.num_events else 0,
+        estimate_num_tokens(len(accumulator.text)) if accumulator.text else 0)
+    return UsageRecord(
+        request_id=request.request_id, project=principal.project, key_id=principal.key_id,
+        model=model.name, endpoint=endpoint_name, prompt_tokens=usage.prompt_tokens,
+        cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens,
+        cost_usd=model.prices.cost_usd(usage.prompt_tokens, usage.cached_tokens,
+                                       usage.completion_tokens),
+        latency_ms=latency_ms, status=status, created_at=time.time(), stream=request.stream,
+        finish_reason=accumulator.finish_reason)
