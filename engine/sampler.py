@@ -10,11 +10,11 @@ Per row, in this order (OpenAI semantics, vLLM's processing order):
        ├─ temperature == 0 ──► argmax
        └─ logits / temperature ──► top_k ──► top_p (keeps at least one token) ──► sample
 
-Sampling is an exponential race: argmax(probs / q) with q ~ Exp(1) i.i.d. picks token i with
-probability probs[i] (the Gumbel-max trick in another form), so a whole batch samples in one
-vectorized call. A row whose request has a seed draws its q from the request's own generator,
-so its tokens do not depend on which other rows share the batch; every other row draws from one
-engine-wide generator in a single call.
+Sampling is inverse-CDF (what torch.multinomial does), vectorized over the batch with one
+uniform number per row. A row whose request has a seed draws its number from the request's own
+generator, so its tokens do not depend on which other rows share the batch; every other row
+draws from one engine-wide generator in a single call. (An exponential race, argmax(probs / q)
+with q ~ Exp(1), needs a random number per vocabulary entry: ten times slower on CPU.)
 
 Fast path: when every row is greedy with no penalties, no logprobs and no active min_tokens,
 the whole step is one argmax.
@@ -85,40 +85,45 @@ class Sampler:
 
         raw = logits.float()
         processed = apply_min_tokens(apply_penalties(raw, rows), rows)
-        token_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
-
-        greedy_idx = [i for i, row in enumerate(rows) if row.params.is_greedy]
         sample_idx = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-        if greedy_idx:
-            idx = torch.tensor(greedy_idx, device=logits.device)
-            token_ids[idx] = processed[idx].argmax(dim=-1)
-        if sample_idx:
+        if not sample_idx:
+            token_ids = processed.argmax(dim=-1)  # [num_rows]
+        elif len(sample_idx) == num_rows:
+            token_ids = self._draw(top_k_top_p_probs(processed, [r.params for r in rows]), rows)
+        else:
+            # argmax over every row reads the logits once: cheaper than copying out greedy rows
+            token_ids = processed.argmax(dim=-1)
             idx = torch.tensor(sample_idx, device=logits.device)
             sample_rows = [rows[i] for i in sample_idx]
             probs = top_k_top_p_probs(processed[idx], [row.params for row in sample_rows])
-            token_ids[idx] = self._race(probs, sample_rows)
+            token_ids[idx] = self._draw(probs, sample_rows)
 
         token_id_list = token_ids.tolist()
         return SamplerOutput(token_id_list, compute_logprobs(raw, rows, token_ids))
 
-    def _race(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """argmax(probs / q), q ~ Exp(1): one sample per row of probs [n, vocab] -> [n]."""
-        uniform = torch.empty_like(probs)  # [n, vocab], in [0, 1)
+    def _draw(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Inverse-CDF sampling: one token per row of probs [n, vocab] -> [n].
+
+        One uniform number per row: a seeded row draws it from its own generator, the others
+        share one draw from the engine-wide generator.
+        """
+        n = probs.shape[0]
+        uniform = torch.empty(n, device=probs.device)  # [n], in [0, 1)
         shared_idx = [i for i, row in enumerate(rows) if row.generator is None]
-        if len(shared_idx) == len(rows):
+        if len(shared_idx) == n:
             uniform.uniform_(generator=self._generator(probs.device))
         elif shared_idx:
-            shared = torch.empty((len(shared_idx), probs.shape[1]), device=probs.device)
+            shared = torch.empty(len(shared_idx), device=probs.device)
             shared.uniform_(generator=self._generator(probs.device))
             uniform[torch.tensor(shared_idx, device=probs.device)] = shared
         for i, row in enumerate(rows):  # unavoidable: one private generator per seeded request
             if row.generator is not None:
-                own = torch.empty(probs.shape[1], device=row.generator.device)
-                uniform[i] = own.uniform_(generator=row.generator).to(probs.device)
-        # -log(u) ~ Exp(1); u < 1 keeps q > 0, and u == 0 gives q = inf, i.e. probs / q == 0.
-        # (Tensor.exponential_ is several times slower on CPU than uniform_ + log.)
-        q = uniform.log_().neg_()
-        return (probs / q).argmax(dim=-1)
+                own = torch.empty(1, device=row.generator.device)
+                uniform[i] = own.uniform_(generator=row.generator).to(probs.device)[0]
+        cdf = probs.cumsum(dim=-1)  # [n, vocab], non-decreasing
+        # target in (0, total]: the first index whose cdf reaches it has a nonzero probability
+        target = (1.0 - uniform[:, None]) * cdf[:, -1:]  # [n, 1]
+        return torch.searchsorted(cdf, target).squeeze(1)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
@@ -181,8 +186,8 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
 def top_k_top_p_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature, then top_k, then top_p; returns probs [n, vocab] (zero outside the kept set).
 
-    Ties at the top_k boundary are all kept. top_p keeps the smallest set of best tokens whose
-    probability reaches top_p, and always at least the best one.
+    top_p keeps the smallest set of best tokens whose probability reaches top_p, so always at
+    least the best one. At both boundaries, tokens tied with the last kept one are kept too.
     """
     n, vocab_size = logits.shape
     device = logits.device
@@ -195,16 +200,14 @@ def top_k_top_p_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
         best, _ = scaled.topk(max_k, dim=-1)  # [n, max_k], descending
         k = torch.tensor([min(k, max_k) for k in top_k], device=device)
         kth = best.gather(1, (k - 1)[:, None])  # [n, 1]
-        limited = torch.tensor([k < vocab_size for k in top_k], device=device)
-        drop = (scaled < kth) & limited[:, None]
-        scaled = scaled.masked_fill(drop, float("-inf"))
+        unlimited = torch.tensor([k == vocab_size for k in top_k], device=device)
+        kth.masked_fill_(unlimited[:, None], float("-inf"))  # those rows drop nothing
+        scaled.masked_fill_(scaled < kth, float("-inf"))
 
     probs = scaled.softmax(dim=-1)
-    top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
-    if top_p_rows:
-        idx = torch.tensor(top_p_rows, device=device)
-        top_p = torch.tensor([params[i].top_p for i in top_p_rows], device=device)
-        probs[idx] = _top_p(probs[idx], top_p)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        probs.masked_fill_(probs < _nucleus_floor(probs, top_p), 0.0)
     return probs
 
 
@@ -212,27 +215,28 @@ def top_k_top_p_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
 _TOP_P_CANDIDATES = (64, 1024)
 
 
-def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """probs [m, vocab], top_p [m] -> probs with every token outside the nucleus zeroed.
+def _nucleus_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """probs [n, vocab], top_p [n] -> [n, 1]: the smallest probability inside each nucleus.
 
-    A token stays when the mass of the tokens ranked above it is still below top_p, so the
-    best token always stays. Each row takes its k best (k = 64, then 1024, then the whole
-    vocabulary) until those cover top_p: a full sort of the vocabulary is the slow part.
+    A token is in the nucleus when the mass of the tokens ranked above it is below top_p. Rows
+    with top_p == 1 get 0 (keep everything). Each row looks at its k best (k = 64, then 1024,
+    then the whole vocabulary) until they cover top_p: a full sort is the slow part.
     """
-    m, vocab_size = probs.shape
-    out = torch.zeros_like(probs)
-    pending = torch.arange(m, device=probs.device)
+    n, vocab_size = probs.shape
+    floor = torch.zeros((n, 1), device=probs.device)
+    pending = (top_p < 1.0).nonzero().squeeze(1)  # rows whose floor is not known yet
     for k in (*(k for k in _TOP_P_CANDIDATES if k < vocab_size), vocab_size):
-        values, ids = probs[pending].topk(k, dim=-1)  # [num_pending, k], best first
-        mass_above = values.cumsum(dim=-1) - values  # [num_pending, k]
-        covered = (mass_above[:, -1] + values[:, -1] >= top_p[pending]) | (k == vocab_size)
-        rows = pending[covered]
-        kept = values[covered].masked_fill(mass_above[covered] >= top_p[rows][:, None], 0.0)
-        out[rows] = out[rows].scatter_(1, ids[covered], kept)
-        pending = pending[~covered]
         if pending.numel() == 0:
             break
-    return out
+        candidates = probs if pending.numel() == n else probs[pending]  # [num_pending, vocab]
+        values, _ = candidates.topk(k, dim=-1)  # [num_pending, k], best first
+        mass_above = values.cumsum(dim=-1) - values  # [num_pending, k]
+        p = top_p[pending][:, None]  # [num_pending, 1]
+        covered = (mass_above[:, -1:] + values[:, -1:] >= p).squeeze(1) | (k == vocab_size)
+        num_kept = (mass_above < p).sum(dim=-1, keepdim=True)  # >= 1: nothing is above the best
+        floor[pending[covered]] = values.gather(1, num_kept - 1)[covered]
+        pending = pending[~covered]
+    return floor
 
 
 def compute_logprobs(
@@ -243,16 +247,21 @@ def compute_logprobs(
     want = [i for i, row in enumerate(rows) if row.params.logprobs]
     if not want:
         return out
-    idx = torch.tensor(want, device=raw_logits.device)
-    logprobs = raw_logits[idx].log_softmax(dim=-1)  # [num_want, vocab]
-    chosen = logprobs.gather(1, token_ids[idx][:, None]).squeeze(1).tolist()
+    if len(want) == len(rows):
+        wanted, wanted_ids = raw_logits, token_ids
+    else:
+        idx = torch.tensor(want, device=raw_logits.device)
+        wanted, wanted_ids = raw_logits[idx], token_ids[idx]  # [num_want, vocab], [num_want]
+    # log_softmax(x)[t] == x[t] - logsumexp(x): no [num_want, vocab] log_softmax table
+    log_total = wanted.logsumexp(dim=-1, keepdim=True)  # [num_want, 1]
+    chosen = (wanted.gather(1, wanted_ids[:, None]) - log_total).squeeze(1).tolist()
+    chosen_ids = wanted_ids.tolist()
     max_top = max(rows[i].params.top_logprobs for i in want)
     top_values: list[list[float]] = [[] for _ in want]
     top_ids: list[list[int]] = [[] for _ in want]
     if max_top:
-        values, ids = logprobs.topk(max_top, dim=-1)
-        top_values, top_ids = values.tolist(), ids.tolist()
-    chosen_ids = token_ids[idx].tolist()
+        values, ids = wanted.topk(max_top, dim=-1)  # [num_want, max_top], best first
+        top_values, top_ids = (values - log_total).tolist(), ids.tolist()
     for j, i in enumerate(want):
         num_top = rows[i].params.top_logprobs
         top = tuple(zip(top_ids[j][:num_top], top_values[j][:num_top], strict=True))
