@@ -4,6 +4,9 @@ Streams follow OpenAI: per choice a first delta {role: "assistant", content: ""}
 (and tool-call) deltas, then an empty delta carrying finish_reason; a usage chunk (choices: [])
 when stream_options.include_usage; then `data: [DONE]`. If the engine fails mid-stream, an error
 event `data: {"error": {...}}` is sent and the stream closes without [DONE].
+
+The SSE response is prepared only after every choice's engine request has yielded once (see
+FanOut.start), so errors raised before the first token are still plain HTTP errors (400/500).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from engine.server.fanout import FanOut
 from engine.server.protocol import ChatCompletionRequest
 from engine.server.serving import ServingContext
 from engine.server.sse import ClientGone, EventStream
-from engine.tool_parsers import ToolCallStream
+from engine.tool_parsers import ToolCall, ToolCallStream
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +70,8 @@ class _ChatStreamWriter:
 
     async def write_output(self, index: int, output: RequestOutput) -> None:
         self.states[index].add(output)
-        content, calls = output.text, ()
+        content: str = output.text
+        calls: tuple[ToolCall, ...] = ()
         tools = self.tool_streams[index]
         if tools is not None:
             delta = tools.feed(output.text)

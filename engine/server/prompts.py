@@ -111,14 +111,16 @@ def completion_prompts(req: CompletionRequest, tokenizer: ServedTokenizer, vocab
     prompt = req.prompt
     if isinstance(prompt, str):
         return [tokenizer.encode(prompt, add_special_tokens=True)]
-    if all(isinstance(p, str) for p in prompt):
-        return [tokenizer.encode(p, add_special_tokens=True) for p in prompt]  # type: ignore[arg-type]
-    prompts = [prompt] if all(isinstance(p, int) for p in prompt) else prompt
+    texts = [p for p in prompt if isinstance(p, str)]
+    if texts:
+        return [tokenizer.encode(text, add_special_tokens=True) for text in texts]
+    flat = [p for p in prompt if isinstance(p, int)]
+    prompts = [flat] if flat else [list(p) for p in prompt if isinstance(p, list)]
     for ids in prompts:
-        if any(not 0 <= tid < vocab_size for tid in ids):  # type: ignore[union-attr]
+        if any(not 0 <= tid < vocab_size for tid in ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})",
                                       param="prompt")
-    return [list(ids) for ids in prompts]  # type: ignore[arg-type]
+    return prompts
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from engine.server.handlers import ops
 from engine.server.handlers import openai as openai_api
+from engine.server.handlers import ops
 
 
 def setup_routes(app: web.Application) -> None:

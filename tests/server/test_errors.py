@@ -142,3 +142,10 @@ def test_request_id_is_echoed_or_generated(http: httpx.Client) -> None:
     streamed = http.post("/v1/chat/completions", json=chat(stream=True),
                          headers={"x-request-id": "s-1"})
     assert streamed.headers["x-request-id"] == "s-1"
+
+
+def test_engine_failure_before_the_first_token_of_a_stream_is_a_500_envelope(
+        http: httpx.Client, engine: FakeEngine) -> None:
+    engine.fail_after_num_tokens = 0
+    response = http.post("/v1/chat/completions", json=chat(stream=True, n=2))
+    assert_envelope(response, 500, type_="server_error")

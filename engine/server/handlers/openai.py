@@ -9,7 +9,7 @@ from engine.server.chat import complete_chat, stream_chat
 from engine.server.completions import complete_text, stream_text
 from engine.server.errors import json_response
 from engine.server.keys import SERVING_KEY
-from engine.server.prompts import check_context_length, chat_prompt_token_ids, completion_prompts
+from engine.server.prompts import chat_prompt_token_ids, check_context_length, completion_prompts
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.serving import parse_body, sampling_params
 
