@@ -32,7 +32,7 @@ from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingRow:
     """What the sampler needs to know about one sequence for this step.
 
@@ -60,7 +60,7 @@ class SamplingRow:
         return p.is_greedy and not p.has_penalties and not p.logprobs and not self.blocked_token_ids
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplerOutput:
     token_ids: list[int]  # one per row, in row order
     logprobs: list[TokenLogprob | None]  # None for rows that did not ask for logprobs
@@ -159,7 +159,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     out = logits.clone(memory_format=torch.contiguous_format)
     flat_out = out.view(num_rows * vocab_size)
     flat_out.index_add_(0, position, frequency[row_of_token], alpha=-1.0)  # once per occurrence
-    seen = position.unique()  # once per distinct (row, token)
+    seen = torch.unique(position)  # once per distinct (row, token)
     flat_out.index_add_(0, seen, presence[seen // vocab_size], alpha=-1.0)
     return out
 
