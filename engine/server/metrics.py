@@ -5,7 +5,7 @@ counters) is read from `engine.stats()` at scrape time by a collector; latencies
 the server as outputs stream out:
 
     aigw_replica_num_requests_running / _waiting          gauge
-    aigw_replica_kv_blocks_used / _total                  gauge
+    aigw_replica_kv_blocks_used / _total (/ _cached)      gauge
     aigw_replica_prompt_tokens_total                      counter
     aigw_replica_generation_tokens_total                  counter
     aigw_replica_prefix_cache_queried_tokens_total        counter
@@ -66,6 +66,10 @@ class _EngineStatsCollector(Collector):
                     stats.num_waiting_requests)
         yield gauge("kv_blocks_used", "KV cache blocks in use.", stats.num_kv_blocks_used)
         yield gauge("kv_blocks_total", "KV cache blocks in the pool.", stats.num_kv_blocks_total)
+        num_cached = getattr(stats, "num_kv_blocks_cached", None)  # not every engine reports it
+        if num_cached is not None:
+            yield gauge("kv_blocks_cached", "KV blocks holding prefix-cache content.",
+                        num_cached)
         yield counter("prompt_tokens", "Prompt tokens processed.", stats.num_prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", stats.num_generation_tokens_total)
         yield counter("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",

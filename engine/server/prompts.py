@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jinja2
 import orjson
 
 from engine.server.errors import ContextLengthExceeded, InvalidRequestError
@@ -100,7 +101,7 @@ def chat_prompt_token_ids(req: ChatCompletionRequest, tokenizer: ServedTokenizer
     try:
         return tokenizer.encode_chat(chat_template_messages(req), tools=chat_template_tools(req),
                                      add_generation_prompt=True)
-    except (ValueError, TypeError, KeyError) as exc:  # the template rejected the conversation
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:  # template refused
         raise InvalidRequestError(f"messages cannot be rendered by the chat template: {exc}",
                                   param="messages") from exc
 

@@ -91,6 +91,7 @@ class FakeEngineStats:
     num_waiting_requests: int = 0
     num_kv_blocks_total: int = 64
     num_kv_blocks_used: int = 0
+    num_kv_blocks_cached: int = 0
     num_prefix_cache_queried_tokens: int = 0
     num_prefix_cache_hit_tokens: int = 0
     num_prompt_tokens_total: int = 0
@@ -117,7 +118,7 @@ class FakeEngine:
     fail_after_num_tokens: int | None = None  # raise RuntimeError after this many tokens
     kv_capacity_tokens: int | None = None  # prompts longer than this never fit the KV cache
     replica_id: str = "fake-replica"
-    tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+    tokenizer: Any = field(default_factory=FakeTokenizer)  # or a real engine.loader Tokenizer
     calls: list[GenerateCall] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     aborted_event: threading.Event = field(default_factory=threading.Event)
@@ -130,8 +131,9 @@ class FakeEngine:
         self.model_config = ModelConfig(
             architecture="llama", vocab_size=self.tokenizer.vocab_size, hidden_size=8,
             intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4,
-            max_position_embeddings=self.max_model_len, eos_token_ids=(IM_END, ENDOFTEXT),
-            model_id="fake-model")
+            max_position_embeddings=self.max_model_len,
+            eos_token_ids=tuple(self.tokenizer.eos_token_ids), model_id="fake-model")
+        self.eos_token_id = self.model_config.eos_token_ids[0]
 
     def prompt_text(self, call: GenerateCall) -> str:
         return self.tokenizer.decode(call.prompt_token_ids)
@@ -184,7 +186,7 @@ class FakeEngine:
         """(token id, text, finish) per output: the reply cut at the first stop string (whose
         first token ends the request with no text), else the reply and an eos token."""
         cuts = [reply.index(stop) for stop in params.stop if stop in reply]
-        end_id, end_reason = IM_END, FinishReason.STOP
+        end_id, end_reason = self.eos_token_id, FinishReason.STOP
         if cuts:
             end_id = self.tokenizer.encode(reply[min(cuts):])[0]
             reply = reply[:min(cuts)]

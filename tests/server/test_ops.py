@@ -41,6 +41,7 @@ def test_metrics_expose_engine_state_and_latencies(client: openai.OpenAI, http: 
     text = response.text
     for name in ("aigw_replica_num_requests_running", "aigw_replica_num_requests_waiting",
                  "aigw_replica_kv_blocks_used", "aigw_replica_kv_blocks_total",
+                 "aigw_replica_kv_blocks_cached",
                  "aigw_replica_prompt_tokens_total", "aigw_replica_generation_tokens_total",
                  "aigw_replica_prefix_cache_queried_tokens_total",
                  "aigw_replica_prefix_cache_hit_tokens_total",

@@ -1,0 +1,68 @@
+"""The server with the real SmolLM2 tokenizer and chat template (engine.loader) behind the fake.
+
+Checks that the messages and tools the server hands to `encode_chat` render as the model
+expects, and that the Hermes parser reads back the format that template asks for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import orjson
+import pytest
+
+from tests.server.fakes import FakeEngine
+
+TOOLS: list[Any] = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object",
+                                          "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer() -> Any:
+    loader = pytest.importorskip("engine.loader")
+    try:
+        path = loader.default_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    return loader.load_tokenizer(path)
+
+
+@pytest.fixture
+def engine(smollm2_tokenizer: Any) -> FakeEngine:
+    return FakeEngine(tokenizer=smollm2_tokenizer, max_model_len=8192)
+
+
+def test_conversation_with_tool_history_renders_through_the_real_template(
+        client: openai.OpenAI, engine: FakeEngine, model: str) -> None:
+    engine.reply = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                    '</tool_call>')
+    completion = client.chat.completions.create(model=model, tools=TOOLS, tool_choice="required",
+                                                messages=[
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+    ])
+    prompt = engine.prompt_text(engine.calls[0])
+    assert prompt.startswith("<|im_start|>system\nBe brief.")
+    assert "You must call at least one of the provided tools." in prompt
+    assert '"name": "get_weather"' in prompt  # the tool signature
+    assert '{"name": "get_weather", "arguments": {"city": "Lyon"}}' in prompt  # earlier call
+    assert "<tool_response>\n18C\n</tool_response>" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+    (call,) = completion.choices[0].message.tool_calls or []
+    assert orjson.loads(call.function.arguments) == {"city": "Paris"}  # type: ignore[union-attr]
+    assert completion.choices[0].finish_reason == "tool_calls"
+
+
+def test_streamed_text_decodes_token_by_token(client: openai.OpenAI, engine: FakeEngine,
+                                              model: str) -> None:
+    engine.reply = "The weather in Paris is mild."
+    stream = client.chat.completions.create(model=model, stream=True,
+                                            messages=[{"role": "user", "content": "Weather?"}])
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == engine.reply
