@@ -218,6 +218,9 @@ class Pipeline:
         except _CLIENT_GONE:
             outcome.status = STATUS_CLIENT_CLOSED  # the upstream is closed by release() below
             return response
+        except asyncio.CancelledError:  # the client went away (handler cancellation)
+            outcome.status = STATUS_CLIENT_CLOSED
+            raise
         finally:
             await attempt.release()
 

@@ -1,0 +1,108 @@
+"""Real sockets: mock upstreams and the gateway run on one event loop in a background thread; the
+tests drive them with the real `openai`/`anthropic` SDKs and httpx from the main thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pytest
+from aiohttp import web
+
+from bench.mock_upstream import MockConfig, MockState, create_mock_app
+from gateway.app import create_app
+from gateway.open_access import NullMeter
+from gateway.settings import GatewaySettings
+
+T = TypeVar("T")
+MODEL = "mock-model"
+
+
+class LoopThread:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 30.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@dataclass
+class Upstream:
+    state: MockState
+    url: str
+
+
+@dataclass
+class Gateway:
+    url: str
+    app: web.Application
+    meter: NullMeter
+    upstreams: list[Upstream]
+
+
+@pytest.fixture(scope="session")
+def loop_thread() -> Iterator[LoopThread]:
+    thread = LoopThread()
+    yield thread
+    thread.close()
+
+
+GatewayFactory = Callable[..., Gateway]
+
+
+@pytest.fixture
+def make_gateway(loop_thread: LoopThread) -> Iterator[GatewayFactory]:
+    """make_gateway(num_upstreams=1, configs=None, **settings) -> Gateway, torn down after the test."""
+    runners: list[web.AppRunner] = []
+
+    def make(num_upstreams: int = 1, configs: list[MockConfig] | None = None,
+             authenticator: Any = None, meter: Any = None, **overrides: Any) -> Gateway:
+        configs = configs or [MockConfig() for _ in range(num_upstreams)]
+        upstreams = []
+        for config in configs:
+            state = MockState(config)
+            runner, url = loop_thread.run(start_app(create_mock_app(state)))
+            runners.append(runner)
+            upstreams.append(Upstream(state, url))
+        values: dict[str, Any] = {
+            "auth_enabled": authenticator is not None, "health_interval_s": 0.2,
+            "first_token_timeout_s": 2.0, "idle_timeout_s": 2.0, "health_timeout_s": 1.0,
+            "models": [{"name": MODEL, "backend": "replica",
+                        "endpoints": [u.url for u in upstreams],
+                        "prices": {"input_per_token": 1e-6, "cached_input_per_token": 1e-7,
+                                   "output_per_token": 2e-6}}],
+        }
+        values.update(overrides)
+        settings = GatewaySettings(**values)
+        meter = meter or NullMeter()
+        app = create_app(settings, authenticator=authenticator, meter=meter)
+        runner, url = loop_thread.run(start_app(app))
+        runners.append(runner)
+        return Gateway(url, app, meter, upstreams)
+
+    yield make
+    for runner in reversed(runners):
+        loop_thread.run(runner.cleanup())
+
+
+@pytest.fixture
+def gateway(make_gateway: GatewayFactory) -> Gateway:
+    return make_gateway()

@@ -1,0 +1,73 @@
+"""The official anthropic SDK, unchanged, against the gateway over real sockets."""
+
+from __future__ import annotations
+
+import anthropic
+import pytest
+
+from bench.mock_upstream import MockConfig
+from tests.gateway.conftest import MODEL, Gateway, GatewayFactory
+
+TOOL = {"name": "get_weather", "description": "Weather in a city",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def _client(gateway: Gateway, prefix: str = "/anthropic") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=gateway.url + prefix, api_key="unused", max_retries=0)
+
+
+@pytest.mark.parametrize("prefix", ["/anthropic", ""])
+def test_messages_on_both_paths(gateway: Gateway, prefix: str) -> None:
+    message = _client(gateway, prefix).messages.create(
+        model=MODEL, max_tokens=100, system="be brief",
+        messages=[{"role": "user", "content": "hello"}])
+    assert message.content[0].text == "tok " * 8
+    assert message.stop_reason == "end_turn"
+    assert message.usage.output_tokens == 8
+
+
+def test_usage_splits_cached_from_uncached_input(make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(configs=[MockConfig(num_cached_tokens=32)])
+    message = _client(gateway).messages.create(
+        model=MODEL, max_tokens=100,
+        messages=[{"role": "user", "content": [
+            {"type": "text", "text": "x" * 40, "cache_control": {"type": "ephemeral"}}]}])
+    assert message.usage.cache_read_input_tokens == 32
+    assert message.usage.input_tokens == 10  # prompt 42 tokens, 32 of them read from the cache
+
+
+def test_streaming_text_and_final_usage(make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(configs=[MockConfig(num_cached_tokens=4)])
+    with _client(gateway).messages.stream(model=MODEL, max_tokens=3,
+                                          messages=[{"role": "user", "content": "hi"}]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == "tok " * 3
+    assert final.stop_reason == "max_tokens"
+    assert final.usage.output_tokens == 3 and final.usage.cache_read_input_tokens == 4
+
+
+def test_tool_use_then_tool_result(gateway: Gateway) -> None:
+    client = _client(gateway)
+    first = client.messages.create(model=MODEL, max_tokens=100, tools=[TOOL],
+                                   messages=[{"role": "user", "content": "weather in Paris?"}])
+    tool_use = first.content[0]
+    assert first.stop_reason == "tool_use"
+    assert tool_use.type == "tool_use" and tool_use.input == {"city": "Paris"}
+    second = client.messages.create(model=MODEL, max_tokens=100, tools=[TOOL], messages=[
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": [tool_use.model_dump()]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use.id,
+                                      "content": "sunny"}]}])
+    assert second.content[0].text == "tok " * 8
+    sent = gateway.upstreams[0].state.bodies[-1]["messages"]
+    assert sent[1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert sent[2] == {"role": "tool", "content": "sunny", "tool_call_id": tool_use.id}
+
+
+def test_streamed_tool_use_accumulates_json_input(gateway: Gateway) -> None:
+    with _client(gateway).messages.stream(model=MODEL, max_tokens=100, tools=[TOOL],
+                                          messages=[{"role": "user", "content": "weather?"}]) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].type == "tool_use" and final.content[0].input == {"city": "Paris"}
+    assert final.stop_reason == "tool_use"

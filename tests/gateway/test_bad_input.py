@@ -1,0 +1,113 @@
+"""Malformed requests on every route: each gets the documented status in the route's envelope."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.gateway.conftest import MODEL, Gateway, GatewayFactory
+
+ROUTES: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/completions": {"model": MODEL, "prompt": "hi"},
+    "/v1/responses": {"model": MODEL, "input": "hi"},
+    "/anthropic/v1/messages": {"model": MODEL, "max_tokens": 5,
+                               "messages": [{"role": "user", "content": "hi"}]},
+}
+REQUIRED = {"/v1/chat/completions": "messages", "/v1/completions": "prompt",
+            "/v1/responses": "input", "/anthropic/v1/messages": "messages"}
+MAX_BODY_BYTES = 4096
+
+
+def _without(body: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k != key}
+
+
+def _cases(path: str) -> list[tuple[str, Any, int]]:
+    """(name, body: bytes or a JSON-able object, expected status)."""
+    good = ROUTES[path]
+    cases: list[tuple[str, Any, int]] = [
+        ("bad_json", b"{not json", 400),
+        ("empty_body", b"", 400),
+        ("not_an_object", [1, 2], 400),
+        ("missing_model", _without(good, "model"), 400),
+        ("model_wrong_type", {**good, "model": 123}, 400),
+        ("missing_required_field", _without(good, REQUIRED[path]), 400),
+        ("required_field_wrong_type", {**good, REQUIRED[path]: 42}, 400),
+        ("stream_wrong_type", {**good, "stream": "yes"}, 400),
+        ("temperature_out_of_range", {**good, "temperature": 5}, 400),
+        ("unknown_model", {**good, "model": "no-such-model"}, 404),
+        ("huge_body", {**good, "pad": "x" * (MAX_BODY_BYTES * 2)}, 413),
+    ]
+    if path.startswith("/anthropic"):
+        cases += [("missing_max_tokens", _without(good, "max_tokens"), 400),
+                  ("max_tokens_negative", {**good, "max_tokens": -1}, 400),
+                  ("bad_role", {**good, "messages": [{"role": "system", "content": "x"}]}, 400),
+                  ("tool_result_without_id", {**good, "messages": [{"role": "user", "content": [
+                      {"type": "tool_result", "content": "x"}]}]}, 400)]
+    elif path == "/v1/responses":
+        cases += [("max_output_tokens_string", {**good, "max_output_tokens": "10"}, 400),
+                  ("unsupported_tool_type", {**good, "tools": [{"type": "web_search"}]}, 400),
+                  ("previous_response_id", {**good, "previous_response_id": "resp_1"}, 400)]
+    else:
+        cases += [("stream_options_without_stream", {**good, "stream_options": {"include_usage": True}}, 400),
+                  ("stream_options_wrong_type", {**good, "stream": True, "stream_options": "all"}, 400),
+                  ("include_usage_wrong_type", {**good, "stream": True,
+                                                "stream_options": {"include_usage": "yes"}}, 400),
+                  ("max_tokens_string", {**good, "max_tokens": "10"}, 400),
+                  ("n_above_one", {**good, "n": 2}, 400)]
+    if path == "/v1/chat/completions":
+        cases += [("message_without_role", {**good, "messages": [{"content": "x"}]}, 400),
+                  ("empty_messages", {**good, "messages": []}, 400),
+                  ("tool_message_without_id", {**good, "messages": [{"role": "tool", "content": "x"}]}, 400),
+                  ("tool_without_name", {**good, "tools": [{"type": "function", "function": {}}]}, 400)]
+    return cases
+
+
+TABLE = [(path, name, body, status) for path in ROUTES for name, body, status in _cases(path)]
+
+
+
+
+@pytest.fixture
+def capped(make_gateway: GatewayFactory) -> Gateway:
+    return make_gateway(max_body_bytes=MAX_BODY_BYTES)
+
+
+def test_every_route_rejects_every_bad_input_with_its_documented_status(capped: Gateway) -> None:
+    failures = []
+    with httpx.Client(base_url=capped.url, timeout=10) as client:
+        for path, name, body, status in TABLE:
+            content = body if isinstance(body, bytes) else httpx.Request("POST", "/", json=body).content
+            response = client.post(path, content=content, headers={"content-type": "application/json"})
+            problem = _check(path, response, status)
+            if problem:
+                failures.append(f"{path} {name}: {problem}")
+    assert not failures, "\n".join(failures)
+    assert not capped.upstreams[0].state.request_ids  # nothing bad reached the upstream
+    assert not capped.meter.settled  # and nothing was metered
+
+
+def _check(path: str, response: httpx.Response, status: int) -> str | None:
+    if response.status_code != status:
+        return f"status {response.status_code} != {status}: {response.text[:200]}"
+    if not response.headers.get("x-request-id"):
+        return "no x-request-id"
+    body = response.json()
+    if path.startswith("/anthropic"):
+        if body.get("type") != "error" or not body["error"].get("message") or not body["error"].get("type"):
+            return f"not an Anthropic envelope: {body}"
+    elif not (isinstance(body.get("error"), dict) and body["error"].get("message")
+              and body["error"].get("type")):
+        return f"not an OpenAI envelope: {body}"
+    return None
+
+
+def test_unknown_route_and_wrong_method_answer_in_the_envelope(gateway: Gateway) -> None:
+    missing = httpx.get(gateway.url + "/v1/nothing")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    wrong_method = httpx.get(gateway.url + "/anthropic/v1/messages")
+    assert wrong_method.status_code == 405 and wrong_method.json()["type"] == "error"
+    assert wrong_method.headers["x-request-id"]

@@ -1,0 +1,118 @@
+"""Upstream failures: retry before the first token, a proper error event after it, never a hang."""
+
+from __future__ import annotations
+
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from bench.mock_upstream import MockConfig
+from tests.gateway.conftest import MODEL, GatewayFactory
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _wait_until(condition, timeout_s: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_failure_before_first_token_is_retried_on_the_other_endpoint(make_gateway: GatewayFactory,
+                                                                      stream: bool) -> None:
+    gateway = make_gateway(configs=[MockConfig(fail_mode="before_first_byte"), MockConfig()])
+    healthy = gateway.upstreams[1].url.split("://")[1]
+    for _ in range(3):
+        response = httpx.post(gateway.url + "/v1/chat/completions", json={**CHAT, "stream": stream})
+        assert response.status_code == 200
+        assert response.headers["x-aigw-replica"] == healthy
+        assert response.text.count("tok ") == 8
+    assert len(gateway.upstreams[0].state.request_ids) >= 1  # it was tried, and then ejected
+    assert len(gateway.meter.settled) == 3  # one record per client request, retries included
+
+
+def test_all_endpoints_failing_gives_502_in_the_envelope(make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(configs=[MockConfig(fail_mode="before_first_byte")] * 2)
+    response = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "upstream_unavailable"
+    assert response.headers["x-request-id"]
+
+
+def test_mid_stream_failure_ends_openai_stream_with_error_chunk(make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(configs=[MockConfig(fail_mode="mid_stream", fail_after_tokens=2)])
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+    received = []
+    with pytest.raises(openai.APIError, match="upstream"):
+        for chunk in client.chat.completions.create(**CHAT, stream=True):
+            received += [c.delta.content for c in chunk.choices if c.delta.content]
+    assert received == ["tok ", "tok "]
+    record = next(iter(gateway.meter.settled.values()))
+    assert record.status == 200 and record.finish_reason == "error"
+
+
+def test_mid_stream_failure_ends_anthropic_stream_with_error_event(make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(configs=[MockConfig(fail_mode="mid_stream", fail_after_tokens=1)])
+    response = httpx.post(gateway.url + "/anthropic/v1/messages", json={**CHAT, "max_tokens": 50,
+                                                                        "stream": True})
+    assert response.status_code == 200
+    assert "event: error" in response.text and "message_stop" not in response.text
+    client = anthropic.Anthropic(base_url=gateway.url + "/anthropic", api_key="x", max_retries=0)
+    with pytest.raises(anthropic.APIStatusError):
+        with client.messages.stream(**CHAT, max_tokens=50) as stream:
+            list(stream.text_stream)
+
+
+def test_hanging_upstream_times_out_with_504(make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(configs=[MockConfig(fail_mode="hang")], first_token_timeout_s=0.5)
+    started = time.monotonic()
+    response = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT, timeout=10)
+    assert response.status_code == 504 and response.json()["error"]["code"] == "upstream_timeout"
+    assert time.monotonic() - started < 5
+    anthropic_response = httpx.post(gateway.url + "/v1/messages", json={**CHAT, "max_tokens": 5},
+                                    timeout=10)
+    assert anthropic_response.status_code == 504
+    assert anthropic_response.json()["type"] == "error"
+
+
+def test_stalled_stream_ends_with_timeout_error_event(make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(configs=[MockConfig(token_delay_ms=3000, num_tokens=3)], idle_timeout_s=0.5)
+    response = httpx.post(gateway.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=10)
+    assert '"code":"upstream_timeout"' in response.text and "[DONE]" not in response.text
+
+
+def test_client_disconnect_cancels_the_upstream_request(make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(configs=[MockConfig(token_delay_ms=100, num_tokens=100)])
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions",
+                      json={**CHAT, "stream": True}, timeout=10) as response:
+        request_id = response.headers["x-request-id"]
+        next(response.iter_lines())
+    state = gateway.upstreams[0].state
+    assert _wait_until(lambda: request_id in state.disconnected_ids)
+    assert _wait_until(lambda: request_id in gateway.meter.settled)
+    assert gateway.meter.settled[request_id].status == 499
+
+
+def test_no_healthy_endpoint_gives_503(make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(configs=[MockConfig(health_status=503)])
+    assert _wait_until(lambda: httpx.get(gateway.url + "/health").json()["models"][MODEL][
+        "num_healthy_endpoints"] == 0)
+    response = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "no_healthy_endpoint"
+    anthropic_response = httpx.post(gateway.url + "/v1/messages", json={**CHAT, "max_tokens": 5})
+    assert anthropic_response.json()["error"]["type"] == "overloaded_error"
+
+
+def test_endpoint_recovers_after_health_returns(make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(configs=[MockConfig(health_status=503)])
+    state = gateway.upstreams[0].state
+    assert _wait_until(lambda: httpx.post(gateway.url + "/v1/chat/completions", json=CHAT).status_code == 503)
+    state.config.health_status = 200
+    assert _wait_until(lambda: httpx.post(gateway.url + "/v1/chat/completions", json=CHAT).status_code == 200)
