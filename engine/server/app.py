@@ -63,8 +63,8 @@ async def serve(engine: ServedEngine, host: str, port: int,
 
 def run_replica(engine: ServedEngine, host: str, port: int,
                 settings: ReplicaServerSettings | None = None) -> None:
-    """Blocking entry point for the CLI: serve on a fresh event loop until Ctrl-C."""
-    try:
-        asyncio.run(serve(engine, host, port, settings))
-    except KeyboardInterrupt:
-        pass
+    """Blocking entry point for the CLI: serve until SIGINT/SIGTERM, then shut down gracefully
+    (aiohttp's run_app: stop accepting, let in-flight requests finish for up to 60 s)."""
+    settings = settings or ReplicaServerSettings.from_env()
+    web.run_app(create_app(engine, settings), host=host, port=port, print=None,
+                handler_cancellation=settings.handler_cancellation)
