@@ -21,6 +21,10 @@ We undo it exactly as transformers does (`LlamaTensorProcessor._reverse_permute_
 with num_heads = head_count for q and head_count_kv for k. Quantized blocks run along the input
 dim, so each output row is a whole number of blocks and the same row permutation applied to the
 raw block bytes (`RawQuantized.data`, [out, bytes_per_row]) is exact.
+
+`raw` holds every quantized 2-D weight: the seven linear projections of each layer (Q4_1 in
+SmolLM2) and `model.embed_tokens.weight` (Q8_0 in SmolLM2), which is also the lm_head when
+`tie_word_embeddings`. Norms are stored as F32 and have no raw entry.
 """
 
 from __future__ import annotations
@@ -84,36 +88,40 @@ def model_config_from_gguf(metadata: Mapping[str, object], tensor_names: set[str
     if metadata.get("llama.expert_count"):
         raise NotImplementedError("MoE GGUF files are not supported; use the HF directory")
 
-    def get(key: str, default: object = None) -> object:
-        return metadata.get(f"llama.{key}", default)
+    def number(key: str, default: float | None = None) -> float:
+        value = metadata.get(f"llama.{key}", default)
+        if not isinstance(value, (int, float)):
+            raise ValueError(f"GGUF metadata llama.{key} is missing or not a number: {value!r}")
+        return value
+
+    def count(key: str, default: int | None = None) -> int:
+        return int(number(key, default))
 
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     assert isinstance(tokens, list)
-    hidden, num_heads = int(get("embedding_length")), int(get("attention.head_count"))  # type: ignore[call-overload]
-    head_dim = get("attention.key_length") or hidden // num_heads
-    scaling = get("rope.scaling.type")
+    hidden, num_heads = count("embedding_length"), count("attention.head_count")
     rope_scaling = None
+    scaling = metadata.get("llama.rope.scaling.type")
     if scaling not in (None, "none"):
-        items: dict[str, object] = {"rope_type": scaling,
-                                    "factor": float(get("rope.scaling.factor", 1.0))}  # type: ignore[arg-type]
-        if get("rope.scaling.original_context_length"):
-            items["original_max_position_embeddings"] = get("rope.scaling.original_context_length")
+        items: dict[str, object] = {"rope_type": scaling, "factor": number("rope.scaling.factor")}
+        if metadata.get("llama.rope.scaling.original_context_length"):
+            items["original_max_position_embeddings"] = count("rope.scaling.original_context_length")
         rope_scaling = tuple(sorted(items.items()))
     token_index = {token: i for i, token in enumerate(tokens)}
     eos = metadata.get("tokenizer.ggml.eos_token_id")
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     return ModelConfig(
         architecture="llama",
-        vocab_size=int(get("vocab_size") or len(tokens)),  # type: ignore[call-overload]
+        vocab_size=count("vocab_size", len(tokens)),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),  # type: ignore[call-overload]
-        num_layers=int(get("block_count")),  # type: ignore[call-overload]
+        intermediate_size=count("feed_forward_length"),
+        num_layers=count("block_count"),
         num_heads=num_heads,
-        num_kv_heads=int(get("attention.head_count_kv") or num_heads),  # type: ignore[call-overload]
-        head_dim=int(head_dim),  # type: ignore[call-overload]
-        max_position_embeddings=int(get("context_length")),  # type: ignore[call-overload]
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),  # type: ignore[arg-type]
-        rope_theta=float(get("rope.freq_base", 10000.0)),  # type: ignore[arg-type]
+        num_kv_heads=count("attention.head_count_kv", num_heads),
+        head_dim=count("attention.key_length", hidden // num_heads),
+        max_position_embeddings=count("context_length"),
+        rms_norm_eps=float(number("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(number("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,

@@ -36,7 +36,7 @@ def collect_eos_token_ids(
         if token_id not in ids:
             ids.append(token_id)
     for token in END_OF_TURN_TOKENS:
-        token_id = token_to_id(token)
-        if token_id is not None and token_id not in ids:
-            ids.append(token_id)
+        found = token_to_id(token)
+        if found is not None and found not in ids:
+            ids.append(found)
     return tuple(ids)

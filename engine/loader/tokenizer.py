@@ -51,8 +51,16 @@ class Tokenizer:
         self.chat_template = ChatTemplate(chat_template or CHATML_TEMPLATE)
         names = {"bos_token": bos_token_id, "eos_token": eos_token_id,
                  "unk_token": unk_token_id, "pad_token": pad_token_id}
-        self._special_token_strings = {name: backend.id_to_token(i)
-                                       for name, i in names.items() if i is not None}
+        self._special_token_strings: dict[str, str] = {}
+        for name, token_id in names.items():
+            token = backend.id_to_token(token_id) if token_id is not None else None
+            if token is not None:
+                self._special_token_strings[name] = token
+
+    @property
+    def backend(self) -> _BackendTokenizer:
+        """The raw `tokenizers.Tokenizer` (for incremental detokenization)."""
+        return self._backend
 
     @property
     def vocab_size(self) -> int:
