@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -179,5 +180,5 @@ def test_tokenizer_loads_without_importing_torch(gguf_path):
             f"t = load_tokenizer({str(gguf_path)!r}); assert t.encode('hi'); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120)
+                            timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0, result.stderr
