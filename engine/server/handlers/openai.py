@@ -1,6 +1,12 @@
-"""POST /v1/chat/completions, POST /v1/completions, GET /v1/models."""
+"""POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
+
+Prompts are rendered and tokenized in a worker thread (`asyncio.to_thread`) so a long prompt
+does not stall other streams; the tokenizer and chat template are thread-safe.
+"""
 
 from __future__ import annotations
+
+import asyncio
 
 from aiohttp import web
 
@@ -19,7 +25,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = await parse_body(request, ChatCompletionRequest)
     ctx.check_model(req.model)
     params = sampling_params(req)
-    prompt = chat_prompt_token_ids(req, ctx.engine.tokenizer)
+    prompt = await asyncio.to_thread(chat_prompt_token_ids, req, ctx.engine.tokenizer)
     check_context_length(len(prompt), params.max_tokens, ctx.engine.max_model_len, "messages")
     id_, created = shapes.new_id("chatcmpl"), shapes.now_s()
     async with ctx.fanout(request, id_, [prompt], params, cache_salt=req.cache_salt,
@@ -34,7 +40,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = await parse_body(request, CompletionRequest)
     ctx.check_model(req.model)
     params = sampling_params(req)
-    prompts = completion_prompts(req, ctx.engine.tokenizer, ctx.engine.model_config.vocab_size)
+    prompts = await asyncio.to_thread(completion_prompts, req, ctx.engine.tokenizer,
+                                      ctx.engine.model_config.vocab_size)
     for prompt in prompts:
         check_context_length(len(prompt), params.max_tokens, ctx.engine.max_model_len, "prompt")
     id_, created = shapes.new_id("cmpl"), shapes.now_s()
