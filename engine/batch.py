@@ -1,0 +1,37 @@
+"""ScheduledBatch: the scheduler -> runner hand-off. Plain ints and lists, no tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    request_id: str
+    token_ids: list[int]  # the tokens whose KV this step computes
+    start_position: int  # position of token_ids[0] (= tokens already computed before this step)
+    block_table: list[int]  # every block the request holds, in order
+    needs_sample: bool  # the chunk reaches the request's last known token: sample a new one
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Context length after this step (computed + scheduled)."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass
+class ScheduledBatch:
+    sequences: list[ScheduledSequence] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences

@@ -1,0 +1,107 @@
+"""Engine subcommands of `aigw`: `replica` (serve one engine over HTTP) and `generate` (one prompt)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import uuid
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by every command that builds an engine (replica, generate, benchmarks)."""
+    parser.add_argument("--model", default=None,
+                        help="GGUF file or Hugging Face directory (default: bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30,
+                        help="KV cache budget in bytes (default 1 GiB)")
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model's step")
+    parser.add_argument("--quantization", choices=["fp8"], default=None)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace, replica_id: str = "replica-0"):  # type: ignore[no-untyped-def]
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.loader import default_model_path
+
+    return EngineConfig(
+        model_path=str(args.model or default_model_path()),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory,
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs),
+        device=args.device, dtype=args.dtype, num_threads=args.threads, compile=args.compile,
+        quantization=args.quantization, replica_id=replica_id, max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    replica = subparsers.add_parser("replica", help="serve one engine replica over HTTP (OpenAI API)")
+    replica.add_argument("--host", default="127.0.0.1")
+    replica.add_argument("--port", type=int, default=8001)
+    replica.add_argument("--replica-id", default=None, help="id in KV events (default: host:port)")
+    replica.add_argument("--redis-url", default=None,
+                         help="also publish KV events to a Redis stream (default: $AIGW_REDIS_URL)")
+    add_engine_arguments(replica)
+    replica.set_defaults(func=run_replica_command)
+
+    generate = subparsers.add_parser("generate", help="generate from one prompt, streamed to stdout")
+    generate.add_argument("prompt")
+    generate.add_argument("--max-tokens", type=int, default=256)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--raw", action="store_true", help="no chat template: complete the text")
+    add_engine_arguments(generate)
+    generate.set_defaults(func=run_generate_command)
+
+
+def run_replica_command(args: argparse.Namespace) -> int:
+    import os
+
+    from engine.async_engine import AsyncEngine
+    from engine.engine import LLMEngine
+    from engine.server import ReplicaServerSettings, run_replica
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    replica_id = args.replica_id or f"{args.host}:{args.port}"
+    publishers = ()
+    redis_url = args.redis_url or os.environ.get("AIGW_REDIS_URL")
+    if redis_url:
+        from engine.kv_cache.redis_publisher import RedisEventPublisher
+
+        publishers = (RedisEventPublisher(redis_url, replica_id),)
+    engine = LLMEngine.from_config(engine_config_from_args(args, replica_id), publishers=publishers)
+    async_engine = AsyncEngine(engine)
+    try:
+        run_replica(async_engine, args.host, args.port, ReplicaServerSettings.from_env())
+    finally:
+        async_engine.shutdown()
+    return 0
+
+
+def run_generate_command(args: argparse.Namespace) -> int:
+    from engine.engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_config(engine_config_from_args(args), progress=sys.stderr.isatty())
+    tokenizer = engine.tokenizer
+    if args.raw:
+        prompt = tokenizer.encode(args.prompt, add_special_tokens=True)
+    else:
+        prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    engine.add_request(uuid.uuid4().hex, prompt, params)
+    while engine.has_unfinished_requests:
+        for output in engine.step():
+            sys.stdout.write(output.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0

@@ -1,0 +1,221 @@
+"""LLMEngine: add_request / abort_request / step. One step = schedule -> run -> postprocess.
+
+Synchronous and single-threaded; engine/async_engine.py runs it on its own thread for the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from engine.batch import ScheduledBatch
+from engine.config import EngineConfig, ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache.events import EventPublisher, KVEventLog, KVSnapshot
+from engine.kv_cache.manager import KVCacheManager
+from engine.loader import Tokenizer
+from engine.model_runner import ModelRunner
+from engine.outputs import FinishReason, PromptTooLongError, RequestOutput
+from engine.request import Request
+from engine.sampler import Sampler, SamplerOutput, SamplingRow
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running_requests: int
+    num_waiting_requests: int
+    num_kv_blocks_total: int
+    num_kv_blocks_used: int
+    num_kv_blocks_cached: int
+    num_prefix_cache_queried_tokens: int
+    num_prefix_cache_hit_tokens: int
+    num_prompt_tokens_total: int
+    num_generation_tokens_total: int
+    num_preemptions_total: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, runner: ModelRunner,
+                 tokenizer: Tokenizer, publishers: tuple[EventPublisher, ...] = ()) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.block_size = config.cache.block_size
+        self.max_model_len = min(model_config.max_position_embeddings,
+                                 config.max_model_len or model_config.max_position_embeddings,
+                                 runner.num_blocks * self.block_size)
+        self.kv_events = KVEventLog(config.replica_id, publishers=publishers)
+        self.kv_cache = KVCacheManager(runner.num_blocks, self.block_size,
+                                       config.cache.enable_prefix_caching, self.kv_events)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.sampler = Sampler(seed=config.seed)
+        self._requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._num_prompt_tokens_total = 0
+        self._num_generation_tokens_total = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = True,
+                    publishers: tuple[EventPublisher, ...] = ()) -> LLMEngine:
+        import torch
+
+        from engine.loader import load_checkpoint, load_tokenizer
+
+        checkpoint = load_checkpoint(config.model_path, dtype=torch.float32, progress=progress)
+        tokenizer = load_tokenizer(config.model_path)
+        runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights), dict(checkpoint.raw))
+        runner.warmup()
+        return cls(config, checkpoint.config, runner, tokenizer, publishers)
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def check_prompt(self, num_prompt_tokens: int) -> None:
+        """Raise PromptTooLongError when a prompt can never be served (context window or KV cache)."""
+        if num_prompt_tokens + 1 > self.max_model_len:
+            what = ("context window" if self.max_model_len < self.runner.num_blocks * self.block_size
+                    else "context window (bounded by the KV cache)")
+            raise PromptTooLongError(num_prompt_tokens, self.max_model_len, what)
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.check_prompt(len(prompt_token_ids))
+        request = Request(request_id, list(prompt_token_ids), params,
+                          () if params.ignore_eos else self.model_config.eos_token_ids,
+                          self.max_model_len, cache_salt)
+        if self.kv_cache.enable_caching:
+            request.update_block_hashes(self.block_size, self.model_config.model_id)
+        self._requests[request_id] = request
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer.backend, params.stop)
+        self._num_prompt_tokens_total += len(prompt_token_ids)
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.finish(request, FinishReason.ABORT)
+        return self._final_output(request, [], "")
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step ------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        sampled = self._run(batch)
+        outputs = self._postprocess(batch, sampled)
+        self.kv_events.seal()
+        return outputs
+
+    def _run(self, batch: ScheduledBatch) -> tuple[list[str], SamplerOutput | None]:
+        if batch.is_empty:
+            return [], None
+        step_logits = self.runner.execute(batch)
+        if not step_logits.request_ids:
+            return [], None
+        rows = []
+        for request_id in step_logits.request_ids:
+            r = self._requests[request_id]
+            rows.append(SamplingRow(r.params, r.generator, r.output_token_ids, r.num_output_tokens,
+                                    self.model_config.eos_token_ids))
+        return step_logits.request_ids, self.sampler(step_logits.logits, rows)
+
+    def _postprocess(self, batch: ScheduledBatch,
+                     sampled: tuple[list[str], SamplerOutput | None]) -> list[RequestOutput]:
+        request_ids, sampler_output = sampled
+        if sampler_output is None:
+            return []
+        now = time.monotonic()
+        outputs = []
+        for i, request_id in enumerate(request_ids):
+            request = self._requests[request_id]
+            token_id = sampler_output.token_ids[i]
+            request.output_token_ids.append(token_id)
+            self._num_generation_tokens_total += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if self.kv_cache.enable_caching:
+                request.update_block_hashes(self.block_size, self.model_config.model_id)
+            logprob = sampler_output.logprobs[i]
+            outputs.append(self._advance(request, token_id, [logprob] if logprob else None))
+        return outputs
+
+    def _advance(self, request: Request, token_id: int, logprobs: list | None) -> RequestOutput:
+        """Detokenize the new token and decide whether the request is done."""
+        params = request.params
+        detok = self._detokenizers[request.request_id]
+        reason: FinishReason | None = None
+        stop_reason: str | int | None = None
+        text = ""
+        min_reached = request.num_output_tokens >= params.min_tokens
+        if token_id in request.eos_token_ids and min_reached:
+            reason = FinishReason.STOP
+        elif token_id in params.stop_token_ids and min_reached:
+            reason, stop_reason = FinishReason.STOP, token_id
+        else:
+            update = detok.push([token_id])
+            text = update.text
+            if update.stop_matched is not None:
+                reason, stop_reason = FinishReason.STOP, update.stop_matched
+        if reason is None and request.num_tokens >= request.max_num_tokens:
+            reason = FinishReason.LENGTH
+        if reason is None:
+            return RequestOutput(request.request_id, [token_id], text, logprobs=logprobs,
+                                 num_prompt_tokens=request.num_prompt_tokens,
+                                 num_cached_tokens=request.num_cached_tokens,
+                                 num_output_tokens=request.num_output_tokens)
+        if not isinstance(stop_reason, str):
+            text += detok.finish()
+        self.scheduler.finish(request, reason, stop_reason)
+        return self._final_output(request, [token_id], text, logprobs)
+
+    def _final_output(self, request: Request, new_token_ids: list[int], text: str,
+                      logprobs: list | None = None) -> RequestOutput:
+        del self._requests[request.request_id]
+        del self._detokenizers[request.request_id]
+        now = time.monotonic()
+        first_token = request.first_token_time or now
+        scheduled = request.first_scheduled_time or request.arrival_time
+        return RequestOutput(
+            request.request_id, new_token_ids, text, finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason, logprobs=logprobs,
+            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=request.num_output_tokens,
+            timings={"queue_s": max(scheduled - request.arrival_time, 0.0),
+                     "prefill_s": max(first_token - scheduled, 0.0),
+                     "decode_s": max(now - first_token, 0.0)},
+        )
+
+    # ---- cache and introspection ---------------------------------------------------------------------
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache.reset_prefix_cache()
+        self.kv_events.seal()
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """Every hash held as of the last sealed event batch (safe from any thread)."""
+        return self.kv_events.snapshot(self.block_size)
+
+    def stats(self) -> EngineStats:
+        pool = self.kv_cache.pool
+        return EngineStats(
+            num_running_requests=len(self.scheduler.running),
+            num_waiting_requests=len(self.scheduler.waiting),
+            num_kv_blocks_total=pool.num_blocks,
+            num_kv_blocks_used=pool.num_used_blocks,
+            num_kv_blocks_cached=pool.num_cached_blocks,
+            num_prefix_cache_queried_tokens=self.kv_cache.num_queried_tokens,
+            num_prefix_cache_hit_tokens=self.kv_cache.num_hit_tokens,
+            num_prompt_tokens_total=self._num_prompt_tokens_total,
+            num_generation_tokens_total=self._num_generation_tokens_total,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+        )

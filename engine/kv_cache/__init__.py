@@ -1,0 +1,1 @@
+"""Paged KV cache bookkeeping: block hashing, the block pool, per-request blocks, and KV events."""

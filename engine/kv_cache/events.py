@@ -1,0 +1,174 @@
+"""KV events: what a replica's prefix cache stores and drops, for the gateway's prefix index.
+
+The records (one module, imported by the engine that emits them and the gateway that consumes them):
+
+    BlockStored     {block_hashes, parent_hash, token_ids, block_size}   blocks became cached (full, hashed)
+    BlockRemoved    {block_hashes}                                        blocks were evicted
+    AllBlocksCleared {}                                                   the whole cache was reset
+
+Events are grouped into an `EventBatch` per engine step, stamped with the replica id and a sequence
+number that increases by exactly one per batch (no gaps). A consumer that sees a gap, or restarts, asks
+for a snapshot (`KVSnapshot`: every hash the replica holds now, with the sequence number it is valid at)
+and continues from there. JSON form: `{"type": "BlockStored", ...}` dicts inside
+`{"replica_id", "seq", "ts", "events": [...]}`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    block_hashes: tuple[int, ...]
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    type: str = "BlockStored"
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: tuple[int, ...]
+    type: str = "BlockRemoved"
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    type: str = "AllBlocksCleared"
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    replica_id: str
+    seq: int
+    ts: float
+    events: tuple[KVEvent, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"replica_id": self.replica_id, "seq": self.seq, "ts": self.ts,
+                "events": [asdict(e) for e in self.events]}
+
+
+def event_from_json(data: dict[str, Any]) -> KVEvent:
+    kind = data.get("type")
+    if kind == "BlockStored":
+        return BlockStored(tuple(data["block_hashes"]), data.get("parent_hash"),
+                           tuple(data.get("token_ids", ())), int(data["block_size"]))
+    if kind == "BlockRemoved":
+        return BlockRemoved(tuple(data["block_hashes"]))
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise ValueError(f"unknown KV event type {kind!r}")
+
+
+def batch_from_json(data: dict[str, Any]) -> EventBatch:
+    return EventBatch(str(data["replica_id"]), int(data["seq"]), float(data["ts"]),
+                      tuple(event_from_json(e) for e in data["events"]))
+
+
+def apply_events(held: set[int], events: tuple[KVEvent, ...] | list[KVEvent]) -> None:
+    """Replay events onto a set of held hashes (what a consumer of the stream does)."""
+    for event in events:
+        if isinstance(event, BlockStored):
+            held.update(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            held.difference_update(event.block_hashes)
+        else:
+            held.clear()
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    replica_id: str
+    seq: int  # the snapshot includes every batch up to and including this one
+    block_size: int
+    block_hashes: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"replica_id": self.replica_id, "seq": self.seq, "block_size": self.block_size,
+                "block_hashes": list(self.block_hashes)}
+
+
+class EventPublisher(Protocol):
+    """Somewhere batches go besides the in-memory log (e.g. a Redis stream). Must not block for long."""
+
+    def publish(self, batch: EventBatch) -> None: ...
+
+
+@dataclass
+class EventPage:
+    replica_id: str
+    first_seq: int  # oldest batch still held; a consumer asking for older must take a snapshot
+    last_seq: int
+    batches: list[EventBatch] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"replica_id": self.replica_id, "first_seq": self.first_seq, "last_seq": self.last_seq,
+                "snapshot_required": False, "batches": [b.to_json() for b in self.batches]}
+
+
+class KVEventLog:
+    """Collects events during a step, seals them into numbered batches, keeps the last `capacity` batches.
+
+    Written by the engine thread, read by the server's event loop: guarded by a lock.
+    """
+
+    def __init__(self, replica_id: str, capacity: int = 4096,
+                 publishers: tuple[EventPublisher, ...] = ()) -> None:
+        self.replica_id = replica_id
+        self._pending: list[KVEvent] = []
+        self._batches: deque[EventBatch] = deque(maxlen=capacity)
+        self._last_seq = 0  # batch numbers start at 1; 0 = "nothing yet"
+        self._publishers = publishers
+        self._held: set[int] = set()  # hashes held as of the last sealed batch (the snapshot)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+
+    def record(self, event: KVEvent) -> None:
+        self._pending.append(event)
+
+    def seal(self) -> EventBatch | None:
+        """Close the current step's events into one batch (no batch for a step without events)."""
+        if not self._pending:
+            return None
+        with self._cond:
+            self._last_seq += 1
+            batch = EventBatch(self.replica_id, self._last_seq, time.time(), tuple(self._pending))
+            self._pending = []
+            apply_events(self._held, batch.events)
+            self._batches.append(batch)
+            self._cond.notify_all()
+        for publisher in self._publishers:
+            publisher.publish(batch)
+        return batch
+
+    @property
+    def last_seq(self) -> int:
+        return self._last_seq
+
+    def snapshot(self, block_size: int) -> KVSnapshot:
+        """Every hash held as of the last sealed batch; safe to call from any thread."""
+        with self._lock:
+            return KVSnapshot(self.replica_id, self._last_seq, block_size, tuple(self._held))
+
+    def since(self, seq: int) -> EventPage | None:
+        """Batches with number > seq, or None when some of them are no longer held (take a snapshot)."""
+        with self._lock:
+            first = self._batches[0].seq if self._batches else self._last_seq + 1
+            if seq + 1 < first and seq < self._last_seq:
+                return None
+            batches = [b for b in self._batches if b.seq > seq]
+            return EventPage(self.replica_id, first, self._last_seq, batches)
+
+    def wait_for(self, seq: int, timeout_s: float) -> None:
+        """Block until a batch newer than `seq` exists or the timeout passes (for long-polling)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._last_seq > seq, timeout=timeout_s)

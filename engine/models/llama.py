@@ -1,0 +1,123 @@
+"""Llama-family decoder (Llama, SmolLM, Mistral, Qwen2 dense) over the paged KV cache.
+
+Weights arrive with Hugging Face names; q/k/v are fused into one [Q+2K, hidden] matrix and gate/up into
+one [2I, hidden] matrix at load, so each layer runs three GEMMs plus o_proj. The MLP of a layer is a
+callable (`DenseMLP` here; MoE families plug theirs in through `mlp_factory`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.layers.attention import PagedAttentionBackend, current_metadata
+from engine.layers.linear import DenseLinear, LinearWeight, fuse_rows
+from engine.layers.norm import rms_norm
+from engine.layers.rotary import RotaryEmbedding
+
+Weights = dict[str, torch.Tensor]
+LinearFactory = Callable[[str, torch.Tensor], LinearWeight]  # (hf name, dense weight) -> linear
+
+
+class DenseMLP:
+    def __init__(self, gate_up: LinearWeight, down: LinearWeight) -> None:
+        self.gate_up = gate_up  # [2I, H]
+        self.down = down  # [H, I]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up(x)  # [T, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)  # 2 x [T, I]
+        return self.down(F.silu(gate) * up)
+
+
+MLPFactory = Callable[[ModelConfig, Weights, int, LinearFactory], Callable[[torch.Tensor], torch.Tensor]]
+
+
+def dense_mlp_factory(config: ModelConfig, weights: Weights, layer: int,
+                      make_linear: LinearFactory) -> DenseMLP:
+    p = f"model.layers.{layer}.mlp."
+    gate_up = fuse_rows([weights.pop(p + "gate_proj.weight"), weights.pop(p + "up_proj.weight")])
+    return DenseMLP(make_linear(p + "gate_up_proj.weight", gate_up),
+                    make_linear(p + "down_proj.weight", weights.pop(p + "down_proj.weight")))
+
+
+@dataclass
+class DecoderLayer:
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    qkv: LinearWeight
+    o_proj: LinearWeight
+    mlp: Callable[[torch.Tensor], torch.Tensor]
+    q_norm: torch.Tensor | None = None  # OLMoE-style qk norm over the whole projection
+    k_norm: torch.Tensor | None = None
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: Weights, attention: PagedAttentionBackend,
+                 make_linear: LinearFactory, mlp_factory: MLPFactory = dense_mlp_factory) -> None:
+        self.config = config
+        self.attention = attention
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self.embed_tokens = weights.pop("model.embed_tokens.weight")
+        self.norm = weights.pop("model.norm.weight")
+        lm_head = weights.pop("lm_head.weight", None)
+        if lm_head is None or config.tie_word_embeddings:
+            lm_head = self.embed_tokens
+        self.lm_head = make_linear("lm_head.weight", lm_head)
+        dtype = self.embed_tokens.dtype
+        scaling = dict(config.rope_scaling) if config.rope_scaling else None
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                      config.rope_theta, scaling, dtype)
+        self.layers = [self._load_layer(weights, i, make_linear, mlp_factory)
+                       for i in range(config.num_layers)]
+
+    def _load_layer(self, weights: Weights, i: int, make_linear: LinearFactory,
+                    mlp_factory: MLPFactory) -> DecoderLayer:
+        p = f"model.layers.{i}."
+        qkv = fuse_rows([weights.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        bias = None
+        if self.config.attention_bias:
+            bias = torch.cat([weights.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        qkv_linear = DenseLinear(qkv, bias) if bias is not None else make_linear(p + "self_attn.qkv_proj.weight", qkv)
+        return DecoderLayer(
+            input_norm=weights.pop(p + "input_layernorm.weight"),
+            post_attention_norm=weights.pop(p + "post_attention_layernorm.weight"),
+            qkv=qkv_linear,
+            o_proj=make_linear(p + "self_attn.o_proj.weight", weights.pop(p + "self_attn.o_proj.weight")),
+            mlp=mlp_factory(self.config, weights, i, make_linear),
+            q_norm=weights.pop(p + "self_attn.q_norm.weight", None),
+            k_norm=weights.pop(p + "self_attn.k_norm.weight", None),
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden] (before the lm head)."""
+        meta = current_metadata()
+        cfg = self.config
+        hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            qkv = layer.qkv(x)  # [T, Q + 2K]
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q = q.view(-1, cfg.num_heads, cfg.head_dim)  # [T, H, Dh]
+            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)  # [T, G, Dh]
+            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            q, k = self.rotary(positions, q, k)
+            attn = self.attention.forward(q, k, v, k_cache, v_cache, self.scale, meta)
+            hidden = hidden + layer.o_proj(attn.reshape(-1, self.q_size))  # [T, H, Dh] -> [T, Q]
+            x = rms_norm(hidden, layer.post_attention_norm, cfg.rms_norm_eps)
+            hidden = hidden + layer.mlp(x)
+        return rms_norm(hidden, self.norm, cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] (the rows to sample from) -> logits [S, vocab] in float32."""
+        return self.lm_head(hidden).float()

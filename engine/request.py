@@ -1,0 +1,90 @@
+"""Request: one sequence's state inside the engine. Counters, token ids and derived properties; no tensors.
+
+Token layout of a request:
+
+    |<------------- num_tokens ------------->|
+    | prompt_token_ids | output_token_ids    |
+    |<-- num_computed_tokens -->|            |   KV written for these positions
+    |<- num_cached_tokens ->|                    of them, found in the prefix cache at admission
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv_cache.block_hash import hash_blocks
+from engine.outputs import FinishReason
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # back in the waiting queue; recomputes from its prefix cache hits
+    FINISHED = enum.auto()
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission: what usage reports
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    block_hashes: list[int] = field(default_factory=list)  # of every full block so far
+    generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    # ---- derived -------------------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Prompt plus the most tokens it may generate, capped by the context window."""
+        cap = self.max_model_len
+        if self.params.max_tokens is not None:
+            cap = min(cap, self.num_prompt_tokens + self.params.max_tokens)
+        return cap
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def update_block_hashes(self, block_size: int, model_id: str) -> None:
+        """Extend `block_hashes` over blocks that became full (incremental; cheap when none did)."""
+        if self.num_tokens // block_size > len(self.block_hashes):
+            self.block_hashes = hash_blocks(self.all_token_ids, block_size, model_id, self.cache_salt,
+                                            parent_hashes=self.block_hashes)
