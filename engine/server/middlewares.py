@@ -1,7 +1,7 @@
 """Request ids and the error envelope, for every route (including unknown ones).
 
-- `x-request-id`: the client's value is echoed, otherwise one is generated; it is set on every
-  response, streamed or not, through the on_response_prepare signal.
+- `x-request-id`: the client's value is echoed when it is 1-128 of [A-Za-z0-9._:-], otherwise
+  one is generated; it is set on every response, streamed or not, through on_response_prepare.
 - `error_middleware`: APIError -> its envelope; aiohttp HTTP errors (404, 405, 413, ...) -> the
   envelope with their status; anything else -> a logged 500 envelope, never a traceback.
 """
@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 
 from aiohttp import web
@@ -19,14 +20,14 @@ from engine.server.keys import REQUEST_ID_KEY
 
 log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "x-request-id"
-_MAX_REQUEST_ID_CHARS = 128
+_SAFE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")  # the gateway echoes the same set
 
 
 def request_id_of(request: web.Request) -> str:
     request_id = request.get(REQUEST_ID_KEY)
     if request_id is None:
         given = request.headers.get(REQUEST_ID_HEADER, "")
-        request_id = given if 0 < len(given) <= _MAX_REQUEST_ID_CHARS else uuid.uuid4().hex
+        request_id = given if _SAFE_REQUEST_ID.match(given) else uuid.uuid4().hex
         request[REQUEST_ID_KEY] = request_id
     return request_id
 

@@ -139,6 +139,8 @@ def test_request_id_is_echoed_or_generated(http: httpx.Client) -> None:
     assert given.headers["x-request-id"] == "abc-123"
     generated = http.post("/v1/chat/completions", json=chat(model="gpt-9"))
     assert len(generated.headers["x-request-id"]) == 32
+    unsafe = http.get("/health", headers={"x-request-id": "a b<c>"})
+    assert unsafe.headers["x-request-id"] != "a b<c>"
     streamed = http.post("/v1/chat/completions", json=chat(stream=True),
                          headers={"x-request-id": "s-1"})
     assert streamed.headers["x-request-id"] == "s-1"
