@@ -145,6 +145,6 @@ def paged_decode_triton(q, k_cache, v_cache, seq_lens, block_tables, scale, *, m
         part_out, part_lse, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        num_splits, head_dim, BLOCK_P=kern.triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        num_splits, head_dim, BLOCK_P=max(2, kern.triton.next_power_of_2(num_splits)), BLOCK_D=block_d,
     )
     return out
