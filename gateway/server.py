@@ -1,0 +1,54 @@
+"""Running the gateway: one process serves until SIGTERM/SIGINT, then drains.
+
+Drain: /health turns 503 and new requests get 503 `draining`, the listening socket closes, and
+in-flight requests get up to `settings.drain_timeout_s` to finish (aiohttp's shutdown_timeout)
+before the cleanup contexts close the upstream sessions and the auth/metering stores.
+With `--workers N`, N such processes share the port through SO_REUSEPORT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from typing import Any
+
+from aiohttp import web
+
+from gateway.keys import PIPELINE
+from gateway.services import create_served_app
+from gateway.settings import GatewaySettings
+
+log = logging.getLogger("aigw.gateway")
+
+
+async def serve(settings: GatewaySettings, *, reuse_port: bool = False) -> None:
+    app = await create_served_app(settings)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=settings.drain_timeout_s)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port, reuse_port=reuse_port, backlog=2048)
+    await site.start()
+    log.warning("aigw serving on http://%s:%s (%d models)", settings.host, settings.port,
+                len(settings.models))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        app[PIPELINE].draining = True
+        await runner.cleanup()
+
+
+def run_worker(settings_data: dict[str, Any], reuse_port: bool) -> None:
+    """Entry point of one worker process (spawned): serve these settings."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    try:
+        import uvloop  # type: ignore[import-not-found]
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(GatewaySettings(**settings_data), reuse_port=reuse_port))

@@ -1,0 +1,69 @@
+"""Wiring the real auth/ (API keys, JWT) and gateway/metering/ (usage, limits) into the gateway.
+
+    app = await create_served_app(settings)     # opens both, then create_app(..., injected)
+
+They are opened before the app is built (not inside a cleanup_ctx startup) because the admin API's
+routes close over the opened auth services and must be added before the router freezes; a
+cleanup_ctx entry closes them on shutdown. Both share one Redis client when `redis_url` is set,
+else one SQLite file under `data_dir`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+
+log = logging.getLogger("aigw.gateway")
+ADMIN_PREFIX = "/admin/v1"
+
+
+def metering_settings(settings: GatewaySettings) -> Any:
+    """Our per-token prices and default limits, in metering's units (USD per million tokens)."""
+    from gateway.metering import Limits, MeteringSettings, ModelPrice
+
+    prices = {m.name: ModelPrice(input=m.prices.input_per_token * 1e6,
+                                 output=m.prices.output_per_token * 1e6,
+                                 cached_input=m.prices.cached_input_per_token * 1e6)
+              for m in settings.models}
+    limits = Limits(requests_per_minute=settings.limits.requests_per_minute,
+                    tokens_per_minute=settings.limits.tokens_per_minute)
+    return MeteringSettings(enabled=settings.auth_enabled, prices=prices,
+                            default_project_limits=limits)
+
+
+async def create_served_app(settings: GatewaySettings) -> web.Application:
+    """The gateway as `aigw serve` runs it: real auth and metering unless auth is disabled."""
+    if not settings.auth_enabled:
+        return create_app(settings)
+    from auth import AuthSettings, ensure_default_project, open_auth
+    from gateway.metering import open_meter
+
+    auth_settings = AuthSettings.from_env().model_copy(update={
+        "enabled": True, "redis_url": settings.redis_url, "data_dir": settings.data_dir})
+    auth = await open_auth(auth_settings)
+    try:
+        meter = await open_meter(metering_settings(settings), redis=auth.redis,
+                                 data_dir=settings.data_dir)
+        secret = await ensure_default_project(auth)
+        if secret:
+            print(f"aigw: created project 'default' with API key {secret} "
+                  f"(also in {auth_settings.default_key_path})", flush=True)
+    except BaseException:
+        await auth.close()
+        raise
+    app = create_app(settings, authenticator=auth.authenticator, meter=meter)
+    app.add_routes(auth.admin_routes(ADMIN_PREFIX))
+
+    async def close_services(_: web.Application) -> AsyncIterator[None]:
+        yield
+        await meter.close()
+        await auth.close()
+
+    app.cleanup_ctx.insert(0, close_services)
+    return app

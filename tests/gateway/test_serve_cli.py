@@ -1,0 +1,65 @@
+"""`aigw serve` as a process: config file, real auth + metering, two workers on one port, SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.mock_upstream import MockState, create_mock_app
+from gateway.embedded import free_port
+from tests.gateway.conftest import MODEL, LoopThread, start_app
+
+
+def _wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "aigw serve exited early"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("aigw serve did not become healthy")
+
+
+@pytest.mark.parametrize("num_workers", [2])
+def test_serve_with_config_auth_and_workers_then_drains_on_sigterm(
+        loop_thread: LoopThread, tmp_path: Path, num_workers: int) -> None:
+    runner, upstream_url = loop_thread.run(start_app(create_mock_app(MockState())))
+    port = free_port()
+    config = tmp_path / "gateway.toml"
+    config.write_text(f'data_dir = "{tmp_path / "data"}"\nhealth_interval_s = 1.0\n'
+                      f'[[models]]\nname = "{MODEL}"\nbackend = "openai"\nendpoints = ["{upstream_url}"]\n'
+                      '[models.prices]\ninput_per_token = 1e-6\noutput_per_token = 2e-6\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIGW_")}
+    process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
+                                "--port", str(port), "--workers", str(num_workers)],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, process)
+        key = (tmp_path / "data" / "default-key.txt").read_text().strip()
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        assert httpx.post(url + "/v1/chat/completions", json=body).status_code == 401
+        for _ in range(4):
+            ok = httpx.post(url + "/v1/chat/completions", json=body,
+                            headers={"authorization": f"Bearer {key}"})
+            assert ok.status_code == 200, ok.text
+        messages = httpx.post(url + "/v1/messages", json={**body, "max_tokens": 4},
+                              headers={"x-api-key": key})
+        assert messages.status_code == 200 and messages.json()["usage"]["output_tokens"] == 4
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        loop_thread.run(runner.cleanup())
