@@ -74,9 +74,7 @@ def paged_attention_reference(
         q_d = q[rows].unsqueeze(2)  # [S_d, H, 1, D]
         pos = torch.arange(k.shape[2], device=q.device)
         mask = (pos[None, :] < ctx[:, None])[:, None, None, :]  # [S_d, 1, 1, L]
-        o = F.scaled_dot_product_attention(
-            q_d, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
-        )
+        o = F.scaled_dot_product_attention(q_d, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[rows] = o.squeeze(2)
     for i, n in enumerate(q_lens):
         if n <= 1:
@@ -87,10 +85,14 @@ def paged_attention_reference(
         k = _gather_kv(k_cache, tables)[:, :, :ctx_len]  # [1, KVH, L, D]
         v = _gather_kv(v_cache, tables)[:, :, :ctx_len]
         q_s = q[starts[i] : starts[i + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        q_pos = torch.arange(ctx_len - n, ctx_len, device=q.device)
-        mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
+        if n == ctx_len:  # no cached prefix: plain causal (lets SDPA pick a fused kernel)
+            mask, causal = None, True
+        else:
+            q_pos = torch.arange(ctx_len - n, ctx_len, device=q.device)
+            mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
+            causal = False
         o = F.scaled_dot_product_attention(
-            q_s, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+            q_s, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
         )
         out[starts[i] : starts[i + 1]] = o[0].transpose(0, 1)
     return out

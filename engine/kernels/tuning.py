@@ -12,6 +12,7 @@ Set `AIGW_KERNEL_TUNE=0` to skip timing and always use the first candidate.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -80,28 +81,46 @@ def pick_config(
         raise ValueError("no candidate configs")
     if device.type != "cuda" or len(candidates) == 1 or os.environ.get("AIGW_KERNEL_TUNE") == "0":
         return dict(candidates[0])
-    path = cache_path(device)
+    from triton.testing import do_bench
+
     full_key = f"{kernel_name}:{','.join(str(k) for k in key)}"
+    timer = functools.partial(do_bench, warmup=5, rep=20)
+    return pick_cached(cache_path(device), full_key, candidates, launch, timer)
+
+
+def pick_cached(
+    path: Path,
+    full_key: str,
+    candidates: Sequence[Config],
+    launch: Callable[[Config], None],
+    timer: Callable[[Callable[[], None]], float],
+) -> Config:
+    """The tuning core: memory, then the JSON file at `path`, then time every candidate."""
     with _LOCK:
         _load_file(path)
         found = _MEMORY.get(f"{path}|{full_key}")
     if found is not None:
         return found
-    from triton.testing import do_bench
-
     timings: list[tuple[float, int]] = []
     for i, cfg in enumerate(candidates):
         try:
-            timings.append((do_bench(lambda c=cfg: launch(c), warmup=5, rep=20), i))
+            timings.append((timer(lambda c=cfg: launch(c)), i))
         except Exception:  # a config may exceed shared memory on some GPUs
             continue
     if not timings:
-        raise RuntimeError(f"{kernel_name}: no candidate config could be launched")
+        raise RuntimeError(f"{full_key}: no candidate config could be launched")
     best = dict(candidates[min(timings)[1]])
     with _LOCK:
         _MEMORY[f"{path}|{full_key}"] = best
         _save_file(path, full_key, best)
     return best
+
+
+def forget_in_memory() -> None:
+    """Drop the in-process cache (tests: simulate a fresh process)."""
+    with _LOCK:
+        _MEMORY.clear()
+        _FILE_LOADED.clear()
 
 
 def split_launch_options(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
