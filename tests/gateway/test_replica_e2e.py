@@ -1,0 +1,103 @@
+"""End to end on real engine replicas (the default model): the SDKs through the gateway, and
+failover when one of two replicas is killed mid-run. Runs only where `aigw replica` exists."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+from collections.abc import Iterator
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from gateway import embedded
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+from tests.gateway.conftest import LoopThread, start_app
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("engine.cli") is None,
+                       reason="needs the engine replica (engine/cli.py)"),
+]
+
+
+@pytest.fixture(scope="module")
+def two_replicas() -> Iterator[list[embedded.ReplicaProcess]]:
+    replicas = embedded.start_replicas(2, None, 64 * 1024 * 1024)
+    try:
+        embedded.wait_healthy(replicas, timeout_s=180)
+        yield replicas
+    finally:
+        embedded.stop_replicas(replicas)
+
+
+@pytest.fixture(scope="module")
+def served(two_replicas: list[embedded.ReplicaProcess], loop_thread: LoopThread) -> Iterator[tuple[str, str]]:
+    model = embedded.model_settings_for(two_replicas)
+    settings = GatewaySettings(auth_enabled=False, models=[model], health_interval_s=0.5,
+                               first_token_timeout_s=60, idle_timeout_s=30)
+    runner, url = loop_thread.run(start_app(create_app(settings)))
+    yield url, model.name
+    loop_thread.run(runner.cleanup())
+
+
+def test_openai_sdk_chat_stream_tools_and_responses(served: tuple[str, str]) -> None:
+    url, model = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    chat = client.chat.completions.create(model=model, max_tokens=8,
+                                          messages=[{"role": "user", "content": "Say hi"}])
+    assert chat.choices[0].message.content and chat.usage.completion_tokens <= 8
+    chunks = list(client.chat.completions.create(model=model, max_tokens=8, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 messages=[{"role": "user", "content": "Count"}]))
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    with_tools = client.chat.completions.create(model=model, max_tokens=32, tools=tools,
+                                                messages=[{"role": "user", "content": "Weather in Paris?"}])
+    assert with_tools.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    response = client.responses.create(model=model, input="Say hi", max_output_tokens=8)
+    assert response.status in ("completed", "incomplete") and response.usage.output_tokens >= 1
+
+
+def test_anthropic_sdk_messages_and_stream(served: tuple[str, str]) -> None:
+    url, model = served
+    client = anthropic.Anthropic(base_url=url + "/anthropic", api_key="x", max_retries=0, timeout=120)
+    message = client.messages.create(model=model, max_tokens=8, system="Be brief.",
+                                     messages=[{"role": "user", "content": "Say hi"}])
+    assert message.content and message.usage.output_tokens >= 1
+    with client.messages.stream(model=model, max_tokens=8,
+                                messages=[{"role": "user", "content": "Say hi"}]) as stream:
+        text = "".join(stream.text_stream)
+    assert text and stream.get_final_message().usage.output_tokens >= 1
+
+
+def test_killing_one_replica_mid_run_never_hangs_a_request(served: tuple[str, str],
+                                                           two_replicas: list[embedded.ReplicaProcess]) -> None:
+    url, model = served
+    results: list[str] = []
+
+    def one_request() -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={
+                    "model": model, "max_tokens": 48, "stream": True,
+                    "messages": [{"role": "user", "content": "Tell a story"}]}) as response:
+                text = response.read().decode()
+            results.append("ok" if "[DONE]" in text else "error_event" if '"error"' in text else "bad")
+        except httpx.HTTPError as exc:
+            results.append(f"transport:{exc!r}")
+
+    threads = [threading.Thread(target=one_request) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    two_replicas[0].process.kill()
+    for thread in threads:
+        thread.join(150)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    assert set(results) <= {"ok", "error_event"}, results
+    after = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    assert after.status_code == 200
