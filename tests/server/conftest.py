@@ -1,12 +1,20 @@
 """A real replica HTTP server on 127.0.0.1 (port 0), driven from the test thread.
 
 The app runs on its own event loop in a background thread, so tests use ordinary sync clients
-(the openai SDK, httpx). `engine` is the fake by default; override the fixture to serve another.
+(the openai SDK, httpx).
+
+`engine` is the fake by default. To run the suite against another engine, name a zero-argument
+factory in AIGW_TEST_SERVER_ENGINE ("package.module:function"; it is called once per test, so
+cache a loaded model inside it). Tests that need the fake's knobs (scripted replies, recorded
+calls) take `fake_engine` and are skipped for other engines; the rest (test_contract.py, the
+error table, ...) hold for any engine that honours the ServedEngine contract.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -56,9 +64,23 @@ class ServerThread:
         self._thread.join(timeout=30)
 
 
+ENGINE_FACTORY_ENV = "AIGW_TEST_SERVER_ENGINE"
+
+
 @pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
+def engine() -> Any:
+    spec = os.environ.get(ENGINE_FACTORY_ENV)
+    if not spec:
+        return FakeEngine()
+    module_name, _, factory = spec.partition(":")
+    return getattr(importlib.import_module(module_name), factory)()
+
+
+@pytest.fixture
+def fake_engine(engine: Any) -> FakeEngine:
+    if not isinstance(engine, FakeEngine):
+        pytest.skip(f"needs the fake engine's knobs ({ENGINE_FACTORY_ENV} is set)")
+    return engine
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ FakeTokenizer: ids 0..255 are bytes; three specials follow (<|im_start|>, <|im_e
 FakeEngine.generate is an async generator like the real one: PromptTooLongError before the first
 yield, one token per output, the reply text chosen by `reply` (a string or a function of the
 prompt text), stop strings trimmed, max_tokens -> "length", otherwise an eos token -> "stop".
-Closing the generator early (aclose or cancellation) records the request as aborted. The fake
+`ignore_eos` repeats the reply up to max_tokens. Closing the generator early (aclose or cancellation) records the request as aborted. The fake
 runs on the server's event loop (another thread); tests read its records from their own thread.
 """
 
@@ -184,14 +184,18 @@ class FakeEngine:
     def _script(self, reply: str, params: SamplingParams, limit: int
                 ) -> list[tuple[int, str, FinishReason | None]]:
         """(token id, text, finish) per output: the reply cut at the first stop string (whose
-        first token ends the request with no text), else the reply and an eos token."""
+        first token ends the request with no text), else the reply (repeated up to the limit
+        when ignore_eos) and an eos token; cut at `limit` tokens with "length"."""
         cuts = [reply.index(stop) for stop in params.stop if stop in reply]
         end_id, end_reason = self.eos_token_id, FinishReason.STOP
         if cuts:
             end_id = self.tokenizer.encode(reply[min(cuts):])[0]
             reply = reply[:min(cuts)]
+        reply_ids = self.tokenizer.encode(reply)
+        if params.ignore_eos and not cuts:  # repeat the reply until max_tokens
+            reply_ids = (reply_ids * (limit // len(reply_ids) + 1))[:limit]
         steps: list[tuple[int, str, FinishReason | None]] = [
-            (tid, self.tokenizer.decode([tid]), None) for tid in self.tokenizer.encode(reply)]
+            (tid, self.tokenizer.decode([tid]), None) for tid in reply_ids]
         steps.append((end_id, "", end_reason))
         if len(steps) > limit:
             tid, piece, _ = steps[limit - 1]

@@ -16,32 +16,32 @@ def sse_events(response: httpx.Response) -> list[str]:
             if line.startswith("data: ")]
 
 
-def test_chat_completion_returns_reply_and_exact_usage(client: openai.OpenAI, engine: FakeEngine,
+def test_chat_completion_returns_reply_and_exact_usage(client: openai.OpenAI, fake_engine: FakeEngine,
                                                        model: str) -> None:
     completion = client.chat.completions.create(model=model, messages=USER)  # type: ignore[arg-type]
     assert completion.id.startswith("chatcmpl-")
     assert completion.object == "chat.completion"
     choice = completion.choices[0]
     assert choice.index == 0 and choice.finish_reason == "stop"
-    assert choice.message.role == "assistant" and choice.message.content == engine.reply
+    assert choice.message.role == "assistant" and choice.message.content == fake_engine.reply
     assert choice.message.tool_calls is None
-    prompt = engine.calls[0].prompt_token_ids
-    assert prompt == engine.tokenizer.encode_chat([{"role": "user", "content": "Say hello"}])
+    prompt = fake_engine.calls[0].prompt_token_ids
+    assert prompt == fake_engine.tokenizer.encode_chat([{"role": "user", "content": "Say hello"}])
     assert completion.usage is not None
     assert completion.usage.prompt_tokens == len(prompt)
-    num_reply_tokens = len(engine.tokenizer.encode(str(engine.reply))) + 1  # + eos
+    num_reply_tokens = len(fake_engine.tokenizer.encode(str(fake_engine.reply))) + 1  # + eos
     assert completion.usage.completion_tokens == num_reply_tokens
     assert completion.usage.total_tokens == len(prompt) + num_reply_tokens
 
 
-def test_sampling_fields_reach_the_engine(client: openai.OpenAI, engine: FakeEngine,
+def test_sampling_fields_reach_the_engine(client: openai.OpenAI, fake_engine: FakeEngine,
                                           model: str) -> None:
     client.chat.completions.create(
         model=model, messages=USER, temperature=0.5, top_p=0.9, seed=7,  # type: ignore[arg-type]
         max_completion_tokens=50, stop=["zzz"], presence_penalty=0.5, frequency_penalty=-0.5,
         extra_body={"top_k": 5, "min_tokens": 2, "ignore_eos": False, "stop_token_ids": [3],
                     "cache_salt": "tenant-a", "unknown_field": 1})
-    call = engine.calls[0]
+    call = fake_engine.calls[0]
     params = call.params
     assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.5, 0.9, 5, 7)
     assert (params.max_tokens, params.min_tokens, params.stop) == (50, 2, ("zzz",))
@@ -65,17 +65,17 @@ def test_stop_string_is_trimmed(client: openai.OpenAI, model: str) -> None:
 
 
 def test_n_fans_out_with_consecutive_seeds_and_counts_prompt_once(
-        client: openai.OpenAI, engine: FakeEngine, model: str) -> None:
+        client: openai.OpenAI, fake_engine: FakeEngine, model: str) -> None:
     completion = client.chat.completions.create(model=model, messages=USER, n=2, seed=10)  # type: ignore[arg-type]
     assert [c.index for c in completion.choices] == [0, 1]
-    assert sorted(call.request_id for call in engine.calls) == [f"{completion.id}-0",
+    assert sorted(call.request_id for call in fake_engine.calls) == [f"{completion.id}-0",
                                                                  f"{completion.id}-1"]
-    by_id = {call.request_id: call.params for call in engine.calls}
+    by_id = {call.request_id: call.params for call in fake_engine.calls}
     assert by_id[f"{completion.id}-0"].seed == 10 and by_id[f"{completion.id}-1"].seed == 11
     assert all(params.n == 1 for params in by_id.values())
     assert completion.usage is not None
-    num_prompt = len(engine.calls[0].prompt_token_ids)
-    num_reply = len(engine.tokenizer.encode(str(engine.reply))) + 1
+    num_prompt = len(fake_engine.calls[0].prompt_token_ids)
+    num_reply = len(fake_engine.tokenizer.encode(str(fake_engine.reply))) + 1
     assert completion.usage.prompt_tokens == num_prompt
     assert completion.usage.completion_tokens == 2 * num_reply
 
@@ -103,14 +103,14 @@ def test_repeated_prompt_reports_cached_tokens_unless_salt_differs(
     assert cached[0] == 0 and cached[1] > 0 and cached[2] == 0
 
 
-def test_developer_role_and_text_parts_are_accepted(client: openai.OpenAI, engine: FakeEngine,
+def test_developer_role_and_text_parts_are_accepted(client: openai.OpenAI, fake_engine: FakeEngine,
                                                     model: str) -> None:
     client.chat.completions.create(model=model, messages=[  # type: ignore[arg-type]
         {"role": "developer", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "part one"},
                                      {"type": "text", "text": "part two"}]},
     ])
-    prompt = engine.prompt_text(engine.calls[0])
+    prompt = fake_engine.prompt_text(fake_engine.calls[0])
     assert "<|im_start|>system\nBe brief.<|im_end|>" in prompt
     assert "part one\npart two" in prompt
 
@@ -120,19 +120,19 @@ def test_alias_is_served_and_echoed(client: openai.OpenAI) -> None:
     assert completion.model == "fake-alias"
 
 
-def test_stream_sends_role_then_content_then_finish(client: openai.OpenAI, engine: FakeEngine,
+def test_stream_sends_role_then_content_then_finish(client: openai.OpenAI, fake_engine: FakeEngine,
                                                     model: str) -> None:
     chunks = list(client.chat.completions.create(model=model, messages=USER, stream=True))  # type: ignore[arg-type]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[0].choices[0].delta.content == ""
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
-    assert text == engine.reply
+    assert text == fake_engine.reply
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
     assert len({c.id for c in chunks}) == 1
 
 
-def test_stream_usage_chunk_then_done(http: httpx.Client, engine: FakeEngine, model: str) -> None:
+def test_stream_usage_chunk_then_done(http: httpx.Client, fake_engine: FakeEngine, model: str) -> None:
     body = {"model": model, "messages": USER, "stream": True,
             "stream_options": {"include_usage": True}}
     with http.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -141,19 +141,19 @@ def test_stream_usage_chunk_then_done(http: httpx.Client, engine: FakeEngine, mo
     assert events[-1] == "[DONE]"
     usage_chunk = orjson.loads(events[-2])
     assert usage_chunk["choices"] == []
-    num_prompt = len(engine.calls[0].prompt_token_ids)
+    num_prompt = len(fake_engine.calls[0].prompt_token_ids)
     assert usage_chunk["usage"]["prompt_tokens"] == num_prompt
     assert usage_chunk["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert all(orjson.loads(e)["usage"] is None for e in events[:-2])
 
 
-def test_stream_with_n_2_finishes_each_choice(client: openai.OpenAI, engine: FakeEngine,
+def test_stream_with_n_2_finishes_each_choice(client: openai.OpenAI, fake_engine: FakeEngine,
                                               model: str) -> None:
     chunks = list(client.chat.completions.create(model=model, messages=USER, n=2, stream=True))  # type: ignore[arg-type]
     for index in (0, 1):
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
         assert mine[0].delta.role == "assistant"
-        assert "".join(c.delta.content or "" for c in mine) == engine.reply
+        assert "".join(c.delta.content or "" for c in mine) == fake_engine.reply
         assert mine[-1].finish_reason == "stop"
 
 

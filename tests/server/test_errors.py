@@ -11,7 +11,7 @@ import pytest
 from tests.server.fakes import FakeEngine
 from tests.server.test_chat import sse_events
 
-MODEL = "fake-model"
+MODEL = "fake-alias"  # served as an alias by the settings fixture, whatever the engine
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -77,23 +77,24 @@ def test_unknown_model_is_404_model_not_found(http: httpx.Client) -> None:
     assert assert_envelope(response, 404, code="model_not_found")["param"] == "model"
 
 
-def test_prompt_longer_than_the_window_is_context_length_exceeded(http: httpx.Client) -> None:
-    body = chat(messages=[{"role": "user", "content": "x" * 2000}])
+def test_prompt_longer_than_the_window_is_context_length_exceeded(http: httpx.Client,
+                                                                  engine: Any) -> None:
+    body = chat(messages=[{"role": "user", "content": "hello " * (engine.max_model_len + 1)}])
     assert_envelope(http.post("/v1/chat/completions", json=body), 400,
                     code="context_length_exceeded")
 
 
 def test_prompt_plus_max_tokens_over_the_window_is_context_length_exceeded(
-        http: httpx.Client, engine: FakeEngine) -> None:
+        http: httpx.Client, fake_engine: FakeEngine) -> None:
     error = assert_envelope(http.post("/v1/chat/completions", json=chat(max_tokens=1020)), 400,
                             code="context_length_exceeded")
     assert "1020 in the completion" in error["message"]
-    assert engine.calls == []
+    assert fake_engine.calls == []
 
 
 def test_engine_prompt_too_long_error_is_context_length_exceeded(
-        http: httpx.Client, engine: FakeEngine) -> None:
-    engine.kv_capacity_tokens = 10  # tighter than the window the server checks against
+        http: httpx.Client, fake_engine: FakeEngine) -> None:
+    fake_engine.kv_capacity_tokens = 10  # tighter than the window the server checks against
     response = http.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 20,
                                                   "stream": True, "n": 2})
     error = assert_envelope(response, 400, code="context_length_exceeded")
@@ -111,15 +112,15 @@ def test_unknown_route_and_wrong_method_answer_json(http: httpx.Client) -> None:
 
 
 def test_engine_failure_is_a_500_envelope_without_traceback(http: httpx.Client,
-                                                            engine: FakeEngine) -> None:
-    engine.fail_after_num_tokens = 2
+                                                            fake_engine: FakeEngine) -> None:
+    fake_engine.fail_after_num_tokens = 2
     response = http.post("/v1/chat/completions", json=chat())
     assert_envelope(response, 500, type_="server_error")
 
 
 def test_engine_failure_mid_stream_sends_error_event_without_done(
-        http: httpx.Client, engine: FakeEngine) -> None:
-    engine.fail_after_num_tokens = 2
+        http: httpx.Client, fake_engine: FakeEngine) -> None:
+    fake_engine.fail_after_num_tokens = 2
     with http.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as response:
         assert response.status_code == 200
         events = sse_events(response)
@@ -147,7 +148,7 @@ def test_request_id_is_echoed_or_generated(http: httpx.Client) -> None:
 
 
 def test_engine_failure_before_the_first_token_of_a_stream_is_a_500_envelope(
-        http: httpx.Client, engine: FakeEngine) -> None:
-    engine.fail_after_num_tokens = 0
+        http: httpx.Client, fake_engine: FakeEngine) -> None:
+    fake_engine.fail_after_num_tokens = 0
     response = http.post("/v1/chat/completions", json=chat(stream=True, n=2))
     assert_envelope(response, 500, type_="server_error")

@@ -16,9 +16,9 @@ CALL_REPLY = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris
               '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
 
 
-def test_reply_with_calls_becomes_tool_calls(client: openai.OpenAI, engine: FakeEngine,
+def test_reply_with_calls_becomes_tool_calls(client: openai.OpenAI, fake_engine: FakeEngine,
                                              model: str) -> None:
-    engine.reply = CALL_REPLY
+    fake_engine.reply = CALL_REPLY
     completion = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS)  # type: ignore[arg-type]
     choice = completion.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -27,12 +27,12 @@ def test_reply_with_calls_becomes_tool_calls(client: openai.OpenAI, engine: Fake
     assert [c.function.name for c in calls] == ["get_weather", "get_time"]  # type: ignore[union-attr]
     assert orjson.loads(calls[0].function.arguments) == {"city": "Paris"}  # type: ignore[union-attr]
     assert all(c.type == "function" and c.id.startswith("call_") for c in calls)
-    assert "get_weather" in engine.prompt_text(engine.calls[0])  # tools went into the template
+    assert "get_weather" in fake_engine.prompt_text(fake_engine.calls[0])  # tools went into the template
 
 
-def test_streamed_calls_arrive_as_indexed_deltas(client: openai.OpenAI, engine: FakeEngine,
+def test_streamed_calls_arrive_as_indexed_deltas(client: openai.OpenAI, fake_engine: FakeEngine,
                                                  model: str) -> None:
-    engine.reply = "Checking." + CALL_REPLY
+    fake_engine.reply = "Checking." + CALL_REPLY
     chunks = list(client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,  # type: ignore[arg-type]
                                                  stream=True))
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -44,30 +44,30 @@ def test_streamed_calls_arrive_as_indexed_deltas(client: openai.OpenAI, engine: 
 
 
 def test_tool_choice_none_leaves_tools_out_and_text_unparsed(
-        client: openai.OpenAI, engine: FakeEngine, model: str) -> None:
-    engine.reply = CALL_REPLY
+        client: openai.OpenAI, fake_engine: FakeEngine, model: str) -> None:
+    fake_engine.reply = CALL_REPLY
     completion = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,  # type: ignore[arg-type]
                                                 tool_choice="none")
     assert completion.choices[0].message.content == CALL_REPLY
     assert completion.choices[0].finish_reason == "stop"
-    assert "get_weather" not in engine.prompt_text(engine.calls[0])
+    assert "get_weather" not in fake_engine.prompt_text(fake_engine.calls[0])
 
 
 def test_required_and_named_tool_choice_are_asked_for_in_the_prompt(
-        client: openai.OpenAI, engine: FakeEngine, model: str) -> None:
+        client: openai.OpenAI, fake_engine: FakeEngine, model: str) -> None:
     client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,  # type: ignore[arg-type]
                                    tool_choice="required")
     client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,  # type: ignore[arg-type]
                                    tool_choice={"type": "function",
                                                 "function": {"name": "get_time"}})
-    required, named = (engine.prompt_text(call) for call in engine.calls)
+    required, named = (fake_engine.prompt_text(call) for call in fake_engine.calls)
     assert "You must call at least one of the provided tools." in required
     assert "You must call the function `get_time`." in named
     assert "get_weather" not in named  # only the named tool is offered
 
 
 def test_assistant_tool_calls_and_tool_results_round_trip(
-        client: openai.OpenAI, engine: FakeEngine, model: str) -> None:
+        client: openai.OpenAI, fake_engine: FakeEngine, model: str) -> None:
     client.chat.completions.create(model=model, tools=TOOLS, messages=[  # type: ignore[arg-type]
         *ASK,
         {"role": "assistant", "content": None, "tool_calls": [
@@ -75,14 +75,14 @@ def test_assistant_tool_calls_and_tool_results_round_trip(
              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18C and sunny"},
     ])
-    prompt = engine.prompt_text(engine.calls[0])
+    prompt = fake_engine.prompt_text(fake_engine.calls[0])
     assert '"arguments":{"city":"Paris"}' in prompt  # arguments reach the template as an object
     assert "<|im_start|>tool\n18C and sunny" in prompt
 
 
 def test_reply_without_calls_is_plain_content_when_tools_given(
-        client: openai.OpenAI, engine: FakeEngine, model: str) -> None:
+        client: openai.OpenAI, fake_engine: FakeEngine, model: str) -> None:
     completion = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS)  # type: ignore[arg-type]
-    assert completion.choices[0].message.content == engine.reply
+    assert completion.choices[0].message.content == fake_engine.reply
     assert completion.choices[0].message.tool_calls is None
     assert completion.choices[0].finish_reason == "stop"
