@@ -5,6 +5,7 @@ Two background tasks empty the authenticator's key cache:
     poll  reads the store's revocation version every `poll_interval_s` (<= 1 s); on any change it
           drops the whole cache. It is the backup when a pub/sub message is lost, and the only
           path for the embedded store, where another process (the CLI) may revoke.
+Both loops stop on a flag checked at least every poll interval (never by cancelling a read).
 """
 
 from __future__ import annotations
@@ -25,26 +26,28 @@ class RevocationWatcher:
         self._store = store
         self._authenticator = authenticator
         self._poll_interval_s = poll_interval_s
+        self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._version = 0
 
     async def start(self) -> None:
         self._version = await self._store.revocation_version()
         self._tasks.append(asyncio.create_task(self._poll(), name="aigw-revocation-poll"))
-        if self._store.changed_key_ids() is not None:
-            self._tasks.append(asyncio.create_task(self._listen(), name="aigw-revocation-push"))
+        self._tasks.append(asyncio.create_task(self._listen(), name="aigw-revocation-push"))
 
     async def stop(self) -> None:
+        self._stopping.set()
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            try:
+                await asyncio.wait_for(asyncio.shield(task), timeout=5 * self._poll_interval_s + 1)
+            except TimeoutError:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self._tasks.clear()
 
     async def _poll(self) -> None:
-        while True:
-            await asyncio.sleep(self._poll_interval_s)
+        while not await self._stopped_within(self._poll_interval_s):
             try:
                 version = await self._store.revocation_version()
             except Exception:  # the store is down: keep serving from the cache, retry next tick
@@ -55,15 +58,28 @@ class RevocationWatcher:
                 self._authenticator.invalidate()
 
     async def _listen(self) -> None:
-        while True:
-            feed = self._store.changed_key_ids()
+        while not self._stopping.is_set():
+            try:
+                feed = await self._store.open_change_feed()
+            except Exception:
+                log.warning("revocation feed unavailable; retrying", exc_info=True)
+                await self._stopped_within(self._poll_interval_s)
+                continue
             if feed is None:
                 return
             try:
-                async for key_id in feed:
-                    self._authenticator.invalidate(key_id)
-            except asyncio.CancelledError:
-                raise
+                while not self._stopping.is_set():
+                    key_id = await feed.next_key_id(timeout_s=self._poll_interval_s)
+                    if key_id is not None:
+                        self._authenticator.invalidate(key_id)
             except Exception:
                 log.warning("revocation feed broke; reconnecting", exc_info=True)
-            await asyncio.sleep(self._poll_interval_s)
+                await self._stopped_within(self._poll_interval_s)
+            finally:
+                with contextlib.suppress(Exception):
+                    await feed.aclose()
+
+    async def _stopped_within(self, seconds: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
+        return self._stopping.is_set()

@@ -16,7 +16,7 @@ instances poll it (and Redis also publishes the key id) to drop cached keys with
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from typing import Protocol
 
 from auth.keys import KeyRecord, ProjectRecord
 from auth.settings import AuthSettings
@@ -36,6 +36,14 @@ class UnknownProject(StoreError):
 
 class UnknownKey(StoreError):
     pass
+
+
+class ChangeFeed(Protocol):
+    async def next_key_id(self, timeout_s: float) -> str | None:
+        """The next changed key id, or None when none came within timeout_s."""
+        ...
+
+    async def aclose(self) -> None: ...
 
 
 class KeyStore(ABC):
@@ -74,7 +82,7 @@ class KeyStore(ABC):
     async def load_or_create_pepper(self, candidate: bytes) -> bytes:
         """The pepper every instance shares: the stored one, or `candidate` stored first."""
 
-    def changed_key_ids(self) -> AsyncIterator[str] | None:
+    async def open_change_feed(self) -> ChangeFeed | None:
         """A push feed of changed key ids, where the backend has one (Redis pub/sub)."""
         return None
 

@@ -16,16 +16,32 @@ No command here touches two keys at once, so no cross-slot script is needed. The
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 from auth.keys import KeyRecord, ProjectRecord
-from auth.store import KeyStore, ProjectExists, UnknownKey
+from auth.store import ChangeFeed, KeyStore, ProjectExists, UnknownKey
 
 PROJECTS_KEY = "aigw:auth:projects"
 REVOCATION_VERSION_KEY = "aigw:auth:revocation_version"
 REVOCATION_CHANNEL = "aigw:auth:revocations"
 PEPPER_KEY = "aigw:auth:pepper"
+
+
+class _PubSubFeed:
+    """Reads with a timeout instead of being cancelled: redis-py may swallow a cancellation that
+    lands inside a blocking pub/sub read, so the watcher stops by flag between reads."""
+
+    def __init__(self, pubsub: Any) -> None:
+        self._pubsub = pubsub
+
+    async def next_key_id(self, timeout_s: float) -> str | None:
+        message = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout_s)
+        if message is None or message.get("type") != "message":
+            return None
+        return str(message["data"])
+
+    async def aclose(self) -> None:
+        await self._pubsub.aclose()
 
 
 def key_record_key(key_id: str) -> str:
@@ -97,18 +113,10 @@ class RedisKeyStore(KeyStore):
         await self.client.set(PEPPER_KEY, candidate.hex(), nx=True)
         return bytes.fromhex(await self.client.get(PEPPER_KEY))
 
-    def changed_key_ids(self) -> AsyncIterator[str] | None:
-        return self._subscribe()
-
-    async def _subscribe(self) -> AsyncIterator[str]:
+    async def open_change_feed(self) -> ChangeFeed | None:
         pubsub = self.client.pubsub(ignore_subscribe_messages=True)
         await pubsub.subscribe(REVOCATION_CHANNEL)
-        try:
-            async for message in pubsub.listen():
-                if message.get("type") == "message":
-                    yield str(message["data"])
-        finally:
-            await pubsub.aclose()
+        return _PubSubFeed(pubsub)
 
     async def close(self) -> None:
         if self._owns_client:

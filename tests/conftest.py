@@ -1,0 +1,23 @@
+"""Shared fixtures for the whole suite. Keep this generic: subfolders add their own conftest.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.redis_server import flush_all, running_redis_server
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """`redis://127.0.0.1:<port>/0` of a real redis-server started once for this test session."""
+    with running_redis_server() as url:
+        yield url
+
+
+@pytest.fixture
+def clean_redis_url(redis_url: str) -> str:
+    """The session's redis-server, emptied with FLUSHALL before this test."""
+    flush_all(redis_url)
+    return redis_url

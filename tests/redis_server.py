@@ -1,0 +1,74 @@
+"""A real redis-server for tests: started on a free port in a temp dir, stopped afterwards.
+
+scripts/ensure-redis.sh installs the binary where it is missing. Never a fake Redis: the Lua
+scripts, pub/sub and expiry under test are Redis's own.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@contextmanager
+def running_redis_server(startup_timeout_s: float = 10.0) -> Iterator[str]:
+    """Yield `redis://127.0.0.1:<port>/0` of a fresh redis-server (no persistence)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not on PATH: run scripts/ensure-redis.sh")
+    with tempfile.TemporaryDirectory(prefix="aigw-redis-") as workdir:
+        for _attempt in range(3):  # the free port may be taken between probe and bind
+            port = _free_port()
+            process = subprocess.Popen(
+                [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir,
+                 "--save", "", "--appendonly", "no", "--protected-mode", "yes"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=workdir)
+            deadline = time.monotonic() + startup_timeout_s
+            while process.poll() is None and time.monotonic() < deadline and not _ping(port):
+                time.sleep(0.02)
+            if process.poll() is None and _ping(port):
+                break
+            process.kill()
+            process.wait()
+        else:
+            raise RuntimeError("redis-server did not start")
+        try:
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def flush_all(url: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+
