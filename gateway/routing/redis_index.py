@@ -1,0 +1,201 @@
+"""The prefix index in Redis, shared by every gateway instance (the contract: gateway/routing/index.py).
+
+Key layout (`<p>` = the key prefix, default "aigw"; every key carries the hash tag `{kv}`, so the
+whole index lives in ONE cluster slot and every Lua script below is cluster-safe):
+
+    <p>:{kv}:b:<hash>      HASH  replica_id -> expiry in ms since the epoch (Redis TIME), "0" = held
+                                  (from events) until removed; <hash> = 16 lowercase hex digits
+    <p>:{kv}:r:<replica>   SET   the <hash>es this replica has entries in (drop in O(its blocks))
+    <p>:{kv}:seq           HASH  replica_id -> seq of the last event batch applied
+
+Every operation is one round trip (one EVALSHA). `match` walks the request's blocks in order and
+stops at the first block no candidate still in its run holds. Expired tentative entries are
+ignored by `match` and removed when the replica's entries are cleared (snapshot, drop, reset).
+Measured memory (tests/routing/test_redis_memory.py, redis 7.0, one holder per block): see the
+report in docs/ — about 160 bytes per cached block, i.e. ~10 MB per million cached tokens at
+block_size 16 (tokens / 16 blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engine.kv_cache.events import AllBlocksCleared, BlockStored, EventBatch, KVSnapshot
+from gateway.routing.index import ApplyResult, PrefixIndex
+
+_CLEAR = """
+local function clear(set_key, replica, block_prefix)
+  for _, h in ipairs(redis.call('SMEMBERS', set_key)) do
+    redis.call('HDEL', block_prefix .. h, replica)
+  end
+  redis.call('DEL', set_key)
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+# KEYS: seq hash, replica set. ARGV: replica, seq, block prefix, then ops: S n h.. | R n h.. | C
+_APPLY = _CLEAR + """
+local replica, seq, bp = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local applied = redis.call('HGET', KEYS[1], replica)
+if not applied or seq > tonumber(applied) + 1 then return 'gap' end
+if seq <= tonumber(applied) then return 'stale' end
+local i = 4
+while i <= #ARGV do
+  local op = ARGV[i]
+  if op == 'C' then
+    clear(KEYS[2], replica, bp); i = i + 1
+  else
+    local n = tonumber(ARGV[i + 1])
+    for j = i + 2, i + 1 + n do
+      if op == 'S' then
+        redis.call('HSET', bp .. ARGV[j], replica, '0'); redis.call('SADD', KEYS[2], ARGV[j])
+      else
+        redis.call('HDEL', bp .. ARGV[j], replica); redis.call('SREM', KEYS[2], ARGV[j])
+      end
+    end
+    i = i + 2 + n
+  end
+end
+redis.call('HSET', KEYS[1], replica, seq)
+return 'applied'
+"""
+
+# KEYS: seq hash, replica set. ARGV: replica, seq ('' = drop), block prefix, hashes...
+_RESET = _CLEAR + """
+local replica, bp = ARGV[1], ARGV[3]
+clear(KEYS[2], replica, bp)
+if ARGV[2] == '' then redis.call('HDEL', KEYS[1], replica); return 0 end
+for i = 4, #ARGV do
+  redis.call('HSET', bp .. ARGV[i], replica, '0'); redis.call('SADD', KEYS[2], ARGV[i])
+end
+redis.call('HSET', KEYS[1], replica, ARGV[2])
+return #ARGV - 3
+"""
+
+# KEYS: replica set. ARGV: replica, ttl ms, block prefix, hashes...
+_TENTATIVE = _CLEAR + """
+local replica, expiry, bp = ARGV[1], now_ms() + tonumber(ARGV[2]), ARGV[3]
+for i = 4, #ARGV do
+  if redis.call('HGET', bp .. ARGV[i], replica) ~= '0' then
+    redis.call('HSET', bp .. ARGV[i], replica, expiry); redis.call('SADD', KEYS[1], ARGV[i])
+  end
+end
+return 0
+"""
+
+# ARGV: block prefix, number of replicas, replicas..., hashes...  -> {replica, run, ...}
+_MATCH = _CLEAR + """
+local bp, n = ARGV[1], tonumber(ARGV[2])
+local now = now_ms()
+local alive, runs = {}, {}
+for i = 3, 2 + n do alive[ARGV[i]] = true; runs[ARGV[i]] = 0 end
+local position = 0
+for i = 3 + n, #ARGV do
+  position = position + 1
+  local fields = redis.call('HGETALL', bp .. ARGV[i])
+  local holders = {}
+  for j = 1, #fields, 2 do
+    local expiry = tonumber(fields[j + 1])
+    if expiry == 0 or expiry > now then holders[fields[j]] = true end
+  end
+  local any = false
+  for replica, _ in pairs(alive) do
+    if holders[replica] then runs[replica] = position; any = true else alive[replica] = nil end
+  end
+  if not any then break end
+end
+local out = {}
+for replica, run in pairs(runs) do out[#out + 1] = replica; out[#out + 1] = run end
+return out
+"""
+
+# KEYS: replica set. ARGV: replica, block prefix -> live entries
+_COUNT = _CLEAR + """
+local now, count = now_ms(), 0
+for _, h in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local expiry = redis.call('HGET', ARGV[2] .. h, ARGV[1])
+  if expiry and (tonumber(expiry) == 0 or tonumber(expiry) > now) then count = count + 1 end
+end
+return count
+"""
+
+
+def hash_key(block_hash: int) -> str:
+    return format(block_hash, "016x")
+
+
+class RedisIndex(PrefixIndex):
+    """`client` is a `redis.asyncio.Redis` (decode_responses either way); it is not closed here
+    unless `owns_client`."""
+
+    def __init__(self, client: Any, prefix: str = "aigw", owns_client: bool = False) -> None:
+        self._redis = client
+        self._owns_client = owns_client
+        self.block_prefix = f"{prefix}:{{kv}}:b:"
+        self.replica_prefix = f"{prefix}:{{kv}}:r:"
+        self.seq_key = f"{prefix}:{{kv}}:seq"
+        self._apply = client.register_script(_APPLY)
+        self._reset = client.register_script(_RESET)
+        self._tentative = client.register_script(_TENTATIVE)
+        self._match = client.register_script(_MATCH)
+        self._count = client.register_script(_COUNT)
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str = "aigw") -> RedisIndex:
+        import redis.asyncio
+
+        return cls(redis.asyncio.Redis.from_url(url), prefix, owns_client=True)
+
+    async def apply(self, batch: EventBatch) -> ApplyResult:
+        ops: list[str | int] = []
+        for event in batch.events:
+            if isinstance(event, AllBlocksCleared):
+                ops.append("C")
+            else:
+                ops += ["S" if isinstance(event, BlockStored) else "R", len(event.block_hashes)]
+                ops += [hash_key(h) for h in event.block_hashes]
+        result = await self._apply(keys=[self.seq_key, self.replica_prefix + batch.replica_id],
+                                   args=[batch.replica_id, batch.seq, self.block_prefix, *ops])
+        return ApplyResult(_text(result))
+
+    async def load_snapshot(self, snapshot: KVSnapshot) -> None:
+        await self._reset(keys=[self.seq_key, self.replica_prefix + snapshot.replica_id],
+                          args=[snapshot.replica_id, snapshot.seq, self.block_prefix,
+                                *(hash_key(h) for h in snapshot.block_hashes)])
+
+    async def drop_replica(self, replica_id: str) -> None:
+        await self._reset(keys=[self.seq_key, self.replica_prefix + replica_id],
+                          args=[replica_id, "", self.block_prefix])
+
+    async def applied_seq(self, replica_id: str) -> int | None:
+        value = await self._redis.hget(self.seq_key, replica_id)
+        return None if value is None else int(value)
+
+    async def match(self, block_hashes: Sequence[int], replica_ids: Sequence[str]) -> dict[str, int]:
+        if not block_hashes or not replica_ids:
+            return dict.fromkeys(replica_ids, 0)
+        flat = await self._match(args=[self.block_prefix, len(replica_ids), *replica_ids,
+                                       *(hash_key(h) for h in block_hashes)])
+        return {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    async def insert_tentative(self, replica_id: str, block_hashes: Sequence[int], ttl_s: float) -> None:
+        if block_hashes:
+            await self._tentative(keys=[self.replica_prefix + replica_id],
+                                  args=[replica_id, int(ttl_s * 1000), self.block_prefix,
+                                        *(hash_key(h) for h in block_hashes)])
+
+    async def num_blocks(self, replica_id: str) -> int:
+        return int(await self._count(keys=[self.replica_prefix + replica_id],
+                                     args=[replica_id, self.block_prefix]))
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self._redis.aclose()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
