@@ -110,11 +110,12 @@ def completion_prompts(req: CompletionRequest, tokenizer: ServedTokenizer, vocab
                        ) -> list[list[int]]:
     """One token-id list per prompt; token ids are checked against the vocabulary."""
     prompt = req.prompt
-    if isinstance(prompt, str):
-        return [tokenizer.encode(prompt, add_special_tokens=True)]
-    texts = [p for p in prompt if isinstance(p, str)]
+    texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
     if texts:
-        return [tokenizer.encode(text, add_special_tokens=True) for text in texts]
+        encoded = [tokenizer.encode(text, add_special_tokens=True) for text in texts]
+        if not all(encoded):
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        return encoded
     flat = [p for p in prompt if isinstance(p, int)]
     prompts = [flat] if flat else [list(p) for p in prompt if isinstance(p, list)]
     for ids in prompts:

@@ -2,8 +2,9 @@
 
 Types are checked strictly (a string is not a number); value ranges are checked once, by
 `SamplingParams`, whose `SamplingParamsError` the server answers with 400. Unknown fields are
-ignored, as OpenAI-compatible servers do. `cache_salt` is our (and vLLM's) extension: requests
-with different salts never share prefix-cache blocks.
+ignored, as OpenAI-compatible servers do (logit_bias and parallel_tool_calls included);
+response_format other than "text" is refused, since nothing constrains decoding. `cache_salt`
+is our (and vLLM's) extension: requests with different salts never share prefix-cache blocks.
 """
 
 from __future__ import annotations
@@ -94,6 +95,13 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+MAX_CHOICES = 128  # engine requests one HTTP request may fan out into (prompts x n)
+
+
 class _SamplingBody(_Body):
     """Fields shared by chat completions and completions."""
 
@@ -114,11 +122,15 @@ class _SamplingBody(_Body):
     min_tokens: int = 0
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> _SamplingBody:
+    def _check_streaming_and_format(self) -> _SamplingBody:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format json_object/json_schema is not supported "
+                             "(no constrained decoding)")
         return self
 
     @property
@@ -194,6 +206,10 @@ class CompletionRequest(_SamplingBody):
             not self.prompt or any(isinstance(p, list) and not p for p in self.prompt)
         ):
             raise ValueError("prompt must not be empty")
+        num_prompts = len(self.prompt) if isinstance(self.prompt, list) and not isinstance(
+            self.prompt[0], int) else 1
+        if num_prompts * self.n > MAX_CHOICES:
+            raise ValueError(f"at most {MAX_CHOICES} choices (prompts x n) per request")
         return self
 
     def to_sampling_params(self) -> SamplingParams:

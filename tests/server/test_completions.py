@@ -55,6 +55,12 @@ def test_streamed_completion_concatenates_to_the_reply(http: httpx.Client, fake_
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == 1
 
 
+def test_empty_prompt_is_rejected(http: httpx.Client, model: str) -> None:
+    for prompt in ("", [], [[]], ["a", ""]):
+        response = http.post("/v1/completions", json={"model": model, "prompt": prompt})
+        assert response.status_code == 400, prompt
+
+
 def test_out_of_vocabulary_token_ids_are_rejected(http: httpx.Client, model: str) -> None:
     response = http.post("/v1/completions", json={"model": model, "prompt": [1, 99999]})
     assert response.status_code == 400

@@ -152,3 +152,15 @@ def test_engine_failure_before_the_first_token_of_a_stream_is_a_500_envelope(
     fake_engine.fail_after_num_tokens = 0
     response = http.post("/v1/chat/completions", json=chat(stream=True, n=2))
     assert_envelope(response, 500, type_="server_error")
+
+
+def test_unconstrainable_response_format_and_too_many_choices_are_400(
+        http: httpx.Client) -> None:
+    error = assert_envelope(http.post("/v1/chat/completions", json=chat(
+        response_format={"type": "json_object"})), 400)
+    assert "not supported" in error["message"]
+    assert http.post("/v1/chat/completions", json=chat(
+        response_format={"type": "text"})).status_code == 200
+    many = {"model": MODEL, "prompt": ["a"] * 20, "n": 8}
+    assert "at most 128 choices" in assert_envelope(http.post("/v1/completions", json=many),
+                                                    400)["message"]
