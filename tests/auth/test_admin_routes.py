@@ -1,0 +1,100 @@
+"""The admin API on a real aiohttp socket, on both stores."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import jwt
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from auth import Principal, Scope, open_auth
+from auth.settings import AuthSettings
+from gateway.metering import MeteringSettings, UsageRecord, open_meter
+
+ADMIN, INVOKE, USAGE = Scope.ADMIN.value, Scope.INVOKE.value, Scope.USAGE_READ.value
+
+
+def _record(request_id: str, project: str, key_id: str, tokens: int) -> UsageRecord:
+    return UsageRecord(request_id=request_id, project=project, key_id=key_id, model="m",
+                       endpoint="r0", prompt_tokens=tokens, cached_tokens=0,
+                       completion_tokens=tokens, cost_usd=0.0, latency_ms=1.0, status=200,
+                       created_at=time.time())
+
+
+def test_admin_api_manages_keys_and_guards_usage_by_project(auth_settings: AuthSettings) -> None:
+    settings = auth_settings.model_copy(update={"jwt_hs256_secret": "x" * 32,
+                                                "jwt_algorithms": ("HS256",)})
+
+    async def scenario() -> None:
+        services = await open_auth(settings)
+        await services.admin.create_project("ops")
+        _, admin_key = await services.admin.create_key("ops", [ADMIN])
+        app = web.Application()
+        app.add_routes(services.admin_routes())
+        server = TestServer(app, host="127.0.0.1", port=0)
+        await server.start_server()
+        base = str(server.make_url("/admin/v1"))
+        try:
+            async with aiohttp.ClientSession() as http:
+                async def call(method: str, path: str, key: str | None = None,
+                               body: Any = None) -> tuple[int, Any]:
+                    headers = {"Authorization": f"Bearer {key}"} if key else {}
+                    async with http.request(method, base + path, json=body,
+                                            headers=headers) as resp:
+                        is_json = resp.content_type == "application/json"
+                        return resp.status, await (resp.json() if is_json else resp.text())
+
+                assert (await call("GET", "/projects"))[0] == 401
+                assert (await call("GET", "/projects", "sk-aigw-000000000000-bad"))[0] == 401
+                for name in ("a", "b"):
+                    assert (await call("POST", "/projects", admin_key, {"name": name}))[0] == 201
+                assert (await call("POST", "/projects", admin_key, {"name": "a"}))[0] == 409
+                status, created = await call("POST", "/projects/a/keys", admin_key,
+                                             {"scopes": [INVOKE, USAGE], "name": "app"})
+                assert status == 201 and created["key"].startswith("sk-aigw-")
+                key_a = created["key"]
+                status, listed = await call("GET", "/projects/a/keys", admin_key)
+                assert [k["key_id"] for k in listed["data"]] == [created["key_id"]]
+                assert "secret_hash" not in listed["data"][0] and "key" not in listed["data"][0]
+                assert (await call("GET", "/projects", key_a))[0] == 403  # no admin scope
+                assert (await call("POST", "/projects/zzz/keys", admin_key,
+                                   {"scopes": [INVOKE]}))[0] == 404
+                assert (await call("POST", "/projects/a/keys", admin_key,
+                                   {"scopes": ["root"]}))[0] == 400
+
+                meter = await open_meter(MeteringSettings(), redis=services.redis,
+                                         data_dir=settings.data_dir)
+                principal = Principal("a", created["key_id"], frozenset([INVOKE]))
+                for request_id, project, tokens in (("r1", "a", 3), ("r2", "b", 5)):
+                    admission = await meter.admit(request_id, principal, "m", tokens, 16)
+                    await meter.settle(admission, _record(request_id, project, "k", tokens))
+                await meter.close()
+
+                status, usage = await call("GET", "/projects/a/usage", key_a)
+                assert status == 200 and usage["data"][0]["prompt_tokens"] == 3
+                status, error = await call("GET", "/projects/b/usage", key_a)
+                assert status == 403 and error["error"]["code"] == "wrong_project"
+                status, csv_text = await call("GET", "/projects/b/usage?format=csv&group_by=model",
+                                              admin_key)
+                assert status == 200 and csv_text.splitlines()[1].startswith(",m,1,5,0,5,10,")
+
+                token = jwt.encode({"sub": "ci", "project": "b", "scope": USAGE,
+                                    "exp": int(time.time()) + 60}, "x" * 32, algorithm="HS256")
+                assert (await call("GET", "/projects/b/usage", token))[0] == 200
+                assert (await call("GET", "/projects/a/usage", token))[0] == 403
+
+                status, rotated = await call("POST", f"/keys/{created['key_id']}/rotate",
+                                             admin_key, {"grace_seconds": 0})
+                assert status == 200 and rotated["key"] != key_a
+                status, revoked = await call("DELETE", f"/keys/{created['key_id']}", admin_key)
+                assert status == 200 and revoked["revoked_at"] is not None
+                assert (await call("DELETE", "/keys/000000000000", admin_key))[0] == 404
+        finally:
+            await server.close()
+            await services.close()
+
+    asyncio.run(scenario())

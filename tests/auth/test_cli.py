@@ -1,0 +1,80 @@
+"""`aigw projects|keys|usage` against the store a gateway with the same environment uses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from auth import open_auth
+from auth.settings import AuthSettings
+from gateway.cli import main
+
+
+@pytest.fixture
+def cli_env(store_kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+            request: pytest.FixtureRequest) -> AuthSettings:
+    monkeypatch.setenv("AIGW_DATA_DIR", str(tmp_path / "data"))
+    if store_kind == "redis":
+        monkeypatch.setenv("AIGW_REDIS_URL", request.getfixturevalue("clean_redis_url"))
+    else:
+        monkeypatch.delenv("AIGW_REDIS_URL", raising=False)
+    return AuthSettings.from_env()
+
+
+def test_keys_create_prints_only_the_key_on_stdout_and_the_key_works(
+        cli_env: AuthSettings, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["projects", "create", "acme"]) == 0
+    capsys.readouterr()
+    assert main(["keys", "create", "--project", "acme", "--scope", "ai_gateway:invoke",
+                 "--scope", "ai_gateway:usage:read", "--name", "ci", "--model", "m1",
+                 "--expires-in", "3600"]) == 0
+    out, err = capsys.readouterr()
+    assert re.fullmatch(r"sk-aigw-[0-9a-f]{12}-[A-Za-z0-9_-]+\n", out)
+    key = out.strip()
+    assert key not in err and '"name": "ci"' in err
+
+    async def authenticate() -> str:
+        services = await open_auth(cli_env)
+        try:
+            return (await services.authenticator.authenticate(key)).project
+        finally:
+            await services.close()
+
+    assert asyncio.run(authenticate()) == "acme"
+
+    assert main(["keys", "list", "--project", "acme"]) == 0
+    listed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(listed) == 1 and listed[0]["allowed_models"] == ["m1"]
+    key_id = listed[0]["key_id"]
+    assert key.startswith(f"sk-aigw-{key_id}-")
+
+    assert main(["keys", "rotate", key_id, "--grace-seconds", "60"]) == 0
+    rotated = capsys.readouterr().out.strip()
+    assert rotated.startswith(f"sk-aigw-{key_id}-") and rotated != key
+    assert main(["keys", "revoke", key_id]) == 0
+    capsys.readouterr()
+    assert main(["keys", "list", "--project", "acme"]) == 0
+    assert json.loads(capsys.readouterr().out)["revoked_at"] is not None
+
+    assert main(["projects", "list"]) == 0
+    assert capsys.readouterr().out == "acme\n"
+
+
+def test_cli_errors_go_to_stderr_with_a_nonzero_status(
+        cli_env: AuthSettings, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["keys", "create", "--project", "nope", "--scope", "ai_gateway:invoke"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and "nope" in err
+    assert main(["keys", "revoke", "000000000000"]) == 1
+
+
+def test_usage_prints_json_and_csv(cli_env: AuthSettings,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["usage", "--project", "acme"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"project": "acme", "data": []}
+    assert main(["usage", "--project", "acme", "--format", "csv"]) == 0
+    assert capsys.readouterr().out.startswith("day,model,requests,")

@@ -1,0 +1,55 @@
+"""A key revoked through one instance is refused by another within a second."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from auth import AuthError, Scope, open_auth
+from auth.settings import AuthSettings
+
+
+async def _seconds_until_refused(authenticate, key: str, limit_s: float) -> float | None:  # type: ignore[no-untyped-def]
+    started = time.monotonic()
+    while time.monotonic() - started < limit_s:
+        try:
+            await authenticate(key)
+        except AuthError as exc:
+            assert exc.code == "revoked_api_key"
+            return time.monotonic() - started
+        await asyncio.sleep(0.01)
+    return None
+
+
+def _check_revocation_crosses_instances(settings: AuthSettings) -> None:
+    async def scenario() -> None:
+        first, second = await open_auth(settings), await open_auth(settings)
+        try:
+            await first.admin.create_project("acme")
+            record, key = await first.admin.create_key("acme", [Scope.INVOKE.value])
+            await first.authenticator.authenticate(key)
+            await second.authenticator.authenticate(key)  # now cached on the second
+            await first.admin.revoke_key(record.key_id)
+            elapsed = await _seconds_until_refused(second.authenticator.authenticate, key, 3.0)
+            assert elapsed is not None and elapsed <= 1.0, elapsed
+        finally:
+            await first.close()
+            await second.close()
+
+    asyncio.run(scenario())
+
+
+def test_revocation_on_one_instance_reaches_the_other_within_one_second(
+        auth_settings: AuthSettings) -> None:
+    """Two AuthServices on one store (Redis: two gateways; SQLite: a gateway and the CLI),
+    with the default 0.5 s poll and a key cache far longer than that."""
+    _check_revocation_crosses_instances(auth_settings.model_copy(
+        update={"revocation_poll_interval_s": 0.5, "key_cache_ttl_s": 60.0}))
+
+
+def test_redis_revocation_reaches_the_other_instance_with_a_one_second_poll(
+        clean_redis_url: str, tmp_path: Path) -> None:
+    _check_revocation_crosses_instances(AuthSettings(
+        redis_url=clean_redis_url, data_dir=tmp_path, revocation_poll_interval_s=1.0,
+        key_cache_ttl_s=60.0))
