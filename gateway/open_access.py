@@ -20,17 +20,20 @@ class AllowAllAuthenticator:
 
 
 class NullMeter:
-    """Admits everything; `settled` keeps the last records for tests (bounded)."""
+    """Admits everything; `settled` keeps the last records by request id (bounded), and
+    `num_settle_calls` counts every settle call (tests check it is one per request)."""
 
     def __init__(self, num_records_kept: int = 1000) -> None:
         self.settled: dict[str, UsageRecord] = {}
         self._num_records_kept = num_records_kept
+        self.num_settle_calls = 0
 
     async def admit(self, request_id: str, principal: Principal, model: str,
                     num_prompt_tokens: int, max_tokens: int) -> Admission:
         return Admission(request_id, principal, model, num_prompt_tokens + max_tokens)
 
     async def settle(self, admission: Admission, record: UsageRecord) -> None:
+        self.num_settle_calls += 1
         if len(self.settled) >= self._num_records_kept:
             self.settled.pop(next(iter(self.settled)))
         self.settled[record.request_id] = record

@@ -35,7 +35,8 @@ def test_failure_before_first_token_is_retried_on_the_other_endpoint(make_gatewa
         assert response.headers["x-aigw-replica"] == healthy
         assert response.text.count("tok ") == 8
     assert len(gateway.upstreams[0].state.request_ids) >= 1  # it was tried, and then ejected
-    assert len(gateway.meter.settled) == 3  # one record per client request, retries included
+    assert _wait_until(lambda: len(gateway.meter.settled) == 3)
+    assert gateway.meter.num_settle_calls == 3  # one per client request, retries included
 
 
 def test_all_endpoints_failing_gives_502_in_the_envelope(make_gateway: GatewayFactory) -> None:
@@ -54,6 +55,7 @@ def test_mid_stream_failure_ends_openai_stream_with_error_chunk(make_gateway: Ga
         for chunk in client.chat.completions.create(**CHAT, stream=True):
             received += [c.delta.content for c in chunk.choices if c.delta.content]
     assert received == ["tok ", "tok "]
+    assert _wait_until(lambda: gateway.meter.num_settle_calls == 1)
     record = next(iter(gateway.meter.settled.values()))
     assert record.status == 200 and record.finish_reason == "error"
 
