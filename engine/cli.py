@@ -25,6 +25,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model's step")
     parser.add_argument("--quantization", choices=["fp8"], default=None)
+    parser.add_argument("--decode-weights", choices=["float", "q4"], default="float",
+                        help="q4: decode tokens use the GGUF's 4-bit weights (faster; CPU only)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -39,7 +41,7 @@ def engine_config_from_args(args: argparse.Namespace, replica_id: str = "replica
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs),
         device=args.device, dtype=args.dtype, num_threads=args.threads, compile=args.compile,
-        quantization=args.quantization, replica_id=replica_id, max_model_len=args.max_model_len,
+        quantization=args.quantization, decode_weights=args.decode_weights, replica_id=replica_id, max_model_len=args.max_model_len,
         seed=args.seed,
     )
 

@@ -100,6 +100,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None: all cores
     compile: bool = False  # torch.compile the decode step
     quantization: str | None = None  # None or "fp8"
+    # "float": every linear in `dtype`. "q4": decode rows use the GGUF's own 4-bit blocks (bf16
+    # activations) and the lm head bf16; prefill rows stay float (see engine/layers/q4_linear.py).
+    decode_weights: str = "float"
     replica_id: str = "replica-0"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
@@ -107,6 +110,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.decode_weights not in ("float", "q4"):
+            raise ValueError(f"unsupported decode_weights {self.decode_weights!r}")
+        if self.decode_weights == "q4" and not self.device.startswith("cpu"):
+            raise ValueError("decode_weights='q4' is a CPU path")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"unsupported quantization {self.quantization!r}")
 

@@ -31,6 +31,10 @@ def make_linear_factory(config: EngineConfig, device: torch.device, raw_weights:
              "float16": torch.float16}[config.resolved_dtype]
 
     def make(name: str, weight: torch.Tensor) -> LinearWeight:
+        if config.decode_weights == "q4":
+            q4 = _make_q4(name, weight.to(device=device, dtype=dtype), raw_weights)
+            if q4 is not None:
+                return q4
         if config.quantization == "fp8" and name != "lm_head.weight":
             from engine.layers.fp8_linear import FP8Linear
 
@@ -38,3 +42,21 @@ def make_linear_factory(config: EngineConfig, device: torch.device, raw_weights:
         return DenseLinear(weight.to(device=device, dtype=dtype))
 
     return make
+
+
+_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _make_q4(name: str, weight: torch.Tensor, raw_weights: dict) -> LinearWeight | None:  # type: ignore[type-arg]
+    """The q4 decode form of a weight, or None when the file has no Q4 blocks for it."""
+    from engine.layers.q4_linear import SUPPORTED_TYPES, BF16Linear, Q4DecodeLinear
+
+    if name == "lm_head.weight":
+        return BF16Linear(weight)
+    prefix, _, leaf = name.rpartition(".")  # "...self_attn.qkv_proj", "weight"
+    parent, _, module = prefix.rpartition(".")
+    part_names = [f"{parent}.{p}.{leaf}" for p in _FUSED_PARTS.get(module, (module,))]
+    parts = [raw_weights.get(p) for p in part_names]
+    if any(p is None or p.ggml_type not in SUPPORTED_TYPES for p in parts):
+        return None
+    return Q4DecodeLinear.from_raw(weight, [(p.ggml_type, p.data, p.shape) for p in parts])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 GGUF_MAGIC = b"GGUF"
@@ -77,6 +78,23 @@ def read_gguf_metadata(path: str | Path) -> dict[str, object]:
 
     Raises ValueError if the file is not GGUF (v2 or v3).
     """
+    return read_gguf_header(path)[0]
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy order (outermost first), in elements
+    ggml_type: int  # gguf.GGMLQuantizationType value
+    data_offset: int  # absolute byte offset of the tensor's data in the file
+
+
+def read_gguf_header(path: str | Path) -> tuple[dict[str, object], list[GGUFTensorInfo]]:
+    """The key/value pairs and the tensor directory (after them: name, dims, type, offset per tensor).
+
+        tensor info = name (string) | u32 n_dims | n_dims * u64 (innermost first) | u32 type | u64 offset
+        data starts at the end of the infos rounded up to `general.alignment` (default 32)
+    """
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
         if buffer[:4] != GGUF_MAGIC:
             raise ValueError(f"{path} is not a GGUF file")
@@ -85,13 +103,27 @@ def read_gguf_metadata(path: str | Path) -> dict[str, object]:
         version = cursor.unpack("<I")
         if version not in (2, 3):
             raise ValueError(f"{path}: unsupported GGUF version {version}")
-        cursor.unpack("<Q")  # tensor count: not needed here
+        num_tensors = cursor.unpack("<Q")
         num_kv = cursor.unpack("<Q")
-        assert isinstance(num_kv, int)
+        assert isinstance(num_kv, int) and isinstance(num_tensors, int)
         metadata: dict[str, object] = {}
         for _ in range(num_kv):
             key = cursor.string()
             value_type = cursor.unpack("<I")
             assert isinstance(value_type, int)
             metadata[key] = cursor.value(value_type)
-        return metadata
+        raw_infos = []
+        for _ in range(num_tensors):
+            name = cursor.string()
+            num_dims = cursor.unpack("<I")
+            assert isinstance(num_dims, int)
+            dims = struct.unpack_from(f"<{num_dims}Q", buffer, cursor.offset)
+            cursor.offset += 8 * num_dims
+            ggml_type, offset = cursor.unpack("<I"), cursor.unpack("<Q")
+            raw_infos.append((name, tuple(reversed(dims)), ggml_type, offset))
+        alignment = metadata.get("general.alignment", 32)
+        assert isinstance(alignment, int)
+        data_start = -(-cursor.offset // alignment) * alignment
+    infos = [GGUFTensorInfo(name, shape, int(t), data_start + int(off))  # type: ignore[call-overload]
+             for name, shape, t, off in raw_infos]
+    return metadata, infos
