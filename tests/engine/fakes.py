@@ -1,0 +1,83 @@
+"""Fakes for engine tests that need no model: requests with made-up token ids, and a fake "compute" step
+that drives the Scheduler and KVCacheManager the way LLMEngine does (append one token per sampled row)."""
+
+from __future__ import annotations
+
+import itertools
+
+from engine.batch import ScheduledBatch
+from engine.kv_cache.manager import KVCacheManager
+from engine.outputs import FinishReason
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+BLOCK_SIZE = 16
+MODEL_ID = "fake-model"
+MAX_MODEL_LEN = 4096
+_ids = itertools.count()
+
+
+def tokens(num_tokens: int, start: int = 1000) -> list[int]:
+    """`num_tokens` distinct-looking token ids starting at `start`."""
+    return list(range(start, start + num_tokens))
+
+
+def make_request(prompt_token_ids: list[int], *, max_tokens: int = 8, cache_salt: str | None = None,
+                 request_id: str | None = None, hashed: bool = True) -> Request:
+    """A real Request with fake token ids, its block hashes computed as LLMEngine.add_request does."""
+    request = Request(request_id or f"req-{next(_ids)}", list(prompt_token_ids),
+                      SamplingParams(temperature=0.0, max_tokens=max_tokens), (), MAX_MODEL_LEN, cache_salt)
+    if hashed:
+        request.update_block_hashes(BLOCK_SIZE, MODEL_ID)
+    return request
+
+
+def make_manager(num_blocks: int, enable_caching: bool = True, event_log=None) -> KVCacheManager:  # type: ignore[no-untyped-def]
+    return KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching, event_log)
+
+
+def admit(manager: KVCacheManager, request: Request, num_new_tokens: int | None = None) -> list[int] | None:
+    """What the scheduler does for a waiting request: look up hits, allocate, mark computed."""
+    computed = manager.get_computed_blocks(request)
+    if num_new_tokens is None:
+        num_new_tokens = request.num_tokens - computed.num_computed_tokens
+    table = manager.allocate_slots(request, num_new_tokens, computed)
+    if table is not None:
+        request.num_cached_tokens = computed.num_computed_tokens
+        request.num_computed_tokens = computed.num_computed_tokens + num_new_tokens
+    return table
+
+
+def fake_token(request: Request) -> int:
+    """A deterministic 'sampled' token: a function of the request's position only."""
+    return 5 + (request.num_tokens * 7 + len(request.request_id)) % 500
+
+
+def simulate_step(scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
+    """Pretend the model ran `batch`: append a token to each sampled request, finish those at their
+    max_tokens. Returns the requests that finished."""
+    by_id = {r.request_id: r for r in scheduler.running}
+    finished = []
+    for seq in batch.sequences:
+        request = by_id.get(seq.request_id)
+        if request is None or not seq.needs_sample:
+            continue
+        request.output_token_ids.append(fake_token(request))
+        request.update_block_hashes(BLOCK_SIZE, MODEL_ID)
+        if request.num_tokens >= request.max_num_tokens:
+            scheduler.finish(request, FinishReason.LENGTH)
+            finished.append(request)
+    return finished
+
+
+def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> list[ScheduledBatch]:
+    batches = []
+    for _ in range(max_steps):
+        if not scheduler.num_unfinished:
+            return batches
+        batch = scheduler.schedule()
+        batches.append(batch)
+        simulate_step(scheduler, batch)
+        scheduler.kv_cache.check_integrity()
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")
