@@ -51,8 +51,8 @@ class EmbeddedMeter(BaseMeter):
                        clock: Clock) -> None:
         for scope in scopes:
             if scope.limits.daily_budget_usd is not None and not self._limiter.has_spent(
-                    scope.name, clock.day):
-                self._limiter.seed_spent(scope.name, clock.day,
+                    scope, clock.day):
+                self._limiter.seed_spent(scope, clock.day,
                                          await self._spent_today(admission, scope.name, clock.day))
         after, refusal = self._limiter.admit(scopes, clock, admission.reserved_tokens,
                                              admission.reserved_nanos)

@@ -34,10 +34,15 @@ class Counts:
 
 @dataclass(frozen=True)
 class ScopeLimits:
-    """The limits of one scope: `name` is "proj" or "key:<key_id>"."""
+    """The limits of one scope of `project`: `name` is "proj" or "key:<key_id>"."""
 
+    project: str
     name: str
     limits: Limits
+
+    @property
+    def qualified_name(self) -> tuple[str, str]:
+        return (self.project, self.name)
 
     @property
     def budget_nanos(self) -> int | None:
@@ -134,15 +139,16 @@ class LocalLimiter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._window = 0
-        self._minute: dict[str, list[int]] = {}  # scope -> [requests, tokens] in self._window
-        self._spent: dict[tuple[str, str], int] = {}  # (scope, day) -> nano-USD
+        # (project, scope name) -> [requests, tokens] in self._window
+        self._minute: dict[tuple[str, str], list[int]] = {}
+        self._spent: dict[tuple[str, str, str], int] = {}  # (project, scope name, day) -> nano-USD
 
-    def has_spent(self, scope: str, day: str) -> bool:
-        return (scope, day) in self._spent
+    def has_spent(self, scope: ScopeLimits, day: str) -> bool:
+        return (*scope.qualified_name, day) in self._spent
 
-    def seed_spent(self, scope: str, day: str, spent_nanos: int) -> None:
+    def seed_spent(self, scope: ScopeLimits, day: str, spent_nanos: int) -> None:
         with self._lock:
-            self._spent.setdefault((scope, day), spent_nanos)
+            self._spent.setdefault((*scope.qualified_name, day), spent_nanos)
 
     def admit(self, scopes: list[ScopeLimits], clock: Clock, num_tokens: int,
               nanos: int) -> tuple[list[tuple[ScopeLimits, Counts]], RateLimited | None]:
@@ -150,24 +156,27 @@ class LocalLimiter:
         with self._lock:
             if clock.minute_window != self._window:
                 self._window, self._minute = clock.minute_window, {}
-            before = [(s, Counts(*self._minute.get(s.name, (0, 0)),
-                                 self._spent.get((s.name, clock.day), 0))) for s in scopes]
+            before = [(s, Counts(*self._minute.get(s.qualified_name, (0, 0)),
+                                 self._spent.get((*s.qualified_name, clock.day), 0)))
+                      for s in scopes]
             for scope, counts in before:
                 what = denied_limit(scope, counts, num_tokens, nanos)
                 if what is not None:
                     return before, rate_limited(scope, what, before, clock)
             after = []
             for scope, counts in before:
-                self._minute[scope.name] = [counts.num_requests + 1, counts.num_tokens + num_tokens]
-                self._spent[(scope.name, clock.day)] = counts.spent_nanos + nanos
+                self._minute[scope.qualified_name] = [counts.num_requests + 1,
+                                                      counts.num_tokens + num_tokens]
+                self._spent[(*scope.qualified_name, clock.day)] = counts.spent_nanos + nanos
                 after.append((scope, Counts(counts.num_requests + 1, counts.num_tokens + num_tokens,
                                             counts.spent_nanos + nanos)))
             return after, None
 
     def settle(self, admission: MeterAdmission, delta_tokens: int, delta_nanos: int) -> None:
+        project = admission.principal.project
         with self._lock:
             for name in admission.scopes:
-                if admission.minute_window == self._window and name in self._minute:
-                    self._minute[name][1] += delta_tokens
-                if (name, admission.day) in self._spent:
-                    self._spent[(name, admission.day)] += delta_nanos
+                if admission.minute_window == self._window and (project, name) in self._minute:
+                    self._minute[(project, name)][1] += delta_tokens
+                if (project, name, admission.day) in self._spent:
+                    self._spent[(project, name, admission.day)] += delta_nanos

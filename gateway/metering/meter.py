@@ -35,8 +35,9 @@ class BaseMeter(ABC):
         return cost_usd(self.settings, model, prompt_tokens, cached_tokens, completion_tokens)
 
     def scopes_for(self, principal: Principal) -> list[ScopeLimits]:
-        scopes = [ScopeLimits("proj", self.settings.limits_for_project(principal.project)),
-                  ScopeLimits(f"key:{principal.key_id}",
+        project = principal.project
+        scopes = [ScopeLimits(project, "proj", self.settings.limits_for_project(project)),
+                  ScopeLimits(project, f"key:{principal.key_id}",
                               self.settings.limits_for_key(principal.key_id))]
         return [s for s in scopes if s.limits.any]
 
