@@ -1,0 +1,302 @@
+"""`aigw bench gateway`: what the gateway adds over calling the upstream directly.
+
+One run starts a fast mock upstream (bench/mock_upstream.py) and, in front of it: a bare aiohttp
+pass-through (bench/bare_proxy.py, the ceiling for a Python proxy), `aigw serve` with auth and
+metering off and on, and LiteLLM's proxy (installed into bench/out/litellm-venv; skipped with a
+reason if that fails). Cells run interleaved (for each mode and concurrency, every target in turn)
+for `--duration-s` each. The load generator is a separate aiohttp process. Figures per cell:
+requests/s, latency p50/p99 minus the direct p50/p99 ("added"), and the target's CPU ms per request
+(its whole process tree, from /proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODEL = "mock-model"
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Target:
+    name: str
+    url: str
+    pid: int
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--duration-s", type=float, default=3.0, help="seconds per cell")
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--modes", default="nonstream,stream")
+    parser.add_argument("--num-tokens", type=int, default=16, help="tokens per mock answer")
+    parser.add_argument("--workers", type=int, default=1, help="aigw serve --workers")
+    parser.add_argument("--no-litellm", action="store_true")
+    parser.add_argument("--out-dir", default="bench/out")
+    parser.add_argument("--plot", default=None, help="write a PNG here")
+
+
+def _free_port() -> int:
+    from gateway.embedded import free_port
+
+    return free_port()
+
+
+def _wait_http(url: str, timeout_s: float, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not up after {timeout_s:g}s")
+
+
+def _wait_port(port: int, timeout_s: float) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"port {port} not listening after {timeout_s:g}s")
+
+
+def _cpu_seconds(root_pid: int) -> float:
+    """utime + stime of a process and all its descendants."""
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+    total, frontier = 0.0, [root_pid]
+    while frontier:
+        pid = frontier.pop()
+        total += stats.get(pid, (0, 0.0))[1]
+        frontier += [child for child, (parent, _) in stats.items() if parent == pid]
+    return total
+
+
+class _Processes:
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.running: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        log = open(self.out_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.running.append(process)
+        return process
+
+    def stop_all(self) -> None:
+        for process in self.running:
+            process.terminate()
+        for process in self.running:
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def _start_aigw(procs: _Processes, name: str, upstream: str, auth: bool, workers: int) -> Target:
+    port = _free_port()
+    data_dir = procs.out_dir / f"{name}-data"
+    config = procs.out_dir / f"{name}.toml"
+    config.write_text(f'data_dir = "{data_dir}"\n[[models]]\nname = "{MODEL}"\nbackend = "replica"\n'
+                      f'endpoints = ["{upstream}"]\n[models.prices]\ninput_per_token = 1e-7\n'
+                      'output_per_token = 2e-7\n')
+    command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port",
+               str(port), "--workers", str(workers)] + ([] if auth else ["--no-auth"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIGW_")}
+    process = procs.start(name, command, env)
+    url = f"http://127.0.0.1:{port}"
+    _wait_http(url + "/health", 60, process)
+    headers = {}
+    if auth:
+        headers["authorization"] = "Bearer " + (data_dir / "default-key.txt").read_text().strip()
+    return Target(name, url, process.pid, headers)
+
+
+def _start_litellm(procs: _Processes, upstream: str) -> Target | str:
+    venv = procs.out_dir / "litellm-venv"
+    binary = venv / "bin" / "litellm"
+    if not binary.exists():
+        try:
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "litellm[proxy]"], check=True,
+                           timeout=900)
+        except (subprocess.SubprocessError, OSError) as exc:
+            return f"installing litellm[proxy] failed: {exc}"
+    port = _free_port()
+    config = procs.out_dir / "litellm.yaml"
+    config.write_text(f"model_list:\n  - model_name: {MODEL}\n    litellm_params:\n"
+                      f"      model: openai/{MODEL}\n      api_base: {upstream}/v1\n"
+                      "      api_key: dummy\nlitellm_settings:\n  telemetry: false\n")
+    process = procs.start("litellm", [str(binary), "--config", str(config), "--host", "127.0.0.1",
+                                      "--port", str(port), "--num_workers", "1"])
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health/liveliness", 180, process)
+    except (TimeoutError, RuntimeError) as exc:
+        return f"litellm did not start: {exc} (see {procs.out_dir / 'litellm.log'})"
+    return Target("litellm", f"http://127.0.0.1:{port}", process.pid,
+                  {"authorization": "Bearer dummy"})
+
+
+def _measure(target: Target, stream: bool, concurrency: int, duration_s: float) -> dict[str, Any]:
+    spec = {"url": target.url + "/v1/chat/completions", "headers": target.headers, "stream": stream,
+            "concurrency": concurrency, "duration_s": duration_s}
+    cpu_before = _cpu_seconds(target.pid)
+    done = subprocess.run([sys.executable, "-m", "bench.gateway_bench", "--loadgen", json.dumps(spec)],
+                          capture_output=True, timeout=duration_s + 120, check=True)
+    cpu_s = _cpu_seconds(target.pid) - cpu_before
+    result: dict[str, Any] = json.loads(done.stdout)
+    result["cpu_ms_per_request"] = cpu_s * 1000 / max(1, result["num_requests"])
+    return result
+
+
+async def _loadgen(spec: dict[str, Any]) -> dict[str, Any]:
+    import aiohttp
+
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 64, "stream": spec["stream"],
+                            "messages": [{"role": "user", "content": "Hello, how are you today?"}]}
+    if spec["stream"]:
+        body["stream_options"] = {"include_usage": True}
+    latencies: list[float] = []
+    num_errors = 0
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async def one() -> None:
+            nonlocal num_errors
+            started = time.perf_counter()
+            async with session.post(spec["url"], json=body, headers=spec["headers"]) as response:
+                payload = await response.read()
+            if response.status != 200 or (spec["stream"] and b"[DONE]" not in payload):
+                num_errors += 1
+            latencies.append(time.perf_counter() - started)
+
+        for _ in range(min(20, spec["concurrency"] * 2)):  # warm the connections
+            await one()
+        latencies.clear()
+        num_errors = 0
+        deadline = time.perf_counter() + spec["duration_s"]
+
+        async def worker() -> None:
+            while time.perf_counter() < deadline:
+                await one()
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(spec["concurrency"])))
+        elapsed = time.perf_counter() - started
+    latencies.sort()
+    n = len(latencies)
+    return {"num_requests": n, "num_errors": num_errors, "requests_per_s": n / elapsed,
+            "p50_ms": latencies[n // 2] * 1000 if n else None,
+            "p99_ms": latencies[min(n - 1, int(n * 0.99))] * 1000 if n else None}
+
+
+def _report(results: list[dict[str, Any]], skipped: dict[str, str]) -> None:
+    direct = {(r["mode"], r["concurrency"]): r for r in results if r["target"] == "direct"}
+    print(f"{'mode':9} {'conc':>4} {'target':14} {'req/s':>8} {'p50 ms':>8} {'+p50 ms':>8} "
+          f"{'+p99 ms':>8} {'cpu ms/req':>10} {'errors':>6}")
+    for r in results:
+        base = direct[(r["mode"], r["concurrency"])]
+        r["added_p50_ms"] = r["p50_ms"] - base["p50_ms"]
+        r["added_p99_ms"] = r["p99_ms"] - base["p99_ms"]
+        print(f"{r['mode']:9} {r['concurrency']:>4} {r['target']:14} {r['requests_per_s']:>8.0f} "
+              f"{r['p50_ms']:>8.2f} {r['added_p50_ms']:>8.2f} {r['added_p99_ms']:>8.2f} "
+              f"{r['cpu_ms_per_request']:>10.2f} {r['num_errors']:>6}")
+    for name, reason in skipped.items():
+        print(f"skipped {name}: {reason}")
+
+
+def _plot(results: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = sorted({r["mode"] for r in results})
+    figure, axes = plt.subplots(2, len(modes), figsize=(6 * len(modes), 8), squeeze=False)
+    for column, mode in enumerate(modes):
+        for target in dict.fromkeys(r["target"] for r in results):
+            rows = [r for r in results if r["mode"] == mode and r["target"] == target]
+            xs = [r["concurrency"] for r in rows]
+            axes[0][column].plot(xs, [r["requests_per_s"] for r in rows], marker="o", label=target)
+            axes[1][column].plot(xs, [r["added_p50_ms"] for r in rows], marker="o", label=target)
+        axes[0][column].set(title=f"{mode}: requests/s", xscale="log", yscale="log")
+        axes[1][column].set(title=f"{mode}: added p50 latency (ms)", xscale="log", xlabel="concurrency")
+        axes[0][column].legend()
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def run(args: argparse.Namespace) -> int:
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    procs = _Processes(out_dir)
+    skipped: dict[str, str] = {}
+    results: list[dict[str, Any]] = []
+    try:
+        mock_port = _free_port()
+        mock = procs.start("mock", [sys.executable, "-m", "bench.mock_upstream", "--port", str(mock_port),
+                                    "--num-tokens", str(args.num_tokens), "--model", MODEL])
+        upstream = f"http://127.0.0.1:{mock_port}"
+        _wait_http(upstream + "/health", 30, mock)
+        bare_port = _free_port()
+        bare = procs.start("bare_proxy", [sys.executable, "-m", "bench.bare_proxy", "--port",
+                                          str(bare_port), "--upstream", upstream])
+        _wait_port(bare_port, 30)
+        targets = [Target("direct", upstream, mock.pid),
+                   Target("bare_proxy", f"http://127.0.0.1:{bare_port}", bare.pid),
+                   _start_aigw(procs, "aigw_auth_off", upstream, False, args.workers),
+                   _start_aigw(procs, "aigw", upstream, True, args.workers)]
+        if args.no_litellm:
+            skipped["litellm"] = "--no-litellm"
+        else:
+            litellm = _start_litellm(procs, upstream)
+            if isinstance(litellm, str):
+                skipped["litellm"] = litellm
+            else:
+                targets.append(litellm)
+        for mode in args.modes.split(","):
+            for concurrency in (int(c) for c in args.concurrency.split(",")):
+                for target in targets:
+                    cell = _measure(target, mode == "stream", concurrency, args.duration_s)
+                    results.append({"target": target.name, "mode": mode, "concurrency": concurrency,
+                                    **cell})
+    finally:
+        procs.stop_all()
+    _report(results, skipped)
+    (out_dir / "gateway_bench.json").write_text(json.dumps(results, indent=1))
+    if args.plot:
+        _plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--loadgen":
+        print(json.dumps(asyncio.run(_loadgen(json.loads(sys.argv[2])))))
+    else:
+        parser = argparse.ArgumentParser(prog="aigw bench gateway")
+        add_arguments(parser)
+        sys.exit(run(parser.parse_args()))
