@@ -62,10 +62,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        if request.num_preemptions == 0:
-            self.num_queried_tokens += request.num_tokens
-            self.num_hit_tokens += len(hits) * self.block_size
         return ComputedBlocks(tuple(hits), len(hits) * self.block_size)
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (not the scheduler's look-aheads) in the hit statistics."""
+        self.num_queried_tokens += num_tokens
+        self.num_hit_tokens += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed: ComputedBlocks = ComputedBlocks()) -> list[int] | None:
@@ -98,12 +100,6 @@ class KVCacheManager:
             self.pool.cache_full_blocks(entry.blocks, request.block_hashes, request.all_token_ids,
                                         entry.num_cached_blocks, num_full)
             entry.num_cached_blocks = num_full
-
-    def cache_new_full_blocks(self, request: Request) -> None:
-        """After tokens were appended (decode), register blocks that became full."""
-        entry = self._requests.get(request.request_id)
-        if entry is not None:
-            self._cache_full_blocks(request, entry, request.num_computed_tokens)
 
     def free(self, request: Request) -> None:
         """Return the request's blocks, tail first (so the tail is evicted before the shared head)."""
