@@ -11,10 +11,10 @@ the table the first time it is needed. Limits are per process (one embedded gate
 from __future__ import annotations
 
 import sqlite3
-from dataclasses import asdict
 from pathlib import Path
 
 from auth.sqlite_runner import SqliteRunner
+from gateway.metering.coalescer import Coalescer
 from gateway.metering.contract import UsageRecord
 from gateway.metering.limits import Clock, LocalLimiter, MeterAdmission, ScopeLimits, rate_headers
 from gateway.metering.meter import BaseMeter, usage_day
@@ -34,12 +34,16 @@ _RECORD_COLUMNS = ("request_id", "project", "key_id", "model", "endpoint", "prom
                    "cached_tokens", "completion_tokens", "latency_ms", "status", "created_at",
                    "stream", "finish_reason")
 
+_INSERT_SQL = (f"INSERT OR IGNORE INTO usage ({', '.join(_RECORD_COLUMNS)}, cost_nanos, day) "
+               f"VALUES ({', '.join('?' * (len(_RECORD_COLUMNS) + 2))})")
+
 
 class EmbeddedMeter(BaseMeter):
     def __init__(self, settings: MeteringSettings, runner: SqliteRunner) -> None:
         super().__init__(settings)
         self._db = runner
         self._limiter = LocalLimiter()
+        self._inserts: Coalescer[tuple[object, ...], bool] = Coalescer(self._insert_rows)
 
     @classmethod
     async def open(cls, settings: MeteringSettings, path: Path) -> EmbeddedMeter:
@@ -74,17 +78,26 @@ class EmbeddedMeter(BaseMeter):
 
     async def _record(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
                       delta_tokens: int, delta_nanos: int) -> None:
-        values = asdict(record)
+        values = vars(record)
         row = tuple(values[c] for c in _RECORD_COLUMNS) + (cost_nanos, usage_day(record.created_at))
-
-        def insert(conn: sqlite3.Connection) -> bool:
-            cursor = conn.execute(
-                f"INSERT OR IGNORE INTO usage ({', '.join(_RECORD_COLUMNS)}, cost_nanos, day) "
-                f"VALUES ({', '.join('?' * (len(_RECORD_COLUMNS) + 2))})", row)
-            return cursor.rowcount == 1
-
-        if await self._db.run(insert) and admission.scopes:
+        if await self._inserts.submit(row) and admission.scopes:
             self._limiter.settle(admission, delta_tokens, delta_nanos)
+
+    async def _insert_rows(self, rows: list[tuple[object, ...]]) -> list[bool | BaseException]:
+        """One transaction for a batch (group commit); True for each row really inserted."""
+        def insert(conn: sqlite3.Connection) -> list[bool | BaseException]:
+            inserted: list[bool | BaseException] = []
+            conn.execute("BEGIN")
+            try:
+                for row in rows:
+                    inserted.append(conn.execute(_INSERT_SQL, row).rowcount == 1)
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            return inserted
+
+        return await self._db.run(insert)
 
     async def _daily_rows(self, project: str, since: str | None,
                           until: str | None) -> list[UsageRow]:
@@ -109,4 +122,5 @@ class EmbeddedMeter(BaseMeter):
         return records
 
     async def close(self) -> None:
+        await self._inserts.close()
         await self._db.close()

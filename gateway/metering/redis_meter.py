@@ -20,10 +20,14 @@ moves the counters by (actual - reserved) and adds to the day's sums, also in on
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import asdict
 from typing import Any
 
+import orjson
+from redis.exceptions import NoScriptError
+
+from gateway.metering.coalescer import Coalescer
 from gateway.metering.contract import UsageRecord
 from gateway.metering.limits import (
     WINDOW_S,
@@ -95,13 +99,43 @@ def _project_prefix(project: str) -> str:
     return f"aigw:{{p:{project}}}"
 
 
+_SCRIPTS = {"admit": _ADMIT_LUA, "settle": _SETTLE_LUA}
+_SCRIPT_SHAS = {name: hashlib.sha1(lua.encode()).hexdigest() for name, lua in _SCRIPTS.items()}
+ScriptCall = tuple[str, list[str], list[Any]]  # (script name, keys, args)
+
+
 class RedisMeter(BaseMeter):
+    """Script calls from concurrent requests share one pipeline round trip (Coalescer)."""
+
     def __init__(self, settings: MeteringSettings, client: Any, owns_client: bool = False) -> None:
         super().__init__(settings)
         self.client = client
         self._owns_client = owns_client
-        self._admit_script = client.register_script(_ADMIT_LUA)
-        self._settle_script = client.register_script(_SETTLE_LUA)
+        self._scripts_loaded = False
+        self._calls: Coalescer[ScriptCall, Any] = Coalescer(self._run_scripts)
+
+    async def _run_scripts(self, calls: list[ScriptCall]) -> list[Any]:
+        if not self._scripts_loaded:
+            await self._load_scripts()
+        results = await self._pipeline(calls)
+        missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+        if missing:  # the server lost its script cache (restart, SCRIPT FLUSH): load, retry once
+            await self._load_scripts()
+            for i, result in zip(missing, await self._pipeline([calls[i] for i in missing]),
+                                 strict=True):
+                results[i] = result
+        return results
+
+    async def _pipeline(self, calls: list[ScriptCall]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for name, keys, args in calls:
+            pipe.evalsha(_SCRIPT_SHAS[name], len(keys), *keys, *args)
+        return list(await pipe.execute(raise_on_error=False))
+
+    async def _load_scripts(self) -> None:
+        for lua in _SCRIPTS.values():
+            await self.client.script_load(lua)
+        self._scripts_loaded = True
 
     async def _reserve(self, admission: MeterAdmission, scopes: list[ScopeLimits],
                        clock: Clock) -> None:
@@ -116,7 +150,7 @@ class RedisMeter(BaseMeter):
             budget = scope.budget_nanos
             args += [_arg(scope.limits.requests_per_minute), _arg(scope.limits.tokens_per_minute),
                      _arg(budget)]
-        denied, what, *raw = await self._admit_script(keys=keys, args=args)
+        denied, what, *raw = await self._calls.submit(("admit", keys, args))
         before = [Counts(int(raw[3 * i]), int(raw[3 * i + 1]), int(raw[3 * i + 2]))
                   for i in range(len(scopes))]
         if int(denied):
@@ -138,10 +172,10 @@ class RedisMeter(BaseMeter):
             for name in admission.scopes:
                 base = f"{prefix}:lim:{name}"
                 keys += [f"{base}:tok:{admission.minute_window}", f"{base}:spent:{admission.day}"]
-        args = [json.dumps(asdict(record)), self.settings.record_ttl_days * 86_400, delta_tokens,
+        args = [orjson.dumps(record), self.settings.record_ttl_days * 86_400, delta_tokens,
                 delta_nanos, record.model, record.prompt_tokens, record.cached_tokens,
                 record.completion_tokens, cost_nanos, record.request_id, day]
-        await self._settle_script(keys=keys, args=args)
+        await self._calls.submit(("settle", keys, args))
 
     async def _daily_rows(self, project: str, since: str | None,
                           until: str | None) -> list[UsageRow]:
@@ -175,6 +209,7 @@ class RedisMeter(BaseMeter):
         return sorted(records, key=lambda r: (r.created_at, r.request_id))
 
     async def close(self) -> None:
+        await self._calls.close()
         if self._owns_client:
             await self.client.aclose()
 
