@@ -77,7 +77,7 @@ async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
             if last_error is not None:
                 raise last_error
             raise NoHealthyEndpoint(f"no healthy endpoint for model {request.model!r}")
-        endpoint = router.pick(request, candidates).endpoint
+        endpoint = (await router.choose(request, candidates)).endpoint
         endpoint.breaker.on_attempt(now)
         endpoint.num_outstanding += 1
         events = route.backend.stream(request, endpoint)

@@ -1,13 +1,34 @@
-"""Endpoint picking. `create_router(name)` builds a `Router` (gateway/routing/base.py)."""
+"""Endpoint picking. `create_router(name, settings)` builds a `Router` (gateway/routing/base.py).
+
+Routers: "least_outstanding"; "prefix" (prefix_router.py: KV-aware, index in Redis when
+`settings.redis_url` is set, else in process); "auto" = "prefix" when some model served by our
+replicas has at least two endpoints, else "least_outstanding". Heavy imports stay lazy.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from gateway.routing.base import Decision, LeastOutstandingRouter, Router
 
-__all__ = ["Decision", "LeastOutstandingRouter", "Router", "create_router"]
+if TYPE_CHECKING:
+    from gateway.settings import GatewaySettings
+
+__all__ = ["Decision", "LeastOutstandingRouter", "Router", "create_router", "ROUTER_NAMES"]
+
+ROUTER_NAMES = ("least_outstanding", "prefix", "auto")
 
 
-def create_router(name: str) -> Router:
+def create_router(name: str, settings: GatewaySettings | None = None) -> Router:
+    if name == "auto":
+        use_prefix = settings is not None and any(
+            m.backend == "replica" and len(m.endpoints) >= 2 for m in settings.models)
+        name = "prefix" if use_prefix else "least_outstanding"
     if name == "least_outstanding":
         return LeastOutstandingRouter()
-    raise ValueError(f"unknown router {name!r} (known: least_outstanding)")
+    if name == "prefix":
+        from gateway.routing.prefix_router import PrefixRouter, PrefixRouterConfig
+
+        redis_url = settings.redis_url if settings is not None else None
+        return PrefixRouter(PrefixRouterConfig(redis_url=redis_url))
+    raise ValueError(f"unknown router {name!r} (known: {', '.join(ROUTER_NAMES)})")

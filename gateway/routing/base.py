@@ -1,6 +1,10 @@
 """The Router interface: given a request and the endpoints that may serve it, pick one.
 
-Contract: `pick` is called on the event loop and must not block or await; `endpoints` is non-empty
+Contract: `pick` is called on the event loop and must not block or await; `choose` is its
+awaitable form (one network round trip allowed, e.g. a Redis index lookup), by default `pick`;
+the gateway's dispatch awaits `choose`. `start(fleet)` / `close()` bracket the router's life
+(background tasks such as KV event consumers); `explain(request_id)` returns a one-line account
+of a recent decision for debug headers, or None. `endpoints` is non-empty
 and holds only endpoints that can serve right now (healthy, breaker not open, not already tried
 for this request). A router keeps its own state (e.g. a prefix index) and may read, never write,
 `Endpoint` fields.
@@ -13,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.canonical import CanonicalRequest
-from gateway.endpoints import Endpoint
+from gateway.endpoints import Endpoint, Fleet
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +29,18 @@ class Decision:
 class Router(ABC):
     @abstractmethod
     def pick(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision: ...
+
+    async def choose(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision:
+        return self.pick(request, endpoints)
+
+    async def start(self, fleet: Fleet) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def explain(self, request_id: str) -> str | None:
+        return None
 
 
 class LeastOutstandingRouter(Router):

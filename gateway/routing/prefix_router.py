@@ -1,0 +1,251 @@
+"""Prefix-aware routing: send a request to the replica that already holds its prefix, within load.
+
+    router = PrefixRouter(PrefixRouterConfig(redis_url=...))
+    await router.start(fleet)            # one KV event consumer per replica endpoint
+    decision = await router.choose(request, candidates)
+    await router.close()
+
+`choose`: hash the request's blocks as the replica will (prompt_hashing.py, off the event loop
+for long prompts), look up the longest run each candidate holds (one index round trip), score
+(scoring.py), then record the chosen replica as holding the request's blocks for
+`tentative_ttl_s` (events arrive later). Falls back to least load when the route is not served
+by our replicas, no consumer has synced yet, or the prompt has no full block. Session affinity
+(`x-session-id` / `user`, read from `request.session_id` / `request.user` when the canonical form
+carries them): the session's last replica is credited with the session's last prompt blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gateway.canonical import CanonicalRequest
+from gateway.endpoints import Endpoint, Fleet
+from gateway.routing.base import Decision, LeastOutstandingRouter, Router
+from gateway.routing.events_consumer import ConsumerConfig, ReplicaEventConsumer
+from gateway.routing.index import InProcessIndex, PrefixIndex
+from gateway.routing.scoring import CandidateLoad, ScoringConfig, choose
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from gateway.backends.base import Backend
+    from gateway.routing.prompt_hashing import PromptHasher
+
+log = logging.getLogger("aigw.routing")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixRouterConfig:
+    scoring: ScoringConfig = ScoringConfig()
+    consumer: ConsumerConfig = ConsumerConfig()
+    redis_url: str | None = None  # the shared index; None = in process
+    redis_prefix: str = "aigw"
+    read_redis_streams: bool = False  # events from the replicas' Redis streams instead of HTTP
+    tentative_ttl_s: float = 5.0
+    hash_off_loop_min_chars: int = 2_000  # prompts this long are hashed in a worker thread
+    max_sessions: int = 65_536
+    max_explanations: int = 1_024
+
+    def __post_init__(self) -> None:
+        if self.tentative_ttl_s <= 0 or self.hash_off_loop_min_chars < 0:
+            raise ValueError(f"invalid {self}")
+
+
+@dataclass(slots=True)
+class _EndpointState:
+    endpoint: Endpoint
+    backend: Backend
+    consumer: ReplicaEventConsumer
+    inflight_uncached: deque[int] = field(default_factory=deque)
+
+
+class PrefixRouter(Router):
+    def __init__(self, config: PrefixRouterConfig = PrefixRouterConfig(),
+                 index: PrefixIndex | None = None) -> None:
+        self.config = config
+        self.index = index
+        self._fallback = LeastOutstandingRouter()
+        self._states: dict[str, _EndpointState] = {}  # by endpoint url
+        self._tasks: list[asyncio.Task[None]] = []
+        self._pending: set[asyncio.Task[Any]] = set()
+        self._hashers: dict[str, PromptHasher] = {}
+        self._sessions: OrderedDict[str, tuple[str, int]] = OrderedDict()  # -> (url, num_blocks)
+        self._explanations: OrderedDict[str, str] = OrderedDict()
+        self._session: aiohttp.ClientSession | None = None
+        self._stream_client: Any = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="aigw-prompt-hash")
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self, fleet: Fleet) -> None:
+        import aiohttp
+
+        if self.index is None:
+            if self.config.redis_url:
+                from gateway.routing.redis_index import RedisIndex
+
+                self.index = RedisIndex.from_url(self.config.redis_url, self.config.redis_prefix)
+            else:
+                self.index = InProcessIndex()
+        if self.config.read_redis_streams and self.config.redis_url:
+            import redis.asyncio
+
+            self._stream_client = redis.asyncio.Redis.from_url(self.config.redis_url)
+        self._session = aiohttp.ClientSession()
+        for route, endpoint in fleet.all_endpoints():
+            if route.settings.backend != "replica" or endpoint.url in self._states:
+                continue
+            consumer = ReplicaEventConsumer(endpoint, self.index, self._session,
+                                            self.config.consumer, self._stream_client)
+            self._states[endpoint.url] = _EndpointState(endpoint, route.backend, consumer)
+            self._tasks.append(asyncio.create_task(consumer.run(), name=f"kv-events {endpoint.url}"))
+
+    async def close(self) -> None:
+        for task in [*self._tasks, *self._pending]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._pending, return_exceptions=True)
+        self._tasks.clear()
+        if self._session is not None:
+            await self._session.close()
+        if self._stream_client is not None:
+            await self._stream_client.aclose()
+        if self.index is not None:
+            await self.index.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def consumer(self, endpoint: Endpoint) -> ReplicaEventConsumer | None:
+        state = self._states.get(endpoint.url)
+        return state.consumer if state else None
+
+    # ---- picking -----------------------------------------------------------------------------
+    def pick(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision:
+        return self._fallback.pick(request, endpoints)
+
+    async def choose(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision:
+        states = [self._states.get(e.url) for e in endpoints]
+        synced = [s for s in states if s is not None and s.consumer.is_synced]
+        if self.index is None or not synced or len(endpoints) < 2:
+            return self._least_load(request, endpoints, "least_load:no_index")
+        model_id, block_size = synced[0].consumer.model_id, synced[0].consumer.block_size
+        assert model_id is not None and block_size is not None
+        body = synced[0].backend.upstream_body(request, synced[0].endpoint)
+        try:
+            hashes = await self._hash(request, body, model_id, block_size, synced[0].endpoint)
+        except Exception as exc:  # noqa: BLE001 - the replica will report a bad request itself
+            log.debug("cannot hash %s: %s", request.request_id, exc)
+            return self._least_load(request, endpoints, "least_load:unhashable")
+        if not hashes:
+            return self._least_load(request, endpoints, "least_load:short_prompt")
+        replica_ids = [s.consumer.replica_id for s in synced if s.consumer.replica_id]
+        matched = await self.index.match(hashes, replica_ids)
+        candidates = [self._candidate(endpoint, state, matched, request, len(hashes))
+                      for endpoint, state in zip(endpoints, states, strict=True)]
+        best, scores = choose(self.config.scoring, len(hashes), hashes[0], candidates)
+        chosen = endpoints[best]
+        reason = "prefix" if scores[best].num_matched_blocks else "least_cost"
+        self._record(request, chosen, hashes, scores[best].num_matched_blocks, reason,
+                     "; ".join(s.describe() for s in scores))
+        return Decision(chosen, reason)
+
+    def _candidate(self, endpoint: Endpoint, state: _EndpointState | None, matched: dict[str, int],
+                   request: CanonicalRequest, num_blocks: int) -> CandidateLoad:
+        replica_id = state.consumer.replica_id if state and state.consumer.is_synced else None
+        num_matched = matched.get(replica_id, 0) if replica_id else 0
+        session = self._sessions.get(_session_key(request) or "")
+        if session is not None and session[0] == endpoint.url:
+            num_matched = max(num_matched, min(session[1], num_blocks))
+        inflight: Sequence[int] = ()
+        if state is not None:
+            while len(state.inflight_uncached) > endpoint.num_outstanding:
+                state.inflight_uncached.popleft()  # the oldest have finished (approximately)
+            inflight = tuple(state.inflight_uncached)
+        load = endpoint.load
+        kv_used = 0.0
+        if load and load.num_kv_blocks_used is not None and load.num_kv_blocks_total:
+            kv_used = load.num_kv_blocks_used / load.num_kv_blocks_total
+        return CandidateLoad(endpoint.name, num_matched, inflight,
+                             (load.num_requests_waiting or 0) if load else 0, kv_used)
+
+    def _least_load(self, request: CanonicalRequest, endpoints: Sequence[Endpoint],
+                    reason: str) -> Decision:
+        decision = self._fallback.pick(request, endpoints)
+        self._remember_explanation(request.request_id, f"{reason} -> {decision.endpoint.name}")
+        return Decision(decision.endpoint, reason)
+
+    async def _hash(self, request: CanonicalRequest, body: dict[str, Any], model_id: str,
+                    block_size: int, endpoint: Endpoint) -> list[int]:
+        path = _tokenizer_path(endpoint)
+        if path not in self._hashers or request.text_length() >= self.config.hash_off_loop_min_chars:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, self._hash_sync, path, body,
+                                              model_id, block_size)
+        return self._hash_sync(path, body, model_id, block_size)
+
+    def _hash_sync(self, path: str, body: dict[str, Any], model_id: str, block_size: int) -> list[int]:
+        hasher = self._hashers.get(path)
+        if hasher is None:
+            from engine.loader import load_tokenizer
+            from gateway.routing.prompt_hashing import PromptHasher
+
+            hasher = self._hashers[path] = PromptHasher(load_tokenizer(path))
+        return hasher.block_hashes(body, model_id, block_size)
+
+    def _record(self, request: CanonicalRequest, chosen: Endpoint, hashes: list[int],
+                num_matched: int, reason: str, detail: str) -> None:
+        state = self._states.get(chosen.url)
+        if state is not None:
+            state.inflight_uncached.append(len(hashes) - num_matched)
+            replica_id = state.consumer.replica_id
+            if replica_id and self.index is not None:
+                task = asyncio.create_task(
+                    self.index.insert_tentative(replica_id, hashes, self.config.tentative_ttl_s))
+                self._pending.add(task)
+                task.add_done_callback(self._pending.discard)
+        key = _session_key(request)
+        if key:
+            self._sessions[key] = (chosen.url, len(hashes))
+            self._sessions.move_to_end(key)
+            if len(self._sessions) > self.config.max_sessions:
+                self._sessions.popitem(last=False)
+        text = f"{reason} -> {chosen.name} blocks={len(hashes)} | {detail}"
+        self._remember_explanation(request.request_id, text)
+        log.debug("route %s: %s", request.request_id, text)
+
+    def _remember_explanation(self, request_id: str, text: str) -> None:
+        self._explanations[request_id] = text
+        if len(self._explanations) > self.config.max_explanations:
+            self._explanations.popitem(last=False)
+
+    def explain(self, request_id: str) -> str | None:
+        return self._explanations.get(request_id)
+
+
+def _session_key(request: CanonicalRequest) -> str | None:
+    for attribute in ("session_id", "user"):
+        value = getattr(request, attribute, None)
+        if isinstance(value, str) and value:
+            return f"{request.project or ''}/{value}"
+    return None
+
+
+def _tokenizer_path(endpoint: Endpoint) -> str:
+    """The model path whose tokenizer the replicas use: `ModelSettings.tokenizer` (a GGUF file or a
+    Hugging Face directory; a tokenizer.json means its directory), else the engine's default."""
+    return _resolve_tokenizer_path(endpoint.model.tokenizer)
+
+
+@functools.lru_cache(maxsize=64)
+def _resolve_tokenizer_path(configured: str | None) -> str:
+    if configured:
+        path = Path(configured)
+        return str(path.parent if path.suffix == ".json" else path)
+    from engine.loader import default_model_path
+
+    return str(default_model_path())

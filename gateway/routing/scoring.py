@@ -1,0 +1,88 @@
+"""The prefix router's cost: prefill saved against load, in units of KV blocks (pure functions).
+
+For a request of `n` full prompt blocks and each candidate replica r:
+
+    prefill_r = n - matched_r                       blocks r would have to compute
+    active_r  = sum over this gateway's requests in flight to r of (uncached_blocks + D)
+              + waiting_r * (n + D)                 requests the replica reports queued (/metrics)
+              + n * max(0, kv_used_r - S) / (1 - S) KV nearly full: new blocks evict cached ones
+    cost_r    = W * prefill_r + active_r
+
+    W = prefill_weight (default 1.0, Dynamo's overlap weight), D = decode_blocks_per_request
+    (default 4: a request's decode work, in prefill-block units), S = kv_saturation (0.9).
+
+The lowest cost wins; ties go to fewer requests in flight, then to a rendezvous hash of the
+request's first block with the replica id, so new prefixes spread evenly and a given prefix keeps
+going to the same replica before any event has arrived. Prefix alone never decides: a holder
+with enough work in flight costs more than recomputing the prefix elsewhere ("sticky until
+saturated").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringConfig:
+    prefill_weight: float = 1.0
+    decode_blocks_per_request: float = 4.0
+    kv_saturation: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.prefill_weight < 0 or self.decode_blocks_per_request < 0:
+            raise ValueError("weights must be non-negative")
+        if not 0.0 <= self.kv_saturation < 1.0:
+            raise ValueError("kv_saturation must be in [0, 1)")
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateLoad:
+    """What the router knows about one candidate when it decides."""
+
+    name: str
+    num_matched_blocks: int
+    inflight_uncached_blocks: Sequence[int] = ()  # one entry per request in flight from us
+    num_requests_waiting: int = 0
+    kv_used_fraction: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    name: str
+    num_matched_blocks: int
+    prefill_blocks: float
+    active_blocks: float
+    cost: float
+
+    def describe(self) -> str:
+        return (f"{self.name} matched={self.num_matched_blocks} prefill={self.prefill_blocks:g} "
+                f"active={self.active_blocks:g} cost={self.cost:g}")
+
+
+def score(config: ScoringConfig, num_blocks: int, candidate: CandidateLoad) -> Score:
+    matched = min(candidate.num_matched_blocks, num_blocks)
+    prefill = float(num_blocks - matched)
+    decode = config.decode_blocks_per_request
+    active = sum(blocks + decode for blocks in candidate.inflight_uncached_blocks)
+    active += candidate.num_requests_waiting * (num_blocks + decode)
+    over = max(0.0, candidate.kv_used_fraction - config.kv_saturation)
+    active += num_blocks * over / (1.0 - config.kv_saturation)
+    return Score(candidate.name, matched, prefill, active, config.prefill_weight * prefill + active)
+
+
+def rendezvous(first_block_hash: int, name: str) -> int:
+    return xxhash.xxh3_64_intdigest(f"{first_block_hash:x}/{name}".encode())
+
+
+def choose(config: ScoringConfig, num_blocks: int, first_block_hash: int,
+           candidates: Sequence[CandidateLoad]) -> tuple[int, list[Score]]:
+    """(index of the winner in `candidates`, every candidate's score)."""
+    scores = [score(config, num_blocks, c) for c in candidates]
+    best = min(range(len(candidates)), key=lambda i: (
+        scores[i].cost, len(candidates[i].inflight_uncached_blocks),
+        rendezvous(first_block_hash, candidates[i].name)))
+    return best, scores
