@@ -4,7 +4,12 @@ Each kernel module holds one Triton kernel, its launcher and its torch reference
 what the CPU engine runs. Triton itself is imported only when a Triton kernel is first built, so the
 CPU path never imports it. `AIGW_KERNELS=triton|torch` overrides the choice (triton on CPU needs
 `TRITON_INTERPRET=1`, for tests). Tuned Triton launch configs are cached per GPU model in
-~/.cache/aigw/kernels/<gpu name>.json (see tuning.py).
+~/.cache/aigw/kernels/<gpu name>.json (see tuning.py); tuning times launches, so warm the engine
+up (one step per batch shape) before capturing CUDA graphs.
+
+Note: the functions below shadow the submodules of the same name (`store_kv`, `fused_moe`,
+`paged_attention`) as attributes of this package; import a module's contents by its full path,
+e.g. `from engine.kernels.fused_moe import moe_align_block_size`.
 """
 
 from __future__ import annotations
