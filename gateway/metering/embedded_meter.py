@@ -67,12 +67,10 @@ class EmbeddedMeter(BaseMeter):
 
     async def _spent_today(self, admission: MeterAdmission, scope: str, day: str) -> int:
         project = admission.principal.project
-        if scope == "proj":
-            sql, args = "SELECT SUM(cost_nanos) FROM usage WHERE project = ? AND day = ?", \
-                (project, day)
-        else:
-            sql, args = ("SELECT SUM(cost_nanos) FROM usage WHERE project = ? AND day = ? "
-                         "AND key_id = ?", (project, day, admission.principal.key_id))
+        sql = "SELECT SUM(cost_nanos) FROM usage WHERE project = ? AND day = ?"
+        args: tuple[str, ...] = (project, day)
+        if scope != "proj":
+            sql, args = sql + " AND key_id = ?", (project, day, admission.principal.key_id)
         row = await self._db.run(lambda conn: conn.execute(sql, args).fetchone())
         return int(row[0] or 0)
 

@@ -100,15 +100,16 @@ def rate_headers(scopes: list[tuple[ScopeLimits, Counts]], clock: Clock) -> dict
     """x-ratelimit-* from the tightest scope of each kind (counts taken after the admission)."""
     headers: dict[str, str] = {}
     reset = f"{math.ceil(clock.window_reset_s)}s"
-    for kind, limit_of, count_of in (
-            ("requests", lambda lim: lim.requests_per_minute, lambda c: c.num_requests),
-            ("tokens", lambda lim: lim.tokens_per_minute, lambda c: c.num_tokens)):
+    for kind in ("requests", "tokens"):
         tightest: tuple[int, int] | None = None
         for scope, counts in scopes:
-            limit = limit_of(scope.limits)
+            if kind == "requests":
+                limit, used = scope.limits.requests_per_minute, counts.num_requests
+            else:
+                limit, used = scope.limits.tokens_per_minute, counts.num_tokens
             if limit is None:
                 continue
-            remaining = max(limit - count_of(counts), 0)
+            remaining = max(limit - used, 0)
             if tightest is None or remaining < tightest[1]:
                 tightest = (limit, remaining)
         if tightest is not None:
@@ -156,9 +157,11 @@ class LocalLimiter:
         with self._lock:
             if clock.minute_window != self._window:
                 self._window, self._minute = clock.minute_window, {}
-            before = [(s, Counts(*self._minute.get(s.qualified_name, (0, 0)),
-                                 self._spent.get((*s.qualified_name, clock.day), 0)))
-                      for s in scopes]
+            before = []
+            for s in scopes:
+                used_requests, used_tokens = self._minute.get(s.qualified_name, (0, 0))
+                before.append((s, Counts(used_requests, used_tokens,
+                                         self._spent.get((*s.qualified_name, clock.day), 0))))
             for scope, counts in before:
                 what = denied_limit(scope, counts, num_tokens, nanos)
                 if what is not None:
