@@ -37,5 +37,11 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True)
     args = parser.parse_args()
+    try:  # the same event loop as `aigw serve` uses, for a fair ceiling
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
     web.run_app(create_proxy(args.upstream), host="127.0.0.1", port=args.port, print=None,
                 access_log=None)
