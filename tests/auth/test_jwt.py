@@ -125,3 +125,31 @@ def test_an_algorithm_outside_the_allow_list_is_refused(tmp_path: Path) -> None:
 def test_the_none_algorithm_cannot_be_configured() -> None:
     with pytest.raises(ValueError):
         AuthSettings(jwt_algorithms=("none", "RS256"))
+
+
+def test_keys_are_fetched_from_a_jwks_url(tmp_path: Path) -> None:
+    jwks = json.loads(_jwks_file(tmp_path).read_text())
+
+    async def scenario() -> tuple[Principal, AuthError]:
+        from aiohttp import web
+        from aiohttp.test_utils import TestServer
+
+        app = web.Application()
+        app.router.add_get("/jwks.json", lambda _: web.json_response(jwks))
+        server = TestServer(app, host="127.0.0.1", port=0)
+        await server.start_server()
+        try:
+            verifier = JwtVerifier(AuthSettings(
+                data_dir=tmp_path, jwt_jwks_url=str(server.make_url("/jwks.json")),
+                jwt_issuer=ISSUER, jwt_audience=AUDIENCE))
+            good = await verifier.verify(jwt.encode(_claims(), RSA_KEY, algorithm="RS256",
+                                                    headers={"kid": "rsa-1"}))
+            with pytest.raises(AuthError) as refused:
+                await verifier.verify(jwt.encode(_claims(), RSA_KEY, algorithm="RS256",
+                                                 headers={"kid": "unknown"}))
+            return good, refused.value
+        finally:
+            await server.close()
+
+    good, refused = asyncio.run(scenario())
+    assert good.project == "acme" and refused.status == 401
