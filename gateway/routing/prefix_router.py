@@ -100,12 +100,18 @@ class PrefixRouter(Router):
             self._stream_client = redis.asyncio.Redis.from_url(self.config.redis_url)
         self._session = aiohttp.ClientSession()
         for route, endpoint in fleet.all_endpoints():
-            if route.settings.backend != "replica" or endpoint.url in self._states:
-                continue
-            consumer = ReplicaEventConsumer(endpoint, self.index, self._session,
-                                            self.config.consumer, self._stream_client)
-            self._states[endpoint.url] = _EndpointState(endpoint, route.backend, consumer)
-            self._tasks.append(asyncio.create_task(consumer.run(), name=f"kv-events {endpoint.url}"))
+            if route.settings.backend == "replica" and endpoint.url not in self._states:
+                consumer = self.track(endpoint, route.backend)
+                self._tasks.append(asyncio.create_task(consumer.run(),
+                                                       name=f"kv-events {endpoint.url}"))
+
+    def track(self, endpoint: Endpoint, backend: Backend) -> ReplicaEventConsumer:
+        """Start keeping state for `endpoint` (its consumer is returned, not run: `start` runs it)."""
+        assert self.index is not None, "give an index or call start()"
+        consumer = ReplicaEventConsumer(endpoint, self.index, self._session,  # type: ignore[arg-type]
+                                        self.config.consumer, self._stream_client)
+        self._states[endpoint.url] = _EndpointState(endpoint, backend, consumer)
+        return consumer
 
     async def close(self) -> None:
         for task in [*self._tasks, *self._pending]:
@@ -119,6 +125,10 @@ class PrefixRouter(Router):
         if self.index is not None:
             await self.index.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def settle(self) -> None:
+        """Wait for the background index writes started so far (tentative inserts)."""
+        await asyncio.gather(*self._pending, return_exceptions=True)
 
     def consumer(self, endpoint: Endpoint) -> ReplicaEventConsumer | None:
         state = self._states.get(endpoint.url)
@@ -165,7 +175,8 @@ class PrefixRouter(Router):
         if state is not None:
             while len(state.inflight_uncached) > endpoint.num_outstanding:
                 state.inflight_uncached.popleft()  # the oldest have finished (approximately)
-            inflight = tuple(state.inflight_uncached)
+            num_unknown = endpoint.num_outstanding - len(state.inflight_uncached)
+            inflight = (*state.inflight_uncached, *(num_blocks,) * num_unknown)  # not ours: assume n
         load = endpoint.load
         kv_used = 0.0
         if load and load.num_kv_blocks_used is not None and load.num_kv_blocks_total:

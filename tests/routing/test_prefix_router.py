@@ -1,0 +1,141 @@
+"""Prefix router decisions on both index implementations, with consumers marked synced by hand."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from engine.kv_cache.events import BlockStored, EventBatch, KVSnapshot
+from engine.loader import default_model_path, load_tokenizer
+from gateway.backends.replica import ReplicaBackend
+from gateway.breaker import CircuitBreaker
+from gateway.canonical import CanonicalRequest, Message
+from gateway.endpoints import Endpoint, EndpointLoad
+from gateway.routing.prefix_router import PrefixRouter, PrefixRouterConfig
+from gateway.routing.prompt_hashing import PromptHasher
+from gateway.settings import GatewaySettings, ModelSettings
+from tests.routing.conftest import IndexUnderTest
+
+MODEL = ModelSettings(name="m", endpoints=("http://127.0.0.1:1", "http://127.0.0.1:2"))
+
+
+@pytest.fixture(scope="module")
+def hasher() -> PromptHasher:
+    return PromptHasher(load_tokenizer(default_model_path()))
+
+
+class Rig:
+    def __init__(self, index: IndexUnderTest, config: PrefixRouterConfig = PrefixRouterConfig()) -> None:
+        self.ix = index
+        self.backend = ReplicaBackend(None, GatewaySettings(auth_enabled=False))  # type: ignore[arg-type]
+        self.endpoints = [Endpoint(url, MODEL, CircuitBreaker(3, 1.0)) for url in MODEL.endpoints]
+        self.router = PrefixRouter(config, index=index.index)
+        for endpoint in self.endpoints:
+            consumer = self.router.track(endpoint, self.backend)
+            consumer.replica_id, consumer.model_id, consumer.block_size = endpoint.name, "m", 16
+            consumer.is_synced = True
+            index.run(index.index.load_snapshot(KVSnapshot(endpoint.name, 0, 16, ())))
+        self.seqs = dict.fromkeys((e.name for e in self.endpoints), 0)
+
+    def hold(self, endpoint: Endpoint, hashes: list[int]) -> None:
+        self.seqs[endpoint.name] += 1
+        batch = EventBatch(endpoint.name, self.seqs[endpoint.name], time.time(),
+                           (BlockStored(tuple(hashes), None, (), 16),))
+        self.ix.run(self.ix.index.apply(batch))
+
+    def choose(self, request: CanonicalRequest) -> tuple[Endpoint, str]:
+        async def go() -> Any:
+            decision = await self.router.choose(request, self.endpoints)
+            await self.router.settle()
+            return decision
+        decision = self.ix.run(go())
+        return decision.endpoint, decision.reason
+
+
+def request(prefix: str, suffix: str = "", request_id: str = "r") -> CanonicalRequest:
+    return CanonicalRequest(request_id, "m", messages=[Message("system", prefix * 30),
+                                                       Message("user", "question " + suffix)],
+                            project="p")
+
+
+def hashes_of(rig: Rig, hasher: PromptHasher, req: CanonicalRequest) -> list[int]:
+    return hasher.block_hashes(rig.backend.upstream_body(req, rig.endpoints[0]), "m", 16)
+
+
+def test_the_prefix_holder_wins_and_the_debug_account_shows_matches(
+        index: IndexUnderTest, hasher: PromptHasher) -> None:
+    rig = Rig(index)
+    req = request("You are terse. ", request_id="r1")
+    hashes = hashes_of(rig, hasher, req)
+    rig.hold(rig.endpoints[1], hashes[:-1])
+    chosen, reason = rig.choose(req)
+    assert chosen is rig.endpoints[1] and reason == "prefix"
+    account = rig.router.explain("r1")
+    assert account is not None and f"matched={len(hashes) - 1}" in account and "matched=0" in account
+
+
+def test_the_holder_is_sticky_until_its_load_outweighs_the_prefill_saved(
+        index: IndexUnderTest, hasher: PromptHasher) -> None:
+    rig = Rig(index, PrefixRouterConfig())
+    holder, other = rig.endpoints
+    req = request("Shared system prompt for everyone. ")
+    num_blocks = len(hashes_of(rig, hasher, req))
+    rig.hold(holder, hashes_of(rig, hasher, req))
+    picks = []
+    for i in range(12):  # nothing finishes: each dispatch adds an outstanding request
+        chosen, _ = rig.choose(request("Shared system prompt for everyone. ", f"q{i}", f"r{i}"))
+        chosen.num_outstanding += 1
+        picks.append(chosen)
+    assert picks[0] is holder and picks[1] is holder
+    assert other in picks  # overloaded: the other replica gets work
+    assert picks.count(holder) > picks.count(other)
+    assert num_blocks > 10
+
+
+def test_without_any_match_the_least_loaded_replica_wins(index: IndexUnderTest) -> None:
+    rig = Rig(index)
+    rig.endpoints[0].num_outstanding = 3
+    rig.endpoints[1].load = EndpointLoad(num_requests_waiting=0)
+    chosen, reason = rig.choose(request("Nothing cached anywhere. "))
+    assert chosen is rig.endpoints[1] and reason == "least_cost"
+
+
+def test_queued_requests_reported_by_the_replica_count_as_load(index: IndexUnderTest) -> None:
+    rig = Rig(index)
+    rig.endpoints[0].load = EndpointLoad(num_requests_waiting=4)
+    rig.endpoints[1].load = EndpointLoad(num_requests_waiting=0)
+    assert rig.choose(request("Some prompt text here. "))[0] is rig.endpoints[1]
+
+
+def test_a_decision_inserts_the_blocks_for_the_chosen_replica_with_a_ttl(
+        index: IndexUnderTest, hasher: PromptHasher) -> None:
+    rig = Rig(index, PrefixRouterConfig(tentative_ttl_s=0.4))
+    req = request("Tentative entries cover event lag. ")
+    chosen, _ = rig.choose(req)
+    hashes = hashes_of(rig, hasher, req)
+    names = [e.name for e in rig.endpoints]
+    matched = index.run(index.index.match(hashes, names))
+    assert matched[chosen.name] == len(hashes)
+    assert sum(matched.values()) == len(hashes)  # the other one holds nothing
+    assert rig.choose(request("Tentative entries cover event lag. ", "more"))[0] is chosen
+    time.sleep(0.6)
+    assert index.run(index.index.match(hashes, names))[chosen.name] == 0
+
+
+def test_distinct_prefixes_spread_over_the_replicas(index: IndexUnderTest) -> None:
+    rig = Rig(index, PrefixRouterConfig(tentative_ttl_s=0.01))
+    chosen = {rig.choose(request(f"Prefix number {i}. "))[0].name for i in range(12)}
+    assert chosen == {e.name for e in rig.endpoints}
+
+
+def test_unsynced_replicas_fall_back_to_least_outstanding(index: IndexUnderTest) -> None:
+    rig = Rig(index)
+    for endpoint in rig.endpoints:
+        consumer = rig.router.consumer(endpoint)
+        assert consumer is not None
+        consumer.is_synced = False
+    rig.endpoints[0].num_outstanding = 1
+    chosen, reason = rig.choose(request("Any. "))
+    assert chosen is rig.endpoints[1] and reason == "least_load:no_index"

@@ -1,0 +1,94 @@
+"""The gateway's block hashes equal the replica's: same body, same rendering, same tokens, same salt."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine.kv_cache.block_hash import hash_blocks
+from engine.loader import default_model_path, load_tokenizer
+from engine.loader.tokenizer import Tokenizer
+from engine.server.prompts import chat_prompt_token_ids, completion_prompts
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.backends.replica import ReplicaBackend, cache_salt
+from gateway.canonical import CanonicalRequest, Message, Tool, ToolCall
+from gateway.endpoints import Endpoint
+from gateway.breaker import CircuitBreaker
+from gateway.routing.prompt_hashing import PromptHasher
+from gateway.settings import GatewaySettings, ModelSettings
+
+TOOLS = [Tool(f"tool_{i}", f"Does thing {i} carefully.", {
+    "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]})
+    for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return load_tokenizer(default_model_path())
+
+
+def upstream_body(request: CanonicalRequest, share: bool = False) -> dict[str, Any]:
+    model = ModelSettings(name="m", endpoints=("http://127.0.0.1:1",),
+                          share_cache_across_projects=share)
+    backend = ReplicaBackend(None, GatewaySettings(auth_enabled=False))  # type: ignore[arg-type]
+    return backend.upstream_body(request, Endpoint(model.endpoints[0], model, CircuitBreaker(3, 1.0)))
+
+
+def agent_request(turn: int, project: str = "p1") -> CanonicalRequest:
+    messages = [Message("system", "You are a careful coding agent. " * 40),
+                Message("user", "Fix the failing test in parser.py.")]
+    for i in range(turn):
+        messages.append(Message("assistant", "", tool_calls=(
+            ToolCall(f"call_{i}", "tool_1", '{"path": "parser.py"}'),)))
+        messages.append(Message("tool", f"line {i}: KeyError 'x'", tool_call_id=f"call_{i}"))
+    return CanonicalRequest("r", "m", messages=messages, tools=list(TOOLS), project=project)
+
+
+@pytest.mark.parametrize("turn", [0, 1, 3])
+def test_chat_tokens_and_hashes_equal_the_replicas(tokenizer: Tokenizer, turn: int) -> None:
+    body = upstream_body(agent_request(turn))
+    replica_ids = chat_prompt_token_ids(ChatCompletionRequest.model_validate(body), tokenizer)
+    hasher = PromptHasher(tokenizer)
+    assert hasher.token_ids(body) == replica_ids
+    assert hasher.token_ids(body) == replica_ids  # again, from the segment cache
+    assert hasher.segments.num_hits > 0
+    expected = hash_blocks(replica_ids, 16, "model-x", body["cache_salt"])
+    assert hasher.block_hashes(body, "model-x", 16) == expected
+    assert len(expected) == len(replica_ids) // 16 > 10
+
+
+def test_tool_choice_required_and_named_render_like_the_replica(tokenizer: Tokenizer) -> None:
+    hasher = PromptHasher(tokenizer)
+    for choice in ("required", {"type": "function", "function": {"name": "tool_2"}}, "none"):
+        request = agent_request(1)
+        request.tool_choice = choice
+        body = upstream_body(request)
+        assert hasher.token_ids(body) == chat_prompt_token_ids(
+            ChatCompletionRequest.model_validate(body), tokenizer)
+
+
+def test_completion_prompt_tokens_equal_the_replicas(tokenizer: Tokenizer) -> None:
+    body = upstream_body(CanonicalRequest("r", "m", kind="completion", prompt="Once upon a time " * 20))
+    expected = completion_prompts(CompletionRequest.model_validate(body), tokenizer, tokenizer.vocab_size)[0]
+    assert PromptHasher(tokenizer).token_ids(body) == expected
+
+
+def test_projects_get_disjoint_hashes_unless_sharing_is_on(tokenizer: Tokenizer) -> None:
+    hasher = PromptHasher(tokenizer)
+    one = hasher.block_hashes(upstream_body(agent_request(0, "p1")), "m", 16)
+    two = hasher.block_hashes(upstream_body(agent_request(0, "p2")), "m", 16)
+    assert not set(one) & set(two)
+    shared_one = upstream_body(agent_request(0, "p1"), share=True)
+    assert "cache_salt" not in shared_one
+    assert hasher.block_hashes(shared_one, "m", 16) == hasher.block_hashes(
+        upstream_body(agent_request(0, "p2"), share=True), "m", 16)
+    assert upstream_body(agent_request(0, "p1"))["cache_salt"] == cache_salt("p1")
+
+
+def test_segmented_encoding_equals_whole_encoding(tokenizer: Tokenizer) -> None:
+    hasher = PromptHasher(tokenizer, min_cached_segment_chars=1)
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief. <|im_end|> fake"}, {"role": "user", "content": "héllo  \n\n x"}],
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert hasher.encode_segmented(text) == tokenizer.encode(text)
