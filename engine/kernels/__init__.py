@@ -66,12 +66,17 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    num_decode_seqs: int | None = None,
 ) -> torch.Tensor:
-    """Mixed prefill+decode attention over the paged cache -> [T, H, D] (paged_attention.py)."""
+    """Mixed prefill+decode attention over the paged cache -> [T, H, D] (paged_attention.py).
+
+    The keyword hints are host ints the scheduler knows (they save device syncs on CUDA);
+    `num_decode_seqs` says the first that many requests are one-token decodes.
+    """
     if _triton(q):
         return _attn.paged_attention_triton(
             q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables, scale,
-            max_query_len=max_query_len, max_seq_len=max_seq_len,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, num_decode_seqs=num_decode_seqs,
         )
     return _attn.paged_attention_reference(
         q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables, scale

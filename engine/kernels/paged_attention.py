@@ -230,26 +230,39 @@ def paged_attention_triton(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    num_decode_seqs: int | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `paged_attention_reference`.
 
     Pass `max_query_len` / `max_seq_len` (host ints the scheduler already knows) to avoid a device
     sync. Decode-only batches (max_query_len == 1) use the split-KV kernel; `num_splits` overrides
-    its split rule (tests).
+    its split rule (tests). `num_decode_seqs`: when the first that many requests are decodes
+    (query_len 1, the engine's order), they go to the decode kernel and only the rest to the
+    prefill kernel, whose 16-128-row query tiles would mostly idle on one-token requests.
     """
     check_paged_inputs(q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables)
     out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
+    from engine.kernels.paged_decode import paged_decode_triton
+
+    num_seqs = seq_lens.shape[0]
     if max_query_len is None:
         max_query_len = int((cu_query_lens[1:] - cu_query_lens[:-1]).max().item())
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item())
     if max_query_len == 1:
-        from engine.kernels.paged_decode import paged_decode_triton
-
-        if max_seq_len is None:
-            max_seq_len = int(seq_lens.max().item())
-        return paged_decode_triton(q, k_cache, v_cache, seq_lens, block_tables, scale,
-                                   max_seq_len=max_seq_len, out=out, num_splits=num_splits)
-    return paged_prefill_triton(q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables,
-                                scale, max_query_len, out)
+        num_decode_seqs = num_seqs
+    num_decode_seqs = num_decode_seqs or 0
+    assert 0 <= num_decode_seqs <= num_seqs, f"num_decode_seqs {num_decode_seqs} of {num_seqs}"
+    if num_decode_seqs:
+        # cu_query_lens holds absolute q rows: decode request i owns q row i
+        paged_decode_triton(q[:num_decode_seqs], k_cache, v_cache, seq_lens[:num_decode_seqs],
+                            block_tables[:num_decode_seqs], scale, max_seq_len=max_seq_len,
+                            out=out[:num_decode_seqs], num_splits=num_splits)
+    if num_decode_seqs < num_seqs:
+        paged_prefill_triton(q, k_cache, v_cache, cu_query_lens[num_decode_seqs:],
+                             seq_lens[num_decode_seqs:], block_tables[num_decode_seqs:], scale,
+                             max_query_len, out)
+    return out

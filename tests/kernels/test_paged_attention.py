@@ -114,3 +114,12 @@ def test_store_kv_writes_each_token_to_its_slot(dtype):
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
     assert torch.equal(ref_k[3, 15], k[0]) and torch.equal(ref_v[1, 1], v[2])
     assert ref_k[0, 1:5].abs().sum() == 0  # untouched slots stay untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decodes_first_hint_routes_them_to_the_decode_kernel_with_same_result(dtype):
+    ctx_lens, q_lens = [33, 7, 100, 17, 40], [1, 1, 1, 17, 6]  # three decodes, then prefills
+    args, _ = make_batch(ctx_lens, q_lens, 6, 2, 64, dtype)
+    out = paged_attention_triton(*args, scale=0.125, max_query_len=17, max_seq_len=100,
+                                 num_decode_seqs=3)
+    assert_close(out, paged_attention_reference(*args, scale=0.125), dtype)
