@@ -80,8 +80,8 @@ class TorchPagedAttention(PagedAttentionBackend):
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
         v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
-        out = torch.empty_like(q)
         num_decode = meta.num_decode_tokens
+        out = torch.empty_like(q) if meta.prefills else None
         if num_decode:
             assert meta.decode_slots is not None
             qd = q[:num_decode].unsqueeze(2)  # [D, H, 1, Dh]
@@ -90,7 +90,9 @@ class TorchPagedAttention(PagedAttentionBackend):
             od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype),
                                                 attn_mask=meta.decode_mask, scale=scale,
                                                 enable_gqa=True)
-            out[:num_decode] = od.squeeze(2)  # [D, H, 1, Dh] -> [D, H, Dh]
+            if out is None:
+                return od.squeeze(2)  # [D, H, 1, Dh] -> [D, H, Dh]
+            out[:num_decode] = od.squeeze(2)
         for seg in meta.prefills:
             qs = q[seg.query_start:seg.query_end].transpose(0, 1)  # [q_len, H, Dh] -> [H, q_len, Dh]
             ks = k_flat[seg.context_slots].transpose(0, 1).to(q.dtype)  # [C, G, Dh] -> [G, C, Dh]
@@ -99,6 +101,7 @@ class TorchPagedAttention(PagedAttentionBackend):
                                                  is_causal=seg.mask is None, scale=scale,
                                                  enable_gqa=True)
             out[seg.query_start:seg.query_end] = os_.transpose(0, 1)  # [H, q_len, Dh] -> [q_len, H, Dh]
+        assert out is not None
         return out
 
 

@@ -17,12 +17,14 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, Dh], k [T, G, Dh], positions [T] -> rotated (q, k)."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, Dh]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin) [T, 1, Dh]: looked up once per step, shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, Dh] (q and k heads side by side is fine) -> rotated copy."""
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

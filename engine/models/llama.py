@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from engine.config import ModelConfig
 from engine.layers.attention import PagedAttentionBackend, current_metadata
 from engine.layers.linear import DenseLinear, LinearWeight, fuse_rows
-from engine.layers.norm import rms_norm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.norm import rms_norm, rms_norm_fast
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 Weights = dict[str, torch.Tensor]
 LinearFactory = Callable[[str, torch.Tensor], LinearWeight]  # (hf name, dense weight) -> linear
@@ -100,23 +100,26 @@ class LlamaModel:
         """input_ids, positions [T] -> final hidden states [T, hidden] (before the lm head)."""
         meta = current_metadata()
         cfg = self.config
+        num_q, num_kv, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        cos, sin = self.rotary.lookup(positions)  # [T, 1, Dh], shared by every layer
         hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            x = rms_norm_fast(hidden, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)  # [T, Q + 2K]
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             if layer.q_norm is not None and layer.k_norm is not None:
+                q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
                 q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q = q.view(-1, cfg.num_heads, cfg.head_dim)  # [T, H, Dh]
-            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)  # [T, G, Dh]
-            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            q, k = self.rotary(positions, q, k)
+                qkv = torch.cat([q, k, v], dim=-1)
+            heads = qkv.view(-1, num_q + 2 * num_kv, head_dim)  # [T, H + 2G, Dh]
+            qk = apply_rotary(heads[:, : num_q + num_kv], cos, sin)  # q and k heads in one pass
+            q, k = qk[:, :num_q], qk[:, num_q:]  # [T, H, Dh], [T, G, Dh]
+            v = heads[:, num_q + num_kv :]  # [T, G, Dh]
             attn = self.attention.forward(q, k, v, k_cache, v_cache, self.scale, meta)
             hidden = hidden + layer.o_proj(attn.reshape(-1, self.q_size))  # [T, H, Dh] -> [T, Q]
-            x = rms_norm(hidden, layer.post_attention_norm, cfg.rms_norm_eps)
+            x = rms_norm_fast(hidden, layer.post_attention_norm, cfg.rms_norm_eps)
             hidden = hidden + layer.mlp(x)
-        return rms_norm(hidden, self.norm, cfg.rms_norm_eps)
+        return rms_norm_fast(hidden, self.norm, cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] (the rows to sample from) -> logits [S, vocab] in float32."""
