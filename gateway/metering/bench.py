@@ -37,6 +37,8 @@ class HotPathCost:
     p50_us: float  # latency of authenticate + admit + settle, one request, under concurrency
     p99_us: float
     loop_us_per_request: float  # wall time / requests: event-loop time each request takes
+    cpu_us_per_request: float  # this process's CPU time / requests (not the store server's)
+    redis_ping_us: float | None  # p50 of a bare PING on the same client: the machine's floor
 
 
 async def measure_hot_path(auth_settings: AuthSettings, metering: MeteringSettings | None = None,
@@ -73,9 +75,18 @@ async def measure_hot_path(auth_settings: AuthSettings, metering: MeteringSettin
 
         await one()  # warm the key cache and the scripts
         latencies_s.clear()
-        wall_started = time.perf_counter()
+        ping_us = None
+        if services.redis is not None:
+            pings = []
+            for _ in range(200):
+                ping_started = time.perf_counter()
+                await services.redis.ping()
+                pings.append(time.perf_counter() - ping_started)
+            ping_us = statistics.median(pings) * 1e6
+        wall_started, cpu_started = time.perf_counter(), time.process_time()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall_s = time.perf_counter() - wall_started
+        cpu_s = time.process_time() - cpu_started
     finally:
         await meter.close()
         await services.close()
@@ -83,7 +94,8 @@ async def measure_hot_path(auth_settings: AuthSettings, metering: MeteringSettin
     return HotPathCost(
         store="redis" if auth_settings.redis_url else "sqlite", num_requests=num_requests,
         concurrency=concurrency, p50_us=statistics.median(latencies_s) * 1e6,
-        p99_us=quantiles[98] * 1e6, loop_us_per_request=wall_s / num_requests * 1e6)
+        p99_us=quantiles[98] * 1e6, loop_us_per_request=wall_s / num_requests * 1e6,
+        cpu_us_per_request=cpu_s / num_requests * 1e6, redis_ping_us=ping_us)
 
 
 def main(argv: list[str] | None = None) -> int:

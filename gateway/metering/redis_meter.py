@@ -44,21 +44,24 @@ from gateway.metering.usage_report import UsageRow, in_range
 
 _METRICS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_nanos")
 
-# KEYS: per scope (requests, tokens, spent). ARGV: reserve tokens, reserve nanos, window ttl,
-# day ttl, then per scope (rpm, tpm, budget nanos; '' = no limit). Mirrors limits.denied_limit.
+# Numbers travel packed in one space-separated ARGV (fewer arguments to encode per call).
+# KEYS: per scope (requests, tokens, spent). ARGV[1]: reserve tokens, reserve nanos, window ttl,
+# day ttl, then per scope rpm, tpm, budget nanos ('-' = no limit). Mirrors limits.denied_limit.
 _ADMIT_LUA = """
-local rt, rc = tonumber(ARGV[1]), tonumber(ARGV[2])
+local a = {}
+for v in string.gmatch(ARGV[1], '%S+') do a[#a + 1] = v end
+local rt, rc = tonumber(a[1]), tonumber(a[2])
 local counts, denied, what = {}, 0, ''
 for s = 0, #KEYS / 3 - 1 do
   local req = tonumber(redis.call('GET', KEYS[3*s+1]) or '0')
   local tok = tonumber(redis.call('GET', KEYS[3*s+2]) or '0')
   local spent = tonumber(redis.call('GET', KEYS[3*s+3]) or '0')
-  local rpm, tpm, bud = ARGV[5+3*s], ARGV[6+3*s], ARGV[7+3*s]
+  local rpm, tpm, bud = a[5+3*s], a[6+3*s], a[7+3*s]
   if denied == 0 then
-    if rpm ~= '' and req >= tonumber(rpm) then denied, what = s + 1, 'requests'
-    elseif tpm ~= '' and (tok >= tonumber(tpm) or (tok > 0 and tok + rt > tonumber(tpm))) then
+    if rpm ~= '-' and req >= tonumber(rpm) then denied, what = s + 1, 'requests'
+    elseif tpm ~= '-' and (tok >= tonumber(tpm) or (tok > 0 and tok + rt > tonumber(tpm))) then
       denied, what = s + 1, 'tokens'
-    elseif bud ~= '' and (spent >= tonumber(bud) or (spent > 0 and spent + rc > tonumber(bud))) then
+    elseif bud ~= '-' and (spent >= tonumber(bud) or (spent > 0 and spent + rc > tonumber(bud))) then
       denied, what = s + 1, 'budget'
     end
   end
@@ -66,31 +69,33 @@ for s = 0, #KEYS / 3 - 1 do
 end
 if denied == 0 then
   for s = 0, #KEYS / 3 - 1 do
-    redis.call('INCR', KEYS[3*s+1]); redis.call('EXPIRE', KEYS[3*s+1], ARGV[3])
-    redis.call('INCRBY', KEYS[3*s+2], rt); redis.call('EXPIRE', KEYS[3*s+2], ARGV[3])
-    redis.call('INCRBY', KEYS[3*s+3], rc); redis.call('EXPIRE', KEYS[3*s+3], ARGV[4])
+    redis.call('INCR', KEYS[3*s+1]); redis.call('EXPIRE', KEYS[3*s+1], a[3])
+    redis.call('INCRBY', KEYS[3*s+2], rt); redis.call('EXPIRE', KEYS[3*s+2], a[3])
+    redis.call('INCRBY', KEYS[3*s+3], rc); redis.call('EXPIRE', KEYS[3*s+3], a[4])
   end
 end
 return {denied, what, unpack(counts)}
 """
 
 # KEYS: record, day hash, day ids, days set, then per scope (tokens, spent).
-# ARGV: record JSON, record ttl, delta tokens, delta nanos, model, prompt, cached, completion,
-# cost nanos, request id, day.
+# ARGV: record JSON; "record_ttl delta_tokens delta_nanos prompt cached completion cost_nanos day";
+# model; request id.
 _SETTLE_LUA = """
-if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return 0 end
+local a = {}
+for v in string.gmatch(ARGV[2], '%S+') do a[#a + 1] = v end
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', a[1]) then return 0 end
 for i = 5, #KEYS, 2 do
-  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('INCRBY', KEYS[i], ARGV[3]) end
-  if redis.call('EXISTS', KEYS[i+1]) == 1 then redis.call('INCRBY', KEYS[i+1], ARGV[4]) end
+  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('INCRBY', KEYS[i], a[2]) end
+  if redis.call('EXISTS', KEYS[i+1]) == 1 then redis.call('INCRBY', KEYS[i+1], a[3]) end
 end
-local m = ARGV[5]
+local m = ARGV[3]
 redis.call('HINCRBY', KEYS[2], m .. '|requests', 1)
-redis.call('HINCRBY', KEYS[2], m .. '|prompt_tokens', ARGV[6])
-redis.call('HINCRBY', KEYS[2], m .. '|cached_tokens', ARGV[7])
-redis.call('HINCRBY', KEYS[2], m .. '|completion_tokens', ARGV[8])
-redis.call('HINCRBY', KEYS[2], m .. '|cost_nanos', ARGV[9])
-redis.call('RPUSH', KEYS[3], ARGV[10]); redis.call('EXPIRE', KEYS[3], ARGV[2])
-redis.call('SADD', KEYS[4], ARGV[11])
+redis.call('HINCRBY', KEYS[2], m .. '|prompt_tokens', a[4])
+redis.call('HINCRBY', KEYS[2], m .. '|cached_tokens', a[5])
+redis.call('HINCRBY', KEYS[2], m .. '|completion_tokens', a[6])
+redis.call('HINCRBY', KEYS[2], m .. '|cost_nanos', a[7])
+redis.call('RPUSH', KEYS[3], ARGV[4]); redis.call('EXPIRE', KEYS[3], a[1])
+redis.call('SADD', KEYS[4], a[8])
 return 1
 """
 
@@ -141,16 +146,17 @@ class RedisMeter(BaseMeter):
                        clock: Clock) -> None:
         prefix = _project_prefix(admission.principal.project)
         keys: list[str] = []
-        args: list[Any] = [admission.reserved_tokens, admission.reserved_nanos, 2 * WINDOW_S,
-                           2 * 86_400]
+        numbers: list[Any] = [admission.reserved_tokens, admission.reserved_nanos, 2 * WINDOW_S,
+                              2 * 86_400]
         for scope in scopes:
             base = f"{prefix}:lim:{scope.name}"
             keys += [f"{base}:req:{clock.minute_window}", f"{base}:tok:{clock.minute_window}",
                      f"{base}:spent:{clock.day}"]
             budget = scope.budget_nanos
-            args += [_arg(scope.limits.requests_per_minute), _arg(scope.limits.tokens_per_minute),
-                     _arg(budget)]
-        denied, what, *raw = await self._calls.submit(("admit", keys, args))
+            numbers += [_arg(scope.limits.requests_per_minute),
+                        _arg(scope.limits.tokens_per_minute), _arg(budget)]
+        denied, what, *raw = await self._calls.submit(
+            ("admit", keys, [" ".join(map(str, numbers))]))
         before = [Counts(int(raw[3 * i]), int(raw[3 * i + 1]), int(raw[3 * i + 2]))
                   for i in range(len(scopes))]
         if int(denied):
@@ -172,9 +178,11 @@ class RedisMeter(BaseMeter):
             for name in admission.scopes:
                 base = f"{prefix}:lim:{name}"
                 keys += [f"{base}:tok:{admission.minute_window}", f"{base}:spent:{admission.day}"]
-        args = [orjson.dumps(record), self.settings.record_ttl_days * 86_400, delta_tokens,
-                delta_nanos, record.model, record.prompt_tokens, record.cached_tokens,
-                record.completion_tokens, cost_nanos, record.request_id, day]
+        numbers = (self.settings.record_ttl_days * 86_400, delta_tokens, delta_nanos,
+                   record.prompt_tokens, record.cached_tokens, record.completion_tokens,
+                   cost_nanos, day)
+        args = [orjson.dumps(record), " ".join(map(str, numbers)), record.model,
+                record.request_id]
         await self._calls.submit(("settle", keys, args))
 
     async def _daily_rows(self, project: str, since: str | None,
@@ -215,4 +223,4 @@ class RedisMeter(BaseMeter):
 
 
 def _arg(limit: int | None) -> Any:
-    return "" if limit is None else limit
+    return "-" if limit is None else limit
