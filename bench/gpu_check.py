@@ -58,7 +58,7 @@ class Row:
 
 
 ROWS: list[Row] = []
-_FLUSH = torch.empty(0 if SMOKE else 256 * 2**20, dtype=torch.int8, device=DEV)
+_FLUSH = torch.empty(256 * 2**20 if DEV == "cuda" else 0, dtype=torch.int8, device=DEV)  # > L2
 
 
 def time_left() -> float:

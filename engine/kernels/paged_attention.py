@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.launch import check_same_device
+from engine.kernels.paged_decode import paged_decode_triton
 from engine.kernels.tuning import pick_config, split_launch_options
 
 
@@ -245,8 +246,6 @@ def paged_attention_triton(
     out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
-    from engine.kernels.paged_decode import paged_decode_triton
-
     num_seqs = seq_lens.shape[0]
     if max_query_len is None:
         max_query_len = int((cu_query_lens[1:] - cu_query_lens[:-1]).max().item())
