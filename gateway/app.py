@@ -25,20 +25,23 @@ from gateway.pipeline import Pipeline
 from gateway.routes import setup_routes
 from gateway.routing import Router, create_router
 from gateway.settings import GatewaySettings
+from gateway.telemetry import Telemetry
 from gateway.transport import AiohttpTransport, Transport
 
 
 def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None = None,
                meter: Meter | None = None, router: Router | None = None,
-               transport: Transport | None = None) -> web.Application:
+               transport: Transport | None = None, telemetry: Telemetry | None = None
+               ) -> web.Application:
     # the body cap is enforced by the pipeline (413 in the dialect's envelope); aiohttp's own cap
     # sits just above it so a chunked body over the cap is still cut off.
+    telemetry = telemetry or Telemetry()  # traces, /metrics, the dashboard's series
     app = web.Application(client_max_size=settings.max_body_bytes + 1,
-                          middlewares=[envelope_middleware])
+                          middlewares=[telemetry.middleware, envelope_middleware])
     app[SETTINGS] = settings
     app[TRANSPORT] = transport or AiohttpTransport()
     app[ROUTER] = router or create_router(settings.router)
-    app[FLEET] = Fleet(settings, app[TRANSPORT])
+    app[FLEET] = Fleet(settings, telemetry.traced_transport(app[TRANSPORT]))
     if not settings.auth_enabled:
         app[AUTHENTICATOR] = authenticator or AllowAllAuthenticator()
         app[METER] = meter or NullMeter()
@@ -47,7 +50,11 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
     else:
         raise ValueError("auth is enabled: inject an authenticator and a meter, or build the app "
                          "with gateway.services.create_served_app(settings)")
-    app[PIPELINE] = Pipeline(settings, app[AUTHENTICATOR], app[METER], app[ROUTER], app[FLEET])
+    telemetry.attach(settings, app[FLEET])
+    app[PIPELINE] = Pipeline(settings, telemetry.traced_authenticator(app[AUTHENTICATOR]),
+                             telemetry.observed_meter(app[METER]),
+                             telemetry.traced_router(app[ROUTER], settings.router), app[FLEET])
+    telemetry.install(app)
     app.cleanup_ctx.append(_transport_ctx)
     app.cleanup_ctx.append(_health_ctx)
     app.on_shutdown.append(_start_draining)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from aiohttp import web
 
 from gateway import handlers
+from gateway.dashboard import STATIC_DIR
+from gateway.dashboard import handlers as dashboard
+from gateway.telemetry import http as telemetry
 
 
 def setup_routes(app: web.Application) -> None:
@@ -18,6 +21,11 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", handlers.list_models)
     app.router.add_get("/openai/v1/models", handlers.list_models)
     app.router.add_get("/health", handlers.health)
+    app.router.add_get("/metrics", telemetry.metrics)
+    app.router.add_get("/dashboard", dashboard.page)
+    app.router.add_get("/dashboard/api/overview", dashboard.overview)
+    app.router.add_get("/dashboard/api/traces/{trace_id}", dashboard.trace)
+    app.router.add_static("/dashboard/static", STATIC_DIR)
 
 
 def is_anthropic_path(path: str) -> bool:

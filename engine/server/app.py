@@ -20,6 +20,7 @@ from engine.server.middlewares import add_request_id, error_middleware
 from engine.server.routes import setup_routes
 from engine.server.serving import ServingContext
 from engine.server.settings import ReplicaServerSettings
+from engine.server.tracing import install_tracing
 from engine.server.typedefs import ServedEngine
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ def create_app(engine: ServedEngine, settings: ReplicaServerSettings | None = No
                           middlewares=[error_middleware])
     metrics = ReplicaMetrics(engine.stats, model=engine.model_config.model_id,
                              replica=engine.replica_id)
+    engine = install_tracing(app, engine)  # continue the gateway's trace; GET /debug/traces
     app[SERVING_KEY] = ServingContext(engine=engine, settings=settings, metrics=metrics)
     app.on_response_prepare.append(add_request_id)
     app.cleanup_ctx.append(_log_lifecycle)

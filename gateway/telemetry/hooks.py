@@ -1,0 +1,165 @@
+"""Observing decorators the gateway's Pipeline is built with (gateway/app.py):
+
+    TracedAuthenticator   a `gateway.auth` span; project and key id on the request span
+    TracedRouter          a `gateway.route` span per decision (candidates, matched blocks, scores),
+                          the request's GenAI attributes, the routing-decisions counter
+    ObservedMeter         on settle: usage attributes on the request span, token/cost metrics,
+                          the dashboard's usage series
+
+Each forwards everything else to the object it wraps (`__getattr__`), and never changes what it
+returns or raises.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from opentelemetry.trace import StatusCode, Tracer
+
+from auth.principal import Authenticator, AuthError, Principal
+from gateway.canonical import CanonicalRequest
+from gateway.endpoints import Endpoint, Fleet
+from gateway.metering.contract import Admission, Meter, UsageRecord
+from gateway.routing.base import Decision, Router
+from gateway.telemetry import attributes as attr
+from gateway.telemetry.metrics import GatewayMetrics
+from gateway.telemetry.observation import current_observation
+
+
+class TracedAuthenticator:
+    def __init__(self, inner: Authenticator, tracer: Tracer) -> None:
+        self.inner = inner
+        self._tracer = tracer
+
+    async def authenticate(self, credential: str | None) -> Principal:
+        with self._tracer.start_as_current_span("gateway.auth", record_exception=False,
+                                                set_status_on_exception=False) as span:
+            try:
+                principal = await self.inner.authenticate(credential)
+            except AuthError as exc:
+                span.set_status(StatusCode.ERROR, exc.code)
+                raise
+            span.set_attributes({attr.AIGW_PROJECT: principal.project,
+                                 attr.AIGW_KEY_ID: principal.key_id, "aigw.auth.via": principal.via})
+        observation = current_observation()
+        if observation is not None:
+            observation.span.set_attributes({attr.AIGW_PROJECT: principal.project,
+                                             attr.AIGW_KEY_ID: principal.key_id})
+        return principal
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class TracedRouter(Router):
+    def __init__(self, inner: Router, tracer: Tracer, metrics: GatewayMetrics, policy: str) -> None:
+        self.inner = inner
+        self._tracer = tracer
+        self._metrics = metrics
+        self._policy = policy
+
+    def pick(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision:
+        started_ns = time.time_ns()
+        decision = self.inner.pick(request, endpoints)
+        self._observe(request, endpoints, decision, started_ns)
+        return decision
+
+    async def choose(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision:
+        started_ns = time.time_ns()
+        decision = await self.inner.choose(request, endpoints)
+        self._observe(request, endpoints, decision, started_ns)
+        return decision
+
+    async def start(self, fleet: Fleet) -> None:
+        await self.inner.start(fleet)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    def explain(self, request_id: str) -> str | None:
+        return self.inner.explain(request_id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _observe(self, request: CanonicalRequest, endpoints: Sequence[Endpoint], decision: Decision,
+                 started_ns: int) -> None:
+        replica = decision.endpoint.name
+        self._metrics.routing_decisions.labels(self._policy, decision.reason or "", replica).inc()
+        observation = current_observation()
+        if observation is None:
+            return
+        observation.span.set_attributes(request_attributes(request))
+        span = self._tracer.start_span("gateway.route", start_time=started_ns)
+        if span.is_recording():
+            span.set_attributes({attr.AIGW_ROUTING_POLICY: self._policy,
+                                 attr.AIGW_ROUTING_REASON: decision.reason or "",
+                                 attr.AIGW_REPLICA: replica,
+                                 **candidate_attributes(decision, endpoints)})
+            explanation = self.inner.explain(request.request_id)
+            if explanation:
+                span.set_attribute(attr.AIGW_ROUTING_EXPLAIN, explanation)
+        span.end()
+
+
+def request_attributes(request: CanonicalRequest) -> dict[str, Any]:
+    values: dict[str, Any] = {attr.GEN_AI_OPERATION: attr.OPERATION_BY_KIND.get(request.kind, request.kind),
+                              attr.GEN_AI_SYSTEM: "aigw", attr.GEN_AI_REQUEST_MODEL: request.model,
+                              attr.AIGW_REQUEST_ID: request.request_id, attr.AIGW_STREAM: request.stream}
+    for key, name in ((attr.GEN_AI_REQUEST_MAX_TOKENS, "max_tokens"),
+                      (attr.GEN_AI_REQUEST_TEMPERATURE, "temperature"),
+                      (attr.GEN_AI_REQUEST_TOP_P, "top_p"), (attr.GEN_AI_REQUEST_SEED, "seed")):
+        value = getattr(request, name, None)
+        if value is not None:
+            values[key] = value
+    return values
+
+
+def candidate_attributes(decision: Decision, endpoints: Sequence[Endpoint]) -> dict[str, Any]:
+    """Per-candidate arrays from whatever the decision carries: `scores` (objects with `name`,
+    `num_matched_blocks`, `cost`) when the router scores, else just the candidate names."""
+    scores = getattr(decision, "scores", None) or ()
+    names = [str(getattr(s, "name", "")) for s in scores]
+    if not names:
+        return {attr.AIGW_ROUTING_CANDIDATES: [e.name for e in endpoints]}
+    values: dict[str, Any] = {attr.AIGW_ROUTING_CANDIDATES: names}
+    matched = [getattr(s, "num_matched_blocks", None) for s in scores]
+    if all(isinstance(m, int) for m in matched):
+        values[attr.AIGW_ROUTING_MATCHED_BLOCKS] = matched
+    costs = [getattr(s, "cost", None) for s in scores]
+    if all(isinstance(c, int | float) for c in costs):
+        values[attr.AIGW_ROUTING_SCORES] = [float(c) for c in costs]  # type: ignore[arg-type]
+    return values
+
+
+class ObservedMeter:
+    def __init__(self, inner: Meter, on_record: Callable[[UsageRecord], None]) -> None:
+        self.inner = inner
+        self._on_record = on_record
+
+    async def admit(self, request_id: str, principal: Principal, model: str,
+                    num_prompt_tokens: int, max_tokens: int) -> Admission:
+        return await self.inner.admit(request_id, principal, model, num_prompt_tokens, max_tokens)
+
+    async def settle(self, admission: Admission, record: UsageRecord) -> None:
+        try:
+            await self.inner.settle(admission, record)
+        finally:
+            self._on_record(record)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def usage_attributes(record: UsageRecord) -> dict[str, Any]:
+    values: dict[str, Any] = {
+        attr.GEN_AI_RESPONSE_MODEL: record.model, attr.GEN_AI_INPUT_TOKENS: record.prompt_tokens,
+        attr.GEN_AI_OUTPUT_TOKENS: record.completion_tokens,
+        attr.AIGW_CACHED_TOKENS: record.cached_tokens, attr.AIGW_COST_USD: record.cost_usd,
+        attr.AIGW_PROJECT: record.project, attr.AIGW_KEY_ID: record.key_id,
+        attr.AIGW_REPLICA: record.endpoint}
+    if record.finish_reason:
+        values[attr.GEN_AI_FINISH_REASONS] = [record.finish_reason]
+    return values

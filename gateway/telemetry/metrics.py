@@ -1,0 +1,111 @@
+"""The gateway's Prometheus metrics, on a per-app CollectorRegistry (served at GET /metrics).
+
+    aigw_requests_total{route,status,model,project}            every answered request
+    aigw_request_duration_seconds{route,model}                 end to end, streams until the end
+    aigw_overhead_seconds{route}                               added by the gateway (x-aigw-overhead-ms)
+    aigw_time_to_first_token_seconds{model}                    streams: request in -> first upstream line
+    aigw_{input,cached,output}_tokens_total{model,project}     usage as settled with the meter
+    aigw_cost_usd_total{model,project}
+    aigw_prompt_cache_hit_ratio{project}                       cached / input tokens since start
+    aigw_routing_decisions_total{policy,reason,replica}
+    aigw_endpoint_{healthy,breaker_open,outstanding_requests,
+                   requests_running,requests_waiting,kv_usage_ratio}{model,endpoint}
+                                                               read from the Fleet at scrape time
+
+Model and project are "" for requests that never got that far (bad body, failed auth).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway.endpoints import Fleet
+from gateway.metering.contract import UsageRecord
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("aigw_requests", "Requests answered by the gateway.",
+                                ["route", "status", "model", "project"], registry=r)
+        self.duration = Histogram("aigw_request_duration_seconds", "Request latency, end to end.",
+                                  ["route", "model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.overhead = Histogram("aigw_overhead_seconds", "Time added by the gateway itself.",
+                                  ["route"], buckets=_OVERHEAD_BUCKETS, registry=r)
+        self.ttft = Histogram("aigw_time_to_first_token_seconds", "Streams: time to first token.",
+                              ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        usage_labels = ["model", "project"]
+        self.input_tokens = Counter("aigw_input_tokens", "Prompt tokens.", usage_labels, registry=r)
+        self.cached_tokens = Counter("aigw_cached_tokens", "Prompt tokens served from the prompt cache.",
+                                     usage_labels, registry=r)
+        self.output_tokens = Counter("aigw_output_tokens", "Completion tokens.", usage_labels, registry=r)
+        self.cost = Counter("aigw_cost_usd", "Cost in US dollars.", usage_labels, registry=r)
+        self.cache_hit_ratio = Gauge("aigw_prompt_cache_hit_ratio",
+                                     "Cached / prompt tokens per project since start.", ["project"],
+                                     registry=r)
+        self.routing_decisions = Counter("aigw_routing_decisions", "Endpoint picks by the router.",
+                                         ["policy", "reason", "replica"], registry=r)
+        self._tokens_by_project: dict[str, list[int]] = {}  # project -> [input, cached]
+
+    def attach_fleet(self, fleet: Fleet) -> None:
+        self.registry.register(FleetCollector(fleet))
+
+    def observe_usage(self, record: UsageRecord) -> None:
+        labels = (record.model, record.project)
+        self.input_tokens.labels(*labels).inc(record.prompt_tokens)
+        self.cached_tokens.labels(*labels).inc(record.cached_tokens)
+        self.output_tokens.labels(*labels).inc(record.completion_tokens)
+        self.cost.labels(*labels).inc(record.cost_usd)
+        totals = self._tokens_by_project.setdefault(record.project, [0, 0])
+        totals[0] += record.prompt_tokens
+        totals[1] += record.cached_tokens
+        if totals[0]:
+            self.cache_hit_ratio.labels(record.project).set(totals[1] / totals[0])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class FleetCollector(Collector):
+    """Endpoint state as gauges, read when scraped (nothing on the request path)."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self._fleet = fleet
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model", "endpoint"]
+        families = {name: GaugeMetricFamily("aigw_endpoint_" + name, doc, labels=labels)
+                    for name, doc in (
+                        ("healthy", "1 if the last active health check passed."),
+                        ("breaker_open", "1 if the circuit breaker keeps the endpoint out."),
+                        ("outstanding_requests", "Requests in flight from this gateway."),
+                        ("requests_running", "Requests the endpoint reports running."),
+                        ("requests_waiting", "Requests the endpoint reports queued."),
+                        ("kv_usage_ratio", "KV cache blocks used / total, as reported."))}
+        now = time.monotonic()
+        for route, endpoint in self._fleet.all_endpoints():
+            values = [route.settings.name, endpoint.name]
+            families["healthy"].add_metric(values, float(endpoint.is_healthy))
+            families["breaker_open"].add_metric(values, float(not endpoint.breaker.can_attempt(now)))
+            families["outstanding_requests"].add_metric(values, float(endpoint.num_outstanding))
+            load = endpoint.load
+            if load is None:
+                continue
+            if load.num_requests_running is not None:
+                families["requests_running"].add_metric(values, float(load.num_requests_running))
+            if load.num_requests_waiting is not None:
+                families["requests_waiting"].add_metric(values, float(load.num_requests_waiting))
+            if load.num_kv_blocks_used is not None and load.num_kv_blocks_total:
+                families["kv_usage_ratio"].add_metric(
+                    values, load.num_kv_blocks_used / load.num_kv_blocks_total)
+        yield from families.values()

@@ -1,0 +1,38 @@
+"""The one piece of per-request telemetry state, shared by the middleware and the hooks.
+
+The middleware creates a `RequestObservation` and makes it current (a contextvar, so tasks the
+handler spawns, such as the shielded settle, see the same object); hooks fill it in.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+
+from opentelemetry.trace import Span
+
+from gateway.metering.contract import UsageRecord
+
+
+@dataclass(slots=True)
+class RequestObservation:
+    started: float  # time.perf_counter() when the request came in
+    span: Span
+    record: UsageRecord | None = None  # set when the pipeline settles with the meter
+    first_upstream_line_at: float | None = None  # perf_counter of the first upstream body line
+
+
+_CURRENT: contextvars.ContextVar[RequestObservation | None] = contextvars.ContextVar(
+    "aigw_request_observation", default=None)
+
+
+def current_observation() -> RequestObservation | None:
+    return _CURRENT.get()
+
+
+def set_current(observation: RequestObservation | None) -> contextvars.Token[RequestObservation | None]:
+    return _CURRENT.set(observation)
+
+
+def reset_current(token: contextvars.Token[RequestObservation | None]) -> None:
+    _CURRENT.reset(token)

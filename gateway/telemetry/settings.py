@@ -1,0 +1,49 @@
+"""Telemetry settings, from the environment (OpenTelemetry's own variables where one exists).
+
+    AIGW_TRACING=0                       no spans at all (metrics stay on)
+    AIGW_TRACE_SAMPLE_RATIO=0.1          head sampling of new traces (parent-based: a sampled
+                                         incoming `traceparent` is always kept)
+    AIGW_TRACE_BUFFER_TRACES=200         recent traces kept in memory for the dashboard
+    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT   also export over OTLP/HTTP (full URL, .../v1/traces)
+    OTEL_EXPORTER_OTLP_ENDPOINT          the same, as a base URL (/v1/traces is appended)
+    OTEL_SERVICE_NAME                    service.name (default: aigw-gateway / aigw-replica)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass(frozen=True, slots=True)
+class TelemetrySettings:
+    service_name: str = "aigw-gateway"
+    is_tracing_enabled: bool = True
+    sample_ratio: float = 1.0
+    num_traces_buffered: int = 200
+    num_spans_per_trace_max: int = 64
+    otlp_traces_endpoint: str | None = None  # full URL of an OTLP/HTTP traces receiver
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.sample_ratio <= 1.0:
+            raise ValueError("sample_ratio must be in [0, 1]")
+        if self.num_traces_buffered < 1 or self.num_spans_per_trace_max < 1:
+            raise ValueError("trace buffer sizes must be positive")
+
+    @classmethod
+    def from_env(cls, service_name: str = "aigw-gateway",
+                 environ: Mapping[str, str] | None = None) -> TelemetrySettings:
+        env = os.environ if environ is None else environ
+        endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None
+        if endpoint is None and env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+            endpoint = env["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/") + "/v1/traces"
+        return cls(
+            service_name=env.get("OTEL_SERVICE_NAME") or service_name,
+            is_tracing_enabled=env.get("AIGW_TRACING", "1").strip().lower() not in _FALSE,
+            sample_ratio=float(env.get("AIGW_TRACE_SAMPLE_RATIO", "1.0")),
+            num_traces_buffered=int(env.get("AIGW_TRACE_BUFFER_TRACES", "200")),
+            otlp_traces_endpoint=endpoint,
+        )

@@ -1,0 +1,82 @@
+"""SpanBuffer: an OpenTelemetry SpanProcessor that keeps the most recent traces in memory.
+
+`on_end` only appends the finished (immutable) span to its trace's list: no serialization on the
+request path. Readers turn spans into plain JSON dicts (`span_json`). Bounded: at most
+`num_traces` traces (the least recently touched is dropped) and `num_spans_per_trace` spans each.
+Thread-safe (the replica's engine side and the event loop may both end spans).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.trace import format_span_id, format_trace_id
+
+
+class SpanBuffer(SpanProcessor):
+    def __init__(self, num_traces: int = 200, num_spans_per_trace: int = 64) -> None:
+        self._num_traces = num_traces
+        self._num_spans_per_trace = num_spans_per_trace
+        self._traces: OrderedDict[int, list[ReadableSpan]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def on_end(self, span: ReadableSpan) -> None:
+        trace_id = span.context.trace_id
+        with self._lock:
+            spans = self._traces.get(trace_id)
+            if spans is None:
+                spans = self._traces[trace_id] = []
+                if len(self._traces) > self._num_traces:
+                    self._traces.popitem(last=False)
+            else:
+                self._traces.move_to_end(trace_id)
+            if len(spans) < self._num_spans_per_trace:
+                spans.append(span)
+
+    def trace(self, trace_id: str) -> list[dict[str, Any]]:
+        """The buffered spans of one trace (32 hex digits), oldest start first; [] if unknown."""
+        try:
+            key = int(trace_id, 16)
+        except ValueError:
+            return []
+        with self._lock:
+            spans = list(self._traces.get(key, ()))
+        return sorted((span_json(s) for s in spans), key=lambda s: s["start_ns"])
+
+    def recent(self, num_traces: int = 50) -> list[list[dict[str, Any]]]:
+        """The most recently touched traces, newest first, each as `trace()` returns it."""
+        with self._lock:
+            picked = list(self._traces.values())[-num_traces:][::-1]
+            picked = [list(spans) for spans in picked]
+        return [sorted((span_json(s) for s in spans), key=lambda s: s["start_ns"])
+                for spans in picked]
+
+    def shutdown(self) -> None:
+        return None
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+def span_json(span: ReadableSpan) -> dict[str, Any]:
+    parent = span.parent
+    resource = span.resource.attributes if span.resource is not None else {}
+    return {
+        "trace_id": format_trace_id(span.context.trace_id),
+        "span_id": format_span_id(span.context.span_id),
+        "parent_span_id": format_span_id(parent.span_id) if parent is not None else None,
+        "name": span.name,
+        "kind": span.kind.name,
+        "service": str(resource.get("service.name", "")),
+        "start_ns": span.start_time or 0,
+        "end_ns": span.end_time or span.start_time or 0,
+        "status": span.status.status_code.name,
+        "attributes": {k: _plain(v) for k, v in (span.attributes or {}).items()},
+    }
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value

@@ -1,0 +1,92 @@
+"""Telemetry: one per gateway app; owns the tracer provider, the span buffer, the metrics and the
+dashboard's in-memory series, and hands out the observing wrappers app.py builds the Pipeline with.
+
+    telemetry = Telemetry(TelemetrySettings.from_env())      # create_app does this by default
+    app = create_app(settings, telemetry=telemetry)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+from opentelemetry import trace
+
+from auth.principal import Authenticator
+from gateway.endpoints import Fleet
+from gateway.metering.contract import Meter, UsageRecord
+from gateway.routing.base import Router
+from gateway.settings import GatewaySettings
+from gateway.telemetry.hooks import ObservedMeter, TracedAuthenticator, TracedRouter, usage_attributes
+from gateway.telemetry.metrics import GatewayMetrics
+from gateway.telemetry.middleware import TRACE_ID_HEADER, make_middleware
+from gateway.telemetry.observation import current_observation
+from gateway.telemetry.recent import LatencyWindow, UsageSeries
+from gateway.telemetry.settings import TelemetrySettings
+from gateway.telemetry.tracing import build_tracer_provider
+from gateway.telemetry.upstream import TracingTransport
+from gateway.transport import Transport
+
+
+
+class Telemetry:
+    def __init__(self, settings: TelemetrySettings | None = None) -> None:
+        self.settings = settings or TelemetrySettings.from_env()
+        self.provider, self.spans = build_tracer_provider(self.settings)
+        self.tracer = self.provider.get_tracer("aigw.gateway")
+        self.metrics = GatewayMetrics()
+        self.usage = UsageSeries()
+        self.latency = LatencyWindow()
+        self.middleware = make_middleware(self)
+        self._gateway_settings: GatewaySettings | None = None
+
+    def attach(self, settings: GatewaySettings, fleet: Fleet) -> None:
+        """Bind to the app's settings (prices) and fleet (endpoint gauges); once per app."""
+        self._gateway_settings = settings
+        self.metrics.attach_fleet(fleet)
+
+    def traced_transport(self, transport: Transport) -> Transport:
+        return TracingTransport(transport, self.tracer)
+
+    def traced_router(self, router: Router, policy: str) -> Router:
+        return TracedRouter(router, self.tracer, self.metrics, policy)
+
+    def traced_authenticator(self, authenticator: Authenticator) -> Authenticator:
+        return TracedAuthenticator(authenticator, self.tracer)
+
+    def observed_meter(self, meter: Meter) -> Meter:
+        return ObservedMeter(meter, self.on_record)  # type: ignore[return-value]
+
+    def on_record(self, record: UsageRecord) -> None:
+        observation = current_observation()
+        if observation is not None:
+            observation.record = record
+            observation.span.set_attributes(usage_attributes(record))
+        self.metrics.observe_usage(record)
+        self.usage.add(record, self._savings_per_cached_token(record.model))
+
+    def _savings_per_cached_token(self, model: str) -> float:
+        found = self._gateway_settings.find_model(model) if self._gateway_settings else None
+        if found is None:
+            return 0.0
+        return max(0.0, found.prices.input_per_token - found.prices.cached_input_per_token)
+
+    def install(self, app: web.Application) -> None:
+        """app[TELEMETRY], the trace id on streamed answers' headers (the middleware stamps the
+        others), and a clean shutdown of the exporters."""
+        from gateway.telemetry.keys import TELEMETRY
+
+        app[TELEMETRY] = self
+        app.on_response_prepare.append(_add_trace_id)
+        app.cleanup_ctx.append(self._lifecycle)
+
+    async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        yield
+        await asyncio.to_thread(self.provider.shutdown)
+
+
+async def _add_trace_id(request: web.Request, response: web.StreamResponse) -> None:
+    context = trace.get_current_span().get_span_context()
+    if context.is_valid and context.trace_flags.sampled:
+        response.headers[TRACE_ID_HEADER] = trace.format_trace_id(context.trace_id)
