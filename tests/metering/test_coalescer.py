@@ -1,0 +1,72 @@
+"""Concurrent store calls share a batch; each caller gets its own result or error."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis as sync_redis
+
+from gateway.metering import Limits, MeteringSettings, open_meter
+from gateway.metering.coalescer import Coalescer
+from tests.metering.conftest import principal, record
+
+
+def test_calls_made_together_are_flushed_as_one_batch_with_per_item_results() -> None:
+    batches: list[list[int]] = []
+
+    async def flush(items: list[int]) -> list[int | BaseException]:
+        batches.append(items)
+        await asyncio.sleep(0.01)
+        return [ValueError(f"bad {i}") if i < 0 else i * 10 for i in items]
+
+    async def scenario() -> list[object]:
+        coalescer: Coalescer[int, int] = Coalescer(flush)
+        results = await asyncio.gather(*(coalescer.submit(i) for i in (1, 2, -3, 4)),
+                                       return_exceptions=True)
+        late = await coalescer.submit(5)
+        await coalescer.close()
+        return [*results, late]
+
+    results = asyncio.run(scenario())
+    assert results[:2] == [10, 20] and isinstance(results[2], ValueError)
+    assert results[3:] == [40, 50]
+    assert batches[0] == [1, 2, -3, 4] and batches[-1] == [5]
+
+
+def test_a_cancelled_caller_does_not_stop_its_item_from_being_written() -> None:
+    written: list[int] = []
+
+    async def flush(items: list[int]) -> list[int | BaseException]:
+        await asyncio.sleep(0.01)
+        written.extend(items)
+        return items
+
+    async def scenario() -> None:
+        coalescer: Coalescer[int, int] = Coalescer(flush)
+        caller = asyncio.create_task(coalescer.submit(7))
+        await asyncio.sleep(0)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await coalescer.close()
+
+    asyncio.run(scenario())
+    assert written == [7]
+
+
+def test_the_redis_meter_reloads_its_scripts_after_a_script_flush(clean_redis_url: str) -> None:
+    async def scenario() -> None:
+        meter = await open_meter(MeteringSettings(
+            default_project_limits=Limits(requests_per_minute=5)), redis=clean_redis_url)
+        try:
+            await meter.settle(await meter.admit("a", principal(), "m", 1, 1), record("a", 1, 1))
+            client = sync_redis.Redis.from_url(clean_redis_url)
+            client.script_flush()
+            client.close()
+            await meter.settle(await meter.admit("b", principal(), "m", 1, 1), record("b", 1, 1))
+            assert [r.request_id for r in await meter.usage_records("acme")] == ["a", "b"]
+        finally:
+            await meter.close()
+
+    asyncio.run(scenario())
