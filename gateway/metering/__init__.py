@@ -33,7 +33,13 @@ SQLITE_FILE_NAME = "aigw.sqlite3"  # shared with auth: AuthSettings.sqlite_path
 async def open_meter(settings: MeteringSettings, redis: Any | None = None,
                      data_dir: Path = Path(".aigw")) -> BaseMeter:
     """A RedisMeter on `redis` (a redis.asyncio client, not closed by the meter, or a URL, then
-    owned), else an EmbeddedMeter on <data_dir>/aigw.sqlite3. Call `close()` on shutdown."""
+    owned), else an EmbeddedMeter on <data_dir>/aigw.sqlite3; a DisabledMeter when
+    settings.enabled is False. The client must decode responses (decode_responses=True, as
+    AuthServices.redis does). Call `close()` on shutdown, before closing a shared client."""
+    if not settings.enabled:
+        from gateway.metering.meter import DisabledMeter
+
+        return DisabledMeter(settings)
     if redis is not None:
         from gateway.metering.redis_meter import RedisMeter
 

@@ -96,3 +96,29 @@ class BaseMeter(ABC):
 
 def usage_day(created_at: float) -> str:
     return Clock(created_at).day
+
+
+class DisabledMeter(BaseMeter):
+    """MeteringSettings.enabled=False: admits everything, records nothing, reads back nothing."""
+
+    async def _reserve(self, admission: MeterAdmission, scopes: list[ScopeLimits],
+                       clock: Clock) -> None:
+        return None
+
+    def scopes_for(self, principal: Principal) -> list[ScopeLimits]:
+        return []
+
+    async def _record(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
+                      delta_tokens: int, delta_nanos: int) -> None:
+        return None
+
+    async def _daily_rows(self, project: str, since: str | None,
+                          until: str | None) -> list[UsageRow]:
+        return []
+
+    async def usage_records(self, project: str, since: str | None = None,
+                            until: str | None = None) -> list[UsageRecord]:
+        return []
+
+    async def close(self) -> None:
+        return None

@@ -117,3 +117,18 @@ def test_usage_renders_as_json_and_csv() -> None:
     assert render_csv(rows) == ("day,model,requests,prompt_tokens,cached_tokens,"
                                 "completion_tokens,total_tokens,cost_usd\n"
                                 "2026-01-02,m,2,10,4,6,16,1.5\n")
+
+
+def test_a_disabled_meter_admits_everything_and_records_nothing(open_test_meter: OpenMeter) -> None:
+    async def scenario() -> None:
+        meter = await open_test_meter(MeteringSettings(
+            enabled=False, default_project_limits=Limits(requests_per_minute=1)))
+        try:
+            for request_id in ("a", "b", "c"):
+                await meter.settle(await meter.admit(request_id, principal(), "m", 1, 1),
+                                   record(request_id, 1, 1))
+            assert await meter.usage_by_project("acme") == []
+        finally:
+            await meter.close()
+
+    asyncio.run(scenario())
