@@ -1,13 +1,19 @@
-"""Fakes for engine tests that need no model: requests with made-up token ids, and a fake "compute" step
-that drives the Scheduler and KVCacheManager the way LLMEngine does (append one token per sampled row)."""
+"""Fakes and drivers for engine tests.
+
+Without a model: requests with made-up token ids, and a fake "compute" step that drives the Scheduler and
+KVCacheManager the way LLMEngine does (append one token per sampled row). With a real LLMEngine: `drive`
+and `generate`, which step it until idle and gather each request's outputs into a `Completion`."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from engine.batch import ScheduledBatch
+from engine.engine import LLMEngine
 from engine.kv_cache.manager import KVCacheManager
-from engine.outputs import FinishReason
+from engine.outputs import FinishReason, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -81,3 +87,59 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> list[Sch
         simulate_step(scheduler, batch)
         scheduler.kv_cache.check_integrity()
     raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+
+# ---- drivers for a real LLMEngine ----------------------------------------------------------------
+@dataclass
+class Completion:
+    """Everything a request produced, gathered from its RequestOutputs."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list = field(default_factory=list)  # type: ignore[type-arg]
+
+
+def drive(engine: LLMEngine, max_steps: int = 5000,
+          on_step: Callable[[int], None] | None = None) -> dict[str, Completion]:
+    """Step `engine` until it is idle; `on_step(step_index)` runs before each step (to add or abort)."""
+    results: dict[str, Completion] = {}
+    for step_index in range(max_steps):
+        if on_step is not None:
+            on_step(step_index)
+        if not engine.has_unfinished_requests:
+            return results
+        for output in engine.step():
+            collect(results, output)
+    raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
+def collect(results: dict[str, Completion], output: RequestOutput) -> None:
+    done = results.setdefault(output.request_id, Completion())
+    done.token_ids += output.new_token_ids
+    done.text += output.text
+    done.logprobs += output.logprobs or []
+    done.num_prompt_tokens = output.num_prompt_tokens
+    done.num_cached_tokens = output.num_cached_tokens
+    if output.finished:
+        done.finish_reason, done.stop_reason = output.finish_reason, output.stop_reason
+
+
+def generate(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams,
+             cache_salt: str | None = None) -> dict[str, Completion]:
+    """Add every prompt at once (one concurrent batch) and run them all to completion."""
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+    return drive(engine)
+
+
+def assert_idle_and_clean(engine: LLMEngine) -> None:
+    """No request holds a block, every block is free or evictable, the allocator is consistent."""
+    engine.kv_cache.check_integrity()
+    assert not engine.has_unfinished_requests
+    assert engine.kv_cache.num_requests == 0
+    assert engine.kv_cache.pool.num_free_blocks == engine.kv_cache.num_blocks
+    assert all(block.ref_cnt == 0 for block in engine.kv_cache.pool.blocks)
