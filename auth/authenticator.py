@@ -4,6 +4,12 @@ API keys are looked up by key id and their records cached in process for `key_ca
 hot path is one HMAC and one constant-time compare. The cache is emptied by the revocation watcher
 (auth/revocation.py) within a second of any revoke/rotate on any instance. A presented secret is
 checked before the key's state, so a stranger learns nothing about whether a key id is revoked.
+
+Store reads are bounded per key id, so garbage credentials cannot turn into a store load:
+    unknown key id            remembered as unknown for `key_cache_ttl_s` (key ids are random and
+                              unguessable before creation, so no real key is ever hidden by this)
+    secret does not match     the record is re-read at most once per `_REFRESH_AFTER_MISMATCH_S`
+                              (a rotation on another instance that the watcher has not yet seen)
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from auth.principal import AuthError, Principal, Scope
 from auth.store import KeyStore
 
 _MAX_CACHED_KEYS = 100_000
+_REFRESH_AFTER_MISMATCH_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,7 @@ class KeyAuthenticator:
         self._jwt = jwt_verifier if jwt_verifier is not None and jwt_verifier.configured else None
         self._cache_ttl_s = cache_ttl_s
         self._cache: dict[str, _CachedKey] = {}
+        self._unknown: dict[str, float] = {}  # key id -> monotonic time it was found missing
 
     async def authenticate(self, credential: str | None) -> Principal:
         """The caller, or AuthError(401) for a missing/invalid/revoked/expired credential."""
@@ -52,14 +60,20 @@ class KeyAuthenticator:
             self._cache.clear()
         else:
             self._cache.pop(key_id, None)
+        self._unknown.clear()
 
     async def _authenticate_key(self, parsed: ParsedKey) -> Principal:
         cached = self._cache.get(parsed.key_id)
         if cached is None or time.monotonic() - cached.fetched_at > self._cache_ttl_s:
             cached = await self._fetch(parsed.key_id)
         now = time.time()
-        if not cached.record.matches(hash_secret(self._pepper, parsed.key_id, parsed.secret), now):
-            raise AuthError(401, "invalid_api_key", "the API key is not valid")
+        presented = hash_secret(self._pepper, parsed.key_id, parsed.secret)
+        if not cached.record.matches(presented, now):
+            if time.monotonic() - cached.fetched_at < _REFRESH_AFTER_MISMATCH_S:
+                raise AuthError(401, "invalid_api_key", "the API key is not valid")
+            cached = await self._fetch(parsed.key_id)
+            if not cached.record.matches(presented, now):
+                raise AuthError(401, "invalid_api_key", "the API key is not valid")
         if cached.record.revoked_at is not None:
             raise AuthError(401, "revoked_api_key", "the API key has been revoked")
         if cached.record.is_expired(now):
@@ -67,8 +81,14 @@ class KeyAuthenticator:
         return cached.principal
 
     async def _fetch(self, key_id: str) -> _CachedKey:
+        missing_since = self._unknown.get(key_id)
+        if missing_since is not None and time.monotonic() - missing_since < self._cache_ttl_s:
+            raise AuthError(401, "invalid_api_key", "the API key is not valid")
         record = await self._store.get_key(key_id)
         if record is None:
+            if len(self._unknown) >= _MAX_CACHED_KEYS:
+                self._unknown.clear()
+            self._unknown[key_id] = time.monotonic()
             raise AuthError(401, "invalid_api_key", "the API key is not valid")
         principal = Principal(
             project=record.project, key_id=record.key_id, scopes=frozenset(record.scopes),

@@ -196,3 +196,38 @@ def test_keys_survive_a_restart_of_the_store(auth_settings: AuthSettings) -> Non
             await reopened.close()
 
     asyncio.run(scenario())
+
+
+class _CountingStore:
+    """Wraps a KeyStore and counts get_key calls."""
+
+    def __init__(self, inner: object) -> None:
+        self._inner = inner
+        self.num_get_key = 0
+
+    async def get_key(self, key_id: str) -> object:
+        self.num_get_key += 1
+        return await self._inner.get_key(key_id)  # type: ignore[attr-defined]
+
+
+def test_garbage_credentials_do_not_reach_the_store_on_every_request(
+        auth_settings: AuthSettings) -> None:
+    from auth.authenticator import KeyAuthenticator
+
+    async def scenario() -> None:
+        services = await _with_project(auth_settings)
+        try:
+            record, key = await services.admin.create_key("acme", INVOKE)
+            store = _CountingStore(services.store)
+            authenticator = KeyAuthenticator(store, services.admin._pepper, None, 60.0)  # type: ignore[arg-type]
+            for credential in [f"sk-aigw-{'f' * 12}-{'x' * 43}"] * 5 + \
+                    [f"sk-aigw-{record.key_id}-{'x' * 43}"] * 5:
+                with pytest.raises(AuthError):
+                    await authenticator.authenticate(credential)
+            assert store.num_get_key == 2  # one per key id, then remembered
+            assert (await authenticator.authenticate(key)).key_id == record.key_id
+            assert store.num_get_key == 2
+        finally:
+            await services.close()
+
+    asyncio.run(scenario())
