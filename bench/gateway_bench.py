@@ -132,8 +132,12 @@ def _start_aigw(procs: _Processes, name: str, upstream: str, auth: bool, workers
     url = f"http://127.0.0.1:{port}"
     _wait_http(url + "/health", 60, process)
     headers = {}
-    if auth:
-        headers["authorization"] = "Bearer " + (data_dir / "default-key.txt").read_text().strip()
+    if auth:  # the key file is written by whichever worker created the default project
+        key_file = data_dir / "default-key.txt"
+        deadline = time.monotonic() + 30
+        while not (key_file.exists() and key_file.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        headers["authorization"] = "Bearer " + key_file.read_text().strip()
     return Target(name, url, process.pid, headers)
 
 

@@ -1,7 +1,7 @@
 """The app factory: `create_app(settings, authenticator=..., meter=...)`.
 
 Lifecycles (cleanup_ctx, in order): the upstream transport (one pooled ClientSession per upstream),
-then the health checker task. With `settings.auth_enabled` false and nothing injected, the
+the router's own tasks (`Router.start/close`), then the health checker task. With `settings.auth_enabled` false and nothing injected, the
 permissive gateway/open_access.py pair is used; with auth on, both must be injected
 (gateway/services.py::create_served_app does that with the real auth/ and metering/).
 """
@@ -40,7 +40,7 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
                           middlewares=[telemetry.middleware, envelope_middleware])
     app[SETTINGS] = settings
     app[TRANSPORT] = transport or AiohttpTransport()
-    app[ROUTER] = router or create_router(settings.router)
+    app[ROUTER] = router or create_router(settings.router, settings)
     app[FLEET] = Fleet(settings, telemetry.traced_transport(app[TRANSPORT]))
     if not settings.auth_enabled:
         app[AUTHENTICATOR] = authenticator or AllowAllAuthenticator()
@@ -56,6 +56,7 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
                              telemetry.traced_router(app[ROUTER], settings.router), app[FLEET])
     telemetry.install(app)
     app.cleanup_ctx.append(_transport_ctx)
+    app.cleanup_ctx.append(_router_ctx)
     app.cleanup_ctx.append(_health_ctx)
     app.on_shutdown.append(_start_draining)
     setup_routes(app)
@@ -65,6 +66,12 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
 async def _transport_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     await app[TRANSPORT].aclose()
+
+
+async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
+    await app[ROUTER].start(app[FLEET])
+    yield
+    await app[ROUTER].close()
 
 
 async def _health_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from gateway.settings import ModelSettings
 
+
 @dataclass
 class ReplicaProcess:
     process: subprocess.Popen[bytes]

@@ -21,11 +21,25 @@ import orjson
 from aiohttp import web
 
 from auth.principal import Authenticator, AuthError, Principal, Scope
-from gateway.canonical import Accumulator, CanonicalRequest, Finish, Usage, estimate_prompt_tokens
-from gateway.dialects.base import Dialect
+from gateway.canonical import (
+    Accumulator,
+    CanonicalEvent,
+    CanonicalRequest,
+    Finish,
+    Usage,
+    estimate_prompt_tokens,
+)
+from gateway.dialects.base import Dialect, StreamEncoder
 from gateway.dispatch import Attempt, Timing, dispatch
 from gateway.endpoints import Fleet, ModelRoute
-from gateway.errors import BadRequest, GatewayError, ModelNotFound, PayloadTooLarge, UpstreamError, UpstreamTimeout
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    ModelNotFound,
+    PayloadTooLarge,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from gateway.metering.contract import Admission, Meter, RateLimited
 from gateway.retry_budget import RetryBudget
 from gateway.routing.base import Router
@@ -225,8 +239,8 @@ class Pipeline:
             await attempt.release()
 
 
-def _delta_bytes(encoder: Any, event: Any) -> bytes:
-    return b"" if isinstance(event, Finish | Usage) else encoder.event(event)  # type: ignore[no-any-return]
+def _delta_bytes(encoder: StreamEncoder, event: CanonicalEvent) -> bytes:
+    return b"" if isinstance(event, Finish | Usage) else encoder.event(event)
 
 
 def _after_start(exc: BaseException, settings: GatewaySettings) -> UpstreamError:

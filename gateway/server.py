@@ -46,7 +46,7 @@ def run_worker(settings_data: dict[str, Any], reuse_port: bool) -> None:
     """Entry point of one worker process (spawned): serve these settings."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     try:
-        import uvloop  # type: ignore[import-not-found]
+        import uvloop
 
         uvloop.install()
     except ImportError:

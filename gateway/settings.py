@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextvars
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -31,9 +31,9 @@ class Prices(BaseModel):
     """US dollars per token."""
 
     model_config = ConfigDict(frozen=True)
-    input_per_token: float = Field(0.0, ge=0)
-    cached_input_per_token: float = Field(0.0, ge=0)
-    output_per_token: float = Field(0.0, ge=0)
+    input_per_token: float = Field(default=0.0, ge=0)
+    cached_input_per_token: float = Field(default=0.0, ge=0)
+    output_per_token: float = Field(default=0.0, ge=0)
 
     def cost_usd(self, num_prompt_tokens: int, num_cached_tokens: int, num_completion_tokens: int) -> float:
         num_uncached = max(0, num_prompt_tokens - num_cached_tokens)
@@ -50,7 +50,7 @@ class ModelSettings(BaseModel):
     endpoints: tuple[str, ...] = Field(min_length=1)
     upstream_model: str | None = None  # the name sent upstream; defaults to `name`
     api_key: str | None = None  # for hosted OpenAI-compatible upstreams
-    context_length: int | None = Field(None, gt=0)  # else read from the upstream's /v1/models
+    context_length: int | None = Field(default=None, gt=0)  # else read from the upstream's /v1/models
     prices: Prices = Prices()
     share_cache_across_projects: bool = False  # replica: omit the per-project cache_salt
     tokenizer: str | None = None  # tokenizer.json path, to count tokens when usage is missing
@@ -70,8 +70,8 @@ class LimitDefaults(BaseModel):
     """Defaults handed to the meter for projects without their own limits (None = unlimited)."""
 
     model_config = ConfigDict(frozen=True)
-    requests_per_minute: int | None = Field(None, gt=0)
-    tokens_per_minute: int | None = Field(None, gt=0)
+    requests_per_minute: int | None = Field(default=None, gt=0)
+    tokens_per_minute: int | None = Field(default=None, gt=0)
 
 
 class _ConfigFileSource(PydanticBaseSettingsSource):

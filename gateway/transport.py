@@ -7,7 +7,6 @@ Connection failures surface as `UpstreamUnavailable`, connect timeouts as `Upstr
 
 from __future__ import annotations
 
-import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -66,7 +65,7 @@ class _AiohttpResponse(UpstreamResponse):
         except (aiohttp.ClientError, ConnectionError) as exc:
             raise UpstreamUnavailable(f"upstream body failed: {exc!r}") from exc
 
-    async def lines(self) -> AsyncIterator[bytes]:  # type: ignore[override]
+    async def lines(self) -> AsyncIterator[bytes]:
         content = self._response.content
         try:
             while True:
@@ -105,7 +104,7 @@ class AiohttpTransport(Transport):
             response = await self._session(request.url).request(
                 request.method, request.url, data=request.body, headers=dict(request.headers),
                 timeout=timeout)
-        except (aiohttp.ServerTimeoutError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise UpstreamTimeout(f"connecting to {request.url} timed out") from exc
         except (aiohttp.ClientError, OSError) as exc:
             raise UpstreamUnavailable(f"cannot reach {request.url}: {exc!r}") from exc
@@ -129,7 +128,7 @@ class MockResponse(UpstreamResponse):
     async def read(self) -> bytes:
         return self._body
 
-    async def lines(self) -> AsyncIterator[bytes]:  # type: ignore[override]
+    async def lines(self) -> AsyncIterator[bytes]:
         for line in self._body.splitlines(keepends=True):
             yield line
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import time
 
 from auth.principal import Principal
-from gateway.canonical import Accumulator, CanonicalRequest, Usage, estimate_num_tokens, estimate_prompt_tokens
+from gateway.canonical import (
+    Accumulator,
+    CanonicalRequest,
+    Usage,
+    estimate_num_tokens,
+    estimate_prompt_tokens,
+)
 from gateway.metering.contract import UsageRecord
 from gateway.settings import ModelSettings
 

@@ -7,7 +7,14 @@ from typing import Any
 import orjson
 
 from gateway.canonical import CanonicalRequest, Usage
-from gateway.dialects.validate import InvalidParam, get_bool, get_int, get_number, get_object, get_stop
+from gateway.dialects.validate import (
+    InvalidParam,
+    get_bool,
+    get_int,
+    get_number,
+    get_object,
+    get_stop,
+)
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}

@@ -46,7 +46,11 @@ def test_serve_with_config_auth_and_workers_then_drains_on_sigterm(
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, process)
-        key = (tmp_path / "data" / "default-key.txt").read_text().strip()
+        key_file = tmp_path / "data" / "default-key.txt"  # written by whichever worker made it
+        deadline = time.monotonic() + 30
+        while not (key_file.exists() and key_file.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        key = key_file.read_text().strip()
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
         assert httpx.post(url + "/v1/chat/completions", json=body).status_code == 401
         for _ in range(4):
