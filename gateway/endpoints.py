@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 from gateway.breaker import CircuitBreaker
