@@ -85,8 +85,11 @@ class PrefixRouter(Router):
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self, fleet: Fleet) -> None:
+        """Open the index and run one event consumer per replica endpoint; a second call is a no-op."""
         import aiohttp
 
+        if self._session is not None:
+            return
         if self.index is None:
             if self.config.redis_url:
                 from gateway.routing.redis_index import RedisIndex
