@@ -153,11 +153,14 @@ class _Stats:
         return 1
 
 
-def _replica_metric_names() -> set[str]:
-    metrics = ReplicaMetrics(_Stats, model="m", replica="r")
+def _sample_names(registry: Any) -> set[str]:
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
-    return {family.name + suffix for family in metrics.registry.collect()
+    return {family.name + suffix for family in registry.collect()
             for suffix in suffixes[family.type]}
+
+
+def _replica_metric_names() -> set[str]:
+    return _sample_names(ReplicaMetrics(_Stats, model="m", replica="r").registry)
 
 
 def _dashboard_exprs() -> list[str]:
@@ -167,10 +170,23 @@ def _dashboard_exprs() -> list[str]:
     return exprs
 
 
+def _gateway_metric_names() -> set[str]:
+    from gateway.telemetry.metrics import GatewayMetrics
+
+    return _sample_names(GatewayMetrics().registry)
+
+
 def test_grafana_dashboard_queries_only_metrics_the_replica_exports() -> None:
     used = {name for expr in _dashboard_exprs() for name in re.findall(r"aigw_replica_\w+", expr)}
     assert used, "the dashboard shows no replica metric"
     assert used <= _replica_metric_names()
+
+
+def test_grafana_dashboard_queries_only_metrics_the_gateway_exports() -> None:
+    used = {name for expr in _dashboard_exprs()
+            for name in re.findall(r"\baigw_(?!replica_)\w+", expr)}
+    assert used, "the dashboard shows no gateway metric"
+    assert used <= _gateway_metric_names()
 
 
 def test_grafana_panels_use_the_provisioned_datasources() -> None:
