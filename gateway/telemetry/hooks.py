@@ -141,7 +141,11 @@ class ObservedMeter:
 
     async def admit(self, request_id: str, principal: Principal, model: str,
                     num_prompt_tokens: int, max_tokens: int) -> Admission:
-        return await self.inner.admit(request_id, principal, model, num_prompt_tokens, max_tokens)
+        admission = await self.inner.admit(request_id, principal, model, num_prompt_tokens, max_tokens)
+        observation = current_observation()
+        if observation is not None:
+            observation.is_admitted = True
+        return admission
 
     async def settle(self, admission: Admission, record: UsageRecord) -> None:
         try:

@@ -1,18 +1,25 @@
 """The outermost middleware: a SERVER span per request (continuing an incoming `traceparent`),
 made current with its `RequestObservation`, and the request metrics once the answer is done.
 
+A streamed answer's handler can be cancelled (the client closed the connection right after the
+last event) while the pipeline's shielded settle is still running; the span and the metrics then
+wait for that settle (`observation.on_settled`), so they still carry the usage and the status the
+client got.
+
 Not traced (still counted): /metrics, /health and the dashboard, so scrapes and polling do not
 crowd the trace buffer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
-from opentelemetry.trace import SpanKind, StatusCode, format_trace_id
+from opentelemetry import context as otel_context
+from opentelemetry.trace import Span, SpanKind, StatusCode, format_trace_id, set_span_in_context
 
 from gateway.telemetry.observation import RequestObservation, reset_current, set_current
 from gateway.telemetry.recent import LatencySample
@@ -22,6 +29,7 @@ if TYPE_CHECKING:
     from gateway.telemetry.telemetry import Telemetry
 
 TRACE_ID_HEADER = "x-aigw-trace-id"
+STATUS_CLIENT_CLOSED = 499
 _UNTRACED_PREFIXES = ("/metrics", "/health", "/dashboard")
 
 
@@ -40,39 +48,59 @@ def make_middleware(telemetry: Telemetry) -> Middleware:
             response = await handler(request)
             metrics.requests.labels(route, str(response.status), "", "").inc()
             return response
-        started = time.perf_counter()
+        span = tracer.start_span(f"{request.method} {route}", kind=SpanKind.SERVER,
+                                 context=PROPAGATOR.extract(request.headers),
+                                 attributes={"http.request.method": request.method, "http.route": route})
+        observation = RequestObservation(time.perf_counter(), span)
+        token = set_current(observation)
+        context_token = _attach(span)
+        response: web.StreamResponse | None = None
         status = 500
-        with tracer.start_as_current_span(
-                f"{request.method} {route}", kind=SpanKind.SERVER,
-                context=PROPAGATOR.extract(request.headers), record_exception=False,
-                attributes={"http.request.method": request.method, "http.route": route}) as span:
-            observation = RequestObservation(started, span)
-            token = set_current(observation)
-            response: web.StreamResponse | None = None
-            try:
-                response = await handler(request)
-                status = response.status
-                context = span.get_span_context()
-                if not response.prepared and context.trace_flags.sampled:
-                    response.headers[TRACE_ID_HEADER] = format_trace_id(context.trace_id)
-                return response
-            except web.HTTPException as exc:
-                status = exc.status
-                raise
-            except BaseException:
-                status = 499 if request.transport is None or request.transport.is_closing() else 500
-                raise
-            finally:
-                reset_current(token)
-                span.set_attribute("http.response.status_code", status)
-                if status >= 500:
-                    span.set_status(StatusCode.ERROR)
-                _observe(telemetry, route, status, observation, response)
+        cancelled = False
+        try:
+            response = await handler(request)
+            status = response.status
+            context = span.get_span_context()
+            if not response.prepared and context.trace_flags.sampled:
+                response.headers[TRACE_ID_HEADER] = format_trace_id(context.trace_id)
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except asyncio.CancelledError:
+            status, cancelled = STATUS_CLIENT_CLOSED, True
+            raise
+        finally:
+            _detach(context_token)
+            reset_current(token)
+
+            def finish() -> None:
+                record = observation.record
+                final = record.status if cancelled and record is not None else status
+                _finish(telemetry, route, final, observation, response)
+
+            if cancelled and observation.is_admitted and observation.record is None:
+                observation.on_settled = finish  # the settle is still running: wait for it
+            else:
+                finish()
     return telemetry_middleware
 
 
-def _observe(telemetry: Telemetry, route: str, status: int, observation: RequestObservation,
-             response: web.StreamResponse | None) -> None:
+def _attach(span: Span) -> object:
+    return otel_context.attach(set_span_in_context(span))
+
+
+def _detach(token: object) -> None:
+    otel_context.detach(token)  # type: ignore[arg-type]
+
+
+def _finish(telemetry: Telemetry, route: str, status: int, observation: RequestObservation,
+            response: web.StreamResponse | None) -> None:
+    span = observation.span
+    span.set_attribute("http.response.status_code", status)
+    if status >= 500:
+        span.set_status(StatusCode.ERROR)
+    span.end()
     metrics = telemetry.metrics
     latency_s = time.perf_counter() - observation.started
     record = observation.record

@@ -7,6 +7,7 @@ handler spawns, such as the shielded settle, see the same object); hooks fill it
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from opentelemetry.trace import Span
@@ -20,6 +21,8 @@ class RequestObservation:
     span: Span
     record: UsageRecord | None = None  # set when the pipeline settles with the meter
     first_upstream_line_at: float | None = None  # perf_counter of the first upstream body line
+    is_admitted: bool = False  # the meter admitted it, so a settle (and a record) will follow
+    on_settled: Callable[[], None] | None = None  # the middleware's finish, if it had to wait
 
 
 _CURRENT: contextvars.ContextVar[RequestObservation | None] = contextvars.ContextVar(

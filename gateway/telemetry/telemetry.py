@@ -65,6 +65,8 @@ class Telemetry:
             observation.span.set_attributes(usage_attributes(record))
         self.metrics.observe_usage(record)
         self.usage.add(record, self._savings_per_cached_token(record.model))
+        if observation is not None and observation.on_settled is not None:
+            observation.on_settled()
 
     def _savings_per_cached_token(self, model: str) -> float:
         found = self._gateway_settings.find_model(model) if self._gateway_settings else None
