@@ -22,6 +22,7 @@ from auth.settings import AuthSettings
 from engine.server.metrics import ReplicaMetrics
 from engine.server.settings import ADMIN_TOKEN_ENV, ReplicaServerSettings
 from gateway.cli import build_parser
+from gateway.routing import ROUTER_NAMES
 from gateway.settings import GatewaySettings, load_settings
 from tests.deploy.manifests import (
     COMPOSE_FILES,
@@ -85,6 +86,7 @@ def test_compose_gateway_config_routes_to_the_compose_replicas(tmp_path: Path) -
             replicas.append(f"http://{name}:{args.port}")
     assert len(replicas) == 2
     assert [m.endpoints for m in settings.models] == [tuple(replicas)]
+    assert settings.router in ROUTER_NAMES
     stop_grace_s = int(gateway["stop_grace_period"].rstrip("s"))
     assert stop_grace_s > settings.drain_timeout_s
 

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from gateway.cli import build_parser
+from gateway.routing import ROUTER_NAMES
 from gateway.settings import load_settings
 from tests.deploy.manifests import (
     AIGW_IMAGE,
@@ -87,6 +88,7 @@ def test_gateway_config_loads_and_lists_every_replica_pod_of_the_headless_servic
                      f".svc.cluster.local:{port}" for i in range(replicas["spec"]["replicas"]))
     assert [m.endpoints for m in settings.models] == [expected]
     assert settings.host == "0.0.0.0"
+    assert settings.router in ROUTER_NAMES
 
 
 def test_headless_service_selects_the_replica_pods_on_a_named_port() -> None:
