@@ -83,6 +83,7 @@ async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
 @contextlib.contextmanager
 def open_served(kind: str, replicas: list[embedded.ReplicaProcess], loop_thread: LoopThread,
                 redis_url: str) -> Iterator[Served]:
+    embedded.wait_healthy(replicas, timeout_s=120)
     model = embedded.model_settings_for(replicas)
     settings = GatewaySettings(auth_enabled=False, models=[model], health_interval_s=0.5,
                                first_token_timeout_s=60, idle_timeout_s=30)
@@ -159,8 +160,7 @@ def test_a_killed_replicas_entries_leave_both_indexes_and_its_traffic_moves(
                 time.sleep(0.1)
             assert shared.chat(turns[1])[0] != victim
             assert in_process.chat(turns[1])[0] != victim
-        finally:  # bring it back on the same port for any test that runs after this one
+        finally:  # back on the same port for any test that runs after this one
             port = int(victim.rsplit(":", 1)[1])
-            replicas[index] = embedded.ReplicaProcess(
+            replicas[index] = embedded.ReplicaProcess(  # open_served waits for its health
                 subprocess.Popen(replica_command(port, redis_url)), replicas[index].url)
-            embedded.wait_healthy([replicas[index]], timeout_s=120)
