@@ -1,8 +1,9 @@
 """The app factory: `create_app(settings, authenticator=..., meter=...)`.
 
 Lifecycles (cleanup_ctx, in order): the upstream transport (one pooled ClientSession per upstream),
-the router's own tasks (`Router.start/close`), then the health checker task. With `settings.auth_enabled` false and nothing injected, the
-permissive gateway/open_access.py pair is used; with auth on, both must be injected
+the router's own tasks (`Router.start/close`), then the health checker task. With
+`settings.auth_enabled` false and nothing injected, the permissive gateway/open_access.py pair is
+used; with auth on, both must be injected
 (gateway/services.py::create_served_app does that with the real auth/ and metering/).
 """
 
@@ -21,7 +22,7 @@ from gateway.keys import AUTHENTICATOR, FLEET, METER, PIPELINE, ROUTER, SETTINGS
 from gateway.metering.contract import Meter
 from gateway.middlewares import envelope_middleware
 from gateway.open_access import AllowAllAuthenticator, NullMeter
-from gateway.pipeline import Pipeline
+from gateway.pipeline import CacheSaltOf, Pipeline, default_cache_salt_of
 from gateway.routes import setup_routes
 from gateway.routing import Router, create_router
 from gateway.settings import GatewaySettings
@@ -31,8 +32,8 @@ from gateway.transport import AiohttpTransport, Transport
 
 def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None = None,
                meter: Meter | None = None, router: Router | None = None,
-               transport: Transport | None = None, telemetry: Telemetry | None = None
-               ) -> web.Application:
+               transport: Transport | None = None, telemetry: Telemetry | None = None,
+               cache_salt_of: CacheSaltOf = default_cache_salt_of) -> web.Application:
     # the body cap is enforced by the pipeline (413 in the dialect's envelope); aiohttp's own cap
     # sits just above it so a chunked body over the cap is still cut off.
     telemetry = telemetry or Telemetry()  # traces, /metrics, the dashboard's series
@@ -53,7 +54,8 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
     telemetry.attach(settings, app[FLEET])
     app[PIPELINE] = Pipeline(settings, telemetry.traced_authenticator(app[AUTHENTICATOR]),
                              telemetry.observed_meter(app[METER]),
-                             telemetry.traced_router(app[ROUTER], settings.router), app[FLEET])
+                             telemetry.traced_router(app[ROUTER], settings.router), app[FLEET],
+                             cache_salt_of)
     telemetry.install(app)
     app.cleanup_ctx.append(_transport_ctx)
     app.cleanup_ctx.append(_router_ctx)

@@ -57,7 +57,8 @@ class CanonicalRequest:
     seed: int | None = None
     stream: bool = False
     include_usage: bool = False  # OpenAI stream_options.include_usage as the client asked
-    project: str | None = None  # set after authentication (cache isolation, metering)
+    project: str | None = None  # set after authentication (metering, routing)
+    cache_salt: str | None = None  # set after authentication: auth.cache_salt.cache_salt_for
 
     def text_length(self) -> int:
         """Characters of prompt text (a cheap input to token estimates)."""

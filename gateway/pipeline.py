@@ -15,12 +15,15 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from auth.cache_salt import cache_salt_for
 from auth.principal import Authenticator, AuthError, Principal, Scope
+from auth.settings import AuthSettings
 from gateway.canonical import (
     Accumulator,
     CanonicalEvent,
@@ -82,10 +85,23 @@ def _stamp(response: web.StreamResponse, request_id: str, replica: str, overhead
     response.headers["x-aigw-overhead-ms"] = f"{overhead_ms:.3f}"
 
 
+CacheSaltOf = Callable[[Principal], "str | None"]
+
+
+def default_cache_salt_of(principal: Principal) -> str | None:
+    """auth's rule with its default scope: one prompt cache per project."""
+    return cache_salt_for(principal, _DEFAULT_AUTH_SETTINGS)
+
+
+_DEFAULT_AUTH_SETTINGS = AuthSettings()
+
+
 class Pipeline:
     def __init__(self, settings: GatewaySettings, authenticator: Authenticator, meter: Meter,
-                 router: Router, fleet: Fleet) -> None:
+                 router: Router, fleet: Fleet, cache_salt_of: CacheSaltOf = default_cache_salt_of
+                 ) -> None:
         self.settings = settings
+        self.cache_salt_of = cache_salt_of
         self.authenticator = authenticator
         self.meter = meter
         self.router = router
@@ -117,6 +133,7 @@ class Pipeline:
         if route is None:
             raise ModelNotFound(f"the model {canonical.model!r} does not exist")
         canonical.project = principal.project
+        canonical.cache_salt = self.cache_salt_of(principal)
         admission = await self.meter.admit(request_id, principal, canonical.model,
                                            estimate_prompt_tokens(canonical),
                                            canonical.max_tokens or self.settings.default_max_tokens)

@@ -41,7 +41,7 @@ async def create_served_app(settings: GatewaySettings) -> web.Application:
     """The gateway as `aigw serve` runs it: real auth and metering unless auth is disabled."""
     if not settings.auth_enabled:
         return create_app(settings)
-    from auth import AuthSettings, ensure_default_project, open_auth
+    from auth import AuthSettings, cache_salt_for, ensure_default_project, open_auth
     from gateway.metering import open_meter
 
     auth_settings = AuthSettings.from_env().model_copy(update={
@@ -57,7 +57,8 @@ async def create_served_app(settings: GatewaySettings) -> web.Application:
     except BaseException:
         await auth.close()
         raise
-    app = create_app(settings, authenticator=auth.authenticator, meter=meter)
+    app = create_app(settings, authenticator=auth.authenticator, meter=meter,
+                     cache_salt_of=lambda principal: cache_salt_for(principal, auth_settings))
     app.add_routes(auth.admin_routes(ADMIN_PREFIX))
 
     async def close_services(_: web.Application) -> AsyncIterator[None]:

@@ -1,13 +1,13 @@
-"""Our engine replicas: OpenAI-compatible HTTP plus a per-project `cache_salt` and /metrics load.
+"""Our engine replicas: OpenAI-compatible HTTP plus the request's `cache_salt` and /metrics load.
 
-`cache_salt` keeps one project's prefix cache invisible to another (a timing side channel
-otherwise); `ModelSettings.share_cache_across_projects = true` drops it. Load is parsed from the
-replica's Prometheus text defensively: any gauge whose name ends in one of the suffixes below.
+`cache_salt` (decided once per request by auth.cache_salt.cache_salt_for: per project by default)
+keeps one tenant's prefix cache invisible to another (a timing side channel otherwise);
+`ModelSettings.share_cache_across_projects = true` drops it for that model. Load is parsed from
+the replica's Prometheus text defensively: any gauge whose name ends in one of the suffixes below.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 from gateway.backends.openai_compat import OpenAICompatBackend
@@ -23,17 +23,13 @@ _LOAD_SUFFIXES = {
 }
 
 
-def cache_salt(project: str) -> str:
-    return hashlib.sha256(b"aigw-project:" + project.encode()).hexdigest()[:32]
-
-
 class ReplicaBackend(OpenAICompatBackend):
     name = "replica"
 
     def upstream_body(self, request: CanonicalRequest, endpoint: Endpoint) -> dict[str, Any]:
         body = super().upstream_body(request, endpoint)
-        if request.project and not endpoint.model.share_cache_across_projects:
-            body["cache_salt"] = cache_salt(request.project)
+        if request.cache_salt and not endpoint.model.share_cache_across_projects:
+            body["cache_salt"] = request.cache_salt
         return body
 
     async def health(self, endpoint: Endpoint) -> bool:

@@ -106,3 +106,16 @@ def test_models_list_needs_a_credential_and_hides_disallowed_models(make_gateway
     assert narrow.json()["data"] == []
     good = httpx.get(gateway.url + "/v1/models", headers={"authorization": "Bearer good"})
     assert [m["id"] for m in good.json()["data"]] == [MODEL]
+
+
+def test_cache_salt_follows_the_callers_project_unless_the_model_shares_its_cache(
+        make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(authenticator=KeyAuthenticator(), meter=RecordingMeter())
+    upstream = gateway.upstreams[0]
+    httpx.post(gateway.url + "/v1/chat/completions", json=CHAT, headers={"x-api-key": "good"})
+    assert upstream.state.bodies[-1]["cache_salt"] == "project:proj"
+    shared = make_gateway(num_upstreams=0, authenticator=KeyAuthenticator(), meter=RecordingMeter(),
+                          models=[{"name": MODEL, "endpoints": [upstream.url],
+                                   "share_cache_across_projects": True}])
+    httpx.post(shared.url + "/v1/chat/completions", json=CHAT, headers={"x-api-key": "good"})
+    assert "cache_salt" not in upstream.state.bodies[-1]

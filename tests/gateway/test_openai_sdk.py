@@ -60,7 +60,7 @@ def test_upstream_always_gets_include_usage_and_a_cache_salt(client: openai.Open
                                         stream=True))
     body = gateway.upstreams[0].state.bodies[-1]
     assert body["stream_options"] == {"include_usage": True}
-    assert body["cache_salt"]
+    assert body["cache_salt"] == "project:anonymous"  # auth.cache_salt_for, per project
 
 
 def test_usage_is_settled_once_with_cost(client: openai.OpenAI, gateway: Gateway) -> None:
