@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 MODEL = "mock-model"
+LITELLM_KEY = "sk-aigw-bench-0123456789"  # LiteLLM refuses to start without a master key
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -155,7 +156,8 @@ def _start_litellm(procs: _Processes, upstream: str) -> Target | str:
     config = procs.out_dir / "litellm.yaml"
     config.write_text(f"model_list:\n  - model_name: {MODEL}\n    litellm_params:\n"
                       f"      model: openai/{MODEL}\n      api_base: {upstream}/v1\n"
-                      "      api_key: dummy\nlitellm_settings:\n  telemetry: false\n")
+                      "      api_key: dummy\nlitellm_settings:\n  telemetry: false\n"
+                      f"general_settings:\n  master_key: {LITELLM_KEY}\n")
     process = procs.start("litellm", [str(binary), "--config", str(config), "--host", "127.0.0.1",
                                       "--port", str(port), "--num_workers", "1"])
     try:
@@ -163,7 +165,7 @@ def _start_litellm(procs: _Processes, upstream: str) -> Target | str:
     except (TimeoutError, RuntimeError) as exc:
         return f"litellm did not start: {exc} (see {procs.out_dir / 'litellm.log'})"
     return Target("litellm", f"http://127.0.0.1:{port}", process.pid,
-                  {"authorization": "Bearer dummy"})
+                  {"authorization": f"Bearer {LITELLM_KEY}"})
 
 
 def _measure(target: Target, stream: bool, concurrency: int, duration_s: float) -> dict[str, Any]:

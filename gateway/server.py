@@ -38,8 +38,14 @@ async def serve(settings: GatewaySettings, *, reuse_port: bool = False) -> None:
     try:
         await stop.wait()
     finally:
-        app[PIPELINE].draining = True
-        await runner.cleanup()
+        await drain(runner)
+
+
+async def drain(runner: web.AppRunner) -> None:
+    """Refuse new requests (503 `draining`), stop listening, let in-flight ones finish within the
+    runner's shutdown_timeout, then run the cleanup contexts."""
+    runner.app[PIPELINE].draining = True
+    await runner.cleanup()
 
 
 def run_worker(settings_data: dict[str, Any], reuse_port: bool) -> None:
