@@ -6,8 +6,8 @@ last event) while the pipeline's shielded settle is still running; the span and 
 wait for that settle (`observation.on_settled`), so they still carry the usage and the status the
 client got.
 
-Not traced (still counted): /metrics, /health and the dashboard, so scrapes and polling do not
-crowd the trace buffer.
+Not traced (still counted): /metrics, /health, the dashboard and unknown paths, so scrapes,
+polling and scanners do not crowd the trace buffer.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def make_middleware(telemetry: Telemetry) -> Middleware:
     @web.middleware
     async def telemetry_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         route = route_of(request)
-        if route.startswith(_UNTRACED_PREFIXES):
+        if route.startswith(_UNTRACED_PREFIXES) or route == "unmatched":
             response = await handler(request)
             metrics.requests.labels(route, str(response.status), "", "").inc()
             return response
