@@ -1,0 +1,274 @@
+"""`aigw bench engine`: prefill, decode and concurrent serving speed, beside Hugging Face transformers.
+
+Figures (issue: engine benchmark), all on the same weights, in one run:
+  - prefill tokens/s: one ~1,000-token prompt, max_tokens=1, median of `--prefill-repeats` (after one
+    discarded warm-up), prefix caching OFF so every token is computed;
+  - single-stream decode tokens/s: 256 tokens, ignore_eos: (tokens - 1) / (e2e - TTFT);
+  - at each concurrency C: C prompts of 64 tokens (different text) all added at t=0, 128 new tokens
+    each: output tokens/s (all tokens / wall time), TTFT p50/p90, TPOT p50/p90.
+Our engine is driven in-process (bench/workloads.py `replay`), once per `--modes` decode-weights mode;
+transformers (`measure_transformers`) loads the same file, runs one forward pass (logits of the last
+position only) for prefill and `generate` (greedy, min_new_tokens = max_new_tokens, left padding, a
+streamer timing each step) for the rest. Its batched rows have one TTFT/TPOT for the whole batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.plotting import BarPanel, fmt, format_table, median, percentile, write_bar_chart
+from bench.workloads import RequestRecord, TokenSource, one_shot, replay
+
+TARGET_DECODE_TOK_S = 75.0
+TARGET_PREFILL_TOK_S = 1400.0
+TARGET_C32_OVER_TRANSFORMERS = 2.5
+BASELINES = "issue, this 2-core CPU: transformers decode 24 / prefill 674 / batch-32 202 tok/s; llama.cpp decode 143"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine.cli import add_engine_arguments
+
+    add_engine_arguments(parser)
+    parser.set_defaults(threads=2)
+    parser.add_argument("--modes", default=None,
+                        help="decode-weights modes of our engine, comma-separated (default: --decode-weights)")
+    parser.add_argument("--prefill-tokens", type=int, default=1024)
+    parser.add_argument("--prefill-repeats", type=int, default=5)
+    parser.add_argument("--decode-tokens", type=int, default=256)
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in the concurrency rows")
+    parser.add_argument("--output-tokens", type=int, default=128, help="new tokens in the concurrency rows")
+    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--tiny", action="store_true",
+                        help="smoke-test sizes (seconds; no transformers); the figures mean nothing")
+    parser.add_argument("--plot", default=None, help="write a PNG here")
+    parser.add_argument("--json", default=None, help="write the figures as JSON here")
+
+
+def apply_tiny(args: argparse.Namespace) -> None:
+    args.prefill_tokens, args.prefill_repeats, args.decode_tokens = 32, 1, 4
+    args.concurrency, args.prompt_tokens, args.output_tokens = "1,2", 8, 3
+    args.no_transformers = True
+    args.threads = 1  # on a busy machine two spinning threads are slower than one
+    args.kv_cache_memory = min(args.kv_cache_memory, 64 << 20)
+
+
+# ---- our engine: shared weights, several configurations ----------------------------------------------
+@functools.lru_cache(maxsize=2)
+def load_model(model_path: str) -> tuple[Any, Any]:
+    """(checkpoint, tokenizer), read once per process and shared by every engine built from it."""
+    import torch
+
+    from engine.loader import load_checkpoint, load_tokenizer
+
+    return load_checkpoint(model_path, dtype=torch.float32, progress=False), load_tokenizer(model_path)
+
+
+def build_engine(args: argparse.Namespace, *, decode_weights: str | None = None,
+                 enable_prefix_caching: bool | None = None) -> Any:
+    """An LLMEngine configured from the command line, over the process's shared checkpoint."""
+    from engine.cli import engine_config_from_args
+    from engine.engine import LLMEngine
+    from engine.model_runner import ModelRunner
+
+    config = engine_config_from_args(args)
+    cache = config.cache if enable_prefix_caching is None else dataclasses.replace(
+        config.cache, enable_prefix_caching=enable_prefix_caching)
+    config = dataclasses.replace(config, cache=cache, decode_weights=decode_weights or config.decode_weights)
+    checkpoint, tokenizer = load_model(config.model_path)
+    runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights), dict(checkpoint.raw))
+    runner.warmup()
+    return LLMEngine(config, checkpoint.config, runner, tokenizer)
+
+
+def latency_row(records: list[RequestRecord], num_new_tokens: int) -> dict[str, float | None]:
+    wall = max(r.finish_s or 0.0 for r in records) - min(r.arrival_s for r in records)
+    ttfts = [r.ttft_s for r in records]
+    tpots = [t for r in records if (t := r.tpot_s) is not None]
+    return {"output_tok_s": len(records) * num_new_tokens / wall, "wall_s": wall,
+            "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
+            "tpot_p50_s": percentile(tpots, 50), "tpot_p90_s": percentile(tpots, 90)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+    """The same prompts for every engine in the run."""
+
+    prefill: list[list[int]]  # repeats + 1 (the first is a warm-up)
+    decode: list[int]
+    concurrent: dict[int, list[list[int]]]
+
+
+def make_prompts(args: argparse.Namespace, tokenizer: Any) -> Prompts:
+    source = TokenSource(tokenizer, seed=args.seed)
+    levels = [int(c) for c in args.concurrency.split(",") if c]
+    return Prompts([source.take(args.prefill_tokens) for _ in range(args.prefill_repeats + 1)],
+                   source.take(32), {c: [source.take(args.prompt_tokens) for _ in range(c)] for c in levels})
+
+
+def measure_ours(engine: Any, prompts: Prompts, args: argparse.Namespace) -> dict[str, Any]:
+    replay(engine, one_shot([prompts.decode[:8]], 2))  # warm-up: first decode steps, small prefill
+    prefill = [replay(engine, one_shot([p], 1))[0] for p in prompts.prefill]
+    prefill_tok_s = median([r.num_prompt_tokens / r.ttft_s for r in prefill[1:]])
+    decode = replay(engine, one_shot([prompts.decode], args.decode_tokens))[0]
+    decode_tok_s = (decode.num_output_tokens - 1) / (decode.e2e_s - decode.ttft_s)
+    rows = {c: latency_row(replay(engine, one_shot(batch, args.output_tokens)), args.output_tokens)
+            for c, batch in prompts.concurrent.items()}
+    return {"prefill_tok_s": prefill_tok_s, "decode_tok_s": decode_tok_s, "concurrency": rows}
+
+
+# ---- transformers --------------------------------------------------------------------------------------
+def measure_transformers(model_path: str, prompts: Prompts, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    class TimingStreamer(BaseStreamer):
+        """generate() puts the prompt first, then each step's new tokens (all rows at once)."""
+
+        def __init__(self) -> None:
+            self.put_times: list[float] = []
+
+        def put(self, value: Any) -> None:
+            self.put_times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    path = Path(model_path)
+    kwargs = {"gguf_file": path.name} if path.is_file() else {}
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent if path.is_file() else path),
+                                                 dtype=torch.float32, **kwargs).eval()
+    pad_id = model.generation_config.pad_token_id
+    pad_id = pad_id if pad_id is not None else model.generation_config.eos_token_id
+
+    def generate(batch: list[list[int]], num_new: int) -> tuple[float, float, float]:
+        """(start, first token, end) perf_counter times of one left-padded batched generate."""
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        streamer = TimingStreamer()
+        start = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=num_new, min_new_tokens=num_new,
+                       do_sample=False, pad_token_id=pad_id, streamer=streamer)
+        return start, streamer.put_times[1], time.perf_counter()
+
+    with torch.inference_mode():
+        generate([prompts.decode[:16]], 8)  # warm-up
+        times = []
+        for p in prompts.prefill:
+            start = time.perf_counter()
+            model(input_ids=torch.tensor([p]), logits_to_keep=1)
+            times.append(len(p) / (time.perf_counter() - start))
+        start, first, end = generate([prompts.decode], args.decode_tokens)
+        decode_tok_s = (args.decode_tokens - 1) / (end - first)
+        rows = {}
+        for c, batch in prompts.concurrent.items():
+            start, first, end = generate(batch, args.output_tokens)
+            tpot = (end - first) / max(args.output_tokens - 1, 1)
+            rows[c] = {"output_tok_s": c * args.output_tokens / (end - start), "wall_s": end - start,
+                       "ttft_p50_s": first - start, "ttft_p90_s": first - start,
+                       "tpot_p50_s": tpot, "tpot_p90_s": tpot}
+    return {"prefill_tok_s": median(times[1:]), "decode_tok_s": decode_tok_s, "concurrency": rows}
+
+
+# ---- report --------------------------------------------------------------------------------------------
+def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
+    hf = results.get("transformers")
+    ours = {name: r for name, r in results.items() if name != "transformers"}
+
+    def ratio(value: float | None, base: float | None) -> str:
+        return f"{value / base:.2f}x" if value is not None and base else "-"
+
+    headers = ["figure", *results, *(f"{n}/hf" for n in ours if hf), "target"]
+    rows = []
+    for key, label, target in (
+            ("prefill_tok_s", f"prefill tok/s ({args.prefill_tokens}-token prompt)", TARGET_PREFILL_TOK_S),
+            ("decode_tok_s", f"decode tok/s (1 stream, {args.decode_tokens} tokens)", TARGET_DECODE_TOK_S)):
+        best = max(r[key] for r in ours.values())
+        verdict = "met" if best >= target else "NOT met"
+        rows.append([label, *(fmt(r[key]) for r in results.values()),
+                     *(ratio(r[key], hf[key]) for r in ours.values() if hf), f">= {target:,.0f}: {verdict}"])
+    lines = [format_table(headers, rows), ""]
+
+    headers = ["engine", "C", "out tok/s", "TTFT p50 ms", "TTFT p90 ms", "TPOT p50 ms", "TPOT p90 ms",
+               "out tok/s vs hf", "target"]
+    rows = []
+    for name, r in results.items():
+        for c, row in r["concurrency"].items():
+            vs_hf = ratio(row["output_tok_s"], hf["concurrency"][c]["output_tok_s"]) if hf and name in ours else "-"
+            target = "-"
+            if c == 32 and hf and name in ours:
+                met = row["output_tok_s"] >= TARGET_C32_OVER_TRANSFORMERS * hf["concurrency"][c]["output_tok_s"]
+                target = f">= {TARGET_C32_OVER_TRANSFORMERS}x: {'met' if met else 'NOT met'}"
+            ms = [fmt(row[k] * 1e3 if row[k] is not None else None)
+                  for k in ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")]
+            rows.append([name, str(c), fmt(row["output_tok_s"]), *ms, vs_hf, target])
+    lines.append(format_table(headers, rows))
+    lines.append(f"\nbaselines ({BASELINES})")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, Any]], path: str, title: str) -> Path:
+    names = list(results)
+    levels = [str(c) for c in next(iter(results.values()))["concurrency"]]
+    panels = [
+        BarPanel("prefill", "tokens/s", ["prefill"], {n: [results[n]["prefill_tok_s"]] for n in names},
+                 (TARGET_PREFILL_TOK_S, "target")),
+        BarPanel("single-stream decode", "tokens/s", ["decode"], {n: [results[n]["decode_tok_s"]] for n in names},
+                 (TARGET_DECODE_TOK_S, "target")),
+        BarPanel("output tokens/s at concurrency C", "tokens/s", [f"C={c}" for c in levels],
+                 {n: [results[n]["concurrency"][int(c)]["output_tok_s"] for c in levels] for n in names}),
+        BarPanel("TTFT p50 at concurrency C", "ms", [f"C={c}" for c in levels],
+                 {n: [_ms(results[n]["concurrency"][int(c)]["ttft_p50_s"]) for c in levels] for n in names}),
+        BarPanel("TPOT p50 at concurrency C", "ms", [f"C={c}" for c in levels],
+                 {n: [_ms(results[n]["concurrency"][int(c)]["tpot_p50_s"]) for c in levels] for n in names}),
+    ]
+    return write_bar_chart(path, title, panels)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return seconds * 1e3 if seconds is not None else None
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine.cli import engine_config_from_args
+
+    if args.tiny:
+        apply_tiny(args)
+    torch.set_num_threads(args.threads)
+    config = engine_config_from_args(args)
+    modes = [m for m in (args.modes or config.decode_weights).split(",") if m]
+    _, tokenizer = load_model(config.model_path)
+    prompts = make_prompts(args, tokenizer)
+    title = (f"{Path(config.model_path).name}: threads={args.threads} dtype={config.resolved_dtype} "
+             f"compile={config.compile} max_num_batched_tokens={config.scheduler.max_num_batched_tokens}")
+    print(f"engine bench, {title}, prefix caching off", file=sys.stderr)
+    results: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        started = time.perf_counter()
+        engine = build_engine(args, decode_weights=mode, enable_prefix_caching=False)
+        results[f"ours[{mode}]"] = measure_ours(engine, prompts, args)
+        del engine
+        print(f"  ours[{mode}] done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    if not args.no_transformers:
+        started = time.perf_counter()
+        results["transformers"] = measure_transformers(config.model_path, prompts, args)
+        print(f"  transformers done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    print(f"\n{title}\n")
+    print(report(results, args))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"title": title, "results": results}, indent=2))
+    if args.plot:
+        print(f"wrote {plot(results, args.plot, 'aigw bench engine - ' + title)}")
+    return 0

@@ -1,0 +1,55 @@
+"""`aigw bench engine --tiny` and `aigw bench agent --tiny` run end to end, print their tables and write
+their PNG and JSON. Sizes are tiny and no figure is compared with a time: only what must hold at any speed
+(cache hits only with the cache on, every request counted)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_bench(argv: list[str]) -> int:
+    from bench.cli import register
+
+    parser = argparse.ArgumentParser(prog="aigw")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", *argv])
+    return int(args.func(args))
+
+
+def test_engine_bench_tiny_prints_table_and_writes_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png, out = tmp_path / "engine.png", tmp_path / "engine.json"
+    assert run_bench(["engine", "--tiny", "--plot", str(png), "--json", str(out)]) == 0
+
+    printed = capsys.readouterr().out
+    assert "prefill tok/s" in printed and "TTFT p50 ms" in printed
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["ours[float]"]  # --tiny skips transformers
+    ours = results["ours[float]"]
+    assert ours["prefill_tok_s"] > 0 and ours["decode_tok_s"] > 0
+    assert sorted(ours["concurrency"]) == ["1", "2"]
+    assert all(row["output_tok_s"] > 0 for row in ours["concurrency"].values())
+
+
+def test_agent_bench_tiny_reports_hits_only_with_cache_on(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    png, out = tmp_path / "agent.png", tmp_path / "agent.json"
+    assert run_bench(["agent", "--tiny", "--plot", str(png), "--json", str(out)]) == 0
+
+    printed = capsys.readouterr().out
+    assert "hit %" in printed and "of bound" in printed
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["agent", "shared-prefix", "hit30", "zero-reuse"]
+    for name, modes in results.items():
+        assert modes["off"]["hit_ratio"] == 0.0, name
+        assert modes["on"]["num_requests"] == modes["off"]["num_requests"], name
+    assert results["agent"]["on"]["hit_ratio"] > 0.3  # later turns re-use the system prompt and history
+    assert results["hit30"]["on"]["hit_ratio"] == pytest.approx(0.25)  # 16 of 64 tokens primed
+    assert results["zero-reuse"]["on"]["hit_ratio"] == 0.0
