@@ -8,8 +8,11 @@ For a request of `n` full prompt blocks and each candidate replica r:
               + n * max(0, kv_used_r - S) / (1 - S) KV nearly full: new blocks evict cached ones
     cost_r    = W * prefill_r + active_r
 
-    W = prefill_weight (default 1.0, Dynamo's overlap weight), D = decode_blocks_per_request
-    (default 4: a request's decode work, in prefill-block units), S = kv_saturation (0.9).
+    W = prefill_weight (default 1.5), D = decode_blocks_per_request (default 8: a request's decode
+    work in prefill-block units), S = kv_saturation (0.9). W > 1 charges a move for more than its
+    prefill: recomputing a prefix elsewhere also evicts that replica's cached blocks. The defaults
+    come from the simulator (bench/routing_sim.py): W = 1 (Dynamo's default) lost ~40% of the
+    hits on the shared-prefix workload under overload; W = 2 unbalanced the agent workload.
 
 The lowest cost wins; ties go to fewer requests in flight, then to a rendezvous hash of the
 request's first block with the replica id, so new prefixes spread evenly and a given prefix keeps
@@ -28,8 +31,8 @@ import xxhash
 
 @dataclass(frozen=True, slots=True)
 class ScoringConfig:
-    prefill_weight: float = 1.0
-    decode_blocks_per_request: float = 4.0
+    prefill_weight: float = 1.5
+    decode_blocks_per_request: float = 8.0
     kv_saturation: float = 0.9
 
     def __post_init__(self) -> None:

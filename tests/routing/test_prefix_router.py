@@ -57,7 +57,7 @@ class Rig:
 def request(prefix: str, suffix: str = "", request_id: str = "r") -> CanonicalRequest:
     return CanonicalRequest(request_id, "m", messages=[Message("system", prefix * 30),
                                                        Message("user", "question " + suffix)],
-                            project="p")
+                            project="p", cache_salt="project:p")
 
 
 def hashes_of(rig: Rig, hasher: PromptHasher, req: CanonicalRequest) -> list[int]:

@@ -11,7 +11,7 @@ from engine.loader import default_model_path, load_tokenizer
 from engine.loader.tokenizer import Tokenizer
 from engine.server.prompts import chat_prompt_token_ids, completion_prompts
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.backends.replica import ReplicaBackend, cache_salt
+from gateway.backends.replica import ReplicaBackend
 from gateway.canonical import CanonicalRequest, Message, Tool, ToolCall
 from gateway.endpoints import Endpoint
 from gateway.breaker import CircuitBreaker
@@ -42,7 +42,8 @@ def agent_request(turn: int, project: str = "p1") -> CanonicalRequest:
         messages.append(Message("assistant", "", tool_calls=(
             ToolCall(f"call_{i}", "tool_1", '{"path": "parser.py"}'),)))
         messages.append(Message("tool", f"line {i}: KeyError 'x'", tool_call_id=f"call_{i}"))
-    return CanonicalRequest("r", "m", messages=messages, tools=list(TOOLS), project=project)
+    return CanonicalRequest("r", "m", messages=messages, tools=list(TOOLS), project=project,
+                            cache_salt=f"project:{project}")
 
 
 @pytest.mark.parametrize("turn", [0, 1, 3])
@@ -83,7 +84,7 @@ def test_projects_get_disjoint_hashes_unless_sharing_is_on(tokenizer: Tokenizer)
     assert "cache_salt" not in shared_one
     assert hasher.block_hashes(shared_one, "m", 16) == hasher.block_hashes(
         upstream_body(agent_request(0, "p2"), share=True), "m", 16)
-    assert upstream_body(agent_request(0, "p1"))["cache_salt"] == cache_salt("p1")
+    assert upstream_body(agent_request(0, "p1"))["cache_salt"] == "project:p1"
 
 
 def test_segmented_encoding_equals_whole_encoding(tokenizer: Tokenizer) -> None:
