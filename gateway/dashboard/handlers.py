@@ -61,15 +61,16 @@ async def overview(request: web.Request) -> web.Response:
     ratios = await asyncio.gather(*(cache_hit_ratio(app[TRANSPORT], e, REPLICA_TIMEOUT_S)
                                     for e in replica_endpoints))
     usage = telemetry.usage.to_json()
+    projects = list(usage["projects"])  # type: ignore[call-overload]
     traces = [summary for spans in telemetry.spans.recent(NUM_TRACES_LISTED)
               if (summary := trace_summary(spans)) is not None]
     return _json({
         "now": time.time(),
-        "replicas": replica_rows(fleet, {e.name: r for e, r in zip(replica_endpoints, ratios)},
+        "replicas": replica_rows(fleet, dict(zip([e.name for e in replica_endpoints], ratios, strict=True)),
                                  time.monotonic()),
         "latency": telemetry.latency.percentiles(),
         "usage": usage,
-        "usage_daily": await _usage_daily(app, list(usage["projects"])),  # type: ignore[arg-type]
+        "usage_daily": await _usage_daily(app, projects),
         "traces": traces,
     })
 

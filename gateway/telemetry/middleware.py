@@ -45,9 +45,9 @@ def make_middleware(telemetry: Telemetry) -> Middleware:
     async def telemetry_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         route = route_of(request)
         if route.startswith(_UNTRACED_PREFIXES) or route == "unmatched":
-            response = await handler(request)
-            metrics.requests.labels(route, str(response.status), "", "").inc()
-            return response
+            untraced = await handler(request)
+            metrics.requests.labels(route, str(untraced.status), "", "").inc()
+            return untraced
         span = tracer.start_span(f"{request.method} {route}", kind=SpanKind.SERVER,
                                  context=PROPAGATOR.extract(request.headers),
                                  attributes={"http.request.method": request.method, "http.route": route})

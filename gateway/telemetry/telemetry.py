@@ -18,7 +18,12 @@ from gateway.endpoints import Fleet
 from gateway.metering.contract import Meter, UsageRecord
 from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
-from gateway.telemetry.hooks import ObservedMeter, TracedAuthenticator, TracedRouter, usage_attributes
+from gateway.telemetry.hooks import (
+    ObservedMeter,
+    TracedAuthenticator,
+    TracedRouter,
+    usage_attributes,
+)
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.middleware import TRACE_ID_HEADER, make_middleware
 from gateway.telemetry.observation import current_observation
@@ -27,7 +32,6 @@ from gateway.telemetry.settings import TelemetrySettings
 from gateway.telemetry.tracing import build_tracer_provider
 from gateway.telemetry.upstream import TracingTransport
 from gateway.transport import Transport
-
 
 
 class Telemetry:
