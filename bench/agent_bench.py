@@ -17,6 +17,7 @@ first, and the run with the shortest wall time is kept.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -28,6 +29,7 @@ from typing import Any
 from bench.engine_bench import build_engine, load_model
 from bench.plotting import BarPanel, fmt, format_table, percentile, write_bar_chart
 from bench.workloads import (
+    AgentSession,
     Client,
     RequestRecord,
     TokenSource,
@@ -105,7 +107,7 @@ def make_workloads(args: argparse.Namespace, tokenizer: Any, block_size: int) ->
             out.append(Workload(name, f"{args.sessions} sessions x {args.turns} turns, {system_tokens}-token "
                                       f"system prompt with tools, {turn_tokens} tokens per turn message, "
                                       f"{answer_tokens} out",
-                                lambda s=sessions: [x.fresh() for x in s], []))
+                                functools.partial(_fresh_sessions, sessions), []))
         elif name == "shared-prefix":
             prompts = shared_prefix_prompts(source, num_groups=args.num_groups,
                                             prompts_per_group=args.prompts_per_group,
@@ -113,7 +115,7 @@ def make_workloads(args: argparse.Namespace, tokenizer: Any, block_size: int) ->
             out.append(Workload(name, f"{args.num_groups} x {args.prompts_per_group} requests, "
                                       f"{args.system_prompt_len}-token prefix + {args.question_len}, "
                                       f"{args.output_len} out",
-                                lambda p=prompts: one_shot(p, args.output_len), []))
+                                functools.partial(one_shot, prompts, args.output_len), []))
         elif name == "hit30":
             primers, prompts = hit_ratio_prompts(source, num_prompts=args.hit_prompts,
                                                  prompt_tokens=args.hit_prompt_tokens,
@@ -121,15 +123,19 @@ def make_workloads(args: argparse.Namespace, tokenizer: Any, block_size: int) ->
             ratio = len(primers[0]) / args.hit_prompt_tokens
             out.append(Workload(name, f"{args.hit_prompts} x {args.hit_prompt_tokens} tokens, "
                                       f"{len(primers[0])} primed ({ratio:.0%}), 1 out",
-                                lambda p=prompts: one_shot(p, 1), primers, ratio))
+                                functools.partial(one_shot, prompts, 1), primers, ratio))
         elif name == "zero-reuse":
             prompts = unique_prompts(source, num_prompts=args.zero_prompts, prompt_tokens=args.zero_prompt_tokens)
             out.append(Workload(name, f"{args.zero_prompts} unique x {args.zero_prompt_tokens} tokens, "
                                       f"{args.zero_output_tokens} out",
-                                lambda p=prompts: one_shot(p, args.zero_output_tokens), []))
+                                functools.partial(one_shot, prompts, args.zero_output_tokens), []))
         else:
             raise SystemExit(f"unknown workload {name!r} (choose from {', '.join(WORKLOADS)})")
     return out
+
+
+def _fresh_sessions(sessions: list[AgentSession]) -> list[Client]:
+    return [s.fresh() for s in sessions]
 
 
 def summarize(records: list[RequestRecord], num_preemptions: int) -> dict[str, float | None]:

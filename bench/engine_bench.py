@@ -129,6 +129,9 @@ def measure_transformers(model_path: str, prompts: Prompts, args: argparse.Names
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     class TimingStreamer(BaseStreamer):
         """generate() puts the prompt first, then each step's new tokens (all rows at once)."""
@@ -204,13 +207,13 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     for name, r in results.items():
         for c, row in r["concurrency"].items():
             vs_hf = ratio(row["output_tok_s"], hf["concurrency"][c]["output_tok_s"]) if hf and name in ours else "-"
-            target = "-"
+            c32_verdict = "-"
             if c == 32 and hf and name in ours:
                 met = row["output_tok_s"] >= TARGET_C32_OVER_TRANSFORMERS * hf["concurrency"][c]["output_tok_s"]
-                target = f">= {TARGET_C32_OVER_TRANSFORMERS}x: {'met' if met else 'NOT met'}"
+                c32_verdict = f">= {TARGET_C32_OVER_TRANSFORMERS}x: {'met' if met else 'NOT met'}"
             ms = [fmt(row[k] * 1e3 if row[k] is not None else None)
                   for k in ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")]
-            rows.append([name, str(c), fmt(row["output_tok_s"]), *ms, vs_hf, target])
+            rows.append([name, str(c), fmt(row["output_tok_s"]), *ms, vs_hf, c32_verdict])
     lines.append(format_table(headers, rows))
     lines.append(f"\nbaselines ({BASELINES})")
     return "\n".join(lines)

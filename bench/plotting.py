@@ -6,7 +6,7 @@ Both take plain numbers; `None` is a cell that was not measured ("-" in a table,
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,7 +55,7 @@ class BarPanel:
     title: str
     ylabel: str
     categories: Sequence[str]
-    series: dict[str, Sequence[float | None]]
+    series: Mapping[str, Sequence[float | None]]
     reference: tuple[float, str] | None = None  # a horizontal line (value, label), e.g. a target
 
 

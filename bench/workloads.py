@@ -31,7 +31,7 @@ _CORPUS_MODULES = ("argparse", "asyncio", "collections", "contextlib", "csv", "d
 
 def corpus_text() -> str:
     """Docstrings of `_CORPUS_MODULES` and their public members, in a fixed order."""
-    parts = []
+    parts: list[str] = []
     for name in _CORPUS_MODULES:
         module = importlib.import_module(name)
         docs = [module.__doc__ or ""]
@@ -279,7 +279,7 @@ def agent_sessions(tokenizer: Any, *, num_sessions: int, num_turns: int, system_
 def shared_prefix_prompts(source: TokenSource, *, num_groups: int, prompts_per_group: int,
                           system_tokens: int, question_tokens: int) -> list[list[int]]:
     """SGLang's generated-shared-prefix shape: each group shares a system prompt; group-major order."""
-    prompts = []
+    prompts: list[list[int]] = []
     for _ in range(num_groups):
         system = source.take(system_tokens)
         prompts.extend(system + source.take(question_tokens) for _ in range(prompts_per_group))
