@@ -1,6 +1,7 @@
 """Telemetry settings, from the environment (OpenTelemetry's own variables where one exists).
 
-    AIGW_TRACING=0                       no spans at all (metrics stay on)
+    AIGW_TRACING=0                       no spans at all (metrics stay on); so does
+    OTEL_SDK_DISABLED=true               OpenTelemetry's own switch
     AIGW_TRACE_SAMPLE_RATIO=0.1          head sampling of new traces (parent-based: a sampled
                                          incoming `traceparent` is always kept)
     AIGW_TRACE_BUFFER_TRACES=200         recent traces kept in memory for the dashboard
@@ -42,7 +43,8 @@ class TelemetrySettings:
             endpoint = env["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/") + "/v1/traces"
         return cls(
             service_name=env.get("OTEL_SERVICE_NAME") or service_name,
-            is_tracing_enabled=env.get("AIGW_TRACING", "1").strip().lower() not in _FALSE,
+            is_tracing_enabled=(env.get("AIGW_TRACING", "1").strip().lower() not in _FALSE
+                                and env.get("OTEL_SDK_DISABLED", "").strip().lower() != "true"),
             sample_ratio=float(env.get("AIGW_TRACE_SAMPLE_RATIO", "1.0")),
             num_traces_buffered=int(env.get("AIGW_TRACE_BUFFER_TRACES", "200")),
             otlp_traces_endpoint=endpoint,
