@@ -39,6 +39,13 @@ class UpstreamResponse(ABC):
     def lines(self) -> AsyncIterator[bytes]:
         """Body lines as they arrive, each with its trailing newline (if any)."""
 
+    async def line_batches(self) -> AsyncIterator[list[bytes]]:
+        """Every complete line already received, as one batch per arrival (newlines may be
+        stripped). Lets a stream coalesce what the upstream sent faster than we forward it;
+        the default is one line per batch."""
+        async for line in self.lines():
+            yield [line]
+
     @abstractmethod
     def close(self) -> None:
         """Drop the connection if the body was not fully read (this is how an upstream is aborted)."""
@@ -73,6 +80,22 @@ class _AiohttpResponse(UpstreamResponse):
                 if not line:
                     return
                 yield line
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise UpstreamUnavailable(f"upstream stream broke: {exc!r}") from exc
+
+    async def line_batches(self) -> AsyncIterator[list[bytes]]:
+        content = self._response.content
+        pending = b""
+        try:
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    if pending:
+                        yield [pending]
+                    return
+                *complete, pending = (pending + chunk).split(b"\n")
+                if complete:
+                    yield complete
         except (aiohttp.ClientError, ConnectionError) as exc:
             raise UpstreamUnavailable(f"upstream stream broke: {exc!r}") from exc
 

@@ -196,22 +196,40 @@ def _chunk_events(chunk: dict[str, Any], kind: str) -> list[CanonicalEvent]:
 
 
 async def _parse_stream(response: UpstreamResponse, kind: str) -> AsyncIterator[CanonicalEvent]:
-    finished = False
-    async for line in response.lines():
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            finished = True
-            break
-        try:
-            chunk = orjson.loads(data)
-        except orjson.JSONDecodeError as exc:
-            raise UpstreamUnavailable("upstream sent a malformed stream chunk") from exc
-        for event in _chunk_events(chunk, kind):
+    """SSE `data:` lines -> events; what arrived together is merged (fewer, larger deltas)."""
+    async for batch in response.line_batches():
+        events: list[CanonicalEvent] = []
+        for line in batch:
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                for event in _merged(events):
+                    yield event
+                return
+            try:
+                chunk = orjson.loads(data)
+            except orjson.JSONDecodeError as exc:
+                raise UpstreamUnavailable("upstream sent a malformed stream chunk") from exc
+            events += _chunk_events(chunk, kind)
+        for event in _merged(events):
             yield event
-    if not finished:
-        raise UpstreamUnavailable("upstream stream ended before [DONE]")
+    raise UpstreamUnavailable("upstream stream ended before [DONE]")
+
+
+def _merged(events: list[CanonicalEvent]) -> list[CanonicalEvent]:
+    """Adjacent text deltas, and adjacent argument pieces of one tool call, become one event."""
+    out: list[CanonicalEvent] = []
+    for event in events:
+        last = out[-1] if out else None
+        if isinstance(event, TextDelta) and isinstance(last, TextDelta):
+            out[-1] = TextDelta(last.text + event.text)
+        elif (isinstance(event, ToolCallDelta) and isinstance(last, ToolCallDelta)
+              and event.index == last.index and not event.id and not event.name):
+            out[-1] = ToolCallDelta(last.index, last.id, last.name, last.arguments + event.arguments)
+        else:
+            out.append(event)
+    return out
 
 
 async def _parse_whole(response: UpstreamResponse, kind: str) -> AsyncIterator[CanonicalEvent]:
