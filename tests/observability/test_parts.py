@@ -1,0 +1,159 @@
+"""Telemetry parts without a replica: the span buffer's bounds, traceparent injection on the
+upstream call, usage series and percentiles, settings from the environment, and the replica's
+after-the-fact spans from engine timings."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from opentelemetry.trace import SpanKind
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.server.tracing import TracedEngine
+from gateway.metering.contract import UsageRecord
+from gateway.telemetry.observation import RequestObservation, reset_current, set_current
+from gateway.telemetry.recent import LatencySample, LatencyWindow, UsageSeries
+from gateway.telemetry.settings import TelemetrySettings
+from gateway.telemetry.span_buffer import SpanBuffer
+from gateway.telemetry.tracing import build_tracer_provider
+from gateway.telemetry.upstream import TracingTransport
+from gateway.transport import MockResponse, MockTransport, UpstreamRequest
+
+
+def _record(project: str = "p", prompt: int = 100, cached: int = 40, at: float = 1000.0) -> UsageRecord:
+    return UsageRecord(request_id="r", project=project, key_id="k", model="m", endpoint="e",
+                       prompt_tokens=prompt, cached_tokens=cached, completion_tokens=10,
+                       cost_usd=0.5, latency_ms=12.0, status=200, created_at=at)
+
+
+def test_span_buffer_keeps_only_the_most_recent_traces_and_caps_spans_per_trace() -> None:
+    provider, buffer = build_tracer_provider(TelemetrySettings(num_traces_buffered=2,
+                                                               num_spans_per_trace_max=3))
+    tracer = provider.get_tracer("t")
+    trace_ids = []
+    for _ in range(3):
+        with tracer.start_as_current_span("root") as root:
+            for index in range(5):
+                tracer.start_span(f"child{index}").end()
+        trace_ids.append(format(root.get_span_context().trace_id, "032x"))
+    assert buffer.trace(trace_ids[0]) == []  # evicted
+    assert len(buffer.trace(trace_ids[2])) == 3
+    assert [t[0]["trace_id"] for t in buffer.recent(5)] == [trace_ids[2], trace_ids[1]]
+    assert buffer.trace("not-hex") == []
+
+
+def test_tracing_off_records_nothing() -> None:
+    provider, buffer = build_tracer_provider(TelemetrySettings(is_tracing_enabled=False))
+    with provider.get_tracer("t").start_as_current_span("root"):
+        pass
+    assert buffer.recent() == []
+
+
+def test_upstream_call_carries_the_traceparent_of_its_client_span() -> None:
+    provider, buffer = build_tracer_provider(TelemetrySettings())
+    tracer = provider.get_tracer("t")
+
+    async def answer(_: UpstreamRequest) -> MockResponse:
+        return MockResponse(200, b"data: 1\n\ndata: [DONE]\n")
+
+    mock = MockTransport(answer)
+    transport = TracingTransport(mock, tracer)
+
+    async def call() -> str:
+        with tracer.start_as_current_span("root", kind=SpanKind.SERVER) as root:
+            observation = RequestObservation(0.0, root)
+            token = set_current(observation)
+            try:
+                response = await transport.send(UpstreamRequest("POST", "http://10.0.0.5:8001/v1/x"))
+                lines = [line async for line in response.lines()]
+                response.close()
+            finally:
+                reset_current(token)
+            assert lines and observation.first_upstream_line_at is not None
+            return format(root.get_span_context().trace_id, "032x")
+
+    trace_id = asyncio.run(call())
+    spans = {s["name"]: s for s in buffer.trace(trace_id)}
+    upstream = spans["upstream POST /v1/x"]
+    assert upstream["attributes"]["aigw.replica"] == "10.0.0.5:8001"
+    traceparent = mock.requests[0].headers["traceparent"]
+    version, sent_trace_id, parent_id, flags = traceparent.split("-")
+    assert (version, sent_trace_id, parent_id) == ("00", trace_id, upstream["span_id"])
+    assert int(flags, 16) & 1  # sampled
+
+
+def test_calls_outside_a_request_are_not_traced_or_changed() -> None:
+    provider, buffer = build_tracer_provider(TelemetrySettings())
+
+    async def answer(_: UpstreamRequest) -> MockResponse:
+        return MockResponse(200, b"ok")
+
+    mock = MockTransport(answer)
+    asyncio.run(TracingTransport(mock, provider.get_tracer("t")).send(
+        UpstreamRequest("GET", "http://h:1/health")))
+    assert "traceparent" not in mock.requests[0].headers and buffer.recent() == []
+
+
+def test_usage_series_buckets_per_project_with_cache_savings() -> None:
+    series = UsageSeries(bucket_s=10, num_buckets=6)
+    series.add(_record("a", at=1000.0), cache_savings_per_token=0.01)
+    series.add(_record("a", at=1005.0), cache_savings_per_token=0.01)
+    series.add(_record("b", at=1012.0), cache_savings_per_token=0.0)
+    data = series.to_json(now=1015.0, num_buckets=3)
+    assert data["t"] == [990, 1000, 1010]
+    a = data["projects"]["a"]  # type: ignore[index]
+    assert a["series"]["requests"] == [0, 2, 0]
+    assert a["totals"]["cached_tokens"] == 80 and a["totals"]["savings_usd"] == pytest.approx(0.8)
+    series.add(_record("a", at=1100.0), cache_savings_per_token=0.0)  # older buckets fall out
+    assert series.to_json(now=1100.0, num_buckets=20)["projects"]["a"]["totals"]["requests"] == 1  # type: ignore[index]
+
+
+def test_latency_percentiles_cover_only_the_window() -> None:
+    window = LatencyWindow()
+    for index in range(100):
+        window.add(LatencySample(1000.0, "m", latency_s=index / 100, overhead_s=0.001, ttft_s=None))
+    window.add(LatencySample(100.0, "m", latency_s=99.0, overhead_s=None, ttft_s=None))  # too old
+    result = window.percentiles(window_s=60, now=1010.0)
+    assert result["num_requests"] == 100
+    assert result["latency_s"] == {"p50": 0.5, "p90": 0.89, "p99": 0.98}
+    assert result["ttft_s"] == {"p50": None, "p90": None, "p99": None}
+
+
+def test_settings_read_otel_endpoint_and_switches() -> None:
+    settings = TelemetrySettings.from_env(environ={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318/",
+                                                   "AIGW_TRACE_SAMPLE_RATIO": "0.25"})
+    assert settings.otlp_traces_endpoint == "http://c:4318/v1/traces"
+    assert settings.sample_ratio == 0.25 and settings.is_tracing_enabled
+    assert not TelemetrySettings.from_env(environ={"OTEL_SDK_DISABLED": "true"}).is_tracing_enabled
+    assert not TelemetrySettings.from_env(environ={"AIGW_TRACING": "off"}).is_tracing_enabled
+    with pytest.raises(ValueError):
+        TelemetrySettings(sample_ratio=2.0)
+
+
+class _Engine:
+    replica_id = "r1"
+
+    class model_config:  # noqa: N801 - shaped like ModelConfig
+        model_id = "tiny"
+
+
+def test_replica_spans_are_built_back_from_engine_timings_under_the_incoming_parent() -> None:
+    provider, buffer = build_tracer_provider(TelemetrySettings(service_name="aigw-replica"))
+    engine = TracedEngine(_Engine(), provider.get_tracer("t"))  # type: ignore[arg-type]
+    final = RequestOutput("req", [1], "x", finish_reason="length", num_prompt_tokens=40,
+                          num_cached_tokens=32, num_output_tokens=5,
+                          timings={"queue_s": 0.5, "prefill_s": 0.25, "decode_s": 1.0})
+    trace_id, parent_id = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    finished_ns = 10_000_000_000
+    engine.record("req", SamplingParams(max_tokens=5), final,
+                  {"traceparent": f"00-{trace_id}-{parent_id}-01"}, finished_ns - 2_000_000_000,
+                  finished_ns)
+    spans = {s["name"]: s for s in buffer.trace(trace_id)}
+    assert spans["replica.generate"]["parent_span_id"] == parent_id
+    assert spans["engine.decode"]["start_ns"] == finished_ns - 1_000_000_000
+    assert spans["engine.prefill"]["start_ns"] == finished_ns - 1_250_000_000
+    assert spans["engine.queue"]["start_ns"] == finished_ns - 1_750_000_000
+    assert spans["engine.prefill"]["attributes"]["aigw.cached_tokens"] == 32
+    assert spans["replica.generate"]["attributes"]["gen_ai.usage.output_tokens"] == 5
