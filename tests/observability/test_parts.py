@@ -16,7 +16,6 @@ from gateway.metering.contract import UsageRecord
 from gateway.telemetry.observation import RequestObservation, reset_current, set_current
 from gateway.telemetry.recent import LatencySample, LatencyWindow, UsageSeries
 from gateway.telemetry.settings import TelemetrySettings
-from gateway.telemetry.span_buffer import SpanBuffer
 from gateway.telemetry.tracing import build_tracer_provider
 from gateway.telemetry.upstream import TracingTransport
 from gateway.transport import MockResponse, MockTransport, UpstreamRequest
