@@ -11,10 +11,11 @@ has started, a failure ends it with the dialect's error event (status 200 alread
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import os
 import re
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -56,10 +57,16 @@ _CLIENT_GONE = (ConnectionResetError, ConnectionError)
 _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
 
 
+_ID_PREFIX = os.urandom(8).hex()  # per process: ids stay unique across workers and restarts
+_id_counter = itertools.count()
+
+
 def request_id_of(request: web.Request) -> str:
-    """The client's x-request-id if it is safe to echo, else a fresh one."""
+    """The client's x-request-id if it is safe to echo, else a fresh one (no syscall per id)."""
     given = request.headers.get("x-request-id")
-    return given if given and _REQUEST_ID.match(given) else uuid.uuid4().hex
+    if given and _REQUEST_ID.match(given):
+        return given
+    return f"{_ID_PREFIX}{next(_id_counter):08x}"
 
 
 def credential_of(request: web.Request) -> str | None:
