@@ -142,6 +142,8 @@ async def _chat(client: httpx.AsyncClient, messages: list[dict[str, str]]) -> di
             "model": "m", "messages": messages, "max_tokens": 16, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}) as response:
         replica = response.headers.get("x-aigw-replica", "none")
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -160,7 +162,8 @@ async def _run_policy(policy: str, replicas: list[embedded.ReplicaProcess], work
     from gateway.keys import FLEET, ROUTER
     from gateway.settings import GatewaySettings
 
-    model = embedded.model_settings_for(replicas).model_copy(update={"name": "m"})
+    served = embedded.model_settings_for(replicas)
+    model = served.model_copy(update={"name": "m", "upstream_model": served.name})
     settings = GatewaySettings(auth_enabled=False, models=[model], health_interval_s=0.5)
     app = create_app(settings, router=make_router(policy))
 
