@@ -170,6 +170,9 @@ class Pipeline:
             outcome.status = exc.status
             return error_response(dialect, exc.status, exc.code, exc.message, request_id,
                                   timing.overhead_ms(), outcome.replica)
+        except asyncio.CancelledError:  # the client went away while we waited
+            outcome.status = STATUS_CLIENT_CLOSED
+            raise
         finally:
             latency_ms = (time.perf_counter() - timing.started) * 1000.0
             record = build_record(canonical, principal, route.settings,
