@@ -54,7 +54,7 @@ def test_mid_stream_failure_ends_openai_stream_with_error_chunk(make_gateway: Ga
     with pytest.raises(openai.APIError, match="upstream"):
         for chunk in client.chat.completions.create(**CHAT, stream=True):
             received += [c.delta.content for c in chunk.choices if c.delta.content]
-    assert received == ["tok ", "tok "]
+    assert "".join(received) == "tok " * 2  # what arrived together may come as one chunk
     assert _wait_until(lambda: gateway.meter.num_settle_calls == 1)
     record = next(iter(gateway.meter.settled.values()))
     assert record.status == 200 and record.finish_reason == "error"
