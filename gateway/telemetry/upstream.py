@@ -1,8 +1,9 @@
 """TracingTransport: wraps the gateway's Transport so each upstream call of a traced request gets
 a CLIENT span (send -> close, so a stream's span lasts as long as the stream) and carries the
 W3C `traceparent` of that span, which the replica continues. It also notes when the first body
-line arrived (time to first token, for streams). Calls made outside a request (health checks,
-the dashboard's own fetches) pass straight through.
+line arrived (time to first token, for streams), through `lines` or `line_batches`, whichever the
+backend reads; both forward to the wrapped response unchanged. Calls made outside a request
+(health checks, the dashboard's own fetches) pass straight through.
 """
 
 from __future__ import annotations
@@ -75,6 +76,14 @@ class _TracedResponse(UpstreamResponse):
                 observation.first_upstream_line_at = time.perf_counter()
                 self._span.add_event("first_line")
             yield line
+
+    async def line_batches(self) -> AsyncIterator[list[bytes]]:  # type: ignore[override]
+        observation = self._observation
+        async for batch in self._inner.line_batches():
+            if observation.first_upstream_line_at is None:
+                observation.first_upstream_line_at = time.perf_counter()
+                self._span.add_event("first_line")
+            yield batch
 
     def close(self) -> None:
         self._inner.close()

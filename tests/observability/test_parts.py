@@ -66,7 +66,7 @@ def test_upstream_call_carries_the_traceparent_of_its_client_span() -> None:
             token = set_current(observation)
             try:
                 response = await transport.send(UpstreamRequest("POST", "http://10.0.0.5:8001/v1/x"))
-                lines = [line async for line in response.lines()]
+                lines = [line async for batch in response.line_batches() for line in batch]
                 response.close()
             finally:
                 reset_current(token)
