@@ -148,7 +148,10 @@ class PrefixRouter(Router):
             return self._least_load(request, endpoints, "least_load:no_index")
         model_id, block_size = synced[0].consumer.model_id, synced[0].consumer.block_size
         assert model_id is not None and block_size is not None
-        body = synced[0].backend.upstream_body(request, synced[0].endpoint)
+        upstream_body = getattr(synced[0].backend, "upstream_body", None)  # the replica backend's
+        if upstream_body is None:
+            return self._least_load(request, endpoints, "least_load:no_body")
+        body: dict[str, Any] = upstream_body(request, synced[0].endpoint)
         try:
             hashes = await self._hash(request, body, model_id, block_size, synced[0].endpoint)
         except Exception as exc:  # noqa: BLE001 - the replica will report a bad request itself

@@ -74,7 +74,8 @@ class PromptHasher:
             if text is None:
                 from engine.server.prompts import completion_prompts
 
-                return completion_prompts(completion, self.tokenizer, self.tokenizer.vocab_size)[0]
+                served: Any = self.tokenizer
+                return completion_prompts(completion, served, self.tokenizer.vocab_size)[0]
             return self.tokenizer.encode(text, add_special_tokens=True)
         chat = ChatCompletionRequest.model_validate(upstream_body)
         text = self.tokenizer.apply_chat_template(chat_template_messages(chat),

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import time
 
-from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KVSnapshot
+from engine.kv_cache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVSnapshot,
+)
 from gateway.routing.index import ApplyResult
 from tests.routing.conftest import IndexUnderTest
 

@@ -27,11 +27,11 @@ def hasher() -> PromptHasher:
 
 
 class Rig:
-    def __init__(self, index: IndexUnderTest, config: PrefixRouterConfig = PrefixRouterConfig()) -> None:
+    def __init__(self, index: IndexUnderTest, config: PrefixRouterConfig | None = None) -> None:
         self.ix = index
         self.backend = ReplicaBackend(None, GatewaySettings(auth_enabled=False))  # type: ignore[arg-type]
         self.endpoints = [Endpoint(url, MODEL, CircuitBreaker(3, 1.0)) for url in MODEL.endpoints]
-        self.router = PrefixRouter(config, index=index.index)
+        self.router = PrefixRouter(config or PrefixRouterConfig(), index=index.index)
         for endpoint in self.endpoints:
             consumer = self.router.track(endpoint, self.backend)
             consumer.replica_id, consumer.model_id, consumer.block_size = endpoint.name, "m", 16

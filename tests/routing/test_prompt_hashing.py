@@ -12,9 +12,9 @@ from engine.loader.tokenizer import Tokenizer
 from engine.server.prompts import chat_prompt_token_ids, completion_prompts
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.backends.replica import ReplicaBackend
+from gateway.breaker import CircuitBreaker
 from gateway.canonical import CanonicalRequest, Message, Tool, ToolCall
 from gateway.endpoints import Endpoint
-from gateway.breaker import CircuitBreaker
 from gateway.routing.prompt_hashing import PromptHasher
 from gateway.settings import GatewaySettings, ModelSettings
 
