@@ -19,6 +19,7 @@ from engine.batch import ScheduledBatch, ScheduledSequence
 from engine.config import EngineConfig, ModelConfig
 from engine.layers.attention import (
     AttentionMetadata,
+    CascadeGroup,
     PrefillSegment,
     build_attention_backend,
     forward_context,
@@ -26,6 +27,10 @@ from engine.layers.attention import (
 from engine.models.registry import build_model
 
 logger = logging.getLogger(__name__)
+
+# Cascade attention for decode rows that share a prompt prefix (engine/layers/torch_attention.py):
+CASCADE_MIN_GROUP = 4  # sequences
+CASCADE_MIN_PREFIX_BLOCKS = 8  # shared leading blocks (128 tokens at block size 16)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,6 +56,7 @@ class ModelRunner:
         self.model = build_model(model_config, weights, attention,
                                  make_linear_factory(config, self.device, raw_weights or {}))
         self.block_size = config.cache.block_size
+        self.enable_cascade = self.device.type == "cpu"
         self.num_blocks = self._num_blocks_for_budget()
         shape = (self.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -73,10 +79,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepLogits:
-        decodes = [s for s in batch.sequences if s.num_scheduled_tokens == 1 and s.start_position > 0]
+        decodes, num_plain, groups = self._plan_decodes(
+            [s for s in batch.sequences if s.num_scheduled_tokens == 1 and s.start_position > 0])
         prefills = [s for s in batch.sequences if not (s.num_scheduled_tokens == 1 and s.start_position > 0)]
         ordered = decodes + prefills
-        input_ids, positions, metadata = self._prepare(decodes, prefills)
+        input_ids, positions, metadata = self._prepare(decodes, prefills, num_plain, groups)
         with forward_context(metadata):
             hidden = self.model.forward(input_ids, positions, self.kv_caches)
         rows, request_ids, row = [], [], 0
@@ -91,41 +98,43 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, index))
         return StepLogits(request_ids, logits.cpu() if logits.device.type != "cpu" else logits)
 
-    def _prepare(self, decodes: list[ScheduledSequence], prefills: list[ScheduledSequence]
+    def _prepare(self, decodes: list[ScheduledSequence], prefills: list[ScheduledSequence],
+                 num_plain: int, groups: list[tuple[int, int, int]]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Step tensors. `decodes` come ordered by `_plan_decodes` (plain rows, then cascade groups)."""
         bs = self.block_size
+        seqs = decodes + prefills
         ids: list[int] = []
         pos: list[int] = []
-        for seq in decodes + prefills:
+        for seq in seqs:
             ids.extend(seq.token_ids)
             pos.extend(range(seq.start_position, seq.seq_len))
         positions = torch.tensor(pos, dtype=torch.int64)
-        tables = _block_table_tensor(decodes + prefills)  # [S, max_blocks]
-        seq_index = torch.repeat_interleave(torch.arange(len(decodes) + len(prefills)),
-                                            torch.tensor([s.num_scheduled_tokens for s in decodes + prefills]))
+        tables = _block_table_tensor(seqs)  # [S, max_blocks]
+        seq_index = torch.repeat_interleave(torch.arange(len(seqs)),
+                                            torch.tensor([s.num_scheduled_tokens for s in seqs]))
         slot_mapping = tables[seq_index, positions // bs] * bs + positions % bs  # [T]
 
         decode_slots = decode_mask = None
-        if decodes:
-            seq_lens = torch.tensor([s.seq_len for s in decodes])
-            max_len = int(seq_lens.max())
-            ctx = torch.arange(max_len)
-            decode_slots = tables[: len(decodes), ctx // bs] * bs + ctx % bs  # [D, L]
-            decode_mask = (ctx[None, :] < seq_lens[:, None]).view(len(decodes), 1, 1, max_len)
-            decode_slots = decode_slots.masked_fill(~decode_mask.view(len(decodes), max_len), 0)
+        if num_plain:
+            decode_slots, decode_mask = _padded_slots(tables[:num_plain],
+                                                      [s.seq_len for s in decodes[:num_plain]], 0, bs)
+        cascade_groups = []
+        for start, end, num_prefix_blocks in groups:
+            prefix_len = num_prefix_blocks * bs
+            suffix_slots, suffix_mask = _padded_slots(tables[start:end],
+                                                      [s.seq_len for s in decodes[start:end]], prefix_len, bs)
+            prefix_slots = _context_slots(tables[start], 0, prefix_len, bs)
+            cascade_groups.append(CascadeGroup(start, end, prefix_slots.to(self.device),
+                                               suffix_slots.to(self.device), suffix_mask.to(self.device)))
 
         segments = []
         query_start = len(decodes)
         for i, seq in enumerate(prefills):
-            ctx = torch.arange(seq.seq_len)
-            context_slots = tables[len(decodes) + i, ctx // bs] * bs + ctx % bs  # [C]
-            mask = None
-            if seq.start_position > 0:
-                q_pos = torch.arange(seq.start_position, seq.seq_len)
-                mask = ctx[None, :] <= q_pos[:, None]  # [q_len, C]
-                mask = mask.to(self.device)
+            context_slots = _context_slots(tables[len(decodes) + i], 0, seq.seq_len, bs)  # [C]
             query_end = query_start + seq.num_scheduled_tokens
-            segments.append(PrefillSegment(query_start, query_end, context_slots.to(self.device), mask))
+            segments.append(PrefillSegment(query_start, query_end, context_slots.to(self.device),
+                                           seq.start_position))
             query_start = query_end
 
         to = self.device
@@ -135,12 +144,43 @@ class ModelRunner:
             decode_slots=decode_slots.to(to) if decode_slots is not None else None,
             decode_mask=decode_mask.to(to) if decode_mask is not None else None,
             prefills=tuple(segments),
-            cu_query_lens=torch.tensor([0] + _cumsum([s.num_scheduled_tokens for s in decodes + prefills]),
+            cascade_groups=tuple(cascade_groups),
+            cu_query_lens=torch.tensor([0] + _cumsum([s.num_scheduled_tokens for s in seqs]),
                                        dtype=torch.int32, device=to),
-            seq_lens=torch.tensor([s.seq_len for s in decodes + prefills], dtype=torch.int32, device=to),
+            seq_lens=torch.tensor([s.seq_len for s in seqs], dtype=torch.int32, device=to),
             block_tables=tables.to(torch.int32).to(to),
         )
         return torch.tensor(ids, dtype=torch.int64, device=to), positions.to(to), metadata
+
+    def _plan_decodes(self, decodes: list[ScheduledSequence]
+                      ) -> tuple[list[ScheduledSequence], int, list[tuple[int, int, int]]]:
+        """Order decode rows: plain rows first, then cascade groups side by side.
+
+        Returns (ordered rows, number of plain rows, [(row_start, row_end, num_shared_blocks)]). A group
+        is worth it only when >= CASCADE_MIN_GROUP sequences share >= CASCADE_MIN_PREFIX_BLOCKS leading
+        blocks (the same physical blocks: the prefix cache made them shared).
+        """
+        if not self.enable_cascade or len(decodes) < CASCADE_MIN_GROUP:
+            return decodes, len(decodes), []
+        by_first_block: dict[int, list[ScheduledSequence]] = {}
+        for seq in decodes:
+            by_first_block.setdefault(seq.block_table[0], []).append(seq)
+        plain: list[ScheduledSequence] = []
+        grouped: list[tuple[list[ScheduledSequence], int]] = []
+        for members in by_first_block.values():
+            shared = 0
+            if len(members) >= CASCADE_MIN_GROUP:
+                shared = _num_shared_blocks([m.block_table for m in members],
+                                            [m.seq_len for m in members], self.block_size)
+            if shared >= CASCADE_MIN_PREFIX_BLOCKS:
+                grouped.append((members, shared))
+            else:
+                plain.extend(members)
+        ordered, groups = list(plain), []
+        for members, shared in grouped:
+            groups.append((len(ordered), len(ordered) + len(members), shared))
+            ordered.extend(members)
+        return ordered, len(plain), groups
 
     def warmup(self) -> float:
         """One small forward pass so the first request does not pay for lazy initialisation."""
@@ -159,6 +199,34 @@ def _block_table_tensor(seqs: list[ScheduledSequence]) -> torch.Tensor:
     for i, s in enumerate(seqs):
         table[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
     return table
+
+
+def _context_slots(table_row: torch.Tensor, start: int, end: int, block_size: int) -> torch.Tensor:
+    """Slots of positions [start, end) of one sequence: [end - start] int64."""
+    positions = torch.arange(start, end)
+    return table_row[positions // block_size] * block_size + positions % block_size
+
+
+def _padded_slots(tables: torch.Tensor, seq_lens: list[int], start: int, block_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots of positions [start, seq_len) per row, padded with slot 0: ([N, W], mask [N, 1, 1, W])."""
+    lens = torch.tensor(seq_lens) - start
+    width = int(lens.max())
+    offsets = torch.arange(width)
+    positions = start + offsets
+    mask = offsets[None, :] < lens[:, None]  # [N, W]
+    slots = tables[:, positions // block_size] * block_size + positions % block_size
+    return slots.masked_fill(~mask, 0), mask.view(len(seq_lens), 1, 1, width)
+
+
+def _num_shared_blocks(tables: list[list[int]], seq_lens: list[int], block_size: int) -> int:
+    """Leading block ids every table has in common, excluding each sequence's last (current) block."""
+    limit = min((n - 1) // block_size for n in seq_lens)
+    first = tables[0]
+    shared = 0
+    while shared < limit and all(t[shared] == first[shared] for t in tables):
+        shared += 1
+    return shared
 
 
 def _cumsum(values: list[int]) -> list[int]:

@@ -7,8 +7,8 @@ The runner builds one `AttentionMetadata` per step and enters `forward_context(m
 read it with `current_metadata()`. Nesting is rejected, so a stale context can never leak into a step.
 Token order inside a step: the D decode tokens first, then each prefill chunk's tokens.
 
-Backends (rule: swappable behind an ABC): `TorchPagedAttention` (CPU, and the reference) and, on CUDA,
-the Triton kernels of engine/kernels (selected by `engine.kernels.kernel_backend()`).
+Backends (swappable behind the ABC below): `TorchPagedAttention` (CPU; engine/layers/torch_attention.py)
+and, on CUDA, the Triton kernels of engine/kernels (engine/layers/triton_attention.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -27,16 +26,32 @@ class PrefillSegment:
     query_start: int  # rows [query_start, query_end) of the step's tokens
     query_end: int
     context_slots: torch.Tensor  # [C] int64 slots of the whole context (cached prefix + this chunk)
-    mask: torch.Tensor | None  # [q_len, C] bool (True = attend); None = plain causal (no prefix)
+    num_cached_tokens: int  # context before this chunk: causal, aligned to the lower right
+
+
+@dataclass(frozen=True)
+class CascadeGroup:
+    """Decode rows [row_start, row_end) whose sequences share their first blocks (one prompt prefix).
+
+    The shared prefix's K/V is read once for all of them; each suffix separately; the two partial
+    softmaxes are merged with their log-sum-exp (cascade attention).
+    """
+
+    row_start: int
+    row_end: int
+    prefix_slots: torch.Tensor  # [P] int64
+    suffix_slots: torch.Tensor  # [n, S] int64, padded with slot 0
+    suffix_mask: torch.Tensor  # [n, 1, 1, S] bool, False on padding
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V goes (block_id * block_size + offset)
-    num_decode_tokens: int
-    decode_slots: torch.Tensor | None  # [D, L] int64 context slots, padded with slot 0
-    decode_mask: torch.Tensor | None  # [D, 1, 1, L] bool, False on padding
+    num_decode_tokens: int  # every decode row: the plain ones, then the cascade groups' rows
+    decode_slots: torch.Tensor | None  # [D_plain, L] int64 context slots, padded with slot 0
+    decode_mask: torch.Tensor | None  # [D_plain, 1, 1, L] bool, False on padding
     prefills: tuple[PrefillSegment, ...]
+    cascade_groups: tuple[CascadeGroup, ...] = ()
     # Raw per-sequence tensors for kernel backends (Triton): decode seqs first, then prefill seqs.
     cu_query_lens: torch.Tensor | None = None  # [S+1] int32
     seq_lens: torch.Tensor | None = None  # [S] int32
@@ -72,41 +87,10 @@ class PagedAttentionBackend(abc.ABC):
         ([num_blocks, block_size, G, Dh]) at meta.slot_mapping first, then attends over each context."""
 
 
-class TorchPagedAttention(PagedAttentionBackend):
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, scale: float, meta: AttentionMetadata) -> torch.Tensor:
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, G, Dh]
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
-        num_decode = meta.num_decode_tokens
-        out = torch.empty_like(q) if meta.prefills else None
-        if num_decode:
-            assert meta.decode_slots is not None
-            qd = q[:num_decode].unsqueeze(2)  # [D, H, 1, Dh]
-            kd = k_flat[meta.decode_slots].transpose(1, 2)  # [D, L, G, Dh] -> [D, G, L, Dh]
-            vd = v_flat[meta.decode_slots].transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype),
-                                                attn_mask=meta.decode_mask, scale=scale,
-                                                enable_gqa=True)
-            if out is None:
-                return od.squeeze(2)  # [D, H, 1, Dh] -> [D, H, Dh]
-            out[:num_decode] = od.squeeze(2)
-        for seg in meta.prefills:
-            qs = q[seg.query_start:seg.query_end].transpose(0, 1)  # [q_len, H, Dh] -> [H, q_len, Dh]
-            ks = k_flat[seg.context_slots].transpose(0, 1).to(q.dtype)  # [C, G, Dh] -> [G, C, Dh]
-            vs = v_flat[seg.context_slots].transpose(0, 1).to(q.dtype)
-            os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.mask,
-                                                 is_causal=seg.mask is None, scale=scale,
-                                                 enable_gqa=True)
-            out[seg.query_start:seg.query_end] = os_.transpose(0, 1)  # [H, q_len, Dh] -> [q_len, H, Dh]
-        assert out is not None
-        return out
-
-
 def build_attention_backend(name: str) -> PagedAttentionBackend:
     if name == "torch":
+        from engine.layers.torch_attention import TorchPagedAttention
+
         return TorchPagedAttention()
     if name == "triton":
         from engine.layers.triton_attention import TritonPagedAttention
