@@ -112,7 +112,9 @@ def test_greedy_tokens_match_transformers(name: str, ours: dict[str, Any],
     assert ours[name].token_ids == expected
 
 
-@pytest.mark.parametrize("name", list(CHATS))
+# The long prompt's logits are compared through the engine's own chunked path below (a one-shot 1,100-token
+# probe costs ~25 s on one thread, in the CPU attention's math fallback).
+@pytest.mark.parametrize("name", [name for name in CHATS if name != "long_document"])
 def test_last_position_logits_match_transformers(name: str, engine: LLMEngine, prompts: dict[str, list[int]],
                                                  hf_greedy: dict[str, tuple[list[int], torch.Tensor]]) -> None:
     _, expected = hf_greedy[name]
@@ -122,8 +124,8 @@ def test_last_position_logits_match_transformers(name: str, engine: LLMEngine, p
     assert torch.allclose(logits, expected, rtol=0, atol=1e-3 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("name", ["long_document", "tools"])
-def test_chunked_prefill_logprobs_match_transformers(name: str, ours: dict[str, Any],
+@pytest.mark.parametrize("name", list(CHATS))
+def test_engine_logprobs_match_transformers_log_softmax(name: str, ours: dict[str, Any],
                                                      hf_greedy: dict[str, tuple[list[int], torch.Tensor]]) -> None:
     """The engine path itself (chunked prefill, mixed batches) reports transformers' log-probabilities."""
     _, logits = hf_greedy[name]

@@ -102,40 +102,49 @@ def test_different_salts_never_share(make_engine: EngineFactory, tokenizer: Any)
     assert tenant_a.token_ids == tenant_b.token_ids == unsalted.token_ids == tenant_a_again.token_ids
 
 
-def _workload_prompts(tokenizer: Any) -> dict[str, list[int]]:
+def _workload_prompts(tokenizer: Any, num_questions: int = len(QUESTIONS)) -> dict[str, list[int]]:
     other_system = "You are a chef. Suggest one recipe and nothing else. " * 4
     prompts = {}
-    for i, question in enumerate(QUESTIONS):
+    for i, question in enumerate(QUESTIONS[:num_questions]):
         prompts[f"shop{i}"] = conversation(tokenizer, question)
         prompts[f"chef{i}"] = conversation(tokenizer, question, system=other_system)
     return prompts
 
 
-def test_greedy_outputs_are_identical_with_the_cache_on_and_off(make_engine: EngineFactory,
-                                                                tokenizer: Any) -> None:
-    prompts = _workload_prompts(tokenizer)
-    off = generate(make_engine(enable_prefix_caching=False), prompts, GREEDY)
+@pytest.fixture(scope="module")
+def workload(tokenizer: Any) -> dict[str, list[int]]:
+    return _workload_prompts(tokenizer, num_questions=3)
+
+
+@pytest.fixture(scope="module")
+def outputs_without_cache(make_engine: EngineFactory, workload: dict[str, list[int]]) -> dict[str, list[int]]:
+    results = generate(make_engine(enable_prefix_caching=False), workload, GREEDY)
+    return {name: r.token_ids for name, r in results.items()}
+
+
+def test_greedy_outputs_are_identical_with_the_cache_on_and_off(
+        make_engine: EngineFactory, workload: dict[str, list[int]],
+        outputs_without_cache: dict[str, list[int]]) -> None:
     engine = make_engine(fresh=True)
-    generate(engine, {"seed": prompts["shop0"]}, GREEDY)
-    on = generate(engine, prompts, GREEDY)
-    assert sum(r.num_cached_tokens for r in on.values()) > 500
-    assert {k: v.token_ids for k, v in on.items()} == {k: v.token_ids for k, v in off.items()}
+    generate(engine, {"seed": workload["shop0"]}, GREEDY)
+    on = generate(engine, workload, GREEDY)
+    assert sum(r.num_cached_tokens for r in on.values()) > 300
+    assert {k: v.token_ids for k, v in on.items()} == outputs_without_cache
 
 
-def test_greedy_outputs_are_identical_under_eviction_pressure(make_engine: EngineFactory, engine: LLMEngine,
-                                                              tokenizer: Any) -> None:
-    prompts = _workload_prompts(tokenizer)
-    off = generate(make_engine(enable_prefix_caching=False), prompts, GREEDY)
-    tiny = make_engine(kv_cache_memory_bytes=24 * engine.runner.bytes_per_block, max_num_batched_tokens=128,
+def test_greedy_outputs_are_identical_under_eviction_pressure(
+        make_engine: EngineFactory, engine: LLMEngine, workload: dict[str, list[int]],
+        outputs_without_cache: dict[str, list[int]]) -> None:
+    tiny = make_engine(kv_cache_memory_bytes=16 * engine.runner.bytes_per_block, max_num_batched_tokens=128,
                        fresh=True)
     results: dict[str, Completion] = {}
-    for name, prompt in prompts.items():  # one after another: each evicts what the previous cached
-        results.update(generate(tiny, {name: prompt}, GREEDY))
+    for name in ("shop0", "shop1", "chef0", "shop2", "chef1", "chef2"):  # each evicts some of the last
+        results.update(generate(tiny, {name: workload[name]}, GREEDY))
     page = tiny.kv_events.since(0)
     assert page is not None
     assert any(isinstance(e, BlockRemoved) for b in page.batches for e in b.events)  # evictions happened
     assert sum(r.num_cached_tokens for r in results.values()) > 0  # and hits still happened
-    assert {k: v.token_ids for k, v in results.items()} == {k: v.token_ids for k, v in off.items()}
+    assert {k: v.token_ids for k, v in results.items()} == outputs_without_cache
     assert_idle_and_clean(tiny)
 
 
@@ -149,16 +158,16 @@ def random_workload(make_engine: EngineFactory, tokenizer: Any) -> LLMEngine:
     results: dict[str, Completion] = {}
     live: list[str] = []
     for step in range(400):
-        if step < 150 and rng.random() < 0.3:
+        if step < 80 and rng.random() < 0.3:
             request_id = f"w{step}"
             engine.add_request(request_id, rng.choice(prompts), SamplingParams(temperature=0.0, max_tokens=12),
                                cache_salt=rng.choice([None, None, "tenant"]))
             live.append(request_id)
         if live and rng.random() < 0.08:
             engine.abort_request(live.pop(rng.randrange(len(live))))
-        if step == 80:
+        if step == 40:
             engine.reset_prefix_cache()
-        if not engine.has_unfinished_requests and step >= 150:
+        if not engine.has_unfinished_requests and step >= 80:
             break
         for output in engine.step():
             collect(results, output)
