@@ -22,6 +22,7 @@ run: setup
 
 test: setup
 	bash scripts/ensure-redis.sh
+	bash scripts/ensure-chromium.sh
 	$(BIN)/python -m pytest -q
 
 lint: setup

@@ -193,7 +193,8 @@ class LLMEngine:
             num_output_tokens=request.num_output_tokens,
             timings={"queue_s": max(scheduled - request.arrival_time, 0.0),
                      "prefill_s": max(first_token - scheduled, 0.0),
-                     "decode_s": max(now - first_token, 0.0)},
+                     "decode_s": max(now - first_token, 0.0),
+                     "num_prefill_chunks": float(request.num_prefill_chunks)},
         )
 
     # ---- cache and introspection ---------------------------------------------------------------------

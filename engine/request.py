@@ -42,6 +42,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first admission: what usage reports
     num_preemptions: int = 0
+    num_prefill_chunks: int = 0  # steps that computed part of the prompt (recomputes included)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

@@ -103,6 +103,8 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int, block_table: list[int]) -> ScheduledSequence:
         start = request.num_computed_tokens
+        if start < request.num_prompt_tokens:
+            request.num_prefill_chunks += 1
         request.num_computed_tokens += num_new
         return ScheduledSequence(
             request_id=request.request_id,
