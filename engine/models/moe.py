@@ -1,0 +1,151 @@
+"""Mixture-of-experts MLPs: Mixtral, Qwen2-MoE and OLMoE, plugged into LlamaModel as its `mlp_factory`.
+
+Dimension legend:
+    T  tokens     H  hidden     E  experts     K  experts per token (top-k)
+    I  expert intermediate size     S  shared-expert intermediate size (Qwen2-MoE)
+
+    router        [E, H]        logits = x @ router^T, softmax over E, top-K (renormalised when
+                                `norm_topk_prob`: always for Mixtral, per config for Qwen2-MoE / OLMoE)
+    w13           [E, 2I, H]    gate rows 0..I-1, then up rows I..2I-1 (one grouped GEMM)
+    w2            [E, H, I]
+    out [T, H]  = sum_k topk_weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x) * (w13[e, I:] @ x)), e = topk_ids[t, k]
+                  (+ sigmoid(shared_gate @ x) * shared_mlp(x) for Qwen2-MoE)
+
+The experts run through `engine.kernels.fused_moe` (the Triton grouped GEMMs on CUDA, the torch reference
+on the CPU, which loops only over the experts that received tokens).
+
+Checkpoint layouts read (HF names, `p` = "model.layers.{i}."):
+    per expert (Hub files; what transformers 5 `save_pretrained` still writes):
+        mixtral          p.block_sparse_moe.gate.weight, p.block_sparse_moe.experts.{e}.w1/w3/w2.weight
+        qwen2_moe, olmoe p.mlp.gate.weight, p.mlp.experts.{e}.gate_proj/up_proj/down_proj.weight
+    fused (transformers 5 in-memory modules, any family):
+        p.mlp.gate.weight, p.mlp.experts.gate_up_proj [E, 2I, H], p.mlp.experts.down_proj [E, H, I]
+    qwen2_moe shared expert: p.mlp.shared_expert.gate_proj/up_proj/down_proj.weight, p.mlp.shared_expert_gate.weight
+
+Routers and the shared-expert gate stay dense in the engine dtype (also under FP8: top-k is sensitive to
+small logit errors). Under `--quantization fp8` the experts are kept in FP8 with per-row scales and
+dequantized per layer call (memory, not speed: there is no FP8 grouped-GEMM kernel yet).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine import kernels
+from engine.config import ModelConfig
+from engine.kernels.fp8 import quantize_weight_per_channel
+from engine.layers.linear import DenseLinear, LinearWeight, fuse_rows
+from engine.models.llama import DenseMLP, LinearFactory, Weights
+
+_EXPERT_NAMES = {  # family -> (module prefix, gate, up, down) of the per-expert layout
+    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+class ExpertWeights:
+    """The stacked experts of one layer, dense or FP8 (per output row scales)."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype, fp8: bool) -> None:
+        self.dtype = dtype
+        self.fp8 = fp8
+        if fp8:
+            num_experts = w13.shape[0]
+            w13_q, w13_scale = quantize_weight_per_channel(w13.flatten(0, 1))  # [E*2I, H], [E*2I]
+            w2_q, w2_scale = quantize_weight_per_channel(w2.flatten(0, 1))  # [E*H, I], [E*H]
+            self.w13 = w13_q.view(w13.shape)  # [E, 2I, H] fp8
+            self.w2 = w2_q.view(w2.shape)  # [E, H, I] fp8
+            self.w13_scale = w13_scale.view(num_experts, -1, 1)  # [E, 2I, 1]
+            self.w2_scale = w2_scale.view(num_experts, -1, 1)  # [E, H, 1]
+        else:
+            self.w13 = w13.to(dtype).contiguous()
+            self.w2 = w2.to(dtype).contiguous()
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E, 2I, H], w2 [E, H, I]) in the engine dtype."""
+        if not self.fp8:
+            return self.w13, self.w2
+        return ((self.w13.float() * self.w13_scale).to(self.dtype),
+                (self.w2.float() * self.w2_scale).to(self.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.w13, self.w2] + ([self.w13_scale, self.w2_scale] if self.fp8 else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class MoEMLP:
+    """x [T, H] -> [T, H]: routed SwiGLU experts (+ an optional gated shared expert)."""
+
+    def __init__(self, router: DenseLinear, experts: ExpertWeights, top_k: int, renormalize: bool,
+                 shared: DenseMLP | None = None, shared_gate: DenseLinear | None = None) -> None:
+        self.router = router  # [E, H]
+        self.experts = experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.shared = shared
+        self.shared_gate = shared_gate  # [1, H]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        router_logits = self.router(x)  # [T, E]
+        topk_weights, topk_ids = kernels.select_experts(router_logits, self.top_k, self.renormalize)
+        w13, w2 = self.experts.dense()
+        out = kernels.fused_moe(x, w13, w2, topk_weights, topk_ids)  # [T, H]
+        if self.shared is not None:
+            gate = self.shared_gate(x) if self.shared_gate is not None else None  # [T, 1]
+            shared = self.shared(x)  # [T, H]
+            out = out + (torch.sigmoid(gate) * shared if gate is not None else shared)
+        return out
+
+
+def moe_mlp_factory(config: ModelConfig, weights: Weights, layer: int,
+                    make_linear: LinearFactory) -> MoEMLP:
+    """Pop layer `layer`'s MoE weights out of `weights` (HF names) and build its MLP."""
+    p = f"model.layers.{layer}."
+    module, gate_name, up_name, down_name = _EXPERT_NAMES[config.architecture]
+    if p + "mlp.experts.gate_up_proj" in weights:  # transformers 5 fused experts
+        router_weight = weights.pop(p + "mlp.gate.weight")
+        w13 = weights.pop(p + "mlp.experts.gate_up_proj")  # [E, 2I, H]
+        w2 = weights.pop(p + "mlp.experts.down_proj")  # [E, H, I]
+    else:
+        m = f"{p}{module}."
+        router_weight = weights.pop(m + "gate.weight")
+        e = range(config.num_experts)
+        gates = [weights.pop(f"{m}experts.{i}.{gate_name}.weight") for i in e]  # E x [I, H]
+        ups = [weights.pop(f"{m}experts.{i}.{up_name}.weight") for i in e]
+        downs = [weights.pop(f"{m}experts.{i}.{down_name}.weight") for i in e]  # E x [H, I]
+        w13 = torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)  # [E, I, H] x 2 -> [E, 2I, H]
+        w2 = torch.stack(downs)  # [E, H, I]
+    expected = (config.num_experts, 2 * config.moe_intermediate_size, config.hidden_size)
+    if tuple(w13.shape) != expected:
+        raise ValueError(f"layer {layer}: experts gate/up {tuple(w13.shape)}, expected {expected}")
+
+    # The router goes through make_linear only to learn the engine's device and dtype.
+    probe = make_linear(p + "mlp.gate.weight", router_weight)
+    device, dtype = _placement(probe)
+    router = probe if isinstance(probe, DenseLinear) else DenseLinear(router_weight.to(device, dtype))
+    experts = ExpertWeights(w13.to(device), w2.to(device), dtype, fp8=not isinstance(probe, DenseLinear))
+
+    shared = shared_gate = None
+    s = p + "mlp.shared_expert."
+    if config.shared_expert_intermediate_size and s + "gate_proj.weight" in weights:
+        gate_up = fuse_rows([weights.pop(s + "gate_proj.weight"), weights.pop(s + "up_proj.weight")])
+        shared = DenseMLP(make_linear(s + "gate_up_proj.weight", gate_up),
+                          make_linear(s + "down_proj.weight", weights.pop(s + "down_proj.weight")))
+        gate_weight = weights.pop(p + "mlp.shared_expert_gate.weight", None)  # [1, H]
+        shared_gate = DenseLinear(gate_weight.to(device, dtype)) if gate_weight is not None else None
+    for leftover in [k for k in weights if k.startswith(p + "mlp.shared_expert")]:
+        weights.pop(leftover)  # zero-size shared expert (shared_expert_intermediate_size == 0)
+    return MoEMLP(router, experts, config.num_experts_per_tok, config.norm_topk_prob, shared, shared_gate)
+
+
+def _placement(linear: LinearWeight) -> tuple[torch.device, torch.dtype]:
+    """Device and compute dtype of a linear the engine's factory built."""
+    if isinstance(linear, DenseLinear):
+        return linear.weight.device, linear.weight.dtype
+    device, dtype = getattr(linear, "device", None), getattr(linear, "dtype", None)
+    if device is None or dtype is None:
+        raise TypeError(f"{type(linear).__name__} does not state its device and dtype")
+    return device, dtype

@@ -1,0 +1,44 @@
+"""Drive a ModelRunner directly (no scheduler, no tokenizer): greedy decoding with every step's logits."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.batch import ScheduledBatch, ScheduledSequence
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.model_runner import ModelRunner
+
+BLOCK_SIZE = 16
+
+
+def make_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor],
+                quantization: str | None = None) -> ModelRunner:
+    config = EngineConfig(model_path="<test>", num_threads=1, dtype="float32", quantization=quantization,
+                          cache=CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory_bytes=16 << 20,
+                                            enable_prefix_caching=False))
+    return ModelRunner(config, model_config, dict(weights))
+
+
+def greedy(runner: ModelRunner, prompts: list[list[int]], num_new_tokens: int,
+           forced: list[list[int]] | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Prefill every prompt in one step, then decode them together.
+
+    Returns (new tokens per prompt, logits [num_new_tokens, vocab] per prompt: the distribution each
+    new token was drawn from). With `forced`, those tokens are fed instead of the argmax (teacher forcing).
+    """
+    tokens = [list(p) for p in prompts]
+    new: list[list[int]] = [[] for _ in prompts]
+    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    num_blocks = (max(map(len, prompts)) + num_new_tokens) // BLOCK_SIZE + 1
+    tables = [list(range(i * num_blocks, (i + 1) * num_blocks)) for i in range(len(prompts))]
+    for step in range(num_new_tokens):
+        seqs = [ScheduledSequence(str(i), t if step == 0 else t[-1:], 0 if step == 0 else len(t) - 1,
+                                  tables[i], True) for i, t in enumerate(tokens)]
+        out = runner.execute(ScheduledBatch(seqs))
+        for request_id, row in zip(out.request_ids, out.logits, strict=True):
+            i = int(request_id)
+            token = forced[i][step] if forced is not None else int(row.argmax())
+            logits[i].append(row)
+            new[i].append(token)
+            tokens[i].append(token)
+    return new, [torch.stack(rows) for rows in logits]
