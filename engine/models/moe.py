@@ -30,7 +30,6 @@ dequantized per layer call (memory, not speed: there is no FP8 grouped-GEMM kern
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine import kernels
 from engine.config import ModelConfig
@@ -59,9 +58,11 @@ class ExpertWeights:
             self.w2 = w2_q.view(w2.shape)  # [E, H, I] fp8
             self.w13_scale = w13_scale.view(num_experts, -1, 1)  # [E, 2I, 1]
             self.w2_scale = w2_scale.view(num_experts, -1, 1)  # [E, H, 1]
-        else:
+        elif kernels.kernel_backend(w13.device) == "triton":
             self.w13 = w13.to(dtype).contiguous()
             self.w2 = w2.to(dtype).contiguous()
+        else:  # the torch reference takes any strides (expert copies made with expand cost nothing)
+            self.w13, self.w2 = w13.to(dtype), w2.to(dtype)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2I, H], w2 [E, H, I]) in the engine dtype."""
@@ -92,7 +93,7 @@ class MoEMLP:
         router_logits = self.router(x)  # [T, E]
         topk_weights, topk_ids = kernels.select_experts(router_logits, self.top_k, self.renormalize)
         w13, w2 = self.experts.dense()
-        out = kernels.fused_moe(x, w13, w2, topk_weights, topk_ids)  # [T, H]
+        out = kernels.fused_moe(x.contiguous(), w13, w2, topk_weights, topk_ids)  # [T, H]
         if self.shared is not None:
             gate = self.shared_gate(x) if self.shared_gate is not None else None  # [T, 1]
             shared = self.shared(x)  # [T, H]

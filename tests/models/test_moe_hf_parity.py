@@ -7,37 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 from engine.loader import load_checkpoint
+from tests.models._checkpoints import FAMILIES, write_checkpoint
 from tests.models._greedy import greedy, make_runner
 
 NUM_NEW_TOKENS = 16
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 200], [1, 2, 3]]
-COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-              tie_word_embeddings=False)
-
-FAMILIES = {
-    "mixtral": lambda: transformers.MixtralConfig(num_local_experts=8, num_experts_per_tok=2, **COMMON),
-    "qwen2_moe-shared": lambda: transformers.Qwen2MoeConfig(
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-        norm_topk_prob=False, **COMMON),
-    "qwen2_moe-normalized-no-shared": lambda: transformers.Qwen2MoeConfig(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=0,
-        norm_topk_prob=True, **COMMON),
-    "olmoe": lambda: transformers.OlmoeConfig(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
-                                              **COMMON),
-}
-
-
-def write_checkpoint(family: str, directory: Path) -> torch.nn.Module:
-    config = FAMILIES[family]()
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    model.save_pretrained(directory)
-    return model
 
 
 @torch.inference_mode()

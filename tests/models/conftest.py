@@ -1,0 +1,21 @@
+"""Fixtures for model tests: the default model's checkpoint (SmolLM2-135M GGUF), read once per session."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint() -> Any:
+    from engine.loader import default_model_path, load_checkpoint
+
+    torch.set_num_threads(1)
+    return load_checkpoint(str(default_model_path()), dtype=torch.float32, progress=False)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
