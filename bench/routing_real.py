@@ -90,11 +90,12 @@ def calibrate(args: argparse.Namespace) -> tuple[float, float]:
     replicas = _start(args, 1)
     source = _texts(args.seed + 1)
     try:
+        model = embedded.model_settings_for(replicas).name
         with httpx.Client(base_url=replicas[0].url, timeout=120) as client:
             prefill = []
             for _ in range(3):
                 started = time.perf_counter()
-                body = client.post("/v1/completions", json={"model": "m", "prompt": source.text(600),
+                body = client.post("/v1/completions", json={"model": model, "prompt": source.text(600),
                                                              "max_tokens": 1}).json()
                 prefill.append((time.perf_counter() - started) / body["usage"]["prompt_tokens"])
 
@@ -102,7 +103,7 @@ def calibrate(args: argparse.Namespace) -> tuple[float, float]:
                 async with httpx.AsyncClient(base_url=replicas[0].url, timeout=120) as aclient:
                     started = time.perf_counter()
                     bodies = await asyncio.gather(*(aclient.post("/v1/completions", json={
-                        "model": "m", "prompt": f"Count to {i}:", "max_tokens": 48,
+                        "model": model, "prompt": f"Count to {i}:", "max_tokens": 48,
                         "ignore_eos": True}) for i in range(8)))
                     num_tokens = sum(b.json()["usage"]["completion_tokens"] for b in bodies)
                     return (time.perf_counter() - started) / max(1, num_tokens)
