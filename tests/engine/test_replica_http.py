@@ -190,7 +190,7 @@ def test_client_disconnect_mid_stream_frees_its_blocks(replica_url: str, model: 
 
 def test_prompt_over_the_context_window_is_a_400_context_length_exceeded(client: openai.OpenAI,
                                                                          model: str) -> None:
-    too_long = [504] * (KV_CACHE_BYTES // 737280 * BLOCK_SIZE + 10)
+    too_long = [504] * 9000  # over both the model's 8,192-token window and the KV bound
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=model, prompt=too_long, max_tokens=4)
     assert info.value.status_code == 400

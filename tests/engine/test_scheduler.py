@@ -172,3 +172,16 @@ def test_prefix_aware_admission_never_passes_over_the_head_more_than_the_window(
                 scheduler.finish(request, FinishReason.ABORT)
         scheduler.kv_cache.check_integrity()
     assert admitted == ["warm-0", "warm-1", "warm-2", "cold"]
+
+
+def test_prefix_cache_statistics_count_each_admitted_request_once() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=512, max_num_seqs=1)
+    shared = tokens(48, start=7000)
+    requests = [make_request(shared + [i], max_tokens=3) for i in range(4)]
+    for request in requests:
+        scheduler.add_request(request)
+    run_to_completion(scheduler)  # one at a time (max_num_seqs=1): the others wait, looked up each step
+    manager = scheduler.kv_cache
+    assert [r.num_cached_tokens for r in requests] == [0, 48, 48, 48]
+    assert manager.num_hit_tokens == sum(r.num_cached_tokens for r in requests)
+    assert manager.num_queried_tokens == sum(r.num_prompt_tokens for r in requests)
