@@ -68,6 +68,7 @@ class ReplicaEventConsumer:
         self._stream_pos = "0-0"
         self._epoch: str | None = None
         self._num_failures = 0
+        self._holds_entries = False  # entries of this replica may be in the index (since a snapshot)
 
     async def run(self) -> None:
         while True:
@@ -107,11 +108,12 @@ class ReplicaEventConsumer:
             await self.drop(f"{self._num_failures} failed polls")
 
     async def drop(self, reason: str) -> None:
-        if self.replica_id is not None and (self.is_synced or self._num_failures > 0):
-            if self.is_synced:
-                log.warning("dropping %s (%s) from the prefix index: %s", self.replica_id,
-                            self.endpoint.url, reason)
+        """Forget the replica's entries (once per loss of sync) and re-sync when it is back."""
+        if self.replica_id is not None and self._holds_entries:
+            log.warning("dropping %s (%s) from the prefix index: %s", self.replica_id,
+                        self.endpoint.url, reason)
             await self.index.drop_replica(self.replica_id)
+            self._holds_entries = False
         self.is_synced = False
 
     async def _get(self, path: str) -> Any:
@@ -130,6 +132,7 @@ class ReplicaEventConsumer:
         snapshot = KVSnapshot(str(data["replica_id"]), int(data["seq"]), int(data["block_size"]),
                               tuple(int(h) for h in data["block_hashes"]))
         await self.index.load_snapshot(snapshot)
+        self._holds_entries = True
         self.replica_id, self.block_size = snapshot.replica_id, snapshot.block_size
         # the stream is read again from its start: entries up to the snapshot's seq are STALE;
         # the publisher empties the stream when its replica starts, so all are of this process

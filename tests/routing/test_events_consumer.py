@@ -161,3 +161,15 @@ def test_two_consumers_sharing_an_index_apply_each_batch_once(rig: Rig, index: I
     index.run(other.step())
     assert other.num_resyncs == 1 and rig.consumer.num_resyncs == 1
     assert rig.held(1) == 0 and rig.held(2) == 1
+
+
+def test_a_replica_that_dies_while_resyncing_is_still_dropped(rig: Rig) -> None:
+    rig.replica.store(1)
+    rig.step()
+    for h in range(10, 16):  # the consumer falls behind: it must re-sync...
+        rig.replica.store(h)
+    rig.step()
+    assert not rig.consumer.is_synced
+    rig.replica.failing = True  # ...but the replica is gone before it can
+    rig.step(2)
+    assert rig.held(1) == 0
