@@ -35,6 +35,7 @@ class Endpoint:
         self.breaker = breaker
         self.name = url.split("://", 1)[-1]  # host:port, what x-aigw-replica shows
         self.is_healthy = True  # optimistic until the first active check says otherwise
+        self.num_failed_checks = 0  # consecutive failed active checks
         self.num_outstanding = 0
         self.load: EndpointLoad | None = None
         self.context_length: int | None = model.context_length
