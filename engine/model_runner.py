@@ -115,36 +115,39 @@ class ModelRunner:
                                             torch.tensor([s.num_scheduled_tokens for s in seqs]))
         slot_mapping = tables[seq_index, positions // bs] * bs + positions % bs  # [T]
 
-        decode_slots = decode_mask = None
+        to = self.device
+        decode_blocks = decode_mask = None
+        decode_len = 0
         if num_plain:
-            decode_slots, decode_mask = _padded_slots(tables[:num_plain],
-                                                      [s.seq_len for s in decodes[:num_plain]], 0, bs)
+            decode_blocks, decode_len, decode_mask = _padded_blocks(
+                tables[:num_plain], [s.seq_len for s in decodes[:num_plain]], 0, bs, to)
         cascade_groups = []
         for start, end, num_prefix_blocks in groups:
-            prefix_len = num_prefix_blocks * bs
-            suffix_slots, suffix_mask = _padded_slots(tables[start:end],
-                                                      [s.seq_len for s in decodes[start:end]], prefix_len, bs)
-            prefix_slots = _context_slots(tables[start], 0, prefix_len, bs)
-            cascade_groups.append(CascadeGroup(start, end, prefix_slots.to(self.device),
-                                               suffix_slots.to(self.device), suffix_mask.to(self.device)))
+            suffix_blocks, suffix_len, suffix_mask = _padded_blocks(
+                tables[start:end], [s.seq_len for s in decodes[start:end]], num_prefix_blocks, bs, to)
+            cascade_groups.append(CascadeGroup(start, end, tables[start, :num_prefix_blocks].to(to),
+                                               suffix_blocks, suffix_len, suffix_mask))
 
         segments = []
         query_start = len(decodes)
         for i, seq in enumerate(prefills):
-            context_slots = _context_slots(tables[len(decodes) + i], 0, seq.seq_len, bs)  # [C]
+            num_blocks = -(-seq.seq_len // bs)
             query_end = query_start + seq.num_scheduled_tokens
-            segments.append(PrefillSegment(query_start, query_end, context_slots.to(self.device),
+            segments.append(PrefillSegment(query_start, query_end,
+                                           tables[len(decodes) + i, :num_blocks].to(to), seq.seq_len,
                                            seq.start_position))
             query_start = query_end
 
-        to = self.device
         metadata = AttentionMetadata(
             slot_mapping=slot_mapping.to(to),
             num_decode_tokens=len(decodes),
-            decode_slots=decode_slots.to(to) if decode_slots is not None else None,
-            decode_mask=decode_mask.to(to) if decode_mask is not None else None,
+            decode_blocks=decode_blocks,
+            decode_len=decode_len,
+            decode_mask=decode_mask,
             prefills=tuple(segments),
             cascade_groups=tuple(cascade_groups),
+            max_query_len=max(s.num_scheduled_tokens for s in seqs),
+            max_seq_len=max(s.seq_len for s in seqs),
             cu_query_lens=torch.tensor([0] + _cumsum([s.num_scheduled_tokens for s in seqs]),
                                        dtype=torch.int32, device=to),
             seq_lens=torch.tensor([s.seq_len for s in seqs], dtype=torch.int32, device=to),
@@ -201,22 +204,22 @@ def _block_table_tensor(seqs: list[ScheduledSequence]) -> torch.Tensor:
     return table
 
 
-def _context_slots(table_row: torch.Tensor, start: int, end: int, block_size: int) -> torch.Tensor:
-    """Slots of positions [start, end) of one sequence: [end - start] int64."""
-    positions = torch.arange(start, end)
-    return table_row[positions // block_size] * block_size + positions % block_size
-
-
-def _padded_slots(tables: torch.Tensor, seq_lens: list[int], start: int, block_size: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots of positions [start, seq_len) per row, padded with slot 0: ([N, W], mask [N, 1, 1, W])."""
-    lens = torch.tensor(seq_lens) - start
-    width = int(lens.max())
-    offsets = torch.arange(width)
-    positions = start + offsets
-    mask = offsets[None, :] < lens[:, None]  # [N, W]
-    slots = tables[:, positions // block_size] * block_size + positions % block_size
-    return slots.masked_fill(~mask, 0), mask.view(len(seq_lens), 1, 1, width)
+def _padded_blocks(tables: torch.Tensor, seq_lens: list[int], first_block: int, block_size: int,
+                   device: torch.device) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """Blocks [first_block, last) of each row, padded with block 0, and the additive mask that hides
+    positions past each row's length: ([N, W] int64, positions to use, [N, 1, 1, that] or None)."""
+    lens = [n - first_block * block_size for n in seq_lens]  # positions per row after the first block
+    width = -(-max(lens) // block_size)
+    blocks = tables[:, first_block:first_block + width]
+    if blocks.shape[1] < width:  # rows are padded to the widest table; widen with block 0 if needed
+        blocks = torch.nn.functional.pad(blocks, (0, width - blocks.shape[1]))
+    num_positions = max(lens)
+    if all(n == num_positions for n in lens):
+        return blocks.to(device), num_positions, None
+    valid = torch.arange(num_positions)[None, :] < torch.tensor(lens)[:, None]  # [N, L]
+    mask = torch.zeros(len(lens), 1, 1, num_positions).masked_fill_(~valid.view(len(lens), 1, 1, -1),
+                                                                   float("-inf"))
+    return blocks.to(device), num_positions, mask.to(device)
 
 
 def _num_shared_blocks(tables: list[list[int]], seq_lens: list[int], block_size: int) -> int:

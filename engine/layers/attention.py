@@ -25,7 +25,8 @@ import torch
 class PrefillSegment:
     query_start: int  # rows [query_start, query_end) of the step's tokens
     query_end: int
-    context_slots: torch.Tensor  # [C] int64 slots of the whole context (cached prefix + this chunk)
+    context_blocks: torch.Tensor  # [ceil(C / block_size)] int64 blocks of the whole context
+    context_len: int  # C: cached prefix + this chunk
     num_cached_tokens: int  # context before this chunk: causal, aligned to the lower right
 
 
@@ -39,19 +40,23 @@ class CascadeGroup:
 
     row_start: int
     row_end: int
-    prefix_slots: torch.Tensor  # [P] int64
-    suffix_slots: torch.Tensor  # [n, S] int64, padded with slot 0
-    suffix_mask: torch.Tensor  # [n, 1, 1, S] bool, False on padding
+    prefix_blocks: torch.Tensor  # [P / block_size] int64 (the prefix is whole blocks)
+    suffix_blocks: torch.Tensor  # [n, W] int64, padded with block 0
+    suffix_len: int  # S: positions of the gathered suffix to use
+    suffix_mask: torch.Tensor | None  # [n, 1, 1, S] additive (0 / -inf); None when nothing is padded
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V goes (block_id * block_size + offset)
     num_decode_tokens: int  # every decode row: the plain ones, then the cascade groups' rows
-    decode_slots: torch.Tensor | None  # [D_plain, L] int64 context slots, padded with slot 0
-    decode_mask: torch.Tensor | None  # [D_plain, 1, 1, L] bool, False on padding
+    decode_blocks: torch.Tensor | None  # [D_plain, W] int64 context blocks, padded with block 0
+    decode_len: int  # L: positions of the gathered context to use
+    decode_mask: torch.Tensor | None  # [D_plain, 1, 1, L] additive (0 / -inf); None when nothing is padded
     prefills: tuple[PrefillSegment, ...]
     cascade_groups: tuple[CascadeGroup, ...] = ()
+    max_query_len: int = 0  # host-side maxima, so kernel launchers need no device sync
+    max_seq_len: int = 0
     # Raw per-sequence tensors for kernel backends (Triton): decode seqs first, then prefill seqs.
     cu_query_lens: torch.Tensor | None = None  # [S+1] int32
     seq_lens: torch.Tensor | None = None  # [S] int32

@@ -22,24 +22,22 @@ class TorchPagedAttention(PagedAttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, scale: float, meta: AttentionMetadata) -> torch.Tensor:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, G, Dh]
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_flat.dtype))
-        num_plain = meta.decode_slots.shape[0] if meta.decode_slots is not None else 0
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        num_plain = meta.decode_blocks.shape[0] if meta.decode_blocks is not None else 0
         if num_plain and num_plain == q.shape[0]:
-            return _plain_decode(q, k_flat, v_flat, meta, scale)  # the common decode-only step
+            return _plain_decode(q, k_cache, v_cache, meta, scale)  # the common decode-only step
         out = torch.empty_like(q)
         if num_plain:
-            out[:num_plain] = _plain_decode(q[:num_plain], k_flat, v_flat, meta, scale)
+            out[:num_plain] = _plain_decode(q[:num_plain], k_cache, v_cache, meta, scale)
         for group in meta.cascade_groups:
             rows = slice(group.row_start, group.row_end)
-            out[rows] = _cascade_decode(q[rows], k_flat, v_flat, group, scale)
+            out[rows] = _cascade_decode(q[rows], k_cache, v_cache, group, scale)
         for seg in meta.prefills:
             qs = q[seg.query_start:seg.query_end].transpose(0, 1)  # [q_len, H, Dh] -> [H, q_len, Dh]
-            ks = k_flat[seg.context_slots].transpose(0, 1).to(q.dtype)  # [C, G, Dh] -> [G, C, Dh]
-            vs = v_flat[seg.context_slots].transpose(0, 1).to(q.dtype)
-            q_len, context_len = qs.shape[1], ks.shape[1]
+            ks = _gather(k_cache, seg.context_blocks, seg.context_len).transpose(0, 1).to(q.dtype)  # [G, C, Dh]
+            vs = _gather(v_cache, seg.context_blocks, seg.context_len).transpose(0, 1).to(q.dtype)
+            q_len, context_len = qs.shape[1], seg.context_len
             mask = causal_lower_right(q_len, context_len) if seg.num_cached_tokens else None
             os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
                                                  scale=scale, enable_gqa=True)
@@ -47,33 +45,45 @@ class TorchPagedAttention(PagedAttentionBackend):
         return out
 
 
-def _plain_decode(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_positions: int) -> torch.Tensor:
+    """Whole blocks of the cache -> their first `num_positions` positions.
+
+    cache [num_blocks, bs, G, Dh], blocks [..., W] -> [..., num_positions, G, Dh]. Copying whole blocks
+    (contiguous runs of bs * G * Dh values) is much cheaper than gathering slot by slot.
+    """
+    gathered = cache[blocks]  # [..., W, bs, G, Dh]
+    flat = gathered.flatten(-4, -3)  # [..., W * bs, G, Dh]
+    return flat[..., :num_positions, :, :]
+
+
+def _plain_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    assert meta.decode_slots is not None
+    assert meta.decode_blocks is not None
     qd = q.unsqueeze(2)  # [D, H, 1, Dh]
-    kd = k_flat[meta.decode_slots].transpose(1, 2).to(q.dtype)  # [D, L, G, Dh] -> [D, G, L, Dh]
-    vd = v_flat[meta.decode_slots].transpose(1, 2).to(q.dtype)
+    kd = _gather(k_cache, meta.decode_blocks, meta.decode_len).transpose(1, 2).to(q.dtype)  # [D, G, L, Dh]
+    vd = _gather(v_cache, meta.decode_blocks, meta.decode_len).transpose(1, 2).to(q.dtype)
     od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
                                         enable_gqa=True)
     return od.squeeze(2)  # [D, H, 1, Dh] -> [D, H, Dh]
 
 
-def _cascade_decode(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+def _cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     group: CascadeGroup, scale: float) -> torch.Tensor:
     n, num_heads, head_dim = q.shape
-    num_kv_heads = k_flat.shape[1]
+    num_kv_heads = k_cache.shape[2]
     r = num_heads // num_kv_heads
+    prefix_len = group.prefix_blocks.shape[0] * k_cache.shape[1]
     # Shared prefix: every row's queries against one copy of the prefix.
     qp = q.view(n, num_kv_heads, r, head_dim).permute(1, 0, 2, 3).reshape(1, num_kv_heads, n * r, head_dim)
-    kp = k_flat[group.prefix_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [P, G, Dh] -> [1, G, P, Dh]
-    vp = v_flat[group.prefix_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+    kp = _gather(k_cache, group.prefix_blocks, prefix_len).transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, G, P, Dh]
+    vp = _gather(v_cache, group.prefix_blocks, prefix_len).transpose(0, 1).unsqueeze(0).to(q.dtype)
     out_p, lse_p = _attention_with_lse(qp, kp, vp, scale, None)  # [1, G, n*R, Dh], [1, G, n*R, 1]
     out_p = out_p.view(num_kv_heads, n, r, head_dim).permute(1, 0, 2, 3)  # -> [n, G, R, Dh]
     lse_p = lse_p.view(num_kv_heads, n, r, 1).permute(1, 0, 2, 3)
     # Each row's own suffix.
     qs = q.view(n, num_kv_heads, r, head_dim)  # [n, G, R, Dh]
-    ks = k_flat[group.suffix_slots].transpose(1, 2).to(q.dtype)  # [n, S, G, Dh] -> [n, G, S, Dh]
-    vs = v_flat[group.suffix_slots].transpose(1, 2).to(q.dtype)
+    ks = _gather(k_cache, group.suffix_blocks, group.suffix_len).transpose(1, 2).to(q.dtype)  # [n, G, S, Dh]
+    vs = _gather(v_cache, group.suffix_blocks, group.suffix_len).transpose(1, 2).to(q.dtype)
     out_s, lse_s = _attention_with_lse(qs, ks, vs, scale, group.suffix_mask)  # [n, G, R, Dh]
     # Merge the two partial softmaxes.
     lse = torch.logaddexp(lse_p, lse_s)
@@ -83,10 +93,11 @@ def _cascade_decode(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
 
 def _attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                         mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, G, M, Dh], k/v [B, G, N, Dh], mask broadcastable to [B, G, M, N] -> (out, log-sum-exp)."""
+    """q [B, G, M, Dh], k/v [B, G, N, Dh], additive mask broadcastable to [B, G, M, N]
+    -> (out [B, G, M, Dh], log-sum-exp [B, G, M, 1])."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, G, M, N]
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores + mask
     peak = scores.amax(dim=-1, keepdim=True)
     weights = torch.exp(scores - peak)
     total = weights.sum(dim=-1, keepdim=True)

@@ -34,12 +34,5 @@ class TritonPagedAttention(PagedAttentionBackend):
 
 
 def max_lens(meta: AttentionMetadata) -> tuple[int, int]:
-    """(longest query, longest context) in tokens over the step's sequences, from host-side shapes."""
-    max_query_len = 1 if meta.num_decode_tokens else 0
-    max_seq_len = meta.decode_slots.shape[1] if meta.decode_slots is not None else 0  # [D, L]
-    for group in meta.cascade_groups:
-        max_seq_len = max(max_seq_len, group.prefix_slots.shape[0] + group.suffix_slots.shape[1])
-    for seg in meta.prefills:
-        max_query_len = max(max_query_len, seg.query_end - seg.query_start)
-        max_seq_len = max(max_seq_len, seg.context_slots.shape[0])  # [C]
-    return max_query_len, max_seq_len
+    """(longest query, longest context) in tokens over the step's sequences, from host-side ints."""
+    return meta.max_query_len, meta.max_seq_len
