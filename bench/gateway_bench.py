@@ -2,7 +2,7 @@
 
 One run starts a fast mock upstream (bench/mock_upstream.py) and, in front of it: a bare aiohttp
 pass-through (bench/bare_proxy.py, the ceiling for a Python proxy), `aigw serve` with auth and
-metering off and on, and LiteLLM's proxy (installed into bench/out/litellm-venv; skipped with a
+metering off and on (tracing on), the same with tracing off (`aigw_trace_off`, AIGW_TRACING=0), and LiteLLM's proxy (installed into bench/out/litellm-venv; skipped with a
 reason if that fails). Cells run interleaved (for each mode and concurrency, every target in turn)
 for `--duration-s` each. The load generator is a separate aiohttp process. Figures per cell:
 requests/s, latency p50/p99 minus the direct p50/p99 ("added"), and the target's CPU ms per request
@@ -119,7 +119,8 @@ class _Processes:
                 process.kill()
 
 
-def _start_aigw(procs: _Processes, name: str, upstream: str, auth: bool, workers: int) -> Target:
+def _start_aigw(procs: _Processes, name: str, upstream: str, auth: bool, workers: int,
+                extra_env: dict[str, str] | None = None) -> Target:
     port = _free_port()
     data_dir = procs.out_dir / f"{name}-data"
     config = procs.out_dir / f"{name}.toml"
@@ -128,7 +129,7 @@ def _start_aigw(procs: _Processes, name: str, upstream: str, auth: bool, workers
                       'output_per_token = 2e-7\n')
     command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port",
                str(port), "--workers", str(workers)] + ([] if auth else ["--no-auth"])
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AIGW_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIGW_")} | (extra_env or {})
     process = procs.start(name, command, env)
     url = f"http://127.0.0.1:{port}"
     _wait_http(url + "/health", 60, process)
@@ -275,7 +276,9 @@ def run(args: argparse.Namespace) -> int:
         targets = [Target("direct", upstream, mock.pid),
                    Target("bare_proxy", f"http://127.0.0.1:{bare_port}", bare.pid),
                    _start_aigw(procs, "aigw_auth_off", upstream, False, args.workers),
-                   _start_aigw(procs, "aigw", upstream, True, args.workers)]
+                   _start_aigw(procs, "aigw", upstream, True, args.workers),
+                   _start_aigw(procs, "aigw_trace_off", upstream, True, args.workers,
+                               {"AIGW_TRACING": "0"})]
         if args.no_litellm:
             skipped["litellm"] = "--no-litellm"
         else:

@@ -1,7 +1,9 @@
 """The app factory: `create_app(settings, authenticator=..., meter=...)`.
 
 Lifecycles (cleanup_ctx, in order): the upstream transport (one pooled ClientSession per upstream),
-the router's own tasks (`Router.start/close`), then the health checker task. With
+the first discovery round (models with `discover`: gateway/discovery.py), the router's own tasks
+(`Router.start/close`), the discovery task (every `health_interval_s`; it tells the router of
+changes), then the health checker task. With
 `settings.auth_enabled` false and nothing injected, the permissive gateway/open_access.py pair is
 used; with auth on, both must be injected
 (gateway/services.py::create_served_app does that with the real auth/ and metering/).
@@ -16,9 +18,19 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from auth.principal import Authenticator
+from gateway.discovery import Discovery, Resolver, resolve_dns
 from gateway.endpoints import Fleet
 from gateway.health import check_fleet, run_health_checks
-from gateway.keys import AUTHENTICATOR, FLEET, METER, PIPELINE, ROUTER, SETTINGS, TRANSPORT
+from gateway.keys import (
+    AUTHENTICATOR,
+    DISCOVERY,
+    FLEET,
+    METER,
+    PIPELINE,
+    ROUTER,
+    SETTINGS,
+    TRANSPORT,
+)
 from gateway.metering.contract import Meter
 from gateway.middlewares import envelope_middleware
 from gateway.open_access import AllowAllAuthenticator, NullMeter
@@ -33,7 +45,8 @@ from gateway.transport import AiohttpTransport, Transport
 def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None = None,
                meter: Meter | None = None, router: Router | None = None,
                transport: Transport | None = None, telemetry: Telemetry | None = None,
-               cache_salt_of: CacheSaltOf = default_cache_salt_of) -> web.Application:
+               cache_salt_of: CacheSaltOf = default_cache_salt_of,
+               resolve: Resolver = resolve_dns) -> web.Application:
     # the body cap is enforced by the pipeline (413 in the dialect's envelope); aiohttp's own cap
     # sits just above it so a chunked body over the cap is still cut off.
     telemetry = telemetry or Telemetry()  # traces, /metrics, the dashboard's series
@@ -43,6 +56,7 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
     app[TRANSPORT] = transport or AiohttpTransport()
     app[ROUTER] = router or create_router(settings.router, settings)
     app[FLEET] = Fleet(settings, telemetry.traced_transport(app[TRANSPORT]))
+    app[DISCOVERY] = Discovery(app[FLEET], app[ROUTER], resolve)
     if not settings.auth_enabled:
         app[AUTHENTICATOR] = authenticator or AllowAllAuthenticator()
         app[METER] = meter or NullMeter()
@@ -58,7 +72,9 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
                              cache_salt_of)
     telemetry.install(app)
     app.cleanup_ctx.append(_transport_ctx)
+    app.cleanup_ctx.append(_first_discovery_ctx)
     app.cleanup_ctx.append(_router_ctx)
+    app.cleanup_ctx.append(_discovery_ctx)
     app.cleanup_ctx.append(_health_ctx)
     app.on_shutdown.append(_start_draining)
     setup_routes(app)
@@ -74,6 +90,28 @@ async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
     await app[ROUTER].start(app[FLEET])
     yield
     await app[ROUTER].close()
+
+
+async def _first_discovery_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Endpoints before serving (bounded; the router's `start` then sees them)."""
+    if app[DISCOVERY].is_active:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(app[DISCOVERY].refresh(notify_router=False),
+                                   app[SETTINGS].health_timeout_s * 2)
+    yield
+
+
+async def _discovery_ctx(app: web.Application) -> AsyncIterator[None]:
+    if not app[DISCOVERY].is_active:
+        yield
+        return
+    settings = app[SETTINGS]
+    task = asyncio.create_task(app[DISCOVERY].run(settings.health_interval_s,
+                                                  settings.health_timeout_s * 2))
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def _health_ctx(app: web.Application) -> AsyncIterator[None]:

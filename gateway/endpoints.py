@@ -1,13 +1,14 @@
 """Endpoint state (one upstream URL of one model: health, breaker, load) and the fleet of them.
 
 The pipeline is the only writer of `num_outstanding` and the breaker; the health checker is the
-only writer of `is_healthy`, `load` and `context_length`.
+only writer of `is_healthy`, `load` and `context_length` (and `Fleet.set_endpoints`, which marks
+an endpoint it removes unhealthy so that in-flight requests holding the old route never retry on it).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from gateway.breaker import CircuitBreaker
@@ -62,18 +63,41 @@ class Fleet:
     def __init__(self, settings: GatewaySettings, transport: Transport) -> None:
         from gateway.backends import get_backend_class
 
+        self._settings = settings
         backends: dict[str, Backend] = {}
         self.routes: dict[str, ModelRoute] = {}
         for model in settings.models:
             if model.backend not in backends:
                 backends[model.backend] = get_backend_class(model.backend)(transport, settings)
-            endpoints = tuple(
-                Endpoint(url, model, CircuitBreaker(settings.num_failures_to_eject, settings.ejection_s))
-                for url in model.endpoints)
+            endpoints = tuple(self._new_endpoint(url, model) for url in model.endpoints)
             self.routes[model.name] = ModelRoute(model, backends[model.backend], endpoints)
 
     def get(self, model: str) -> ModelRoute | None:
         return self.routes.get(model)
+
+    def set_endpoints(self, model: str, urls: tuple[str, ...]
+                      ) -> tuple[list[Endpoint], list[Endpoint]]:
+        """Make `urls` the endpoints of `model`; returns (added, removed). Endpoints that stay keep
+        their state (breaker, health, load); added ones start optimistic like configured ones;
+        removed ones are marked unhealthy. The route is replaced, never mutated, so a request that
+        already holds it finishes undisturbed."""
+        route = self.routes[model]
+        current = {endpoint.url: endpoint for endpoint in route.endpoints}
+        wanted = dict.fromkeys(url.rstrip("/") for url in urls)
+        added = [self._new_endpoint(url, route.settings) for url in wanted if url not in current]
+        removed = [endpoint for url, endpoint in current.items() if url not in wanted]
+        if not added and not removed:
+            return [], []
+        fresh = {endpoint.url: endpoint for endpoint in added}
+        endpoints = tuple(current.get(url) or fresh[url] for url in wanted)
+        self.routes[model] = replace(route, endpoints=endpoints)
+        for endpoint in removed:
+            endpoint.is_healthy = False
+        return added, removed
+
+    def _new_endpoint(self, url: str, model: ModelSettings) -> Endpoint:
+        settings = self._settings
+        return Endpoint(url, model, CircuitBreaker(settings.num_failures_to_eject, settings.ejection_s))
 
     def all_endpoints(self) -> list[tuple[ModelRoute, Endpoint]]:
         return [(route, endpoint) for route in self.routes.values() for endpoint in route.endpoints]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from auth.principal import Authenticator
+from gateway.discovery import Discovery
 from gateway.endpoints import Fleet
 from gateway.metering.contract import Meter
 from gateway.pipeline import Pipeline
@@ -18,4 +19,5 @@ METER = web.AppKey("meter", Meter)
 ROUTER = web.AppKey("router", Router)
 TRANSPORT = web.AppKey("transport", Transport)
 FLEET = web.AppKey("fleet", Fleet)
+DISCOVERY = web.AppKey("discovery", Discovery)
 PIPELINE = web.AppKey("pipeline", Pipeline)

@@ -6,6 +6,9 @@
     name = "smollm2"
     backend = "replica"                       # or "openai", or a plugin from `aigw.backends`
     endpoints = ["http://10.0.0.5:8001", "http://10.0.0.6:8001"]
+    # or, instead of a hand-kept list, every A/AAAA record of a name (a Kubernetes headless
+    # Service), re-resolved every `health_interval_s` (gateway/discovery.py):
+    # discover = "dns://aigw-replica.aigw.svc.cluster.local:8001"
     context_length = 8192
     prices = { input_per_token = 1e-7, cached_input_per_token = 2.5e-8, output_per_token = 4e-7 }
 
@@ -21,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 _config_path: contextvars.ContextVar[Path | None] = contextvars.ContextVar("aigw_config", default=None)
@@ -47,7 +50,8 @@ class ModelSettings(BaseModel):
     model_config = ConfigDict(frozen=True)
     name: str = Field(min_length=1)
     backend: str = "replica"
-    endpoints: tuple[str, ...] = Field(min_length=1)
+    endpoints: tuple[str, ...] = ()  # required unless `discover` is set (then: the first set)
+    discover: str | None = None  # "dns://<name>:<port>": endpoints from the name's A/AAAA records
     upstream_model: str | None = None  # the name sent upstream; defaults to `name`
     api_key: str | None = None  # for hosted OpenAI-compatible upstreams
     context_length: int | None = Field(default=None, gt=0)  # else read from the upstream's /v1/models
@@ -60,6 +64,21 @@ class ModelSettings(BaseModel):
     @classmethod
     def _strip_slash(cls, endpoints: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(url.rstrip("/") for url in endpoints)
+
+    @field_validator("discover")
+    @classmethod
+    def _check_discover(cls, discover: str | None) -> str | None:
+        if discover is not None:
+            from gateway.discovery import parse_discover
+
+            parse_discover(discover)  # raises ValueError on a malformed target
+        return discover
+
+    @model_validator(mode="after")
+    def _has_endpoints(self) -> ModelSettings:
+        if not self.endpoints and self.discover is None:
+            raise ValueError(f"model {self.name!r}: set `endpoints` or `discover`")
+        return self
 
     @property
     def upstream_name(self) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -103,6 +104,17 @@ class _AiohttpResponse(UpstreamResponse):
         self._response.close()
 
 
+@lru_cache(maxsize=1024)
+def _origin(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+@lru_cache(maxsize=64)
+def _timeout(connect_timeout_s: float) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
+
+
 class AiohttpTransport(Transport):
     def __init__(self, *, limit_per_host: int = 0, keepalive_timeout_s: float = 60.0) -> None:
         self._sessions: dict[str, aiohttp.ClientSession] = {}
@@ -110,8 +122,7 @@ class AiohttpTransport(Transport):
         self._keepalive_timeout_s = keepalive_timeout_s
 
     def _session(self, url: str) -> aiohttp.ClientSession:
-        parts = urlsplit(url)
-        origin = f"{parts.scheme}://{parts.netloc}"
+        origin = _origin(url)
         session = self._sessions.get(origin)
         if session is None:
             connector = aiohttp.TCPConnector(limit=0, limit_per_host=self._limit_per_host,
@@ -122,11 +133,10 @@ class AiohttpTransport(Transport):
         return session
 
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=request.connect_timeout_s)
         try:
             response = await self._session(request.url).request(
-                request.method, request.url, data=request.body, headers=dict(request.headers),
-                timeout=timeout)
+                request.method, request.url, data=request.body, headers=request.headers,
+                timeout=_timeout(request.connect_timeout_s))
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             raise UpstreamTimeout(f"connecting to {request.url} timed out") from exc
         except (aiohttp.ClientError, OSError) as exc:

@@ -39,6 +39,14 @@ class Router(ABC):
     async def close(self) -> None:
         return None
 
+    async def on_endpoints_changed(self, added: Sequence[Endpoint], removed: Sequence[Endpoint]
+                                   ) -> None:
+        """Discovery (gateway/discovery.py) changed the fleet after `start`: `added` endpoints
+        are in their routes now (`endpoint.model.name` names the route), `removed` ones are
+        out and marked unhealthy (drop their state). Called on the event loop, between `start`
+        and `close`; the default keeps no per-endpoint state, so it does nothing."""
+        return None
+
     def explain(self, request_id: str) -> str | None:
         return None
 

@@ -1,13 +1,16 @@
 """Observing decorators the gateway's Pipeline is built with (gateway/app.py):
 
     TracedAuthenticator   a `gateway.auth` span; project and key id on the request span
-    TracedRouter          a `gateway.route` span per decision (candidates, matched blocks, scores),
-                          the request's GenAI attributes, the routing-decisions counter
+    CountedRouter         the routing-decisions counter (tracing off: no span work at all)
+    TracedRouter          that, plus a `gateway.route` span per decision (candidates, matched
+                          blocks, scores) and the request's GenAI attributes
     ObservedMeter         on settle: usage attributes on the request span, token/cost metrics,
                           the dashboard's usage series
 
-Each forwards everything else to the object it wraps (`__getattr__`), and never changes what it
-returns or raises.
+Each forwards everything else to the object it wraps (`__getattr__`; the routers forward the
+`Router` methods explicitly), and never changes what it returns or raises. Which ones wrap is
+decided once, when the app is built (gateway/telemetry/telemetry.py); spans get their attributes
+at creation where they are known then.
 """
 
 from __future__ import annotations
@@ -34,42 +37,45 @@ class TracedAuthenticator:
         self._tracer = tracer
 
     async def authenticate(self, credential: str | None) -> Principal:
-        with self._tracer.start_as_current_span("gateway.auth", record_exception=False,
-                                                set_status_on_exception=False) as span:
-            try:
-                principal = await self.inner.authenticate(credential)
-            except AuthError as exc:
-                span.set_status(StatusCode.ERROR, exc.code)
-                raise
-            span.set_attributes({attr.AIGW_PROJECT: principal.project,
-                                 attr.AIGW_KEY_ID: principal.key_id, "aigw.auth.via": principal.via})
+        span = self._tracer.start_span("gateway.auth")
+        try:
+            principal = await self.inner.authenticate(credential)
+        except AuthError as exc:
+            span.set_status(StatusCode.ERROR, exc.code)
+            span.end()
+            raise
+        except BaseException:
+            span.end()
+            raise
+        identity = {attr.AIGW_PROJECT: principal.project, attr.AIGW_KEY_ID: principal.key_id}
+        if span.is_recording():
+            span.set_attributes({**identity, "aigw.auth.via": principal.via})
+        span.end()
         observation = current_observation()
-        if observation is not None:
-            observation.span.set_attributes({attr.AIGW_PROJECT: principal.project,
-                                             attr.AIGW_KEY_ID: principal.key_id})
+        if observation is not None and observation.span is not None:
+            observation.span.set_attributes(identity)
         return principal
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
 
-class TracedRouter(Router):
-    def __init__(self, inner: Router, tracer: Tracer, metrics: GatewayMetrics, policy: str) -> None:
+class CountedRouter(Router):
+    """Counts each decision in aigw_routing_decisions_total; nothing else."""
+
+    def __init__(self, inner: Router, metrics: GatewayMetrics, policy: str) -> None:
         self.inner = inner
-        self._tracer = tracer
-        self._metrics = metrics
         self._policy = policy
+        self._decisions_of = metrics.routing_decisions_of
 
     def pick(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision:
-        started_ns = time.time_ns()
         decision = self.inner.pick(request, endpoints)
-        self._observe(request, endpoints, decision, started_ns)
+        self._decisions_of(self._policy, decision.reason, decision.endpoint.name).inc()
         return decision
 
     async def choose(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision:
-        started_ns = time.time_ns()
         decision = await self.inner.choose(request, endpoints)
-        self._observe(request, endpoints, decision, started_ns)
+        self._decisions_of(self._policy, decision.reason, decision.endpoint.name).inc()
         return decision
 
     async def start(self, fleet: Fleet) -> None:
@@ -78,30 +84,50 @@ class TracedRouter(Router):
     async def close(self) -> None:
         await self.inner.close()
 
+    async def on_endpoints_changed(self, added: Sequence[Endpoint], removed: Sequence[Endpoint]
+                                   ) -> None:
+        await self.inner.on_endpoints_changed(added, removed)
+
     def explain(self, request_id: str) -> str | None:
         return self.inner.explain(request_id)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def _observe(self, request: CanonicalRequest, endpoints: Sequence[Endpoint], decision: Decision,
-                 started_ns: int) -> None:
-        replica = decision.endpoint.name
-        self._metrics.routing_decisions.labels(self._policy, decision.reason or "", replica).inc()
+
+class TracedRouter(CountedRouter):
+    def __init__(self, inner: Router, tracer: Tracer, metrics: GatewayMetrics, policy: str) -> None:
+        super().__init__(inner, metrics, policy)
+        self._tracer = tracer
+
+    def pick(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision:
+        started_ns = time.time_ns()
+        decision = super().pick(request, endpoints)
+        self._trace(request, endpoints, decision, started_ns)
+        return decision
+
+    async def choose(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision:
+        started_ns = time.time_ns()
+        decision = await super().choose(request, endpoints)
+        self._trace(request, endpoints, decision, started_ns)
+        return decision
+
+    def _trace(self, request: CanonicalRequest, endpoints: Sequence[Endpoint], decision: Decision,
+               started_ns: int) -> None:
         observation = current_observation()
-        if observation is None:
+        if observation is None or observation.span is None:
             return
-        observation.span.set_attributes(request_attributes(request))
-        span = self._tracer.start_span("gateway.route", start_time=started_ns)
-        if span.is_recording():
-            span.set_attributes({attr.AIGW_ROUTING_POLICY: self._policy,
-                                 attr.AIGW_ROUTING_REASON: decision.reason or "",
-                                 attr.AIGW_REPLICA: replica,
-                                 **candidate_attributes(decision, endpoints)})
-            explanation = self.inner.explain(request.request_id)
-            if explanation:
-                span.set_attribute(attr.AIGW_ROUTING_EXPLAIN, explanation)
-        span.end()
+        if observation.span.is_recording():
+            observation.span.set_attributes(request_attributes(request))
+        else:
+            return  # not sampled: the children are not either
+        values = {attr.AIGW_ROUTING_POLICY: self._policy, attr.AIGW_ROUTING_REASON: decision.reason,
+                  attr.AIGW_REPLICA: decision.endpoint.name,
+                  **candidate_attributes(decision, endpoints)}
+        explanation = self.inner.explain(request.request_id)
+        if explanation:
+            values[attr.AIGW_ROUTING_EXPLAIN] = explanation
+        self._tracer.start_span("gateway.route", start_time=started_ns, attributes=values).end()
 
 
 def request_attributes(request: CanonicalRequest) -> dict[str, Any]:

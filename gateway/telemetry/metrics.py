@@ -13,12 +13,15 @@
                                                                read from the Fleet at scrape time
 
 Model and project are "" for requests that never got that far (bad body, failed auth).
+The request path reaches label children through `child(metric, *labels)`-style caches
+(`LabelCache`), so prometheus_client's `labels()` runs once per label tuple, not per request.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -30,6 +33,23 @@ from gateway.metering.contract import UsageRecord
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+
+class LabelCache:
+    """`cache(*labels)` is `metric.labels(*labels)`, looked up once per distinct label tuple (the
+    children live as long as the metric does, exactly as prometheus_client keeps them)."""
+
+    __slots__ = ("_children", "_metric")
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *labels: str) -> Any:
+        child = self._children.get(labels)
+        if child is None:
+            child = self._children[labels] = self._metric.labels(*labels)
+        return child
 
 
 class GatewayMetrics:
@@ -56,21 +76,37 @@ class GatewayMetrics:
         self.routing_decisions = Counter("aigw_routing_decisions", "Endpoint picks by the router.",
                                          ["policy", "reason", "replica"], registry=r)
         self._tokens_by_project: dict[str, list[int]] = {}  # project -> [input, cached]
+        # request-path accessors: labels() once per label tuple
+        self.requests_of = LabelCache(self.requests)
+        self.duration_of = LabelCache(self.duration)
+        self.overhead_of = LabelCache(self.overhead)
+        self.ttft_of = LabelCache(self.ttft)
+        self.routing_decisions_of = LabelCache(self.routing_decisions)
+        self._usage_children: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
+        self._hit_ratio_of = LabelCache(self.cache_hit_ratio)
 
     def attach_fleet(self, fleet: Fleet) -> None:
         self.registry.register(FleetCollector(fleet))
 
     def observe_usage(self, record: UsageRecord) -> None:
         labels = (record.model, record.project)
-        self.input_tokens.labels(*labels).inc(record.prompt_tokens)
-        self.cached_tokens.labels(*labels).inc(record.cached_tokens)
-        self.output_tokens.labels(*labels).inc(record.completion_tokens)
-        self.cost.labels(*labels).inc(record.cost_usd)
-        totals = self._tokens_by_project.setdefault(record.project, [0, 0])
+        children = self._usage_children.get(labels)
+        if children is None:
+            children = self._usage_children[labels] = (
+                self.input_tokens.labels(*labels), self.cached_tokens.labels(*labels),
+                self.output_tokens.labels(*labels), self.cost.labels(*labels))
+        input_tokens, cached_tokens, output_tokens, cost = children
+        input_tokens.inc(record.prompt_tokens)
+        cached_tokens.inc(record.cached_tokens)
+        output_tokens.inc(record.completion_tokens)
+        cost.inc(record.cost_usd)
+        totals = self._tokens_by_project.get(record.project)
+        if totals is None:
+            totals = self._tokens_by_project[record.project] = [0, 0]
         totals[0] += record.prompt_tokens
         totals[1] += record.cached_tokens
         if totals[0]:
-            self.cache_hit_ratio.labels(record.project).set(totals[1] / totals[0])
+            self._hit_ratio_of(record.project).set(totals[1] / totals[0])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -39,30 +39,38 @@ def route_of(request: web.Request) -> str:
 
 
 def make_middleware(telemetry: Telemetry) -> Middleware:
+    """The traced middleware, or with tracing off one that creates no span objects at all (the
+    observation still carries the usage record and first-line time the metrics need)."""
     tracer, metrics = telemetry.tracer, telemetry.metrics
+    is_tracing = telemetry.settings.is_tracing_enabled
 
     @web.middleware
     async def telemetry_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         route = route_of(request)
         if route.startswith(_UNTRACED_PREFIXES) or route == "unmatched":
             untraced = await handler(request)
-            metrics.requests.labels(route, str(untraced.status), "", "").inc()
+            metrics.requests_of(route, str(untraced.status), "", "").inc()
             return untraced
-        span = tracer.start_span(f"{request.method} {route}", kind=SpanKind.SERVER,
-                                 context=PROPAGATOR.extract(request.headers),
-                                 attributes={"http.request.method": request.method, "http.route": route})
+        span: Span | None = None
+        context_token = None
+        if is_tracing:
+            span = tracer.start_span(f"{request.method} {route}", kind=SpanKind.SERVER,
+                                     context=PROPAGATOR.extract(request.headers),
+                                     attributes={"http.request.method": request.method,
+                                                 "http.route": route})
+            context_token = _attach(span)
         observation = RequestObservation(time.perf_counter(), span)
         token = set_current(observation)
-        context_token = _attach(span)
         response: web.StreamResponse | None = None
         status = 500
         cancelled = False
         try:
             response = await handler(request)
             status = response.status
-            context = span.get_span_context()
-            if not response.prepared and context.trace_flags.sampled:
-                response.headers[TRACE_ID_HEADER] = format_trace_id(context.trace_id)
+            if span is not None and not response.prepared:
+                context = span.get_span_context()
+                if context.trace_flags.sampled:
+                    response.headers[TRACE_ID_HEADER] = format_trace_id(context.trace_id)
             return response
         except web.HTTPException as exc:
             status = exc.status
@@ -71,7 +79,8 @@ def make_middleware(telemetry: Telemetry) -> Middleware:
             status, cancelled = STATUS_CLIENT_CLOSED, True
             raise
         finally:
-            _detach(context_token)
+            if context_token is not None:
+                _detach(context_token)
             reset_current(token)
 
             def finish() -> None:
@@ -97,27 +106,28 @@ def _detach(token: object) -> None:
 def _finish(telemetry: Telemetry, route: str, status: int, observation: RequestObservation,
             response: web.StreamResponse | None) -> None:
     span = observation.span
-    span.set_attribute("http.response.status_code", status)
-    if status >= 500:
-        span.set_status(StatusCode.ERROR)
-    span.end()
+    if span is not None:
+        span.set_attribute("http.response.status_code", status)
+        if status >= 500:
+            span.set_status(StatusCode.ERROR)
+        span.end()
     metrics = telemetry.metrics
     latency_s = time.perf_counter() - observation.started
     record = observation.record
     model, project = (record.model, record.project) if record is not None else ("", "")
-    metrics.requests.labels(route, str(status), model, project).inc()
-    metrics.duration.labels(route, model).observe(latency_s)
+    metrics.requests_of(route, str(status), model, project).inc()
+    metrics.duration_of(route, model).observe(latency_s)
     overhead_s = None
     header = response.headers.get("x-aigw-overhead-ms") if response is not None else None
     if header:
         try:
             overhead_s = float(header) / 1000.0
-            metrics.overhead.labels(route).observe(overhead_s)
+            metrics.overhead_of(route).observe(overhead_s)
         except ValueError:
             pass
     ttft_s = None
     if record is not None and record.stream and observation.first_upstream_line_at is not None:
         ttft_s = observation.first_upstream_line_at - observation.started
-        metrics.ttft.labels(model).observe(ttft_s)
+        metrics.ttft_of(model).observe(ttft_s)
     if record is not None:
         telemetry.latency.add(LatencySample(time.time(), model, latency_s, overhead_s, ttft_s))

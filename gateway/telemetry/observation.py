@@ -18,7 +18,7 @@ from gateway.metering.contract import UsageRecord
 @dataclass(slots=True)
 class RequestObservation:
     started: float  # time.perf_counter() when the request came in
-    span: Span
+    span: Span | None  # the request's SERVER span; None when tracing is off
     record: UsageRecord | None = None  # set when the pipeline settles with the meter
     first_upstream_line_at: float | None = None  # perf_counter of the first upstream body line
     is_admitted: bool = False  # the meter admitted it, so a settle (and a record) will follow

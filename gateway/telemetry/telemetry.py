@@ -19,6 +19,7 @@ from gateway.metering.contract import Meter, UsageRecord
 from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
 from gateway.telemetry.hooks import (
+    CountedRouter,
     ObservedMeter,
     TracedAuthenticator,
     TracedRouter,
@@ -50,13 +51,19 @@ class Telemetry:
         self._gateway_settings = settings
         self.metrics.attach_fleet(fleet)
 
+    # With tracing off (settings.is_tracing_enabled false) the wrappers below create no span
+    # objects: the choice is made here, once, not per request.
     def traced_transport(self, transport: Transport) -> Transport:
-        return TracingTransport(transport, self.tracer)
+        return TracingTransport(transport, self.tracer if self.settings.is_tracing_enabled else None)
 
     def traced_router(self, router: Router, policy: str) -> Router:
+        if not self.settings.is_tracing_enabled:
+            return CountedRouter(router, self.metrics, policy)
         return TracedRouter(router, self.tracer, self.metrics, policy)
 
     def traced_authenticator(self, authenticator: Authenticator) -> Authenticator:
+        if not self.settings.is_tracing_enabled:
+            return authenticator
         return TracedAuthenticator(authenticator, self.tracer)
 
     def observed_meter(self, meter: Meter) -> Meter:
@@ -66,7 +73,9 @@ class Telemetry:
         observation = current_observation()
         if observation is not None:
             observation.record = record
-            observation.span.set_attributes(usage_attributes(record))
+            span = observation.span
+            if span is not None and span.is_recording():  # not ended, and sampled
+                span.set_attributes(usage_attributes(record))
         self.metrics.observe_usage(record)
         self.usage.add(record, self._savings_per_cached_token(record.model))
         if observation is not None and observation.on_settled is not None:
@@ -84,7 +93,8 @@ class Telemetry:
         from gateway.telemetry.keys import TELEMETRY
 
         app[TELEMETRY] = self
-        app.on_response_prepare.append(_add_trace_id)
+        if self.settings.is_tracing_enabled:
+            app.on_response_prepare.append(_add_trace_id)
         app.cleanup_ctx.append(self._lifecycle)
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:

@@ -3,7 +3,8 @@ a CLIENT span (send -> close, so a stream's span lasts as long as the stream) an
 W3C `traceparent` of that span, which the replica continues. It also notes when the first body
 line arrived (time to first token, for streams), through `lines` or `line_batches`, whichever the
 backend reads; both forward to the wrapped response unchanged. Calls made outside a request
-(health checks, the dashboard's own fetches) pass straight through.
+(health checks, the dashboard's own fetches) pass straight through. Built with `tracer=None`
+(tracing off) it creates no spans and only notes the first line's time.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from functools import lru_cache
+from typing import Any
 from urllib.parse import urlsplit
 
 from opentelemetry.propagators.textmap import TextMapPropagator
@@ -24,8 +27,17 @@ from gateway.transport import Transport, UpstreamRequest, UpstreamResponse
 PROPAGATOR: TextMapPropagator = TraceContextTextMapPropagator()
 
 
+@lru_cache(maxsize=1024)
+def _span_shape(method: str, url: str) -> tuple[str, dict[str, Any]]:
+    """(span name, attributes) of a call; a gateway calls few distinct URLs, so each is parsed once."""
+    parts = urlsplit(url)
+    return (f"upstream {method} {parts.path}",
+            {"http.request.method": method, "url.full": url, "server.address": parts.hostname or "",
+             "server.port": parts.port or 0, AIGW_REPLICA: parts.netloc})
+
+
 class TracingTransport(Transport):
-    def __init__(self, inner: Transport, tracer: Tracer) -> None:
+    def __init__(self, inner: Transport, tracer: Tracer | None) -> None:
         self.inner = inner
         self._tracer = tracer
 
@@ -33,32 +45,37 @@ class TracingTransport(Transport):
         observation = current_observation()
         if observation is None:
             return await self.inner.send(request)
-        parts = urlsplit(request.url)
-        span = self._tracer.start_span(
-            f"upstream {request.method} {parts.path}", kind=SpanKind.CLIENT,
-            attributes={"http.request.method": request.method, "url.full": request.url,
-                        "server.address": parts.hostname or "", "server.port": parts.port or 0,
-                        AIGW_REPLICA: parts.netloc})
+        if self._tracer is None or observation.span is None:
+            return _TracedResponse(await self.inner.send(request), None, observation)
+        name, attributes = _span_shape(request.method, request.url)
+        span = self._tracer.start_span(name, kind=SpanKind.CLIENT, attributes=attributes)
+        if not span.is_recording():  # not sampled: no traceparent to send either
+            return _TracedResponse(await self._send_ending(request, span), span, observation)
         headers = dict(request.headers)
         PROPAGATOR.inject(headers, context=set_span_in_context(span))
+        response = await self._send_ending(replace(request, headers=headers), span)
+        span.set_attribute("http.response.status_code", response.status)
+        if response.status >= 400:
+            span.set_status(StatusCode.ERROR)
+        return _TracedResponse(response, span, observation)
+
+    async def _send_ending(self, request: UpstreamRequest, span: Span) -> UpstreamResponse:
+        """Send; if that raises, the span records the error and ends."""
         try:
-            response = await self.inner.send(replace(request, headers=headers))
+            return await self.inner.send(request)
         except BaseException as exc:
             span.record_exception(exc)
             span.set_status(StatusCode.ERROR, type(exc).__name__)
             span.end()
             raise
-        span.set_attribute("http.response.status_code", response.status)
-        if response.status >= 400:
-            span.set_status(StatusCode.ERROR)
-        return _TracedResponse(response, span, observation)
 
     async def aclose(self) -> None:
         await self.inner.aclose()
 
 
 class _TracedResponse(UpstreamResponse):
-    def __init__(self, inner: UpstreamResponse, span: Span, observation: RequestObservation) -> None:
+    def __init__(self, inner: UpstreamResponse, span: Span | None,
+                 observation: RequestObservation) -> None:
         self._inner = inner
         self._span = span
         self._observation = observation
@@ -74,7 +91,8 @@ class _TracedResponse(UpstreamResponse):
         async for line in self._inner.lines():
             if observation.first_upstream_line_at is None:
                 observation.first_upstream_line_at = time.perf_counter()
-                self._span.add_event("first_line")
+                if self._span is not None:
+                    self._span.add_event("first_line")
             yield line
 
     async def line_batches(self) -> AsyncIterator[list[bytes]]:  # type: ignore[override]
@@ -82,11 +100,13 @@ class _TracedResponse(UpstreamResponse):
         async for batch in self._inner.line_batches():
             if observation.first_upstream_line_at is None:
                 observation.first_upstream_line_at = time.perf_counter()
-                self._span.add_event("first_line")
+                if self._span is not None:
+                    self._span.add_event("first_line")
             yield batch
 
     def close(self) -> None:
         self._inner.close()
         if not self._ended:
             self._ended = True
-            self._span.end()
+            if self._span is not None:
+                self._span.end()

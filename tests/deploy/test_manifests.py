@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from gateway.cli import build_parser
+from gateway.discovery import DnsTarget, parse_discover
 from gateway.routing import ROUTER_NAMES
 from gateway.settings import load_settings
 from tests.deploy.manifests import (
@@ -78,15 +79,16 @@ def test_kubectl_kustomize_renders_the_same_objects() -> None:
     assert sorted(map(_id, yaml.safe_load_all(rendered))) == sorted(map(_id, OBJECTS))
 
 
-def test_gateway_config_loads_and_lists_every_replica_pod_of_the_headless_service(
+def test_gateway_config_loads_and_discovers_replicas_through_the_headless_service(
         tmp_path: Path) -> None:
     settings = _gateway_settings(tmp_path)
     replicas = find(OBJECTS, "StatefulSet", "aigw-replica")
     service = find(OBJECTS, "Service", replicas["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None"  # headless: one A record per ready pod
     namespace, port = service["metadata"]["namespace"], service["spec"]["ports"][0]["port"]
-    expected = tuple(f"http://aigw-replica-{i}.{service['metadata']['name']}.{namespace}"
-                     f".svc.cluster.local:{port}" for i in range(replicas["spec"]["replicas"]))
-    assert [m.endpoints for m in settings.models] == [expected]
+    target = parse_discover(settings.models[0].discover or "")
+    assert target == DnsTarget(f"{service['metadata']['name']}.{namespace}.svc.cluster.local", port)
+    assert [m.endpoints for m in settings.models] == [()]  # no hand-kept list
     assert settings.host == "0.0.0.0"
     assert settings.router in ROUTER_NAMES
 
