@@ -150,17 +150,18 @@ def test_greedy_outputs_are_identical_under_eviction_pressure(
 
 @pytest.fixture(scope="module")
 def random_workload(make_engine: EngineFactory, tokenizer: Any) -> LLMEngine:
-    """A fresh engine after a random mix of shared-prefix requests, salts, aborts and one cache reset."""
-    engine = make_engine(kv_cache_memory_bytes=40 * (1 << 20), max_num_batched_tokens=128, fresh=True)
-    assert engine.kv_cache.num_blocks < 60  # small enough that blocks get evicted
+    """A fresh engine after a random mix of shared-prefix requests, salts, aborts, preemptions and one cache
+    reset."""
+    bytes_per_block = make_engine().runner.bytes_per_block
+    engine = make_engine(kv_cache_memory_bytes=16 * bytes_per_block, max_num_batched_tokens=128, fresh=True)
     rng = random.Random(99)
     prompts = list(_workload_prompts(tokenizer).values())
     results: dict[str, Completion] = {}
     live: list[str] = []
     for step in range(400):
-        if step < 80 and rng.random() < 0.3:
+        if step < 80 and rng.random() < 0.4:
             request_id = f"w{step}"
-            engine.add_request(request_id, rng.choice(prompts), SamplingParams(temperature=0.0, max_tokens=12),
+            engine.add_request(request_id, rng.choice(prompts), SamplingParams(temperature=0.0, max_tokens=16),
                                cache_salt=rng.choice([None, None, "tenant"]))
             live.append(request_id)
         if live and rng.random() < 0.08:
@@ -176,6 +177,7 @@ def random_workload(make_engine: EngineFactory, tokenizer: Any) -> LLMEngine:
         engine.kv_cache.check_integrity()
     assert not engine.has_unfinished_requests
     assert sum(r.num_cached_tokens for r in results.values()) > 0
+    assert engine.stats().num_preemptions_total > 0  # preemption was part of the mix
     return engine
 
 
