@@ -24,7 +24,8 @@ Checkpoint layouts read (HF names, `p` = "model.layers.{i}."):
 
 Routers and the shared-expert gate stay dense in the engine dtype (also under FP8: top-k is sensitive to
 small logit errors). Under `--quantization fp8` the experts are kept in FP8 with per-row scales and
-dequantized per layer call (memory, not speed: there is no FP8 grouped-GEMM kernel yet).
+dequantized per layer call, on the CPU only the experts the step routes to (memory, not speed: there
+is no FP8 grouped-GEMM kernel yet, so on CUDA the whole layer is dequantized per call).
 """
 
 from __future__ import annotations
@@ -64,12 +65,14 @@ class ExpertWeights:
         else:  # the torch reference takes any strides (expert copies made with expand cost nothing)
             self.w13, self.w2 = w13.to(dtype), w2.to(dtype)
 
-    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13 [E, 2I, H], w2 [E, H, I]) in the engine dtype."""
+    def dense(self, experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E', 2I, H], w2 [E', H, I]) in the engine dtype: every expert, or only `experts` [E']
+        (FP8: only those are dequantized)."""
         if not self.fp8:
-            return self.w13, self.w2
-        return ((self.w13.float() * self.w13_scale).to(self.dtype),
-                (self.w2.float() * self.w2_scale).to(self.dtype))
+            return (self.w13, self.w2) if experts is None else (self.w13[experts], self.w2[experts])
+        index = slice(None) if experts is None else experts
+        return ((self.w13[index].float() * self.w13_scale[index]).to(self.dtype),
+                (self.w2[index].float() * self.w2_scale[index]).to(self.dtype))
 
     @property
     def nbytes(self) -> int:
@@ -92,7 +95,13 @@ class MoEMLP:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.router(x)  # [T, E]
         topk_weights, topk_ids = kernels.select_experts(router_logits, self.top_k, self.renormalize)
-        w13, w2 = self.experts.dense()
+        if self.experts.fp8 and kernels.kernel_backend(x.device) == "torch":
+            # CPU: dequantize only the experts this step routes to (K of E for one decode token)
+            used = torch.unique(topk_ids)  # [E'] sorted
+            w13, w2 = self.experts.dense(used)
+            topk_ids = torch.searchsorted(used, topk_ids).to(torch.int32)  # ids into the E' experts
+        else:
+            w13, w2 = self.experts.dense()
         out = kernels.fused_moe(x.contiguous(), w13, w2, topk_weights, topk_ids)  # [T, H]
         if self.shared is not None:
             gate = self.shared_gate(x) if self.shared_gate is not None else None  # [T, 1]

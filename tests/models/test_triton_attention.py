@@ -56,13 +56,13 @@ def test_triton_backend_matches_torch_backend_on_a_mixed_batch(dtype: torch.dtyp
     cache_shape = (48, BLOCK_SIZE, 2, 16)  # [num_blocks, block_size, G, Dh], stale contents everywhere
     k_cache = torch.randn(cache_shape, generator=gen).to(dtype)
     v_cache = torch.randn(cache_shape, generator=gen).to(dtype)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    k_ref, v_ref = k_cache.float(), v_cache.float()  # the reference runs in float32
 
-    expected = TorchPagedAttention().forward(q, k, v, k_ref, v_ref, 0.25, meta)
+    expected = TorchPagedAttention().forward(q.float(), k.float(), v.float(), k_ref, v_ref, 0.25, meta)
     monkeypatch.setenv("AIGW_KERNELS", "triton")
     actual = TritonPagedAttention().forward(q, k, v, k_cache, v_cache, 0.25, meta)
 
-    torch.testing.assert_close(k_cache, k_ref, rtol=0, atol=0)
-    torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0)
+    torch.testing.assert_close(k_cache.float(), k_ref, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache.float(), v_ref, rtol=0, atol=0)
     tol = 2e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
