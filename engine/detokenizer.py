@@ -60,10 +60,12 @@ class IncrementalDetokenizer:
     def stop_matched(self) -> str | None:
         return self._stop_matched
 
-    def push(self, token_ids: Sequence[int]) -> DetokenizerUpdate:
+    def push(self, token_ids: Sequence[int], check_stop: bool = True) -> DetokenizerUpdate:
         """Adds newly generated ids; returns the text that can now be released.
 
-        After a stop string has matched, returns empty text and the stop string.
+        After a stop string has matched, returns empty text and the stop string. With
+        `check_stop=False` (the request has not reached min_tokens yet) stop strings are not looked
+        for and everything decoded so far is released.
         """
         if self._stop_matched is not None:
             return DetokenizerUpdate("", self._stop_matched)
@@ -76,6 +78,9 @@ class IncrementalDetokenizer:
                 pieces.append(piece)
                 self._undecoded_ids.clear()
                 self._last_decoded_id = token_id
+        if not check_stop:
+            released, self._held = self._held + "".join(pieces), ""
+            return DetokenizerUpdate(released, None)
         return DetokenizerUpdate(self._release("".join(pieces)), self._stop_matched)
 
     def finish(self) -> str:

@@ -163,7 +163,7 @@ class LLMEngine:
         elif token_id in params.stop_token_ids and min_reached:
             reason, stop_reason = FinishReason.STOP, token_id
         else:
-            update = detok.push([token_id])
+            update = detok.push([token_id], check_stop=min_reached)
             text = update.text
             if update.stop_matched is not None:
                 reason, stop_reason = FinishReason.STOP, update.stop_matched

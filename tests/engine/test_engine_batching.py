@@ -186,8 +186,6 @@ def test_stop_string_and_stop_token_end_the_output_and_are_not_included(engine: 
     assert by_token.text == tokenizer.decode(full.token_ids[:first])  # the stop token's text is left out
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: LLMEngine._advance honours stop strings before min_tokens "
-                   "(vLLM checks stop strings only once len(output) > min_tokens)")
 def test_stop_string_does_not_end_the_output_before_min_tokens(engine: LLMEngine, tokenizer: Any) -> None:
     prompt = chat(tokenizer, "the desert", repeat=1)
     full = generate(engine, {"p": prompt}, GREEDY)["p"]
