@@ -125,13 +125,15 @@ def conversation(topic: str, num_turns: int) -> list[list[dict[str, Any]]]:
 
 
 def test_turns_of_a_conversation_stay_on_the_replica_holding_its_prefix(served: Served) -> None:
-    replicas_seen, cached = [], []
-    for messages in conversation("gardening", 4):
-        replica, num_cached, _ = served.chat(messages)
+    replicas_seen, cached, accounts = [], [], []
+    for turn, messages in enumerate(conversation("gardening", 4)):
+        replica, num_cached, _ = served.chat(messages, request_id=f"garden-{turn}")
         replicas_seen.append(replica)
         cached.append(num_cached)
+        accounts.append(served.router.explain(f"garden-{turn}") or "")
     assert len(set(replicas_seen)) == 1
     assert all(c > 0 for c in cached[1:]), cached
+    assert all(a.startswith(f"prefix -> {replicas_seen[0]}") for a in accounts[1:]), accounts
     assert served.num_blocks(replicas_seen[0]) > 0
 
 
