@@ -17,7 +17,7 @@ import random
 import statistics
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -160,20 +160,12 @@ async def _chat(client: httpx.AsyncClient, messages: list[dict[str, str]]) -> di
 async def _run_policy(policy: str, replicas: list[embedded.ReplicaProcess], workload: str,
                       args: argparse.Namespace) -> dict[str, Any]:
     from gateway.app import create_app
-    from gateway.keys import FLEET, ROUTER
     from gateway.settings import GatewaySettings
 
     served = embedded.model_settings_for(replicas)
     model = served.model_copy(update={"name": "m", "upstream_model": served.name})
     settings = GatewaySettings(auth_enabled=False, models=[model], health_interval_s=0.5)
     app = create_app(settings, router=make_router(policy))
-
-    async def router_ctx(app: web.Application) -> AsyncIterator[None]:
-        await app[ROUTER].start(app[FLEET])
-        yield
-        await app[ROUTER].close()
-
-    app.cleanup_ctx.append(router_ctx)
     async with httpx.AsyncClient(timeout=120) as admin:
         for replica in replicas:
             await admin.post(replica.url + "/kv/reset")

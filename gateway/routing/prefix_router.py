@@ -74,7 +74,8 @@ class PrefixRouter(Router):
         self.index = index
         self._fallback = LeastOutstandingRouter()
         self._states: dict[str, _EndpointState] = {}  # by endpoint url
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # consumer tasks by endpoint url
+        self._fleet: Fleet | None = None
         self._pending: set[asyncio.Task[Any]] = set()
         self._hashers: dict[str, PromptHasher] = {}
         self._sessions: OrderedDict[str, tuple[str, int]] = OrderedDict()  # -> (url, num_blocks)
@@ -102,11 +103,33 @@ class PrefixRouter(Router):
 
             self._stream_client = redis.asyncio.Redis.from_url(self.config.redis_url)
         self._session = aiohttp.ClientSession()
+        self._fleet = fleet
         for route, endpoint in fleet.all_endpoints():
-            if route.settings.backend == "replica" and endpoint.url not in self._states:
-                consumer = self.track(endpoint, route.backend)
-                self._tasks.append(asyncio.create_task(consumer.run(),
-                                                       name=f"kv-events {endpoint.url}"))
+            if route.settings.backend == "replica":
+                self._run_consumer(endpoint, route.backend)
+
+    def _run_consumer(self, endpoint: Endpoint, backend: Backend) -> None:
+        if endpoint.url in self._states:
+            return
+        consumer = self.track(endpoint, backend)
+        self._tasks[endpoint.url] = asyncio.create_task(consumer.run(),
+                                                        name=f"kv-events {endpoint.url}")
+
+    async def on_endpoints_changed(self, added: Sequence[Endpoint], removed: Sequence[Endpoint]
+                                   ) -> None:
+        """Consumers for new replica endpoints; removed ones stop and leave the index."""
+        for endpoint in removed:
+            task = self._tasks.pop(endpoint.url, None)
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            state = self._states.pop(endpoint.url, None)
+            if state is not None and self.index is not None and state.consumer.replica_id:
+                await self.index.drop_replica(state.consumer.replica_id)
+        for endpoint in added:
+            route = self._fleet.get(endpoint.model.name) if self._fleet is not None else None
+            if route is not None and route.settings.backend == "replica":
+                self._run_consumer(endpoint, route.backend)
 
     def track(self, endpoint: Endpoint, backend: Backend) -> ReplicaEventConsumer:
         """Start keeping state for `endpoint` (its consumer is returned, not run: `start` runs it)."""
@@ -117,14 +140,16 @@ class PrefixRouter(Router):
         return consumer
 
     async def close(self) -> None:
-        for task in [*self._tasks, *self._pending]:
+        tasks = [*self._tasks.values(), *self._pending]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._pending, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
         if self._session is not None:
             await self._session.close()
         if self._stream_client is not None:
             await self._stream_client.aclose()
+            self._stream_client = None
         if self.index is not None:
             await self.index.close()
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -7,13 +7,12 @@ import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
-from aiohttp import web
 
 from gateway import embedded
 from gateway.app import create_app
@@ -70,16 +69,6 @@ class Served:
         return self.loop.run(self.router.index.num_blocks(replica_name))
 
 
-PREFIX_ROUTER = web.AppKey("prefix_router", PrefixRouter)
-
-
-async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
-    router = app[PREFIX_ROUTER]
-    await router.start(app[FLEET])
-    yield
-    await router.close()
-
-
 @contextlib.contextmanager
 def open_served(kind: str, replicas: list[embedded.ReplicaProcess], loop_thread: LoopThread,
                 redis_url: str) -> Iterator[Served]:
@@ -91,8 +80,6 @@ def open_served(kind: str, replicas: list[embedded.ReplicaProcess], loop_thread:
                                 redis_prefix=f"e2e{time.monotonic_ns()}")
     router = PrefixRouter(config)
     app = create_app(settings, router=router)
-    app[PREFIX_ROUTER] = router
-    app.cleanup_ctx.append(_router_ctx)
     runner, url = loop_thread.run(start_app(app))
     served = Served(url, model.name, router, loop_thread)
     try:
