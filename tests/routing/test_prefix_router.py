@@ -139,3 +139,12 @@ def test_unsynced_replicas_fall_back_to_least_outstanding(index: IndexUnderTest)
     rig.endpoints[0].num_outstanding = 1
     chosen, reason = rig.choose(request("Any. "))
     assert chosen is rig.endpoints[1] and reason == "least_load:no_index"
+
+
+def test_endpoints_removed_by_discovery_leave_the_router_and_the_index(index: IndexUnderTest) -> None:
+    rig = Rig(index)
+    gone = rig.endpoints[1]
+    rig.hold(gone, [1, 2])
+    index.run(rig.router.on_endpoints_changed([], [gone]))
+    assert rig.router.consumer(gone) is None
+    assert index.run(index.index.num_blocks(gone.name)) == 0
