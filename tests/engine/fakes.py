@@ -78,7 +78,7 @@ def simulate_step(scheduler: Scheduler, batch: ScheduledBatch) -> list[Request]:
 
 
 def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> list[ScheduledBatch]:
-    batches = []
+    batches: list[ScheduledBatch] = []
     for _ in range(max_steps):
         if not scheduler.num_unfinished:
             return batches

@@ -9,7 +9,13 @@ import random
 import pytest
 
 from engine.kv_cache.block_hash import first_block_prefix, hash_block, hash_blocks
-from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog, apply_events
+from engine.kv_cache.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventLog,
+    apply_events,
+)
 from engine.kv_cache.manager import ComputedBlocks
 from tests.engine.fakes import BLOCK_SIZE, MODEL_ID, admit, make_manager, make_request, tokens
 
@@ -202,7 +208,7 @@ def test_events_replayed_from_zero_reproduce_the_snapshot_after_a_random_workloa
     manager = make_manager(24, event_log=log)
     shared = tokens(48, start=50)
     live = []
-    for step in range(300):
+    for _ in range(300):
         action = rng.random()
         if action < 0.5:
             prompt = shared[: rng.randrange(0, 49)] + tokens(rng.randrange(1, 60), start=rng.randrange(10**5))
