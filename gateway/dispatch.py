@@ -92,6 +92,7 @@ async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
             endpoint.num_outstanding -= 1
             await _close(events)
             error = _as_upstream_error(exc, endpoint, settings.first_token_timeout_s)
+            error.endpoint_name = endpoint.name
             tried.add(id(endpoint))
             last_error = error
             if not error.retryable:

@@ -8,7 +8,9 @@
      └── UpstreamError                the backend failed; `retryable` only before the first token
           ├── UpstreamUnavailable 502  connect refused/reset, 5xx, malformed upstream answer
           ├── UpstreamTimeout     504  no first token / no next chunk within the timeout
-          └── UpstreamRejected    4xx  the upstream refused the request itself (not retried)
+          └── UpstreamRejected    4xx  the upstream refused the request itself (not retried);
+                                       its OpenAI error (status, type, code, param, message) is
+                                       passed through unchanged
 
 `auth.principal.AuthError` (401/403) and `gateway.metering.contract.RateLimited` (429) come from
 their own seams; the pipeline maps all three families onto the dialect's error envelope.
@@ -18,16 +20,26 @@ from __future__ import annotations
 
 
 class GatewayError(Exception):
+    """`param` names the offending request field, if any; `error_type` overrides the envelope's
+    type (an upstream's own OpenAI `type`, passed through unchanged)."""
+
     status: int = 500
     code: str = "internal_error"
+    param: str | None = None
+    error_type: str | None = None
 
-    def __init__(self, message: str, *, status: int | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, *, status: int | None = None, code: str | None = None,
+                 param: str | None = None, error_type: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         if status is not None:
             self.status = status
         if code is not None:
             self.code = code
+        if param is not None:
+            self.param = param
+        if error_type is not None:
+            self.error_type = error_type
 
 
 class BadRequest(GatewayError):
@@ -56,6 +68,7 @@ class UpstreamError(GatewayError):
     status = 502
     code = "upstream_error"
     retryable = True
+    endpoint_name: str | None = None  # set by dispatch: the endpoint that failed or refused
 
 
 class UpstreamUnavailable(UpstreamError):

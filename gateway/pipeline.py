@@ -1,6 +1,7 @@
 """The one request pipeline every dialect runs through.
 
-    request id -> body cap -> parse + validate (dialect) -> authenticate -> require scope & model
+    request id -> authenticate (a bad body without a credential is a 401) -> body cap
+      -> parse + validate (dialect) -> require scope & model
       -> meter.admit -> dispatch (pick endpoint, first event, retries) -> respond or stream
       -> meter.settle (exactly once per admitted request: also on disconnect and failure)
 
@@ -22,6 +23,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from auth.admin_routes import credential_of  # one rule for every route: Bearer, else x-api-key
 from auth.cache_salt import cache_salt_for
 from auth.principal import Authenticator, AuthError, Principal, Scope
 from auth.settings import AuthSettings
@@ -69,18 +71,12 @@ def request_id_of(request: web.Request) -> str:
     return f"{_ID_PREFIX}{next(_id_counter):08x}"
 
 
-def credential_of(request: web.Request) -> str | None:
-    authorization = request.headers.get("authorization")
-    if authorization:
-        scheme, _, token = authorization.partition(" ")
-        return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-    return request.headers.get("x-api-key") or None
-
-
 def error_response(dialect: Dialect, status: int, code: str, message: str, request_id: str,
                    overhead_ms: float, replica: str = "none",
-                   headers: dict[str, str] | None = None) -> web.Response:
-    response = web.Response(status=status, body=orjson.dumps(dialect.error_body(status, code, message)),
+                   headers: dict[str, str] | None = None, param: str | None = None,
+                   error_type: str | None = None) -> web.Response:
+    body = dialect.error_body(status, code, message, param, error_type)
+    response = web.Response(status=status, body=orjson.dumps(body),
                             content_type="application/json", headers=headers)
     _stamp(response, request_id, replica, overhead_ms)
     return response
@@ -132,9 +128,9 @@ class Pipeline:
                      ) -> tuple[CanonicalRequest, Principal, ModelRoute, Admission]:
         if self.draining:
             raise GatewayError("the gateway is shutting down", status=503, code="draining")
-        canonical = dialect.parse(await self._read_body(request), request_id)
-        principal = await self.authenticator.authenticate(credential_of(request))
+        principal = await self.authenticator.authenticate(credential_of(request))  # before the body
         principal.require(Scope.INVOKE)
+        canonical = dialect.parse(await self._read_body(request), request_id)
         principal.require_model(canonical.model)
         route = self.fleet.get(canonical.model)
         if route is None:
@@ -153,7 +149,7 @@ class Pipeline:
             canonical, principal, route, admission = await self._admit(request, dialect, request_id)
         except GatewayError as exc:
             return error_response(dialect, exc.status, exc.code, exc.message, request_id,
-                                  timing.overhead_ms())
+                                  timing.overhead_ms(), param=exc.param, error_type=exc.error_type)
         except AuthError as exc:
             return error_response(dialect, exc.status, exc.code, exc.message, request_id,
                                   timing.overhead_ms())
@@ -168,8 +164,11 @@ class Pipeline:
             return await self._respond(dialect, canonical, route, timing, outcome, admission.headers)
         except GatewayError as exc:
             outcome.status = exc.status
+            if isinstance(exc, UpstreamError) and exc.endpoint_name:
+                outcome.replica = exc.endpoint_name  # the endpoint that answered with the error
             return error_response(dialect, exc.status, exc.code, exc.message, request_id,
-                                  timing.overhead_ms(), outcome.replica)
+                                  timing.overhead_ms(), outcome.replica, headers=admission.headers,
+                                  param=exc.param, error_type=exc.error_type)
         except asyncio.CancelledError:  # the client went away while we waited
             outcome.status = STATUS_CLIENT_CLOSED
             raise

@@ -13,6 +13,7 @@ from gateway.telemetry import http as telemetry
 def setup_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post("/openai/v1/completions", handlers.completions)
     app.router.add_post("/v1/responses", handlers.responses)
     app.router.add_post("/openai/v1/responses", handlers.responses)
     app.router.add_post("/openai/v1/chat/completions", handlers.chat_completions)

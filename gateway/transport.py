@@ -2,11 +2,14 @@
 
 Backends never touch aiohttp directly; tests hand them a `MockTransport`. `AiohttpTransport` keeps
 one pooled `ClientSession` per upstream origin (keep-alive connections, no per-request session).
-Connection failures surface as `UpstreamUnavailable`, connect timeouts as `UpstreamTimeout`.
+Connection failures surface as `UpstreamUnavailable`, connect timeouts as `UpstreamTimeout`; their
+messages reach clients, so they say "upstream failed: <short reason>" and the URL and exception
+details go to the log only.
 """
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -16,6 +19,8 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from gateway.errors import UpstreamTimeout, UpstreamUnavailable
+
+log = logging.getLogger("aigw.gateway")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +76,8 @@ class _AiohttpResponse(UpstreamResponse):
         try:
             return await self._response.read()
         except (aiohttp.ClientError, ConnectionError) as exc:
-            raise UpstreamUnavailable(f"upstream body failed: {exc!r}") from exc
+            log.warning("upstream body failed: %r", exc)
+            raise UpstreamUnavailable("upstream failed: the answer broke off") from exc
 
     async def lines(self) -> AsyncIterator[bytes]:
         content = self._response.content
@@ -82,7 +88,8 @@ class _AiohttpResponse(UpstreamResponse):
                     return
                 yield line
         except (aiohttp.ClientError, ConnectionError) as exc:
-            raise UpstreamUnavailable(f"upstream stream broke: {exc!r}") from exc
+            log.warning("upstream stream broke: %r", exc)
+            raise UpstreamUnavailable("upstream failed: the stream broke off") from exc
 
     async def line_batches(self) -> AsyncIterator[list[bytes]]:
         content = self._response.content
@@ -98,7 +105,8 @@ class _AiohttpResponse(UpstreamResponse):
                 if complete:
                     yield complete
         except (aiohttp.ClientError, ConnectionError) as exc:
-            raise UpstreamUnavailable(f"upstream stream broke: {exc!r}") from exc
+            log.warning("upstream stream broke: %r", exc)
+            raise UpstreamUnavailable("upstream failed: the stream broke off") from exc
 
     def close(self) -> None:
         self._response.close()
@@ -138,9 +146,11 @@ class AiohttpTransport(Transport):
                 request.method, request.url, data=request.body, headers=request.headers,
                 timeout=_timeout(request.connect_timeout_s))
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-            raise UpstreamTimeout(f"connecting to {request.url} timed out") from exc
+            log.warning("connecting to %s timed out", request.url)
+            raise UpstreamTimeout("upstream failed: connecting timed out") from exc
         except (aiohttp.ClientError, OSError) as exc:
-            raise UpstreamUnavailable(f"cannot reach {request.url}: {exc!r}") from exc
+            log.warning("cannot reach %s: %r", request.url, exc)  # details in the log, not the answer
+            raise UpstreamUnavailable("upstream failed: cannot connect") from exc
         return _AiohttpResponse(response)
 
     async def aclose(self) -> None:

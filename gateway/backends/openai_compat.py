@@ -8,6 +8,7 @@ Endpoint URLs are origins (`http://host:port`); `/v1/...` paths are appended.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from functools import lru_cache
 from typing import Any
@@ -30,6 +31,8 @@ from gateway.canonical import (
 from gateway.endpoints import Endpoint
 from gateway.errors import UpstreamRejected, UpstreamUnavailable
 from gateway.transport import UpstreamRequest, UpstreamResponse
+
+log = logging.getLogger("aigw.gateway")
 
 _FINISH_REASONS: dict[str, FinishReason] = {
     "stop": "stop", "length": "length", "tool_calls": "tool_calls", "function_call": "tool_calls",
@@ -156,13 +159,33 @@ def _message_json(message: Any) -> dict[str, Any]:
 
 
 async def _raise_for_status(response: UpstreamResponse) -> None:
+    """A 4xx (not 408/429) is the request's fault: its OpenAI error passes through unchanged
+    (status, type, code, param, message); anything else is `UpstreamUnavailable` (retryable)."""
     if response.status < 400:
         return
     body = await response.read()
-    message = f"upstream answered {response.status}: {body[:500].decode('utf-8', 'replace')}"
     if 400 <= response.status < 500 and response.status not in (408, 429):
-        raise UpstreamRejected(message, status=response.status)
-    raise UpstreamUnavailable(message)
+        raise _rejected(response.status, body)
+    log.warning("upstream answered %d: %s", response.status, body[:500].decode("utf-8", "replace"))
+    raise UpstreamUnavailable(f"upstream failed: it answered {response.status}")
+
+
+def _rejected(status: int, body: bytes) -> UpstreamRejected:
+    try:
+        error = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        error = None
+    if not isinstance(error, dict) or not isinstance(error.get("message"), str):
+        text = body[:500].decode("utf-8", "replace")
+        return UpstreamRejected(f"upstream answered {status}: {text}", status=status)
+
+    def text_or_none(key: str) -> str | None:
+        value = error.get(key)
+        return value if isinstance(value, str) and value else None
+
+    return UpstreamRejected(error["message"], status=status,
+                            code=text_or_none("code") or "upstream_rejected",
+                            param=text_or_none("param"), error_type=text_or_none("type"))
 
 
 def _chunk_events(chunk: dict[str, Any], kind: str) -> list[CanonicalEvent]:

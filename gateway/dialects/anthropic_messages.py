@@ -168,8 +168,9 @@ class AnthropicMessages(Dialect):
     def encoder(self, request: CanonicalRequest) -> StreamEncoder:
         return _MessagesEncoder(request)
 
-    def error_body(self, status: int, code: str, message: str) -> dict[str, Any]:
-        return error_body(status, code, message)
+    def error_body(self, status: int, code: str, message: str, param: str | None = None,
+                   error_type: str | None = None) -> dict[str, Any]:
+        return error_body(status, code, message)  # Anthropic errors have no param
 
 
 def _json_input(arguments: str) -> Any:

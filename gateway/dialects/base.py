@@ -44,4 +44,6 @@ class Dialect(ABC):
     def encoder(self, request: CanonicalRequest) -> StreamEncoder: ...
 
     @abstractmethod
-    def error_body(self, status: int, code: str, message: str) -> dict[str, Any]: ...
+    def error_body(self, status: int, code: str, message: str, param: str | None = None,
+                   error_type: str | None = None) -> dict[str, Any]:
+        """The error envelope; `param` and `error_type` are used where the dialect has them."""

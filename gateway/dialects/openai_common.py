@@ -20,8 +20,10 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 
 
-def error_body(status: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
-    error_type = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+def error_body(status: int, code: str, message: str, param: str | None = None,
+               error_type: str | None = None) -> dict[str, Any]:
+    error_type = error_type or _ERROR_TYPES.get(
+        status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 

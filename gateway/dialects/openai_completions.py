@@ -48,8 +48,9 @@ class OpenAICompletions(Dialect):
     def encoder(self, request: CanonicalRequest) -> StreamEncoder:
         return _CompletionEncoder(request)
 
-    def error_body(self, status: int, code: str, message: str) -> dict[str, Any]:
-        return common.error_body(status, code, message)
+    def error_body(self, status: int, code: str, message: str, param: str | None = None,
+                   error_type: str | None = None) -> dict[str, Any]:
+        return common.error_body(status, code, message, param, error_type)
 
 
 class _CompletionEncoder(StreamEncoder):

@@ -166,8 +166,9 @@ class OpenAIResponses(Dialect):
     def encoder(self, request: CanonicalRequest) -> StreamEncoder:
         return _ResponsesEncoder(request)
 
-    def error_body(self, status: int, code: str, message: str) -> dict[str, Any]:
-        return common.error_body(status, code, message)
+    def error_body(self, status: int, code: str, message: str, param: str | None = None,
+                   error_type: str | None = None) -> dict[str, Any]:
+        return common.error_body(status, code, message, param, error_type)
 
 
 class _ResponsesEncoder(StreamEncoder):
