@@ -86,6 +86,9 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every running request "
+                             "needs a token of budget per step)")
         if self.prefix_aware_window < 1:
             raise ValueError("prefix_aware_window must be >= 1")
 

@@ -54,7 +54,11 @@ class ModelRunner:
 
         attention = build_attention_backend(attention_backend_name(self.device))
         self.model = build_model(model_config, weights, attention,
-                                 make_linear_factory(config, self.device, raw_weights or {}))
+                                 make_linear_factory(config, self.device, raw_weights or {}),
+                                 self.device, self.dtype)
+        self._forward = self.model.forward
+        if config.compile:
+            self._forward = _compiled_forward(self.model)
         self.block_size = config.cache.block_size
         self.enable_cascade = self.device.type == "cpu"
         self.num_blocks = self._num_blocks_for_budget()
@@ -85,7 +89,7 @@ class ModelRunner:
         ordered = decodes + prefills
         input_ids, positions, metadata = self._prepare(decodes, prefills, num_plain, groups)
         with forward_context(metadata):
-            hidden = self.model.forward(input_ids, positions, self.kv_caches)
+            hidden = self._forward(input_ids, positions, self.kv_caches)
         rows, request_ids, row = [], [], 0
         for seq in ordered:
             row += seq.num_scheduled_tokens
@@ -202,6 +206,22 @@ def _block_table_tensor(seqs: list[ScheduledSequence]) -> torch.Tensor:
     for i, s in enumerate(seqs):
         table[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
     return table
+
+
+def _compiled_forward(model):  # type: ignore[no-untyped-def]
+    """torch.compile the model's forward with dynamic shapes (token count varies every step).
+
+    Attention and the 4-bit linears read the per-step context (a Python global), so they stay eager
+    and split the graph; what is compiled are the fused element-wise runs between them (norms, rotary,
+    residual adds, SiLU-and-mul) and the dense GEMMs.
+    """
+    from engine.layers import q4_linear, torch_attention
+
+    torch_attention.TorchPagedAttention.forward = torch.compiler.disable(  # type: ignore[method-assign]
+        torch_attention.TorchPagedAttention.forward)
+    q4_linear.Q4DecodeLinear.__call__ = torch.compiler.disable(  # type: ignore[method-assign]
+        q4_linear.Q4DecodeLinear.__call__)
+    return torch.compile(model.forward, dynamic=True)
 
 
 def _padded_blocks(tables: torch.Tensor, seq_lens: list[int], first_block: int, block_size: int,

@@ -7,15 +7,16 @@ import torch
 
 class RotaryEmbedding:
     def __init__(self, head_dim: int, max_position: int, base: float,
-                 scaling: dict[str, object] | None = None, dtype: torch.dtype = torch.float32) -> None:
+                 scaling: dict[str, object] | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
             inv_freq = _llama3_scaled(inv_freq, scaling)
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [P, Dh/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, Dh]
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin) [T, 1, Dh]: looked up once per step, shared by every layer."""

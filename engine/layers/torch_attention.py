@@ -97,7 +97,7 @@ def _attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     -> (out [B, G, M, Dh], log-sum-exp [B, G, M, 1])."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, G, M, N]
     if mask is not None:
-        scores = scores + mask
+        scores = scores + mask.to(scores.dtype)
     peak = scores.amax(dim=-1, keepdim=True)
     weights = torch.exp(scores - peak)
     total = weights.sum(dim=-1, keepdim=True)

@@ -58,22 +58,25 @@ class DecoderLayer:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: Weights, attention: PagedAttentionBackend,
-                 make_linear: LinearFactory, mlp_factory: MLPFactory = dense_mlp_factory) -> None:
+                 make_linear: LinearFactory, mlp_factory: MLPFactory = dense_mlp_factory,
+                 device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32) -> None:
+        """Linear weights are placed by `make_linear`; everything else (embeddings, norms, biases,
+        the rotary tables) goes to `device` in `dtype` here."""
         self.config = config
+        self._device, self._dtype = device, dtype
         self.attention = attention
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
-        self.embed_tokens = weights.pop("model.embed_tokens.weight")
-        self.norm = weights.pop("model.norm.weight")
+        self.embed_tokens = self._place(weights.pop("model.embed_tokens.weight"))
+        self.norm = self._place(weights.pop("model.norm.weight"))
         lm_head = weights.pop("lm_head.weight", None)
         if lm_head is None or config.tie_word_embeddings:
             lm_head = self.embed_tokens
         self.lm_head = make_linear("lm_head.weight", lm_head)
-        dtype = self.embed_tokens.dtype
         scaling = dict(config.rope_scaling) if config.rope_scaling else None
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                      config.rope_theta, scaling, dtype)
+                                      config.rope_theta, scaling, dtype, device)
         self.layers = [self._load_layer(weights, i, make_linear, mlp_factory)
                        for i in range(config.num_layers)]
 
@@ -83,17 +86,22 @@ class LlamaModel:
         qkv = fuse_rows([weights.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
         bias = None
         if self.config.attention_bias:
-            bias = torch.cat([weights.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-        qkv_linear = DenseLinear(qkv, bias) if bias is not None else make_linear(p + "self_attn.qkv_proj.weight", qkv)
+            bias = self._place(torch.cat([weights.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+        qkv_linear = (DenseLinear(self._place(qkv), bias) if bias is not None
+                      else make_linear(p + "self_attn.qkv_proj.weight", qkv))
+        q_norm, k_norm = (weights.pop(p + f"self_attn.{n}_norm.weight", None) for n in "qk")
         return DecoderLayer(
-            input_norm=weights.pop(p + "input_layernorm.weight"),
-            post_attention_norm=weights.pop(p + "post_attention_layernorm.weight"),
+            input_norm=self._place(weights.pop(p + "input_layernorm.weight")),
+            post_attention_norm=self._place(weights.pop(p + "post_attention_layernorm.weight")),
             qkv=qkv_linear,
             o_proj=make_linear(p + "self_attn.o_proj.weight", weights.pop(p + "self_attn.o_proj.weight")),
             mlp=mlp_factory(self.config, weights, i, make_linear),
-            q_norm=weights.pop(p + "self_attn.q_norm.weight", None),
-            k_norm=weights.pop(p + "self_attn.k_norm.weight", None),
+            q_norm=self._place(q_norm) if q_norm is not None else None,
+            k_norm=self._place(k_norm) if k_norm is not None else None,
         )
+
+    def _place(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(device=self._device, dtype=self._dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

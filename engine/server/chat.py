@@ -47,7 +47,7 @@ async def complete_chat(ctx: ServingContext, req: ChatCompletionRequest, fanout:
             content, calls = parsed.content, parsed.tool_calls
         logprobs = shapes.chat_logprobs(state.logprobs, ctx.token_text) if req.logprobs else None
         choices.append(shapes.chat_choice(index, shapes.chat_message(content, calls), logprobs,
-                                          _finish_reason(state, len(calls))))
+                                          _finish_reason(state, len(calls)), state.stop_reason))
     body = shapes.chat_completion(id_, created, req.model, choices, usage_of(states, req.n))
     return json_response(body)
 
@@ -94,7 +94,8 @@ class _ChatStreamWriter:
         if output.finished:
             num_calls = tools.num_calls if tools else 0
             reason = _finish_reason(self.states[index], num_calls)
-            await self.chunk([shapes.chat_chunk_choice(index, {}, None, reason)])
+            await self.chunk([shapes.chat_chunk_choice(index, {}, None, reason,
+                                                       self.states[index].stop_reason)])
 
 
 async def stream_chat(request: web.Request, ctx: ServingContext, req: ChatCompletionRequest,

@@ -15,6 +15,7 @@ class ChoiceState:
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that matched (vLLM's field)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
@@ -26,6 +27,7 @@ class ChoiceState:
             self.logprobs.extend(output.logprobs)
         if output.finish_reason is not None:
             self.finish_reason = str(output.finish_reason)
+            self.stop_reason = output.stop_reason
         self.num_prompt_tokens = output.num_prompt_tokens
         self.num_cached_tokens = output.num_cached_tokens
         self.num_output_tokens = output.num_output_tokens

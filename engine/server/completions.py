@@ -32,7 +32,7 @@ async def complete_text(ctx: ServingContext, req: CompletionRequest, fanout: Fan
             index, state.text,
             shapes.completion_logprobs(state.logprobs, ctx.token_text)
             if req.logprobs is not None else None,
-            state.finish_reason)
+            state.finish_reason, state.stop_reason)
         for index, state in enumerate(states)
     ]
     body = shapes.completion(id_, created, req.model, choices, usage_of(states, req.n))
@@ -66,7 +66,8 @@ async def stream_text(request: web.Request, ctx: ServingContext, req: Completion
                                                               ctx.token_text, offset)
                     await chunk([shapes.completion_choice(index, output.text, logprobs, None)])
                 if output.finished:
-                    await chunk([shapes.completion_choice(index, "", None, state.finish_reason)])
+                    await chunk([shapes.completion_choice(index, "", None, state.finish_reason,
+                                                          state.stop_reason)])
         except ClientGone:
             raise
         except Exception:

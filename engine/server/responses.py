@@ -59,9 +59,10 @@ def chat_completion(id_: str, created: int, model: str, choices: list[dict[str, 
 
 
 def chat_choice(index: int, message: dict[str, Any], logprobs: dict[str, Any] | None,
-                finish_reason: str | None) -> dict[str, Any]:
+                finish_reason: str | None, stop_reason: str | int | None = None) -> dict[str, Any]:
+    """`stop_reason` as vLLM: the stop string or stop token id that ended the choice, else null."""
     return {"index": index, "message": message, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+            "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
 def chat_chunk(id_: str, created: int, model: str, choices: list[dict[str, Any]], *,
@@ -74,8 +75,12 @@ def chat_chunk(id_: str, created: int, model: str, choices: list[dict[str, Any]]
 
 
 def chat_chunk_choice(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
-                      finish_reason: str | None = None) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+                      finish_reason: str | None = None, stop_reason: str | int | None = None
+                      ) -> dict[str, Any]:
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
+    return choice
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText) -> dict[str, Any]:
@@ -99,8 +104,10 @@ def completion(id_: str, created: int, model: str, choices: list[dict[str, Any]]
 
 
 def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None,
-                      finish_reason: str | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+                      finish_reason: str | None, stop_reason: str | int | None = None
+                      ) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
 
 
 def completion_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText,
