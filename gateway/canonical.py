@@ -53,6 +53,7 @@ class CanonicalRequest:
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None  # None: no top-k (forwarded to upstreams that take it: vLLM-style)
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     stream: bool = False
@@ -100,6 +101,7 @@ class ToolCallDelta:
 @dataclass(frozen=True, slots=True)
 class Finish:
     reason: FinishReason
+    stop_sequence: str | None = None  # reason == "stop": the client's stop string that matched
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +124,7 @@ class CanonicalResponse:
     tool_calls: list[ToolCall] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    stop_sequence: str | None = None  # the stop string that ended the text, when known
 
 
 class Accumulator:
@@ -131,6 +134,7 @@ class Accumulator:
         self._text: list[str] = []
         self._calls: dict[int, list[str]] = {}  # index -> [id, name, arguments...]
         self.finish_reason: FinishReason | None = None
+        self.stop_sequence: str | None = None
         self.usage: Usage | None = None
         self.num_events = 0
 
@@ -147,6 +151,7 @@ class Accumulator:
             parts.append(event.arguments)
         elif isinstance(event, Finish):
             self.finish_reason = event.reason
+            self.stop_sequence = event.stop_sequence
         else:
             self.usage = event
 
@@ -157,5 +162,5 @@ class Accumulator:
     def response(self) -> CanonicalResponse:
         calls = [ToolCall(id=p[0] or f"call_{i}", name=p[1], arguments="".join(p[2:]) or "{}")
                  for i, p in sorted(self._calls.items())]
-        return CanonicalResponse(text=self.text, tool_calls=calls,
-                                 finish_reason=self.finish_reason, usage=self.usage)
+        return CanonicalResponse(text=self.text, tool_calls=calls, finish_reason=self.finish_reason,
+                                 usage=self.usage, stop_sequence=self.stop_sequence)

@@ -57,7 +57,7 @@ class OpenAICompatBackend(Backend):
             body["prompt"] = request.prompt
         if request.stream:
             body["stream_options"] = {"include_usage": True}
-        for key in ("max_tokens", "temperature", "top_p", "seed"):
+        for key in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
             value = getattr(request, key)
             if value is not None:
                 body[key] = value
@@ -89,7 +89,7 @@ class OpenAICompatBackend(Backend):
                 accumulator.add(event)
                 if not isinstance(event, Finish):
                     yield event
-            yield Finish(accumulator.finish_reason or "stop")
+            yield Finish(accumulator.finish_reason or "stop", accumulator.stop_sequence)
             yield usage or self._count_usage(request, endpoint, accumulator)
         finally:
             response.close()
@@ -208,7 +208,10 @@ def _chunk_events(chunk: dict[str, Any], kind: str) -> list[CanonicalEvent]:
         elif choice.get("text"):
             events.append(TextDelta(choice["text"]))
         if choice.get("finish_reason"):
-            events.append(Finish(_FINISH_REASONS.get(choice["finish_reason"], "stop")))
+            reason = _FINISH_REASONS.get(choice["finish_reason"], "stop")
+            matched = choice.get("stop_reason")  # vLLM: the stop string (or token id) that matched
+            events.append(Finish(reason, matched if reason == "stop" and isinstance(matched, str)
+                                 and matched else None))
     usage = chunk.get("usage")
     if usage:
         details = usage.get("prompt_tokens_details") or {}

@@ -34,6 +34,7 @@ from gateway.canonical import (
 from gateway.dialects.base import Dialect, StreamEncoder
 from gateway.dialects.validate import (
     InvalidParam,
+    check_sampling,
     get_bool,
     get_int,
     get_list,
@@ -49,6 +50,13 @@ _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                 503: "overloaded_error"}
+
+
+def _stop_reason(response: CanonicalResponse) -> str:
+    """"stop_sequence" when the upstream said which stop string matched, else by finish reason."""
+    if response.finish_reason == "stop" and response.stop_sequence:
+        return "stop_sequence"
+    return _STOP_REASONS.get(response.finish_reason or "stop", "end_turn")
 
 
 def error_body(status: int, code: str, message: str) -> dict[str, Any]:
@@ -149,9 +157,10 @@ class AnthropicMessages(Dialect):
         request.tool_choice = _parse_tool_choice(body.get("tool_choice"))
         request.temperature = get_number(body, "temperature", minimum=0.0, maximum=1.0)
         request.top_p = get_number(body, "top_p", minimum=0.0, maximum=1.0)
-        get_int(body, "top_k", minimum=0)  # accepted; not forwarded (OpenAI upstreams lack it)
+        request.top_k = get_int(body, "top_k", minimum=1)
         request.stop = get_stop(body, "stop_sequences", max_items=16)
         request.stream = bool(get_bool(body, "stream"))
+        check_sampling(request, {"stop": "stop_sequences"})
         return request
 
     def render(self, request: CanonicalRequest, response: CanonicalResponse) -> dict[str, Any]:
@@ -162,8 +171,8 @@ class AnthropicMessages(Dialect):
                     for c in response.tool_calls]
         return {"id": f"msg_{request.request_id}", "type": "message", "role": "assistant",
                 "model": request.model, "content": content,
-                "stop_reason": _STOP_REASONS.get(response.finish_reason or "stop", "end_turn"),
-                "stop_sequence": None, "usage": _usage(response.usage)}
+                "stop_reason": _stop_reason(response), "stop_sequence": response.stop_sequence,
+                "usage": _usage(response.usage)}
 
     def encoder(self, request: CanonicalRequest) -> StreamEncoder:
         return _MessagesEncoder(request)
@@ -232,10 +241,9 @@ class _MessagesEncoder(StreamEncoder):
         return out
 
     def finish(self, response: CanonicalResponse) -> bytes:
-        reason = _STOP_REASONS.get(response.finish_reason or "stop", "end_turn")
+        delta = {"stop_reason": _stop_reason(response), "stop_sequence": response.stop_sequence}
         return (self._close_block()
-                + _sse("message_delta", {"type": "message_delta",
-                                         "delta": {"stop_reason": reason, "stop_sequence": None},
+                + _sse("message_delta", {"type": "message_delta", "delta": delta,
                                          "usage": _usage(response.usage)})
                 + _sse("message_stop", {"type": "message_stop"}))
 

@@ -101,6 +101,8 @@ class OpenAIChat(Dialect):
         request.tools = parse_tools(body)
         request.tool_choice = parse_tool_choice(body.get("tool_choice"))
         common.parse_sampling(body, request, max_tokens_keys=("max_tokens", "max_completion_tokens"))
+        common.refuse_output_format(body.get("response_format"), "response_format")
+        common.refuse_logprobs(body)
         return request
 
     def render(self, request: CanonicalRequest, response: CanonicalResponse) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import orjson
 from gateway.canonical import CanonicalRequest, Usage
 from gateway.dialects.validate import (
     InvalidParam,
+    check_sampling,
     get_bool,
     get_int,
     get_number,
@@ -62,3 +63,26 @@ def parse_sampling(body: dict[str, Any], request: CanonicalRequest, *, max_token
             raise InvalidParam("stream_options", "is only allowed when stream is true")
         request.include_usage = bool(get_bool(options, "include_usage",
                                               "stream_options.include_usage"))
+    check_sampling(request, {"max_tokens": max_tokens_keys[0]})
+
+
+def refuse_output_format(value: Any, param: str) -> None:
+    """A JSON output format (json_object / json_schema) is refused: there is no constrained decoding
+    anywhere (the replica refuses it too), and a 200 with free text would be a silent lie."""
+    if value is None:
+        return
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return
+    if kind in ("json_object", "json_schema"):
+        raise InvalidParam(f"{param}.type", f"{kind} is not supported (no constrained decoding); "
+                           "ask for JSON in the prompt instead")
+    raise InvalidParam(param, "expected an object with type text, json_object or json_schema")
+
+
+def refuse_logprobs(body: dict[str, Any]) -> None:
+    """logprobs are not carried back through the gateway: asking for them is a 400, not a null."""
+    if get_bool(body, "logprobs"):
+        raise InvalidParam("logprobs", "logprobs are not supported by the gateway")
+    if get_int(body, "top_logprobs", minimum=0):
+        raise InvalidParam("top_logprobs", "logprobs are not supported by the gateway")

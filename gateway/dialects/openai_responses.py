@@ -10,6 +10,7 @@ response.completed (or `event: error` with an `error` object when the upstream f
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -30,6 +31,7 @@ from gateway.dialects.base import Dialect, StreamEncoder
 from gateway.dialects.openai_chat import parse_content
 from gateway.dialects.validate import (
     InvalidParam,
+    check_sampling,
     get_bool,
     get_int,
     get_list,
@@ -130,7 +132,7 @@ def _response(request: CanonicalRequest, response: CanonicalResponse | None) -> 
         output += [_call_item(request, i, c, "completed") for i, c in enumerate(response.tool_calls)]
     return {"id": f"resp_{request.request_id}", "object": "response", "created_at": int(time.time()),
             "status": status, "error": None, "incomplete_details": incomplete,
-            "instructions": None, "max_output_tokens": request.max_tokens, "model": request.model,
+            "instructions": getattr(request, "instructions", None), "max_output_tokens": request.max_tokens, "model": request.model,
             "output": output, "parallel_tool_calls": True, "previous_response_id": None,
             "temperature": request.temperature, "top_p": request.top_p,
             "tool_choice": "auto" if request.tool_choice is None else request.tool_choice,
@@ -140,17 +142,24 @@ def _response(request: CanonicalRequest, response: CanonicalResponse | None) -> 
             "usage": _usage(response.usage) if response is not None else None}
 
 
+@dataclass(slots=True)
+class ResponsesRequest(CanonicalRequest):
+    """The canonical request plus what the Responses object echoes back and nothing else reads."""
+
+    instructions: str | None = None
+
+
 class OpenAIResponses(Dialect):
     name = "openai"
 
     def parse(self, body: Any, request_id: str) -> CanonicalRequest:
         body = need_object(body, "body")
-        request = CanonicalRequest(request_id, get_str(body, "model", required=True,
+        request = ResponsesRequest(request_id, get_str(body, "model", required=True,
                                                        allow_empty=False) or "")
         if body.get("previous_response_id") is not None:
             raise InvalidParam("previous_response_id", "stored responses are not supported; "
                                "send the conversation as input items")
-        instructions = get_str(body, "instructions")
+        instructions = request.instructions = get_str(body, "instructions")
         request.messages = ([Message("system", instructions)] if instructions else []) + _parse_input(body)
         request.tools = _parse_tools(body)
         request.tool_choice = _parse_tool_choice(body.get("tool_choice"))
@@ -158,6 +167,10 @@ class OpenAIResponses(Dialect):
         request.temperature = get_number(body, "temperature", minimum=0.0, maximum=2.0)
         request.top_p = get_number(body, "top_p", minimum=0.0, maximum=1.0)
         request.stream = bool(get_bool(body, "stream"))
+        check_sampling(request, {"max_tokens": "max_output_tokens"})
+        text = get_object(body, "text")
+        if text is not None:
+            common.refuse_output_format(text.get("format"), "text.format")
         return request
 
     def render(self, request: CanonicalRequest, response: CanonicalResponse) -> dict[str, Any]:
@@ -244,8 +257,9 @@ class _ResponsesEncoder(StreamEncoder):
         return out
 
     def finish(self, response: CanonicalResponse) -> bytes:
-        return self._close_item() + self._emit("response.completed",
-                                               response=_response(self._request, response))
+        snapshot = _response(self._request, response)
+        kind = "response.incomplete" if snapshot["status"] == "incomplete" else "response.completed"
+        return self._close_item() + self._emit(kind, response=snapshot)
 
     def error(self, status: int, code: str, message: str) -> bytes:
         error = common.error_body(status, code, message)["error"]

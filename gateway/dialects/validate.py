@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.sampling_params import SamplingParams, SamplingParamsError  # pure Python, no torch
+from gateway.canonical import CanonicalRequest
 from gateway.errors import BadRequest
 
 _MISSING = object()
@@ -114,3 +116,18 @@ def get_stop(body: dict[str, Any], key: str, *, max_items: int = 4) -> list[str]
             or not all(isinstance(item, str) for item in value)):
         raise InvalidParam(key, f"expected a string or an array of at most {max_items} strings")
     return list(value)
+
+
+def check_sampling(request: CanonicalRequest, param_names: dict[str, str] | None = None) -> None:
+    """The replica's own ranges (engine.sampling_params), checked here so that a value the replica
+    would refuse (e.g. top_p = 0) is a normal 400 naming its parameter. `param_names` maps the
+    canonical field to the dialect's name (e.g. {"stop": "stop_sequences"})."""
+    try:
+        SamplingParams(temperature=1.0 if request.temperature is None else request.temperature,
+                       top_p=1.0 if request.top_p is None else request.top_p, top_k=request.top_k,
+                       max_tokens=request.max_tokens, stop=tuple(request.stop))
+    except SamplingParamsError as exc:
+        message = str(exc)
+        field = message.split(" ", 1)[0]
+        field = "stop" if "stop sequence" in message else field
+        raise InvalidParam((param_names or {}).get(field, field), message) from None

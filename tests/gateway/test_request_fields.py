@@ -1,0 +1,123 @@
+"""Request fields are applied, forwarded or refused, never silently dropped; the Responses and
+Anthropic answers report what happened (incomplete status, instructions, the matched stop string)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from aiohttp import web
+
+from tests.gateway.conftest import MODEL, GatewayFactory, LoopThread, start_app
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+MESSAGES = {**CHAT, "max_tokens": 5}
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p"),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "top_p": 0}, "top_p"),
+    ("/v1/chat/completions", {**CHAT, "stop": [""]}, "stop"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}},
+     "response_format.type"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format.type"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "text": {"format": {"type": "json_object"}}},
+     "text.format.type"),
+])
+def test_values_the_replica_would_refuse_are_a_400_naming_the_param(
+        gateway: Any, path: str, body: dict[str, Any], param: str) -> None:
+    response = httpx.post(gateway.url + path, json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == param
+
+
+def test_anthropic_top_p_zero_and_top_k_zero_are_refused(gateway: Any) -> None:
+    for extra in ({"top_p": 0}, {"top_k": 0}):
+        response = httpx.post(gateway.url + "/v1/messages", json={**MESSAGES, **extra})
+        assert response.status_code == 400
+        assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_anthropic_top_k_is_forwarded_to_the_upstream(gateway: Any) -> None:
+    response = httpx.post(gateway.url + "/v1/messages", json={**MESSAGES, "top_k": 7})
+    assert response.status_code == 200
+    assert gateway.upstreams[0].state.bodies[-1]["top_k"] == 7
+
+
+def test_text_response_format_is_accepted(gateway: Any) -> None:
+    response = httpx.post(gateway.url + "/v1/chat/completions",
+                          json={**CHAT, "response_format": {"type": "text"}, "logprobs": False})
+    assert response.status_code == 200
+
+
+def test_responses_echoes_instructions(gateway: Any) -> None:
+    response = httpx.post(gateway.url + "/v1/responses",
+                          json={"model": MODEL, "input": "hi", "instructions": "Be brief."})
+    assert response.status_code == 200
+    assert response.json()["instructions"] == "Be brief."
+
+
+def _sse_event_names(text: str) -> list[str]:
+    return [line[len("event: "):] for line in text.splitlines() if line.startswith("event: ")]
+
+
+def test_responses_stream_cut_by_max_output_tokens_ends_with_response_incomplete(gateway: Any) -> None:
+    response = httpx.post(gateway.url + "/v1/responses", json={
+        "model": MODEL, "input": "hi", "max_output_tokens": 2, "stream": True})
+    names = _sse_event_names(response.text)
+    assert names[-1] == "response.incomplete" and "response.completed" not in names
+    full = httpx.post(gateway.url + "/v1/responses", json={"model": MODEL, "input": "hi",
+                                                           "stream": True})
+    assert _sse_event_names(full.text)[-1] == "response.completed"
+
+
+def _stop_matching_upstream(loop_thread: LoopThread) -> tuple[web.AppRunner, str]:
+    """Answers like our replica (and vLLM) when the stop string "END" matched."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        choice_end = {"finish_reason": "stop", "stop_reason": "END"}
+        usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+        if not body.get("stream"):
+            return web.json_response({"id": "x", "object": "chat.completion", "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "one two"}, **choice_end}],
+                "usage": usage})
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for chunk in ({"choices": [{"index": 0, "delta": {"content": "one two"},
+                                    "finish_reason": None}]},
+                      {"choices": [{"index": 0, "delta": {}, **choice_end}]},
+                      {"choices": [], "usage": usage}):
+            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    return loop_thread.run(start_app(app))
+
+
+def test_anthropic_matched_stop_sequence_is_reported_whole_and_streamed(
+        make_gateway: GatewayFactory, loop_thread: LoopThread) -> None:
+    runner, url = _stop_matching_upstream(loop_thread)
+    try:
+        gateway = make_gateway(num_upstreams=0, configs=[], models=[
+            {"name": MODEL, "backend": "replica", "endpoints": [url]}])
+        body = {**MESSAGES, "stop_sequences": ["END"]}
+        whole = httpx.post(gateway.url + "/v1/messages", json=body).json()
+        assert (whole["stop_reason"], whole["stop_sequence"]) == ("stop_sequence", "END")
+        streamed = httpx.post(gateway.url + "/v1/messages", json={**body, "stream": True}).text
+        deltas = [orjson.loads(line[6:]) for line in streamed.splitlines()
+                  if line.startswith("data: ") and "message_delta" in line]
+        assert deltas[-1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+    finally:
+        loop_thread.run(runner.cleanup())
