@@ -209,18 +209,12 @@ def _block_table_tensor(seqs: list[ScheduledSequence]) -> torch.Tensor:
 
 
 def _compiled_forward(model):  # type: ignore[no-untyped-def]
-    """torch.compile the model's forward with dynamic shapes (token count varies every step).
+    """torch.compile the model's forward with dynamic shapes (the token count varies every step).
 
-    Attention and the 4-bit linears read the per-step context (a Python global), so they stay eager
-    and split the graph; what is compiled are the fused element-wise runs between them (norms, rotary,
-    residual adds, SiLU-and-mul) and the dense GEMMs.
+    Attention and the 4-bit linears read the per-step context and are marked
+    `torch.compiler.disable`, so they stay eager and split the graph; what gets compiled are the
+    element-wise runs between them (norms, rotary, residual adds, SiLU-and-mul) and the dense GEMMs.
     """
-    from engine.layers import q4_linear, torch_attention
-
-    torch_attention.TorchPagedAttention.forward = torch.compiler.disable(  # type: ignore[method-assign]
-        torch_attention.TorchPagedAttention.forward)
-    q4_linear.Q4DecodeLinear.__call__ = torch.compiler.disable(  # type: ignore[method-assign]
-        q4_linear.Q4DecodeLinear.__call__)
     return torch.compile(model.forward, dynamic=True)
 
 
