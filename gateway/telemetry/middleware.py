@@ -55,7 +55,7 @@ def make_middleware(telemetry: Telemetry) -> Middleware:
         context_token = None
         if is_tracing:
             span = tracer.start_span(f"{request.method} {route}", kind=SpanKind.SERVER,
-                                     context=PROPAGATOR.extract(request.headers),
+                                     context=_incoming_context(request),
                                      attributes={"http.request.method": request.method,
                                                  "http.route": route})
             context_token = _attach(span)
@@ -93,6 +93,13 @@ def make_middleware(telemetry: Telemetry) -> Middleware:
             else:
                 finish()
     return telemetry_middleware
+
+
+def _incoming_context(request: web.Request) -> otel_context.Context | None:
+    """The caller's trace context (W3C traceparent), or None (a new trace) without parsing."""
+    if "traceparent" not in request.headers:
+        return None
+    return PROPAGATOR.extract(request.headers)
 
 
 def _attach(span: Span) -> object:

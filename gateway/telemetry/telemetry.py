@@ -44,11 +44,13 @@ class Telemetry:
         self.usage = UsageSeries()
         self.latency = LatencyWindow()
         self.middleware = make_middleware(self)
-        self._gateway_settings: GatewaySettings | None = None
+        self._savings_by_model: dict[str, float] = {}  # USD saved per cached prompt token
 
     def attach(self, settings: GatewaySettings, fleet: Fleet) -> None:
         """Bind to the app's settings (prices) and fleet (endpoint gauges); once per app."""
-        self._gateway_settings = settings
+        self._savings_by_model = {
+            model.name: max(0.0, model.prices.input_per_token - model.prices.cached_input_per_token)
+            for model in settings.models}
         self.metrics.attach_fleet(fleet)
 
     # With tracing off (settings.is_tracing_enabled false) the wrappers below create no span
@@ -77,15 +79,9 @@ class Telemetry:
             if span is not None and span.is_recording():  # not ended, and sampled
                 span.set_attributes(usage_attributes(record))
         self.metrics.observe_usage(record)
-        self.usage.add(record, self._savings_per_cached_token(record.model))
+        self.usage.add(record, self._savings_by_model.get(record.model, 0.0))
         if observation is not None and observation.on_settled is not None:
             observation.on_settled()
-
-    def _savings_per_cached_token(self, model: str) -> float:
-        found = self._gateway_settings.find_model(model) if self._gateway_settings else None
-        if found is None:
-            return 0.0
-        return max(0.0, found.prices.input_per_token - found.prices.cached_input_per_token)
 
     def install(self, app: web.Application) -> None:
         """app[TELEMETRY], the trace id on streamed answers' headers (the middleware stamps the
