@@ -35,6 +35,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def credential_of(request: web.Request) -> str | None:
+    """The one credential rule of every route (admin, model, dashboard): `Authorization: Bearer
+    <token>`, else `x-api-key`; another Authorization scheme does not hide x-api-key."""
     authorization = request.headers.get("Authorization", "")
     if authorization[:7].lower() == "bearer ":
         return authorization[7:].strip() or None
@@ -130,10 +132,18 @@ def build_admin_routes(services: AuthServices, prefix: str) -> list[web.RouteDef
 
     async def project_usage(request: web.Request, principal: Principal) -> web.Response:
         from gateway.metering import open_usage_reader, render_csv, render_json
+        from gateway.metering.usage_report import validate_day
 
         project = request.match_info["project"]
         principal.require_project(project)
         query = request.query
+        try:
+            since = validate_day(query.get("since"), "since")
+            until = validate_day(query.get("until"), "until")
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+        if await services.store.get_project(project) is None:
+            raise UnknownProject(project)  # as the keys listing answers
         group_by = [g for g in query.get("group_by", "model,day").split(",") if g]
         async with reader_lock:
             if services.usage_reader is None:
@@ -141,7 +151,7 @@ def build_admin_routes(services: AuthServices, prefix: str) -> list[web.RouteDef
                                                                 services.settings.data_dir)
         try:
             rows = await services.usage_reader.usage_by_project(
-                project, group_by, since=query.get("since"), until=query.get("until"))
+                project, group_by, since=since, until=until)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
         if query.get("format", "json") == "csv":

@@ -7,6 +7,7 @@ import io
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from datetime import date
 
 from gateway.metering.prices import NANOS_PER_USD
 
@@ -45,6 +46,19 @@ def validate_group_by(group_by: Sequence[str]) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"group_by must be a subset of {GROUP_FIELDS}, not {sorted(unknown)}")
     return tuple(f for f in GROUP_FIELDS if f in group_by)
+
+
+def validate_day(value: str | None, name: str) -> str | None:
+    """`since`/`until` must be UTC days "YYYY-MM-DD" (compared as strings, so a typo would
+    silently select nothing); ValueError names the parameter otherwise."""
+    if value is None:
+        return None
+    try:
+        if date.fromisoformat(value).isoformat() == value:
+            return value
+    except ValueError:
+        pass
+    raise ValueError(f"{name} must be a day as YYYY-MM-DD, not {value!r}")
 
 
 def in_range(day: str, since: str | None, until: str | None) -> bool:
