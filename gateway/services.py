@@ -24,17 +24,23 @@ ADMIN_PREFIX = "/admin/v1"
 
 
 def metering_settings(settings: GatewaySettings) -> Any:
-    """Our per-token prices and default limits, in metering's units (USD per million tokens)."""
+    """Our per-token prices and all limits (project and key, defaults and overrides, daily
+    budgets), in metering's units (USD per million tokens)."""
     from gateway.metering import Limits, MeteringSettings, ModelPrice
+
+    def limits_of(given: Any) -> Any:
+        return Limits(**given.model_dump())
 
     prices = {m.name: ModelPrice(input=m.prices.input_per_token * 1e6,
                                  output=m.prices.output_per_token * 1e6,
                                  cached_input=m.prices.cached_input_per_token * 1e6)
               for m in settings.models}
-    limits = Limits(requests_per_minute=settings.limits.requests_per_minute,
-                    tokens_per_minute=settings.limits.tokens_per_minute)
-    return MeteringSettings(enabled=settings.auth_enabled, prices=prices,
-                            default_project_limits=limits)
+    return MeteringSettings(
+        enabled=settings.auth_enabled, prices=prices,
+        default_project_limits=limits_of(settings.limits),
+        default_key_limits=limits_of(settings.key_limits),
+        project_limits={name: limits_of(v) for name, v in settings.project_limits.items()},
+        key_limits={key_id: limits_of(v) for key_id, v in settings.key_limits_by_id.items()})
 
 
 async def create_served_app(settings: GatewaySettings) -> web.Application:
@@ -45,7 +51,8 @@ async def create_served_app(settings: GatewaySettings) -> web.Application:
     from gateway.metering import open_meter
 
     auth_settings = AuthSettings.from_env().model_copy(update={
-        "enabled": True, "redis_url": settings.redis_url, "data_dir": settings.data_dir})
+        "enabled": True, "redis_url": settings.redis_url, "data_dir": settings.data_dir,
+        "cache_salt_scope": settings.cache_salt_scope})
     auth = await open_auth(auth_settings)
     try:
         meter = await open_meter(metering_settings(settings), redis=auth.redis,

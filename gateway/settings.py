@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextvars
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -86,11 +86,12 @@ class ModelSettings(BaseModel):
 
 
 class LimitDefaults(BaseModel):
-    """Defaults handed to the meter for projects without their own limits (None = unlimited)."""
+    """Limits handed to the meter (None = unlimited): per minute, and a USD budget per UTC day."""
 
     model_config = ConfigDict(frozen=True)
     requests_per_minute: int | None = Field(default=None, gt=0)
     tokens_per_minute: int | None = Field(default=None, gt=0)
+    daily_budget_usd: float | None = Field(default=None, gt=0)
 
 
 class _ConfigFileSource(PydanticBaseSettingsSource):
@@ -123,7 +124,12 @@ class GatewaySettings(BaseSettings):
     data_dir: Path = Path(".aigw")
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
     default_max_tokens: int = Field(1024, gt=0)  # admission reserve when the client sets none
-    limits: LimitDefaults = LimitDefaults()
+    limits: LimitDefaults = LimitDefaults()  # each project without its own entry below
+    key_limits: LimitDefaults = LimitDefaults()  # each key alone, without its own entry below
+    project_limits: dict[str, LimitDefaults] = {}  # project name -> its limits
+    key_limits_by_id: dict[str, LimitDefaults] = {}  # key id -> its limits
+    # Prompt-cache isolation (auth.cache_salt): per project, per key, or shared by all.
+    cache_salt_scope: Literal["project", "key", "shared"] = "project"
     # Retries before the first token: at most `num_retries` per request, and in all at most
     # `retry_budget_ratio` retries per request plus `num_retries_reserve` (a retry budget).
     num_retries: int = Field(2, ge=0)
