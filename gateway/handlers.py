@@ -56,10 +56,14 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """503 "draining" while shutting down; else 200, "degraded" when some model has no endpoint
+    that can serve (not 503: liveness probes read this too, and a replica outage must not restart
+    the gateway), "ok" otherwise. Per model: endpoint counts."""
     pipeline = request.app[PIPELINE]
     models = {name: {"num_endpoints": len(route.endpoints),
                      "num_healthy_endpoints": sum(e.can_serve() for e in route.endpoints)}
               for name, route in request.app[FLEET].routes.items()}
-    status = "draining" if pipeline.draining else "ok"
+    degraded = any(m["num_healthy_endpoints"] == 0 for m in models.values())
+    status = "draining" if pipeline.draining else "degraded" if degraded else "ok"
     return web.Response(body=orjson.dumps({"status": status, "models": models}),
                         status=503 if pipeline.draining else 200, content_type="application/json")

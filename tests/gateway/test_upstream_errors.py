@@ -3,11 +3,13 @@ names the replica that answered and keeps the rate-limit headers; 502s leak no i
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
 from aiohttp import web
 
+from bench.mock_upstream import MockConfig
 from tests.gateway.conftest import MODEL, GatewayFactory, LoopThread, start_app
 from tests.gateway.test_auth_seam import KeyAuthenticator, RecordingMeter
 
@@ -94,3 +96,21 @@ def test_non_bearer_authorization_falls_back_to_x_api_key_as_on_admin_routes(
     response = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT,
                           headers={"authorization": "Basic Zm9vOmJhcg==", "x-api-key": "good"})
     assert response.status_code == 200
+
+
+def test_health_says_degraded_while_a_model_has_no_healthy_endpoint(
+        make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(configs=[MockConfig(health_status=503)])
+    deadline = time.monotonic() + 10
+    health = httpx.get(gateway.url + "/health")
+    while health.json()["status"] != "degraded" and time.monotonic() < deadline:
+        time.sleep(0.05)
+        health = httpx.get(gateway.url + "/health")
+    assert health.status_code == 200
+    assert health.json()["status"] == "degraded"
+    assert health.json()["models"][MODEL]["num_healthy_endpoints"] == 0
+
+
+def test_health_is_ok_when_every_model_can_serve(gateway: Any) -> None:
+    health = httpx.get(gateway.url + "/health")
+    assert (health.status_code, health.json()["status"]) == (200, "ok")
