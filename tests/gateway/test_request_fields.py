@@ -121,3 +121,13 @@ def test_anthropic_matched_stop_sequence_is_reported_whole_and_streamed(
         assert deltas[-1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
     finally:
         loop_thread.run(runner.cleanup())
+
+
+def test_gateway_reuses_the_replica_sampling_checks_without_importing_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, gateway.app, gateway.dialects.validate; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            check=True)
+    assert result.stdout.strip() == "False"
