@@ -137,6 +137,7 @@ class Pipeline:
             raise ModelNotFound(f"the model {canonical.model!r} does not exist")
         canonical.project = principal.project
         canonical.cache_salt = self.cache_salt_of(principal)
+        canonical.session_id = request.headers.get("x-session-id")
         admission = await self.meter.admit(request_id, principal, canonical.model,
                                            estimate_prompt_tokens(canonical),
                                            canonical.max_tokens or self.settings.default_max_tokens)
@@ -158,6 +159,7 @@ class Pipeline:
                                   timing.overhead_ms(), headers=exc.headers)
         outcome = _Outcome()
         try:
+            outcome.explain_route = request.headers.get("x-aigw-debug") == "1"
             if canonical.stream:
                 return await self._stream(request, dialect, canonical, route, timing, outcome,
                                           admission.headers)
@@ -204,7 +206,14 @@ class Pipeline:
         body = orjson.dumps(dialect.render(canonical, outcome.accumulator.response()))
         response = web.Response(body=body, content_type="application/json", headers=extra_headers)
         _stamp(response, canonical.request_id, outcome.replica, timing.overhead_ms())
+        self._explain_route(response, canonical, outcome)
         return response
+
+    def _explain_route(self, response: web.StreamResponse, canonical: CanonicalRequest,
+                       outcome: _Outcome) -> None:
+        """`x-aigw-debug: 1` asks for the routing decision: matched blocks and scores per replica."""
+        if outcome.explain_route:
+            response.headers["x-aigw-route"] = self.router.explain(canonical.request_id) or "no decision"
 
     async def _drain_events(self, attempt: Attempt, accumulator: Accumulator, timing: Timing) -> None:
         events = attempt.events
@@ -230,6 +239,7 @@ class Pipeline:
         response = web.StreamResponse(headers={**_SSE_HEADERS, **extra_headers})
         try:
             _stamp(response, canonical.request_id, outcome.replica, timing.overhead_ms())
+            self._explain_route(response, canonical, outcome)
             await response.prepare(request)
             outcome.status = 200
             accumulator.add(attempt.first_event)
@@ -276,9 +286,10 @@ def _after_start(exc: BaseException, settings: GatewaySettings) -> UpstreamError
 
 
 class _Outcome:
-    __slots__ = ("accumulator", "replica", "status")
+    __slots__ = ("accumulator", "explain_route", "replica", "status")
 
     def __init__(self) -> None:
         self.accumulator = Accumulator()
         self.replica = "none"
         self.status = 502
+        self.explain_route = False

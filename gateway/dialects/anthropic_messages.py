@@ -158,6 +158,9 @@ class AnthropicMessages(Dialect):
         request.temperature = get_number(body, "temperature", minimum=0.0, maximum=1.0)
         request.top_p = get_number(body, "top_p", minimum=0.0, maximum=1.0)
         request.top_k = get_int(body, "top_k", minimum=1)
+        metadata = get_object(body, "metadata")
+        if metadata is not None:
+            request.user = get_str(metadata, "user_id", "metadata.user_id")
         request.stop = get_stop(body, "stop_sequences", max_items=16)
         request.stream = bool(get_bool(body, "stream"))
         check_sampling(request, {"stop": "stop_sequences"})

@@ -15,6 +15,7 @@ from gateway.dialects.validate import (
     get_number,
     get_object,
     get_stop,
+    get_str,
 )
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -44,7 +45,8 @@ def usage_json(usage: Usage | None) -> dict[str, Any]:
 
 def parse_sampling(body: dict[str, Any], request: CanonicalRequest, *, max_tokens_keys: tuple[str, ...]
                    ) -> None:
-    """temperature, top_p, n, seed, stop, max tokens, stream and stream_options onto `request`."""
+    """temperature, top_p, n, seed, stop, max tokens, stream, stream_options and user onto `request`."""
+    request.user = get_str(body, "user")
     for key in max_tokens_keys:
         value = get_int(body, key, minimum=1)
         if value is not None:

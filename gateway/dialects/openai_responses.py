@@ -167,6 +167,7 @@ class OpenAIResponses(Dialect):
         request.temperature = get_number(body, "temperature", minimum=0.0, maximum=2.0)
         request.top_p = get_number(body, "top_p", minimum=0.0, maximum=1.0)
         request.stream = bool(get_bool(body, "stream"))
+        request.user = get_str(body, "user")
         check_sampling(request, {"max_tokens": "max_output_tokens"})
         text = get_object(body, "text")
         if text is not None:
