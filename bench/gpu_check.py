@@ -13,6 +13,7 @@ Exit status: 0 when every check passed (or no GPU), 1 when a check failed or a c
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import sys
@@ -307,18 +308,30 @@ def end_to_end() -> None:
     except Exception as exc:
         print(f"[e2e] skipped: engine hook not importable ({type(exc).__name__}: {exc})")
         return
+    from engine.testing import mixtral_config
+
+    # Smoke mode (CPU): a tiny Mixtral-shaped config, so the path is exercised without 10 GB of weights.
+    tiny = None
+    if SMOKE:
+        tiny = dataclasses.replace(mixtral_config(2), hidden_size=64, intermediate_size=96,
+                                   moe_intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=16,
+                                   vocab_size=1024)
+    num_prompts, prompt_len, new_tokens = (4, 32, 8) if SMOKE else (64, 512, 128)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for quant in (None, "fp8"):
         def body(quant=quant) -> Row:
-            eng = build_random_engine("mixtral", dtype="bfloat16", quantization=quant, num_layers=8)
-            prompts = [[int(i) % 1000 + 1 for i in range(512)] for _ in range(64)]
+            eng = build_random_engine("mixtral", dtype="float32" if SMOKE else "bfloat16",
+                                      quantization=quant, num_layers=2 if SMOKE else 8,
+                                      model_config=tiny)
+            prompts = [[int(i) % 1000 + 1 for i in range(prompt_len)] for _ in range(num_prompts)]
             eng.generate(prompts[:2], max_tokens=4)  # warmup / compile
-            torch.cuda.synchronize()
+            sync()
             t = time.perf_counter()
-            outs = eng.generate(prompts, max_tokens=128)
-            torch.cuda.synchronize()
+            outs = eng.generate(prompts, max_tokens=new_tokens)
+            sync()
             dt = time.perf_counter() - t
             generated = sum(len(o.token_ids) for o in outs)
-            return Row("e2e mixtral(8 layers)", f"{quant or 'bf16'} 64x(512+128)", "-",
+            return Row("e2e mixtral", f"{quant or 'bf16'} {num_prompts}x({prompt_len}+{new_tokens})", "-",
                        baseline=f"{generated / dt:.0f} generated tok/s, {dt:.1f} s")
         case("e2e", quant or "bf16", body)
 

@@ -126,6 +126,4 @@ def build_random_engine(arch: str = "mixtral", dtype: str | None = None, quantiz
     torch_dtype = _DTYPES[engine_config.resolved_dtype]
     weights = random_weights(config, torch.device(device), torch_dtype, seed)
     runner = ModelRunner(engine_config, config, weights)
-    rotary = runner.model.rotary  # TODO(lead): LlamaModel should place its rotary tables on the device
-    rotary.cos, rotary.sin = rotary.cos.to(device), rotary.sin.to(device)
     return RandomEngine(LLMEngine(engine_config, config, runner, placeholder_tokenizer(config.vocab_size)))
