@@ -62,7 +62,6 @@ class Q4DecodeLinear(LinearWeight):
         codes, scale, zero = (torch.cat([u[i] for u in unpacked], dim=0) for i in range(3))
         return cls(dense, codes, scale, zero)
 
-    @torch.compiler.disable  # reads the per-step context; stays eager under `--compile`
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         num_decode = current_metadata().num_decode_tokens
         if num_decode == 0:

@@ -19,7 +19,6 @@ from engine.layers.attention import AttentionMetadata, CascadeGroup, PagedAttent
 
 
 class TorchPagedAttention(PagedAttentionBackend):
-    @torch.compiler.disable  # reads per-step metadata; stays eager under `--compile`
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, scale: float, meta: AttentionMetadata) -> torch.Tensor:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
