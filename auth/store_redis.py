@@ -9,7 +9,8 @@ Key layout (every key starts with `aigw:`; `{...}` is a Redis Cluster hash tag):
     aigw:auth:revocations              pubsub channel; message = changed key id
     aigw:auth:pepper                   string hex pepper, when AuthSettings.key_pepper is unset
 
-No command here touches two keys at once, so no cross-slot script is needed. The metering keys
+No command here touches two keys at once, so no cross-slot script is needed; on Redis Cluster
+the revocation channel is a plain PUBLISH, which the cluster bus carries to every node. The metering keys
 (usage, limits) share the `{p:<project>}` tag: see gateway/metering/redis_meter.py.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 
 from auth.keys import KeyRecord, ProjectRecord
 from auth.store import ChangeFeed, KeyStore, ProjectExists, UnknownKey
+from gateway.redis_client import is_cluster_client
 
 PROJECTS_KEY = "aigw:auth:projects"
 REVOCATION_VERSION_KEY = "aigw:auth:revocation_version"
@@ -53,9 +55,10 @@ def project_keys_key(project: str) -> str:
 
 
 def connect_redis(url: str) -> Any:
-    import redis.asyncio as aioredis
+    """A decoding client for `url` (redis:// or redis+cluster://: gateway/redis_client.py)."""
+    from gateway.redis_client import connect_redis as connect
 
-    return aioredis.Redis.from_url(url, decode_responses=True)
+    return connect(url, decode_responses=True)
 
 
 class RedisKeyStore(KeyStore):
@@ -114,6 +117,8 @@ class RedisKeyStore(KeyStore):
         return bytes.fromhex(await self.client.get(PEPPER_KEY))
 
     async def open_change_feed(self) -> ChangeFeed | None:
+        if is_cluster_client(self.client):  # its pub/sub needs the slot map of an opened client
+            await self.client.initialize()
         pubsub = self.client.pubsub(ignore_subscribe_messages=True)
         await pubsub.subscribe(REVOCATION_CHANNEL)
         return _PubSubFeed(pubsub)

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 
 import pytest
 
+from tests.redis_cluster import (
+    CLEAN_REDIS_FIXTURES,
+    clean_url_for,
+    flush_cluster,
+    running_redis_cluster,
+)
 from tests.redis_server import flush_all, running_redis_server
 
 # Triton kernels run in the interpreter on machines without a GPU (set before anything imports triton).
@@ -26,3 +33,25 @@ def clean_redis_url(redis_url: str) -> str:
     """The session's redis-server, emptied with FLUSHALL before this test."""
     flush_all(redis_url)
     return redis_url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url() -> Iterator[str]:
+    """`redis+cluster://127.0.0.1:<port>` of a real three-node Redis Cluster, started once."""
+    if shutil.which("redis-cli") is None:
+        pytest.skip("redis-cli is not on PATH (scripts/ensure-redis.sh installs it)")
+    with running_redis_cluster() as url:
+        yield url
+
+
+@pytest.fixture
+def clean_redis_cluster_url(redis_cluster_url: str) -> str:
+    """The session's Redis Cluster, emptied with FLUSHALL on every primary before this test."""
+    flush_cluster(redis_cluster_url)
+    return redis_cluster_url
+
+
+@pytest.fixture(params=list(CLEAN_REDIS_FIXTURES))
+def any_clean_redis_url(request: pytest.FixtureRequest) -> str | None:
+    """A flushed Redis server, then a flushed Redis Cluster: shared-state tests run on both."""
+    return clean_url_for(str(request.param), request)

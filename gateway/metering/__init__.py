@@ -44,9 +44,9 @@ async def open_meter(settings: MeteringSettings, redis: Any | None = None,
         from gateway.metering.redis_meter import RedisMeter
 
         if isinstance(redis, str):
-            import redis.asyncio as aioredis
+            from gateway.redis_client import connect_redis
 
-            return RedisMeter(settings, aioredis.Redis.from_url(redis, decode_responses=True),
+            return RedisMeter(settings, connect_redis(redis, decode_responses=True),
                               owns_client=True)
         return RedisMeter(settings, redis)
     from gateway.metering.embedded_meter import EmbeddedMeter

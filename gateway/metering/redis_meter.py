@@ -16,10 +16,13 @@ touches a single Redis Cluster slot):
 ADMIT checks every scope and reserves in all or none, in one script (atomic: no two gateways can
 both take the last tokens). SETTLE writes the record with SET NX and, only when that created it,
 moves the counters by (actual - reserved) and adds to the day's sums, also in one script.
+On Redis Cluster (gateway/redis_client.py) the coalesced calls go out concurrently rather than in
+one pipeline (redis-py blocks EVALSHA in cluster pipelines); SCRIPT LOAD reaches every primary.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from typing import Any
@@ -41,6 +44,7 @@ from gateway.metering.limits import (
 from gateway.metering.meter import BaseMeter, usage_day
 from gateway.metering.settings import MeteringSettings
 from gateway.metering.usage_report import UsageRow, in_range
+from gateway.redis_client import is_cluster_client
 
 _METRICS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_nanos")
 
@@ -117,6 +121,7 @@ class RedisMeter(BaseMeter):
         self.client = client
         self._owns_client = owns_client
         self._scripts_loaded = False
+        self._cluster = is_cluster_client(client)
         self._calls: Coalescer[ScriptCall, Any] = Coalescer(self._run_scripts)
 
     async def _run_scripts(self, calls: list[ScriptCall]) -> list[Any]:
@@ -132,6 +137,11 @@ class RedisMeter(BaseMeter):
         return results
 
     async def _pipeline(self, calls: list[ScriptCall]) -> list[Any]:
+        if self._cluster:  # redis-py refuses EVALSHA in a cluster pipeline: one call per script,
+            # concurrently (each goes to the node of its project's slot)
+            return list(await asyncio.gather(
+                *(self.client.evalsha(_SCRIPT_SHAS[name], len(keys), *keys, *args)
+                  for name, keys, args in calls), return_exceptions=True))
         pipe = self.client.pipeline(transaction=False)
         for name, keys, args in calls:
             pipe.evalsha(_SCRIPT_SHAS[name], len(keys), *keys, *args)

@@ -99,9 +99,9 @@ class PrefixRouter(Router):
             else:
                 self.index = InProcessIndex()
         if self.config.read_redis_streams and self.config.redis_url:
-            import redis.asyncio
+            from gateway.redis_client import connect_redis
 
-            self._stream_client = redis.asyncio.Redis.from_url(self.config.redis_url)
+            self._stream_client = connect_redis(self.config.redis_url)
         self._session = aiohttp.ClientSession()
         self._fleet = fleet
         for route, endpoint in fleet.all_endpoints():

@@ -88,7 +88,8 @@ end
 return 0
 """
 
-# ARGV: block prefix, number of replicas, replicas..., hashes...  -> {replica, run, ...}
+# KEYS: seq hash (unread: it routes the call to the {kv} slot on a cluster). ARGV: block prefix,
+# number of replicas, replicas..., hashes...  -> {replica, run, ...}
 _MATCH = _CLEAR + """
 local bp, n = ARGV[1], tonumber(ARGV[2])
 local now = now_ms()
@@ -147,9 +148,9 @@ class RedisIndex(PrefixIndex):
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "aigw") -> RedisIndex:
-        import redis.asyncio
+        from gateway.redis_client import connect_redis
 
-        return cls(redis.asyncio.Redis.from_url(url), prefix, owns_client=True)
+        return cls(connect_redis(url), prefix, owns_client=True)
 
     async def apply(self, batch: EventBatch) -> ApplyResult:
         ops: list[str | int] = []
@@ -179,7 +180,7 @@ class RedisIndex(PrefixIndex):
     async def match(self, block_hashes: Sequence[int], replica_ids: Sequence[str]) -> dict[str, int]:
         if not block_hashes or not replica_ids:
             return dict.fromkeys(replica_ids, 0)
-        flat = await self._match(args=[self.block_prefix, len(replica_ids), *replica_ids,
+        flat = await self._match(keys=[self.seq_key], args=[self.block_prefix, len(replica_ids), *replica_ids,
                                        *(hash_key(h) for h in block_hashes)])
         return {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 

@@ -7,10 +7,10 @@ import re
 import sqlite3
 
 import pytest
-import redis as sync_redis
 
 from auth import AuthError, AuthServices, Scope, open_auth
 from auth.settings import AuthSettings
+from gateway.redis_client import connect_redis_sync, is_cluster_client
 
 INVOKE = [Scope.INVOKE.value]
 
@@ -24,10 +24,11 @@ async def _with_project(settings: AuthSettings) -> AuthServices:
 def _all_stored_bytes(settings: AuthSettings) -> bytes:
     """Every value the store holds, as one blob (to look for a secret in it)."""
     if settings.redis_url:
-        client = sync_redis.Redis.from_url(settings.redis_url)
+        client = connect_redis_sync(settings.redis_url)
         try:
             blob = b""
-            for key in client.keys("*"):
+            every_node = {"target_nodes": "primaries"} if is_cluster_client(client) else {}
+            for key in client.keys("*", **every_node):
                 kind = client.type(key)
                 if kind == b"string":
                     blob += client.get(key) or b""

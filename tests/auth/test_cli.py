@@ -12,14 +12,16 @@ import pytest
 from auth import open_auth
 from auth.settings import AuthSettings
 from gateway.cli import main
+from tests.redis_cluster import clean_url_for
 
 
 @pytest.fixture
 def cli_env(store_kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
             request: pytest.FixtureRequest) -> AuthSettings:
     monkeypatch.setenv("AIGW_DATA_DIR", str(tmp_path / "data"))
-    if store_kind == "redis":
-        monkeypatch.setenv("AIGW_REDIS_URL", request.getfixturevalue("clean_redis_url"))
+    redis_url = clean_url_for(store_kind, request)
+    if redis_url is not None:
+        monkeypatch.setenv("AIGW_REDIS_URL", redis_url)
     else:
         monkeypatch.delenv("AIGW_REDIS_URL", raising=False)
     return AuthSettings.from_env()

@@ -10,14 +10,15 @@ import pytest
 
 from auth.principal import Principal, Scope
 from gateway.metering import BaseMeter, MeteringSettings, UsageRecord, open_meter
+from tests.redis_cluster import clean_url_for
 
 OpenMeter = Callable[[MeteringSettings], Awaitable[BaseMeter]]
 
 
-@pytest.fixture(params=["redis", "sqlite"])
+@pytest.fixture(params=["redis", "redis-cluster", "sqlite"])
 def open_test_meter(request: pytest.FixtureRequest, tmp_path: Path) -> OpenMeter:
     """`await open_test_meter(settings)`: a meter on a fresh store; call close() when done."""
-    redis_url = request.getfixturevalue("clean_redis_url") if request.param == "redis" else None
+    redis_url = clean_url_for(str(request.param), request)
 
     async def open_one(settings: MeteringSettings) -> BaseMeter:
         return await open_meter(settings, redis=redis_url, data_dir=tmp_path / "data")

@@ -142,12 +142,12 @@ async def _race_for_tokens(meters: list, limit: int, num_requests: int) -> list[
 
 
 def test_two_meters_on_one_redis_hold_the_tpm_limit_within_one_request(
-        clean_redis_url: str) -> None:
+        any_clean_redis_url: str) -> None:
     limit = 2_000
     settings = MeteringSettings(default_project_limits=Limits(tokens_per_minute=limit))
 
     async def scenario() -> None:
-        meters = [await open_meter(settings, redis=clean_redis_url) for _ in range(2)]
+        meters = [await open_meter(settings, redis=any_clean_redis_url) for _ in range(2)]
         try:
             admitted = await _race_for_tokens(meters, limit, num_requests=120)
             assert sum(admitted) <= limit + max(admitted)

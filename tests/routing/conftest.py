@@ -10,6 +10,7 @@ import pytest
 
 from gateway.routing.index import InProcessIndex, PrefixIndex
 from gateway.routing.redis_index import RedisIndex
+from tests.redis_cluster import clean_url_for
 
 T = TypeVar("T")
 
@@ -35,9 +36,9 @@ async def _open_redis(url: str) -> PrefixIndex:
     return RedisIndex.from_url(url)
 
 
-@pytest.fixture(params=["in_process", "redis"])
+@pytest.fixture(params=["in_process", "redis", "redis-cluster"])
 def index(request: pytest.FixtureRequest) -> Iterator[IndexUnderTest]:
-    url = request.getfixturevalue("clean_redis_url") if request.param == "redis" else None
+    url = clean_url_for(str(request.param), request)
     under_test = IndexUnderTest(request.param, url)
     yield under_test
     under_test.close()

@@ -1,0 +1,62 @@
+"""The one place a Redis client is built from a URL (auth store, meter, prefix index, streams).
+
+    redis://host:port/0            one Redis server: redis.asyncio.Redis
+    rediss://...                   the same over TLS
+    redis+cluster://host:port      a Redis Cluster, discovered from that seed node:
+                                   redis.asyncio.cluster.RedisCluster (no database number;
+                                   rediss+cluster:// for TLS)
+
+Every multi-key script or pipeline in this project keeps the keys of one call under one hash
+tag (`aigw:{p:<project>}:...` for a project's usage and limits, `aigw:{kv}:...` for the prefix
+index), so the same code runs on one server and on a cluster.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+_CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def is_cluster_url(url: str) -> bool:
+    return urlsplit(url).scheme in _CLUSTER_SCHEMES
+
+
+def _plain_url(url: str) -> str:
+    """The cluster URL with its scheme replaced by the one redis-py parses (redis/rediss)."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(scheme=_CLUSTER_SCHEMES[parts.scheme]))
+
+
+def is_cluster_client(client: Any) -> bool:
+    """True for a redis-py (asyncio or blocking) RedisCluster client."""
+    from redis.asyncio.cluster import RedisCluster
+    from redis.cluster import RedisCluster as SyncRedisCluster
+
+    return isinstance(client, RedisCluster | SyncRedisCluster)
+
+
+def connect_redis(url: str, *, decode_responses: bool = False, **options: Any) -> Any:
+    """An asyncio client for `url`: RedisCluster for redis+cluster://, else Redis. `options` go to
+    the client (e.g. socket_timeout). The caller closes it with `await client.aclose()`."""
+    if is_cluster_url(url):
+        from redis.asyncio.cluster import RedisCluster
+
+        return RedisCluster.from_url(_plain_url(url), decode_responses=decode_responses,
+                                     **options)
+    import redis.asyncio
+
+    return redis.asyncio.Redis.from_url(url, decode_responses=decode_responses, **options)
+
+
+def connect_redis_sync(url: str, *, decode_responses: bool = False, **options: Any) -> Any:
+    """The blocking twin of `connect_redis` (for threads outside an event loop)."""
+    if is_cluster_url(url):
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(_plain_url(url), decode_responses=decode_responses,
+                                     **options)
+    import redis
+
+    return redis.Redis.from_url(url, decode_responses=decode_responses, **options)
