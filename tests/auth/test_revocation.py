@@ -53,3 +53,30 @@ def test_redis_revocation_reaches_the_other_instance_with_a_one_second_poll(
     _check_revocation_crosses_instances(AuthSettings(
         redis_url=clean_redis_url, data_dir=tmp_path, revocation_poll_interval_s=1.0,
         key_cache_ttl_s=60.0))
+
+
+def test_a_revocation_is_pushed_to_the_change_feed_of_another_client(
+        any_clean_redis_url: str) -> None:
+    """The push path alone (the poll is the backup): on one server and on a Redis Cluster, where
+    the PUBLISH goes to one node and the subscriber may sit on another."""
+    from auth.keys import KeyRecord, ProjectRecord, new_key_id
+    from auth.store_redis import RedisKeyStore, connect_redis
+
+    async def scenario() -> None:
+        listener = RedisKeyStore(connect_redis(any_clean_redis_url), owns_client=True)
+        writer = RedisKeyStore(connect_redis(any_clean_redis_url), owns_client=True)
+        feed = await listener.open_change_feed()
+        assert feed is not None
+        try:
+            await writer.create_project(ProjectRecord("acme", 0.0))
+            record = KeyRecord(new_key_id(), "acme", "ci", (Scope.INVOKE.value,), "h", 0.0)
+            await writer.add_key(record)
+            await writer.replace_key(record)
+            received = [await feed.next_key_id(timeout_s=0.5) for _ in range(6)]
+            assert record.key_id in received
+        finally:
+            await feed.aclose()
+            await listener.close()
+            await writer.close()
+
+    asyncio.run(scenario())
