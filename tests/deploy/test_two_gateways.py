@@ -1,0 +1,213 @@
+"""Two gateways, one Redis: two `aigw serve` processes share a redis-server and two replicas.
+
+One module-scoped setup (a fresh redis-server, two CPU replicas of the bundled model publishing
+their KV events to it, two gateways with auth on, the prefix router and a tokens-per-minute
+limit on project `limited`, each with its own data_dir so nothing is shared but Redis). The
+tests show that keys, revocations, limits, usage and prefix routing are one state across both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from auth import Scope, open_auth
+from auth.settings import AuthSettings
+from gateway.embedded import free_port
+from tests.deploy.test_neon_example import _clean_env, _process, _wait_healthy
+from tests.redis_server import running_redis_server
+
+pytestmark = pytest.mark.slow
+
+TPM_LIMIT = 300  # tokens per minute of project `limited`, both gateways together
+MAX_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class Deployment:
+    gateways: tuple[str, str]  # base URLs of gateway A and gateway B
+    model: str
+    admin_key: str  # ai_gateway:admin on project `ops`, made before the gateways started
+
+
+def _replica_cmd(port: int, redis_url: str) -> list[str]:
+    return [sys.executable, "-m", "gateway.cli", "replica", "--host", "127.0.0.1",
+            "--port", str(port), "--threads", "1", "--kv-cache-memory", "67108864",
+            "--redis-url", redis_url]
+
+
+async def _make_admin_key(redis_url: str, data_dir: Path) -> str:
+    services = await open_auth(AuthSettings(redis_url=redis_url, data_dir=data_dir))
+    try:
+        await services.admin.create_project("ops")
+        _, key = await services.admin.create_key("ops", [Scope.ADMIN.value], name="operator")
+        return key
+    finally:
+        await services.close()
+
+
+def _model_id(replica_url: str) -> str:
+    import json
+
+    with urllib.request.urlopen(replica_url + "/v1/models", timeout=5) as response:
+        return str(json.loads(response.read())["data"][0]["id"])
+
+
+def _config(path: Path, redis_url: str, model: str, replicas: list[str]) -> Path:
+    endpoints = ", ".join(f'"{url}"' for url in replicas)
+    path.write_text(
+        f'redis_url = "{redis_url}"\ndata_dir = "{path.parent / "data"}"\nauth_enabled = true\n'
+        f'router = "prefix"\nhealth_interval_s = 0.5\n'
+        f'[project_limits.limited]\ntokens_per_minute = {TPM_LIMIT}\n'
+        f'[[models]]\nname = "{model}"\nbackend = "replica"\nendpoints = [{endpoints}]\n')
+    return path
+
+
+@contextmanager
+def _deployment(tmp: Path) -> Iterator[Deployment]:
+    env = _clean_env()
+    with running_redis_server() as redis_url, ExitStack() as stack:
+        replica_urls, replicas = [], []
+        for i in range(2):
+            port = free_port()
+            replica_urls.append(f"http://127.0.0.1:{port}")
+            replicas.append(stack.enter_context(
+                _process(_replica_cmd(port, redis_url), tmp / f"replica{i}.log", env)))
+        admin_key = asyncio.run(_make_admin_key(redis_url, tmp / "cli"))
+        for i, (url, process) in enumerate(zip(replica_urls, replicas, strict=True)):
+            _wait_healthy(url, process, tmp / f"replica{i}.log", timeout_s=180)
+        model = _model_id(replica_urls[0])
+        gateway_urls = []
+        for name in ("a", "b"):
+            (tmp / name).mkdir()
+            config = _config(tmp / name / "gateway.toml", redis_url, model, replica_urls)
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            log = tmp / f"gateway-{name}.log"
+            process = stack.enter_context(_process(
+                [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
+                 "--host", "127.0.0.1", "--port", str(port)], log, env))
+            _wait_healthy(url, process, log, timeout_s=60)
+            gateway_urls.append(url)
+        yield Deployment((gateway_urls[0], gateway_urls[1]), model, admin_key)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    with _deployment(tmp_path_factory.mktemp("two-gateways")) as deployed:
+        yield deployed
+
+
+@pytest.fixture(scope="module")
+def clients(deployment: Deployment) -> Iterator[tuple[httpx.Client, httpx.Client]]:
+    a, b = (httpx.Client(base_url=url, timeout=120) for url in deployment.gateways)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def _create_key(client: httpx.Client, admin_key: str, project: str, scopes: list[str]) -> dict[str, Any]:
+    status = client.post("/admin/v1/projects", headers=_bearer(admin_key),
+                         json={"name": project}).status_code
+    assert status in (201, 409)  # 409: another test of this module made it
+    response = client.post(f"/admin/v1/projects/{project}/keys", headers=_bearer(admin_key),
+                           json={"scopes": scopes, "name": "test"})
+    assert response.status_code == 201, response.text
+    return dict(response.json())
+
+
+def _chat(client: httpx.Client, key: str, model: str, messages: list[dict[str, str]]) -> httpx.Response:
+    return client.post("/v1/chat/completions", headers=_bearer(key), json={
+        "model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0})
+
+
+def test_a_key_made_on_one_gateway_works_on_the_other_and_its_revocation_too(
+        deployment: Deployment, clients: tuple[httpx.Client, httpx.Client]) -> None:
+    a, b = clients
+    created = _create_key(a, deployment.admin_key, "acme", [Scope.INVOKE.value])
+    assert b.get("/v1/models", headers=_bearer(created["key"])).status_code == 200
+    assert a.get("/v1/models", headers=_bearer(created["key"])).status_code == 200  # now cached
+    revoked = b.post(f"/admin/v1/keys/{created['key_id']}/revoke",
+                     headers=_bearer(deployment.admin_key))
+    assert revoked.status_code == 200, revoked.text
+    started = time.monotonic()
+    while (status := a.get("/v1/models", headers=_bearer(created["key"])).status_code) == 200:
+        assert time.monotonic() - started < 3.0, "gateway A still accepts the revoked key"
+        time.sleep(0.02)
+    assert status == 401 and time.monotonic() - started <= 1.0
+
+
+def _wait_for_a_fresh_minute(min_left_s: float = 15.0) -> None:
+    """The limit is per fixed UTC minute: start with enough of one left to reach the limit."""
+    left = 60.0 - time.time() % 60.0
+    if left < min_left_s:
+        time.sleep(left + 0.1)
+
+
+def test_the_tpm_limit_holds_across_both_gateways_and_usage_is_one_sum(
+        deployment: Deployment, clients: tuple[httpx.Client, httpx.Client]) -> None:
+    key = _create_key(clients[0], deployment.admin_key, "limited",
+                      [Scope.INVOKE.value, Scope.USAGE_READ.value])["key"]
+    _wait_for_a_fresh_minute()
+    admitted: list[dict[str, int]] = []
+    refused_by = None
+    for i in range(30):
+        gateway = clients[i % 2]
+        response = _chat(gateway, key, deployment.model,
+                         [{"role": "user", "content": f"Count to {i}, slowly, please."}])
+        if response.status_code == 429:
+            refused_by = i % 2
+            break
+        assert response.status_code == 200, response.text
+        admitted.append(response.json()["usage"])
+    assert refused_by is not None, "30 requests never reached the limit"
+    assert len(admitted) >= 2  # both gateways admitted some before one refused
+    totals = [u["prompt_tokens"] + u["completion_tokens"] for u in admitted]
+    assert sum(totals) <= TPM_LIMIT + max(totals)
+    # The other gateway refuses too: the counters are the shared ones.
+    other = clients[1 - refused_by]
+    assert _chat(other, key, deployment.model, [{"role": "user", "content": "hi"}]).status_code == 429
+
+    expected = {"requests": len(admitted),
+                "prompt_tokens": sum(u["prompt_tokens"] for u in admitted),
+                "completion_tokens": sum(u["completion_tokens"] for u in admitted)}
+    deadline = time.monotonic() + 10
+    while True:  # settlement follows the response: poll, bounded
+        rows = clients[0].get("/admin/v1/projects/limited/usage", headers=_bearer(key)).json()["data"]
+        seen = {name: sum(int(r[name]) for r in rows) for name in expected}
+        if seen == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert seen == expected
+
+
+def test_turns_sent_alternately_to_both_gateways_stay_on_one_replica_and_hit_its_cache(
+        deployment: Deployment, clients: tuple[httpx.Client, httpx.Client]) -> None:
+    key = _create_key(clients[1], deployment.admin_key, "acme", [Scope.INVOKE.value])["key"]
+    system = {"role": "system", "content": "You are an assistant for beekeeping. " * 12}
+    messages: list[dict[str, str]] = [system]
+    replicas, cached = [], []
+    for turn in range(4):
+        messages = [*messages, {"role": "user", "content": f"Question {turn} about bees?"}]
+        response = _chat(clients[turn % 2], key, deployment.model, messages)
+        assert response.status_code == 200, response.text
+        replicas.append(response.headers["x-aigw-replica"])
+        usage = response.json()["usage"]
+        cached.append(usage.get("prompt_tokens_details", {}).get("cached_tokens", 0))
+        messages = [*messages, {"role": "assistant", "content": f"Answer {turn}."}]
+    assert len(set(replicas)) == 1, replicas
+    assert all(c > 0 for c in cached[1:]), cached
