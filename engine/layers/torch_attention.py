@@ -34,14 +34,16 @@ class TorchPagedAttention(PagedAttentionBackend):
             rows = slice(group.row_start, group.row_end)
             out[rows] = _cascade_decode(q[rows], k_cache, v_cache, group, scale)
         for seg in meta.prefills:
-            qs = q[seg.query_start:seg.query_end].transpose(0, 1)  # [q_len, H, Dh] -> [H, q_len, Dh]
-            ks = _gather(k_cache, seg.context_blocks, seg.context_len).transpose(0, 1).to(q.dtype)  # [G, C, Dh]
-            vs = _gather(v_cache, seg.context_blocks, seg.context_len).transpose(0, 1).to(q.dtype)
-            q_len, context_len = qs.shape[1], seg.context_len
+            # 4-D [1, heads, len, Dh] inputs: with 3-D ones SDPA leaves its fused CPU kernel for the
+            # ~5x slower math path.
+            qs = q[seg.query_start:seg.query_end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, Dh]
+            ks = _gather(k_cache, seg.context_blocks, seg.context_len).transpose(0, 1).unsqueeze(0)
+            vs = _gather(v_cache, seg.context_blocks, seg.context_len).transpose(0, 1).unsqueeze(0)
+            q_len, context_len = qs.shape[2], seg.context_len
             mask = causal_lower_right(q_len, context_len) if seg.num_cached_tokens else None
-            os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
-                                                 scale=scale, enable_gqa=True)
-            out[seg.query_start:seg.query_end] = os_.transpose(0, 1)  # [H, q_len, Dh] -> [q_len, H, Dh]
+            os_ = F.scaled_dot_product_attention(qs, ks.to(q.dtype), vs.to(q.dtype), attn_mask=mask,
+                                                 is_causal=mask is None, scale=scale, enable_gqa=True)
+            out[seg.query_start:seg.query_end] = os_[0].transpose(0, 1)  # [H, q_len, Dh] -> [q_len, H, Dh]
         return out
 
 
