@@ -40,7 +40,8 @@ class RedisEventPublisher:
     def __init__(self, redis_url: str, replica_id: str, *, max_stream_len: int = 10_000,
                  max_queued_batches: int = 4096, give_up_s: float = 5.0,
                  client: Any = None) -> None:
-        import redis
+        # One place builds Redis clients from URLs (plain or `redis+cluster://`), shared with the gateway.
+        from gateway.redis_client import connect_redis_sync
 
         self.replica_id = replica_id
         self.stream_key = stream_key(replica_id)
@@ -49,8 +50,8 @@ class RedisEventPublisher:
         self.give_up_s = give_up_s
         self.num_published = 0
         self.num_dropped = 0
-        self._redis = client or redis.Redis.from_url(redis_url, socket_timeout=2.0,
-                                                     socket_connect_timeout=2.0)
+        self._redis = client or connect_redis_sync(redis_url, socket_timeout=2.0,
+                                                   socket_connect_timeout=2.0)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queued_batches)
         self._thread = threading.Thread(target=self._run, name="kv-events-redis", daemon=True)
         self._thread.start()
