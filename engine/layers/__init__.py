@@ -25,7 +25,7 @@ def attention_backend_name(device: torch.device) -> str:
 
 def make_linear_factory(config: EngineConfig, device: torch.device, raw_weights: dict):  # type: ignore[no-untyped-def]
     """(hf_name, dense weight) -> LinearWeight, in the engine's dtype and quantization."""
-    from engine.layers.linear import DenseLinear
+    from engine.layers.linear import DenseLinear, OneDNNLinear
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}[config.resolved_dtype]
@@ -39,7 +39,10 @@ def make_linear_factory(config: EngineConfig, device: torch.device, raw_weights:
             from engine.layers.fp8_linear import FP8Linear
 
             return FP8Linear.from_dense(weight.to(device), dtype)
-        return DenseLinear(weight.to(device=device, dtype=dtype))
+        placed = weight.to(device=device, dtype=dtype)
+        if OneDNNLinear.is_available(placed):
+            return OneDNNLinear(placed)
+        return DenseLinear(placed)
 
     return make
 

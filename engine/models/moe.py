@@ -35,6 +35,7 @@ import torch
 from engine import kernels
 from engine.config import ModelConfig
 from engine.kernels.fp8 import quantize_weight_per_channel
+from engine.layers.fp8_linear import FP8Linear
 from engine.layers.linear import DenseLinear, LinearWeight, fuse_rows
 from engine.models.llama import DenseMLP, LinearFactory, Weights
 
@@ -135,8 +136,9 @@ def moe_mlp_factory(config: ModelConfig, weights: Weights, layer: int,
     # The router goes through make_linear only to learn the engine's device and dtype.
     probe = make_linear(p + "mlp.gate.weight", router_weight)
     device, dtype = _placement(probe)
-    router = probe if isinstance(probe, DenseLinear) else DenseLinear(router_weight.to(device, dtype))
-    experts = ExpertWeights(w13.to(device), w2.to(device), dtype, fp8=not isinstance(probe, DenseLinear))
+    is_fp8 = isinstance(probe, FP8Linear)
+    router = DenseLinear(router_weight.to(device, dtype)) if is_fp8 else probe  # routers stay float
+    experts = ExpertWeights(w13.to(device), w2.to(device), dtype, fp8=is_fp8)
 
     shared = shared_gate = None
     s = p + "mlp.shared_expert."
