@@ -82,14 +82,19 @@ class Q4DecodeLinear(LinearWeight):
 
 
 class BF16Linear(LinearWeight):
-    """bfloat16 weight and activations (the q4 mode's lm head: the file stores it as 8-bit Q8_0)."""
+    """The q4 mode's lm head (the file stores it as 8-bit Q8_0): bfloat16 for a few rows (a GEMV,
+    bound by reading the weight), the float32 weight for more (bf16 GEMMs are slow without native
+    bf16 instructions)."""
 
     def __init__(self, dense: torch.Tensor) -> None:
         self.weight = dense.to(torch.bfloat16).contiguous()
+        self.dense = OneDNNLinear(dense) if OneDNNLinear.is_available(dense) else DenseLinear(dense)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > MAX_INT4_ROWS:
+            return self.dense(x)
         return F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
 
     @property
     def nbytes(self) -> int:
-        return self.weight.numel() * 2
+        return self.weight.numel() * 2 + self.dense.nbytes
