@@ -19,6 +19,7 @@ from engine.layers.linear import DenseLinear, LinearWeight, fuse_rows
 from engine.layers.norm import rms_norm, rms_norm_fast
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 
+CPU = torch.device("cpu")
 Weights = dict[str, torch.Tensor]
 LinearFactory = Callable[[str, torch.Tensor], LinearWeight]  # (hf name, dense weight) -> linear
 
@@ -59,7 +60,7 @@ class DecoderLayer:
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: Weights, attention: PagedAttentionBackend,
                  make_linear: LinearFactory, mlp_factory: MLPFactory = dense_mlp_factory,
-                 device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device = CPU, dtype: torch.dtype = torch.float32) -> None:
         """Linear weights are placed by `make_linear`; everything else (embeddings, norms, biases,
         the rotary tables) goes to `device` in `dtype` here."""
         self.config = config

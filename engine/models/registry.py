@@ -6,14 +6,14 @@ import torch
 
 from engine.config import ModelConfig
 from engine.layers.attention import PagedAttentionBackend
-from engine.models.llama import LinearFactory, LlamaModel
+from engine.models.llama import CPU, LinearFactory, LlamaModel
 
 _DENSE = {"llama", "mistral", "qwen2", "smollm"}
 _MOE = {"mixtral", "qwen2_moe", "olmoe"}
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], attention: PagedAttentionBackend,
-                make_linear: LinearFactory, device: torch.device = torch.device("cpu"),
+                make_linear: LinearFactory, device: torch.device = CPU,
                 dtype: torch.dtype = torch.float32) -> LlamaModel:
     arch = config.architecture
     if arch in _DENSE:

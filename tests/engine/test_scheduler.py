@@ -10,8 +10,11 @@ from engine.scheduler import Scheduler
 from tests.engine.fakes import make_manager, make_request, run_to_completion, simulate_step, tokens
 
 
-def make_scheduler(num_blocks: int = 256, max_num_batched_tokens: int = 64, max_num_seqs: int = 64,
+def make_scheduler(num_blocks: int = 256, max_num_batched_tokens: int = 64, max_num_seqs: int | None = None,
                    prefix_aware_window: int = 8, enable_caching: bool = True) -> Scheduler:
+    # The config requires a token of budget per running sequence: by default as many sequences as that.
+    if max_num_seqs is None:
+        max_num_seqs = min(64, max_num_batched_tokens)
     config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                              prefix_aware_window=prefix_aware_window)
     return Scheduler(config, make_manager(num_blocks, enable_caching))
@@ -185,3 +188,10 @@ def test_prefix_cache_statistics_count_each_admitted_request_once() -> None:
     assert [r.num_cached_tokens for r in requests] == [0, 48, 48, 48]
     assert manager.num_hit_tokens == sum(r.num_cached_tokens for r in requests)
     assert manager.num_queried_tokens == sum(r.num_prompt_tokens for r in requests)
+
+
+def test_config_refuses_a_budget_smaller_than_the_number_of_running_sequences() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_num_seqs"):
+        SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=16)
