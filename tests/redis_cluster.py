@@ -16,38 +16,17 @@ from contextlib import ExitStack, contextmanager
 
 import pytest
 
-from tests.redis_server import _free_port, _ping
+from tests.redis_server import redis_process
 
 NUM_NODES = 3
 
 
 @contextmanager
 def _node(binary: str, workdir: str, startup_timeout_s: float) -> Iterator[int]:
-    for _attempt in range(3):  # the free port may be taken between probe and bind
-        port = _free_port()
-        process = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir,
-             "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-             "--save", "", "--appendonly", "no", "--protected-mode", "yes"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=workdir)
-        deadline = time.monotonic() + startup_timeout_s
-        while process.poll() is None and time.monotonic() < deadline and not _ping(port):
-            time.sleep(0.02)
-        if process.poll() is None and _ping(port):
-            break
-        process.kill()
-        process.wait()
-    else:
-        raise RuntimeError("redis-server (cluster node) did not start")
-    try:
+    with redis_process(binary, workdir, ("--cluster-enabled", "yes", "--cluster-config-file",
+                                         f"nodes-{time.monotonic_ns()}.conf"),
+                       startup_timeout_s) as port:
         yield port
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def _cluster_ok(cli: str, port: int) -> bool:

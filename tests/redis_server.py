@@ -31,36 +31,44 @@ def _ping(port: int) -> bool:
 
 
 @contextmanager
+def redis_process(binary: str, workdir: str, extra_args: tuple[str, ...] = (),
+                  startup_timeout_s: float = 10.0) -> Iterator[int]:
+    """One redis-server on a free loopback port (no persistence), answering PING; yields the port."""
+    for _attempt in range(3):  # the free port may be taken between probe and bind
+        port = _free_port()
+        process = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, *extra_args,
+             "--save", "", "--appendonly", "no", "--protected-mode", "yes"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=workdir)
+        deadline = time.monotonic() + startup_timeout_s
+        while process.poll() is None and time.monotonic() < deadline and not _ping(port):
+            time.sleep(0.02)
+        if process.poll() is None and _ping(port):
+            break
+        process.kill()
+        process.wait()
+    else:
+        raise RuntimeError("redis-server did not start")
+    try:
+        yield port
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextmanager
 def running_redis_server(startup_timeout_s: float = 10.0) -> Iterator[str]:
     """Yield `redis://127.0.0.1:<port>/0` of a fresh redis-server (no persistence)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not on PATH: run scripts/ensure-redis.sh")
-    with tempfile.TemporaryDirectory(prefix="aigw-redis-") as workdir:
-        for _attempt in range(3):  # the free port may be taken between probe and bind
-            port = _free_port()
-            process = subprocess.Popen(
-                [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir,
-                 "--save", "", "--appendonly", "no", "--protected-mode", "yes"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=workdir)
-            deadline = time.monotonic() + startup_timeout_s
-            while process.poll() is None and time.monotonic() < deadline and not _ping(port):
-                time.sleep(0.02)
-            if process.poll() is None and _ping(port):
-                break
-            process.kill()
-            process.wait()
-        else:
-            raise RuntimeError("redis-server did not start")
-        try:
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    with tempfile.TemporaryDirectory(prefix="aigw-redis-") as workdir, \
+            redis_process(binary, workdir, startup_timeout_s=startup_timeout_s) as port:
+        yield f"redis://127.0.0.1:{port}/0"
 
 
 def flush_all(url: str) -> None:
