@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -152,7 +153,7 @@ class ModelRunner:
             cascade_groups=tuple(cascade_groups),
             max_query_len=max(s.num_scheduled_tokens for s in seqs),
             max_seq_len=max(s.seq_len for s in seqs),
-            cu_query_lens=torch.tensor([0] + _cumsum([s.num_scheduled_tokens for s in seqs]),
+            cu_query_lens=torch.tensor(list(accumulate((s.num_scheduled_tokens for s in seqs), initial=0)),
                                        dtype=torch.int32, device=to),
             seq_lens=torch.tensor([s.seq_len for s in seqs], dtype=torch.int32, device=to),
             block_tables=tables.to(torch.int32).to(to),
@@ -246,11 +247,3 @@ def _num_shared_blocks(tables: list[list[int]], seq_lens: list[int], block_size:
     while shared < limit and all(t[shared] == first[shared] for t in tables):
         shared += 1
     return shared
-
-
-def _cumsum(values: list[int]) -> list[int]:
-    out, total = [], 0
-    for v in values:
-        total += v
-        out.append(total)
-    return out

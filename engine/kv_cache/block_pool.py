@@ -54,10 +54,6 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
-    @property
-    def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
-
     def get_cached_block(self, block_hash: int) -> KVBlock | None:
         return self._cached.get(block_hash)
 
