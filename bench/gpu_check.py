@@ -357,7 +357,7 @@ def main() -> int:
     name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke, Triton interpreter)"
     print(f"gpu_check on {name}: torch {torch.__version__}, triton {triton.__version__}", flush=True)
     torch.manual_seed(0)
-    for section in (elementwise_cases, attention_cases, moe_cases, fp8_cases, end_to_end):
+    for section in (elementwise_cases, attention_cases, end_to_end, moe_cases, fp8_cases):
         print(f"== {section.__name__} at {time.monotonic() - START:.0f} s", flush=True)
         try:
             section()
