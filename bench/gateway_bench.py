@@ -6,7 +6,7 @@ metering off and on (tracing on), the same with tracing off (`aigw_trace_off`, A
 reason if that fails). Cells run interleaved (for each mode and concurrency, every target in turn)
 for `--duration-s` each. The load generator is a separate aiohttp process. Figures per cell:
 requests/s, latency p50/p99 minus the direct p50/p99 ("added"), and the target's CPU ms per request
-(its whole process tree, from /proc).
+(its whole process tree, from /proc). `--targets` picks a subset while iterating (direct always runs).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 MODEL = "mock-model"
 LITELLM_KEY = "sk-aigw-bench-0123456789"  # LiteLLM refuses to start without a master key
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+TARGET_NAMES = ("bare_proxy", "aigw_auth_off", "aigw", "aigw_trace_off", "litellm")
 
 
 @dataclass
@@ -43,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-tokens", type=int, default=16, help="tokens per mock answer")
     parser.add_argument("--workers", type=int, default=1, help="aigw serve --workers")
     parser.add_argument("--no-litellm", action="store_true")
+    parser.add_argument("--targets", default=",".join(TARGET_NAMES),
+                        help="comma-separated subset of " + ",".join(TARGET_NAMES)
+                             + " (direct, the baseline of the added latency, always runs)")
     parser.add_argument("--out-dir", default="bench/out")
     parser.add_argument("--plot", default=None, help="write a PNG here")
 
@@ -269,18 +273,23 @@ def run(args: argparse.Namespace) -> int:
                                     "--num-tokens", str(args.num_tokens), "--model", MODEL])
         upstream = f"http://127.0.0.1:{mock_port}"
         _wait_http(upstream + "/health", 30, mock)
-        bare_port = _free_port()
-        bare = procs.start("bare_proxy", [sys.executable, "-m", "bench.bare_proxy", "--port",
-                                          str(bare_port), "--upstream", upstream])
-        _wait_port(bare_port, 30)
-        targets = [Target("direct", upstream, mock.pid),
-                   Target("bare_proxy", f"http://127.0.0.1:{bare_port}", bare.pid),
-                   _start_aigw(procs, "aigw_auth_off", upstream, False, args.workers),
-                   _start_aigw(procs, "aigw", upstream, True, args.workers),
-                   _start_aigw(procs, "aigw_trace_off", upstream, True, args.workers,
-                               {"AIGW_TRACING": "0"})]
-        if args.no_litellm:
-            skipped["litellm"] = "--no-litellm"
+        wanted = set(args.targets.split(","))
+        unknown = wanted - set(TARGET_NAMES)
+        if unknown:
+            raise SystemExit(f"unknown targets: {sorted(unknown)}")
+        targets = [Target("direct", upstream, mock.pid)]
+        if "bare_proxy" in wanted:
+            bare_port = _free_port()
+            bare = procs.start("bare_proxy", [sys.executable, "-m", "bench.bare_proxy", "--port",
+                                              str(bare_port), "--upstream", upstream])
+            _wait_port(bare_port, 30)
+            targets.append(Target("bare_proxy", f"http://127.0.0.1:{bare_port}", bare.pid))
+        for name, auth, extra_env in (("aigw_auth_off", False, None), ("aigw", True, None),
+                                      ("aigw_trace_off", True, {"AIGW_TRACING": "0"})):
+            if name in wanted:
+                targets.append(_start_aigw(procs, name, upstream, auth, args.workers, extra_env))
+        if args.no_litellm or "litellm" not in wanted:
+            skipped["litellm"] = "--no-litellm" if args.no_litellm else "not in --targets"
         else:
             litellm = _start_litellm(procs, upstream)
             if isinstance(litellm, str):

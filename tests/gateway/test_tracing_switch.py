@@ -7,10 +7,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from opentelemetry.sdk.trace import Tracer
 
 from gateway.keys import PIPELINE
 from gateway.telemetry.hooks import CountedRouter, TracedRouter
+from gateway.telemetry.lean_tracer import LeanTracer
 from tests.gateway.conftest import MODEL, Gateway, GatewayFactory
 
 BODY = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
@@ -18,15 +18,15 @@ BODY = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content"
 
 @pytest.fixture
 def span_starts(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """Names of every span any SDK tracer starts (start_as_current_span goes through it too)."""
+    """Names of every span any tracer starts (start_as_current_span goes through it too)."""
     names: list[str] = []
-    original = Tracer.start_span
+    original = LeanTracer.start_span
 
-    def counting(self: Tracer, name: str, *args: object, **kwargs: object) -> object:
+    def counting(self: LeanTracer, name: str, *args: object, **kwargs: object) -> object:
         names.append(name)
         return original(self, name, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Tracer, "start_span", counting)
+    monkeypatch.setattr(LeanTracer, "start_span", counting)
     yield names
 
 
