@@ -33,7 +33,7 @@ HBM_GBPS = 4800.0  # H200 HBM3e
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # dense tensor-core peaks
 BUDGET_S = float(os.environ.get("AIGW_GPU_CHECK_BUDGET_S", "420"))  # stop starting new cases after this
 START = time.monotonic()
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DEV = "cuda" if torch.cuda.is_available() and not SMOKE else "cpu"
 DT = torch.float32 if SMOKE else torch.bfloat16
 
 
@@ -357,7 +357,11 @@ def main() -> int:
     name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke, Triton interpreter)"
     print(f"gpu_check on {name}: torch {torch.__version__}, triton {triton.__version__}", flush=True)
     torch.manual_seed(0)
-    for section in (elementwise_cases, attention_cases, end_to_end, moe_cases, fp8_cases):
+    sections = (elementwise_cases, attention_cases, end_to_end, moe_cases, fp8_cases)
+    chosen = os.environ.get("AIGW_GPU_CHECK_SECTIONS")  # e.g. "fp8_cases,end_to_end"
+    if chosen:
+        sections = tuple(s for s in sections if s.__name__ in chosen.split(","))
+    for section in sections:
         print(f"== {section.__name__} at {time.monotonic() - START:.0f} s", flush=True)
         try:
             section()

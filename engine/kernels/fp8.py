@@ -68,8 +68,14 @@ def _kernels() -> SimpleNamespace:
     def fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
                         stride_am, stride_bn, stride_cm,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr):
-        """C[M, N] = (A[M, K] @ B[N, K]^T) * a_scale[:, None] * b_scale[None, :]."""
+                        GROUP_M: tl.constexpr, PROMOTE_K: tl.constexpr):
+        """C[M, N] = (A[M, K] @ B[N, K]^T) * a_scale[:, None] * b_scale[None, :].
+
+        Hopper's FP8 tensor-core instructions accumulate in less than float32 precision, and Triton
+        lets them run the whole K loop that way by default on sm_90 (measured on an H200: 0.4-2% of
+        outputs off by several bf16 ulps at K=4096..14336). `max_num_imprecise_acc=PROMOTE_K` adds
+        the partial sum into the float32 accumulator every PROMOTE_K (128) products, as DeepSeek-V3
+        does; elsewhere the argument is ignored."""
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(M, BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -90,7 +96,7 @@ def _kernels() -> SimpleNamespace:
             k_valid = offs_k < K - k0
             a = tl.load(a_ptrs, mask=m_valid[:, None] & k_valid[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_valid[:, None] & n_valid[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_K)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
         a_scale = tl.load(a_scale_ptr + offs_m, mask=m_valid, other=0.0)
@@ -113,6 +119,7 @@ _CONFIGS_LARGE_M = (
     {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
     {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
 )
+_PROMOTE_K = 128  # products per float32 promotion of the FP8 partial sum (see the kernel)
 _INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2}
 
 
@@ -139,7 +146,8 @@ def fp8_gemm_triton(
         meta, opts = split_launch_options(cfg)
         grid = (kern.triton.cdiv(m, meta["BLOCK_M"]) * kern.triton.cdiv(n, meta["BLOCK_N"]),)
         kern.gemm[grid](xq, wq, out, x_scale, w_scale, m, n, k,
-                        xq.stride(0), wq.stride(0), out.stride(0), **meta, **opts)
+                        xq.stride(0), wq.stride(0), out.stride(0),
+                        PROMOTE_K=min(_PROMOTE_K, meta["BLOCK_K"]), **meta, **opts)
 
     if config is None:
         if interpreting():
