@@ -103,7 +103,8 @@ def jobs(all_configs: bool):
                 "b_scale_ptr": "*fp32"}
     for cfg in pick(fp8._CONFIGS_SMALL_M) + pick(fp8._CONFIGS_LARGE_M):
         meta, opts = split(cfg)
-        yield ("fp8_gemm", fp8._kernels().gemm, fp8_ptrs, meta, opts)
+        yield ("fp8_gemm", fp8._kernels().gemm, fp8_ptrs,
+               {"PROMOTE_K": min(fp8._PROMOTE_K, meta["BLOCK_K"]), **meta}, opts)
 
 
 def main() -> int:
