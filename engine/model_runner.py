@@ -25,6 +25,7 @@ from engine.layers.attention import (
     build_attention_backend,
     forward_context,
 )
+from engine.models.llama_decode import DecodeInputs
 from engine.models.registry import build_model
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class ModelRunner:
                                  make_linear_factory(config, self.device, raw_weights or {}),
                                  self.device, self.dtype)
         self._forward = self.model.forward
+        self._native_decode = _native_decode_step(self.model, config)
         if config.compile:
             self._forward = _compiled_forward(self.model)
         self.block_size = config.cache.block_size
@@ -84,6 +86,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepLogits:
+        if self._native_decode is not None and _is_decode_only(batch):
+            return self._execute_native_decode(batch.sequences)
         decodes, num_plain, groups = self._plan_decodes(
             [s for s in batch.sequences if s.num_scheduled_tokens == 1 and s.start_position > 0])
         prefills = [s for s in batch.sequences if not (s.num_scheduled_tokens == 1 and s.start_position > 0)]
@@ -102,6 +106,20 @@ class ModelRunner:
         index = torch.tensor(rows, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
         return StepLogits(request_ids, logits.cpu() if logits.device.type != "cpu" else logits)
+
+    def _execute_native_decode(self, seqs: list[ScheduledSequence]) -> StepLogits:
+        """A decode-only step through the native kernels (engine/models/llama_decode.py)."""
+        assert self._native_decode is not None
+        bs = self.block_size
+        width = max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        positions = [s.start_position for s in seqs]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)]
+        step = DecodeInputs(input_ids=torch.tensor([s.token_ids[0] for s in seqs]),
+                            positions=torch.tensor(positions), slots=torch.tensor(slots),
+                            block_tables=torch.tensor(tables), context_lens=torch.tensor([p + 1 for p in positions]))
+        logits = self._native_decode(step, self.kv_caches)
+        return StepLogits([s.request_id for s in seqs], logits)
 
     def _prepare(self, decodes: list[ScheduledSequence], prefills: list[ScheduledSequence],
                  num_plain: int, groups: list[tuple[int, int, int]]
@@ -199,6 +217,21 @@ class ModelRunner:
             k[0].zero_()
             v[0].zero_()
         return time.perf_counter() - start
+
+
+def _native_decode_step(model, config: EngineConfig):  # type: ignore[no-untyped-def]
+    """The native decode step when this model and mode support it (q4 on CPU, float32), else None."""
+    if config.decode_weights != "q4" or config.compile or not hasattr(model, "layers"):
+        return None
+    from engine.models.llama_decode import NativeDecodeStep
+
+    return NativeDecodeStep.build(model)
+
+
+def _is_decode_only(batch: ScheduledBatch) -> bool:
+    seqs = batch.sequences
+    return bool(seqs) and all(
+        s.num_scheduled_tokens == 1 and s.start_position > 0 and s.needs_sample for s in seqs)
 
 
 def _block_table_tensor(seqs: list[ScheduledSequence]) -> torch.Tensor:

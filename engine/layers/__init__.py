@@ -51,15 +51,28 @@ _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("ga
 
 
 def _make_q4(name: str, weight: torch.Tensor, raw_weights: dict) -> LinearWeight | None:  # type: ignore[type-arg]
-    """The q4 decode form of a weight, or None when the file has no Q4 blocks for it."""
+    """The q4 decode form of a weight, or None when the file has no Q4 blocks for it.
+
+    With the native CPU kernels (engine/kernels/cpu) the file's blocks are used as they are (the lm
+    head too, from the tied embedding's Q8_0 blocks); without them, PyTorch's int4 kernel.
+    """
+    from engine.kernels import cpu as native
+    from engine.layers.native_linear import NATIVE_TYPES, NativeQuantLinear
     from engine.layers.q4_linear import SUPPORTED_TYPES, BF16Linear, Q4DecodeLinear
 
+    use_native = weight.dtype == torch.float32 and native.load()
     if name == "lm_head.weight":
+        raw = raw_weights.get(name) or raw_weights.get("model.embed_tokens.weight")
+        if use_native and raw is not None and raw.ggml_type in NATIVE_TYPES and raw.shape == tuple(weight.shape):
+            return NativeQuantLinear.from_raw(weight, [(raw.ggml_type, raw.data)], rows_are_decodes=True)
         return BF16Linear(weight)
     prefix, _, leaf = name.rpartition(".")  # "...self_attn.qkv_proj", "weight"
     parent, _, module = prefix.rpartition(".")
     part_names = [f"{parent}.{p}.{leaf}" for p in _FUSED_PARTS.get(module, (module,))]
-    parts = [raw_weights.get(p) for p in part_names]
-    if any(p is None or p.ggml_type not in SUPPORTED_TYPES for p in parts):
+    found = [raw_weights.get(p) for p in part_names]
+    parts = [p for p in found if p is not None and p.ggml_type in SUPPORTED_TYPES]
+    if len(parts) != len(found):
         return None
+    if use_native:
+        return NativeQuantLinear.from_raw(weight, [(p.ggml_type, p.data) for p in parts])
     return Q4DecodeLinear.from_raw(weight, [(p.ggml_type, p.data, p.shape) for p in parts])

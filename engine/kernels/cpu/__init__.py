@@ -1,0 +1,53 @@
+"""Native CPU decode kernels (decode_ops.cpp), compiled on first use and cached by PyTorch.
+
+    load() -> True when torch.ops.aigw_cpu.* are registered (AVX2/FMA/F16C CPU and a C++ compiler);
+              False otherwise, once, with the reason logged. Callers then keep the PyTorch path.
+
+The build takes ~1 minute the first time (then it is cached under TORCH_EXTENSIONS_DIR, by default
+~/.cache/torch_extensions). `AIGW_NATIVE_KERNELS=0` turns the native kernels off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("decode_ops.cpp")
+_REQUIRED_FLAGS = ("avx2", "fma", "f16c")
+WEIGHT_TYPES = {"Q4_1": 0, "Q8_0": 1}  # the kernel's block layouts (Q4_0 is converted to Q4_1)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@functools.cache
+def load() -> bool:
+    if os.environ.get("AIGW_NATIVE_KERNELS", "1") == "0":
+        return False
+    missing = [f for f in _REQUIRED_FLAGS if f not in _cpu_flags()]
+    if missing:
+        logger.warning("native CPU kernels off: the CPU lacks %s", ", ".join(missing))
+        return False
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        load_extension(name="aigw_cpu_decode_ops", sources=[str(_SOURCE)], is_python_module=False,
+                       extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], verbose=False)
+    except Exception as exc:  # noqa: BLE001 - any build failure means: keep the PyTorch path
+        logger.warning("native CPU kernels off: the build failed (%s)", exc)
+        return False
+    return hasattr(torch.ops.aigw_cpu, "q_linear")

@@ -1,0 +1,408 @@
+// Native CPU decode kernels (AVX2 + FMA + F16C), registered as torch.ops.aigw_cpu.*.
+//
+// Built on first use by engine/kernels/cpu/__init__.py (torch.utils.cpp_extension.load). They serve the
+// `--decode-weights q4` mode's decode steps, where the step is bound by reading weights and by the
+// number of ops dispatched, not by arithmetic:
+//
+//   q_linear        out[M, N] = prep(x)[M, K] @ W^T, W in GGML blocks as the GGUF stores them
+//                   (Q4_1 layout: d f16 | m f16 | 16 bytes of nibbles, w = q * d + m; Q8_0: d f16 |
+//                   32 int8, w = q * d). prep = optional RMSNorm, or silu(x[:, :K]) * x[:, K:].
+//                   Activations are quantized to 8 bits per 32-value block (llama.cpp's Q8_1), and
+//                   each block's dot product runs in 8/16/32-bit integers.
+//   q_linear_add_   the same, added into `out` in place (the residual stream).
+//   rms_norm, silu_mul  the element-wise steps between float GEMMs (large decode batches)
+//   decode_attention  one new token per row: rotary on q and k, store k/v into the paged cache,
+//                   attend over the row's context straight from the cache blocks (no gather).
+//
+// Every row is computed on its own, in the same order whatever else is in the batch.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t QK = 32;          // values per block
+constexpr int64_t Q4_BYTES = 20;    // d f16, m f16, 16 nibble bytes
+constexpr int64_t Q8_BYTES = 34;    // d f16, 32 int8
+constexpr int64_t TYPE_Q4 = 0;
+constexpr int64_t TYPE_Q8 = 1;
+
+inline float f16_to_f32(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  __m128 sh = _mm_movehdup_ps(lo);
+  lo = _mm_add_ps(lo, sh);
+  sh = _mm_movehl_ps(sh, lo);
+  lo = _mm_add_ss(lo, sh);
+  return _mm_cvtss_f32(lo);
+}
+
+// One activation row quantized: 32 int8 per block, block scale d and d * sum(q).
+struct QRow {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<float> ds;
+};
+
+// prep(x row) -> int8 blocks. mode 0: plain, 1: rms norm with weight, 2: silu(x[:K]) * x[K:].
+void quantize_row(const float* x, int64_t k, int mode, const float* norm_w, float eps, int8_t* q,
+                  float* d, float* ds, float* tmp) {
+  const float* src = x;
+  if (mode == 1) {
+    float acc = 0.f;
+    for (int64_t i = 0; i < k; ++i) acc += x[i] * x[i];
+    const float inv = 1.0f / std::sqrt(acc / static_cast<float>(k) + eps);
+    for (int64_t i = 0; i < k; ++i) tmp[i] = norm_w[i] * (x[i] * inv);
+    src = tmp;
+  } else if (mode == 2) {
+    for (int64_t i = 0; i < k; ++i) {
+      const float g = x[i];
+      tmp[i] = g / (1.0f + std::exp(-g)) * x[k + i];
+    }
+    src = tmp;
+  }
+  for (int64_t b = 0; b < k / QK; ++b) {
+    const float* v = src + b * QK;
+    float amax = 0.f;
+    for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
+    const float scale = amax / 127.f;
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    int sum = 0;
+    for (int i = 0; i < QK; ++i) {
+      const int qi = static_cast<int>(std::nearbyint(v[i] * inv));
+      q[b * QK + i] = static_cast<int8_t>(qi);
+      sum += qi;
+    }
+    d[b] = scale;
+    ds[b] = scale * static_cast<float>(sum);
+  }
+}
+
+// Dot products of one weight row against R activation rows (R <= 4 at a time).
+template <int R>
+inline void dot_q4(const uint8_t* w, int64_t nb, const int8_t* const* xq, const float* const* xd,
+                   const float* const* xds, float* out) {
+  __m256 acc[R];
+  float macc[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    macc[r] = 0.f;
+  }
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * Q4_BYTES;
+    const float wd = f16_to_f32(blk);
+    const float wm = f16_to_f32(blk + 2);
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+    const __m256i qw = _mm256_and_si256(
+        _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);  // 32 x u8 in 0..15
+    for (int r = 0; r < R; ++r) {
+      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * QK));
+      const __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qx), ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wd * xd[r][b]), _mm256_cvtepi32_ps(p32), acc[r]);
+      macc[r] += wm * xds[r][b];
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + macc[r];
+}
+
+template <int R>
+inline void dot_q8(const uint8_t* w, int64_t nb, const int8_t* const* xq, const float* const* xd,
+                   const float* const*, float* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * Q8_BYTES;
+    const float wd = f16_to_f32(blk);
+    const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    const __m256i aw = _mm256_sign_epi8(qw, qw);  // |w| as u8
+    for (int r = 0; r < R; ++r) {
+      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * QK));
+      const __m256i sx = _mm256_sign_epi8(qx, qw);  // x * sign(w)
+      const __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wd * xd[r][b]), _mm256_cvtepi32_ps(p32), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
+}
+
+template <int R>
+inline void dot_rows(int64_t wtype, const uint8_t* w, int64_t nb, const int8_t* const* xq,
+                     const float* const* xd, const float* const* xds, float* out) {
+  if (wtype == TYPE_Q4) {
+    dot_q4<R>(w, nb, xq, xd, xds, out);
+  } else {
+    dot_q8<R>(w, nb, xq, xd, xds, out);
+  }
+}
+
+// out[M, N] (= or +=) prep(x) @ W^T
+void q_linear_into(const at::Tensor& x, const at::Tensor& w, int64_t wtype,
+                   const c10::optional<at::Tensor>& norm_weight, double eps, bool silu_mul,
+                   at::Tensor& out, bool accumulate) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte, "w must be [N, bytes_per_row] uint8");
+  TORCH_CHECK(wtype == TYPE_Q4 || wtype == TYPE_Q8, "unknown weight type");
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0);
+  const int64_t k = silu_mul ? xc.size(1) / 2 : xc.size(1);
+  TORCH_CHECK(k % QK == 0, "K must be a multiple of 32");
+  const int64_t nb = k / QK;
+  const int64_t row_bytes = nb * (wtype == TYPE_Q4 ? Q4_BYTES : Q8_BYTES);
+  TORCH_CHECK(w.size(1) == row_bytes && w.is_contiguous(), "weight rows do not match K");
+  const int64_t n = w.size(0);
+  TORCH_CHECK(out.size(0) == m && out.size(1) == n && out.is_contiguous(), "bad out shape");
+  const int mode = norm_weight.has_value() ? 1 : (silu_mul ? 2 : 0);
+  at::Tensor nw;
+  if (mode == 1) nw = norm_weight->contiguous();
+
+  std::vector<int8_t> q(m * k);
+  std::vector<float> d(m * nb), ds(m * nb);
+  const float* xp = xc.data_ptr<float>();
+  const int64_t x_stride = xc.size(1);
+  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(k);
+    for (int64_t r = begin; r < end; ++r) {
+      quantize_row(xp + r * x_stride, k, mode, mode == 1 ? nw.data_ptr<float>() : nullptr,
+                   static_cast<float>(eps), q.data() + r * k, d.data() + r * nb, ds.data() + r * nb,
+                   tmp.data());
+    }
+  });
+
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(16, 4096 / std::max<int64_t>(m, 1));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t col = begin; col < end; ++col) {
+      const uint8_t* wr = wp + col * row_bytes;
+      for (int64_t r0 = 0; r0 < m; r0 += 4) {
+        const int rows = static_cast<int>(std::min<int64_t>(4, m - r0));
+        const int8_t* xq[4];
+        const float* xd[4];
+        const float* xds[4];
+        for (int i = 0; i < rows; ++i) {
+          xq[i] = q.data() + (r0 + i) * k;
+          xd[i] = d.data() + (r0 + i) * nb;
+          xds[i] = ds.data() + (r0 + i) * nb;
+        }
+        float res[4];
+        switch (rows) {
+          case 4: dot_rows<4>(wtype, wr, nb, xq, xd, xds, res); break;
+          case 3: dot_rows<3>(wtype, wr, nb, xq, xd, xds, res); break;
+          case 2: dot_rows<2>(wtype, wr, nb, xq, xd, xds, res); break;
+          default: dot_rows<1>(wtype, wr, nb, xq, xd, xds, res); break;
+        }
+        for (int i = 0; i < rows; ++i) {
+          float* dst = op + (r0 + i) * n + col;
+          *dst = accumulate ? *dst + res[i] : res[i];
+        }
+      }
+    }
+  });
+}
+
+at::Tensor q_linear(const at::Tensor& x, const at::Tensor& w, int64_t wtype,
+                    const c10::optional<at::Tensor>& norm_weight, double eps, bool silu_mul) {
+  at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
+  q_linear_into(x, w, wtype, norm_weight, eps, silu_mul, out, false);
+  return out;
+}
+
+void q_linear_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t wtype,
+                   bool silu_mul) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat, "out must be float32");
+  q_linear_into(x, w, wtype, c10::nullopt, 0.0, silu_mul, out, true);
+}
+
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// x [Dh] rotated in place, Hugging Face rotate_half: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
+inline void rotate(float* x, const float* cos, const float* sin, int64_t dh) {
+  const int64_t half = dh / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+// qkv [M, (H + 2G) * Dh] -> attention output [M, H * Dh]; writes rotated k and v into the caches
+// ([num_blocks, block_size, G, Dh] float32) at `slots` first.
+at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache,
+                            const at::Tensor& slots, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
+                            double scale) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat,
+              "float32 activations and cache");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
+  const int64_t m = qkv.size(0);
+  const int64_t dh = k_cache.size(3);
+  const int64_t bs = k_cache.size(1);
+  const int64_t g_heads = num_kv_heads;
+  const int64_t r_per = num_heads / num_kv_heads;
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * g_heads) * dh, "qkv width");
+  at::Tensor qkv_c = qkv.contiguous();
+  at::Tensor pos = positions.to(at::kLong).contiguous();
+  at::Tensor sl = slots.to(at::kLong).contiguous();
+  at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  at::Tensor lens = context_lens.to(at::kLong).contiguous();
+  at::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();
+  at::Tensor out = at::empty({m, num_heads * dh}, qkv.options());
+  const float* qp = qkv_c.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t width = (num_heads + 2 * g_heads) * dh;
+  const int64_t table_width = tables.size(1);
+  const int64_t* posp = pos.data_ptr<int64_t>();
+  const int64_t* slp = sl.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const float* cp = cos_c.data_ptr<float>();
+  const float* sp = sin_c.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+
+  // Stage 1: rotary k, store k and v (rows are independent).
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row = qp + r * width;
+    const float* c = cp + posp[r] * dh;
+    const float* s = sp + posp[r] * dh;
+    for (int64_t g = 0; g < g_heads; ++g) {
+      float* kdst = kc + (slp[r] * g_heads + g) * dh;
+      std::memcpy(kdst, row + (num_heads + g) * dh, dh * sizeof(float));
+      rotate(kdst, c, s, dh);
+      std::memcpy(vc + (slp[r] * g_heads + g) * dh, row + (num_heads + g_heads + g) * dh,
+                  dh * sizeof(float));
+    }
+  }
+  // Stage 2: per (row, kv head): the r_per query heads against the row's context.
+  at::parallel_for(0, m * g_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(r_per * dh), scores, acc(r_per * dh);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / g_heads, g = task % g_heads;
+      const float* row = qp + r * width;
+      const float* c = cp + posp[r] * dh;
+      const float* s = sp + posp[r] * dh;
+      for (int64_t j = 0; j < r_per; ++j) {
+        std::memcpy(q.data() + j * dh, row + (g * r_per + j) * dh, dh * sizeof(float));
+        rotate(q.data() + j * dh, c, s, dh);
+      }
+      const int64_t len = lp[r];
+      scores.resize(r_per * len);
+      const int64_t* table = tp + r * table_width;
+      for (int64_t t = 0; t < len; ++t) {
+        const float* kr = kc + ((table[t / bs] * bs + t % bs) * g_heads + g) * dh;
+        for (int64_t j = 0; j < r_per; ++j) scores[j * len + t] = dot_f32(q.data() + j * dh, kr, dh) * sc;
+      }
+      for (int64_t j = 0; j < r_per; ++j) {
+        float* sj = scores.data() + j * len;
+        float peak = -INFINITY;
+        for (int64_t t = 0; t < len; ++t) peak = std::max(peak, sj[t]);
+        float total = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          sj[t] = std::exp(sj[t] - peak);
+          total += sj[t];
+        }
+        const float inv = 1.f / total;
+        for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const float* vr = vc + ((table[t / bs] * bs + t % bs) * g_heads + g) * dh;
+        for (int64_t j = 0; j < r_per; ++j) {
+          const float p = scores[j * len + t];
+          float* a = acc.data() + j * dh;
+          for (int64_t i = 0; i < dh; ++i) a[i] += p * vr[i];
+        }
+      }
+      for (int64_t j = 0; j < r_per; ++j) {
+        std::memcpy(op + r * num_heads * dh + (g * r_per + j) * dh, acc.data() + j * dh,
+                    dh * sizeof(float));
+      }
+    }
+  });
+  return out;
+}
+
+// RMSNorm of each row (Hugging Face semantics in float32): w * (x * rsqrt(mean(x^2) + eps)).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const int64_t m = xc.size(0), k = xc.size(1);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * k;
+      float acc = 0.f;
+      for (int64_t i = 0; i < k; ++i) acc += row[i] * row[i];
+      const float inv = 1.0f / std::sqrt(acc / static_cast<float>(k) + static_cast<float>(eps));
+      for (int64_t i = 0; i < k; ++i) op[r * k + i] = wp[i] * (row[i] * inv);
+    }
+  });
+  return out;
+}
+
+// x [M, 2I] (gate | up) -> silu(gate) * up [M, I].
+at::Tensor silu_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, 2I] float32");
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), half = xc.size(1) / 2;
+  at::Tensor out = at::empty({m, half}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t i = 0; i < half; ++i) {
+        const float g = xp[r * 2 * half + i];
+        op[r * half + i] = g / (1.0f + std::exp(-g)) * xp[r * 2 * half + half + i];
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(aigw_cpu, m) {
+  m.def("q_linear(Tensor x, Tensor w, int wtype, Tensor? norm_weight, float eps, bool silu_mul) -> Tensor");
+  m.def("q_linear_add_(Tensor(a!) out, Tensor x, Tensor w, int wtype, bool silu_mul) -> ()");
+  m.def("decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, "
+        "int num_kv_heads, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(aigw_cpu, CPU, m) {
+  m.impl("q_linear", &q_linear);
+  m.impl("q_linear_add_", &q_linear_add_);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_mul", &silu_mul);
+}

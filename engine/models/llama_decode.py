@@ -1,0 +1,103 @@
+"""The native decode step of a Llama model: decode-only batches through engine/kernels/cpu, 5 ops a layer.
+
+Built from a `LlamaModel` whose linears are all `NativeQuantLinear` (the q4 mode with the native
+kernels); `NativeDecodeStep.build` returns None for anything else (biases, qk norm, MoE, non-float32),
+and the runner keeps the general forward. Per layer:
+
+    qkv = q_linear(hidden, W_qkv, rms_norm=input_norm)                 [M, (H + 2G) * Dh]
+    attn = decode_attention(qkv, rotary, k/v cache, slots, block tables, context lens)   [M, H * Dh]
+    hidden += q_linear(attn, W_o)                                      (in place)
+    gate_up = q_linear(hidden, W_gate_up, rms_norm=post_attention_norm)  [M, 2I]
+    hidden += q_linear(silu(gate) * up, W_down)                        (in place)
+
+then logits = q_linear(hidden, W_lm_head, rms_norm=final norm). Batches of more than
+MAX_NATIVE_ROWS rows take the float32 weights instead (oneDNN GEMMs, with the residual add fused), and
+the native rms_norm / silu_mul between them; attention is the same kernel either way. It fuses the norms, rotary, the
+KV store, SiLU-and-mul and the residual adds into the kernels, so a step dispatches ~5 ops per layer
+instead of ~60: at one sequence the eager step spent more time dispatching ops than reading weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers.linear import OneDNNLinear
+from engine.layers.native_linear import MAX_NATIVE_ROWS, NativeQuantLinear
+from engine.models.llama import DenseMLP, LlamaModel
+
+
+@dataclass(frozen=True)
+class DecodeInputs:
+    """One decode-only step, M rows (one new token each). Integer tensors are int64 on the CPU."""
+
+    input_ids: torch.Tensor  # [M]
+    positions: torch.Tensor  # [M] position of the new token (= context length - 1)
+    slots: torch.Tensor  # [M] where its K/V goes: block_id * block_size + offset
+    block_tables: torch.Tensor  # [M, W] blocks of each row's context, padded with block 0
+    context_lens: torch.Tensor  # [M] positions to attend to, the new one included
+
+
+class NativeDecodeStep:
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
+        self.ops = torch.ops.aigw_cpu
+
+    @classmethod
+    def build(cls, model: LlamaModel) -> NativeDecodeStep | None:
+        cfg = model.config
+        if cfg.attention_bias or cfg.is_moe or model.embed_tokens.dtype != torch.float32:
+            return None
+        if not isinstance(model.lm_head, NativeQuantLinear):
+            return None
+        for layer in model.layers:
+            if not isinstance(layer.mlp, DenseMLP) or layer.q_norm is not None:
+                return None
+            linears = [layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down]
+            if not all(isinstance(w, NativeQuantLinear) for w in linears):
+                return None
+        return cls(model)
+
+    def __call__(self, step: DecodeInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                 ) -> torch.Tensor:
+        """-> logits [M, vocab] float32."""
+        model, ops, cfg = self.model, self.ops, self.model.config
+        eps = cfg.rms_norm_eps
+        quantized = step.input_ids.shape[0] <= MAX_NATIVE_ROWS
+        cos, sin = model.rotary.cos, model.rotary.sin  # [P, Dh]
+        hidden = F.embedding(step.input_ids, model.embed_tokens)  # [M, hidden]
+        for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
+            qkv_proj: NativeQuantLinear = layer.qkv  # type: ignore[assignment]
+            o_proj: NativeQuantLinear = layer.o_proj  # type: ignore[assignment]
+            mlp: DenseMLP = layer.mlp  # type: ignore[assignment]
+            gate_up_proj: NativeQuantLinear = mlp.gate_up  # type: ignore[assignment]
+            down_proj: NativeQuantLinear = mlp.down  # type: ignore[assignment]
+            if quantized:
+                qkv = qkv_proj.native(hidden, layer.input_norm, eps)
+            else:
+                qkv = qkv_proj.dense(ops.rms_norm(hidden, layer.input_norm, eps))
+            attn = ops.decode_attention(qkv, cos, sin, step.positions, k_cache, v_cache, step.slots,
+                                        step.block_tables, step.context_lens, cfg.num_heads,
+                                        cfg.num_kv_heads, model.scale)  # [M, H * Dh]
+            if quantized:  # hidden is this step's own tensor: the residual adds go in place
+                ops.q_linear_add_(hidden, attn, o_proj.blocks, o_proj.weight_type, False)
+                gate_up = gate_up_proj.native(hidden, layer.post_attention_norm, eps)
+                ops.q_linear_add_(hidden, gate_up, down_proj.blocks, down_proj.weight_type, True)
+            else:
+                hidden = _linear_add(o_proj, attn, hidden)
+                gate_up = gate_up_proj.dense(ops.rms_norm(hidden, layer.post_attention_norm, eps))
+                hidden = _linear_add(down_proj, ops.silu_mul(gate_up), hidden)
+        lm_head: NativeQuantLinear = model.lm_head  # type: ignore[assignment]
+        if quantized:
+            return lm_head.native(hidden, model.norm, eps)
+        return lm_head.dense(ops.rms_norm(hidden, model.norm, eps))
+
+
+def _linear_add(linear: NativeQuantLinear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + x @ W^T through the float weight (one oneDNN call with a fused add when it can)."""
+    dense = linear.dense
+    if isinstance(dense, OneDNNLinear):
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, dense.packed, None, "add")
+    return residual + dense(x)

@@ -1,0 +1,92 @@
+"""The q4 mode's native decode step (engine/models/llama_decode.py) on the real model.
+
+Small decode batches run the GGUF's own blocks with 8-bit activations (an approximation, like
+llama.cpp); larger ones the float32 weights with the native attention, norm and SiLU kernels, which
+must reproduce the float engine's greedy tokens. Skipped where the native kernels cannot be built."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from engine.batch import ScheduledBatch, ScheduledSequence
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import LLMEngine
+from engine.kernels import cpu as native
+from engine.layers.native_linear import MAX_NATIVE_ROWS
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from tests.engine.fakes import assert_idle_and_clean, generate
+
+pytestmark = pytest.mark.skipif(not native.load(), reason="native CPU kernels unavailable here")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+TOPICS = ["the moon", "bread", "volcanoes", "jazz", "chess", "rain", "bees", "glass", "maps", "tea",
+          "owls", "bridges"]
+
+
+def build(model_path: str, checkpoint: Any, tokenizer: Any, decode_weights: str) -> LLMEngine:
+    config = EngineConfig(model_path=model_path, num_threads=1, dtype="float32", decode_weights=decode_weights,
+                          cache=CacheConfig(kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False))
+    runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights), dict(checkpoint.raw))
+    return LLMEngine(config, checkpoint.config, runner, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer: Any) -> dict[str, list[int]]:
+    return {t: tokenizer.encode_chat([{"role": "user", "content": f"Tell me one fact about {t}."}])
+            for t in TOPICS}
+
+
+@pytest.fixture(scope="module")
+def float_tokens(model_path: str, checkpoint: Any, tokenizer: Any,
+                 prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    engine = build(model_path, checkpoint, tokenizer, "float")
+    return {name: c.token_ids for name, c in generate(engine, prompts, GREEDY).items()}
+
+
+@pytest.fixture(scope="module")
+def q4_engine(model_path: str, checkpoint: Any, tokenizer: Any) -> LLMEngine:
+    engine = build(model_path, checkpoint, tokenizer, "q4")
+    assert engine.runner._native_decode is not None  # the q4 mode takes the native step here
+    return engine
+
+
+def test_large_decode_batches_reproduce_the_float_engines_greedy_tokens(
+        q4_engine: LLMEngine, prompts: dict[str, list[int]], float_tokens: dict[str, list[int]]) -> None:
+    assert len(prompts) > MAX_NATIVE_ROWS  # the float weights with the native attention and norms
+    batched = generate(q4_engine, prompts, GREEDY)
+    assert {name: c.token_ids for name, c in batched.items()} == float_tokens
+    assert_idle_and_clean(q4_engine)
+
+
+def test_single_sequence_decode_with_4_bit_weights_starts_like_the_float_engine(
+        q4_engine: LLMEngine, prompts: dict[str, list[int]], float_tokens: dict[str, list[int]]) -> None:
+    for name in TOPICS[:4]:
+        alone = generate(q4_engine, {name: prompts[name]}, GREEDY)[name].token_ids
+        assert len(alone) == GREEDY.max_tokens
+        assert alone[:4] == float_tokens[name][:4]  # 8-bit activations: drift comes later, if at all
+
+
+def test_quantized_decode_logits_stay_close_to_the_float_models(
+        q4_engine: LLMEngine, model_path: str, checkpoint: Any, tokenizer: Any,
+        prompts: dict[str, list[int]]) -> None:
+    """One decode step of 3 rows: native (4-bit weights, 8-bit activations) vs the float runner."""
+    float_runner = build(model_path, checkpoint, tokenizer, "float").runner
+    logits = [decode_step_logits(runner, [prompts[n] for n in TOPICS[:3]])
+              for runner in (q4_engine.runner, float_runner)]
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+    assert float((logits[0] - logits[1]).norm() / logits[1].norm()) < 0.05
+
+
+def decode_step_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:
+    """Prefill all but each prompt's last token, then one decode step of every last token."""
+    decodes = []
+    for i, prompt in enumerate(prompts):
+        num_blocks = -(-len(prompt) // runner.block_size)
+        blocks = list(range(1 + 8 * i, 1 + 8 * i + num_blocks))
+        runner.execute(ScheduledBatch([ScheduledSequence(f"p{i}", prompt[:-1], 0, blocks, False)]))
+        decodes.append(ScheduledSequence(f"p{i}", prompt[-1:], len(prompt) - 1, blocks, True))
+    return runner.execute(ScheduledBatch(decodes)).logits

@@ -1,0 +1,102 @@
+"""Native CPU decode kernels (engine/kernels/cpu) against PyTorch references: quantized linears over
+the GGUF block layouts, their fused RMSNorm / SiLU-and-mul / residual forms, and paged decode
+attention with rotary and the KV store. Skipped where the kernels cannot be built."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import cpu as native
+from engine.layers.attention import AttentionMetadata
+from engine.layers.native_linear import to_native_blocks
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.layers.torch_attention import TorchPagedAttention
+
+pytestmark = pytest.mark.skipif(not native.load(), reason="native CPU kernels unavailable here")
+
+
+def quantized(ggml_type: str, out_features: int, in_features: int, seed: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(dense float32 weight as the file stores it, kernel blocks, kernel weight type)."""
+    rng = np.random.default_rng(seed)
+    weight = rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.1
+    qtype = getattr(gguf.GGMLQuantizationType, ggml_type)
+    raw = gguf.quants.quantize(weight, qtype)
+    dense = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(out_features, in_features).copy())
+    blocks, weight_type = to_native_blocks(ggml_type, raw)
+    return dense, blocks, weight_type
+
+
+def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((out - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_quantized_linear_approximates_the_dequantized_product(ggml_type: str) -> None:
+    dense, blocks, weight_type = quantized(ggml_type, 96, 128)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
+    out = torch.ops.aigw_cpu.q_linear(x, blocks, weight_type, None, 0.0, False)
+    assert out.shape == (5, 96)
+    assert relative_error(out, x @ dense.T) < 0.01  # only the 8-bit activation blocks differ
+
+
+def test_each_row_is_computed_the_same_whatever_the_batch() -> None:
+    _, blocks, weight_type = quantized("Q4_1", 64, 96)
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(2))
+    batched = torch.ops.aigw_cpu.q_linear(x, blocks, weight_type, None, 0.0, False)
+    for i in range(7):
+        alone = torch.ops.aigw_cpu.q_linear(x[i:i + 1], blocks, weight_type, None, 0.0, False)
+        assert torch.equal(alone[0], batched[i])
+
+
+def test_fused_rms_norm_silu_and_mul_and_residual_add_match_their_unfused_forms() -> None:
+    dense, blocks, weight_type = quantized("Q4_1", 64, 96)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 96, generator=gen)
+    norm_weight = torch.rand(96, generator=gen) + 0.5
+    normed = torch.ops.aigw_cpu.q_linear(x, blocks, weight_type, norm_weight, 1e-5, False)
+    assert relative_error(normed, F.rms_norm(x, (96,), norm_weight, 1e-5) @ dense.T) < 0.01
+    gate_up = torch.randn(3, 192, generator=gen)
+    residual = torch.randn(3, 64, generator=gen)
+    out = residual.clone()
+    torch.ops.aigw_cpu.q_linear_add_(out, gate_up, blocks, weight_type, True)
+    expected = residual + (F.silu(gate_up[:, :96]) * gate_up[:, 96:]) @ dense.T
+    assert relative_error(out, expected) < 0.01
+
+
+def test_decode_attention_matches_the_torch_backend_and_stores_rotated_kv() -> None:
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 6, 2, 16, 4, 12
+    gen = torch.Generator().manual_seed(4)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    tables = [[3, 7, 1], [10, 2, 0], [5, 0, 0]]  # padded with block 0
+    lens = [11, 6, 1]  # context after this step, the new token included
+    positions = torch.tensor([n - 1 for n in lens])
+    slots = torch.tensor([t[p // block_size] * block_size + p % block_size
+                          for t, p in zip(tables, positions.tolist(), strict=True)])
+    qkv = torch.randn(3, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0)
+    scale = head_dim ** -0.5
+
+    k_ours, v_ours = k_cache.clone(), v_cache.clone()
+    out = torch.ops.aigw_cpu.decode_attention(qkv, rotary.cos, rotary.sin, positions, k_ours, v_ours, slots,
+                                              torch.tensor(tables), torch.tensor(lens), num_heads,
+                                              num_kv_heads, scale)
+
+    heads = qkv.view(3, num_heads + 2 * num_kv_heads, head_dim)
+    cos, sin = rotary.lookup(positions)
+    qk = apply_rotary(heads[:, :num_heads + num_kv_heads], cos, sin)
+    width = max(lens)
+    valid = torch.arange(width)[None, :] < torch.tensor(lens)[:, None]
+    mask = torch.zeros(3, 1, 1, width).masked_fill_(~valid.view(3, 1, 1, width), float("-inf"))
+    meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=3, decode_blocks=torch.tensor(tables),
+                             decode_len=width, decode_mask=mask, prefills=())
+    expected = TorchPagedAttention().forward(qk[:, :num_heads], qk[:, num_heads:], heads[:, num_heads + num_kv_heads:],
+                                             k_cache, v_cache, scale, meta)
+    torch.testing.assert_close(k_ours, k_cache, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_ours, v_cache)
+    torch.testing.assert_close(out.view(3, num_heads, head_dim), expected, rtol=1e-4, atol=1e-5)
