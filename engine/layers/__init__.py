@@ -57,13 +57,14 @@ def _make_q4(name: str, weight: torch.Tensor, raw_weights: dict) -> LinearWeight
     head too, from the tied embedding's Q8_0 blocks); without them, PyTorch's int4 kernel.
     """
     from engine.kernels import cpu as native
-    from engine.layers.native_linear import NATIVE_TYPES, NativeQuantLinear
+    from engine.layers.native_linear import NativeQuantLinear
     from engine.layers.q4_linear import SUPPORTED_TYPES, BF16Linear, Q4DecodeLinear
 
     use_native = weight.dtype == torch.float32 and native.load()
     if name == "lm_head.weight":
         raw = raw_weights.get(name) or raw_weights.get("model.embed_tokens.weight")
-        if use_native and raw is not None and raw.ggml_type in NATIVE_TYPES and raw.shape == tuple(weight.shape):
+        if (use_native and raw is not None and raw.shape == tuple(weight.shape)
+                and NativeQuantLinear.supports(raw.ggml_type, raw.shape[0])):
             return NativeQuantLinear.from_raw(weight, [(raw.ggml_type, raw.data)], rows_are_decodes=True)
         return BF16Linear(weight)
     prefix, _, leaf = name.rpartition(".")  # "...self_attn.qkv_proj", "weight"
@@ -73,6 +74,6 @@ def _make_q4(name: str, weight: torch.Tensor, raw_weights: dict) -> LinearWeight
     parts = [p for p in found if p is not None and p.ggml_type in SUPPORTED_TYPES]
     if len(parts) != len(found):
         return None
-    if use_native:
+    if use_native and all(NativeQuantLinear.supports(p.ggml_type, p.shape[0]) for p in parts):
         return NativeQuantLinear.from_raw(weight, [(p.ggml_type, p.data) for p in parts])
     return Q4DecodeLinear.from_raw(weight, [(p.ggml_type, p.data, p.shape) for p in parts])

@@ -4,9 +4,10 @@
 // `--decode-weights q4` mode's decode steps, where the step is bound by reading weights and by the
 // number of ops dispatched, not by arithmetic:
 //
-//   q_linear        out[M, N] = prep(x)[M, K] @ W^T, W in GGML blocks as the GGUF stores them
-//                   (Q4_1 layout: d f16 | m f16 | 16 bytes of nibbles, w = q * d + m; Q8_0: d f16 |
-//                   32 int8, w = q * d). prep = optional RMSNorm, or silu(x[:, :K]) * x[:, K:].
+//   q_linear        out[M, N] = prep(x)[M, K] @ W^T, W in the GGUF's blocks: Q4_1 (w = q * d + m,
+//                   Q4_0 converted to it) interleaved by 8 output columns at load (dot_q4x8), or Q8_0
+//                   rows as stored (d f16 | 32 int8, w = q * d). prep = optional RMSNorm, or
+//                   silu(x[:, :K]) * x[:, K:].
 //                   Activations are quantized to 8 bits per 32-value block (llama.cpp's Q8_1), and
 //                   each block's dot product runs in 8/16/32-bit integers.
 //   q_linear_add_   the same, added into `out` in place (the residual stream).
@@ -28,10 +29,10 @@
 namespace {
 
 constexpr int64_t QK = 32;          // values per block
-constexpr int64_t Q4_BYTES = 20;    // d f16, m f16, 16 nibble bytes
 constexpr int64_t Q8_BYTES = 34;    // d f16, 32 int8
-constexpr int64_t TYPE_Q4 = 0;
 constexpr int64_t TYPE_Q8 = 1;
+constexpr int64_t TYPE_Q4X8 = 2;    // Q4_1 interleaved by 8 output columns (see dot_q4x8)
+constexpr int64_t Q4X8_BYTES = 160; // per 8 columns x 32 inputs: d f16[8] | m f16[8] | 128 nibble bytes
 
 inline float f16_to_f32(const uint8_t* p) {
   uint16_t h;
@@ -91,35 +92,7 @@ void quantize_row(const float* x, int64_t k, int mode, const float* norm_w, floa
   }
 }
 
-// Dot products of one weight row against R activation rows (R <= 4 at a time).
-template <int R>
-inline void dot_q4(const uint8_t* w, int64_t nb, const int8_t* const* xq, const float* const* xd,
-                   const float* const* xds, float* out) {
-  __m256 acc[R];
-  float macc[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    macc[r] = 0.f;
-  }
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * Q4_BYTES;
-    const float wd = f16_to_f32(blk);
-    const float wm = f16_to_f32(blk + 2);
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-    const __m256i qw = _mm256_and_si256(
-        _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);  // 32 x u8 in 0..15
-    for (int r = 0; r < R; ++r) {
-      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * QK));
-      const __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qx), ones);
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wd * xd[r][b]), _mm256_cvtepi32_ps(p32), acc[r]);
-      macc[r] += wm * xds[r][b];
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + macc[r];
-}
-
+// Q8_0 rows: dot products of one weight row against R activation rows (R <= 4 at a time).
 template <int R>
 inline void dot_q8(const uint8_t* w, int64_t nb, const int8_t* const* xq, const float* const* xd,
                    const float* const*, float* out) {
@@ -141,13 +114,37 @@ inline void dot_q8(const uint8_t* w, int64_t nb, const int8_t* const* xq, const 
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
 
+// 8 output columns x R activation rows (R <= 4), weights interleaved for 32-bit lanes: in each of
+// the 4 nibble vectors of a block, lane j holds column j's inputs 8t..8t+3 (low nibbles) and
+// 8t+4..8t+7 (high nibbles). A lane's 4 products sum in maddubs; 8 of those sums stay exact in int16.
 template <int R>
-inline void dot_rows(int64_t wtype, const uint8_t* w, int64_t nb, const int8_t* const* xq,
-                     const float* const* xd, const float* const* xds, float* out) {
-  if (wtype == TYPE_Q4) {
-    dot_q4<R>(w, nb, xq, xd, xds, out);
-  } else {
-    dot_q8<R>(w, nb, xq, xd, xds, out);
+inline void dot_q4x8(const uint8_t* w, int64_t nb, const int8_t* const* xq, const float* const* xd,
+                     const float* const* xds, __m256* acc) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * Q4X8_BYTES;
+    const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    __m256i q[8];
+    for (int t = 0; t < 4; ++t) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 32 * t));
+      q[2 * t] = _mm256_and_si256(v, low);
+      q[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = xq[r] + b * QK;
+      int32_t quad[8];
+      std::memcpy(quad, xb, 32);
+      __m256i s16 = _mm256_maddubs_epi16(q[0], _mm256_set1_epi32(quad[0]));
+      for (int u = 1; u < 8; ++u) {
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[u], _mm256_set1_epi32(quad[u])));
+      }
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+      acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(wd, _mm256_set1_ps(xd[r][b])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xds[r][b]), acc[r]);
+    }
   }
 }
 
@@ -157,15 +154,15 @@ void q_linear_into(const at::Tensor& x, const at::Tensor& w, int64_t wtype,
                    at::Tensor& out, bool accumulate) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte, "w must be [N, bytes_per_row] uint8");
-  TORCH_CHECK(wtype == TYPE_Q4 || wtype == TYPE_Q8, "unknown weight type");
+  TORCH_CHECK(wtype == TYPE_Q8 || wtype == TYPE_Q4X8, "unknown weight type");
   const at::Tensor xc = x.contiguous();
   const int64_t m = xc.size(0);
   const int64_t k = silu_mul ? xc.size(1) / 2 : xc.size(1);
   TORCH_CHECK(k % QK == 0, "K must be a multiple of 32");
   const int64_t nb = k / QK;
-  const int64_t row_bytes = nb * (wtype == TYPE_Q4 ? Q4_BYTES : Q8_BYTES);
+  const int64_t row_bytes = nb * (wtype == TYPE_Q8 ? Q8_BYTES : Q4X8_BYTES);
   TORCH_CHECK(w.size(1) == row_bytes && w.is_contiguous(), "weight rows do not match K");
-  const int64_t n = w.size(0);
+  const int64_t n = wtype == TYPE_Q4X8 ? w.size(0) * 8 : w.size(0);
   TORCH_CHECK(out.size(0) == m && out.size(1) == n && out.is_contiguous(), "bad out shape");
   const int mode = norm_weight.has_value() ? 1 : (silu_mul ? 2 : 0);
   at::Tensor nw;
@@ -186,6 +183,37 @@ void q_linear_into(const at::Tensor& x, const at::Tensor& w, int64_t wtype,
 
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+  if (wtype == TYPE_Q4X8) {
+    at::parallel_for(0, n / 8, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        const uint8_t* wg = wp + g * row_bytes;
+        for (int64_t r0 = 0; r0 < m; r0 += 4) {
+          const int rows = static_cast<int>(std::min<int64_t>(4, m - r0));
+          const int8_t* xq[4];
+          const float* xd[4];
+          const float* xds[4];
+          for (int i = 0; i < rows; ++i) {
+            xq[i] = q.data() + (r0 + i) * k;
+            xd[i] = d.data() + (r0 + i) * nb;
+            xds[i] = ds.data() + (r0 + i) * nb;
+          }
+          __m256 acc[4];
+          switch (rows) {
+            case 4: dot_q4x8<4>(wg, nb, xq, xd, xds, acc); break;
+            case 3: dot_q4x8<3>(wg, nb, xq, xd, xds, acc); break;
+            case 2: dot_q4x8<2>(wg, nb, xq, xd, xds, acc); break;
+            default: dot_q4x8<1>(wg, nb, xq, xd, xds, acc); break;
+          }
+          for (int i = 0; i < rows; ++i) {
+            float* dst = op + (r0 + i) * n + g * 8;
+            const __m256 v = accumulate ? _mm256_add_ps(_mm256_loadu_ps(dst), acc[i]) : acc[i];
+            _mm256_storeu_ps(dst, v);
+          }
+        }
+      }
+    });
+    return;
+  }
   const int64_t grain = std::max<int64_t>(16, 4096 / std::max<int64_t>(m, 1));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t col = begin; col < end; ++col) {
@@ -202,10 +230,10 @@ void q_linear_into(const at::Tensor& x, const at::Tensor& w, int64_t wtype,
         }
         float res[4];
         switch (rows) {
-          case 4: dot_rows<4>(wtype, wr, nb, xq, xd, xds, res); break;
-          case 3: dot_rows<3>(wtype, wr, nb, xq, xd, xds, res); break;
-          case 2: dot_rows<2>(wtype, wr, nb, xq, xd, xds, res); break;
-          default: dot_rows<1>(wtype, wr, nb, xq, xd, xds, res); break;
+          case 4: dot_q8<4>(wr, nb, xq, xd, xds, res); break;
+          case 3: dot_q8<3>(wr, nb, xq, xd, xds, res); break;
+          case 2: dot_q8<2>(wr, nb, xq, xd, xds, res); break;
+          default: dot_q8<1>(wr, nb, xq, xd, xds, res); break;
         }
         for (int i = 0; i < rows; ++i) {
           float* dst = op + (r0 + i) * n + col;
@@ -218,7 +246,8 @@ void q_linear_into(const at::Tensor& x, const at::Tensor& w, int64_t wtype,
 
 at::Tensor q_linear(const at::Tensor& x, const at::Tensor& w, int64_t wtype,
                     const c10::optional<at::Tensor>& norm_weight, double eps, bool silu_mul) {
-  at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
+  const int64_t n = wtype == TYPE_Q4X8 ? w.size(0) * 8 : w.size(0);
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
   q_linear_into(x, w, wtype, norm_weight, eps, silu_mul, out, false);
   return out;
 }
