@@ -11,7 +11,6 @@ endpoint not yet tried for this request. Each failure feeds the endpoint's circu
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from gateway.errors import NoHealthyEndpoint, UpstreamError, UpstreamTimeout, Up
 from gateway.retry_budget import RetryBudget
 from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
+from gateway.wait_timer import WaitTimer
 
 
 @dataclass(slots=True)
@@ -83,7 +83,8 @@ async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
         events = route.backend.stream(request, endpoint)
         wait_started = time.perf_counter()
         try:
-            async with asyncio.timeout(settings.first_token_timeout_s):
+            async with WaitTimer(settings.first_token_timeout_s) as timer:
+                timer.waiting()
                 first = await anext(events)
             timing.upstream_s += time.perf_counter() - wait_started
             return Attempt(endpoint, events, first)

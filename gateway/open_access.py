@@ -33,6 +33,9 @@ class NullMeter:
         return Admission(request_id, principal, model, num_prompt_tokens + max_tokens)
 
     async def settle(self, admission: Admission, record: UsageRecord) -> None:
+        self.settle_nowait(admission, record)
+
+    def settle_nowait(self, admission: Admission, record: UsageRecord) -> None:
         self.num_settle_calls += 1
         if len(self.settled) >= self._num_records_kept:
             self.settled.pop(next(iter(self.settled)))

@@ -3,7 +3,8 @@
     request id -> authenticate (a bad body without a credential is a 401) -> body cap
       -> parse + validate (dialect) -> require scope & model
       -> meter.admit -> dispatch (pick endpoint, first event, retries) -> respond or stream
-      -> meter.settle (exactly once per admitted request: also on disconnect and failure)
+      -> meter.settle (exactly once per admitted request: also on disconnect and failure; with
+         a meter that has `settle_nowait`, queued, so the answer never waits for the usage write)
 
 Errors before admission answer in the dialect's envelope and are never metered. After the stream
 has started, a failure ends it with the dialect's error event (status 200 already sent).
@@ -51,6 +52,7 @@ from gateway.retry_budget import RetryBudget
 from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
 from gateway.usage import STATUS_CLIENT_CLOSED, build_record
+from gateway.wait_timer import WaitTimer
 
 log = logging.getLogger("aigw.gateway")
 
@@ -111,6 +113,7 @@ class Pipeline:
         self.fleet = fleet
         self.retry_budget = RetryBudget(settings.retry_budget_ratio, settings.num_retries_reserve)
         self.draining = False
+        self._settle_nowait = getattr(meter, "settle_nowait", None)
 
     async def _read_body(self, request: web.Request) -> Any:
         if (request.content_length or 0) > self.settings.max_body_bytes:
@@ -179,7 +182,10 @@ class Pipeline:
             record = build_record(canonical, principal, route.settings,
                                   "" if outcome.replica == "none" else outcome.replica,
                                   outcome.accumulator, outcome.status, latency_ms)
-            await asyncio.shield(self._settle(admission, record))
+            if self._settle_nowait is not None:
+                self._settle_nowait(admission, record)  # never raises; nothing to cancel
+            else:
+                await asyncio.shield(self._settle(admission, record))
 
     async def _settle(self, admission: Admission, record: Any) -> None:
         try:
@@ -217,16 +223,19 @@ class Pipeline:
 
     async def _drain_events(self, attempt: Attempt, accumulator: Accumulator, timing: Timing) -> None:
         events = attempt.events
-        while True:
-            waited = time.perf_counter()
-            try:
-                async with asyncio.timeout(self.settings.idle_timeout_s):
+        perf_counter = time.perf_counter
+        async with WaitTimer(self.settings.idle_timeout_s) as timer:
+            while True:
+                waited = perf_counter()
+                timer.waiting()
+                try:
                     event = await anext(events)
-            except StopAsyncIteration:
-                break
-            finally:
-                timing.upstream_s += time.perf_counter() - waited
-            accumulator.add(event)
+                except StopAsyncIteration:
+                    break
+                finally:
+                    timer.done_waiting()
+                    timing.upstream_s += perf_counter() - waited
+                accumulator.add(event)
 
     async def _stream(self, request: web.Request, dialect: Dialect, canonical: CanonicalRequest,
                       route: ModelRoute, timing: Timing, outcome: _Outcome,
@@ -245,15 +254,18 @@ class Pipeline:
             accumulator.add(attempt.first_event)
             await response.write(encoder.start() + _delta_bytes(encoder, attempt.first_event))
             try:
-                while True:
-                    async with asyncio.timeout(self.settings.idle_timeout_s):
+                async with WaitTimer(self.settings.idle_timeout_s) as timer:
+                    while True:
+                        timer.waiting()
                         try:
                             event = await anext(attempt.events)
                         except StopAsyncIteration:
                             break
-                    accumulator.add(event)
-                    if not isinstance(event, Finish | Usage):
-                        await response.write(encoder.event(event))
+                        finally:
+                            timer.done_waiting()
+                        accumulator.add(event)
+                        if not isinstance(event, Finish | Usage):
+                            await response.write(encoder.event(event))
                 attempt.endpoint.breaker.record_success()
                 tail = encoder.finish(accumulator.response())
             except (UpstreamError, TimeoutError) as exc:

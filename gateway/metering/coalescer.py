@@ -2,6 +2,9 @@
 
     coalescer = Coalescer(flush)              # flush(items) -> one result (or exception) per item
     result = await coalescer.submit(item)     # waits for the batch that carries `item`
+    coalescer.submit_nowait(item, on_result)  # returns at once; on_result(result or exception)
+                                              # is called when its batch is done
+    await coalescer.flush()                   # everything submitted so far is done
 
 At most one flush is in flight: calls made while it runs form the next batch. Under load (the
 gateway at concurrency 16) this turns N round trips and N event-loop wakeups into one; alone, a
@@ -11,11 +14,14 @@ call costs one round trip as before. Each item keeps its own atomicity (a Lua sc
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+log = logging.getLogger("aigw.metering")
 
 
 class Coalescer(Generic[T, R]):
@@ -23,15 +29,25 @@ class Coalescer(Generic[T, R]):
                  max_batch: int = 256) -> None:
         self._flush = flush
         self._max_batch = max_batch
-        self._pending: list[tuple[T, asyncio.Future[R]]] = []
+        # each item with its waiter: a future (submit) or a callback (submit_nowait)
+        self._pending: list[tuple[T, asyncio.Future[R] | Callable[[R | BaseException], None]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
     async def submit(self, item: T) -> R:
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         self._pending.append((item, future))
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._drain())
+        self._start()
         return await future
+
+    def submit_nowait(self, item: T, on_result: Callable[[R | BaseException], None]) -> None:
+        """Queue `item`; `on_result` gets its result or exception (also on cancellation) and
+        must not raise (what it raises is logged)."""
+        self._pending.append((item, on_result))
+        self._start()
+
+    def _start(self) -> None:
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
         while self._pending:
@@ -42,18 +58,35 @@ class Coalescer(Generic[T, R]):
             except BaseException as exc:  # noqa: BLE001 - handed to every waiter of the batch
                 results = [exc] * len(batch)
                 if isinstance(exc, asyncio.CancelledError):
-                    for _, future in batch:
-                        future.cancel()
+                    for (_, waiter), result in zip(batch, results, strict=True):
+                        _deliver(waiter, result)
                     raise
-            for (_, future), result in zip(batch, results, strict=True):
-                if future.done():  # its caller was cancelled
-                    continue
-                if isinstance(result, BaseException):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
+            for (_, waiter), result in zip(batch, results, strict=True):
+                _deliver(waiter, result)
+
+    async def flush(self) -> None:
+        """Wait until everything submitted so far has been flushed."""
+        while self._flusher is not None and not self._flusher.done():
+            await asyncio.wait((self._flusher,))  # never raises what the flusher raised
 
     async def close(self) -> None:
         """Wait for what is already submitted to be flushed."""
-        if self._flusher is not None and not self._flusher.done():
-            await self._flusher
+        await self.flush()
+
+
+def _deliver(waiter: asyncio.Future[R] | Callable[[R | BaseException], None],
+             result: R | BaseException) -> None:
+    if isinstance(waiter, asyncio.Future):
+        if waiter.done():  # its caller was cancelled
+            return
+        if isinstance(result, asyncio.CancelledError):
+            waiter.cancel()
+        elif isinstance(result, BaseException):
+            waiter.set_exception(result)
+        else:
+            waiter.set_result(result)
+        return
+    try:
+        waiter(result)
+    except Exception:  # noqa: BLE001 - one callback must not stop the others
+        log.exception("a coalesced call's callback failed")

@@ -4,7 +4,9 @@
     ... dispatch, stream ...
     await meter.settle(admission, record)   # exactly once per request id, even on disconnect/failure
 
-`settle` is idempotent on `record.request_id`: calling it twice never counts twice.
+`settle` is idempotent on `record.request_id`: calling it twice never counts twice. A meter may
+also offer `settle_nowait(admission, record)` (synchronous, never raises: the write is queued);
+the pipeline then settles without the answer waiting for the store.
 """
 
 from __future__ import annotations

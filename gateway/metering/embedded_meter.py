@@ -4,13 +4,16 @@
           completion_tokens, cost_nanos, latency_ms, status, created_at, day, stream, finish_reason)
 
 `INSERT OR IGNORE` on the request id makes settle idempotent; only a row that was really inserted
-moves the limit counters. Budgets survive restarts: a scope's spend of the day is read back from
+moves the limit counters (for `settle_nowait`, when its batch is written). Reads wait for queued
+inserts first. Budgets survive restarts: a scope's spend of the day is read back from
 the table the first time it is needed. Limits are per process (one embedded gateway).
 """
 
 from __future__ import annotations
 
+import logging
 import sqlite3
+from functools import partial
 from pathlib import Path
 
 from auth.sqlite_runner import SqliteRunner
@@ -33,6 +36,8 @@ CREATE INDEX IF NOT EXISTS usage_by_project_day ON usage (project, day);
 _RECORD_COLUMNS = ("request_id", "project", "key_id", "model", "endpoint", "prompt_tokens",
                    "cached_tokens", "completion_tokens", "latency_ms", "status", "created_at",
                    "stream", "finish_reason")
+
+log = logging.getLogger("aigw.metering")
 
 _INSERT_SQL = (f"INSERT OR IGNORE INTO usage ({', '.join(_RECORD_COLUMNS)}, cost_nanos, day) "
                f"VALUES ({', '.join('?' * (len(_RECORD_COLUMNS) + 2))})")
@@ -66,6 +71,7 @@ class EmbeddedMeter(BaseMeter):
         admission.headers = rate_headers(after, clock)
 
     async def _spent_today(self, admission: MeterAdmission, scope: str, day: str) -> int:
+        await self._inserts.flush()
         project = admission.principal.project
         sql = "SELECT SUM(cost_nanos) FROM usage WHERE project = ? AND day = ?"
         args: tuple[str, ...] = (project, day)
@@ -76,9 +82,19 @@ class EmbeddedMeter(BaseMeter):
 
     async def _record(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
                       delta_tokens: int, delta_nanos: int) -> None:
-        values = vars(record)
-        row = tuple(values[c] for c in _RECORD_COLUMNS) + (cost_nanos, usage_day(record.created_at))
-        if await self._inserts.submit(row) and admission.scopes:
+        if await self._inserts.submit(_row(record, cost_nanos)) and admission.scopes:
+            self._limiter.settle(admission, delta_tokens, delta_nanos)
+
+    def _record_nowait(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
+                       delta_tokens: int, delta_nanos: int) -> None:
+        self._inserts.submit_nowait(_row(record, cost_nanos), partial(
+            self._on_inserted, admission, record.request_id, delta_tokens, delta_nanos))
+
+    def _on_inserted(self, admission: MeterAdmission, request_id: str, delta_tokens: int,
+                     delta_nanos: int, inserted: bool | BaseException) -> None:
+        if isinstance(inserted, BaseException):
+            log.error("settle failed for %s", request_id, exc_info=inserted)
+        elif inserted and admission.scopes:
             self._limiter.settle(admission, delta_tokens, delta_nanos)
 
     async def _insert_rows(self, rows: list[tuple[object, ...]]) -> list[bool | BaseException]:
@@ -103,6 +119,7 @@ class EmbeddedMeter(BaseMeter):
                "SUM(completion_tokens), SUM(cost_nanos) FROM usage WHERE project = ? "
                "AND day >= ? AND day <= ? GROUP BY day, model")
         args = (project, since or "", until or "9999-99-99")
+        await self._inserts.flush()
         rows = await self._db.run(lambda conn: conn.execute(sql, args).fetchall())
         return [UsageRow(*row) for row in rows]
 
@@ -111,6 +128,7 @@ class EmbeddedMeter(BaseMeter):
         sql = (f"SELECT {', '.join(_RECORD_COLUMNS)}, cost_nanos FROM usage WHERE project = ? "
                "AND day >= ? AND day <= ? ORDER BY created_at, request_id")
         args = (project, since or "", until or "9999-99-99")
+        await self._inserts.flush()
         rows = await self._db.run(lambda conn: conn.execute(sql, args).fetchall())
         records = []
         for row in rows:
@@ -122,3 +140,8 @@ class EmbeddedMeter(BaseMeter):
     async def close(self) -> None:
         await self._inserts.close()
         await self._db.close()
+
+
+def _row(record: UsageRecord, cost_nanos: int) -> tuple[object, ...]:
+    values = vars(record)
+    return tuple(values[c] for c in _RECORD_COLUMNS) + (cost_nanos, usage_day(record.created_at))

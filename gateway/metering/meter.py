@@ -4,6 +4,9 @@
             the key's counters, or raise RateLimited; no counters when no limit applies
     settle  record the usage once per request id (idempotent) and, only for the first call,
             replace the reservation with the actual tokens and cost
+    settle_nowait  the same, queued: returns at once (the gateway's answer never waits for the
+            usage write); a failed write is logged. Reads (usage, a budget's spend) first wait
+            for queued writes, so they see every record settled before them.
 
 The backends (redis_meter.RedisMeter, embedded_meter.EmbeddedMeter) implement `_reserve`,
 `_record` and the reads. `record.cost_usd` is what the client was shown (the gateway computes it
@@ -12,6 +15,7 @@ with `cost_usd`), and is what usage and budgets count.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -21,6 +25,8 @@ from gateway.metering.limits import Clock, MeterAdmission, ScopeLimits
 from gateway.metering.prices import NANOS_PER_USD, cost_nanos, cost_usd, price_for
 from gateway.metering.settings import MeteringSettings, ModelPrice
 from gateway.metering.usage_report import UsageRow, group_rows
+
+log = logging.getLogger("aigw.metering")
 
 
 class BaseMeter(ABC):
@@ -58,13 +64,25 @@ class BaseMeter(ABC):
 
     async def settle(self, admission: Admission, record: UsageRecord) -> None:
         """Record once per record.request_id; later calls with the same id change nothing."""
+        await self._record(*self._settlement(admission, record))
+
+    def settle_nowait(self, admission: Admission, record: UsageRecord) -> None:
+        """`settle`, queued (see the module docstring); never raises."""
+        try:
+            self._record_nowait(*self._settlement(admission, record))
+        except Exception:  # noqa: BLE001 - metering must not fail the answer
+            log.exception("settle failed for %s", record.request_id)
+
+    def _settlement(self, admission: Admission, record: UsageRecord
+                    ) -> tuple[MeterAdmission, UsageRecord, int, int, int]:
+        """(admission, record, actual cost, token delta, cost delta) for `_record`."""
         if not isinstance(admission, MeterAdmission):  # made elsewhere: it reserved nothing
             admission = MeterAdmission(admission.request_id, admission.principal, admission.model,
                                        admission.reserved_tokens)
         actual_nanos = round(record.cost_usd * NANOS_PER_USD)
         delta_tokens = record.prompt_tokens + record.completion_tokens - admission.reserved_tokens
         delta_nanos = actual_nanos - admission.reserved_nanos
-        await self._record(admission, record, actual_nanos, delta_tokens, delta_nanos)
+        return admission, record, actual_nanos, delta_tokens, delta_nanos
 
     async def usage_by_project(self, project: str, group_by: Sequence[str] = ("model", "day"),
                                since: str | None = None, until: str | None = None) -> list[UsageRow]:
@@ -85,6 +103,11 @@ class BaseMeter(ABC):
     @abstractmethod
     async def _record(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
                       delta_tokens: int, delta_nanos: int) -> None: ...
+
+    @abstractmethod
+    def _record_nowait(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
+                       delta_tokens: int, delta_nanos: int) -> None:
+        """`_record`, queued; a failure is logged, not raised."""
 
     @abstractmethod
     async def _daily_rows(self, project: str, since: str | None,
@@ -110,6 +133,10 @@ class DisabledMeter(BaseMeter):
 
     async def _record(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
                       delta_tokens: int, delta_nanos: int) -> None:
+        return None
+
+    def _record_nowait(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
+                       delta_tokens: int, delta_nanos: int) -> None:
         return None
 
     async def _daily_rows(self, project: str, since: str | None,

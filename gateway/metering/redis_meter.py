@@ -25,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
+from functools import partial
 from typing import Any
 
 import orjson
@@ -46,6 +48,7 @@ from gateway.metering.settings import MeteringSettings
 from gateway.metering.usage_report import UsageRow, in_range
 from gateway.redis_client import is_cluster_client
 
+log = logging.getLogger("aigw.metering")
 _METRICS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_nanos")
 
 # Numbers travel packed in one space-separated ARGV (fewer arguments to encode per call).
@@ -180,6 +183,16 @@ class RedisMeter(BaseMeter):
 
     async def _record(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
                       delta_tokens: int, delta_nanos: int) -> None:
+        await self._calls.submit(self._settle_call(admission, record, cost_nanos, delta_tokens,
+                                                   delta_nanos))
+
+    def _record_nowait(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
+                       delta_tokens: int, delta_nanos: int) -> None:
+        call = self._settle_call(admission, record, cost_nanos, delta_tokens, delta_nanos)
+        self._calls.submit_nowait(call, partial(_log_failure, record.request_id))
+
+    def _settle_call(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
+                     delta_tokens: int, delta_nanos: int) -> ScriptCall:
         prefix = _project_prefix(record.project)
         day = usage_day(record.created_at)
         keys = [f"{prefix}:usage:req:{record.request_id}", f"{prefix}:usage:day:{day}",
@@ -193,10 +206,11 @@ class RedisMeter(BaseMeter):
                    cost_nanos, day)
         args = [orjson.dumps(record), " ".join(map(str, numbers)), record.model,
                 record.request_id]
-        await self._calls.submit(("settle", keys, args))
+        return ("settle", keys, args)
 
     async def _daily_rows(self, project: str, since: str | None,
                           until: str | None) -> list[UsageRow]:
+        await self._calls.flush()  # settles queued by settle_nowait
         prefix = _project_prefix(project)
         days = sorted(d for d in await self.client.smembers(f"{prefix}:usage:days")
                       if in_range(d, since, until))
@@ -215,6 +229,7 @@ class RedisMeter(BaseMeter):
 
     async def usage_records(self, project: str, since: str | None = None,
                             until: str | None = None) -> list[UsageRecord]:
+        await self._calls.flush()  # settles queued by settle_nowait
         prefix = _project_prefix(project)
         days = sorted(d for d in await self.client.smembers(f"{prefix}:usage:days")
                       if in_range(d, since, until))
@@ -230,6 +245,11 @@ class RedisMeter(BaseMeter):
         await self._calls.close()
         if self._owns_client:
             await self.client.aclose()
+
+
+def _log_failure(request_id: str, result: Any) -> None:
+    if isinstance(result, BaseException):
+        log.error("settle failed for %s", request_id, exc_info=result)
 
 
 def _arg(limit: int | None) -> Any:

@@ -161,9 +161,20 @@ def candidate_attributes(decision: Decision, endpoints: Sequence[Endpoint]) -> d
 
 
 class ObservedMeter:
+    """`settle_nowait` exists exactly when the inner meter has one (the pipeline looks for it)."""
+
     def __init__(self, inner: Meter, on_record: Callable[[UsageRecord], None]) -> None:
         self.inner = inner
         self._on_record = on_record
+        inner_nowait = getattr(inner, "settle_nowait", None)
+        if inner_nowait is not None:
+            def settle_nowait(admission: Admission, record: UsageRecord) -> None:
+                try:
+                    inner_nowait(admission, record)
+                finally:
+                    on_record(record)
+
+            self.settle_nowait = settle_nowait
 
     async def admit(self, request_id: str, principal: Principal, model: str,
                     num_prompt_tokens: int, max_tokens: int) -> Admission:

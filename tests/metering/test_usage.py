@@ -55,6 +55,28 @@ def test_settling_the_same_request_twice_counts_it_once(open_test_meter: OpenMet
     asyncio.run(scenario())
 
 
+def test_queued_settles_are_seen_by_reads_and_count_once(open_test_meter: OpenMeter) -> None:
+    """settle_nowait (the gateway's path) returns before the write; reads and the next budget
+    check see it, and settling the same request twice still counts it once."""
+    async def scenario() -> None:
+        meter = await open_test_meter(MeteringSettings(
+            default_project_limits={"tokens_per_minute": 1000}))
+        try:
+            admission = await meter.admit("req-1", principal(), "m", 10, 90)
+            done = record("req-1", 10, 5, cost_usd=0.25)
+            meter.settle_nowait(admission, done)
+            meter.settle_nowait(admission, done)
+            assert await meter.usage_records("acme") == [done]  # no sleep: the read waits
+            rows = await meter.usage_by_project("acme", group_by=())
+            assert [(r.requests, r.completion_tokens) for r in rows] == [(1, 5)]
+            after = await meter.admit("req-2", principal(), "m", 0, 1)
+            assert after.headers["x-ratelimit-remaining-tokens"] == str(1000 - 15 - 1)
+        finally:
+            await meter.close()
+
+    asyncio.run(scenario())
+
+
 def test_usage_totals_equal_the_sum_of_settled_records_over_a_mix(open_test_meter: OpenMeter) -> None:
     """Streamed and plain requests, disconnects (partial completions billed), retries of the
     same request id, two models and two projects, settled concurrently."""
