@@ -86,8 +86,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepLogits:
-        if self._native_decode is not None and _is_decode_only(batch):
-            return self._execute_native_decode(batch.sequences)
+        if self._native_decode is None:
+            return self._execute(batch)
+        decodes = [s for s in batch.sequences if _is_decode(s)]
+        if not decodes:
+            return self._execute(batch)
+        native = self._execute_native_decode(decodes)
+        if len(decodes) == len(batch.sequences):
+            return native
+        rest = self._execute(ScheduledBatch([s for s in batch.sequences if not _is_decode(s)]))
+        return StepLogits(native.request_ids + rest.request_ids, torch.cat([native.logits, rest.logits]))
+
+    def _execute(self, batch: ScheduledBatch) -> StepLogits:
         decodes, num_plain, groups = self._plan_decodes(
             [s for s in batch.sequences if s.num_scheduled_tokens == 1 and s.start_position > 0])
         prefills = [s for s in batch.sequences if not (s.num_scheduled_tokens == 1 and s.start_position > 0)]
@@ -108,7 +118,7 @@ class ModelRunner:
         return StepLogits(request_ids, logits.cpu() if logits.device.type != "cpu" else logits)
 
     def _execute_native_decode(self, seqs: list[ScheduledSequence]) -> StepLogits:
-        """A decode-only step through the native kernels (engine/models/llama_decode.py)."""
+        """The step's decode rows through the native kernels (engine/models/llama_decode.py)."""
         assert self._native_decode is not None
         bs = self.block_size
         width = max(len(s.block_table) for s in seqs)
@@ -118,8 +128,11 @@ class ModelRunner:
         step = DecodeInputs(input_ids=torch.tensor([s.token_ids[0] for s in seqs]),
                             positions=torch.tensor(positions), slots=torch.tensor(slots),
                             block_tables=torch.tensor(tables), context_lens=torch.tensor([p + 1 for p in positions]))
-        logits = self._native_decode(step, self.kv_caches)
-        return StepLogits([s.request_id for s in seqs], logits)
+        logits = self._native_decode(step, self.kv_caches)  # [D, vocab]
+        sampled = [i for i, s in enumerate(seqs) if s.needs_sample]
+        if len(sampled) < len(seqs):
+            logits = logits[sampled]
+        return StepLogits([seqs[i].request_id for i in sampled], logits)
 
     def _prepare(self, decodes: list[ScheduledSequence], prefills: list[ScheduledSequence],
                  num_plain: int, groups: list[tuple[int, int, int]]
@@ -228,10 +241,8 @@ def _native_decode_step(model, config: EngineConfig):  # type: ignore[no-untyped
     return NativeDecodeStep.build(model)
 
 
-def _is_decode_only(batch: ScheduledBatch) -> bool:
-    seqs = batch.sequences
-    return bool(seqs) and all(
-        s.num_scheduled_tokens == 1 and s.start_position > 0 and s.needs_sample for s in seqs)
+def _is_decode(seq: ScheduledSequence) -> bool:
+    return seq.num_scheduled_tokens == 1 and seq.start_position > 0
 
 
 def _block_table_tensor(seqs: list[ScheduledSequence]) -> torch.Tensor:

@@ -53,8 +53,8 @@ _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("ga
 def _make_q4(name: str, weight: torch.Tensor, raw_weights: dict) -> LinearWeight | None:  # type: ignore[type-arg]
     """The q4 decode form of a weight, or None when the file has no Q4 blocks for it.
 
-    With the native CPU kernels (engine/kernels/cpu) the file's blocks are used as they are (the lm
-    head too, from the tied embedding's Q8_0 blocks); without them, PyTorch's int4 kernel.
+    With the native CPU kernels (engine/kernels/cpu) every row runs on the file's blocks (the lm head
+    too, from the tied embedding's Q8_0 blocks); without them, decode rows take PyTorch's int4 kernel.
     """
     from engine.kernels import cpu as native
     from engine.layers.native_linear import NativeQuantLinear
@@ -65,7 +65,7 @@ def _make_q4(name: str, weight: torch.Tensor, raw_weights: dict) -> LinearWeight
         raw = raw_weights.get(name) or raw_weights.get("model.embed_tokens.weight")
         if (use_native and raw is not None and raw.shape == tuple(weight.shape)
                 and NativeQuantLinear.supports(raw.ggml_type, raw.shape[0])):
-            return NativeQuantLinear.from_raw(weight, [(raw.ggml_type, raw.data)], rows_are_decodes=True)
+            return NativeQuantLinear.from_raw([(raw.ggml_type, raw.data)])
         return BF16Linear(weight)
     prefix, _, leaf = name.rpartition(".")  # "...self_attn.qkv_proj", "weight"
     parent, _, module = prefix.rpartition(".")
@@ -75,5 +75,5 @@ def _make_q4(name: str, weight: torch.Tensor, raw_weights: dict) -> LinearWeight
     if len(parts) != len(found):
         return None
     if use_native and all(NativeQuantLinear.supports(p.ggml_type, p.shape[0]) for p in parts):
-        return NativeQuantLinear.from_raw(weight, [(p.ggml_type, p.data) for p in parts])
+        return NativeQuantLinear.from_raw([(p.ggml_type, p.data) for p in parts])
     return Q4DecodeLinear.from_raw(weight, [(p.ggml_type, p.data, p.shape) for p in parts])

@@ -10,11 +10,12 @@ and the runner keeps the general forward. Per layer:
     gate_up = q_linear(hidden, W_gate_up, rms_norm=post_attention_norm)  [M, 2I]
     hidden += q_linear(silu(gate) * up, W_down)                        (in place)
 
-then logits = q_linear(hidden, W_lm_head, rms_norm=final norm). Batches of more than
-MAX_NATIVE_ROWS rows take the float32 weights instead (oneDNN GEMMs, with the residual add fused), and
-the native rms_norm / silu_mul between them; attention is the same kernel either way. It fuses the norms, rotary, the
+then logits = q_linear(hidden, W_lm_head, rms_norm=final norm). It fuses the norms, rotary, the
 KV store, SiLU-and-mul and the residual adds into the kernels, so a step dispatches ~5 ops per layer
 instead of ~60: at one sequence the eager step spent more time dispatching ops than reading weights.
+
+The runner sends every decode row here, whatever else the step holds (prefill chunks take the
+general forward), so a sequence's tokens do not depend on what it was batched with.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.layers.linear import OneDNNLinear
-from engine.layers.native_linear import MAX_NATIVE_ROWS, NativeQuantLinear
+from engine.layers.native_linear import NativeQuantLinear
 from engine.models.llama import DenseMLP, LlamaModel
 
 
@@ -43,7 +43,6 @@ class DecodeInputs:
 class NativeDecodeStep:
     def __init__(self, model: LlamaModel) -> None:
         self.model = model
-        self.ops = torch.ops.aigw_cpu
 
     @classmethod
     def build(cls, model: LlamaModel) -> NativeDecodeStep | None:
@@ -63,41 +62,23 @@ class NativeDecodeStep:
     def __call__(self, step: DecodeInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                  ) -> torch.Tensor:
         """-> logits [M, vocab] float32."""
-        model, ops, cfg = self.model, self.ops, self.model.config
+        model, cfg = self.model, self.model.config
         eps = cfg.rms_norm_eps
-        quantized = step.input_ids.shape[0] <= MAX_NATIVE_ROWS
         cos, sin = model.rotary.cos, model.rotary.sin  # [P, Dh]
-        hidden = F.embedding(step.input_ids, model.embed_tokens)  # [M, hidden]
+        hidden = F.embedding(step.input_ids, model.embed_tokens)  # [M, hidden]: this step's own tensor
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
-            qkv_proj: NativeQuantLinear = layer.qkv  # type: ignore[assignment]
-            o_proj: NativeQuantLinear = layer.o_proj  # type: ignore[assignment]
+            qkv_proj, o_proj = _native(layer.qkv), _native(layer.o_proj)
             mlp: DenseMLP = layer.mlp  # type: ignore[assignment]
-            gate_up_proj: NativeQuantLinear = mlp.gate_up  # type: ignore[assignment]
-            down_proj: NativeQuantLinear = mlp.down  # type: ignore[assignment]
-            if quantized:
-                qkv = qkv_proj.native(hidden, layer.input_norm, eps)
-            else:
-                qkv = qkv_proj.dense(ops.rms_norm(hidden, layer.input_norm, eps))
-            attn = ops.decode_attention(qkv, cos, sin, step.positions, k_cache, v_cache, step.slots,
-                                        step.block_tables, step.context_lens, cfg.num_heads,
-                                        cfg.num_kv_heads, model.scale)  # [M, H * Dh]
-            if quantized:  # hidden is this step's own tensor: the residual adds go in place
-                ops.q_linear_add_(hidden, attn, o_proj.blocks, o_proj.weight_type, False)
-                gate_up = gate_up_proj.native(hidden, layer.post_attention_norm, eps)
-                ops.q_linear_add_(hidden, gate_up, down_proj.blocks, down_proj.weight_type, True)
-            else:
-                hidden = _linear_add(o_proj, attn, hidden)
-                gate_up = gate_up_proj.dense(ops.rms_norm(hidden, layer.post_attention_norm, eps))
-                hidden = _linear_add(down_proj, ops.silu_mul(gate_up), hidden)
-        lm_head: NativeQuantLinear = model.lm_head  # type: ignore[assignment]
-        if quantized:
-            return lm_head.native(hidden, model.norm, eps)
-        return lm_head.dense(ops.rms_norm(hidden, model.norm, eps))
+            qkv = qkv_proj.native(hidden, layer.input_norm, eps)  # [M, (H + 2G) * Dh]
+            attn = torch.ops.aigw_cpu.decode_attention(
+                qkv, cos, sin, step.positions, k_cache, v_cache, step.slots, step.block_tables,
+                step.context_lens, cfg.num_heads, cfg.num_kv_heads, model.scale)  # [M, H * Dh]
+            o_proj.add_into(hidden, attn)
+            gate_up = _native(mlp.gate_up).native(hidden, layer.post_attention_norm, eps)  # [M, 2I]
+            _native(mlp.down).add_into(hidden, gate_up, silu_and_mul=True)
+        return _native(model.lm_head).native(hidden, model.norm, eps)
 
 
-def _linear_add(linear: NativeQuantLinear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """residual + x @ W^T through the float weight (one oneDNN call with a fused add when it can)."""
-    dense = linear.dense
-    if isinstance(dense, OneDNNLinear):
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, dense.packed, None, "add")
-    return residual + dense(x)
+def _native(linear: object) -> NativeQuantLinear:
+    assert isinstance(linear, NativeQuantLinear)
+    return linear

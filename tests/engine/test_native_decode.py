@@ -1,8 +1,6 @@
-"""The q4 mode's native decode step (engine/models/llama_decode.py) on the real model.
-
-Small decode batches run the GGUF's own blocks with 8-bit activations (an approximation, like
-llama.cpp); larger ones the float32 weights with the native attention, norm and SiLU kernels, which
-must reproduce the float engine's greedy tokens. Skipped where the native kernels cannot be built."""
+"""The q4 mode with the native CPU kernels on the real model: every linear runs the GGUF's own blocks
+with 8-bit activations (an approximation of the float model, like llama.cpp), and decode rows take
+the native decode step. Skipped where the native kernels cannot be built."""
 
 from __future__ import annotations
 
@@ -15,10 +13,9 @@ from engine.batch import ScheduledBatch, ScheduledSequence
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import LLMEngine
 from engine.kernels import cpu as native
-from engine.layers.native_linear import MAX_NATIVE_ROWS
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from tests.engine.fakes import assert_idle_and_clean, generate
+from tests.engine.fakes import assert_idle_and_clean, drive, generate
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="native CPU kernels unavailable here")
 
@@ -54,11 +51,26 @@ def q4_engine(model_path: str, checkpoint: Any, tokenizer: Any) -> LLMEngine:
     return engine
 
 
-def test_large_decode_batches_reproduce_the_float_engines_greedy_tokens(
-        q4_engine: LLMEngine, prompts: dict[str, list[int]], float_tokens: dict[str, list[int]]) -> None:
-    assert len(prompts) > MAX_NATIVE_ROWS  # the float weights with the native attention and norms
-    batched = generate(q4_engine, prompts, GREEDY)
-    assert {name: c.token_ids for name, c in batched.items()} == float_tokens
+def test_greedy_output_is_identical_alone_and_among_concurrent_requests(
+        q4_engine: LLMEngine, prompts: dict[str, list[int]]) -> None:
+    """Decode rows always take the native step and every kernel computes rows independently, so
+    neither the batch size nor prefill chunks sharing a step change a sequence's tokens."""
+    target = "the moon"
+    alone = generate(q4_engine, {target: prompts[target]}, GREEDY)[target].token_ids
+    others = [name for name in TOPICS if name != target]
+
+    def arrivals(step: int) -> None:  # half arrive with the target, the rest while it decodes
+        if step == 0:
+            q4_engine.add_request(target, prompts[target], GREEDY)
+            for name in others[:5]:
+                q4_engine.add_request(name, prompts[name], GREEDY)
+        elif step in range(3, 3 + len(others) - 5):
+            name = others[5 + step - 3]
+            q4_engine.add_request(name, prompts[name], GREEDY)
+
+    batched = drive(q4_engine, on_step=arrivals)
+    assert len(batched) == len(TOPICS)
+    assert batched[target].token_ids == alone
     assert_idle_and_clean(q4_engine)
 
 

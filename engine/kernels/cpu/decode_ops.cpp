@@ -40,6 +40,12 @@ inline float f16_to_f32(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
+inline int32_t load_i32(const int32_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v);
   __m128 hi = _mm256_extractf128_ps(v, 1);
@@ -134,12 +140,10 @@ inline void dot_q4x8(const uint8_t* w, int64_t nb, const int8_t* const* xq, cons
       q[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
     }
     for (int r = 0; r < R; ++r) {
-      const int8_t* xb = xq[r] + b * QK;
-      int32_t quad[8];
-      std::memcpy(quad, xb, 32);
-      __m256i s16 = _mm256_maddubs_epi16(q[0], _mm256_set1_epi32(quad[0]));
+      const int32_t* quad = reinterpret_cast<const int32_t*>(xq[r] + b * QK);  // 8 x 4 inputs
+      __m256i s16 = _mm256_maddubs_epi16(q[0], _mm256_set1_epi32(load_i32(quad)));
       for (int u = 1; u < 8; ++u) {
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[u], _mm256_set1_epi32(quad[u])));
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[u], _mm256_set1_epi32(load_i32(quad + u))));
       }
       const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
       acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(wd, _mm256_set1_ps(xd[r][b])), acc[r]);
