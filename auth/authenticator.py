@@ -1,7 +1,10 @@
 """The `Authenticator` the gateway calls on every request: API keys and bearer JWTs.
 
 API keys are looked up by key id and their records cached in process for `key_cache_ttl_s`, so the
-hot path is one HMAC and one constant-time compare. The cache is emptied by the revocation watcher
+hot path is one HMAC and one constant-time compare; once a secret has matched the cached record's
+current hash, the entry remembers it and later requests with that secret compare it in constant
+time instead of re-computing the HMAC (state checks, revocation and expiry still run on every
+request; a rotated or re-read record starts without a remembered secret). The cache is emptied by the revocation watcher
 (auth/revocation.py) within a second of any revoke/rotate on any instance. A presented secret is
 checked before the key's state, so a stranger learns nothing about whether a key id is revoked.
 
@@ -14,8 +17,9 @@ Store reads are bounded per key id, so garbage credentials cannot turn into a st
 
 from __future__ import annotations
 
+import hmac
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from auth.jwt_verifier import JwtVerifier
 from auth.keys import KeyRecord, ParsedKey, hash_secret, parse_key
@@ -26,11 +30,12 @@ _MAX_CACHED_KEYS = 100_000
 _REFRESH_AFTER_MISMATCH_S = 1.0
 
 
-@dataclass(frozen=True)
+@dataclass
 class _CachedKey:
     record: KeyRecord
     principal: Principal
     fetched_at: float  # monotonic seconds
+    verified_secret: str | None = field(default=None, repr=False)  # matched record.secret_hash
 
 
 class KeyAuthenticator:
@@ -67,13 +72,23 @@ class KeyAuthenticator:
         if cached is None or time.monotonic() - cached.fetched_at > self._cache_ttl_s:
             cached = await self._fetch(parsed.key_id)
         now = time.time()
+        verified = cached.verified_secret
+        if verified is not None and parsed.secret.isascii() and hmac.compare_digest(
+                verified, parsed.secret):
+            return self._check_state(cached, now)
         presented = hash_secret(self._pepper, parsed.key_id, parsed.secret)
-        if not cached.record.matches(presented, now):
+        if hmac.compare_digest(presented, cached.record.secret_hash):
+            cached.verified_secret = parsed.secret
+        elif not cached.record.matches(presented, now):
             if time.monotonic() - cached.fetched_at < _REFRESH_AFTER_MISMATCH_S:
                 raise AuthError(401, "invalid_api_key", "the API key is not valid")
             cached = await self._fetch(parsed.key_id)
             if not cached.record.matches(presented, now):
                 raise AuthError(401, "invalid_api_key", "the API key is not valid")
+        return self._check_state(cached, now)
+
+    @staticmethod
+    def _check_state(cached: _CachedKey, now: float) -> Principal:
         if cached.record.revoked_at is not None:
             raise AuthError(401, "revoked_api_key", "the API key has been revoked")
         if cached.record.is_expired(now):

@@ -52,7 +52,7 @@ def parse_key(credential: str) -> ParsedKey | None:
 
 
 def hash_secret(pepper: bytes, key_id: str, secret: str) -> str:
-    return hmac.new(pepper, f"{key_id}:{secret}".encode(), hashlib.sha256).hexdigest()
+    return hmac.digest(pepper, f"{key_id}:{secret}".encode(), hashlib.sha256).hex()
 
 
 @dataclass(frozen=True)

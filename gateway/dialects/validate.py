@@ -118,14 +118,24 @@ def get_stop(body: dict[str, Any], key: str, *, max_items: int = 4) -> list[str]
     return list(value)
 
 
+_VALID_SAMPLING: set[tuple[Any, ...]] = set()  # combinations already checked (clients repeat theirs)
+_NUM_VALID_SAMPLING_MAX = 4096
+
+
 def check_sampling(request: CanonicalRequest, param_names: dict[str, str] | None = None) -> None:
     """The replica's own ranges (engine.sampling_params), checked here so that a value the replica
     would refuse (e.g. top_p = 0) is a normal 400 naming its parameter. `param_names` maps the
     canonical field to the dialect's name (e.g. {"stop": "stop_sequences"})."""
+    key = (request.temperature, request.top_p, request.top_k, request.max_tokens, *request.stop)
+    if key in _VALID_SAMPLING:
+        return
     try:
         SamplingParams(temperature=1.0 if request.temperature is None else request.temperature,
                        top_p=1.0 if request.top_p is None else request.top_p, top_k=request.top_k,
                        max_tokens=request.max_tokens, stop=tuple(request.stop))
+        if len(_VALID_SAMPLING) >= _NUM_VALID_SAMPLING_MAX:
+            _VALID_SAMPLING.clear()
+        _VALID_SAMPLING.add(key)
     except SamplingParamsError as exc:
         message = str(exc)
         field = message.split(" ", 1)[0]

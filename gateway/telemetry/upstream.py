@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 from urllib.parse import urlsplit
@@ -53,7 +52,8 @@ class TracingTransport(Transport):
             return _TracedResponse(await self._send_ending(request, span), span, observation)
         headers = dict(request.headers)
         _inject(headers, span)
-        response = await self._send_ending(replace(request, headers=headers), span)
+        response = await self._send_ending(UpstreamRequest(
+            request.method, request.url, request.body, headers, request.connect_timeout_s), span)
         span.set_attribute("http.response.status_code", response.status)
         if response.status >= 400:
             span.set_status(StatusCode.ERROR)

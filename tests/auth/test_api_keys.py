@@ -96,10 +96,13 @@ def test_a_wrong_secret_for_a_real_key_id_is_refused(auth_settings: AuthSettings
         try:
             record, key = await services.admin.create_key("acme", INVOKE)
             await services.authenticator.authenticate(key)  # warm the cache
-            forged = f"sk-aigw-{record.key_id}-{'A' * 43}"
-            with pytest.raises(AuthError) as refused:
-                await services.authenticator.authenticate(forged)
-            assert (refused.value.status, refused.value.code) == (401, "invalid_api_key")
+            await services.authenticator.authenticate(key)  # ... and its verified secret
+            for secret in ("A" * 43, key.rsplit("-", 1)[1][:-1] + "é"):  # non-ASCII too
+                forged = f"sk-aigw-{record.key_id}-{secret}"
+                with pytest.raises(AuthError) as refused:
+                    await services.authenticator.authenticate(forged)
+                assert (refused.value.status, refused.value.code) == (401, "invalid_api_key")
+            assert (await services.authenticator.authenticate(key)).key_id == record.key_id
         finally:
             await services.close()
 
