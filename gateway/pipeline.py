@@ -166,7 +166,8 @@ class Pipeline:
             if canonical.stream:
                 return await self._stream(request, dialect, canonical, route, timing, outcome,
                                           admission.headers)
-            return await self._respond(dialect, canonical, route, timing, outcome, admission.headers)
+            return await self._respond(request, dialect, canonical, route, timing, outcome,
+                                       admission.headers)
         except GatewayError as exc:
             outcome.status = exc.status
             if isinstance(exc, UpstreamError) and exc.endpoint_name:
@@ -193,9 +194,11 @@ class Pipeline:
         except Exception:  # noqa: BLE001 - a metering outage must not fail the answer
             log.exception("settle failed for %s", record.request_id)
 
-    async def _respond(self, dialect: Dialect, canonical: CanonicalRequest, route: ModelRoute,
-                       timing: Timing, outcome: _Outcome, extra_headers: dict[str, str]
-                       ) -> web.Response:
+    async def _respond(self, request: web.Request, dialect: Dialect, canonical: CanonicalRequest,
+                       route: ModelRoute, timing: Timing, outcome: _Outcome,
+                       extra_headers: dict[str, str]) -> web.Response:
+        """The whole answer, sent here (so settling and the telemetry that follow it are not on
+        the client's critical path)."""
         attempt = await dispatch(canonical, route, self.router, self.settings, self.retry_budget, timing)
         outcome.replica = attempt.endpoint.name
         outcome.status = 499  # until the answer is built (a cancelled handler keeps this)
@@ -213,6 +216,11 @@ class Pipeline:
         response = web.Response(body=body, content_type="application/json", headers=extra_headers)
         _stamp(response, canonical.request_id, outcome.replica, timing.overhead_ms())
         self._explain_route(response, canonical, outcome)
+        try:
+            await response.prepare(request)
+            await response.write_eof()
+        except _CLIENT_GONE:
+            outcome.status = STATUS_CLIENT_CLOSED
         return response
 
     def _explain_route(self, response: web.StreamResponse, canonical: CanonicalRequest,

@@ -9,6 +9,9 @@
 At most one flush is in flight: calls made while it runs form the next batch. Under load (the
 gateway at concurrency 16) this turns N round trips and N event-loop wakeups into one; alone, a
 call costs one round trip as before. Each item keeps its own atomicity (a Lua script, a row).
+With `linger_s`, a `submit_nowait` that finds nothing in flight waits that long for company
+before flushing (nobody waits on it; a `submit` or `flush` in the meantime flushes at once), so
+even one request at a time shares its store round trip with its neighbours.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ log = logging.getLogger("aigw.metering")
 
 class Coalescer(Generic[T, R]):
     def __init__(self, flush: Callable[[list[T]], Awaitable[list[R | BaseException]]],
-                 max_batch: int = 256) -> None:
+                 max_batch: int = 256, linger_s: float = 0.0) -> None:
         self._flush = flush
         self._max_batch = max_batch
+        self._linger_s = linger_s
+        self._linger: asyncio.TimerHandle | None = None
         # each item with its waiter: a future (submit) or a callback (submit_nowait)
         self._pending: list[tuple[T, asyncio.Future[R] | Callable[[R | BaseException], None]]] = []
         self._flusher: asyncio.Task[None] | None = None
@@ -43,9 +48,15 @@ class Coalescer(Generic[T, R]):
         """Queue `item`; `on_result` gets its result or exception (also on cancellation) and
         must not raise (what it raises is logged)."""
         self._pending.append((item, on_result))
-        self._start()
+        if self._linger_s <= 0.0:
+            self._start()
+        elif self._linger is None and (self._flusher is None or self._flusher.done()):
+            self._linger = asyncio.get_running_loop().call_later(self._linger_s, self._start)
 
     def _start(self) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.get_running_loop().create_task(self._drain())
 
@@ -66,6 +77,8 @@ class Coalescer(Generic[T, R]):
 
     async def flush(self) -> None:
         """Wait until everything submitted so far has been flushed."""
+        if self._linger is not None:
+            self._start()
         while self._flusher is not None and not self._flusher.done():
             await asyncio.wait((self._flusher,))  # never raises what the flusher raised
 

@@ -20,7 +20,7 @@ from auth.sqlite_runner import SqliteRunner
 from gateway.metering.coalescer import Coalescer
 from gateway.metering.contract import UsageRecord
 from gateway.metering.limits import Clock, LocalLimiter, MeterAdmission, ScopeLimits, rate_headers
-from gateway.metering.meter import BaseMeter, usage_day
+from gateway.metering.meter import SETTLE_LINGER_S, BaseMeter, usage_day
 from gateway.metering.settings import MeteringSettings
 from gateway.metering.usage_report import UsageRow
 
@@ -48,7 +48,8 @@ class EmbeddedMeter(BaseMeter):
         super().__init__(settings)
         self._db = runner
         self._limiter = LocalLimiter()
-        self._inserts: Coalescer[tuple[object, ...], bool] = Coalescer(self._insert_rows)
+        self._inserts: Coalescer[tuple[object, ...], bool] = Coalescer(
+            self._insert_rows, linger_s=SETTLE_LINGER_S)
 
     @classmethod
     async def open(cls, settings: MeteringSettings, path: Path) -> EmbeddedMeter:

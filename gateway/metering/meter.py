@@ -27,6 +27,8 @@ from gateway.metering.settings import MeteringSettings, ModelPrice
 from gateway.metering.usage_report import UsageRow, group_rows
 
 log = logging.getLogger("aigw.metering")
+# a queued settle waits up to this long for others to share its store round trip (Coalescer)
+SETTLE_LINGER_S = 0.01
 
 
 class BaseMeter(ABC):

@@ -43,7 +43,7 @@ from gateway.metering.limits import (
     rate_headers,
     rate_limited,
 )
-from gateway.metering.meter import BaseMeter, usage_day
+from gateway.metering.meter import SETTLE_LINGER_S, BaseMeter, usage_day
 from gateway.metering.settings import MeteringSettings
 from gateway.metering.usage_report import UsageRow, in_range
 from gateway.redis_client import is_cluster_client
@@ -125,7 +125,8 @@ class RedisMeter(BaseMeter):
         self._owns_client = owns_client
         self._scripts_loaded = False
         self._cluster = is_cluster_client(client)
-        self._calls: Coalescer[ScriptCall, Any] = Coalescer(self._run_scripts)
+        self._calls: Coalescer[ScriptCall, Any] = Coalescer(self._run_scripts,
+                                                                linger_s=SETTLE_LINGER_S)
 
     async def _run_scripts(self, calls: list[ScriptCall]) -> list[Any]:
         if not self._scripts_loaded:

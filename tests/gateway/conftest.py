@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -19,6 +20,16 @@ from gateway.settings import GatewaySettings
 
 T = TypeVar("T")
 MODEL = "mock-model"
+
+
+def wait_until(condition: Callable[[], object], timeout_s: float = 5.0) -> bool:
+    """Poll `condition` until it is true (the gateway settles usage after the answer is sent)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
 
 
 class LoopThread:

@@ -8,7 +8,7 @@ import pytest
 
 from auth.principal import AuthError, Principal, Scope
 from gateway.metering.contract import Admission, RateLimited, UsageRecord
-from tests.gateway.conftest import MODEL, GatewayFactory
+from tests.gateway.conftest import MODEL, GatewayFactory, wait_until
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 MESSAGES = {**CHAT, "max_tokens": 5}
@@ -62,6 +62,7 @@ def test_credential_is_taken_from_either_header(make_gateway: GatewayFactory,
     assert authenticator.seen == ["good"]
     request_id = response.headers["x-request-id"]
     assert [a[0] for a in meter.admitted] == [request_id] and meter.admitted[0][2] == 7
+    assert wait_until(lambda: meter.settled)  # settled after the answer was sent
     assert [r.request_id for r in meter.settled] == [request_id]
     assert meter.settled[0].project == "proj" and meter.settled[0].key_id == "k1"
 

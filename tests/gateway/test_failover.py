@@ -10,18 +10,11 @@ import openai
 import pytest
 
 from bench.mock_upstream import MockConfig
-from tests.gateway.conftest import MODEL, GatewayFactory
+from tests.gateway.conftest import MODEL, GatewayFactory, wait_until
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
 
-def _wait_until(condition, timeout_s: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -35,7 +28,7 @@ def test_failure_before_first_token_is_retried_on_the_other_endpoint(make_gatewa
         assert response.headers["x-aigw-replica"] == healthy
         assert response.text.count("tok ") == 8
     assert len(gateway.upstreams[0].state.request_ids) >= 1  # it was tried, and then ejected
-    assert _wait_until(lambda: len(gateway.meter.settled) == 3)
+    assert wait_until(lambda: len(gateway.meter.settled) == 3)
     assert gateway.meter.num_settle_calls == 3  # one per client request, retries included
 
 
@@ -55,7 +48,7 @@ def test_mid_stream_failure_ends_openai_stream_with_error_chunk(make_gateway: Ga
         for chunk in client.chat.completions.create(**CHAT, stream=True):
             received += [c.delta.content for c in chunk.choices if c.delta.content]
     assert "".join(received) == "tok " * 2  # what arrived together may come as one chunk
-    assert _wait_until(lambda: gateway.meter.num_settle_calls == 1)
+    assert wait_until(lambda: gateway.meter.num_settle_calls == 1)
     record = next(iter(gateway.meter.settled.values()))
     assert record.status == 200 and record.finish_reason == "error"
 
@@ -97,14 +90,14 @@ def test_client_disconnect_cancels_the_upstream_request(make_gateway: GatewayFac
         request_id = response.headers["x-request-id"]
         next(response.iter_lines())
     state = gateway.upstreams[0].state
-    assert _wait_until(lambda: request_id in state.disconnected_ids)
-    assert _wait_until(lambda: request_id in gateway.meter.settled)
+    assert wait_until(lambda: request_id in state.disconnected_ids)
+    assert wait_until(lambda: request_id in gateway.meter.settled)
     assert gateway.meter.settled[request_id].status == 499
 
 
 def test_no_healthy_endpoint_gives_503(make_gateway: GatewayFactory) -> None:
     gateway = make_gateway(configs=[MockConfig(health_status=503)])
-    assert _wait_until(lambda: httpx.get(gateway.url + "/health").json()["models"][MODEL][
+    assert wait_until(lambda: httpx.get(gateway.url + "/health").json()["models"][MODEL][
         "num_healthy_endpoints"] == 0)
     response = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT)
     assert response.status_code == 503 and response.json()["error"]["code"] == "no_healthy_endpoint"
@@ -115,6 +108,6 @@ def test_no_healthy_endpoint_gives_503(make_gateway: GatewayFactory) -> None:
 def test_endpoint_recovers_after_health_returns(make_gateway: GatewayFactory) -> None:
     gateway = make_gateway(configs=[MockConfig(health_status=503)])
     state = gateway.upstreams[0].state
-    assert _wait_until(lambda: httpx.post(gateway.url + "/v1/chat/completions", json=CHAT).status_code == 503)
+    assert wait_until(lambda: httpx.post(gateway.url + "/v1/chat/completions", json=CHAT).status_code == 503)
     state.config.health_status = 200
-    assert _wait_until(lambda: httpx.post(gateway.url + "/v1/chat/completions", json=CHAT).status_code == 200)
+    assert wait_until(lambda: httpx.post(gateway.url + "/v1/chat/completions", json=CHAT).status_code == 200)

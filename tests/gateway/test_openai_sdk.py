@@ -7,7 +7,7 @@ import json
 import openai
 import pytest
 
-from tests.gateway.conftest import MODEL, Gateway
+from tests.gateway.conftest import MODEL, Gateway, wait_until
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -66,7 +66,10 @@ def test_upstream_always_gets_include_usage_and_a_cache_salt(client: openai.Open
 def test_usage_is_settled_once_with_cost(client: openai.OpenAI, gateway: Gateway) -> None:
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "hello"}])
-    record = gateway.meter.settled[raw.headers["x-request-id"]]
+    request_id = raw.headers["x-request-id"]
+    assert wait_until(lambda: request_id in gateway.meter.settled)  # settled after the answer
+    record = gateway.meter.settled[request_id]
+    assert gateway.meter.num_settle_calls == 1
     assert record.completion_tokens == 8 and record.status == 200
     assert record.cost_usd == pytest.approx(record.prompt_tokens * 1e-6 + 8 * 2e-6)
 

@@ -70,3 +70,28 @@ def test_the_redis_meter_reloads_its_scripts_after_a_script_flush(clean_redis_ur
             await meter.close()
 
     asyncio.run(scenario())
+
+
+def test_queued_items_linger_for_company_but_a_waiting_call_flushes_at_once() -> None:
+    batches: list[list[int]] = []
+    results: list[object] = []
+
+    async def flush(items: list[int]) -> list[int | BaseException]:
+        batches.append(items)
+        return [i * 10 for i in items]
+
+    async def scenario() -> float:
+        coalescer: Coalescer[int, int] = Coalescer(flush, linger_s=0.05)
+        for i in (1, 2):
+            coalescer.submit_nowait(i, results.append)
+            await asyncio.sleep(0.01)  # far less than the linger: same batch
+        await coalescer.flush()
+        coalescer.submit_nowait(3, results.append)
+        started = asyncio.get_running_loop().time()
+        assert await coalescer.submit(4) == 40  # does not wait out the linger
+        waited = asyncio.get_running_loop().time() - started
+        await coalescer.close()
+        return waited
+
+    waited = asyncio.run(scenario())
+    assert batches == [[1, 2], [3, 4]] and results == [10, 20, 30] and waited < 0.04
