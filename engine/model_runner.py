@@ -64,10 +64,12 @@ class ModelRunner:
             self._forward = _compiled_forward(self.model)
         self.block_size = config.cache.block_size
         self.enable_cascade = self.device.type == "cpu"
+        # The native decode step keeps K/V in float16: half the bytes its attention reads per step.
+        self.kv_dtype = torch.float16 if self._native_decode is not None else self.dtype
         self.num_blocks = self._num_blocks_for_budget()
         shape = (self.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(model_config.num_layers)]
         logger.info("KV cache: %d blocks of %d tokens (%.0f MiB)", self.num_blocks, self.block_size,
                     self.num_blocks * self.bytes_per_block / 2**20)
@@ -75,7 +77,7 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         cfg = self.model_config
-        element_size = torch.empty((), dtype=self.dtype).element_size()
+        element_size = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * element_size
 
     def _num_blocks_for_budget(self) -> int:

@@ -47,7 +47,8 @@ class NativeDecodeStep:
     @classmethod
     def build(cls, model: LlamaModel) -> NativeDecodeStep | None:
         cfg = model.config
-        if cfg.attention_bias or cfg.is_moe or model.embed_tokens.dtype != torch.float32:
+        if (cfg.attention_bias or cfg.is_moe or cfg.head_dim % 8
+                or model.embed_tokens.dtype != torch.float32):
             return None
         if not isinstance(model.lm_head, NativeQuantLinear):
             return None

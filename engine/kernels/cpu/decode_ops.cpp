@@ -11,9 +11,9 @@
 //                   Activations are quantized to 8 bits per 32-value block (llama.cpp's Q8_1), and
 //                   each block's dot product runs in 8/16/32-bit integers.
 //   q_linear_add_   the same, added into `out` in place (the residual stream).
-//   rms_norm, silu_mul  the element-wise steps between float GEMMs (large decode batches)
-//   decode_attention  one new token per row: rotary on q and k, store k/v into the paged cache,
-//                   attend over the row's context straight from the cache blocks (no gather).
+//   decode_attention  one new token per row: rotary on q and k, store k/v into the paged cache
+//                   (float32 or float16), attend over the row's context straight from the cache
+//                   blocks (no gather).
 //
 // Every row is computed on its own, in the same order whatever else is in the batch.
 #include <ATen/ATen.h>
@@ -262,13 +262,114 @@ void q_linear_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, in
   q_linear_into(x, w, wtype, c10::nullopt, 0.0, silu_mul, out, true);
 }
 
-inline float dot_f32(const float* a, const float* b, int64_t n) {
+// 8 cache values as float32: the cache holds float32 or float16 (uint16_t bits).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_row(uint16_t* dst, const float* src, int64_t n) {  // n a multiple of 8
+  for (int64_t i = 0; i < n; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  }
+}
+
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {  // n a multiple of 8
   __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
+  return hsum(acc);
+}
+
+// scores[h][t] = scale * q[h] . k_row(t) for NH query heads (NH <= 3) sharing one kv head.
+template <typename T, int NH, typename RowFn>
+inline void scores_heads(const float* q, int64_t dh, int64_t len, const RowFn& k_row, float scale,
+                         float* scores) {
+  int64_t t = 0;
+  for (; t + 4 <= len; t += 4) {  // 4 positions x NH heads of accumulators, one 4-way sum each
+    const T* k4[4] = {k_row(t), k_row(t + 1), k_row(t + 2), k_row(t + 3)};
+    __m256 acc[NH][4];
+    for (int h = 0; h < NH; ++h) {
+      for (int p = 0; p < 4; ++p) acc[h][p] = _mm256_setzero_ps();
+    }
+    for (int64_t i = 0; i < dh; i += 8) {
+      for (int p = 0; p < 4; ++p) {
+        const __m256 kv = load8(k4[p] + i);
+        for (int h = 0; h < NH; ++h) acc[h][p] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dh + i), kv, acc[h][p]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(acc[h][0], acc[h][1]), _mm256_hadd_ps(acc[h][2], acc[h][3]));
+      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+      _mm_storeu_ps(scores + h * len + t, _mm_mul_ps(s4, _mm_set1_ps(scale)));
+    }
+  }
+  for (; t < len; ++t) {
+    for (int h = 0; h < NH; ++h) scores[h * len + t] = dot(q + h * dh, k_row(t), dh) * scale;
+  }
+}
+
+// out[h] = sum_t probs[h][t] * v_row(t) for NH heads (NH <= 3), 4 vectors of the head dim at a time.
+template <typename T, int NH, typename RowFn>
+inline void weighted_values(const float* probs, int64_t dh, int64_t len, const RowFn& v_row, float* out) {
+  for (int64_t d0 = 0; d0 < dh; d0 += 32) {
+    const int nv = static_cast<int>(std::min<int64_t>(4, (dh - d0) / 8));
+    __m256 acc[NH][4];
+    for (int h = 0; h < NH; ++h) {
+      for (int i = 0; i < 4; ++i) acc[h][i] = _mm256_setzero_ps();
+    }
+    for (int64_t t = 0; t < len; ++t) {
+      const T* vr = v_row(t) + d0;
+      __m256 p[NH];
+      for (int h = 0; h < NH; ++h) p[h] = _mm256_set1_ps(probs[h * len + t]);
+      for (int i = 0; i < nv; ++i) {
+        const __m256 v = load8(vr + 8 * i);
+        for (int h = 0; h < NH; ++h) acc[h][i] = _mm256_fmadd_ps(p[h], v, acc[h][i]);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      for (int i = 0; i < nv; ++i) _mm256_storeu_ps(out + h * dh + d0 + 8 * i, acc[h][i]);
+    }
+  }
+}
+
+// e^x for x <= 0 (softmax), Cephes-style: 2^n * p(r); relative error ~1e-7.
+inline __m256 exp_ps(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+// s[0..n) -> softmax(s) in place.
+inline void softmax_inplace(float* s, int64_t n) {
+  float peak = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) peak = std::max(peak, s[i]);
+  const __m256 pv = _mm256_set1_ps(peak);
+  __m256 tv = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), pv));
+    _mm256_storeu_ps(s + i, e);
+    tv = _mm256_add_ps(tv, e);
+  }
+  float total = hsum(tv);
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - peak);
+    total += s[i];
+  }
+  const float inv = 1.f / total;
+  for (int64_t k = 0; k < n; ++k) s[k] *= inv;
 }
 
 // x [Dh] rotated in place, Hugging Face rotate_half: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
@@ -283,13 +384,12 @@ inline void rotate(float* x, const float* cos, const float* sin, int64_t dh) {
 
 // qkv [M, (H + 2G) * Dh] -> attention output [M, H * Dh]; writes rotated k and v into the caches
 // ([num_blocks, block_size, G, Dh] float32) at `slots` first.
-at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                            const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache,
-                            const at::Tensor& slots, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
-                            double scale) {
-  TORCH_CHECK(qkv.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat,
-              "float32 activations and cache");
+template <typename T>
+at::Tensor decode_attention_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                 const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache,
+                                 const at::Tensor& slots, const at::Tensor& block_tables,
+                                 const at::Tensor& context_lens, int64_t num_heads,
+                                 int64_t num_kv_heads, double scale) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
   const int64_t m = qkv.size(0);
   const int64_t dh = k_cache.size(3);
@@ -297,6 +397,9 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   const int64_t g_heads = num_kv_heads;
   const int64_t r_per = num_heads / num_kv_heads;
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * g_heads) * dh, "qkv width");
+  TORCH_CHECK(dh % 8 == 0, "head_dim must be a multiple of 8");
+  TORCH_CHECK(bs > 0 && (bs & (bs - 1)) == 0, "block_size must be a power of two");
+  const int bs_shift = __builtin_ctzll(static_cast<uint64_t>(bs));
   at::Tensor qkv_c = qkv.contiguous();
   at::Tensor pos = positions.to(at::kLong).contiguous();
   at::Tensor sl = slots.to(at::kLong).contiguous();
@@ -305,8 +408,8 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   at::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();
   at::Tensor out = at::empty({m, num_heads * dh}, qkv.options());
   const float* qp = qkv_c.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  T* kc = static_cast<T*>(k_cache.data_ptr());
+  T* vc = static_cast<T*>(v_cache.data_ptr());
   const int64_t width = (num_heads + 2 * g_heads) * dh;
   const int64_t table_width = tables.size(1);
   const int64_t* posp = pos.data_ptr<int64_t>();
@@ -319,21 +422,22 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   const float sc = static_cast<float>(scale);
 
   // Stage 1: rotary k, store k and v (rows are independent).
+  std::vector<float> rotated(dh);
   for (int64_t r = 0; r < m; ++r) {
     const float* row = qp + r * width;
     const float* c = cp + posp[r] * dh;
     const float* s = sp + posp[r] * dh;
     for (int64_t g = 0; g < g_heads; ++g) {
-      float* kdst = kc + (slp[r] * g_heads + g) * dh;
-      std::memcpy(kdst, row + (num_heads + g) * dh, dh * sizeof(float));
-      rotate(kdst, c, s, dh);
-      std::memcpy(vc + (slp[r] * g_heads + g) * dh, row + (num_heads + g_heads + g) * dh,
-                  dh * sizeof(float));
+      std::memcpy(rotated.data(), row + (num_heads + g) * dh, dh * sizeof(float));
+      rotate(rotated.data(), c, s, dh);
+      store_row(kc + (slp[r] * g_heads + g) * dh, rotated.data(), dh);
+      store_row(vc + (slp[r] * g_heads + g) * dh, row + (num_heads + g_heads + g) * dh, dh);
     }
   }
   // Stage 2: per (row, kv head): the r_per query heads against the row's context.
   at::parallel_for(0, m * g_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(r_per * dh), scores, acc(r_per * dh);
+    std::vector<float> q(r_per * dh), scores, acc(r_per * dh);  // rotated queries, probabilities, output
+    std::vector<int64_t> offsets;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / g_heads, g = task % g_heads;
       const float* row = qp + r * width;
@@ -346,29 +450,27 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
       const int64_t len = lp[r];
       scores.resize(r_per * len);
       const int64_t* table = tp + r * table_width;
+      offsets.resize(len);  // element offset of (position t, kv head g) in the caches
       for (int64_t t = 0; t < len; ++t) {
-        const float* kr = kc + ((table[t / bs] * bs + t % bs) * g_heads + g) * dh;
-        for (int64_t j = 0; j < r_per; ++j) scores[j * len + t] = dot_f32(q.data() + j * dh, kr, dh) * sc;
+        offsets[t] = ((table[t >> bs_shift] * bs + (t & (bs - 1))) * g_heads + g) * dh;
       }
-      for (int64_t j = 0; j < r_per; ++j) {
-        float* sj = scores.data() + j * len;
-        float peak = -INFINITY;
-        for (int64_t t = 0; t < len; ++t) peak = std::max(peak, sj[t]);
-        float total = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          sj[t] = std::exp(sj[t] - peak);
-          total += sj[t];
+      auto k_row = [&](int64_t t) { return kc + offsets[t]; };
+      auto v_row = [&](int64_t t) { return vc + offsets[t]; };
+      for (int64_t j0 = 0; j0 < r_per; j0 += 3) {  // query heads in threes: each K/V row read once
+        const int nh = static_cast<int>(std::min<int64_t>(3, r_per - j0));
+        switch (nh) {
+          case 3: scores_heads<T, 3>(q.data() + j0 * dh, dh, len, k_row, sc, scores.data() + j0 * len); break;
+          case 2: scores_heads<T, 2>(q.data() + j0 * dh, dh, len, k_row, sc, scores.data() + j0 * len); break;
+          default: scores_heads<T, 1>(q.data() + j0 * dh, dh, len, k_row, sc, scores.data() + j0 * len); break;
         }
-        const float inv = 1.f / total;
-        for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const float* vr = vc + ((table[t / bs] * bs + t % bs) * g_heads + g) * dh;
-        for (int64_t j = 0; j < r_per; ++j) {
-          const float p = scores[j * len + t];
-          float* a = acc.data() + j * dh;
-          for (int64_t i = 0; i < dh; ++i) a[i] += p * vr[i];
+      for (int64_t j = 0; j < r_per; ++j) softmax_inplace(scores.data() + j * len, len);
+      for (int64_t j0 = 0; j0 < r_per; j0 += 3) {
+        const int nh = static_cast<int>(std::min<int64_t>(3, r_per - j0));
+        switch (nh) {
+          case 3: weighted_values<T, 3>(scores.data() + j0 * len, dh, len, v_row, acc.data() + j0 * dh); break;
+          case 2: weighted_values<T, 2>(scores.data() + j0 * len, dh, len, v_row, acc.data() + j0 * dh); break;
+          default: weighted_values<T, 1>(scores.data() + j0 * len, dh, len, v_row, acc.data() + j0 * dh); break;
         }
       }
       for (int64_t j = 0; j < r_per; ++j) {
@@ -380,44 +482,20 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   return out;
 }
 
-// RMSNorm of each row (Hugging Face semantics in float32): w * (x * rsqrt(mean(x^2) + eps)).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
-  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  at::Tensor out = at::empty_like(xc);
-  const int64_t m = xc.size(0), k = xc.size(1);
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = xp + r * k;
-      float acc = 0.f;
-      for (int64_t i = 0; i < k; ++i) acc += row[i] * row[i];
-      const float inv = 1.0f / std::sqrt(acc / static_cast<float>(k) + static_cast<float>(eps));
-      for (int64_t i = 0; i < k; ++i) op[r * k + i] = wp[i] * (row[i] * inv);
-    }
-  });
-  return out;
-}
-
-// x [M, 2I] (gate | up) -> silu(gate) * up [M, I].
-at::Tensor silu_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, 2I] float32");
-  const at::Tensor xc = x.contiguous();
-  const int64_t m = xc.size(0), half = xc.size(1) / 2;
-  at::Tensor out = at::empty({m, half}, xc.options());
-  const float* xp = xc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, m, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t i = 0; i < half; ++i) {
-        const float g = xp[r * 2 * half + i];
-        op[r * half + i] = g / (1.0f + std::exp(-g)) * xp[r * 2 * half + half + i];
-      }
-    }
-  });
-  return out;
+at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache,
+                            const at::Tensor& slots, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
+                            double scale) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat, "float32 activations");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "one cache dtype");
+  if (k_cache.scalar_type() == at::kHalf) {
+    return decode_attention_impl<uint16_t>(qkv, cos, sin, positions, k_cache, v_cache, slots,
+                                           block_tables, context_lens, num_heads, num_kv_heads, scale);
+  }
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat, "float32 or float16 cache");
+  return decode_attention_impl<float>(qkv, cos, sin, positions, k_cache, v_cache, slots, block_tables,
+                                      context_lens, num_heads, num_kv_heads, scale);
 }
 
 }  // namespace
@@ -428,14 +506,10 @@ TORCH_LIBRARY(aigw_cpu, m) {
   m.def("decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, "
         "int num_kv_heads, float scale) -> Tensor");
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("silu_mul(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aigw_cpu, CPU, m) {
   m.impl("q_linear", &q_linear);
   m.impl("q_linear_add_", &q_linear_add_);
   m.impl("decode_attention", &decode_attention);
-  m.impl("rms_norm", &rms_norm);
-  m.impl("silu_mul", &silu_mul);
 }
