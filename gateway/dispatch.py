@@ -21,7 +21,7 @@ from gateway.errors import NoHealthyEndpoint, UpstreamError, UpstreamTimeout, Up
 from gateway.retry_budget import RetryBudget
 from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
-from gateway.wait_timer import WaitTimer
+from gateway.wait_timer import Watchdog
 
 
 @dataclass(slots=True)
@@ -65,7 +65,8 @@ def _as_upstream_error(exc: BaseException, endpoint: Endpoint, timeout_s: float)
 
 
 async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
-                   settings: GatewaySettings, budget: RetryBudget, timing: Timing) -> Attempt:
+                   settings: GatewaySettings, budget: RetryBudget, timing: Timing,
+                   watchdog: Watchdog) -> Attempt:
     budget.on_request()
     tried: set[int] = set()
     last_error: UpstreamError | None = None
@@ -83,8 +84,8 @@ async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
         events = route.backend.stream(request, endpoint)
         wait_started = time.perf_counter()
         try:
-            async with WaitTimer(settings.first_token_timeout_s) as timer:
-                timer.waiting()
+            async with watchdog.timer() as timer:
+                timer.waiting(settings.first_token_timeout_s)
                 first = await anext(events)
             timing.upstream_s += time.perf_counter() - wait_started
             return Attempt(endpoint, events, first)

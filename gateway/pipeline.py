@@ -52,7 +52,7 @@ from gateway.retry_budget import RetryBudget
 from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
 from gateway.usage import STATUS_CLIENT_CLOSED, build_record
-from gateway.wait_timer import WaitTimer
+from gateway.wait_timer import Watchdog
 
 log = logging.getLogger("aigw.gateway")
 
@@ -114,6 +114,7 @@ class Pipeline:
         self.retry_budget = RetryBudget(settings.retry_budget_ratio, settings.num_retries_reserve)
         self.draining = False
         self._settle_nowait = getattr(meter, "settle_nowait", None)
+        self._watchdog = Watchdog()  # the upstream waits' timeouts
 
     async def _read_body(self, request: web.Request) -> Any:
         if (request.content_length or 0) > self.settings.max_body_bytes:
@@ -199,7 +200,8 @@ class Pipeline:
                        extra_headers: dict[str, str]) -> web.Response:
         """The whole answer, sent here (so settling and the telemetry that follow it are not on
         the client's critical path)."""
-        attempt = await dispatch(canonical, route, self.router, self.settings, self.retry_budget, timing)
+        attempt = await dispatch(canonical, route, self.router, self.settings, self.retry_budget,
+                                 timing, self._watchdog)
         outcome.replica = attempt.endpoint.name
         outcome.status = 499  # until the answer is built (a cancelled handler keeps this)
         try:
@@ -232,10 +234,11 @@ class Pipeline:
     async def _drain_events(self, attempt: Attempt, accumulator: Accumulator, timing: Timing) -> None:
         events = attempt.events
         perf_counter = time.perf_counter
-        async with WaitTimer(self.settings.idle_timeout_s) as timer:
+        idle_timeout_s = self.settings.idle_timeout_s
+        async with self._watchdog.timer() as timer:
             while True:
                 waited = perf_counter()
-                timer.waiting()
+                timer.waiting(idle_timeout_s)
                 try:
                     event = await anext(events)
                 except StopAsyncIteration:
@@ -248,7 +251,8 @@ class Pipeline:
     async def _stream(self, request: web.Request, dialect: Dialect, canonical: CanonicalRequest,
                       route: ModelRoute, timing: Timing, outcome: _Outcome,
                       extra_headers: dict[str, str]) -> web.StreamResponse:
-        attempt = await dispatch(canonical, route, self.router, self.settings, self.retry_budget, timing)
+        attempt = await dispatch(canonical, route, self.router, self.settings, self.retry_budget,
+                                 timing, self._watchdog)
         outcome.replica = attempt.endpoint.name
         outcome.status = STATUS_CLIENT_CLOSED
         accumulator = outcome.accumulator
@@ -262,9 +266,10 @@ class Pipeline:
             accumulator.add(attempt.first_event)
             await response.write(encoder.start() + _delta_bytes(encoder, attempt.first_event))
             try:
-                async with WaitTimer(self.settings.idle_timeout_s) as timer:
+                idle_timeout_s = self.settings.idle_timeout_s
+                async with self._watchdog.timer() as timer:
                     while True:
-                        timer.waiting()
+                        timer.waiting(idle_timeout_s)
                         try:
                             event = await anext(attempt.events)
                         except StopAsyncIteration:

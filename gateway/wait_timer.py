@@ -1,17 +1,17 @@
-"""WaitTimer: "no single wait may last longer than N seconds", with one timer for many waits.
+"""Wait timeouts without a loop timer per wait: "this wait for the upstream may last N seconds".
 
-    async with WaitTimer(idle_timeout_s) as timer:
-        while ...:
-            timer.waiting()               # a wait for the upstream starts
-            event = await anext(events)   # TimeoutError if this wait passes idle_timeout_s
-            timer.done_waiting()
-            await response.write(...)     # not a wait: never times out
+    watchdog = Watchdog()                          # one per pipeline
+    async with watchdog.timer() as timer:          # one per request
+        timer.waiting(first_token_timeout_s)       # a wait starts, with its limit
+        first = await anext(events)                # TimeoutError if it runs over
+        timer.done_waiting()
+        await response.write(...)                  # not a wait: never times out
 
-Per wait this costs two attribute writes, where `asyncio.timeout` around each wait schedules and
-cancels a loop timer (~10 us on the gateway's 2-core VM, several per request). The one timer
-here fires at most every `timeout_s` and re-arms itself until a wait has really run over; then
-the task is cancelled and the `async with` raises TimeoutError, as `asyncio.timeout` does
-(a cancellation from elsewhere stays a CancelledError).
+`asyncio.timeout` around each wait schedules and cancels a loop timer (~10 us on the gateway's
+2-core VM, several per request). Here a wait costs two attribute writes, and one watchdog timer,
+ticking every `tick_s` while any request is open, checks the open waits: a wait that ran over is
+cancelled at most `tick_s` after its limit, and its `async with` raises TimeoutError, as
+`asyncio.timeout` does (a cancellation from elsewhere stays a CancelledError).
 """
 
 from __future__ import annotations
@@ -19,52 +19,70 @@ from __future__ import annotations
 import asyncio
 from types import TracebackType
 
-_EARLY_S = 0.001  # loop timers may fire this much before their deadline
+TICK_S = 0.05
+
+
+class Watchdog:
+    def __init__(self, tick_s: float = TICK_S) -> None:
+        self._tick_s = tick_s
+        self._open: set[WaitTimer] = set()
+        self._ticking: asyncio.TimerHandle | None = None
+        self._ticking_loop: asyncio.AbstractEventLoop | None = None
+
+    def timer(self) -> WaitTimer:
+        return WaitTimer(self)
+
+    def _add(self, timer: WaitTimer) -> None:
+        self._open.add(timer)
+        if self._ticking is None or self._ticking_loop is not timer.loop:  # (a test's new loop)
+            self._ticking_loop = timer.loop
+            self._ticking = timer.loop.call_later(self._tick_s, self._tick, timer.loop)
+
+    def _remove(self, timer: WaitTimer) -> None:
+        self._open.discard(timer)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        if loop is not self._ticking_loop:
+            return
+        now = loop.time()
+        for timer in [t for t in self._open if t.deadline is not None and now >= t.deadline]:
+            timer.expire()
+        self._ticking = loop.call_later(self._tick_s, self._tick, loop) if self._open else None
 
 
 class WaitTimer:
-    __slots__ = ("_cancelling", "_expired", "_handle", "_loop", "_task", "_timeout_s",
-                 "_wait_started")
+    __slots__ = ("_cancelling", "_expired", "_task", "_watchdog", "deadline", "loop")
 
-    def __init__(self, timeout_s: float) -> None:
-        self._timeout_s = timeout_s
-        self._wait_started: float | None = None
+    def __init__(self, watchdog: Watchdog) -> None:
+        self._watchdog = watchdog
+        self.deadline: float | None = None  # loop time the open wait must end by
         self._expired = False
-        self._handle: asyncio.TimerHandle | None = None
 
-    def waiting(self) -> None:
-        self._wait_started = self._loop.time()
+    def waiting(self, timeout_s: float) -> None:
+        self.deadline = self.loop.time() + timeout_s
 
     def done_waiting(self) -> None:
-        self._wait_started = None
+        self.deadline = None
+
+    def expire(self) -> None:
+        if not self._expired:
+            self._expired = True
+            self._watchdog._remove(self)
+            self._task.cancel()
 
     async def __aenter__(self) -> WaitTimer:
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("WaitTimer must be used inside a task")
         self._task = task
         self._cancelling = task.cancelling()
-        self._handle = self._loop.call_at(self._loop.time() + self._timeout_s, self._check)
+        self._watchdog._add(self)
         return self
-
-    def _check(self) -> None:
-        now = self._loop.time()
-        started = self._wait_started
-        if started is None:
-            self._handle = self._loop.call_at(now + self._timeout_s, self._check)
-        elif now - started >= self._timeout_s - _EARLY_S:
-            self._handle = None
-            self._expired = True
-            self._task.cancel()
-        else:
-            self._handle = self._loop.call_at(started + self._timeout_s, self._check)
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         traceback: TracebackType | None) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
+        self._watchdog._remove(self)
         if self._expired:  # as asyncio.timeout: uncancel what the timer cancelled
             if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
                 raise TimeoutError from exc

@@ -78,17 +78,26 @@ class OpenAICompatBackend(Backend):
             self.upstream_headers(request, endpoint), self.settings.connect_timeout_s)
         response = await self.transport.send(upstream)
         try:
-            await _raise_for_status(response)
-            parse = _parse_stream if request.stream else _parse_whole
+            if response.status >= 400:
+                await _raise_for_status(response)
             accumulator = Accumulator()
             usage: Usage | None = None
-            async for event in parse(response, request.kind):
-                if isinstance(event, Usage):
-                    usage = event
-                    continue
-                accumulator.add(event)
-                if not isinstance(event, Finish):
-                    yield event
+            if request.stream:
+                async for event in _parse_stream(response, request.kind):
+                    if isinstance(event, Usage):
+                        usage = event
+                        continue
+                    accumulator.add(event)
+                    if not isinstance(event, Finish):
+                        yield event
+            else:  # one body: parsed at once, then yielded (no generator per event)
+                for event in _whole_events(await _read_json(response), request.kind):
+                    if isinstance(event, Usage):
+                        usage = event
+                        continue
+                    accumulator.add(event)
+                    if not isinstance(event, Finish):
+                        yield event
             yield Finish(accumulator.finish_reason or "stop", accumulator.stop_sequence)
             yield usage or self._count_usage(request, endpoint, accumulator)
         finally:
@@ -258,13 +267,17 @@ def _merged(events: list[CanonicalEvent]) -> list[CanonicalEvent]:
     return out
 
 
-async def _parse_whole(response: UpstreamResponse, kind: str) -> AsyncIterator[CanonicalEvent]:
+async def _read_json(response: UpstreamResponse) -> Any:
     try:
-        body = orjson.loads(await response.read())
+        return orjson.loads(await response.read())
     except orjson.JSONDecodeError as exc:
         raise UpstreamUnavailable("upstream sent malformed JSON") from exc
-    for event in _chunk_events(body, kind):
-        yield event
+
+
+def _whole_events(body: Any, kind: str) -> list[CanonicalEvent]:
+    if not isinstance(body, dict):
+        raise UpstreamUnavailable("upstream sent malformed JSON")
+    return _chunk_events(body, kind)
 
 
 @lru_cache(maxsize=8)

@@ -29,11 +29,13 @@ from gateway.metering.usage_report import UsageRow, group_rows
 log = logging.getLogger("aigw.metering")
 # a queued settle waits up to this long for others to share its store round trip (Coalescer)
 SETTLE_LINGER_S = 0.01
+_NUM_CACHED_SCOPES = 100_000
 
 
 class BaseMeter(ABC):
     def __init__(self, settings: MeteringSettings) -> None:
         self.settings = settings
+        self._scopes: dict[tuple[str, str], list[ScopeLimits]] = {}
 
     def price_for(self, model: str) -> ModelPrice | None:
         return price_for(self.settings, model)
@@ -43,11 +45,18 @@ class BaseMeter(ABC):
         return cost_usd(self.settings, model, prompt_tokens, cached_tokens, completion_tokens)
 
     def scopes_for(self, principal: Principal) -> list[ScopeLimits]:
-        project = principal.project
-        scopes = [ScopeLimits(project, "proj", self.settings.limits_for_project(project)),
-                  ScopeLimits(project, f"key:{principal.key_id}",
-                              self.settings.limits_for_key(principal.key_id))]
-        return [s for s in scopes if s.limits.any]
+        """The scopes with a limit (settings are fixed for the meter's life: cached per caller)."""
+        cache_key = (principal.project, principal.key_id)
+        scopes = self._scopes.get(cache_key)
+        if scopes is None:
+            project = principal.project
+            every = [ScopeLimits(project, "proj", self.settings.limits_for_project(project)),
+                     ScopeLimits(project, f"key:{principal.key_id}",
+                                 self.settings.limits_for_key(principal.key_id))]
+            if len(self._scopes) >= _NUM_CACHED_SCOPES:
+                self._scopes.clear()
+            scopes = self._scopes[cache_key] = [s for s in every if s.limits.any]
+        return scopes
 
     async def admit(self, request_id: str, principal: Principal, model: str,
                     num_prompt_tokens: int, max_tokens: int) -> MeterAdmission:
@@ -120,7 +129,17 @@ class BaseMeter(ABC):
 
 
 def usage_day(created_at: float) -> str:
-    return Clock(created_at).day
+    """The UTC day (YYYY-MM-DD) of a unix time; one strftime per day, not per record."""
+    day_number = int(created_at // 86_400)
+    day = _DAYS.get(day_number)
+    if day is None:
+        if len(_DAYS) > 64:
+            _DAYS.clear()
+        day = _DAYS[day_number] = Clock(day_number * 86_400.0).day
+    return day
+
+
+_DAYS: dict[int, str] = {}
 
 
 class DisabledMeter(BaseMeter):

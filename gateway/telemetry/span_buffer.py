@@ -1,7 +1,8 @@
 """SpanBuffer: an OpenTelemetry SpanProcessor that keeps the most recent traces in memory.
 
-`on_end` only appends the finished (immutable) span to its trace's list: no serialization on the
-request path. Readers turn spans into plain JSON dicts (`span_json`). Bounded: at most
+`on_end` only appends the finished (immutable) span to a queue: no lock, no serialization on the
+request path. The queue is folded into per-trace lists when read (or once it holds
+`num_traces * 4` spans); readers turn spans into plain JSON dicts (`span_json`). Bounded: at most
 `num_traces` traces (the least recently touched is dropped) and `num_spans_per_trace` spans each.
 Thread-safe (the replica's engine side and the event loop may both end spans).
 """
@@ -9,7 +10,7 @@ Thread-safe (the replica's engine side and the event loop may both end spans).
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
@@ -20,21 +21,32 @@ class SpanBuffer(SpanProcessor):
     def __init__(self, num_traces: int = 200, num_spans_per_trace: int = 64) -> None:
         self._num_traces = num_traces
         self._num_spans_per_trace = num_spans_per_trace
+        self._ended: deque[ReadableSpan] = deque()  # appends and pops are atomic
+        self._num_ended_max = num_traces * 4
         self._traces: OrderedDict[int, list[ReadableSpan]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _traces (and folding)
 
     def on_end(self, span: ReadableSpan) -> None:
-        trace_id = span.context.trace_id
+        self._ended.append(span)
+        if len(self._ended) >= self._num_ended_max:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Move the ended spans into their traces, oldest first."""
         with self._lock:
-            spans = self._traces.get(trace_id)
-            if spans is None:
-                spans = self._traces[trace_id] = []
-                if len(self._traces) > self._num_traces:
-                    self._traces.popitem(last=False)
-            else:
-                self._traces.move_to_end(trace_id)
-            if len(spans) < self._num_spans_per_trace:
-                spans.append(span)
+            ended, traces = self._ended, self._traces
+            while ended:
+                span = ended.popleft()
+                trace_id = span.context.trace_id
+                spans = traces.get(trace_id)
+                if spans is None:
+                    spans = traces[trace_id] = []
+                    if len(traces) > self._num_traces:
+                        traces.popitem(last=False)
+                else:
+                    traces.move_to_end(trace_id)
+                if len(spans) < self._num_spans_per_trace:
+                    spans.append(span)
 
     def trace(self, trace_id: str) -> list[dict[str, Any]]:
         """The buffered spans of one trace (32 hex digits), oldest start first; [] if unknown."""
@@ -42,12 +54,14 @@ class SpanBuffer(SpanProcessor):
             key = int(trace_id, 16)
         except ValueError:
             return []
+        self._fold()
         with self._lock:
             spans = list(self._traces.get(key, ()))
         return sorted((span_json(s) for s in spans), key=lambda s: s["start_ns"])
 
     def recent(self, num_traces: int = 50) -> list[list[dict[str, Any]]]:
         """The most recently touched traces, newest first, each as `trace()` returns it."""
+        self._fold()
         with self._lock:
             picked = list(self._traces.values())[-num_traces:][::-1]
             picked = [list(spans) for spans in picked]
