@@ -103,8 +103,10 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None: all cores
     compile: bool = False  # torch.compile the decode step
     quantization: str | None = None  # None or "fp8"
-    # "float": every linear in `dtype`. "q4": decode rows use the GGUF's own 4-bit blocks (bf16
-    # activations) and the lm head bf16; prefill rows stay float (see engine/layers/q4_linear.py).
+    # "float": every linear in `dtype`. "q4": the GGUF's own quantized blocks; with the native CPU
+    # kernels (engine/kernels/cpu) every row runs on them with 8-bit activations, decode rows through
+    # the fused native decode step and a float16 KV cache (engine/models/llama_decode.py); without
+    # them, decode rows use PyTorch's int4 kernel (engine/layers/q4_linear.py). Approximate numerics.
     decode_weights: str = "float"
     replica_id: str = "replica-0"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
