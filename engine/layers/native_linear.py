@@ -24,9 +24,9 @@ NATIVE_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 def to_native_blocks(ggml_type: str, data: np.ndarray) -> tuple[torch.Tensor, int]:
     """Raw rows [out, bytes_per_row] -> (uint8 weight in a kernel layout, kernel weight type).
 
-    Q8_0 rows stay as stored. Q4_0 (d | 16 nibble bytes, w = (q - 8) d) becomes Q4_1 (d | m |
-    nibbles, w = q d + m) with m = -8 d, exact in float16 (a power-of-two multiple); Q4_1 is then
-    interleaved by 8 output rows (`interleave_q4_1`), so `out` must be a multiple of 8.
+    Q4_0 (d | 16 nibble bytes, w = (q - 8) d) becomes Q4_1 (d | m | nibbles, w = q d + m) with
+    m = -8 d, exact in float16 (a power-of-two multiple). Q4_1 and Q8_0 are then interleaved by 8
+    output rows (`interleave_q4_1`, `interleave_q8_0`), so `out` must be a multiple of 8.
     """
     rows = np.ascontiguousarray(data)
     if ggml_type == "Q4_0":
@@ -39,12 +39,12 @@ def to_native_blocks(ggml_type: str, data: np.ndarray) -> tuple[torch.Tensor, in
         ggml_type = "Q4_1"
     if ggml_type == "Q4_1":
         return interleave_q4_1(torch.from_numpy(rows.copy())), native.WEIGHT_TYPES["Q4_1x8"]
-    return torch.from_numpy(rows.copy()), native.WEIGHT_TYPES[ggml_type]
+    return interleave_q8_0(torch.from_numpy(rows.copy())), native.WEIGHT_TYPES["Q8_0x8"]
 
 
 class NativeQuantLinear(LinearWeight):
     def __init__(self, blocks: torch.Tensor, weight_type: int) -> None:
-        self.blocks = blocks  # uint8, [out, bytes_per_row] (Q8_0) or [out / 8, ...] (Q4_1 x 8)
+        self.blocks = blocks  # uint8 [out / 8, bytes per 8 rows]: the interleaved blocks
         self.weight_type = weight_type
 
     @classmethod
@@ -57,7 +57,7 @@ class NativeQuantLinear(LinearWeight):
 
     @staticmethod
     def supports(ggml_type: str, out_features: int) -> bool:
-        return ggml_type in NATIVE_TYPES and (ggml_type == "Q8_0" or out_features % 8 == 0)
+        return ggml_type in NATIVE_TYPES and out_features % 8 == 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.native(x)
@@ -91,3 +91,17 @@ def interleave_q4_1(rows: torch.Tensor) -> torch.Tensor:
     scales = blocks[..., 0:4].reshape(n // 8, 8, nb, 2, 2).transpose(0, 2, 3, 1, 4)  # [G, b, d|m, j, 2]
     out = np.concatenate([scales.reshape(n // 8, nb, 32), packed.reshape(n // 8, nb, 128)], axis=-1)
     return torch.from_numpy(np.ascontiguousarray(out.reshape(n // 8, nb * 160)))
+
+
+def interleave_q8_0(rows: torch.Tensor) -> torch.Tensor:
+    """Q8_0 rows [N, nb * 34] -> the kernel's 8-column layout [N / 8, nb * 272] (decode_ops.cpp
+    dot_q8x8): per 8 columns and block, d f16[8] | 8 x 32 int8 where byte 4j + i of vector u holds
+    column j's input 4u + i."""
+    data = rows.numpy()
+    n = data.shape[0]
+    blocks = data.reshape(n // 8, 8, -1, 34)  # [G, j, b, 34]
+    nb = blocks.shape[2]
+    scales = blocks[..., 0:2].transpose(0, 2, 1, 3).reshape(n // 8, nb, 16)  # [G, b, j * 2]
+    values = blocks[..., 2:34].reshape(n // 8, 8, nb, 8, 4).transpose(0, 2, 3, 1, 4)  # [G, b, u, j, i]
+    out = np.concatenate([scales, values.reshape(n // 8, nb, 256)], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(out.reshape(n // 8, nb * 272)))

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("decode_ops.cpp")
 _REQUIRED_FLAGS = ("avx2", "fma", "f16c")
-WEIGHT_TYPES = {"Q8_0": 1, "Q4_1x8": 2}  # the kernel's weight layouts (see decode_ops.cpp)
+WEIGHT_TYPES = {"Q8_0x8": 1, "Q4_1x8": 2}  # the kernel's weight layouts (see decode_ops.cpp)
 
 
 def _cpu_flags() -> set[str]:

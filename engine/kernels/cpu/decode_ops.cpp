@@ -4,10 +4,9 @@
 // `--decode-weights q4` mode's decode steps, where the step is bound by reading weights and by the
 // number of ops dispatched, not by arithmetic:
 //
-//   q_linear        out[M, N] = prep(x)[M, K] @ W^T, W in the GGUF's blocks: Q4_1 (w = q * d + m,
-//                   Q4_0 converted to it) interleaved by 8 output columns at load (dot_q4x8), or Q8_0
-//                   rows as stored (d f16 | 32 int8, w = q * d). prep = optional RMSNorm, or
-//                   silu(x[:, :K]) * x[:, K:].
+//   q_linear        out[M, N] = prep(x)[M, K] @ W^T, W in the GGUF's blocks, interleaved by 8 output
+//                   columns at load: Q4_1 (w = q * d + m; Q4_0 converted to it; dot_q4x8) or Q8_0
+//                   (w = q * d; dot_q8x8). prep = optional RMSNorm, or silu(x[:, :K]) * x[:, K:].
 //                   Activations are quantized to 8 bits per 32-value block (llama.cpp's Q8_1), and
 //                   each block's dot product runs in 8/16/32-bit integers.
 //   q_linear_add_   the same, added into `out` in place (the residual stream).
@@ -29,16 +28,10 @@
 namespace {
 
 constexpr int64_t QK = 32;          // values per block
-constexpr int64_t Q8_BYTES = 34;    // d f16, 32 int8
-constexpr int64_t TYPE_Q8 = 1;
+constexpr int64_t TYPE_Q8X8 = 1;   // Q8_0 interleaved by 8 output columns (see dot_q8x8)
+constexpr int64_t Q8X8_BYTES = 272; // per 8 columns x 32 inputs: d f16[8] | 256 int8
 constexpr int64_t TYPE_Q4X8 = 2;    // Q4_1 interleaved by 8 output columns (see dot_q4x8)
 constexpr int64_t Q4X8_BYTES = 160; // per 8 columns x 32 inputs: d f16[8] | m f16[8] | 128 nibble bytes
-
-inline float f16_to_f32(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
 
 inline int32_t load_i32(const int32_t* p) {
   int32_t v;
@@ -98,26 +91,30 @@ void quantize_row(const float* x, int64_t k, int mode, const float* norm_w, floa
   }
 }
 
-// Q8_0 rows: dot products of one weight row against R activation rows (R <= 4 at a time).
+// Q8_0 interleaved like dot_q4x8 (Q8X8_BYTES per 8 columns and block: d f16[8] | 8 x 32 int8, lane j
+// of vector u holding column j's inputs 4u..4u+3). Signed x signed through maddubs: |w| times
+// x * sign(w); a pair of products needs the whole int16 range, so each is widened to int32 at once.
 template <int R>
-inline void dot_q8(const uint8_t* w, int64_t nb, const int8_t* const* xq, const float* const* xd,
-                   const float* const*, float* out) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+inline void dot_q8x8(const uint8_t* w, int64_t nb, const int8_t* const* xq, const float* const* xd,
+                     const float* const*, __m256* acc) {
   const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * Q8_BYTES;
-    const float wd = f16_to_f32(blk);
-    const __m256i qw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-    const __m256i aw = _mm256_sign_epi8(qw, qw);  // |w| as u8
+    const uint8_t* blk = w + b * Q8X8_BYTES;
+    const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256i* wq = reinterpret_cast<const __m256i*>(blk + 16);
+    __m256i aw[8];
+    for (int u = 0; u < 8; ++u) aw[u] = _mm256_abs_epi8(_mm256_loadu_si256(wq + u));
     for (int r = 0; r < R; ++r) {
-      const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * QK));
-      const __m256i sx = _mm256_sign_epi8(qx, qw);  // x * sign(w)
-      const __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones);
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(wd * xd[r][b]), _mm256_cvtepi32_ps(p32), acc[r]);
+      const int32_t* quad = reinterpret_cast<const int32_t*>(xq[r] + b * QK);
+      __m256i s32 = _mm256_setzero_si256();
+      for (int u = 0; u < 8; ++u) {
+        const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(quad + u)), _mm256_loadu_si256(wq + u));
+        s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(aw[u], sx), ones));
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(wd, _mm256_set1_ps(xd[r][b])), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]);
 }
 
 // 8 output columns x R activation rows (R <= 4), weights interleaved for 32-bit lanes: in each of
@@ -152,21 +149,55 @@ inline void dot_q4x8(const uint8_t* w, int64_t nb, const int8_t* const* xq, cons
   }
 }
 
+using GroupKernel = void (*)(const uint8_t*, int64_t, const int8_t* const*, const float* const*,
+                            const float* const*, __m256*);
+
+// out[M, N] (= or +=) for every group of 8 columns, rows in tiles of 4 (the weight block stays in
+// registers across a tile's rows).
+void for_column_groups(GroupKernel k4, GroupKernel k3, GroupKernel k2, GroupKernel k1, const uint8_t* wp,
+                       int64_t group_bytes, int64_t n, int64_t m, int64_t k, int64_t nb,
+                       const std::vector<int8_t>& q, const std::vector<float>& d,
+                       const std::vector<float>& ds, float* op, bool accumulate) {
+  at::parallel_for(0, n / 8, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* wg = wp + g * group_bytes;
+      for (int64_t r0 = 0; r0 < m; r0 += 4) {
+        const int rows = static_cast<int>(std::min<int64_t>(4, m - r0));
+        const int8_t* xq[4];
+        const float* xd[4];
+        const float* xds[4];
+        for (int i = 0; i < rows; ++i) {
+          xq[i] = q.data() + (r0 + i) * k;
+          xd[i] = d.data() + (r0 + i) * nb;
+          xds[i] = ds.data() + (r0 + i) * nb;
+        }
+        __m256 acc[4];
+        (rows == 4 ? k4 : rows == 3 ? k3 : rows == 2 ? k2 : k1)(wg, nb, xq, xd, xds, acc);
+        for (int i = 0; i < rows; ++i) {
+          float* dst = op + (r0 + i) * n + g * 8;
+          const __m256 v = accumulate ? _mm256_add_ps(_mm256_loadu_ps(dst), acc[i]) : acc[i];
+          _mm256_storeu_ps(dst, v);
+        }
+      }
+    }
+  });
+}
+
 // out[M, N] (= or +=) prep(x) @ W^T
 void q_linear_into(const at::Tensor& x, const at::Tensor& w, int64_t wtype,
                    const c10::optional<at::Tensor>& norm_weight, double eps, bool silu_mul,
                    at::Tensor& out, bool accumulate) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [M, K] float32");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte, "w must be [N, bytes_per_row] uint8");
-  TORCH_CHECK(wtype == TYPE_Q8 || wtype == TYPE_Q4X8, "unknown weight type");
+  TORCH_CHECK(wtype == TYPE_Q8X8 || wtype == TYPE_Q4X8, "unknown weight type");
   const at::Tensor xc = x.contiguous();
   const int64_t m = xc.size(0);
   const int64_t k = silu_mul ? xc.size(1) / 2 : xc.size(1);
   TORCH_CHECK(k % QK == 0, "K must be a multiple of 32");
   const int64_t nb = k / QK;
-  const int64_t row_bytes = nb * (wtype == TYPE_Q8 ? Q8_BYTES : Q4X8_BYTES);
+  const int64_t row_bytes = nb * (wtype == TYPE_Q8X8 ? Q8X8_BYTES : Q4X8_BYTES);
   TORCH_CHECK(w.size(1) == row_bytes && w.is_contiguous(), "weight rows do not match K");
-  const int64_t n = wtype == TYPE_Q4X8 ? w.size(0) * 8 : w.size(0);
+  const int64_t n = w.size(0) * 8;
   TORCH_CHECK(out.size(0) == m && out.size(1) == n && out.is_contiguous(), "bad out shape");
   const int mode = norm_weight.has_value() ? 1 : (silu_mul ? 2 : 0);
   at::Tensor nw;
@@ -188,69 +219,17 @@ void q_linear_into(const at::Tensor& x, const at::Tensor& w, int64_t wtype,
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   if (wtype == TYPE_Q4X8) {
-    at::parallel_for(0, n / 8, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) {
-        const uint8_t* wg = wp + g * row_bytes;
-        for (int64_t r0 = 0; r0 < m; r0 += 4) {
-          const int rows = static_cast<int>(std::min<int64_t>(4, m - r0));
-          const int8_t* xq[4];
-          const float* xd[4];
-          const float* xds[4];
-          for (int i = 0; i < rows; ++i) {
-            xq[i] = q.data() + (r0 + i) * k;
-            xd[i] = d.data() + (r0 + i) * nb;
-            xds[i] = ds.data() + (r0 + i) * nb;
-          }
-          __m256 acc[4];
-          switch (rows) {
-            case 4: dot_q4x8<4>(wg, nb, xq, xd, xds, acc); break;
-            case 3: dot_q4x8<3>(wg, nb, xq, xd, xds, acc); break;
-            case 2: dot_q4x8<2>(wg, nb, xq, xd, xds, acc); break;
-            default: dot_q4x8<1>(wg, nb, xq, xd, xds, acc); break;
-          }
-          for (int i = 0; i < rows; ++i) {
-            float* dst = op + (r0 + i) * n + g * 8;
-            const __m256 v = accumulate ? _mm256_add_ps(_mm256_loadu_ps(dst), acc[i]) : acc[i];
-            _mm256_storeu_ps(dst, v);
-          }
-        }
-      }
-    });
-    return;
+    for_column_groups(dot_q4x8<4>, dot_q4x8<3>, dot_q4x8<2>, dot_q4x8<1>, wp, row_bytes, n, m, k, nb,
+                      q, d, ds, op, accumulate);
+  } else {
+    for_column_groups(dot_q8x8<4>, dot_q8x8<3>, dot_q8x8<2>, dot_q8x8<1>, wp, row_bytes, n, m, k, nb,
+                      q, d, ds, op, accumulate);
   }
-  const int64_t grain = std::max<int64_t>(16, 4096 / std::max<int64_t>(m, 1));
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t col = begin; col < end; ++col) {
-      const uint8_t* wr = wp + col * row_bytes;
-      for (int64_t r0 = 0; r0 < m; r0 += 4) {
-        const int rows = static_cast<int>(std::min<int64_t>(4, m - r0));
-        const int8_t* xq[4];
-        const float* xd[4];
-        const float* xds[4];
-        for (int i = 0; i < rows; ++i) {
-          xq[i] = q.data() + (r0 + i) * k;
-          xd[i] = d.data() + (r0 + i) * nb;
-          xds[i] = ds.data() + (r0 + i) * nb;
-        }
-        float res[4];
-        switch (rows) {
-          case 4: dot_q8<4>(wr, nb, xq, xd, xds, res); break;
-          case 3: dot_q8<3>(wr, nb, xq, xd, xds, res); break;
-          case 2: dot_q8<2>(wr, nb, xq, xd, xds, res); break;
-          default: dot_q8<1>(wr, nb, xq, xd, xds, res); break;
-        }
-        for (int i = 0; i < rows; ++i) {
-          float* dst = op + (r0 + i) * n + col;
-          *dst = accumulate ? *dst + res[i] : res[i];
-        }
-      }
-    }
-  });
 }
 
 at::Tensor q_linear(const at::Tensor& x, const at::Tensor& w, int64_t wtype,
                     const c10::optional<at::Tensor>& norm_weight, double eps, bool silu_mul) {
-  const int64_t n = wtype == TYPE_Q4X8 ? w.size(0) * 8 : w.size(0);
+  const int64_t n = w.size(0) * 8;
   at::Tensor out = at::empty({x.size(0), n}, x.options());
   q_linear_into(x, w, wtype, norm_weight, eps, silu_mul, out, false);
   return out;
