@@ -64,8 +64,7 @@ class ModelRunner:
             self._forward = _compiled_forward(self.model)
         self.block_size = config.cache.block_size
         self.enable_cascade = self.device.type == "cpu"
-        # The native decode step keeps K/V in float16: half the bytes its attention reads per step.
-        self.kv_dtype = torch.float16 if self._native_decode is not None else self.dtype
+        self.kv_dtype = self._native_decode.kv_dtype if self._native_decode is not None else self.dtype
         self.num_blocks = self._num_blocks_for_budget()
         shape = (self.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
@@ -235,12 +234,17 @@ class ModelRunner:
 
 
 def _native_decode_step(model, config: EngineConfig):  # type: ignore[no-untyped-def]
-    """The native decode step when this model and mode support it (q4 on CPU, float32), else None."""
-    if config.decode_weights != "q4" or config.compile or not hasattr(model, "layers"):
-        return None
-    from engine.models.llama_decode import NativeDecodeStep
+    """The native decode step for this model and mode (CPU, float32, native kernels built), else None."""
+    from engine.kernels import cpu as native
 
-    return NativeDecodeStep.build(model)
+    if (config.compile or config.device != "cpu" or config.resolved_dtype != "float32"
+            or not hasattr(model, "layers") or not native.load()):
+        return None
+    from engine.models.llama_decode import FloatDecodeStep, NativeDecodeStep
+
+    if config.decode_weights == "q4":
+        return NativeDecodeStep.build(model)
+    return FloatDecodeStep.build(model)
 
 
 def _is_decode(seq: ScheduledSequence) -> bool:

@@ -1,8 +1,9 @@
-"""The native decode step of a Llama model: decode-only batches through engine/kernels/cpu, 5 ops a layer.
+"""The native decode steps of a Llama model: decode rows through engine/kernels/cpu.
 
-Built from a `LlamaModel` whose linears are all `NativeQuantLinear` (the q4 mode with the native
-kernels); `NativeDecodeStep.build` returns None for anything else (biases, qk norm, MoE, non-float32),
-and the runner keeps the general forward. Per layer:
+`NativeDecodeStep` (the q4 mode, every linear a `NativeQuantLinear`): 5 ops a layer, float16 KV.
+`FloatDecodeStep` (the float32 mode, oneDNN linears): the native attention (float32 KV) between
+float32 GEMMs, ~9 ops a layer. `build` returns None for anything else (biases, qk norm, MoE, other
+dtypes), and the runner keeps the general forward. Per layer of the q4 step:
 
     qkv = q_linear(hidden, W_qkv, rms_norm=input_norm)                 [M, (H + 2G) * Dh]
     attn = decode_attention(qkv, rotary, k/v cache, slots, block tables, context lens)   [M, H * Dh]
@@ -25,7 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.layers.linear import DenseLinear, LinearWeight, OneDNNLinear
 from engine.layers.native_linear import NativeQuantLinear
+from engine.layers.norm import rms_norm_fast
 from engine.models.llama import DenseMLP, LlamaModel
 
 
@@ -41,6 +44,8 @@ class DecodeInputs:
 
 
 class NativeDecodeStep:
+    kv_dtype = torch.float16  # half the bytes the attention reads per step; the q4 mode is approximate
+
     def __init__(self, model: LlamaModel) -> None:
         self.model = model
 
@@ -83,3 +88,53 @@ class NativeDecodeStep:
 def _native(linear: object) -> NativeQuantLinear:
     assert isinstance(linear, NativeQuantLinear)
     return linear
+
+
+class FloatDecodeStep:
+    """Float32 weights, float32 KV: the general forward's math for decode rows (F.rms_norm, oneDNN
+    GEMMs with the residual add fused), with the native attention reading K/V straight from the cache
+    blocks instead of gathering them for SDPA (at 32 rows the gather alone cost ~23 ms a step)."""
+
+    kv_dtype = torch.float32
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
+
+    @classmethod
+    def build(cls, model: LlamaModel) -> FloatDecodeStep | None:
+        cfg = model.config
+        if (cfg.attention_bias or cfg.is_moe or cfg.head_dim % 8
+                or model.embed_tokens.dtype != torch.float32):
+            return None
+        for layer in model.layers:
+            if not isinstance(layer.mlp, DenseMLP) or layer.q_norm is not None:
+                return None
+            linears = [layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down]
+            if not all(isinstance(w, (OneDNNLinear, DenseLinear)) for w in linears):
+                return None
+        return cls(model)
+
+    def __call__(self, step: DecodeInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                 ) -> torch.Tensor:
+        """-> logits [M, vocab] float32."""
+        model, cfg = self.model, self.model.config
+        eps = cfg.rms_norm_eps
+        cos, sin = model.rotary.cos, model.rotary.sin  # [P, Dh]
+        hidden = F.embedding(step.input_ids, model.embed_tokens)  # [M, hidden]
+        for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
+            mlp: DenseMLP = layer.mlp  # type: ignore[assignment]
+            qkv = layer.qkv(rms_norm_fast(hidden, layer.input_norm, eps))  # [M, (H + 2G) * Dh]
+            attn = torch.ops.aigw_cpu.decode_attention(
+                qkv, cos, sin, step.positions, k_cache, v_cache, step.slots, step.block_tables,
+                step.context_lens, cfg.num_heads, cfg.num_kv_heads, model.scale)  # [M, H * Dh]
+            hidden = _add_linear(hidden, layer.o_proj, attn)
+            gate, up = mlp.gate_up(rms_norm_fast(hidden, layer.post_attention_norm, eps)).chunk(2, dim=-1)
+            hidden = _add_linear(hidden, mlp.down, F.silu(gate) * up)
+        return model.compute_logits(rms_norm_fast(hidden, model.norm, eps))
+
+
+def _add_linear(residual: torch.Tensor, linear: LinearWeight, x: torch.Tensor) -> torch.Tensor:
+    """residual + x @ W^T, as one oneDNN call (fused add) when the weight is prepacked for it."""
+    if isinstance(linear, OneDNNLinear):
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, linear.packed, linear.bias, "add")
+    return residual + linear(x)

@@ -1,6 +1,7 @@
 """The q4 mode with the native CPU kernels on the real model: every linear runs the GGUF's own blocks
 with 8-bit activations (an approximation of the float model, like llama.cpp), and decode rows take
-the native decode step. Skipped where the native kernels cannot be built."""
+the native decode step; the float32 mode's decode rows take the native attention (FloatDecodeStep).
+Skipped where the native kernels cannot be built."""
 
 from __future__ import annotations
 
@@ -102,3 +103,17 @@ def decode_step_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.T
         runner.execute(ScheduledBatch([ScheduledSequence(f"p{i}", prompt[:-1], 0, blocks, False)]))
         decodes.append(ScheduledSequence(f"p{i}", prompt[-1:], len(prompt) - 1, blocks, True))
     return runner.execute(ScheduledBatch(decodes)).logits
+
+
+def test_float_mode_decode_step_reproduces_the_general_forward(model_path: str, checkpoint: Any,
+                                                               tokenizer: Any, prompts: dict[str, list[int]],
+                                                               float_tokens: dict[str, list[int]]) -> None:
+    """The float32 mode's decode rows take FloatDecodeStep (native attention over float32 K/V, the
+    same norms and GEMMs); switched off, the general forward must produce the same greedy tokens."""
+    from engine.models.llama_decode import FloatDecodeStep
+
+    engine = build(model_path, checkpoint, tokenizer, "float")
+    assert isinstance(engine.runner._native_decode, FloatDecodeStep)
+    engine.runner._native_decode = None  # the general forward: SDPA over gathered float32 K/V
+    general = generate(engine, prompts, GREEDY)
+    assert {name: c.token_ids for name, c in general.items()} == float_tokens
