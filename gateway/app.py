@@ -69,7 +69,7 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
     app[PIPELINE] = Pipeline(settings, telemetry.traced_authenticator(app[AUTHENTICATOR]),
                              telemetry.observed_meter(app[METER]),
                              telemetry.traced_router(app[ROUTER], settings.router), app[FLEET],
-                             cache_salt_of)
+                             cache_salt_of, telemetry.response_stamp())
     telemetry.install(app)
     app.cleanup_ctx.append(_transport_ctx)
     app.cleanup_ctx.append(_first_discovery_ctx)

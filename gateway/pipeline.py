@@ -91,6 +91,7 @@ def _stamp(response: web.StreamResponse, request_id: str, replica: str, overhead
 
 
 CacheSaltOf = Callable[[Principal], "str | None"]
+ResponseStamp = Callable[[web.StreamResponse], None]  # extra headers on every answer we send
 
 
 def default_cache_salt_of(principal: Principal) -> str | None:
@@ -103,9 +104,10 @@ _DEFAULT_AUTH_SETTINGS = AuthSettings()
 
 class Pipeline:
     def __init__(self, settings: GatewaySettings, authenticator: Authenticator, meter: Meter,
-                 router: Router, fleet: Fleet, cache_salt_of: CacheSaltOf = default_cache_salt_of
-                 ) -> None:
+                 router: Router, fleet: Fleet, cache_salt_of: CacheSaltOf = default_cache_salt_of,
+                 stamp: ResponseStamp | None = None) -> None:
         self.settings = settings
+        self._extra_stamp = stamp  # telemetry's trace id header, when tracing is on
         self.cache_salt_of = cache_salt_of
         self.authenticator = authenticator
         self.meter = meter
@@ -218,6 +220,8 @@ class Pipeline:
         response = web.Response(body=body, content_type="application/json", headers=extra_headers)
         _stamp(response, canonical.request_id, outcome.replica, timing.overhead_ms())
         self._explain_route(response, canonical, outcome)
+        if self._extra_stamp is not None:
+            self._extra_stamp(response)
         try:
             await response.prepare(request)
             await response.write_eof()
@@ -261,6 +265,8 @@ class Pipeline:
         try:
             _stamp(response, canonical.request_id, outcome.replica, timing.overhead_ms())
             self._explain_route(response, canonical, outcome)
+            if self._extra_stamp is not None:
+                self._extra_stamp(response)
             await response.prepare(request)
             outcome.status = 200
             accumulator.add(attempt.first_event)

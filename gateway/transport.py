@@ -17,6 +17,7 @@ from functools import lru_cache
 from urllib.parse import urlsplit
 
 import aiohttp
+from yarl import URL
 
 from gateway.errors import UpstreamTimeout, UpstreamUnavailable
 
@@ -118,6 +119,12 @@ def _origin(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+@lru_cache(maxsize=1024)
+def _parsed_url(url: str) -> URL:
+    """A gateway calls few distinct URLs: each is parsed once, not per request."""
+    return URL(url)
+
+
 @lru_cache(maxsize=64)
 def _timeout(connect_timeout_s: float) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
@@ -135,16 +142,18 @@ class AiohttpTransport(Transport):
         if session is None:
             connector = aiohttp.TCPConnector(limit=0, limit_per_host=self._limit_per_host,
                                              keepalive_timeout=self._keepalive_timeout_s)
+            # no cookie jar: a cookie one client's answer set must never ride on another's call
             session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                            timeout=aiohttp.ClientTimeout(total=None))
+                                            timeout=aiohttp.ClientTimeout(total=None),
+                                            cookie_jar=aiohttp.DummyCookieJar())
             self._sessions[origin] = session
         return session
 
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         try:
             response = await self._session(request.url).request(
-                request.method, request.url, data=request.body, headers=request.headers,
-                timeout=_timeout(request.connect_timeout_s))
+                request.method, _parsed_url(request.url), data=request.body,
+                headers=request.headers, timeout=_timeout(request.connect_timeout_s))
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
             log.warning("connecting to %s timed out", request.url)
             raise UpstreamTimeout("upstream failed: connecting timed out") from exc

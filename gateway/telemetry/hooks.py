@@ -108,19 +108,18 @@ class TracedRouter(CountedRouter):
 
     async def choose(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision:
         started_ns = time.time_ns()
-        decision = await super().choose(request, endpoints)
+        decision = await self.inner.choose(request, endpoints)  # (one coroutine layer, not two)
+        self._decisions_of(self._policy, decision.reason, decision.endpoint.name).inc()
         self._trace(request, endpoints, decision, started_ns)
         return decision
 
     def _trace(self, request: CanonicalRequest, endpoints: Sequence[Endpoint], decision: Decision,
                started_ns: int) -> None:
         observation = current_observation()
-        if observation is None or observation.span is None:
-            return
-        if observation.span.is_recording():
-            observation.span.set_attributes(request_attributes(request))
-        else:
-            return  # not sampled: the children are not either
+        span = observation.span if observation is not None else None
+        if span is None or not span.is_recording():
+            return  # not traced, or not sampled: the children are not either
+        span.set_attributes(request_attributes(request))
         values = {attr.AIGW_ROUTING_POLICY: self._policy, attr.AIGW_ROUTING_REASON: decision.reason,
                   attr.AIGW_REPLICA: decision.endpoint.name,
                   **candidate_attributes(decision, endpoints)}
@@ -134,12 +133,14 @@ def request_attributes(request: CanonicalRequest) -> dict[str, Any]:
     values: dict[str, Any] = {attr.GEN_AI_OPERATION: attr.OPERATION_BY_KIND.get(request.kind, request.kind),
                               attr.GEN_AI_SYSTEM: "aigw", attr.GEN_AI_REQUEST_MODEL: request.model,
                               attr.AIGW_REQUEST_ID: request.request_id, attr.AIGW_STREAM: request.stream}
-    for key, name in ((attr.GEN_AI_REQUEST_MAX_TOKENS, "max_tokens"),
-                      (attr.GEN_AI_REQUEST_TEMPERATURE, "temperature"),
-                      (attr.GEN_AI_REQUEST_TOP_P, "top_p"), (attr.GEN_AI_REQUEST_SEED, "seed")):
-        value = getattr(request, name, None)
-        if value is not None:
-            values[key] = value
+    if request.max_tokens is not None:
+        values[attr.GEN_AI_REQUEST_MAX_TOKENS] = request.max_tokens
+    if request.temperature is not None:
+        values[attr.GEN_AI_REQUEST_TEMPERATURE] = request.temperature
+    if request.top_p is not None:
+        values[attr.GEN_AI_REQUEST_TOP_P] = request.top_p
+    if request.seed is not None:
+        values[attr.GEN_AI_REQUEST_SEED] = request.seed
     return values
 
 

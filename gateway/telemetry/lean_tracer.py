@@ -36,6 +36,7 @@ from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import (
+    DEFAULT_TRACE_STATE,
     INVALID_SPAN,
     NonRecordingSpan,
     SpanContext,
@@ -50,14 +51,41 @@ _SAMPLED_RANDOM = TraceFlags(TraceFlags.SAMPLED | TraceFlags.RANDOM_TRACE_ID)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED_RANDOM = TraceFlags(TraceFlags.RANDOM_TRACE_ID)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
+_RANDOM = TraceFlags.RANDOM_TRACE_ID
 _TRACE_ID_LOW_64 = (1 << 64) - 1
+_tuple_new = tuple.__new__
 _getrandbits = random.getrandbits
 _time_ns = time.time_ns
-_get_current_span = trace_api.get_current_span
+
+
+def _current_span_lookup() -> Any:
+    """`trace.get_current_span()` for the current context, as two C calls where the API's
+    runtime context is the default contextvars one (else the API's own function)."""
+    from opentelemetry.context import _RUNTIME_CONTEXT
+    from opentelemetry.trace.propagation import _SPAN_KEY
+
+    var = getattr(_RUNTIME_CONTEXT, "_current_context", None)
+    if var is None:
+        return lambda: trace_api.get_current_span()
+
+    def current_span() -> trace_api.Span:
+        return var.get().get(_SPAN_KEY) or INVALID_SPAN  # type: ignore[no-any-return]
+
+    return current_span
+
+
+_current_span = _current_span_lookup()
 
 
 class LeanSpan(trace_api.Span, ReadableSpan):
-    """A recording span; `ReadableSpan`'s properties read the fields set here."""
+    """A recording span; `ReadableSpan`'s properties read the fields set here (fields that
+    rarely change start as class attributes, so a span is built with few writes)."""
+
+    _end_time: int | None = None
+    _status = _UNSET
+    _events: tuple[Event, ...] | list[Event] = ()
+    _links: tuple[trace_api.Link, ...] = ()
+    _instrumentation_info = None
 
     def __init__(self, name: str, context: SpanContext, parent: SpanContext | None, kind: SpanKind,
                  attributes: dict[str, Any], start_time: int, tracer: LeanTracer) -> None:
@@ -67,14 +95,15 @@ class LeanSpan(trace_api.Span, ReadableSpan):
         self._kind = kind
         self._attributes = attributes
         self._start_time = start_time
-        self._end_time: int | None = None
-        self._status = _UNSET
-        self._events: list[Event] = []
-        self._links: tuple[trace_api.Link, ...] = ()
-        self._resource = tracer.resource
-        self._instrumentation_scope = tracer.scope
-        self._instrumentation_info = None
-        self._processors = tracer.processors
+        self._tracer = tracer
+
+    @property
+    def resource(self) -> Resource:
+        return self._tracer.resource
+
+    @property
+    def instrumentation_scope(self) -> InstrumentationScope:
+        return self._tracer.scope
 
     def get_span_context(self) -> SpanContext:
         return self._context
@@ -90,7 +119,11 @@ class LeanSpan(trace_api.Span, ReadableSpan):
     def add_event(self, name: str, attributes: Mapping[str, Any] | None = None,
                   timestamp: int | None = None) -> None:
         if self._end_time is None:
-            self._events.append(Event(name, attributes or {}, timestamp or _time_ns()))
+            event = Event(name, attributes or {}, timestamp or _time_ns())
+            if isinstance(self._events, list):
+                self._events.append(event)
+            else:
+                self._events = [event]
 
     def add_link(self, context: SpanContext, attributes: Mapping[str, Any] | None = None) -> None:
         if self._end_time is None:
@@ -130,7 +163,7 @@ class LeanSpan(trace_api.Span, ReadableSpan):
         if self._end_time is not None:
             return
         self._end_time = end_time if end_time is not None else _time_ns()
-        for processor in self._processors:
+        for processor in self._tracer.processors:
             processor.on_end(self)
 
     def __exit__(self, exc_type: Any, exc_val: BaseException | None, exc_tb: Any) -> None:
@@ -153,24 +186,32 @@ class LeanTracer(trace_api.Tracer):
                    links: Sequence[trace_api.Link] | None = None, start_time: int | None = None,
                    record_exception: bool = True, set_status_on_exception: bool = True
                    ) -> trace_api.Span:
-        parent = _get_current_span(context).get_span_context()
+        parent = (_current_span() if context is None else trace_api.get_current_span(context)
+                  ).get_span_context()
         if not self._is_enabled:
             return INVALID_SPAN if not parent.is_valid else NonRecordingSpan(parent)
         span_id = _getrandbits(64) or 1
-        if parent.is_valid:
-            trace_id = parent.trace_id
-            sampled = parent.trace_flags.sampled
-            flags = (_SAMPLED if sampled else _NOT_SAMPLED) if not parent.trace_flags.random_trace_id \
+        # SpanContext is a tuple: (trace_id, span_id, is_remote, flags, trace_state, is_valid)
+        if parent[5]:
+            trace_id = parent[0]
+            sampled = bool(parent[3] & TraceFlags.SAMPLED)
+            flags = (_SAMPLED if sampled else _NOT_SAMPLED) if not parent[3] & _RANDOM \
                 else (_SAMPLED_RANDOM if sampled else _NOT_SAMPLED_RANDOM)
+            trace_state = parent[4]
         else:
             parent = None
             trace_id = _getrandbits(128) or 1
             sampled = trace_id & _TRACE_ID_LOW_64 < self._bound
             flags = _SAMPLED_RANDOM if sampled else _NOT_SAMPLED_RANDOM
-        span_context = SpanContext(trace_id, span_id, False, flags)
+            trace_state = DEFAULT_TRACE_STATE
+        # what SpanContext(trace_id, span_id, False, flags, trace_state) builds, without its
+        # validation: both ids are in range and non-zero by construction
+        span_context = _tuple_new(SpanContext, (trace_id, span_id, False, flags, trace_state, True))
         if not sampled:
             return NonRecordingSpan(span_context)
-        values = {k: v for k, v in attributes.items() if v is not None} if attributes else {}
+        values = dict(attributes) if attributes else {}
+        if None in values.values():
+            values = {k: v for k, v in values.items() if v is not None}
         span = LeanSpan(name, span_context, parent, kind, values,
                         start_time if start_time is not None else _time_ns(), self)
         if links:

@@ -8,7 +8,7 @@ dashboard's in-memory series, and hands out the observing wrappers app.py builds
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 from opentelemetry import trace
@@ -83,14 +83,16 @@ class Telemetry:
         if observation is not None and observation.on_settled is not None:
             observation.on_settled()
 
+    def response_stamp(self) -> Callable[[web.StreamResponse], None] | None:
+        """What the pipeline calls on each answer it sends itself (the trace id header; the
+        middleware stamps the answers it is handed back unsent); None with tracing off."""
+        return _stamp_trace_id if self.settings.is_tracing_enabled else None
+
     def install(self, app: web.Application) -> None:
-        """app[TELEMETRY], the trace id on streamed answers' headers (the middleware stamps the
-        others), and a clean shutdown of the exporters."""
+        """app[TELEMETRY] and a clean shutdown of the exporters."""
         from gateway.telemetry.keys import TELEMETRY
 
         app[TELEMETRY] = self
-        if self.settings.is_tracing_enabled:
-            app.on_response_prepare.append(_add_trace_id)
         app.cleanup_ctx.append(self._lifecycle)
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
@@ -98,7 +100,10 @@ class Telemetry:
         await asyncio.to_thread(self.provider.shutdown)
 
 
-async def _add_trace_id(request: web.Request, response: web.StreamResponse) -> None:
-    context = trace.get_current_span().get_span_context()
-    if context.is_valid and context.trace_flags.sampled:
-        response.headers[TRACE_ID_HEADER] = trace.format_trace_id(context.trace_id)
+def _stamp_trace_id(response: web.StreamResponse) -> None:
+    observation = current_observation()
+    span = observation.span if observation is not None else None
+    if span is not None:
+        context = span.get_span_context()
+        if context.trace_flags.sampled:
+            response.headers[TRACE_ID_HEADER] = trace.format_trace_id(context.trace_id)

@@ -48,26 +48,24 @@ class TracingTransport(Transport):
             return _TracedResponse(await self.inner.send(request), None, observation)
         name, attributes = _span_shape(request.method, request.url)
         span = self._tracer.start_span(name, kind=SpanKind.CLIENT, attributes=attributes)
-        if not span.is_recording():  # not sampled: no traceparent to send either
-            return _TracedResponse(await self._send_ending(request, span), span, observation)
-        headers = dict(request.headers)
-        _inject(headers, span)
-        response = await self._send_ending(UpstreamRequest(
-            request.method, request.url, request.body, headers, request.connect_timeout_s), span)
-        span.set_attribute("http.response.status_code", response.status)
-        if response.status >= 400:
-            span.set_status(StatusCode.ERROR)
-        return _TracedResponse(response, span, observation)
-
-    async def _send_ending(self, request: UpstreamRequest, span: Span) -> UpstreamResponse:
-        """Send; if that raises, the span records the error and ends."""
+        recording = span.is_recording()
+        if recording:  # (not sampled: no traceparent to send either)
+            headers = dict(request.headers)
+            _inject(headers, span)
+            request = UpstreamRequest(request.method, request.url, request.body, headers,
+                                      request.connect_timeout_s)
         try:
-            return await self.inner.send(request)
-        except BaseException as exc:
+            response = await self.inner.send(request)
+        except BaseException as exc:  # the span records the error and ends
             span.record_exception(exc)
             span.set_status(StatusCode.ERROR, type(exc).__name__)
             span.end()
             raise
+        if recording:
+            span.set_attribute("http.response.status_code", response.status)
+            if response.status >= 400:
+                span.set_status(StatusCode.ERROR)
+        return _TracedResponse(response, span, observation)
 
     async def aclose(self) -> None:
         await self.inner.aclose()
