@@ -32,8 +32,11 @@ async def serve(settings: GatewaySettings, *, reuse_port: bool = False) -> None:
     await site.start()
     # Everything built so far (modules, settings, the app) lives as long as the process: moved
     # out of the collector's reach, full collections stop re-scanning it on every request burst.
+    # Young collections: every 7000 net allocations instead of 700 (a request frees almost all it
+    # allocates by reference counting; what a collection then finds is mostly in-flight state).
     gc.collect()
     gc.freeze()
+    gc.set_threshold(7000, 20, 20)
     log.warning("aigw serving on http://%s:%s (%d models)", settings.host, settings.port,
                 len(settings.models))
     stop = asyncio.Event()

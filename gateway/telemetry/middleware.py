@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from opentelemetry import context as otel_context
-from opentelemetry.trace import Span, SpanKind, StatusCode, format_trace_id, set_span_in_context
+from opentelemetry.trace import Span, SpanKind, StatusCode, format_trace_id
 
+from gateway.telemetry.lean_tracer import attach_span, detach_span
 from gateway.telemetry.observation import RequestObservation, reset_current, set_current
 from gateway.telemetry.recent import LatencySample
 from gateway.telemetry.upstream import PROPAGATOR
@@ -102,12 +103,8 @@ def _incoming_context(request: web.Request) -> otel_context.Context | None:
     return PROPAGATOR.extract(request.headers)
 
 
-def _attach(span: Span) -> object:
-    return otel_context.attach(set_span_in_context(span))
-
-
-def _detach(token: object) -> None:
-    otel_context.detach(token)  # type: ignore[arg-type]
+_attach = attach_span  # the span made current: what context.attach(set_span_in_context(span)) does
+_detach = detach_span
 
 
 def _finish(telemetry: Telemetry, route: str, status: int, observation: RequestObservation,
