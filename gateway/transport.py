@@ -24,7 +24,7 @@ from gateway.errors import UpstreamTimeout, UpstreamUnavailable
 log = logging.getLogger("aigw.gateway")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # (not frozen: a frozen init costs a setattr call per field)
 class UpstreamRequest:
     method: str
     url: str

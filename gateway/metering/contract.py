@@ -17,7 +17,7 @@ from typing import Protocol
 from auth.principal import Principal
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class UsageRecord:
     request_id: str
     project: str
@@ -33,6 +33,17 @@ class UsageRecord:
     created_at: float  # unix seconds
     stream: bool = False
     finish_reason: str | None = None
+
+    def __init__(self, request_id: str, project: str, key_id: str, model: str, endpoint: str,
+                 prompt_tokens: int, cached_tokens: int, completion_tokens: int, cost_usd: float,
+                 latency_ms: float, status: int, created_at: float, stream: bool = False,
+                 finish_reason: str | None = None) -> None:
+        """The dataclass's own init, in one write (a frozen one sets each field by a call)."""
+        self.__dict__.update(
+            request_id=request_id, project=project, key_id=key_id, model=model, endpoint=endpoint,
+            prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+            completion_tokens=completion_tokens, cost_usd=cost_usd, latency_ms=latency_ms,
+            status=status, created_at=created_at, stream=stream, finish_reason=finish_reason)
 
 
 class RateLimited(Exception):

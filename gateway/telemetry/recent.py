@@ -72,7 +72,7 @@ class UsageSeries:
         return {"bucket_s": self.bucket_s, "t": starts, "projects": projects}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class LatencySample:
     at_s: float
     model: str
