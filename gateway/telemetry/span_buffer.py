@@ -32,20 +32,27 @@ class SpanBuffer(SpanProcessor):
             self._fold()
 
     def _fold(self) -> None:
-        """Move the ended spans into their traces, oldest first."""
+        """Move the ended spans into their traces, oldest first (a run of spans of one trace,
+        the usual case, costs one lookup)."""
         with self._lock:
             ended, traces = self._ended, self._traces
+            num_traces, cap = self._num_traces, self._num_spans_per_trace
+            last_trace_id: int | None = None
+            spans: list[ReadableSpan] = []
             while ended:
                 span = ended.popleft()
-                trace_id = span.context.trace_id
-                spans = traces.get(trace_id)
-                if spans is None:
-                    spans = traces[trace_id] = []
-                    if len(traces) > self._num_traces:
-                        traces.popitem(last=False)
-                else:
-                    traces.move_to_end(trace_id)
-                if len(spans) < self._num_spans_per_trace:
+                trace_id = span._context[0]  # (SpanContext is a tuple: trace id first)
+                if trace_id != last_trace_id:
+                    last_trace_id = trace_id
+                    found = traces.get(trace_id)
+                    if found is None:
+                        spans = traces[trace_id] = []
+                        if len(traces) > num_traces:
+                            traces.popitem(last=False)
+                    else:
+                        spans = found
+                        traces.move_to_end(trace_id)
+                if len(spans) < cap:
                     spans.append(span)
 
     def trace(self, trace_id: str) -> list[dict[str, Any]]:
