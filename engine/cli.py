@@ -27,7 +27,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=["fp8"], default=None)
     parser.add_argument("--decode-weights", choices=["float", "q4"], default="float",
                         help="q4: compute with the GGUF's 4-bit weights and 8-bit activations (native AVX2 "
-                             "kernels; ~6x float32 single-stream decode; approximate; CPU only)")
+                             "kernels; ~5x float32 single-stream decode; approximate; CPU only)")
     parser.add_argument("--seed", type=int, default=0)
 
 
