@@ -14,16 +14,14 @@
 
 Model and project are "" for requests that never got that far (bad body, failed auth).
 The request path reaches label children through `child(metric, *labels)`-style caches
-(`LabelCache`), so prometheus_client's `labels()` runs once per label tuple, not per request,
-and what it hands back writes the child's numbers directly: no lock per write (only the event
-loop writes them and the /metrics handler, on the same loop, reads them) and, for histograms,
-a bisect instead of a loop over the buckets.
+(`LabelCache`), so prometheus_client's `labels()` runs once per label tuple, not per request.
+(Writing the children's numbers lock-free through prometheus_client's private fields saved ~3.5 us
+a request, under 1% of the gateway's CPU: not worth depending on a library's internals.)
 """
 
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,50 +37,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 
-class _Value:
-    """prometheus_client's MutexValue without the mutex (event-loop-only writers)."""
-
-    __slots__ = ("_exemplar", "_value")
-
-    def __init__(self, value: float) -> None:
-        self._value = value
-        self._exemplar = None
-
-    def inc(self, amount: float = 1.0) -> None:
-        self._value += amount
-
-    def set(self, value: float, timestamp: float | None = None) -> None:
-        self._value = value
-
-    def set_exemplar(self, exemplar: Any) -> None:
-        self._exemplar = exemplar
-
-    def get(self) -> float:
-        return self._value
-
-    def get_exemplar(self) -> Any:
-        return self._exemplar
-
-
-class _HistogramWriter:
-    """`observe(v)` on a Histogram child's own numbers."""
-
-    __slots__ = ("_bounds", "_buckets", "_sum")
-
-    def __init__(self, child: Any) -> None:
-        self._bounds = list(child._upper_bounds)
-        child._sum = self._sum = _Value(child._sum.get())
-        child._buckets = self._buckets = [_Value(b.get()) for b in child._buckets]
-
-    def observe(self, amount: float) -> None:
-        self._sum._value += amount
-        self._buckets[bisect_left(self._bounds, amount)]._value += 1.0
-
-
 class LabelCache:
     """`cache(*labels)` is `metric.labels(*labels)`, looked up once per distinct label tuple (the
-    children live as long as the metric does, exactly as prometheus_client keeps them). What it
-    returns has the child's write method (`inc`, `set` or `observe`), lock-free."""
+    children live as long as the metric does, exactly as prometheus_client keeps them)."""
 
     __slots__ = ("_children", "_metric")
 
@@ -91,17 +48,10 @@ class LabelCache:
         self._children: dict[tuple[str, ...], Any] = {}
 
     def __call__(self, *labels: str) -> Any:
-        writer = self._children.get(labels)
-        if writer is None:
-            writer = self._children[labels] = _writer(self._metric.labels(*labels))
-        return writer
-
-
-def _writer(child: Any) -> Any:
-    if isinstance(child, Histogram):
-        return _HistogramWriter(child)
-    child._value = _Value(child._value.get())  # Counter, Gauge
-    return child._value
+        child = self._children.get(labels)
+        if child is None:
+            child = self._children[labels] = self._metric.labels(*labels)
+        return child
 
 
 class GatewayMetrics:
