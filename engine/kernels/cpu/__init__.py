@@ -14,6 +14,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -36,6 +38,14 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the `ninja` wheel (a dependency) installs it beside this
+    interpreter, which is not on PATH when the venv is not activated."""
+    scripts = sysconfig.get_path("scripts")
+    if shutil.which("ninja") is None and scripts and Path(scripts, "ninja").exists():
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+
+
 @functools.cache
 def load() -> bool:
     if os.environ.get("AIGW_NATIVE_KERNELS", "1") == "0":
@@ -44,6 +54,7 @@ def load() -> bool:
     if missing:
         logger.warning("native CPU kernels off: the CPU lacks %s", ", ".join(missing))
         return False
+    _put_ninja_on_path()
     try:
         from torch.utils.cpp_extension import load as load_extension
 
