@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(BIN)/aigw serve
+	$(BIN)/aigw serve $(SERVE_ARGS)
 
 test: setup
 	bash scripts/ensure-redis.sh

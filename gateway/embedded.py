@@ -28,8 +28,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def start_replicas(num_replicas: int, model_path: str | None, kv_cache_memory_bytes: int | None,
-                   host: str = "127.0.0.1") -> list[ReplicaProcess]:
-    """Start `aigw replica` processes; without `model_path` each uses the engine's default model."""
+                   host: str = "127.0.0.1", extra_args: list[str] | None = None) -> list[ReplicaProcess]:
+    """Start `aigw replica` processes; without `model_path` each uses the engine's default model.
+    `extra_args` go to every replica's command line as they are (`aigw serve --replica-args`)."""
     replicas = []
     for _ in range(num_replicas):
         port = free_port(host)
@@ -38,6 +39,7 @@ def start_replicas(num_replicas: int, model_path: str | None, kv_cache_memory_by
             command += ["--model", model_path]
         if kv_cache_memory_bytes is not None:
             command += ["--kv-cache-memory", str(kv_cache_memory_bytes)]
+        command += extra_args or []
         replicas.append(ReplicaProcess(subprocess.Popen(command), f"http://{host}:{port}"))
     return replicas
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing
+import shlex
 import signal
 from typing import Any
 
@@ -21,6 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--model", default=None, help="model path for the embedded replicas")
     parser.add_argument("--kv-cache-memory", type=int, default=None,
                         help="KV cache bytes per embedded replica")
+    parser.add_argument("--replica-args", default="",
+                        help="extra `aigw replica` options for the embedded replicas, one string "
+                             "(e.g. \"--decode-weights q4\" for the native 4-bit decode path)")
     parser.add_argument("--no-auth", action="store_true",
                         help="local development only: no API keys, no metering")
     parser.set_defaults(func=run)
@@ -42,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
     replicas: list[embedded.ReplicaProcess] = []
     try:
         if not settings.models:
-            replicas = embedded.start_replicas(args.replicas, args.model, args.kv_cache_memory)
+            replicas = embedded.start_replicas(args.replicas, args.model, args.kv_cache_memory,
+                                               extra_args=shlex.split(args.replica_args))
             embedded.wait_healthy(replicas)
             settings = settings.model_copy(update={"models": (embedded.model_settings_for(replicas),)})
         _serve_workers(settings.model_dump(mode="json"), max(1, args.workers))

@@ -67,3 +67,47 @@ def test_serve_with_config_auth_and_workers_then_drains_on_sigterm(
             process.kill()
             process.wait()
         loop_thread.run(runner.cleanup())
+
+
+def _child_command_lines(pid: int) -> list[list[str]]:
+    """The argv of every live child process of `pid` (Linux /proc)."""
+    lines = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"\nPPid:\t{pid}\n" in status:
+            lines.append([a.decode() for a in argv if a])
+    return lines
+
+
+def test_embedded_replicas_get_the_replica_args_and_serve(tmp_path: Path) -> None:
+    """`aigw serve --replica-args "..."` reaches each embedded `aigw replica`; here the native q4 mode."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIGW_")}
+    process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--no-auth", "--port", str(port),
+                                "--kv-cache-memory", str(32 << 20),
+                                "--replica-args", "--decode-weights q4 --threads 1"],
+                               env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, process, timeout_s=240)
+        replicas = [argv for argv in _child_command_lines(process.pid) if "replica" in argv]
+        assert len(replicas) == 1, _child_command_lines(process.pid)
+        assert replicas[0][-4:] == ["--decode-weights", "q4", "--threads", "1"]
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        reply = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": model, "max_tokens": 6, "messages": [{"role": "user", "content": "Name a color."}]})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
