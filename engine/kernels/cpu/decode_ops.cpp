@@ -57,7 +57,32 @@ struct QRow {
   std::vector<float> ds;
 };
 
+// e^x, Cephes-style: 2^n * p(r); relative error ~1e-7 (x clamped to [-87.3, 88.3]).
+inline __m256 exp_ps(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
 // prep(x row) -> int8 blocks. mode 0: plain, 1: rms norm with weight, 2: silu(x[:K]) * x[K:].
+// Vectorised (AVX2); rounding is round-half-even like std::nearbyint.
 void quantize_row(const float* x, int64_t k, int mode, const float* norm_w, float eps, int8_t* q,
                   float* d, float* ds, float* tmp) {
   const float* src = x;
@@ -68,24 +93,37 @@ void quantize_row(const float* x, int64_t k, int mode, const float* norm_w, floa
     for (int64_t i = 0; i < k; ++i) tmp[i] = norm_w[i] * (x[i] * inv);
     src = tmp;
   } else if (mode == 2) {
-    for (int64_t i = 0; i < k; ++i) {
-      const float g = x[i];
-      tmp[i] = g / (1.0f + std::exp(-g)) * x[k + i];
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t i = 0; i < k; i += 8) {  // k a multiple of 32
+      const __m256 g = _mm256_loadu_ps(x + i);
+      const __m256 e = exp_ps(_mm256_xor_ps(g, sign));  // e^-g
+      _mm256_storeu_ps(tmp + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(x + k + i)));
     }
     src = tmp;
   }
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b < k / QK; ++b) {
     const float* v = src + b * QK;
-    float amax = 0.f;
-    for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(v[i]));
-    const float scale = amax / 127.f;
-    const float inv = scale > 0.f ? 1.f / scale : 0.f;
-    int sum = 0;
-    for (int i = 0; i < QK; ++i) {
-      const int qi = static_cast<int>(std::nearbyint(v[i] * inv));
-      q[b * QK + i] = static_cast<int8_t>(qi);
-      sum += qi;
+    __m256 v4[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v4[j] = _mm256_loadu_ps(v + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_and_ps(v4[j], abs_mask));
     }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float scale = _mm_cvtss_f32(m4) / 127.f;
+    const __m256 inv = _mm256_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+    __m256i i4[4];
+    for (int j = 0; j < 4; ++j) {
+      i4[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v4[j], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    const int32_t sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(i4[0], i4[1]), _mm256_add_epi32(i4[2], i4[3])));
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i4[0], i4[1]), _mm256_packs_epi32(i4[2], i4[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK), _mm256_permutevar8x32_epi32(packed, perm));
     d[b] = scale;
     ds[b] = scale * static_cast<float>(sum);
   }
@@ -161,6 +199,10 @@ void for_column_groups(GroupKernel k4, GroupKernel k3, GroupKernel k2, GroupKern
   at::parallel_for(0, n / 8, 4, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* wg = wp + g * group_bytes;
+      if (g + 1 < end) {  // the next group's weights on their way from memory while this one computes
+        const char* next = reinterpret_cast<const char*>(wg + group_bytes);
+        for (int64_t off = 0; off < group_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+      }
       for (int64_t r0 = 0; r0 < m; r0 += 4) {
         const int rows = static_cast<int>(std::min<int64_t>(4, m - r0));
         const int8_t* xq[4];
@@ -311,23 +353,6 @@ inline void weighted_values(const float* probs, int64_t dh, int64_t len, const R
       for (int i = 0; i < nv; ++i) _mm256_storeu_ps(out + h * dh + d0 + 8 * i, acc[h][i]);
     }
   }
-}
-
-// e^x for x <= 0 (softmax), Cephes-style: 2^n * p(r); relative error ~1e-7.
-inline __m256 exp_ps(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
 }
 
 // s[0..n) -> softmax(s) in place.
