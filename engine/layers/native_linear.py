@@ -67,6 +67,10 @@ class NativeQuantLinear(LinearWeight):
         """x [M, in] float32 (RMS-normalised with `norm_weight` first when given) -> [M, out]."""
         return torch.ops.aigw_cpu.q_linear(x, self.blocks, self.weight_type, norm_weight, eps, False)
 
+    def silu_mul_native(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, 2 * in] -> (silu(x[:, :in]) * x[:, in:]) @ W^T [M, out], one op."""
+        return torch.ops.aigw_cpu.q_linear(x, self.blocks, self.weight_type, None, 0.0, True)
+
     def add_into(self, residual: torch.Tensor, x: torch.Tensor, silu_and_mul: bool = False) -> None:
         """residual += x @ W^T in place; x = silu(x[:, :in]) * x[:, in:] first when `silu_and_mul`."""
         torch.ops.aigw_cpu.q_linear_add_(residual, x, self.blocks, self.weight_type, silu_and_mul)

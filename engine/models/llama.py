@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from engine.config import ModelConfig
 from engine.layers.attention import PagedAttentionBackend, current_metadata
 from engine.layers.linear import DenseLinear, LinearWeight, fuse_rows
+from engine.layers.native_linear import NativeQuantLinear
 from engine.layers.norm import rms_norm, rms_norm_fast
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -31,6 +32,8 @@ class DenseMLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)  # [T, 2I]
+        if isinstance(self.down, NativeQuantLinear):  # SiLU-and-mul fused into the down projection
+            return self.down.silu_mul_native(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)  # 2 x [T, I]
         return self.down(F.silu(gate) * up)
 
