@@ -51,18 +51,8 @@ class NativeDecodeStep:
 
     @classmethod
     def build(cls, model: LlamaModel) -> NativeDecodeStep | None:
-        cfg = model.config
-        if (cfg.attention_bias or cfg.is_moe or cfg.head_dim % 8
-                or model.embed_tokens.dtype != torch.float32):
+        if not isinstance(model.lm_head, NativeQuantLinear) or not _plain_layers_of(model, NativeQuantLinear):
             return None
-        if not isinstance(model.lm_head, NativeQuantLinear):
-            return None
-        for layer in model.layers:
-            if not isinstance(layer.mlp, DenseMLP) or layer.q_norm is not None:
-                return None
-            linears = [layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down]
-            if not all(isinstance(w, NativeQuantLinear) for w in linears):
-                return None
         return cls(model)
 
     def __call__(self, step: DecodeInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -85,6 +75,21 @@ class NativeDecodeStep:
         return _native(model.lm_head).native(hidden, model.norm, eps)
 
 
+def _plain_layers_of(model: LlamaModel, linear_type: type | tuple[type, ...]) -> bool:
+    """True when every layer is the plain Llama shape a decode step handles (no biases, no qk norm,
+    a dense MLP, float32 embeddings, head_dim a multiple of 8) with all four linears `linear_type`."""
+    cfg = model.config
+    if cfg.attention_bias or cfg.is_moe or cfg.head_dim % 8 or model.embed_tokens.dtype != torch.float32:
+        return False
+    for layer in model.layers:
+        if not isinstance(layer.mlp, DenseMLP) or layer.q_norm is not None:
+            return False
+        linears = [layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down]
+        if not all(isinstance(w, linear_type) for w in linears):
+            return False
+    return True
+
+
 def _native(linear: object) -> NativeQuantLinear:
     assert isinstance(linear, NativeQuantLinear)
     return linear
@@ -102,17 +107,7 @@ class FloatDecodeStep:
 
     @classmethod
     def build(cls, model: LlamaModel) -> FloatDecodeStep | None:
-        cfg = model.config
-        if (cfg.attention_bias or cfg.is_moe or cfg.head_dim % 8
-                or model.embed_tokens.dtype != torch.float32):
-            return None
-        for layer in model.layers:
-            if not isinstance(layer.mlp, DenseMLP) or layer.q_norm is not None:
-                return None
-            linears = [layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down]
-            if not all(isinstance(w, (OneDNNLinear, DenseLinear)) for w in linears):
-                return None
-        return cls(model)
+        return cls(model) if _plain_layers_of(model, (OneDNNLinear, DenseLinear)) else None
 
     def __call__(self, step: DecodeInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                  ) -> torch.Tensor:
