@@ -4,7 +4,9 @@
       -> parse + validate (dialect) -> require scope & model
       -> meter.admit -> dispatch (pick endpoint, first event, retries) -> respond or stream
       -> meter.settle (exactly once per admitted request: also on disconnect and failure; with
-         a meter that has `settle_nowait`, queued, so the answer never waits for the usage write)
+         a meter that has `settle_nowait`, queued, so the answer never waits for the usage write,
+         except when the request counts against rate limits or a budget: then it settles before
+         the answer goes out, so the caller's next request sees its real token count)
 
 Errors before admission answer in the dialect's envelope and are never metered. After the stream
 has started, a failure ends it with the dialect's error event (status 200 already sent).
@@ -18,7 +20,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -164,6 +166,19 @@ class Pipeline:
             return error_response(dialect, 429, "rate_limit_exceeded", exc.message, request_id,
                                   timing.overhead_ms(), headers=exc.headers)
         outcome = _Outcome()
+
+        def record() -> Any:
+            latency_ms = (time.perf_counter() - timing.started) * 1000.0
+            return build_record(canonical, principal, route.settings,
+                                "" if outcome.replica == "none" else outcome.replica,
+                                outcome.accumulator, outcome.status, latency_ms)
+
+        async def settle_now() -> None:
+            outcome.settled = True
+            await asyncio.shield(self._settle(admission, record()))
+
+        if admission.counts_against_limits:
+            outcome.settle_before_answer = settle_now
         try:
             outcome.explain_route = request.headers.get("x-aigw-debug") == "1"
             if canonical.stream:
@@ -182,14 +197,12 @@ class Pipeline:
             outcome.status = STATUS_CLIENT_CLOSED
             raise
         finally:
-            latency_ms = (time.perf_counter() - timing.started) * 1000.0
-            record = build_record(canonical, principal, route.settings,
-                                  "" if outcome.replica == "none" else outcome.replica,
-                                  outcome.accumulator, outcome.status, latency_ms)
-            if self._settle_nowait is not None:
-                self._settle_nowait(admission, record)  # never raises; nothing to cancel
+            if outcome.settled:
+                pass
+            elif self._settle_nowait is not None:
+                self._settle_nowait(admission, record())  # never raises; nothing to cancel
             else:
-                await asyncio.shield(self._settle(admission, record))
+                await asyncio.shield(self._settle(admission, record()))
 
     async def _settle(self, admission: Admission, record: Any) -> None:
         try:
@@ -216,6 +229,8 @@ class Pipeline:
         finally:
             await attempt.release()
         outcome.status = 200
+        if outcome.settle_before_answer is not None:
+            await outcome.settle_before_answer()
         body = orjson.dumps(dialect.render(canonical, outcome.accumulator.response()))
         response = web.Response(body=body, content_type="application/json", headers=extra_headers)
         _stamp(response, canonical.request_id, outcome.replica, timing.overhead_ms())
@@ -293,6 +308,8 @@ class Pipeline:
                 log.warning("stream %s failed after start: %s", canonical.request_id, error.message)
                 accumulator.finish_reason = "error"
                 tail = encoder.error(error.status, error.code, error.message)
+            if outcome.settle_before_answer is not None:
+                await outcome.settle_before_answer()
             await response.write(tail)
             await response.write_eof()
             return response
@@ -317,10 +334,12 @@ def _after_start(exc: BaseException, settings: GatewaySettings) -> UpstreamError
 
 
 class _Outcome:
-    __slots__ = ("accumulator", "explain_route", "replica", "status")
+    __slots__ = ("accumulator", "explain_route", "replica", "settle_before_answer", "settled", "status")
 
     def __init__(self) -> None:
         self.accumulator = Accumulator()
         self.replica = "none"
         self.status = 502
         self.explain_route = False
+        self.settle_before_answer: Callable[[], Awaitable[None]] | None = None  # limited requests
+        self.settled = False

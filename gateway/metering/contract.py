@@ -6,7 +6,9 @@
 
 `settle` is idempotent on `record.request_id`: calling it twice never counts twice. A meter may
 also offer `settle_nowait(admission, record)` (synchronous, never raises: the write is queued);
-the pipeline then settles without the answer waiting for the store.
+the pipeline then settles without the answer waiting for the store, except for admissions that
+`counts_against_limits`: those settle before the answer is sent (a limit must hold for a client
+that sends its requests one after another, alternating gateways).
 """
 
 from __future__ import annotations
@@ -63,6 +65,13 @@ class Admission:
     model: str
     reserved_tokens: int
     headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-* to send back
+
+    @property
+    def counts_against_limits(self) -> bool:
+        """True when this request's tokens are held in rate-limit or budget counters: then the
+        pipeline settles before the answer goes out, so the caller's next request (on any gateway)
+        sees this one's real token count, not its admission-time estimate."""
+        return False
 
 
 class Meter(Protocol):

@@ -59,6 +59,10 @@ class MeterAdmission(Admission):
     reserved_nanos: int = 0
     scopes: tuple[str, ...] = ()  # names of the scopes whose counters hold the reservation
 
+    @property
+    def counts_against_limits(self) -> bool:
+        return bool(self.scopes)
+
 
 @dataclass
 class Clock:
