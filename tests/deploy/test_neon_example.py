@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from gateway.embedded import free_port
+from tests.processes import stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "neon.example.ts"
@@ -43,13 +44,7 @@ def _process(command: list[str], log_path: Path, env: dict[str, str]) -> Iterato
     try:
         yield process
     finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process)
 
 
 def _wait_healthy(url: str, process: subprocess.Popen[bytes], log_path: Path,

@@ -15,6 +15,7 @@ import pytest
 from bench.mock_upstream import MockState, create_mock_app
 from gateway.embedded import free_port
 from tests.gateway.conftest import MODEL, LoopThread, start_app
+from tests.processes import stop_process
 
 
 def _wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
@@ -105,9 +106,4 @@ def test_embedded_replicas_get_the_replica_args_and_serve(tmp_path: Path) -> Non
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] >= 1
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)

