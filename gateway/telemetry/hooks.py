@@ -1,16 +1,16 @@
 """Observing decorators the gateway's Pipeline is built with (gateway/app.py):
 
-    TracedAuthenticator   a `gateway.auth` span; project and key id on the request span
-    CountedRouter         the routing-decisions counter (tracing off: no span work at all)
-    TracedRouter          that, plus a `gateway.route` span per decision (candidates, matched
-                          blocks, scores) and the request's GenAI attributes
-    ObservedMeter         on settle: usage attributes on the request span, token/cost metrics,
-                          the dashboard's usage series
+    TracedAuthenticator   notes the auth step (times, identity or error) in the request's trace
+    CountedRouter         the routing-decisions counter (tracing off: no trace work at all)
+    TracedRouter          that, plus each decision (candidates, matched blocks, scores) noted in
+                          the request's trace
+    ObservedMeter         on settle: the usage record to the request's observation (its trace,
+                          the token/cost metrics, the dashboard's usage series)
 
 Each forwards everything else to the object it wraps (`__getattr__`; the routers forward the
 `Router` methods explicitly), and never changes what it returns or raises. Which ones wrap is
-decided once, when the app is built (gateway/telemetry/telemetry.py); spans get their attributes
-at creation where they are known then.
+decided once, when the app is built (gateway/telemetry/telemetry.py). They write plain values
+into the request's `RequestTrace`; spans are built from it only when read.
 """
 
 from __future__ import annotations
@@ -19,41 +19,36 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from opentelemetry.trace import StatusCode, Tracer
-
 from auth.principal import Authenticator, AuthError, Principal
 from gateway.canonical import CanonicalRequest
 from gateway.endpoints import Endpoint, Fleet
 from gateway.metering.contract import Admission, Meter, UsageRecord
 from gateway.routing.base import Decision, Router
-from gateway.telemetry import attributes as attr
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.observation import current_observation
+from gateway.telemetry.request_trace import RouteStep, request_values
+
+_time_ns = time.time_ns
 
 
 class TracedAuthenticator:
-    def __init__(self, inner: Authenticator, tracer: Tracer) -> None:
+    def __init__(self, inner: Authenticator) -> None:
         self.inner = inner
-        self._tracer = tracer
 
     async def authenticate(self, credential: str | None) -> Principal:
-        span = self._tracer.start_span("gateway.auth")
+        observation = current_observation()
+        trace = observation.trace if observation is not None else None
+        if trace is None:
+            return await self.inner.authenticate(credential)
+        trace.auth_start_ns = _time_ns()
         try:
             principal = await self.inner.authenticate(credential)
         except AuthError as exc:
-            span.set_status(StatusCode.ERROR, exc.code)
-            span.end()
+            trace.auth_error = exc.code
             raise
-        except BaseException:
-            span.end()
-            raise
-        identity = {attr.AIGW_PROJECT: principal.project, attr.AIGW_KEY_ID: principal.key_id}
-        if span.is_recording():
-            span.set_attributes({**identity, "aigw.auth.via": principal.via})
-        span.end()
-        observation = current_observation()
-        if observation is not None and observation.span is not None:
-            observation.span.set_attributes(identity)
+        finally:
+            trace.auth_end_ns = _time_ns()
+        trace.auth_identity = (principal.project, principal.key_id, principal.via)
         return principal
 
     def __getattr__(self, name: str) -> Any:
@@ -96,69 +91,29 @@ class CountedRouter(Router):
 
 
 class TracedRouter(CountedRouter):
-    def __init__(self, inner: Router, tracer: Tracer, metrics: GatewayMetrics, policy: str) -> None:
-        super().__init__(inner, metrics, policy)
-        self._tracer = tracer
-
     def pick(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision:
-        started_ns = time.time_ns()
+        started_ns = _time_ns()
         decision = super().pick(request, endpoints)
-        self._trace(request, endpoints, decision, started_ns)
+        self._note(request, endpoints, decision, started_ns)
         return decision
 
     async def choose(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision:
-        started_ns = time.time_ns()
+        started_ns = _time_ns()
         decision = await self.inner.choose(request, endpoints)  # (one coroutine layer, not two)
         self._decisions_of(self._policy, decision.reason, decision.endpoint.name).inc()
-        self._trace(request, endpoints, decision, started_ns)
+        self._note(request, endpoints, decision, started_ns)
         return decision
 
-    def _trace(self, request: CanonicalRequest, endpoints: Sequence[Endpoint], decision: Decision,
-               started_ns: int) -> None:
+    def _note(self, request: CanonicalRequest, endpoints: Sequence[Endpoint], decision: Decision,
+              started_ns: int) -> None:
         observation = current_observation()
-        span = observation.span if observation is not None else None
-        if span is None or not span.is_recording():
-            return  # not traced, or not sampled: the children are not either
-        span.set_attributes(request_attributes(request))
-        values = {attr.AIGW_ROUTING_POLICY: self._policy, attr.AIGW_ROUTING_REASON: decision.reason,
-                  attr.AIGW_REPLICA: decision.endpoint.name,
-                  **candidate_attributes(decision, endpoints)}
-        explanation = self.inner.explain(request.request_id)
-        if explanation:
-            values[attr.AIGW_ROUTING_EXPLAIN] = explanation
-        self._tracer.start_span("gateway.route", start_time=started_ns, attributes=values).end()
-
-
-def request_attributes(request: CanonicalRequest) -> dict[str, Any]:
-    values: dict[str, Any] = {attr.GEN_AI_OPERATION: attr.OPERATION_BY_KIND.get(request.kind, request.kind),
-                              attr.GEN_AI_SYSTEM: "aigw", attr.GEN_AI_REQUEST_MODEL: request.model,
-                              attr.AIGW_REQUEST_ID: request.request_id, attr.AIGW_STREAM: request.stream}
-    if request.max_tokens is not None:
-        values[attr.GEN_AI_REQUEST_MAX_TOKENS] = request.max_tokens
-    if request.temperature is not None:
-        values[attr.GEN_AI_REQUEST_TEMPERATURE] = request.temperature
-    if request.top_p is not None:
-        values[attr.GEN_AI_REQUEST_TOP_P] = request.top_p
-    if request.seed is not None:
-        values[attr.GEN_AI_REQUEST_SEED] = request.seed
-    return values
-
-
-def candidate_attributes(decision: Decision, endpoints: Sequence[Endpoint]) -> dict[str, Any]:
-    """Per-candidate arrays from whatever the decision carries: `scores` (objects with `name`,
-    `num_matched_blocks`, `cost`) when the router scores, else just the candidate names."""
-    scores = getattr(decision, "scores", None) or ()
-    names = [str(getattr(s, "name", "")) for s in scores]
-    if not names:
-        return {attr.AIGW_ROUTING_CANDIDATES: [e.name for e in endpoints]}
-    values: dict[str, Any] = {attr.AIGW_ROUTING_CANDIDATES: names}
-    matched = [getattr(s, "num_matched_blocks", None) for s in scores]
-    if all(isinstance(m, int) for m in matched):
-        values[attr.AIGW_ROUTING_MATCHED_BLOCKS] = matched
-    costs = [getattr(s, "cost", None) for s in scores]
-    if all(isinstance(c, int | float) for c in costs):
-        values[attr.AIGW_ROUTING_SCORES] = [float(c) for c in costs]  # type: ignore[arg-type]
-    return values
+        trace = observation.trace if observation is not None else None
+        if trace is None:
+            return  # not traced, or not sampled
+        if trace.request is None:
+            trace.request = request_values(request)
+        trace.routes.append(RouteStep(started_ns, _time_ns(), self._policy, decision, endpoints,
+                                      self.inner.explain(request.request_id)))
 
 
 class ObservedMeter:
@@ -193,15 +148,3 @@ class ObservedMeter:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
-
-
-def usage_attributes(record: UsageRecord) -> dict[str, Any]:
-    values: dict[str, Any] = {
-        attr.GEN_AI_RESPONSE_MODEL: record.model, attr.GEN_AI_INPUT_TOKENS: record.prompt_tokens,
-        attr.GEN_AI_OUTPUT_TOKENS: record.completion_tokens,
-        attr.AIGW_CACHED_TOKENS: record.cached_tokens, attr.AIGW_COST_USD: record.cost_usd,
-        attr.AIGW_PROJECT: record.project, attr.AIGW_KEY_ID: record.key_id,
-        attr.AIGW_REPLICA: record.endpoint}
-    if record.finish_reason:
-        values[attr.GEN_AI_FINISH_REASONS] = [record.finish_reason]
-    return values

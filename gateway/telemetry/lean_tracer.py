@@ -1,15 +1,18 @@
 """A lean OpenTelemetry tracer: the API's Tracer/Span, at a fraction of the SDK's cost per span.
 
     provider = LeanTracerProvider(resource, sample_ratio=1.0, processors=[SpanBuffer(), ...])
-    tracer = provider.get_tracer("aigw.gateway")       # an opentelemetry.trace.Tracer
+    tracer = provider.get_tracer("aigw.replica")       # an opentelemetry.trace.Tracer
 
-Why not the SDK's own `TracerProvider`: on the gateway's request path (4 spans a request, about
-25 attributes) it cost ~200 us of CPU per request on this VM, most of it in work a gateway that
-sets its own attributes does not need: validating and copying every attribute value
-(`BoundedAttributes`), a lock per attribute write and per end, a fresh `ReadableSpan` copy per
-end, tracer metrics. Here a span is one object that *is* its own `ReadableSpan` (the SDK's read
-side, so `SpanBuffer` and the SDK's `BatchSpanProcessor` + OTLP exporter take it as is):
-attributes are a plain dict, `end()` hands the span itself to each processor's `on_end`.
+The replica's tracer (engine/server/tracing.py). The gateway's request path goes one step further
+and makes no span objects at all: it notes raw facts in a `RequestTrace` and builds spans when
+they are read (gateway/telemetry/request_trace.py); it shares `new_span_context` (ids, flags and
+sampling) with this tracer. Why not the SDK's own `TracerProvider`: for a request's 4 spans and
+about 25 attributes it cost ~200 us of CPU on this VM, most of it in work a caller that sets its
+own attributes does not need: validating and copying every attribute value (`BoundedAttributes`),
+a lock per attribute write and per end, a fresh `ReadableSpan` copy per end, tracer metrics.
+Here a span is one object that *is* its own `ReadableSpan` (the SDK's read side, so `SpanBuffer`
+and the SDK's `BatchSpanProcessor` + OTLP exporter take it as is): attributes are a plain dict,
+`end()` hands the span itself to each processor's `on_end`.
 
 Semantics kept from the SDK set-up this replaces: W3C trace context (random 128-bit trace ids,
 64-bit span ids, the sampled and random-trace-id flags), parent-based sampling over a trace-id
@@ -82,6 +85,28 @@ def _context_fast_paths() -> tuple[Any, Any, Any]:
 
 
 _current_span, attach_span, detach_span = _context_fast_paths()
+
+
+def new_span_context(parent: SpanContext | None, bound: int) -> SpanContext:
+    """A new span's context: a child of `parent` (same trace, its sampled decision), or the root of
+    a new trace sampled when the trace id's low 64 bits are under `bound` (TraceIdRatioBased's rule;
+    `LeanTracerProvider.bound`)."""
+    span_id = _getrandbits(64) or 1
+    # SpanContext is a tuple: (trace_id, span_id, is_remote, flags, trace_state, is_valid)
+    if parent is not None:
+        trace_id = parent[0]
+        sampled = bool(parent[3] & TraceFlags.SAMPLED)
+        flags = (_SAMPLED if sampled else _NOT_SAMPLED) if not parent[3] & _RANDOM \
+            else (_SAMPLED_RANDOM if sampled else _NOT_SAMPLED_RANDOM)
+        trace_state = parent[4]
+    else:
+        trace_id = _getrandbits(128) or 1
+        sampled = trace_id & _TRACE_ID_LOW_64 < bound
+        flags = _SAMPLED_RANDOM if sampled else _NOT_SAMPLED_RANDOM
+        trace_state = DEFAULT_TRACE_STATE
+    # what SpanContext(trace_id, span_id, False, flags, trace_state) builds, without its
+    # validation: both ids are in range and non-zero by construction
+    return _tuple_new(SpanContext, (trace_id, span_id, False, flags, trace_state, True))
 
 
 class LeanSpan(trace_api.Span, ReadableSpan):
@@ -197,24 +222,9 @@ class LeanTracer(trace_api.Tracer):
                   ).get_span_context()
         if not self._is_enabled:
             return INVALID_SPAN if not parent.is_valid else NonRecordingSpan(parent)
-        span_id = _getrandbits(64) or 1
-        # SpanContext is a tuple: (trace_id, span_id, is_remote, flags, trace_state, is_valid)
-        if parent[5]:
-            trace_id = parent[0]
-            sampled = bool(parent[3] & TraceFlags.SAMPLED)
-            flags = (_SAMPLED if sampled else _NOT_SAMPLED) if not parent[3] & _RANDOM \
-                else (_SAMPLED_RANDOM if sampled else _NOT_SAMPLED_RANDOM)
-            trace_state = parent[4]
-        else:
-            parent = None
-            trace_id = _getrandbits(128) or 1
-            sampled = trace_id & _TRACE_ID_LOW_64 < self._bound
-            flags = _SAMPLED_RANDOM if sampled else _NOT_SAMPLED_RANDOM
-            trace_state = DEFAULT_TRACE_STATE
-        # what SpanContext(trace_id, span_id, False, flags, trace_state) builds, without its
-        # validation: both ids are in range and non-zero by construction
-        span_context = _tuple_new(SpanContext, (trace_id, span_id, False, flags, trace_state, True))
-        if not sampled:
+        parent = parent if parent[5] else None
+        span_context = new_span_context(parent, self._bound)
+        if not span_context[3] & TraceFlags.SAMPLED:
             return NonRecordingSpan(span_context)
         values = dict(attributes) if attributes else {}
         if None in values.values():

@@ -1,5 +1,6 @@
-"""The outermost middleware: a SERVER span per request (continuing an incoming `traceparent`),
-made current with its `RequestObservation`, and the request metrics once the answer is done.
+"""The outermost middleware: a `RequestTrace` per sampled request (its SERVER span continues an
+incoming `traceparent`), in the `RequestObservation` it makes current, and the request metrics
+once the answer is done; the finished trace goes to the span buffer and any exporter.
 
 A streamed answer's handler can be cancelled (the client closed the connection right after the
 last event) while the pipeline's shielded settle is still running; the span and the metrics then
@@ -18,12 +19,13 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
-from opentelemetry import context as otel_context
-from opentelemetry.trace import Span, SpanKind, StatusCode, format_trace_id
+from opentelemetry import trace as trace_api
+from opentelemetry.trace import SpanContext, TraceFlags
 
-from gateway.telemetry.lean_tracer import attach_span, detach_span
+from gateway.telemetry.lean_tracer import new_span_context
 from gateway.telemetry.observation import RequestObservation, reset_current, set_current
 from gateway.telemetry.recent import LatencySample
+from gateway.telemetry.request_trace import RequestTrace, TraceOrigin
 from gateway.telemetry.upstream import PROPAGATOR
 
 if TYPE_CHECKING:
@@ -40,10 +42,11 @@ def route_of(request: web.Request) -> str:
 
 
 def make_middleware(telemetry: Telemetry) -> Middleware:
-    """The traced middleware, or with tracing off one that creates no span objects at all (the
+    """The traced middleware; with tracing off (or a request not sampled) it makes no trace (the
     observation still carries the usage record and first-line time the metrics need)."""
-    tracer, metrics = telemetry.tracer, telemetry.metrics
+    metrics = telemetry.metrics
     is_tracing = telemetry.settings.is_tracing_enabled
+    sample_bound, origin = telemetry.provider.bound, telemetry.origin
 
     @web.middleware
     async def telemetry_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -52,15 +55,8 @@ def make_middleware(telemetry: Telemetry) -> Middleware:
             untraced = await handler(request)
             metrics.requests_of(route, str(untraced.status), "", "").inc()
             return untraced
-        span: Span | None = None
-        context_token = None
-        if is_tracing:
-            span = tracer.start_span(f"{request.method} {route}", kind=SpanKind.SERVER,
-                                     context=_incoming_context(request),
-                                     attributes={"http.request.method": request.method,
-                                                 "http.route": route})
-            context_token = _attach(span)
-        observation = RequestObservation(time.perf_counter(), span)
+        trace = _start_trace(request, route, sample_bound, origin) if is_tracing else None
+        observation = RequestObservation(time.perf_counter(), trace)
         token = set_current(observation)
         response: web.StreamResponse | None = None
         status = 500
@@ -68,10 +64,8 @@ def make_middleware(telemetry: Telemetry) -> Middleware:
         try:
             response = await handler(request)
             status = response.status
-            if span is not None and not response.prepared:
-                context = span.get_span_context()
-                if context.trace_flags.sampled:
-                    response.headers[TRACE_ID_HEADER] = format_trace_id(context.trace_id)
+            if trace is not None and not response.prepared:
+                response.headers[TRACE_ID_HEADER] = f"{trace.context.trace_id:032x}"
             return response
         except web.HTTPException as exc:
             status = exc.status
@@ -80,8 +74,6 @@ def make_middleware(telemetry: Telemetry) -> Middleware:
             status, cancelled = STATUS_CLIENT_CLOSED, True
             raise
         finally:
-            if context_token is not None:
-                _detach(context_token)
             reset_current(token)
 
             def finish() -> None:
@@ -96,25 +88,32 @@ def make_middleware(telemetry: Telemetry) -> Middleware:
     return telemetry_middleware
 
 
-def _incoming_context(request: web.Request) -> otel_context.Context | None:
-    """The caller's trace context (W3C traceparent), or None (a new trace) without parsing."""
+def _start_trace(request: web.Request, route: str, sample_bound: int, origin: TraceOrigin
+                 ) -> RequestTrace | None:
+    """The request's trace if it is sampled: a child of the caller's sampled `traceparent`, or a
+    new trace kept at the configured ratio."""
+    parent = _incoming_span(request)
+    context = new_span_context(parent, sample_bound)
+    if not context.trace_flags & TraceFlags.SAMPLED:
+        return None
+    return RequestTrace(context, parent, request.method, route, origin, time.time_ns())
+
+
+def _incoming_span(request: web.Request) -> SpanContext | None:
+    """The caller's span (W3C traceparent), or None (a new trace) without parsing."""
     if "traceparent" not in request.headers:
         return None
-    return PROPAGATOR.extract(request.headers)
-
-
-_attach = attach_span  # the span made current: what context.attach(set_span_in_context(span)) does
-_detach = detach_span
+    parent = trace_api.get_current_span(PROPAGATOR.extract(request.headers)).get_span_context()
+    return parent if parent.is_valid else None
 
 
 def _finish(telemetry: Telemetry, route: str, status: int, observation: RequestObservation,
             response: web.StreamResponse | None) -> None:
-    span = observation.span
-    if span is not None:
-        span.set_attribute("http.response.status_code", status)
-        if status >= 500:
-            span.set_status(StatusCode.ERROR)
-        span.end()
+    trace = observation.trace
+    if trace is not None:
+        trace.status_code = status
+        trace.end_ns = time.time_ns()
+        telemetry.export(trace)
     metrics = telemetry.metrics
     latency_s = time.perf_counter() - observation.started
     record = observation.record

@@ -10,15 +10,14 @@ import contextvars
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from opentelemetry.trace import Span
-
 from gateway.metering.contract import UsageRecord
+from gateway.telemetry.request_trace import RequestTrace
 
 
 @dataclass(slots=True)
 class RequestObservation:
     started: float  # time.perf_counter() when the request came in
-    span: Span | None  # the request's SERVER span; None when tracing is off
+    trace: RequestTrace | None  # what the request's spans are built from; None: not traced/sampled
     record: UsageRecord | None = None  # set when the pipeline settles with the meter
     first_upstream_line_at: float | None = None  # perf_counter of the first upstream body line
     is_admitted: bool = False  # the meter admitted it, so a settle (and a record) will follow

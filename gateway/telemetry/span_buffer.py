@@ -1,10 +1,12 @@
 """SpanBuffer: an OpenTelemetry SpanProcessor that keeps the most recent traces in memory.
 
-`on_end` only appends the finished (immutable) span to a queue: no lock, no serialization on the
-request path. The queue is folded into per-trace lists when read (or once it holds
-`num_traces * 4` spans); readers turn spans into plain JSON dicts (`span_json`). Bounded: at most
-`num_traces` traces (the least recently touched is dropped) and `num_spans_per_trace` spans each.
-Thread-safe (the replica's engine side and the event loop may both end spans).
+It takes finished spans (`on_end`, the SpanProcessor side: the replica's tracer) and finished
+gateway `RequestTrace`s (`add`: raw records whose spans are built only when read). Either only
+appends to a queue: no lock, no serialization on the request path. The queue is folded into
+per-trace lists when read (or once it holds `num_traces * 4` entries); readers turn spans into
+plain JSON dicts (`span_json`). Bounded: at most `num_traces` traces (the least recently touched
+is dropped) and `num_spans_per_trace` spans each. Thread-safe (the replica's engine side and the
+event loop may both end spans).
 """
 
 from __future__ import annotations
@@ -16,14 +18,18 @@ from typing import Any
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.trace import format_span_id, format_trace_id
 
+from gateway.telemetry.request_trace import RequestTrace
+
+Entry = ReadableSpan | RequestTrace  # a finished span, or a gateway request's trace (>= 1 span)
+
 
 class SpanBuffer(SpanProcessor):
     def __init__(self, num_traces: int = 200, num_spans_per_trace: int = 64) -> None:
         self._num_traces = num_traces
         self._num_spans_per_trace = num_spans_per_trace
-        self._ended: deque[ReadableSpan] = deque()  # appends and pops are atomic
+        self._ended: deque[Entry] = deque()  # appends and pops are atomic
         self._num_ended_max = num_traces * 4
-        self._traces: OrderedDict[int, list[ReadableSpan]] = OrderedDict()
+        self._traces: OrderedDict[int, list[Entry]] = OrderedDict()
         self._lock = threading.Lock()  # guards _traces (and folding)
 
     def on_end(self, span: ReadableSpan) -> None:
@@ -31,17 +37,22 @@ class SpanBuffer(SpanProcessor):
         if len(self._ended) >= self._num_ended_max:
             self._fold()
 
+    def add(self, trace: RequestTrace) -> None:
+        self._ended.append(trace)
+        if len(self._ended) >= self._num_ended_max:
+            self._fold()
+
     def _fold(self) -> None:
-        """Move the ended spans into their traces, oldest first (a run of spans of one trace,
+        """Move the ended entries into their traces, oldest first (a run of spans of one trace,
         the usual case, costs one lookup)."""
         with self._lock:
             ended, traces = self._ended, self._traces
             num_traces, cap = self._num_traces, self._num_spans_per_trace
             last_trace_id: int | None = None
-            spans: list[ReadableSpan] = []
+            spans: list[Entry] = []
             while ended:
                 span = ended.popleft()
-                trace_id = span._context[0]  # (SpanContext is a tuple: trace id first)
+                trace_id = span.context[0]  # (SpanContext is a tuple: trace id first)
                 if trace_id != last_trace_id:
                     last_trace_id = trace_id
                     found = traces.get(trace_id)
@@ -63,17 +74,27 @@ class SpanBuffer(SpanProcessor):
             return []
         self._fold()
         with self._lock:
-            spans = list(self._traces.get(key, ()))
-        return sorted((span_json(s) for s in spans), key=lambda s: s["start_ns"])
+            entries = list(self._traces.get(key, ()))
+        return self._json(entries)
 
     def recent(self, num_traces: int = 50) -> list[list[dict[str, Any]]]:
         """The most recently touched traces, newest first, each as `trace()` returns it."""
         self._fold()
         with self._lock:
             picked = list(self._traces.values())[-num_traces:][::-1]
-            picked = [list(spans) for spans in picked]
-        return [sorted((span_json(s) for s in spans), key=lambda s: s["start_ns"])
-                for spans in picked]
+            picked = [list(entries) for entries in picked]
+        return [self._json(entries) for entries in picked]
+
+    def _json(self, entries: list[Entry]) -> list[dict[str, Any]]:
+        """One trace's spans as JSON, oldest start first, at most `num_spans_per_trace`."""
+        spans: list[ReadableSpan] = []
+        for entry in entries:
+            if isinstance(entry, RequestTrace):
+                spans.extend(entry.spans())
+            else:
+                spans.append(entry)
+        return sorted((span_json(s) for s in spans[:self._num_spans_per_trace]),
+                      key=lambda s: s["start_ns"])
 
     def shutdown(self) -> None:
         return None

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
-from opentelemetry import trace
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from auth.principal import Authenticator
 from gateway.endpoints import Fleet
@@ -23,12 +23,12 @@ from gateway.telemetry.hooks import (
     ObservedMeter,
     TracedAuthenticator,
     TracedRouter,
-    usage_attributes,
 )
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.middleware import TRACE_ID_HEADER, make_middleware
 from gateway.telemetry.observation import current_observation
 from gateway.telemetry.recent import LatencyWindow, UsageSeries
+from gateway.telemetry.request_trace import RequestTrace, TraceOrigin
 from gateway.telemetry.settings import TelemetrySettings
 from gateway.telemetry.tracing import build_tracer_provider
 from gateway.telemetry.upstream import TracingTransport
@@ -39,7 +39,7 @@ class Telemetry:
     def __init__(self, settings: TelemetrySettings | None = None) -> None:
         self.settings = settings or TelemetrySettings.from_env()
         self.provider, self.spans = build_tracer_provider(self.settings)
-        self.tracer = self.provider.get_tracer("aigw.gateway")
+        self.origin = TraceOrigin(self.provider.resource, InstrumentationScope("aigw.gateway"))
         self.metrics = GatewayMetrics()
         self.usage = UsageSeries()
         self.latency = LatencyWindow()
@@ -53,20 +53,29 @@ class Telemetry:
             for model in settings.models}
         self.metrics.attach_fleet(fleet)
 
-    # With tracing off (settings.is_tracing_enabled false) the wrappers below create no span
-    # objects: the choice is made here, once, not per request.
+    # With tracing off (settings.is_tracing_enabled false) the wrappers below do no trace work:
+    # the choice is made here, once, not per request.
     def traced_transport(self, transport: Transport) -> Transport:
-        return TracingTransport(transport, self.tracer if self.settings.is_tracing_enabled else None)
+        return TracingTransport(transport)
 
     def traced_router(self, router: Router, policy: str) -> Router:
         if not self.settings.is_tracing_enabled:
             return CountedRouter(router, self.metrics, policy)
-        return TracedRouter(router, self.tracer, self.metrics, policy)
+        return TracedRouter(router, self.metrics, policy)
 
     def traced_authenticator(self, authenticator: Authenticator) -> Authenticator:
         if not self.settings.is_tracing_enabled:
             return authenticator
-        return TracedAuthenticator(authenticator, self.tracer)
+        return TracedAuthenticator(authenticator)
+
+    def export(self, trace: RequestTrace) -> None:
+        """A finished request's trace: kept raw in the span buffer (spans built when read); an
+        exporter (OTLP) gets its spans now, built here, and sends them from its own thread."""
+        self.spans.add(trace)
+        for processor in self.provider.processors:
+            if processor is not self.spans:
+                for span in trace.spans():
+                    processor.on_end(span)
 
     def observed_meter(self, meter: Meter) -> Meter:
         return ObservedMeter(meter, self.on_record)  # type: ignore[return-value]
@@ -75,9 +84,8 @@ class Telemetry:
         observation = current_observation()
         if observation is not None:
             observation.record = record
-            span = observation.span
-            if span is not None and span.is_recording():  # not ended, and sampled
-                span.set_attributes(usage_attributes(record))
+            if observation.trace is not None:
+                observation.trace.record = record
         self.metrics.observe_usage(record)
         self.usage.add(record, self._savings_by_model.get(record.model, 0.0))
         if observation is not None and observation.on_settled is not None:
@@ -102,8 +110,6 @@ class Telemetry:
 
 def _stamp_trace_id(response: web.StreamResponse) -> None:
     observation = current_observation()
-    span = observation.span if observation is not None else None
-    if span is not None:
-        context = span.get_span_context()
-        if context.trace_flags.sampled:
-            response.headers[TRACE_ID_HEADER] = trace.format_trace_id(context.trace_id)
+    trace = observation.trace if observation is not None else None
+    if trace is not None:
+        response.headers[TRACE_ID_HEADER] = f"{trace.context.trace_id:032x}"

@@ -1,33 +1,38 @@
-"""Tracing off (AIGW_TRACING=0) is a path chosen once: no span objects on a request, while the
-metrics still count it; tracing on still makes the request's spans."""
+"""Tracing off (AIGW_TRACING=0) is a path chosen once: no trace on a request, while the metrics
+still count it; tracing on still records each request's trace and builds its spans when read."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 
 from gateway.keys import PIPELINE
+from gateway.telemetry import middleware
 from gateway.telemetry.hooks import CountedRouter, TracedRouter
-from gateway.telemetry.lean_tracer import LeanTracer
+from gateway.telemetry.keys import TELEMETRY
+from gateway.telemetry.request_trace import RequestTrace
 from tests.gateway.conftest import MODEL, Gateway, GatewayFactory
 
 BODY = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.fixture
-def span_starts(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """Names of every span any tracer starts (start_as_current_span goes through it too)."""
-    names: list[str] = []
-    original = LeanTracer.start_span
+def traces_started(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[RequestTrace]]:
+    """Every RequestTrace the gateway starts (tracing on, sampled)."""
+    started: list[RequestTrace] = []
+    original = middleware._start_trace
 
-    def counting(self: LeanTracer, name: str, *args: object, **kwargs: object) -> object:
-        names.append(name)
-        return original(self, name, *args, **kwargs)  # type: ignore[arg-type]
+    def recording(*args: Any) -> RequestTrace | None:
+        trace = original(*args)
+        if trace is not None:
+            started.append(trace)
+        return trace
 
-    monkeypatch.setattr(LeanTracer, "start_span", counting)
-    yield names
+    monkeypatch.setattr(middleware, "_start_trace", recording)
+    yield started
 
 
 def _requests_counted(url: str) -> float:
@@ -45,25 +50,31 @@ def _traffic(url: str) -> list[httpx.Response]:
     return [plain, streamed]
 
 
-def test_tracing_off_starts_no_span_and_still_counts_requests(
-        make_gateway: GatewayFactory, span_starts: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tracing_off_starts_no_trace_and_still_counts_requests(
+        make_gateway: GatewayFactory, traces_started: list[RequestTrace],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIGW_TRACING", "0")
     gateway = make_gateway()
     responses = _traffic(gateway.url)
-    assert span_starts == []
+    assert traces_started == [] and gateway.app[TELEMETRY].spans.recent() == []
     assert all("x-aigw-trace-id" not in r.headers for r in responses)
     assert _requests_counted(gateway.url) == 2
     assert type(_pipeline_router(gateway)) is CountedRouter  # counts, never traces
 
 
-def test_tracing_on_traces_each_request(make_gateway: GatewayFactory, span_starts: list[str],
+def test_tracing_on_traces_each_request(make_gateway: GatewayFactory,
+                                        traces_started: list[RequestTrace],
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIGW_TRACING", "1")
     gateway = make_gateway()
     responses = _traffic(gateway.url)
-    assert all(r.headers["x-aigw-trace-id"] for r in responses)
-    assert span_starts.count("POST /v1/chat/completions") == 2
-    assert span_starts.count("gateway.route") == 2
+    assert [r.headers["x-aigw-trace-id"] for r in responses] == [
+        f"{t.context.trace_id:032x}" for t in traces_started]
+    assert all(t._spans is None for t in traces_started)  # no span built until read
+    buffer = gateway.app[TELEMETRY].spans
+    for response in responses:
+        names = [s["name"] for s in buffer.trace(response.headers["x-aigw-trace-id"])]
+        assert names.count("POST /v1/chat/completions") == 1 and names.count("gateway.route") == 1
     assert _requests_counted(gateway.url) == 2
     assert isinstance(_pipeline_router(gateway), TracedRouter)
 

@@ -5,19 +5,26 @@ after-the-fact spans from engine timings."""
 from __future__ import annotations
 
 import asyncio
+import time
+from types import SimpleNamespace
 
 import pytest
-from opentelemetry.trace import SpanKind
+from opentelemetry import trace as trace_api
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.server.tracing import TracedEngine
 from gateway.metering.contract import UsageRecord
+from gateway.telemetry.lean_tracer import new_span_context
 from gateway.telemetry.observation import RequestObservation, reset_current, set_current
 from gateway.telemetry.recent import LatencySample, LatencyWindow, UsageSeries
+from gateway.telemetry.request_trace import RequestTrace, RouteStep, exception_attributes
 from gateway.telemetry.settings import TelemetrySettings
+from gateway.telemetry.telemetry import Telemetry
 from gateway.telemetry.tracing import build_tracer_provider
-from gateway.telemetry.upstream import TracingTransport
+from gateway.telemetry.upstream import PROPAGATOR, TracingTransport
 from gateway.transport import MockResponse, MockTransport, UpstreamRequest
 
 
@@ -50,33 +57,44 @@ def test_tracing_off_records_nothing() -> None:
     assert buffer.recent() == []
 
 
+def _request_trace(telemetry: Telemetry, traceparent: str | None = None) -> RequestTrace:
+    parent = None
+    if traceparent is not None:
+        parent = trace_api.get_current_span(
+            PROPAGATOR.extract({"traceparent": traceparent})).get_span_context()
+    return RequestTrace(new_span_context(parent, telemetry.provider.bound), parent, "POST",
+                        "/v1/chat/completions", telemetry.origin, time.time_ns())
+
+
 def test_upstream_call_carries_the_traceparent_of_its_client_span() -> None:
-    provider, buffer = build_tracer_provider(TelemetrySettings())
-    tracer = provider.get_tracer("t")
+    telemetry = Telemetry(TelemetrySettings())
 
     async def answer(_: UpstreamRequest) -> MockResponse:
         return MockResponse(200, b"data: 1\n\ndata: [DONE]\n")
 
     mock = MockTransport(answer)
-    transport = TracingTransport(mock, tracer)
+    transport = TracingTransport(mock)
+    trace = _request_trace(telemetry)
 
-    async def call() -> str:
-        with tracer.start_as_current_span("root", kind=SpanKind.SERVER) as root:
-            observation = RequestObservation(0.0, root)
-            token = set_current(observation)
-            try:
-                response = await transport.send(UpstreamRequest("POST", "http://10.0.0.5:8001/v1/x"))
-                lines = [line async for batch in response.line_batches() for line in batch]
-                response.close()
-            finally:
-                reset_current(token)
-            assert lines and observation.first_upstream_line_at is not None
-            return format(root.get_span_context().trace_id, "032x")
+    async def call() -> None:
+        observation = RequestObservation(0.0, trace)
+        token = set_current(observation)
+        try:
+            response = await transport.send(UpstreamRequest("POST", "http://10.0.0.5:8001/v1/x"))
+            lines = [line async for batch in response.line_batches() for line in batch]
+            response.close()
+        finally:
+            reset_current(token)
+        assert lines and observation.first_upstream_line_at is not None
 
-    trace_id = asyncio.run(call())
-    spans = {s["name"]: s for s in buffer.trace(trace_id)}
+    asyncio.run(call())
+    trace.end_ns = time.time_ns()
+    telemetry.export(trace)
+    trace_id = format(trace.context.trace_id, "032x")
+    spans = {s["name"]: s for s in telemetry.spans.trace(trace_id)}
     upstream = spans["upstream POST /v1/x"]
     assert upstream["attributes"]["aigw.replica"] == "10.0.0.5:8001"
+    assert upstream["parent_span_id"] == spans["POST /v1/chat/completions"]["span_id"]
     traceparent = mock.requests[0].headers["traceparent"]
     version, sent_trace_id, parent_id, flags = traceparent.split("-")
     assert (version, sent_trace_id, parent_id) == ("00", trace_id, upstream["span_id"])
@@ -84,15 +102,66 @@ def test_upstream_call_carries_the_traceparent_of_its_client_span() -> None:
 
 
 def test_calls_outside_a_request_are_not_traced_or_changed() -> None:
-    provider, buffer = build_tracer_provider(TelemetrySettings())
+    telemetry = Telemetry(TelemetrySettings())
 
     async def answer(_: UpstreamRequest) -> MockResponse:
         return MockResponse(200, b"ok")
 
     mock = MockTransport(answer)
-    asyncio.run(TracingTransport(mock, provider.get_tracer("t")).send(
-        UpstreamRequest("GET", "http://h:1/health")))
-    assert "traceparent" not in mock.requests[0].headers and buffer.recent() == []
+    asyncio.run(TracingTransport(mock).send(UpstreamRequest("GET", "http://h:1/health")))
+    assert "traceparent" not in mock.requests[0].headers and telemetry.spans.recent() == []
+
+
+def test_a_request_trace_builds_its_spans_when_read_under_the_callers_span() -> None:
+    """Two routing decisions and two upstream calls (a retry after a refused connection): every
+    span is a child of the SERVER span, which continues the caller's traceparent; the failed call
+    carries the exception; an exporter gets the same SDK spans the buffer shows."""
+    exported = InMemorySpanExporter()
+    telemetry = Telemetry(TelemetrySettings())
+    telemetry.provider.add_span_processor(SimpleSpanProcessor(exported))
+    caller_trace_id, caller_span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    trace = _request_trace(telemetry, f"00-{caller_trace_id}-{caller_span_id}-01")
+    trace.auth_start_ns, trace.auth_end_ns = trace.start_ns + 10, trace.start_ns + 20
+    trace.auth_identity = ("proj", "key1", "api_key")
+    trace.request = ("chat", "m", "req-1", True, 16, 0.5, None, None)
+    endpoints = [SimpleNamespace(name="r0"), SimpleNamespace(name="r1")]
+    for index, endpoint in enumerate(endpoints):
+        decision = SimpleNamespace(endpoint=endpoint, reason="least_outstanding")
+        trace.routes.append(RouteStep(trace.start_ns + 30, trace.start_ns + 40, "least_outstanding",
+                                      decision, endpoints[index:], None))
+    failed = trace.new_call("upstream POST /v1/chat/completions", {"url.full": "u0"}, trace.start_ns + 50)
+    failed.end_ns, failed.exception = trace.start_ns + 60, exception_attributes(ConnectionRefusedError("no"))
+    served = trace.new_call("upstream POST /v1/chat/completions", {"url.full": "u1"}, trace.start_ns + 70)
+    served.status_code, served.first_line_ns, served.end_ns = 200, trace.start_ns + 80, trace.start_ns + 90
+    trace.record = _record("proj")
+    trace.status_code, trace.end_ns = 200, trace.start_ns + 100
+    telemetry.export(trace)
+
+    spans = telemetry.spans.trace(caller_trace_id)
+    root = spans[0]
+    assert (root["name"], root["kind"], root["parent_span_id"]) == (
+        "POST /v1/chat/completions", "SERVER", caller_span_id)
+    assert root["attributes"]["gen_ai.request.model"] == "m"
+    assert root["attributes"]["gen_ai.request.temperature"] == 0.5
+    assert "gen_ai.request.top_p" not in root["attributes"]
+    assert root["attributes"]["gen_ai.usage.input_tokens"] == 100
+    assert root["attributes"]["aigw.project"] == "proj"
+    assert root["attributes"]["http.response.status_code"] == 200
+    children = spans[1:]
+    assert [s["name"] for s in children] == ["gateway.auth", "gateway.route", "gateway.route",
+                                             "upstream POST /v1/chat/completions",
+                                             "upstream POST /v1/chat/completions"]
+    assert {s["parent_span_id"] for s in children} == {root["span_id"]}
+    assert children[0]["attributes"]["aigw.auth.via"] == "api_key"
+    assert children[1]["attributes"]["aigw.routing.candidates"] == ["r0", "r1"]
+    assert children[2]["attributes"]["aigw.routing.candidates"] == ["r1"]
+    assert children[3]["status"] == "ERROR" and children[4]["status"] == "UNSET"
+    assert [s["span_id"] for s in children[3:]] == [f"{c.span_id:016x}" for c in (failed, served)]
+    assert children[4]["attributes"]["http.response.status_code"] == 200
+    built = trace.spans()
+    assert [e.name for e in built[4].events] == ["exception"]
+    assert [e.name for e in built[5].events] == ["first_line"]
+    assert list(exported.get_finished_spans()) == built  # the exporter got the same spans
 
 
 def test_usage_series_buckets_per_project_with_cache_savings() -> None:
