@@ -61,30 +61,23 @@ _getrandbits = random.getrandbits
 _time_ns = time.time_ns
 
 
-def _context_fast_paths() -> tuple[Any, Any, Any]:
-    """(current span, attach span, detach): `trace.get_current_span()`,
-    `context.attach(trace.set_span_in_context(span))` and `context.detach(token)` as a few C
-    calls where the API's runtime context is its default contextvars one (else the API's own)."""
-    from opentelemetry.context import _RUNTIME_CONTEXT, attach, detach
+def _current_span_getter() -> Any:
+    """`trace.get_current_span()` as two C calls where the API's runtime context is its default
+    contextvars one (else the API's own function)."""
+    from opentelemetry.context import _RUNTIME_CONTEXT
     from opentelemetry.trace.propagation import _SPAN_KEY
 
     var = getattr(_RUNTIME_CONTEXT, "_current_context", None)
     if var is None:
-        return (trace_api.get_current_span,
-                lambda span: attach(trace_api.set_span_in_context(span)), detach)
+        return trace_api.get_current_span
 
     def current_span() -> trace_api.Span:
         return var.get().get(_SPAN_KEY) or INVALID_SPAN  # type: ignore[no-any-return]
 
-    def attach_span(span: trace_api.Span) -> object:
-        values = var.get().copy()  # a Context is a dict
-        values[_SPAN_KEY] = span
-        return var.set(Context(values))
-
-    return current_span, attach_span, var.reset
+    return current_span
 
 
-_current_span, attach_span, detach_span = _context_fast_paths()
+_current_span = _current_span_getter()
 
 
 def new_span_context(parent: SpanContext | None, bound: int) -> SpanContext:
