@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="nonstream,stream")
     parser.add_argument("--num-tokens", type=int, default=16, help="tokens per mock answer")
     parser.add_argument("--workers", type=int, default=1, help="aigw serve --workers")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every cell this many times, interleaved, and report each "
+                             "figure's median (a noisy machine's bursts then hit one round)")
     parser.add_argument("--no-litellm", action="store_true")
     parser.add_argument("--targets", default=",".join(TARGET_NAMES),
                         help="comma-separated subset of " + ",".join(TARGET_NAMES)
@@ -185,6 +188,23 @@ def _measure(target: Target, stream: bool, concurrency: int, duration_s: float) 
     return result
 
 
+def _medians(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (target, mode, concurrency): each numeric figure's median over the rounds."""
+    rounds: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for row in results:
+        rounds.setdefault((row["target"], row["mode"], row["concurrency"]), []).append(row)
+    merged = []
+    for rows in rounds.values():
+        row = dict(rows[0])
+        for key, value in rows[0].items():
+            if isinstance(value, int | float) and key != "concurrency":
+                values = sorted(r[key] for r in rows if r[key] is not None)
+                row[key] = values[len(values) // 2] if values else None
+        row["num_rounds"] = len(rows)
+        merged.append(row)
+    return merged
+
+
 async def _loadgen(spec: dict[str, Any]) -> dict[str, Any]:
     import aiohttp
 
@@ -296,14 +316,16 @@ def run(args: argparse.Namespace) -> int:
                 skipped["litellm"] = litellm
             else:
                 targets.append(litellm)
-        for mode in args.modes.split(","):
-            for concurrency in (int(c) for c in args.concurrency.split(",")):
-                for target in targets:
-                    cell = _measure(target, mode == "stream", concurrency, args.duration_s)
-                    results.append({"target": target.name, "mode": mode, "concurrency": concurrency,
-                                    **cell})
+        for _ in range(args.rounds):
+            for mode in args.modes.split(","):
+                for concurrency in (int(c) for c in args.concurrency.split(",")):
+                    for target in targets:
+                        cell = _measure(target, mode == "stream", concurrency, args.duration_s)
+                        results.append({"target": target.name, "mode": mode,
+                                        "concurrency": concurrency, **cell})
     finally:
         procs.stop_all()
+    results = _medians(results)
     _report(results, skipped)
     (out_dir / "gateway_bench.json").write_text(json.dumps(results, indent=1))
     if args.plot:
