@@ -90,10 +90,6 @@ class RequestTrace:
     record: UsageRecord | None = None
     _spans: list[ReadableSpan] | None = None
 
-    @property
-    def trace_id(self) -> int:
-        return self.context.trace_id
-
     def new_call(self, name: str, attributes: dict[str, Any], start_ns: int) -> UpstreamCall:
         call = UpstreamCall(_getrandbits(64) or 1, name, attributes, start_ns)
         self.calls.append(call)
