@@ -89,11 +89,12 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepLogits:
         if self._native_decode is None:
             return self._execute(batch)
-        decodes = [s for s in batch.sequences if _is_decode(s)]
-        if not decodes:
+        runs_prefill = self._native_decode.runs_prefill
+        natives = [s for s in batch.sequences if runs_prefill or _is_decode(s)]
+        if not natives:
             return self._execute(batch)
-        native = self._execute_native_decode(decodes)
-        if len(decodes) == len(batch.sequences):
+        native = self._execute_native(natives)
+        if len(natives) == len(batch.sequences):
             return native
         rest = self._execute(ScheduledBatch([s for s in batch.sequences if not _is_decode(s)]))
         return StepLogits(native.request_ids + rest.request_ids, torch.cat([native.logits, rest.logits]))
@@ -118,21 +119,24 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, index))
         return StepLogits(request_ids, logits.cpu() if logits.device.type != "cpu" else logits)
 
-    def _execute_native_decode(self, seqs: list[ScheduledSequence]) -> StepLogits:
-        """The step's decode rows through the native kernels (engine/models/llama_decode.py)."""
+    def _execute_native(self, seqs: list[ScheduledSequence]) -> StepLogits:
+        """These sequences through the native kernels (engine/models/llama_decode.py), a row per
+        scheduled token; logits only for each sampling sequence's last row."""
         assert self._native_decode is not None
         bs = self.block_size
-        width = max(len(s.block_table) for s in seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-        positions = [s.start_position for s in seqs]
-        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)]
-        step = DecodeInputs(input_ids=torch.tensor([s.token_ids[0] for s in seqs]),
-                            positions=torch.tensor(positions), slots=torch.tensor(slots),
-                            block_tables=torch.tensor(tables), context_lens=torch.tensor([p + 1 for p in positions]))
-        logits = self._native_decode(step, self.kv_caches)  # [D, vocab]
+        tables = _block_table_tensor(seqs)  # [S, W]
+        seq_index = torch.repeat_interleave(torch.arange(len(seqs)),
+                                            torch.tensor([s.num_scheduled_tokens for s in seqs]))  # [M]
+        positions = torch.cat([torch.arange(s.start_position, s.seq_len) for s in seqs])  # [M]
+        row_tables = tables[seq_index]  # [M, W]
+        slots = row_tables.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
+        last_rows = torch.tensor([s.num_scheduled_tokens for s in seqs]).cumsum(0) - 1  # [S]
         sampled = [i for i, s in enumerate(seqs) if s.needs_sample]
-        if len(sampled) < len(seqs):
-            logits = logits[sampled]
+        step = DecodeInputs(input_ids=torch.tensor([t for s in seqs for t in s.token_ids]),
+                            positions=positions, slots=slots, block_tables=row_tables,
+                            context_lens=positions + 1,
+                            logit_rows=None if len(sampled) == len(positions) else last_rows[sampled])
+        logits = self._native_decode(step, self.kv_caches)  # [len(sampled), vocab]
         return StepLogits([seqs[i].request_id for i in sampled], logits)
 
     def _prepare(self, decodes: list[ScheduledSequence], prefills: list[ScheduledSequence],

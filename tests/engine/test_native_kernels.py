@@ -103,3 +103,45 @@ def test_decode_attention_matches_the_torch_backend_and_stores_rotated_kv(cache_
     torch.testing.assert_close(k_ours, k_cache, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(v_ours, v_cache)
     torch.testing.assert_close(out.view(3, num_heads, head_dim), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_prefill_chunk_rows_attend_causally_and_match_each_row_computed_alone(cache_dtype: torch.dtype) -> None:
+    """A prefill chunk as rows of one sequence (the q4 mode's prefill): the kernel tiles such rows and
+    walks the context in chunks; each row must come out bit-identical to the row alone, and match
+    causal SDPA over the cached prefix plus the chunk."""
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 40, 4  # head_dim 40: a 32-wide and an 8-wide part
+    num_cached, num_new = 7, 150  # crosses the kernel's row tiles and context chunks
+    gen = torch.Generator().manual_seed(5)
+    num_blocks = -(-(num_cached + num_new) // block_size)
+    blocks = torch.randperm(num_blocks + 3, generator=gen)[:num_blocks] + 1  # scattered, never block 0
+    shape = (num_blocks + 4, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(shape, generator=gen).to(cache_dtype)
+    positions = torch.arange(num_cached, num_cached + num_new)
+    slots = blocks[positions // block_size] * block_size + positions % block_size
+    tables = blocks.expand(num_new, -1).contiguous()
+    qkv = torch.randn(num_new, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    rotary = RotaryEmbedding(head_dim, 256, 10000.0)
+    scale = head_dim ** -0.5
+
+    def attend(rows: slice) -> torch.Tensor:
+        return torch.ops.aigw_cpu.decode_attention(qkv[rows], rotary.cos, rotary.sin, positions[rows], k_cache,
+                                                   v_cache, slots[rows], tables[rows], positions[rows] + 1,
+                                                   num_heads, num_kv_heads, scale)
+
+    out = attend(slice(None))
+    for i in [0, 1, 15, 16, 17, 100, num_new - 1]:
+        assert torch.equal(attend(slice(i, i + 1))[0], out[i])
+
+    heads = qkv.view(num_new, num_heads + 2 * num_kv_heads, head_dim)
+    cos, sin = rotary.lookup(positions)
+    q = apply_rotary(heads[:, :num_heads], cos, sin)  # [T, H, Dh]
+    context = num_cached + num_new
+    k = k_cache[blocks].flatten(0, 1)[:context].float()  # [C, G, Dh], the chunk's rotated keys included
+    v = v_cache[blocks].flatten(0, 1)[:context].float()
+    causal = torch.arange(context)[None, :] <= positions[:, None]  # [T, C]
+    expected = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                              v.transpose(0, 1)[None], attn_mask=causal, scale=scale,
+                                              enable_gqa=True)[0].transpose(0, 1)  # [T, H, Dh]
+    torch.testing.assert_close(out.view(num_new, num_heads, head_dim), expected, rtol=1e-4, atol=1e-5)

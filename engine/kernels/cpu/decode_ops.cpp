@@ -28,6 +28,12 @@
 namespace {
 
 constexpr int64_t QK = 32;          // values per block
+#ifndef ATTN_TILE_ROWS
+#define ATTN_TILE_ROWS 16  // attention rows of one sequence that share each pass over its K/V
+#endif
+#ifndef ATTN_CHUNK
+#define ATTN_CHUNK 128  // context positions per pass (a multiple of 4)
+#endif
 constexpr int64_t TYPE_Q8X8 = 1;   // Q8_0 interleaved by 8 output columns (see dot_q8x8)
 constexpr int64_t Q8X8_BYTES = 272; // per 8 columns x 32 inputs: d f16[8] | 256 int8
 constexpr int64_t TYPE_Q4X8 = 2;    // Q4_1 interleaved by 8 output columns (see dot_q4x8)
@@ -133,8 +139,19 @@ void quantize_row(const float* x, int64_t k, int mode, const float* norm_w, floa
 // of vector u holding column j's inputs 4u..4u+3). Signed x signed through maddubs: |w| times
 // x * sign(w); a pair of products needs the whole int16 range, so each is widened to int32 at once.
 template <int R>
-inline void dot_q8x8(const uint8_t* w, int64_t nb, const int8_t* const* xq, const float* const* xd,
-                     const float* const*, __m256* acc) {
+inline void dot_q8x8(const uint8_t* w, int64_t nb, const int8_t* const* xq_in, const float* const* xd_in,
+                     const float* const* xds_in, __m256* acc_out) {
+  // Accumulators and row pointers are locals: stores through __m256* (may_alias) would make the
+  // compiler reload the row pointers and store the accumulators every block.
+  const int8_t* xq[R];
+  const float* xd[R];
+  const float* xds[R];
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) {
+    xq[r] = xq_in[r];
+    xd[r] = xd_in[r];
+    xds[r] = xds_in[r];
+  }
   const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -153,14 +170,26 @@ inline void dot_q8x8(const uint8_t* w, int64_t nb, const int8_t* const* xq, cons
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(wd, _mm256_set1_ps(xd[r][b])), acc[r]);
     }
   }
+  for (int r = 0; r < R; ++r) acc_out[r] = acc[r];
 }
 
 // 8 output columns x R activation rows (R <= 4), weights interleaved for 32-bit lanes: in each of
 // the 4 nibble vectors of a block, lane j holds column j's inputs 8t..8t+3 (low nibbles) and
 // 8t+4..8t+7 (high nibbles). A lane's 4 products sum in maddubs; 8 of those sums stay exact in int16.
 template <int R>
-inline void dot_q4x8(const uint8_t* w, int64_t nb, const int8_t* const* xq, const float* const* xd,
-                     const float* const* xds, __m256* acc) {
+inline void dot_q4x8(const uint8_t* w, int64_t nb, const int8_t* const* xq_in, const float* const* xd_in,
+                     const float* const* xds_in, __m256* acc_out) {
+  // Accumulators and row pointers are locals: stores through __m256* (may_alias) would make the
+  // compiler reload the row pointers and store the accumulators every block.
+  const int8_t* xq[R];
+  const float* xd[R];
+  const float* xds[R];
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) {
+    xq[r] = xq_in[r];
+    xd[r] = xd_in[r];
+    xds[r] = xds_in[r];
+  }
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -185,6 +214,7 @@ inline void dot_q4x8(const uint8_t* w, int64_t nb, const int8_t* const* xq, cons
       acc[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xds[r][b]), acc[r]);
     }
   }
+  for (int r = 0; r < R; ++r) acc_out[r] = acc[r];
 }
 
 using GroupKernel = void (*)(const uint8_t*, int64_t, const int8_t* const*, const float* const*,
@@ -303,12 +333,14 @@ inline float dot(const float* a, const T* b, int64_t n) {  // n a multiple of 8
   return hsum(acc);
 }
 
-// scores[h][t] = scale * q[h] . k_row(t) for NH query heads (NH <= 3) sharing one kv head.
+// scores[h * stride + t] = scale * q[h] . k_row(t) for t in [t0, t1), NH query heads (NH <= 3) sharing
+// one kv head. Positions go in fours from t0 (a multiple of 4), the rest one by one: a row's scores
+// come out the same whether its context is done in one range or in consecutive ranges of 4k.
 template <typename T, int NH, typename RowFn>
-inline void scores_heads(const float* q, int64_t dh, int64_t len, const RowFn& k_row, float scale,
-                         float* scores) {
-  int64_t t = 0;
-  for (; t + 4 <= len; t += 4) {  // 4 positions x NH heads of accumulators, one 4-way sum each
+inline void scores_heads(const float* q, int64_t dh, int64_t t0, int64_t t1, int64_t stride,
+                         const RowFn& k_row, float scale, float* scores) {
+  int64_t t = t0;
+  for (; t + 4 <= t1; t += 4) {  // 4 positions x NH heads of accumulators, one 4-way sum each
     const T* k4[4] = {k_row(t), k_row(t + 1), k_row(t + 2), k_row(t + 3)};
     __m256 acc[NH][4];
     for (int h = 0; h < NH; ++h) {
@@ -323,42 +355,60 @@ inline void scores_heads(const float* q, int64_t dh, int64_t len, const RowFn& k
     for (int h = 0; h < NH; ++h) {
       const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(acc[h][0], acc[h][1]), _mm256_hadd_ps(acc[h][2], acc[h][3]));
       const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-      _mm_storeu_ps(scores + h * len + t, _mm_mul_ps(s4, _mm_set1_ps(scale)));
+      _mm_storeu_ps(scores + h * stride + t, _mm_mul_ps(s4, _mm_set1_ps(scale)));
     }
   }
-  for (; t < len; ++t) {
-    for (int h = 0; h < NH; ++h) scores[h * len + t] = dot(q + h * dh, k_row(t), dh) * scale;
+  for (; t < t1; ++t) {
+    for (int h = 0; h < NH; ++h) scores[h * stride + t] = dot(q + h * dh, k_row(t), dh) * scale;
   }
 }
 
-// out[h] = sum_t probs[h][t] * v_row(t) for NH heads (NH <= 3), 4 vectors of the head dim at a time.
-template <typename T, int NH, typename RowFn>
-inline void weighted_values(const float* probs, int64_t dh, int64_t len, const RowFn& v_row, float* out) {
-  for (int64_t d0 = 0; d0 < dh; d0 += 32) {
-    const int nv = static_cast<int>(std::min<int64_t>(4, (dh - d0) / 8));
-    __m256 acc[NH][4];
-    for (int h = 0; h < NH; ++h) {
-      for (int i = 0; i < 4; ++i) acc[h][i] = _mm256_setzero_ps();
-    }
-    for (int64_t t = 0; t < len; ++t) {
-      const T* vr = v_row(t) + d0;
-      __m256 p[NH];
-      for (int h = 0; h < NH; ++h) p[h] = _mm256_set1_ps(probs[h * len + t]);
-      for (int i = 0; i < nv; ++i) {
-        const __m256 v = load8(vr + 8 * i);
-        for (int h = 0; h < NH; ++h) acc[h][i] = _mm256_fmadd_ps(p[h], v, acc[h][i]);
-      }
-    }
-    for (int h = 0; h < NH; ++h) {
-      for (int i = 0; i < nv; ++i) _mm256_storeu_ps(out + h * dh + d0 + 8 * i, acc[h][i]);
+// out[h][d0, d0 + 8 NV) (+)= sum_{t in [t0, t1)} probs[h * stride + t] * v_row(t)[...], NH heads
+// (NH <= 3): NH x NV accumulators, all in registers (NV a template argument: with a run-time count the
+// compiler kept them on the stack, ~4x slower). `out` is overwritten when t0 == 0, else accumulated
+// into. Each output value sums its terms in t order, so consecutive ranges give the same result as one.
+template <typename T, int NH, int NV, typename RowFn>
+inline void weighted_values_part(const float* probs, int64_t dh, int64_t d0, int64_t t0, int64_t t1,
+                                 int64_t stride, const RowFn& v_row, float* out) {
+  __m256 acc[NH][NV];
+  for (int h = 0; h < NH; ++h) {
+    for (int i = 0; i < NV; ++i) {
+      acc[h][i] = t0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + h * dh + d0 + 8 * i);
     }
   }
+  for (int64_t t = t0; t < t1; ++t) {
+    const T* vr = v_row(t) + d0;
+    __m256 p[NH];
+    for (int h = 0; h < NH; ++h) p[h] = _mm256_set1_ps(probs[h * stride + t]);
+    for (int i = 0; i < NV; ++i) {
+      const __m256 v = load8(vr + 8 * i);
+      for (int h = 0; h < NH; ++h) acc[h][i] = _mm256_fmadd_ps(p[h], v, acc[h][i]);
+    }
+  }
+  for (int h = 0; h < NH; ++h) {
+    for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + h * dh + d0 + 8 * i, acc[h][i]);
+  }
+}
+
+// The whole head dim (a multiple of 8) in parts of 32 values, then 8.
+template <typename T, int NH, typename RowFn>
+inline void weighted_values(const float* probs, int64_t dh, int64_t t0, int64_t t1, int64_t stride,
+                            const RowFn& v_row, float* out) {
+  int64_t d0 = 0;
+  for (; d0 + 32 <= dh; d0 += 32) weighted_values_part<T, NH, 4>(probs, dh, d0, t0, t1, stride, v_row, out);
+  for (; d0 < dh; d0 += 8) weighted_values_part<T, NH, 1>(probs, dh, d0, t0, t1, stride, v_row, out);
 }
 
 // s[0..n) -> softmax(s) in place.
 inline void softmax_inplace(float* s, int64_t n) {
-  float peak = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) peak = std::max(peak, s[i]);
+  __m256 peak8 = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) peak8 = _mm256_max_ps(peak8, _mm256_loadu_ps(s + j));
+  __m128 p4 = _mm_max_ps(_mm256_castps256_ps128(peak8), _mm256_extractf128_ps(peak8, 1));
+  p4 = _mm_max_ps(p4, _mm_movehl_ps(p4, p4));
+  p4 = _mm_max_ss(p4, _mm_movehdup_ps(p4));
+  float peak = _mm_cvtss_f32(p4);
+  for (; j < n; ++j) peak = std::max(peak, s[j]);
   const __m256 pv = _mm256_set1_ps(peak);
   __m256 tv = _mm256_setzero_ps();
   int64_t i = 0;
@@ -438,48 +488,91 @@ at::Tensor decode_attention_impl(const at::Tensor& qkv, const at::Tensor& cos, c
       store_row(vc + (slp[r] * g_heads + g) * dh, row + (num_heads + g_heads + g) * dh, dh);
     }
   }
-  // Stage 2: per (row, kv head): the r_per query heads against the row's context.
-  at::parallel_for(0, m * g_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(r_per * dh), scores, acc(r_per * dh);  // rotated queries, probabilities, output
+  // Stage 2: per (kv head, tile of rows): the r_per query heads of each row against its context.
+  // A tile is up to ATTN_TILE_ROWS consecutive rows of one sequence (a prefill chunk: the same
+  // blocks, positions p, p + 1, ...); its rows go through the context ATTN_CHUNK positions at a
+  // time, so each chunk of K/V comes from memory once per tile, not once per row. Each row's
+  // arithmetic is the same as alone (see scores_heads, weighted_values). Tasks are dealt to the
+  // threads in turn, not in contiguous ranges: a prefill chunk's rows have contexts of 1..C positions.
+  std::vector<int64_t> tile_start{0};
+  for (int64_t r = 1; r < m; ++r) {
+    const bool same_sequence = posp[r] == posp[r - 1] + 1 && lp[r] == lp[r - 1] + 1 &&
+        std::memcmp(tp + r * table_width, tp + (r - 1) * table_width, table_width * sizeof(int64_t)) == 0;
+    if (!same_sequence || r - tile_start.back() == ATTN_TILE_ROWS) tile_start.push_back(r);
+  }
+  const int64_t num_tiles = static_cast<int64_t>(tile_start.size());
+  tile_start.push_back(m);
+  const int64_t num_tasks = num_tiles * g_heads;
+  const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+  at::parallel_for(0, num_workers, 1, [&](int64_t first_worker, int64_t end_worker) {
+    std::vector<float> q, scores, acc;  // per tile row: rotated queries, probabilities, output
     std::vector<int64_t> offsets;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / g_heads, g = task % g_heads;
-      const float* row = qp + r * width;
-      const float* c = cp + posp[r] * dh;
-      const float* s = sp + posp[r] * dh;
-      for (int64_t j = 0; j < r_per; ++j) {
-        std::memcpy(q.data() + j * dh, row + (g * r_per + j) * dh, dh * sizeof(float));
-        rotate(q.data() + j * dh, c, s, dh);
+    for (int64_t worker = first_worker; worker < end_worker; ++worker)
+    for (int64_t task = worker; task < num_tasks; task += num_workers) {
+      const int64_t g = task / num_tiles, tile = task % num_tiles;  // head-major: K/V reads stay in one head
+      const int64_t r0 = tile_start[tile], r1 = tile_start[tile + 1], rows = r1 - r0;
+      int64_t max_len = 0;
+      for (int64_t r = r0; r < r1; ++r) max_len = std::max(max_len, lp[r]);
+      q.resize(rows * r_per * dh);
+      acc.resize(rows * r_per * dh);
+      scores.resize(rows * r_per * max_len);  // row i's head j at (i * r_per + j) * max_len
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* row = qp + r * width;
+        const float* c = cp + posp[r] * dh;
+        const float* s = sp + posp[r] * dh;
+        for (int64_t j = 0; j < r_per; ++j) {
+          float* qj = q.data() + ((r - r0) * r_per + j) * dh;
+          std::memcpy(qj, row + (g * r_per + j) * dh, dh * sizeof(float));
+          rotate(qj, c, s, dh);
+        }
       }
-      const int64_t len = lp[r];
-      scores.resize(r_per * len);
-      const int64_t* table = tp + r * table_width;
-      offsets.resize(len);  // element offset of (position t, kv head g) in the caches
-      for (int64_t t = 0; t < len; ++t) {
+      const int64_t* table = tp + r0 * table_width;  // every row of the tile has these blocks
+      offsets.resize(max_len);  // element offset of (position t, kv head g) in the caches
+      for (int64_t t = 0; t < max_len; ++t) {
         offsets[t] = ((table[t >> bs_shift] * bs + (t & (bs - 1))) * g_heads + g) * dh;
       }
       auto k_row = [&](int64_t t) { return kc + offsets[t]; };
       auto v_row = [&](int64_t t) { return vc + offsets[t]; };
-      for (int64_t j0 = 0; j0 < r_per; j0 += 3) {  // query heads in threes: each K/V row read once
-        const int nh = static_cast<int>(std::min<int64_t>(3, r_per - j0));
-        switch (nh) {
-          case 3: scores_heads<T, 3>(q.data() + j0 * dh, dh, len, k_row, sc, scores.data() + j0 * len); break;
-          case 2: scores_heads<T, 2>(q.data() + j0 * dh, dh, len, k_row, sc, scores.data() + j0 * len); break;
-          default: scores_heads<T, 1>(q.data() + j0 * dh, dh, len, k_row, sc, scores.data() + j0 * len); break;
+      for (int64_t t0 = 0; t0 < max_len; t0 += ATTN_CHUNK) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t t1 = std::min(t0 + ATTN_CHUNK, lp[r]);
+          if (t1 <= t0) continue;
+          for (int64_t j0 = 0; j0 < r_per; j0 += 3) {  // query heads in threes: each K row read once
+            const int nh = static_cast<int>(std::min<int64_t>(3, r_per - j0));
+            const float* qj = q.data() + ((r - r0) * r_per + j0) * dh;
+            float* sj = scores.data() + ((r - r0) * r_per + j0) * max_len;
+            switch (nh) {
+              case 3: scores_heads<T, 3>(qj, dh, t0, t1, max_len, k_row, sc, sj); break;
+              case 2: scores_heads<T, 2>(qj, dh, t0, t1, max_len, k_row, sc, sj); break;
+              default: scores_heads<T, 1>(qj, dh, t0, t1, max_len, k_row, sc, sj); break;
+            }
+          }
         }
       }
-      for (int64_t j = 0; j < r_per; ++j) softmax_inplace(scores.data() + j * len, len);
-      for (int64_t j0 = 0; j0 < r_per; j0 += 3) {
-        const int nh = static_cast<int>(std::min<int64_t>(3, r_per - j0));
-        switch (nh) {
-          case 3: weighted_values<T, 3>(scores.data() + j0 * len, dh, len, v_row, acc.data() + j0 * dh); break;
-          case 2: weighted_values<T, 2>(scores.data() + j0 * len, dh, len, v_row, acc.data() + j0 * dh); break;
-          default: weighted_values<T, 1>(scores.data() + j0 * len, dh, len, v_row, acc.data() + j0 * dh); break;
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t j = 0; j < r_per; ++j) softmax_inplace(scores.data() + ((r - r0) * r_per + j) * max_len, lp[r]);
+      }
+      for (int64_t t0 = 0; t0 < max_len; t0 += ATTN_CHUNK) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t t1 = std::min(t0 + ATTN_CHUNK, lp[r]);
+          if (t1 <= t0) continue;
+          for (int64_t j0 = 0; j0 < r_per; j0 += 3) {
+            const int nh = static_cast<int>(std::min<int64_t>(3, r_per - j0));
+            const float* pj = scores.data() + ((r - r0) * r_per + j0) * max_len;
+            float* oj = acc.data() + ((r - r0) * r_per + j0) * dh;
+            switch (nh) {
+              case 3: weighted_values<T, 3>(pj, dh, t0, t1, max_len, v_row, oj); break;
+              case 2: weighted_values<T, 2>(pj, dh, t0, t1, max_len, v_row, oj); break;
+              default: weighted_values<T, 1>(pj, dh, t0, t1, max_len, v_row, oj); break;
+            }
+          }
         }
       }
-      for (int64_t j = 0; j < r_per; ++j) {
-        std::memcpy(op + r * num_heads * dh + (g * r_per + j) * dh, acc.data() + j * dh,
-                    dh * sizeof(float));
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t j = 0; j < r_per; ++j) {
+          std::memcpy(op + r * num_heads * dh + (g * r_per + j) * dh,
+                      acc.data() + ((r - r0) * r_per + j) * dh, dh * sizeof(float));
+        }
       }
     }
   });
