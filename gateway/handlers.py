@@ -7,7 +7,7 @@ from aiohttp import web
 
 from auth.principal import AuthError, Scope
 from gateway.dialects import AnthropicMessages, OpenAIChat, OpenAICompletions, OpenAIResponses
-from gateway.dialects.openai_common import error_body
+from gateway.dialects.base import Dialect
 from gateway.keys import AUTHENTICATOR, FLEET, PIPELINE
 from gateway.pipeline import credential_of
 
@@ -34,13 +34,55 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """OpenAI `GET /v1/models`: the models this caller may call, with context length and prices."""
+    entries = await _visible_models(request, OPENAI_CHAT)
+    if isinstance(entries, web.Response):
+        return entries
+    return _json({"object": "list", "data": entries})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """OpenAI `GET /v1/models/{model}` (the SDK's `models.retrieve`); 404 for a model this caller
+    cannot see, as for one that does not exist."""
+    entries = await _visible_models(request, OPENAI_CHAT)
+    if isinstance(entries, web.Response):
+        return entries
+    name = request.match_info["model"]
+    for entry in entries:
+        if entry["id"] == name:
+            return _json(entry)
+    return _json(OPENAI_CHAT.error_body(404, "model_not_found", f"the model {name!r} does not exist"),
+                 404)
+
+
+async def anthropic_models(request: web.Request) -> web.Response:
+    """Anthropic `GET /v1/models[/{model}]` under /anthropic: the same models in Anthropic's form."""
+    entries = await _visible_models(request, ANTHROPIC_MESSAGES)
+    if isinstance(entries, web.Response):
+        return entries
+    models = [{"type": "model", "id": e["id"], "display_name": e["id"],
+               "created_at": "1970-01-01T00:00:00Z"} for e in entries]
+    name = request.match_info.get("model")
+    if name is None:
+        return _json({"data": models, "has_more": False,
+                      "first_id": models[0]["id"] if models else None,
+                      "last_id": models[-1]["id"] if models else None})
+    for model in models:
+        if model["id"] == name:
+            return _json(model)
+    return _json(ANTHROPIC_MESSAGES.error_body(404, "not_found", f"model: {name}"), 404)
+
+
+async def _visible_models(request: web.Request, dialect: Dialect
+                          ) -> list[dict[str, object]] | web.Response:
+    """The OpenAI model entries the caller's credential may call, or its auth error answer (in
+    the dialect's envelope)."""
     try:
         principal = await request.app[AUTHENTICATOR].authenticate(credential_of(request))
         principal.require(Scope.INVOKE)
     except AuthError as exc:
-        return web.json_response(error_body(exc.status, exc.code, exc.message), status=exc.status,
-                                 dumps=lambda o: orjson.dumps(o).decode())
-    data = []
+        return _json(dialect.error_body(exc.status, exc.code, exc.message), exc.status)
+    data: list[dict[str, object]] = []
     for name, route in request.app[FLEET].routes.items():
         if principal.allowed_models is not None and name not in principal.allowed_models:
             continue
@@ -51,8 +93,11 @@ async def list_models(request: web.Request) -> web.Response:
                      "pricing": {"input_per_token": prices.input_per_token,
                                  "cached_input_per_token": prices.cached_input_per_token,
                                  "output_per_token": prices.output_per_token}})
-    return web.Response(body=orjson.dumps({"object": "list", "data": data}),
-                        content_type="application/json")
+    return data
+
+
+def _json(body: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
 async def health(request: web.Request) -> web.Response:

@@ -3,7 +3,9 @@ envelope, admit before dispatch and settle exactly once."""
 
 from __future__ import annotations
 
+import anthropic
 import httpx
+import openai
 import pytest
 
 from auth.principal import AuthError, Principal, Scope
@@ -120,3 +122,27 @@ def test_cache_salt_follows_the_callers_project_unless_the_model_shares_its_cach
                                    "share_cache_across_projects": True}])
     httpx.post(shared.url + "/v1/chat/completions", json=CHAT, headers={"x-api-key": "good"})
     assert "cache_salt" not in upstream.state.bodies[-1]
+
+
+def test_one_model_is_retrieved_by_both_sdks_and_hidden_models_are_not_found(
+        make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(authenticator=KeyAuthenticator(), meter=RecordingMeter())
+    openai_client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="good", max_retries=0)
+    model = openai_client.models.retrieve(MODEL)
+    assert (model.id, model.object) == (MODEL, "model")
+    with pytest.raises(openai.NotFoundError):
+        openai_client.models.retrieve("no-such-model")
+    narrow = openai.OpenAI(base_url=gateway.url + "/v1", api_key="narrow", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        narrow.models.retrieve(MODEL)  # exists, but this key may not call it
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gateway.url + "/v1", api_key="bad", max_retries=0).models.retrieve(MODEL)
+
+    anthropic_client = anthropic.Anthropic(base_url=gateway.url + "/anthropic", api_key="good",
+                                           max_retries=0)
+    assert [m.id for m in anthropic_client.models.list()] == [MODEL]
+    assert anthropic_client.models.retrieve(MODEL).type == "model"
+    with pytest.raises(anthropic.NotFoundError):
+        anthropic_client.models.retrieve("no-such-model")
+    denied = httpx.get(gateway.url + "/anthropic/v1/models")
+    assert denied.status_code == 401 and denied.json()["type"] == "error"  # Anthropic's envelope
