@@ -6,6 +6,7 @@ import orjson
 from aiohttp import web
 
 from auth.principal import AuthError, Scope
+from gateway import token_count
 from gateway.dialects import AnthropicMessages, OpenAIChat, OpenAICompletions, OpenAIResponses
 from gateway.dialects.base import Dialect
 from gateway.keys import AUTHENTICATOR, FLEET, PIPELINE
@@ -31,6 +32,10 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
 async def messages(request: web.Request) -> web.StreamResponse:
     return await request.app[PIPELINE].handle(request, ANTHROPIC_MESSAGES)
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    return await token_count.count_tokens(request, request.app[PIPELINE], ANTHROPIC_MESSAGES)
 
 
 async def list_models(request: web.Request) -> web.Response:

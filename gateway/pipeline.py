@@ -75,6 +75,20 @@ def request_id_of(request: web.Request) -> str:
     return f"{_ID_PREFIX}{next(_id_counter):08x}"
 
 
+async def read_json_body(request: web.Request, max_body_bytes: int) -> Any:
+    """The request's JSON body; 413 over the cap, 400 if it is not JSON."""
+    if (request.content_length or 0) > max_body_bytes:
+        raise PayloadTooLarge(f"body over {max_body_bytes} bytes")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise PayloadTooLarge(f"body over {max_body_bytes} bytes") from exc
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"body is not valid JSON: {exc}") from exc
+
+
 def error_response(dialect: Dialect, status: int, code: str, message: str, request_id: str,
                    overhead_ms: float, replica: str = "none",
                    headers: dict[str, str] | None = None, param: str | None = None,
@@ -120,25 +134,14 @@ class Pipeline:
         self._settle_nowait = getattr(meter, "settle_nowait", None)
         self._watchdog = Watchdog()  # the upstream waits' timeouts
 
-    async def _read_body(self, request: web.Request) -> Any:
-        if (request.content_length or 0) > self.settings.max_body_bytes:
-            raise PayloadTooLarge(f"body over {self.settings.max_body_bytes} bytes")
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise PayloadTooLarge(f"body over {self.settings.max_body_bytes} bytes") from exc
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise BadRequest(f"body is not valid JSON: {exc}") from exc
-
     async def _admit(self, request: web.Request, dialect: Dialect, request_id: str
                      ) -> tuple[CanonicalRequest, Principal, ModelRoute, Admission]:
         if self.draining:
             raise GatewayError("the gateway is shutting down", status=503, code="draining")
         principal = await self.authenticator.authenticate(credential_of(request))  # before the body
         principal.require(Scope.INVOKE)
-        canonical = dialect.parse(await self._read_body(request), request_id)
+        canonical = dialect.parse(await read_json_body(request, self.settings.max_body_bytes),
+                                  request_id)
         principal.require_model(canonical.model)
         route = self.fleet.get(canonical.model)
         if route is None:

@@ -19,6 +19,8 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_post("/openai/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/anthropic/v1/messages", handlers.messages)
     app.router.add_post("/v1/messages", handlers.messages)
+    app.router.add_post("/anthropic/v1/messages/count_tokens", handlers.count_tokens)
+    app.router.add_post("/v1/messages/count_tokens", handlers.count_tokens)
     app.router.add_get("/v1/models", handlers.list_models)
     app.router.add_get("/openai/v1/models", handlers.list_models)
     app.router.add_get("/v1/models/{model:.+}", handlers.retrieve_model)

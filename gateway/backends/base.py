@@ -8,6 +8,7 @@ Contract of `stream(request, endpoint)`:
     and releases its connection;
   - it does not apply first-token/idle timeouts: the pipeline does, around each event.
 `health` and `load` are called by the health checker, never on the request path.
+`count_prompt_tokens` is CPU-bound (it may tokenize): callers run it off the event loop.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
-from gateway.canonical import CanonicalEvent, CanonicalRequest
+from gateway.canonical import CanonicalEvent, CanonicalRequest, estimate_prompt_tokens
 from gateway.endpoints import Endpoint, EndpointLoad
 from gateway.settings import GatewaySettings
 from gateway.transport import Transport
@@ -46,3 +47,8 @@ class Backend(ABC):
     async def context_length(self, endpoint: Endpoint) -> int | None:
         """The model's context length as the endpoint reports it. Must not raise."""
         return None
+
+    def count_prompt_tokens(self, request: CanonicalRequest, endpoint: Endpoint) -> int:
+        """The prompt tokens `request` would cost on `endpoint` (Anthropic's count_tokens); by
+        default the documented estimate (~4 characters a token plus framing per message)."""
+        return estimate_prompt_tokens(request)

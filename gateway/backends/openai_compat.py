@@ -104,14 +104,20 @@ class OpenAICompatBackend(Backend):
             response.close()
 
     def _count_usage(self, request: CanonicalRequest, endpoint: Endpoint, acc: Accumulator) -> Usage:
-        tokenizer_path = endpoint.model.tokenizer
         completion = acc.text + "".join(c.arguments for c in acc.response().tool_calls)
-        if tokenizer_path:
-            tokenizer = _load_tokenizer(tokenizer_path)
-            prompt = request.prompt + "".join(m.content for m in request.messages)
-            return Usage(len(tokenizer.encode(prompt).ids) + 4 * len(request.messages),
-                         len(tokenizer.encode(completion).ids))
-        return Usage(estimate_prompt_tokens(request), estimate_num_tokens(len(completion)))
+        tokenizer_path = endpoint.model.tokenizer
+        num_completion_tokens = (len(_load_tokenizer(tokenizer_path).encode(completion).ids)
+                                 if tokenizer_path else estimate_num_tokens(len(completion)))
+        return Usage(self.count_prompt_tokens(request, endpoint), num_completion_tokens)
+
+    def count_prompt_tokens(self, request: CanonicalRequest, endpoint: Endpoint) -> int:
+        """With the model's configured tokenizer (a tokenizer.json): the prompt text's tokens plus
+        ~4 of chat framing a message; without one, the ~4-characters-a-token estimate."""
+        tokenizer_path = endpoint.model.tokenizer
+        if not tokenizer_path:
+            return estimate_prompt_tokens(request)
+        prompt = request.prompt + "".join(m.content for m in request.messages)
+        return len(_load_tokenizer(tokenizer_path).encode(prompt).ids) + 4 * len(request.messages)
 
     async def health(self, endpoint: Endpoint) -> bool:
         for path in ("/health", "/v1/models"):

@@ -8,6 +8,7 @@ the replica's Prometheus text defensively: any gauge whose name ends in one of t
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 from gateway.backends.openai_compat import OpenAICompatBackend
@@ -32,6 +33,15 @@ class ReplicaBackend(OpenAICompatBackend):
             body["cache_salt"] = request.cache_salt
         return body
 
+    def count_prompt_tokens(self, request: CanonicalRequest, endpoint: Endpoint) -> int:
+        """Exactly the replica's count: the body it would be sent, rendered by the replica's own
+        code (chat template, tools) and encoded with its tokenizer, found the way the prefix
+        router finds it (gateway/routing/prompt_hashing.py, prefix_router.tokenizer_path)."""
+        from gateway.routing.prefix_router import tokenizer_path
+
+        body = self.upstream_body(request, endpoint)
+        return len(_prompt_hasher(tokenizer_path(endpoint)).token_ids(body))
+
     async def health(self, endpoint: Endpoint) -> bool:
         return await self._get_status(endpoint, "/health") == 200
 
@@ -46,6 +56,14 @@ class ReplicaBackend(OpenAICompatBackend):
                 response.close()
         except Exception:  # noqa: BLE001 - must not raise
             return None
+
+
+@lru_cache(maxsize=8)
+def _prompt_hasher(path: str) -> Any:
+    from engine.loader import load_tokenizer
+    from gateway.routing.prompt_hashing import PromptHasher
+
+    return PromptHasher(load_tokenizer(path))
 
 
 def parse_load(metrics_text: str) -> EndpointLoad | None:

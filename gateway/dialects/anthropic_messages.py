@@ -166,6 +166,10 @@ class AnthropicMessages(Dialect):
         check_sampling(request, {"stop": "stop_sequences"})
         return request
 
+    def parse_count_tokens(self, body: Any, request_id: str) -> CanonicalRequest:
+        """A `POST /v1/messages/count_tokens` body: a Messages body without `max_tokens`."""
+        return self.parse({**need_object(body, "body"), "max_tokens": 1, "stream": False}, request_id)
+
     def render(self, request: CanonicalRequest, response: CanonicalResponse) -> dict[str, Any]:
         content: list[dict[str, Any]] = []
         if response.text:

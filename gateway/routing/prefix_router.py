@@ -223,7 +223,7 @@ class PrefixRouter(Router):
 
     async def _hash(self, request: CanonicalRequest, body: dict[str, Any], model_id: str,
                     block_size: int, endpoint: Endpoint) -> list[int]:
-        path = _tokenizer_path(endpoint)
+        path = tokenizer_path(endpoint)
         if path not in self._hashers or request.text_length() >= self.config.hash_off_loop_min_chars:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._executor, self._hash_sync, path, body,
@@ -277,7 +277,7 @@ def _session_key(request: CanonicalRequest) -> str | None:
     return None
 
 
-def _tokenizer_path(endpoint: Endpoint) -> str:
+def tokenizer_path(endpoint: Endpoint) -> str:
     """The model path whose tokenizer the replicas use: `ModelSettings.tokenizer` (a GGUF file or a
     Hugging Face directory; a tokenizer.json means its directory), else the engine's default."""
     return _resolve_tokenizer_path(endpoint.model.tokenizer)

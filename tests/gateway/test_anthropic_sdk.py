@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import anthropic
+import httpx
 import pytest
 
 from bench.mock_upstream import MockConfig
+from gateway.backends.openai_compat import OpenAICompatBackend
+from gateway.canonical import estimate_prompt_tokens
+from gateway.dialects.anthropic_messages import AnthropicMessages
+from gateway.settings import GatewaySettings
+from gateway.transport import MockResponse, MockTransport, UpstreamRequest
 from tests.gateway.conftest import MODEL, Gateway, GatewayFactory
 
 TOOL = {"name": "get_weather", "description": "Weather in a city",
@@ -71,3 +79,42 @@ def test_streamed_tool_use_accumulates_json_input(gateway: Gateway) -> None:
         final = stream.get_final_message()
     assert final.content[0].type == "tool_use" and final.content[0].input == {"city": "Paris"}
     assert final.stop_reason == "tool_use"
+
+
+@pytest.mark.parametrize("prefix", ["/anthropic", ""])
+def test_count_tokens_renders_the_prompt_without_calling_the_replica(gateway: Gateway, prefix: str
+                                                                     ) -> None:
+    """A replica model is counted with the replica's own template and tokenizer (the exact count
+    against a real replica's usage is tests/gateway/test_replica_e2e.py)."""
+    client = _client(gateway, prefix)
+    messages = [{"role": "user", "content": "hello " * 50}]
+    plain = client.messages.count_tokens(model=MODEL, messages=messages).input_tokens  # type: ignore[arg-type]
+    with_tools = client.messages.count_tokens(model=MODEL, messages=messages,  # type: ignore[arg-type]
+                                              system="be brief", tools=[TOOL]).input_tokens  # type: ignore[list-item]
+    assert 50 <= plain < with_tools
+    assert not gateway.upstreams[0].state.request_ids  # counted here: no upstream call
+
+
+def test_count_tokens_of_an_upstream_without_a_tokenizer_is_the_documented_estimate() -> None:
+    backend = OpenAICompatBackend(MockTransport(_never_called), GatewaySettings())
+    body = {"model": MODEL, "system": "be brief", "tools": [TOOL],
+            "messages": [{"role": "user", "content": "hello " * 50}]}
+    canonical = AnthropicMessages().parse_count_tokens(body, "r")
+    endpoint = SimpleNamespace(model=SimpleNamespace(tokenizer=None))
+    assert backend.count_prompt_tokens(canonical, endpoint) == estimate_prompt_tokens(canonical)  # type: ignore[arg-type]
+
+
+async def _never_called(request: UpstreamRequest) -> MockResponse:
+    raise AssertionError("counting tokens must not call the upstream")
+
+
+def test_count_tokens_answers_bad_input_in_anthropics_envelope(gateway: Gateway) -> None:
+    client = _client(gateway)
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="no-such-model",
+                                     messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        client.messages.count_tokens(model=MODEL, messages=[])
+    assert bad.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    raw = httpx.post(gateway.url + "/v1/messages/count_tokens", content=b"{")
+    assert raw.status_code == 400 and raw.json()["type"] == "error"

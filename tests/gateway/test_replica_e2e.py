@@ -75,6 +75,21 @@ def test_anthropic_sdk_messages_and_stream(served: tuple[str, str]) -> None:
     assert text and stream.get_final_message().usage.output_tokens >= 1
 
 
+def test_anthropic_count_tokens_equals_the_replicas_own_prompt_count(served: tuple[str, str]) -> None:
+    url, model = served
+    client = anthropic.Anthropic(base_url=url + "/anthropic", api_key="x", max_retries=0, timeout=120)
+    tool = {"name": "get_weather", "description": "Weather in a city",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    conversation = {"system": "You answer with one word.", "tools": [tool], "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]}]}
+    counted = client.messages.count_tokens(model=model, **conversation).input_tokens  # type: ignore[arg-type]
+    message = client.messages.create(model=model, max_tokens=2, **conversation)  # type: ignore[arg-type]
+    assert counted == message.usage.input_tokens + message.usage.cache_read_input_tokens > 20
+
+
 def test_killing_one_replica_mid_run_never_hangs_a_request(served: tuple[str, str],
                                                            two_replicas: list[embedded.ReplicaProcess]) -> None:
     url, model = served
