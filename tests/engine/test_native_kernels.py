@@ -44,11 +44,12 @@ def test_quantized_linear_approximates_the_dequantized_product(ggml_type: str) -
     assert relative_error(out, x @ dense.T) < 0.01  # only the 8-bit activation blocks differ
 
 
-def test_each_row_is_computed_the_same_whatever_the_batch() -> None:
+@pytest.mark.parametrize("num_rows", [7, 70])  # 70: the many-row (prefill) form of the Q4 kernel
+def test_each_row_is_computed_the_same_whatever_the_batch(num_rows: int) -> None:
     _, blocks, weight_type = quantized("Q4_1", 64, 96)
-    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(num_rows, 96, generator=torch.Generator().manual_seed(2))
     batched = torch.ops.aigw_cpu.q_linear(x, blocks, weight_type, None, 0.0, False)
-    for i in range(7):
+    for i in range(num_rows):
         alone = torch.ops.aigw_cpu.q_linear(x[i:i + 1], blocks, weight_type, None, 0.0, False)
         assert torch.equal(alone[0], batched[i])
 

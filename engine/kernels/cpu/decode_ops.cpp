@@ -1,18 +1,19 @@
-// Native CPU decode kernels (AVX2 + FMA + F16C), registered as torch.ops.aigw_cpu.*.
+// Native CPU kernels (AVX2 + FMA + F16C), registered as torch.ops.aigw_cpu.*.
 //
-// Built on first use by engine/kernels/cpu/__init__.py (torch.utils.cpp_extension.load). They serve the
-// `--decode-weights q4` mode's decode steps, where the step is bound by reading weights and by the
-// number of ops dispatched, not by arithmetic:
+// Built on first use by engine/kernels/cpu/__init__.py (torch.utils.cpp_extension.load). They serve
+// every row of the `--decode-weights q4` mode (decode rows and prefill chunks, a row per token) and
+// the float32 mode's decode attention:
 //
 //   q_linear        out[M, N] = prep(x)[M, K] @ W^T, W in the GGUF's blocks, interleaved by 8 output
 //                   columns at load: Q4_1 (w = q * d + m; Q4_0 converted to it; dot_q4x8) or Q8_0
 //                   (w = q * d; dot_q8x8). prep = optional RMSNorm, or silu(x[:, :K]) * x[:, K:].
 //                   Activations are quantized to 8 bits per 32-value block (llama.cpp's Q8_1), and
-//                   each block's dot product runs in 8/16/32-bit integers.
+//                   each block's dot product runs in 8/16/32-bit integers. From 64 rows (prefill)
+//                   the Q4 kernel reads pre-broadcast activations (dot_q4x8_expanded), same results.
 //   q_linear_add_   the same, added into `out` in place (the residual stream).
-//   decode_attention  one new token per row: rotary on q and k, store k/v into the paged cache
-//                   (float32 or float16), attend over the row's context straight from the cache
-//                   blocks (no gather).
+//   decode_attention  one token per row: rotary on q and k, store k/v into the paged cache (float32
+//                   or float16), attend over the row's context (its positions up to its own) straight
+//                   from the cache blocks (no gather); a prefill chunk's rows share passes over K/V.
 //
 // Every row is computed on its own, in the same order whatever else is in the batch.
 #include <ATen/ATen.h>
@@ -22,12 +23,16 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 namespace {
 
 constexpr int64_t QK = 32;          // values per block
+#ifndef EXPANDED_MIN_ROWS
+#define EXPANDED_MIN_ROWS 64  // q_linear rows from which the Q4 kernel reads pre-broadcast activations
+#endif
 #ifndef ATTN_TILE_ROWS
 #define ATTN_TILE_ROWS 16  // attention rows of one sequence that share each pass over its K/V
 #endif
@@ -217,6 +222,98 @@ inline void dot_q4x8(const uint8_t* w, int64_t nb, const int8_t* const* xq_in, c
   for (int r = 0; r < R; ++r) acc_out[r] = acc[r];
 }
 
+// Many-row form of dot_q4x8 (prefill): the tile's activations come pre-broadcast (expand_rows), so
+// each quad folds into maddubs as a memory operand. On Zen 3 a broadcast from memory costs a
+// vector-pipe uop, and those pipes bound the kernel: ~1.2x the GOP/s when the 4 expanded rows stay
+// in L1 (K <= 576; see q_linear_into). Same operations in the same order as dot_q4x8, so a row comes
+// out bit-identical from either kernel.
+constexpr int64_t XB_BYTES = 8 * 32 + 2 * 32;  // per row and block: 8 quads x 8 lanes | d x 8 | d*sum x 8
+constexpr int64_t XB_TILE_BYTES = 24 * 1024;    // 4 expanded rows at most this big (L1 is 32 KB)
+
+void expand_rows(const int8_t* q, const float* d, const float* ds, int64_t rows, int64_t k, uint8_t* xb) {
+  const int64_t nb = k / QK;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const int32_t* quad = reinterpret_cast<const int32_t*>(q + r * k + b * QK);
+      __m256i* dst = reinterpret_cast<__m256i*>(xb + (r * nb + b) * XB_BYTES);
+      for (int u = 0; u < 8; ++u) _mm256_store_si256(dst + u, _mm256_set1_epi32(load_i32(quad + u)));
+      _mm256_store_ps(reinterpret_cast<float*>(dst + 8), _mm256_set1_ps(d[r * nb + b]));
+      _mm256_store_ps(reinterpret_cast<float*>(dst + 9), _mm256_set1_ps(ds[r * nb + b]));
+    }
+  }
+}
+
+template <int R>
+inline void dot_q4x8_expanded(const uint8_t* w, int64_t nb, const uint8_t* const* xb_in, __m256* acc_out) {
+  const uint8_t* xb[R];
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) {
+    xb[r] = xb_in[r];
+    acc[r] = _mm256_setzero_ps();
+  }
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * Q4X8_BYTES;
+    const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+    const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+    __m256i q[8];
+    for (int t = 0; t < 4; ++t) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 32 * t));
+      q[2 * t] = _mm256_and_si256(v, low);
+      q[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256i* xv = reinterpret_cast<const __m256i*>(xb[r] + b * XB_BYTES);  // 8 x 4 inputs
+      __m256i s16 = _mm256_maddubs_epi16(q[0], _mm256_load_si256(xv));
+      for (int u = 1; u < 8; ++u) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[u], _mm256_load_si256(xv + u)));
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+      const __m256 xd = _mm256_load_ps(reinterpret_cast<const float*>(xv + 8));
+      const __m256 xds = _mm256_load_ps(reinterpret_cast<const float*>(xv + 9));
+      acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(wd, xd), acc[r]);
+      acc[r] = _mm256_fmadd_ps(wm, xds, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) acc_out[r] = acc[r];
+}
+
+// out[M, N] (= or +=) with dot_q4x8_expanded: each thread takes a range of column groups and walks
+// the rows 4 at a time, expanding them once and running them against all its groups (the weights
+// stream from L2/L3, the expanded rows stay in L1).
+void for_row_tiles_expanded(const uint8_t* wp, int64_t group_bytes, int64_t n, int64_t m, int64_t k,
+                            int64_t nb, const std::vector<int8_t>& q, const std::vector<float>& d,
+                            const std::vector<float>& ds, float* op, bool accumulate) {
+  at::parallel_for(0, n / 8, 4, [&](int64_t begin, int64_t end) {
+    uint8_t* xbuf = static_cast<uint8_t*>(std::aligned_alloc(64, 4 * nb * XB_BYTES));  // 320 | XB_BYTES
+    for (int64_t r0 = 0; r0 < m; r0 += 4) {
+      const int rows = static_cast<int>(std::min<int64_t>(4, m - r0));
+      expand_rows(q.data() + r0 * k, d.data() + r0 * nb, ds.data() + r0 * nb, rows, k, xbuf);
+      const uint8_t* xb[4];
+      for (int i = 0; i < rows; ++i) xb[i] = xbuf + i * nb * XB_BYTES;
+      for (int64_t g = begin; g < end; ++g) {
+        const uint8_t* wg = wp + g * group_bytes;
+        if (g + 1 < end) {
+          const char* next = reinterpret_cast<const char*>(wg + group_bytes);
+          for (int64_t off = 0; off < group_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+        }
+        __m256 acc[4];
+        switch (rows) {
+          case 4: dot_q4x8_expanded<4>(wg, nb, xb, acc); break;
+          case 3: dot_q4x8_expanded<3>(wg, nb, xb, acc); break;
+          case 2: dot_q4x8_expanded<2>(wg, nb, xb, acc); break;
+          default: dot_q4x8_expanded<1>(wg, nb, xb, acc); break;
+        }
+        for (int i = 0; i < rows; ++i) {
+          float* dst = op + (r0 + i) * n + g * 8;
+          const __m256 v = accumulate ? _mm256_add_ps(_mm256_loadu_ps(dst), acc[i]) : acc[i];
+          _mm256_storeu_ps(dst, v);
+        }
+      }
+    }
+    std::free(xbuf);
+  });
+}
+
 using GroupKernel = void (*)(const uint8_t*, int64_t, const int8_t* const*, const float* const*,
                             const float* const*, __m256*);
 
@@ -291,6 +388,10 @@ void q_linear_into(const at::Tensor& x, const at::Tensor& w, int64_t wtype,
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   if (wtype == TYPE_Q4X8) {
+    if (m >= EXPANDED_MIN_ROWS && 4 * nb * XB_BYTES <= XB_TILE_BYTES) {  // prefill, K <= 576
+      for_row_tiles_expanded(wp, row_bytes, n, m, k, nb, q, d, ds, op, accumulate);
+      return;
+    }
     for_column_groups(dot_q4x8<4>, dot_q4x8<3>, dot_q4x8<2>, dot_q4x8<1>, wp, row_bytes, n, m, k, nb,
                       q, d, ds, op, accumulate);
   } else {
@@ -509,7 +610,7 @@ at::Tensor decode_attention_impl(const at::Tensor& qkv, const at::Tensor& cos, c
     std::vector<int64_t> offsets;
     for (int64_t worker = first_worker; worker < end_worker; ++worker)
     for (int64_t task = worker; task < num_tasks; task += num_workers) {
-      const int64_t g = task / num_tiles, tile = task % num_tiles;  // head-major: K/V reads stay in one head
+      const int64_t tile = task / g_heads, g = task % g_heads;  // a row's kv heads are adjacent in the cache
       const int64_t r0 = tile_start[tile], r1 = tile_start[tile + 1], rows = r1 - r0;
       int64_t max_len = 0;
       for (int64_t r = r0; r < r1; ++r) max_len = std::max(max_len, lp[r]);
