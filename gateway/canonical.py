@@ -2,9 +2,12 @@
 
     client JSON --dialect.parse--> CanonicalRequest --backend.stream--> CanonicalEvent* --dialect--> client
 
-A backend yields, in order: any number of `TextDelta` / `ToolCallDelta`, then one `Finish`, then one
-`Usage` (the backend guarantees a `Usage`, counting tokens itself if the upstream gave none).
-`Accumulator` folds the events into a `CanonicalResponse` for non-streaming answers and for metering.
+A backend yields, in order: any number of `TextDelta` / `ToolCallDelta`, then one `Finish` per
+choice, then one `Usage` (the backend guarantees a `Usage`, counting tokens itself if the upstream
+gave none; it covers every choice). Events carry their `choice` (0 unless the client asked for
+`n` > 1, which only the OpenAI chat and completions dialects do). `Accumulator` folds the events
+into a `CanonicalResponse` (choice 0, the others in its `others`) for non-streaming answers and
+for metering.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ class CanonicalRequest:
     prompt: str = ""  # kind == "completion"
     tools: list[Tool] = field(default_factory=list)
     tool_choice: str | dict[str, Any] | None = None  # OpenAI form: "auto"|"none"|"required"|{...}
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # per choice
+    n: int = 1  # choices to generate (OpenAI `n`), each up to max_tokens
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # None: no top-k (forwarded to upstreams that take it: vLLM-style)
@@ -88,6 +92,7 @@ def estimate_prompt_tokens(request: CanonicalRequest) -> int:
 @dataclass(frozen=True, slots=True)
 class TextDelta:
     text: str
+    choice: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,12 +103,14 @@ class ToolCallDelta:
     id: str | None = None
     name: str | None = None
     arguments: str = ""
+    choice: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Finish:
     reason: FinishReason
     stop_sequence: str | None = None  # reason == "stop": the client's stop string that matched
+    choice: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,10 +134,12 @@ class CanonicalResponse:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     stop_sequence: str | None = None  # the stop string that ended the text, when known
+    others: tuple[CanonicalResponse, ...] = ()  # choices 1..n-1 (n > 1), in order; no usage
 
 
 class Accumulator:
-    """Folds events into a `CanonicalResponse`; `num_events` counts what has been seen."""
+    """Folds events into a `CanonicalResponse`; `num_events` counts what has been seen. Choice 0
+    is folded here; any other choice into an Accumulator of its own (`others`)."""
 
     def __init__(self) -> None:
         self._text: list[str] = []
@@ -139,9 +148,19 @@ class Accumulator:
         self.stop_sequence: str | None = None
         self.usage: Usage | None = None
         self.num_events = 0
+        self.others: dict[int, Accumulator] = {}  # choice -> its events (n > 1)
 
     def add(self, event: CanonicalEvent) -> None:
         self.num_events += 1
+        if not isinstance(event, Usage) and event.choice:
+            other = self.others.get(event.choice)
+            if other is None:
+                other = self.others[event.choice] = Accumulator()
+            other._fold(event)
+        else:
+            self._fold(event)
+
+    def _fold(self, event: CanonicalEvent) -> None:
         if isinstance(event, TextDelta):
             self._text.append(event.text)
         elif isinstance(event, ToolCallDelta):
@@ -161,8 +180,14 @@ class Accumulator:
     def text(self) -> str:
         return "".join(self._text)
 
+    @property
+    def choices(self) -> list[int]:
+        """The choices seen: 0, then the others in order."""
+        return [0, *sorted(self.others)]
+
     def response(self) -> CanonicalResponse:
         calls = [ToolCall(id=p[0] or f"call_{i}", name=p[1], arguments="".join(p[2:]) or "{}")
                  for i, p in sorted(self._calls.items())]
+        others = tuple(self.others[c].response() for c in sorted(self.others))
         return CanonicalResponse(text=self.text, tool_calls=calls, finish_reason=self.finish_reason,
-                                 usage=self.usage, stop_sequence=self.stop_sequence)
+                                 usage=self.usage, stop_sequence=self.stop_sequence, others=others)

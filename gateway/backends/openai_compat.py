@@ -63,6 +63,8 @@ class OpenAICompatBackend(Backend):
                 body[key] = value
         if request.stop:
             body["stop"] = request.stop
+        if request.n > 1:
+            body["n"] = request.n
         return body
 
     def upstream_headers(self, request: CanonicalRequest, endpoint: Endpoint) -> dict[str, str]:
@@ -98,13 +100,17 @@ class OpenAICompatBackend(Backend):
                     accumulator.add(event)
                     if not isinstance(event, Finish):
                         yield event
-            yield Finish(accumulator.finish_reason or "stop", accumulator.stop_sequence)
+            for choice in accumulator.choices:
+                folded = accumulator.others[choice] if choice else accumulator
+                yield Finish(folded.finish_reason or "stop", folded.stop_sequence, choice)
             yield usage or self._count_usage(request, endpoint, accumulator)
         finally:
             response.close()
 
     def _count_usage(self, request: CanonicalRequest, endpoint: Endpoint, acc: Accumulator) -> Usage:
-        completion = acc.text + "".join(c.arguments for c in acc.response().tool_calls)
+        response = acc.response()
+        completion = "".join(choice.text + "".join(c.arguments for c in choice.tool_calls)
+                             for choice in (response, *response.others))
         tokenizer_path = endpoint.model.tokenizer
         num_completion_tokens = (len(_load_tokenizer(tokenizer_path).encode(completion).ids)
                                  if tokenizer_path else estimate_num_tokens(len(completion)))
@@ -210,23 +216,25 @@ def _chunk_events(chunk: dict[str, Any], kind: str) -> list[CanonicalEvent]:
         raise UpstreamUnavailable(f"upstream error mid-stream: {message}")
     events: list[CanonicalEvent] = []
     for choice in chunk.get("choices") or ():
-        if choice.get("index", 0) != 0:
-            continue
+        index = choice.get("index") or 0
+        if not isinstance(index, int) or index < 0:
+            raise UpstreamUnavailable("upstream sent a choice with a bad index")
         if kind == "chat":
             delta = choice.get("delta") or choice.get("message") or {}
             if delta.get("content"):
-                events.append(TextDelta(delta["content"]))
+                events.append(TextDelta(delta["content"], index))
             for position, call in enumerate(delta.get("tool_calls") or ()):
                 function = call.get("function") or {}
                 events.append(ToolCallDelta(call.get("index", position), call.get("id"),
-                                            function.get("name"), function.get("arguments") or ""))
+                                            function.get("name"), function.get("arguments") or "",
+                                            index))
         elif choice.get("text"):
-            events.append(TextDelta(choice["text"]))
+            events.append(TextDelta(choice["text"], index))
         if choice.get("finish_reason"):
             reason = _FINISH_REASONS.get(choice["finish_reason"], "stop")
             matched = choice.get("stop_reason")  # vLLM: the stop string (or token id) that matched
             events.append(Finish(reason, matched if reason == "stop" and isinstance(matched, str)
-                                 and matched else None))
+                                 and matched else None, index))
     usage = chunk.get("usage")
     if usage:
         details = usage.get("prompt_tokens_details") or {}
@@ -259,15 +267,18 @@ async def _parse_stream(response: UpstreamResponse, kind: str) -> AsyncIterator[
 
 
 def _merged(events: list[CanonicalEvent]) -> list[CanonicalEvent]:
-    """Adjacent text deltas, and adjacent argument pieces of one tool call, become one event."""
+    """Adjacent text deltas, and adjacent argument pieces of one tool call, of one choice become
+    one event."""
     out: list[CanonicalEvent] = []
     for event in events:
         last = out[-1] if out else None
-        if isinstance(event, TextDelta) and isinstance(last, TextDelta):
-            out[-1] = TextDelta(last.text + event.text)
+        if isinstance(event, TextDelta) and isinstance(last, TextDelta) and event.choice == last.choice:
+            out[-1] = TextDelta(last.text + event.text, event.choice)
         elif (isinstance(event, ToolCallDelta) and isinstance(last, ToolCallDelta)
-              and event.index == last.index and not event.id and not event.name):
-            out[-1] = ToolCallDelta(last.index, last.id, last.name, last.arguments + event.arguments)
+              and event.index == last.index and event.choice == last.choice
+              and not event.id and not event.name):
+            out[-1] = ToolCallDelta(last.index, last.id, last.name, last.arguments + event.arguments,
+                                    event.choice)
         else:
             out.append(event)
     return out

@@ -106,13 +106,10 @@ class OpenAIChat(Dialect):
         return request
 
     def render(self, request: CanonicalRequest, response: CanonicalResponse) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": response.text or None}
-        if response.tool_calls:
-            message["tool_calls"] = [_call_json(c) for c in response.tool_calls]
         return {"id": f"chatcmpl-{request.request_id}", "object": "chat.completion",
                 "created": int(time.time()), "model": request.model,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
-                             "finish_reason": response.finish_reason or "stop"}],
+                "choices": [_choice_json(index, choice)
+                            for index, choice in enumerate((response, *response.others))],
                 "usage": common.usage_json(response.usage)}
 
     def encoder(self, request: CanonicalRequest) -> StreamEncoder:
@@ -123,26 +120,44 @@ class OpenAIChat(Dialect):
         return common.error_body(status, code, message, param, error_type)
 
 
+def _choice_json(index: int, choice: CanonicalResponse) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": choice.text or None}
+    if choice.tool_calls:
+        message["tool_calls"] = [_call_json(c) for c in choice.tool_calls]
+    return {"index": index, "message": message, "logprobs": None,
+            "finish_reason": choice.finish_reason or "stop"}
+
+
 def _call_json(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function",
             "function": {"name": call.name, "arguments": call.arguments}}
 
 
 class _ChatEncoder(StreamEncoder):
+    """Chunks as OpenAI streams them: a role delta per choice first, then content and tool-call
+    deltas (each naming its choice), a finish chunk per choice, the usage chunk if asked, [DONE]."""
+
     def __init__(self, request: CanonicalRequest) -> None:
         self._request = request
-        self._head = (b'data: {"id":"chatcmpl-' + request.request_id.encode()
-                      + b'","object":"chat.completion.chunk","created":'
-                      + str(int(time.time())).encode() + b',"model":' + orjson.dumps(request.model)
-                      + b',"choices":[{"index":0,"delta":')
+        self._choices_head = (b'data: {"id":"chatcmpl-' + request.request_id.encode()
+                              + b'","object":"chat.completion.chunk","created":'
+                              + str(int(time.time())).encode() + b',"model":'
+                              + orjson.dumps(request.model) + b',"choices":[{"index":')
+        self._heads = [self._choices_head + str(c).encode() + b',"delta":' for c in range(request.n)]
         self._tail = b',"logprobs":null,"finish_reason":null}]}\n\n'
 
+    def _head(self, choice: int) -> bytes:
+        if choice < len(self._heads):
+            return self._heads[choice]
+        return self._choices_head + str(choice).encode() + b',"delta":'  # (an upstream's extra)
+
     def start(self) -> bytes:
-        return self._head + b'{"role":"assistant","content":""}' + self._tail
+        return b"".join(head + b'{"role":"assistant","content":""}' + self._tail
+                        for head in self._heads)
 
     def event(self, event: CanonicalEvent) -> bytes:
         if isinstance(event, TextDelta):
-            return self._head + b'{"content":' + orjson.dumps(event.text) + b"}" + self._tail
+            return self._head(event.choice) + b'{"content":' + orjson.dumps(event.text) + b"}" + self._tail
         assert isinstance(event, ToolCallDelta)
         call: dict[str, Any] = {"index": event.index, "function": {"arguments": event.arguments}}
         if event.id:
@@ -150,11 +165,12 @@ class _ChatEncoder(StreamEncoder):
             call["type"] = "function"
         if event.name:
             call["function"]["name"] = event.name
-        return self._head + orjson.dumps({"tool_calls": [call]}) + self._tail
+        return self._head(event.choice) + orjson.dumps({"tool_calls": [call]}) + self._tail
 
     def finish(self, response: CanonicalResponse) -> bytes:
-        reason = orjson.dumps(response.finish_reason or "stop")
-        out = (self._head + b'{},"logprobs":null,"finish_reason":' + reason + b"}]}\n\n")
+        out = b"".join(self._head(index) + b'{},"logprobs":null,"finish_reason":'
+                       + orjson.dumps(choice.finish_reason or "stop") + b"}]}\n\n"
+                       for index, choice in enumerate((response, *response.others)))
         if self._request.include_usage:
             out += common.sse_data({
                 "id": f"chatcmpl-{self._request.request_id}", "object": "chat.completion.chunk",

@@ -34,6 +34,7 @@ def sse_data(obj: Any) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+MAX_NUM_CHOICES = 128  # OpenAI's own bound on `n` (an upstream may allow fewer: its 400 passes through)
 
 
 def usage_json(usage: Usage | None) -> dict[str, Any]:
@@ -53,9 +54,7 @@ def parse_sampling(body: dict[str, Any], request: CanonicalRequest, *, max_token
             request.max_tokens = value
     request.temperature = get_number(body, "temperature", minimum=0.0, maximum=2.0)
     request.top_p = get_number(body, "top_p", minimum=0.0, maximum=1.0)
-    n = get_int(body, "n", minimum=1)
-    if n not in (None, 1):
-        raise InvalidParam("n", "only n=1 is supported")
+    request.n = get_int(body, "n", minimum=1, maximum=MAX_NUM_CHOICES) or 1
     request.seed = get_int(body, "seed")
     request.stop = get_stop(body, "stop")
     request.stream = bool(get_bool(body, "stream"))

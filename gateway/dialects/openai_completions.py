@@ -1,4 +1,4 @@
-"""OpenAI legacy Completions: POST /v1/completions (one text prompt, n=1, no echo/logprobs)."""
+"""OpenAI legacy Completions: POST /v1/completions (one text prompt, no echo/logprobs)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,9 @@ class OpenAICompletions(Dialect):
     def render(self, request: CanonicalRequest, response: CanonicalResponse) -> dict[str, Any]:
         return {"id": f"cmpl-{request.request_id}", "object": "text_completion",
                 "created": int(time.time()), "model": request.model,
-                "choices": [{"text": response.text, "index": 0, "logprobs": None,
-                             "finish_reason": response.finish_reason or "stop"}],
+                "choices": [{"text": choice.text, "index": index, "logprobs": None,
+                             "finish_reason": choice.finish_reason or "stop"}
+                            for index, choice in enumerate((response, *response.others))],
                 "usage": common.usage_json(response.usage)}
 
     def encoder(self, request: CanonicalRequest) -> StreamEncoder:
@@ -66,12 +67,14 @@ class _CompletionEncoder(StreamEncoder):
     def event(self, event: CanonicalEvent) -> bytes:
         if not isinstance(event, TextDelta):
             return b""
-        return (self._head + orjson.dumps(event.text)
-                + b',"index":0,"logprobs":null,"finish_reason":null}]}\n\n')
+        return (self._head + orjson.dumps(event.text) + b',"index":' + str(event.choice).encode()
+                + b',"logprobs":null,"finish_reason":null}]}\n\n')
 
     def finish(self, response: CanonicalResponse) -> bytes:
-        out = (self._head + b'"","index":0,"logprobs":null,"finish_reason":'
-               + orjson.dumps(response.finish_reason or "stop") + b"}]}\n\n")
+        out = b"".join(self._head + b'"","index":' + str(index).encode()
+                       + b',"logprobs":null,"finish_reason":'
+                       + orjson.dumps(choice.finish_reason or "stop") + b"}]}\n\n"
+                       for index, choice in enumerate((response, *response.others)))
         if self._request.include_usage:
             out += common.sse_data({
                 "id": f"cmpl-{self._request.request_id}", "object": "text_completion",

@@ -57,7 +57,7 @@ def get_bool(body: dict[str, Any], key: str, param: str = "") -> bool | None:
 
 
 def get_int(body: dict[str, Any], key: str, param: str = "", *, required: bool = False,
-            minimum: int | None = None) -> int | None:
+            minimum: int | None = None, maximum: int | None = None) -> int | None:
     value = body.get(key)
     name = param or key
     if value is None:
@@ -68,6 +68,8 @@ def get_int(body: dict[str, Any], key: str, param: str = "", *, required: bool =
         raise InvalidParam(name, f"expected an integer, got {_type_name(value)}")
     if minimum is not None and value < minimum:
         raise InvalidParam(name, f"must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise InvalidParam(name, f"must be <= {maximum}, got {value}")
     return value
 
 

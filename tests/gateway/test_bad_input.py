@@ -57,7 +57,9 @@ def _cases(path: str) -> list[tuple[str, Any, int]]:
                   ("include_usage_wrong_type", {**good, "stream": True,
                                                 "stream_options": {"include_usage": "yes"}}, 400),
                   ("max_tokens_string", {**good, "max_tokens": "10"}, 400),
-                  ("n_above_one", {**good, "n": 2}, 400)]
+                  ("n_zero", {**good, "n": 0}, 400),
+                  ("n_above_openais_bound", {**good, "n": 129}, 400),
+                  ("n_string", {**good, "n": "2"}, 400)]
     if path == "/v1/chat/completions":
         cases += [("message_without_role", {**good, "messages": [{"content": "x"}]}, 400),
                   ("empty_messages", {**good, "messages": []}, 400),

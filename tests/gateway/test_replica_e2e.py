@@ -75,6 +75,31 @@ def test_anthropic_sdk_messages_and_stream(served: tuple[str, str]) -> None:
     assert text and stream.get_final_message().usage.output_tokens >= 1
 
 
+def test_openai_sdk_n_choices_pass_through_to_the_replica(served: tuple[str, str]) -> None:
+    url, model = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Name a color."}]
+    whole = client.chat.completions.create(model=model, max_tokens=6, n=3, temperature=1.0, seed=7,
+                                           messages=messages)  # type: ignore[arg-type]
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert all(c.message.content and c.finish_reason in ("stop", "length") for c in whole.choices)
+    texts: dict[int, str] = {}
+    finished: dict[int, str] = {}
+    usage = None
+    for chunk in client.chat.completions.create(model=model, max_tokens=6, n=2, temperature=1.0,
+                                                messages=messages, stream=True,  # type: ignore[arg-type]
+                                                stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finished[choice.index] = choice.finish_reason
+        usage = chunk.usage or usage
+    assert sorted(texts) == sorted(finished) == [0, 1] and all(texts.values())
+    assert usage is not None and 2 <= usage.completion_tokens <= 12  # both choices counted
+    completion = client.completions.create(model=model, prompt="Once upon a time", max_tokens=4, n=2)
+    assert [c.index for c in completion.choices] == [0, 1] and completion.usage.completion_tokens > 4
+
+
 def test_anthropic_count_tokens_equals_the_replicas_own_prompt_count(served: tuple[str, str]) -> None:
     url, model = served
     client = anthropic.Anthropic(base_url=url + "/anthropic", api_key="x", max_retries=0, timeout=120)
