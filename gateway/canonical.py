@@ -51,6 +51,7 @@ class CanonicalRequest:
     kind: Literal["chat", "completion"] = "chat"
     messages: list[Message] = field(default_factory=list)
     prompt: str = ""  # kind == "completion"
+    prompt_token_ids: list[int] | None = None  # kind == "completion", a prompt given as token ids
     tools: list[Tool] = field(default_factory=list)
     tool_choice: str | dict[str, Any] | None = None  # OpenAI form: "auto"|"none"|"required"|{...}
     max_tokens: int | None = None  # per choice
@@ -85,7 +86,10 @@ def estimate_num_tokens(num_chars: int) -> int:
 
 
 def estimate_prompt_tokens(request: CanonicalRequest) -> int:
-    """An admission-time estimate: text tokens plus ~4 tokens of chat framing per message."""
+    """An admission-time estimate: text tokens plus ~4 tokens of chat framing per message (a
+    prompt of token ids counts exactly)."""
+    if request.prompt_token_ids is not None:
+        return len(request.prompt_token_ids)
     return estimate_num_tokens(request.text_length()) + 4 * len(request.messages)
 
 

@@ -54,7 +54,8 @@ class OpenAICompatBackend(Backend):
             if request.tool_choice is not None:
                 body["tool_choice"] = request.tool_choice
         else:
-            body["prompt"] = request.prompt
+            body["prompt"] = (request.prompt if request.prompt_token_ids is None
+                              else request.prompt_token_ids)
         if request.stream:
             body["stream_options"] = {"include_usage": True}
         for key in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
@@ -120,8 +121,8 @@ class OpenAICompatBackend(Backend):
         """With the model's configured tokenizer (a tokenizer.json): the prompt text's tokens plus
         ~4 of chat framing a message; without one, the ~4-characters-a-token estimate."""
         tokenizer_path = endpoint.model.tokenizer
-        if not tokenizer_path:
-            return estimate_prompt_tokens(request)
+        if not tokenizer_path or request.prompt_token_ids is not None:
+            return estimate_prompt_tokens(request)  # (exact for a prompt of token ids)
         prompt = request.prompt + "".join(m.content for m in request.messages)
         return len(_load_tokenizer(tokenizer_path).encode(prompt).ids) + 4 * len(request.messages)
 

@@ -1,4 +1,4 @@
-"""OpenAI legacy Completions: POST /v1/completions (one text prompt, no echo/logprobs)."""
+"""OpenAI legacy Completions: POST /v1/completions (one prompt, text or token ids; no echo/logprobs)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,19 @@ from gateway.dialects.base import Dialect, StreamEncoder
 from gateway.dialects.validate import InvalidParam, get_bool, get_str, need_object
 
 
-def _parse_prompt(value: Any) -> str:
+def _parse_prompt(value: Any) -> str | list[int]:
+    """One prompt: a string or an array of token ids, each alone or as an array's only item."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        return value[0]
+    if (isinstance(value, list) and value
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)):
+        return value
     if value is None:
         raise InvalidParam("prompt", "is required")
-    raise InvalidParam("prompt", "expected a string (or an array of exactly one string)")
+    raise InvalidParam("prompt", "expected one prompt: a string or a non-empty array of token ids "
+                       "(several prompts in one request are not supported)")
 
 
 class OpenAICompletions(Dialect):
@@ -30,7 +35,11 @@ class OpenAICompletions(Dialect):
         body = need_object(body, "body")
         request = CanonicalRequest(request_id, get_str(body, "model", required=True,
                                                        allow_empty=False) or "", kind="completion")
-        request.prompt = _parse_prompt(body.get("prompt"))
+        prompt = _parse_prompt(body.get("prompt"))
+        if isinstance(prompt, str):
+            request.prompt = prompt
+        else:
+            request.prompt_token_ids = prompt
         if get_bool(body, "echo"):
             raise InvalidParam("echo", "echo is not supported")
         common.parse_sampling(body, request, max_tokens_keys=("max_tokens",))

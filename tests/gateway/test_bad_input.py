@@ -60,6 +60,11 @@ def _cases(path: str) -> list[tuple[str, Any, int]]:
                   ("n_zero", {**good, "n": 0}, 400),
                   ("n_above_openais_bound", {**good, "n": 129}, 400),
                   ("n_string", {**good, "n": "2"}, 400)]
+    if path == "/v1/completions":
+        cases += [("several_prompts", {**good, "prompt": ["a", "b"]}, 400),
+                  ("empty_token_ids", {**good, "prompt": []}, 400),
+                  ("negative_token_id", {**good, "prompt": [1, -2]}, 400),
+                  ("mixed_prompt", {**good, "prompt": [1, "a"]}, 400)]
     if path == "/v1/chat/completions":
         cases += [("message_without_role", {**good, "messages": [{"content": "x"}]}, 400),
                   ("empty_messages", {**good, "messages": []}, 400),

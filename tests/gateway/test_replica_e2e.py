@@ -100,6 +100,20 @@ def test_openai_sdk_n_choices_pass_through_to_the_replica(served: tuple[str, str
     assert [c.index for c in completion.choices] == [0, 1] and completion.usage.completion_tokens > 4
 
 
+def test_a_completions_prompt_of_token_ids_reaches_the_replica_as_ids(served: tuple[str, str]) -> None:
+    url, model = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    as_text = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4,
+                                        temperature=0)
+    ids = [504, 3575, 282, 4649, 314]  # SmolLM2's tokens of "The capital of France is"
+    as_ids = client.completions.create(model=model, prompt=ids, max_tokens=4, temperature=0)
+    nested = client.completions.create(model=model, prompt=[ids], max_tokens=4, temperature=0)
+    assert as_ids.usage.prompt_tokens == nested.usage.prompt_tokens == len(ids)
+    assert as_ids.choices[0].text == nested.choices[0].text == as_text.choices[0].text  # greedy
+    with pytest.raises(openai.BadRequestError):  # an id outside the vocabulary: the replica's 400
+        client.completions.create(model=model, prompt=[10**9], max_tokens=2)
+
+
 def test_anthropic_count_tokens_equals_the_replicas_own_prompt_count(served: tuple[str, str]) -> None:
     url, model = served
     client = anthropic.Anthropic(base_url=url + "/anthropic", api_key="x", max_retries=0, timeout=120)
