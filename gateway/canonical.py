@@ -56,6 +56,8 @@ class CanonicalRequest:
     tool_choice: str | dict[str, Any] | None = None  # OpenAI form: "auto"|"none"|"required"|{...}
     max_tokens: int | None = None  # per choice
     n: int = 1  # choices to generate (OpenAI `n`), each up to max_tokens
+    logprobs: bool = False  # return each sampled token's log probability (OpenAI dialects only)
+    top_logprobs: int = 0  # ... and this many most likely alternatives per position
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # None: no top-k (forwarded to upstreams that take it: vLLM-style)
@@ -95,8 +97,13 @@ def estimate_prompt_tokens(request: CanonicalRequest) -> int:
 
 @dataclass(frozen=True, slots=True)
 class TextDelta:
+    """`logprobs`: the upstream's own OpenAI logprobs object for this delta's tokens, passed
+    through as is (chat form `{"content": [...]}` or the legacy completions form, as `kind` is);
+    the text may then be empty (a token that completes no character yet)."""
+
     text: str
     choice: int = 0
+    logprobs: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +146,7 @@ class CanonicalResponse:
     usage: Usage | None = None
     stop_sequence: str | None = None  # the stop string that ended the text, when known
     others: tuple[CanonicalResponse, ...] = ()  # choices 1..n-1 (n > 1), in order; no usage
+    logprobs: list[Any] | None = None  # each TextDelta's logprobs object, in order, if any came
 
 
 class Accumulator:
@@ -147,6 +155,7 @@ class Accumulator:
 
     def __init__(self) -> None:
         self._text: list[str] = []
+        self._logprobs: list[Any] | None = None
         self._calls: dict[int, list[str]] = {}  # index -> [id, name, arguments...]
         self.finish_reason: FinishReason | None = None
         self.stop_sequence: str | None = None
@@ -167,6 +176,10 @@ class Accumulator:
     def _fold(self, event: CanonicalEvent) -> None:
         if isinstance(event, TextDelta):
             self._text.append(event.text)
+            if event.logprobs is not None:
+                if self._logprobs is None:
+                    self._logprobs = []
+                self._logprobs.append(event.logprobs)
         elif isinstance(event, ToolCallDelta):
             parts = self._calls.setdefault(event.index, ["", ""])
             if event.id:
@@ -194,4 +207,5 @@ class Accumulator:
                  for i, p in sorted(self._calls.items())]
         others = tuple(self.others[c].response() for c in sorted(self.others))
         return CanonicalResponse(text=self.text, tool_calls=calls, finish_reason=self.finish_reason,
-                                 usage=self.usage, stop_sequence=self.stop_sequence, others=others)
+                                 usage=self.usage, stop_sequence=self.stop_sequence, others=others,
+                                 logprobs=self._logprobs)

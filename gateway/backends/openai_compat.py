@@ -66,6 +66,13 @@ class OpenAICompatBackend(Backend):
             body["stop"] = request.stop
         if request.n > 1:
             body["n"] = request.n
+        if request.logprobs:
+            if request.kind == "chat":
+                body["logprobs"] = True
+                if request.top_logprobs:
+                    body["top_logprobs"] = request.top_logprobs
+            else:
+                body["logprobs"] = request.top_logprobs  # the legacy API's form: an integer
         return body
 
     def upstream_headers(self, request: CanonicalRequest, endpoint: Endpoint) -> dict[str, str]:
@@ -220,17 +227,18 @@ def _chunk_events(chunk: dict[str, Any], kind: str) -> list[CanonicalEvent]:
         index = choice.get("index") or 0
         if not isinstance(index, int) or index < 0:
             raise UpstreamUnavailable("upstream sent a choice with a bad index")
+        logprobs = choice.get("logprobs") or None
         if kind == "chat":
             delta = choice.get("delta") or choice.get("message") or {}
-            if delta.get("content"):
-                events.append(TextDelta(delta["content"], index))
+            if delta.get("content") or logprobs:
+                events.append(TextDelta(delta.get("content") or "", index, logprobs))
             for position, call in enumerate(delta.get("tool_calls") or ()):
                 function = call.get("function") or {}
                 events.append(ToolCallDelta(call.get("index", position), call.get("id"),
                                             function.get("name"), function.get("arguments") or "",
                                             index))
-        elif choice.get("text"):
-            events.append(TextDelta(choice["text"], index))
+        elif choice.get("text") or logprobs:
+            events.append(TextDelta(choice.get("text") or "", index, logprobs))
         if choice.get("finish_reason"):
             reason = _FINISH_REASONS.get(choice["finish_reason"], "stop")
             matched = choice.get("stop_reason")  # vLLM: the stop string (or token id) that matched
@@ -268,12 +276,13 @@ async def _parse_stream(response: UpstreamResponse, kind: str) -> AsyncIterator[
 
 
 def _merged(events: list[CanonicalEvent]) -> list[CanonicalEvent]:
-    """Adjacent text deltas, and adjacent argument pieces of one tool call, of one choice become
-    one event."""
+    """Adjacent text deltas (without logprobs), and adjacent argument pieces of one tool call, of
+    one choice become one event."""
     out: list[CanonicalEvent] = []
     for event in events:
         last = out[-1] if out else None
-        if isinstance(event, TextDelta) and isinstance(last, TextDelta) and event.choice == last.choice:
+        if (isinstance(event, TextDelta) and isinstance(last, TextDelta)
+                and event.choice == last.choice and event.logprobs is None and last.logprobs is None):
             out[-1] = TextDelta(last.text + event.text, event.choice)
         elif (isinstance(event, ToolCallDelta) and isinstance(last, ToolCallDelta)
               and event.index == last.index and event.choice == last.choice

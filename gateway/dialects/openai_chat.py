@@ -102,7 +102,7 @@ class OpenAIChat(Dialect):
         request.tool_choice = parse_tool_choice(body.get("tool_choice"))
         common.parse_sampling(body, request, max_tokens_keys=("max_tokens", "max_completion_tokens"))
         common.refuse_output_format(body.get("response_format"), "response_format")
-        common.refuse_logprobs(body)
+        common.parse_chat_logprobs(body, request)
         return request
 
     def render(self, request: CanonicalRequest, response: CanonicalResponse) -> dict[str, Any]:
@@ -124,7 +124,7 @@ def _choice_json(index: int, choice: CanonicalResponse) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": choice.text or None}
     if choice.tool_calls:
         message["tool_calls"] = [_call_json(c) for c in choice.tool_calls]
-    return {"index": index, "message": message, "logprobs": None,
+    return {"index": index, "message": message, "logprobs": common.joined_logprobs(choice.logprobs),
             "finish_reason": choice.finish_reason or "stop"}
 
 
@@ -157,7 +157,11 @@ class _ChatEncoder(StreamEncoder):
 
     def event(self, event: CanonicalEvent) -> bytes:
         if isinstance(event, TextDelta):
-            return self._head(event.choice) + b'{"content":' + orjson.dumps(event.text) + b"}" + self._tail
+            content = self._head(event.choice) + b'{"content":' + orjson.dumps(event.text) + b"}"
+            if event.logprobs is None:
+                return content + self._tail
+            return (content + b',"logprobs":' + common.logprobs_bytes(event.logprobs)
+                    + b',"finish_reason":null}]}\n\n')
         assert isinstance(event, ToolCallDelta)
         call: dict[str, Any] = {"index": event.index, "function": {"arguments": event.arguments}}
         if event.id:

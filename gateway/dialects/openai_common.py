@@ -81,9 +81,31 @@ def refuse_output_format(value: Any, param: str) -> None:
     raise InvalidParam(param, "expected an object with type text, json_object or json_schema")
 
 
-def refuse_logprobs(body: dict[str, Any]) -> None:
-    """logprobs are not carried back through the gateway: asking for them is a 400, not a null."""
-    if get_bool(body, "logprobs"):
-        raise InvalidParam("logprobs", "logprobs are not supported by the gateway")
-    if get_int(body, "top_logprobs", minimum=0):
-        raise InvalidParam("top_logprobs", "logprobs are not supported by the gateway")
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat (the legacy completions API allows 5)
+
+
+def parse_chat_logprobs(body: dict[str, Any], request: CanonicalRequest) -> None:
+    """Chat's `logprobs` (bool) and `top_logprobs` (0-20, only with logprobs) onto `request`."""
+    request.logprobs = bool(get_bool(body, "logprobs"))
+    request.top_logprobs = get_int(body, "top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS) or 0
+    if request.top_logprobs and not request.logprobs:
+        raise InvalidParam("top_logprobs", "requires logprobs to be true")
+
+
+def joined_logprobs(parts: list[Any] | None) -> Any:
+    """One logprobs object from a choice's per-delta objects (each in the upstream's own OpenAI
+    form: chat `{"content": [...]}`, or the legacy completions form of parallel arrays)."""
+    if not parts:
+        return None
+    if all(isinstance(p, dict) and "content" in p for p in parts):
+        return {"content": [entry for p in parts for entry in p.get("content") or ()]}
+    joined: dict[str, list[Any]] = {}
+    for part in parts:
+        for key, values in (part.items() if isinstance(part, dict) else ()):
+            if isinstance(values, list):
+                joined.setdefault(key, []).extend(values)
+    return joined
+
+
+def logprobs_bytes(logprobs: Any) -> bytes:
+    return b"null" if logprobs is None else orjson.dumps(logprobs)

@@ -1,4 +1,4 @@
-"""OpenAI legacy Completions: POST /v1/completions (one prompt, text or token ids; no echo/logprobs)."""
+"""OpenAI legacy Completions: POST /v1/completions (one prompt, text or token ids; no echo)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import orjson
 from gateway.canonical import CanonicalEvent, CanonicalRequest, CanonicalResponse, TextDelta
 from gateway.dialects import openai_common as common
 from gateway.dialects.base import Dialect, StreamEncoder
-from gateway.dialects.validate import InvalidParam, get_bool, get_str, need_object
+from gateway.dialects.validate import InvalidParam, get_bool, get_int, get_str, need_object
 
 
 def _parse_prompt(value: Any) -> str | list[int]:
@@ -43,6 +43,8 @@ class OpenAICompletions(Dialect):
         if get_bool(body, "echo"):
             raise InvalidParam("echo", "echo is not supported")
         common.parse_sampling(body, request, max_tokens_keys=("max_tokens",))
+        top_logprobs = get_int(body, "logprobs", minimum=0, maximum=5)  # the legacy API's bound
+        request.logprobs, request.top_logprobs = top_logprobs is not None, top_logprobs or 0
         if request.max_tokens is None:
             request.max_tokens = 16  # the legacy API's documented default
         return request
@@ -50,7 +52,8 @@ class OpenAICompletions(Dialect):
     def render(self, request: CanonicalRequest, response: CanonicalResponse) -> dict[str, Any]:
         return {"id": f"cmpl-{request.request_id}", "object": "text_completion",
                 "created": int(time.time()), "model": request.model,
-                "choices": [{"text": choice.text, "index": index, "logprobs": None,
+                "choices": [{"text": choice.text, "index": index,
+                             "logprobs": common.joined_logprobs(choice.logprobs),
                              "finish_reason": choice.finish_reason or "stop"}
                             for index, choice in enumerate((response, *response.others))],
                 "usage": common.usage_json(response.usage)}
@@ -77,7 +80,8 @@ class _CompletionEncoder(StreamEncoder):
         if not isinstance(event, TextDelta):
             return b""
         return (self._head + orjson.dumps(event.text) + b',"index":' + str(event.choice).encode()
-                + b',"logprobs":null,"finish_reason":null}]}\n\n')
+                + b',"logprobs":' + common.logprobs_bytes(event.logprobs)
+                + b',"finish_reason":null}]}\n\n')
 
     def finish(self, response: CanonicalResponse) -> bytes:
         out = b"".join(self._head + b'"","index":' + str(index).encode()

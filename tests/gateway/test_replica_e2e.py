@@ -100,6 +100,32 @@ def test_openai_sdk_n_choices_pass_through_to_the_replica(served: tuple[str, str
     assert [c.index for c in completion.choices] == [0, 1] and completion.usage.completion_tokens > 4
 
 
+def test_logprobs_come_back_through_the_gateway_in_each_dialects_form(served: tuple[str, str]) -> None:
+    url, model = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Say hi"}]
+    whole = client.chat.completions.create(model=model, max_tokens=6, temperature=0, logprobs=True,
+                                           top_logprobs=2, messages=messages)  # type: ignore[arg-type]
+    entries = whole.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert len(entries) == whole.usage.completion_tokens  # type: ignore[union-attr]
+    assert "".join(e.token for e in entries) == whole.choices[0].message.content
+    assert all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in entries)
+    assert entries[0].top_logprobs[0].logprob >= entries[0].top_logprobs[1].logprob
+    streamed = []
+    for chunk in client.chat.completions.create(model=model, max_tokens=6, temperature=0,
+                                                logprobs=True, messages=messages,  # type: ignore[arg-type]
+                                                stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs and choice.logprobs.content:
+                streamed += [(e.token, round(e.logprob, 4)) for e in choice.logprobs.content]
+    assert streamed == [(e.token, round(e.logprob, 4)) for e in entries]  # greedy: the same tokens
+    legacy = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4,
+                                       temperature=0, logprobs=1)
+    tokens = legacy.choices[0].logprobs.tokens  # type: ignore[union-attr]
+    assert len(tokens) == legacy.usage.completion_tokens and "".join(tokens) == legacy.choices[0].text  # type: ignore[union-attr]
+    assert len(legacy.choices[0].logprobs.top_logprobs[0]) == 1  # type: ignore[union-attr,index]
+
+
 def test_a_completions_prompt_of_token_ids_reaches_the_replica_as_ids(served: tuple[str, str]) -> None:
     url, model = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)

@@ -24,8 +24,9 @@ MESSAGES = {**CHAT, "max_tokens": 5}
      "response_format.type"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {}}},
      "response_format.type"),
-    ("/v1/chat/completions", {**CHAT, "logprobs": True}, "logprobs"),
-    ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),  # without logprobs
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 6}, "logprobs"),
     ("/v1/responses", {"model": MODEL, "input": "hi", "text": {"format": {"type": "json_object"}}},
      "text.format.type"),
 ])
@@ -34,6 +35,16 @@ def test_values_the_replica_would_refuse_are_a_400_naming_the_param(
     response = httpx.post(gateway.url + path, json=body)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == param
+
+
+def test_logprobs_are_forwarded_in_each_dialects_own_form(gateway: Any) -> None:
+    httpx.post(gateway.url + "/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 2})
+    chat = gateway.upstreams[0].state.bodies[-1]
+    assert (chat["logprobs"], chat["top_logprobs"]) == (True, 2)
+    httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "logprobs": 0})
+    assert gateway.upstreams[0].state.bodies[-1]["logprobs"] == 0
+    httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert "logprobs" not in gateway.upstreams[0].state.bodies[-1]
 
 
 def test_anthropic_top_p_zero_and_top_k_zero_are_refused(gateway: Any) -> None:
