@@ -21,8 +21,8 @@ In the q4 mode the runner sends every row here, decode rows and prefill chunks a
 a chunk of C tokens is C rows, row i attending to the context up to its own position (the attention
 kernel tiles a chunk's rows so each pass over the K/V serves 16 of them), so prefill pays for no
 element-wise ops, K/V gathers or float16-to-float32 copies between the kernels (through the general
-forward they took ~45% of a profiled 1,024-token q4 prefill; the native path took it from 560 to 763
-tokens/s in an A/B run). Every row is computed alone and in the same order whatever else the step
+forward they took ~45% of a profiled 1,024-token q4 prefill; this path took it from 560 to 763
+tokens/s in an A/B run, docs/benchmarks.md has the later figures). Every row is computed alone and in the same order whatever else the step
 holds, so a sequence's tokens do not depend on what it was batched with, nor on how its prompt was
 chunked. The float32 mode sends only decode rows (prefill chunks take the general forward).
 """

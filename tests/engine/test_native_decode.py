@@ -117,3 +117,20 @@ def test_float_mode_decode_step_reproduces_the_general_forward(model_path: str, 
     engine.runner._native_decode = None  # the general forward: SDPA over gathered float32 K/V
     general = generate(engine, prompts, GREEDY)
     assert {name: c.token_ids for name, c in general.items()} == float_tokens
+
+
+def test_q4_prefill_logits_do_not_depend_on_how_the_prompt_is_chunked(
+        q4_engine: LLMEngine, prompts: dict[str, list[int]]) -> None:
+    """Prefill chunks take the native step a row per token, each row alone: one chunk or two, and
+    alone or beside another sequence's chunk, the last position's logits are the same bits."""
+    runner = q4_engine.runner
+    prompt, other = prompts["the moon"], prompts["bread"]
+    blocks = list(range(100, 100 + -(-len(prompt) // runner.block_size)))
+    other_blocks = list(range(130, 130 + -(-len(other) // runner.block_size)))
+    whole = runner.execute(ScheduledBatch([ScheduledSequence("w", prompt, 0, blocks, True)])).logits
+    split = 13
+    runner.execute(ScheduledBatch([ScheduledSequence("c", prompt[:split], 0, blocks, False)]))
+    chunked = runner.execute(ScheduledBatch([ScheduledSequence("o", other, 0, other_blocks, True),
+                                             ScheduledSequence("c", prompt[split:], split, blocks, True)]))
+    assert chunked.request_ids == ["o", "c"]
+    assert torch.equal(chunked.logits[1], whole[0])
