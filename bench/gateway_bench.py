@@ -44,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-tokens", type=int, default=16, help="tokens per mock answer")
     parser.add_argument("--workers", type=int, default=1, help="aigw serve --workers")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="run every cell this many times, interleaved, and report each "
-                             "figure's median (a noisy machine's bursts then hit one round)")
+                        help="run every cell this many times, interleaved (targets in turn "
+                             "forwards and backwards), and report each figure's median (a noisy "
+                             "machine's bursts then hit one round)")
     parser.add_argument("--no-litellm", action="store_true")
     parser.add_argument("--targets", default=",".join(TARGET_NAMES),
                         help="comma-separated subset of " + ",".join(TARGET_NAMES)
@@ -316,10 +317,13 @@ def run(args: argparse.Namespace) -> int:
                 skipped["litellm"] = litellm
             else:
                 targets.append(litellm)
-        for _ in range(args.rounds):
+        for round_index in range(args.rounds):
+            # direct first (the added latency's baseline), the others in turn forwards and
+            # backwards: a target measured right after another is not always the same one
+            ordered = targets if round_index % 2 == 0 else [targets[0], *targets[:0:-1]]
             for mode in args.modes.split(","):
                 for concurrency in (int(c) for c in args.concurrency.split(",")):
-                    for target in targets:
+                    for target in ordered:
                         cell = _measure(target, mode == "stream", concurrency, args.duration_s)
                         results.append({"target": target.name, "mode": mode,
                                         "concurrency": concurrency, **cell})

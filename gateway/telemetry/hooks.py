@@ -112,8 +112,8 @@ class TracedRouter(CountedRouter):
             return  # not traced, or not sampled
         if trace.request is None:
             trace.request = request_values(request)
-        trace.routes.append(RouteStep(started_ns, _time_ns(), self._policy, decision, endpoints,
-                                      self.inner.explain(request.request_id)))
+        trace.add_route(RouteStep(started_ns, _time_ns(), self._policy, decision, endpoints,
+                                  self.inner.explain(request.request_id)))
 
 
 class ObservedMeter:

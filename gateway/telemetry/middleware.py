@@ -65,7 +65,7 @@ def make_middleware(telemetry: Telemetry) -> Middleware:
             response = await handler(request)
             status = response.status
             if trace is not None and not response.prepared:
-                response.headers[TRACE_ID_HEADER] = f"{trace.context.trace_id:032x}"
+                response.headers[TRACE_ID_HEADER] = trace.trace_id_hex
             return response
         except web.HTTPException as exc:
             status = exc.status

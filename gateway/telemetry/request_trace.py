@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry.sdk.resources import Resource
@@ -58,26 +58,26 @@ class RouteStep:
     explanation: str | None
 
 
-@dataclass(slots=True)
 class UpstreamCall:
-    span_id: int  # the id sent upstream in `traceparent`
-    name: str  # "upstream POST /v1/chat/completions"
-    attributes: dict[str, Any]  # shared per URL (gateway/telemetry/upstream.py): never written
-    start_ns: int
+    """One upstream call of a traced request (the fields that are often unset default to None
+    at class level, so a call is made with four writes)."""
+
     end_ns: int | None = None
     status_code: int | None = None
     first_line_ns: int | None = None
     exception: dict[str, Any] | None = None  # the `exception` event's attributes, if it failed
 
+    def __init__(self, span_id: int, name: str, attributes: dict[str, Any], start_ns: int) -> None:
+        self.span_id = span_id  # the id sent upstream in `traceparent`
+        self.name = name  # "upstream POST /v1/chat/completions"
+        self.attributes = attributes  # shared per URL (gateway/telemetry/upstream.py): never written
+        self.start_ns = start_ns
 
-@dataclass(slots=True)
+
 class RequestTrace:
-    context: SpanContext  # the SERVER span's; sampled (unsampled requests get no RequestTrace)
-    parent: SpanContext | None  # the caller's span, from its traceparent
-    method: str
-    route: str
-    origin: TraceOrigin
-    start_ns: int
+    """Made by the middleware for a sampled request; the fields it does not set start as class
+    defaults (a trace is made with six writes: it is on every request's path)."""
+
     end_ns: int = 0
     status_code: int | None = None
     auth_start_ns: int = 0
@@ -85,14 +85,34 @@ class RequestTrace:
     auth_identity: tuple[str, str, str] | None = None  # (project, key id, via)
     auth_error: str | None = None
     request: tuple[Any, ...] | None = None  # `request_values()`, set by the first routing decision
-    routes: list[RouteStep] = field(default_factory=list)
-    calls: list[UpstreamCall] = field(default_factory=list)
+    routes: tuple[RouteStep, ...] = ()  # each routing decision, in order
+    calls: tuple[UpstreamCall, ...] = ()  # each upstream call, in order
     record: UsageRecord | None = None
+    _trace_id_hex: str | None = None
     _spans: list[ReadableSpan] | None = None
+
+    def __init__(self, context: SpanContext, parent: SpanContext | None, method: str, route: str,
+                 origin: TraceOrigin, start_ns: int) -> None:
+        self.context = context  # the SERVER span's; sampled (unsampled requests get no trace)
+        self.parent = parent  # the caller's span, from its traceparent
+        self.method = method
+        self.route = route
+        self.origin = origin
+        self.start_ns = start_ns
+
+    @property
+    def trace_id_hex(self) -> str:
+        """32 hex digits (the `x-aigw-trace-id` header, the `traceparent` sent upstream)."""
+        if self._trace_id_hex is None:
+            self._trace_id_hex = f"{self.context.trace_id:032x}"
+        return self._trace_id_hex
+
+    def add_route(self, step: RouteStep) -> None:
+        self.routes += (step,)
 
     def new_call(self, name: str, attributes: dict[str, Any], start_ns: int) -> UpstreamCall:
         call = UpstreamCall(_getrandbits(64) or 1, name, attributes, start_ns)
-        self.calls.append(call)
+        self.calls += (call,)
         return call
 
     def spans(self) -> list[ReadableSpan]:

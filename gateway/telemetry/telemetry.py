@@ -112,4 +112,4 @@ def _stamp_trace_id(response: web.StreamResponse) -> None:
     observation = current_observation()
     trace = observation.trace if observation is not None else None
     if trace is not None:
-        response.headers[TRACE_ID_HEADER] = f"{trace.context.trace_id:032x}"
+        response.headers[TRACE_ID_HEADER] = trace.trace_id_hex

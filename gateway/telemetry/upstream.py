@@ -54,7 +54,7 @@ class TracingTransport(Transport):
         context = trace.context
         headers = dict(request.headers)
         # W3C trace context: what PROPAGATOR.inject writes for the call's CLIENT span
-        headers["traceparent"] = f"00-{context.trace_id:032x}-{call.span_id:016x}-{context.trace_flags:02x}"
+        headers["traceparent"] = f"00-{trace.trace_id_hex}-{call.span_id:016x}-{context.trace_flags:02x}"
         if context.trace_state:
             headers["tracestate"] = context.trace_state.to_header()
         request = UpstreamRequest(request.method, request.url, request.body, headers,

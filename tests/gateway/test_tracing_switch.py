@@ -14,7 +14,7 @@ from gateway.telemetry import middleware
 from gateway.telemetry.hooks import CountedRouter, TracedRouter
 from gateway.telemetry.keys import TELEMETRY
 from gateway.telemetry.request_trace import RequestTrace
-from tests.gateway.conftest import MODEL, Gateway, GatewayFactory
+from tests.gateway.conftest import MODEL, Gateway, GatewayFactory, wait_until
 
 BODY = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -72,8 +72,10 @@ def test_tracing_on_traces_each_request(make_gateway: GatewayFactory,
         f"{t.context.trace_id:032x}" for t in traces_started]
     assert all(t._spans is None for t in traces_started)  # no span built until read
     buffer = gateway.app[TELEMETRY].spans
-    for response in responses:
-        names = [s["name"] for s in buffer.trace(response.headers["x-aigw-trace-id"])]
+    for response in responses:  # (the trace is handed over just after the answer is sent)
+        trace_id = response.headers["x-aigw-trace-id"]
+        assert wait_until(lambda trace_id=trace_id: buffer.trace(trace_id))
+        names = [s["name"] for s in buffer.trace(trace_id)]
         assert names.count("POST /v1/chat/completions") == 1 and names.count("gateway.route") == 1
     assert _requests_counted(gateway.url) == 2
     assert isinstance(_pipeline_router(gateway), TracedRouter)

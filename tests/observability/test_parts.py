@@ -127,8 +127,8 @@ def test_a_request_trace_builds_its_spans_when_read_under_the_callers_span() -> 
     endpoints = [SimpleNamespace(name="r0"), SimpleNamespace(name="r1")]
     for index, endpoint in enumerate(endpoints):
         decision = SimpleNamespace(endpoint=endpoint, reason="least_outstanding")
-        trace.routes.append(RouteStep(trace.start_ns + 30, trace.start_ns + 40, "least_outstanding",
-                                      decision, endpoints[index:], None))
+        trace.add_route(RouteStep(trace.start_ns + 30, trace.start_ns + 40, "least_outstanding",
+                                  decision, endpoints[index:], None))
     failed = trace.new_call("upstream POST /v1/chat/completions", {"url.full": "u0"}, trace.start_ns + 50)
     failed.end_ns, failed.exception = trace.start_ns + 60, exception_attributes(ConnectionRefusedError("no"))
     served = trace.new_call("upstream POST /v1/chat/completions", {"url.full": "u1"}, trace.start_ns + 70)
