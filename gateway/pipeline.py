@@ -134,18 +134,26 @@ class Pipeline:
         self._settle_nowait = getattr(meter, "settle_nowait", None)
         self._watchdog = Watchdog()  # the upstream waits' timeouts
 
-    async def _admit(self, request: web.Request, dialect: Dialect, request_id: str
-                     ) -> tuple[CanonicalRequest, Principal, ModelRoute, Admission]:
-        if self.draining:
-            raise GatewayError("the gateway is shutting down", status=503, code="draining")
-        principal = await self.authenticator.authenticate(credential_of(request))  # before the body
+    async def authorize(self, request: web.Request,
+                        parse: Callable[[Any, str], CanonicalRequest], request_id: str
+                        ) -> tuple[CanonicalRequest, Principal, ModelRoute]:
+        """The checks every model route makes first: the credential (before the body), the invoke
+        scope, the body cap, `parse` (the dialect's validation), the model exists and the key may
+        call it. Raises AuthError or GatewayError."""
+        principal = await self.authenticator.authenticate(credential_of(request))
         principal.require(Scope.INVOKE)
-        canonical = dialect.parse(await read_json_body(request, self.settings.max_body_bytes),
-                                  request_id)
+        canonical = parse(await read_json_body(request, self.settings.max_body_bytes), request_id)
         principal.require_model(canonical.model)
         route = self.fleet.get(canonical.model)
         if route is None:
             raise ModelNotFound(f"the model {canonical.model!r} does not exist")
+        return canonical, principal, route
+
+    async def _admit(self, request: web.Request, dialect: Dialect, request_id: str
+                     ) -> tuple[CanonicalRequest, Principal, ModelRoute, Admission]:
+        if self.draining:
+            raise GatewayError("the gateway is shutting down", status=503, code="draining")
+        canonical, principal, route = await self.authorize(request, dialect.parse, request_id)
         canonical.project = principal.project
         canonical.cache_salt = self.cache_salt_of(principal)
         canonical.session_id = request.headers.get("x-session-id")

@@ -2,8 +2,9 @@
 
     {"model": ..., "system": ..., "messages": [...], "tools": [...]}  ->  {"input_tokens": N}
 
-The same checks as a Messages request before it is admitted (credential, invoke scope, body cap,
-the dialect's validation, the model exists and the key may call it), then the model's backend
+The same checks as a Messages request before it is admitted (`Pipeline.authorize`: credential,
+invoke scope, body cap, the dialect's validation, the model exists and the key may call it), then
+the model's backend
 counts (`Backend.count_prompt_tokens`, off the event loop): a replica model exactly as the replica
 will (its chat template, tools and tokenizer), an OpenAI-compatible one with its configured
 tokenizer or the ~4-characters-a-token estimate. Nothing is metered and no upstream is called.
@@ -17,10 +18,10 @@ import time
 
 from aiohttp import web
 
-from auth.principal import AuthError, Scope
+from auth.principal import AuthError
 from gateway.dialects.anthropic_messages import AnthropicMessages
 from gateway.errors import GatewayError, ModelNotFound
-from gateway.pipeline import Pipeline, credential_of, error_response, read_json_body, request_id_of
+from gateway.pipeline import Pipeline, error_response, request_id_of
 
 log = logging.getLogger("aigw.gateway")
 
@@ -35,14 +36,10 @@ async def count_tokens(request: web.Request, pipeline: Pipeline, dialect: Anthro
                               (time.perf_counter() - started) * 1000.0)
 
     try:
-        principal = await pipeline.authenticator.authenticate(credential_of(request))
-        principal.require(Scope.INVOKE)
-        body = await read_json_body(request, pipeline.settings.max_body_bytes)
-        canonical = dialect.parse_count_tokens(body, request_id)
-        principal.require_model(canonical.model)
-        route = pipeline.fleet.get(canonical.model)
-        if route is None or not route.endpoints:
-            raise ModelNotFound(f"the model {canonical.model!r} does not exist")
+        canonical, _, route = await pipeline.authorize(request, dialect.parse_count_tokens,
+                                                       request_id)
+        if not route.endpoints:
+            raise ModelNotFound(f"the model {canonical.model!r} has no endpoint")
         num_tokens = await asyncio.to_thread(route.backend.count_prompt_tokens, canonical,
                                              route.endpoints[0])
     except AuthError as exc:

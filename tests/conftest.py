@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -37,9 +36,8 @@ def clean_redis_url(redis_url: str) -> str:
 
 @pytest.fixture(scope="session")
 def redis_cluster_url() -> Iterator[str]:
-    """`redis+cluster://127.0.0.1:<port>` of a real three-node Redis Cluster, started once."""
-    if shutil.which("redis-cli") is None:
-        pytest.skip("redis-cli is not on PATH (scripts/ensure-redis.sh installs it)")
+    """`redis+cluster://127.0.0.1:<port>` of a real three-node Redis Cluster, started once (a
+    missing redis-server or redis-cli is an error naming scripts/ensure-redis.sh, as for the server)."""
     with running_redis_cluster() as url:
         yield url
 

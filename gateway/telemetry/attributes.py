@@ -1,6 +1,10 @@
-"""Span attribute names: OpenTelemetry GenAI semantic conventions, plus ours (`aigw.*`)."""
+"""Span attribute names: OpenTelemetry GenAI semantic conventions, plus ours (`aigw.*`); and the
+`exception` event's attributes."""
 
 from __future__ import annotations
+
+import traceback
+from typing import Any
 
 GEN_AI_OPERATION = "gen_ai.operation.name"  # "chat" | "text_completion"
 GEN_AI_SYSTEM = "gen_ai.system"
@@ -30,3 +34,14 @@ AIGW_ROUTING_SCORES = "aigw.routing.scores"  # the router's cost per candidate (
 AIGW_ROUTING_EXPLAIN = "aigw.routing.explain"
 
 OPERATION_BY_KIND = {"chat": "chat", "completion": "text_completion"}
+
+
+def exception_attributes(exception: BaseException, escaped: bool = False) -> dict[str, Any]:
+    """The OpenTelemetry `exception` event's attributes (what the SDK's `record_exception` writes)."""
+    kind = type(exception)
+    module = kind.__module__
+    return {"exception.type": f"{module}.{kind.__qualname__}" if module and module != "builtins"
+            else kind.__qualname__,
+            "exception.message": str(exception),
+            "exception.stacktrace": "".join(traceback.format_exception(exception)),
+            "exception.escaped": str(escaped)}

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import random
 import time
-import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -48,6 +47,8 @@ from opentelemetry.trace import (
     StatusCode,
     TraceFlags,
 )
+
+from gateway.telemetry.attributes import exception_attributes
 
 _UNSET = Status(StatusCode.UNSET)
 _SAMPLED_RANDOM = TraceFlags(TraceFlags.SAMPLED | TraceFlags.RANDOM_TRACE_ID)
@@ -80,11 +81,16 @@ def _current_span_getter() -> Any:
 _current_span = _current_span_getter()
 
 
+def new_span_id() -> int:
+    """A random non-zero 64-bit span id (W3C trace context)."""
+    return _getrandbits(64) or 1
+
+
 def new_span_context(parent: SpanContext | None, bound: int) -> SpanContext:
     """A new span's context: a child of `parent` (same trace, its sampled decision), or the root of
     a new trace sampled when the trace id's low 64 bits are under `bound` (TraceIdRatioBased's rule;
     `LeanTracerProvider.bound`)."""
-    span_id = _getrandbits(64) or 1
+    span_id = new_span_id()
     # SpanContext is a tuple: (trace_id, span_id, is_remote, flags, trace_state, is_valid)
     if parent is not None:
         trace_id = parent[0]
@@ -172,14 +178,7 @@ class LeanSpan(trace_api.Span, ReadableSpan):
 
     def record_exception(self, exception: BaseException, attributes: Mapping[str, Any] | None = None,
                          timestamp: int | None = None, escaped: bool = False) -> None:
-        kind = type(exception)
-        module = kind.__module__
-        values: dict[str, Any] = {
-            "exception.type": f"{module}.{kind.__qualname__}" if module and module != "builtins"
-            else kind.__qualname__,
-            "exception.message": str(exception),
-            "exception.stacktrace": "".join(traceback.format_exception(exception)),
-            "exception.escaped": str(escaped)}
+        values = exception_attributes(exception, escaped)
         if attributes:
             values.update(attributes)
         self.add_event("exception", values, timestamp)

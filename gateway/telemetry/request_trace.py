@@ -21,8 +21,6 @@ Written and read by the event loop only.
 
 from __future__ import annotations
 
-import random
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +32,8 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 
 from gateway.metering.contract import UsageRecord
 from gateway.telemetry import attributes as attr
+from gateway.telemetry.lean_tracer import new_span_id
 
-_getrandbits = random.getrandbits
 _UNSET = Status(StatusCode.UNSET)
 _ERROR = Status(StatusCode.ERROR)
 
@@ -111,7 +109,7 @@ class RequestTrace:
         self.routes += (step,)
 
     def new_call(self, name: str, attributes: dict[str, Any], start_ns: int) -> UpstreamCall:
-        call = UpstreamCall(_getrandbits(64) or 1, name, attributes, start_ns)
+        call = UpstreamCall(new_span_id(), name, attributes, start_ns)
         self.calls += (call,)
         return call
 
@@ -127,17 +125,6 @@ def request_values(request: Any) -> tuple[Any, ...]:
     so a buffered trace never holds a request's messages)."""
     return (request.kind, request.model, request.request_id, request.stream, request.max_tokens,
             request.temperature, request.top_p, request.seed)
-
-
-def exception_attributes(exception: BaseException) -> dict[str, Any]:
-    """The OpenTelemetry `exception` event's attributes (what `Span.record_exception` writes)."""
-    kind = type(exception)
-    module = kind.__module__
-    return {"exception.type": f"{module}.{kind.__qualname__}" if module and module != "builtins"
-            else kind.__qualname__,
-            "exception.message": str(exception),
-            "exception.stacktrace": "".join(traceback.format_exception(exception)),
-            "exception.escaped": "False"}
 
 
 def _build(trace: RequestTrace, resource: Resource, scope: InstrumentationScope) -> list[ReadableSpan]:
@@ -159,7 +146,7 @@ def _build(trace: RequestTrace, resource: Resource, scope: InstrumentationScope)
             values.update(identity)
             auth = {**identity, "aigw.auth.via": via}
         status = Status(StatusCode.ERROR, trace.auth_error) if trace.auth_error else _UNSET
-        spans.append(child("gateway.auth", _span_id(), SpanKind.INTERNAL, auth,
+        spans.append(child("gateway.auth", new_span_id(), SpanKind.INTERNAL, auth,
                            trace.auth_start_ns, trace.auth_end_ns, status))
     if trace.request is not None:
         values.update(_request_attributes(trace.request))
@@ -169,7 +156,7 @@ def _build(trace: RequestTrace, resource: Resource, scope: InstrumentationScope)
                  **candidate_attributes(step.decision, step.candidates)}
         if step.explanation:
             route[attr.AIGW_ROUTING_EXPLAIN] = step.explanation
-        spans.append(child("gateway.route", _span_id(), SpanKind.INTERNAL, route, step.start_ns,
+        spans.append(child("gateway.route", new_span_id(), SpanKind.INTERNAL, route, step.start_ns,
                            step.end_ns))
     for call in trace.calls:
         upstream = dict(call.attributes)
@@ -194,10 +181,6 @@ def _build(trace: RequestTrace, resource: Resource, scope: InstrumentationScope)
     root = ReadableSpan(f"{trace.method} {trace.route}", server, trace.parent, resource, values, (),
                         (), SpanKind.SERVER, None, status, trace.start_ns, trace.end_ns, scope)
     return [root, *spans]
-
-
-def _span_id() -> int:
-    return _getrandbits(64) or 1
 
 
 def _request_attributes(values: tuple[Any, ...]) -> dict[str, Any]:

@@ -19,9 +19,9 @@ from urllib.parse import urlsplit
 from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from gateway.telemetry.attributes import AIGW_REPLICA
+from gateway.telemetry.attributes import AIGW_REPLICA, exception_attributes
 from gateway.telemetry.observation import RequestObservation, current_observation
-from gateway.telemetry.request_trace import UpstreamCall, exception_attributes
+from gateway.telemetry.request_trace import UpstreamCall
 from gateway.transport import Transport, UpstreamRequest, UpstreamResponse
 
 PROPAGATOR: TextMapPropagator = TraceContextTextMapPropagator()

@@ -17,10 +17,11 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.server.tracing import TracedEngine
 from gateway.metering.contract import UsageRecord
+from gateway.telemetry.attributes import exception_attributes
 from gateway.telemetry.lean_tracer import new_span_context
 from gateway.telemetry.observation import RequestObservation, reset_current, set_current
 from gateway.telemetry.recent import LatencySample, LatencyWindow, UsageSeries
-from gateway.telemetry.request_trace import RequestTrace, RouteStep, exception_attributes
+from gateway.telemetry.request_trace import RequestTrace, RouteStep
 from gateway.telemetry.settings import TelemetrySettings
 from gateway.telemetry.telemetry import Telemetry
 from gateway.telemetry.tracing import build_tracer_provider
