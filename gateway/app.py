@@ -39,7 +39,7 @@ from gateway.routes import setup_routes
 from gateway.routing import Router, create_router
 from gateway.settings import GatewaySettings
 from gateway.telemetry import Telemetry
-from gateway.transport import AiohttpTransport, Transport
+from gateway.transport import Transport, create_transport
 
 
 def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None = None,
@@ -53,7 +53,7 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
     app = web.Application(client_max_size=settings.max_body_bytes + 1,
                           middlewares=[telemetry.middleware, envelope_middleware])
     app[SETTINGS] = settings
-    app[TRANSPORT] = transport or AiohttpTransport()
+    app[TRANSPORT] = transport or create_transport(settings.upstream_client)
     app[ROUTER] = router or create_router(settings.router, settings)
     app[FLEET] = Fleet(settings, telemetry.traced_transport(app[TRANSPORT]))
     app[DISCOVERY] = Discovery(app[FLEET], app[ROUTER], resolve)

@@ -1,7 +1,9 @@
 """Upstream I/O behind one method: `Transport.send(UpstreamRequest) -> UpstreamResponse`.
 
-Backends never touch aiohttp directly; tests hand them a `MockTransport`. `AiohttpTransport` keeps
-one pooled `ClientSession` per upstream origin (keep-alive connections, no per-request session).
+Backends never touch an HTTP client directly; tests hand them a `MockTransport`. Two real ones:
+`LeanTransport` (gateway/lean_transport.py, the default: asyncio protocols + httptools) and
+`AiohttpTransport` here, which keeps one pooled `ClientSession` per upstream origin (keep-alive
+connections, no per-request session); `create_transport(name)` makes either.
 Connection failures surface as `UpstreamUnavailable`, connect timeouts as `UpstreamTimeout`; their
 messages reach clients, so they say "upstream failed: <short reason>" and the URL and exception
 details go to the log only.
@@ -56,6 +58,11 @@ class UpstreamResponse(ABC):
     @abstractmethod
     def close(self) -> None:
         """Drop the connection if the body was not fully read (this is how an upstream is aborted)."""
+
+    def release(self) -> None:
+        """The caller has all it wants of a body that is ending by itself (a stream past its
+        `[DONE]`): the connection may be reused once the rest arrives. The default closes."""
+        self.close()
 
 
 class Transport(ABC):
@@ -166,6 +173,17 @@ class AiohttpTransport(Transport):
         sessions, self._sessions = list(self._sessions.values()), {}
         for session in sessions:
             await session.close()
+
+
+def create_transport(name: str) -> Transport:
+    """"lean" or "aiohttp" (GatewaySettings.upstream_client)."""
+    if name == "aiohttp":
+        return AiohttpTransport()
+    if name == "lean":
+        from gateway.lean_transport import LeanTransport
+
+        return LeanTransport()
+    raise ValueError(f"unknown upstream client {name!r}")
 
 
 class MockResponse(UpstreamResponse):

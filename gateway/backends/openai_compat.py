@@ -87,6 +87,7 @@ class OpenAICompatBackend(Backend):
             "POST", endpoint.url + path, orjson.dumps(self.upstream_body(request, endpoint)),
             self.upstream_headers(request, endpoint), self.settings.connect_timeout_s)
         response = await self.transport.send(upstream)
+        is_answered = False  # the whole answer read: its connection may serve another call
         try:
             if response.status >= 400:
                 await _raise_for_status(response)
@@ -111,9 +112,13 @@ class OpenAICompatBackend(Backend):
             for choice in accumulator.choices:
                 folded = accumulator.others[choice] if choice else accumulator
                 yield Finish(folded.finish_reason or "stop", folded.stop_sequence, choice)
+            is_answered = True
             yield usage or self._count_usage(request, endpoint, accumulator)
         finally:
-            response.close()
+            if is_answered:
+                response.release()
+            else:
+                response.close()
 
     def _count_usage(self, request: CanonicalRequest, endpoint: Endpoint, acc: Accumulator) -> Usage:
         response = acc.response()

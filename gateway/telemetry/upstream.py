@@ -104,5 +104,12 @@ class _TracedResponse(UpstreamResponse):
 
     def close(self) -> None:
         self._inner.close()
+        self._end_call()
+
+    def release(self) -> None:
+        self._inner.release()
+        self._end_call()
+
+    def _end_call(self) -> None:
         if self._call is not None and self._call.end_ns is None:
             self._call.end_ns = _time_ns()

@@ -23,7 +23,7 @@ from gateway.dialects import OpenAIChat, OpenAICompletions
 from gateway.endpoints import Fleet
 from gateway.errors import UpstreamUnavailable
 from gateway.settings import GatewaySettings
-from gateway.transport import AiohttpTransport, MockResponse, MockTransport, UpstreamRequest
+from gateway.transport import MockResponse, MockTransport, UpstreamRequest, create_transport
 from tests.gateway.conftest import MODEL, LoopThread, start_app
 
 
@@ -34,9 +34,12 @@ def test_merging_joins_adjacent_text_and_argument_pieces_only() -> None:
                                ToolCallDelta(1, "d", "g", ""), Finish("stop")]
 
 
-async def _stream(upstream: str, stream: bool = True) -> list[object]:
+UPSTREAM_CLIENTS = pytest.mark.parametrize("client", ["lean", "aiohttp"])
+
+
+async def _stream(upstream: str, client: str, stream: bool = True) -> list[object]:
     settings = GatewaySettings(auth_enabled=False, models=[{"name": MODEL, "endpoints": [upstream]}])
-    transport = AiohttpTransport()
+    transport = create_transport(client)
     try:
         route = Fleet(settings, transport).get(MODEL)
         assert route is not None
@@ -46,10 +49,11 @@ async def _stream(upstream: str, stream: bool = True) -> list[object]:
         await transport.aclose()
 
 
-def test_batched_stream_keeps_every_token_and_usage(loop_thread: LoopThread) -> None:
+@UPSTREAM_CLIENTS
+def test_batched_stream_keeps_every_token_and_usage(loop_thread: LoopThread, client: str) -> None:
     runner, url = loop_thread.run(start_app(create_mock_app(MockState(MockConfig(num_tokens=50)))))
     try:
-        events = loop_thread.run(_stream(url))
+        events = loop_thread.run(_stream(url, client))
     finally:
         loop_thread.run(runner.cleanup())
     text = "".join(e.text for e in events if isinstance(e, TextDelta))
@@ -57,12 +61,13 @@ def test_batched_stream_keeps_every_token_and_usage(loop_thread: LoopThread) -> 
     assert events[-2:] == [Finish("stop"), Usage(1, 50, 0)]
 
 
-def test_batched_stream_cut_mid_way_is_an_error(loop_thread: LoopThread) -> None:
+@UPSTREAM_CLIENTS
+def test_batched_stream_cut_mid_way_is_an_error(loop_thread: LoopThread, client: str) -> None:
     config = MockConfig(num_tokens=50, fail_mode="mid_stream", fail_after_tokens=10)
     runner, url = loop_thread.run(start_app(create_mock_app(MockState(config))))
     try:
         with pytest.raises(UpstreamUnavailable):
-            loop_thread.run(_stream(url))
+            loop_thread.run(_stream(url, client))
     finally:
         loop_thread.run(runner.cleanup())
 

@@ -1,0 +1,382 @@
+"""`LeanTransport`: the gateway's upstream HTTP/1.1 client, on asyncio protocols with httptools'
+response parser (the parser uvicorn uses), keep-alive connections pooled per origin.
+
+Why not aiohttp's client: on the gateway's hot path a call through `ClientSession.request` (URL and
+header normalisation, timers, traces, cookie and redirect handling the gateway never uses) costs
+more CPU than the rest of the gateway's per-request work; this client writes one request head
+and feeds what arrives to httptools (measured in docs/benchmarks.md, "Gateway overhead").
+
+Contract (that of `Transport`):
+
+    send(request) --connect or reuse--> write head + body --> headers arrive --> UpstreamResponse
+    response.read() / lines() / line_batches()   the body, once
+    response.release()   the caller has what it wants: the connection is reused once its answer
+                         has ended (a stream's last bytes may still be on the way), dropped if
+                         that takes longer than RELEASE_GRACE_S
+    response.close()     abort: an answer not wholly received drops its connection at once (this
+                         is how a disconnected client cancels its upstream request)
+
+Connections: one request at a time each; idle ones are kept per origin (newest reused first, at
+most `max_idle_per_origin`, closed after `keepalive_timeout_s` idle). A reused connection that
+fails before a single byte of answer (the upstream closed it while idle) is replaced by a fresh
+one once. Errors: refused or reset connections raise `UpstreamUnavailable`, a connect that takes
+longer than `request.connect_timeout_s` raises `UpstreamTimeout`; an answer that breaks off raises
+`UpstreamUnavailable` from the body methods. There is no read timeout, as before: a stalled
+upstream is the caller's to cancel. Bodies are read with backpressure: past READ_HIGH_WATER_BYTES
+not yet taken by the caller, the socket stops being read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import ssl
+import time
+from collections.abc import AsyncIterator, Callable
+from functools import lru_cache
+from typing import NamedTuple
+from urllib.parse import urlsplit
+
+import httptools
+
+from gateway.errors import UpstreamTimeout, UpstreamUnavailable
+from gateway.transport import Transport, UpstreamRequest, UpstreamResponse
+
+log = logging.getLogger("aigw.gateway")
+
+READ_HIGH_WATER_BYTES = 256 * 1024
+RELEASE_GRACE_S = 1.0
+
+
+class _Target(NamedTuple):
+    """What a URL resolves to, parsed once per distinct URL."""
+
+    origin: str  # the pool key: scheme://host:port
+    host: str
+    port: int
+    is_tls: bool
+    head_prefix: str  # " <path?query> HTTP/1.1\r\nhost: <netloc>\r\n" (the method goes first)
+
+
+@lru_cache(maxsize=1024)
+def _target(url: str) -> _Target:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UpstreamUnavailable("upstream failed: unsupported URL")
+    is_tls = parts.scheme == "https"
+    port = parts.port or (443 if is_tls else 80)
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return _Target(f"{parts.scheme}://{parts.hostname}:{port}", parts.hostname, port, is_tls,
+                   f" {path} HTTP/1.1\r\nhost: {parts.netloc}\r\n")
+
+
+def _request_head(request: UpstreamRequest, target: _Target) -> bytes:
+    lines = [request.method, target.head_prefix]
+    if request.body is not None:
+        lines.append(f"content-length: {len(request.body)}\r\n")
+    for name, value in request.headers.items():
+        lines.append(f"{name}: {value}\r\n")
+    lines.append("\r\n")
+    head = "".join(lines)
+    # a line per entry but the method (whose request line the prefix ends) and two in the prefix:
+    # a CR or LF inside a name or value (header injection) would add more
+    if head.count("\n") != len(lines) or head.count("\r") != len(lines):
+        raise ValueError("upstream request header contains a line break")
+    return head.encode("latin-1")
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection and the answer in flight on it (the httptools callbacks fill it).
+
+    State of the current answer: `headers_ready` resolves when the status and headers have arrived
+    (or fails); `body_chunks` holds body bytes not yet taken; `is_complete` once the answer has
+    ended; `error` once the connection broke before that. `waiter` is the one reader waiting for
+    more body.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.is_closed = False
+        self.is_paused = False
+        self.idle_since_s = 0.0
+        self._start_answer()
+
+    def _start_answer(self) -> None:
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.headers_ready: asyncio.Future[None] = self.loop.create_future()
+        self.body_chunks: list[bytes] = []
+        self.num_buffered_bytes = 0
+        self.num_received_bytes = 0
+        self.is_complete = False
+        self.is_reading_all = False
+        self.error: Exception | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.on_complete: Callable[[], None] | None = None  # release(): reuse once the answer ends
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.num_received_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            log.warning("upstream sent a malformed answer: %r", exc)
+            self._fail(UpstreamUnavailable("upstream failed: malformed answer"))
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.is_closed = True
+        if self.is_complete:
+            return
+        # an answer with neither content-length nor chunked encoding ends when the connection does
+        if (self.headers_ready.done() and self.error is None and "content-length" not in self.headers
+                and "chunked" not in self.headers.get("transfer-encoding", "")):
+            self.on_message_complete()
+            return
+        if exc is not None:
+            log.warning("upstream connection lost: %r", exc)
+        self._fail(UpstreamUnavailable("upstream failed: the connection closed"))
+
+    def pause_writing(self) -> None:  # request bodies are written whole; nothing to pause
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # -- httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if not self.headers_ready.done():
+            self.headers_ready.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self.body_chunks.append(body)
+        self.num_buffered_bytes += len(body)
+        if (self.num_buffered_bytes > READ_HIGH_WATER_BYTES and not self.is_reading_all
+                and not self.is_paused and self.transport is not None):
+            self.is_paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.is_complete = True
+        if not self.parser.should_keep_alive():
+            self.close()
+        self._wake()
+        if self.on_complete is not None:
+            callback, self.on_complete = self.on_complete, None
+            callback()
+
+    # -- used by the response
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, error: Exception) -> None:
+        self.error = error
+        if not self.headers_ready.done():
+            self.headers_ready.set_exception(error)
+            self.headers_ready.exception()  # retrieved: a send() cancelled meanwhile never reads it
+        self._wake()
+
+    async def wait_for_body(self) -> None:
+        """Until more body, the end of the answer or an error."""
+        if self.is_paused and self.transport is not None:
+            self.is_paused = False
+            self.transport.resume_reading()
+        self.waiter = self.loop.create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+
+    def take_body(self) -> bytes:
+        data = b"".join(self.body_chunks) if len(self.body_chunks) != 1 else self.body_chunks[0]
+        self.body_chunks.clear()
+        self.num_buffered_bytes = 0
+        return data
+
+    def close(self) -> None:
+        self.is_closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+_Pool = collections.deque[_Connection]  # the idle connections of one origin, newest last
+
+
+class _LeanResponse(UpstreamResponse):
+    __slots__ = ("status", "headers", "_connection", "_transport", "_pool", "_is_done")
+
+    def __init__(self, connection: _Connection, transport: LeanTransport, pool: _Pool) -> None:
+        self.status = connection.status
+        self.headers = connection.headers
+        self._connection = connection
+        self._transport = transport
+        self._pool = pool
+        self._is_done = False
+
+    async def read(self) -> bytes:
+        connection = self._connection
+        connection.is_reading_all = True
+        while not connection.is_complete:
+            if connection.error is not None:
+                raise UpstreamUnavailable("upstream failed: the answer broke off") from connection.error
+            await connection.wait_for_body()
+        body = connection.take_body()
+        self.release()
+        return body
+
+    async def lines(self) -> AsyncIterator[bytes]:  # type: ignore[override]
+        pending = b""
+        async for data in self._chunks():
+            *complete, pending = (pending + data).split(b"\n")
+            for line in complete:
+                yield line + b"\n"
+        if pending:
+            yield pending
+
+    async def line_batches(self) -> AsyncIterator[list[bytes]]:  # type: ignore[override]
+        pending = b""
+        async for data in self._chunks():
+            *complete, pending = (pending + data).split(b"\n")
+            if complete:
+                yield complete
+        if pending:
+            yield [pending]
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        connection = self._connection
+        while True:
+            if connection.body_chunks:
+                yield connection.take_body()
+            elif connection.is_complete:
+                return
+            elif connection.error is not None:
+                raise UpstreamUnavailable("upstream failed: the stream broke off") from connection.error
+            else:
+                await connection.wait_for_body()
+
+    def release(self) -> None:
+        if self._is_done:
+            return
+        self._is_done = True
+        connection = self._connection
+        if connection.is_complete:
+            self._transport.put_back(connection, self._pool)
+            return
+        if connection.error is not None or connection.is_closed:
+            connection.close()
+            return
+        # the answer's last bytes (a stream's closing chunk) are still on the way
+        timer = connection.loop.call_later(RELEASE_GRACE_S, connection.close)
+
+        def put_back() -> None:
+            timer.cancel()
+            self._transport.put_back(connection, self._pool)
+
+        connection.on_complete = put_back
+
+    def close(self) -> None:
+        if self._is_done:
+            return
+        if self._connection.is_complete:
+            self.release()
+            return
+        self._is_done = True
+        self._connection.close()
+
+
+class LeanTransport(Transport):
+    def __init__(self, *, keepalive_timeout_s: float = 60.0, max_idle_per_origin: int = 1024,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        self._pools: dict[str, _Pool] = {}  # origin -> idle connections
+        self._keepalive_timeout_s = keepalive_timeout_s
+        self._max_idle_per_origin = max_idle_per_origin
+        self._ssl_context = ssl_context
+
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
+        target = _target(request.url)
+        head = _request_head(request, target)
+        pool = self._pools.get(target.origin)
+        if pool is None:
+            pool = self._pools[target.origin] = _Pool()
+        connection = self._idle_connection(pool)
+        if connection is not None:
+            try:
+                return await self._exchange(connection, head, request.body, pool)
+            except UpstreamUnavailable:
+                if connection.num_received_bytes:
+                    raise
+                # the upstream closed the idle connection before reading this request: a fresh one
+        connection = await self._connect(target, request.connect_timeout_s)
+        return await self._exchange(connection, head, request.body, pool)
+
+    def _idle_connection(self, pool: _Pool) -> _Connection | None:
+        now_s = time.monotonic()
+        while pool:
+            connection = pool.pop()
+            if not connection.is_closed and now_s - connection.idle_since_s < self._keepalive_timeout_s:
+                return connection
+            connection.close()
+        return None
+
+    async def _connect(self, target: _Target, connect_timeout_s: float) -> _Connection:
+        loop = asyncio.get_running_loop()
+        ssl_context = None
+        if target.is_tls:
+            if self._ssl_context is None:
+                self._ssl_context = ssl.create_default_context()
+            ssl_context = self._ssl_context
+        try:
+            async with asyncio.timeout(connect_timeout_s):
+                _, connection = await loop.create_connection(
+                    lambda: _Connection(loop), target.host, target.port, ssl=ssl_context,
+                    server_hostname=target.host if ssl_context else None)
+        except TimeoutError as exc:
+            log.warning("connecting to %s timed out", target.origin)
+            raise UpstreamTimeout("upstream failed: connecting timed out") from exc
+        except OSError as exc:
+            log.warning("cannot reach %s: %r", target.origin, exc)  # details in the log, not the answer
+            raise UpstreamUnavailable("upstream failed: cannot connect") from exc
+        return connection
+
+    async def _exchange(self, connection: _Connection, head: bytes, body: bytes | None,
+                        pool: _Pool) -> UpstreamResponse:
+        transport = connection.transport
+        assert transport is not None
+        if body:
+            transport.writelines((head, body))
+        else:
+            transport.write(head)
+        try:
+            await connection.headers_ready
+        except asyncio.CancelledError:
+            connection.close()
+            raise
+        return _LeanResponse(connection, self, pool)
+
+    def put_back(self, connection: _Connection, pool: _Pool) -> None:
+        """An answer has ended and its reader is done: the connection serves the next request."""
+        if connection.is_closed or len(pool) >= self._max_idle_per_origin:
+            connection.close()
+            return
+        connection._start_answer()
+        connection.idle_since_s = time.monotonic()
+        pool.append(connection)
+
+    async def aclose(self) -> None:
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            while pool:
+                pool.pop().close()

@@ -1,0 +1,334 @@
+"""LeanTransport against real sockets: an aiohttp server for ordinary answers and streams, and a
+raw asyncio server where an upstream must misbehave (close idle connections, end a body at EOF,
+break off, send garbage)."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import subprocess
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from gateway.errors import UpstreamTimeout, UpstreamUnavailable
+from gateway.lean_transport import READ_HIGH_WATER_BYTES, LeanTransport
+from gateway.transport import UpstreamRequest
+
+
+class _Upstream:
+    """An aiohttp app that notes the connections (client ports) it served and the requests it saw."""
+
+    def __init__(self) -> None:
+        self.client_ports: set[int] = set()
+        self.seen: list[tuple[str, str, dict[str, str], bytes]] = []
+        self.disconnected = asyncio.Event()
+        self.app = web.Application(middlewares=[self.note_connection])
+        self.app.router.add_post("/echo", self.echo)
+        self.app.router.add_get("/stream", self.stream)
+        self.app.router.add_get("/big", self.big)
+        self.app.router.add_get("/endless", self.endless)
+
+    @property
+    def num_connections(self) -> int:
+        return len(self.client_ports)
+
+    @web.middleware
+    async def note_connection(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                              ) -> web.StreamResponse:
+        assert request.transport is not None
+        self.client_ports.add(request.transport.get_extra_info("peername")[1])
+        return await handler(request)
+
+    async def echo(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        self.seen.append((request.method, request.path_qs,
+                          {name.lower(): value for name, value in request.headers.items()}, body))
+        return web.Response(body=b"echo:" + body, status=201, headers={"X-Answer": "yes"})
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for index in range(5):
+            await response.write(f"data: {index}\n\n".encode())
+            await asyncio.sleep(0.005)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def big(self, request: web.Request) -> web.Response:
+        return web.Response(body=b"x" * (4 * READ_HIGH_WATER_BYTES))
+
+    async def endless(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        try:
+            while True:
+                await response.write(b"data: more\n\n")
+                await asyncio.sleep(0.01)
+        except (ConnectionError, asyncio.CancelledError):
+            self.disconnected.set()
+            raise
+
+
+@asynccontextmanager
+async def _serve(upstream: _Upstream, ssl_context: ssl.SSLContext | None = None) -> AsyncIterator[str]:
+    runner = web.AppRunner(upstream.app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"{'https' if ssl_context else 'http'}://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def _raw_server(handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+                      ) -> AsyncIterator[str]:
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+
+
+def test_keeps_one_connection_alive_across_calls_and_sends_what_it_was_given() -> None:
+    async def main() -> None:
+        upstream = _Upstream()
+        transport = LeanTransport()
+        async with _serve(upstream) as url:
+            for index in range(5):
+                response = await transport.send(UpstreamRequest(
+                    "POST", f"{url}/echo?n={index}", f"body {index}".encode(),
+                    {"content-type": "application/json", "x-request-id": f"r{index}"}))
+                assert response.status == 201
+                assert response.headers["x-answer"] == "yes"
+                assert await response.read() == f"echo:body {index}".encode()
+                response.close()
+            assert upstream.num_connections == 1
+            method, path, headers, body = upstream.seen[3]
+            assert (method, path, body) == ("POST", "/echo?n=3", b"body 3")
+            assert headers["x-request-id"] == "r3" and headers["content-length"] == "6"
+            assert headers["host"] == url.removeprefix("http://")
+        await transport.aclose()
+
+    asyncio.run(main())
+
+
+def test_stream_lines_and_batches_arrive_whole_and_the_connection_is_reused_after_release() -> None:
+    async def main() -> None:
+        upstream = _Upstream()
+        transport = LeanTransport()
+        async with _serve(upstream) as url:
+            response = await transport.send(UpstreamRequest("GET", f"{url}/stream"))
+            lines = [line async for line in response.lines()]
+            assert lines == [b"data: 0\n", b"\n", b"data: 1\n", b"\n", b"data: 2\n", b"\n",
+                             b"data: 3\n", b"\n", b"data: 4\n", b"\n", b"data: [DONE]\n", b"\n"]
+            response.release()
+            response = await transport.send(UpstreamRequest("GET", f"{url}/stream"))
+            batches = [batch async for batch in response.line_batches()]
+            data = [line for batch in batches for line in batch if line]
+            assert data == [b"data: 0", b"data: 1", b"data: 2", b"data: 3", b"data: 4", b"data: [DONE]"]
+            response.release()
+            assert upstream.num_connections == 1
+        await transport.aclose()
+
+    asyncio.run(main())
+
+
+def test_release_before_the_stream_ends_reuses_the_connection_once_it_does() -> None:
+    async def main() -> None:
+        upstream = _Upstream()
+        transport = LeanTransport()
+        async with _serve(upstream) as url:
+            response = await transport.send(UpstreamRequest("GET", f"{url}/stream"))
+            async for line in response.lines():
+                if line.startswith(b"data: 2"):
+                    break
+            response.release()  # three more events and the closing chunk are on the way
+            await asyncio.sleep(0.2)
+            response = await transport.send(UpstreamRequest("POST", f"{url}/echo", b"after"))
+            assert await response.read() == b"echo:after"
+            assert upstream.num_connections == 1
+        await transport.aclose()
+
+    asyncio.run(main())
+
+
+def test_close_mid_stream_aborts_the_upstream_call() -> None:
+    async def main() -> None:
+        upstream = _Upstream()
+        transport = LeanTransport()
+        async with _serve(upstream) as url:
+            response = await transport.send(UpstreamRequest("GET", f"{url}/endless"))
+            async for line in response.lines():
+                if line.strip():
+                    break
+            response.close()
+            await asyncio.wait_for(upstream.disconnected.wait(), 5)
+            response = await transport.send(UpstreamRequest("POST", f"{url}/echo", b"next"))
+            assert await response.read() == b"echo:next"
+            assert upstream.num_connections == 2  # the aborted connection was not reused
+        await transport.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_slow_reader_pauses_the_socket_and_still_gets_every_byte() -> None:
+    async def main() -> None:
+        upstream = _Upstream()
+        transport = LeanTransport()
+        async with _serve(upstream) as url:
+            response = await transport.send(UpstreamRequest("GET", f"{url}/big"))
+            await asyncio.sleep(0.2)  # let the answer pile up unread
+            connection = response._connection  # type: ignore[attr-defined]
+            assert connection.num_buffered_bytes <= READ_HIGH_WATER_BYTES + 256 * 1024
+            assert connection.is_paused
+            total = sum(len(line) for line in [line async for line in response.lines()])
+            assert total == 4 * READ_HIGH_WATER_BYTES
+            response.release()
+        await transport.aclose()
+
+    asyncio.run(main())
+
+
+def test_an_idle_connection_the_upstream_closed_is_replaced_without_an_error() -> None:
+    num_connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal num_connections
+        num_connections += 1
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()  # keep-alive promised, then closed: the next call must not fail
+
+    async def main() -> None:
+        transport = LeanTransport()
+        async with _raw_server(handle) as url:
+            for _ in range(3):
+                response = await transport.send(UpstreamRequest("GET", f"{url}/x"))
+                assert await response.read() == b"ok"
+                response.close()
+                await asyncio.sleep(0.05)
+        assert num_connections == 3
+        await transport.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_body_without_length_ends_with_the_connection() -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nline one\nline two")
+        await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        transport = LeanTransport()
+        async with _raw_server(handle) as url:
+            response = await transport.send(UpstreamRequest("GET", f"{url}/x"))
+            assert [line async for line in response.lines()] == [b"line one\n", b"line two"]
+            response.close()
+        await transport.aclose()
+
+    asyncio.run(main())
+
+
+def test_an_answer_that_breaks_off_raises_upstream_unavailable() -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial")
+        await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        transport = LeanTransport()
+        async with _raw_server(handle) as url:
+            response = await transport.send(UpstreamRequest("GET", f"{url}/x"))
+            with pytest.raises(UpstreamUnavailable, match="broke off"):
+                await response.read()
+            response.close()
+            response = await transport.send(UpstreamRequest("GET", f"{url}/x"))
+            with pytest.raises(UpstreamUnavailable, match="broke off"):
+                [line async for line in response.lines()]
+            response.close()
+        await transport.aclose()
+
+    asyncio.run(main())
+
+
+def test_garbage_or_silence_then_close_before_headers_is_upstream_unavailable() -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"this is not http\r\n\r\n")
+        await writer.drain()
+
+    async def silence(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+
+    async def main() -> None:
+        transport = LeanTransport()
+        for handle in (garbage, silence):
+            async with _raw_server(handle) as url:
+                with pytest.raises(UpstreamUnavailable):
+                    await transport.send(UpstreamRequest("GET", f"{url}/x"))
+        await transport.aclose()
+
+    asyncio.run(main())
+
+
+def test_refused_connection_and_connect_timeout_are_named() -> None:
+    async def main() -> None:
+        transport = LeanTransport()
+        async with _raw_server(lambda r, w: asyncio.sleep(0)) as url:
+            pass  # the port is free again: nothing listens there
+        with pytest.raises(UpstreamUnavailable, match="cannot connect"):
+            await transport.send(UpstreamRequest("GET", f"{url}/x"))
+        with pytest.raises(UpstreamTimeout, match="timed out"):
+            await transport.send(UpstreamRequest("GET", f"{url}/x", connect_timeout_s=0))
+
+    asyncio.run(main())
+
+
+def test_a_line_break_in_a_header_is_refused_before_anything_is_sent() -> None:
+    async def main() -> None:
+        transport = LeanTransport()
+        with pytest.raises(ValueError, match="line break"):
+            await transport.send(UpstreamRequest("GET", "http://127.0.0.1:9/x",
+                                                 headers={"x-evil": "a\r\nhost: elsewhere"}))
+
+    asyncio.run(main())
+
+
+def test_https_upstream(tmp_path: Path) -> None:
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    try:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                        "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                        "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True,
+                       timeout=60)
+    except FileNotFoundError:
+        pytest.fail("the openssl command is needed to make a test certificate")
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_context.load_cert_chain(cert, key)
+    client_context = ssl.create_default_context(cafile=str(cert))
+
+    async def main() -> None:
+        upstream = _Upstream()
+        transport = LeanTransport(ssl_context=client_context)
+        async with _serve(upstream, server_context) as url:
+            for _ in range(2):
+                response = await transport.send(UpstreamRequest("POST", f"{url}/echo", b"secret"))
+                assert await response.read() == b"echo:secret"
+            assert upstream.num_connections == 1
+        await transport.aclose()
+
+    asyncio.run(main())
