@@ -28,10 +28,13 @@ log = logging.getLogger("aigw.gateway")
 
 @dataclass(slots=True)  # (not frozen: a frozen init costs a setattr call per field)
 class UpstreamRequest:
+    """One upstream call. `headers` belongs to this request: a transport wrapper may add to it
+    (the trace context), so each request gets a dict of its own."""
+
     method: str
     url: str
     body: bytes | None = None
-    headers: Mapping[str, str] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
     connect_timeout_s: float = 5.0
 
 

@@ -28,13 +28,8 @@ _CURRENT: contextvars.ContextVar[RequestObservation | None] = contextvars.Contex
     "aigw_request_observation", default=None)
 
 
-def current_observation() -> RequestObservation | None:
-    return _CURRENT.get()
-
-
-def set_current(observation: RequestObservation | None) -> contextvars.Token[RequestObservation | None]:
-    return _CURRENT.set(observation)
-
-
-def reset_current(token: contextvars.Token[RequestObservation | None]) -> None:
-    _CURRENT.reset(token)
+# The contextvar's own methods, bound once: a hook reads the observation with one C call, no
+# Python frame (these run several times on every request's path).
+current_observation: Callable[[], RequestObservation | None] = _CURRENT.get
+set_current: Callable[[RequestObservation | None], contextvars.Token[RequestObservation | None]] = _CURRENT.set
+reset_current: Callable[[contextvars.Token[RequestObservation | None]], None] = _CURRENT.reset

@@ -74,7 +74,7 @@ class UpstreamCall:
 
 class RequestTrace:
     """Made by the middleware for a sampled request; the fields it does not set start as class
-    defaults (a trace is made with six writes: it is on every request's path)."""
+    defaults (a trace is made with seven writes: it is on every request's path)."""
 
     end_ns: int = 0
     status_code: int | None = None
@@ -86,7 +86,6 @@ class RequestTrace:
     routes: tuple[RouteStep, ...] = ()  # each routing decision, in order
     calls: tuple[UpstreamCall, ...] = ()  # each upstream call, in order
     record: UsageRecord | None = None
-    _trace_id_hex: str | None = None
     _spans: list[ReadableSpan] | None = None
 
     def __init__(self, context: SpanContext, parent: SpanContext | None, method: str, route: str,
@@ -97,13 +96,9 @@ class RequestTrace:
         self.route = route
         self.origin = origin
         self.start_ns = start_ns
-
-    @property
-    def trace_id_hex(self) -> str:
-        """32 hex digits (the `x-aigw-trace-id` header, the `traceparent` sent upstream)."""
-        if self._trace_id_hex is None:
-            self._trace_id_hex = f"{self.context.trace_id:032x}"
-        return self._trace_id_hex
+        # 32 hex digits: the `x-aigw-trace-id` header and the `traceparent` sent upstream
+        # (SpanContext is a tuple: the trace id first)
+        self.trace_id_hex = f"{context[0]:032x}"
 
     def add_route(self, step: RouteStep) -> None:
         self.routes += (step,)

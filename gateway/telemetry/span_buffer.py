@@ -2,9 +2,12 @@
 
 It takes finished spans (`on_end`, the SpanProcessor side: the replica's tracer) and finished
 gateway `RequestTrace`s (`add`: raw records whose spans are built only when read). Either only
-appends to a queue: no lock, no serialization on the request path. The queue is folded into
-per-trace lists when read (or once it holds `num_traces * 4` entries); readers turn spans into
-plain JSON dicts (`span_json`). Bounded: at most `num_traces` traces (the least recently touched
+appends to a queue: no lock, no serialization on the request path. Spans are folded into
+per-trace lists when read (or once `num_traces * 4` are queued); a `RequestTrace` is a whole
+trace, so its queue simply keeps the last `num_traces` (older ones drop out as new ones come:
+nothing is kept longer than the dashboard can show, which also keeps the collector's work per
+request flat) and is folded only when read. Readers turn spans into plain JSON dicts
+(`span_json`). Bounded: at most `num_traces` traces (the least recently touched
 is dropped) and `num_spans_per_trace` spans each. Thread-safe (the replica's engine side and the
 event loop may both end spans).
 """
@@ -28,6 +31,7 @@ class SpanBuffer(SpanProcessor):
         self._num_traces = num_traces
         self._num_spans_per_trace = num_spans_per_trace
         self._ended: deque[Entry] = deque()  # appends and pops are atomic
+        self._requests: deque[RequestTrace] = deque(maxlen=num_traces)  # the newest, unfolded
         self._num_ended_max = num_traces * 4
         self._traces: OrderedDict[int, list[Entry]] = OrderedDict()
         self._lock = threading.Lock()  # guards _traces (and folding)
@@ -38,16 +42,27 @@ class SpanBuffer(SpanProcessor):
             self._fold()
 
     def add(self, trace: RequestTrace) -> None:
-        self._ended.append(trace)
-        if len(self._ended) >= self._num_ended_max:
-            self._fold()
+        self._requests.append(trace)
 
     def _fold(self) -> None:
-        """Move the ended entries into their traces, oldest first (a run of spans of one trace,
-        the usual case, costs one lookup)."""
+        """Move the queued requests and ended spans into their traces, oldest first (a run of
+        spans of one trace, the usual case, costs one lookup)."""
         with self._lock:
-            ended, traces = self._ended, self._traces
+            requests, traces = self._requests, self._traces
             num_traces, cap = self._num_traces, self._num_spans_per_trace
+            while requests:
+                request = requests.popleft()
+                trace_id = request.context.trace_id  # (requests continuing one caller's trace share it)
+                found = traces.get(trace_id)
+                if found is None:
+                    traces[trace_id] = [request]
+                    if len(traces) > num_traces:
+                        traces.popitem(last=False)
+                else:
+                    if len(found) < cap:
+                        found.append(request)
+                    traces.move_to_end(trace_id)
+            ended = self._ended
             last_trace_id: int | None = None
             spans: list[Entry] = []
             while ended:

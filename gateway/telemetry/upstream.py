@@ -51,14 +51,13 @@ class TracingTransport(Transport):
             return _TracedResponse(await self.inner.send(request), None, observation)
         name, attributes = _span_shape(request.method, request.url)
         call = trace.new_call(name, attributes, _time_ns())
+        # SpanContext is a tuple: (trace_id, span_id, is_remote, trace_flags, trace_state, is_valid)
         context = trace.context
-        headers = dict(request.headers)
+        headers = request.headers  # the request's own (UpstreamRequest: wrappers may add to it)
         # W3C trace context: what PROPAGATOR.inject writes for the call's CLIENT span
-        headers["traceparent"] = f"00-{trace.trace_id_hex}-{call.span_id:016x}-{context.trace_flags:02x}"
-        if context.trace_state:
-            headers["tracestate"] = context.trace_state.to_header()
-        request = UpstreamRequest(request.method, request.url, request.body, headers,
-                                  request.connect_timeout_s)
+        headers["traceparent"] = f"00-{trace.trace_id_hex}-{call.span_id:016x}-{context[3]:02x}"
+        if context[4]:
+            headers["tracestate"] = context[4].to_header()
         try:
             response = await self.inner.send(request)
         except BaseException as exc:  # the call records the error and ends

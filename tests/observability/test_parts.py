@@ -67,6 +67,27 @@ def _request_trace(telemetry: Telemetry, traceparent: str | None = None) -> Requ
                         "/v1/chat/completions", telemetry.origin, time.time_ns())
 
 
+def test_request_traces_keep_the_newest_and_requests_of_one_callers_trace_stay_together() -> None:
+    telemetry = Telemetry(TelemetrySettings(num_traces_buffered=3))
+    own = [_request_trace(telemetry) for _ in range(5)]
+    caller = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    shared = [_request_trace(telemetry, caller) for _ in range(2)]
+    for trace in own[:4]:
+        trace.status_code, trace.end_ns = 200, trace.start_ns + 1
+        telemetry.export(trace)
+    assert [t[0]["trace_id"] for t in telemetry.spans.recent(10)] == [
+        t.trace_id_hex for t in own[3:0:-1]]  # read: the oldest of the four already dropped
+    for trace in (shared[0], own[4], shared[1]):
+        trace.status_code, trace.end_ns = 200, trace.start_ns + 1
+        telemetry.export(trace)
+    recent = telemetry.spans.recent(10)
+    assert [t[0]["trace_id"] for t in recent] == [shared[0].trace_id_hex, own[4].trace_id_hex,
+                                                   own[3].trace_id_hex]
+    assert [s["span_id"] for s in recent[0] if s["kind"] == "SERVER"] == [
+        f"{t.context.span_id:016x}" for t in shared]  # both requests of the caller's trace
+    assert telemetry.spans.trace(own[0].trace_id_hex) == []
+
+
 def test_upstream_call_carries_the_traceparent_of_its_client_span() -> None:
     telemetry = Telemetry(TelemetrySettings())
 
