@@ -56,7 +56,7 @@ class _Target(NamedTuple):
     host: str
     port: int
     is_tls: bool
-    head_prefix: str  # " <path?query> HTTP/1.1\r\nhost: <netloc>\r\n" (the method goes first)
+    head_prefix: str  # " <path?query> HTTP/1.1\r\nhost: <netloc>\r\nuser-agent: aigw\r\n"
 
 
 @lru_cache(maxsize=1024)
@@ -68,22 +68,17 @@ def _target(url: str) -> _Target:
     port = parts.port or (443 if is_tls else 80)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     return _Target(f"{parts.scheme}://{parts.hostname}:{port}", parts.hostname, port, is_tls,
-                   f" {path} HTTP/1.1\r\nhost: {parts.netloc}\r\n")
+                   f" {path} HTTP/1.1\r\nhost: {parts.netloc}\r\nuser-agent: aigw\r\n")
 
 
 def _request_head(request: UpstreamRequest, target: _Target) -> bytes:
-    lines = [request.method, target.head_prefix]
-    if request.body is not None:
-        lines.append(f"content-length: {len(request.body)}\r\n")
-    for name, value in request.headers.items():
-        lines.append(f"{name}: {value}\r\n")
-    lines.append("\r\n")
-    head = "".join(lines)
-    # a line per entry but the method (whose request line the prefix ends) and two in the prefix:
-    # a CR or LF inside a name or value (header injection) would add more
-    if head.count("\n") != len(lines) or head.count("\r") != len(lines):
+    fields = [f"{name}: {value}\r\n" for name, value in request.headers.items()]
+    block = "".join(fields)
+    # a CR or LF inside a name or value (header injection) would add lines
+    if block.count("\n") != len(fields) or block.count("\r") != len(fields):
         raise ValueError("upstream request header contains a line break")
-    return head.encode("latin-1")
+    length = f"content-length: {len(request.body)}\r\n" if request.body is not None else ""
+    return f"{request.method}{target.head_prefix}{length}{block}\r\n".encode("latin-1")
 
 
 class _Connection(asyncio.Protocol):

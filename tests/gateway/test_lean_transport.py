@@ -115,7 +115,7 @@ def test_keeps_one_connection_alive_across_calls_and_sends_what_it_was_given() -
             method, path, headers, body = upstream.seen[3]
             assert (method, path, body) == ("POST", "/echo?n=3", b"body 3")
             assert headers["x-request-id"] == "r3" and headers["content-length"] == "6"
-            assert headers["host"] == url.removeprefix("http://")
+            assert headers["host"] == url.removeprefix("http://") and headers["user-agent"] == "aigw"
         await transport.aclose()
 
     asyncio.run(main())
