@@ -322,8 +322,7 @@ class Pipeline:
                 tail = encoder.error(error.status, error.code, error.message)
             if outcome.settle_before_answer is not None:
                 await outcome.settle_before_answer()
-            await response.write(tail)
-            await response.write_eof()
+            await response.write_eof(tail)  # the last events and the chunked terminator in one send
             return response
         except _CLIENT_GONE:
             outcome.status = STATUS_CLIENT_CLOSED  # the upstream is closed by release() below
