@@ -81,6 +81,10 @@ def _request_head(request: UpstreamRequest, target: _Target) -> bytes:
     return f"{request.method}{target.head_prefix}{length}{block}\r\n".encode("latin-1")
 
 
+class _UnaskedAnswer(Exception):
+    """Raised from a parser callback to stop at an answer that follows the one requested."""
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection and the answer in flight on it (the httptools callbacks fill it).
 
@@ -95,6 +99,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.is_closed = False
+        self.is_idle = False  # in the pool: nothing may arrive until the next request
         self.is_paused = False
         self.idle_since_s = 0.0
         self._start_answer()
@@ -117,9 +122,16 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if self.is_idle:  # bytes nobody asked for: the connection can't be trusted with a request
+            log.warning("upstream sent %d bytes on an idle connection", len(data))
+            self.close()
+            return
         self.num_received_bytes += len(data)
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError:  # on_message_begin: a second answer
+            log.warning("upstream sent an answer nobody asked for")
+            self.close()  # the answer already received stays readable
         except httptools.HttpParserError as exc:
             log.warning("upstream sent a malformed answer: %r", exc)
             self._fail(UpstreamUnavailable("upstream failed: malformed answer"))
@@ -145,6 +157,10 @@ class _Connection(asyncio.Protocol):
         pass
 
     # -- httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.is_complete:  # one request, one answer: what follows it was not asked for
+            raise _UnaskedAnswer
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
@@ -321,6 +337,7 @@ class LeanTransport(Transport):
         now_s = time.monotonic()
         while pool:
             connection = pool.pop()
+            connection.is_idle = False
             if not connection.is_closed and now_s - connection.idle_since_s < self._keepalive_timeout_s:
                 return connection
             connection.close()
@@ -367,6 +384,7 @@ class LeanTransport(Transport):
             connection.close()
             return
         connection._start_answer()
+        connection.is_idle = True
         connection.idle_since_s = time.monotonic()
         pool.append(connection)
 

@@ -223,6 +223,38 @@ def test_an_idle_connection_the_upstream_closed_is_replaced_without_an_error() -
     asyncio.run(main())
 
 
+def test_bytes_after_the_answer_retire_the_connection_instead_of_answering_the_next_call() -> None:
+    num_connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal num_connections
+        num_connections += 1
+        index = 0
+        while True:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                return
+            index += 1
+            writer.write(f"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nr{index}".encode())
+            if index == 1:  # a second, unrequested answer right behind the first
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstray")
+            await writer.drain()
+
+    async def main() -> None:
+        transport = LeanTransport()
+        async with _raw_server(handle) as url:
+            response = await transport.send(UpstreamRequest("GET", f"{url}/x"))
+            assert await response.read() == b"r1"
+            await asyncio.sleep(0.1)  # the stray answer lands on the idle connection
+            response = await transport.send(UpstreamRequest("GET", f"{url}/x"))
+            assert await response.read() == b"r1"  # a fresh connection's first answer
+        assert num_connections == 2
+        await transport.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_body_without_length_ends_with_the_connection() -> None:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
