@@ -112,6 +112,7 @@ class _Connection(asyncio.Protocol):
         self.num_buffered_bytes = 0
         self.num_received_bytes = 0
         self.is_complete = False
+        self.is_interim = False  # a 1xx answer is being parsed: the requested one follows it
         self.is_reading_all = False
         self.error: Exception | None = None
         self.waiter: asyncio.Future[None] | None = None
@@ -143,7 +144,7 @@ class _Connection(asyncio.Protocol):
             return
         # an answer with neither content-length nor chunked encoding ends when the connection does
         if (self.headers_ready.done() and self.error is None and "content-length" not in self.headers
-                and "chunked" not in self.headers.get("transfer-encoding", "")):
+                and "chunked" not in self.headers.get("transfer-encoding", "").lower()):
             self.on_message_complete()
             return
         if exc is not None:
@@ -158,7 +159,9 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks
     def on_message_begin(self) -> None:
-        if self.is_complete:  # one request, one answer: what follows it was not asked for
+        # one request, one answer: what follows it was not asked for (is_idle: release() pooled the
+        # connection from inside this very feed, its answer's end and the unasked bytes in one read)
+        if self.is_complete or self.is_idle:
             raise _UnaskedAnswer
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -166,6 +169,10 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        if 100 <= self.status < 200:  # informational (an unasked 100 Continue, 103 Early Hints)
+            self.is_interim = True
+            self.headers.clear()
+            return
         if not self.headers_ready.done():
             self.headers_ready.set_result(None)
 
@@ -179,6 +186,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.is_interim:  # the end of a 1xx answer: the requested answer is still to come
+            self.is_interim = False
+            return
         self.is_complete = True
         if not self.parser.should_keep_alive():
             self.close()
@@ -200,11 +210,14 @@ class _Connection(asyncio.Protocol):
             self.headers_ready.exception()  # retrieved: a send() cancelled meanwhile never reads it
         self._wake()
 
-    async def wait_for_body(self) -> None:
-        """Until more body, the end of the answer or an error."""
+    def resume_reading(self) -> None:
         if self.is_paused and self.transport is not None:
             self.is_paused = False
             self.transport.resume_reading()
+
+    async def wait_for_body(self) -> None:
+        """Until more body, the end of the answer or an error."""
+        self.resume_reading()
         self.waiter = self.loop.create_future()
         try:
             await self.waiter
@@ -289,7 +302,10 @@ class _LeanResponse(UpstreamResponse):
         if connection.error is not None or connection.is_closed:
             connection.close()
             return
-        # the answer's last bytes (a stream's closing chunk) are still on the way
+        # the answer's last bytes (a stream's closing chunk) are still on the way; nobody reads them,
+        # so they must not pause the socket
+        connection.is_reading_all = True
+        connection.resume_reading()
         timer = connection.loop.call_later(RELEASE_GRACE_S, connection.close)
 
         def put_back() -> None:
@@ -384,6 +400,9 @@ class LeanTransport(Transport):
             connection.close()
             return
         connection._start_answer()
+        # the answer may have ended in the very read that paused the socket: a paused idle
+        # connection would see neither the next answer nor the upstream closing it
+        connection.resume_reading()
         connection.is_idle = True
         connection.idle_since_s = time.monotonic()
         pool.append(connection)

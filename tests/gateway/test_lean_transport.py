@@ -364,3 +364,145 @@ def test_https_upstream(tmp_path: Path) -> None:
         await transport.aclose()
 
     asyncio.run(main())
+
+
+def test_an_answer_that_ends_in_the_read_that_paused_the_socket_leaves_a_connection_that_still_reads() -> None:
+    body = b"x" * (READ_HIGH_WATER_BYTES + 100)  # the read that crosses the high-water mark ends it
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(f"HTTP/1.1 200 OK\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+            await writer.drain()
+
+    async def main() -> None:
+        transport = LeanTransport()
+        async with _raw_server(handle) as url:
+            for _ in range(2):  # the second call runs on the connection the first one paused
+                response = await asyncio.wait_for(transport.send(UpstreamRequest("GET", f"{url}/x")), 5)
+                await asyncio.sleep(0.2)  # the whole answer arrives unread
+                assert await asyncio.wait_for(response.read(), 5) == body
+        await transport.aclose()
+
+    asyncio.run(main())
+
+
+def test_an_answer_behind_a_released_streams_last_chunk_is_not_the_next_calls_answer() -> None:
+    num_connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal num_connections
+        num_connections += 1
+        is_first = num_connections == 1
+        while True:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                return
+            if is_first:  # a stream; its closing chunk and an unasked answer arrive in one read
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.1)
+                writer.write(b"0\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstray")
+                is_first = False
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nfresh")
+            await writer.drain()
+
+    async def main() -> None:
+        transport = LeanTransport()
+        async with _raw_server(handle) as url:
+            response = await transport.send(UpstreamRequest("GET", f"{url}/stream"))
+            async for line in response.lines():
+                assert line == b"data: 1\n"
+                break
+            response.release()  # reused once the closing chunk lands
+            await asyncio.sleep(0.3)
+            response = await transport.send(UpstreamRequest("GET", f"{url}/x"))
+            assert await response.read() == b"fresh"
+        await transport.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_chunked_answer_that_breaks_off_is_an_error_whatever_the_case_of_its_encoding() -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: Chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        transport = LeanTransport()
+        async with _raw_server(handle) as url:
+            response = await transport.send(UpstreamRequest("GET", f"{url}/x"))
+            with pytest.raises(UpstreamUnavailable, match="broke off"):
+                await response.read()
+            response.close()
+        await transport.aclose()
+
+    asyncio.run(main())
+
+
+def test_informational_answers_before_the_answer_are_skipped() -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n"
+                         b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async def main() -> None:
+        transport = LeanTransport()
+        async with _raw_server(handle) as url:
+            for _ in range(2):
+                response = await transport.send(UpstreamRequest("POST", f"{url}/x", b"{}"))
+                assert response.status == 201 and "link" not in response.headers
+                assert await response.read() == b"ok"
+        await transport.aclose()
+
+    asyncio.run(main())
+
+
+def test_release_of_a_paused_stream_still_reuses_its_connection_once_the_stream_ends() -> None:
+    num_connections = 0
+    line = b"data: " + b"x" * 1000 + b"\n\n"
+    num_lines = 2 * READ_HIGH_WATER_BYTES // len(line)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal num_connections
+        num_connections += 1
+        while True:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            for _ in range(num_lines):
+                writer.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    async def main() -> None:
+        transport = LeanTransport()
+        async with _raw_server(handle) as url:
+            for _ in range(2):
+                response = await transport.send(UpstreamRequest("GET", f"{url}/stream"))
+                await asyncio.sleep(0.2)  # the socket pauses with the stream's rest unread
+                async for _ in response.lines():
+                    break
+                response.release()  # the caller has what it wants; the rest is on its way
+                await asyncio.sleep(0.3)
+        assert num_connections == 1
+        await transport.aclose()
+
+    asyncio.run(main())
