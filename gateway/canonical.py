@@ -52,6 +52,9 @@ class CanonicalRequest:
     messages: list[Message] = field(default_factory=list)
     prompt: str = ""  # kind == "completion"
     prompt_token_ids: list[int] | None = None  # kind == "completion", a prompt given as token ids
+    # kind == "completion": the prompts after the first (OpenAI's several prompts in one request),
+    # each a string or token ids; each prompt gets `n` choices, prompt i's at i*n .. i*n + n - 1
+    extra_prompts: list[str | list[int]] = field(default_factory=list)
     tools: list[Tool] = field(default_factory=list)
     tool_choice: str | dict[str, Any] | None = None  # OpenAI form: "auto"|"none"|"required"|{...}
     max_tokens: int | None = None  # per choice
@@ -70,9 +73,18 @@ class CanonicalRequest:
     project: str | None = None  # set after authentication (metering, routing)
     cache_salt: str | None = None  # set after authentication: auth.cache_salt.cache_salt_for
 
+    @property
+    def num_prompts(self) -> int:
+        return 1 + len(self.extra_prompts)
+
+    @property
+    def num_choices(self) -> int:
+        """Choices the answer carries: `n` for each prompt."""
+        return self.n * self.num_prompts
+
     def text_length(self) -> int:
         """Characters of prompt text (a cheap input to token estimates)."""
-        num_chars = len(self.prompt)
+        num_chars = len(self.prompt) + sum(len(p) for p in self.extra_prompts if isinstance(p, str))
         for message in self.messages:
             num_chars += len(message.content)
             for call in message.tool_calls:
@@ -90,9 +102,13 @@ def estimate_num_tokens(num_chars: int) -> int:
 def estimate_prompt_tokens(request: CanonicalRequest) -> int:
     """An admission-time estimate: text tokens plus ~4 tokens of chat framing per message (a
     prompt of token ids counts exactly)."""
+    num_id_tokens = sum(len(p) for p in request.extra_prompts if isinstance(p, list))
     if request.prompt_token_ids is not None:
-        return len(request.prompt_token_ids)
-    return estimate_num_tokens(request.text_length()) + 4 * len(request.messages)
+        num_id_tokens += len(request.prompt_token_ids)
+    num_chars = request.text_length()
+    if num_id_tokens and not num_chars:
+        return num_id_tokens
+    return num_id_tokens + estimate_num_tokens(num_chars) + 4 * len(request.messages)
 
 
 @dataclass(frozen=True, slots=True)

@@ -159,8 +159,8 @@ class Pipeline:
         canonical.session_id = request.headers.get("x-session-id")
         admission = await self.meter.admit(request_id, principal, canonical.model,
                                            estimate_prompt_tokens(canonical),
-                                           canonical.n * (canonical.max_tokens
-                                                          or self.settings.default_max_tokens))
+                                           canonical.num_choices * (canonical.max_tokens
+                                                                    or self.settings.default_max_tokens))
         return canonical, principal, route, admission
 
     async def handle(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:

@@ -54,8 +54,8 @@ class OpenAICompatBackend(Backend):
             if request.tool_choice is not None:
                 body["tool_choice"] = request.tool_choice
         else:
-            body["prompt"] = (request.prompt if request.prompt_token_ids is None
-                              else request.prompt_token_ids)
+            first = request.prompt if request.prompt_token_ids is None else request.prompt_token_ids
+            body["prompt"] = [first, *request.extra_prompts] if request.extra_prompts else first
         if request.stream:
             body["stream_options"] = {"include_usage": True}
         for key in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
@@ -133,10 +133,14 @@ class OpenAICompatBackend(Backend):
         """With the model's configured tokenizer (a tokenizer.json): the prompt text's tokens plus
         ~4 of chat framing a message; without one, the ~4-characters-a-token estimate."""
         tokenizer_path = endpoint.model.tokenizer
-        if not tokenizer_path or request.prompt_token_ids is not None:
-            return estimate_prompt_tokens(request)  # (exact for a prompt of token ids)
-        prompt = request.prompt + "".join(m.content for m in request.messages)
-        return len(_load_tokenizer(tokenizer_path).encode(prompt).ids) + 4 * len(request.messages)
+        if not tokenizer_path or request.prompt_token_ids is not None or any(
+                isinstance(p, list) for p in request.extra_prompts):
+            return estimate_prompt_tokens(request)  # (exact for prompts of token ids)
+        tokenizer = _load_tokenizer(tokenizer_path)
+        prompts = [request.prompt + "".join(m.content for m in request.messages),
+                   *request.extra_prompts]
+        return (sum(len(tokenizer.encode(str(p)).ids) for p in prompts)
+                + 4 * len(request.messages))
 
     async def health(self, endpoint: Endpoint) -> bool:
         for path in ("/health", "/v1/models"):

@@ -1,4 +1,5 @@
-"""OpenAI legacy Completions: POST /v1/completions (one prompt, text or token ids; no echo)."""
+"""OpenAI legacy Completions: POST /v1/completions (prompts as text or token ids, one or several
+in a request; no echo)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,25 @@ from gateway.dialects.base import Dialect, StreamEncoder
 from gateway.dialects.validate import InvalidParam, get_bool, get_int, get_str, need_object
 
 
-def _parse_prompt(value: Any) -> str | list[int]:
-    """One prompt: a string or an array of token ids, each alone or as an array's only item."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]
-    if isinstance(value, str):
-        return value
-    if (isinstance(value, list) and value
-            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)):
-        return value
+def _is_token_ids(value: Any) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value))
+
+
+def _parse_prompts(value: Any) -> list[str] | list[list[int]]:
+    """The request's prompts, as OpenAI takes them: a string, an array of token ids, or an array
+    of several strings or of several token-id arrays (not both)."""
+    if isinstance(value, str) or _is_token_ids(value):
+        return [value]
     if value is None:
         raise InvalidParam("prompt", "is required")
-    raise InvalidParam("prompt", "expected one prompt: a string or a non-empty array of token ids "
-                       "(several prompts in one request are not supported)")
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return value
+        if all(_is_token_ids(p) for p in value):
+            return value
+    raise InvalidParam("prompt", "expected a string, an array of token ids, or a non-empty array "
+                       "of strings or of token-id arrays")
 
 
 class OpenAICompletions(Dialect):
@@ -35,14 +42,17 @@ class OpenAICompletions(Dialect):
         body = need_object(body, "body")
         request = CanonicalRequest(request_id, get_str(body, "model", required=True,
                                                        allow_empty=False) or "", kind="completion")
-        prompt = _parse_prompt(body.get("prompt"))
-        if isinstance(prompt, str):
-            request.prompt = prompt
+        first, *request.extra_prompts = _parse_prompts(body.get("prompt"))
+        if isinstance(first, str):
+            request.prompt = first
         else:
-            request.prompt_token_ids = prompt
+            request.prompt_token_ids = first
         if get_bool(body, "echo"):
             raise InvalidParam("echo", "echo is not supported")
         common.parse_sampling(body, request, max_tokens_keys=("max_tokens",))
+        if request.num_choices > common.MAX_NUM_CHOICES:
+            raise InvalidParam("n", f"at most {common.MAX_NUM_CHOICES} choices (prompts x n) "
+                               "in one request")
         top_logprobs = get_int(body, "logprobs", minimum=0, maximum=5)  # the legacy API's bound
         request.logprobs, request.top_logprobs = top_logprobs is not None, top_logprobs or 0
         if request.max_tokens is None:

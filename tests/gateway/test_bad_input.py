@@ -61,7 +61,9 @@ def _cases(path: str) -> list[tuple[str, Any, int]]:
                   ("n_above_openais_bound", {**good, "n": 129}, 400),
                   ("n_string", {**good, "n": "2"}, 400)]
     if path == "/v1/completions":
-        cases += [("several_prompts", {**good, "prompt": ["a", "b"]}, 400),
+        cases += [("prompts_strings_and_ids", {**good, "prompt": ["a", [1, 2]]}, 400),
+                  ("prompts_times_n_over_128", {**good, "prompt": ["a"] * 65, "n": 2}, 400),
+                  ("empty_prompt_in_list", {**good, "prompt": [[1], []]}, 400),
                   ("empty_token_ids", {**good, "prompt": []}, 400),
                   ("negative_token_id", {**good, "prompt": [1, -2]}, 400),
                   ("mixed_prompt", {**good, "prompt": [1, "a"]}, 400)]

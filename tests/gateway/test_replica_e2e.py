@@ -140,6 +140,30 @@ def test_a_completions_prompt_of_token_ids_reaches_the_replica_as_ids(served: tu
         client.completions.create(model=model, prompt=[10**9], max_tokens=2)
 
 
+def test_several_completions_prompts_get_n_choices_each_in_order(served: tuple[str, str]) -> None:
+    """OpenAI's several prompts in one request: prompt i's choices at i*n .. i*n + n - 1, streamed
+    or not, each equal to that prompt sent alone (greedy); usage sums the prompts."""
+    url, model = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    prompts = ["The capital of France is", "One, two, three,"]
+    alone = [client.completions.create(model=model, prompt=p, max_tokens=5, temperature=0)
+             for p in prompts]
+    both = client.completions.create(model=model, prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    assert both.usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[1].usage.prompt_tokens
+    assert both.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    texts: dict[int, str] = {}
+    finishes: dict[int, str | None] = {}
+    for chunk in client.completions.create(model=model, prompt=[[504, 3575, 282, 4649, 314], [504]],
+                                           max_tokens=5, temperature=0, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert texts[0] == alone[0].choices[0].text and sorted(texts) == sorted(finishes) == [0, 1]
+
+
 def test_anthropic_count_tokens_equals_the_replicas_own_prompt_count(served: tuple[str, str]) -> None:
     url, model = served
     client = anthropic.Anthropic(base_url=url + "/anthropic", api_key="x", max_retries=0, timeout=120)
