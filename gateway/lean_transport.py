@@ -404,7 +404,11 @@ class LeanTransport(Transport):
         # connection would see neither the next answer nor the upstream closing it
         connection.resume_reading()
         connection.is_idle = True
-        connection.idle_since_s = time.monotonic()
+        connection.idle_since_s = now_s = time.monotonic()
+        # the oldest idle connections (left of the pool) are reached by no call while newer ones
+        # serve them all: those past their keepalive are closed here, not kept open for ever
+        while pool and now_s - pool[0].idle_since_s >= self._keepalive_timeout_s:
+            pool.popleft().close()
         pool.append(connection)
 
     async def aclose(self) -> None:

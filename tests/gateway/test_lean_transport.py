@@ -506,3 +506,37 @@ def test_release_of_a_paused_stream_still_reuses_its_connection_once_the_stream_
         await transport.aclose()
 
     asyncio.run(main())
+
+
+def test_idle_connections_left_unused_are_closed_once_their_keepalive_ends() -> None:
+    num_open = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal num_open
+        num_open += 1
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            num_open -= 1
+            writer.close()
+
+    async def call(url: str) -> None:
+        response = await transport.send(UpstreamRequest("GET", f"{url}/x"))
+        assert await response.read() == b"ok"
+
+    transport = LeanTransport(keepalive_timeout_s=0.2)
+
+    async def main() -> None:
+        async with _raw_server(handle) as url:
+            await asyncio.gather(*(call(url) for _ in range(3)))  # a burst: three idle connections
+            for _ in range(6):  # then one call at a time, always on the newest connection
+                await asyncio.sleep(0.1)
+                await call(url)
+            await asyncio.sleep(0.05)
+            assert num_open == 1  # the two the burst left over were closed, not kept for ever
+        await transport.aclose()
+
+    asyncio.run(main())
