@@ -236,7 +236,10 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
-_Pool = collections.deque[_Connection]  # the idle connections of one origin, newest last
+class _Pool(collections.deque[_Connection]):
+    """The idle connections of one origin, newest last."""
+
+    is_retired = False  # aclose() dropped it: an answer ending after that closes its connection
 
 
 class _LeanResponse(UpstreamResponse):
@@ -396,7 +399,7 @@ class LeanTransport(Transport):
 
     def put_back(self, connection: _Connection, pool: _Pool) -> None:
         """An answer has ended and its reader is done: the connection serves the next request."""
-        if connection.is_closed or len(pool) >= self._max_idle_per_origin:
+        if connection.is_closed or pool.is_retired or len(pool) >= self._max_idle_per_origin:
             connection.close()
             return
         connection._start_answer()
@@ -414,5 +417,6 @@ class LeanTransport(Transport):
     async def aclose(self) -> None:
         pools, self._pools = list(self._pools.values()), {}
         for pool in pools:
+            pool.is_retired = True
             while pool:
                 pool.pop().close()

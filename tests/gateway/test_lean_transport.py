@@ -540,3 +540,30 @@ def test_idle_connections_left_unused_are_closed_once_their_keepalive_ends() -> 
         await transport.aclose()
 
     asyncio.run(main())
+
+
+def test_a_stream_released_before_aclose_drops_its_connection_when_it_ends() -> None:
+    closed = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()  # until the client closes the connection
+        closed.set()
+        writer.close()
+
+    async def main() -> None:
+        transport = LeanTransport()
+        async with _raw_server(handle) as url:
+            response = await transport.send(UpstreamRequest("GET", f"{url}/stream"))
+            async for _ in response.lines():
+                break
+            response.release()  # its connection would be pooled once the closing chunk lands
+            await transport.aclose()
+            await asyncio.wait_for(closed.wait(), 2)  # not pooled in a pool nobody will close
+
+    asyncio.run(main())
