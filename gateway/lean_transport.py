@@ -133,7 +133,7 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserCallbackError:  # on_message_begin: a second answer
             log.warning("upstream sent an answer nobody asked for")
             self.close()  # the answer already received stays readable
-        except httptools.HttpParserError as exc:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:  # (not a subclass)
             log.warning("upstream sent a malformed answer: %r", exc)
             self._fail(UpstreamUnavailable("upstream failed: malformed answer"))
             self.close()

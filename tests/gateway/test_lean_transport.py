@@ -567,3 +567,19 @@ def test_a_stream_released_before_aclose_drops_its_connection_when_it_ends() -> 
             await asyncio.wait_for(closed.wait(), 2)  # not pooled in a pool nobody will close
 
     asyncio.run(main())
+
+
+def test_an_unasked_protocol_switch_is_a_malformed_answer() -> None:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n")
+        await writer.drain()
+
+    async def main() -> None:
+        transport = LeanTransport()
+        async with _raw_server(handle) as url:
+            with pytest.raises(UpstreamUnavailable, match="malformed"):
+                await transport.send(UpstreamRequest("GET", f"{url}/x"))
+        await transport.aclose()
+
+    asyncio.run(main())
