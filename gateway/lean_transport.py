@@ -56,7 +56,7 @@ class _Target(NamedTuple):
     host: str
     port: int
     is_tls: bool
-    head_prefix: str  # " <path?query> HTTP/1.1\r\nhost: <netloc>\r\nuser-agent: aigw\r\n"
+    head_prefix: str  # " <path?query> HTTP/1.1\r\nhost: <host[:port]>\r\nuser-agent: aigw\r\n"
 
 
 @lru_cache(maxsize=1024)
@@ -67,8 +67,9 @@ def _target(url: str) -> _Target:
     is_tls = parts.scheme == "https"
     port = parts.port or (443 if is_tls else 80)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    host = parts.netloc.rpartition("@")[2]  # never the URL's user:password
     return _Target(f"{parts.scheme}://{parts.hostname}:{port}", parts.hostname, port, is_tls,
-                   f" {path} HTTP/1.1\r\nhost: {parts.netloc}\r\nuser-agent: aigw\r\n")
+                   f" {path} HTTP/1.1\r\nhost: {host}\r\nuser-agent: aigw\r\n")
 
 
 def _request_head(request: UpstreamRequest, target: _Target) -> bytes:
