@@ -261,6 +261,32 @@ def _report(results: list[dict[str, Any]], skipped: dict[str, str]) -> None:
         print(f"skipped {name}: {reason}")
 
 
+def _report_tracing_cost(per_round: list[dict[str, Any]]) -> None:
+    """Tracing on (`aigw`) against off (`aigw_trace_off`), paired within each round (the two
+    cells run back to back): the median and range over the rounds of each cell's req/s ratio
+    and CPU difference. A range that spans 1.0 / 0 is a difference the run cannot tell from noise."""
+    cells: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {}
+    for row in per_round:
+        if row["target"] in ("aigw", "aigw_trace_off"):
+            by_target = cells.setdefault((row["mode"], row["concurrency"]),
+                                         {"aigw": [], "aigw_trace_off": []})
+            by_target[row["target"]].append(row)
+    lines = []
+    for (mode, concurrency), by_target in cells.items():
+        traced, untraced = by_target["aigw"], by_target["aigw_trace_off"]
+        if not traced or len(traced) != len(untraced):
+            continue
+        pairs = list(zip(traced, untraced, strict=True))
+        ratios = sorted(a["requests_per_s"] / b["requests_per_s"] for a, b in pairs)
+        cpu_us = sorted((a["cpu_ms_per_request"] - b["cpu_ms_per_request"]) * 1000 for a, b in pairs)
+        lines.append(f"{mode:9} {concurrency:>4}   req/s on/off {ratios[len(ratios) // 2]:.3f} "
+                     f"[{ratios[0]:.3f}, {ratios[-1]:.3f}]   cpu on-off {cpu_us[len(cpu_us) // 2]:+.0f} us "
+                     f"[{cpu_us[0]:+.0f}, {cpu_us[-1]:+.0f}]")
+    if lines:
+        print("tracing on vs off, paired per round: median [min, max] over the rounds")
+        print("\n".join(lines))
+
+
 def _plot(results: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
@@ -329,8 +355,10 @@ def run(args: argparse.Namespace) -> int:
                                         "concurrency": concurrency, **cell})
     finally:
         procs.stop_all()
+    per_round = results
     results = _medians(results)
     _report(results, skipped)
+    _report_tracing_cost(per_round)
     (out_dir / "gateway_bench.json").write_text(json.dumps(results, indent=1))
     if args.plot:
         _plot(results, args.plot)
