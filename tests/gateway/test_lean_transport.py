@@ -98,6 +98,19 @@ async def _raw_server(handle: Callable[[asyncio.StreamReader, asyncio.StreamWrit
         server.close()
 
 
+def _answer_once(raw: bytes, close: bool = True
+                 ) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+    """A raw server's handler: read one request head, write `raw`, then close (or keep quiet)."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(raw)
+        await writer.drain()
+        if close:
+            writer.close()
+
+    return handle
+
+
 def test_keeps_one_connection_alive_across_calls_and_sends_what_it_was_given() -> None:
     async def main() -> None:
         upstream = _Upstream()
@@ -256,11 +269,7 @@ def test_bytes_after_the_answer_retire_the_connection_instead_of_answering_the_n
 
 
 def test_a_body_without_length_ends_with_the_connection() -> None:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nline one\nline two")
-        await writer.drain()
-        writer.close()
+    handle = _answer_once(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nline one\nline two")
 
     async def main() -> None:
         transport = LeanTransport()
@@ -274,11 +283,7 @@ def test_a_body_without_length_ends_with_the_connection() -> None:
 
 
 def test_an_answer_that_breaks_off_raises_upstream_unavailable() -> None:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial")
-        await writer.drain()
-        writer.close()
+    handle = _answer_once(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial")
 
     async def main() -> None:
         transport = LeanTransport()
@@ -297,14 +302,8 @@ def test_an_answer_that_breaks_off_raises_upstream_unavailable() -> None:
 
 
 def test_garbage_or_silence_then_close_before_headers_is_upstream_unavailable() -> None:
-    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"this is not http\r\n\r\n")
-        await writer.drain()
-
-    async def silence(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.close()
+    garbage = _answer_once(b"this is not http\r\n\r\n", close=False)
+    silence = _answer_once(b"")
 
     async def main() -> None:
         transport = LeanTransport()
@@ -429,11 +428,7 @@ def test_an_answer_behind_a_released_streams_last_chunk_is_not_the_next_calls_an
 
 
 def test_a_chunked_answer_that_breaks_off_is_an_error_whatever_the_case_of_its_encoding() -> None:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: Chunked\r\n\r\n5\r\nhello\r\n")
-        await writer.drain()
-        writer.close()
+    handle = _answer_once(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: Chunked\r\n\r\n5\r\nhello\r\n")
 
     async def main() -> None:
         transport = LeanTransport()
@@ -570,10 +565,8 @@ def test_a_stream_released_before_aclose_drops_its_connection_when_it_ends() -> 
 
 
 def test_an_unasked_protocol_switch_is_a_malformed_answer() -> None:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n")
-        await writer.drain()
+    handle = _answer_once(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\n"
+                          b"connection: upgrade\r\n\r\n", close=False)
 
     async def main() -> None:
         transport = LeanTransport()
