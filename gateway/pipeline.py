@@ -157,10 +157,10 @@ class Pipeline:
         canonical.project = principal.project
         canonical.cache_salt = self.cache_salt_of(principal)
         canonical.session_id = request.headers.get("x-session-id")
+        max_tokens = canonical.max_tokens or self.settings.default_max_tokens  # per choice
         admission = await self.meter.admit(request_id, principal, canonical.model,
                                            estimate_prompt_tokens(canonical),
-                                           canonical.num_choices * (canonical.max_tokens
-                                                                    or self.settings.default_max_tokens))
+                                           canonical.num_choices * max_tokens)
         return canonical, principal, route, admission
 
     async def handle(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
