@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 TRACE_ID_HEADER = "x-aigw-trace-id"
 STATUS_CLIENT_CLOSED = 499
 _UNTRACED_PREFIXES = ("/metrics", "/health", "/dashboard")
+_SAMPLED = TraceFlags.SAMPLED
 
 
 def route_of(request: web.Request) -> str:
@@ -94,7 +95,7 @@ def _start_trace(request: web.Request, route: str, sample_bound: int, origin: Tr
     new trace kept at the configured ratio."""
     parent = _incoming_span(request)
     context = new_span_context(parent, sample_bound)
-    if not context.trace_flags & TraceFlags.SAMPLED:
+    if not context[3] & _SAMPLED:  # (SpanContext is a tuple: its trace flags fourth)
         return None
     return RequestTrace(context, parent, request.method, route, origin, time.time_ns())
 

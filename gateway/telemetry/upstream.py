@@ -25,6 +25,7 @@ from gateway.telemetry.request_trace import UpstreamCall
 from gateway.transport import Transport, UpstreamRequest, UpstreamResponse
 
 PROPAGATOR: TextMapPropagator = TraceContextTextMapPropagator()
+_HEX_BYTES = tuple(f"{value:02x}" for value in range(256))  # trace flags -> their two hex digits
 _time_ns = time.time_ns
 
 
@@ -55,7 +56,8 @@ class TracingTransport(Transport):
         context = trace.context
         headers = request.headers  # the request's own (UpstreamRequest: wrappers may add to it)
         # W3C trace context: what PROPAGATOR.inject writes for the call's CLIENT span
-        headers["traceparent"] = f"00-{trace.trace_id_hex}-{call.span_id:016x}-{context[3]:02x}"
+        headers["traceparent"] = ("00-" + trace.trace_id_hex + "-" + call.span_id.to_bytes(8, "big").hex()
+                                  + "-" + _HEX_BYTES[context[3]])
         if context[4]:
             headers["tracestate"] = context[4].to_header()
         try:
