@@ -18,6 +18,7 @@ import torch
 
 from engine.batch import ScheduledBatch, ScheduledSequence
 from engine.config import EngineConfig, ModelConfig
+from engine.kernels.cpu import huge_pages
 from engine.layers.attention import (
     AttentionMetadata,
     CascadeGroup,
@@ -67,11 +68,15 @@ class ModelRunner:
         self.kv_dtype = self._native_decode.kv_dtype if self._native_decode is not None else self.dtype
         self.num_blocks = self._num_blocks_for_budget()
         shape = (self.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-                          for _ in range(model_config.num_layers)]
+        self.kv_caches = [(self._kv_tensor(shape), self._kv_tensor(shape)) for _ in range(model_config.num_layers)]
         logger.info("KV cache: %d blocks of %d tokens (%.0f MiB)", self.num_blocks, self.block_size,
                     self.num_blocks * self.bytes_per_block / 2**20)
+
+    def _kv_tensor(self, shape: tuple[int, int, int, int]) -> torch.Tensor:
+        """[num_blocks, block_size, G, Dh] zeros; on the CPU on huge pages (engine/kernels/cpu/huge_pages.py)."""
+        if self.device.type == "cpu":
+            return huge_pages.zeros(shape, self.kv_dtype)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     @property
     def bytes_per_block(self) -> int:

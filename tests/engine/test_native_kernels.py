@@ -146,3 +146,48 @@ def test_prefill_chunk_rows_attend_causally_and_match_each_row_computed_alone(ca
                                               v.transpose(0, 1)[None], attn_mask=causal, scale=scale,
                                               enable_gqa=True)[0].transpose(0, 1)  # [T, H, Dh]
     torch.testing.assert_close(out.view(num_new, num_heads, head_dim), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_rows", [20, 70])  # a decode step of 20 rows, a prefill chunk of 70
+@pytest.mark.parametrize("in_features", [96, 1536])  # 1,536: too wide for it, the broadcast form
+def test_many_row_q4_kernel_gives_each_row_what_the_one_row_kernel_gives(num_rows: int, in_features: int) -> None:
+    """From 16 rows the Q4 kernel reads pre-broadcast activations; rows must come out bit-identical
+    to the row alone (the one-row kernel), so a decode row does not depend on its batch."""
+    _, blocks, weight_type = quantized("Q4_1", 64, in_features, seed=6)
+    x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(7))
+    residual = torch.randn(num_rows, 64, generator=torch.Generator().manual_seed(8))
+    batched = residual.clone()
+    torch.ops.aigw_cpu.q_linear_add_(batched, x, blocks, weight_type, False)
+    for i in range(num_rows):
+        alone = residual[i:i + 1].clone()
+        torch.ops.aigw_cpu.q_linear_add_(alone, x[i:i + 1], blocks, weight_type, False)
+        assert torch.equal(alone[0], batched[i])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_decode_rows_of_many_sequences_match_each_row_computed_alone(cache_dtype: torch.dtype) -> None:
+    """With enough sequences for every thread an attention task takes all kv heads of a row and
+    walks its context once; a row alone is split by kv head. Both must give the same bits."""
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 24, 4
+    num_rows = 4 * torch.get_num_threads() + 3
+    gen = torch.Generator().manual_seed(9)
+    lens = torch.randint(1, 60, (num_rows,), generator=gen)
+    width = -(-60 // block_size)
+    num_blocks = num_rows * width + 1
+    tables = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(num_rows, width)  # scattered
+    positions = lens - 1
+    slots = tables.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(shape, generator=gen).to(cache_dtype)
+    qkv = torch.randn(num_rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0)
+
+    def attend(rows: slice) -> torch.Tensor:
+        return torch.ops.aigw_cpu.decode_attention(qkv[rows], rotary.cos, rotary.sin, positions[rows], k_cache,
+                                                   v_cache, slots[rows], tables[rows], lens[rows], num_heads,
+                                                   num_kv_heads, head_dim ** -0.5)
+
+    batched = attend(slice(None))
+    for i in range(num_rows):
+        assert torch.equal(attend(slice(i, i + 1))[0], batched[i])

@@ -8,8 +8,9 @@
 //                   columns at load: Q4_1 (w = q * d + m; Q4_0 converted to it; dot_q4x8) or Q8_0
 //                   (w = q * d; dot_q8x8). prep = optional RMSNorm, or silu(x[:, :K]) * x[:, K:].
 //                   Activations are quantized to 8 bits per 32-value block (llama.cpp's Q8_1), and
-//                   each block's dot product runs in 8/16/32-bit integers. From 64 rows (prefill)
-//                   the Q4 kernel reads pre-broadcast activations (dot_q4x8_expanded), same results.
+//                   each block's dot product runs in 8/16/32-bit integers. From 16 rows (decode
+//                   steps of many rows, prefill) the Q4 kernel reads pre-broadcast activations
+//                   when K <= 576 (dot_q4x8_expanded), same results.
 //   q_linear_add_   the same, added into `out` in place (the residual stream).
 //   decode_attention  one token per row: rotary on q and k, store k/v into the paged cache (float32
 //                   or float16), attend over the row's context (its positions up to its own) straight
@@ -31,13 +32,22 @@ namespace {
 
 constexpr int64_t QK = 32;          // values per block
 #ifndef EXPANDED_MIN_ROWS
-#define EXPANDED_MIN_ROWS 64  // q_linear rows from which the Q4 kernel reads pre-broadcast activations
+#define EXPANDED_MIN_ROWS 16  // q_linear rows from which the Q4 kernel reads pre-broadcast activations
 #endif
 #ifndef ATTN_TILE_ROWS
 #define ATTN_TILE_ROWS 16  // attention rows of one sequence that share each pass over its K/V
 #endif
 #ifndef ATTN_CHUNK
 #define ATTN_CHUNK 128  // context positions per pass (a multiple of 4)
+#endif
+#ifndef ATTN_ROW_CHUNK
+#define ATTN_ROW_CHUNK 32  // the same for a tile of one row (a decode row)
+#endif
+#ifndef ATTN_PREFETCH
+#define ATTN_PREFETCH 2  // chunks of a decode row's K/V prefetched ahead
+#endif
+#ifndef ATTN_MIN_TILES_PER_THREAD
+#define ATTN_MIN_TILES_PER_THREAD 4  // from this many tiles a thread, an attention task takes all kv heads
 #endif
 constexpr int64_t TYPE_Q8X8 = 1;   // Q8_0 interleaved by 8 output columns (see dot_q8x8)
 constexpr int64_t Q8X8_BYTES = 272; // per 8 columns x 32 inputs: d f16[8] | 256 int8
@@ -222,11 +232,13 @@ inline void dot_q4x8(const uint8_t* w, int64_t nb, const int8_t* const* xq_in, c
   for (int r = 0; r < R; ++r) acc_out[r] = acc[r];
 }
 
-// Many-row form of dot_q4x8 (prefill): the tile's activations come pre-broadcast (expand_rows), so
-// each quad folds into maddubs as a memory operand. On Zen 3 a broadcast from memory costs a
-// vector-pipe uop, and those pipes bound the kernel: ~1.2x the GOP/s when the 4 expanded rows stay
-// in L1 (K <= 576; see q_linear_into). Same operations in the same order as dot_q4x8, so a row comes
-// out bit-identical from either kernel.
+// Many-row form of dot_q4x8 (EXPANDED_MIN_ROWS rows and more): the tile's activations come
+// pre-broadcast (expand_rows), so each quad folds into maddubs as a memory operand. On Zen 3 a
+// broadcast from memory costs a vector-pipe uop, and those pipes bound the kernel: ~1.2x the GOP/s
+// at 512 rows when the 4 expanded rows stay in L1 (K <= 576; see q_linear_into), 10-18% less time
+// for the K = 576 projections of a 16- or 32-row decode step (cold weights, one thread; it was
+// measured 2x slower at 8 rows once, on a busy machine, and is level there). Same operations in
+// the same order as dot_q4x8, so a row comes out bit-identical from either kernel.
 constexpr int64_t XB_BYTES = 8 * 32 + 2 * 32;  // per row and block: 8 quads x 8 lanes | d x 8 | d*sum x 8
 constexpr int64_t XB_TILE_BYTES = 24 * 1024;    // 4 expanded rows at most this big (L1 is 32 KB)
 
@@ -388,7 +400,7 @@ void q_linear_into(const at::Tensor& x, const at::Tensor& w, int64_t wtype,
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   if (wtype == TYPE_Q4X8) {
-    if (m >= EXPANDED_MIN_ROWS && 4 * nb * XB_BYTES <= XB_TILE_BYTES) {  // prefill, K <= 576
+    if (m >= EXPANDED_MIN_ROWS && 4 * nb * XB_BYTES <= XB_TILE_BYTES) {  // K <= 576
       for_row_tiles_expanded(wp, row_bytes, n, m, k, nb, q, d, ds, op, accumulate);
       return;
     }
@@ -589,12 +601,21 @@ at::Tensor decode_attention_impl(const at::Tensor& qkv, const at::Tensor& cos, c
       store_row(vc + (slp[r] * g_heads + g) * dh, row + (num_heads + g_heads + g) * dh, dh);
     }
   }
-  // Stage 2: per (kv head, tile of rows): the r_per query heads of each row against its context.
-  // A tile is up to ATTN_TILE_ROWS consecutive rows of one sequence (a prefill chunk: the same
-  // blocks, positions p, p + 1, ...); its rows go through the context ATTN_CHUNK positions at a
-  // time, so each chunk of K/V comes from memory once per tile, not once per row. Each row's
-  // arithmetic is the same as alone (see scores_heads, weighted_values). Tasks are dealt to the
-  // threads in turn, not in contiguous ranges: a prefill chunk's rows have contexts of 1..C positions.
+  // Stage 2: per task (a tile of rows and its kv heads, or one of them): the query heads of each row
+  // against its context. A tile is up to ATTN_TILE_ROWS consecutive rows of one sequence (a prefill
+  // chunk: the same blocks, positions p, p + 1, ...); its rows go through the context ATTN_CHUNK
+  // positions at a time, so each chunk of K/V comes from memory once per tile, not once per row.
+  // With ATTN_MIN_TILES_PER_THREAD tiles a thread or more (a decode step of many rows, a prefill
+  // chunk) a task takes all kv heads of its tile and reads each chunk once for all of them: position
+  // t's heads are G * Dh contiguous values, so a task streams whole cache blocks. The step's K/V
+  // (~3 MB a layer at 32 rows of 128 positions) comes from memory, and read one kv head at a time
+  // (a task per row and kv head) it took ~1.25x as long (docs/benchmarks.md). Fewer tiles: a task
+  // per tile and kv head, so one sequence still spreads over the threads. A one-row tile (a decode
+  // row) walks its context 32 positions at a time and prefetches ATTN_PREFETCH chunks ahead (in
+  // the engine-level A/B runs; alone, neither measured beyond the noise). Each row's arithmetic is
+  // the same whatever the task split or the chunk size (see scores_heads, weighted_values). Tasks
+  // are dealt to the threads in turn, not in contiguous ranges: a prefill chunk's rows have
+  // contexts of 1..C positions.
   std::vector<int64_t> tile_start{0};
   for (int64_t r = 1; r < m; ++r) {
     const bool same_sequence = posp[r] == posp[r - 1] + 1 && lp[r] == lp[r - 1] + 1 &&
@@ -603,77 +624,102 @@ at::Tensor decode_attention_impl(const at::Tensor& qkv, const at::Tensor& cos, c
   }
   const int64_t num_tiles = static_cast<int64_t>(tile_start.size());
   tile_start.push_back(m);
-  const int64_t num_tasks = num_tiles * g_heads;
-  const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+  const int64_t num_threads = at::get_num_threads();
+  const int64_t heads_per_task = num_tiles >= ATTN_MIN_TILES_PER_THREAD * num_threads ? g_heads : 1;
+  const int64_t tasks_per_tile = g_heads / heads_per_task;
+  const int64_t num_tasks = num_tiles * tasks_per_tile;
+  const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(num_threads, num_tasks));
+  const int64_t task_q_heads = heads_per_task * r_per;  // query heads of a task, per row
   at::parallel_for(0, num_workers, 1, [&](int64_t first_worker, int64_t end_worker) {
     std::vector<float> q, scores, acc;  // per tile row: rotated queries, probabilities, output
     std::vector<int64_t> offsets;
     for (int64_t worker = first_worker; worker < end_worker; ++worker)
     for (int64_t task = worker; task < num_tasks; task += num_workers) {
-      const int64_t tile = task / g_heads, g = task % g_heads;  // a row's kv heads are adjacent in the cache
+      const int64_t tile = task / tasks_per_tile;
+      const int64_t g0 = (task % tasks_per_tile) * heads_per_task, g1 = g0 + heads_per_task;
       const int64_t r0 = tile_start[tile], r1 = tile_start[tile + 1], rows = r1 - r0;
       int64_t max_len = 0;
       for (int64_t r = r0; r < r1; ++r) max_len = std::max(max_len, lp[r]);
-      q.resize(rows * r_per * dh);
-      acc.resize(rows * r_per * dh);
-      scores.resize(rows * r_per * max_len);  // row i's head j at (i * r_per + j) * max_len
+      // row i's query head (g - g0) * r_per + j at [(i * task_q_heads + (g - g0) * r_per + j) * dh]
+      q.resize(rows * task_q_heads * dh);
+      acc.resize(rows * task_q_heads * dh);
+      scores.resize(rows * task_q_heads * max_len);  // the same index, times max_len
       for (int64_t r = r0; r < r1; ++r) {
         const float* row = qp + r * width;
         const float* c = cp + posp[r] * dh;
         const float* s = sp + posp[r] * dh;
-        for (int64_t j = 0; j < r_per; ++j) {
-          float* qj = q.data() + ((r - r0) * r_per + j) * dh;
-          std::memcpy(qj, row + (g * r_per + j) * dh, dh * sizeof(float));
-          rotate(qj, c, s, dh);
+        for (int64_t h = 0; h < task_q_heads; ++h) {
+          float* qh = q.data() + ((r - r0) * task_q_heads + h) * dh;
+          std::memcpy(qh, row + (g0 * r_per + h) * dh, dh * sizeof(float));
+          rotate(qh, c, s, dh);
         }
       }
       const int64_t* table = tp + r0 * table_width;  // every row of the tile has these blocks
-      offsets.resize(max_len);  // element offset of (position t, kv head g) in the caches
+      offsets.resize(max_len);  // element offset of (position t, kv head g0) in the caches
       for (int64_t t = 0; t < max_len; ++t) {
-        offsets[t] = ((table[t >> bs_shift] * bs + (t & (bs - 1))) * g_heads + g) * dh;
+        offsets[t] = ((table[t >> bs_shift] * bs + (t & (bs - 1))) * g_heads + g0) * dh;
       }
-      auto k_row = [&](int64_t t) { return kc + offsets[t]; };
-      auto v_row = [&](int64_t t) { return vc + offsets[t]; };
-      for (int64_t t0 = 0; t0 < max_len; t0 += ATTN_CHUNK) {
-        for (int64_t r = r0; r < r1; ++r) {
-          const int64_t t1 = std::min(t0 + ATTN_CHUNK, lp[r]);
-          if (t1 <= t0) continue;
-          for (int64_t j0 = 0; j0 < r_per; j0 += 3) {  // query heads in threes: each K row read once
-            const int nh = static_cast<int>(std::min<int64_t>(3, r_per - j0));
-            const float* qj = q.data() + ((r - r0) * r_per + j0) * dh;
-            float* sj = scores.data() + ((r - r0) * r_per + j0) * max_len;
-            switch (nh) {
-              case 3: scores_heads<T, 3>(qj, dh, t0, t1, max_len, k_row, sc, sj); break;
-              case 2: scores_heads<T, 2>(qj, dh, t0, t1, max_len, k_row, sc, sj); break;
-              default: scores_heads<T, 1>(qj, dh, t0, t1, max_len, k_row, sc, sj); break;
+      const int64_t chunk = rows == 1 ? ATTN_ROW_CHUNK : ATTN_CHUNK;  // any multiple of 4: same results
+      const int64_t span_bytes = heads_per_task * dh * static_cast<int64_t>(sizeof(T));
+      auto prefetch = [&](const T* cache, int64_t t0, int64_t t1) {  // positions [t0, t1), the task's heads
+        if (rows > 1) return;  // a prefill tile reuses each chunk for its rows
+        for (int64_t t = t0; t < std::min(t1, max_len); ++t) {
+          const char* p = reinterpret_cast<const char*>(cache + offsets[t]);
+          for (int64_t b = 0; b < span_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+        }
+      };
+      prefetch(kc, 0, ATTN_PREFETCH * chunk);
+      for (int64_t t0 = 0; t0 < max_len; t0 += chunk) {
+        prefetch(kc, t0 + ATTN_PREFETCH * chunk, t0 + (ATTN_PREFETCH + 1) * chunk);
+        for (int64_t g = g0; g < g1; ++g) {
+          auto k_row = [&](int64_t t) { return kc + offsets[t] + (g - g0) * dh; };
+          for (int64_t r = r0; r < r1; ++r) {
+            const int64_t t1 = std::min(t0 + chunk, lp[r]);
+            if (t1 <= t0) continue;
+            for (int64_t j0 = 0; j0 < r_per; j0 += 3) {  // query heads in threes: each K row read once
+              const int nh = static_cast<int>(std::min<int64_t>(3, r_per - j0));
+              const int64_t h = (r - r0) * task_q_heads + (g - g0) * r_per + j0;
+              const float* qj = q.data() + h * dh;
+              float* sj = scores.data() + h * max_len;
+              switch (nh) {
+                case 3: scores_heads<T, 3>(qj, dh, t0, t1, max_len, k_row, sc, sj); break;
+                case 2: scores_heads<T, 2>(qj, dh, t0, t1, max_len, k_row, sc, sj); break;
+                default: scores_heads<T, 1>(qj, dh, t0, t1, max_len, k_row, sc, sj); break;
+              }
+            }
+          }
+        }
+      }
+      prefetch(vc, 0, ATTN_PREFETCH * chunk);
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t h = 0; h < task_q_heads; ++h) {
+          softmax_inplace(scores.data() + ((r - r0) * task_q_heads + h) * max_len, lp[r]);
+        }
+      }
+      for (int64_t t0 = 0; t0 < max_len; t0 += chunk) {
+        prefetch(vc, t0 + ATTN_PREFETCH * chunk, t0 + (ATTN_PREFETCH + 1) * chunk);
+        for (int64_t g = g0; g < g1; ++g) {
+          auto v_row = [&](int64_t t) { return vc + offsets[t] + (g - g0) * dh; };
+          for (int64_t r = r0; r < r1; ++r) {
+            const int64_t t1 = std::min(t0 + chunk, lp[r]);
+            if (t1 <= t0) continue;
+            for (int64_t j0 = 0; j0 < r_per; j0 += 3) {
+              const int nh = static_cast<int>(std::min<int64_t>(3, r_per - j0));
+              const int64_t h = (r - r0) * task_q_heads + (g - g0) * r_per + j0;
+              const float* pj = scores.data() + h * max_len;
+              float* oj = acc.data() + h * dh;
+              switch (nh) {
+                case 3: weighted_values<T, 3>(pj, dh, t0, t1, max_len, v_row, oj); break;
+                case 2: weighted_values<T, 2>(pj, dh, t0, t1, max_len, v_row, oj); break;
+                default: weighted_values<T, 1>(pj, dh, t0, t1, max_len, v_row, oj); break;
+              }
             }
           }
         }
       }
       for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t j = 0; j < r_per; ++j) softmax_inplace(scores.data() + ((r - r0) * r_per + j) * max_len, lp[r]);
-      }
-      for (int64_t t0 = 0; t0 < max_len; t0 += ATTN_CHUNK) {
-        for (int64_t r = r0; r < r1; ++r) {
-          const int64_t t1 = std::min(t0 + ATTN_CHUNK, lp[r]);
-          if (t1 <= t0) continue;
-          for (int64_t j0 = 0; j0 < r_per; j0 += 3) {
-            const int nh = static_cast<int>(std::min<int64_t>(3, r_per - j0));
-            const float* pj = scores.data() + ((r - r0) * r_per + j0) * max_len;
-            float* oj = acc.data() + ((r - r0) * r_per + j0) * dh;
-            switch (nh) {
-              case 3: weighted_values<T, 3>(pj, dh, t0, t1, max_len, v_row, oj); break;
-              case 2: weighted_values<T, 2>(pj, dh, t0, t1, max_len, v_row, oj); break;
-              default: weighted_values<T, 1>(pj, dh, t0, t1, max_len, v_row, oj); break;
-            }
-          }
-        }
-      }
-      for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t j = 0; j < r_per; ++j) {
-          std::memcpy(op + r * num_heads * dh + (g * r_per + j) * dh,
-                      acc.data() + ((r - r0) * r_per + j) * dh, dh * sizeof(float));
-        }
+        std::memcpy(op + r * num_heads * dh + g0 * r_per * dh, acc.data() + (r - r0) * task_q_heads * dh,
+                    task_q_heads * dh * sizeof(float));
       }
     }
   });
