@@ -2,8 +2,9 @@
 
 One run starts a fast mock upstream (bench/mock_upstream.py) and, in front of it: a bare aiohttp
 pass-through (bench/bare_proxy.py, the ceiling for a Python proxy), `aigw serve` with auth and
-metering off and on (tracing on), the same with tracing off (`aigw_trace_off`, AIGW_TRACING=0), and LiteLLM's proxy (installed into bench/out/litellm-venv; skipped with a
-reason if that fails). Cells run interleaved (for each mode and concurrency, every target in turn)
+metering off and on (tracing on), the same with tracing off (`aigw_trace_off`, AIGW_TRACING=0), and
+LiteLLM's proxy (installed into bench/out/litellm-venv; skipped with a reason if that fails); on
+request (`--targets ...,aigw_aiohttp`), `aigw` with aiohttp's upstream client instead of its own. Cells run interleaved (for each mode and concurrency, every target in turn)
 for `--duration-s` each. The load generator is a separate aiohttp process. Figures per cell:
 requests/s, latency p50/p99 minus the direct p50/p99 ("added"), and the target's CPU ms per request
 (its whole process tree, from /proc). `--targets` picks a subset while iterating (direct always runs).
@@ -26,7 +27,8 @@ from typing import Any
 MODEL = "mock-model"
 LITELLM_KEY = "sk-aigw-bench-0123456789"  # LiteLLM refuses to start without a master key
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-TARGET_NAMES = ("bare_proxy", "aigw_auth_off", "aigw", "aigw_trace_off", "litellm")
+TARGET_NAMES = ("bare_proxy", "aigw_auth_off", "aigw", "aigw_trace_off", "litellm", "aigw_aiohttp")
+DEFAULT_TARGETS = TARGET_NAMES[:-1]  # aigw_aiohttp (aiohttp's upstream client) on request only
 
 
 @dataclass
@@ -48,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "forwards and backwards), and report each figure's median (a noisy "
                              "machine's bursts then hit one round)")
     parser.add_argument("--no-litellm", action="store_true")
-    parser.add_argument("--targets", default=",".join(TARGET_NAMES),
+    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
                         help="comma-separated subset of " + ",".join(TARGET_NAMES)
                              + " (direct, the baseline of the added latency, always runs)")
     parser.add_argument("--out-dir", default="bench/out")
@@ -332,7 +334,8 @@ def run(args: argparse.Namespace) -> int:
             _wait_port(bare_port, 30)
             targets.append(Target("bare_proxy", f"http://127.0.0.1:{bare_port}", bare.pid))
         for name, auth, extra_env in (("aigw_auth_off", False, None), ("aigw", True, None),
-                                      ("aigw_trace_off", True, {"AIGW_TRACING": "0"})):
+                                      ("aigw_trace_off", True, {"AIGW_TRACING": "0"}),
+                                      ("aigw_aiohttp", True, {"AIGW_UPSTREAM_CLIENT": "aiohttp"})):
             if name in wanted:
                 targets.append(_start_aigw(procs, name, upstream, auth, args.workers, extra_env))
         if args.no_litellm or "litellm" not in wanted:
