@@ -153,19 +153,19 @@ void quantize_row(const float* x, int64_t k, int mode, const float* norm_w, floa
 // Q8_0 interleaved like dot_q4x8 (Q8X8_BYTES per 8 columns and block: d f16[8] | 8 x 32 int8, lane j
 // of vector u holding column j's inputs 4u..4u+3). Signed x signed through maddubs: |w| times
 // x * sign(w); a pair of products needs the whole int16 range, so each is widened to int32 at once.
+// (`xds`, the activations' d * sum, only matters for Q4_1's offset m: unused here, kept so both
+// kernels share one signature.)
 template <int R>
 inline void dot_q8x8(const uint8_t* w, int64_t nb, const int8_t* const* xq_in, const float* const* xd_in,
-                     const float* const* xds_in, __m256* acc_out) {
+                     const float* const* /*xds_in*/, __m256* acc_out) {
   // Accumulators and row pointers are locals: stores through __m256* (may_alias) would make the
   // compiler reload the row pointers and store the accumulators every block.
   const int8_t* xq[R];
   const float* xd[R];
-  const float* xds[R];
   __m256 acc[R];
   for (int r = 0; r < R; ++r) {
     xq[r] = xq_in[r];
     xd[r] = xd_in[r];
-    xds[r] = xds_in[r];
   }
   const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
