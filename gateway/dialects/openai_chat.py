@@ -65,8 +65,9 @@ def parse_tools(body: dict[str, Any]) -> list[Tool]:
 def parse_tool_choice(value: Any) -> str | dict[str, Any] | None:
     if value is None or value in ("none", "auto", "required"):
         return value  # type: ignore[no-any-return]
-    if isinstance(value, dict) and isinstance((value.get("function") or {}).get("name"), str):
-        return {"type": "function", "function": {"name": value["function"]["name"]}}
+    function = value.get("function") if isinstance(value, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("name"), str):
+        return {"type": "function", "function": {"name": function["name"]}}
     raise InvalidParam("tool_choice", "expected 'none', 'auto', 'required' or a function choice")
 
 
@@ -82,8 +83,10 @@ def _parse_message(raw: Any, i: int) -> Message:
         call = need_object(call, f"{param}.tool_calls[{j}]")
         function = need_object(call.get("function"), f"{param}.tool_calls[{j}].function")
         calls.append(ToolCall(get_str(call, "id", f"{param}.tool_calls[{j}].id", required=True) or "",
-                              get_str(function, "name", required=True) or "",
-                              get_str(function, "arguments") or "{}"))
+                              get_str(function, "name", f"{param}.tool_calls[{j}].function.name",
+                                      required=True) or "",
+                              get_str(function, "arguments",
+                                      f"{param}.tool_calls[{j}].function.arguments") or "{}"))
     tool_call_id = get_str(raw, "tool_call_id", f"{param}.tool_call_id", required=role == "tool")
     return Message(role, content, tuple(calls), tool_call_id,  # type: ignore[arg-type]
                    get_str(raw, "name", f"{param}.name"))

@@ -64,7 +64,7 @@ def _parse_input(body: dict[str, Any]) -> list[Message]:
                             get_str(item, "name", f"input[{i}].name", required=True) or "",
                             get_str(item, "arguments", f"input[{i}].arguments") or "{}")
             last = messages[-1] if messages else None
-            if last is not None and last.role == "assistant" and last.tool_calls:
+            if last is not None and last.role == "assistant":  # the same turn: text, then calls
                 messages[-1] = Message("assistant", last.content, (*last.tool_calls, call))
             else:
                 messages.append(Message("assistant", "", (call,)))
@@ -75,6 +75,9 @@ def _parse_input(body: dict[str, Any]) -> list[Message]:
                                                          required=True)))
         elif kind != "reasoning":
             raise InvalidParam(f"input[{i}].type", f"unsupported input item {kind!r}")
+    if not messages:
+        raise InvalidParam("input", "needs at least one message or function call item "
+                           "(reasoning items are dropped)")
     return messages
 
 
@@ -97,6 +100,16 @@ def _parse_tool_choice(value: Any) -> str | dict[str, Any] | None:
     if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
         return {"type": "function", "function": {"name": value["name"]}}
     raise InvalidParam("tool_choice", "expected 'none', 'auto', 'required' or a function choice")
+
+
+def _tool_choice_json(tool_choice: str | dict[str, Any] | None) -> str | dict[str, Any]:
+    """The Responses form of the canonical (chat-form) choice: a named function is
+    {"type": "function", "name": ...}, as the client sent it."""
+    if tool_choice is None:
+        return "auto"
+    if isinstance(tool_choice, dict):
+        return {"type": "function", "name": tool_choice["function"]["name"]}
+    return tool_choice
 
 
 def _usage(usage: Usage | None) -> dict[str, Any]:
@@ -135,7 +148,7 @@ def _response(request: CanonicalRequest, response: CanonicalResponse | None) -> 
             "instructions": getattr(request, "instructions", None), "max_output_tokens": request.max_tokens, "model": request.model,
             "output": output, "parallel_tool_calls": True, "previous_response_id": None,
             "temperature": request.temperature, "top_p": request.top_p,
-            "tool_choice": "auto" if request.tool_choice is None else request.tool_choice,
+            "tool_choice": _tool_choice_json(request.tool_choice),
             "tools": [{"type": "function", "name": t.name, "description": t.description,
                        "parameters": t.parameters, "strict": False} for t in request.tools],
             "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": {},

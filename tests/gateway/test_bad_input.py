@@ -50,7 +50,8 @@ def _cases(path: str) -> list[tuple[str, Any, int]]:
     elif path == "/v1/responses":
         cases += [("max_output_tokens_string", {**good, "max_output_tokens": "10"}, 400),
                   ("unsupported_tool_type", {**good, "tools": [{"type": "web_search"}]}, 400),
-                  ("previous_response_id", {**good, "previous_response_id": "resp_1"}, 400)]
+                  ("previous_response_id", {**good, "previous_response_id": "resp_1"}, 400),
+                  ("only_reasoning_items", {**good, "input": [{"type": "reasoning", "summary": []}]}, 400)]
     else:
         cases += [("stream_options_without_stream", {**good, "stream_options": {"include_usage": True}}, 400),
                   ("stream_options_wrong_type", {**good, "stream": True, "stream_options": "all"}, 400),
@@ -71,7 +72,11 @@ def _cases(path: str) -> list[tuple[str, Any, int]]:
         cases += [("message_without_role", {**good, "messages": [{"content": "x"}]}, 400),
                   ("empty_messages", {**good, "messages": []}, 400),
                   ("tool_message_without_id", {**good, "messages": [{"role": "tool", "content": "x"}]}, 400),
-                  ("tool_without_name", {**good, "tools": [{"type": "function", "function": {}}]}, 400)]
+                  ("tool_without_name", {**good, "tools": [{"type": "function", "function": {}}]}, 400),
+                  ("tool_choice_function_not_an_object", {**good, "tool_choice": {
+                      "type": "function", "function": "f"}}, 400),
+                  ("tool_choice_function_an_array", {**good, "tool_choice": {
+                      "type": "function", "function": ["f"]}}, 400)]
     return cases
 
 
@@ -120,3 +125,21 @@ def test_unknown_route_and_wrong_method_answer_in_the_envelope(gateway: Gateway)
     wrong_method = httpx.get(gateway.url + "/anthropic/v1/messages")
     assert wrong_method.status_code == 405 and wrong_method.json()["type"] == "error"
     assert wrong_method.headers["x-request-id"]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {**ROUTES["/v1/chat/completions"], "messages": [
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {}}]}]},
+     "messages[0].tool_calls[0].function.name"),
+    ("/v1/chat/completions", {**ROUTES["/v1/chat/completions"], "messages": [
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                              "function": {"name": "f", "arguments": {}}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ("/v1/responses", {**ROUTES["/v1/responses"], "input": [{"type": "reasoning", "summary": []}]},
+     "input"),
+])
+def test_bad_nested_fields_name_their_full_path(gateway: Gateway, path: str, body: dict[str, Any],
+                                                param: str) -> None:
+    response = httpx.post(gateway.url + path, json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == param

@@ -73,6 +73,30 @@ def test_responses_echoes_instructions(gateway: Any) -> None:
     assert response.json()["instructions"] == "Be brief."
 
 
+def test_responses_echoes_a_named_tool_choice_in_the_responses_form(gateway: Any) -> None:
+    choice = {"type": "function", "name": "get_weather"}
+    response = httpx.post(gateway.url + "/v1/responses", json={
+        "model": MODEL, "input": "hi", "tool_choice": choice,
+        "tools": [{"type": "function", "name": "get_weather"}]})
+    assert response.status_code == 200
+    assert response.json()["tool_choice"] == choice  # not the chat form {"function": {"name"}}
+    upstream = gateway.upstreams[0].state.bodies[-1]
+    assert upstream["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_responses_function_call_after_assistant_text_joins_that_turn(gateway: Any) -> None:
+    call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+    response = httpx.post(gateway.url + "/v1/responses", json={"model": MODEL, "input": [
+        {"role": "user", "content": "hi"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        call, {"type": "function_call_output", "call_id": "call_1", "output": "ok"}]})
+    assert response.status_code == 200
+    messages = gateway.upstreams[0].state.bodies[-1]["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1]["content"] == "Let me look."
+    assert [c["id"] for c in messages[1]["tool_calls"]] == ["call_1"]
+
+
 def _sse_event_names(text: str) -> list[str]:
     return [line[len("event: "):] for line in text.splitlines() if line.startswith("event: ")]
 
