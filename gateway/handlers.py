@@ -39,7 +39,10 @@ async def count_tokens(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    """OpenAI `GET /v1/models`: the models this caller may call, with context length and prices."""
+    """OpenAI `GET /v1/models`: the models this caller may call, with context length and prices.
+    The Anthropic SDK (it always sends `anthropic-version`) gets Anthropic's form here too."""
+    if _is_anthropic_client(request):
+        return await anthropic_models(request)
     entries = await _visible_models(request, OPENAI_CHAT)
     if isinstance(entries, web.Response):
         return entries
@@ -49,6 +52,8 @@ async def list_models(request: web.Request) -> web.Response:
 async def retrieve_model(request: web.Request) -> web.Response:
     """OpenAI `GET /v1/models/{model}` (the SDK's `models.retrieve`); 404 for a model this caller
     cannot see, as for one that does not exist."""
+    if _is_anthropic_client(request):
+        return await anthropic_models(request)
     entries = await _visible_models(request, OPENAI_CHAT)
     if isinstance(entries, web.Response):
         return entries
@@ -75,7 +80,13 @@ async def anthropic_models(request: web.Request) -> web.Response:
     for model in models:
         if model["id"] == name:
             return _json(model)
-    return _json(ANTHROPIC_MESSAGES.error_body(404, "not_found", f"model: {name}"), 404)
+    return _json(ANTHROPIC_MESSAGES.error_body(404, "model_not_found",
+                                               f"the model {name!r} does not exist"), 404)
+
+
+def _is_anthropic_client(request: web.Request) -> bool:
+    """The Anthropic SDKs send `anthropic-version` on every call; the OpenAI SDKs never do."""
+    return "anthropic-version" in request.headers
 
 
 async def _visible_models(request: web.Request, dialect: Dialect

@@ -36,4 +36,6 @@ def setup_routes(app: web.Application) -> None:
 
 
 def is_anthropic_path(path: str) -> bool:
-    return path.startswith("/anthropic/") or path == "/v1/messages"
+    """Routes that answer in Anthropic's envelope: /anthropic/*, /v1/messages and what lies under
+    it (count_tokens, and batches, which we do not serve, answered 404 in that envelope)."""
+    return path.startswith(("/anthropic/", "/v1/messages/")) or path == "/v1/messages"

@@ -49,7 +49,7 @@ _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool
                  "content_filter": "refusal", "error": "end_turn"}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                503: "overloaded_error"}
+                503: "overloaded_error", 504: "timeout_error"}
 
 
 def _stop_reason(response: CanonicalResponse) -> str:
@@ -60,7 +60,10 @@ def _stop_reason(response: CanonicalResponse) -> str:
 
 
 def error_body(status: int, code: str, message: str) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"),
+    """Anthropic's error types by status; another 4xx (e.g. 405) is an `invalid_request_error`, as
+    Anthropic documents, and `api_error` is kept for the 5xx that have no type of their own."""
+    default = "invalid_request_error" if 400 <= status < 500 else "api_error"
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, default),
                                        "message": message, "code": code}}
 
 

@@ -118,3 +118,36 @@ def test_count_tokens_answers_bad_input_in_anthropics_envelope(gateway: Gateway)
     assert bad.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
     raw = httpx.post(gateway.url + "/v1/messages/count_tokens", content=b"{")
     assert raw.status_code == 400 and raw.json()["type"] == "error"
+
+
+def test_models_at_the_root_answer_the_anthropic_sdk_in_its_form(gateway: Gateway) -> None:
+    """The Anthropic SDK with base_url at the root reads /v1/models (shared with OpenAI): its
+    `anthropic-version` header gets Anthropic's form; an OpenAI client still gets OpenAI's."""
+    client = _client(gateway, "")
+    (model,) = client.models.list().data
+    assert model.type == "model" and model.id == MODEL and model.display_name == MODEL
+    assert model.created_at.year == 1970
+    assert client.models.retrieve(MODEL).type == "model"
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert missing.value.body["error"]["code"] == "model_not_found"  # type: ignore[index]
+    assert httpx.get(gateway.url + "/v1/models").json()["object"] == "list"
+
+
+def test_error_types_follow_anthropics_table() -> None:
+    """Another 4xx is an invalid_request_error and a gateway timeout a timeout_error, as
+    Anthropic documents; api_error stays for the other 5xx."""
+    types = {status: AnthropicMessages().error_body(status, "c", "m")["error"]["type"]
+             for status in (405, 409, 502, 504)}
+    assert types == {405: "invalid_request_error", 409: "invalid_request_error",
+                     502: "api_error", 504: "timeout_error"}
+
+
+def test_errors_under_v1_messages_answer_in_anthropics_envelope(gateway: Gateway) -> None:
+    """count_tokens at the root and the batches the SDK may call are Anthropic routes too."""
+    wrong_method = httpx.get(gateway.url + "/v1/messages/count_tokens")
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        _client(gateway, "").messages.batches.list()
+    assert missing.value.body["type"] == "error"  # type: ignore[index]
