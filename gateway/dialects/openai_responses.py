@@ -195,7 +195,13 @@ class OpenAIResponses(Dialect):
 
     def error_body(self, status: int, code: str, message: str, param: str | None = None,
                    error_type: str | None = None) -> dict[str, Any]:
+        # an upstream's 400 names chat parameters (context_length_exceeded: "messages")
+        param = _UPSTREAM_PARAMS.get(param, param) if param is not None else None
         return common.error_body(status, code, message, param, error_type)
+
+
+_UPSTREAM_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
+                    "max_completion_tokens": "max_output_tokens"}
 
 
 class _ResponsesEncoder(StreamEncoder):
@@ -203,6 +209,7 @@ class _ResponsesEncoder(StreamEncoder):
         self._request = request
         self._sequence_number = 0
         self._num_items = 0
+        self._done_items: list[dict[str, Any]] = []  # in stream order: response.completed's output
         self._open: dict[str, Any] | None = None  # the item being streamed
         self._text: list[str] = []
         self._args: list[str] = []
@@ -238,6 +245,7 @@ class _ResponsesEncoder(StreamEncoder):
             text, self._text = "".join(self._text), []
             part = {"type": "output_text", "text": text, "annotations": []}
             done = dict(item, status="completed", content=[part])
+            self._done_items.append(done)
             return (self._emit("response.output_text.done", item_id=item["id"], output_index=index,
                                content_index=0, text=text, logprobs=[])
                     + self._emit("response.content_part.done", item_id=item["id"], output_index=index,
@@ -245,6 +253,7 @@ class _ResponsesEncoder(StreamEncoder):
                     + self._emit("response.output_item.done", output_index=index, item=done))
         arguments, self._args = "".join(self._args) or "{}", []
         done = dict(item, status="completed", arguments=arguments)
+        self._done_items.append(done)
         return (self._emit("response.function_call_arguments.done", item_id=item["id"],
                            output_index=index, arguments=arguments)
                 + self._emit("response.output_item.done", output_index=index, item=done))
@@ -253,7 +262,10 @@ class _ResponsesEncoder(StreamEncoder):
         out = b""
         if isinstance(event, TextDelta):
             if self._open is None or self._open["type"] != "message":
-                out += self._open_item(_message_item(self._request, "", "in_progress"))
+                item = _message_item(self._request, "", "in_progress")
+                if any(done["type"] == "message" for done in self._done_items):
+                    item["id"] += f"_{self._num_items}"  # text again after a call: a new item
+                out += self._open_item(item)
             self._text.append(event.text)
             assert self._open is not None
             return out + self._emit("response.output_text.delta", item_id=self._open["id"],
@@ -273,7 +285,10 @@ class _ResponsesEncoder(StreamEncoder):
     def finish(self, response: CanonicalResponse) -> bytes:
         snapshot = _response(self._request, response)
         kind = "response.incomplete" if snapshot["status"] == "incomplete" else "response.completed"
-        return self._close_item() + self._emit(kind, response=snapshot)
+        out = self._close_item()
+        if self._done_items:  # the items as streamed, in their output_index order
+            snapshot["output"] = self._done_items
+        return out + self._emit(kind, response=snapshot)
 
     def error(self, status: int, code: str, message: str) -> bytes:
         error = common.error_body(status, code, message)["error"]

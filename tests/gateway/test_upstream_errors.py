@@ -55,6 +55,11 @@ def test_upstream_context_length_error_reaches_client_unchanged_with_the_replica
         assert anthropic.status_code == 400
         assert anthropic.json()["error"]["type"] == "invalid_request_error"
         assert anthropic.json()["error"]["message"] == TOO_LONG["error"]["message"]
+        responses = httpx.post(gateway.url + "/v1/responses", json={"model": MODEL, "input": "hi"},
+                               headers=headers)
+        assert responses.status_code == 400
+        assert responses.json()["error"]["code"] == "context_length_exceeded"
+        assert responses.json()["error"]["param"] == "input"  # Responses has no `messages`
     finally:
         loop_thread.run(runner.cleanup())
 
