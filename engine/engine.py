@@ -9,6 +9,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
 from engine.batch import ScheduledBatch
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -21,6 +23,7 @@ from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,8 @@ class LLMEngine:
                                        config.cache.enable_prefix_caching, self.kv_events)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.sampler = Sampler(seed=config.seed)
+        self.grammars = GrammarCompiler(tokenizer.backend, model_config.vocab_size,
+                                        model_config.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._num_prompt_tokens_total = 0
@@ -63,8 +68,6 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True,
                     publishers: tuple[EventPublisher, ...] = ()) -> LLMEngine:
-        import torch
-
         from engine.loader import load_checkpoint, load_tokenizer
 
         checkpoint = load_checkpoint(config.model_path, dtype=torch.float32, progress=progress)
@@ -91,6 +94,8 @@ class LLMEngine:
         request = Request(request_id, list(prompt_token_ids), params,
                           () if params.ignore_eos else self.model_config.eos_token_ids,
                           self.max_model_len, cache_salt)
+        if params.grammar is not None:
+            request.grammar = self.grammars.matcher(params.grammar)  # OutputGrammarError: refused
         if self.kv_cache.enable_caching:
             request.update_block_hashes(self.block_size, self.model_config.model_id)
         self._requests[request_id] = request
@@ -123,12 +128,22 @@ class LLMEngine:
         step_logits = self.runner.execute(batch)
         if not step_logits.request_ids:
             return [], None
-        rows = []
-        for request_id in step_logits.request_ids:
-            r = self._requests[request_id]
-            rows.append(SamplingRow(r.params, r.generator, r.output_token_ids, r.num_output_tokens,
-                                    self.model_config.eos_token_ids))
+        requests = [self._requests[request_id] for request_id in step_logits.request_ids]
+        bitmasks = self._grammar_bitmasks(requests)
+        rows = [SamplingRow(r.params, r.generator, r.output_token_ids, r.num_output_tokens,
+                            self.model_config.eos_token_ids, bitmasks.get(r.request_id))
+                for r in requests]
         return step_logits.request_ids, self.sampler(step_logits.logits, rows)
+
+    def _grammar_bitmasks(self, requests: list[Request]) -> dict[str, torch.Tensor]:
+        """The allowed-token bitmask (int32 [num_words]) of each request that has a grammar."""
+        constrained = [r for r in requests if r.grammar is not None]
+        if not constrained:
+            return {}
+        bitmask = torch.empty((len(constrained), self.grammars.num_words), dtype=torch.int32)
+        for row, request in zip(bitmask, constrained, strict=True):
+            request.grammar.fill_bitmask(row)  # type: ignore[union-attr]
+        return {r.request_id: row for r, row in zip(constrained, bitmask, strict=True)}
 
     def _postprocess(self, batch: ScheduledBatch,
                      sampled: tuple[list[str], SamplerOutput | None]) -> list[RequestOutput]:
@@ -141,6 +156,8 @@ class LLMEngine:
             request = self._requests[request_id]
             token_id = sampler_output.token_ids[i]
             request.output_token_ids.append(token_id)
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                logger.warning("request %s: the grammar refused token %d", request_id, token_id)
             self._num_generation_tokens_total += 1
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -167,6 +184,8 @@ class LLMEngine:
             text = update.text
             if update.stop_matched is not None:
                 reason, stop_reason = FinishReason.STOP, update.stop_matched
+        if reason is None and request.grammar is not None and request.grammar.is_stopped():
+            reason = FinishReason.STOP  # the grammar is complete (or failed): nothing may follow
         if reason is None and request.num_tokens >= request.max_num_tokens:
             reason = FinishReason.LENGTH
         if reason is None:

@@ -19,6 +19,7 @@ import torch
 from engine.kv_cache.block_hash import hash_blocks
 from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -48,6 +49,7 @@ class Request:
     stop_reason: str | int | None = None
     block_hashes: list[int] = field(default_factory=list)  # of every full block so far
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+    grammar: GrammarMatcher | None = None  # parser state when params.grammar is set
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 

@@ -7,6 +7,7 @@ Per row, in this order (OpenAI semantics, vLLM's processing order):
        ├─ presence/frequency penalties over the tokens generated so far (never the prompt):
        │      logit -= presence * (count > 0) + frequency * count
        ├─ min_tokens: eos ids and stop_token_ids set to -inf while num_output_tokens < min_tokens
+       ├─ grammar (structured output): tokens the row's bitmask does not allow set to -inf
        ├─ temperature == 0 ──► argmax
        └─ logits / temperature ──► top_k ──► top_p (keeps at least one token) ──► sample
 
@@ -16,8 +17,8 @@ generator, so its tokens do not depend on which other rows share the batch; ever
 draws from one engine-wide generator in a single call. (An exponential race, argmax(probs / q)
 with q ~ Exp(1), needs a random number per vocabulary entry: ten times slower on CPU.)
 
-Fast path: when every row is greedy with no penalties, no logprobs and no active min_tokens,
-the whole step is one argmax.
+Fast path: when every row is greedy with no penalties, no logprobs, no active min_tokens and no
+grammar, the whole step is one argmax.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.structured_output import unpack_bitmask
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]  # generated so far (penalties count these, not the prompt)
     num_output_tokens: int
     eos_token_ids: tuple[int, ...]
+    token_bitmask: torch.Tensor | None = None  # int32 [num_words]: the grammar's allowed tokens
 
     @property
     def blocked_token_ids(self) -> tuple[int, ...]:
@@ -57,7 +60,8 @@ class SamplingRow:
     @property
     def is_plain_greedy(self) -> bool:
         p = self.params
-        return p.is_greedy and not p.has_penalties and not p.logprobs and not self.blocked_token_ids
+        return (p.is_greedy and not p.has_penalties and not p.logprobs and not self.blocked_token_ids
+                and self.token_bitmask is None)
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ class Sampler:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * num_rows)
 
         raw = logits.float()
-        processed = apply_min_tokens(apply_penalties(raw, rows), rows)
+        processed = apply_token_bitmasks(apply_min_tokens(apply_penalties(raw, rows), rows), rows)
         sample_idx = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if not sample_idx:
             token_ids = processed.argmax(dim=-1)  # [num_rows]
@@ -180,6 +184,23 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     out = logits.clone()
     device = logits.device
     out[torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device)] = float("-inf")
+    return out
+
+
+def apply_token_bitmasks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Sets the tokens a row's grammar does not allow to -inf (rows without a grammar untouched).
+
+    Returns a new tensor when any row has a grammar, else `logits` itself.
+    """
+    masked = [i for i, row in enumerate(rows) if row.token_bitmask is not None]
+    if not masked:
+        return logits
+    vocab_size = logits.shape[1]
+    bitmask = torch.stack([rows[i].token_bitmask for i in masked])  # type: ignore[misc]  # [m, words]
+    allowed = unpack_bitmask(bitmask, vocab_size).to(logits.device)  # [m, vocab]
+    out = logits.clone()
+    idx = torch.tensor(masked, device=logits.device)
+    out[idx] = out[idx].masked_fill(~allowed, float("-inf"))
     return out
 
 

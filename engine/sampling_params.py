@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.structured_output import OutputGrammar
 
 
 class SamplingParamsError(ValueError):
@@ -25,6 +29,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
+    grammar: OutputGrammar | None = None  # structured output (engine/structured_output.py)
 
     def __post_init__(self) -> None:
         checks = [
@@ -41,6 +46,9 @@ class SamplingParams:
             (1 <= self.n <= 16, "n must be between 1 and 16"),
             (len(self.stop) <= 16, "at most 16 stop sequences"),
             (all(isinstance(s, str) and s for s in self.stop), "stop sequences must be non-empty strings"),
+            # min_tokens blocks the end-of-sequence a complete grammar allows alone: no token left
+            (self.grammar is None or self.min_tokens == 0,
+             "min_tokens cannot be combined with a JSON response_format"),
         ]
         for ok, message in checks:
             if not ok:
