@@ -104,7 +104,8 @@ class OpenAIChat(Dialect):
         request.tools = parse_tools(body)
         request.tool_choice = parse_tool_choice(body.get("tool_choice"))
         common.parse_sampling(body, request, max_tokens_keys=("max_tokens", "max_completion_tokens"))
-        common.refuse_output_format(body.get("response_format"), "response_format")
+        request.response_format = common.parse_output_format(body.get("response_format"),
+                                                             "response_format")
         common.parse_chat_logprobs(body, request)
         return request
 
@@ -124,7 +125,10 @@ class OpenAIChat(Dialect):
 
 
 def _choice_json(index: int, choice: CanonicalResponse) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": choice.text or None}
+    # null only beside tool calls (OpenAI's form); an empty answer (e.g. cut by a stop string at
+    # once) is "", as OpenAI sends it, so `content.strip()` works on every text answer
+    content = choice.text if choice.text.strip() or not choice.tool_calls else None
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     if choice.tool_calls:
         message["tool_calls"] = [_call_json(c) for c in choice.tool_calls]
     return {"index": index, "message": message, "logprobs": common.joined_logprobs(choice.logprobs),
