@@ -68,6 +68,8 @@ class CanonicalRequest:
     seed: int | None = None
     stream: bool = False
     include_usage: bool = False  # OpenAI stream_options.include_usage as the client asked
+    # the answer continues the last (assistant) message's text: Anthropic prefill
+    continue_final_message: bool = False
     user: str | None = None  # the caller's end user (OpenAI `user`, Anthropic metadata.user_id)
     session_id: str | None = None  # `x-session-id` header: optional routing affinity
     project: str | None = None  # set after authentication (metering, routing)

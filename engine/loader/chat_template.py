@@ -114,8 +114,25 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None,
                add_generation_prompt: bool = True, special_tokens: Mapping[str, str] | None = None,
-               **extra: Any) -> str:
-        """The prompt text. `extra` variables override the special-token variables."""
+               continue_final_message: bool = False, **extra: Any) -> str:
+        """The prompt text. `extra` variables override the special-token variables.
+
+        `continue_final_message` (transformers' option of that name; Anthropic's prefill): the
+        text ends right after the last message's content instead of closing that turn, so that
+        generation continues it; `add_generation_prompt` is then ignored. A last message without
+        text leaves nothing to continue: the rest is rendered with a generation prompt. Raises
+        ValueError when the template does not write the last message's text verbatim."""
+        if continue_final_message:
+            final = content_text(messages[-1].get("content")) if messages else ""
+            if not final.strip():
+                return self.render(messages[:-1], tools, True, special_tokens, **extra)
+            text = self.render(messages, tools, False, special_tokens, **extra)
+            for written in (final, final.strip()):
+                end = text.rfind(written)
+                if end >= 0:
+                    return text[:end + len(written)]
+            raise ValueError("the chat template does not write the final message's text, so it "
+                             "cannot be continued")
         chat = [normalize_message(m) for m in messages]
         tool_list = [dict(t) for t in tools] if tools else None
         if not self.reads_tools:

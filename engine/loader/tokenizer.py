@@ -94,10 +94,13 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[Message],
                     tools: Sequence[Mapping[str, Any]] | None = None,
-                    add_generation_prompt: bool = True) -> list[int]:
-        """Render, then encode without added special tokens (the template writes them)."""
+                    add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+        """Render, then encode without added special tokens (the template writes them).
+        `continue_final_message`: see ChatTemplate.render (raises ValueError)."""
         text = self.apply_chat_template(messages, tools=tools,
-                                        add_generation_prompt=add_generation_prompt)
+                                        add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message)
         return self.encode(text, add_special_tokens=False)
 
 

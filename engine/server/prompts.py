@@ -5,6 +5,9 @@ chat templates know no developer role); text parts are joined with newlines; an 
 message's tool-call `arguments` are parsed back into objects when they are JSON objects (chat
 templates render them with `tojson`). Tools go into the template unless tool_choice is "none".
 
+`continue_final_message` (vLLM's extension; the gateway sends it for Anthropic prefill): the last
+(assistant) message is left open and the answer continues its text.
+
 tool_choice "required" or a named function is only *asked for* in the prompt (a system line, and
 only the named tool is offered): there is no grammar-constrained decoding, so the model may
 still answer in plain text.
@@ -100,7 +103,8 @@ def chat_template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | No
 def chat_prompt_token_ids(req: ChatCompletionRequest, tokenizer: ServedTokenizer) -> list[int]:
     try:
         return tokenizer.encode_chat(chat_template_messages(req), tools=chat_template_tools(req),
-                                     add_generation_prompt=True)
+                                     add_generation_prompt=True,
+                                     continue_final_message=req.continue_final_message)
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:  # template refused
         raise InvalidRequestError(f"messages cannot be rendered by the chat template: {exc}",
                                   param="messages") from exc

@@ -167,9 +167,13 @@ class ChatCompletionRequest(_SamplingBody):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    continue_final_message: bool = False  # vLLM's extension: the answer continues the last message
 
     @model_validator(mode="after")
     def _check_tools(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message requires the last message to be the "
+                             "assistant's")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.tool_choice not in (None, "none", "auto") and not self.tools:

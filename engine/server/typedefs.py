@@ -21,7 +21,8 @@ class ServedTokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True) -> list[int]: ...
+                    add_generation_prompt: bool = True, continue_final_message: bool = False
+                    ) -> list[int]: ...
 
 
 class EngineStatsLike(Protocol):

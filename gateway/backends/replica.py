@@ -1,4 +1,5 @@
-"""Our engine replicas: OpenAI-compatible HTTP plus the request's `cache_salt` and /metrics load.
+"""Our engine replicas: OpenAI-compatible HTTP plus the request's `cache_salt`,
+`continue_final_message` (Anthropic prefill) and /metrics load.
 
 `cache_salt` (decided once per request by auth.cache_salt.cache_salt_for: per project by default)
 keeps one tenant's prefix cache invisible to another (a timing side channel otherwise);
@@ -31,6 +32,8 @@ class ReplicaBackend(OpenAICompatBackend):
         body = super().upstream_body(request, endpoint)
         if request.cache_salt and not endpoint.model.share_cache_across_projects:
             body["cache_salt"] = request.cache_salt
+        if request.continue_final_message:
+            body["continue_final_message"] = True  # vLLM's name for it: prefill
         return body
 
     def count_prompt_tokens(self, request: CanonicalRequest, endpoint: Endpoint) -> int:

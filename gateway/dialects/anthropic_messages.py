@@ -8,6 +8,7 @@ Mapping to the canonical form:
   assistant text + `tool_use` blocks   -> one assistant message with tool calls (input -> JSON text)
   tools[].input_schema                 -> Tool.parameters;  tool_choice auto/any/tool/none -> OpenAI's
   cache_control anywhere               -> accepted and ignored (our replicas cache prefixes themselves)
+  a last assistant message with text   -> prefill: continue_final_message, the answer continues it
 Usage: `cache_read_input_tokens` = cached prompt tokens; `input_tokens` = prompt tokens NOT read
 from cache (Anthropic's definition: input_tokens + cache_read + cache_creation = whole prompt);
 `cache_creation_input_tokens` = 0. While streaming, message_start carries input_tokens 0 (the
@@ -151,6 +152,9 @@ class AnthropicMessages(Dialect):
             request.messages.append(Message("system", _text_of(system, "system")))
         for i, raw in enumerate(get_list(body, "messages", required=True, non_empty=True) or ()):
             request.messages += _parse_message(raw, i)
+        last = request.messages[-1]
+        request.continue_final_message = (last.role == "assistant" and not last.tool_calls
+                                          and bool(last.content.strip()))
         for i, raw in enumerate(get_list(body, "tools") or ()):
             raw = need_object(raw, f"tools[{i}]")
             request.tools.append(Tool(

@@ -78,9 +78,9 @@ class PromptHasher:
                 return completion_prompts(completion, served, self.tokenizer.vocab_size)[0]
             return self.tokenizer.encode(text, add_special_tokens=True)
         chat = ChatCompletionRequest.model_validate(upstream_body)
-        text = self.tokenizer.apply_chat_template(chat_template_messages(chat),
-                                                  tools=chat_template_tools(chat),
-                                                  add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            chat_template_messages(chat), tools=chat_template_tools(chat),
+            add_generation_prompt=True, continue_final_message=chat.continue_final_message)
         return self.encode_segmented(text)
 
     def encode_segmented(self, text: str) -> list[int]:

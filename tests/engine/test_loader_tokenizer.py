@@ -182,3 +182,27 @@ def test_tokenizer_loads_without_importing_torch(gguf_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0, result.stderr
+
+
+def test_continue_final_message_matches_transformers(tokenizer, reference):
+    """Prefill: the prompt stops right after the assistant's partial text."""
+    conversation = [{"role": "user", "content": "Name a color."},
+                    {"role": "assistant", "content": "The color is"}]
+    ours = tokenizer.apply_chat_template(conversation, continue_final_message=True)
+    assert ours == reference.apply_chat_template(conversation, tokenize=False,
+                                                 continue_final_message=True)
+    assert ours.endswith("<|im_start|>assistant\nThe color is")
+
+
+def test_continue_final_message_edge_cases():
+    trimming = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>"
+                            "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    user = {"role": "user", "content": "hi"}
+    assert trimming.render([user, {"role": "assistant", "content": " Sure "}],
+                           continue_final_message=True) == "<user>hi</user><assistant>Sure"
+    # nothing to continue: a plain generation prompt
+    assert trimming.render([user, {"role": "assistant", "content": "  "}],
+                           continue_final_message=True) == "<user>hi</user><assistant>"
+    hiding = ChatTemplate("{% for m in messages %}[{{ m.role }}]{% endfor %}")
+    with pytest.raises(ValueError, match="cannot be continued"):
+        hiding.render([user, {"role": "assistant", "content": "x"}], continue_final_message=True)

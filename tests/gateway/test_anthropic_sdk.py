@@ -151,3 +151,23 @@ def test_errors_under_v1_messages_answer_in_anthropics_envelope(gateway: Gateway
     with pytest.raises(anthropic.NotFoundError) as missing:
         _client(gateway, "").messages.batches.list()
     assert missing.value.body["type"] == "error"  # type: ignore[index]
+
+
+def test_prefill_asks_the_replica_to_continue_the_assistant_text(gateway: Gateway) -> None:
+    """A last assistant message with text is Anthropic's prefill: the replica continues it
+    (continue_final_message) and count_tokens counts the same open turn; a conversation ending
+    in a user turn, or in an assistant tool_use, asks for a new turn."""
+    client = _client(gateway)
+    prefill = [{"role": "user", "content": "Name a color"},
+               {"role": "assistant", "content": [{"type": "text", "text": "The color is"}]}]
+    client.messages.create(model=MODEL, max_tokens=4, messages=prefill)  # type: ignore[arg-type]
+    assert gateway.upstreams[0].state.bodies[-1]["continue_final_message"] is True
+    open_turn = client.messages.count_tokens(model=MODEL, messages=prefill).input_tokens  # type: ignore[arg-type]
+    new_turn = client.messages.count_tokens(model=MODEL, messages=prefill[:1]).input_tokens  # type: ignore[arg-type]
+    assert open_turn == new_turn + 3  # + "The color is" (3 tokens), no end of turn, no new header
+    tool_use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}
+    for messages in ([prefill[0]], [prefill[0], {"role": "assistant", "content": [tool_use]}],
+                     [prefill[0], {"role": "assistant", "content": " "}]):
+        client.messages.create(model=MODEL, max_tokens=4, tools=[TOOL],  # type: ignore[list-item]
+                               messages=messages)  # type: ignore[arg-type]
+        assert "continue_final_message" not in gateway.upstreams[0].state.bodies[-1]

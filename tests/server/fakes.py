@@ -64,7 +64,8 @@ class FakeTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             tools: list[dict[str, Any]] | None = None,
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> str:
         turns = []
         if tools:
             listing = "\n".join(orjson.dumps(tool).decode() for tool in tools)
@@ -76,13 +77,17 @@ class FakeTokenizer:
             for call in message.get("tool_calls", []):
                 body += "<tool_call>" + orjson.dumps(call["function"]).decode() + "</tool_call>"
             turns.append(f"<|im_start|>{message['role']}\n{body}<|im_end|>\n")
+        if continue_final_message:  # the last turn left open (prefill)
+            return "".join(turns).removesuffix("<|im_end|>\n")
         if add_generation_prompt:
             turns.append("<|im_start|>assistant\n")
         return "".join(turns)
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, tools, add_generation_prompt))
+                    add_generation_prompt: bool = True, continue_final_message: bool = False
+                    ) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, tools, add_generation_prompt,
+                                                    continue_final_message))
 
 
 @dataclass

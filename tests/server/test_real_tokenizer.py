@@ -63,3 +63,17 @@ def test_streamed_text_decodes_token_by_token(client: openai.OpenAI, engine: Fak
                                             messages=[{"role": "user", "content": "Weather?"}])
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == engine.reply
+
+
+def test_continue_final_message_leaves_the_assistant_turn_open(
+        client: openai.OpenAI, engine: FakeEngine, model: str) -> None:
+    """vLLM's `continue_final_message` (the gateway's Anthropic prefill): the prompt ends with the
+    assistant's partial text, not with its end-of-turn and a new assistant header."""
+    client.chat.completions.create(model=model, extra_body={"continue_final_message": True},
+                                   messages=[{"role": "user", "content": "Name a color"},
+                                             {"role": "assistant", "content": "The color is"}])
+    assert engine.prompt_text(engine.calls[0]).endswith(
+        "<|im_start|>user\nName a color<|im_end|>\n<|im_start|>assistant\nThe color is")
+    with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        client.chat.completions.create(model=model, extra_body={"continue_final_message": True},
+                                       messages=[{"role": "user", "content": "Name a color"}])
