@@ -24,6 +24,7 @@ from engine.server.fanout import FanOut
 from engine.server.protocol import ChatCompletionRequest
 from engine.server.serving import ServingContext
 from engine.server.sse import ClientGone, EventStream
+from engine.server.token_bytes import token_bytes_of
 from engine.tool_parsers import ToolCall, ToolCallStream
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,8 @@ async def complete_chat(ctx: ServingContext, req: ChatCompletionRequest, fanout:
         if req.uses_tools:
             parsed = ctx.new_tool_parser().extract(state.text)
             content, calls = parsed.content, parsed.tool_calls
-        logprobs = shapes.chat_logprobs(state.logprobs, ctx.token_text) if req.logprobs else None
+        logprobs = (shapes.chat_logprobs(state.logprobs, token_bytes_of(ctx.engine.tokenizer))
+                    if req.logprobs else None)
         choices.append(shapes.chat_choice(index, shapes.chat_message(content, calls), logprobs,
                                           _finish_reason(state, len(calls)), state.stop_reason))
     body = shapes.chat_completion(id_, created, req.model, choices, usage_of(states, req.n))
@@ -81,7 +83,8 @@ class _ChatStreamWriter:
                 content, calls = content + rest.content, calls + rest.tool_calls
         logprobs = None
         if self.req.logprobs and output.logprobs:
-            logprobs = shapes.chat_logprobs(output.logprobs, self.ctx.token_text)
+            logprobs = shapes.chat_logprobs(output.logprobs,
+                                            token_bytes_of(self.ctx.engine.tokenizer))
         if content or calls or logprobs:
             delta_body: dict[str, Any] = {}
             if content or not calls:

@@ -18,6 +18,7 @@ from engine.server.fanout import FanOut
 from engine.server.protocol import CompletionRequest
 from engine.server.serving import ServingContext
 from engine.server.sse import ClientGone, EventStream
+from engine.server.token_bytes import token_bytes_of
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ async def complete_text(ctx: ServingContext, req: CompletionRequest, fanout: Fan
     choices = [
         shapes.completion_choice(
             index, state.text,
-            shapes.completion_logprobs(state.logprobs, ctx.token_text)
+            shapes.completion_logprobs(state.logprobs, token_bytes_of(ctx.engine.tokenizer))
             if req.logprobs is not None else None,
             state.finish_reason, state.stop_reason)
         for index, state in enumerate(states)
@@ -62,8 +63,8 @@ async def stream_text(request: web.Request, ctx: ServingContext, req: Completion
                 if output.text or (req.logprobs is not None and output.logprobs):
                     logprobs = None
                     if req.logprobs is not None:
-                        logprobs = shapes.completion_logprobs(output.logprobs or [],
-                                                              ctx.token_text, offset)
+                        logprobs = shapes.completion_logprobs(
+                            output.logprobs or [], token_bytes_of(ctx.engine.tokenizer), offset)
                     await chunk([shapes.completion_choice(index, output.text, logprobs, None)])
                 if output.finished:
                     await chunk([shapes.completion_choice(index, "", None, state.finish_reason,

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from engine.outputs import TokenLogprob
+from engine.server.token_bytes import TokenBytes, token_string
 from engine.tool_parsers import ToolCall
-
-TokenText = Callable[[int], str]  # token id -> its text
 
 
 def new_id(prefix: str) -> str:
@@ -83,10 +82,11 @@ def chat_chunk_choice(index: int, delta: dict[str, Any], logprobs: dict[str, Any
     return choice
 
 
-def chat_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText) -> dict[str, Any]:
+def chat_logprobs(entries: Sequence[TokenLogprob], token_bytes: TokenBytes) -> dict[str, Any]:
+    """`bytes` are the token's own (part of a UTF-8 character for some tokens; see token_bytes)."""
     def one(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        raw = token_bytes(token_id)
+        return {"token": token_string(raw), "logprob": logprob, "bytes": list(raw)}
 
     return {"content": [
         {**one(e.token_id, e.logprob), "top_logprobs": [one(tid, lp) for tid, lp in e.top]}
@@ -110,20 +110,22 @@ def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None,
             "stop_reason": stop_reason}
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText,
+def completion_logprobs(entries: Sequence[TokenLogprob], token_bytes: TokenBytes,
                         first_offset: int = 0) -> dict[str, Any]:
-    """`text_offset` counts characters from the start of the completion text."""
+    """`text_offset` counts characters from the start of the completion text (a token that
+    holds part of a character counts as one)."""
     tokens, offsets = [], []
     offset = first_offset
     for entry in entries:
-        text = token_text(entry.token_id)
-        tokens.append(text)
+        raw = token_bytes(entry.token_id)
+        tokens.append(token_string(raw))
         offsets.append(offset)
-        offset += len(text)
+        offset += len(raw.decode("utf-8", "replace"))
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{token_text(tid): lp for tid, lp in e.top} for e in entries],
+        "top_logprobs": [{token_string(token_bytes(tid)): lp for tid, lp in e.top}
+                         for e in entries],
         "text_offset": offsets,
     }
 
