@@ -104,8 +104,7 @@ class OpenAIChat(Dialect):
         request.tools = parse_tools(body)
         request.tool_choice = parse_tool_choice(body.get("tool_choice"))
         common.parse_sampling(body, request, max_tokens_keys=("max_tokens", "max_completion_tokens"))
-        request.response_format = common.parse_output_format(body.get("response_format"),
-                                                             "response_format")
+        common.refuse_output_format(body.get("response_format"), "response_format")
         common.parse_chat_logprobs(body, request)
         return request
 
