@@ -53,6 +53,14 @@ class AuthServices:
             self.usage_reader = usage_reader
         return build_admin_routes(self, app_prefix)
 
+    def forget_cached_key(self, key_id: str) -> None:
+        """After a revoke or rotate through this instance: its next use of `key_id` reads the
+        store at once (other instances hear of it through their revocation watchers)."""
+        from auth.authenticator import KeyAuthenticator
+
+        if isinstance(self.authenticator, KeyAuthenticator):
+            self.authenticator.invalidate(key_id)
+
     async def close(self) -> None:
         if self.watcher is not None:
             await self.watcher.stop()

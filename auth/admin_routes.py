@@ -121,6 +121,7 @@ def build_admin_routes(services: AuthServices, prefix: str) -> list[web.RouteDef
 
     async def revoke_key(request: web.Request, _: Principal) -> web.Response:
         record = await admin.revoke_key(request.match_info["key_id"])
+        services.forget_cached_key(record.key_id)  # refused here from the next request on
         return web.json_response(record.public_view())
 
     async def rotate_key(request: web.Request, _: Principal) -> web.Response:
@@ -128,6 +129,7 @@ def build_admin_routes(services: AuthServices, prefix: str) -> list[web.RouteDef
         if not isinstance(grace, int | float):
             raise InvalidRequest("'grace_seconds' must be a number")
         record, secret = await admin.rotate_key(request.match_info["key_id"], float(grace))
+        services.forget_cached_key(record.key_id)
         return web.json_response({**record.public_view(), "key": secret})
 
     async def project_usage(request: web.Request, principal: Principal) -> web.Response:

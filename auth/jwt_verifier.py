@@ -1,7 +1,8 @@
 """Bearer JWTs, verified with pyjwt.
 
 HS256 uses `jwt_hs256_secret`; RS256/ES256 use keys from a JWKS file or URL (PyJWKClient, fetched
-off the event loop). The header's `alg` must be in the allow-list and picks the key *kind*: an HS*
+off the event loop). The header's `alg` must be in the allow-list (`AIGW_JWT_ALGORITHMS`; unset:
+the algorithms that have a key configured) and picks the key *kind*: an HS*
 token is only ever checked against the HMAC secret, an RS*/ES* token only against a JWKS key of
 that algorithm, so a token HMAC-signed with an RSA public key as secret fails (no HS/RS confusion),
 and `none` is never accepted. exp is required; nbf is checked when present; iss/aud when configured.
@@ -26,7 +27,7 @@ _MAX_CACHED_TOKENS = 10_000
 class JwtVerifier:
     def __init__(self, settings: AuthSettings) -> None:
         self._settings = settings
-        self._allowed = frozenset(settings.jwt_algorithms)
+        self._allowed = settings.allowed_jwt_algorithms
         self._jwks: dict[str, jwt.PyJWK] = {}
         self._jwks_list: list[jwt.PyJWK] = []
         if settings.jwt_jwks_file is not None:

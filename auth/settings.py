@@ -33,7 +33,9 @@ class AuthSettings(BaseModel):
     jwt_jwks_url: str | None = None
     jwt_issuer: str | None = None
     jwt_audience: str | None = None
-    jwt_algorithms: tuple[str, ...] = ("RS256", "ES256")  # explicit allow-list
+    # Explicit allow-list; None = the algorithms of the configured keys: HS256 with
+    # `jwt_hs256_secret`, RS256 and ES256 with a JWKS (file or URL).
+    jwt_algorithms: tuple[str, ...] | None = None
     jwt_leeway_s: float = Field(default=0.0, ge=0)
 
     # Prompt-cache salt: one per project (default), per key, or none (caching shared across projects).
@@ -41,12 +43,24 @@ class AuthSettings(BaseModel):
 
     @field_validator("jwt_algorithms")
     @classmethod
-    def _only_known_algorithms(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+    def _only_known_algorithms(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is None:
+            return None
         unknown = set(value) - SUPPORTED_JWT_ALGORITHMS
         if unknown:
             raise ValueError(f"unsupported JWT algorithms {sorted(unknown)}; allowed: "
                              f"{sorted(SUPPORTED_JWT_ALGORITHMS)} (never 'none')")
         return value
+
+    @property
+    def allowed_jwt_algorithms(self) -> frozenset[str]:
+        """`jwt_algorithms`, or when unset the algorithms that have a key configured."""
+        if self.jwt_algorithms is not None:
+            return frozenset(self.jwt_algorithms)
+        allowed = {"HS256"} if self.jwt_hs256_secret else set()
+        if self.jwt_jwks_file is not None or self.jwt_jwks_url:
+            allowed |= {"RS256", "ES256"}
+        return frozenset(allowed)
 
     @property
     def sqlite_path(self) -> Path:

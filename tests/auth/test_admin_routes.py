@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -11,7 +12,7 @@ import jwt
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from auth import Principal, Scope, open_auth
+from auth import AuthError, Principal, Scope, open_auth
 from auth.settings import AuthSettings
 from gateway.metering import MeteringSettings, UsageRecord, open_meter
 
@@ -99,6 +100,49 @@ def test_admin_api_manages_keys_and_guards_usage_by_project(auth_settings: AuthS
                 status, revoked = await call("DELETE", f"/keys/{created['key_id']}", admin_key)
                 assert status == 200 and revoked["revoked_at"] is not None
                 assert (await call("DELETE", "/keys/000000000000", admin_key))[0] == 404
+        finally:
+            await server.close()
+            await services.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_key_revoked_or_rotated_through_the_admin_api_is_refused_by_that_gateway_at_once(
+        tmp_path: Path) -> None:
+    """The instance that revokes knows it first: no wait for its own revocation watcher (a 1 s
+    poll and a 60 s key cache here, so only the admin route itself can make this pass)."""
+    settings = AuthSettings(data_dir=tmp_path, revocation_poll_interval_s=1.0, key_cache_ttl_s=60.0)
+
+    async def scenario() -> None:
+        services = await open_auth(settings)
+        await services.admin.create_project("ops")
+        _, admin_key = await services.admin.create_key("ops", [ADMIN])
+        revoked, revoked_key = await services.admin.create_key("ops", [INVOKE])
+        rotated, rotated_key = await services.admin.create_key("ops", [INVOKE])
+        app = web.Application()
+        app.add_routes(services.admin_routes())
+        server = TestServer(app, host="127.0.0.1", port=0)
+        await server.start_server()
+        base = str(server.make_url("/admin/v1"))
+        headers = {"Authorization": f"Bearer {admin_key}"}
+        try:
+            for key in (revoked_key, rotated_key):
+                await services.authenticator.authenticate(key)  # cached now
+            async with aiohttp.ClientSession() as http:
+                async with http.delete(f"{base}/keys/{revoked.key_id}", headers=headers) as resp:
+                    assert resp.status == 200
+                async with http.post(f"{base}/keys/{rotated.key_id}/rotate", headers=headers,
+                                     json={"grace_seconds": 0}) as resp:
+                    assert resp.status == 200
+                    new_key = (await resp.json())["key"]
+            for key, code in ((revoked_key, "revoked_api_key"), (rotated_key, "invalid_api_key")):
+                try:
+                    await services.authenticator.authenticate(key)
+                except AuthError as exc:
+                    assert exc.code == code
+                else:
+                    raise AssertionError(f"{code}: the key still works")
+            assert (await services.authenticator.authenticate(new_key)).key_id == rotated.key_id
         finally:
             await server.close()
             await services.close()

@@ -122,6 +122,20 @@ def test_an_algorithm_outside_the_allow_list_is_refused(tmp_path: Path) -> None:
     _refused(verifier, jwt.encode(_claims(), HS_SECRET, algorithm="HS256"))
 
 
+def test_without_an_allow_list_the_algorithms_of_the_configured_keys_are_accepted(
+        tmp_path: Path) -> None:
+    """AIGW_JWT_HS256_SECRET alone (as deploy/ sets it) accepts HS256 tokens; a JWKS alone
+    accepts RS256/ES256 and still refuses HS256."""
+    hs_only = JwtVerifier(AuthSettings(data_dir=tmp_path, jwt_hs256_secret=HS_SECRET))
+    assert _verify(hs_only, jwt.encode(_claims(), HS_SECRET, algorithm="HS256")).project == "acme"
+    _refused(hs_only, jwt.encode(_claims(), RSA_KEY, algorithm="RS256", headers={"kid": "rsa-1"}))
+    jwks_only = JwtVerifier(AuthSettings(data_dir=tmp_path, jwt_jwks_file=_jwks_file(tmp_path)))
+    assert _verify(jwks_only, jwt.encode(_claims(), EC_KEY, algorithm="ES256")).project == "acme"
+    _refused(jwks_only, jwt.encode(_claims(), HS_SECRET, algorithm="HS256"))
+    assert AuthSettings.from_env({"AIGW_JWT_HS256_SECRET": HS_SECRET}).allowed_jwt_algorithms == {
+        "HS256"}
+
+
 def test_the_none_algorithm_cannot_be_configured() -> None:
     with pytest.raises(ValueError):
         AuthSettings(jwt_algorithms=("none", "RS256"))
