@@ -124,12 +124,18 @@ async def _rotate_key(services: Any, args: argparse.Namespace) -> int:
 
 
 async def _usage(services: Any, args: argparse.Namespace) -> int:
+    from auth.store import UnknownProject
     from gateway.metering import open_usage_reader, render_csv, render_json
+    from gateway.metering.usage_report import validate_day
 
+    # The same refusals as GET /admin/v1/projects/{project}/usage: a typo selects nothing.
+    since, until = validate_day(args.since, "since"), validate_day(args.until, "until")
+    if await services.store.get_project(args.project) is None:
+        raise UnknownProject(args.project)
     reader = await open_usage_reader(services.redis, services.settings.data_dir)
     try:
         rows = await reader.usage_by_project(args.project, args.group_by.split(","),
-                                             since=args.since, until=args.until)
+                                             since=since, until=until)
     finally:
         await reader.close()
     print(render_csv(rows) if args.format == "csv" else render_json(args.project, rows),

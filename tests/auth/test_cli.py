@@ -76,7 +76,24 @@ def test_cli_errors_go_to_stderr_with_a_nonzero_status(
 
 def test_usage_prints_json_and_csv(cli_env: AuthSettings,
                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["projects", "create", "acme"]) == 0
+    capsys.readouterr()
     assert main(["usage", "--project", "acme"]) == 0
     assert json.loads(capsys.readouterr().out) == {"project": "acme", "data": []}
     assert main(["usage", "--project", "acme", "--format", "csv"]) == 0
     assert capsys.readouterr().out.startswith("day,model,requests,")
+
+
+@pytest.mark.parametrize("args", [
+    ["--project", "nope"],
+    ["--project", "acme", "--since", "yesterday"],
+    ["--project", "acme", "--until", "2026-13-01"],
+], ids=["unknown_project", "malformed_since", "malformed_until"])
+def test_usage_refuses_what_the_usage_api_refuses(
+        cli_env: AuthSettings, capsys: pytest.CaptureFixture[str], args: list[str]) -> None:
+    """As GET .../usage answers 404/400: an empty report would hide the typo."""
+    assert main(["projects", "create", "acme"]) == 0
+    capsys.readouterr()
+    assert main(["usage", *args]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("aigw: ")
