@@ -81,7 +81,11 @@ def run_replica_command(args: argparse.Namespace) -> int:
         from engine.kv_cache.redis_publisher import RedisEventPublisher
 
         publishers = (RedisEventPublisher(redis_url, replica_id),)
-    engine = LLMEngine.from_config(engine_config_from_args(args, replica_id), publishers=publishers)
+    try:
+        engine = LLMEngine.from_config(engine_config_from_args(args, replica_id),
+                                       publishers=publishers)
+    except (FileNotFoundError, ValueError) as exc:  # a bad flag or model path: no traceback
+        return _usage_error(exc)
     async_engine = AsyncEngine(engine)
     try:
         run_replica(async_engine, args.host, args.port, ReplicaServerSettings.from_env())
@@ -94,17 +98,26 @@ def run_generate_command(args: argparse.Namespace) -> int:
     from engine.engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
-    engine = LLMEngine.from_config(engine_config_from_args(args), progress=sys.stderr.isatty())
-    tokenizer = engine.tokenizer
-    if args.raw:
-        prompt = tokenizer.encode(args.prompt, add_special_tokens=True)
-    else:
-        prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-    engine.add_request(uuid.uuid4().hex, prompt, params)
+    try:
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+        engine = LLMEngine.from_config(engine_config_from_args(args), progress=sys.stderr.isatty())
+        tokenizer = engine.tokenizer
+        if args.raw:
+            prompt = tokenizer.encode(args.prompt, add_special_tokens=True)
+        else:
+            prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+        engine.add_request(uuid.uuid4().hex, prompt, params)
+    except (FileNotFoundError, ValueError) as exc:  # a bad flag, model path or prompt length
+        return _usage_error(exc)
     while engine.has_unfinished_requests:
         for output in engine.step():
             sys.stdout.write(output.text)
             sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
+
+
+def _usage_error(exc: Exception) -> int:
+    """`aigw: <Type>: <message>` on stderr and status 1, as the other subcommands report errors."""
+    print(f"aigw: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return 1
