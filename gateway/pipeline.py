@@ -40,7 +40,7 @@ from gateway.canonical import (
 )
 from gateway.dialects.base import Dialect, StreamEncoder
 from gateway.dispatch import Attempt, Timing, dispatch
-from gateway.endpoints import Fleet, ModelRoute
+from gateway.endpoints import Endpoint, Fleet, ModelRoute
 from gateway.errors import (
     BadRequest,
     GatewayError,
@@ -183,11 +183,16 @@ class Pipeline:
             latency_ms = (time.perf_counter() - timing.started) * 1000.0
             return build_record(canonical, principal, route.settings,
                                 "" if outcome.replica == "none" else outcome.replica,
-                                outcome.accumulator, outcome.status, latency_ms)
+                                outcome.accumulator, outcome.status, latency_ms,
+                                outcome.num_prompt_tokens)
 
         async def settle_now() -> None:
             outcome.settled = True
-            await asyncio.shield(self._settle(admission, record()))
+            if outcome.needs_prompt_count():  # a stream that broke off
+                await asyncio.shield(self._count_and_settle(
+                    canonical, route, outcome, admission, record, queue=False))
+            else:
+                await asyncio.shield(self._settle(admission, record()))
 
         if admission.counts_against_limits:
             outcome.settle_before_answer = settle_now
@@ -211,10 +216,32 @@ class Pipeline:
         finally:
             if outcome.settled:
                 pass
+            elif outcome.needs_prompt_count():  # shielded: a client that leaves meanwhile
+                await asyncio.shield(self._count_and_settle(  # stops neither
+                    canonical, route, outcome, admission, record))
             elif self._settle_nowait is not None:
                 self._settle_nowait(admission, record())  # never raises; nothing to cancel
             else:
                 await asyncio.shield(self._settle(admission, record()))
+
+    async def _count_and_settle(self, canonical: CanonicalRequest, route: ModelRoute,
+                                outcome: _Outcome, admission: Admission,
+                                record: Callable[[], Any], queue: bool = True) -> None:
+        """The upstream started answering but its usage never came (the client went away, or
+        the stream broke): count the prompt it processed as the backend counts it (a replica:
+        exactly, with its chat template and tokenizer; off the event loop), then settle
+        (queued when `queue` and the meter can). If the count fails, the record keeps the
+        estimate."""
+        assert outcome.endpoint is not None
+        try:
+            outcome.num_prompt_tokens = await asyncio.to_thread(
+                route.backend.count_prompt_tokens, canonical, outcome.endpoint)
+        except Exception:  # noqa: BLE001 - e.g. a chat template that rejects this conversation
+            log.debug("cannot count the prompt of %s", canonical.request_id, exc_info=True)
+        if queue and self._settle_nowait is not None:
+            self._settle_nowait(admission, record())
+        else:
+            await self._settle(admission, record())
 
     async def _settle(self, admission: Admission, record: Any) -> None:
         try:
@@ -229,7 +256,7 @@ class Pipeline:
         the client's critical path)."""
         attempt = await dispatch(canonical, route, self.router, self.settings, self.retry_budget,
                                  timing, self._watchdog)
-        outcome.replica = attempt.endpoint.name
+        outcome.replica, outcome.endpoint = attempt.endpoint.name, attempt.endpoint
         outcome.status = 499  # until the answer is built (a cancelled handler keeps this)
         try:
             outcome.accumulator.add(attempt.first_event)
@@ -284,7 +311,7 @@ class Pipeline:
                       extra_headers: dict[str, str]) -> web.StreamResponse:
         attempt = await dispatch(canonical, route, self.router, self.settings, self.retry_budget,
                                  timing, self._watchdog)
-        outcome.replica = attempt.endpoint.name
+        outcome.replica, outcome.endpoint = attempt.endpoint.name, attempt.endpoint
         outcome.status = STATUS_CLIENT_CLOSED
         accumulator = outcome.accumulator
         encoder = dialect.encoder(canonical)
@@ -345,12 +372,20 @@ def _after_start(exc: BaseException, settings: GatewaySettings) -> UpstreamError
 
 
 class _Outcome:
-    __slots__ = ("accumulator", "explain_route", "replica", "settle_before_answer", "settled", "status")
+    __slots__ = ("accumulator", "endpoint", "explain_route", "num_prompt_tokens", "replica",
+                 "settle_before_answer", "settled", "status")
 
     def __init__(self) -> None:
         self.accumulator = Accumulator()
         self.replica = "none"
+        self.endpoint: Endpoint | None = None  # the endpoint that answered, once one did
+        self.num_prompt_tokens: int | None = None  # counted here when the upstream sent no usage
         self.status = 502
         self.explain_route = False
         self.settle_before_answer: Callable[[], Awaitable[None]] | None = None  # limited requests
         self.settled = False
+
+    def needs_prompt_count(self) -> bool:
+        """An endpoint answered (so it processed the prompt) but no usage arrived."""
+        return (self.endpoint is not None and self.accumulator.usage is None
+                and self.accumulator.num_events > 0)

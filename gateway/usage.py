@@ -20,10 +20,13 @@ STATUS_CLIENT_CLOSED = 499  # nginx's code for "the client went away before the 
 
 def build_record(request: CanonicalRequest, principal: Principal, model: ModelSettings,
                  endpoint_name: str, accumulator: Accumulator, status: int,
-                 latency_ms: float) -> UsageRecord:
-    """Usage as the upstream reported it, else estimated from what was produced so far."""
+                 latency_ms: float, num_prompt_tokens: int | None = None) -> UsageRecord:
+    """Usage as the upstream reported it, else counted from what was produced so far: the
+    prompt as `num_prompt_tokens` (the backend's count, when the caller made one) or the
+    estimate, the completion from the text received."""
     usage = accumulator.usage or Usage(
-        estimate_prompt_tokens(request) if accumulator.num_events else 0,
+        (estimate_prompt_tokens(request) if num_prompt_tokens is None else num_prompt_tokens)
+        if accumulator.num_events else 0,
         estimate_num_tokens(len(accumulator.text)) if accumulator.text else 0)
     return UsageRecord(
         request_id=request.request_id, project=principal.project, key_id=principal.key_id,

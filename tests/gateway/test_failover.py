@@ -111,3 +111,26 @@ def test_endpoint_recovers_after_health_returns(make_gateway: GatewayFactory) ->
     assert wait_until(lambda: httpx.post(gateway.url + "/v1/chat/completions", json=CHAT).status_code == 503)
     state.config.health_status = 200
     assert wait_until(lambda: httpx.post(gateway.url + "/v1/chat/completions", json=CHAT).status_code == 200)
+
+
+@pytest.mark.parametrize("cause", ["client_disconnect", "upstream_failure"])
+def test_a_stream_that_ends_without_usage_bills_the_prompt_the_replica_processed(
+        make_gateway: GatewayFactory, cause: str) -> None:
+    """No usage chunk arrived, yet the replica read the whole prompt (chat template included):
+    the record counts it as count_tokens does, not with the ~4-characters estimate."""
+    config = (MockConfig(token_delay_ms=100, num_tokens=100) if cause == "client_disconnect"
+              else MockConfig(fail_mode="mid_stream", fail_after_tokens=2))
+    gateway = make_gateway(configs=[config])
+    expected = httpx.post(gateway.url + "/v1/messages/count_tokens",
+                          json=CHAT).json()["input_tokens"]
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions",
+                      json={**CHAT, "stream": True}, timeout=10) as response:
+        request_id = response.headers["x-request-id"]
+        if cause == "client_disconnect":
+            next(response.iter_lines())
+        else:
+            response.read()
+    assert wait_until(lambda: request_id in gateway.meter.settled)
+    record = gateway.meter.settled[request_id]
+    assert record.status == (499 if cause == "client_disconnect" else 200)
+    assert record.prompt_tokens == expected > 5  # "hi" alone would be estimated at 5
