@@ -7,6 +7,7 @@ import logging
 import multiprocessing
 import shlex
 import signal
+import sys
 from typing import Any
 
 
@@ -31,6 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run(args: argparse.Namespace) -> int:
+    import yaml
+
     from gateway import embedded
     from gateway.settings import load_settings
 
@@ -42,7 +45,11 @@ def run(args: argparse.Namespace) -> int:
         overrides["port"] = args.port
     if args.no_auth:
         overrides["auth_enabled"] = False
-    settings = load_settings(args.config, **overrides)
+    try:
+        settings = load_settings(args.config, **overrides)
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # unreadable, unparsable or invalid
+        print(f"aigw: invalid configuration: {exc}", file=sys.stderr)
+        return 1
     replicas: list[embedded.ReplicaProcess] = []
     try:
         if not settings.models:

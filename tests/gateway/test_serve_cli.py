@@ -107,3 +107,21 @@ def test_embedded_replicas_get_the_replica_args_and_serve(tmp_path: Path) -> Non
         assert reply.json()["usage"]["completion_tokens"] >= 1
     finally:
         stop_process(process)
+
+
+@pytest.mark.parametrize("config_text", [
+    "bogus = 1\n",  # unknown key
+    'port = "abc"\n',  # wrong type
+    "port = \n",  # not TOML
+    None,  # no such file
+], ids=["unknown_key", "wrong_type", "not_toml", "missing_file"])
+def test_a_bad_config_file_is_one_error_message_and_status_1(
+        tmp_path: Path, config_text: str | None, capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    config = tmp_path / "gateway.toml"
+    if config_text is not None:
+        config.write_text(config_text)
+    assert main(["serve", "--config", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("aigw: invalid configuration: ") and "Traceback" not in err
