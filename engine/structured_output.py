@@ -1,6 +1,8 @@
-"""Structured output: decoding constrained by a grammar (OpenAI's `response_format`), with llguidance.
+"""Structured output: decoding constrained by a grammar, with llguidance. Two users: OpenAI's
+`response_format` (a JSON object, or a JSON schema), and a forced tool call (`tool_choice`
+"required" or a named function: the tool parser's format as a Lark grammar, engine/tool_parsers).
 
-    spec = OutputGrammar.json_schema(schema)       # or .json_object(); checked: OutputGrammarError
+    spec = OutputGrammar.json_schema(schema)       # or .json_object(), .lark(); OutputGrammarError
     params = SamplingParams(..., grammar=spec)
     compiler = GrammarCompiler(tokenizer.backend, vocab_size, eos_token_ids)   # one per engine
     matcher = compiler.matcher(spec)                # one per request (a choice of n: its own)
@@ -27,7 +29,7 @@ import torch
 
 from engine.sampling_params import SamplingParamsError
 
-GrammarKind = Literal["json_object", "json_schema"]
+GrammarKind = Literal["json_object", "json_schema", "lark"]
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
 
@@ -37,36 +39,50 @@ class OutputGrammarError(SamplingParamsError):
 
 @dataclass(frozen=True)
 class OutputGrammar:
-    """What the output must match: `kind` and the JSON schema text (hashable: a compile cache key)."""
+    """What the output must match: `kind` and its text, a JSON schema or a Lark grammar (llguidance's
+    dialect, which embeds JSON schemas with `%json {...}`). Hashable: the compile cache's key."""
 
     kind: GrammarKind
-    schema_json: str
+    text: str
 
     @classmethod
     def json_object(cls) -> OutputGrammar:
         return cls("json_object", '{"type":"object"}')
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any]) -> OutputGrammar:
-        """Raises OutputGrammarError when llguidance cannot compile the schema."""
-        spec = cls("json_schema", orjson.dumps(schema).decode())  # key order kept: it is the output order
-        _grammar_of(spec)
-        return spec
+    def json_schema(cls, schema: dict[str, Any], param: str = "response_format") -> OutputGrammar:
+        """Raises OutputGrammarError (naming `param`) when llguidance cannot compile the schema."""
+        return cls("json_schema", orjson.dumps(schema).decode())._checked(param)  # key order = output order
+
+    @classmethod
+    def lark(cls, grammar: str, param: str) -> OutputGrammar:
+        """Raises OutputGrammarError (naming `param`) when llguidance cannot compile the grammar."""
+        return cls("lark", grammar)._checked(param)
+
+    def _checked(self, param: str) -> OutputGrammar:
+        try:
+            _grammar_of(self)
+        except OutputGrammarError as exc:
+            raise OutputGrammarError(f"{param}: {exc}") from None
+        return self
 
 
 @functools.lru_cache(maxsize=256)
 def _grammar_of(spec: OutputGrammar) -> str:
-    """The llguidance grammar of `spec` (validated, cached by the schema text)."""
+    """The llguidance grammar of `spec` (validated, cached by its text)."""
     import llguidance
 
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.schema_json,
-                                                                defaults=_JSON_OPTIONS)
-    except ValueError as exc:
-        raise OutputGrammarError(f"response_format: invalid JSON schema: {exc}") from exc
+    if spec.kind == "lark":
+        grammar = llguidance.LLMatcher.grammar_from_lark(spec.text)
+    else:
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=_JSON_OPTIONS)
+        except ValueError as exc:
+            raise OutputGrammarError(f"invalid JSON schema: {exc}") from exc
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
-        raise OutputGrammarError(f"response_format: unsupported JSON schema: {'; '.join(messages)}")
+        what = "grammar" if spec.kind == "lark" else "JSON schema"
+        raise OutputGrammarError(f"unsupported {what}: {'; '.join(messages)}")
     return grammar
 
 
@@ -114,7 +130,7 @@ class GrammarCompiler:
                                                      eos_token=self._eos_token_ids or None)
         matcher = llguidance.LLMatcher(self._tokenizer, _grammar_of(spec), log_level=0)
         if matcher.is_error():
-            raise OutputGrammarError(f"response_format: {matcher.get_error()}")
+            raise OutputGrammarError(f"output grammar: {matcher.get_error()}")
         return GrammarMatcher(matcher, self.num_words)
 
 

@@ -61,6 +61,9 @@ class CanonicalRequest:
     n: int = 1  # choices to generate (OpenAI `n`), each up to max_tokens
     logprobs: bool = False  # return each sampled token's log probability (OpenAI dialects only)
     top_logprobs: int = 0  # ... and this many most likely alternatives per position
+    # structured output in OpenAI chat's form ({"type": "json_object"} or {"type": "json_schema",
+    # "json_schema": {"name", "schema"?, "strict"?, "description"?}}); None: free text
+    response_format: dict[str, Any] | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # None: no top-k (forwarded to upstreams that take it: vLLM-style)

@@ -8,9 +8,9 @@ templates render them with `tojson`). Tools go into the template unless tool_cho
 `continue_final_message` (vLLM's extension; the gateway sends it for Anthropic prefill): the last
 (assistant) message is left open and the answer continues its text.
 
-tool_choice "required" or a named function is only *asked for* in the prompt (a system line, and
-only the named tool is offered): there is no grammar-constrained decoding, so the model may
-still answer in plain text.
+tool_choice "required" or a named function is asked for in the prompt (a system line, and only
+the named tool is offered) and enforced while decoding (ServingContext.chat_sampling_params: a
+grammar of the tool parser's format).
 """
 
 from __future__ import annotations

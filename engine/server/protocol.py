@@ -3,7 +3,7 @@
 Types are checked strictly (a string is not a number); value ranges are checked once, by
 `SamplingParams`, whose `SamplingParamsError` the server answers with 400. Unknown fields are
 ignored, as OpenAI-compatible servers do (logit_bias and parallel_tool_calls included);
-response_format other than "text" is refused, since nothing constrains decoding. `cache_salt`
+response_format `json_object` / `json_schema` constrain decoding (engine/structured_output.py). `cache_salt`
 is our (and vLLM's) extension: requests with different salts never share prefix-cache blocks.
 """
 
@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import OutputGrammar
 
 
 class _Body(BaseModel):
@@ -95,8 +96,31 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # the output always follows the schema: accepted, nothing to switch
+
+
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format.json_schema is required when type is json_schema")
+        return self
+
+    def grammar(self) -> OutputGrammar | None:
+        """Raises OutputGrammarError (a SamplingParamsError) for a schema that cannot be compiled."""
+        if self.type == "text":
+            return None
+        if self.type == "json_schema" and self.json_schema is not None \
+                and self.json_schema.schema_ is not None:
+            return OutputGrammar.json_schema(self.json_schema.schema_)
+        return OutputGrammar.json_object()
 
 
 MAX_CHOICES = 128  # engine requests one HTTP request may fan out into (prompts x n)
@@ -125,12 +149,9 @@ class _SamplingBody(_Body):
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
-    def _check_streaming_and_format(self) -> _SamplingBody:
+    def _check_streaming(self) -> _SamplingBody:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError("response_format json_object/json_schema is not supported "
-                             "(no constrained decoding)")
         return self
 
     @property
@@ -156,6 +177,7 @@ class _SamplingBody(_Body):
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             n=self.n,
+            grammar=self.response_format.grammar() if self.response_format is not None else None,
         )
 
 
@@ -189,6 +211,17 @@ class ChatCompletionRequest(_SamplingBody):
     def uses_tools(self) -> bool:
         """True when tools go into the prompt and the output is parsed for calls."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_functions(self) -> list[ToolDef]:
+        """The tools one of which the answer must call: all for "required", the named one for a
+        named choice, none otherwise."""
+        if self.tool_choice == "required":
+            return list(self.tools or ())
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            return [tool for tool in self.tools or () if tool.function.name == name]
+        return []
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_tokens

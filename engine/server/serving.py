@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import orjson
@@ -24,6 +24,7 @@ from engine.server.metrics import ReplicaMetrics
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, per_choice_params
 from engine.server.settings import ReplicaServerSettings
 from engine.server.typedefs import ServedEngine
+from engine.structured_output import OutputGrammar
 from engine.tool_parsers import ToolParser, get_tool_parser, tool_parser_for_model
 
 Body = TypeVar("Body", bound=pydantic.BaseModel)
@@ -46,6 +47,24 @@ class ServingContext:
         if model not in self.model_names:
             raise NotFoundError(f"The model `{model}` does not exist.", param="model",
                                 code="model_not_found")
+
+    def chat_sampling_params(self, req: ChatCompletionRequest) -> SamplingParams:
+        """The body's SamplingParams; when `tool_choice` demands a call ("required" or a named
+        function), decoding is constrained to the model's tool-call format (this grammar wins over
+        a `response_format`: the answer is calls, not text): one call to the named function, or
+        one or more (one with `parallel_tool_calls: false`) for "required". Invalid values are
+        400s."""
+        params = sampling_params(req)
+        functions = req.forced_functions
+        if not functions:
+            return params
+        is_parallel = req.parallel_tool_calls is not False and req.tool_choice == "required"
+        grammar = self.new_tool_parser().calls_grammar(
+            [(tool.function.name, tool.function.parameters) for tool in functions], is_parallel)
+        try:
+            return replace(params, grammar=OutputGrammar.lark(grammar, "tools"))
+        except SamplingParamsError as exc:
+            raise InvalidRequestError(str(exc)) from exc
 
     def new_tool_parser(self) -> ToolParser:
         if self.settings.tool_parser is not None:

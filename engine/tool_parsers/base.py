@@ -10,13 +10,21 @@ models). It has two faces:
   a client never sees a half-printed `<tool_ca`.
 
 A tag whose body cannot be parsed (bad JSON, no name) is not a call: its raw text is content.
+
+`calls_grammar(functions)` is the format as a grammar (Lark, llguidance's dialect): one or more
+calls to the given functions, arguments following each one's JSON schema. The replica constrains
+decoding with it when `tool_choice` demands a call (engine/structured_output.py).
 """
 
 from __future__ import annotations
 
 import secrets
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
 
 
 def new_tool_call_id() -> str:
@@ -59,6 +67,21 @@ class ToolParser(ABC):
     @abstractmethod
     def parse_call(self, body: str) -> ToolCall | None:
         """The call inside one start/end tag pair, or None when the body is not a valid call."""
+
+    @abstractmethod
+    def call_schema(self, name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
+        """The JSON schema of one call's body (between the tags) to the function `name`."""
+
+    def calls_grammar(self, functions: Sequence[tuple[str, dict[str, Any] | None]],
+                      is_parallel: bool = True) -> str:
+        """A Lark grammar: tagged calls (one, or with `is_parallel` one or more), each to one of
+        `functions` ((name, JSON schema of its arguments) pairs), each body compact JSON."""
+        schema = {"anyOf": [self.call_schema(name, parameters) for name, parameters in functions],
+                  "x-guidance": {"whitespace_flexible": False}}
+        start, end = orjson.dumps(self.start_tag + "\n").decode(), orjson.dumps("\n" + self.end_tag).decode()
+        calls = "call+" if is_parallel else "call"
+        return (f'start: {calls}\n'
+                f'call: {start} %json {orjson.dumps(schema).decode()} {end} "\\n"?\n')
 
     def extract(self, text: str) -> ParsedToolCalls:
         """All calls in a finished completion; an unterminated last tag is parsed if it can be."""

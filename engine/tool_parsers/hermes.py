@@ -11,6 +11,8 @@ as a compact JSON string.
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 
 from engine.tool_parsers.base import ToolCall, ToolParser
@@ -36,3 +38,8 @@ class HermesToolParser(ToolParser):
         if not isinstance(arguments, dict):
             return None
         return ToolCall(name=payload["name"], arguments=orjson.dumps(arguments).decode())
+
+    def call_schema(self, name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
+        return {"type": "object", "properties": {"name": {"const": name},
+                                                 "arguments": parameters or {"type": "object"}},
+                "required": ["name", "arguments"], "additionalProperties": False}

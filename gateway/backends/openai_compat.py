@@ -53,6 +53,8 @@ class OpenAICompatBackend(Backend):
                     for t in request.tools]
             if request.tool_choice is not None:
                 body["tool_choice"] = request.tool_choice
+            if request.response_format is not None:
+                body["response_format"] = request.response_format
         else:
             first = request.prompt if request.prompt_token_ids is None else request.prompt_token_ids
             body["prompt"] = [first, *request.extra_prompts] if request.extra_prompts else first

@@ -104,7 +104,8 @@ class OpenAIChat(Dialect):
         request.tools = parse_tools(body)
         request.tool_choice = parse_tool_choice(body.get("tool_choice"))
         common.parse_sampling(body, request, max_tokens_keys=("max_tokens", "max_completion_tokens"))
-        common.refuse_output_format(body.get("response_format"), "response_format")
+        request.response_format = common.parse_output_format(body.get("response_format"),
+                                                             "response_format")
         common.parse_chat_logprobs(body, request)
         return request
 

@@ -67,18 +67,33 @@ def parse_sampling(body: dict[str, Any], request: CanonicalRequest, *, max_token
     check_sampling(request, {"max_tokens": max_tokens_keys[0]})
 
 
-def refuse_output_format(value: Any, param: str) -> None:
-    """A JSON output format (json_object / json_schema) is refused: there is no constrained decoding
-    anywhere (the replica refuses it too), and a 200 with free text would be a silent lie."""
+def parse_output_format(value: Any, param: str) -> dict[str, Any] | None:
+    """Chat's `response_format` (or the Responses API's `text.format`, flat: name and schema
+    beside type) in chat's form, or None for plain text. The schema itself is checked where the
+    grammar is compiled (the replica; its 400 passes through)."""
     if value is None:
-        return
+        return None
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "text":
-        return
-    if kind in ("json_object", "json_schema"):
-        raise InvalidParam(f"{param}.type", f"{kind} is not supported (no constrained decoding); "
-                           "ask for JSON in the prompt instead")
-    raise InvalidParam(param, "expected an object with type text, json_object or json_schema")
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind != "json_schema":
+        raise InvalidParam(f"{param}.type", "expected text, json_object or json_schema")
+    is_flat = param == "text.format"
+    spec = value if is_flat else get_object(value, "json_schema", f"{param}.json_schema")
+    where = param if is_flat else f"{param}.json_schema"
+    if spec is None:
+        raise InvalidParam(where, "is required when type is json_schema")
+    found: dict[str, Any] = {"name": get_str(spec, "name", f"{where}.name", required=True,
+                                             allow_empty=False)}
+    schema = get_object(spec, "schema", f"{where}.schema")
+    if schema is not None:
+        found["schema"] = schema
+    for key in ("description", "strict"):
+        if spec.get(key) is not None:
+            found[key] = (get_bool if key == "strict" else get_str)(spec, key, f"{where}.{key}")
+    return {"type": "json_schema", "json_schema": found}
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat (the legacy completions API allows 5)

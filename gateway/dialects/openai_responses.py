@@ -151,8 +151,16 @@ def _response(request: CanonicalRequest, response: CanonicalResponse | None) -> 
             "tool_choice": _tool_choice_json(request.tool_choice),
             "tools": [{"type": "function", "name": t.name, "description": t.description,
                        "parameters": t.parameters, "strict": False} for t in request.tools],
-            "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": {},
+            "text": {"format": _text_format_json(request.response_format)},
+            "truncation": "disabled", "metadata": {},
             "usage": _usage(response.usage) if response is not None else None}
+
+
+def _text_format_json(response_format: dict[str, Any] | None) -> dict[str, Any]:
+    """`text.format` as the Responses API echoes it: chat's nested json_schema made flat."""
+    if response_format is None:
+        return {"type": "text"}
+    return {"type": response_format["type"], **response_format.get("json_schema", {})}
 
 
 @dataclass(slots=True)
@@ -184,7 +192,7 @@ class OpenAIResponses(Dialect):
         check_sampling(request, {"max_tokens": "max_output_tokens"})
         text = get_object(body, "text")
         if text is not None:
-            common.refuse_output_format(text.get("format"), "text.format")
+            request.response_format = common.parse_output_format(text.get("format"), "text.format")
         return request
 
     def render(self, request: CanonicalRequest, response: CanonicalResponse) -> dict[str, Any]:

@@ -211,3 +211,61 @@ def test_kv_events_over_http_replay_to_the_snapshot(replica_url: str, client: op
     for batch in batches:
         apply_events(held, batch.events)
     assert held == set(snapshot["block_hashes"]) and held
+
+
+def test_structured_output_parses_into_the_sdks_pydantic_model(client: openai.OpenAI, model: str) -> None:
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        name: str
+        country: str
+        population: int = pydantic.Field(ge=0, le=99_999_999)  # bounded: the 135M model loops digits
+
+    completion = client.chat.completions.parse(
+        model=model, messages=[{"role": "user", "content": "Describe Paris."}], response_format=City,
+        max_tokens=60, temperature=0)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, City), choice.message.content
+
+    colors = {"type": "object", "properties": {"colors": {
+        "type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 2}},
+        "required": ["colors"], "additionalProperties": False}
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Two colors as JSON."}], max_tokens=60,
+        temperature=0.8, seed=5, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "colors", "schema": colors}})
+    chunks = [c for c in stream if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert set(json.loads(text)["colors"]) <= {"red", "green", "blue"}, text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_demanded_tool_call_is_always_made_in_the_tools_schema(client: openai.OpenAI, model: str,
+                                                                 stream: bool) -> None:
+    clock = {"type": "function", "function": {
+        "name": "get_time", "description": "The time in a timezone", "parameters": {
+            "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+            "additionalProperties": False}}}
+    asks = [({"type": "function", "function": {"name": "get_time"}}, None, {"get_time"}),
+            ("required", False, {"get_time", "get_weather"})]
+    for tool_choice, parallel, names in asks:
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        answer = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Tell me a joke."}], max_tokens=60,
+            tools=[WEATHER_TOOL, clock], tool_choice=tool_choice, temperature=0, stream=stream, **extra)
+        if stream:
+            chunks = [c for c in answer if c.choices]
+            calls = [call.function for c in chunks for call in c.choices[0].delta.tool_calls or ()]
+            finish_reason = chunks[-1].choices[0].finish_reason
+        else:
+            calls = [call.function for call in answer.choices[0].message.tool_calls or ()]
+            finish_reason = answer.choices[0].finish_reason
+        assert finish_reason == "tool_calls" and len(calls) == 1, (tool_choice, calls)
+        assert calls[0].name in names
+        arguments = json.loads(calls[0].arguments)
+        if calls[0].name == "get_time":
+            assert arguments == {"tz": arguments["tz"]} and arguments["tz"] in ("UTC", "CET")
+        else:
+            assert isinstance(arguments, dict)

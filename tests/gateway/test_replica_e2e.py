@@ -164,6 +164,27 @@ def test_several_completions_prompts_get_n_choices_each_in_order(served: tuple[s
     assert texts[0] == alone[0].choices[0].text and sorted(texts) == sorted(finishes) == [0, 1]
 
 
+def test_structured_output_parses_through_the_gateway_in_chat_and_responses(
+        served: tuple[str, str]) -> None:
+    import pydantic
+
+    class Pet(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=24)
+        kind: str = pydantic.Field(json_schema_extra={"enum": ["cat", "dog", "bird"]})
+        age_years: int = pydantic.Field(ge=0, le=30)
+
+    url, model = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Describe a pet dog named Rex."}]
+    chat = client.chat.completions.parse(model=model, messages=messages, response_format=Pet,
+                                         max_tokens=40, temperature=0)
+    assert isinstance(chat.choices[0].message.parsed, Pet), chat.choices[0].message.content
+    response = client.responses.parse(model=model, input=messages, text_format=Pet,
+                                      max_output_tokens=40, temperature=0)
+    assert isinstance(response.output_parsed, Pet), response.output_text
+    assert response.text.format.type == "json_schema"
+
+
 def test_anthropic_count_tokens_equals_the_replicas_own_prompt_count(served: tuple[str, str]) -> None:
     url, model = served
     client = anthropic.Anthropic(base_url=url + "/anthropic", api_key="x", max_retries=0, timeout=120)

@@ -21,15 +21,21 @@ MESSAGES = {**CHAT, "max_tokens": 5}
     ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p"),
     ("/v1/responses", {"model": MODEL, "input": "hi", "top_p": 0}, "top_p"),
     ("/v1/chat/completions", {**CHAT, "stop": [""]}, "stop"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}},
-     "response_format.type"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}},
+     "response_format.json_schema"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {}}},
-     "response_format.type"),
+     "response_format.json_schema.name"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}},
+     "response_format.json_schema.schema"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),  # without logprobs
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 6}, "logprobs"),
-    ("/v1/responses", {"model": MODEL, "input": "hi", "text": {"format": {"type": "json_object"}}},
+    ("/v1/responses", {"model": MODEL, "input": "hi", "text": {"format": {"type": "yaml"}}},
      "text.format.type"),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "text": {"format": {"type": "json_schema"}}},
+     "text.format.name"),
 ])
 def test_values_the_replica_would_refuse_are_a_400_naming_the_param(
         gateway: Any, path: str, body: dict[str, Any], param: str) -> None:
@@ -65,6 +71,22 @@ def test_text_response_format_is_accepted(gateway: Any) -> None:
     response = httpx.post(gateway.url + "/v1/chat/completions",
                           json={**CHAT, "response_format": {"type": "text"}, "logprobs": False})
     assert response.status_code == 200
+    assert "response_format" not in gateway.upstreams[0].state.bodies[-1]
+
+
+def test_json_output_formats_reach_the_upstream_in_chats_form(gateway: Any) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    given = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
+    assert httpx.post(gateway.url + "/v1/chat/completions",
+                      json={**CHAT, "response_format": given}).status_code == 200
+    assert gateway.upstreams[0].state.bodies[-1]["response_format"] == given
+    assert httpx.post(gateway.url + "/v1/chat/completions",
+                      json={**CHAT, "response_format": {"type": "json_object"}}).status_code == 200
+    assert gateway.upstreams[0].state.bodies[-1]["response_format"] == {"type": "json_object"}
+    flat = {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}
+    assert httpx.post(gateway.url + "/v1/responses", json={
+        "model": MODEL, "input": "hi", "text": {"format": flat}}).status_code == 200
+    assert gateway.upstreams[0].state.bodies[-1]["response_format"] == given
 
 
 def test_responses_echoes_instructions(gateway: Any) -> None:

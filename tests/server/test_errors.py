@@ -154,11 +154,14 @@ def test_engine_failure_before_the_first_token_of_a_stream_is_a_500_envelope(
     assert_envelope(response, 500, type_="server_error")
 
 
-def test_unconstrainable_response_format_and_too_many_choices_are_400(
-        http: httpx.Client) -> None:
-    error = assert_envelope(http.post("/v1/chat/completions", json=chat(
-        response_format={"type": "json_object"})), 400)
-    assert "not supported" in error["message"]
+def test_unusable_response_format_and_too_many_choices_are_400(http: httpx.Client) -> None:
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
+    error = assert_envelope(http.post("/v1/chat/completions", json=chat(response_format=bad_schema)), 400)
+    assert "response_format" in error["message"] and "JSON schema" in error["message"]
+    assert_envelope(http.post("/v1/chat/completions", json=chat(
+        response_format={"type": "json_schema"})), 400)
+    assert "min_tokens" in assert_envelope(http.post("/v1/chat/completions", json=chat(
+        response_format={"type": "json_object"}, min_tokens=2, max_tokens=8)), 400)["message"]
     assert http.post("/v1/chat/completions", json=chat(
         response_format={"type": "text"})).status_code == 200
     many = {"model": MODEL, "prompt": ["a"] * 20, "n": 8}

@@ -24,7 +24,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ctx = request.app[SERVING_KEY]
     req = await parse_body(request, ChatCompletionRequest)
     ctx.check_model(req.model)
-    params = sampling_params(req)
+    params = ctx.chat_sampling_params(req)
     prompt = await asyncio.to_thread(chat_prompt_token_ids, req, ctx.engine.tokenizer)
     check_context_length(len(prompt), params.max_tokens, ctx.engine.max_model_len, "messages")
     id_, created = shapes.new_id("chatcmpl"), shapes.now_s()
