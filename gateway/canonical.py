@@ -57,6 +57,7 @@ class CanonicalRequest:
     extra_prompts: list[str | list[int]] = field(default_factory=list)
     tools: list[Tool] = field(default_factory=list)
     tool_choice: str | dict[str, Any] | None = None  # OpenAI form: "auto"|"none"|"required"|{...}
+    parallel_tool_calls: bool | None = None  # False: at most one call (None: the upstream's default)
     max_tokens: int | None = None  # per choice
     n: int = 1  # choices to generate (OpenAI `n`), each up to max_tokens
     logprobs: bool = False  # return each sampled token's log probability (OpenAI dialects only)

@@ -53,6 +53,8 @@ class OpenAICompatBackend(Backend):
                     for t in request.tools]
             if request.tool_choice is not None:
                 body["tool_choice"] = request.tool_choice
+            if request.tools and request.parallel_tool_calls is not None:
+                body["parallel_tool_calls"] = request.parallel_tool_calls
             if request.response_format is not None:
                 body["response_format"] = request.response_format
         else:

@@ -21,6 +21,7 @@ from gateway.dialects import openai_common as common
 from gateway.dialects.base import Dialect, StreamEncoder
 from gateway.dialects.validate import (
     InvalidParam,
+    get_bool,
     get_list,
     get_object,
     get_str,
@@ -103,6 +104,7 @@ class OpenAIChat(Dialect):
         request.messages = [_parse_message(raw, i) for i, raw in enumerate(messages)]
         request.tools = parse_tools(body)
         request.tool_choice = parse_tool_choice(body.get("tool_choice"))
+        request.parallel_tool_calls = get_bool(body, "parallel_tool_calls")
         common.parse_sampling(body, request, max_tokens_keys=("max_tokens", "max_completion_tokens"))
         request.response_format = common.parse_output_format(body.get("response_format"),
                                                              "response_format")

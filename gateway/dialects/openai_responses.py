@@ -146,7 +146,8 @@ def _response(request: CanonicalRequest, response: CanonicalResponse | None) -> 
     return {"id": f"resp_{request.request_id}", "object": "response", "created_at": int(time.time()),
             "status": status, "error": None, "incomplete_details": incomplete,
             "instructions": getattr(request, "instructions", None), "max_output_tokens": request.max_tokens, "model": request.model,
-            "output": output, "parallel_tool_calls": True, "previous_response_id": None,
+            "output": output, "parallel_tool_calls": request.parallel_tool_calls is not False,
+            "previous_response_id": None,
             "temperature": request.temperature, "top_p": request.top_p,
             "tool_choice": _tool_choice_json(request.tool_choice),
             "tools": [{"type": "function", "name": t.name, "description": t.description,
@@ -184,6 +185,7 @@ class OpenAIResponses(Dialect):
         request.messages = ([Message("system", instructions)] if instructions else []) + _parse_input(body)
         request.tools = _parse_tools(body)
         request.tool_choice = _parse_tool_choice(body.get("tool_choice"))
+        request.parallel_tool_calls = get_bool(body, "parallel_tool_calls")
         request.max_tokens = get_int(body, "max_output_tokens", minimum=1)
         request.temperature = get_number(body, "temperature", minimum=0.0, maximum=2.0)
         request.top_p = get_number(body, "top_p", minimum=0.0, maximum=1.0)

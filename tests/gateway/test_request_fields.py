@@ -74,6 +74,22 @@ def test_text_response_format_is_accepted(gateway: Any) -> None:
     assert "response_format" not in gateway.upstreams[0].state.bodies[-1]
 
 
+def test_parallel_tool_calls_reaches_the_upstream_only_when_given_with_tools(gateway: Any) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    httpx.post(gateway.url + "/v1/chat/completions", json={**CHAT, "tools": tools})
+    assert "parallel_tool_calls" not in gateway.upstreams[0].state.bodies[-1]
+    httpx.post(gateway.url + "/v1/chat/completions",
+               json={**CHAT, "tools": tools, "parallel_tool_calls": False})
+    assert gateway.upstreams[0].state.bodies[-1]["parallel_tool_calls"] is False
+    response = httpx.post(gateway.url + "/v1/responses", json={
+        "model": MODEL, "input": "hi", "parallel_tool_calls": False,
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]})
+    assert response.json()["parallel_tool_calls"] is False
+    assert gateway.upstreams[0].state.bodies[-1]["parallel_tool_calls"] is False
+    bad = httpx.post(gateway.url + "/v1/chat/completions", json={**CHAT, "parallel_tool_calls": "no"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "parallel_tool_calls"
+
+
 def test_json_output_formats_reach_the_upstream_in_chats_form(gateway: Any) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     given = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
