@@ -9,6 +9,7 @@ Mapping to the canonical form:
   tools[].input_schema                 -> Tool.parameters;  tool_choice auto/any/tool/none -> OpenAI's
   cache_control anywhere               -> accepted and ignored (our replicas cache prefixes themselves)
   a last assistant message with text   -> prefill: continue_final_message, the answer continues it
+  output_config.format (json_schema)    -> response_format json_schema: the replica constrains decoding
 Usage: `cache_read_input_tokens` = cached prompt tokens; `input_tokens` = prompt tokens NOT read
 from cache (Anthropic's definition: input_tokens + cache_read + cache_creation = whole prompt);
 `cache_creation_input_tokens` = 0. While streaming, message_start carries input_tokens 0 (the
@@ -132,6 +133,25 @@ def _parse_tool_choice(value: Any) -> str | dict[str, Any] | None:
     return mapped
 
 
+def _parse_output_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """Structured output: `output_config.format` (or the beta's top-level `output_format`),
+    `{"type": "json_schema", "schema": {...}}`, in OpenAI chat's `response_format` form."""
+    config = get_object(body, "output_config")
+    param = "output_config.format"
+    spec = get_object(config, "format", param) if config is not None else None
+    if spec is None:
+        param = "output_format"
+        spec = get_object(body, param)
+    if spec is None:
+        return None
+    if spec.get("type") != "json_schema":
+        raise InvalidParam(f"{param}.type", "expected 'json_schema'")
+    schema = get_object(spec, "schema", f"{param}.schema")
+    if schema is None:
+        raise InvalidParam(f"{param}.schema", "is required")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+
+
 def _usage(usage: Usage | None) -> dict[str, Any]:
     usage = usage or Usage(0, 0)
     return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
@@ -162,6 +182,10 @@ class AnthropicMessages(Dialect):
                 get_str(raw, "description", f"tools[{i}].description") or "",
                 get_object(raw, "input_schema", f"tools[{i}].input_schema") or {}))
         request.tool_choice = _parse_tool_choice(body.get("tool_choice"))
+        if request.tool_choice is not None and get_bool(
+                body["tool_choice"], "disable_parallel_tool_use",
+                "tool_choice.disable_parallel_tool_use"):
+            request.parallel_tool_calls = False  # at most one call
         request.temperature = get_number(body, "temperature", minimum=0.0, maximum=1.0)
         request.top_p = get_number(body, "top_p", minimum=0.0, maximum=1.0)
         request.top_k = get_int(body, "top_k", minimum=1)
@@ -170,6 +194,7 @@ class AnthropicMessages(Dialect):
             request.user = get_str(metadata, "user_id", "metadata.user_id")
         request.stop = get_stop(body, "stop_sequences", max_items=16)
         request.stream = bool(get_bool(body, "stream"))
+        request.response_format = _parse_output_format(body)
         check_sampling(request, {"stop": "stop_sequences"})
         return request
 

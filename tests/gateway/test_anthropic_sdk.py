@@ -171,3 +171,34 @@ def test_prefill_asks_the_replica_to_continue_the_assistant_text(gateway: Gatewa
         client.messages.create(model=MODEL, max_tokens=4, tools=[TOOL],  # type: ignore[list-item]
                                messages=messages)  # type: ignore[arg-type]
         assert "continue_final_message" not in gateway.upstreams[0].state.bodies[-1]
+
+
+def test_output_config_format_is_sent_as_a_json_schema_response_format(gateway: Gateway) -> None:
+    """Anthropic structured output (what `messages.parse(output_format=...)` sends) reaches the
+    replica as chat's response_format, which constrains decoding; a format we cannot honour is
+    a 400 rather than free text."""
+    client = _client(gateway)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                           output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert gateway.upstreams[0].state.bodies[-1]["response_format"] == {
+        "type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                           extra_body={"output_format": {"type": "json_schema", "schema": schema}})
+    assert gateway.upstreams[0].state.bodies[-1]["response_format"]["type"] == "json_schema"
+    for bad in ({"type": "json_object"}, {"type": "json_schema"}):
+        with pytest.raises(anthropic.BadRequestError, match="output_config.format"):
+            client.messages.create(model=MODEL, max_tokens=4, output_config={"format": bad},  # type: ignore[typeddict-item]
+                                   messages=[{"role": "user", "content": "hi"}])
+
+
+def test_disable_parallel_tool_use_is_sent_as_parallel_tool_calls_false(gateway: Gateway) -> None:
+    client = _client(gateway)
+    for disable, expected in ((True, False), (None, None)):
+        choice: dict[str, object] = {"type": "any"}
+        if disable is not None:
+            choice["disable_parallel_tool_use"] = disable
+        client.messages.create(model=MODEL, max_tokens=4, tools=[TOOL],  # type: ignore[list-item]
+                               tool_choice=choice,  # type: ignore[arg-type]
+                               messages=[{"role": "user", "content": "weather?"}])
+        assert gateway.upstreams[0].state.bodies[-1].get("parallel_tool_calls") == expected
