@@ -43,6 +43,11 @@ def credential_of(request: web.Request) -> str | None:
     return request.headers.get("x-api-key") or None
 
 
+def _is_number(value: object) -> bool:
+    """A JSON number (JSON's true/false are not seconds, though Python's bool is an int)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _error(status: int, code: str, message: str) -> web.Response:
     return web.json_response({"error": {"type": "admin_error", "code": code, "message": message}},
                              status=status)
@@ -109,10 +114,13 @@ def build_admin_routes(services: AuthServices, prefix: str) -> list[web.RouteDef
         if models is not None and not (isinstance(models, list)
                                        and all(isinstance(m, str) for m in models)):
             raise InvalidRequest("'models' must be a list of model names")
-        if expires_in is not None and not isinstance(expires_in, int | float):
+        if expires_in is not None and not _is_number(expires_in):
             raise InvalidRequest("'expires_in' must be a number of seconds")
+        name = body.get("name", "")
+        if not isinstance(name, str):
+            raise InvalidRequest("'name' must be a string")
         record, secret = await admin.create_key(
-            request.match_info["project"], scopes, name=str(body.get("name", "")),
+            request.match_info["project"], scopes, name=name,
             allowed_models=models, expires_in_s=expires_in)
         return web.json_response({**record.public_view(), "key": secret}, status=201)
 
@@ -126,7 +134,7 @@ def build_admin_routes(services: AuthServices, prefix: str) -> list[web.RouteDef
 
     async def rotate_key(request: web.Request, _: Principal) -> web.Response:
         grace = (await _body(request)).get("grace_seconds", 0)
-        if not isinstance(grace, int | float):
+        if not _is_number(grace):
             raise InvalidRequest("'grace_seconds' must be a number")
         record, secret = await admin.rotate_key(request.match_info["key_id"], float(grace))
         services.forget_cached_key(record.key_id)

@@ -6,6 +6,7 @@ the return value of create_key/rotate_key; only their HMAC is handed to the stor
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import replace
@@ -41,8 +42,10 @@ class KeyAdmin:
         unknown = set(scopes) - _VALID_SCOPES
         if not scopes or unknown:
             raise InvalidRequest(f"scopes must be a non-empty subset of {sorted(_VALID_SCOPES)}")
-        if expires_in_s is not None and expires_in_s <= 0:
-            raise InvalidRequest("expires_in must be positive")
+        if expires_in_s is not None and not (math.isfinite(expires_in_s) and expires_in_s > 0):
+            raise InvalidRequest("expires_in must be a positive number of seconds")
+        if allowed_models is not None and not allowed_models:  # [] must not mean "every model"
+            raise InvalidRequest("models must name at least one model (omit it for every model)")
         if await self.store.get_project(project) is None:
             raise UnknownProject(project)
         now = time.time()
@@ -71,8 +74,8 @@ class KeyAdmin:
 
     async def rotate_key(self, key_id: str, grace_s: float) -> tuple[KeyRecord, str]:
         """A new secret for the same key id; the old one keeps working for grace_s seconds."""
-        if grace_s < 0:
-            raise InvalidRequest("grace period must be >= 0")
+        if not (math.isfinite(grace_s) and grace_s >= 0):
+            raise InvalidRequest("grace period must be a number of seconds >= 0")
         record = await self.get_key(key_id)
         if record.revoked_at is not None:
             raise InvalidRequest(f"key {key_id} is revoked")
