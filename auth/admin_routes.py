@@ -152,6 +152,9 @@ def build_admin_routes(services: AuthServices, prefix: str) -> list[web.RouteDef
             until = validate_day(query.get("until"), "until")
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
+        output_format = query.get("format", "json")
+        if output_format not in ("json", "csv"):
+            raise InvalidRequest(f"format must be json or csv, not {output_format!r}")
         if await services.store.get_project(project) is None:
             raise UnknownProject(project)  # as the keys listing answers
         group_by = [g for g in query.get("group_by", "model,day").split(",") if g]
@@ -164,7 +167,7 @@ def build_admin_routes(services: AuthServices, prefix: str) -> list[web.RouteDef
                 project, group_by, since=since, until=until)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
-        if query.get("format", "json") == "csv":
+        if output_format == "csv":
             return web.Response(text=render_csv(rows), content_type="text/csv")
         return web.json_response(text=render_json(project, rows))
 

@@ -85,6 +85,8 @@ def test_admin_api_manages_keys_and_guards_usage_by_project(auth_settings: AuthS
                 assert status == 200 and csv_text.splitlines()[1].startswith(",m,1,5,0,5,10,")
                 status, error = await call("GET", "/projects/a/usage?since=yesterday", admin_key)
                 assert status == 400 and "since" in error["error"]["message"]
+                status, error = await call("GET", "/projects/a/usage?format=xml", admin_key)
+                assert status == 400 and "format" in error["error"]["message"]
                 assert (await call("GET", "/projects/a/usage?since=2020-01-01&until=2999-12-31",
                                    admin_key))[0] == 200
                 status, error = await call("GET", "/projects/zzz/usage", admin_key)
