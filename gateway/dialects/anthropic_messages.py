@@ -195,6 +195,10 @@ class AnthropicMessages(Dialect):
         request.stop = get_stop(body, "stop_sequences", max_items=16)
         request.stream = bool(get_bool(body, "stream"))
         request.response_format = _parse_output_format(body)
+        if request.response_format is not None and request.continue_final_message:
+            # the grammar would start the JSON again after the prefilled text
+            raise InvalidParam("messages", "a last assistant message (prefill) cannot be "
+                               "combined with output_config.format")
         check_sampling(request, {"stop": "stop_sequences"})
         return request
 

@@ -190,6 +190,11 @@ def test_output_config_format_is_sent_as_a_json_schema_response_format(gateway: 
         with pytest.raises(anthropic.BadRequestError, match="output_config.format"):
             client.messages.create(model=MODEL, max_tokens=4, output_config={"format": bad},  # type: ignore[typeddict-item]
                                    messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(anthropic.BadRequestError, match="prefill"):  # JSON would start over
+        client.messages.create(model=MODEL, max_tokens=4,
+                               output_config={"format": {"type": "json_schema", "schema": schema}},
+                               messages=[{"role": "user", "content": "hi"},
+                                         {"role": "assistant", "content": '{"name":'}])
 
 
 def test_disable_parallel_tool_use_is_sent_as_parallel_tool_calls_false(gateway: Gateway) -> None:
