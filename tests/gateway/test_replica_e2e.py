@@ -185,6 +185,29 @@ def test_structured_output_parses_through_the_gateway_in_chat_and_responses(
     assert response.text.format.type == "json_schema"
 
 
+def test_completions_echo_scores_the_prompt_through_the_gateway(served: tuple[str, str]) -> None:
+    url, model = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    prompt = "The capital of France is"
+    for stream in (False, True):
+        kwargs = dict(model=model, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=1)
+        if stream:
+            chunks = [c for c in client.completions.create(stream=True, **kwargs) if c.choices]
+            text = "".join(c.choices[0].text for c in chunks)
+            tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+            token_logprobs = [lp for c in chunks if c.choices[0].logprobs
+                              for lp in c.choices[0].logprobs.token_logprobs]
+        else:
+            answer = client.completions.create(**kwargs)
+            text, logprobs = answer.choices[0].text, answer.choices[0].logprobs
+            tokens, token_logprobs = logprobs.tokens, logprobs.token_logprobs
+            assert answer.usage.completion_tokens == 2
+            assert len(tokens) == answer.usage.prompt_tokens + 2
+        assert text.startswith(prompt) and len(text) > len(prompt)
+        assert "".join(tokens) == text
+        assert token_logprobs[0] is None and all(lp <= 0 for lp in token_logprobs[1:])
+
+
 def test_anthropic_count_tokens_equals_the_replicas_own_prompt_count(served: tuple[str, str]) -> None:
     url, model = served
     client = anthropic.Anthropic(base_url=url + "/anthropic", api_key="x", max_retries=0, timeout=120)
@@ -198,6 +221,20 @@ def test_anthropic_count_tokens_equals_the_replicas_own_prompt_count(served: tup
     counted = client.messages.count_tokens(model=model, **conversation).input_tokens  # type: ignore[arg-type]
     message = client.messages.create(model=model, max_tokens=2, **conversation)  # type: ignore[arg-type]
     assert counted == message.usage.input_tokens + message.usage.cache_read_input_tokens > 20
+
+
+def test_anthropic_prefill_continues_the_assistant_text_on_a_real_replica(
+        served: tuple[str, str]) -> None:
+    """The prompt ends inside the assistant turn (3 more tokens than a new turn, no end of turn):
+    counted the same by count_tokens and by the replica."""
+    url, model = served
+    client = anthropic.Anthropic(base_url=url + "/anthropic", api_key="x", max_retries=0, timeout=120)
+    question = {"role": "user", "content": "Name a color"}
+    prefill = [question, {"role": "assistant", "content": "The color is"}]
+    counted = client.messages.count_tokens(model=model, messages=prefill).input_tokens  # type: ignore[arg-type]
+    message = client.messages.create(model=model, max_tokens=2, messages=prefill)  # type: ignore[arg-type]
+    assert counted == message.usage.input_tokens + message.usage.cache_read_input_tokens
+    assert counted == client.messages.count_tokens(model=model, messages=[question]).input_tokens + 3
 
 
 def test_killing_one_replica_mid_run_never_hangs_a_request(served: tuple[str, str],
