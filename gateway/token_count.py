@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 
+import pydantic
 from aiohttp import web
 
 from auth.principal import AuthError
@@ -46,6 +47,8 @@ async def count_tokens(request: web.Request, pipeline: Pipeline, dialect: Anthro
         return failed(exc.status, exc.code, exc.message)
     except GatewayError as exc:
         return failed(exc.status, exc.code, exc.message)
+    except pydantic.ValidationError as exc:  # the replica's own checks (e.g. tool_choice needs tools)
+        return failed(400, "invalid_request", exc.errors()[0]["msg"].removeprefix("Value error, "))
     except Exception as exc:  # noqa: BLE001 - e.g. a chat template that rejects this conversation
         log.warning("count_tokens %s could not render the prompt: %r", request_id, exc)
         return failed(400, "invalid_request", f"the prompt cannot be rendered for this model: {exc}")

@@ -207,3 +207,13 @@ def test_disable_parallel_tool_use_is_sent_as_parallel_tool_calls_false(gateway:
                                tool_choice=choice,  # type: ignore[arg-type]
                                messages=[{"role": "user", "content": "weather?"}])
         assert gateway.upstreams[0].state.bodies[-1].get("parallel_tool_calls") == expected
+
+
+def test_count_tokens_refuses_what_the_replica_refuses_with_its_plain_message(
+        gateway: Gateway) -> None:
+    """Counting renders the replica's body with the replica's own validation: its refusal is the
+    message a Messages request gets, not a pydantic dump of the upstream body."""
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        _client(gateway).messages.count_tokens(model=MODEL, tool_choice={"type": "any"},
+                                               messages=[{"role": "user", "content": "hi"}])
+    assert refused.value.body["error"]["message"] == "tool_choice requires tools"  # type: ignore[index]
