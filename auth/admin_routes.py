@@ -155,8 +155,6 @@ def build_admin_routes(services: AuthServices, prefix: str) -> list[web.RouteDef
         output_format = query.get("format", "json")
         if output_format not in ("json", "csv"):
             raise InvalidRequest(f"format must be json or csv, not {output_format!r}")
-        if await services.store.get_project(project) is None:
-            raise UnknownProject(project)  # as the keys listing answers
         group_by = [g for g in query.get("group_by", "model,day").split(",") if g]
         async with reader_lock:
             if services.usage_reader is None:
@@ -167,6 +165,8 @@ def build_admin_routes(services: AuthServices, prefix: str) -> list[web.RouteDef
                 project, group_by, since=since, until=until)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
+        if not rows and await services.store.get_project(project) is None:
+            raise UnknownProject(project)  # a typo; a project known only from JWTs has usage
         if output_format == "csv":
             return web.Response(text=render_csv(rows), content_type="text/csv")
         return web.json_response(text=render_json(project, rows))

@@ -130,14 +130,14 @@ async def _usage(services: Any, args: argparse.Namespace) -> int:
 
     # The same refusals as GET /admin/v1/projects/{project}/usage: a typo selects nothing.
     since, until = validate_day(args.since, "since"), validate_day(args.until, "until")
-    if await services.store.get_project(args.project) is None:
-        raise UnknownProject(args.project)
     reader = await open_usage_reader(services.redis, services.settings.data_dir)
     try:
         rows = await reader.usage_by_project(args.project, args.group_by.split(","),
                                              since=since, until=until)
     finally:
         await reader.close()
+    if not rows and await services.store.get_project(args.project) is None:
+        raise UnknownProject(args.project)  # a project known only from JWTs has usage
     print(render_csv(rows) if args.format == "csv" else render_json(args.project, rows),
           end="" if args.format == "csv" else "\n")
     return 0

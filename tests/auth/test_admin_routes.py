@@ -71,7 +71,8 @@ def test_admin_api_manages_keys_and_guards_usage_by_project(auth_settings: AuthS
                 meter = await open_meter(MeteringSettings(), redis=services.redis,
                                          data_dir=settings.data_dir)
                 principal = Principal("a", created["key_id"], frozenset([INVOKE]))
-                for request_id, project, tokens in (("r1", "a", 3), ("r2", "b", 5)):
+                for request_id, project, tokens in (("r1", "a", 3), ("r2", "b", 5),
+                                                    ("r3", "jwt-only", 7)):
                     admission = await meter.admit(request_id, principal, "m", tokens, 16)
                     await meter.settle(admission, _record(request_id, project, "k", tokens))
                 await meter.close()
@@ -96,6 +97,12 @@ def test_admin_api_manages_keys_and_guards_usage_by_project(auth_settings: AuthS
                                     "exp": int(time.time()) + 60}, "x" * 32, algorithm="HS256")
                 assert (await call("GET", "/projects/b/usage", token))[0] == 200
                 assert (await call("GET", "/projects/a/usage", token))[0] == 403
+                # A project named only by JWTs is in no store, yet it has usage to read.
+                jwt_only = jwt.encode({"sub": "ci", "project": "jwt-only", "scope": USAGE,
+                                       "exp": int(time.time()) + 60}, "x" * 32, algorithm="HS256")
+                for caller in (jwt_only, admin_key):
+                    status, usage = await call("GET", "/projects/jwt-only/usage", caller)
+                    assert status == 200 and usage["data"][0]["prompt_tokens"] == 7
 
                 status, rotated = await call("POST", f"/keys/{created['key_id']}/rotate",
                                              admin_key, {"grace_seconds": 0})

@@ -97,3 +97,31 @@ def test_usage_refuses_what_the_usage_api_refuses(
     assert main(["usage", *args]) == 1
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("aigw: ")
+
+
+def test_usage_of_a_project_known_only_from_jwts_is_printed(
+        cli_env: AuthSettings, capsys: pytest.CaptureFixture[str]) -> None:
+    """Not in the project store (JWT callers name their own), but metered: not an unknown project."""
+    import time
+
+    from auth import Principal
+    from gateway.metering import MeteringSettings, UsageRecord, open_meter
+
+    async def meter_one() -> None:
+        services = await open_auth(cli_env)
+        meter = await open_meter(MeteringSettings(), redis=services.redis,
+                                 data_dir=cli_env.data_dir)
+        try:
+            principal = Principal("jwt-only", "jwt:ci", frozenset(["ai_gateway:invoke"]))
+            admission = await meter.admit("r1", principal, "m", 4, 8)
+            await meter.settle(admission, UsageRecord(
+                request_id="r1", project="jwt-only", key_id="jwt:ci", model="m", endpoint="r0",
+                prompt_tokens=4, cached_tokens=0, completion_tokens=2, cost_usd=0.0,
+                latency_ms=1.0, status=200, created_at=time.time()))
+        finally:
+            await meter.close()
+            await services.close()
+
+    asyncio.run(meter_one())
+    assert main(["usage", "--project", "jwt-only", "--group-by", "model"]) == 0
+    assert json.loads(capsys.readouterr().out)["data"][0]["prompt_tokens"] == 4
