@@ -3,7 +3,8 @@
 Lifecycles (cleanup_ctx, in order): the upstream transport (one pooled ClientSession per upstream),
 the first discovery round (models with `discover`: gateway/discovery.py), the router's own tasks
 (`Router.start/close`), the discovery task (every `health_interval_s`; it tells the router of
-changes), then the health checker task. With
+changes), the health checker task, then (on shutdown only) the wait for the settlements still
+counting a prompt (`Pipeline.wait_settled`). With
 `settings.auth_enabled` false and nothing injected, the permissive gateway/open_access.py pair is
 used; with auth on, both must be injected
 (gateway/services.py::create_served_app does that with the real auth/ and metering/).
@@ -76,6 +77,7 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
     app.cleanup_ctx.append(_router_ctx)
     app.cleanup_ctx.append(_discovery_ctx)
     app.cleanup_ctx.append(_health_ctx)
+    app.cleanup_ctx.append(_settlements_ctx)
     app.on_shutdown.append(_start_draining)
     setup_routes(app)
     return app
@@ -123,6 +125,11 @@ async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def _settlements_ctx(app: web.Application) -> AsyncIterator[None]:
+    yield
+    await app[PIPELINE].wait_settled()  # before the meter closes (gateway/services.py)
 
 
 async def _start_draining(app: web.Application) -> None:

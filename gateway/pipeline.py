@@ -133,6 +133,24 @@ class Pipeline:
         self.draining = False
         self._settle_nowait = getattr(meter, "settle_nowait", None)
         self._watchdog = Watchdog()  # the upstream waits' timeouts
+        self._counting: set[asyncio.Task[None]] = set()  # _count_and_settle tasks in flight
+
+    async def wait_settled(self, timeout_s: float = 5.0) -> None:
+        """Shutdown, before the meter closes: let the settlements that count a prompt first
+        (`_count_and_settle`, shielded from their cancelled handlers) finish."""
+        if self._counting:
+            await asyncio.wait(set(self._counting), timeout=timeout_s)
+
+    def _count_then_settle(self, canonical: CanonicalRequest, route: ModelRoute,
+                           outcome: _Outcome, admission: Admission, record: Callable[[], Any],
+                           queue: bool = True) -> Awaitable[None]:
+        """`_count_and_settle` as a task that shutdown waits for; the caller awaits it shielded
+        (a client that leaves meanwhile stops neither the count nor the settlement)."""
+        task = asyncio.ensure_future(self._count_and_settle(canonical, route, outcome, admission,
+                                                            record, queue))
+        self._counting.add(task)
+        task.add_done_callback(self._counting.discard)
+        return asyncio.shield(task)
 
     async def authorize(self, request: web.Request,
                         parse: Callable[[Any, str], CanonicalRequest], request_id: str
@@ -189,8 +207,8 @@ class Pipeline:
         async def settle_now() -> None:
             outcome.settled = True
             if outcome.needs_prompt_count():  # a stream that broke off
-                await asyncio.shield(self._count_and_settle(
-                    canonical, route, outcome, admission, record, queue=False))
+                await self._count_then_settle(canonical, route, outcome, admission, record,
+                                              queue=False)
             else:
                 await asyncio.shield(self._settle(admission, record()))
 
@@ -216,9 +234,8 @@ class Pipeline:
         finally:
             if outcome.settled:
                 pass
-            elif outcome.needs_prompt_count():  # shielded: a client that leaves meanwhile
-                await asyncio.shield(self._count_and_settle(  # stops neither
-                    canonical, route, outcome, admission, record))
+            elif outcome.needs_prompt_count():
+                await self._count_then_settle(canonical, route, outcome, admission, record)
             elif self._settle_nowait is not None:
                 self._settle_nowait(admission, record())  # never raises; nothing to cancel
             else:

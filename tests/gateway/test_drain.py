@@ -5,12 +5,18 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
+import pytest
 from aiohttp import web
 
 from bench.mock_upstream import MockConfig, MockState, create_mock_app
 from gateway.app import create_app
+from gateway.backends.replica import ReplicaBackend
+from gateway.metering.contract import UsageRecord
+from gateway.open_access import NullMeter
 from gateway.server import drain
 from gateway.settings import GatewaySettings
 from tests.gateway.conftest import MODEL, LoopThread, start_app
@@ -50,3 +56,42 @@ def test_drain_lets_an_in_flight_stream_finish_and_refuses_new_requests(loop_thr
     draining.result(30)
     assert received and received[0].count("tok ") == 20 and received[0].endswith("data: [DONE]\n\n")
     loop_thread.run(mock_runner.cleanup())
+
+
+def test_a_stream_cut_by_the_drain_timeout_is_settled_before_the_meter_closes(
+        loop_thread: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cut stream's settlement counts its prompt off the event loop first (slow here, as when
+    the tokenizer loads on first use); shutdown waits for it before the cleanup that closes the
+    meter (gateway/services.py puts that one first)."""
+    count_prompt_tokens = ReplicaBackend.count_prompt_tokens
+
+    def slow_count(*args: Any) -> int:
+        time.sleep(1.5)
+        return count_prompt_tokens(*args)
+
+    monkeypatch.setattr(ReplicaBackend, "count_prompt_tokens", slow_count)
+    upstream, upstream_url = loop_thread.run(start_app(create_mock_app(
+        MockState(MockConfig(token_delay_ms=100, num_tokens=100)))))
+    meter = NullMeter()
+    settled_at_close: dict[str, UsageRecord] = {}
+
+    async def meter_ctx(_: web.Application) -> AsyncIterator[None]:
+        yield
+        settled_at_close.update(meter.settled)  # what a real meter would still write
+
+    settings = GatewaySettings(auth_enabled=False, models=[
+        {"name": MODEL, "backend": "replica", "endpoints": [upstream_url]}])
+    app = create_app(settings, meter=meter)
+    app.cleanup_ctx.insert(0, meter_ctx)
+    runner, url = loop_thread.run(start_app(app))  # shutdown_timeout 1 s
+    try:
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        expected = httpx.post(url + "/v1/messages/count_tokens", json=chat).json()["input_tokens"]
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**chat, "stream": True},
+                          timeout=10) as response:
+            request_id = response.headers["x-request-id"]
+            next(response.iter_lines())
+            loop_thread.run(runner.cleanup())
+    finally:
+        loop_thread.run(upstream.cleanup())
+    assert settled_at_close[request_id].prompt_tokens == expected
