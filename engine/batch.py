@@ -12,6 +12,7 @@ class ScheduledSequence:
     start_position: int  # position of token_ids[0] (= tokens already computed before this step)
     block_table: list[int]  # every block the request holds, in order
     needs_sample: bool  # the chunk reaches the request's last known token: sample a new one
+    needs_prompt_logits: bool = False  # logits of every row (prompt logprobs), not just the last
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -20,7 +20,7 @@ from engine.loader import Tokenizer
 from engine.model_runner import ModelRunner
 from engine.outputs import FinishReason, PromptTooLongError, RequestOutput
 from engine.request import Request
-from engine.sampler import Sampler, SamplerOutput, SamplingRow
+from engine.sampler import Sampler, SamplerOutput, SamplingRow, logprobs_of
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured_output import GrammarCompiler
@@ -126,6 +126,8 @@ class LLMEngine:
         if batch.is_empty:
             return [], None
         step_logits = self.runner.execute(batch)
+        if step_logits.prompt_logits:
+            self._record_prompt_logprobs(batch, step_logits.prompt_logits)
         if not step_logits.request_ids:
             return [], None
         requests = [self._requests[request_id] for request_id in step_logits.request_ids]
@@ -134,6 +136,24 @@ class LLMEngine:
                             self.model_config.eos_token_ids, bitmasks.get(r.request_id))
                 for r in requests]
         return step_logits.request_ids, self.sampler(step_logits.logits, rows)
+
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, prompt_logits: dict[str, torch.Tensor]
+                                ) -> None:
+        """Row p of a chunk's logits predicts prompt token p + 1: its logprob joins the request's
+        `prompt_logprobs` (positions recorded before a preemption are not recorded again)."""
+        for seq in batch.sequences:
+            logits = prompt_logits.get(seq.request_id)
+            if logits is None:
+                continue
+            request = self._requests[seq.request_id]
+            first = max(seq.start_position, len(request.prompt_logprobs))  # next position to record
+            end = min(seq.seq_len, request.num_prompt_tokens - 1)  # the last prompt token predicts output
+            if first >= end:
+                continue
+            targets = torch.tensor(request.prompt_token_ids[first + 1:end + 1])  # [end - first]
+            rows = logits[first - seq.start_position:end - seq.start_position]  # [end - first, vocab]
+            request.prompt_logprobs.extend(logprobs_of(
+                rows, targets, [request.params.prompt_logprobs or 0] * (end - first)))
 
     def _grammar_bitmasks(self, requests: list[Request]) -> dict[str, torch.Tensor]:
         """The allowed-token bitmask (int32 [num_words]) of each request that has a grammar."""
@@ -154,6 +174,10 @@ class LLMEngine:
         outputs = []
         for i, request_id in enumerate(request_ids):
             request = self._requests[request_id]
+            if request.params.max_tokens == 0:  # scoring only: the prompt's logprobs, no token
+                self.scheduler.finish(request, FinishReason.LENGTH)
+                outputs.append(self._final_output(request, [], "", None, request.prompt_logprobs))
+                continue
             token_id = sampler_output.token_ids[i]
             request.output_token_ids.append(token_id)
             if request.grammar is not None and not request.grammar.accept(token_id):
@@ -188,18 +212,22 @@ class LLMEngine:
             reason = FinishReason.STOP  # the grammar is complete (or failed): nothing may follow
         if reason is None and request.num_tokens >= request.max_num_tokens:
             reason = FinishReason.LENGTH
+        prompt_logprobs = (request.prompt_logprobs if request.wants_prompt_logprobs
+                           and request.num_output_tokens == 1 else None)
         if reason is None:
             return RequestOutput(request.request_id, [token_id], text, logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs,
                                  num_prompt_tokens=request.num_prompt_tokens,
                                  num_cached_tokens=request.num_cached_tokens,
                                  num_output_tokens=request.num_output_tokens)
         if not isinstance(stop_reason, str):
             text += detok.finish()
         self.scheduler.finish(request, reason, stop_reason)
-        return self._final_output(request, [token_id], text, logprobs)
+        return self._final_output(request, [token_id], text, logprobs, prompt_logprobs)
 
     def _final_output(self, request: Request, new_token_ids: list[int], text: str,
-                      logprobs: list | None = None) -> RequestOutput:
+                      logprobs: list | None = None, prompt_logprobs: list | None = None
+                      ) -> RequestOutput:
         del self._requests[request.request_id]
         del self._detokenizers[request.request_id]
         now = time.monotonic()
@@ -207,7 +235,7 @@ class LLMEngine:
         scheduled = request.first_scheduled_time or request.arrival_time
         return RequestOutput(
             request.request_id, new_token_ids, text, finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason, logprobs=logprobs,
+            stop_reason=request.stop_reason, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=request.num_output_tokens,
             timings={"queue_s": max(scheduled - request.arrival_time, 0.0),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -42,6 +42,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class StepLogits:
     request_ids: list[str]  # one per logits row, in row order
     logits: torch.Tensor  # [S, vocab] float32
+    # sequences with `needs_prompt_logits`: the logits of every scheduled row, [num_scheduled, vocab]
+    prompt_logits: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -102,7 +104,8 @@ class ModelRunner:
         if len(natives) == len(batch.sequences):
             return native
         rest = self._execute(ScheduledBatch([s for s in batch.sequences if not _is_decode(s)]))
-        return StepLogits(native.request_ids + rest.request_ids, torch.cat([native.logits, rest.logits]))
+        return StepLogits(native.request_ids + rest.request_ids, torch.cat([native.logits, rest.logits]),
+                          {**native.prompt_logits, **rest.prompt_logits})
 
     def _execute(self, batch: ScheduledBatch) -> StepLogits:
         decodes, num_plain, groups = self._plan_decodes(
@@ -112,17 +115,20 @@ class ModelRunner:
         input_ids, positions, metadata = self._prepare(decodes, prefills, num_plain, groups)
         with forward_context(metadata):
             hidden = self._forward(input_ids, positions, self.kv_caches)
-        rows, request_ids, row = [], [], 0
+        rows, request_ids, spans, row = [], [], [], 0
         for seq in ordered:
+            if seq.needs_prompt_logits:
+                spans.append((seq.request_id, row, row + seq.num_scheduled_tokens))
             row += seq.num_scheduled_tokens
             if seq.needs_sample:
                 rows.append(row - 1)
                 request_ids.append(seq.request_id)
-        if not rows:
+        if not rows and not spans:
             return StepLogits([], torch.empty(0, self.model_config.vocab_size))
-        index = torch.tensor(rows, device=self.device)
+        index = torch.tensor(_with_spans(rows, spans), dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
-        return StepLogits(request_ids, logits.cpu() if logits.device.type != "cpu" else logits)
+        logits = logits.cpu() if logits.device.type != "cpu" else logits
+        return _split_logits(request_ids, logits, spans)
 
     def _execute_native(self, seqs: list[ScheduledSequence]) -> StepLogits:
         """These sequences through the native kernels (engine/models/llama_decode.py), a row per
@@ -135,14 +141,18 @@ class ModelRunner:
         positions = torch.cat([torch.arange(s.start_position, s.seq_len) for s in seqs])  # [M]
         row_tables = tables[seq_index]  # [M, W]
         slots = row_tables.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
-        last_rows = torch.tensor([s.num_scheduled_tokens for s in seqs]).cumsum(0) - 1  # [S]
+        ends = list(accumulate(s.num_scheduled_tokens for s in seqs))  # [S] each sequence's row end
         sampled = [i for i, s in enumerate(seqs) if s.needs_sample]
+        spans = [(s.request_id, end - s.num_scheduled_tokens, end)
+                 for s, end in zip(seqs, ends, strict=True) if s.needs_prompt_logits]
+        rows = [ends[i] - 1 for i in sampled]
+        every_row = not spans and len(sampled) == len(positions)
+        logit_rows = torch.tensor(_with_spans(rows, spans), dtype=torch.long)  # [S + span rows]
         step = DecodeInputs(input_ids=torch.tensor([t for s in seqs for t in s.token_ids]),
                             positions=positions, slots=slots, block_tables=row_tables,
-                            context_lens=positions + 1,
-                            logit_rows=None if len(sampled) == len(positions) else last_rows[sampled])
-        logits = self._native_decode(step, self.kv_caches)  # [len(sampled), vocab]
-        return StepLogits([seqs[i].request_id for i in sampled], logits)
+                            context_lens=positions + 1, logit_rows=None if every_row else logit_rows)
+        logits = self._native_decode(step, self.kv_caches)  # [len(rows) + span rows, vocab]
+        return _split_logits([seqs[i].request_id for i in sampled], logits, spans)
 
     def _prepare(self, decodes: list[ScheduledSequence], prefills: list[ScheduledSequence],
                  num_plain: int, groups: list[tuple[int, int, int]]
@@ -254,6 +264,22 @@ def _native_decode_step(model, config: EngineConfig):  # type: ignore[no-untyped
     if config.decode_weights == "q4":
         return NativeDecodeStep.build(model)
     return FloatDecodeStep.build(model)
+
+
+def _with_spans(rows: list[int], spans: list[tuple[str, int, int]]) -> list[int]:
+    """The rows to compute logits for: the sampled rows, then every row of each span."""
+    return rows + [r for _, first, end in spans for r in range(first, end)]
+
+
+def _split_logits(request_ids: list[str], logits: torch.Tensor, spans: list[tuple[str, int, int]]
+                  ) -> StepLogits:
+    """Logits of `_with_spans` rows -> the sampled rows' and each span's own (views)."""
+    num_sampled = len(request_ids)
+    prompt_logits, first = {}, num_sampled
+    for request_id, start, end in spans:
+        prompt_logits[request_id] = logits[first:first + end - start]  # [end - start, vocab]
+        first += end - start
+    return StepLogits(request_ids, logits[:num_sampled], prompt_logits)
 
 
 def _is_decode(seq: ScheduledSequence) -> bool:

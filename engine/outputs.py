@@ -34,6 +34,8 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list[TokenLogprob] | None = None
+    # on the request's first output, when asked: prompt tokens 1.. (the first has no logprob)
+    prompt_logprobs: list[TokenLogprob] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.kv_cache.block_hash import hash_blocks
-from engine.outputs import FinishReason
+from engine.outputs import FinishReason, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarMatcher
 
@@ -50,6 +50,8 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # of every full block so far
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     grammar: GrammarMatcher | None = None  # parser state when params.grammar is set
+    # params.prompt_logprobs: entry i is prompt token i+1's (the first token has none)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 
@@ -73,6 +75,12 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Every prompt position needs its logits: such a request computes its whole prompt
+        (no prefix-cache hits), and each chunk returns all its rows' logits."""
+        return self.params.prompt_logprobs is not None
 
     @property
     def max_num_tokens(self) -> int:

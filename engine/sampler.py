@@ -273,18 +273,27 @@ def compute_logprobs(
     else:
         idx = torch.tensor(want, device=raw_logits.device)
         wanted, wanted_ids = raw_logits[idx], token_ids[idx]  # [num_want, vocab], [num_want]
-    # log_softmax(x)[t] == x[t] - logsumexp(x): no [num_want, vocab] log_softmax table
-    log_total = wanted.logsumexp(dim=-1, keepdim=True)  # [num_want, 1]
-    chosen = (wanted.gather(1, wanted_ids[:, None]) - log_total).squeeze(1).tolist()
-    chosen_ids = wanted_ids.tolist()
-    max_top = max(rows[i].params.top_logprobs for i in want)
-    top_values: list[list[float]] = [[] for _ in want]
-    top_ids: list[list[int]] = [[] for _ in want]
-    if max_top:
-        values, ids = wanted.topk(max_top, dim=-1)  # [num_want, max_top], best first
-        top_values, top_ids = (values - log_total).tolist(), ids.tolist()
-    for j, i in enumerate(want):
-        num_top = rows[i].params.top_logprobs
-        top = tuple(zip(top_ids[j][:num_top], top_values[j][:num_top], strict=True))
-        out[i] = TokenLogprob(token_id=chosen_ids[j], logprob=chosen[j], top=top)
+    found = logprobs_of(wanted, wanted_ids, [rows[i].params.top_logprobs for i in want])
+    for i, entry in zip(want, found, strict=True):
+        out[i] = entry
     return out
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, num_tops: Sequence[int]
+                ) -> list[TokenLogprob]:
+    """logits [n, vocab], token_ids [n] -> per row: that token's logprob and the row's best
+    `num_tops[row]` alternatives (log_softmax of the logits as given)."""
+    logits = logits.float()
+    # log_softmax(x)[t] == x[t] - logsumexp(x): no [n, vocab] log_softmax table
+    log_total = logits.logsumexp(dim=-1, keepdim=True)  # [n, 1]
+    chosen = (logits.gather(1, token_ids[:, None]) - log_total).squeeze(1).tolist()
+    max_top = max(num_tops, default=0)
+    top_values: list[list[float]] = [[] for _ in num_tops]
+    top_ids: list[list[int]] = [[] for _ in num_tops]
+    if max_top:
+        values, ids = logits.topk(max_top, dim=-1)  # [n, max_top], best first
+        top_values, top_ids = (values - log_total).tolist(), ids.tolist()
+    return [TokenLogprob(token_id=token_id, logprob=logprob,
+                         top=tuple(zip(top_ids[j][:num_top], top_values[j][:num_top], strict=True)))
+            for j, (token_id, logprob, num_top) in enumerate(
+                zip(token_ids.tolist(), chosen, num_tops, strict=True))]

@@ -28,6 +28,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None  # each prompt token's logprob + this many alternatives
     n: int = 1
     grammar: OutputGrammar | None = None  # structured output (engine/structured_output.py)
 
@@ -36,13 +37,17 @@ class SamplingParams:
             (0.0 <= self.temperature <= 2.0, "temperature must be between 0 and 2"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             (self.top_k is None or self.top_k >= 1, "top_k must be >= 1"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (self.max_tokens is None or self.max_tokens >= 1
+             or (self.max_tokens == 0 and self.prompt_logprobs is not None),
+             "max_tokens must be >= 1 (0 only to score a prompt: with prompt_logprobs)"),
             (self.min_tokens >= 0, "min_tokens must be >= 0"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              "min_tokens must not exceed max_tokens"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be between -2 and 2"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be between -2 and 2"),
             (0 <= self.top_logprobs <= 20, "top_logprobs must be between 0 and 20"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             "prompt_logprobs must be between 0 and 20"),
             (1 <= self.n <= 16, "n must be between 1 and 16"),
             (len(self.stop) <= 16, "at most 16 stop sequences"),
             (all(isinstance(s, str) and s for s in self.stop), "stop sequences must be non-empty strings"),

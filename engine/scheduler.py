@@ -112,6 +112,8 @@ class Scheduler:
             start_position=start,
             block_table=block_table,
             needs_sample=request.num_computed_tokens == request.num_tokens,
+            needs_prompt_logits=(request.wants_prompt_logprobs
+                                 and start < request.num_prompt_tokens - 1),
         )
 
     def _preempt(self, request: Request) -> None:

@@ -55,6 +55,7 @@ class CanonicalRequest:
     # kind == "completion": the prompts after the first (OpenAI's several prompts in one request),
     # each a string or token ids; each prompt gets `n` choices, prompt i's at i*n .. i*n + n - 1
     extra_prompts: list[str | list[int]] = field(default_factory=list)
+    echo: bool = False  # kind == "completion": each choice's text (and logprobs) starts with its prompt
     tools: list[Tool] = field(default_factory=list)
     tool_choice: str | dict[str, Any] | None = None  # OpenAI form: "auto"|"none"|"required"|{...}
     parallel_tool_calls: bool | None = None  # False: at most one call (None: the upstream's default)

@@ -53,8 +53,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
         """The longest run of cached blocks that starts the request. At least the last token is left to
         compute (its logits are needed), so a fully cached prompt still recomputes its final token."""
-        if not self.enable_caching:
-            return ComputedBlocks()
+        if not self.enable_caching or request.wants_prompt_logprobs:
+            return ComputedBlocks()  # (prompt logprobs need every position's logits)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:

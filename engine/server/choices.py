@@ -14,6 +14,7 @@ from engine.server.responses import usage
 class ChoiceState:
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None  # from the first output, when asked
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or token id that matched (vLLM's field)
     num_prompt_tokens: int = 0
@@ -25,6 +26,8 @@ class ChoiceState:
         self.text_parts.append(output.text)
         if output.logprobs:
             self.logprobs.extend(output.logprobs)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         if output.finish_reason is not None:
             self.finish_reason = str(output.finish_reason)
             self.stop_reason = output.stop_reason

@@ -3,13 +3,24 @@
 Streams send `text_completion` chunks with the new text as it comes, an empty-text chunk with
 finish_reason, a usage chunk (choices: []) when stream_options.include_usage, then [DONE]; on an
 engine failure mid-stream an error event is sent and the stream closes without [DONE].
+
+`echo`: each choice's text starts with its prompt (the string as given; a token-id prompt
+decoded), and with `logprobs` its logprobs start with the prompt's tokens, the first one's null
+(OpenAI's form; what evaluation harnesses read to score a text). A stream sends the prompt with
+the choice's first token.
 """
 
 from __future__ import annotations
 
 import logging
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
 from aiohttp import web
+
+from engine.outputs import RequestOutput
 
 from engine.server import responses as shapes
 from engine.server.choices import ChoiceState, usage_of
@@ -23,26 +34,60 @@ from engine.server.token_bytes import token_bytes_of
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Echo:
+    """What `echo` puts before each prompt's choices: the prompt's text and its first token."""
+
+    texts: list[str]
+    first_token_ids: list[int]
+
+
+def echo_of(req: CompletionRequest, prompts: Sequence[list[int]], tokenizer: Any) -> Echo | None:
+    if not req.echo:
+        return None
+    given = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    texts = [p if isinstance(p, str) else tokenizer.decode(ids)
+             for p, ids in zip(given if isinstance(given[0], str) else prompts, prompts, strict=True)]
+    return Echo(texts, [ids[0] for ids in prompts])
+
+
+def _choice_parts(ctx: ServingContext, req: CompletionRequest, echo: Echo | None, index: int,
+                  output: RequestOutput | ChoiceState, text: str, offset: int, is_first: bool
+                  ) -> tuple[str, dict[str, Any] | None]:
+    """One choice's text and logprobs for `output` (a step's, or the whole state's); the echoed
+    prompt goes first when `is_first`."""
+    entries = list(output.logprobs or ())
+    leading = None
+    if echo is not None and is_first:
+        prompt = index // req.n
+        text = echo.texts[prompt] + text
+        if req.logprobs is not None:
+            entries = list(output.prompt_logprobs or ()) + entries
+            leading = echo.first_token_ids[prompt]
+    if req.logprobs is None:
+        return text, None
+    return text, shapes.completion_logprobs(entries, token_bytes_of(ctx.engine.tokenizer), offset,
+                                            leading)
+
+
 async def complete_text(ctx: ServingContext, req: CompletionRequest, fanout: FanOut,
-                        num_choices: int, id_: str, created: int) -> web.Response:
+                        num_choices: int, id_: str, created: int, echo: Echo | None = None
+                        ) -> web.Response:
     states = [ChoiceState() for _ in range(num_choices)]
     async for index, output in fanout:
         states[index].add(output)
-    choices = [
-        shapes.completion_choice(
-            index, state.text,
-            shapes.completion_logprobs(state.logprobs, token_bytes_of(ctx.engine.tokenizer))
-            if req.logprobs is not None else None,
-            state.finish_reason, state.stop_reason)
-        for index, state in enumerate(states)
-    ]
+    choices = []
+    for index, state in enumerate(states):
+        text, logprobs = _choice_parts(ctx, req, echo, index, state, state.text, 0, True)
+        choices.append(shapes.completion_choice(index, text, logprobs, state.finish_reason,
+                                                state.stop_reason))
     body = shapes.completion(id_, created, req.model, choices, usage_of(states, req.n))
     return json_response(body)
 
 
 async def stream_text(request: web.Request, ctx: ServingContext, req: CompletionRequest,
-                      fanout: FanOut, num_choices: int, id_: str, created: int
-                      ) -> web.StreamResponse:
+                      fanout: FanOut, num_choices: int, id_: str, created: int,
+                      echo: Echo | None = None) -> web.StreamResponse:
     stream = EventStream(request)
     await stream.open()
     states = [ChoiceState() for _ in range(num_choices)]
@@ -56,16 +101,16 @@ async def stream_text(request: web.Request, ctx: ServingContext, req: Completion
 
     try:
         try:
+            sent = [0] * num_choices  # characters of each choice's text sent so far
             async for index, output in fanout:
                 state = states[index]
-                offset = len(state.text)
+                is_first = not state.text_parts
                 state.add(output)
-                if output.text or (req.logprobs is not None and output.logprobs):
-                    logprobs = None
-                    if req.logprobs is not None:
-                        logprobs = shapes.completion_logprobs(
-                            output.logprobs or [], token_bytes_of(ctx.engine.tokenizer), offset)
-                    await chunk([shapes.completion_choice(index, output.text, logprobs, None)])
+                text, logprobs = _choice_parts(ctx, req, echo, index, output, output.text,
+                                               sent[index], is_first)
+                if text or (logprobs is not None and logprobs["tokens"]):
+                    sent[index] += len(text)
+                    await chunk([shapes.completion_choice(index, text, logprobs, None)])
                 if output.finished:
                     await chunk([shapes.completion_choice(index, "", None, state.finish_reason,
                                                           state.stop_reason)])

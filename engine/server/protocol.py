@@ -158,8 +158,8 @@ class _SamplingBody(_Body):
     def include_usage_chunk(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: bool, top_logprobs: int
-                         ) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: bool, top_logprobs: int,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises SamplingParamsError for out-of-range values."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
@@ -176,6 +176,7 @@ class _SamplingBody(_Body):
             frequency_penalty=self.frequency_penalty or 0.0,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            prompt_logprobs=prompt_logprobs,
             n=self.n,
             grammar=self.response_format.grammar() if self.response_format is not None else None,
         )
@@ -237,8 +238,6 @@ class CompletionRequest(_SamplingBody):
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
         if isinstance(self.prompt, list) and (
             not self.prompt or any(isinstance(p, list) and not p for p in self.prompt)
         ):
@@ -251,7 +250,12 @@ class CompletionRequest(_SamplingBody):
 
     def to_sampling_params(self) -> SamplingParams:
         logprobs = self.logprobs is not None
-        return self._sampling_params(self.max_tokens, logprobs, self.logprobs or 0)
+        # the echoed prompt comes with its tokens' logprobs; `max_tokens: 0` only scores the
+        # prompt (it is computed even when the logprobs are not returned)
+        prompt_logprobs = None
+        if self.echo and (logprobs or self.max_tokens == 0):
+            prompt_logprobs = self.logprobs or 0
+        return self._sampling_params(self.max_tokens, logprobs, self.logprobs or 0, prompt_logprobs)
 
 
 def per_choice_params(params: SamplingParams, choice: int) -> SamplingParams:

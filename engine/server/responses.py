@@ -111,21 +111,27 @@ def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None,
 
 
 def completion_logprobs(entries: Sequence[TokenLogprob], token_bytes: TokenBytes,
-                        first_offset: int = 0) -> dict[str, Any]:
-    """`text_offset` counts characters from the start of the completion text (a token that
-    holds part of a character counts as one)."""
+                        first_offset: int = 0, leading_token_id: int | None = None
+                        ) -> dict[str, Any]:
+    """`text_offset` counts characters from the start of the choice's text (a token that holds
+    part of a character counts as one). `leading_token_id`: an echoed prompt's first token, which
+    has no logprob (null, as OpenAI sends it), before `entries`."""
     tokens, offsets = [], []
     offset = first_offset
-    for entry in entries:
-        raw = token_bytes(entry.token_id)
+    token_ids = [entry.token_id for entry in entries]
+    if leading_token_id is not None:
+        token_ids.insert(0, leading_token_id)
+    for token_id in token_ids:
+        raw = token_bytes(token_id)
         tokens.append(token_string(raw))
         offsets.append(offset)
         offset += len(raw.decode("utf-8", "replace"))
+    lead: list[Any] = [None] if leading_token_id is not None else []
     return {
         "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{token_string(token_bytes(tid)): lp for tid, lp in e.top}
-                         for e in entries],
+        "token_logprobs": lead + [e.logprob for e in entries],
+        "top_logprobs": lead + [{token_string(token_bytes(tid)): lp for tid, lp in e.top}
+                                for e in entries],
         "text_offset": offsets,
     }
 

@@ -60,6 +60,8 @@ class OpenAICompatBackend(Backend):
         else:
             first = request.prompt if request.prompt_token_ids is None else request.prompt_token_ids
             body["prompt"] = [first, *request.extra_prompts] if request.extra_prompts else first
+            if request.echo:
+                body["echo"] = True
         if request.stream:
             body["stream_options"] = {"include_usage": True}
         for key in ("max_tokens", "temperature", "top_p", "top_k", "seed"):

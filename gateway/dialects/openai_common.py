@@ -46,10 +46,11 @@ def usage_json(usage: Usage | None) -> dict[str, Any]:
 
 def parse_sampling(body: dict[str, Any], request: CanonicalRequest, *, max_tokens_keys: tuple[str, ...]
                    ) -> None:
-    """temperature, top_p, n, seed, stop, max tokens, stream, stream_options and user onto `request`."""
+    """temperature, top_p, n, seed, stop, max tokens, stream, stream_options and user onto `request`
+    (max tokens may be 0 only on a completion that echoes its prompt: it scores the prompt)."""
     request.user = get_str(body, "user")
     for key in max_tokens_keys:
-        value = get_int(body, key, minimum=1)
+        value = get_int(body, key, minimum=0 if request.echo else 1)
         if value is not None:
             request.max_tokens = value
     request.temperature = get_number(body, "temperature", minimum=0.0, maximum=2.0)

@@ -1,5 +1,5 @@
 """OpenAI legacy Completions: POST /v1/completions (prompts as text or token ids, one or several
-in a request; no echo)."""
+in a request; `echo` forwarded: the upstream puts the prompt, and its logprobs, before each choice)."""
 
 from __future__ import annotations
 
@@ -47,8 +47,7 @@ class OpenAICompletions(Dialect):
             request.prompt = first
         else:
             request.prompt_token_ids = first
-        if get_bool(body, "echo"):
-            raise InvalidParam("echo", "echo is not supported")
+        request.echo = bool(get_bool(body, "echo"))
         common.parse_sampling(body, request, max_tokens_keys=("max_tokens",))
         if request.num_choices > common.MAX_NUM_CHOICES:
             raise InvalidParam("n", f"at most {common.MAX_NUM_CHOICES} choices (prompts x n) "

@@ -128,13 +128,15 @@ def check_sampling(request: CanonicalRequest, param_names: dict[str, str] | None
     """The replica's own ranges (engine.sampling_params), checked here so that a value the replica
     would refuse (e.g. top_p = 0) is a normal 400 naming its parameter. `param_names` maps the
     canonical field to the dialect's name (e.g. {"stop": "stop_sequences"})."""
-    key = (request.temperature, request.top_p, request.top_k, request.max_tokens, *request.stop)
+    key = (request.temperature, request.top_p, request.top_k, request.max_tokens, request.echo,
+           *request.stop)
     if key in _VALID_SAMPLING:
         return
     try:
         SamplingParams(temperature=1.0 if request.temperature is None else request.temperature,
                        top_p=1.0 if request.top_p is None else request.top_p, top_k=request.top_k,
-                       max_tokens=request.max_tokens, stop=tuple(request.stop))
+                       max_tokens=request.max_tokens, stop=tuple(request.stop),
+                       prompt_logprobs=0 if request.echo else None)
         if len(_VALID_SAMPLING) >= _NUM_VALID_SAMPLING_MAX:
             _VALID_SAMPLING.clear()
         _VALID_SAMPLING.add(key)

@@ -206,6 +206,10 @@ def test_completions_echo_scores_the_prompt_through_the_gateway(served: tuple[st
         assert text.startswith(prompt) and len(text) > len(prompt)
         assert "".join(tokens) == text
         assert token_logprobs[0] is None and all(lp <= 0 for lp in token_logprobs[1:])
+    scored = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    choice = scored.choices[0]
+    assert (choice.text, choice.finish_reason, scored.usage.completion_tokens) == (prompt, "length", 0)
+    assert choice.logprobs.token_logprobs == token_logprobs[:scored.usage.prompt_tokens]
 
 
 def test_anthropic_count_tokens_equals_the_replicas_own_prompt_count(served: tuple[str, str]) -> None:

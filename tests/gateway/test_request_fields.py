@@ -90,6 +90,14 @@ def test_parallel_tool_calls_reaches_the_upstream_only_when_given_with_tools(gat
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "parallel_tool_calls"
 
 
+def test_completions_echo_is_forwarded(gateway: Any) -> None:
+    body = {"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1}
+    assert httpx.post(gateway.url + "/v1/completions", json=body).status_code == 200
+    assert gateway.upstreams[0].state.bodies[-1]["echo"] is True
+    httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert "echo" not in gateway.upstreams[0].state.bodies[-1]
+
+
 def test_json_output_formats_reach_the_upstream_in_chats_form(gateway: Any) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     given = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}

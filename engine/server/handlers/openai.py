@@ -12,7 +12,7 @@ from aiohttp import web
 
 from engine.server import responses as shapes
 from engine.server.chat import complete_chat, stream_chat
-from engine.server.completions import complete_text, stream_text
+from engine.server.completions import complete_text, echo_of, stream_text
 from engine.server.errors import json_response
 from engine.server.keys import SERVING_KEY
 from engine.server.prompts import chat_prompt_token_ids, check_context_length, completion_prompts
@@ -48,9 +48,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     num_choices = len(prompts) * params.n
     async with ctx.fanout(request, id_, prompts, params, cache_salt=req.cache_salt,
                           param="prompt") as fanout:
+        echo = echo_of(req, prompts, ctx.engine.tokenizer)
         if req.stream:
-            return await stream_text(request, ctx, req, fanout, num_choices, id_, created)
-        return await complete_text(ctx, req, fanout, num_choices, id_, created)
+            return await stream_text(request, ctx, req, fanout, num_choices, id_, created, echo)
+        return await complete_text(ctx, req, fanout, num_choices, id_, created, echo)
 
 
 async def models(request: web.Request) -> web.Response:
