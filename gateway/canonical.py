@@ -69,6 +69,8 @@ class CanonicalRequest:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # None: no top-k (forwarded to upstreams that take it: vLLM-style)
+    presence_penalty: float | None = None  # OpenAI's, -2..2 (None: not sent)
+    frequency_penalty: float | None = None
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     stream: bool = False

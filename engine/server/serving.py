@@ -37,7 +37,6 @@ class ServingContext:
     settings: ReplicaServerSettings
     metrics: ReplicaMetrics
     started_at_s: int = field(default_factory=lambda: int(time.time()))
-    _token_text_cache: dict[int, str] = field(default_factory=dict)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -71,14 +70,6 @@ class ServingContext:
             return get_tool_parser(self.settings.tool_parser)
         config = self.engine.model_config
         return tool_parser_for_model(config.architecture, config.model_id)
-
-    def token_text(self, token_id: int) -> str:
-        """The text of one token (memoized; the vocabulary is fixed)."""
-        text = self._token_text_cache.get(token_id)
-        if text is None:
-            text = self.engine.tokenizer.decode([token_id])
-            self._token_text_cache[token_id] = text
-        return text
 
     @asynccontextmanager
     async def fanout(self, request: web.Request, request_id: str, prompts: list[list[int]],

@@ -64,7 +64,8 @@ class OpenAICompatBackend(Backend):
                 body["echo"] = True
         if request.stream:
             body["stream_options"] = {"include_usage": True}
-        for key in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        for key in ("max_tokens", "temperature", "top_p", "top_k", "seed", "presence_penalty",
+                    "frequency_penalty"):
             value = getattr(request, key)
             if value is not None:
                 body[key] = value

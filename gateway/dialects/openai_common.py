@@ -46,7 +46,8 @@ def usage_json(usage: Usage | None) -> dict[str, Any]:
 
 def parse_sampling(body: dict[str, Any], request: CanonicalRequest, *, max_tokens_keys: tuple[str, ...]
                    ) -> None:
-    """temperature, top_p, n, seed, stop, max tokens, stream, stream_options and user onto `request`
+    """temperature, top_p, penalties, n, seed, stop, max tokens, stream, stream_options and user
+    onto `request`
     (max tokens may be 0 only on a completion that echoes its prompt: it scores the prompt)."""
     request.user = get_str(body, "user")
     for key in max_tokens_keys:
@@ -55,6 +56,8 @@ def parse_sampling(body: dict[str, Any], request: CanonicalRequest, *, max_token
             request.max_tokens = value
     request.temperature = get_number(body, "temperature", minimum=0.0, maximum=2.0)
     request.top_p = get_number(body, "top_p", minimum=0.0, maximum=1.0)
+    request.presence_penalty = get_number(body, "presence_penalty", minimum=-2.0, maximum=2.0)
+    request.frequency_penalty = get_number(body, "frequency_penalty", minimum=-2.0, maximum=2.0)
     request.n = get_int(body, "n", minimum=1, maximum=MAX_NUM_CHOICES) or 1
     request.seed = get_int(body, "seed")
     request.stop = get_stop(body, "stop")

@@ -90,6 +90,18 @@ def test_parallel_tool_calls_reaches_the_upstream_only_when_given_with_tools(gat
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "parallel_tool_calls"
 
 
+def test_penalties_are_range_checked_and_forwarded(gateway: Any) -> None:
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"model": MODEL, "prompt": "hi"})):
+        ok = httpx.post(gateway.url + path, json={**body, "presence_penalty": 0.5, "frequency_penalty": -1})
+        assert ok.status_code == 200
+        sent = gateway.upstreams[0].state.bodies[-1]
+        assert (sent["presence_penalty"], sent["frequency_penalty"]) == (0.5, -1.0)
+        bad = httpx.post(gateway.url + path, json={**body, "frequency_penalty": 3})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "frequency_penalty"
+    httpx.post(gateway.url + "/v1/chat/completions", json=CHAT)
+    assert "presence_penalty" not in gateway.upstreams[0].state.bodies[-1]
+
+
 def test_completions_echo_is_forwarded(gateway: Any) -> None:
     body = {"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1}
     assert httpx.post(gateway.url + "/v1/completions", json=body).status_code == 200
