@@ -2,7 +2,8 @@
 
     client JSON --dialect.parse--> CanonicalRequest --backend.stream--> CanonicalEvent* --dialect--> client
 
-A backend yields, in order: any number of `TextDelta` / `ToolCallDelta`, then one `Finish` per
+A backend yields, in order: at most one `PromptUsage` (when the upstream announces the prompt's
+count as it starts answering), any number of `TextDelta` / `ToolCallDelta`, then one `Finish` per
 choice, then one `Usage` (the backend guarantees a `Usage`, counting tokens itself if the upstream
 gave none; it covers every choice). Events carry their `choice` (0 unless the client asked for
 `n` > 1, which only the OpenAI chat and completions dialects do). `Accumulator` folds the events
@@ -160,7 +161,18 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
-CanonicalEvent = TextDelta | ToolCallDelta | Finish | Usage
+@dataclass(frozen=True, slots=True)
+class PromptUsage:
+    """The prompt's exact count, known when the upstream starts answering (our replicas announce
+    it in the stream's headers): Anthropic's `message_start` reports it, and a stream cut before
+    its `Usage` is billed with it. At most one, first."""
+
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+CanonicalEvent = TextDelta | ToolCallDelta | Finish | Usage | PromptUsage
+FOLDED_EVENTS = (Finish, Usage, PromptUsage)  # folded into the answer's end, never sent alone
 
 
 @dataclass(slots=True)
@@ -185,12 +197,13 @@ class Accumulator:
         self.finish_reason: FinishReason | None = None
         self.stop_sequence: str | None = None
         self.usage: Usage | None = None
+        self.prompt_usage: PromptUsage | None = None
         self.num_events = 0
         self.others: dict[int, Accumulator] = {}  # choice -> its events (n > 1)
 
     def add(self, event: CanonicalEvent) -> None:
         self.num_events += 1
-        if not isinstance(event, Usage) and event.choice:
+        if not isinstance(event, Usage | PromptUsage) and event.choice:
             other = self.others.get(event.choice)
             if other is None:
                 other = self.others[event.choice] = Accumulator()
@@ -215,6 +228,8 @@ class Accumulator:
         elif isinstance(event, Finish):
             self.finish_reason = event.reason
             self.stop_sequence = event.stop_sequence
+        elif isinstance(event, PromptUsage):
+            self.prompt_usage = event
         else:
             self.usage = event
 

@@ -31,11 +31,10 @@ from auth.cache_salt import cache_salt_for
 from auth.principal import Authenticator, AuthError, Principal, Scope
 from auth.settings import AuthSettings
 from gateway.canonical import (
+    FOLDED_EVENTS,
     Accumulator,
     CanonicalEvent,
     CanonicalRequest,
-    Finish,
-    Usage,
     estimate_prompt_tokens,
 )
 from gateway.dialects.base import Dialect, StreamEncoder
@@ -341,7 +340,8 @@ class Pipeline:
             await response.prepare(request)
             outcome.status = 200
             accumulator.add(attempt.first_event)
-            await response.write(encoder.start() + _delta_bytes(encoder, attempt.first_event))
+            await response.write(encoder.start(accumulator.prompt_usage)
+                                 + _delta_bytes(encoder, attempt.first_event))
             try:
                 idle_timeout_s = self.settings.idle_timeout_s
                 async with self._watchdog.timer() as timer:
@@ -354,7 +354,7 @@ class Pipeline:
                         finally:
                             timer.done_waiting()
                         accumulator.add(event)
-                        if not isinstance(event, Finish | Usage):
+                        if not isinstance(event, FOLDED_EVENTS):
                             await response.write(encoder.event(event))
                 attempt.endpoint.breaker.record_success()
                 tail = encoder.finish(accumulator.response())
@@ -379,7 +379,7 @@ class Pipeline:
 
 
 def _delta_bytes(encoder: StreamEncoder, event: CanonicalEvent) -> bytes:
-    return b"" if isinstance(event, Finish | Usage) else encoder.event(event)
+    return b"" if isinstance(event, FOLDED_EVENTS) else encoder.event(event)
 
 
 def _after_start(exc: BaseException, settings: GatewaySettings) -> UpstreamError:
@@ -403,6 +403,7 @@ class _Outcome:
         self.settled = False
 
     def needs_prompt_count(self) -> bool:
-        """An endpoint answered (so it processed the prompt) but no usage arrived."""
+        """An endpoint answered (so it processed the prompt) but no usage arrived, not even the
+        prompt's count at its start."""
         return (self.endpoint is not None and self.accumulator.usage is None
-                and self.accumulator.num_events > 0)
+                and self.accumulator.prompt_usage is None and self.accumulator.num_events > 0)

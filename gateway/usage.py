@@ -22,12 +22,9 @@ def build_record(request: CanonicalRequest, principal: Principal, model: ModelSe
                  endpoint_name: str, accumulator: Accumulator, status: int,
                  latency_ms: float, num_prompt_tokens: int | None = None) -> UsageRecord:
     """Usage as the upstream reported it, else counted from what was produced so far: the
-    prompt as `num_prompt_tokens` (the backend's count, when the caller made one) or the
-    estimate, the completion from the text received."""
-    usage = accumulator.usage or Usage(
-        (estimate_prompt_tokens(request) if num_prompt_tokens is None else num_prompt_tokens)
-        if accumulator.num_events else 0,
-        estimate_num_tokens(len(accumulator.text)) if accumulator.text else 0)
+    prompt as the upstream announced it (`PromptUsage`), or `num_prompt_tokens` (the backend's
+    count, when the caller made one), or the estimate; the completion from the text received."""
+    usage = accumulator.usage or _partial_usage(request, accumulator, num_prompt_tokens)
     return UsageRecord(
         request_id=request.request_id, project=principal.project, key_id=principal.key_id,
         model=model.name, endpoint=endpoint_name, prompt_tokens=usage.prompt_tokens,
@@ -36,3 +33,15 @@ def build_record(request: CanonicalRequest, principal: Principal, model: ModelSe
                                        usage.completion_tokens),
         latency_ms=latency_ms, status=status, created_at=time.time(), stream=request.stream,
         finish_reason=accumulator.finish_reason)
+
+
+def _partial_usage(request: CanonicalRequest, accumulator: Accumulator,
+                   num_prompt_tokens: int | None) -> Usage:
+    num_completion_tokens = estimate_num_tokens(len(accumulator.text)) if accumulator.text else 0
+    announced = accumulator.prompt_usage
+    if announced is not None:
+        return Usage(announced.prompt_tokens, num_completion_tokens, announced.cached_tokens)
+    if not accumulator.num_events:
+        return Usage(0, num_completion_tokens)
+    return Usage(estimate_prompt_tokens(request) if num_prompt_tokens is None else num_prompt_tokens,
+                 num_completion_tokens)

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from engine.outputs import RequestOutput
 from engine.server import responses as shapes
-from engine.server.choices import ChoiceState, usage_of
+from engine.server.choices import ChoiceState, prompt_usage_headers, usage_of
 from engine.server.errors import json_response
 from engine.server.fanout import FanOut
 from engine.server.protocol import ChatCompletionRequest
@@ -103,7 +103,7 @@ class _ChatStreamWriter:
 
 async def stream_chat(request: web.Request, ctx: ServingContext, req: ChatCompletionRequest,
                       fanout: FanOut, id_: str, created: int) -> web.StreamResponse:
-    stream = EventStream(request)
+    stream = EventStream(request, prompt_usage_headers(fanout, req.n))
     await stream.open()
     writer = _ChatStreamWriter(ctx, req, stream, id_, created)
     try:

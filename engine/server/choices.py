@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.outputs import RequestOutput, TokenLogprob
+from engine.server.fanout import FanOut
 from engine.server.responses import usage
+from engine.usage_headers import CACHED_TOKENS_HEADER, PROMPT_TOKENS_HEADER
 
 
 @dataclass
@@ -48,3 +50,11 @@ def usage_of(states: Sequence[ChoiceState], n: int) -> dict[str, Any]:
         num_completion_tokens=sum(s.num_output_tokens for s in states),
         num_cached_tokens=sum(s.num_cached_tokens for s in firsts),
     )
+
+
+def prompt_usage_headers(fanout: FanOut, n: int) -> dict[str, str]:
+    """A stream's usage headers (engine/usage_headers.py) from each prompt's first
+    choice's first output (every choice has yielded once when the stream opens)."""
+    firsts = [output for index, output in fanout.first_outputs.items() if index % n == 0]
+    return {PROMPT_TOKENS_HEADER: str(sum(o.num_prompt_tokens for o in firsts)),
+            CACHED_TOKENS_HEADER: str(sum(o.num_cached_tokens for o in firsts))}

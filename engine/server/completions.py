@@ -13,7 +13,6 @@ the choice's first token.
 from __future__ import annotations
 
 import logging
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,9 +20,8 @@ from typing import Any
 from aiohttp import web
 
 from engine.outputs import RequestOutput
-
 from engine.server import responses as shapes
-from engine.server.choices import ChoiceState, usage_of
+from engine.server.choices import ChoiceState, prompt_usage_headers, usage_of
 from engine.server.errors import json_response
 from engine.server.fanout import FanOut
 from engine.server.protocol import CompletionRequest
@@ -88,7 +86,7 @@ async def complete_text(ctx: ServingContext, req: CompletionRequest, fanout: Fan
 async def stream_text(request: web.Request, ctx: ServingContext, req: CompletionRequest,
                       fanout: FanOut, num_choices: int, id_: str, created: int,
                       echo: Echo | None = None) -> web.StreamResponse:
-    stream = EventStream(request)
+    stream = EventStream(request, prompt_usage_headers(fanout, req.n))
     await stream.open()
     states = [ChoiceState() for _ in range(num_choices)]
 

@@ -49,6 +49,7 @@ class FanOut:
         self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._buffered: list[tuple[int, RequestOutput]] = []
+        self.first_outputs: dict[int, RequestOutput] = {}  # choice index -> its first output
         self._num_open = len(subs)
 
     async def start(self) -> None:
@@ -60,6 +61,7 @@ class FanOut:
             index, item = await self._next()
             if isinstance(item, RequestOutput):
                 self._buffered.append((index, item))
+                self.first_outputs.setdefault(index, item)
             waiting.discard(index)
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -19,12 +19,13 @@ class ClientGone(Exception):
 
 
 class EventStream:
-    def __init__(self, request: web.Request) -> None:
+    def __init__(self, request: web.Request, headers: dict[str, str] | None = None) -> None:
         self._request = request
         self.response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream; charset=utf-8",
             "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no",
+            **(headers or {}),
         })
 
     async def open(self) -> None:

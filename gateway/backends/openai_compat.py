@@ -9,12 +9,13 @@ Endpoint URLs are origins (`http://host:port`); `/v1/...` paths are appended.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from functools import lru_cache
 from typing import Any
 
 import orjson
 
+from engine.usage_headers import CACHED_TOKENS_HEADER, PROMPT_TOKENS_HEADER
 from gateway.backends.base import Backend
 from gateway.canonical import (
     Accumulator,
@@ -22,6 +23,7 @@ from gateway.canonical import (
     CanonicalRequest,
     Finish,
     FinishReason,
+    PromptUsage,
     TextDelta,
     ToolCallDelta,
     Usage,
@@ -101,6 +103,9 @@ class OpenAICompatBackend(Backend):
             accumulator = Accumulator()
             usage: Usage | None = None
             if request.stream:
+                announced = _announced_prompt(response.headers)
+                if announced is not None:
+                    yield announced
                 async for event in _parse_stream(response, request.kind):
                     if isinstance(event, Usage):
                         usage = event
@@ -231,6 +236,18 @@ def _rejected(status: int, body: bytes) -> UpstreamRejected:
     return UpstreamRejected(error["message"], status=status,
                             code=text_or_none("code") or "upstream_rejected",
                             param=text_or_none("param"), error_type=text_or_none("type"))
+
+
+def _announced_prompt(headers: Mapping[str, str]) -> PromptUsage | None:
+    """The prompt usage our replicas announce in a stream's headers (engine/usage_headers.py);
+    None from any other upstream (or a malformed value)."""
+    prompt_tokens = headers.get(PROMPT_TOKENS_HEADER)
+    if prompt_tokens is None:
+        return None
+    try:
+        return PromptUsage(int(prompt_tokens), int(headers.get(CACHED_TOKENS_HEADER, "0")))
+    except ValueError:
+        return None
 
 
 def _chunk_events(chunk: dict[str, Any], kind: str) -> list[CanonicalEvent]:

@@ -27,6 +27,7 @@ from gateway.canonical import (
     CanonicalRequest,
     CanonicalResponse,
     Message,
+    PromptUsage,
     TextDelta,
     Tool,
     ToolCall,
@@ -244,11 +245,14 @@ class _MessagesEncoder(StreamEncoder):
         self._open: str | None = None  # "text" | "tool_use"
         self._text_head = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":')
 
-    def start(self) -> bytes:
+    def start(self, prompt: PromptUsage | None = None) -> bytes:
+        """`message_start` carries the input tokens when the upstream announced them (as
+        Anthropic's does: clients such as LangChain read them here), else zeros."""
+        usage = Usage(prompt.prompt_tokens, 0, prompt.cached_tokens) if prompt is not None else None
         return _sse("message_start", {"type": "message_start", "message": {
             "id": f"msg_{self._request.request_id}", "type": "message", "role": "assistant",
             "model": self._request.model, "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": _usage(None)}})
+            "usage": _usage(usage)}})
 
     def _close_block(self) -> bytes:
         if self._open is None:

@@ -10,14 +10,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from gateway.canonical import CanonicalEvent, CanonicalRequest, CanonicalResponse
+from gateway.canonical import CanonicalEvent, CanonicalRequest, CanonicalResponse, PromptUsage
 
 
 class StreamEncoder(ABC):
     """Turns one request's events into SSE bytes; called in order start, event*, finish|error."""
 
     @abstractmethod
-    def start(self) -> bytes: ...
+    def start(self, prompt: PromptUsage | None = None) -> bytes:
+        """The stream's opening bytes; `prompt`: the prompt's count, when the upstream announced
+        it as it started answering (the Anthropic dialect reports it in `message_start`)."""
 
     @abstractmethod
     def event(self, event: CanonicalEvent) -> bytes:

@@ -12,6 +12,7 @@ from gateway.canonical import (
     CanonicalRequest,
     CanonicalResponse,
     Message,
+    PromptUsage,
     TextDelta,
     Tool,
     ToolCall,
@@ -160,7 +161,7 @@ class _ChatEncoder(StreamEncoder):
             return self._heads[choice]
         return self._choices_head + str(choice).encode() + b',"delta":'  # (an upstream's extra)
 
-    def start(self) -> bytes:
+    def start(self, prompt: PromptUsage | None = None) -> bytes:
         return b"".join(head + b'{"role":"assistant","content":""}' + self._tail
                         for head in self._heads)
 

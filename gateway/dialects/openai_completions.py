@@ -8,7 +8,13 @@ from typing import Any
 
 import orjson
 
-from gateway.canonical import CanonicalEvent, CanonicalRequest, CanonicalResponse, TextDelta
+from gateway.canonical import (
+    CanonicalEvent,
+    CanonicalRequest,
+    CanonicalResponse,
+    PromptUsage,
+    TextDelta,
+)
 from gateway.dialects import openai_common as common
 from gateway.dialects.base import Dialect, StreamEncoder
 from gateway.dialects.validate import InvalidParam, get_bool, get_int, get_str, need_object
@@ -82,7 +88,7 @@ class _CompletionEncoder(StreamEncoder):
                       + b'","object":"text_completion","created":' + str(int(time.time())).encode()
                       + b',"model":' + orjson.dumps(request.model) + b',"choices":[{"text":')
 
-    def start(self) -> bytes:
+    def start(self, prompt: PromptUsage | None = None) -> bytes:
         return b""
 
     def event(self, event: CanonicalEvent) -> bytes:

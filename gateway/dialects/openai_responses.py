@@ -20,6 +20,7 @@ from gateway.canonical import (
     CanonicalRequest,
     CanonicalResponse,
     Message,
+    PromptUsage,
     TextDelta,
     Tool,
     ToolCall,
@@ -230,7 +231,7 @@ class _ResponsesEncoder(StreamEncoder):
         self._sequence_number += 1
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(fields) + b"\n\n"
 
-    def start(self) -> bytes:
+    def start(self, prompt: PromptUsage | None = None) -> bytes:
         snapshot = _response(self._request, None)
         return (self._emit("response.created", response=snapshot)
                 + self._emit("response.in_progress", response=snapshot))

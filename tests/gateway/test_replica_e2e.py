@@ -71,8 +71,14 @@ def test_anthropic_sdk_messages_and_stream(served: tuple[str, str]) -> None:
     assert message.content and message.usage.output_tokens >= 1
     with client.messages.stream(model=model, max_tokens=8,
                                 messages=[{"role": "user", "content": "Say hi"}]) as stream:
-        text = "".join(stream.text_stream)
-    assert text and stream.get_final_message().usage.output_tokens >= 1
+        events = list(stream)
+    final = stream.get_final_message()
+    assert final.content and final.usage.output_tokens >= 1
+    # message_start already carries the input tokens (clients such as LangChain read them there)
+    started = events[0].message.usage
+    assert events[0].type == "message_start" and started.input_tokens > 0
+    assert (started.input_tokens, started.cache_read_input_tokens) == (
+        final.usage.input_tokens, final.usage.cache_read_input_tokens)
 
 
 def test_openai_sdk_n_choices_pass_through_to_the_replica(served: tuple[str, str]) -> None:
