@@ -13,6 +13,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from aiohttp import web
+from aiohttp.web_log import AccessLogger
 
 from engine.server.keys import SERVING_KEY
 from engine.server.metrics import ReplicaMetrics
@@ -41,6 +42,18 @@ def create_app(engine: ServedEngine, settings: ReplicaServerSettings | None = No
     return app
 
 
+_POLLED_PATHS = frozenset({"/health", "/metrics", "/kv/events", "/kv/snapshot"})
+
+
+class QuietAccessLogger(AccessLogger):
+    """aiohttp's access log without the gateway's polling (health, load, KV events every few
+    seconds per replica), which would drown the requests worth reading."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        if request.path not in _POLLED_PATHS or response.status >= 400:
+            super().log(request, response, time)
+
+
 async def _log_lifecycle(app: web.Application) -> AsyncIterator[None]:
     ctx = app[SERVING_KEY]
     log.info("replica %s serving %s", ctx.engine.replica_id, ctx.engine.model_config.model_id)
@@ -52,7 +65,7 @@ async def serve(engine: ServedEngine, host: str, port: int,
                 settings: ReplicaServerSettings | None = None) -> None:
     """Serve until cancelled; then stop accepting and close connections."""
     settings = settings or ReplicaServerSettings.from_env()
-    runner = web.AppRunner(create_app(engine, settings),
+    runner = web.AppRunner(create_app(engine, settings), access_log_class=QuietAccessLogger,
                            handler_cancellation=settings.handler_cancellation)
     await runner.setup()
     try:
@@ -69,4 +82,5 @@ def run_replica(engine: ServedEngine, host: str, port: int,
     (aiohttp's run_app: stop accepting, let in-flight requests finish for up to 60 s)."""
     settings = settings or ReplicaServerSettings.from_env()
     web.run_app(create_app(engine, settings), host=host, port=port, print=None,
+                access_log_class=QuietAccessLogger,
                 handler_cancellation=settings.handler_cancellation)
