@@ -103,16 +103,22 @@ class OpenAICompatBackend(Backend):
             accumulator = Accumulator()
             usage: Usage | None = None
             if request.stream:
+                # yielded with the first chunk, not on the headers alone: the first event is
+                # what commits the gateway to this upstream, and one that dies after its headers
+                # must still be retried elsewhere
                 announced = _announced_prompt(response.headers)
-                if announced is not None:
-                    yield announced
                 async for event in _parse_stream(response, request.kind):
+                    if announced is not None:
+                        yield announced
+                        announced = None
                     if isinstance(event, Usage):
                         usage = event
                         continue
                     accumulator.add(event)
                     if not isinstance(event, Finish):
                         yield event
+                if announced is not None:  # a stream of no chunk at all
+                    yield announced
             else:  # one body: parsed at once, then yielded (no generator per event)
                 for event in _whole_events(await _read_json(response), request.kind):
                     if isinstance(event, Usage):

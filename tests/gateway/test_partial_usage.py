@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import httpx
+import orjson
+from aiohttp import web
+
 from auth.principal import Principal
 from gateway.backends.openai_compat import _announced_prompt
 from gateway.canonical import Accumulator, CanonicalRequest, Message, PromptUsage, TextDelta
 from gateway.settings import ModelSettings
 from gateway.usage import build_record
+from tests.gateway.conftest import MODEL, GatewayFactory, LoopThread, start_app
 
 
 def test_announced_prompt_is_read_from_the_replicas_headers_only_when_well_formed() -> None:
@@ -26,3 +31,53 @@ def test_a_cut_stream_bills_the_announced_prompt_and_the_text_received() -> None
                           "e", accumulator, 499, 1.0)
     assert (record.prompt_tokens, record.cached_tokens, record.completion_tokens) == (38, 16, 5)
     assert accumulator.response().text == "Hello there, how are"
+
+
+def _announcing_upstream(loop_thread: LoopThread, dies_after_headers: bool) -> tuple[web.AppRunner, str]:
+    """Streams like our replica (prompt usage in the headers); one that `dies_after_headers`
+    sends them and closes the connection before any chunk."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream",
+                                               "x-aigw-prompt-tokens": "7",
+                                               "x-aigw-cached-tokens": "0"})
+        await response.prepare(request)
+        if dies_after_headers:
+            request.transport.close()  # type: ignore[union-attr]
+            return response
+        for chunk in ({"choices": [{"index": 0, "delta": {"content": "all good"},
+                                    "finish_reason": None}]},
+                      {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+                      {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2,
+                                                "total_tokens": 9}}):
+            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    return loop_thread.run(start_app(app))
+
+
+def test_a_replica_that_dies_after_announcing_its_prompt_is_retried_on_another(
+        make_gateway: GatewayFactory, loop_thread: LoopThread) -> None:
+    """The headers alone are no first token: nothing was sent to the client yet, so the
+    request fails over as it did before replicas announced their prompt count."""
+    dead, dead_url = _announcing_upstream(loop_thread, dies_after_headers=True)
+    alive, alive_url = _announcing_upstream(loop_thread, dies_after_headers=False)
+    try:
+        gateway = make_gateway(num_upstreams=0, configs=[], models=[
+            {"name": MODEL, "backend": "replica", "endpoints": [dead_url, alive_url]}])
+        for _ in range(2):
+            response = httpx.post(gateway.url + "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True})
+            assert response.status_code == 200
+            assert '"all good"' in response.text and "data: [DONE]" in response.text
+            assert response.headers["x-aigw-replica"] == alive_url.split("://")[1]
+    finally:
+        loop_thread.run(dead.cleanup())
+        loop_thread.run(alive.cleanup())
