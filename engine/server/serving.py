@@ -91,6 +91,8 @@ class ServingContext:
                 await fanout.start()
             except PromptTooLongError as exc:
                 raise ContextLengthExceeded(str(exc), param=param) from exc
+            except SamplingParamsError as exc:  # a grammar refused in the engine thread
+                raise InvalidRequestError(str(exc)) from exc
             yield fanout
         finally:
             await fanout.aclose()

@@ -101,6 +101,24 @@ def test_engine_prompt_too_long_error_is_context_length_exceeded(
     assert "KV cache size is 10 tokens" in error["message"] and error["param"] == "prompt"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_the_engine_refuses_when_adding_the_request_is_400(
+        http: httpx.Client, fake_engine: FakeEngine, monkeypatch: pytest.MonkeyPatch,
+        stream: bool) -> None:
+    """llguidance may refuse a grammar only once it meets the tokenizer, in the engine thread
+    (LLMEngine.add_request); AsyncEngine.generate then raises it before the first output."""
+    from engine.structured_output import OutputGrammarError
+
+    async def refusing(*args: Any, **kwargs: Any) -> Any:
+        raise OutputGrammarError("output grammar: lexer too complex")
+        yield  # an async generator, as the engine's
+
+    monkeypatch.setattr(fake_engine, "generate", refusing)
+    body = chat(response_format={"type": "json_object"}, stream=stream, n=2)
+    error = assert_envelope(http.post("/v1/chat/completions", json=body), 400)
+    assert "lexer too complex" in error["message"]
+
+
 def test_body_over_the_cap_is_413(http: httpx.Client) -> None:
     body = chat(messages=[{"role": "user", "content": "x" * (2 * 1024 * 1024)}])
     assert_envelope(http.post("/v1/chat/completions", json=body), 413, code="request_too_large")
