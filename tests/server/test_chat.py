@@ -163,3 +163,33 @@ def test_stream_logprobs_come_with_their_tokens(client: openai.OpenAI, model: st
     tokens = [entry.token for c in chunks if c.choices and c.choices[0].logprobs
               for entry in c.choices[0].logprobs.content or []]
     assert tokens == ["H", "e", "l"]
+
+
+def test_output_grammars_are_compiled_off_the_event_loop(http: httpx.Client, model: str,
+                                                         monkeypatch: object) -> None:
+    """Compiling a large schema or tool set takes tens of milliseconds (40 tools: ~45 ms):
+    done on the event loop, it would stall every other stream of the replica."""
+    import threading
+
+    import engine.structured_output as so
+
+    threads: list[str] = []
+    compile_grammar = so._grammar_of
+
+    def recording(spec: so.OutputGrammar) -> str:
+        threads.append(threading.current_thread().name)
+        return compile_grammar(spec)
+
+    monkeypatch.setattr(so, "_grammar_of", recording)  # type: ignore[attr-defined]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": schema}}
+    messages = [{"role": "user", "content": "hi"}]
+    for path, body in [
+        ("/v1/chat/completions", {"messages": messages, "response_format": response_format}),
+        ("/v1/chat/completions", {"messages": messages, "tools": [weather],
+                                  "tool_choice": "required"}),
+        ("/v1/completions", {"prompt": "hi", "response_format": response_format}),
+    ]:
+        assert http.post(path, json={"model": model, "max_tokens": 4, **body}).status_code == 200
+    assert len(threads) == 3 and "replica-server" not in threads

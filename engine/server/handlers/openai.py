@@ -1,7 +1,9 @@
 """POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
 
 Prompts are rendered and tokenized in a worker thread (`asyncio.to_thread`) so a long prompt
-does not stall other streams; the tokenizer and chat template are thread-safe.
+does not stall other streams; the tokenizer and chat template are thread-safe. The sampling
+params too: they compile a `response_format` schema or a forced tool call's grammar (tens of
+milliseconds for a large one; llguidance releases the GIL while it compiles).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ctx = request.app[SERVING_KEY]
     req = await parse_body(request, ChatCompletionRequest)
     ctx.check_model(req.model)
-    params = ctx.chat_sampling_params(req)
+    params = await asyncio.to_thread(ctx.chat_sampling_params, req)
     prompt = await asyncio.to_thread(chat_prompt_token_ids, req, ctx.engine.tokenizer)
     check_context_length(len(prompt), params.max_tokens, ctx.engine.max_model_len, "messages")
     id_, created = shapes.new_id("chatcmpl"), shapes.now_s()
@@ -39,7 +41,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     ctx = request.app[SERVING_KEY]
     req = await parse_body(request, CompletionRequest)
     ctx.check_model(req.model)
-    params = sampling_params(req)
+    params = await asyncio.to_thread(sampling_params, req)
     prompts = await asyncio.to_thread(completion_prompts, req, ctx.engine.tokenizer,
                                       ctx.engine.model_config.vocab_size)
     for prompt in prompts:
