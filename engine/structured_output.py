@@ -5,7 +5,8 @@
     spec = OutputGrammar.json_schema(schema)       # or .json_object(), .lark(); OutputGrammarError
     params = SamplingParams(..., grammar=spec)
     compiler = GrammarCompiler(tokenizer.backend, vocab_size, eos_token_ids)   # one per engine
-    matcher = compiler.matcher(spec)                # one per request (a choice of n: its own)
+    matcher = compiler.matcher(spec)                # one per request (a choice of n: its own),
+                                                    # a copy of the spec's matcher built once
     each step:  matcher.fill_bitmask(row)           # int32 [num_words]: bit t set = token t allowed
                 sampler: disallowed logits -> -inf  # engine/sampler.py::apply_token_bitmasks
                 matcher.accept(token_id)            # the sampled token moves the parser on
@@ -20,6 +21,7 @@ newlines until max_tokens. A grammar constrains the tokens, not the length: an a
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -109,13 +111,20 @@ class GrammarMatcher:
 
 class GrammarCompiler:
     """Builds matchers for one tokenizer. The llguidance tokenizer (~0.3 s for a 49k vocabulary)
-    is made on the first constrained request, so engines that never see one never pay for it."""
+    is made on the first constrained request, so engines that never see one never pay for it.
+
+    Building a matcher builds its lexer against the vocabulary (~40 ms for a forced choice
+    among 40 tools), in the engine thread where it stalls every running request: each grammar
+    is built once, and each request (each choice of n) gets a copy of that fresh matcher."""
+
+    MAX_CACHED_GRAMMARS = 32
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self._backend = tokenizer  # a `tokenizers.Tokenizer`
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's vocabulary)
         self._eos_token_ids = list(eos_token_ids)
         self._tokenizer: Any = None
+        self._fresh: OrderedDict[OutputGrammar, Any] = OrderedDict()  # spec -> unused LLMatcher
 
     @property
     def num_words(self) -> int:
@@ -123,6 +132,18 @@ class GrammarCompiler:
         return (self.vocab_size + 31) // 32
 
     def matcher(self, spec: OutputGrammar) -> GrammarMatcher:
+        """A new parser state for `spec`; OutputGrammarError when llguidance refuses it."""
+        fresh = self._fresh.get(spec)
+        if fresh is None:
+            fresh = self._build(spec)
+            self._fresh[spec] = fresh
+            if len(self._fresh) > self.MAX_CACHED_GRAMMARS:
+                self._fresh.popitem(last=False)
+        else:
+            self._fresh.move_to_end(spec)
+        return GrammarMatcher(fresh.deep_copy(), self.num_words)
+
+    def _build(self, spec: OutputGrammar) -> Any:
         import llguidance
 
         if self._tokenizer is None:
@@ -131,7 +152,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._tokenizer, _grammar_of(spec), log_level=0)
         if matcher.is_error():
             raise OutputGrammarError(f"output grammar: {matcher.get_error()}")
-        return GrammarMatcher(matcher, self.num_words)
+        return matcher
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
