@@ -74,6 +74,16 @@ def request_id_of(request: web.Request) -> str:
     return f"{_ID_PREFIX}{next(_id_counter):08x}"
 
 
+def usage_id_of(request: web.Request, request_id: str) -> str:
+    """The id of the request's usage record, unique per gateway request: the meters settle once
+    per record id, so a client-chosen x-request-id (which clients reuse, e.g. one per trace or
+    a constant) gets a fresh suffix; '/' is outside the client ids' alphabet, so no client id
+    can name another request's record."""
+    if request.headers.get("x-request-id") == request_id:
+        return f"{request_id}/{_ID_PREFIX}{next(_id_counter):08x}"
+    return request_id
+
+
 async def read_json_body(request: web.Request, max_body_bytes: int) -> Any:
     """The request's JSON body; 413 over the cap, 400 if it is not JSON."""
     if (request.content_length or 0) > max_body_bytes:
@@ -166,8 +176,8 @@ class Pipeline:
             raise ModelNotFound(f"the model {canonical.model!r} does not exist")
         return canonical, principal, route
 
-    async def _admit(self, request: web.Request, dialect: Dialect, request_id: str
-                     ) -> tuple[CanonicalRequest, Principal, ModelRoute, Admission]:
+    async def _admit(self, request: web.Request, dialect: Dialect, request_id: str,
+                     usage_id: str) -> tuple[CanonicalRequest, Principal, ModelRoute, Admission]:
         if self.draining:
             raise GatewayError("the gateway is shutting down", status=503, code="draining")
         canonical, principal, route = await self.authorize(request, dialect.parse, request_id)
@@ -175,7 +185,7 @@ class Pipeline:
         canonical.cache_salt = self.cache_salt_of(principal)
         canonical.session_id = request.headers.get("x-session-id")
         max_tokens = canonical.max_tokens or self.settings.default_max_tokens  # per choice
-        admission = await self.meter.admit(request_id, principal, canonical.model,
+        admission = await self.meter.admit(usage_id, principal, canonical.model,
                                            estimate_prompt_tokens(canonical),
                                            canonical.num_choices * max_tokens)
         return canonical, principal, route, admission
@@ -183,8 +193,10 @@ class Pipeline:
     async def handle(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
         timing = Timing(time.perf_counter())
         request_id = request_id_of(request)
+        usage_id = usage_id_of(request, request_id)
         try:
-            canonical, principal, route, admission = await self._admit(request, dialect, request_id)
+            canonical, principal, route, admission = await self._admit(request, dialect, request_id,
+                                                                       usage_id)
         except GatewayError as exc:
             return error_response(dialect, exc.status, exc.code, exc.message, request_id,
                                   timing.overhead_ms(), param=exc.param, error_type=exc.error_type)
@@ -201,7 +213,7 @@ class Pipeline:
             return build_record(canonical, principal, route.settings,
                                 "" if outcome.replica == "none" else outcome.replica,
                                 outcome.accumulator, outcome.status, latency_ms,
-                                outcome.num_prompt_tokens)
+                                outcome.num_prompt_tokens, record_id=usage_id)
 
         async def settle_now() -> None:
             outcome.settled = True

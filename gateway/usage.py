@@ -20,13 +20,15 @@ STATUS_CLIENT_CLOSED = 499  # nginx's code for "the client went away before the 
 
 def build_record(request: CanonicalRequest, principal: Principal, model: ModelSettings,
                  endpoint_name: str, accumulator: Accumulator, status: int,
-                 latency_ms: float, num_prompt_tokens: int | None = None) -> UsageRecord:
+                 latency_ms: float, num_prompt_tokens: int | None = None,
+                 record_id: str | None = None) -> UsageRecord:
     """Usage as the upstream reported it, else counted from what was produced so far: the
     prompt as the upstream announced it (`PromptUsage`), or `num_prompt_tokens` (the backend's
-    count, when the caller made one), or the estimate; the completion from the text received."""
+    count, when the caller made one), or the estimate; the completion from the text received.
+    The record's id is `record_id` (unique per gateway request), else the request's id."""
     usage = accumulator.usage or _partial_usage(request, accumulator, num_prompt_tokens)
     return UsageRecord(
-        request_id=request.request_id, project=principal.project, key_id=principal.key_id,
+        request_id=record_id or request.request_id, project=principal.project, key_id=principal.key_id,
         model=model.name, endpoint=endpoint_name, prompt_tokens=usage.prompt_tokens,
         cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens,
         cost_usd=model.prices.cost_usd(usage.prompt_tokens, usage.cached_tokens,

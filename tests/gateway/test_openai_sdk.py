@@ -74,6 +74,22 @@ def test_usage_is_settled_once_with_cost(client: openai.OpenAI, gateway: Gateway
     assert record.cost_usd == pytest.approx(record.prompt_tokens * 1e-6 + 8 * 2e-6)
 
 
+def test_requests_that_reuse_a_client_request_id_are_each_billed(client: openai.OpenAI,
+                                                                 gateway: Gateway) -> None:
+    """x-request-id is the client's (echoed, forwarded, in the response id) but not unique: two
+    requests sending the same one are two usage records, not one (the meters are idempotent on
+    the record's id, so the second answer went unbilled)."""
+    for _ in range(2):
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}],
+            extra_headers={"x-request-id": "same-id"})
+        assert raw.headers["x-request-id"] == "same-id"
+        assert raw.parse().id == "chatcmpl-same-id"
+    assert wait_until(lambda: gateway.meter.num_settle_calls == 2)
+    assert wait_until(lambda: len(gateway.meter.settled) == 2)
+    assert all(record_id.startswith("same-id/") for record_id in gateway.meter.settled)
+
+
 def test_chat_tool_call_round_trip(client: openai.OpenAI, gateway: Gateway) -> None:
     completion = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "weather in Paris?"}], tools=[WEATHER_TOOL])
