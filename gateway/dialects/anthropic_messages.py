@@ -12,8 +12,9 @@ Mapping to the canonical form:
   output_config.format (json_schema)    -> response_format json_schema: the replica constrains decoding
 Usage: `cache_read_input_tokens` = cached prompt tokens; `input_tokens` = prompt tokens NOT read
 from cache (Anthropic's definition: input_tokens + cache_read + cache_creation = whole prompt);
-`cache_creation_input_tokens` = 0. While streaming, message_start carries input_tokens 0 (the
-upstream reports usage at the end) and message_delta carries the real input/cache/output counts.
+`cache_creation_input_tokens` = 0. While streaming, message_start carries the input and
+cache-read tokens when the upstream announced them as it started (our replicas do, in the
+stream's headers; else 0) and message_delta carries the final input/cache/output counts.
 """
 
 from __future__ import annotations
