@@ -72,3 +72,27 @@ def test_max_tokens_zero_only_scores_the_prompt(engine: LLMEngine) -> None:
     assert engine.kv_cache.pool.num_used_blocks == 0
     with pytest.raises(SamplingParamsError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+def test_prompt_logprobs_survive_preemption_mid_prefill(make_engine: EngineFactory) -> None:
+    """A tiny KV cache preempts requests while they compute their prompt in chunks: each
+    prompt position is still scored once, equal to a cold run's, and no block leaks."""
+    tight = make_engine(kv_cache_memory_bytes=6 << 20, max_num_batched_tokens=16, max_num_seqs=4,
+                        fresh=True)
+    prompts = {f"r{i}": tight.tokenizer.encode(f"{i}. {TEXT}")[:44] for i in range(3)}
+    for request_id, prompt in prompts.items():
+        tight.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=40,
+                                                             ignore_eos=True, prompt_logprobs=0))
+    found: dict[str, list[TokenLogprob]] = {}
+    while tight.has_unfinished_requests:
+        for output in tight.step():
+            if output.prompt_logprobs is not None:
+                found[output.request_id] = output.prompt_logprobs
+    assert tight.scheduler.num_preemptions_total > 0
+    assert tight.kv_cache.pool.num_used_blocks == 0
+    cold = make_engine(fresh=True)
+    for request_id, prompt in prompts.items():
+        expected, _ = _prompt_logprobs(cold, prompt, num_top=0)
+        assert [e.token_id for e in found[request_id]] == prompt[1:]
+        got = torch.tensor([e.logprob for e in found[request_id]])
+        assert torch.allclose(got, torch.tensor([e.logprob for e in expected]), atol=1e-4)
