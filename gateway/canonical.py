@@ -238,6 +238,14 @@ class Accumulator:
         return "".join(self._text)
 
     @property
+    def num_generated_chars(self) -> int:
+        """Characters generated so far over every choice: text, tool names and arguments (what a
+        stream cut before its usage estimates its completion from)."""
+        own = sum(map(len, self._text)) + sum(len(part) for parts in self._calls.values()
+                                              for part in parts[1:])
+        return own + sum(other.num_generated_chars for other in self.others.values())
+
+    @property
     def choices(self) -> list[int]:
         """The choices seen: 0, then the others in order."""
         return [0, *sorted(self.others)]

@@ -24,7 +24,8 @@ def build_record(request: CanonicalRequest, principal: Principal, model: ModelSe
                  record_id: str | None = None) -> UsageRecord:
     """Usage as the upstream reported it, else counted from what was produced so far: the
     prompt as the upstream announced it (`PromptUsage`), or `num_prompt_tokens` (the backend's
-    count, when the caller made one), or the estimate; the completion from the text received.
+    count, when the caller made one), or the estimate; the completion from the text and tool calls
+    received, of every choice.
     The record's id is `record_id` (unique per gateway request), else the request's id."""
     usage = accumulator.usage or _partial_usage(request, accumulator, num_prompt_tokens)
     return UsageRecord(
@@ -39,7 +40,8 @@ def build_record(request: CanonicalRequest, principal: Principal, model: ModelSe
 
 def _partial_usage(request: CanonicalRequest, accumulator: Accumulator,
                    num_prompt_tokens: int | None) -> Usage:
-    num_completion_tokens = estimate_num_tokens(len(accumulator.text)) if accumulator.text else 0
+    num_chars = accumulator.num_generated_chars  # every choice's text and tool calls
+    num_completion_tokens = estimate_num_tokens(num_chars) if num_chars else 0
     announced = accumulator.prompt_usage
     if announced is not None:
         return Usage(announced.prompt_tokens, num_completion_tokens, announced.cached_tokens)

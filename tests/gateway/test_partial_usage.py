@@ -8,7 +8,14 @@ from aiohttp import web
 
 from auth.principal import Principal
 from gateway.backends.openai_compat import _announced_prompt
-from gateway.canonical import Accumulator, CanonicalRequest, Message, PromptUsage, TextDelta
+from gateway.canonical import (
+    Accumulator,
+    CanonicalRequest,
+    Message,
+    PromptUsage,
+    TextDelta,
+    ToolCallDelta,
+)
 from gateway.settings import ModelSettings
 from gateway.usage import build_record
 from tests.gateway.conftest import MODEL, GatewayFactory, LoopThread, start_app
@@ -31,6 +38,21 @@ def test_a_cut_stream_bills_the_announced_prompt_and_the_text_received() -> None
                           "e", accumulator, 499, 1.0)
     assert (record.prompt_tokens, record.cached_tokens, record.completion_tokens) == (38, 16, 5)
     assert accumulator.response().text == "Hello there, how are"
+
+
+def test_a_cut_stream_bills_the_completion_of_every_choice_and_its_tool_calls() -> None:
+    """n > 1: the other choices' text counts too (it was choice 0's alone), and so do the tool
+    calls received (a cut forced call billed no completion at all)."""
+    request = CanonicalRequest("r1", "m", messages=[Message("user", "hi")], stream=True, n=2)
+    accumulator = Accumulator()
+    accumulator.add(PromptUsage(38, 16))
+    accumulator.add(TextDelta("Hello there, how are"))  # 20 characters
+    accumulator.add(TextDelta("In a world of fading", choice=1))  # 20
+    accumulator.add(ToolCallDelta(0, id="call_1", name="get_weather", arguments='{"city": "Oslo"'))
+    record = build_record(request, Principal(project="p", key_id="k", scopes=frozenset()),
+                          ModelSettings(name="m", endpoints=("http://127.0.0.1:1",)),
+                          "e", accumulator, 499, 1.0)
+    assert record.completion_tokens == (20 + 20 + len("get_weather") + len('{"city": "Oslo"') + 3) // 4
 
 
 def _announcing_upstream(loop_thread: LoopThread, dies_after_headers: bool) -> tuple[web.AppRunner, str]:
