@@ -34,6 +34,12 @@ def _finish_reason(state: ChoiceState, num_tool_calls: int) -> str | None:
     return "tool_calls" if num_tool_calls else state.finish_reason
 
 
+def _max_tool_calls(req: ChatCompletionRequest) -> int | None:
+    """`parallel_tool_calls: false`: at most one call (as OpenAI and vLLM; calls the model makes
+    after the first are dropped, also with tool_choice "auto", which no grammar bounds)."""
+    return 1 if req.parallel_tool_calls is False else None
+
+
 async def complete_chat(ctx: ServingContext, req: ChatCompletionRequest, fanout: FanOut,
                         id_: str, created: int) -> web.Response:
     states = [ChoiceState() for _ in range(req.n)]
@@ -45,7 +51,7 @@ async def complete_chat(ctx: ServingContext, req: ChatCompletionRequest, fanout:
         calls: tuple[Any, ...] = ()
         if req.uses_tools:
             parsed = ctx.new_tool_parser().extract(state.text)
-            content, calls = parsed.content, parsed.tool_calls
+            content, calls = parsed.content, parsed.tool_calls[:_max_tool_calls(req)]
         logprobs = (shapes.chat_logprobs(state.logprobs, token_bytes_of(ctx.engine.tokenizer))
                     if req.logprobs else None)
         choices.append(shapes.chat_choice(index, shapes.chat_message(content, calls), logprobs,
@@ -74,6 +80,7 @@ class _ChatStreamWriter:
         self.states[index].add(output)
         content: str = output.text
         calls: tuple[ToolCall, ...] = ()
+        first = 0
         tools = self.tool_streams[index]
         if tools is not None:
             delta = tools.feed(output.text)
@@ -81,6 +88,10 @@ class _ChatStreamWriter:
             if output.finished:
                 rest = tools.finish()
                 content, calls = content + rest.content, calls + rest.tool_calls
+            first = tools.num_calls - len(calls)  # the index of `calls[0]` in the choice
+            limit = _max_tool_calls(self.req)
+            if limit is not None:
+                calls = calls[:max(limit - first, 0)]
         logprobs = None
         if self.req.logprobs and output.logprobs:
             logprobs = shapes.chat_logprobs(output.logprobs,
@@ -90,7 +101,6 @@ class _ChatStreamWriter:
             if content or not calls:
                 delta_body["content"] = content
             if calls:
-                first = (tools.num_calls if tools else 0) - len(calls)
                 delta_body["tool_calls"] = [shapes.tool_call_json(call, first + k)
                                             for k, call in enumerate(calls)]
             await self.chunk([shapes.chat_chunk_choice(index, delta_body, logprobs)])

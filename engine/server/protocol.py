@@ -2,9 +2,10 @@
 
 Types are checked strictly (a string is not a number); value ranges are checked once, by
 `SamplingParams`, whose `SamplingParamsError` the server answers with 400. Unknown fields are
-ignored, as OpenAI-compatible servers do (logit_bias and parallel_tool_calls included);
-response_format `json_object` / `json_schema` constrain decoding (engine/structured_output.py). `cache_salt`
-is our (and vLLM's) extension: requests with different salts never share prefix-cache blocks.
+ignored, as OpenAI-compatible servers do (logit_bias included); `parallel_tool_calls: false`
+keeps at most one tool call; response_format `json_object` / `json_schema` constrain decoding
+(engine/structured_output.py). `cache_salt` is our (and vLLM's) extension: requests with
+different salts never share prefix-cache blocks.
 """
 
 from __future__ import annotations

@@ -86,3 +86,20 @@ def test_reply_without_calls_is_plain_content_when_tools_given(
     assert completion.choices[0].message.content == fake_engine.reply
     assert completion.choices[0].message.tool_calls is None
     assert completion.choices[0].finish_reason == "stop"
+
+
+def test_parallel_tool_calls_false_returns_only_the_first_call(
+        client: openai.OpenAI, fake_engine: FakeEngine, model: str) -> None:
+    """OpenAI's (and vLLM's) contract: at most one call, also with tool_choice "auto" (where no
+    grammar bounds the calls); Anthropic's disable_parallel_tool_use arrives as this."""
+    fake_engine.reply = CALL_REPLY
+    completion = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,  # type: ignore[arg-type]
+                                                parallel_tool_calls=False)
+    calls = completion.choices[0].message.tool_calls or []
+    assert [c.function.name for c in calls] == ["get_weather"]  # type: ignore[union-attr]
+    assert completion.choices[0].finish_reason == "tool_calls"
+    chunks = list(client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,  # type: ignore[arg-type]
+                                                 parallel_tool_calls=False, stream=True))
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.index, d.function.name) for d in deltas] == [(0, "get_weather")]  # type: ignore[union-attr]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
