@@ -54,7 +54,11 @@ class OutputGrammar:
     @classmethod
     def json_schema(cls, schema: dict[str, Any], param: str = "response_format") -> OutputGrammar:
         """Raises OutputGrammarError (naming `param`) when llguidance cannot compile the schema."""
-        return cls("json_schema", orjson.dumps(schema).decode())._checked(param)  # key order = output order
+        try:
+            text = orjson.dumps(schema).decode()  # key order = output order
+        except orjson.JSONEncodeError:  # orjson writes 254 levels (and reads 1024)
+            raise OutputGrammarError(f"{param}: the JSON schema is nested too deeply") from None
+        return cls("json_schema", text)._checked(param)
 
     @classmethod
     def lark(cls, grammar: str, param: str) -> OutputGrammar:

@@ -58,10 +58,13 @@ class ServingContext:
         if not functions:
             return params
         is_parallel = req.parallel_tool_calls is not False and req.tool_choice == "required"
-        grammar = self.new_tool_parser().calls_grammar(
-            [(tool.function.name, tool.function.parameters) for tool in functions], is_parallel)
         try:
+            grammar = self.new_tool_parser().calls_grammar(
+                [(tool.function.name, tool.function.parameters) for tool in functions], is_parallel)
             return replace(params, grammar=OutputGrammar.lark(grammar, "tools"))
+        except orjson.JSONEncodeError:  # orjson writes 254 levels (and reads 1024)
+            raise InvalidRequestError("tools: a function's parameters schema is nested too deeply",
+                                      param="tools") from None
         except SamplingParamsError as exc:
             raise InvalidRequestError(str(exc)) from exc
 

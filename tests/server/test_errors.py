@@ -119,6 +119,21 @@ def test_a_grammar_the_engine_refuses_when_adding_the_request_is_400(
     assert "lexer too complex" in error["message"]
 
 
+@pytest.mark.parametrize("where", ["response_format", "tools"])
+def test_a_schema_nested_deeper_than_orjson_writes_is_400(http: httpx.Client, where: str) -> None:
+    """orjson reads 1024 levels but writes only 254: the grammar's text could not be made."""
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(300):
+        schema = {"type": "array", "items": schema}
+    fields: dict[str, Any] = (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+        if where == "response_format" else
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+         "tool_choice": "required"})
+    error = assert_envelope(http.post("/v1/chat/completions", json=chat(max_tokens=4, **fields)), 400)
+    assert error["message"].startswith(where) and "nested too deeply" in error["message"]
+
+
 def test_body_over_the_cap_is_413(http: httpx.Client) -> None:
     body = chat(messages=[{"role": "user", "content": "x" * (2 * 1024 * 1024)}])
     assert_envelope(http.post("/v1/chat/completions", json=body), 413, code="request_too_large")
