@@ -92,9 +92,16 @@ class OpenAICompatBackend(Backend):
 
     async def stream(self, request: CanonicalRequest, endpoint: Endpoint) -> AsyncIterator[CanonicalEvent]:
         path = "/v1/chat/completions" if request.kind == "chat" else "/v1/completions"
-        upstream = UpstreamRequest(
-            "POST", endpoint.url + path, orjson.dumps(self.upstream_body(request, endpoint)),
-            self.upstream_headers(request, endpoint), self.settings.connect_timeout_s)
+        try:
+            payload = orjson.dumps(self.upstream_body(request, endpoint))
+        except orjson.JSONEncodeError:  # orjson writes 254 levels, while a client's body is read up
+            # to 1024: a JSON schema (response_format, tool parameters) nested deeper is refused
+            raise UpstreamRejected("the request is nested too deeply to be forwarded (a JSON "
+                                   "schema of more than ~250 levels)", status=400,
+                                   code="invalid_request") from None
+        upstream = UpstreamRequest("POST", endpoint.url + path, payload,
+                                   self.upstream_headers(request, endpoint),
+                                   self.settings.connect_timeout_s)
         response = await self.transport.send(upstream)
         is_answered = False  # the whole answer read: its connection may serve another call
         try:

@@ -236,3 +236,25 @@ def test_gateway_reuses_the_replica_sampling_checks_without_importing_torch() ->
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                             check=True)
     assert result.stdout.strip() == "False"
+
+
+def _nested_schema(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("fields", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                 "schema": _nested_schema(300)}}},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": _nested_schema(300)}}]},
+])
+def test_a_schema_nested_deeper_than_the_upstream_body_can_be_written_is_400(
+        gateway: Any, fields: dict[str, Any]) -> None:
+    """The client's body is read up to 1024 levels, the upstream's written up to 254 (orjson)."""
+    response = httpx.post(gateway.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields})
+    assert response.status_code == 400, response.text
+    assert "nested too deeply" in response.json()["error"]["message"]
+    assert gateway.upstreams[0].state.bodies == []
