@@ -108,6 +108,9 @@ def chat_prompt_token_ids(req: ChatCompletionRequest, tokenizer: ServedTokenizer
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:  # template refused
         raise InvalidRequestError(f"messages cannot be rendered by the chat template: {exc}",
                                   param="messages") from exc
+    except RecursionError:  # the body is read up to 1024 levels, the template's JSON dump less
+        raise InvalidRequestError("a tool's parameters schema is nested too deeply to render",
+                                  param="tools") from None
 
 
 def completion_prompts(req: CompletionRequest, tokenizer: ServedTokenizer, vocab_size: int

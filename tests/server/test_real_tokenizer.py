@@ -77,3 +77,19 @@ def test_continue_final_message_leaves_the_assistant_turn_open(
     with pytest.raises(openai.BadRequestError, match="continue_final_message"):
         client.chat.completions.create(model=model, extra_body={"continue_final_message": True},
                                        messages=[{"role": "user", "content": "Name a color"}])
+
+
+def test_tool_parameters_nested_too_deeply_to_render_are_400(server: Any, model: str) -> None:
+    """A body is read up to 1024 levels; the template's JSON dump of a tool stops near 1000."""
+    import httpx
+
+    depth = 1000
+    schema = '{"type":"array","items":' * depth + '{"type":"integer"}' + "}" * depth
+    head = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}],
+                         "max_tokens": 2}).decode()[:-1]
+    body = head + ',"tools":[{"type":"function","function":{"name":"f","parameters":' + schema + "}}]}"
+    response = httpx.post(server.base_url + "/v1/chat/completions", content=body,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools" and "nested too deeply" in error["message"]
