@@ -22,6 +22,7 @@ from typing import Any
 from engine.engine import EngineStats, LLMEngine
 from engine.outputs import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_output import OutputGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,9 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             if not finished:
                 self._commands.put(("abort", request_id))
+
+    def prepare_grammar(self, grammar: OutputGrammar) -> None:
+        self.engine.grammars.prepare(grammar)  # thread-safe; the engine thread then only copies
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

@@ -21,6 +21,7 @@ newlines until max_tokens. A grammar constrains the tokens, not the length: an a
 from __future__ import annotations
 
 import functools
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -118,8 +119,9 @@ class GrammarCompiler:
     is made on the first constrained request, so engines that never see one never pay for it.
 
     Building a matcher builds its lexer against the vocabulary (~40 ms for a forced choice
-    among 40 tools), in the engine thread where it stalls every running request: each grammar
-    is built once, and each request (each choice of n) gets a copy of that fresh matcher."""
+    among 40 tools): each grammar is built once, by `prepare` in the server's worker thread
+    (or, for a caller that did not prepare, in the engine thread, where it stalls every running
+    request), and each request (each choice of n) gets a copy of that fresh matcher."""
 
     MAX_CACHED_GRAMMARS = 32
 
@@ -129,30 +131,44 @@ class GrammarCompiler:
         self._eos_token_ids = list(eos_token_ids)
         self._tokenizer: Any = None
         self._fresh: OrderedDict[OutputGrammar, Any] = OrderedDict()  # spec -> unused LLMatcher
+        self._lock = threading.Lock()  # guards _fresh (the server's threads and the engine's)
+        self._tokenizer_lock = threading.Lock()
 
     @property
     def num_words(self) -> int:
         """int32 words of a bitmask row: one bit per token of the logits, rounded up."""
         return (self.vocab_size + 31) // 32
 
+    def prepare(self, spec: OutputGrammar) -> None:
+        """Build `spec`'s matcher now, from any thread (the replica's server does it in a worker
+        thread as it reads the request); OutputGrammarError when llguidance refuses it."""
+        self._fresh_matcher(spec)
+
     def matcher(self, spec: OutputGrammar) -> GrammarMatcher:
         """A new parser state for `spec`; OutputGrammarError when llguidance refuses it."""
-        fresh = self._fresh.get(spec)
-        if fresh is None:
-            fresh = self._build(spec)
+        return GrammarMatcher(self._fresh_matcher(spec).deep_copy(), self.num_words)
+
+    def _fresh_matcher(self, spec: OutputGrammar) -> Any:
+        with self._lock:
+            fresh = self._fresh.get(spec)
+            if fresh is not None:
+                self._fresh.move_to_end(spec)
+                return fresh
+        fresh = self._build(spec)  # outside the lock: slow, and llguidance releases the GIL
+        with self._lock:
             self._fresh[spec] = fresh
             if len(self._fresh) > self.MAX_CACHED_GRAMMARS:
                 self._fresh.popitem(last=False)
-        else:
-            self._fresh.move_to_end(spec)
-        return GrammarMatcher(fresh.deep_copy(), self.num_words)
+        return fresh
 
     def _build(self, spec: OutputGrammar) -> Any:
         import llguidance
 
-        if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(self._backend.to_str(), n_vocab=self.vocab_size,
-                                                     eos_token=self._eos_token_ids or None)
+        with self._tokenizer_lock:  # built once, by whichever thread needs it first
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(
+                    self._backend.to_str(), n_vocab=self.vocab_size,
+                    eos_token=self._eos_token_ids or None)
         matcher = llguidance.LLMatcher(self._tokenizer, _grammar_of(spec), log_level=0)
         if matcher.is_error():
             raise OutputGrammarError(f"output grammar: {matcher.get_error()}")

@@ -52,16 +52,20 @@ class ServingContext:
         function), decoding is constrained to the model's tool-call format (this grammar wins over
         a `response_format`: the answer is calls, not text): one call to the named function, or
         one or more (one with `parallel_tool_calls: false`) for "required". Invalid values are
-        400s."""
+        400s. Called in a worker thread: it also builds the grammar's matcher for the engine
+        (`prepare_grammar`), so the engine thread only copies it."""
         params = sampling_params(req)
         functions = req.forced_functions
-        if not functions:
-            return params
-        is_parallel = req.parallel_tool_calls is not False and req.tool_choice == "required"
         try:
-            grammar = self.new_tool_parser().calls_grammar(
-                [(tool.function.name, tool.function.parameters) for tool in functions], is_parallel)
-            return replace(params, grammar=OutputGrammar.lark(grammar, "tools"))
+            if functions:
+                is_parallel = req.parallel_tool_calls is not False and req.tool_choice == "required"
+                grammar = self.new_tool_parser().calls_grammar(
+                    [(tool.function.name, tool.function.parameters) for tool in functions],
+                    is_parallel)
+                params = replace(params, grammar=OutputGrammar.lark(grammar, "tools"))
+            if params.grammar is not None:
+                self.engine.prepare_grammar(params.grammar)
+            return params
         except orjson.JSONEncodeError:  # orjson writes 254 levels (and reads 1024)
             raise InvalidRequestError("tools: a function's parameters schema is nested too deeply",
                                       param="tools") from None

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from engine.config import ModelConfig
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_output import OutputGrammar
 
 
 class ServedTokenizer(Protocol):
@@ -50,6 +51,11 @@ class ServedEngine(Protocol):
         ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    def prepare_grammar(self, grammar: OutputGrammar) -> None:
+        """Build `grammar`'s parser ahead, from any thread (OutputGrammarError if refused), so
+        adding the request later costs the engine thread only a copy."""
+        ...
 
     def stats(self) -> EngineStatsLike: ...
 

@@ -167,3 +167,28 @@ def test_each_request_gets_its_own_parser_state_from_a_grammar_built_once(engine
     allowed_fresh = unpack_bitmask(fresh_row[None], compiler.vocab_size)[0]
     allowed_advanced = unpack_bitmask(advanced_row[None], compiler.vocab_size)[0]
     assert allowed_fresh[opening[0]] and not torch.equal(allowed_fresh, allowed_advanced)
+
+
+def test_a_grammar_prepared_in_another_thread_is_built_once(engine: LLMEngine) -> None:
+    import threading
+
+    spec = OutputGrammar.json_schema({"type": "object", "properties": {"k": {"enum": ["a", "b"]}},
+                                      "required": ["k"], "additionalProperties": False})
+    compiler = engine.grammars
+    built = []
+    build = compiler._build
+
+    def counting(grammar: OutputGrammar) -> Any:
+        built.append(grammar)
+        return build(grammar)
+
+    compiler._build = counting  # type: ignore[method-assign]
+    try:
+        worker = threading.Thread(target=compiler.prepare, args=(spec,))
+        worker.start()
+        worker.join()
+        first, second = compiler.matcher(spec), compiler.matcher(spec)
+    finally:
+        del compiler._build
+    assert built == [spec]
+    assert first.accept(engine.tokenizer.encode('{"k":"a"}')[0]) and not second.is_stopped()

@@ -127,6 +127,7 @@ class FakeEngine:
     calls: list[GenerateCall] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     aborted_event: threading.Event = field(default_factory=threading.Event)
+    prepared_grammars: list[Any] = field(default_factory=list)  # prepare_grammar calls
     num_prefix_cache_resets: int = 0
     is_alive: bool = True
     _stats: FakeEngineStats = field(default_factory=FakeEngineStats)
@@ -142,6 +143,9 @@ class FakeEngine:
 
     def prompt_text(self, call: GenerateCall) -> str:
         return self.tokenizer.decode(call.prompt_token_ids)
+
+    def prepare_grammar(self, grammar: Any) -> None:
+        self.prepared_grammars.append(grammar)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        *, cache_salt: str | None = None,

@@ -119,6 +119,26 @@ def test_a_grammar_the_engine_refuses_when_adding_the_request_is_400(
     assert "lexer too complex" in error["message"]
 
 
+def test_the_grammar_is_prepared_before_the_request_reaches_the_engine(
+        http: httpx.Client, fake_engine: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server builds a grammar's parser in its worker thread (a refusal is a 400 there)."""
+    from engine.structured_output import OutputGrammarError
+
+    assert http.post("/v1/chat/completions", json=chat(
+        response_format={"type": "json_object"})).status_code == 200
+    assert [g.kind for g in fake_engine.prepared_grammars] == ["json_object"]
+    assert fake_engine.calls[-1].params.grammar == fake_engine.prepared_grammars[0]
+
+    def refusing(grammar: Any) -> None:
+        raise OutputGrammarError("output grammar: lexer too complex")
+
+    monkeypatch.setattr(fake_engine, "prepare_grammar", refusing)
+    num_calls = len(fake_engine.calls)
+    error = assert_envelope(http.post("/v1/chat/completions", json=chat(
+        response_format={"type": "json_object"})), 400)
+    assert "lexer too complex" in error["message"] and len(fake_engine.calls) == num_calls
+
+
 @pytest.mark.parametrize("where", ["response_format", "tools"])
 def test_a_schema_nested_deeper_than_orjson_writes_is_400(http: httpx.Client, where: str) -> None:
     """orjson reads 1024 levels but writes only 254: the grammar's text could not be made."""
