@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import orjson
 import pytest
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from bench.mock_upstream import MockConfig, MockState, create_mock_app
 from gateway.app import create_app
@@ -53,6 +55,25 @@ async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     return runner, f"http://127.0.0.1:{port}"
+
+
+async def write_sse(response: web.StreamResponse, chunks: Iterable[dict[str, Any]]) -> None:
+    """Each chunk as an OpenAI SSE event, then `data: [DONE]`."""
+    for chunk in chunks:
+        await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+
+
+def start_chat_upstream(loop_thread: LoopThread, chat: Handler) -> tuple[web.AppRunner, str]:
+    """A hand-written upstream for one test: `chat` at /v1/chat/completions, a healthy /health."""
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    return loop_thread.run(start_app(app))
 
 
 @dataclass

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import httpx
-import orjson
 from aiohttp import web
 
 from auth.principal import Principal
@@ -18,7 +17,13 @@ from gateway.canonical import (
 )
 from gateway.settings import ModelSettings
 from gateway.usage import build_record
-from tests.gateway.conftest import MODEL, GatewayFactory, LoopThread, start_app
+from tests.gateway.conftest import (
+    MODEL,
+    GatewayFactory,
+    LoopThread,
+    start_chat_upstream,
+    write_sse,
+)
 
 
 def test_announced_prompt_is_read_from_the_replicas_headers_only_when_well_formed() -> None:
@@ -67,22 +72,13 @@ def _announcing_upstream(loop_thread: LoopThread, dies_after_headers: bool) -> t
         if dies_after_headers:
             request.transport.close()  # type: ignore[union-attr]
             return response
-        for chunk in ({"choices": [{"index": 0, "delta": {"content": "all good"},
-                                    "finish_reason": None}]},
-                      {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
-                      {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2,
-                                                "total_tokens": 9}}):
-            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
+        await write_sse(response, (
+            {"choices": [{"index": 0, "delta": {"content": "all good"}, "finish_reason": None}]},
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+            {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}}))
         return response
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/health", health)
-    return loop_thread.run(start_app(app))
+    return start_chat_upstream(loop_thread, chat)
 
 
 def test_a_replica_that_dies_after_announcing_its_prompt_is_retried_on_another(

@@ -11,7 +11,13 @@ import pytest
 from aiohttp import web
 
 from bench.mock_upstream import MockConfig
-from tests.gateway.conftest import MODEL, GatewayFactory, LoopThread, start_app
+from tests.gateway.conftest import (
+    MODEL,
+    GatewayFactory,
+    LoopThread,
+    start_chat_upstream,
+    write_sse,
+)
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 MESSAGES = {**CHAT, "max_tokens": 5}
@@ -194,21 +200,13 @@ def _stop_matching_upstream(loop_thread: LoopThread) -> tuple[web.AppRunner, str
                 "usage": usage})
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
-        for chunk in ({"choices": [{"index": 0, "delta": {"content": "one two"},
-                                    "finish_reason": None}]},
-                      {"choices": [{"index": 0, "delta": {}, **choice_end}]},
-                      {"choices": [], "usage": usage}):
-            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
+        await write_sse(response, (
+            {"choices": [{"index": 0, "delta": {"content": "one two"}, "finish_reason": None}]},
+            {"choices": [{"index": 0, "delta": {}, **choice_end}]},
+            {"choices": [], "usage": usage}))
         return response
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/health", health)
-    return loop_thread.run(start_app(app))
+    return start_chat_upstream(loop_thread, chat)
 
 
 def test_anthropic_matched_stop_sequence_is_reported_whole_and_streamed(
