@@ -200,9 +200,9 @@ class LLMEngine:
         text = ""
         min_reached = request.num_output_tokens >= params.min_tokens
         if token_id in request.eos_token_ids and min_reached:
-            reason = FinishReason.STOP
+            reason, logprobs = FinishReason.STOP, None  # (not part of the answer: no logprob entry)
         elif token_id in params.stop_token_ids and min_reached:
-            reason, stop_reason = FinishReason.STOP, token_id
+            reason, stop_reason, logprobs = FinishReason.STOP, token_id, None
         else:
             update = detok.push([token_id], check_stop=min_reached)
             text = update.text

@@ -96,3 +96,20 @@ def test_prompt_logprobs_survive_preemption_mid_prefill(make_engine: EngineFacto
         assert [e.token_id for e in found[request_id]] == prompt[1:]
         got = torch.tensor([e.logprob for e in found[request_id]])
         assert torch.allclose(got, torch.tensor([e.logprob for e in expected]), atol=1e-4)
+
+
+def test_an_answer_ended_by_eos_has_a_logprob_for_each_token_of_its_text(engine: LLMEngine) -> None:
+    """The end-of-sequence token is counted in usage but is not part of the answer: it gets no
+    logprob entry (as OpenAI's logprobs hold no end token), so the entries spell the text."""
+    prompt = list(engine.tokenizer.encode_chat([{"role": "user", "content": "Say hi."}],
+                                               add_generation_prompt=True))
+    engine.add_request("eos", prompt, SamplingParams(temperature=0.0, max_tokens=64, logprobs=True))
+    outputs = []
+    while engine.has_unfinished_requests:
+        outputs += engine.step()
+    final = outputs[-1]
+    assert str(final.finish_reason) == "stop" and final.stop_reason is None  # ended by EOS
+    entries = [entry for output in outputs for entry in output.logprobs or ()]
+    assert len(entries) == final.num_output_tokens - 1
+    assert not {entry.token_id for entry in entries} & set(engine.model_config.eos_token_ids)
+    assert engine.tokenizer.decode([e.token_id for e in entries]) == "".join(o.text for o in outputs)
