@@ -33,7 +33,7 @@ import torch
 from engine.sampling_params import SamplingParamsError
 
 GrammarKind = Literal["json_object", "json_schema", "lark"]
-_JSON_OPTIONS = {"whitespace_flexible": False}
+_JSON_OPTIONS: Any = {"whitespace_flexible": False}  # llguidance JsonCompileOptions
 
 
 class OutputGrammarError(SamplingParamsError):

@@ -66,22 +66,31 @@ _ID_PREFIX = os.urandom(8).hex()  # per process: ids stay unique across workers 
 _id_counter = itertools.count()
 
 
-def request_id_of(request: web.Request) -> str:
-    """The client's x-request-id if it is safe to echo, else a fresh one (no syscall per id)."""
+def _client_request_id(request: web.Request) -> str | None:
+    """The client's x-request-id if it is safe to echo."""
     given = request.headers.get("x-request-id")
-    if given and _REQUEST_ID.match(given):
-        return given
-    return f"{_ID_PREFIX}{next(_id_counter):08x}"
+    return given if given and _REQUEST_ID.match(given) else None
 
 
-def usage_id_of(request: web.Request, request_id: str) -> str:
-    """The id of the request's usage record, unique per gateway request: the meters settle once
-    per record id, so a client-chosen x-request-id (which clients reuse, e.g. one per trace or
-    a constant) gets a fresh suffix; '/' is outside the client ids' alphabet, so no client id
-    can name another request's record."""
-    if request.headers.get("x-request-id") == request_id:
-        return f"{request_id}/{_ID_PREFIX}{next(_id_counter):08x}"
-    return request_id
+def _fresh_id() -> str:
+    return f"{_ID_PREFIX}{next(_id_counter):08x}"  # (no syscall per id)
+
+
+def request_id_of(request: web.Request) -> str:
+    """The client's x-request-id if it is safe to echo, else a fresh one."""
+    return _client_request_id(request) or _fresh_id()
+
+
+def request_ids_of(request: web.Request) -> tuple[str, str]:
+    """(request id, usage record id). The record id is unique per gateway request: the meters
+    settle once per record id, so a client-chosen x-request-id (which clients reuse, e.g. one per
+    trace or a constant) gets a fresh suffix; '/' is outside the client ids' alphabet, so no
+    client id can name another request's record."""
+    given = _client_request_id(request)
+    if given is None:
+        fresh = _fresh_id()
+        return fresh, fresh
+    return given, f"{given}/{_fresh_id()}"
 
 
 async def read_json_body(request: web.Request, max_body_bytes: int) -> Any:
@@ -192,8 +201,7 @@ class Pipeline:
 
     async def handle(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
         timing = Timing(time.perf_counter())
-        request_id = request_id_of(request)
-        usage_id = usage_id_of(request, request_id)
+        request_id, usage_id = request_ids_of(request)
         try:
             canonical, principal, route, admission = await self._admit(request, dialect, request_id,
                                                                        usage_id)

@@ -43,17 +43,21 @@ class Echo:
 def echo_of(req: CompletionRequest, prompts: Sequence[list[int]], tokenizer: Any) -> Echo | None:
     if not req.echo:
         return None
-    given = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-    texts = [p if isinstance(p, str) else tokenizer.decode(ids)
-             for p, ids in zip(given if isinstance(given[0], str) else prompts, prompts, strict=True)]
+    if isinstance(req.prompt, str):
+        texts = [req.prompt]
+    elif isinstance(req.prompt[0], str):
+        texts = list(req.prompt)  # type: ignore[arg-type]
+    else:  # token ids: their text
+        texts = [tokenizer.decode(ids) for ids in prompts]
     return Echo(texts, [ids[0] for ids in prompts])
 
 
 def _choice_parts(ctx: ServingContext, req: CompletionRequest, echo: Echo | None, index: int,
-                  output: RequestOutput | ChoiceState, text: str, offset: int, is_first: bool
+                  output: RequestOutput | ChoiceState, offset: int, is_first: bool
                   ) -> tuple[str, dict[str, Any] | None]:
     """One choice's text and logprobs for `output` (a step's, or the whole state's); the echoed
     prompt goes first when `is_first`."""
+    text = output.text
     entries = list(output.logprobs or ())
     leading = None
     if echo is not None and is_first:
@@ -76,7 +80,7 @@ async def complete_text(ctx: ServingContext, req: CompletionRequest, fanout: Fan
         states[index].add(output)
     choices = []
     for index, state in enumerate(states):
-        text, logprobs = _choice_parts(ctx, req, echo, index, state, state.text, 0, True)
+        text, logprobs = _choice_parts(ctx, req, echo, index, state, 0, True)
         choices.append(shapes.completion_choice(index, text, logprobs, state.finish_reason,
                                                 state.stop_reason))
     body = shapes.completion(id_, created, req.model, choices, usage_of(states, req.n))
@@ -104,8 +108,8 @@ async def stream_text(request: web.Request, ctx: ServingContext, req: Completion
                 state = states[index]
                 is_first = not state.text_parts
                 state.add(output)
-                text, logprobs = _choice_parts(ctx, req, echo, index, output, output.text,
-                                               sent[index], is_first)
+                text, logprobs = _choice_parts(ctx, req, echo, index, output, sent[index],
+                                               is_first)
                 if text or (logprobs is not None and logprobs["tokens"]):
                     sent[index] += len(text)
                     await chunk([shapes.completion_choice(index, text, logprobs, None)])

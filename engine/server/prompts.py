@@ -9,7 +9,7 @@ templates render them with `tojson`). Tools go into the template unless tool_cho
 (assistant) message is left open and the answer continues its text.
 
 tool_choice "required" or a named function is asked for in the prompt (a system line, and only
-the named tool is offered) and enforced while decoding (ServingContext.chat_sampling_params: a
+the named tool is offered) and enforced while decoding (ServingContext.sampling_params: a
 grammar of the tool parser's format).
 """
 

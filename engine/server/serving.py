@@ -47,22 +47,17 @@ class ServingContext:
             raise NotFoundError(f"The model `{model}` does not exist.", param="model",
                                 code="model_not_found")
 
-    def chat_sampling_params(self, req: ChatCompletionRequest) -> SamplingParams:
-        """The body's SamplingParams; when `tool_choice` demands a call ("required" or a named
-        function), decoding is constrained to the model's tool-call format (this grammar wins over
-        a `response_format`: the answer is calls, not text): one call to the named function, or
-        one or more (one with `parallel_tool_calls: false`) for "required". Invalid values are
-        400s. Called in a worker thread: it also builds the grammar's matcher for the engine
-        (`prepare_grammar`), so the engine thread only copies it."""
-        params = sampling_params(req)
-        functions = req.forced_functions
+    def sampling_params(self, req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+        """The body's SamplingParams; invalid values are 400s. When a chat's `tool_choice` demands
+        a call ("required" or a named function), decoding is constrained to the model's tool-call
+        format (this grammar wins over a `response_format`: the answer is calls, not text): one
+        call to the named function, or one or more (one with `parallel_tool_calls: false`) for
+        "required". Called in a worker thread: it also builds any grammar's matcher for the
+        engine (`prepare_grammar`), so the engine thread only copies it."""
         try:
-            if functions:
-                is_parallel = req.parallel_tool_calls is not False and req.tool_choice == "required"
-                grammar = self.new_tool_parser().calls_grammar(
-                    [(tool.function.name, tool.function.parameters) for tool in functions],
-                    is_parallel)
-                params = replace(params, grammar=OutputGrammar.lark(grammar, "tools"))
+            params = req.to_sampling_params()
+            if isinstance(req, ChatCompletionRequest) and req.forced_functions:
+                params = replace(params, grammar=self._forced_calls_grammar(req))
             if params.grammar is not None:
                 self.engine.prepare_grammar(params.grammar)
             return params
@@ -71,6 +66,13 @@ class ServingContext:
                                       param="tools") from None
         except SamplingParamsError as exc:
             raise InvalidRequestError(str(exc)) from exc
+
+    def _forced_calls_grammar(self, req: ChatCompletionRequest) -> OutputGrammar:
+        is_parallel = req.parallel_tool_calls is not False and req.tool_choice == "required"
+        grammar = self.new_tool_parser().calls_grammar(
+            [(tool.function.name, tool.function.parameters) for tool in req.forced_functions],
+            is_parallel)
+        return OutputGrammar.lark(grammar, "tools")
 
     def new_tool_parser(self) -> ToolParser:
         if self.settings.tool_parser is not None:
@@ -126,11 +128,3 @@ async def parse_body(request: web.Request, model: type[Body]) -> Body:
         message = error["msg"].removeprefix("Value error, ")
         raise InvalidRequestError(f"{loc}: {message}" if loc else message,
                                   param=loc or None) from exc
-
-
-def sampling_params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
-    """The body's SamplingParams; out-of-range values become 400s."""
-    try:
-        return body.to_sampling_params()
-    except SamplingParamsError as exc:
-        raise InvalidRequestError(str(exc)) from exc

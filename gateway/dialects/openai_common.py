@@ -71,10 +71,10 @@ def parse_sampling(body: dict[str, Any], request: CanonicalRequest, *, max_token
     check_sampling(request, {"max_tokens": max_tokens_keys[0]})
 
 
-def parse_output_format(value: Any, param: str) -> dict[str, Any] | None:
-    """Chat's `response_format` (or the Responses API's `text.format`, flat: name and schema
-    beside type) in chat's form, or None for plain text. The schema itself is checked where the
-    grammar is compiled (the replica; its 400 passes through)."""
+def parse_output_format(value: Any, param: str, *, is_flat: bool = False) -> dict[str, Any] | None:
+    """Chat's `response_format` (or, `is_flat`, the Responses API's `text.format`: name and
+    schema beside type) in chat's form, or None for plain text. The schema itself is checked
+    where the grammar is compiled (the replica; its 400 passes through)."""
     if value is None:
         return None
     kind = value.get("type") if isinstance(value, dict) else None
@@ -84,7 +84,6 @@ def parse_output_format(value: Any, param: str) -> dict[str, Any] | None:
         return {"type": "json_object"}
     if kind != "json_schema":
         raise InvalidParam(f"{param}.type", "expected text, json_object or json_schema")
-    is_flat = param == "text.format"
     spec = value if is_flat else get_object(value, "json_schema", f"{param}.json_schema")
     where = param if is_flat else f"{param}.json_schema"
     if spec is None:
@@ -94,9 +93,12 @@ def parse_output_format(value: Any, param: str) -> dict[str, Any] | None:
     schema = get_object(spec, "schema", f"{where}.schema")
     if schema is not None:
         found["schema"] = schema
-    for key in ("description", "strict"):
-        if spec.get(key) is not None:
-            found[key] = (get_bool if key == "strict" else get_str)(spec, key, f"{where}.{key}")
+    description = get_str(spec, "description", f"{where}.description")
+    if description is not None:
+        found["description"] = description
+    strict = get_bool(spec, "strict", f"{where}.strict")
+    if strict is not None:
+        found["strict"] = strict
     return {"type": "json_schema", "json_schema": found}
 
 

@@ -195,7 +195,8 @@ class OpenAIResponses(Dialect):
         check_sampling(request, {"max_tokens": "max_output_tokens"})
         text = get_object(body, "text")
         if text is not None:
-            request.response_format = common.parse_output_format(text.get("format"), "text.format")
+            request.response_format = common.parse_output_format(text.get("format"), "text.format",
+                                                                 is_flat=True)
         return request
 
     def render(self, request: CanonicalRequest, response: CanonicalResponse) -> dict[str, Any]:

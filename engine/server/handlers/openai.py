@@ -19,14 +19,14 @@ from engine.server.errors import json_response
 from engine.server.keys import SERVING_KEY
 from engine.server.prompts import chat_prompt_token_ids, check_context_length, completion_prompts
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
-from engine.server.serving import parse_body, sampling_params
+from engine.server.serving import parse_body
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     ctx = request.app[SERVING_KEY]
     req = await parse_body(request, ChatCompletionRequest)
     ctx.check_model(req.model)
-    params = await asyncio.to_thread(ctx.chat_sampling_params, req)
+    params = await asyncio.to_thread(ctx.sampling_params, req)
     prompt = await asyncio.to_thread(chat_prompt_token_ids, req, ctx.engine.tokenizer)
     check_context_length(len(prompt), params.max_tokens, ctx.engine.max_model_len, "messages")
     id_, created = shapes.new_id("chatcmpl"), shapes.now_s()
@@ -41,7 +41,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     ctx = request.app[SERVING_KEY]
     req = await parse_body(request, CompletionRequest)
     ctx.check_model(req.model)
-    params = await asyncio.to_thread(sampling_params, req)
+    params = await asyncio.to_thread(ctx.sampling_params, req)
     prompts = await asyncio.to_thread(completion_prompts, req, ctx.engine.tokenizer,
                                       ctx.engine.model_config.vocab_size)
     for prompt in prompts:
