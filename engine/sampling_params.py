@@ -9,13 +9,19 @@ if TYPE_CHECKING:
     from engine.structured_output import OutputGrammar
 
 
+# A temperature below this samples greedily (vLLM's _SAMPLING_EPS): dividing float32 logits by
+# a tinier one (5e-324 is a valid JSON temperature) overflows them to inf, the softmax of inf is
+# NaN, and inverse-CDF sampling over NaN returns the out-of-vocabulary id `vocab_size`.
+GREEDY_TEMPERATURE_BELOW = 1e-5
+
+
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message is safe to show to the client."""
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE_BELOW) = greedy
     top_p: float = 1.0
     top_k: int | None = None  # None = no top-k
     seed: int | None = None
@@ -61,7 +67,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE_BELOW
 
     @property
     def has_penalties(self) -> bool:

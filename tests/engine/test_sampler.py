@@ -105,6 +105,19 @@ def test_tiny_top_p_equals_greedy():
     assert Sampler(seed=0)(logits, rows).token_ids == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-40, 1e-38, 1e-6])
+def test_a_temperature_too_small_to_divide_by_is_greedy_not_an_out_of_vocabulary_id(temperature):
+    # 5e-324 is valid JSON in [0, 2]: dividing the logits by it made them inf, the softmax NaN, and
+    # inverse-CDF sampling returned id VOCAB, which the next step's embedding lookup crashed on
+    # (killing the replica's engine loop for every request)
+    logits = random_logits(4, seed=5, scale=30.0)
+    rows = [make_row(SamplingParams(temperature=temperature)) for _ in range(2)]
+    rows += [make_row(SamplingParams(temperature=1.0, seed=7)) for _ in range(2)]  # a mixed batch
+    token_ids = Sampler(seed=0)(logits, rows).token_ids
+    assert token_ids[:2] == logits[:2].argmax(dim=-1).tolist()
+    assert all(0 <= t < VOCAB for t in token_ids)
+
+
 def test_top_k_never_samples_outside_the_k_best():
     logits = random_logits(1, seed=4, scale=0.3).expand(500, VOCAB)
     rows = [make_row(SamplingParams(temperature=2.0, top_k=3)) for _ in range(500)]
