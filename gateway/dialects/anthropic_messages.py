@@ -38,6 +38,7 @@ from gateway.canonical import (
 from gateway.dialects.base import Dialect, StreamEncoder
 from gateway.dialects.validate import (
     InvalidParam,
+    ToolResults,
     check_sampling,
     get_bool,
     get_int,
@@ -46,6 +47,7 @@ from gateway.dialects.validate import (
     get_object,
     get_stop,
     get_str,
+    get_tool_schema,
     need_object,
 )
 
@@ -104,7 +106,8 @@ def _parse_message(raw: Any, i: int) -> list[Message]:
         elif kind == "tool_use" and role == "assistant":
             arguments = orjson.dumps(get_object(block, "input", f"{where}.input") or {}).decode()
             calls.append(ToolCall(get_str(block, "id", f"{where}.id", required=True) or "",
-                                  get_str(block, "name", f"{where}.name", required=True) or "",
+                                  get_str(block, "name", f"{where}.name", required=True,
+                                          allow_empty=False) or "",
                                   arguments))
         elif kind == "tool_result" and role == "user":
             text = _text_of(block.get("content") or "", f"{where}.content")
@@ -172,8 +175,11 @@ class AnthropicMessages(Dialect):
         system = body.get("system")
         if system is not None:
             request.messages.append(Message("system", _text_of(system, "system")))
+        results = ToolResults()  # each tool_result answers a tool_use of the message before
         for i, raw in enumerate(get_list(body, "messages", required=True, non_empty=True) or ()):
-            request.messages += _parse_message(raw, i)
+            for message in _parse_message(raw, i):
+                results.add(message, f"messages[{i}].content")
+                request.messages.append(message)
         last = request.messages[-1]
         request.continue_final_message = (last.role == "assistant" and not last.tool_calls
                                           and bool(last.content.strip()))
@@ -182,7 +188,7 @@ class AnthropicMessages(Dialect):
             request.tools.append(Tool(
                 get_str(raw, "name", f"tools[{i}].name", required=True, allow_empty=False) or "",
                 get_str(raw, "description", f"tools[{i}].description") or "",
-                get_object(raw, "input_schema", f"tools[{i}].input_schema") or {}))
+                get_tool_schema(raw, "input_schema", f"tools[{i}].input_schema")))
         request.tool_choice = _parse_tool_choice(body.get("tool_choice"))
         if request.tool_choice is not None and get_bool(
                 body["tool_choice"], "disable_parallel_tool_use",

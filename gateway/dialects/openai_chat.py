@@ -22,10 +22,11 @@ from gateway.dialects import openai_common as common
 from gateway.dialects.base import Dialect, StreamEncoder
 from gateway.dialects.validate import (
     InvalidParam,
+    ToolResults,
     get_bool,
     get_list,
-    get_object,
     get_str,
+    get_tool_schema,
     need_object,
 )
 
@@ -60,7 +61,7 @@ def parse_tools(body: dict[str, Any]) -> list[Tool]:
         tools.append(Tool(get_str(function, "name", f"tools[{i}].function.name", required=True,
                                   allow_empty=False) or "",
                           get_str(function, "description") or "",
-                          get_object(function, "parameters", f"tools[{i}].function.parameters") or {}))
+                          get_tool_schema(function, "parameters", f"tools[{i}].function.parameters")))
     return tools
 
 
@@ -86,7 +87,7 @@ def _parse_message(raw: Any, i: int) -> Message:
         function = need_object(call.get("function"), f"{param}.tool_calls[{j}].function")
         calls.append(ToolCall(get_str(call, "id", f"{param}.tool_calls[{j}].id", required=True) or "",
                               get_str(function, "name", f"{param}.tool_calls[{j}].function.name",
-                                      required=True) or "",
+                                      required=True, allow_empty=False) or "",
                               get_str(function, "arguments",
                                       f"{param}.tool_calls[{j}].function.arguments") or "{}"))
     tool_call_id = get_str(raw, "tool_call_id", f"{param}.tool_call_id", required=role == "tool")
@@ -103,6 +104,9 @@ class OpenAIChat(Dialect):
                                                        allow_empty=False) or "")
         messages = get_list(body, "messages", required=True, non_empty=True) or []
         request.messages = [_parse_message(raw, i) for i, raw in enumerate(messages)]
+        results = ToolResults()
+        for i, message in enumerate(request.messages):
+            results.add(message, f"messages[{i}].tool_call_id")
         request.tools = parse_tools(body)
         request.tool_choice = parse_tool_choice(body.get("tool_choice"))
         request.parallel_tool_calls = get_bool(body, "parallel_tool_calls")

@@ -32,6 +32,7 @@ from gateway.dialects.base import Dialect, StreamEncoder
 from gateway.dialects.openai_chat import parse_content
 from gateway.dialects.validate import (
     InvalidParam,
+    ToolResults,
     check_sampling,
     get_bool,
     get_int,
@@ -39,6 +40,7 @@ from gateway.dialects.validate import (
     get_number,
     get_object,
     get_str,
+    get_tool_schema,
     need_object,
 )
 
@@ -51,6 +53,7 @@ def _parse_input(body: dict[str, Any]) -> list[Message]:
         return [Message("user", value)]
     items = get_list(body, "input", required=True, non_empty=True) or []
     messages: list[Message] = []
+    results = ToolResults(is_adjacent=False)
     for i, item in enumerate(items):
         item = need_object(item, f"input[{i}]")
         kind = item.get("type", "message")
@@ -62,18 +65,21 @@ def _parse_input(body: dict[str, Any]) -> list[Message]:
                                                         f"input[{i}].content")))
         elif kind == "function_call":
             call = ToolCall(get_str(item, "call_id", f"input[{i}].call_id", required=True) or "",
-                            get_str(item, "name", f"input[{i}].name", required=True) or "",
+                            get_str(item, "name", f"input[{i}].name", required=True,
+                                    allow_empty=False) or "",
                             get_str(item, "arguments", f"input[{i}].arguments") or "{}")
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":  # the same turn: text, then calls
                 messages[-1] = Message("assistant", last.content, (*last.tool_calls, call))
             else:
                 messages.append(Message("assistant", "", (call,)))
+            results.add(messages[-1], f"input[{i}]")
         elif kind == "function_call_output":
             output = item.get("output")
             messages.append(Message("tool", parse_content(output, f"input[{i}].output"),
                                     tool_call_id=get_str(item, "call_id", f"input[{i}].call_id",
                                                          required=True)))
+            results.add(messages[-1], f"input[{i}].call_id")
         elif kind != "reasoning":
             raise InvalidParam(f"input[{i}].type", f"unsupported input item {kind!r}")
     if not messages:
@@ -91,7 +97,7 @@ def _parse_tools(body: dict[str, Any]) -> list[Tool]:
         tools.append(Tool(get_str(raw, "name", f"tools[{i}].name", required=True,
                                   allow_empty=False) or "",
                           get_str(raw, "description", f"tools[{i}].description") or "",
-                          get_object(raw, "parameters", f"tools[{i}].parameters") or {}))
+                          get_tool_schema(raw, "parameters", f"tools[{i}].parameters")))
     return tools
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.sampling_params import SamplingParams, SamplingParamsError  # pure Python, no torch
-from gateway.canonical import CanonicalRequest
+from gateway.canonical import CanonicalRequest, Message
 from gateway.errors import BadRequest
 
 _MISSING = object()
@@ -106,6 +106,45 @@ def get_object(body: dict[str, Any], key: str, param: str = "") -> dict[str, Any
     if value is None:
         return None
     return need_object(value, param or key)
+
+
+def get_tool_schema(body: dict[str, Any], key: str, param: str) -> dict[str, Any]:
+    """A tool's parameters schema: an object whose `type`, when given, is "object" (a call's
+    arguments are an object; OpenAI and Anthropic refuse any other type), else {}."""
+    schema = get_object(body, key, param) or {}
+    if "type" in schema and schema["type"] != "object":
+        raise InvalidParam(f"{param}.type", "a tool's parameters must be a JSON schema of type "
+                           f"'object', got {schema['type']!r}")
+    return schema
+
+
+class ToolResults:
+    """Reads a conversation in order and refuses a tool result that answers no tool call: one
+    must answer a call of the assistant message just before it (only other results between), as
+    OpenAI's chat and Anthropic's Messages require, or, with `is_adjacent` False (the Responses
+    API's items), of any earlier assistant message. A stray result would otherwise reach the
+    model as an unexplained tool turn."""
+
+    def __init__(self, *, is_adjacent: bool = True) -> None:
+        self._is_adjacent = is_adjacent
+        self._call_ids: set[str] = set()  # the calls a result may answer now
+
+    def add(self, message: Message, param: str) -> None:
+        """`message` is the next one of the conversation; `param` names it in an error."""
+        if message.role == "assistant":
+            if self._is_adjacent:
+                self._call_ids.clear()
+            self._call_ids.update(call.id for call in message.tool_calls)
+        elif message.role != "tool":
+            if self._is_adjacent:
+                self._call_ids.clear()
+        elif message.tool_call_id not in self._call_ids:
+            if not self._call_ids:
+                raise InvalidParam(param, "a tool result must follow an assistant message with "
+                                   "tool calls")
+            where = "the assistant message just before it" if self._is_adjacent else "the input"
+            raise InvalidParam(param, f"tool result {message.tool_call_id!r} answers no tool "
+                               f"call of {where}")
 
 
 def get_stop(body: dict[str, Any], key: str, *, max_items: int = 4) -> list[str]:

@@ -246,7 +246,8 @@ def _nested_schema(depth: int) -> dict[str, Any]:
 @pytest.mark.parametrize("fields", [
     {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
                                                                  "schema": _nested_schema(300)}}},
-    {"tools": [{"type": "function", "function": {"name": "f", "parameters": _nested_schema(300)}}]},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": _nested_schema(300)}}}}]},
 ])
 def test_a_schema_nested_deeper_than_the_upstream_body_can_be_written_is_400(
         gateway: Any, fields: dict[str, Any]) -> None:
