@@ -33,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from gateway.serve_cli import attach_replica_args
+
+    args = build_parser().parse_args(attach_replica_args(sys.argv[1:] if argv is None else argv))
     result = args.func(args)
     return int(result or 0)
 

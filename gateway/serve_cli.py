@@ -16,7 +16,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port (default 8000)")
     parser.add_argument("--config", default=None, help="TOML or YAML config (else $AIGW_CONFIG)")
-    parser.add_argument("--replicas", type=int, default=1,
+    parser.add_argument("--replicas", type=_positive_int, default=1,
                         help="embedded replicas to start when no models are configured")
     parser.add_argument("--workers", type=int, default=1,
                         help="gateway processes sharing the port (SO_REUSEPORT)")
@@ -29,6 +29,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--no-auth", action="store_true",
                         help="local development only: no API keys, no metering")
     parser.set_defaults(func=run)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def attach_replica_args(argv: list[str]) -> list[str]:
+    """`--replica-args "--no-prefix-caching"` -> `--replica-args=--no-prefix-caching`.
+
+    argparse takes a lone value that starts with `-` for an option of its own ("expected one
+    argument"); the flag always takes exactly the next word, so glue it on before parsing."""
+    argv = list(argv)
+    if not argv or argv[0] != "serve":
+        return argv
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "--replica-args":
+            argv[i:i + 2] = [f"--replica-args={argv[i + 1]}"]
+            break
+    return argv
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,7 +77,11 @@ def run(args: argparse.Namespace) -> int:
         if not settings.models:
             replicas = embedded.start_replicas(args.replicas, args.model, args.kv_cache_memory,
                                                extra_args=shlex.split(args.replica_args))
-            embedded.wait_healthy(replicas)
+            try:
+                embedded.wait_healthy(replicas)
+            except (RuntimeError, TimeoutError) as exc:  # a replica exited (its error is above) or hung
+                print(f"aigw: {exc}", file=sys.stderr)
+                return 1
             settings = settings.model_copy(update={"models": (embedded.model_settings_for(replicas),)})
         _serve_workers(settings.model_dump(mode="json"), max(1, args.workers))
     finally:

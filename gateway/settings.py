@@ -147,7 +147,8 @@ class GatewaySettings(BaseSettings):
     num_failures_to_eject: int = Field(3, gt=0)  # consecutive failures that open the breaker
     ejection_s: float = Field(10.0, gt=0)  # open -> half-open after this long
     drain_timeout_s: float = Field(30.0, ge=0)  # SIGTERM: finish in-flight within this
-    router: str = "auto"  # "prefix" for replica models with >= 2 endpoints, else least_outstanding
+    # "auto": "prefix" for replica models with >= 2 endpoints, else "least_outstanding"
+    router: Literal["least_outstanding", "prefix", "auto"] = "auto"
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings],

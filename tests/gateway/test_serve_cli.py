@@ -125,3 +125,49 @@ def test_a_bad_config_file_is_one_error_message_and_status_1(
     assert main(["serve", "--config", str(config)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("aigw: invalid configuration: ") and "Traceback" not in err
+
+
+def test_an_unknown_router_is_a_configuration_error_not_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    config = tmp_path / "gateway.toml"
+    config.write_text('router = "bogus"\n')
+    assert main(["serve", "--config", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("aigw: invalid configuration: ") and "router" in err
+
+
+@pytest.mark.parametrize("num_replicas", ["0", "-1"])
+def test_replicas_below_one_is_a_usage_error(num_replicas: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--replicas", num_replicas])
+    assert exit_info.value.code == 2
+    assert "--replicas: must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("words", [
+    ["--replica-args", "--no-prefix-caching"],  # one option alone: argparse took it for its own
+    ["--replica-args", "--decode-weights q4"],
+    ["--replica-args=--threads 1"],
+])
+def test_replica_args_take_the_next_word_whatever_it_starts_with(
+        words: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway import cli, serve_cli
+
+    seen: list[str] = []
+    monkeypatch.setattr(serve_cli, "run", lambda args: seen.append(args.replica_args) or 0)
+    assert cli.main(["serve", "--port", "1", *words, "--no-auth"]) == 0
+    assert seen == [words[-1].removeprefix("--replica-args=")]
+
+
+def test_a_replica_that_exits_at_start_is_one_error_line_and_status_1(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    assert main(["serve", "--replica-args", "--no-such-flag"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("aigw: replica ") and "exited with 2" in err and "Traceback" not in err
