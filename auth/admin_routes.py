@@ -18,11 +18,11 @@ The credential comes from `Authorization: Bearer ...` or `x-api-key`. Errors are
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from auth.key_admin import InvalidRequest
 from auth.principal import AuthError, Principal, Scope
@@ -56,8 +56,10 @@ def _error(status: int, code: str, message: str) -> web.Response:
 async def _body(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json() if request.can_read_body else {}
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or UnicodeDecodeError: bytes that are not UTF-8
         raise InvalidRequest(f"body is not JSON: {exc}") from exc
+    except RequestPayloadError as exc:  # e.g. Content-Encoding: gzip on a body that is not gzip
+        raise InvalidRequest("body cannot be decoded as its Content-Encoding says") from exc
     if not isinstance(body, dict):
         raise InvalidRequest("body must be a JSON object")
     return body

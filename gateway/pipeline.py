@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from auth.admin_routes import credential_of  # one rule for every route: Bearer, else x-api-key
 from auth.cache_salt import cache_salt_for
@@ -101,6 +102,9 @@ async def read_json_body(request: web.Request, max_body_bytes: int) -> Any:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise PayloadTooLarge(f"body over {max_body_bytes} bytes") from exc
+    except RequestPayloadError as exc:  # e.g. a Content-Encoding: gzip body that is not gzip
+        raise BadRequest(f"body cannot be decoded as its Content-Encoding "
+                         f"{request.headers.get('Content-Encoding', '')!r} says") from exc
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

@@ -201,3 +201,32 @@ def test_key_fields_that_would_grant_more_or_break_json_are_refused(tmp_path: Pa
             await services.close()
 
     asyncio.run(scenario())
+
+
+def test_a_body_that_is_not_utf8_or_not_its_content_encoding_is_a_400_not_a_500(tmp_path: Path) -> None:
+    settings = AuthSettings(data_dir=tmp_path)
+
+    async def scenario() -> None:
+        services = await open_auth(settings)
+        await services.admin.create_project("ops")
+        _, admin_key = await services.admin.create_key("ops", [ADMIN])
+        app = web.Application()
+        app.add_routes(services.admin_routes())
+        server = TestServer(app, host="127.0.0.1", port=0)
+        await server.start_server()
+        base = str(server.make_url("/admin/v1"))
+        headers = {"Authorization": f"Bearer {admin_key}", "content-type": "application/json"}
+        try:
+            async with aiohttp.ClientSession() as http:
+                for body, extra in ((b'{"name": "fz\xff"}', {}),
+                                    (b'{"name": "fz"}', {"content-encoding": "gzip"})):
+                    async with http.post(f"{base}/projects", data=body,
+                                         headers={**headers, **extra}) as resp:
+                        assert resp.status == 400, body
+                        error = (await resp.json())["error"]
+                        assert error["type"] == "admin_error" and error["code"] == "invalid_request"
+        finally:
+            await server.close()
+            await services.close()
+
+    asyncio.run(scenario())
