@@ -128,11 +128,11 @@ def _parse_tool_choice(value: Any) -> str | dict[str, Any] | None:
     if value is None:
         return None
     choice = need_object(value, "tool_choice")
-    kind = choice.get("type")
+    kind = get_str(choice, "type", "tool_choice.type", required=True)
     if kind == "tool":
         name = get_str(choice, "name", "tool_choice.name", required=True)
         return {"type": "function", "function": {"name": name}}
-    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)  # type: ignore[arg-type]
+    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind or "")
     if mapped is None:
         raise InvalidParam("tool_choice.type", "expected 'auto', 'any', 'tool' or 'none'")
     return mapped

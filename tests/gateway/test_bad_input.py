@@ -46,7 +46,10 @@ def _cases(path: str) -> list[tuple[str, Any, int]]:
                   ("max_tokens_negative", {**good, "max_tokens": -1}, 400),
                   ("bad_role", {**good, "messages": [{"role": "system", "content": "x"}]}, 400),
                   ("tool_result_without_id", {**good, "messages": [{"role": "user", "content": [
-                      {"type": "tool_result", "content": "x"}]}]}, 400)]
+                      {"type": "tool_result", "content": "x"}]}]}, 400),
+                  ("tool_choice_type_an_array", {**good, "tool_choice": {"type": ["auto"]}}, 400),
+                  ("tool_choice_type_an_object", {**good, "tool_choice": {"type": {}}}, 400),
+                  ("tool_choice_without_type", {**good, "tool_choice": {}}, 400)]
     elif path == "/v1/responses":
         cases += [("max_output_tokens_string", {**good, "max_output_tokens": "10"}, 400),
                   ("unsupported_tool_type", {**good, "tools": [{"type": "web_search"}]}, 400),
