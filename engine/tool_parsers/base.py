@@ -105,6 +105,10 @@ class ToolCallStream:
         self._parser = parser
         self._pending = ""  # text not yet released: a possible start tag, or an open call
         self._in_call = False
+        # whitespace outside calls, held until text follows: an answer of calls and whitespace
+        # (the "\n" after a call) streams no content, as `extract` returns none for it
+        self._blank = ""
+        self._has_text = False
         self.num_calls = 0
 
     def feed(self, text: str) -> StreamDelta:
@@ -137,19 +141,36 @@ class ToolCallStream:
             self._pending = self._pending[len(self._pending) - keep:]
             break
         self.num_calls += len(calls)
-        return StreamDelta(content="".join(content), tool_calls=tuple(calls))
+        return StreamDelta(content=self._shown("".join(content)), tool_calls=tuple(calls))
+
+    def _shown(self, content: str) -> str:
+        """The part of released `content` to show now: whitespace waits for text."""
+        if self._has_text:
+            return content
+        if not content.strip():
+            self._blank += content
+            return ""
+        self._has_text = True
+        content, self._blank = self._blank + content, ""
+        return content
 
     def finish(self) -> StreamDelta:
-        """Release what is left: an unterminated call is parsed if possible, else shown as text."""
+        """Release what is left: an unterminated call is parsed if possible, else shown as text;
+        whitespace still held back is dropped when the answer has calls (`extract`: content None)."""
         pending, self._pending = self._pending, ""
+        calls: tuple[ToolCall, ...] = ()
         if not self._in_call:
-            return StreamDelta(content=pending)
-        self._in_call = False
-        call = self._parser.parse_call(pending)
-        if call is None:
-            return StreamDelta(content=self._parser.start_tag + pending)
-        self.num_calls += 1
-        return StreamDelta(tool_calls=(call,))
+            content = pending
+        else:
+            self._in_call = False
+            call = self._parser.parse_call(pending)
+            content = self._parser.start_tag + pending if call is None else ""
+            calls = () if call is None else (call,)
+        self.num_calls += len(calls)
+        content = self._shown(content)
+        if not self._has_text and not self.num_calls:  # a blank answer without calls is content
+            content, self._blank = self._blank, ""
+        return StreamDelta(content=content, tool_calls=calls)
 
 
 def _partial_suffix_len(text: str, tag: str) -> int:

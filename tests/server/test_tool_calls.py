@@ -43,6 +43,18 @@ def test_streamed_calls_arrive_as_indexed_deltas(client: openai.OpenAI, fake_eng
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_a_streamed_answer_of_calls_and_whitespace_has_no_content_as_the_whole_one(
+        client: openai.OpenAI, fake_engine: FakeEngine, model: str) -> None:
+    """The "\n" a model writes after its call is no text: the SDK's assembled message has none,
+    as in the non-streamed answer (an Anthropic client would otherwise get a blank text block)."""
+    fake_engine.reply = CALL_REPLY + "\n"
+    chunks = list(client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,  # type: ignore[arg-type]
+                                                 stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    whole = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS)  # type: ignore[arg-type]
+    assert whole.choices[0].message.content is None and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_tool_choice_none_leaves_tools_out_and_text_unparsed(
         client: openai.OpenAI, fake_engine: FakeEngine, model: str) -> None:
     fake_engine.reply = CALL_REPLY

@@ -6,6 +6,7 @@ import orjson
 import pytest
 
 from engine.tool_parsers import HermesToolParser, get_tool_parser, tool_parser_for_model
+from engine.tool_parsers.base import StreamDelta
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -59,6 +60,27 @@ def test_streaming_in_any_split_matches_whole_extraction(step: int) -> None:
     names += [c.name for c in rest.tool_calls]
     whole = HermesToolParser().extract(text)
     assert content == whole.content and names == [c.name for c in whole.tool_calls]
+
+
+@pytest.mark.parametrize("text", [
+    "\n<tool_call>{\"name\":\"a\",\"arguments\":{}}</tool_call>\n",  # calls and whitespace
+    " \n",  # whitespace alone, no call: it is the answer
+    "<tool_call>{\"name\":\"a\",\"arguments\":{}}</tool_call>\n ok \n",  # text after a call
+])
+def test_streaming_shows_whitespace_around_calls_only_as_whole_extraction_does(text: str) -> None:
+    for step in (1, 3, 1000):
+        stream = HermesToolParser().stream()
+        content = "".join(stream.feed(text[i:i + step]).content for i in range(0, len(text), step))
+        content += stream.finish().content
+        assert content == (HermesToolParser().extract(text).content or "")
+
+
+def test_a_streamed_newline_after_a_call_is_not_sent_as_content() -> None:
+    stream = HermesToolParser().stream()
+    delta = stream.feed('<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>')
+    assert [c.name for c in delta.tool_calls] == ["a"]
+    assert stream.feed("\n").content == ""
+    assert stream.finish() == StreamDelta()
 
 
 def test_streaming_holds_back_a_possible_tag_start() -> None:
