@@ -17,6 +17,7 @@
  *   aigw serve                                   # prints an API key on first start
  *   export OPENAI_BASE_URL=http://127.0.0.1:8000/v1
  *   export OPENAI_API_KEY=<the key>               # or: aigw keys create --project default ...
+ *   npm install openai tsx                        # once, next to this file
  *   npx tsx neon.example.ts
  *
  * OPENAI_MODEL picks the model; without it, the first model the gateway lists is used.
