@@ -102,9 +102,10 @@ async def _create_key(services: Any, args: argparse.Namespace) -> int:
 
 
 async def _list_keys(services: Any, args: argparse.Namespace) -> int:
+    from auth.store import UnknownProject
+
     if await services.store.get_project(args.project) is None:
-        print(f"aigw: no project {args.project}", file=sys.stderr)
-        return 1
+        raise UnknownProject(args.project)  # printed as every other CLI error
     for record in await services.store.list_keys(args.project):
         print(json.dumps(record.public_view()))
     return 0

@@ -72,6 +72,9 @@ def test_cli_errors_go_to_stderr_with_a_nonzero_status(
     out, err = capsys.readouterr()
     assert out == "" and "nope" in err
     assert main(["keys", "revoke", "000000000000"]) == 1
+    capsys.readouterr()
+    assert main(["keys", "list", "--project", "nope"]) == 1  # docs/api.md §17: one error form
+    assert capsys.readouterr() == ("", "aigw: UnknownProject: nope\n")
 
 
 def test_usage_prints_json_and_csv(cli_env: AuthSettings,
