@@ -235,12 +235,14 @@ inline void dot_q4x8(const uint8_t* w, int64_t nb, const int8_t* const* xq_in, c
 // Many-row form of dot_q4x8 (EXPANDED_MIN_ROWS rows and more): the tile's activations come
 // pre-broadcast (expand_rows), so each quad folds into maddubs as a memory operand. On Zen 3 a
 // broadcast from memory costs a vector-pipe uop, and those pipes bound the kernel: ~1.2x the GOP/s
-// at 512 rows when the 4 expanded rows stay in L1 (K <= 576; see q_linear_into), 10-18% less time
-// for the K = 576 projections of a 16- or 32-row decode step (cold weights, one thread; it was
-// measured 2x slower at 8 rows once, on a busy machine, and is level there). Same operations in
-// the same order as dot_q4x8, so a row comes out bit-identical from either kernel.
+// at 512 rows, 10-18% less time for the K = 576 projections of a 16- or 32-row decode step (cold
+// weights, one thread; it was measured 2x slower at 8 rows once, on a busy machine, and is level
+// there). Full tiles of 4 rows take dot_q4x16_expanded (below), this kernel the rest. Same
+// operations in the same order as dot_q4x8, so a row comes out bit-identical from either kernel.
 constexpr int64_t XB_BYTES = 8 * 32 + 2 * 32;  // per row and block: 8 quads x 8 lanes | d x 8 | d*sum x 8
-constexpr int64_t XB_TILE_BYTES = 24 * 1024;    // 4 expanded rows at most this big (L1 is 32 KB)
+#ifndef XB_TILE_BYTES
+#define XB_TILE_BYTES (256 * 1024)  // 4 expanded rows at most this big (L2 is 512 KB): K <= 6,553
+#endif
 
 void expand_rows(const int8_t* q, const float* d, const float* ds, int64_t rows, int64_t k, uint8_t* xb) {
   const int64_t nb = k / QK;
@@ -289,37 +291,130 @@ inline void dot_q4x8_expanded(const uint8_t* w, int64_t nb, const uint8_t* const
   for (int r = 0; r < R; ++r) acc_out[r] = acc[r];
 }
 
-// out[M, N] (= or +=) with dot_q4x8_expanded: each thread takes a range of column groups and walks
-// the rows 4 at a time, expanding them once and running them against all its groups (the weights
-// stream from L2/L3, the expanded rows stay in L1).
+// dot_q4x8_expanded for a tile of 4 rows x 2 column groups (16 columns): each pre-broadcast
+// activation vector is loaded once and feeds the maddubs of both groups, which halves the vector
+// loads, the bound of the one-group kernel on Zen 3 (llvm-mca -mcpu=znver3: ~43 cycles a 4-row block
+// there; here ~30 a group, against ~26 for the vector pipes alone). The 8 int16 sums stay in
+// registers; the empty asm statements pin them and the loaded activation, or GCC reassociates the
+// int16 adds into trees over stored partial products and folds each load into both maddubs, which
+// spills (measured slower than the one-group kernel). The float accumulators live in `acc` (4 rows x
+// 16 floats, L1), updated once a block. Same operations in the same order as dot_q4x8 per output
+// element, so results are bit-identical to both other Q4 kernels.
+inline void dot_q4x16_expanded(const uint8_t* w0, const uint8_t* w1, int64_t nb, const uint8_t* const* xb,
+                               float* acc) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < 64; i += 8) _mm256_store_ps(acc + i, _mm256_setzero_ps());
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* b0 = w0 + b * Q4X8_BYTES;
+    const uint8_t* b1 = w1 + b * Q4X8_BYTES;
+    const __m256i* x0 = reinterpret_cast<const __m256i*>(xb[0] + b * XB_BYTES);
+    const __m256i* x1 = reinterpret_cast<const __m256i*>(xb[1] + b * XB_BYTES);
+    const __m256i* x2 = reinterpret_cast<const __m256i*>(xb[2] + b * XB_BYTES);
+    const __m256i* x3 = reinterpret_cast<const __m256i*>(xb[3] + b * XB_BYTES);
+    __m256i s00, s01, s10, s11, s20, s21, s30, s31;  // s<row><group>
+#define AIGW_Q4X16_ROW(SA, SB, XR, QA, QB, U, FIRST)                                               \
+  {                                                                                               \
+    __m256i x = _mm256_load_si256(XR + (U));                                                      \
+    asm("" : "+x"(x));                                                                            \
+    if (FIRST) {                                                                                  \
+      SA = _mm256_maddubs_epi16(QA, x);                                                           \
+      SB = _mm256_maddubs_epi16(QB, x);                                                           \
+    } else {                                                                                      \
+      SA = _mm256_add_epi16(SA, _mm256_maddubs_epi16(QA, x));                                     \
+      SB = _mm256_add_epi16(SB, _mm256_maddubs_epi16(QB, x));                                     \
+    }                                                                                             \
+  }
+#define AIGW_Q4X16_STEP(QA, QB, U, FIRST)                                                         \
+  {                                                                                               \
+    const __m256i qa = (QA), qb = (QB);                                                           \
+    AIGW_Q4X16_ROW(s00, s01, x0, qa, qb, U, FIRST)                                                \
+    AIGW_Q4X16_ROW(s10, s11, x1, qa, qb, U, FIRST)                                                \
+    AIGW_Q4X16_ROW(s20, s21, x2, qa, qb, U, FIRST)                                                \
+    AIGW_Q4X16_ROW(s30, s31, x3, qa, qb, U, FIRST)                                                \
+    asm("" : "+x"(s00), "+x"(s01), "+x"(s10), "+x"(s11), "+x"(s20), "+x"(s21), "+x"(s30), "+x"(s31)); \
+  }
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 32 + 32 * t));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + 32 + 32 * t));
+      AIGW_Q4X16_STEP(_mm256_and_si256(v0, low), _mm256_and_si256(v1, low), 2 * t, t == 0)
+      AIGW_Q4X16_STEP(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
+                      _mm256_and_si256(_mm256_srli_epi16(v1, 4), low), 2 * t + 1, false)
+    }
+#undef AIGW_Q4X16_STEP
+#undef AIGW_Q4X16_ROW
+    const __m256 wd0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0)));
+    const __m256 wm0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + 16)));
+    const __m256 wd1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b1)));
+    const __m256 wm1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + 16)));
+    const __m256i* xr[4] = {x0, x1, x2, x3};
+    const __m256i sums[4][2] = {{s00, s01}, {s10, s11}, {s20, s21}, {s30, s31}};
+    for (int r = 0; r < 4; ++r) {
+      const float* xs = reinterpret_cast<const float*>(xr[r] + 8);  // d x 8 | d*sum x 8
+      const __m256 xd = _mm256_load_ps(xs), xds = _mm256_load_ps(xs + 8);
+      float* a = acc + 16 * r;
+      __m256 a0 = _mm256_load_ps(a), a1 = _mm256_load_ps(a + 8);
+      a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][0], ones)), _mm256_mul_ps(wd0, xd), a0);
+      a0 = _mm256_fmadd_ps(wm0, xds, a0);
+      a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][1], ones)), _mm256_mul_ps(wd1, xd), a1);
+      a1 = _mm256_fmadd_ps(wm1, xds, a1);
+      _mm256_store_ps(a, a0);
+      _mm256_store_ps(a + 8, a1);
+    }
+  }
+}
+
+// out[M, N] (= or +=) with the expanded Q4 kernels: each thread takes a range of column-group pairs
+// and walks the rows 4 at a time, expanding them once and running them against all its groups (the
+// weights stream from L2/L3, the expanded rows stay in L1/L2). Full 4-row tiles take two groups at a
+// time (dot_q4x16_expanded); a last odd group and the last rows (m % 4) take dot_q4x8_expanded.
 void for_row_tiles_expanded(const uint8_t* wp, int64_t group_bytes, int64_t n, int64_t m, int64_t k,
                             int64_t nb, const std::vector<int8_t>& q, const std::vector<float>& d,
                             const std::vector<float>& ds, float* op, bool accumulate) {
-  at::parallel_for(0, n / 8, 4, [&](int64_t begin, int64_t end) {
+  const int64_t groups = n / 8;
+  at::parallel_for(0, (groups + 1) / 2, 2, [&](int64_t pair_begin, int64_t pair_end) {
+    const int64_t begin = 2 * pair_begin, end = std::min(groups, 2 * pair_end);
     uint8_t* xbuf = static_cast<uint8_t*>(std::aligned_alloc(64, 4 * nb * XB_BYTES));  // 320 | XB_BYTES
+    alignas(32) float acc16[64];
     for (int64_t r0 = 0; r0 < m; r0 += 4) {
       const int rows = static_cast<int>(std::min<int64_t>(4, m - r0));
       expand_rows(q.data() + r0 * k, d.data() + r0 * nb, ds.data() + r0 * nb, rows, k, xbuf);
       const uint8_t* xb[4];
       for (int i = 0; i < rows; ++i) xb[i] = xbuf + i * nb * XB_BYTES;
-      for (int64_t g = begin; g < end; ++g) {
+      for (int64_t g = begin; g < end;) {
         const uint8_t* wg = wp + g * group_bytes;
-        if (g + 1 < end) {
-          const char* next = reinterpret_cast<const char*>(wg + group_bytes);
-          for (int64_t off = 0; off < group_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+        const bool pair = rows == 4 && g + 1 < end;
+        const int64_t next = g + (pair ? 2 : 1);
+        if (next < end) {  // the next weights on their way from memory while these compute
+          const char* ahead = reinterpret_cast<const char*>(wp + next * group_bytes);
+          const int64_t bytes = (next + 1 < end ? 2 : 1) * group_bytes;
+          for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
         }
-        __m256 acc[4];
-        switch (rows) {
-          case 4: dot_q4x8_expanded<4>(wg, nb, xb, acc); break;
-          case 3: dot_q4x8_expanded<3>(wg, nb, xb, acc); break;
-          case 2: dot_q4x8_expanded<2>(wg, nb, xb, acc); break;
-          default: dot_q4x8_expanded<1>(wg, nb, xb, acc); break;
+        if (pair) {
+          dot_q4x16_expanded(wg, wg + group_bytes, nb, xb, acc16);
+          for (int i = 0; i < 4; ++i) {
+            float* dst = op + (r0 + i) * n + g * 8;
+            for (int h = 0; h < 2; ++h) {
+              const __m256 a = _mm256_load_ps(acc16 + 16 * i + 8 * h);
+              _mm256_storeu_ps(dst + 8 * h, accumulate ? _mm256_add_ps(_mm256_loadu_ps(dst + 8 * h), a) : a);
+            }
+          }
+        } else {
+          __m256 acc[4];
+          switch (rows) {
+            case 4: dot_q4x8_expanded<4>(wg, nb, xb, acc); break;
+            case 3: dot_q4x8_expanded<3>(wg, nb, xb, acc); break;
+            case 2: dot_q4x8_expanded<2>(wg, nb, xb, acc); break;
+            default: dot_q4x8_expanded<1>(wg, nb, xb, acc); break;
+          }
+          for (int i = 0; i < rows; ++i) {
+            float* dst = op + (r0 + i) * n + g * 8;
+            const __m256 v = accumulate ? _mm256_add_ps(_mm256_loadu_ps(dst), acc[i]) : acc[i];
+            _mm256_storeu_ps(dst, v);
+          }
         }
-        for (int i = 0; i < rows; ++i) {
-          float* dst = op + (r0 + i) * n + g * 8;
-          const __m256 v = accumulate ? _mm256_add_ps(_mm256_loadu_ps(dst), acc[i]) : acc[i];
-          _mm256_storeu_ps(dst, v);
-        }
+        g = next;
       }
     }
     std::free(xbuf);
@@ -400,7 +495,7 @@ void q_linear_into(const at::Tensor& x, const at::Tensor& w, int64_t wtype,
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   if (wtype == TYPE_Q4X8) {
-    if (m >= EXPANDED_MIN_ROWS && 4 * nb * XB_BYTES <= XB_TILE_BYTES) {  // K <= 576
+    if (m >= EXPANDED_MIN_ROWS && 4 * nb * XB_BYTES <= XB_TILE_BYTES) {
       for_row_tiles_expanded(wp, row_bytes, n, m, k, nb, q, d, ds, op, accumulate);
       return;
     }
