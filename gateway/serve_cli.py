@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from gateway import embedded
+    from gateway.backends import get_backend_class
     from gateway.settings import load_settings
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -69,7 +70,10 @@ def run(args: argparse.Namespace) -> int:
         overrides["auth_enabled"] = False
     try:
         settings = load_settings(args.config, **overrides)
-    except (OSError, ValueError, yaml.YAMLError) as exc:  # unreadable, unparsable or invalid
+        for model in settings.models:  # a misspelt backend fails here, not in every worker
+            get_backend_class(model.backend)
+    except (OSError, ValueError, TypeError, ImportError, yaml.YAMLError) as exc:
+        # unreadable, unparsable or invalid
         print(f"aigw: invalid configuration: {exc}", file=sys.stderr)
         return 1
     replicas: list[embedded.ReplicaProcess] = []
