@@ -104,7 +104,11 @@ def _parse_message(raw: Any, i: int) -> list[Message]:
         if kind == "text":
             texts.append(get_str(block, "text", f"{where}.text", required=True) or "")
         elif kind == "tool_use" and role == "assistant":
-            arguments = orjson.dumps(get_object(block, "input", f"{where}.input") or {}).decode()
+            try:
+                arguments = orjson.dumps(get_object(block, "input", f"{where}.input") or {}).decode()
+            except orjson.JSONEncodeError:  # orjson writes 254 levels; the body is read up to 1024
+                raise InvalidParam(f"{where}.input", "is nested too deeply (more than ~250 "
+                                   "levels)") from None
             calls.append(ToolCall(get_str(block, "id", f"{where}.id", required=True) or "",
                                   get_str(block, "name", f"{where}.name", required=True,
                                           allow_empty=False) or "",

@@ -164,3 +164,18 @@ def test_count_tokens_refuses_a_result_that_answers_no_call(gateway: Gateway) ->
     response = httpx.post(gateway.url + "/anthropic/v1/messages/count_tokens", json=body)
     assert response.status_code == 400
     assert "'toolu_9' answers no tool call" in response.json()["error"]["message"]
+
+
+def test_a_tool_use_input_nested_deeper_than_json_can_be_written_is_a_400(gateway: Gateway) -> None:
+    """The body is read up to 1024 levels, the call's arguments written up to 254 (orjson)."""
+    nested: Any = 1
+    for _ in range(300):
+        nested = {"a": nested}
+    body = _messages([{"role": "user", "content": "go"},
+                      {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                                         "name": "sh", "input": nested}]},
+                      _tool_result("toolu_1")])
+    response = httpx.post(gateway.url + "/anthropic/v1/messages", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"] == (
+        "messages[1].content[0].input: is nested too deeply (more than ~250 levels)")
