@@ -56,9 +56,11 @@ def attach_replica_args(argv: list[str]) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     import yaml
 
+    from auth.settings import AuthSettings
     from gateway import embedded
     from gateway.backends import get_backend_class
     from gateway.settings import load_settings
+    from gateway.telemetry.settings import TelemetrySettings
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     overrides: dict[str, Any] = {}
@@ -72,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
         settings = load_settings(args.config, **overrides)
         for model in settings.models:  # a misspelt backend fails here, not in every worker
             get_backend_class(model.backend)
+        AuthSettings.from_env()  # AIGW_JWT_* and the telemetry variables: likewise
+        TelemetrySettings.from_env()
     except (OSError, ValueError, TypeError, ImportError, yaml.YAMLError) as exc:
         # unreadable, unparsable or invalid
         print(f"aigw: invalid configuration: {exc}", file=sys.stderr)

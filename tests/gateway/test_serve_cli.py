@@ -129,6 +129,24 @@ def test_a_bad_config_file_is_one_error_message_and_status_1(
     assert err.startswith("aigw: invalid configuration: ") and "Traceback" not in err
 
 
+@pytest.mark.parametrize("variable", [
+    "AIGW_TRACE_SAMPLE_RATIO=abc", "AIGW_TRACE_SAMPLE_RATIO=2", "AIGW_TRACE_BUFFER_TRACES=0",
+    "AIGW_JWT_ALGORITHMS=none",
+])
+def test_a_bad_environment_variable_is_one_error_message_and_status_1(
+        variable: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    name, _, value = variable.partition("=")
+    monkeypatch.setenv(name, value)
+    config = tmp_path / "gateway.toml"
+    config.write_text('[[models]]\nname = "m"\nendpoints = ["http://127.0.0.1:9"]\n')
+    assert main(["serve", "--config", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("aigw: invalid configuration: ") and "Traceback" not in err
+
+
 @pytest.mark.parametrize("num_replicas", ["0", "-1"])
 def test_replicas_below_one_is_a_usage_error(num_replicas: str,
                                              capsys: pytest.CaptureFixture[str]) -> None:
