@@ -48,7 +48,6 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._stops = tuple(stop)
-        self._stop_prefixes = frozenset(s[:n] for s in self._stops for n in range(1, len(s)))
         self._stop_first_chars = frozenset(s[0] for s in self._stops)
         self._max_held_chars = max((len(s) for s in self._stops), default=1) - 1
         self._held = ""  # decoded, not released: may be the start of a stop string
@@ -135,7 +134,10 @@ class IncrementalDetokenizer:
 
     def _num_stop_prefix_chars(self, text: str) -> int:
         """Length of the longest tail of text that is a proper prefix of a stop string."""
+        # no set of every prefix: that is O(len(stop)^2) characters, 40 GB for one 200k-char stop
         for n in range(min(len(text), self._max_held_chars), 0, -1):
-            if text[-n] in self._stop_first_chars and text[-n:] in self._stop_prefixes:
-                return n
+            if text[-n] in self._stop_first_chars:
+                tail = text[-n:]
+                if any(len(stop) > n and stop.startswith(tail) for stop in self._stops):
+                    return n
         return 0

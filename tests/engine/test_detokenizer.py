@@ -152,6 +152,23 @@ def test_nothing_after_the_stop_is_released(tokenizer):
     assert detokenizer.finish() == ""
 
 
+def test_a_huge_stop_string_costs_its_length_not_its_square(tokenizer):
+    # every prefix of a 200k-character stop was kept in a set: ~40 GB built on the engine thread,
+    # which stalled every request and got the replica OOM-killed
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        detokenizer = IncrementalDetokenizer(tokenizer, stop=["é" * 200_000, "world!"])
+        released = "".join(push_in_chunks(detokenizer, encode(tokenizer, "hello wor é")))
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak_bytes < 10_000_000
+    assert released == "hello wor "  # " é" may start the huge stop: held
+    assert detokenizer.finish() == "é"
+
+
 def test_multibyte_stop_string(tokenizer):
     ids = encode(tokenizer, "hello 世界世界 end")
     detokenizer = IncrementalDetokenizer(tokenizer, stop=["界世"])
