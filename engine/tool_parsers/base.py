@@ -69,14 +69,17 @@ class ToolParser(ABC):
         """The call inside one start/end tag pair, or None when the body is not a valid call."""
 
     @abstractmethod
-    def call_schema(self, name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
-        """The JSON schema of one call's body (between the tags) to the function `name`."""
+    def call_schema(self, name: str, parameters: dict[str, Any] | None,
+                    pointer: str = "") -> dict[str, Any]:
+        """The JSON schema of one call's body (between the tags) to the function `name`, placed
+        at JSON pointer `pointer` of the grammar's schema (its arguments: `arguments_schema`)."""
 
     def calls_grammar(self, functions: Sequence[tuple[str, dict[str, Any] | None]],
                       is_parallel: bool = True) -> str:
         """A Lark grammar: tagged calls (one, or with `is_parallel` one or more), each to one of
         `functions` ((name, JSON schema of its arguments) pairs), each body compact JSON."""
-        schema = {"anyOf": [self.call_schema(name, parameters) for name, parameters in functions],
+        schema = {"anyOf": [self.call_schema(name, parameters, f"/anyOf/{i}")
+                            for i, (name, parameters) in enumerate(functions)],
                   "x-guidance": {"whitespace_flexible": False}}
         start, end = orjson.dumps(self.start_tag + "\n").decode(), orjson.dumps("\n" + self.end_tag).decode()
         calls = "call+" if is_parallel else "call"
@@ -171,6 +174,38 @@ class ToolCallStream:
         if not self._has_text and not self.num_calls:  # a blank answer without calls is content
             content, self._blank = self._blank, ""
         return StreamDelta(content=content, tool_calls=calls)
+
+
+_DATA_KEYWORDS = frozenset({"const", "default", "enum", "examples"})  # values, not schemas
+_SCHEMA_MAPS = frozenset({"$defs", "definitions", "dependentSchemas", "patternProperties",
+                          "properties"})  # name -> schema
+
+
+def arguments_schema(parameters: dict[str, Any] | None, pointer: str) -> dict[str, Any]:
+    """A function's parameters schema as the schema of a call's arguments placed at JSON pointer
+    `pointer` of a larger schema: an object (without a `type` it would admit any JSON, e.g. an
+    array, which is no call), and each local `$ref` rebased there (pydantic's "#/$defs/X"
+    becomes "#<pointer>/$defs/X"; unchanged, it would point into the larger schema's root)."""
+    schema: dict[str, Any] = _rebased({"type": "object", **(parameters or {})}, pointer)
+    return schema
+
+
+def _rebased(schema: Any, pointer: str) -> Any:
+    if isinstance(schema, list):
+        return [_rebased(item, pointer) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            rebased[key] = "#" + pointer + value[1:]
+        elif key in _DATA_KEYWORDS:
+            rebased[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            rebased[key] = {name: _rebased(sub, pointer) for name, sub in value.items()}
+        else:
+            rebased[key] = _rebased(value, pointer)
+    return rebased
 
 
 def _partial_suffix_len(text: str, tag: str) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from engine.tool_parsers.base import ToolCall, ToolParser
+from engine.tool_parsers.base import ToolCall, ToolParser, arguments_schema
 
 
 class HermesToolParser(ToolParser):
@@ -39,7 +39,8 @@ class HermesToolParser(ToolParser):
             return None
         return ToolCall(name=payload["name"], arguments=orjson.dumps(arguments).decode())
 
-    def call_schema(self, name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
-        return {"type": "object", "properties": {"name": {"const": name},
-                                                 "arguments": parameters or {"type": "object"}},
+    def call_schema(self, name: str, parameters: dict[str, Any] | None,
+                    pointer: str = "") -> dict[str, Any]:
+        arguments = arguments_schema(parameters, f"{pointer}/properties/arguments")
+        return {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
                 "required": ["name", "arguments"], "additionalProperties": False}

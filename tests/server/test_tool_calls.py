@@ -55,6 +55,21 @@ def test_a_streamed_answer_of_calls_and_whitespace_has_no_content_as_the_whole_o
     assert whole.choices[0].message.content is None and chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_a_demanded_call_to_a_tool_with_pydantic_defs_is_served(
+        client: openai.OpenAI, fake_engine: FakeEngine, model: str) -> None:
+    """A nested pydantic model's `$defs` refs compile in the forced-call grammar (it was a 400)."""
+    fake_engine.reply = '<tool_call>\n{"name":"find","arguments":{"at":{"path":"a"}}}\n</tool_call>'
+    find = {"type": "function", "function": {"name": "find", "parameters": {
+        "type": "object", "$defs": {"Loc": {"type": "object", "properties": {
+            "path": {"type": "string"}}, "required": ["path"]}},
+        "properties": {"at": {"$ref": "#/$defs/Loc"}}, "required": ["at"]}}}
+    for tool_choice in ("required", {"type": "function", "function": {"name": "find"}}):
+        completion = client.chat.completions.create(model=model, messages=ASK, tools=[find],  # type: ignore[list-item]
+                                                    tool_choice=tool_choice)  # type: ignore[arg-type]
+        (call,) = completion.choices[0].message.tool_calls or []
+        assert orjson.loads(call.function.arguments) == {"at": {"path": "a"}}  # type: ignore[union-attr]
+
+
 def test_tool_choice_none_leaves_tools_out_and_text_unparsed(
         client: openai.OpenAI, fake_engine: FakeEngine, model: str) -> None:
     fake_engine.reply = CALL_REPLY

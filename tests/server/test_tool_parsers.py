@@ -5,8 +5,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from engine.structured_output import OutputGrammar
 from engine.tool_parsers import HermesToolParser, get_tool_parser, tool_parser_for_model
-from engine.tool_parsers.base import StreamDelta
+from engine.tool_parsers.base import StreamDelta, arguments_schema
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -87,6 +88,22 @@ def test_streaming_holds_back_a_possible_tag_start() -> None:
     stream = HermesToolParser().stream()
     assert stream.feed("Hi <tool_ca").content == "Hi "
     assert stream.feed("r").content == "<tool_car"
+
+
+def test_forced_call_arguments_are_objects_whose_local_refs_point_into_their_own_schema() -> None:
+    """pydantic's nested models are `$defs` + "#/$defs/X" refs: inside the calls grammar's
+    schema they must point below the call's arguments, not at the grammar schema's root."""
+    nested = {"type": "object", "$defs": {"Loc": {"type": "object", "properties": {
+        "path": {"type": "string"}, "kids": {"type": "array", "items": {"$ref": "#"}}}}},
+              "properties": {"at": {"$ref": "#/$defs/Loc"},
+                             "enum": {"enum": [{"$ref": "#/data"}]}}}  # a property named "enum"
+    rebased = arguments_schema(nested, "/x/arguments")
+    assert rebased["properties"]["at"] == {"$ref": "#/x/arguments/$defs/Loc"}
+    assert rebased["$defs"]["Loc"]["properties"]["kids"]["items"] == {"$ref": "#/x/arguments"}
+    assert rebased["properties"]["enum"] == {"enum": [{"$ref": "#/data"}]}  # data is kept
+    assert arguments_schema({"properties": {}}, "")["type"] == "object"  # no array arguments
+    grammar = HermesToolParser().calls_grammar([("other", {"type": "object"}), ("find", nested)])
+    OutputGrammar.lark(grammar, "tools")  # compiles (it raised: Pointer '/$defs/Loc' does not exist)
 
 
 def test_registry_maps_families_and_rejects_unknown_formats() -> None:
