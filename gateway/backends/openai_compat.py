@@ -9,6 +9,7 @@ Endpoint URLs are origins (`http://host:port`); `/v1/...` paths are appended.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import AsyncIterator, Mapping
 from functools import lru_cache
 from typing import Any
@@ -301,6 +302,7 @@ def _chunk_events(chunk: dict[str, Any], kind: str) -> list[CanonicalEvent]:
 
 async def _parse_stream(response: UpstreamResponse, kind: str) -> AsyncIterator[CanonicalEvent]:
     """SSE `data:` lines -> events; what arrived together is merged (fewer, larger deltas)."""
+    calls: set[tuple[int, int]] = set()  # (choice, index) of the tool calls begun
     async for batch in response.line_batches():
         events: list[CanonicalEvent] = []
         for line in batch:
@@ -315,10 +317,33 @@ async def _parse_stream(response: UpstreamResponse, kind: str) -> AsyncIterator[
                 chunk = orjson.loads(data)
             except orjson.JSONDecodeError as exc:
                 raise UpstreamUnavailable("upstream sent a malformed stream chunk") from exc
-            events += _chunk_events(chunk, kind)
+            events += _tool_call_pieces(_chunk_events(chunk, kind), calls)
         for event in _merged(events):
             yield event
     raise UpstreamUnavailable("upstream stream ended before [DONE]")
+
+
+def _tool_call_pieces(events: list[CanonicalEvent], calls: set[tuple[int, int]]
+                      ) -> list[CanonicalEvent]:
+    """Tool-call pieces in OpenAI's form, which ToolCallDelta promises: an `id` on a call's first
+    piece (one is made up when the upstream sent none: a client answers the call by it) and `id`
+    and `name` on that piece only (some upstreams repeat them on every piece, which OpenAI
+    clients would concatenate, "call_acall_a", and the Anthropic and Responses encoders would
+    take for new calls). `calls` holds the (choice, index) of the calls begun so far."""
+    out: list[CanonicalEvent] = []
+    for event in events:
+        if isinstance(event, ToolCallDelta):
+            key = (event.choice, event.index)
+            if key in calls:
+                if not event.arguments:
+                    continue
+                event = ToolCallDelta(event.index, None, None, event.arguments, event.choice)
+            elif not event.id:
+                event = ToolCallDelta(event.index, f"call_{secrets.token_hex(12)}", event.name,
+                                      event.arguments, event.choice)
+            calls.add(key)
+        out.append(event)
+    return out
 
 
 def _merged(events: list[CanonicalEvent]) -> list[CanonicalEvent]:
@@ -350,7 +375,7 @@ async def _read_json(response: UpstreamResponse) -> Any:
 def _whole_events(body: Any, kind: str) -> list[CanonicalEvent]:
     if not isinstance(body, dict):
         raise UpstreamUnavailable("upstream sent malformed JSON")
-    return _chunk_events(body, kind)
+    return _tool_call_pieces(_chunk_events(body, kind), set())
 
 
 @lru_cache(maxsize=8)

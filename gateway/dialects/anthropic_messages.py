@@ -254,6 +254,7 @@ class _MessagesEncoder(StreamEncoder):
         self._request = request
         self._num_blocks = 0
         self._open: str | None = None  # "text" | "tool_use"
+        self._call_index: int | None = None  # the ToolCallDelta index of the last tool_use block
         self._text_head = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":')
 
     def start(self, prompt: PromptUsage | None = None) -> bytes:
@@ -285,9 +286,11 @@ class _MessagesEncoder(StreamEncoder):
                           + b',"delta":{"type":"text_delta","text":' + orjson.dumps(event.text)
                           + b"}}\n\n")
         if isinstance(event, ToolCallDelta):
-            if event.id or self._open != "tool_use":
+            # a new call: a piece with an id, or of another index (an upstream may send no ids)
+            if event.id or self._open != "tool_use" or event.index != self._call_index:
                 out += self._close_block()
                 self._open = "tool_use"
+                self._call_index = event.index
                 out += _sse("content_block_start", {
                     "type": "content_block_start", "index": self._num_blocks,
                     "content_block": {"type": "tool_use", "id": event.id or f"toolu_{event.index}",

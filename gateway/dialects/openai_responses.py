@@ -229,6 +229,7 @@ class _ResponsesEncoder(StreamEncoder):
         self._num_items = 0
         self._done_items: list[dict[str, Any]] = []  # in stream order: response.completed's output
         self._open: dict[str, Any] | None = None  # the item being streamed
+        self._call_index: int | None = None  # the ToolCallDelta index of the last call item
         self._text: list[str] = []
         self._args: list[str] = []
 
@@ -290,7 +291,10 @@ class _ResponsesEncoder(StreamEncoder):
                                     output_index=self._num_items, content_index=0,
                                     delta=event.text, logprobs=[])
         if isinstance(event, ToolCallDelta):
-            if event.id or self._open is None or self._open["type"] != "function_call":
+            # a new call: a piece with an id, or of another index (an upstream may send no ids)
+            if (event.id or self._open is None or self._open["type"] != "function_call"
+                    or event.index != self._call_index):
+                self._call_index = event.index
                 call = ToolCall(event.id or f"call_{event.index}", event.name or "", "")
                 out += self._open_item(_call_item(self._request, event.index, call, "in_progress"))
             self._args.append(event.arguments)
