@@ -265,6 +265,16 @@ def _announced_prompt(headers: Mapping[str, str]) -> PromptUsage | None:
 
 
 def _chunk_events(chunk: dict[str, Any], kind: str) -> list[CanonicalEvent]:
+    """The events of one chunk (or whole answer); UpstreamUnavailable when it is malformed (a
+    choice, delta, call or usage of the wrong shape), never another exception."""
+    try:
+        return _read_chunk(chunk, kind)
+    except (AttributeError, TypeError, ValueError) as exc:
+        log.warning("upstream sent a malformed answer: %r (%s)", chunk, exc)
+        raise UpstreamUnavailable("upstream sent a malformed answer") from None
+
+
+def _read_chunk(chunk: dict[str, Any], kind: str) -> list[CanonicalEvent]:
     if "error" in chunk:
         error = chunk["error"]
         message = error.get("message") if isinstance(error, dict) else str(error)
@@ -277,13 +287,17 @@ def _chunk_events(chunk: dict[str, Any], kind: str) -> list[CanonicalEvent]:
         logprobs = choice.get("logprobs") or None
         if kind == "chat":
             delta = choice.get("delta") or choice.get("message") or {}
-            if delta.get("content") or logprobs:
-                events.append(TextDelta(delta.get("content") or "", index, logprobs))
+            content = _content_text(delta.get("content"))
+            if content or logprobs:
+                events.append(TextDelta(content, index, logprobs))
             for position, call in enumerate(delta.get("tool_calls") or ()):
                 function = call.get("function") or {}
-                events.append(ToolCallDelta(call.get("index", position), call.get("id"),
-                                            function.get("name"), function.get("arguments") or "",
-                                            index))
+                call_index = call.get("index", position)
+                if not isinstance(call_index, int) or call_index < 0:
+                    raise UpstreamUnavailable("upstream sent a tool call with a bad index")
+                events.append(ToolCallDelta(call_index, _str_or_none(call.get("id")),
+                                            _str_or_none(function.get("name")),
+                                            _arguments_text(function.get("arguments")), index))
         elif choice.get("text") or logprobs:
             events.append(TextDelta(choice.get("text") or "", index, logprobs))
         if choice.get("finish_reason"):
@@ -298,6 +312,30 @@ def _chunk_events(chunk: dict[str, Any], kind: str) -> list[CanonicalEvent]:
                             int(usage.get("completion_tokens") or 0),
                             int(details.get("cached_tokens") or 0)))
     return events
+
+
+def _content_text(value: Any) -> str:
+    """A message's content as text: a string, or (some upstreams) an array of text parts."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "".join(part["text"] for part in value
+                       if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return ""
+
+
+def _arguments_text(value: Any) -> str:
+    """A call's arguments as JSON text: OpenAI's string, or (some upstreams) the object itself."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    try:
+        return orjson.dumps(value).decode()
+    except orjson.JSONEncodeError:  # e.g. nested deeper than orjson writes
+        raise UpstreamUnavailable("upstream sent tool call arguments that are not JSON") from None
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
 
 
 async def _parse_stream(response: UpstreamResponse, kind: str) -> AsyncIterator[CanonicalEvent]:

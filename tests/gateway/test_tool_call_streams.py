@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 from aiohttp import web
@@ -88,3 +89,65 @@ def test_responses_stream_has_one_function_call_item_per_call(gateway_url: str) 
         output = stream.get_final_response().output
     assert [(o.type, getattr(o, "name", None), getattr(o, "arguments", None)) for o in output] == [
         ("function_call", "read", '{"path": "a.py"}'), ("function_call", "sh", '{"cmd": "ls"}')]
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "read", "arguments": {"path": "a.py"}}}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "go"}]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_arguments_sent_as_an_object_and_content_as_parts_are_taken_as_text(
+        make_gateway: GatewayFactory, loop_thread: LoopThread, stream: bool) -> None:
+    """Off-spec, seen from some servers: it was a 500 (and a cut stream)."""
+    message = {"role": "assistant", "content": [{"type": "text", "text": "Reading."}],
+               "tool_calls": [CALL]}
+
+    async def chat(http_request: web.Request) -> web.StreamResponse:
+        if not (await http_request.json()).get("stream"):
+            return web.json_response({"choices": [{"index": 0, "message": message,
+                                                   "finish_reason": "tool_calls"}]})
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(http_request)
+        await write_sse(response, [{"choices": [{"index": 0, "delta": {
+            **message, "tool_calls": [{**CALL, "index": 0}]}, "finish_reason": "tool_calls"}]}])
+        return response
+
+    runner, url = start_chat_upstream(loop_thread, chat)
+    try:
+        gateway = make_gateway(num_upstreams=0, configs=[], models=[
+            {"name": MODEL, "backend": "openai", "endpoints": [url]}])
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+        if stream:
+            with client.chat.completions.stream(**CHAT) as events:  # type: ignore[arg-type]
+                answer = events.get_final_completion().choices[0].message
+        else:
+            answer = client.chat.completions.create(**CHAT).choices[0].message  # type: ignore[arg-type]
+        assert answer.content == "Reading."
+        assert [(c.id, c.function.arguments) for c in answer.tool_calls or []] == [  # type: ignore[union-attr]
+            ("c1", '{"path":"a.py"}')]
+    finally:
+        loop_thread.run(runner.cleanup())
+
+
+@pytest.mark.parametrize("choice", [
+    {"index": 0, "delta": "text"}, {"index": 0, "delta": {"tool_calls": [{"index": "0"}]}},
+    {"index": 0, "delta": {"tool_calls": "read"}}, {"index": 0, "delta": {}, "finish_reason": {"why": "stop"}},
+])
+def test_a_malformed_upstream_answer_is_a_502_not_a_500(make_gateway: GatewayFactory,
+                                                         loop_thread: LoopThread,
+                                                         choice: dict[str, Any]) -> None:
+    async def chat(http_request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(http_request)
+        await write_sse(response, [{"choices": [choice]}])
+        return response
+
+    runner, url = start_chat_upstream(loop_thread, chat)
+    try:
+        gateway = make_gateway(num_upstreams=0, configs=[], models=[
+            {"name": MODEL, "backend": "openai", "endpoints": [url]}])
+        response = httpx.post(gateway.url + "/v1/chat/completions", json={**CHAT, "stream": True})
+        assert response.status_code == 502, response.text
+        assert response.json()["error"]["message"].startswith("upstream sent a ")
+    finally:
+        loop_thread.run(runner.cleanup())
