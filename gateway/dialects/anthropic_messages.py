@@ -50,6 +50,7 @@ from gateway.dialects.validate import (
     get_tool_schema,
     need_object,
 )
+from gateway.errors import GatewayError
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
                  "content_filter": "refusal", "error": "end_turn"}
@@ -65,12 +66,33 @@ def _stop_reason(response: CanonicalResponse) -> str:
     return _STOP_REASONS.get(response.finish_reason or "stop", "end_turn")
 
 
+THREAD_NOT_FOUND = "thread_not_found"
+
+
 def error_body(status: int, code: str, message: str) -> dict[str, Any]:
     """Anthropic's error types by status; another 4xx (e.g. 405) is an `invalid_request_error`, as
-    Anthropic documents, and `api_error` is kept for the 5xx that have no type of their own."""
+    Anthropic documents, and `api_error` is kept for the 5xx that have no type of their own. A
+    code the SDK acts on is also in Anthropic's `details.error_code`."""
     default = "invalid_request_error" if 400 <= status < 500 else "api_error"
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, default),
-                                       "message": message, "code": code}}
+    error: dict[str, Any] = {"type": _ERROR_TYPES.get(status, default), "message": message,
+                             "code": code}
+    if code == THREAD_NOT_FOUND:
+        error["details"] = {"error_code": code}
+    return {"type": "error", "error": error}
+
+
+def _check_thread(value: Any) -> None:
+    """Message threads (the conversation kept by the server between turns; the SDK's tool runner
+    uses them by default): nothing is stored here, so `create` is answered like a request
+    without a thread, and `continue` is Anthropic's 404 thread_not_found, on which the SDK
+    sends the whole conversation again under a new thread."""
+    if value is None or value is False:
+        return
+    thread = need_object(value, "thread")
+    if thread.get("type") == "continue":
+        raise GatewayError("no thread to continue: this gateway stores no conversation; send the "
+                           "whole conversation (thread create, or no thread)", status=404,
+                           code=THREAD_NOT_FOUND)
 
 
 def _text_of(value: Any, param: str) -> str:
@@ -176,6 +198,7 @@ class AnthropicMessages(Dialect):
         request = CanonicalRequest(request_id, get_str(body, "model", required=True,
                                                        allow_empty=False) or "")
         request.max_tokens = get_int(body, "max_tokens", required=True, minimum=1)
+        _check_thread(body.get("thread"))
         system = body.get("system")
         if system is not None:
             request.messages.append(Message("system", _text_of(system, "system")))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import anthropic
 import httpx
 import pytest
 
@@ -179,3 +180,39 @@ def test_a_tool_use_input_nested_deeper_than_json_can_be_written_is_a_400(gatewa
     assert response.status_code == 400, response.text
     assert response.json()["error"]["message"] == (
         "messages[1].content[0].input: is nested too deeply (more than ~250 levels)")
+
+
+def test_the_anthropic_sdk_tool_runner_completes_though_no_thread_is_stored(
+        gateway: Gateway) -> None:
+    """The SDK's tool runner sends each turn as `thread: continue` with the new messages only; a
+    404 thread_not_found makes it send the whole conversation again (it was answered with the
+    lone tool_result as the conversation, or, checked, a 400 that ended the loop)."""
+    cities: list[str] = []
+
+    @anthropic.beta_tool
+    def get_weather(city: str) -> str:
+        """Weather in a city."""
+        cities.append(city)
+        return "sunny"
+
+    client = anthropic.Anthropic(base_url=gateway.url + "/anthropic", api_key="x", max_retries=0)
+    replies = list(client.beta.messages.tool_runner(
+        model=MODEL, max_tokens=16, tools=[get_weather],
+        messages=[{"role": "user", "content": "Weather in Paris?"}]))
+    assert [reply.stop_reason for reply in replies] == ["tool_use", "end_turn"]
+    assert cities == ["Paris"]
+    sent = gateway.upstreams[0].state.bodies[-1]["messages"]  # the whole conversation, again
+    assert [m["role"] for m in sent] == ["user", "assistant", "tool"]
+    assert len(gateway.upstreams[0].state.bodies) == 2  # the refused continue reached no upstream
+
+
+def test_a_thread_to_continue_is_anthropics_404_thread_not_found(gateway: Gateway) -> None:
+    body = {**_messages([_tool_result("toolu_1")]),
+            "thread": {"type": "continue", "previous_message_id": "msg_1"}}
+    response = httpx.post(gateway.url + "/anthropic/v1/messages", json=body)
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["type"] == "not_found_error" and error["details"] == {"error_code": "thread_not_found"}
+    created = httpx.post(gateway.url + "/anthropic/v1/messages", json={
+        **_messages([{"role": "user", "content": "go"}]), "thread": {"type": "create"}})
+    assert created.status_code == 200  # nothing to store: answered as without a thread
