@@ -1,5 +1,6 @@
 """OpenAI Responses API: POST /v1/responses (and /openai/v1/responses). Stateless: no `store`d
-responses, so `previous_response_id` is refused; send the conversation as `input` items.
+responses, so `previous_response_id` and `conversation` are refused; send the conversation as
+`input` items.
 
 Stream events: response.created, response.in_progress, then per output item
 output_item.added -> (content_part.added, output_text.delta*, output_text.done, content_part.done |
@@ -187,6 +188,9 @@ class OpenAIResponses(Dialect):
                                                        allow_empty=False) or "")
         if body.get("previous_response_id") is not None:
             raise InvalidParam("previous_response_id", "stored responses are not supported; "
+                               "send the conversation as input items")
+        if body.get("conversation") is not None:  # its stored items would precede `input`
+            raise InvalidParam("conversation", "stored conversations are not supported; "
                                "send the conversation as input items")
         instructions = request.instructions = get_str(body, "instructions")
         request.messages = ([Message("system", instructions)] if instructions else []) + _parse_input(body)

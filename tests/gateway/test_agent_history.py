@@ -216,3 +216,14 @@ def test_a_thread_to_continue_is_anthropics_404_thread_not_found(gateway: Gatewa
     created = httpx.post(gateway.url + "/anthropic/v1/messages", json={
         **_messages([{"role": "user", "content": "go"}]), "thread": {"type": "create"}})
     assert created.status_code == 200  # nothing to store: answered as without a thread
+
+
+@pytest.mark.parametrize("conversation", ["conv_1", {"id": "conv_1"}])
+def test_a_stored_responses_conversation_is_refused_not_ignored(gateway: Gateway,
+                                                                conversation: Any) -> None:
+    """Its items would come before `input`: ignored, the model answered without them."""
+    response = httpx.post(gateway.url + "/v1/responses", json={
+        **_responses([_fco("c1")]), "input": "and now?", "conversation": conversation})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "conversation"
+    assert not gateway.upstreams[0].state.request_ids
