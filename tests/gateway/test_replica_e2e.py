@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import anthropic
 import httpx
@@ -245,6 +246,42 @@ def test_anthropic_prefill_continues_the_assistant_text_on_a_real_replica(
     message = client.messages.create(model=model, max_tokens=2, messages=prefill)  # type: ignore[arg-type]
     assert counted == message.usage.input_tokens + message.usage.cache_read_input_tokens
     assert counted == client.messages.count_tokens(model=model, messages=[question]).input_tokens + 3
+
+
+def test_an_agent_loop_round_trips_its_calls_and_reads_its_growing_prefix_from_cache(
+        served: tuple[str, str]) -> None:
+    """Five turns of a forced-tool agent loop, streamed (the SDK's helper) and not in turn: each
+    call is answered by its id in the next turn, no turn carries text beside its call, and each
+    turn reads the previous turn's prompt from the prefix cache (routed to the replica holding
+    it), within one 16-token block."""
+    url, model = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    tools: Any = [{"type": "function", "function": {
+        "name": "done", "description": "Finish the task",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}]
+    messages: list[Any] = [
+        {"role": "system", "content": "You are a coding agent. Call a tool at every step. " * 6},
+        {"role": "user", "content": "Fix the bug."}]
+    prompt_tokens, cached_tokens = [], []
+    for turn in range(5):
+        ask: Any = {"model": model, "messages": messages, "tools": tools, "max_tokens": 24,
+                    "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0}
+        if turn % 2:
+            with client.chat.completions.stream(**ask, stream_options={"include_usage": True}) as s:
+                completion: Any = s.get_final_completion()
+        else:
+            completion = client.chat.completions.create(**ask)
+        message = completion.choices[0].message
+        assert completion.choices[0].finish_reason == "tool_calls" and not message.content, message
+        (call,) = message.tool_calls
+        messages += [{"role": "assistant", "content": None,
+                      "tool_calls": [call.model_dump(exclude_none=True)]},
+                     {"role": "tool", "tool_call_id": call.id, "content": f"step {turn}: ok"}]
+        prompt_tokens.append(completion.usage.prompt_tokens)
+        cached_tokens.append(completion.usage.prompt_tokens_details.cached_tokens)
+    for turn in range(1, 5):
+        assert cached_tokens[turn] >= prompt_tokens[turn - 1] // 16 * 16 - 16, (
+            prompt_tokens, cached_tokens)
 
 
 def test_killing_one_replica_mid_run_never_hangs_a_request(served: tuple[str, str],
