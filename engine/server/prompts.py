@@ -8,9 +8,11 @@ templates render them with `tojson`). Tools go into the template unless tool_cho
 `continue_final_message` (vLLM's extension; the gateway sends it for Anthropic prefill): the last
 (assistant) message is left open and the answer continues its text.
 
-tool_choice "required" or a named function is asked for in the prompt (a system line, and only
-the named tool is offered) and enforced while decoding (ServingContext.sampling_params: a
-grammar of the tool parser's format).
+tool_choice "required" or a named function leaves the prompt as "auto" renders it (every tool, no
+added instruction) and is enforced while decoding only (ServingContext.sampling_params: a grammar of
+the tool parser's format), as vLLM does: an agent that switches tool_choice between turns (the
+OpenAI Agents SDK goes from "required" to "auto" after the first call) keeps its prompt prefix,
+so the prefix cache still serves it.
 """
 
 from __future__ import annotations
@@ -26,15 +28,10 @@ from engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Content,
-    NamedToolChoice,
     SystemMessage,
     ToolMessage,
 )
 from engine.server.typedefs import ServedTokenizer
-
-REQUIRED_TOOL_INSTRUCTION = "You must call at least one of the provided tools."
-NAMED_TOOL_INSTRUCTION = "You must call the function `{name}`."
-
 
 def _text(content: Content | None) -> str:
     if content is None:
@@ -72,32 +69,14 @@ def chat_template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             messages.append(entry)
         else:
             messages.append({"role": "user", "content": _text(message.content)})
-    instruction = _tool_instruction(req)
-    if instruction is not None:
-        if messages[0]["role"] == "system":
-            messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{instruction}"}
-        else:
-            messages.insert(0, {"role": "system", "content": instruction})
     return messages
 
 
-def _tool_instruction(req: ChatCompletionRequest) -> str | None:
-    if not req.uses_tools:
-        return None
-    if req.tool_choice == "required":
-        return REQUIRED_TOOL_INSTRUCTION
-    if isinstance(req.tool_choice, NamedToolChoice):
-        return NAMED_TOOL_INSTRUCTION.format(name=req.tool_choice.function.name)
-    return None
-
-
 def chat_template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """Every tool, whatever tool_choice demands (the grammar enforces it); none for "none"."""
     if not req.uses_tools or req.tools is None:
         return None
-    tools = req.tools
-    if isinstance(req.tool_choice, NamedToolChoice):
-        tools = [t for t in tools if t.function.name == req.tool_choice.function.name]
-    return [tool.model_dump(exclude_none=True) for tool in tools]
+    return [tool.model_dump(exclude_none=True) for tool in req.tools]
 
 
 def chat_prompt_token_ids(req: ChatCompletionRequest, tokenizer: ServedTokenizer) -> list[int]:

@@ -80,17 +80,16 @@ def test_tool_choice_none_leaves_tools_out_and_text_unparsed(
     assert "get_weather" not in fake_engine.prompt_text(fake_engine.calls[0])
 
 
-def test_required_and_named_tool_choice_are_asked_for_in_the_prompt(
+def test_required_and_named_tool_choice_leave_the_prompt_as_auto_renders_it(
         client: openai.OpenAI, fake_engine: FakeEngine, model: str) -> None:
-    client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,  # type: ignore[arg-type]
-                                   tool_choice="required")
-    client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,  # type: ignore[arg-type]
-                                   tool_choice={"type": "function",
-                                                "function": {"name": "get_time"}})
-    required, named = (fake_engine.prompt_text(call) for call in fake_engine.calls)
-    assert "You must call at least one of the provided tools." in required
-    assert "You must call the function `get_time`." in named
-    assert "get_weather" not in named  # only the named tool is offered
+    """The grammar enforces a demanded call; the prompt stays the same token for token, so an agent
+    that switches tool_choice between turns keeps its prefix-cache hits."""
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "get_time"}}):
+        client.chat.completions.create(model=model, messages=ASK, tools=TOOLS,  # type: ignore[arg-type]
+                                       tool_choice=choice)  # type: ignore[arg-type]
+    auto, required, named = (fake_engine.prompt_text(call) for call in fake_engine.calls)
+    assert required == auto and named == auto
+    assert "get_weather" in named and "get_time" in named  # every tool is offered
 
 
 def test_assistant_tool_calls_and_tool_results_round_trip(
