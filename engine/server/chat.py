@@ -50,7 +50,7 @@ async def complete_chat(ctx: ServingContext, req: ChatCompletionRequest, fanout:
         content: str | None = state.text
         calls: tuple[Any, ...] = ()
         if req.uses_tools:
-            parsed = ctx.new_tool_parser().extract(state.text)
+            parsed = ctx.new_tool_parser().extract(state.text, bool(req.forced_functions))
             content, calls = parsed.content, parsed.tool_calls[:_max_tool_calls(req)]
         logprobs = (shapes.chat_logprobs(state.logprobs, token_bytes_of(ctx.engine.tokenizer))
                     if req.logprobs else None)
@@ -67,7 +67,8 @@ class _ChatStreamWriter:
         self.id, self.created = id_, created
         self.states = [ChoiceState() for _ in range(req.n)]
         self.tool_streams: list[ToolCallStream | None] = [
-            ctx.new_tool_parser().stream() if req.uses_tools else None for _ in range(req.n)
+            ctx.new_tool_parser().stream(bool(req.forced_functions)) if req.uses_tools else None
+            for _ in range(req.n)
         ]
 
     async def chunk(self, choices: list[dict[str, Any]],

@@ -86,25 +86,28 @@ class ToolParser(ABC):
         return (f'start: {calls}\n'
                 f'call: {start} %json {orjson.dumps(schema).decode()} {end} "\\n"?\n')
 
-    def extract(self, text: str) -> ParsedToolCalls:
-        """All calls in a finished completion; an unterminated last tag is parsed if it can be."""
-        stream = self.stream()
+    def extract(self, text: str, is_calls_only: bool = False) -> ParsedToolCalls:
+        """All calls in a finished completion; an unterminated last tag is parsed if it can be.
+        `is_calls_only`: decoding was constrained to calls (`calls_grammar`), see `stream`."""
+        stream = self.stream(is_calls_only)
         first = stream.feed(text)
         last = stream.finish()
         content = first.content + last.content
         calls = first.tool_calls + last.tool_calls
-        if calls and not content.strip():
+        if (calls or is_calls_only) and not content.strip():
             return ParsedToolCalls(content=None, tool_calls=calls)
         return ParsedToolCalls(content=content, tool_calls=calls)
 
-    def stream(self) -> ToolCallStream:
-        return ToolCallStream(self)
+    def stream(self, is_calls_only: bool = False) -> ToolCallStream:
+        """`is_calls_only`: the answer was decoded under `calls_grammar`, so whatever is not a whole
+        call is a call max_tokens cut off: it is dropped, never shown as text."""
+        return ToolCallStream(self, is_calls_only)
 
 
 class ToolCallStream:
     """Incremental parsing for one completion; `feed` deltas in order, then `finish` once."""
 
-    def __init__(self, parser: ToolParser) -> None:
+    def __init__(self, parser: ToolParser, is_calls_only: bool = False) -> None:
         self._parser = parser
         self._pending = ""  # text not yet released: a possible start tag, or an open call
         self._in_call = False
@@ -112,6 +115,9 @@ class ToolCallStream:
         # (the "\n" after a call) streams no content, as `extract` returns none for it
         self._blank = ""
         self._has_text = False
+        # a call (or, decoding constrained to calls, the start), then only whitespace: a tag cut
+        # off after it is a call max_tokens ended, not text
+        self._ends_with_call = is_calls_only
         self.num_calls = 0
 
     def feed(self, text: str) -> StreamDelta:
@@ -129,22 +135,28 @@ class ToolCallStream:
                 self._in_call = False
                 call = self._parser.parse_call(body)
                 if call is None:
-                    content.append(start + body + end)
+                    self._release(content, start + body + end)
                 else:
                     calls.append(call)
+                    self._ends_with_call = True
                 continue
             start_at = self._pending.find(start)
             if start_at >= 0:
-                content.append(self._pending[:start_at])
+                self._release(content, self._pending[:start_at])
                 self._pending = self._pending[start_at + len(start):]
                 self._in_call = True
                 continue
             keep = _partial_suffix_len(self._pending, start)
-            content.append(self._pending[: len(self._pending) - keep])
+            self._release(content, self._pending[: len(self._pending) - keep])
             self._pending = self._pending[len(self._pending) - keep:]
             break
         self.num_calls += len(calls)
         return StreamDelta(content=self._shown("".join(content)), tool_calls=tuple(calls))
+
+    def _release(self, content: list[str], text: str) -> None:
+        content.append(text)
+        if text.strip():
+            self._ends_with_call = False
 
     def _shown(self, content: str) -> str:
         """The part of released `content` to show now: whitespace waits for text."""
@@ -158,17 +170,23 @@ class ToolCallStream:
         return content
 
     def finish(self) -> StreamDelta:
-        """Release what is left: an unterminated call is parsed if possible, else shown as text;
-        whitespace still held back is dropped when the answer has calls (`extract`: content None)."""
+        """Release what is left: an unterminated call is parsed if possible (also when its end tag
+        was cut: '{"name": "a", "arguments": {}}\n</tool_ca'), else shown as text;
+        whitespace still held back is dropped when the answer has calls (`extract`: content None).
+        After complete calls and nothing but whitespace (or anywhere in a calls-only answer), a
+        cut-off tag or call (max_tokens ended the next call: "<tool_ca", '<tool_call>{"name": "ge')
+        is dropped, not shown as text."""
         pending, self._pending = self._pending, ""
         calls: tuple[ToolCall, ...] = ()
         if not self._in_call:
-            content = pending
+            content = "" if self._ends_with_call else pending
         else:
             self._in_call = False
             call = self._parser.parse_call(pending)
-            content = self._parser.start_tag + pending if call is None else ""
+            if call is None and (cut := _partial_suffix_len(pending, self._parser.end_tag)):
+                call = self._parser.parse_call(pending[:-cut])  # the end tag itself was cut off
             calls = () if call is None else (call,)
+            content = "" if call is not None or self._ends_with_call else self._parser.start_tag + pending
         self.num_calls += len(calls)
         content = self._shown(content)
         if not self._has_text and not self.num_calls:  # a blank answer without calls is content

@@ -7,7 +7,7 @@ import pytest
 
 from engine.structured_output import OutputGrammar
 from engine.tool_parsers import HermesToolParser, get_tool_parser, tool_parser_for_model
-from engine.tool_parsers.base import StreamDelta, arguments_schema
+from engine.tool_parsers.base import ParsedToolCalls, StreamDelta, arguments_schema
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -37,9 +37,11 @@ def test_malformed_call_stays_content() -> None:
     assert parsed.tool_calls == () and parsed.content == text
 
 
-def test_unterminated_call_is_parsed_at_the_end() -> None:
-    parsed = HermesToolParser().extract('<tool_call>{"name": "a", "arguments": {"k": 2}}')
-    assert [c.name for c in parsed.tool_calls] == ["a"]
+@pytest.mark.parametrize("end", ["", "\n", "\n<", "\n</tool_ca"])
+def test_unterminated_call_is_parsed_at_the_end(end: str) -> None:
+    """max_tokens may end an answer before or inside the end tag; the call's JSON is whole."""
+    parsed = HermesToolParser().extract('<tool_call>{"name": "a", "arguments": {"k": 2}}' + end)
+    assert [c.name for c in parsed.tool_calls] == ["a"] and parsed.content is None
 
 
 def test_plain_text_without_calls_is_untouched() -> None:
@@ -82,6 +84,36 @@ def test_a_streamed_newline_after_a_call_is_not_sent_as_content() -> None:
     assert [c.name for c in delta.tool_calls] == ["a"]
     assert stream.feed("\n").content == ""
     assert stream.finish() == StreamDelta()
+
+
+@pytest.mark.parametrize("cut", ["<", "<tool_ca", "<tool_call>", '<tool_call>\n{"name": "get_wea'])
+def test_a_call_cut_off_after_complete_calls_is_dropped_not_shown(cut: str) -> None:
+    """max_tokens ending the model's next call (a forced call with parallel calls allowed) leaves
+    the complete calls and no text, whole and streamed."""
+    text = WEATHER + "\n" + cut
+    whole = HermesToolParser().extract(text)
+    assert whole.content is None and [c.name for c in whole.tool_calls] == ["get_weather"]
+    for step in (1, 4, 1000):
+        stream = HermesToolParser().stream()
+        deltas = [stream.feed(text[i:i + step]) for i in range(0, len(text), step)] + [stream.finish()]
+        assert "".join(d.content for d in deltas) == ""
+        assert [c.name for d in deltas for c in d.tool_calls] == ["get_weather"]
+
+
+def test_a_calls_only_answer_cut_inside_its_first_call_is_no_text() -> None:
+    """Decoding constrained to calls (tool_choice required / named) and cut by max_tokens: the
+    fragment is no call and no text; an unconstrained answer keeps it as text."""
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    assert HermesToolParser().extract(cut, is_calls_only=True) == ParsedToolCalls(content=None)
+    stream = HermesToolParser().stream(is_calls_only=True)
+    assert stream.feed(cut).content == "" and stream.finish() == StreamDelta()
+    assert HermesToolParser().extract(cut).content == cut
+
+
+def test_a_tag_start_after_text_that_follows_a_call_stays_text() -> None:
+    parsed = HermesToolParser().extract(WEATHER + " Is 3 < 4 <")
+    assert parsed.content == " Is 3 < 4 <" and len(parsed.tool_calls) == 1
+    assert HermesToolParser().extract("no call <tool_ca").content == "no call <tool_ca"
 
 
 def test_streaming_holds_back_a_possible_tag_start() -> None:
