@@ -241,7 +241,7 @@ inline void dot_q4x8(const uint8_t* w, int64_t nb, const int8_t* const* xq_in, c
 // operations in the same order as dot_q4x8, so a row comes out bit-identical from either kernel.
 constexpr int64_t XB_BYTES = 8 * 32 + 2 * 32;  // per row and block: 8 quads x 8 lanes | d x 8 | d*sum x 8
 #ifndef XB_TILE_BYTES
-#define XB_TILE_BYTES (256 * 1024)  // 4 expanded rows at most this big (L2 is 512 KB): K <= 6,553
+#define XB_TILE_BYTES (256 * 1024)  // 4 expanded rows at most this big (L2 is 512 KB): K <= 6,528
 #endif
 
 void expand_rows(const int8_t* q, const float* d, const float* ds, int64_t rows, int64_t k, uint8_t* xb) {
@@ -293,8 +293,9 @@ inline void dot_q4x8_expanded(const uint8_t* w, int64_t nb, const uint8_t* const
 
 // dot_q4x8_expanded for a tile of 4 rows x 2 column groups (16 columns): each pre-broadcast
 // activation vector is loaded once and feeds the maddubs of both groups, which halves the vector
-// loads, the bound of the one-group kernel on Zen 3 (llvm-mca -mcpu=znver3: ~43 cycles a 4-row block
-// there; here ~30 a group, against ~26 for the vector pipes alone). The 8 int16 sums stay in
+// loads, the bound of the one-group kernel on Zen 3 (it takes ~43 cycles a block of 4 rows, measured;
+// llvm-mca -mcpu=znver3 finds its vector-load ports full; this one ~30 a group by llvm-mca, against
+// ~26 for the vector pipes alone). The 8 int16 sums stay in
 // registers; the empty asm statements pin them and the loaded activation, or GCC reassociates the
 // int16 adds into trees over stored partial products and folds each load into both maddubs, which
 // spills (measured slower than the one-group kernel). The float accumulators live in `acc` (4 rows x
