@@ -49,6 +49,7 @@ class Tokenizer:
         self.special_token_ids: frozenset[int] = frozenset(
             i for i, token in backend.get_added_tokens_decoder().items() if token.special)
         self.chat_template = ChatTemplate(chat_template or CHATML_TEMPLATE)
+        self.max_token_bytes = _max_token_bytes(backend)
         names = {"bos_token": bos_token_id, "eos_token": eos_token_id,
                  "unk_token": unk_token_id, "pad_token": pad_token_id}
         self._special_token_strings: dict[str, str] = {}
@@ -102,6 +103,23 @@ class Tokenizer:
                                         add_generation_prompt=add_generation_prompt,
                                         continue_final_message=continue_final_message)
         return self.encode(text, add_special_tokens=False)
+
+
+def _max_token_bytes(backend: _BackendTokenizer) -> int | None:
+    """The most bytes of UTF-8 text one token can stand for, so that a text of B bytes has at
+    least B / max_token_bytes tokens; None where no such bound holds.
+
+    A BPE token's spelling is at least as long in UTF-8 as the text it stands for (byte-level
+    `Ġ` is 2 bytes for a space, metaspace `▁` 3, byte fallback `<0x0A>` 6, an added token is its
+    text). It does not hold with a normalizer (it may shrink the text first), with fused unknown
+    tokens (one `<unk>` for a whole run), or for WordPiece / WordLevel / Unigram models.
+    """
+    model = backend.model
+    if (backend.normalizer is not None or type(model).__name__ != "BPE"
+            or (model.unk_token is not None and model.fuse_unk)):
+        return None
+    return max((len(token.encode("utf-8")) for token in backend.get_vocab(with_added_tokens=True)),
+               default=None)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -79,25 +79,48 @@ def chat_template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | No
     return [tool.model_dump(exclude_none=True) for tool in req.tools]
 
 
-def chat_prompt_token_ids(req: ChatCompletionRequest, tokenizer: ServedTokenizer) -> list[int]:
+def chat_prompt_token_ids(req: ChatCompletionRequest, tokenizer: ServedTokenizer, *,
+                          max_tokens: int | None = None, max_model_len: int | None = None
+                          ) -> list[int]:
+    """The prompt's ids. Given max_model_len, a prompt sure not to fit is refused before it is
+    encoded (`refuse_surely_too_long`)."""
     try:
-        return tokenizer.encode_chat(chat_template_messages(req), tools=chat_template_tools(req),
-                                     add_generation_prompt=True,
-                                     continue_final_message=req.continue_final_message)
+        text = tokenizer.apply_chat_template(chat_template_messages(req),
+                                             tools=chat_template_tools(req),
+                                             add_generation_prompt=True,
+                                             continue_final_message=req.continue_final_message)
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:  # template refused
         raise InvalidRequestError(f"messages cannot be rendered by the chat template: {exc}",
                                   param="messages") from exc
     except RecursionError:  # the body is read up to 1024 levels, the template's JSON dump less
         raise InvalidRequestError("a tool's parameters schema is nested too deeply to render",
                                   param="tools") from None
+    refuse_surely_too_long(text, tokenizer, max_tokens, max_model_len, "messages")
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
-def completion_prompts(req: CompletionRequest, tokenizer: ServedTokenizer, vocab_size: int
+def refuse_surely_too_long(text: str, tokenizer: ServedTokenizer, max_tokens: int | None,
+                           max_model_len: int | None, param: str) -> None:
+    """400 context_length_exceeded, before encoding, for a text whose byte length alone proves it
+    cannot fit: encoding megabytes takes seconds, and the tokenizer may hold the GIL meanwhile,
+    which stalled every running stream of the replica (an 8 MB prompt: 20 s)."""
+    if (max_model_len is None or tokenizer.max_token_bytes is None
+            or len(text) * 4 <= tokenizer.max_token_bytes * max_model_len):
+        return  # (a character is at most 4 UTF-8 bytes: short texts skip the encode below)
+    num_tokens_at_least = len(text.encode("utf-8", "surrogatepass")) // tokenizer.max_token_bytes
+    check_context_length(num_tokens_at_least, max_tokens, max_model_len, param, at_least=True)
+
+
+def completion_prompts(req: CompletionRequest, tokenizer: ServedTokenizer, vocab_size: int, *,
+                       max_tokens: int | None = None, max_model_len: int | None = None
                        ) -> list[list[int]]:
-    """One token-id list per prompt; token ids are checked against the vocabulary."""
+    """One token-id list per prompt; token ids are checked against the vocabulary. Given
+    max_model_len, a text sure not to fit is refused before it is encoded."""
     prompt = req.prompt
     texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
     if texts:
+        for text in texts:
+            refuse_surely_too_long(text, tokenizer, max_tokens, max_model_len, "prompt")
         encoded = [tokenizer.encode(text, add_special_tokens=True) for text in texts]
         if not all(encoded):
             raise InvalidRequestError("prompt must not be empty", param="prompt")
@@ -112,13 +135,15 @@ def completion_prompts(req: CompletionRequest, tokenizer: ServedTokenizer, vocab
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                         param: str) -> None:
-    """400 context_length_exceeded when the prompt (+ max_tokens, if given) cannot fit."""
+                         param: str, *, at_least: bool = False) -> None:
+    """400 context_length_exceeded when the prompt (+ max_tokens, if given) cannot fit.
+    `at_least`: num_prompt_tokens is a lower bound (the prompt was not encoded)."""
     num_requested = num_prompt_tokens + (max_tokens or 1)
     if num_requested <= max_model_len:
         return
     completion = f"{max_tokens} in the completion" if max_tokens else "at least 1 to generate"
+    bound = "at least " if at_least else ""
     raise ContextLengthExceeded(
         f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-        f"{num_requested} tokens ({num_prompt_tokens} in the {param}, {completion}). "
+        f"{bound}{num_requested} tokens ({bound}{num_prompt_tokens} in the {param}, {completion}). "
         f"Please reduce the length of the {param} or completion.", param=param)

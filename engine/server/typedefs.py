@@ -16,6 +16,12 @@ from engine.structured_output import OutputGrammar
 
 class ServedTokenizer(Protocol):
     eos_token_ids: Sequence[int]
+    max_token_bytes: int | None  # a text of B UTF-8 bytes has >= B / max_token_bytes tokens
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None,
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> str: ...
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 

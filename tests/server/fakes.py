@@ -33,6 +33,7 @@ BLOCK_SIZE = 16
 class FakeTokenizer:
     eos_token_ids = (IM_END, ENDOFTEXT)
     vocab_size = 256 + len(SPECIAL_TOKENS)
+    max_token_bytes = max(len(special) for special in SPECIAL_TOKENS)  # a byte, or a special
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         ids: list[int] = []

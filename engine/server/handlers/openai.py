@@ -27,7 +27,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = await parse_body(request, ChatCompletionRequest)
     ctx.check_model(req.model)
     params = await asyncio.to_thread(ctx.sampling_params, req)
-    prompt = await asyncio.to_thread(chat_prompt_token_ids, req, ctx.engine.tokenizer)
+    prompt = await asyncio.to_thread(chat_prompt_token_ids, req, ctx.engine.tokenizer,
+                                     max_tokens=params.max_tokens,
+                                     max_model_len=ctx.engine.max_model_len)
     check_context_length(len(prompt), params.max_tokens, ctx.engine.max_model_len, "messages")
     id_, created = shapes.new_id("chatcmpl"), shapes.now_s()
     async with ctx.fanout(request, id_, [prompt], params, cache_salt=req.cache_salt,
@@ -43,7 +45,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     ctx.check_model(req.model)
     params = await asyncio.to_thread(ctx.sampling_params, req)
     prompts = await asyncio.to_thread(completion_prompts, req, ctx.engine.tokenizer,
-                                      ctx.engine.model_config.vocab_size)
+                                      ctx.engine.model_config.vocab_size,
+                                      max_tokens=params.max_tokens,
+                                      max_model_len=ctx.engine.max_model_len)
     for prompt in prompts:
         check_context_length(len(prompt), params.max_tokens, ctx.engine.max_model_len, "prompt")
     id_, created = shapes.new_id("cmpl"), shapes.now_s()
