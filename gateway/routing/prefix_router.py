@@ -173,6 +173,8 @@ class PrefixRouter(Router):
             return self._least_load(request, endpoints, "least_load:no_index")
         model_id, block_size = synced[0].consumer.model_id, synced[0].consumer.block_size
         assert model_id is not None and block_size is not None
+        if self._is_surely_over_context(request, endpoints):
+            return self._least_load(request, endpoints, "least_load:over_context")
         upstream_body = getattr(synced[0].backend, "upstream_body", None)  # the replica backend's
         if upstream_body is None:
             return self._least_load(request, endpoints, "least_load:no_body")
@@ -214,6 +216,19 @@ class PrefixRouter(Router):
             kv_used = load.num_kv_blocks_used / load.num_kv_blocks_total
         return CandidateLoad(endpoint.name, num_matched, inflight,
                              (load.num_requests_waiting or 0) if load else 0, kv_used)
+
+    def _is_surely_over_context(self, request: CanonicalRequest,
+                                endpoints: Sequence[Endpoint]) -> bool:
+        """A prompt whose length alone proves it cannot fit is not hashed: encoding megabytes
+        takes seconds, during which the tokenizer may hold the GIL and stall the event loop; the
+        replica refuses it unencoded (engine/server/prompts.py: refuse_surely_too_long). Its
+        characters bound its UTF-8 bytes from below, and a token stands for at most
+        `max_token_bytes` of them (unknown until this model's tokenizer is loaded)."""
+        hasher = self._hashers.get(tokenizer_path(endpoints[0]))
+        max_token_bytes = hasher.tokenizer.max_token_bytes if hasher is not None else None
+        context_length = max((e.context_length or 0 for e in endpoints), default=0)
+        return bool(max_token_bytes and context_length
+                    and request.text_length() > max_token_bytes * context_length)
 
     def _least_load(self, request: CanonicalRequest, endpoints: Sequence[Endpoint],
                     reason: str) -> Decision:

@@ -148,3 +148,24 @@ def test_endpoints_removed_by_discovery_leave_the_router_and_the_index(index: In
     index.run(rig.router.on_endpoints_changed([], [gone]))
     assert rig.router.consumer(gone) is None
     assert index.run(index.index.num_blocks(gone.name)) == 0
+
+
+def test_a_prompt_sure_not_to_fit_is_routed_by_load_without_being_encoded(
+        index: IndexUnderTest) -> None:
+    # encoding an 8 MB prompt took ~20 s in the router's thread, holding the GIL: the gateway's
+    # event loop (every other request, /health) stalled that long
+    rig = Rig(index)
+    rig.choose(request("Load the tokenizer first. "))  # the router loads its hasher
+    for endpoint in rig.endpoints:
+        endpoint.context_length = 1456
+    loaded = next(iter(rig.router._hashers.values()))  # type: ignore[attr-defined]
+    assert loaded.tokenizer.max_token_bytes is not None
+
+    def no_encoding(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a prompt sure not to fit was encoded")
+
+    loaded.block_hashes = no_encoding
+    huge = CanonicalRequest("r", "m", messages=[Message("user", "word " * 200_000)], project="p")
+    assert rig.choose(huge)[1] == "least_load:over_context"
+    del loaded.block_hashes
+    assert rig.choose(request("A prompt that fits. "))[1] != "least_load:over_context"
