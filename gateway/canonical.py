@@ -241,9 +241,14 @@ class Accumulator:
     def num_generated_chars(self) -> int:
         """Characters generated so far over every choice: text, tool names and arguments (what a
         stream cut before its usage estimates its completion from)."""
+        return sum(self.num_generated_chars_by_choice)
+
+    @property
+    def num_generated_chars_by_choice(self) -> list[int]:
+        """`num_generated_chars` of each choice seen, in `choices` order."""
         own = sum(map(len, self._text)) + sum(len(part) for parts in self._calls.values()
                                               for part in parts[1:])
-        return own + sum(other.num_generated_chars for other in self.others.values())
+        return [own, *(self.others[choice].num_generated_chars for choice in sorted(self.others))]
 
     @property
     def choices(self) -> list[int]:

@@ -40,8 +40,12 @@ def build_record(request: CanonicalRequest, principal: Principal, model: ModelSe
 
 def _partial_usage(request: CanonicalRequest, accumulator: Accumulator,
                    num_prompt_tokens: int | None) -> Usage:
-    num_chars = accumulator.num_generated_chars  # every choice's text and tool calls
-    num_completion_tokens = estimate_num_tokens(num_chars) if num_chars else 0
+    # every choice's text and tool calls, at ~4 characters a token; that overshoots on short
+    # tokens (digits, punctuation), so never past max_tokens, which no choice can exceed
+    limit = request.max_tokens
+    num_completion_tokens = sum(
+        min(estimate_num_tokens(num_chars), limit) if limit is not None else estimate_num_tokens(num_chars)
+        for num_chars in accumulator.num_generated_chars_by_choice if num_chars)
     announced = accumulator.prompt_usage
     if announced is not None:
         return Usage(announced.prompt_tokens, num_completion_tokens, announced.cached_tokens)

@@ -99,3 +99,23 @@ def test_a_replica_that_dies_after_announcing_its_prompt_is_retried_on_another(
     finally:
         loop_thread.run(dead.cleanup())
         loop_thread.run(alive.cleanup())
+
+
+def test_a_cut_stream_never_bills_more_completion_than_max_tokens_allows() -> None:
+    """~4 characters a token overshoots on short tokens (digits, punctuation, spaces: a cut
+    stream of max_tokens 8 was billed 10): each choice's estimate is capped at max_tokens."""
+    request = CanonicalRequest("r1", "m", messages=[Message("user", "hi")], stream=True,
+                               max_tokens=8, n=2)
+    accumulator = Accumulator()
+    accumulator.add(PromptUsage(38, 16))
+    accumulator.add(TextDelta("1. 2. 3. 4. 5. 6. 7. 8. 9. 10. 11. 12. 13. 14. 15. 16. 17. 18. 19."))
+    principal = Principal(project="p", key_id="k", scopes=frozenset())
+    settings = ModelSettings(name="m", endpoints=("http://127.0.0.1:1",))
+    record = build_record(request, principal, settings, "e", accumulator, 499, 1.0)
+    assert record.completion_tokens == 8  # choice 0 alone came, at most 8: not the 17 estimated
+    accumulator.add(TextDelta("x" * 20, choice=1))
+    assert build_record(request, principal, settings, "e", accumulator, 499, 1.0
+                        ).completion_tokens == 8 + 5
+    accumulator.add(TextDelta("x" * 400, choice=1))
+    assert build_record(request, principal, settings, "e", accumulator, 499, 1.0
+                        ).completion_tokens == 16
