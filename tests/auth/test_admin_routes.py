@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -160,73 +162,62 @@ def test_a_key_revoked_or_rotated_through_the_admin_api_is_refused_by_that_gatew
     asyncio.run(scenario())
 
 
+@contextlib.asynccontextmanager
+async def ops_admin_api(tmp_path: Path) -> AsyncIterator[tuple[str, dict[str, str]]]:
+    """The admin API over a fresh auth store with a project `ops`: (its base URL, an admin key's
+    JSON headers)."""
+    services = await open_auth(AuthSettings(data_dir=tmp_path))
+    await services.admin.create_project("ops")
+    _, admin_key = await services.admin.create_key("ops", [ADMIN])
+    app = web.Application()
+    app.add_routes(services.admin_routes())
+    server = TestServer(app, host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        yield (str(server.make_url("/admin/v1")),
+               {"Authorization": f"Bearer {admin_key}", "content-type": "application/json"})
+    finally:
+        await server.close()
+        await services.close()
+
+
 def test_key_fields_that_would_grant_more_or_break_json_are_refused(tmp_path: Path) -> None:
     """`models: []` is not "every model"; NaN/Infinity/true are not durations (a NaN expiry never
     expired and made every later key listing invalid JSON); a name is a string."""
-    settings = AuthSettings(data_dir=tmp_path)
-
     async def scenario() -> None:
-        services = await open_auth(settings)
-        await services.admin.create_project("ops")
-        _, admin_key = await services.admin.create_key("ops", [ADMIN])
-        app = web.Application()
-        app.add_routes(services.admin_routes())
-        server = TestServer(app, host="127.0.0.1", port=0)
-        await server.start_server()
-        base = str(server.make_url("/admin/v1"))
-        headers = {"Authorization": f"Bearer {admin_key}", "content-type": "application/json"}
-        try:
-            async with aiohttp.ClientSession() as http:
-                for body in ('{"scopes": ["ai_gateway:invoke"], "models": []}',
-                             '{"scopes": ["ai_gateway:invoke"], "expires_in": NaN}',
-                             '{"scopes": ["ai_gateway:invoke"], "expires_in": Infinity}',
-                             '{"scopes": ["ai_gateway:invoke"], "expires_in": true}',
-                             '{"scopes": ["ai_gateway:invoke"], "name": {"a": 1}}'):
-                    async with http.post(f"{base}/projects/ops/keys", data=body,
-                                         headers=headers) as resp:
-                        assert resp.status == 400, body
-                async with http.post(f"{base}/projects/ops/keys", headers=headers,
-                                     json={"scopes": [INVOKE]}) as resp:
-                    key_id = (await resp.json())["key_id"]
-                for grace in ("NaN", "true", "-1"):
-                    async with http.post(f"{base}/keys/{key_id}/rotate", headers=headers,
-                                         data=f'{{"grace_seconds": {grace}}}') as resp:
-                        assert resp.status == 400, grace
-                async with http.get(f"{base}/projects/ops/keys", headers=headers) as resp:
-                    text = await resp.text()
-                    assert "NaN" not in text and "Infinity" not in text  # strict JSON
-                    assert len(json.loads(text)["data"]) == 2
-        finally:
-            await server.close()
-            await services.close()
+        async with ops_admin_api(tmp_path) as (base, headers), aiohttp.ClientSession() as http:
+            for body in ('{"scopes": ["ai_gateway:invoke"], "models": []}',
+                         '{"scopes": ["ai_gateway:invoke"], "expires_in": NaN}',
+                         '{"scopes": ["ai_gateway:invoke"], "expires_in": Infinity}',
+                         '{"scopes": ["ai_gateway:invoke"], "expires_in": true}',
+                         '{"scopes": ["ai_gateway:invoke"], "name": {"a": 1}}'):
+                async with http.post(f"{base}/projects/ops/keys", data=body,
+                                     headers=headers) as resp:
+                    assert resp.status == 400, body
+            async with http.post(f"{base}/projects/ops/keys", headers=headers,
+                                 json={"scopes": [INVOKE]}) as resp:
+                key_id = (await resp.json())["key_id"]
+            for grace in ("NaN", "true", "-1"):
+                async with http.post(f"{base}/keys/{key_id}/rotate", headers=headers,
+                                     data=f'{{"grace_seconds": {grace}}}') as resp:
+                    assert resp.status == 400, grace
+            async with http.get(f"{base}/projects/ops/keys", headers=headers) as resp:
+                text = await resp.text()
+                assert "NaN" not in text and "Infinity" not in text  # strict JSON
+                assert len(json.loads(text)["data"]) == 2
 
     asyncio.run(scenario())
 
 
 def test_a_body_that_is_not_utf8_or_not_its_content_encoding_is_a_400_not_a_500(tmp_path: Path) -> None:
-    settings = AuthSettings(data_dir=tmp_path)
-
     async def scenario() -> None:
-        services = await open_auth(settings)
-        await services.admin.create_project("ops")
-        _, admin_key = await services.admin.create_key("ops", [ADMIN])
-        app = web.Application()
-        app.add_routes(services.admin_routes())
-        server = TestServer(app, host="127.0.0.1", port=0)
-        await server.start_server()
-        base = str(server.make_url("/admin/v1"))
-        headers = {"Authorization": f"Bearer {admin_key}", "content-type": "application/json"}
-        try:
-            async with aiohttp.ClientSession() as http:
-                for body, extra in ((b'{"name": "fz\xff"}', {}),
-                                    (b'{"name": "fz"}', {"content-encoding": "gzip"})):
-                    async with http.post(f"{base}/projects", data=body,
-                                         headers={**headers, **extra}) as resp:
-                        assert resp.status == 400, body
-                        error = (await resp.json())["error"]
-                        assert error["type"] == "admin_error" and error["code"] == "invalid_request"
-        finally:
-            await server.close()
-            await services.close()
+        async with ops_admin_api(tmp_path) as (base, headers), aiohttp.ClientSession() as http:
+            for body, extra in ((b'{"name": "fz\xff"}', {}),
+                                (b'{"name": "fz"}', {"content-encoding": "gzip"})):
+                async with http.post(f"{base}/projects", data=body,
+                                     headers={**headers, **extra}) as resp:
+                    assert resp.status == 400, body
+                    error = (await resp.json())["error"]
+                    assert error["type"] == "admin_error" and error["code"] == "invalid_request"
 
     asyncio.run(scenario())
