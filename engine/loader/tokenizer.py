@@ -74,7 +74,7 @@ class Tokenizer:
         `add_special_tokens` applies the checkpoint's post-processor (e.g. a bos prefix when the
         checkpoint asks for one; SmolLM2 asks for none).
         """
-        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        return encode_ids(self._backend, text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -103,6 +103,19 @@ class Tokenizer:
                                         add_generation_prompt=add_generation_prompt,
                                         continue_final_message=continue_final_message)
         return self.encode(text, add_special_tokens=False)
+
+
+GIL_FREE_MIN_CHARS = 4096  # from this length `encode_ids` encodes with the GIL released
+
+
+def encode_ids(backend: _BackendTokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
+    """`backend.encode(text).ids`, but a long text goes through `encode_batch`, which releases the
+    GIL while Rust encodes (`encode` holds it throughout): encoding a multi-MB prompt in a worker
+    thread then no longer stalls the event loop and every other thread of the process for seconds
+    (a 25 MB count_tokens body froze the gateway, /health included, for 54 s). Same ids."""
+    if len(text) < GIL_FREE_MIN_CHARS:
+        return list(backend.encode(text, add_special_tokens=add_special_tokens).ids)
+    return list(backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
 
 def _max_token_bytes(backend: _BackendTokenizer) -> int | None:

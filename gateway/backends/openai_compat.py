@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from engine.loader.tokenizer import encode_ids
 from engine.usage_headers import CACHED_TOKENS_HEADER, PROMPT_TOKENS_HEADER
 from gateway.backends.base import Backend
 from gateway.canonical import (
@@ -151,7 +152,7 @@ class OpenAICompatBackend(Backend):
         completion = "".join(choice.text + "".join(c.arguments for c in choice.tool_calls)
                              for choice in (response, *response.others))
         tokenizer_path = endpoint.model.tokenizer
-        num_completion_tokens = (len(_load_tokenizer(tokenizer_path).encode(completion).ids)
+        num_completion_tokens = (len(encode_ids(_load_tokenizer(tokenizer_path), completion))
                                  if tokenizer_path else estimate_num_tokens(len(completion)))
         return Usage(self.count_prompt_tokens(request, endpoint), num_completion_tokens)
 
@@ -165,7 +166,7 @@ class OpenAICompatBackend(Backend):
         tokenizer = _load_tokenizer(tokenizer_path)
         prompts = [request.prompt + "".join(m.content for m in request.messages),
                    *request.extra_prompts]
-        return (sum(len(tokenizer.encode(str(p)).ids) for p in prompts)
+        return (sum(len(encode_ids(tokenizer, str(p))) for p in prompts)
                 + 4 * len(request.messages))
 
     async def health(self, endpoint: Endpoint) -> bool:
