@@ -56,12 +56,20 @@ async def _close(events: AsyncIterator[CanonicalEvent]) -> None:
         await aclose()
 
 
-def _as_upstream_error(exc: BaseException, endpoint: Endpoint, timeout_s: float) -> UpstreamError:
+def _as_upstream_error(exc: BaseException, endpoint: Endpoint, request: CanonicalRequest,
+                       timeout_s: float) -> UpstreamError:
     if isinstance(exc, UpstreamError):
         return exc
     if isinstance(exc, TimeoutError):
-        return UpstreamTimeout(f"{endpoint.name} sent no first token within {timeout_s:g}s")
+        what = "no first token" if request.stream else "no answer"
+        return UpstreamTimeout(f"{endpoint.name} sent {what} within {timeout_s:g}s")
     return UpstreamUnavailable(f"{endpoint.name} ended the stream before any event")
+
+
+def first_event_timeout_s(request: CanonicalRequest, settings: GatewaySettings) -> float:
+    """How long the first event may take: a stream's first token, or a non-streamed request's
+    whole answer (its first event comes with the upstream's whole body)."""
+    return settings.first_token_timeout_s if request.stream else settings.response_timeout_s
 
 
 async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
@@ -83,9 +91,10 @@ async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
         endpoint.num_outstanding += 1
         events = route.backend.stream(request, endpoint)
         wait_started = time.perf_counter()
+        timeout_s = first_event_timeout_s(request, settings)
         try:
             async with watchdog.timer() as timer:
-                timer.waiting(settings.first_token_timeout_s)
+                timer.waiting(timeout_s)
                 first = await anext(events)
             timing.upstream_s += time.perf_counter() - wait_started
             return Attempt(endpoint, events, first)
@@ -93,7 +102,7 @@ async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
             timing.upstream_s += time.perf_counter() - wait_started
             endpoint.num_outstanding -= 1
             await _close(events)
-            error = _as_upstream_error(exc, endpoint, settings.first_token_timeout_s)
+            error = _as_upstream_error(exc, endpoint, request, timeout_s)
             error.endpoint_name = endpoint.name
             tried.add(id(endpoint))
             last_error = error

@@ -139,7 +139,8 @@ class GatewaySettings(BaseSettings):
     # or "aiohttp" (aiohttp's ClientSession, e.g. as a fallback).
     upstream_client: Literal["lean", "aiohttp"] = "lean"
     connect_timeout_s: float = Field(5.0, gt=0)
-    first_token_timeout_s: float = Field(60.0, gt=0)  # request sent -> first event
+    first_token_timeout_s: float = Field(60.0, gt=0)  # request sent -> first event (streamed)
+    response_timeout_s: float = Field(600.0, gt=0)  # request sent -> a non-streamed whole answer
     idle_timeout_s: float = Field(60.0, gt=0)  # between two events of a stream
     # Endpoint health
     health_interval_s: float = Field(5.0, gt=0)

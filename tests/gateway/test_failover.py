@@ -66,7 +66,8 @@ def test_mid_stream_failure_ends_anthropic_stream_with_error_event(make_gateway:
 
 
 def test_hanging_upstream_times_out_with_504(make_gateway: GatewayFactory) -> None:
-    gateway = make_gateway(configs=[MockConfig(fail_mode="hang")], first_token_timeout_s=0.5)
+    gateway = make_gateway(configs=[MockConfig(fail_mode="hang")], first_token_timeout_s=0.5,
+                           response_timeout_s=0.5)
     started = time.monotonic()
     response = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT, timeout=10)
     assert response.status_code == 504 and response.json()["error"]["code"] == "upstream_timeout"
@@ -134,3 +135,16 @@ def test_a_stream_that_ends_without_usage_bills_the_prompt_the_replica_processed
     record = gateway.meter.settled[request_id]
     assert record.status == (499 if cause == "client_disconnect" else 200)
     assert record.prompt_tokens == expected > 5  # "hi" alone would be estimated at 5
+
+
+def test_a_slow_non_streamed_answer_waits_for_the_response_timeout_not_the_first_token_one(
+        make_gateway: GatewayFactory) -> None:
+    """A non-streamed answer's first event is the whole body: it may take as long as generating
+    every token (minutes on a CPU), so `first_token_timeout_s` does not bound it."""
+    gateway = make_gateway(configs=[MockConfig(latency_ms=1500)], first_token_timeout_s=0.5,
+                           response_timeout_s=30)
+    response = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT, timeout=10)
+    assert response.status_code == 200, response.text
+    streamed = httpx.post(gateway.url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                          timeout=10)
+    assert streamed.status_code == 504 and "no first token within 0.5s" in streamed.text
