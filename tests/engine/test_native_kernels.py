@@ -148,12 +148,12 @@ def test_prefill_chunk_rows_attend_causally_and_match_each_row_computed_alone(ca
     torch.testing.assert_close(out.view(num_new, num_heads, head_dim), expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("num_rows", [20, 70])  # a decode step of 20 rows, a prefill chunk of 70 (a 2-row last tile)
+@pytest.mark.parametrize("num_rows", [5, 20, 70])  # decode steps of 5 and 20 rows, a prefill chunk of 70 (a 2-row last tile)
 @pytest.mark.parametrize("in_features", [96, 1536])  # 1,536: the down projection's width
 @pytest.mark.parametrize("out_features", [64, 72])  # 72: 9 column groups, the last one without a pair
 def test_many_row_q4_kernel_gives_each_row_what_the_one_row_kernel_gives(
         num_rows: int, in_features: int, out_features: int) -> None:
-    """From 16 rows the Q4 kernel reads pre-broadcast activations, 4 rows x 2 column groups at a time
+    """From 4 rows the Q4 kernel reads pre-broadcast activations, 4 rows x 2 column groups at a time
     where it can; rows must come out bit-identical to the row alone (the one-row kernel), so a
     decode row does not depend on its batch."""
     _, blocks, weight_type = quantized("Q4_1", out_features, in_features, seed=6)

@@ -8,9 +8,9 @@
 //                   columns at load: Q4_1 (w = q * d + m; Q4_0 converted to it; dot_q4x8) or Q8_0
 //                   (w = q * d; dot_q8x8). prep = optional RMSNorm, or silu(x[:, :K]) * x[:, K:].
 //                   Activations are quantized to 8 bits per 32-value block (llama.cpp's Q8_1), and
-//                   each block's dot product runs in 8/16/32-bit integers. From 16 rows (decode
-//                   steps of many rows, prefill) the Q4 kernel reads pre-broadcast activations
-//                   when K <= 576 (dot_q4x8_expanded), same results.
+//                   each block's dot product runs in 8/16/32-bit integers. From 4 rows (decode
+//                   steps of several rows, prefill) the Q4 kernel reads pre-broadcast activations,
+//                   4 rows x 16 columns at a time (dot_q4x16_expanded), same results.
 //   q_linear_add_   the same, added into `out` in place (the residual stream).
 //   decode_attention  one token per row: rotary on q and k, store k/v into the paged cache (float32
 //                   or float16), attend over the row's context (its positions up to its own) straight
@@ -32,7 +32,7 @@ namespace {
 
 constexpr int64_t QK = 32;          // values per block
 #ifndef EXPANDED_MIN_ROWS
-#define EXPANDED_MIN_ROWS 16  // q_linear rows from which the Q4 kernel reads pre-broadcast activations
+#define EXPANDED_MIN_ROWS 4  // q_linear rows from which the Q4 kernel reads pre-broadcast activations
 #endif
 #ifndef ATTN_TILE_ROWS
 #define ATTN_TILE_ROWS 16  // attention rows of one sequence that share each pass over its K/V
@@ -233,12 +233,12 @@ inline void dot_q4x8(const uint8_t* w, int64_t nb, const int8_t* const* xq_in, c
 }
 
 // Many-row form of dot_q4x8 (EXPANDED_MIN_ROWS rows and more): the tile's activations come
-// pre-broadcast (expand_rows), so each quad folds into maddubs as a memory operand. On Zen 3 a
-// broadcast from memory costs a vector-pipe uop, and those pipes bound the kernel: ~1.2x the GOP/s
-// at 512 rows, 10-18% less time for the K = 576 projections of a 16- or 32-row decode step (cold
-// weights, one thread; it was measured 2x slower at 8 rows once, on a busy machine, and is level
-// there). Full tiles of 4 rows take dot_q4x16_expanded (below), this kernel the rest. Same
-// operations in the same order as dot_q4x8, so a row comes out bit-identical from either kernel.
+// pre-broadcast (expand_rows), so each quad folds into maddubs as a memory operand (on Zen 3 a
+// broadcast from memory costs a vector-pipe uop, and those pipes bound dot_q4x8). Full tiles of 4
+// rows take dot_q4x16_expanded (below), this kernel the last rows (m % 4) and an odd last group.
+// From 4 rows rather than 16 since dot_q4x16_expanded: 1.2-1.3x at 4 and 8 rows (one thread, hot
+// weights), and at 4 concurrent requests a decode step 10% shorter (aigw bench engine, 2 rounds).
+// Same operations in the same order as dot_q4x8, so a row comes out bit-identical from either.
 constexpr int64_t XB_BYTES = 8 * 32 + 2 * 32;  // per row and block: 8 quads x 8 lanes | d x 8 | d*sum x 8
 #ifndef XB_TILE_BYTES
 #define XB_TILE_BYTES (256 * 1024)  // 4 expanded rows at most this big (L2 is 512 KB): K <= 6,528
