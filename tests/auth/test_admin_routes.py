@@ -15,7 +15,7 @@ import jwt
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from auth import AuthError, Principal, Scope, open_auth
+from auth import AuthError, AuthServices, Principal, Scope, open_auth
 from auth.settings import AuthSettings
 from gateway.metering import MeteringSettings, UsageRecord, open_meter
 
@@ -29,20 +29,30 @@ def _record(request_id: str, project: str, key_id: str, tokens: int) -> UsageRec
                        created_at=time.time())
 
 
+@contextlib.asynccontextmanager
+async def ops_admin_api(settings: AuthSettings) -> AsyncIterator[tuple[AuthServices, str, str]]:
+    """The admin API over a fresh auth store with a project `ops`: (the auth services, the API's
+    base URL, an admin key of `ops`)."""
+    services = await open_auth(settings)
+    await services.admin.create_project("ops")
+    _, admin_key = await services.admin.create_key("ops", [ADMIN])
+    app = web.Application()
+    app.add_routes(services.admin_routes())
+    server = TestServer(app, host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        yield services, str(server.make_url("/admin/v1")), admin_key
+    finally:
+        await server.close()
+        await services.close()
+
+
 def test_admin_api_manages_keys_and_guards_usage_by_project(auth_settings: AuthSettings) -> None:
     settings = auth_settings.model_copy(update={"jwt_hs256_secret": "x" * 32,
                                                 "jwt_algorithms": ("HS256",)})
 
     async def scenario() -> None:
-        services = await open_auth(settings)
-        await services.admin.create_project("ops")
-        _, admin_key = await services.admin.create_key("ops", [ADMIN])
-        app = web.Application()
-        app.add_routes(services.admin_routes())
-        server = TestServer(app, host="127.0.0.1", port=0)
-        await server.start_server()
-        base = str(server.make_url("/admin/v1"))
-        try:
+        async with ops_admin_api(settings) as (services, base, admin_key):
             async with aiohttp.ClientSession() as http:
                 async def call(method: str, path: str, key: str | None = None,
                                body: Any = None) -> tuple[int, Any]:
@@ -112,9 +122,6 @@ def test_admin_api_manages_keys_and_guards_usage_by_project(auth_settings: AuthS
                 status, revoked = await call("DELETE", f"/keys/{created['key_id']}", admin_key)
                 assert status == 200 and revoked["revoked_at"] is not None
                 assert (await call("DELETE", "/keys/000000000000", admin_key))[0] == 404
-        finally:
-            await server.close()
-            await services.close()
 
     asyncio.run(scenario())
 
@@ -126,18 +133,10 @@ def test_a_key_revoked_or_rotated_through_the_admin_api_is_refused_by_that_gatew
     settings = AuthSettings(data_dir=tmp_path, revocation_poll_interval_s=1.0, key_cache_ttl_s=60.0)
 
     async def scenario() -> None:
-        services = await open_auth(settings)
-        await services.admin.create_project("ops")
-        _, admin_key = await services.admin.create_key("ops", [ADMIN])
-        revoked, revoked_key = await services.admin.create_key("ops", [INVOKE])
-        rotated, rotated_key = await services.admin.create_key("ops", [INVOKE])
-        app = web.Application()
-        app.add_routes(services.admin_routes())
-        server = TestServer(app, host="127.0.0.1", port=0)
-        await server.start_server()
-        base = str(server.make_url("/admin/v1"))
-        headers = {"Authorization": f"Bearer {admin_key}"}
-        try:
+        async with ops_admin_api(settings) as (services, base, admin_key):
+            revoked, revoked_key = await services.admin.create_key("ops", [INVOKE])
+            rotated, rotated_key = await services.admin.create_key("ops", [INVOKE])
+            headers = {"Authorization": f"Bearer {admin_key}"}
             for key in (revoked_key, rotated_key):
                 await services.authenticator.authenticate(key)  # cached now
             async with aiohttp.ClientSession() as http:
@@ -155,37 +154,17 @@ def test_a_key_revoked_or_rotated_through_the_admin_api_is_refused_by_that_gatew
                 else:
                     raise AssertionError(f"{code}: the key still works")
             assert (await services.authenticator.authenticate(new_key)).key_id == rotated.key_id
-        finally:
-            await server.close()
-            await services.close()
 
     asyncio.run(scenario())
-
-
-@contextlib.asynccontextmanager
-async def ops_admin_api(tmp_path: Path) -> AsyncIterator[tuple[str, dict[str, str]]]:
-    """The admin API over a fresh auth store with a project `ops`: (its base URL, an admin key's
-    JSON headers)."""
-    services = await open_auth(AuthSettings(data_dir=tmp_path))
-    await services.admin.create_project("ops")
-    _, admin_key = await services.admin.create_key("ops", [ADMIN])
-    app = web.Application()
-    app.add_routes(services.admin_routes())
-    server = TestServer(app, host="127.0.0.1", port=0)
-    await server.start_server()
-    try:
-        yield (str(server.make_url("/admin/v1")),
-               {"Authorization": f"Bearer {admin_key}", "content-type": "application/json"})
-    finally:
-        await server.close()
-        await services.close()
 
 
 def test_key_fields_that_would_grant_more_or_break_json_are_refused(tmp_path: Path) -> None:
     """`models: []` is not "every model"; NaN/Infinity/true are not durations (a NaN expiry never
     expired and made every later key listing invalid JSON); a name is a string."""
     async def scenario() -> None:
-        async with ops_admin_api(tmp_path) as (base, headers), aiohttp.ClientSession() as http:
+        async with (ops_admin_api(AuthSettings(data_dir=tmp_path)) as (_, base, admin_key),
+                    aiohttp.ClientSession() as http):
+            headers = {"Authorization": f"Bearer {admin_key}", "content-type": "application/json"}
             for body in ('{"scopes": ["ai_gateway:invoke"], "models": []}',
                          '{"scopes": ["ai_gateway:invoke"], "expires_in": NaN}',
                          '{"scopes": ["ai_gateway:invoke"], "expires_in": Infinity}',
@@ -211,7 +190,9 @@ def test_key_fields_that_would_grant_more_or_break_json_are_refused(tmp_path: Pa
 
 def test_a_body_that_is_not_utf8_or_not_its_content_encoding_is_a_400_not_a_500(tmp_path: Path) -> None:
     async def scenario() -> None:
-        async with ops_admin_api(tmp_path) as (base, headers), aiohttp.ClientSession() as http:
+        async with (ops_admin_api(AuthSettings(data_dir=tmp_path)) as (_, base, admin_key),
+                    aiohttp.ClientSession() as http):
+            headers = {"Authorization": f"Bearer {admin_key}", "content-type": "application/json"}
             for body, extra in ((b'{"name": "fz\xff"}', {}),
                                 (b'{"name": "fz"}', {"content-encoding": "gzip"})):
                 async with http.post(f"{base}/projects", data=body,
