@@ -15,6 +15,7 @@ As OpenAI does, a token whose bytes are not valid UTF-8 is named `bytes:\\xNN...
 
 from __future__ import annotations
 
+import functools
 import re
 import weakref
 from collections.abc import Callable
@@ -50,15 +51,8 @@ def _table(tokenizer: Any) -> TokenBytes:
     backend = getattr(tokenizer, "backend", None)
     is_byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
     added = set(backend.get_added_tokens_decoder()) if backend is not None else set()
-    cache: dict[int, bytes] = {}
-
+    @functools.cache
     def lookup(token_id: int) -> bytes:
-        raw = cache.get(token_id)
-        if raw is None:
-            raw = cache[token_id] = _bytes(token_id)
-        return raw
-
-    def _bytes(token_id: int) -> bytes:
         if known is not None:
             return bytes(known(token_id))
         if backend is not None and token_id not in added:
