@@ -4,7 +4,8 @@ Lifecycles (cleanup_ctx, in order): the upstream transport (one pooled ClientSes
 the first discovery round (models with `discover`: gateway/discovery.py), the router's own tasks
 (`Router.start/close`), the discovery task (every `health_interval_s`; it tells the router of
 changes), the health checker task, then (on shutdown only) the wait for the settlements still
-counting a prompt (`Pipeline.wait_settled`). With
+counting a prompt (`Pipeline.wait_settled`). The router's close is bounded
+(`ROUTER_CLOSE_TIMEOUT_S`): a Redis index that stopped answering must not hold a drain forever. With
 `settings.auth_enabled` false and nothing injected, the permissive gateway/open_access.py pair is
 used; with auth on, both must be injected
 (gateway/services.py::create_served_app does that with the real auth/ and metering/).
@@ -14,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Awaitable
 
 from aiohttp import web
 
@@ -41,6 +43,10 @@ from gateway.routing import Router, create_router
 from gateway.settings import GatewaySettings
 from gateway.telemetry import Telemetry
 from gateway.transport import Transport, create_transport
+
+log = logging.getLogger(__name__)
+
+ROUTER_CLOSE_TIMEOUT_S = 10.0
 
 
 def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None = None,
@@ -91,7 +97,19 @@ async def _transport_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _router_ctx(app: web.Application) -> AsyncIterator[None]:
     await app[ROUTER].start(app[FLEET])
     yield
-    await app[ROUTER].close()
+    await _bounded(app[ROUTER].close(), ROUTER_CLOSE_TIMEOUT_S, "the router's close")
+
+
+async def _bounded(step: Awaitable[None], timeout_s: float, what: str) -> None:
+    """Await `step` for at most `timeout_s`, then cancel it and go on (without waiting for the
+    cancellation to land: a step stuck on a dead peer may not honour it promptly)."""
+    task = asyncio.ensure_future(step)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        task.cancel()
+        log.warning("%s did not finish within %gs; shutdown goes on without it", what, timeout_s)
+    elif task.exception() is not None:
+        log.warning("%s failed: %r", what, task.exception())
 
 
 async def _first_discovery_ctx(app: web.Application) -> AsyncIterator[None]:

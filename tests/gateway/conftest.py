@@ -4,6 +4,7 @@ tests drive them with the real `openai`/`anthropic` SDKs and httpx from the main
 from __future__ import annotations
 
 import asyncio
+import io
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Iterator
@@ -41,7 +42,15 @@ class LoopThread:
         self._thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 30.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:  # say where the loop's tasks stood: a hang is found from this
+            stacks = io.StringIO()
+            for task in asyncio.all_tasks(self.loop):
+                task.print_stack(file=stacks)
+            raise TimeoutError(f"not done within {timeout_s:g}s; the loop's tasks:\n"
+                               f"{stacks.getvalue()}") from None
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)

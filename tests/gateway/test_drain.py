@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -12,11 +13,13 @@ import httpx
 import pytest
 from aiohttp import web
 
+import gateway.app
 from bench.mock_upstream import MockConfig, MockState, create_mock_app
 from gateway.app import create_app
 from gateway.backends.replica import ReplicaBackend
 from gateway.metering.contract import UsageRecord
 from gateway.open_access import NullMeter
+from gateway.routing.base import LeastOutstandingRouter
 from gateway.server import drain
 from gateway.settings import GatewaySettings
 from tests.gateway.conftest import MODEL, LoopThread, start_app
@@ -95,3 +98,23 @@ def test_a_stream_cut_by_the_drain_timeout_is_settled_before_the_meter_closes(
     finally:
         loop_thread.run(upstream.cleanup())
     assert settled_at_close[request_id].prompt_tokens == expected
+
+
+class _RouterWhoseCloseHangs(LeastOutstandingRouter):
+    """As a router whose Redis index stopped answering: close never returns, cancelled or not."""
+
+    async def close(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(3600)
+
+
+def test_a_router_whose_close_hangs_does_not_hold_the_shutdown(
+        loop_thread: LoopThread, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(gateway.app, "ROUTER_CLOSE_TIMEOUT_S", 0.3)
+    settings = GatewaySettings(auth_enabled=False, models=[{"name": MODEL, "endpoints": ["http://127.0.0.1:9"]}])
+    runner, _ = loop_thread.run(start_app(create_app(settings, router=_RouterWhoseCloseHangs())))
+    started = time.monotonic()
+    loop_thread.run(runner.cleanup(), timeout_s=10)
+    assert time.monotonic() - started < 5
+    assert "the router's close did not finish within 0.3s" in caplog.text
