@@ -9,9 +9,12 @@
 At most one flush is in flight: calls made while it runs form the next batch. Under load (the
 gateway at concurrency 16) this turns N round trips and N event-loop wakeups into one; alone, a
 call costs one round trip as before. Each item keeps its own atomicity (a Lua script, a row).
-With `linger_s`, a `submit_nowait` that finds nothing in flight waits that long for company
-before flushing (nobody waits on it; a `submit` or `flush` in the meantime flushes at once), so
-even one request at a time shares its store round trip with its neighbours.
+With `linger_s`, queued `submit_nowait` items wait that long for company before they are
+flushed: when they find nothing in flight, and again when a flush ends with only such items left.
+Nobody waits on them; a `submit` or `flush` in the meantime flushes at once. So even one request
+at a time shares its store round trip with its neighbours: at concurrency 1 a batch is the
+requests of one linger (~10 per SQLite transaction at 1 ms a request), not one, which had the
+store's thread contend for the GIL with the event loop on every request.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class Coalescer(Generic[T, R]):
         # each item with its waiter: a future (submit) or a callback (submit_nowait)
         self._pending: list[tuple[T, asyncio.Future[R] | Callable[[R | BaseException], None]]] = []
         self._flusher: asyncio.Task[None] | None = None
+        self._num_flush_waiters = 0  # flush() callers: while any wait, nothing lingers
 
     async def submit(self, item: T) -> R:
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
@@ -74,13 +78,27 @@ class Coalescer(Generic[T, R]):
                     raise
             for (_, waiter), result in zip(batch, results, strict=True):
                 _deliver(waiter, result)
+            if self._pending and self._linger_s > 0.0 and self._may_linger():
+                self._linger = asyncio.get_running_loop().call_later(self._linger_s, self._start)
+                return
+
+    def _may_linger(self) -> bool:
+        """Between batches: only queued items are left and nobody waits for a flush."""
+        return self._num_flush_waiters == 0 and not any(
+            isinstance(waiter, asyncio.Future) for _, waiter in self._pending)
 
     async def flush(self) -> None:
         """Wait until everything submitted so far has been flushed."""
-        if self._linger is not None:
-            self._start()
-        while self._flusher is not None and not self._flusher.done():
-            await asyncio.wait((self._flusher,))  # never raises what the flusher raised
+        self._num_flush_waiters += 1
+        try:
+            while self._linger is not None or (self._flusher is not None
+                                               and not self._flusher.done()):
+                if self._linger is not None:
+                    self._start()
+                assert self._flusher is not None
+                await asyncio.wait((self._flusher,))  # never raises what the flusher raised
+        finally:
+            self._num_flush_waiters -= 1
 
     async def close(self) -> None:
         """Wait for what is already submitted to be flushed."""

@@ -95,3 +95,32 @@ def test_queued_items_linger_for_company_but_a_waiting_call_flushes_at_once() ->
 
     waited = asyncio.run(scenario())
     assert batches == [[1, 2], [3, 4]] and results == [10, 20, 30] and waited < 0.04
+
+
+def test_items_queued_during_a_flush_linger_again_instead_of_flushing_one_by_one() -> None:
+    """At concurrency 1 each request's row arrives while the previous batch is being written:
+    it waits a linger for company rather than starting a transaction of its own."""
+    batches: list[list[int]] = []
+    results: list[object] = []
+
+    async def flush(items: list[int]) -> list[int | BaseException]:
+        batches.append(items)
+        await asyncio.sleep(0.02)
+        return [i * 10 for i in items]
+
+    async def scenario() -> float:
+        coalescer: Coalescer[int, int] = Coalescer(flush, linger_s=0.05)
+        coalescer.submit_nowait(1, results.append)
+        await asyncio.sleep(0.06)  # the linger is over: [1] is being written
+        assert batches == [[1]]
+        coalescer.submit_nowait(2, results.append)  # arrives during that write
+        await asyncio.sleep(0.03)  # the write is done; 2 waits for company
+        coalescer.submit_nowait(3, results.append)
+        await asyncio.sleep(0.005)
+        assert batches == [[1]]
+        started = asyncio.get_running_loop().time()
+        await coalescer.flush()  # a reader does not wait out the linger
+        return asyncio.get_running_loop().time() - started
+
+    waited = asyncio.run(scenario())
+    assert batches == [[1], [2, 3]] and results == [10, 20, 30] and waited < 0.04
