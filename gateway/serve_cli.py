@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--config", default=None, help="TOML or YAML config (else $AIGW_CONFIG)")
     parser.add_argument("--replicas", type=_positive_int, default=1,
                         help="embedded replicas to start when no models are configured")
-    parser.add_argument("--workers", type=int, default=1,
+    parser.add_argument("--workers", type=_positive_int, default=1,
                         help="gateway processes sharing the port (SO_REUSEPORT)")
     parser.add_argument("--model", default=None, help="model path for the embedded replicas")
     parser.add_argument("--kv-cache-memory", type=int, default=None,
@@ -32,10 +32,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
+
+
+def _one_line(exc: Exception) -> str:
+    """pydantic's ValidationError is a paragraph per field plus a docs URL; here each field is
+    `where: message (got value)`, joined on one line."""
+    from pydantic import ValidationError
+
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    problems = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or exc.title
+        message = error["msg"].removeprefix("Value error, ")
+        got = f" (got {error['input']!r})" if error["type"] != "missing" and not isinstance(
+            error["input"], dict) else ""
+        problems.append(f"{where}: {message}{got}")
+    return "; ".join(problems)
 
 
 def attach_replica_args(argv: list[str]) -> list[str]:
@@ -78,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         TelemetrySettings.from_env()
     except (OSError, ValueError, TypeError, ImportError, yaml.YAMLError) as exc:
         # unreadable, unparsable or invalid
-        print(f"aigw: invalid configuration: {exc}", file=sys.stderr)
+        print(f"aigw: invalid configuration: {_one_line(exc)}", file=sys.stderr)
         return 1
     replicas: list[embedded.ReplicaProcess] = []
     try:
@@ -91,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"aigw: {exc}", file=sys.stderr)
                 return 1
             settings = settings.model_copy(update={"models": (embedded.model_settings_for(replicas),)})
-        _serve_workers(settings.model_dump(mode="json"), max(1, args.workers))
+        _serve_workers(settings.model_dump(mode="json"), args.workers)
     finally:
         embedded.stop_replicas(replicas)
     return 0

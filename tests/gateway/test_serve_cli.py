@@ -147,15 +147,29 @@ def test_a_bad_environment_variable_is_one_error_message_and_status_1(
     assert err.startswith("aigw: invalid configuration: ") and "Traceback" not in err
 
 
-@pytest.mark.parametrize("num_replicas", ["0", "-1"])
-def test_replicas_below_one_is_a_usage_error(num_replicas: str,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("flag", ["--replicas", "--workers"])
+@pytest.mark.parametrize("count", ["0", "-1"])
+def test_replicas_or_workers_below_one_is_a_usage_error(flag: str, count: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
     from gateway.cli import main
 
-    with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--replicas", num_replicas])
+    with pytest.raises(SystemExit) as exit_info:  # --workers 0 once served with one worker
+        main(["serve", flag, count])
     assert exit_info.value.code == 2
-    assert "--replicas: must be at least 1" in capsys.readouterr().err
+    assert f"{flag}: must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("words", "expected"), [
+    (["--port", "99999"], "port: Input should be less than or equal to 65535 (got 99999)"),
+    (["--port", "-1"], "port: Input should be greater than or equal to 0 (got -1)"),
+])
+def test_an_out_of_range_flag_is_one_line_naming_the_field(
+        words: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    assert main(["serve", *words]) == 1
+    err = capsys.readouterr().err
+    assert err == f"aigw: invalid configuration: {expected}\n"  # not pydantic's paragraph and URL
 
 
 @pytest.mark.parametrize("words", [
