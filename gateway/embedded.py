@@ -5,11 +5,13 @@ them on exit. This runs before the event loop starts, so its blocking waits are 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gateway.settings import ModelSettings
@@ -40,8 +42,19 @@ def start_replicas(num_replicas: int, model_path: str | None, kv_cache_memory_by
         if kv_cache_memory_bytes is not None:
             command += ["--kv-cache-memory", str(kv_cache_memory_bytes)]
         command += extra_args or []
-        replicas.append(ReplicaProcess(subprocess.Popen(command), f"http://{host}:{port}"))
+        replicas.append(ReplicaProcess(subprocess.Popen(command, env=replica_environ(os.environ)),
+                                       f"http://{host}:{port}"))
     return replicas
+
+
+def replica_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """The embedded replicas' environment: the gateway's, except that an `OTEL_SERVICE_NAME` set
+    for the gateway names them `<that name>-replica`, so that their spans (exported by each replica
+    itself, and shown by the dashboard) are not filed under the gateway's service."""
+    env = dict(environ)
+    if env.get("OTEL_SERVICE_NAME"):
+        env["OTEL_SERVICE_NAME"] += "-replica"
+    return env
 
 
 def wait_healthy(replicas: list[ReplicaProcess], timeout_s: float = 300.0) -> None:

@@ -134,8 +134,10 @@ class ObservedMeter:
 
     async def admit(self, request_id: str, principal: Principal, model: str,
                     num_prompt_tokens: int, max_tokens: int) -> Admission:
-        admission = await self.inner.admit(request_id, principal, model, num_prompt_tokens, max_tokens)
         observation = current_observation()
+        if observation is not None:  # (model is a configured one here, never free client text)
+            observation.model, observation.project = model, principal.project
+        admission = await self.inner.admit(request_id, principal, model, num_prompt_tokens, max_tokens)
         if observation is not None:
             observation.is_admitted = True
         return admission

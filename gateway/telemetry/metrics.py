@@ -12,7 +12,8 @@
                    requests_running,requests_waiting,kv_usage_ratio}{model,endpoint}
                                                                read from the Fleet at scrape time
 
-Model and project are "" for requests that never got that far (bad body, failed auth).
+Model and project are "" for requests refused before admission (failed auth, bad body, unknown
+model); from admission on (a 429 included) they are the configured model and the caller's project.
 The request path reaches label children through `child(metric, *labels)`-style caches
 (`LabelCache`), so prometheus_client's `labels()` runs once per label tuple, not per request.
 (Writing the children's numbers lock-free through prometheus_client's private fields saved ~3.5 us

@@ -118,7 +118,8 @@ def _finish(telemetry: Telemetry, route: str, status: int, observation: RequestO
     metrics = telemetry.metrics
     latency_s = time.perf_counter() - observation.started
     record = observation.record
-    model, project = (record.model, record.project) if record is not None else ("", "")
+    model, project = ((record.model, record.project) if record is not None
+                      else (observation.model, observation.project))
     metrics.requests_of(route, str(status), model, project).inc()
     metrics.duration_of(route, model).observe(latency_s)
     overhead_s = None

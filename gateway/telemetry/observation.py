@@ -21,6 +21,10 @@ class RequestObservation:
     record: UsageRecord | None = None  # set when the pipeline settles with the meter
     first_upstream_line_at: float | None = None  # perf_counter of the first upstream body line
     is_admitted: bool = False  # the meter admitted it, so a settle (and a record) will follow
+    # The metric labels once the request reached admission (its model configured, its caller
+    # known), so a refusal there (429) is counted under them although it leaves no record.
+    model: str = ""
+    project: str = ""
     on_settled: Callable[[], None] | None = None  # the middleware's finish, if it had to wait
 
 

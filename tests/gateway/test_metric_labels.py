@@ -1,0 +1,54 @@
+"""Request metrics are labelled with the configured model and the caller's project from admission
+on, so an operator sees whose requests a limit refuses; before it (failed auth, a bad body, an
+unknown model) they stay "", so free client text never becomes a label value."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+
+from gateway.embedded import replica_environ
+from tests.gateway.conftest import MODEL, GatewayFactory
+from tests.gateway.test_auth_seam import KeyAuthenticator, RecordingMeter
+
+CHAT = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _requests_total(url: str) -> dict[tuple[str, str, str], float]:
+    """(status, model, project) -> count of aigw_requests_total on /v1/chat/completions."""
+    counts = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("aigw_requests_total{") and 'route="/v1/chat/completions"' in line:
+            labels, value = line.rsplit(" ", 1)
+            pairs = dict(p.split("=", 1) for p in labels[len("aigw_requests_total{"):-1].split(","))
+            key = tuple(pairs[k].strip('"') for k in ("status", "model", "project"))
+            counts[key] = float(value)
+    return counts
+
+
+def test_a_rate_limited_request_is_counted_under_its_model_and_project(
+        make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(authenticator=KeyAuthenticator(), meter=RecordingMeter(limited=True))
+    response = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT,
+                          headers={"authorization": "Bearer good"})
+    assert response.status_code == 429
+    assert _requests_total(gateway.url) == {("429", MODEL, "proj"): 1.0}
+
+
+def test_requests_refused_before_admission_add_no_label_values(make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(authenticator=KeyAuthenticator(), meter=RecordingMeter())
+    for _ in range(3):  # a different unknown model name each time
+        response = httpx.post(gateway.url + "/v1/chat/completions",
+                              json={**CHAT, "model": f"nope-{uuid.uuid4().hex}"},
+                              headers={"authorization": "Bearer good"})
+        assert response.status_code == 404
+    response = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 401
+    assert _requests_total(gateway.url) == {("404", "", ""): 3.0, ("401", "", ""): 1.0}
+
+
+def test_embedded_replicas_are_named_apart_from_the_gateway_in_traces() -> None:
+    env = replica_environ({"OTEL_SERVICE_NAME": "shop-gw", "PATH": "/bin"})
+    assert env == {"OTEL_SERVICE_NAME": "shop-gw-replica", "PATH": "/bin"}
+    assert "OTEL_SERVICE_NAME" not in replica_environ({"PATH": "/bin"})  # the replica's default
