@@ -104,6 +104,9 @@ class FanOut:
                 self._queue.put_nowait((sub.index, output))
         except Exception as exc:  # handed to the consumer, which re-raises it
             self._queue.put_nowait((sub.index, exc))
+        except asyncio.CancelledError:  # the consumer went away: the engine aborts the request
+            latency.observe_abort()
+            raise
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]
         self._queue.put_nowait((sub.index, _DONE))

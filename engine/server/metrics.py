@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.outputs import RequestOutput
+from engine.outputs import FinishReason, RequestOutput
 
 PREFIX = "aigw_replica_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -113,6 +113,7 @@ class RequestLatency:
         self._metrics = metrics
         self._start = start
         self._last: float | None = None
+        self._is_finished = False
 
     def observe(self, output: RequestOutput) -> None:
         now = time.perf_counter()
@@ -127,5 +128,15 @@ class RequestLatency:
                     itl.observe(per_token)
             self._last = now
         if output.finish_reason is not None:
-            self._metrics._e2e.labels(**labels).observe(now - self._start)
-            self._metrics._finished.labels(**labels, finish_reason=str(output.finish_reason)).inc()
+            self._finish(str(output.finish_reason), now)
+
+    def observe_abort(self) -> None:
+        """The request ended without a final output (its caller went away): the engine aborts it."""
+        if not self._is_finished:
+            self._finish(str(FinishReason.ABORT), time.perf_counter())
+
+    def _finish(self, finish_reason: str, now: float) -> None:
+        self._is_finished = True
+        labels = self._metrics._labels
+        self._metrics._e2e.labels(**labels).observe(now - self._start)
+        self._metrics._finished.labels(**labels, finish_reason=finish_reason).inc()

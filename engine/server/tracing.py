@@ -7,6 +7,12 @@ from `RequestOutput.timings` (queue_s, prefill_s, decode_s, counted back from th
 output arrived), a `replica.generate` span whose parent is the incoming W3C `traceparent`, with
 children `engine.queue`, `engine.prefill` and `engine.decode`. Nothing runs per token.
 
+A request that never finishes (its caller went away or timed out, and the engine aborts it; or the
+engine raised) still gets its `replica.generate` span: the counts of its last output, finish reason
+`abort` (an engine error instead: its `error.type`, and status ERROR unless the prompt was too
+long), and an `engine.decode` child from its first output on, when there was one (the engine's
+queue/prefill split is not known then).
+
 Spans go to this process's own SpanBuffer (and OTLP/HTTP when OTEL_EXPORTER_OTLP_ENDPOINT is set,
 see gateway/telemetry/settings.py); the gateway's dashboard fetches a trace's replica spans from
 `GET /debug/traces?trace_id=<32 hex>` and merges them with its own. Spans carry token counts and
@@ -21,10 +27,10 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from aiohttp import web
-from opentelemetry.trace import SpanKind, Tracer, set_span_in_context
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from engine.outputs import RequestOutput
+from engine.outputs import FinishReason, PromptTooLongError, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.server.typedefs import ServedEngine
 from gateway.telemetry.settings import TelemetrySettings
@@ -51,16 +57,67 @@ class TracedEngine:
                        cache_salt: str | None = None, trace_headers: Mapping[str, str] | None = None
                        ) -> AsyncIterator[RequestOutput]:
         started_ns = time.time_ns()
+        first_output_ns: int | None = None
+        last: RequestOutput | None = None
+        error: BaseException | None = None
         outputs = self.inner.generate(request_id, prompt_token_ids, params, cache_salt=cache_salt,
                                       trace_headers=trace_headers)
         try:
             async for output in outputs:
+                if first_output_ns is None:
+                    first_output_ns = time.time_ns()
+                last = output
                 if output.finished:
                     self.record(request_id, params, output, trace_headers or {}, started_ns,
                                 time.time_ns())
                 yield output
+        except Exception as exc:
+            error = exc
+            raise
         finally:
+            if last is None or not last.finished:  # aborted (cancelled, closed early) or failed
+                self.record_unfinished(request_id, params, last, trace_headers or {}, started_ns,
+                                       first_output_ns, time.time_ns(), error)
             await outputs.aclose()  # type: ignore[attr-defined]
+
+    def _attributes(self, request_id: str, params: SamplingParams, output: RequestOutput | None,
+                    finish_reason: str | None) -> dict[str, Any]:
+        attributes: dict[str, Any] = {
+            "gen_ai.system": "aigw", "gen_ai.request.model": self._model,
+            "gen_ai.response.model": self._model, "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p,
+            "gen_ai.usage.input_tokens": output.num_prompt_tokens if output else 0,
+            "gen_ai.usage.output_tokens": output.num_output_tokens if output else 0,
+            "aigw.cached_tokens": output.num_cached_tokens if output else 0,
+            "aigw.replica": self.inner.replica_id, "aigw.request_id": request_id}
+        if params.max_tokens is not None:
+            attributes["gen_ai.request.max_tokens"] = params.max_tokens
+        if finish_reason is not None:
+            attributes["gen_ai.response.finish_reasons"] = [finish_reason]
+        return attributes
+
+    def record_unfinished(self, request_id: str, params: SamplingParams, last: RequestOutput | None,
+                          trace_headers: Mapping[str, str], started_ns: int,
+                          first_output_ns: int | None, ended_ns: int,
+                          error: BaseException | None) -> None:
+        """Spans for an engine request that ended without a final output (module docstring)."""
+        attributes = self._attributes(request_id, params, last,
+                                      None if error is not None else str(FinishReason.ABORT))
+        root = self._tracer.start_span("replica.generate", context=_PROPAGATOR.extract(trace_headers),
+                                       kind=SpanKind.SERVER, start_time=started_ns,
+                                       attributes=attributes)
+        if not root.is_recording():
+            return
+        if error is not None:
+            root.set_attribute("error.type", type(error).__qualname__)
+            if not isinstance(error, PromptTooLongError):  # (that one is the caller's 400)
+                root.set_status(Status(StatusCode.ERROR, str(error)[:200]))
+        if first_output_ns is not None:
+            self._tracer.start_span(
+                "engine.decode", context=set_span_in_context(root), start_time=first_output_ns,
+                attributes={"gen_ai.usage.output_tokens": last.num_output_tokens if last else 0},
+            ).end(end_time=ended_ns)
+        root.end(end_time=ended_ns)
 
     def record(self, request_id: str, params: SamplingParams, final: RequestOutput,
                trace_headers: Mapping[str, str], started_ns: int, finished_ns: int) -> None:
@@ -70,17 +127,8 @@ class TracedEngine:
         prefill_ns = decode_ns - int(timings.get("prefill_s", 0.0) * _NS_PER_S)
         queue_ns = prefill_ns - int(timings.get("queue_s", 0.0) * _NS_PER_S)
         parent = _PROPAGATOR.extract(trace_headers)
-        attributes: dict[str, Any] = {
-            "gen_ai.system": "aigw", "gen_ai.request.model": self._model,
-            "gen_ai.response.model": self._model, "gen_ai.request.temperature": params.temperature,
-            "gen_ai.request.top_p": params.top_p, "gen_ai.usage.input_tokens": final.num_prompt_tokens,
-            "gen_ai.usage.output_tokens": final.num_output_tokens,
-            "aigw.cached_tokens": final.num_cached_tokens, "aigw.replica": self.inner.replica_id,
-            "aigw.request_id": request_id}
-        if params.max_tokens is not None:
-            attributes["gen_ai.request.max_tokens"] = params.max_tokens
-        if final.finish_reason is not None:
-            attributes["gen_ai.response.finish_reasons"] = [str(final.finish_reason)]
+        attributes = self._attributes(request_id, params, final,
+                                      None if final.finish_reason is None else str(final.finish_reason))
         root = self._tracer.start_span("replica.generate", context=parent, kind=SpanKind.SERVER,
                                        start_time=min(started_ns, queue_ns), attributes=attributes)
         if not root.is_recording():

@@ -247,3 +247,31 @@ def test_replica_spans_are_built_back_from_engine_timings_under_the_incoming_par
     assert spans["engine.queue"]["start_ns"] == finished_ns - 1_750_000_000
     assert spans["engine.prefill"]["attributes"]["aigw.cached_tokens"] == 32
     assert spans["replica.generate"]["attributes"]["gen_ai.usage.output_tokens"] == 5
+
+
+class _FailingEngine(_Engine):
+    def generate(self, request_id: str, *args: object, **kwargs: object):  # noqa: ANN201
+        async def outputs():  # noqa: ANN202
+            yield RequestOutput(request_id, [1], "x", num_prompt_tokens=7, num_output_tokens=1)
+            raise RuntimeError("the engine loop died")
+        return outputs()
+
+
+def test_a_replica_request_the_engine_fails_leaves_an_error_span() -> None:
+    provider, buffer = build_tracer_provider(TelemetrySettings(service_name="aigw-replica"))
+    engine = TracedEngine(_FailingEngine(), provider.get_tracer("t"))  # type: ignore[arg-type]
+    trace_id = "0af7651916cd43dd8448eb211c80319d"
+
+    async def consume() -> None:
+        async for _ in engine.generate("req", [1, 2], SamplingParams(max_tokens=5),
+                                       trace_headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"}):
+            pass
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(consume())
+    spans = {s["name"]: s for s in buffer.trace(trace_id)}
+    root = spans["replica.generate"]
+    assert root["status"] == "ERROR" and root["attributes"]["error.type"] == "RuntimeError"
+    assert root["attributes"]["gen_ai.usage.input_tokens"] == 7
+    assert "gen_ai.response.finish_reasons" not in root["attributes"]
+    assert spans["engine.decode"]["parent_span_id"] == root["span_id"]

@@ -46,3 +46,25 @@ def test_disconnect_of_a_non_streaming_request_aborts_every_choice(
     wait_for_aborts(engine, 2)
     assert sorted(engine.aborted) == sorted(call.request_id for call in engine.calls)
     assert len(engine.aborted) == 2
+
+
+def test_an_aborted_request_still_leaves_its_replica_span_and_is_counted(
+        http: httpx.Client, engine: FakeEngine) -> None:
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    body = {"model": "fake-model", "stream": True, "messages": [{"role": "user", "content": "go"}]}
+    with http.stream("POST", "/v1/chat/completions", json=body,
+                     headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}) as response:
+        events = (line for line in response.iter_lines() if line.startswith("data: "))
+        [next(events) for _ in range(4)]
+    wait_for_aborts(engine, 1)
+    deadline = time.monotonic() + WAIT_S
+    while not (spans := http.get("/debug/traces", params={"trace_id": trace_id}).json()["spans"]):
+        assert time.monotonic() < deadline, "no replica span for the aborted request"
+        time.sleep(0.05)
+    by_name = {s["name"]: s for s in spans}
+    root = by_name["replica.generate"]
+    assert root["parent_span_id"] == "00f067aa0ba902b7" and root["status"] == "UNSET"
+    assert root["attributes"]["gen_ai.response.finish_reasons"] == ["abort"]
+    assert root["attributes"]["gen_ai.usage.output_tokens"] >= 3
+    assert by_name["engine.decode"]["parent_span_id"] == root["span_id"]
+    assert 'aigw_replica_requests_total{finish_reason="abort"' in http.get("/metrics").text
