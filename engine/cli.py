@@ -31,10 +31,39 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0..65535, not {value}")
+    return value
+
+
+def check_device(device: str) -> None:
+    """A ValueError, not torch's RuntimeError or AssertionError deep in loading, for a device
+    string torch cannot parse or one this build or machine does not have."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r} (cpu, cuda or cuda:N)") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available to this torch build or machine")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif parsed.type != "cpu":
+        raise ValueError(f"unsupported device {device!r} (cpu, cuda or cuda:N)")
+
+
 def engine_config_from_args(args: argparse.Namespace, replica_id: str = "replica-0"):  # type: ignore[no-untyped-def]
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.loader import default_model_path
 
+    check_device(args.device)
     return EngineConfig(
         model_path=str(args.model or default_model_path()),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory,
@@ -50,7 +79,7 @@ def engine_config_from_args(args: argparse.Namespace, replica_id: str = "replica
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     replica = subparsers.add_parser("replica", help="serve one engine replica over HTTP (OpenAI API)")
     replica.add_argument("--host", default="127.0.0.1")
-    replica.add_argument("--port", type=int, default=8001)
+    replica.add_argument("--port", type=_port, default=8001)
     replica.add_argument("--replica-id", default=None, help="id in KV events (default: host:port)")
     replica.add_argument("--redis-url", default=None,
                          help="also publish KV events to a Redis stream (default: $AIGW_REDIS_URL)")

@@ -121,6 +121,9 @@ class EngineConfig:
             raise ValueError("decode_weights='q4' is a CPU path")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"unsupported quantization {self.quantization!r}")
+        for name in ("num_threads", "max_model_len"):  # None means "the default", 0 is no count
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
     @cached_property
     def resolved_dtype(self) -> str:

@@ -13,11 +13,35 @@ from gateway.cli import main
     ["generate", "hi", "--model", "/nonexistent/model.gguf"],
     ["replica", "--port", "0", "--model", "/nonexistent/model.gguf"],
     ["replica", "--port", "0", "--block-size", "0"],
+    # these three once served (0 threads, a 0 max_model_len read as "the model's") ...
+    ["replica", "--port", "0", "--threads", "0"],
+    ["replica", "--port", "0", "--max-model-len", "0"],
+    ["generate", "hi", "--max-model-len", "-3"],
+    # ... and these were tracebacks from deep in loading
+    ["replica", "--port", "0", "--device", "bogus"],
+    ["replica", "--port", "0", "--device", "mps"],
 ], ids=["max_tokens_0", "negative_temperature", "generate_missing_model",
-        "replica_missing_model", "replica_block_size_0"])
+        "replica_missing_model", "replica_block_size_0", "threads_0", "max_model_len_0",
+        "negative_max_model_len", "unknown_device", "unsupported_device"])
 def test_a_bad_engine_flag_is_one_error_line_and_status_1(
         argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 1
     out, err = capsys.readouterr()
     assert out == ""
     assert err.startswith("aigw: ") and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_a_cuda_device_without_cuda_is_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replica", "--port", "0", "--device", "cuda"]) == 1
+    err = capsys.readouterr().err
+    assert err == "aigw: ValueError: device 'cuda': CUDA is not available to this torch build or machine\n"
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "x"])
+def test_a_replica_port_outside_0_to_65535_is_a_usage_error(
+        port: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:  # was an OverflowError traceback after loading
+        main(["replica", "--port", port])
+    assert exit_info.value.code == 2
+    assert "argument --port: " in capsys.readouterr().err
