@@ -14,6 +14,7 @@ polling and scanners do not crowd the trace buffer.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ from aiohttp.typedefs import Handler, Middleware
 from opentelemetry import trace as trace_api
 from opentelemetry.trace import SpanContext, TraceFlags
 
-from gateway.telemetry.lean_tracer import new_span_context
+from gateway.telemetry.lean_tracer import new_span_context, new_span_id
 from gateway.telemetry.observation import RequestObservation, reset_current, set_current
 from gateway.telemetry.recent import LatencySample
 from gateway.telemetry.request_trace import RequestTrace, TraceOrigin
@@ -58,6 +59,8 @@ def make_middleware(telemetry: Telemetry) -> Middleware:
             return untraced
         trace = _start_trace(request, route, sample_bound, origin) if is_tracing else None
         observation = RequestObservation(time.perf_counter(), trace)
+        if trace is None and is_tracing:
+            observation.unsampled_traceparent = _unsampled_traceparent(request)
         token = set_current(observation)
         response: web.StreamResponse | None = None
         status = 500
@@ -98,6 +101,13 @@ def _start_trace(request: web.Request, route: str, sample_bound: int, origin: Tr
     if not context[3] & _SAMPLED:  # (SpanContext is a tuple: its trace flags fourth)
         return None
     return RequestTrace(context, parent, request.method, route, origin, time.time_ns())
+
+
+def _unsampled_traceparent(request: web.Request) -> str:
+    """The not-sampled decision, passed on (W3C: the caller's trace id, if any, and flags 00)."""
+    parent = _incoming_span(request)
+    trace_id = parent.trace_id if parent is not None else random.getrandbits(128) or 1
+    return f"00-{trace_id:032x}-{new_span_id():016x}-00"
 
 
 def _incoming_span(request: web.Request) -> SpanContext | None:

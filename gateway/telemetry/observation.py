@@ -26,6 +26,9 @@ class RequestObservation:
     model: str = ""
     project: str = ""
     on_settled: Callable[[], None] | None = None  # the middleware's finish, if it had to wait
+    # Tracing on but this request not sampled: the `traceparent` (flags 00) its upstream calls
+    # carry, so that a replica does not start a trace of its own for it.
+    unsampled_traceparent: str | None = None
 
 
 _CURRENT: contextvars.ContextVar[RequestObservation | None] = contextvars.ContextVar(

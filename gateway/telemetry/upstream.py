@@ -5,7 +5,8 @@ continues. It also notes when the first body line arrived (time to first token, 
 through `lines` or `line_batches`, whichever the backend reads; both forward to the wrapped
 response unchanged. Calls made outside a request (health checks, the dashboard's own fetches)
 pass straight through; a request that is not traced (tracing off, or not sampled) only gets its
-first line's time noted.
+first line's time noted, and, when not sampled, a `traceparent` with flags 00 (the replica's
+parent-based sampler then records nothing, instead of starting a trace of its own).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class TracingTransport(Transport):
             return await self.inner.send(request)
         trace = observation.trace
         if trace is None:
+            if observation.unsampled_traceparent is not None:  # not sampled: nor upstream
+                request.headers["traceparent"] = observation.unsampled_traceparent
             return _TracedResponse(await self.inner.send(request), None, observation)
         name, attributes = _span_shape(request.method, request.url)
         call = trace.new_call(name, attributes, _time_ns())
