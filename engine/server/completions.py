@@ -54,9 +54,10 @@ def echo_of(req: CompletionRequest, prompts: Sequence[list[int]], tokenizer: Any
 
 def _choice_parts(ctx: ServingContext, req: CompletionRequest, echo: Echo | None, index: int,
                   output: RequestOutput | ChoiceState, offset: int, is_first: bool
-                  ) -> tuple[str, dict[str, Any] | None]:
-    """One choice's text and logprobs for `output` (a step's, or the whole state's); the echoed
-    prompt goes first when `is_first`."""
+                  ) -> tuple[str, dict[str, Any] | None, int]:
+    """One choice's text and logprobs for `output` (a step's, or the whole state's), and the
+    logprobs' text offset after it (`offset`: the one before it); the echoed prompt goes first
+    when `is_first`."""
     text = output.text
     entries = list(output.logprobs or ())
     leading = None
@@ -67,9 +68,10 @@ def _choice_parts(ctx: ServingContext, req: CompletionRequest, echo: Echo | None
             entries = list(output.prompt_logprobs or ()) + entries
             leading = echo.first_token_ids[prompt]
     if req.logprobs is None:
-        return text, None
-    return text, shapes.completion_logprobs(entries, token_bytes_of(ctx.engine.tokenizer), offset,
-                                            leading)
+        return text, None, offset
+    logprobs, end_offset = shapes.completion_logprobs(entries, token_bytes_of(ctx.engine.tokenizer),
+                                                      offset, leading)
+    return text, logprobs, end_offset
 
 
 async def complete_text(ctx: ServingContext, req: CompletionRequest, fanout: FanOut,
@@ -80,7 +82,7 @@ async def complete_text(ctx: ServingContext, req: CompletionRequest, fanout: Fan
         states[index].add(output)
     choices = []
     for index, state in enumerate(states):
-        text, logprobs = _choice_parts(ctx, req, echo, index, state, 0, True)
+        text, logprobs, _ = _choice_parts(ctx, req, echo, index, state, 0, True)
         choices.append(shapes.completion_choice(index, text, logprobs, state.finish_reason,
                                                 state.stop_reason))
     body = shapes.completion(id_, created, req.model, choices, usage_of(states, req.n))
@@ -103,15 +105,16 @@ async def stream_text(request: web.Request, ctx: ServingContext, req: Completion
 
     try:
         try:
-            sent = [0] * num_choices  # characters of each choice's text sent so far
+            # each choice's logprobs text offset so far: its tokens' text, which a held-back
+            # or cut stop string does not shorten (the offsets a whole answer has)
+            offsets = [0] * num_choices
             async for index, output in fanout:
                 state = states[index]
                 is_first = not state.text_parts
                 state.add(output)
-                text, logprobs = _choice_parts(ctx, req, echo, index, output, sent[index],
-                                               is_first)
+                text, logprobs, offsets[index] = _choice_parts(ctx, req, echo, index, output,
+                                                               offsets[index], is_first)
                 if text or (logprobs is not None and logprobs["tokens"]):
-                    sent[index] += len(text)
                     await chunk([shapes.completion_choice(index, text, logprobs, None)])
                 if output.finished:
                     await chunk([shapes.completion_choice(index, "", None, state.finish_reason,

@@ -112,10 +112,14 @@ def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None,
 
 def completion_logprobs(entries: Sequence[TokenLogprob], token_bytes: TokenBytes,
                         first_offset: int = 0, leading_token_id: int | None = None
-                        ) -> dict[str, Any]:
-    """`text_offset` counts characters from the start of the choice's text (a token that holds
-    part of a character counts as one). `leading_token_id`: an echoed prompt's first token, which
-    has no logprob (null, as OpenAI sends it), before `entries`."""
+                        ) -> tuple[dict[str, Any], int]:
+    """The legacy form and the text offset just past its last token. `text_offset` counts
+    characters from the start of the choice's text (a token that holds part of a character
+    counts as one), over the tokens' own text, so a stream (which passes the previous end as
+    `first_offset`) gives the offsets a whole answer gives, also where a stop string cut the text.
+    Each `top_logprobs` entry holds the sampled token too (OpenAI: "up to logprobs+1 elements";
+    vLLM the same). `leading_token_id`: an echoed prompt's first token, which has no logprob
+    (null, as OpenAI sends it), before `entries`."""
     tokens, offsets = [], []
     offset = first_offset
     token_ids = [entry.token_id for entry in entries]
@@ -127,13 +131,17 @@ def completion_logprobs(entries: Sequence[TokenLogprob], token_bytes: TokenBytes
         offsets.append(offset)
         offset += len(raw.decode("utf-8", "replace"))
     lead: list[Any] = [None] if leading_token_id is not None else []
+    top_logprobs: list[Any] = list(lead)
+    for entry in entries:
+        top = {token_string(token_bytes(tid)): lp for tid, lp in entry.top}
+        top.setdefault(token_string(token_bytes(entry.token_id)), entry.logprob)
+        top_logprobs.append(top)
     return {
         "tokens": tokens,
         "token_logprobs": lead + [e.logprob for e in entries],
-        "top_logprobs": lead + [{token_string(token_bytes(tid)): lp for tid, lp in e.top}
-                                for e in entries],
+        "top_logprobs": top_logprobs,
         "text_offset": offsets,
-    }
+    }, offset
 
 
 def model_list(model_ids: Sequence[str], root: str, created: int, max_model_len: int
