@@ -275,3 +275,15 @@ def test_a_replica_request_the_engine_fails_leaves_an_error_span() -> None:
     assert root["attributes"]["gen_ai.usage.input_tokens"] == 7
     assert "gen_ai.response.finish_reasons" not in root["attributes"]
     assert spans["engine.decode"]["parent_span_id"] == root["span_id"]
+
+
+def test_the_trace_list_names_the_model_of_a_request_refused_before_routing() -> None:
+    from gateway.dashboard.views import trace_summary
+
+    root = {"trace_id": "t", "span_id": "a", "parent_span_id": None, "name": "POST /v1/chat/completions",
+            "start_ns": 0, "end_ns": 1_000_000, "status": "ERROR",
+            "attributes": {"http.response.status_code": 503, "gen_ai.response.model": "dead",
+                           "aigw.project": "p", "aigw.replica": ""}}
+    summary = trace_summary([root])
+    assert summary is not None
+    assert (summary["model"], summary["replica"], summary["http_status"]) == ("dead", None, 503)

@@ -144,7 +144,7 @@
     const rows = ordered.map((s) => {
       const left = (100 * (s.start_ns - t0) / total).toFixed(3);
       const width = Math.max(0.2, 100 * (s.end_ns - s.start_ns) / total).toFixed(3);
-      const side = s.service.indexOf("replica") >= 0 ? "replica" : "gateway";
+      const side = /^(replica|engine)\./.test(s.name) ? "replica" : "gateway";  // whatever OTEL_SERVICE_NAME says
       const cls = s.status === "ERROR" ? "error" : side;
       const indent = 14 * depthOf(s, byId);
       return `<div class="wf-row" data-span="${esc(s.span_id)}" title="${esc(s.service)}">
