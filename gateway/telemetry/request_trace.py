@@ -36,6 +36,7 @@ from gateway.telemetry.lean_tracer import new_span_id
 
 _UNSET = Status(StatusCode.UNSET)
 _ERROR = Status(StatusCode.ERROR)
+_STREAM_BROKE = Status(StatusCode.ERROR, "the answer ended in an error after it had started")
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +174,8 @@ def _build(trace: RequestTrace, resource: Resource, scope: InstrumentationScope)
     if trace.status_code is not None:
         values["http.response.status_code"] = trace.status_code
     status = _ERROR if (trace.status_code or 0) >= 500 else _UNSET
+    if trace.record is not None and trace.record.finish_reason == "error":
+        status = _STREAM_BROKE  # a 200 whose answer ended in an error event (HTTP semconv: ERROR)
     root = ReadableSpan(f"{trace.method} {trace.route}", server, trace.parent, resource, values, (),
                         (), SpanKind.SERVER, None, status, trace.start_ns, trace.end_ns, scope)
     return [root, *spans]

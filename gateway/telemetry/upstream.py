@@ -90,21 +90,37 @@ class _TracedResponse(UpstreamResponse):
 
     async def lines(self) -> AsyncIterator[bytes]:  # type: ignore[override]
         observation = self._observation
-        async for line in self._inner.lines():
-            if observation.first_upstream_line_at is None:
-                observation.first_upstream_line_at = time.perf_counter()
-                if self._call is not None:
-                    self._call.first_line_ns = _time_ns()
-            yield line
+        try:
+            async for line in self._inner.lines():
+                if observation.first_upstream_line_at is None:
+                    observation.first_upstream_line_at = time.perf_counter()
+                    if self._call is not None:
+                        self._call.first_line_ns = _time_ns()
+                yield line
+        except Exception as exc:
+            self._failed(exc)
+            raise
 
     async def line_batches(self) -> AsyncIterator[list[bytes]]:  # type: ignore[override]
         observation = self._observation
-        async for batch in self._inner.line_batches():
-            if observation.first_upstream_line_at is None:
-                observation.first_upstream_line_at = time.perf_counter()
-                if self._call is not None:
-                    self._call.first_line_ns = _time_ns()
-            yield batch
+        try:
+            async for batch in self._inner.line_batches():
+                if observation.first_upstream_line_at is None:
+                    observation.first_upstream_line_at = time.perf_counter()
+                    if self._call is not None:
+                        self._call.first_line_ns = _time_ns()
+                yield batch
+        except Exception as exc:
+            self._failed(exc)
+            raise
+
+    def _failed(self, exc: Exception) -> None:
+        """The body broke off after the status line (a replica that died mid-stream): the call
+        records the error, as one that failed to send does."""
+        call = self._call
+        if call is not None and call.exception is None:
+            call.end_ns = _time_ns()
+            call.exception = exception_attributes(exc)
 
     def close(self) -> None:
         self._inner.close()

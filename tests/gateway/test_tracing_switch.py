@@ -83,3 +83,38 @@ def test_tracing_on_traces_each_request(make_gateway: GatewayFactory,
 
 def _pipeline_router(gateway: Gateway) -> object:
     return gateway.app[PIPELINE].router
+
+
+def test_a_stream_the_upstream_breaks_off_is_an_error_in_its_trace(
+        make_gateway: GatewayFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 200 whose stream ends in an error event (the replica died mid-answer) is marked ERROR:
+    the SERVER span (HTTP semconv: a 2xx with another error) and the upstream CLIENT span, with
+    the exception event."""
+    from bench.mock_upstream import MockConfig
+
+    monkeypatch.setenv("AIGW_TRACING", "1")
+    gateway = make_gateway(configs=[MockConfig(num_tokens=50, fail_mode="mid_stream",
+                                               fail_after_tokens=3)])
+    response = httpx.post(gateway.url + "/v1/chat/completions", json={**BODY, "stream": True},
+                          timeout=10)
+    assert response.status_code == 200 and b"upstream_unavailable" in response.content
+    trace_id = response.headers["x-aigw-trace-id"]
+    buffer = gateway.app[TELEMETRY].spans
+    assert wait_until(lambda: buffer.trace(trace_id))
+    spans = {s["name"]: s for s in buffer.trace(trace_id)}
+    root = spans["POST /v1/chat/completions"]
+    assert root["status"] == "ERROR"
+    assert root["attributes"]["gen_ai.response.finish_reasons"] == ["error"]
+    assert spans["upstream POST /v1/chat/completions"]["status"] == "ERROR"
+
+
+def test_a_stream_that_ends_well_is_not_an_error(make_gateway: GatewayFactory,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIGW_TRACING", "1")
+    gateway = make_gateway()
+    response = httpx.post(gateway.url + "/v1/chat/completions", json={**BODY, "stream": True},
+                          timeout=10)
+    buffer = gateway.app[TELEMETRY].spans
+    trace_id = response.headers["x-aigw-trace-id"]
+    assert wait_until(lambda: buffer.trace(trace_id))
+    assert {s["status"] for s in buffer.trace(trace_id)} == {"UNSET"}
