@@ -65,18 +65,31 @@ def _runner(action: Action) -> Callable[[argparse.Namespace], int]:
 
 
 async def _with_services(action: Action, args: argparse.Namespace) -> int:
+    from redis.exceptions import RedisClusterException, RedisError
+
     from auth import open_auth
     from auth.settings import AuthSettings
 
-    # enabled=False: the CLI manages the store but authenticates nobody, so no watcher runs.
-    services = await open_auth(AuthSettings.from_env().model_copy(update={"enabled": False}))
     try:
-        return await action(services, args)
-    except (StoreError, ValueError) as exc:
-        print(f"aigw: {type(exc).__name__}: {exc}", file=sys.stderr)
+        # enabled=False: the CLI manages the store but authenticates nobody, so no watcher runs.
+        services = await open_auth(AuthSettings.from_env().model_copy(update={"enabled": False}))
+        try:
+            return await action(services, args)
+        finally:
+            await services.close()
+    except (StoreError, ValueError, RedisError, RedisClusterException) as exc:  # Redis unreachable
+        print(f"aigw: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
         return 1
-    finally:
-        await services.close()
+
+
+def _one_line(exc: Exception) -> str:
+    """pydantic's ValidationError (a bad AIGW_* variable) as `field: message`, else str(exc)."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+                         for e in exc.errors())
+    return str(exc)
 
 
 async def _create_project(services: Any, args: argparse.Namespace) -> int:

@@ -41,6 +41,13 @@ class AuthSettings(BaseModel):
     # Prompt-cache salt: one per project (default), per key, or none (caching shared across projects).
     cache_salt_scope: Literal["project", "key", "shared"] = "project"
 
+    @field_validator("redis_url")
+    @classmethod
+    def _known_redis_scheme(cls, value: str | None) -> str | None:
+        from gateway.redis_client import check_redis_url
+
+        return check_redis_url(value) if value else value  # unset or empty: no Redis
+
     @field_validator("jwt_algorithms")
     @classmethod
     def _only_known_algorithms(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:

@@ -108,7 +108,12 @@ def run_replica_command(args: argparse.Namespace) -> int:
     redis_url = args.redis_url or os.environ.get("AIGW_REDIS_URL")
     if redis_url:
         from engine.kv_cache.redis_publisher import RedisEventPublisher
+        from gateway.redis_client import check_redis_url
 
+        try:
+            check_redis_url(redis_url)
+        except ValueError as exc:
+            return _usage_error(exc)
         publishers = (RedisEventPublisher(redis_url, replica_id),)
     try:
         engine = LLMEngine.from_config(engine_config_from_args(args, replica_id),

@@ -17,6 +17,17 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+_SCHEMES = ("redis", "rediss", "unix", *_CLUSTER_SCHEMES)
+
+
+def check_redis_url(url: str) -> str:
+    """`url`, or a ValueError naming the schemes this module connects to (settings validate it,
+    so a typo fails at start with one line, not in a replica or a worker with a traceback)."""
+    scheme = urlsplit(url).scheme
+    if scheme not in _SCHEMES:
+        raise ValueError(f"a Redis URL starts with {', '.join(s + '://' for s in _SCHEMES)}, "
+                         f"not {scheme + ':' if scheme else 'no scheme'}")  # not the URL: a password
+    return url
 
 
 def is_cluster_url(url: str) -> bool:

@@ -52,10 +52,30 @@ def _one_line(exc: Exception) -> str:
     for error in exc.errors():
         where = ".".join(str(part) for part in error["loc"]) or exc.title
         message = error["msg"].removeprefix("Value error, ")
-        got = f" (got {error['input']!r})" if error["type"] != "missing" and not isinstance(
-            error["input"], dict) else ""
+        secret = any(word in where for word in ("url", "secret", "pepper"))  # no password echoed
+        got = f" (got {error['input']!r})" if error["type"] != "missing" and not secret and \
+            not isinstance(error["input"], dict) else ""
         problems.append(f"{where}: {message}{got}")
     return "; ".join(problems)
+
+
+def _redis_unreachable(url: str) -> str | None:
+    """Why one PING to `url` failed, or None. Checked before any replica loads, so a stopped or
+    misnamed Redis is one line at start rather than a traceback from every worker."""
+    from redis.exceptions import RedisClusterException, RedisError
+
+    from gateway.redis_client import connect_redis_sync
+
+    client = None
+    try:  # a cluster client connects (and may fail) as it is built
+        client = connect_redis_sync(url, socket_connect_timeout=5.0, socket_timeout=5.0)
+        client.ping()
+    except (RedisError, RedisClusterException) as exc:
+        return str(exc) or type(exc).__name__
+    finally:
+        if client is not None:
+            client.close()
+    return None
 
 
 def attach_replica_args(argv: list[str]) -> list[str]:
@@ -99,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, TypeError, ImportError, yaml.YAMLError) as exc:
         # unreadable, unparsable or invalid
         print(f"aigw: invalid configuration: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    if settings.redis_url and (problem := _redis_unreachable(settings.redis_url)):
+        print(f"aigw: cannot reach Redis at redis_url: {problem}", file=sys.stderr)
         return 1
     replicas: list[embedded.ReplicaProcess] = []
     try:

@@ -160,6 +160,13 @@ class GatewaySettings(BaseSettings):
                                    ) -> tuple[PydanticBaseSettingsSource, ...]:
         return init_settings, env_settings, _ConfigFileSource(settings_cls)
 
+    @field_validator("redis_url")
+    @classmethod
+    def _known_redis_scheme(cls, value: str | None) -> str | None:
+        from gateway.redis_client import check_redis_url
+
+        return check_redis_url(value) if value else value  # unset or empty: no Redis
+
     def find_model(self, name: str) -> ModelSettings | None:
         for model in self.models:
             if model.name == name:

@@ -128,3 +128,20 @@ def test_usage_of_a_project_known_only_from_jwts_is_printed(
     asyncio.run(meter_one())
     assert main(["usage", "--project", "jwt-only", "--group-by", "model"]) == 0
     assert json.loads(capsys.readouterr().out)["data"][0]["prompt_tokens"] == 4
+
+
+@pytest.mark.parametrize(("redis_url", "expected"), [
+    ("redis://127.0.0.1:{port}/0", "aigw: ConnectionError: "),  # nothing listens there
+    ("http://user:hunter2@127.0.0.1:{port}", "aigw: ValidationError: redis_url: a Redis URL starts with"),
+], ids=["unreachable", "wrong_scheme"])
+def test_a_bad_or_unreachable_redis_url_is_one_error_line_not_a_traceback(
+        redis_url: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.embedded import free_port
+
+    monkeypatch.setenv("AIGW_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("AIGW_REDIS_URL", redis_url.format(port=free_port()))
+    assert main(["projects", "list"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(expected) and len(err.splitlines()) == 1
+    assert "hunter2" not in err

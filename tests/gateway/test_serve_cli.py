@@ -194,3 +194,23 @@ def test_a_replica_that_exits_at_start_is_one_error_line_and_status_1(
     assert main(["serve", "--replica-args", "--no-such-flag"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("aigw: replica ") and "exited with 2" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("redis_url", "expected"), [
+    ("redis://127.0.0.1:{port}/0", "aigw: cannot reach Redis at redis_url: "),  # nothing listens
+    ("http://user:hunter2@127.0.0.1:{port}", "aigw: invalid configuration: redis_url: a Redis URL "
+                                             "starts with redis://"),
+    ("localhost:{port}", "aigw: invalid configuration: redis_url: "),  # no scheme at all
+], ids=["unreachable", "wrong_scheme", "no_scheme"])
+def test_a_bad_or_unreachable_redis_url_is_one_error_line_before_any_replica_starts(
+        redis_url: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Each was a traceback: from every worker (unreachable) or from the embedded replica."""
+    from gateway import embedded
+    from gateway.cli import main
+
+    monkeypatch.setenv("AIGW_REDIS_URL", redis_url.format(port=free_port()))
+    monkeypatch.setattr(embedded, "start_replicas", lambda *a, **k: pytest.fail("replica started"))
+    assert main(["serve", "--port", str(free_port())]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(expected) and len(err.splitlines()) == 1 and "hunter2" not in err
