@@ -107,14 +107,16 @@ def run_replica_command(args: argparse.Namespace) -> int:
     publishers = ()
     redis_url = args.redis_url or os.environ.get("AIGW_REDIS_URL")
     if redis_url:
+        from redis.exceptions import RedisClusterException
+
         from engine.kv_cache.redis_publisher import RedisEventPublisher
         from gateway.redis_client import check_redis_url
 
-        try:
-            check_redis_url(redis_url)
-        except ValueError as exc:
+        try:  # a plain server may come up later (batches are dropped meanwhile); a cluster
+            # client must reach a node to be built at all
+            publishers = (RedisEventPublisher(check_redis_url(redis_url), replica_id),)
+        except (ValueError, RedisClusterException) as exc:
             return _usage_error(exc)
-        publishers = (RedisEventPublisher(redis_url, replica_id),)
     try:
         engine = LLMEngine.from_config(engine_config_from_args(args, replica_id),
                                        publishers=publishers)

@@ -45,3 +45,16 @@ def test_a_replica_port_outside_0_to_65535_is_a_usage_error(
         main(["replica", "--port", port])
     assert exit_info.value.code == 2
     assert "argument --port: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("redis_url", "expected"), [
+    ("http://127.0.0.1:{port}", "aigw: ValueError: a Redis URL starts with redis://"),
+    ("redis+cluster://127.0.0.1:{port}", "aigw: RedisClusterException: "),  # no node answers
+], ids=["wrong_scheme", "unreachable_cluster"])
+def test_a_replica_redis_url_it_cannot_use_is_one_error_line_before_loading(
+        redis_url: str, expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.embedded import free_port
+
+    assert main(["replica", "--port", "0", "--redis-url", redis_url.format(port=free_port())]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(expected) and len(err.splitlines()) == 1  # was a traceback
