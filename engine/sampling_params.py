@@ -16,7 +16,12 @@ GREEDY_TEMPERATURE_BELOW = 1e-5
 
 
 class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; the message is safe to show to the client."""
+    """A sampling parameter is out of range; the message is safe to show to the client, and
+    `param` names the request field when one is at fault (OpenAI's error `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -39,31 +44,34 @@ class SamplingParams:
     grammar: OutputGrammar | None = None  # structured output (engine/structured_output.py)
 
     def __post_init__(self) -> None:
-        checks = [
-            (0.0 <= self.temperature <= 2.0, "temperature must be between 0 and 2"),
-            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (self.top_k is None or self.top_k >= 1, "top_k must be >= 1"),
+        checks = [  # (ok, the field at fault, message)
+            (0.0 <= self.temperature <= 2.0, "temperature", "temperature must be between 0 and 2"),
+            (0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
+            (self.top_k is None or self.top_k >= 1, "top_k", "top_k must be >= 1"),
             (self.max_tokens is None or self.max_tokens >= 1
-             or (self.max_tokens == 0 and self.prompt_logprobs is not None),
+             or (self.max_tokens == 0 and self.prompt_logprobs is not None), "max_tokens",
              "max_tokens must be >= 1 (0 only to score a prompt: with prompt_logprobs)"),
-            (self.min_tokens >= 0, "min_tokens must be >= 0"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            (self.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              "min_tokens must not exceed max_tokens"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be between -2 and 2"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be between -2 and 2"),
-            (0 <= self.top_logprobs <= 20, "top_logprobs must be between 0 and 20"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
+             "presence_penalty must be between -2 and 2"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+             "frequency_penalty must be between -2 and 2"),
+            (0 <= self.top_logprobs <= 20, "top_logprobs", "top_logprobs must be between 0 and 20"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
              "prompt_logprobs must be between 0 and 20"),
-            (1 <= self.n <= 16, "n must be between 1 and 16"),
-            (len(self.stop) <= 16, "at most 16 stop sequences"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop sequences must be non-empty strings"),
+            (1 <= self.n <= 16, "n", "n must be between 1 and 16"),
+            (len(self.stop) <= 16, "stop", "at most 16 stop sequences"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop",
+             "stop sequences must be non-empty strings"),
             # min_tokens blocks the end-of-sequence a complete grammar allows alone: no token left
-            (self.grammar is None or self.min_tokens == 0,
+            (self.grammar is None or self.min_tokens == 0, "min_tokens",
              "min_tokens cannot be combined with a JSON response_format"),
         ]
-        for ok, message in checks:
+        for ok, param, message in checks:
             if not ok:
-                raise SamplingParamsError(message)
+                raise SamplingParamsError(message, param)
 
     @property
     def is_greedy(self) -> bool:

@@ -58,7 +58,8 @@ class OutputGrammar:
         try:
             text = orjson.dumps(schema).decode()  # key order = output order
         except orjson.JSONEncodeError:  # orjson writes 254 levels (and reads 1024)
-            raise OutputGrammarError(f"{param}: the JSON schema is nested too deeply") from None
+            raise OutputGrammarError(f"{param}: the JSON schema is nested too deeply",
+                                     param) from None
         return cls("json_schema", text)._checked(param)
 
     @classmethod
@@ -70,7 +71,7 @@ class OutputGrammar:
         try:
             _grammar_of(self)
         except OutputGrammarError as exc:
-            raise OutputGrammarError(f"{param}: {exc}") from None
+            raise OutputGrammarError(f"{param}: {exc}", param) from None
         return self
 
 

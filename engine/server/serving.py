@@ -65,7 +65,7 @@ class ServingContext:
             raise InvalidRequestError("tools: a function's parameters schema is nested too deeply",
                                       param="tools") from None
         except SamplingParamsError as exc:
-            raise InvalidRequestError(str(exc)) from exc
+            raise InvalidRequestError(str(exc), param=exc.param) from exc
 
     def _forced_calls_grammar(self, req: ChatCompletionRequest) -> OutputGrammar:
         is_parallel = req.parallel_tool_calls is not False and req.tool_choice == "required"
@@ -101,7 +101,7 @@ class ServingContext:
             except PromptTooLongError as exc:
                 raise ContextLengthExceeded(str(exc), param=param) from exc
             except SamplingParamsError as exc:  # a grammar refused in the engine thread
-                raise InvalidRequestError(str(exc)) from exc
+                raise InvalidRequestError(str(exc), param=exc.param) from exc
             yield fanout
         finally:
             await fanout.aclose()

@@ -60,6 +60,16 @@ def test_out_of_range_sampling_values_are_400(http: httpx.Client, fields: dict[s
     assert_envelope(http.post("/v1/chat/completions", json=chat(**fields)), 400)
 
 
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"n": 17}, "n"), ({"top_k": 0}, "top_k"), ({"max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"), ({"stop": ["s"] * 17}, "stop"),
+])
+def test_a_refused_sampling_value_is_named_in_param(http: httpx.Client, fields: dict[str, Any],
+                                                   param: str) -> None:
+    # the gateway passes the replica's `param` through (n 17-128 passes its own check): it was null
+    assert assert_envelope(http.post("/v1/chat/completions", json=chat(**fields)), 400)["param"] == param
+
+
 def test_completion_logprobs_above_5_are_400(http: httpx.Client) -> None:
     response = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "logprobs": 6})
     assert assert_envelope(response, 400)["param"] == "logprobs"
