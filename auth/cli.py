@@ -1,8 +1,9 @@
 """`aigw projects|keys|usage`: manage a gateway's data from the shell.
 
 The store is chosen like the gateway's: AIGW_REDIS_URL set -> Redis, else SQLite under
-AIGW_DATA_DIR (default ./.aigw). `aigw keys create` and `aigw keys rotate` print the key alone on
-stdout (for `KEY=$(aigw keys create ...)`), everything else about it on stderr.
+AIGW_DATA_DIR (default ./.aigw); with AIGW_CONFIG set, the file's `redis_url` and `data_dir` count
+too (the environment wins), as they do for `aigw serve`. `aigw keys create` and `aigw keys rotate`
+print the key alone on stdout (for `KEY=$(aigw keys create ...)`), everything else on stderr.
 """
 
 from __future__ import annotations
@@ -66,20 +67,36 @@ def _runner(action: Action) -> Callable[[argparse.Namespace], int]:
 
 async def _with_services(action: Action, args: argparse.Namespace) -> int:
     from redis.exceptions import RedisClusterException, RedisError
+    from yaml import YAMLError
 
     from auth import open_auth
     from auth.settings import AuthSettings
 
     try:
         # enabled=False: the CLI manages the store but authenticates nobody, so no watcher runs.
-        services = await open_auth(AuthSettings.from_env().model_copy(update={"enabled": False}))
+        services = await open_auth(_store_settings(AuthSettings.from_env()).model_copy(
+            update={"enabled": False}))
         try:
             return await action(services, args)
         finally:
             await services.close()
-    except (StoreError, ValueError, RedisError, RedisClusterException) as exc:  # Redis unreachable
+    except (StoreError, ValueError, OSError, YAMLError,  # a bad AIGW_CONFIG or data dir
+            RedisError, RedisClusterException) as exc:  # Redis unreachable
         print(f"aigw: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
         return 1
+
+
+def _store_settings(settings: Any) -> Any:
+    """The store a gateway started with this environment uses: with AIGW_CONFIG set, its
+    `redis_url` and `data_dir` (environment over file), as gateway/services.py takes them."""
+    import os
+
+    if not os.environ.get("AIGW_CONFIG"):
+        return settings
+    from gateway.settings import load_settings
+
+    gateway = load_settings()
+    return settings.model_copy(update={"redis_url": gateway.redis_url, "data_dir": gateway.data_dir})
 
 
 def _one_line(exc: Exception) -> str:
@@ -89,7 +106,7 @@ def _one_line(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
         return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
                          for e in exc.errors())
-    return str(exc)
+    return " ".join(str(exc).split())  # a YAML error's caret drawing, folded onto the line
 
 
 async def _create_project(services: Any, args: argparse.Namespace) -> int:

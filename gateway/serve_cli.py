@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import multiprocessing
+import os
 import shlex
 import signal
 import sys
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -146,6 +150,29 @@ def _serve_workers(settings_data: dict[str, Any], num_workers: int) -> None:
     if num_workers == 1:
         run_worker(settings_data, reuse_port=False)
         return
+    with _shared_metrics_dir():
+        _run_workers(settings_data, num_workers)
+
+
+@contextlib.contextmanager
+def _shared_metrics_dir() -> Iterator[None]:
+    """PROMETHEUS_MULTIPROC_DIR for the workers (a fresh directory, removed after them), so that
+    /metrics sums every worker's numbers (gateway/telemetry/metrics.py); one set by the operator
+    is used as it is (prometheus_client's rule: empty it between runs)."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="aigw-metrics-") as directory:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+        try:
+            yield
+        finally:
+            del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+
+
+def _run_workers(settings_data: dict[str, Any], num_workers: int) -> None:
+    from gateway.server import run_worker
+
     context = multiprocessing.get_context("spawn")
     workers = [context.Process(target=run_worker, args=(settings_data, True), daemon=False)
                for _ in range(num_workers)]

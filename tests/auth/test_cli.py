@@ -145,3 +145,36 @@ def test_a_bad_or_unreachable_redis_url_is_one_error_line_not_a_traceback(
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(expected) and len(err.splitlines()) == 1
     assert "hunter2" not in err
+
+
+def test_the_cli_uses_the_store_named_in_the_aigw_config_file_as_the_gateway_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A data_dir set only in the config file once sent `aigw keys create` to ./.aigw: a key the
+    gateway had never heard of."""
+    from gateway.settings import load_settings
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("AIGW_DATA_DIR", raising=False)
+    monkeypatch.delenv("AIGW_REDIS_URL", raising=False)
+    config = tmp_path / "gateway.toml"
+    config.write_text(f'data_dir = "{tmp_path / "from-file"}"\n')
+    monkeypatch.setenv("AIGW_CONFIG", str(config))
+    assert main(["projects", "create", "acme"]) == 0
+    assert load_settings().data_dir == tmp_path / "from-file"  # the gateway's view
+    assert (tmp_path / "from-file" / "aigw.sqlite3").exists() and not (tmp_path / ".aigw").exists()
+    monkeypatch.setenv("AIGW_DATA_DIR", str(tmp_path / "from-env"))  # the environment wins
+    assert main(["projects", "list"]) == 0
+    assert capsys.readouterr().out == "acme\n"  # printed by `create`; `list` on an empty store adds nothing
+
+
+@pytest.mark.parametrize("config_text", ["port = \n", None], ids=["not_toml", "missing"])
+def test_a_bad_aigw_config_is_one_cli_error_line(
+        config_text: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "gateway.toml"
+    if config_text is not None:
+        config.write_text(config_text)
+    monkeypatch.setenv("AIGW_CONFIG", str(config))
+    assert main(["projects", "list"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("aigw: ") and len(err.splitlines()) == 1
