@@ -6,7 +6,8 @@
     aigw_time_to_first_token_seconds{model}                    streams: request in -> first upstream line
     aigw_{input,cached,output}_tokens_total{model,project}     usage as settled with the meter
     aigw_cost_usd_total{model,project}
-    aigw_prompt_cache_hit_ratio{project}                       cached / input tokens since start
+    aigw_prompt_cache_hit_ratio{project}                       cached / input tokens, from the two
+                                                               counters when scraped
     aigw_routing_decisions_total{policy,reason,replica}
     aigw_endpoint_{healthy,breaker_open,outstanding_requests,
                    requests_running,requests_waiting,kv_usage_ratio}{model,endpoint}
@@ -18,16 +19,25 @@ The request path reaches label children through `child(metric, *labels)`-style c
 (`LabelCache`), so prometheus_client's `labels()` runs once per label tuple, not per request.
 (Writing the children's numbers lock-free through prometheus_client's private fields saved ~3.5 us
 a request, under 1% of the gateway's CPU: not worth depending on a library's internals.)
+
+Several worker processes (`aigw serve --workers N`, which sets PROMETHEUS_MULTIPROC_DIR for them
+unless it is set already) use prometheus_client's multiprocess mode: each process writes its
+numbers to files there, and a scrape, whichever worker it reaches, sums all of them
+(`MultiProcessCollector`). Without it each worker answered with its own counters, so successive
+scrapes went up and down and Prometheus read every drop as a counter reset. The endpoint gauges
+are each worker's own view (every worker checks every endpoint).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from gateway.endpoints import Fleet
@@ -73,12 +83,14 @@ class GatewayMetrics:
                                      usage_labels, registry=r)
         self.output_tokens = Counter("aigw_output_tokens", "Completion tokens.", usage_labels, registry=r)
         self.cost = Counter("aigw_cost_usd", "Cost in US dollars.", usage_labels, registry=r)
-        self.cache_hit_ratio = Gauge("aigw_prompt_cache_hit_ratio",
-                                     "Cached / prompt tokens per project since start.", ["project"],
-                                     registry=r)
         self.routing_decisions = Counter("aigw_routing_decisions", "Endpoint picks by the router.",
                                          ["policy", "reason", "replica"], registry=r)
-        self._tokens_by_project: dict[str, list[int]] = {}  # project -> [input, cached]
+        self._fleet_collector: FleetCollector | None = None
+        # what a scrape reads the metrics above from: this registry, or every worker's files
+        self._source: Any = r
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            self._source = CollectorRegistry()
+            MultiProcessCollector(self._source)
         # request-path accessors: labels() once per label tuple
         self.requests_of = LabelCache(self.requests)
         self.duration_of = LabelCache(self.duration)
@@ -90,10 +102,9 @@ class GatewayMetrics:
         self._cached_tokens_of = LabelCache(self.cached_tokens)
         self._output_tokens_of = LabelCache(self.output_tokens)
         self._cost_of = LabelCache(self.cost)
-        self._hit_ratio_of = LabelCache(self.cache_hit_ratio)
 
     def attach_fleet(self, fleet: Fleet) -> None:
-        self.registry.register(FleetCollector(fleet))
+        self._fleet_collector = FleetCollector(fleet)
 
     def observe_usage(self, record: UsageRecord) -> None:
         labels = (record.model, record.project)
@@ -107,16 +118,36 @@ class GatewayMetrics:
         cached_tokens.inc(record.cached_tokens)
         output_tokens.inc(record.completion_tokens)
         cost.inc(record.cost_usd)
-        totals = self._tokens_by_project.get(record.project)
-        if totals is None:
-            totals = self._tokens_by_project[record.project] = [0, 0]
-        totals[0] += record.prompt_tokens
-        totals[1] += record.cached_tokens
-        if totals[0]:
-            self._hit_ratio_of(record.project).set(totals[1] / totals[0])
+
+    def collect(self) -> list[Metric]:
+        """Every family /metrics serves (the registry interface `generate_latest` reads)."""
+        families = list(self._source.collect())
+        if self._fleet_collector is not None:
+            families.extend(self._fleet_collector.collect())
+        families.append(_cache_hit_ratio(families))
+        return families
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self)  # type: ignore[arg-type]
+
+
+def _cache_hit_ratio(families: list[Metric]) -> Metric:
+    """aigw_prompt_cache_hit_ratio{project}: cached / input tokens over all models, from the
+    token counters as scraped (so it is right across workers too)."""
+    tokens: dict[str, list[float]] = {}  # project -> [input, cached]
+    for family in families:
+        column = {"aigw_input_tokens": 0, "aigw_cached_tokens": 1}.get(family.name)
+        if column is None:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                tokens.setdefault(sample.labels["project"], [0.0, 0.0])[column] += sample.value
+    ratio = GaugeMetricFamily("aigw_prompt_cache_hit_ratio",
+                              "Cached / prompt tokens per project since start.", labels=["project"])
+    for project, (num_input, num_cached) in sorted(tokens.items()):
+        if num_input:
+            ratio.add_metric([project], num_cached / num_input)
+    return ratio
 
 
 class FleetCollector(Collector):

@@ -175,7 +175,7 @@ def _dashboard_exprs() -> list[str]:
 def _gateway_metric_names() -> set[str]:
     from gateway.telemetry.metrics import GatewayMetrics
 
-    return _sample_names(GatewayMetrics().registry)
+    return _sample_names(GatewayMetrics())
 
 
 def test_grafana_dashboard_queries_only_metrics_the_replica_exports() -> None:

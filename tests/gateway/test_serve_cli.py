@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.mock_upstream import MockState, create_mock_app
 from gateway.embedded import free_port
@@ -61,6 +62,9 @@ def test_serve_with_config_auth_and_workers_then_drains_on_sigterm(
         messages = httpx.post(url + "/v1/messages", json={**body, "max_tokens": 4},
                               headers={"x-api-key": key})
         assert messages.status_code == 200 and messages.json()["usage"]["output_tokens"] == 4
+        # each scrape, whichever worker answers it (a new connection each), counts all of them
+        for _ in range(6):
+            assert _requests_by_status(httpx.get(url + "/metrics").text) == {"200": 5, "401": 1}
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0
     finally:
@@ -68,6 +72,16 @@ def test_serve_with_config_auth_and_workers_then_drains_on_sigterm(
             process.kill()
             process.wait()
         loop_thread.run(runner.cleanup())
+
+
+def _requests_by_status(metrics_text: str) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == "aigw_requests_total" and sample.labels["route"].startswith("/v1/"):
+                status = sample.labels["status"]
+                counts[status] = counts.get(status, 0) + int(sample.value)
+    return counts
 
 
 def _child_command_lines(pid: int) -> list[list[str]]:
