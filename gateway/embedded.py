@@ -50,8 +50,11 @@ def start_replicas(num_replicas: int, model_path: str | None, kv_cache_memory_by
 def replica_environ(environ: Mapping[str, str]) -> dict[str, str]:
     """The embedded replicas' environment: the gateway's, except that an `OTEL_SERVICE_NAME` set
     for the gateway names them `<that name>-replica`, so that their spans (exported by each replica
-    itself, and shown by the dashboard) are not filed under the gateway's service."""
+    itself, and shown by the dashboard) are not filed under the gateway's service; and without
+    `PROMETHEUS_MULTIPROC_DIR`, which is the gateway workers' (each replica serves its own
+    /metrics; its counters in there would be summed into the gateway's)."""
     env = dict(environ)
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     if env.get("OTEL_SERVICE_NAME"):
         env["OTEL_SERVICE_NAME"] += "-replica"
     return env

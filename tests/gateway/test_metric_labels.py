@@ -52,3 +52,8 @@ def test_embedded_replicas_are_named_apart_from_the_gateway_in_traces() -> None:
     env = replica_environ({"OTEL_SERVICE_NAME": "shop-gw", "PATH": "/bin"})
     assert env == {"OTEL_SERVICE_NAME": "shop-gw-replica", "PATH": "/bin"}
     assert "OTEL_SERVICE_NAME" not in replica_environ({"PATH": "/bin"})  # the replica's default
+
+
+def test_embedded_replicas_do_not_write_into_the_gateway_workers_metrics_directory() -> None:
+    env = replica_environ({"PROMETHEUS_MULTIPROC_DIR": "/tmp/aigw-metrics-x", "PATH": "/bin"})
+    assert env == {"PATH": "/bin"}
