@@ -36,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.serve_cli import attach_replica_args
 
     args = build_parser().parse_args(attach_replica_args(sys.argv[1:] if argv is None else argv))
-    result = args.func(args)
+    try:
+        result = args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C before a server took SIGINT over (a replica still loading)
+        print("aigw: interrupted", file=sys.stderr)
+        return 130
     return int(result or 0)
 
 

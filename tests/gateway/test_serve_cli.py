@@ -228,3 +228,18 @@ def test_a_bad_or_unreachable_redis_url_is_one_error_line_before_any_replica_sta
     assert main(["serve", "--port", str(free_port())]) == 1
     err = capsys.readouterr().err
     assert err.startswith(expected) and len(err.splitlines()) == 1 and "hunter2" not in err
+
+
+def test_ctrl_c_while_the_replicas_load_stops_them_with_one_line_and_status_130(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Was a KeyboardInterrupt traceback from `make run` interrupted during the model load."""
+    from gateway import cli, embedded
+
+    stopped: list[list[object]] = []
+    monkeypatch.setattr(embedded, "start_replicas", lambda *a, **k: ["replica"])
+    monkeypatch.setattr(embedded, "wait_healthy", lambda replicas: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(embedded, "stop_replicas", stopped.append)
+    monkeypatch.delenv("AIGW_REDIS_URL", raising=False)
+    assert cli.main(["serve", "--port", "1"]) == 130
+    assert stopped == [["replica"]]
+    assert capsys.readouterr().err == "aigw: interrupted\n"
