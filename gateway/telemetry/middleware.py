@@ -55,7 +55,14 @@ def make_middleware(telemetry: Telemetry) -> Middleware:
         route = route_of(request)
         if route.startswith(_UNTRACED_PREFIXES) or route == "unmatched":
             untraced = await handler(request)
-            metrics.requests_of(route, str(untraced.status), "", "").inc()
+            task = asyncio.current_task()
+            if isinstance(untraced, web.FileResponse) and task is not None:
+                # a file's status (304, 404) is settled when aiohttp sends it, after this returns
+                # (in this task: aiohttp handles and sends each request in one)
+                task.add_done_callback(lambda _: metrics.requests_of(
+                    route, str(untraced.status), "", "").inc())
+            else:
+                metrics.requests_of(route, str(untraced.status), "", "").inc()
             return untraced
         trace = _start_trace(request, route, sample_bound, origin) if is_tracing else None
         observation = RequestObservation(time.perf_counter(), trace)

@@ -57,3 +57,20 @@ def test_embedded_replicas_are_named_apart_from_the_gateway_in_traces() -> None:
 def test_embedded_replicas_do_not_write_into_the_gateway_workers_metrics_directory() -> None:
     env = replica_environ({"PROMETHEUS_MULTIPROC_DIR": "/tmp/aigw-metrics-x", "PATH": "/bin"})
     assert env == {"PATH": "/bin"}
+
+
+def test_dashboard_files_are_counted_with_the_status_they_were_sent_with(
+        make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway()
+    found = httpx.get(gateway.url + "/dashboard/static/app.js")
+    assert found.status_code == 200
+    unchanged = httpx.get(gateway.url + "/dashboard/static/app.js",
+                          headers={"if-modified-since": found.headers["last-modified"]})
+    assert unchanged.status_code == 304
+    assert httpx.get(gateway.url + "/dashboard/static/missing.js").status_code == 404
+    counted = {}
+    for line in httpx.get(gateway.url + "/metrics").text.splitlines():
+        if line.startswith("aigw_requests_total{") and "/dashboard/static" in line:
+            status = line.split('status="', 1)[1].split('"', 1)[0]
+            counted[status] = float(line.rsplit(" ", 1)[1])
+    assert counted == {"200": 1.0, "304": 1.0, "404": 1.0}
