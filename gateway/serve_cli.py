@@ -63,6 +63,26 @@ def _one_line(exc: Exception) -> str:
     return "; ".join(problems)
 
 
+def _cannot_listen(host: str, port: int) -> str | None:
+    """Why binding `host:port` fails (a port in use, an address this machine lacks), or None.
+    Checked before any replica loads: the commonest first-run mistake, a second `make run` on
+    8000, was a bind traceback after the model load. A plain bind, without SO_REUSEPORT, so that
+    `--workers` cannot join another gateway's port group either."""
+    import socket
+
+    if port == 0:
+        return None
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in addresses:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own
+                sock.bind(address)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 def _redis_unreachable(url: str) -> str | None:
     """Why one PING to `url` failed, or None. Checked before any replica loads, so a stopped or
     misnamed Redis is one line at start rather than a traceback from every worker."""
@@ -124,6 +144,9 @@ def run(args: argparse.Namespace) -> int:
         # unreadable, unparsable or invalid
         print(f"aigw: invalid configuration: {_one_line(exc)}", file=sys.stderr)
         return 1
+    if problem := _cannot_listen(settings.host, settings.port):
+        print(f"aigw: cannot listen on {settings.host}:{settings.port}: {problem}", file=sys.stderr)
+        return 1
     if settings.redis_url and (problem := _redis_unreachable(settings.redis_url)):
         print(f"aigw: cannot reach Redis at redis_url: {problem}", file=sys.stderr)
         return 1
@@ -138,18 +161,18 @@ def run(args: argparse.Namespace) -> int:
                 print(f"aigw: {exc}", file=sys.stderr)
                 return 1
             settings = settings.model_copy(update={"models": (embedded.model_settings_for(replicas),)})
-        _serve_workers(settings.model_dump(mode="json"), args.workers)
+        return _serve_workers(settings.model_dump(mode="json"), args.workers)
     finally:
         embedded.stop_replicas(replicas)
-    return 0
 
 
-def _serve_workers(settings_data: dict[str, Any], num_workers: int) -> None:
+def _serve_workers(settings_data: dict[str, Any], num_workers: int) -> int:
+    """Serve until a signal; the exit status: 1 when a worker failed (its error is above), else 0."""
     from gateway.server import run_worker
 
     if num_workers == 1:
         run_worker(settings_data, reuse_port=False)
-        return
+        return 0
     with _shared_metrics_dir():
         _run_workers(settings_data, num_workers)
 
@@ -191,3 +214,4 @@ def _run_workers(settings_data: dict[str, Any], num_workers: int) -> None:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    return 1 if any(worker.exitcode for worker in workers) else 0

@@ -240,6 +240,24 @@ def test_ctrl_c_while_the_replicas_load_stops_them_with_one_line_and_status_130(
     monkeypatch.setattr(embedded, "wait_healthy", lambda replicas: (_ for _ in ()).throw(KeyboardInterrupt))
     monkeypatch.setattr(embedded, "stop_replicas", stopped.append)
     monkeypatch.delenv("AIGW_REDIS_URL", raising=False)
-    assert cli.main(["serve", "--port", "1"]) == 130
+    assert cli.main(["serve", "--port", str(free_port())]) == 130
     assert stopped == [["replica"]]
     assert capsys.readouterr().err == "aigw: interrupted\n"
+
+
+@pytest.mark.parametrize("num_workers", ["1", "2"])
+def test_a_port_in_use_is_one_error_line_before_any_replica_starts(
+        num_workers: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Was a bind traceback after the model load (from each worker, and status 0 with two)."""
+    import socket
+
+    from gateway import embedded
+    from gateway.cli import main
+
+    monkeypatch.setattr(embedded, "start_replicas", lambda *a, **k: pytest.fail("replica started"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--workers", num_workers]) == 1
+    assert capsys.readouterr().err == f"aigw: cannot listen on 127.0.0.1:{port}: Address already in use\n"
