@@ -101,7 +101,11 @@ def run_replica_command(args: argparse.Namespace) -> int:
     from engine.async_engine import AsyncEngine
     from engine.engine import LLMEngine
     from engine.server import ReplicaServerSettings, run_replica
+    from gateway.embedded import cannot_listen
 
+    if problem := cannot_listen(args.host, args.port):  # before the model load, not after it
+        print(f"aigw: cannot listen on {args.host}:{args.port}: {problem}", file=sys.stderr)
+        return 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     replica_id = args.replica_id or f"{args.host}:{args.port}"
     publishers = ()

@@ -29,6 +29,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def cannot_listen(host: str, port: int) -> str | None:
+    """Why binding `host:port` fails (a port in use, an address this machine lacks), or None.
+    `aigw serve` and `aigw replica` check it before loading a model: the commonest first-run
+    mistake, a second `make run` on 8000, was a bind traceback after the load. A plain bind,
+    without SO_REUSEPORT, so that `--workers` cannot join another gateway's port group either."""
+    if port == 0:
+        return None
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in addresses:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own
+                sock.bind(address)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 def start_replicas(num_replicas: int, model_path: str | None, kv_cache_memory_bytes: int | None,
                    host: str = "127.0.0.1", extra_args: list[str] | None = None) -> list[ReplicaProcess]:
     """Start `aigw replica` processes; without `model_path` each uses the engine's default model.

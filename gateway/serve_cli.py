@@ -63,26 +63,6 @@ def _one_line(exc: Exception) -> str:
     return "; ".join(problems)
 
 
-def _cannot_listen(host: str, port: int) -> str | None:
-    """Why binding `host:port` fails (a port in use, an address this machine lacks), or None.
-    Checked before any replica loads: the commonest first-run mistake, a second `make run` on
-    8000, was a bind traceback after the model load. A plain bind, without SO_REUSEPORT, so that
-    `--workers` cannot join another gateway's port group either."""
-    import socket
-
-    if port == 0:
-        return None
-    try:
-        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        for family, kind, proto, _, address in addresses:
-            with socket.socket(family, kind, proto) as sock:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own
-                sock.bind(address)
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    return None
-
-
 def _redis_unreachable(url: str) -> str | None:
     """Why one PING to `url` failed, or None. Checked before any replica loads, so a stopped or
     misnamed Redis is one line at start rather than a traceback from every worker."""
@@ -144,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         # unreadable, unparsable or invalid
         print(f"aigw: invalid configuration: {_one_line(exc)}", file=sys.stderr)
         return 1
-    if problem := _cannot_listen(settings.host, settings.port):
+    if problem := embedded.cannot_listen(settings.host, settings.port):
         print(f"aigw: cannot listen on {settings.host}:{settings.port}: {problem}", file=sys.stderr)
         return 1
     if settings.redis_url and (problem := _redis_unreachable(settings.redis_url)):

@@ -58,3 +58,15 @@ def test_a_replica_redis_url_it_cannot_use_is_one_error_line_before_loading(
     assert main(["replica", "--port", "0", "--redis-url", redis_url.format(port=free_port())]) == 1
     err = capsys.readouterr().err
     assert err.startswith(expected) and len(err.splitlines()) == 1  # was a traceback
+
+
+def test_a_replica_port_in_use_is_one_error_line_before_the_model_loads(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as taken:  # was an OSError traceback after the model load
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["replica", "--port", str(port), "--model", "/never/loaded.gguf"]) == 1
+    assert capsys.readouterr().err == f"aigw: cannot listen on 127.0.0.1:{port}: Address already in use\n"
