@@ -251,6 +251,14 @@ class Accumulator:
         return [own, *(self.others[choice].num_generated_chars for choice in sorted(self.others))]
 
     @property
+    def num_first_text_chars_by_choice(self) -> list[int]:
+        """The length of each choice's first text delta (0 if none came), in `choices` order:
+        with `echo`, that delta is the choice's prompt and its first token."""
+        own = len(self._text[0]) if self._text else 0
+        return [own, *(self.others[choice].num_first_text_chars_by_choice[0]
+                       for choice in sorted(self.others))]
+
+    @property
     def choices(self) -> list[int]:
         """The choices seen: 0, then the others in order."""
         return [0, *sorted(self.others)]

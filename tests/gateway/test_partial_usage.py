@@ -60,6 +60,23 @@ def test_a_cut_stream_bills_the_completion_of_every_choice_and_its_tool_calls() 
     assert record.completion_tokens == (20 + 20 + len("get_weather") + len('{"city": "Oslo"') + 3) // 4
 
 
+def test_a_cut_echo_stream_does_not_bill_the_echoed_prompt_as_completion() -> None:
+    """With echo each choice's first delta is its prompt and first token (the replica sends them
+    together): one completion token, not the prompt's ~4 characters a token (capped at max_tokens,
+    it billed 16 + 16 here)."""
+    request = CanonicalRequest("r1", "m", kind="completion", prompt="The capital of France is",
+                               echo=True, stream=True, n=2, max_tokens=16)
+    accumulator = Accumulator()
+    accumulator.add(PromptUsage(5, 0))
+    accumulator.add(TextDelta("The capital of France is Paris"))
+    accumulator.add(TextDelta("The capital of France is Lyon", choice=1))
+    accumulator.add(TextDelta(". It is"))  # 7 characters: 2 tokens
+    record = build_record(request, Principal(project="p", key_id="k", scopes=frozenset()),
+                          ModelSettings(name="m", endpoints=("http://127.0.0.1:1",)),
+                          "e", accumulator, 499, 1.0)
+    assert (record.prompt_tokens, record.completion_tokens) == (5, (1 + 2) + 1)
+
+
 def _announcing_upstream(loop_thread: LoopThread, dies_after_headers: bool) -> tuple[web.AppRunner, str]:
     """Streams like our replica (prompt usage in the headers); one that `dies_after_headers`
     sends them and closes the connection before any chunk."""
