@@ -197,7 +197,9 @@ class Pipeline:
         canonical.project = principal.project
         canonical.cache_salt = self.cache_salt_of(principal)
         canonical.session_id = request.headers.get("x-session-id")
-        max_tokens = canonical.max_tokens or self.settings.default_max_tokens  # per choice
+        max_tokens = canonical.max_tokens  # per choice; 0 (echo scoring a prompt) reserves none
+        if max_tokens is None:
+            max_tokens = self.settings.default_max_tokens
         admission = await self.meter.admit(usage_id, principal, canonical.model,
                                            estimate_prompt_tokens(canonical),
                                            canonical.num_choices * max_tokens)

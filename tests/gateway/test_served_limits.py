@@ -47,3 +47,27 @@ def test_served_app_applies_key_limits_and_per_key_cache_salt(
     finally:
         loop_thread.run(runner.cleanup())
         loop_thread.run(upstream.cleanup())
+
+
+def test_an_echo_scoring_request_reserves_no_completion_tokens(
+        loop_thread: LoopThread, tmp_path: Path) -> None:
+    """max_tokens 0 with echo scores the prompt only: the reservation is the prompt alone (it
+    reserved default_max_tokens, 1024 a choice, so that concurrent scoring requests of an
+    evaluation harness were refused long before the tokens-per-minute limit)."""
+    state = MockState()
+    upstream, upstream_url = loop_thread.run(start_app(create_mock_app(state)))
+    settings = GatewaySettings(
+        data_dir=tmp_path, limits={"tokens_per_minute": 100_000},
+        models=[{"name": MODEL, "backend": "replica", "endpoints": [upstream_url]}])
+    app = loop_thread.run(create_served_app(settings))
+    runner, url = loop_thread.run(start_app(app))
+    try:
+        key = (tmp_path / "default-key.txt").read_text().strip()
+        body = {"model": MODEL, "prompt": "abcd" * 10, "max_tokens": 0, "echo": True, "n": 2}
+        response = httpx.post(url + "/v1/completions", json=body,
+                              headers={"authorization": f"Bearer {key}"})
+        assert response.status_code == 200, response.text
+        assert response.headers["x-ratelimit-remaining-tokens"] == str(100_000 - 10)
+    finally:
+        loop_thread.run(runner.cleanup())
+        loop_thread.run(upstream.cleanup())
