@@ -18,6 +18,13 @@ from auth.authenticator import KeyAuthenticator
 from auth.store import KeyStore
 
 log = logging.getLogger(__name__)
+_LOG_EVERY_NTH_FAILURE = 60  # a store down for a while: one line about every 30 s per loop, not two a second
+
+
+def _log_failure(what: str, num_failures: int, exc: Exception) -> None:
+    """One warning line (no traceback) on the first failure in a row and every Nth after it."""
+    if num_failures % _LOG_EVERY_NTH_FAILURE == 1:
+        log.warning("%s (%d in a row; retrying): %s: %s", what, num_failures, type(exc).__name__, exc)
 
 
 class RevocationWatcher:
@@ -47,33 +54,43 @@ class RevocationWatcher:
         self._tasks.clear()
 
     async def _poll(self) -> None:
+        num_failures = 0
         while not await self._stopped_within(self._poll_interval_s):
             try:
                 version = await self._store.revocation_version()
-            except Exception:  # the store is down: keep serving from the cache, retry next tick
-                log.warning("revocation poll failed", exc_info=True)
+            except Exception as exc:  # the store is down: keep serving from the cache, retry next tick
+                num_failures += 1
+                _log_failure("revocation poll failed", num_failures, exc)
                 continue
+            if num_failures:
+                log.warning("revocation poll recovered after %d failures", num_failures)
+                num_failures = 0
             if version != self._version:
                 self._version = version
                 self._authenticator.invalidate()
 
     async def _listen(self) -> None:
+        num_failures = 0
         while not self._stopping.is_set():
             try:
                 feed = await self._store.open_change_feed()
-            except Exception:
-                log.warning("revocation feed unavailable; retrying", exc_info=True)
+            except Exception as exc:
+                num_failures += 1
+                _log_failure("revocation feed unavailable", num_failures, exc)
                 await self._stopped_within(self._poll_interval_s)
                 continue
             if feed is None:
                 return
+            if num_failures:
+                log.warning("revocation feed back after %d failures", num_failures)
+                num_failures = 0
             try:
                 while not self._stopping.is_set():
                     key_id = await feed.next_key_id(timeout_s=self._poll_interval_s)
                     if key_id is not None:
                         self._authenticator.invalidate(key_id)
-            except Exception:
-                log.warning("revocation feed broke; reconnecting", exc_info=True)
+            except Exception as exc:
+                log.warning("revocation feed broke; reconnecting: %s: %s", type(exc).__name__, exc)
                 await self._stopped_within(self._poll_interval_s)
             finally:
                 with contextlib.suppress(Exception):

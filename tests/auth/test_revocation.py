@@ -6,6 +6,8 @@ import asyncio
 import time
 from pathlib import Path
 
+import pytest
+
 from auth import AuthError, Scope, open_auth
 from auth.settings import AuthSettings
 
@@ -80,3 +82,44 @@ def test_a_revocation_is_pushed_to_the_change_feed_of_another_client(
             await writer.close()
 
     asyncio.run(scenario())
+
+
+def test_a_store_that_stays_down_is_one_log_line_per_stretch_not_a_traceback_per_poll(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Redis down: the watcher once logged a traceback from each loop every poll (two a second)."""
+    import logging
+
+    from auth.revocation import RevocationWatcher
+
+    class DownStore:
+        num_calls = 0
+
+        async def revocation_version(self) -> int:
+            self.num_calls += 1
+            if self.num_calls == 1:
+                return 0  # up at start
+            if self.num_calls <= 30:
+                raise ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+            return 0
+
+        async def open_change_feed(self) -> None:
+            raise ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+    class Authenticator:
+        def invalidate(self, key_id: str | None = None) -> None:
+            pass
+
+    async def scenario() -> None:
+        watcher = RevocationWatcher(DownStore(), Authenticator(), 0.005)  # type: ignore[arg-type]
+        await watcher.start()
+        await asyncio.sleep(0.4)
+        await watcher.stop()
+
+    with caplog.at_level(logging.WARNING, logger="auth.revocation"):
+        asyncio.run(scenario())
+    messages = [record.getMessage() for record in caplog.records]
+    assert not any(record.exc_info for record in caplog.records)
+    assert messages.count("revocation poll failed (1 in a row; retrying): ConnectionError: "
+                          "Error 111 connecting to 127.0.0.1:6379. Connection refused.") == 1
+    assert "revocation poll recovered after 29 failures" in messages
+    assert len(messages) <= 6, messages  # the feed: its first failure and every 60th of ~80
