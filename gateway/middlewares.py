@@ -1,6 +1,7 @@
 """One middleware: every answer carries x-request-id / x-aigw-replica / x-aigw-overhead-ms, and
 anything that escaped a handler (unknown route, wrong method, a bug) still answers in the route's
-error envelope, with no traceback."""
+error envelope, with no traceback. Redis down or not answering, where a key must be read, is a
+503 `store_unavailable` (a key still cached in process keeps working meanwhile)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import time
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.dialects import AnthropicMessages, OpenAIChat
 from gateway.pipeline import error_response, request_id_of
@@ -27,6 +30,10 @@ async def envelope_middleware(request: web.Request, handler: Handler) -> web.Str
         response = await handler(request)
     except web.HTTPException as exc:
         return _error(request, exc.status, _CODES.get(exc.status, "http_error"), exc.reason, started)
+    except (RedisConnectionError, RedisTimeoutError) as exc:  # the key store (auth, admin API)
+        log.warning("store unavailable on %s %s: %s", request.method, request.path, exc)
+        return _error(request, 503, "store_unavailable",
+                      "the gateway's key store is unreachable; retry shortly", started)
     except Exception:  # noqa: BLE001 - never a traceback to the client
         log.exception("unhandled error on %s %s", request.method, request.path)
         return _error(request, 500, "internal_error", "internal gateway error", started)

@@ -146,3 +146,23 @@ def test_one_model_is_retrieved_by_both_sdks_and_hidden_models_are_not_found(
         anthropic_client.models.retrieve("no-such-model")
     denied = httpx.get(gateway.url + "/anthropic/v1/models")
     assert denied.status_code == 401 and denied.json()["type"] == "error"  # Anthropic's envelope
+
+
+class StoreDownAuthenticator:
+    """An API key past its cache lifetime, with Redis stopped: the store read raises."""
+
+    async def authenticate(self, credential: str | None) -> Principal:
+        import redis.exceptions
+
+        raise redis.exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/chat/completions", CHAT), ("/v1/messages", MESSAGES)])
+def test_an_unreachable_key_store_is_a_503_in_the_routes_envelope_not_a_500(
+        make_gateway: GatewayFactory, path: str, body: dict[str, object]) -> None:
+    gateway = make_gateway(authenticator=StoreDownAuthenticator(), meter=RecordingMeter())
+    response = httpx.post(gateway.url + path, json=body, headers={"x-api-key": "sk-aigw-x"})
+    assert response.status_code == 503, response.text  # was 500 internal_error
+    error = response.json()["error"]
+    assert error.get("code", "store_unavailable") == "store_unavailable"
+    assert "unreachable" in error["message"] and "6379" not in error["message"]
