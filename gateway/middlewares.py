@@ -30,10 +30,10 @@ async def envelope_middleware(request: web.Request, handler: Handler) -> web.Str
         response = await handler(request)
     except web.HTTPException as exc:
         return _error(request, exc.status, _CODES.get(exc.status, "http_error"), exc.reason, started)
-    except (RedisConnectionError, RedisTimeoutError) as exc:  # the key store (auth, admin API)
+    except (RedisConnectionError, RedisTimeoutError) as exc:  # keys, limits, the admin API
         log.warning("store unavailable on %s %s: %s", request.method, request.path, exc)
         return _error(request, 503, "store_unavailable",
-                      "the gateway's key store is unreachable; retry shortly", started)
+                      "the gateway's data store (keys, limits) is unreachable; retry shortly", started)
     except Exception:  # noqa: BLE001 - never a traceback to the client
         log.exception("unhandled error on %s %s", request.method, request.path)
         return _error(request, 500, "internal_error", "internal gateway error", started)
