@@ -163,8 +163,8 @@ async def _usage(services: Any, args: argparse.Namespace) -> int:
     since, until = validate_day(args.since, "since"), validate_day(args.until, "until")
     reader = await open_usage_reader(services.redis, services.settings.data_dir)
     try:
-        rows = await reader.usage_by_project(args.project, args.group_by.split(","),
-                                             since=since, until=until)
+        group_by = [part.strip() for part in args.group_by.split(",")]  # "model, day" as --help writes it
+        rows = await reader.usage_by_project(args.project, group_by, since=since, until=until)
     finally:
         await reader.close()
     if not rows and await services.store.get_project(args.project) is None:

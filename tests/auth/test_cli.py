@@ -85,6 +85,8 @@ def test_usage_prints_json_and_csv(cli_env: AuthSettings,
     assert json.loads(capsys.readouterr().out) == {"project": "acme", "data": []}
     assert main(["usage", "--project", "acme", "--format", "csv"]) == 0
     assert capsys.readouterr().out.startswith("day,model,requests,")
+    assert main(["usage", "--project", "acme", "--group-by", "model, day"]) == 0  # spaces, as in --help
+    assert json.loads(capsys.readouterr().out) == {"project": "acme", "data": []}
 
 
 @pytest.mark.parametrize("args", [
