@@ -15,7 +15,7 @@ from auth.keys import KeyRecord, ProjectRecord, format_key, hash_secret, new_key
 from auth.principal import Scope
 from auth.store import KeyStore, UnknownKey, UnknownProject
 
-_PROJECT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_PROJECT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # fullmatch: "$" let "a\n" in
 _VALID_SCOPES = frozenset(s.value for s in Scope)
 
 
@@ -29,8 +29,9 @@ class KeyAdmin:
         self._pepper = pepper
 
     async def create_project(self, name: str) -> ProjectRecord:
-        if not _PROJECT_NAME.match(name):
-            raise InvalidRequest(f"invalid project name {name!r}: letters, digits, '_.-', 1-64 chars")
+        if not _PROJECT_NAME.fullmatch(name):
+            raise InvalidRequest(f"invalid project name {name!r}: 1-64 letters, digits and '_.-', "
+                                 "starting with a letter or digit")
         project = ProjectRecord(name=name, created_at=time.time())
         await self.store.create_project(project)
         return project

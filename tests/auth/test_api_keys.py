@@ -235,3 +235,20 @@ def test_garbage_credentials_do_not_reach_the_store_on_every_request(
             await services.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("name", ["acme\n", ".hidden", "-x", "a" * 65, "été", ""])
+def test_a_project_name_outside_the_documented_alphabet_is_refused(name: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """"acme\\n" once passed: the pattern ended in `$`, which also matches before a final newline."""
+    from auth.key_admin import InvalidRequest
+
+    async def scenario() -> None:
+        services = await open_auth(AuthSettings(data_dir=tmp_path / "data", enabled=False))
+        try:
+            with pytest.raises(InvalidRequest, match="starting with a letter or digit"):
+                await services.admin.create_project(name)
+            assert await services.store.list_projects() == []
+        finally:
+            await services.close()
+
+    asyncio.run(scenario())
