@@ -63,6 +63,20 @@ def _one_line(exc: Exception) -> str:
     return "; ".join(problems)
 
 
+def _unusable_directory(path: Any) -> str | None:
+    """Why `path` cannot hold the key store and default-key.txt (not creatable, not a directory,
+    not writable), or None; it is created here as the store would create it."""
+    import os
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "not writable"
+    return None
+
+
 def _redis_unreachable(url: str) -> str | None:
     """Why one PING to `url` failed, or None. Checked before any replica loads, so a stopped or
     misnamed Redis is one line at start rather than a traceback from every worker."""
@@ -123,6 +137,9 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, TypeError, ImportError, yaml.YAMLError) as exc:
         # unreadable, unparsable or invalid
         print(f"aigw: invalid configuration: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    if settings.auth_enabled and (problem := _unusable_directory(settings.data_dir)):
+        print(f"aigw: cannot use data_dir {str(settings.data_dir)!r}: {problem}", file=sys.stderr)
         return 1
     if problem := embedded.cannot_listen(settings.host, settings.port):
         print(f"aigw: cannot listen on {settings.host}:{settings.port}: {problem}", file=sys.stderr)

@@ -261,3 +261,18 @@ def test_a_port_in_use_is_one_error_line_before_any_replica_starts(
         port = taken.getsockname()[1]
         assert main(["serve", "--port", str(port), "--workers", num_workers]) == 1
     assert capsys.readouterr().err == f"aigw: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+
+
+def test_a_data_dir_that_cannot_be_created_is_one_error_line_before_any_replica_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Was a FileExistsError traceback from the worker, after the model load."""
+    from gateway import embedded
+    from gateway.cli import main
+
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("")
+    monkeypatch.setenv("AIGW_DATA_DIR", str(a_file))
+    monkeypatch.delenv("AIGW_REDIS_URL", raising=False)
+    monkeypatch.setattr(embedded, "start_replicas", lambda *a, **k: pytest.fail("replica started"))
+    assert main(["serve", "--port", str(free_port())]) == 1
+    assert capsys.readouterr().err == f"aigw: cannot use data_dir {str(a_file)!r}: File exists\n"
