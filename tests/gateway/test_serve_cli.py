@@ -19,6 +19,12 @@ from tests.gateway.conftest import MODEL, LoopThread, start_app
 from tests.processes import stop_process
 
 
+@pytest.fixture(autouse=True)
+def _data_dir_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process `aigw serve` runs create their data_dir at start: not ./.aigw in the checkout."""
+    monkeypatch.setenv("AIGW_DATA_DIR", str(tmp_path / "aigw-data"))
+
+
 def _wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
