@@ -27,12 +27,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--model", default=None, help="model path for the embedded replicas")
     parser.add_argument("--kv-cache-memory", type=int, default=None,
                         help="KV cache bytes per embedded replica")
-    parser.add_argument("--replica-args", default="",
+    parser.add_argument("--replica-args", type=_shell_words, default="",
                         help="extra `aigw replica` options for the embedded replicas, one string "
                              "(e.g. \"--decode-weights q4\" for the native 4-bit decode path)")
     parser.add_argument("--no-auth", action="store_true",
                         help="local development only: no API keys, no metering")
     parser.set_defaults(func=run)
+
+
+def _shell_words(text: str) -> str:
+    """`text` unchanged, once it splits as shell words (an unclosed quote is a usage error)."""
+    try:
+        shlex.split(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}: {text!r}") from None
+    return text
 
 
 def _positive_int(text: str) -> int:

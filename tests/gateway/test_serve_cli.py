@@ -282,3 +282,12 @@ def test_a_data_dir_that_cannot_be_created_is_one_error_line_before_any_replica_
     monkeypatch.setattr(embedded, "start_replicas", lambda *a, **k: pytest.fail("replica started"))
     assert main(["serve", "--port", str(free_port())]) == 1
     assert capsys.readouterr().err == f"aigw: cannot use data_dir {str(a_file)!r}: File exists\n"
+
+
+def test_replica_args_with_an_unclosed_quote_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:  # was a ValueError traceback from shlex
+        main(["serve", "--replica-args", '--seed "1'])
+    assert exit_info.value.code == 2
+    assert "argument --replica-args: No closing quotation" in capsys.readouterr().err
