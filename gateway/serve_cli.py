@@ -180,7 +180,7 @@ def _serve_workers(settings_data: dict[str, Any], num_workers: int) -> int:
         run_worker(settings_data, reuse_port=False)
         return 0
     with _shared_metrics_dir():
-        _run_workers(settings_data, num_workers)
+        return _run_workers(settings_data, num_workers)
 
 
 @contextlib.contextmanager
@@ -199,7 +199,7 @@ def _shared_metrics_dir() -> Iterator[None]:
             del os.environ["PROMETHEUS_MULTIPROC_DIR"]
 
 
-def _run_workers(settings_data: dict[str, Any], num_workers: int) -> None:
+def _run_workers(settings_data: dict[str, Any], num_workers: int) -> int:
     from gateway.server import run_worker
 
     context = multiprocessing.get_context("spawn")
