@@ -291,3 +291,48 @@ def test_replica_args_with_an_unclosed_quote_is_a_usage_error(capsys: pytest.Cap
         main(["serve", "--replica-args", '--seed "1'])
     assert exit_info.value.code == 2
     assert "argument --replica-args: No closing quotation" in capsys.readouterr().err
+
+
+def _has_ipv6() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "", "localhost",
+                                  pytest.param("::", marks=pytest.mark.skipif(
+                                      not _has_ipv6(), reason="no IPv6 here"))])
+def test_the_port_check_passes_every_host_the_server_can_bind(host: str) -> None:
+    from gateway.embedded import cannot_listen
+
+    assert cannot_listen(host, free_port()) is None  # "" (every interface) was refused by name
+    assert cannot_listen(host, 0) is None
+
+
+@pytest.mark.skipif(not _has_ipv6(), reason="no IPv6 here")
+def test_the_port_check_lets_an_ipv6_host_use_a_port_held_over_ipv4_only() -> None:
+    """The server's IPv6 socket is IPv6-only (asyncio and uvloop), so it binds `::` beside another
+    program's 0.0.0.0 socket; the check's dual-stack bind once refused that."""
+    import socket
+
+    from gateway.embedded import cannot_listen
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cannot_listen("::", port) is None
+        assert cannot_listen("0.0.0.0", port) == "Address already in use"
+
+
+def test_a_worker_that_fails_makes_the_exit_status_1() -> None:
+    """Two spawned workers whose settings cannot be served: status 1 (it was 0 once the metrics
+    directory wrapper dropped the workers' status)."""
+    from gateway.serve_cli import _serve_workers
+
+    assert _serve_workers({"port": -1}, 2) == 1
