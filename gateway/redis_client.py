@@ -21,12 +21,17 @@ _SCHEMES = ("redis", "rediss", "unix", *_CLUSTER_SCHEMES)
 
 
 def check_redis_url(url: str) -> str:
-    """`url`, or a ValueError naming the schemes this module connects to (settings validate it,
-    so a typo fails at start with one line, not in a replica or a worker with a traceback)."""
-    scheme = urlsplit(url).scheme
-    if scheme not in _SCHEMES:
+    """`url`, or a ValueError naming the schemes this module connects to, or saying its port is
+    not one (settings validate it, so a typo fails at start with one line, not in a replica or a
+    worker with a traceback; redis-py's from_url raises a bare ValueError for the port)."""
+    parts = urlsplit(url)
+    if parts.scheme not in _SCHEMES:  # (not the URL in the message: it may hold a password)
         raise ValueError(f"a Redis URL starts with {', '.join(s + '://' for s in _SCHEMES)}, "
-                         f"not {scheme + ':' if scheme else 'no scheme'}")  # not the URL: a password
+                         f"not {parts.scheme + ':' if parts.scheme else 'no scheme'}")
+    try:
+        parts.port  # noqa: B018 - parsed for its ValueError
+    except ValueError:  # not urllib's message: `redis://user:secret` (no @host) has port "secret"
+        raise ValueError("the port in the Redis URL is not a number in 0..65535") from None
     return url
 
 

@@ -221,7 +221,9 @@ def test_a_replica_that_exits_at_start_is_one_error_line_and_status_1(
     ("http://user:hunter2@127.0.0.1:{port}", "aigw: invalid configuration: redis_url: a Redis URL "
                                              "starts with redis://"),
     ("localhost:{port}", "aigw: invalid configuration: redis_url: "),  # no scheme at all
-], ids=["unreachable", "wrong_scheme", "no_scheme"])
+    ("redis://default:hunter2{port}", "aigw: invalid configuration: redis_url: the port in the "
+                                      "Redis URL is not a number"),  # no @host: was a traceback
+], ids=["unreachable", "wrong_scheme", "no_scheme", "port_not_a_number"])
 def test_a_bad_or_unreachable_redis_url_is_one_error_line_before_any_replica_starts(
         redis_url: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
