@@ -65,7 +65,8 @@ def _one_line(exc: Exception) -> str:
     for error in exc.errors():
         where = ".".join(str(part) for part in error["loc"]) or exc.title
         message = error["msg"].removeprefix("Value error, ")
-        secret = any(word in where for word in ("url", "secret", "pepper"))  # no password echoed
+        # no credential echoed (a URL may hold a password; an unquoted api_key is an int)
+        secret = any(word in where for word in ("url", "secret", "pepper", "api_key", "password"))
         got = f" (got {error['input']!r})" if error["type"] != "missing" and not secret and \
             not isinstance(error["input"], dict) else ""
         problems.append(f"{where}: {message}{got}")

@@ -338,3 +338,15 @@ def test_a_worker_that_fails_makes_the_exit_status_1() -> None:
     from gateway.serve_cli import _serve_workers
 
     assert _serve_workers({"port": -1}, 2) == 1
+
+
+def test_an_invalid_upstream_api_key_is_not_echoed(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    config = tmp_path / "gateway.toml"  # an unquoted key: an int, refused, and once printed whole
+    config.write_text('[[models]]\nname = "m"\nendpoints = ["http://127.0.0.1:9"]\n'
+                      "api_key = 123456789\n")
+    assert main(["serve", "--config", str(config), "--port", str(free_port())]) == 1
+    err = capsys.readouterr().err
+    assert err == "aigw: invalid configuration: models.0.api_key: Input should be a valid string\n"
