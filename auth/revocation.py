@@ -15,16 +15,27 @@ import contextlib
 import logging
 
 from auth.authenticator import KeyAuthenticator
-from auth.store import KeyStore
+from auth.store import KeyStore, StoreError
 
 log = logging.getLogger(__name__)
 _LOG_EVERY_NTH_FAILURE = 60  # a store down for a while: one line about every 30 s per loop, not two a second
 
 
 def _log_failure(what: str, num_failures: int, exc: Exception) -> None:
-    """One warning line (no traceback) on the first failure in a row and every Nth after it."""
+    """One warning line on the first failure in a row and every Nth after it; a traceback only
+    for what is not an outage (a bug in a loop must still show where it is)."""
     if num_failures % _LOG_EVERY_NTH_FAILURE == 1:
-        log.warning("%s (%d in a row; retrying): %s: %s", what, num_failures, type(exc).__name__, exc)
+        log.warning("%s (%d in a row; retrying): %s: %s", what, num_failures,
+                    type(exc).__name__, exc, exc_info=not _is_outage(exc))
+
+
+def _is_outage(exc: Exception) -> bool:
+    """The store down or not answering (Redis, the network, SQLite), as opposed to a bug."""
+    import sqlite3
+
+    from redis.exceptions import RedisError
+
+    return isinstance(exc, OSError | RedisError | sqlite3.Error | StoreError)
 
 
 class RevocationWatcher:
@@ -90,7 +101,8 @@ class RevocationWatcher:
                     if key_id is not None:
                         self._authenticator.invalidate(key_id)
             except Exception as exc:
-                log.warning("revocation feed broke; reconnecting: %s: %s", type(exc).__name__, exc)
+                log.warning("revocation feed broke; reconnecting: %s: %s", type(exc).__name__, exc,
+                            exc_info=not _is_outage(exc))
                 await self._stopped_within(self._poll_interval_s)
             finally:
                 with contextlib.suppress(Exception):

@@ -123,3 +123,37 @@ def test_a_store_that_stays_down_is_one_log_line_per_stretch_not_a_traceback_per
                           "Error 111 connecting to 127.0.0.1:6379. Connection refused.") == 1
     assert "revocation poll recovered after 29 failures" in messages
     assert len(messages) <= 6, messages  # the feed: its first failure and every 60th of ~80
+
+
+def test_a_bug_in_the_poll_is_logged_with_its_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """A store that is down is one line without a traceback; anything else is a bug and keeps it."""
+    import logging
+
+    from auth.revocation import RevocationWatcher
+
+    class BuggyStore:
+        num_calls = 0
+
+        async def revocation_version(self) -> int:
+            self.num_calls += 1
+            if self.num_calls == 1:
+                return 0  # start() reads it
+            raise TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'")
+
+        async def open_change_feed(self) -> None:
+            return None
+
+    class Authenticator:
+        def invalidate(self, key_id: str | None = None) -> None:
+            pass
+
+    async def scenario() -> None:
+        watcher = RevocationWatcher(BuggyStore(), Authenticator(), 0.005)  # type: ignore[arg-type]
+        await watcher.start()
+        await asyncio.sleep(0.05)
+        await watcher.stop()
+
+    with caplog.at_level(logging.WARNING, logger="auth.revocation"):
+        asyncio.run(scenario())
+    [record] = [r for r in caplog.records if "revocation poll failed" in r.getMessage()]
+    assert record.exc_info is not None and record.exc_info[0] is TypeError
