@@ -107,9 +107,15 @@ async def _bounded(step: Awaitable[None], timeout_s: float, what: str) -> None:
     done, _ = await asyncio.wait({task}, timeout=timeout_s)
     if not done:
         task.cancel()
+        task.add_done_callback(_retrieve)  # whatever it ends with later is not logged as unretrieved
         log.warning("%s did not finish within %gs; shutdown goes on without it", what, timeout_s)
     elif task.exception() is not None:
         log.warning("%s failed: %r", what, task.exception())
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def _first_discovery_ctx(app: web.Application) -> AsyncIterator[None]:

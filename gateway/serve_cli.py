@@ -221,4 +221,7 @@ def _run_workers(settings_data: dict[str, Any], num_workers: int) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    return 1 if any(worker.exitcode for worker in workers) else 0
+    # a worker that ended on the SIGTERM/SIGINT forwarded to it (before its own handlers were
+    # installed) stopped as asked; any other signal or a non-zero status is a failure
+    stopped_as_asked = (0, -signal.SIGTERM, -signal.SIGINT)
+    return 1 if any(worker.exitcode not in stopped_as_asked for worker in workers) else 0
