@@ -93,9 +93,7 @@ class _TracedResponse(UpstreamResponse):
         try:
             async for line in self._inner.lines():
                 if observation.first_upstream_line_at is None:
-                    observation.first_upstream_line_at = time.perf_counter()
-                    if self._call is not None:
-                        self._call.first_line_ns = _time_ns()
+                    self._note_first_line()
                 yield line
         except Exception as exc:
             self._failed(exc)
@@ -106,13 +104,16 @@ class _TracedResponse(UpstreamResponse):
         try:
             async for batch in self._inner.line_batches():
                 if observation.first_upstream_line_at is None:
-                    observation.first_upstream_line_at = time.perf_counter()
-                    if self._call is not None:
-                        self._call.first_line_ns = _time_ns()
+                    self._note_first_line()
                 yield batch
         except Exception as exc:
             self._failed(exc)
             raise
+
+    def _note_first_line(self) -> None:
+        self._observation.first_upstream_line_at = time.perf_counter()
+        if self._call is not None:
+            self._call.first_line_ns = _time_ns()
 
     def _failed(self, exc: Exception) -> None:
         """The body broke off after the status line (a replica that died mid-stream): the call
