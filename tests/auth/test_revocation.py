@@ -84,12 +84,25 @@ def test_a_revocation_is_pushed_to_the_change_feed_of_another_client(
     asyncio.run(scenario())
 
 
+class _NoCache:
+    def invalidate(self, key_id: str | None = None) -> None:
+        pass
+
+
+async def _watch_for(store: object, seconds: float) -> None:
+    """A RevocationWatcher on `store`, polling every 5 ms, for `seconds`."""
+    from auth.revocation import RevocationWatcher
+
+    watcher = RevocationWatcher(store, _NoCache(), 0.005)  # type: ignore[arg-type]
+    await watcher.start()
+    await asyncio.sleep(seconds)
+    await watcher.stop()
+
+
 def test_a_store_that_stays_down_is_one_log_line_per_stretch_not_a_traceback_per_poll(
         caplog: pytest.LogCaptureFixture) -> None:
     """Redis down: the watcher once logged a traceback from each loop every poll (two a second)."""
     import logging
-
-    from auth.revocation import RevocationWatcher
 
     class DownStore:
         num_calls = 0
@@ -105,18 +118,8 @@ def test_a_store_that_stays_down_is_one_log_line_per_stretch_not_a_traceback_per
         async def open_change_feed(self) -> None:
             raise ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
 
-    class Authenticator:
-        def invalidate(self, key_id: str | None = None) -> None:
-            pass
-
-    async def scenario() -> None:
-        watcher = RevocationWatcher(DownStore(), Authenticator(), 0.005)  # type: ignore[arg-type]
-        await watcher.start()
-        await asyncio.sleep(0.4)
-        await watcher.stop()
-
     with caplog.at_level(logging.WARNING, logger="auth.revocation"):
-        asyncio.run(scenario())
+        asyncio.run(_watch_for(DownStore(), 0.4))
     messages = [record.getMessage() for record in caplog.records]
     assert not any(record.exc_info for record in caplog.records)
     assert messages.count("revocation poll failed (1 in a row; retrying): ConnectionError: "
@@ -128,8 +131,6 @@ def test_a_store_that_stays_down_is_one_log_line_per_stretch_not_a_traceback_per
 def test_a_bug_in_the_poll_is_logged_with_its_traceback(caplog: pytest.LogCaptureFixture) -> None:
     """A store that is down is one line without a traceback; anything else is a bug and keeps it."""
     import logging
-
-    from auth.revocation import RevocationWatcher
 
     class BuggyStore:
         num_calls = 0
@@ -143,17 +144,7 @@ def test_a_bug_in_the_poll_is_logged_with_its_traceback(caplog: pytest.LogCaptur
         async def open_change_feed(self) -> None:
             return None
 
-    class Authenticator:
-        def invalidate(self, key_id: str | None = None) -> None:
-            pass
-
-    async def scenario() -> None:
-        watcher = RevocationWatcher(BuggyStore(), Authenticator(), 0.005)  # type: ignore[arg-type]
-        await watcher.start()
-        await asyncio.sleep(0.05)
-        await watcher.stop()
-
     with caplog.at_level(logging.WARNING, logger="auth.revocation"):
-        asyncio.run(scenario())
+        asyncio.run(_watch_for(BuggyStore(), 0.05))
     [record] = [r for r in caplog.records if "revocation poll failed" in r.getMessage()]
     assert record.exc_info is not None and record.exc_info[0] is TypeError
