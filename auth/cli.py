@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from auth.store import StoreError
+from gateway.config_errors import one_line
 
 Action = Callable[[Any, argparse.Namespace], Awaitable[int]]
 
@@ -82,7 +83,7 @@ async def _with_services(action: Action, args: argparse.Namespace) -> int:
             await services.close()
     except (StoreError, ValueError, OSError, YAMLError,  # a bad AIGW_CONFIG or data dir
             RedisError, RedisClusterException) as exc:  # Redis unreachable
-        print(f"aigw: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
+        print(f"aigw: {type(exc).__name__}: {one_line(exc)}", file=sys.stderr)
         return 1
 
 
@@ -97,16 +98,6 @@ def _store_settings(settings: Any) -> Any:
 
     gateway = load_settings()
     return settings.model_copy(update={"redis_url": gateway.redis_url, "data_dir": gateway.data_dir})
-
-
-def _one_line(exc: Exception) -> str:
-    """pydantic's ValidationError (a bad AIGW_* variable) as `field: message`, else str(exc)."""
-    from pydantic import ValidationError
-
-    if isinstance(exc, ValidationError):
-        return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
-                         for e in exc.errors())
-    return " ".join(str(exc).split())  # a YAML error's caret drawing, folded onto the line
 
 
 async def _create_project(services: Any, args: argparse.Namespace) -> int:

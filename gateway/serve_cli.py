@@ -14,6 +14,8 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from gateway.config_errors import one_line
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = subparsers.add_parser("serve", help="run the gateway (OpenAI + Anthropic APIs)")
@@ -52,25 +54,6 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
-
-
-def _one_line(exc: Exception) -> str:
-    """pydantic's ValidationError is a paragraph per field plus a docs URL; here each field is
-    `where: message (got value)`, joined on one line."""
-    from pydantic import ValidationError
-
-    if not isinstance(exc, ValidationError):
-        return str(exc)
-    problems = []
-    for error in exc.errors():
-        where = ".".join(str(part) for part in error["loc"]) or exc.title
-        message = error["msg"].removeprefix("Value error, ")
-        # no credential echoed (a URL may hold a password; an unquoted api_key is an int)
-        secret = any(word in where for word in ("url", "secret", "pepper", "api_key", "password"))
-        got = f" (got {error['input']!r})" if error["type"] != "missing" and not secret and \
-            not isinstance(error["input"], dict) else ""
-        problems.append(f"{where}: {message}{got}")
-    return "; ".join(problems)
 
 
 def _unusable_directory(path: Any) -> str | None:
@@ -146,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         TelemetrySettings.from_env()
     except (OSError, ValueError, TypeError, ImportError, yaml.YAMLError) as exc:
         # unreadable, unparsable or invalid
-        print(f"aigw: invalid configuration: {_one_line(exc)}", file=sys.stderr)
+        print(f"aigw: invalid configuration: {one_line(exc)}", file=sys.stderr)
         return 1
     if settings.auth_enabled and (problem := _unusable_directory(settings.data_dir)):
         print(f"aigw: cannot use data_dir {str(settings.data_dir)!r}: {problem}", file=sys.stderr)
