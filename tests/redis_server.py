@@ -15,13 +15,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
-def _ping(port: int) -> bool:
+def ping(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
             sock.sendall(b"PING\r\n")
@@ -35,15 +35,15 @@ def redis_process(binary: str, workdir: str, extra_args: tuple[str, ...] = (),
                   startup_timeout_s: float = 10.0) -> Iterator[int]:
     """One redis-server on a free loopback port (no persistence), answering PING; yields the port."""
     for _attempt in range(3):  # the free port may be taken between probe and bind
-        port = _free_port()
+        port = free_port()
         process = subprocess.Popen(
             [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, *extra_args,
              "--save", "", "--appendonly", "no", "--protected-mode", "yes"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=workdir)
         deadline = time.monotonic() + startup_timeout_s
-        while process.poll() is None and time.monotonic() < deadline and not _ping(port):
+        while process.poll() is None and time.monotonic() < deadline and not ping(port):
             time.sleep(0.02)
-        if process.poll() is None and _ping(port):
+        if process.poll() is None and ping(port):
             break
         process.kill()
         process.wait()

@@ -18,6 +18,11 @@ both take the last tokens). SETTLE writes the record with SET NX and, only when 
 moves the counters by (actual - reserved) and adds to the day's sums, also in one script.
 On Redis Cluster (gateway/redis_client.py) the coalesced calls go out concurrently rather than in
 one pipeline (redis-py blocks EVALSHA in cluster pipelines); SCRIPT LOAD reaches every primary.
+
+A queued settle that fails because Redis cannot be reached is held in memory (at most
+`MAX_HELD_SETTLES`) and written again with backoff (0.5 s doubling to 5 s) until Redis answers;
+SET NX makes a repeat of one that did land a no-op, so nothing is counted twice. What is still
+held at shutdown is tried once more, then logged as `settle failed` per request.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from functools import partial
 from typing import Any
 
 import orjson
-from redis.exceptions import NoScriptError
+from redis.exceptions import ClusterDownError, NoScriptError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.metering.coalescer import Coalescer
 from gateway.metering.contract import UsageRecord
@@ -116,6 +123,11 @@ _SCRIPT_SHAS = {name: hashlib.sha1(lua.encode()).hexdigest() for name, lua in _S
 ScriptCall = tuple[str, list[str], list[Any]]  # (script name, keys, args)
 
 
+MAX_HELD_SETTLES = 100_000  # queued settles kept through a Redis outage (~1 KB each)
+_RETRY_FIRST_S, _RETRY_MAX_S = 0.5, 5.0
+_OUTAGE = (RedisConnectionError, RedisTimeoutError, ClusterDownError, OSError)
+
+
 class RedisMeter(BaseMeter):
     """Script calls from concurrent requests share one pipeline round trip (Coalescer)."""
 
@@ -127,6 +139,9 @@ class RedisMeter(BaseMeter):
         self._cluster = is_cluster_client(client)
         self._calls: Coalescer[ScriptCall, Any] = Coalescer(self._run_scripts,
                                                                 linger_s=SETTLE_LINGER_S)
+        self._held: list[tuple[ScriptCall, str]] = []  # settles that met an outage, to retry
+        self._retrier: asyncio.Task[None] | None = None
+        self._is_closing = False
 
     async def _run_scripts(self, calls: list[ScriptCall]) -> list[Any]:
         if not self._scripts_loaded:
@@ -184,13 +199,48 @@ class RedisMeter(BaseMeter):
 
     async def _record(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
                       delta_tokens: int, delta_nanos: int) -> None:
-        await self._calls.submit(self._settle_call(admission, record, cost_nanos, delta_tokens,
-                                                   delta_nanos))
+        call = self._settle_call(admission, record, cost_nanos, delta_tokens, delta_nanos)
+        try:
+            await self._calls.submit(call)
+        except _OUTAGE as exc:  # Redis went away after the admission: held like a queued one
+            self._on_settle_result(call, record.request_id, exc)
 
     def _record_nowait(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
                        delta_tokens: int, delta_nanos: int) -> None:
-        call = self._settle_call(admission, record, cost_nanos, delta_tokens, delta_nanos)
-        self._calls.submit_nowait(call, partial(_log_failure, record.request_id))
+        self._submit_settle(self._settle_call(admission, record, cost_nanos, delta_tokens,
+                                              delta_nanos), record.request_id)
+
+    def _submit_settle(self, call: ScriptCall, request_id: str) -> None:
+        self._calls.submit_nowait(call, partial(self._on_settle_result, call, request_id))
+
+    def _on_settle_result(self, call: ScriptCall, request_id: str, result: Any) -> None:
+        if not isinstance(result, BaseException):
+            return
+        if not isinstance(result, _OUTAGE) or self._is_closing:
+            log.error("settle failed for %s", request_id, exc_info=result)
+        elif len(self._held) >= MAX_HELD_SETTLES:
+            log.error("settle failed for %s: Redis unreachable and %d settles already held",
+                      request_id, len(self._held))
+        else:
+            self._held.append((call, request_id))
+            if self._retrier is None or self._retrier.done():
+                log.warning("Redis unreachable: holding usage records until it answers (%s)", result)
+                self._retrier = asyncio.get_running_loop().create_task(self._retry_held())
+
+    async def _retry_held(self) -> None:
+        """Write the held settles again, with backoff, until none is left."""
+        delay_s = _RETRY_FIRST_S
+        while self._held:
+            await asyncio.sleep(delay_s)
+            await self._resubmit_held()
+            delay_s = min(delay_s * 2, _RETRY_MAX_S)
+        log.warning("Redis answers again: held usage records written")
+
+    async def _resubmit_held(self) -> None:
+        held, self._held = self._held, []
+        for call, request_id in held:
+            self._submit_settle(call, request_id)  # a failure holds it again
+        await self._calls.flush()
 
     def _settle_call(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
                      delta_tokens: int, delta_nanos: int) -> ScriptCall:
@@ -244,13 +294,12 @@ class RedisMeter(BaseMeter):
 
     async def close(self) -> None:
         await self._calls.close()
+        if self._retrier is not None:
+            self._retrier.cancel()
+        self._is_closing = True
+        await self._resubmit_held()  # a last try; what fails now is logged
         if self._owns_client:
             await self.client.aclose()
-
-
-def _log_failure(request_id: str, result: Any) -> None:
-    if isinstance(result, BaseException):
-        log.error("settle failed for %s", request_id, exc_info=result)
 
 
 def _arg(limit: int | None) -> Any:
