@@ -19,13 +19,14 @@ import pytest
 from tests.redis_server import redis_process
 
 NUM_NODES = 3
+CLUSTER_BUS_PORT_OFFSET = 10_000  # redis-server's cluster bus: its port + 10,000
 
 
 @contextmanager
 def _node(binary: str, workdir: str, startup_timeout_s: float) -> Iterator[int]:
     with redis_process(binary, workdir, ("--cluster-enabled", "yes", "--cluster-config-file",
                                          f"nodes-{time.monotonic_ns()}.conf"),
-                       startup_timeout_s) as port:
+                       startup_timeout_s, bus_port_offset=CLUSTER_BUS_PORT_OFFSET) as port:
         yield port
 
 

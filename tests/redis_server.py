@@ -15,10 +15,23 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def free_port(also_free_at: int = 0) -> int:
+    """A free loopback port; with `also_free_at`, one whose port + `also_free_at` is free and
+    below 65536 too (a cluster node's bus listens 10,000 above its port: redis-server refuses
+    a port over 55535 in cluster mode, and ~19% of the kernel's ephemeral ports are)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if not also_free_at:
+            return port
+        if port + also_free_at < 65536:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as bus:
+                try:
+                    bus.bind(("127.0.0.1", port + also_free_at))
+                except OSError:
+                    continue
+            return port
 
 
 def ping(port: int) -> bool:
@@ -32,10 +45,11 @@ def ping(port: int) -> bool:
 
 @contextmanager
 def redis_process(binary: str, workdir: str, extra_args: tuple[str, ...] = (),
-                  startup_timeout_s: float = 10.0) -> Iterator[int]:
-    """One redis-server on a free loopback port (no persistence), answering PING; yields the port."""
+                  startup_timeout_s: float = 10.0, bus_port_offset: int = 0) -> Iterator[int]:
+    """One redis-server on a free loopback port (no persistence), answering PING; yields the port.
+    `bus_port_offset`: a cluster node's, whose bus port must be free (and in range) too."""
     for _attempt in range(3):  # the free port may be taken between probe and bind
-        port = free_port()
+        port = free_port(bus_port_offset)
         process = subprocess.Popen(
             [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, *extra_args,
              "--save", "", "--appendonly", "no", "--protected-mode", "yes"],
