@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _free_port() -> int:
-    from gateway.embedded import free_port
+    from gateway.ports import free_port
 
     return free_port()
 

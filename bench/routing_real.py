@@ -26,7 +26,7 @@ import xxhash
 from aiohttp import web
 
 from bench.plotting import percentile
-from gateway import embedded
+from gateway import embedded, ports
 from gateway.canonical import CanonicalRequest
 from gateway.endpoints import Endpoint
 from gateway.routing.base import Decision, LeastOutstandingRouter, Router
@@ -70,7 +70,7 @@ def _start(args: argparse.Namespace, num_replicas: int) -> list[embedded.Replica
 
     replicas = []
     for _ in range(num_replicas):
-        port = embedded.free_port()
+        port = ports.free_port()
         command = [sys.executable, "-m", "gateway.cli", "replica", "--port", str(port), "--threads", "1",
                    "--kv-cache-memory", str(args.kv_cache_memory)]
         replicas.append(embedded.ReplicaProcess(
@@ -171,7 +171,7 @@ async def _run_policy(policy: str, replicas: list[embedded.ReplicaProcess], work
             await admin.post(replica.url + "/kv/reset")
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", embedded.free_port())
+    site = web.TCPSite(runner, "127.0.0.1", ports.free_port())
     await site.start()
     url = site.name
     await asyncio.sleep(1.0)  # consumers sync from the (empty) snapshots

@@ -101,7 +101,7 @@ def run_replica_command(args: argparse.Namespace) -> int:
     from engine.async_engine import AsyncEngine
     from engine.engine import LLMEngine
     from engine.server import ReplicaServerSettings, run_replica
-    from gateway.embedded import cannot_listen
+    from gateway.ports import cannot_listen
 
     if problem := cannot_listen(args.host, args.port):  # before the model load, not after it
         print(f"aigw: cannot listen on {args.host}:{args.port}: {problem}", file=sys.stderr)

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from auth.settings import AuthSettings
-    from gateway import embedded
+    from gateway import embedded, ports
     from gateway.backends import get_backend_class
     from gateway.settings import load_settings
     from gateway.telemetry.settings import TelemetrySettings
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     if settings.auth_enabled and (problem := _unusable_directory(settings.data_dir)):
         print(f"aigw: cannot use data_dir {str(settings.data_dir)!r}: {problem}", file=sys.stderr)
         return 1
-    if problem := embedded.cannot_listen(settings.host, settings.port):
+    if problem := ports.cannot_listen(settings.host, settings.port):
         print(f"aigw: cannot listen on {settings.host}:{settings.port}: {problem}", file=sys.stderr)
         return 1
     if settings.redis_url and (problem := _redis_unreachable(settings.redis_url)):

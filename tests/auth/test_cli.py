@@ -139,7 +139,7 @@ def test_usage_of_a_project_known_only_from_jwts_is_printed(
 def test_a_bad_or_unreachable_redis_url_is_one_error_line_not_a_traceback(
         redis_url: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from gateway.embedded import free_port
+    from gateway.ports import free_port
 
     monkeypatch.setenv("AIGW_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("AIGW_REDIS_URL", redis_url.format(port=free_port()))

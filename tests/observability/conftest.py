@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from auth.principal import AuthError, Principal, Scope
-from gateway import embedded
+from gateway import embedded, ports
 from gateway.app import create_app
 from gateway.services import metering_settings
 from gateway.settings import GatewaySettings, Prices
@@ -54,7 +54,7 @@ class Served:
 
 @pytest.fixture(scope="session")
 def replica_url() -> Iterator[str]:
-    port = embedded.free_port()
+    port = ports.free_port()
     command = [sys.executable, "-m", "gateway.cli", "replica", "--port", str(port), "--threads", "1",
                "--kv-cache-memory", "67108864"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway import embedded
+from gateway import embedded, ports
 from gateway.app import create_app
 from gateway.keys import FLEET
 from gateway.routing.prefix_router import PrefixRouter, PrefixRouterConfig
@@ -40,7 +40,7 @@ def loop_thread() -> Iterator[LoopThread]:
 def replicas(redis_url: str) -> Iterator[list[embedded.ReplicaProcess]]:
     started = []
     for _ in range(2):
-        port = embedded.free_port()
+        port = ports.free_port()
         started.append(embedded.ReplicaProcess(subprocess.Popen(replica_command(port, redis_url)),
                                                f"http://127.0.0.1:{port}"))
     try:
