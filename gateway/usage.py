@@ -43,7 +43,7 @@ def _partial_usage(request: CanonicalRequest, accumulator: Accumulator,
     chars = accumulator.num_generated_chars_by_choice
     echoed = accumulator.num_first_text_chars_by_choice if request.echo else [0] * len(chars)
     num_completion_tokens = sum(_completion_estimate(num_chars, num_echoed_chars, request.max_tokens)
-                                for num_chars, num_echoed_chars in zip(chars, echoed))
+                                for num_chars, num_echoed_chars in zip(chars, echoed, strict=True))
     announced = accumulator.prompt_usage
     if announced is not None:
         return Usage(announced.prompt_tokens, num_completion_tokens, announced.cached_tokens)
@@ -53,14 +53,14 @@ def _partial_usage(request: CanonicalRequest, accumulator: Accumulator,
                  num_completion_tokens)
 
 
-def _completion_estimate(num_chars: int, num_echoed_chars: int, limit: int | None) -> int:
+def _completion_estimate(num_chars: int, num_echoed_chars: int, max_tokens: int | None) -> int:
     """One choice's completion from its text and tool calls, at ~4 characters a token; that
-    overshoots on short tokens (digits, punctuation), so never past max_tokens (`limit`), which no
-    choice can exceed. `num_echoed_chars`: with `echo`, the choice's first delta (its prompt, which
+    overshoots on short tokens (digits, punctuation), so never past `max_tokens`, which no choice
+    can exceed. `num_echoed_chars`: with `echo`, the choice's first delta (its prompt, which
     is not completion, and its first token) counts as one token."""
     if not num_chars:
         return 0
     num_tokens = 1 if num_echoed_chars else 0
     if num_chars > num_echoed_chars:
         num_tokens += estimate_num_tokens(num_chars - num_echoed_chars)
-    return num_tokens if limit is None else min(num_tokens, limit)
+    return num_tokens if max_tokens is None else min(num_tokens, max_tokens)

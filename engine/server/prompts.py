@@ -33,6 +33,7 @@ from engine.server.protocol import (
 )
 from engine.server.typedefs import ServedTokenizer
 
+
 def _text(content: Content | None) -> str:
     if content is None:
         return ""
