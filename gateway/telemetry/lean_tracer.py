@@ -86,6 +86,11 @@ def new_span_id() -> int:
     return _getrandbits(64) or 1
 
 
+def new_trace_id() -> int:
+    """A random non-zero 128-bit trace id (W3C trace context)."""
+    return _getrandbits(128) or 1
+
+
 def new_span_context(parent: SpanContext | None, bound: int) -> SpanContext:
     """A new span's context: a child of `parent` (same trace, its sampled decision), or the root of
     a new trace sampled when the trace id's low 64 bits are under `bound` (TraceIdRatioBased's rule;
@@ -99,7 +104,7 @@ def new_span_context(parent: SpanContext | None, bound: int) -> SpanContext:
             else (_SAMPLED_RANDOM if sampled else _NOT_SAMPLED_RANDOM)
         trace_state = parent[4]
     else:
-        trace_id = _getrandbits(128) or 1
+        trace_id = new_trace_id()
         sampled = trace_id & _TRACE_ID_LOW_64 < bound
         flags = _SAMPLED_RANDOM if sampled else _NOT_SAMPLED_RANDOM
         trace_state = DEFAULT_TRACE_STATE

@@ -14,7 +14,6 @@ polling and scanners do not crowd the trace buffer.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from typing import TYPE_CHECKING
 
@@ -23,7 +22,7 @@ from aiohttp.typedefs import Handler, Middleware
 from opentelemetry import trace as trace_api
 from opentelemetry.trace import SpanContext, TraceFlags
 
-from gateway.telemetry.lean_tracer import new_span_context, new_span_id
+from gateway.telemetry.lean_tracer import new_span_context, new_span_id, new_trace_id
 from gateway.telemetry.observation import RequestObservation, reset_current, set_current
 from gateway.telemetry.recent import LatencySample
 from gateway.telemetry.request_trace import RequestTrace, TraceOrigin
@@ -113,7 +112,7 @@ def _start_trace(request: web.Request, route: str, sample_bound: int, origin: Tr
 def _unsampled_traceparent(request: web.Request) -> str:
     """The not-sampled decision, passed on (W3C: the caller's trace id, if any, and flags 00)."""
     parent = _incoming_span(request)
-    trace_id = parent.trace_id if parent is not None else random.getrandbits(128) or 1
+    trace_id = parent.trace_id if parent is not None else new_trace_id()
     return f"00-{trace_id:032x}-{new_span_id():016x}-00"
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from opentelemetry.propagators.textmap import TextMapPropagator
@@ -28,6 +28,7 @@ from gateway.transport import Transport, UpstreamRequest, UpstreamResponse
 PROPAGATOR: TextMapPropagator = TraceContextTextMapPropagator()
 _HEX_BYTES = tuple(f"{value:02x}" for value in range(256))  # trace flags -> their two hex digits
 _time_ns = time.time_ns
+T = TypeVar("T")
 
 
 @lru_cache(maxsize=1024)
@@ -88,24 +89,21 @@ class _TracedResponse(UpstreamResponse):
     async def read(self) -> bytes:
         return await self._inner.read()
 
-    async def lines(self) -> AsyncIterator[bytes]:  # type: ignore[override]
-        observation = self._observation
-        try:
-            async for line in self._inner.lines():
-                if observation.first_upstream_line_at is None:
-                    self._note_first_line()
-                yield line
-        except Exception as exc:
-            self._failed(exc)
-            raise
+    def lines(self) -> AsyncIterator[bytes]:  # type: ignore[override]
+        return self._watched(self._inner.lines())
 
-    async def line_batches(self) -> AsyncIterator[list[bytes]]:  # type: ignore[override]
+    def line_batches(self) -> AsyncIterator[list[bytes]]:  # type: ignore[override]
+        return self._watched(self._inner.line_batches())
+
+    async def _watched(self, items: AsyncIterator[T]) -> AsyncIterator[T]:
+        """`items` as they come (one generator layer, as before), noting the first one's time and
+        a body that breaks off."""
         observation = self._observation
         try:
-            async for batch in self._inner.line_batches():
+            async for item in items:
                 if observation.first_upstream_line_at is None:
                     self._note_first_line()
-                yield batch
+                yield item
         except Exception as exc:
             self._failed(exc)
             raise
