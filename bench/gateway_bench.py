@@ -2,12 +2,17 @@
 
 One run starts a fast mock upstream (bench/mock_upstream.py) and, in front of it: a bare aiohttp
 pass-through (bench/bare_proxy.py, the ceiling for a Python proxy), `aigw serve` with auth and
-metering off and on (tracing on), the same with tracing off (`aigw_trace_off`, AIGW_TRACING=0), and
-LiteLLM's proxy (installed into bench/out/litellm-venv; skipped with a reason if that fails); on
-request (`--targets ...,aigw_aiohttp`), `aigw` with aiohttp's upstream client instead of its own. Cells run interleaved (for each mode and concurrency, every target in turn)
-for `--duration-s` each. The load generator is a separate aiohttp process. Figures per cell:
-requests/s, latency p50/p99 minus the direct p50/p99 ("added"), and the target's CPU ms per request
-(its whole process tree, from /proc). `--targets` picks a subset while iterating (direct always runs).
+metering off and on (tracing on, as configured by default), the same with tracing off
+(`aigw_trace_off`, AIGW_TRACING=0), and LiteLLM's proxy (installed into bench/out/litellm-venv;
+skipped with a reason if that fails). On request (`--targets ...`):
+    aigw_aiohttp     `aigw` with aiohttp's upstream client instead of its own
+    aigw_trace_all   `aigw` tracing every request (AIGW_TRACE_MAX_PER_S=0: no rate limit)
+    aigw_twin        a second `aigw` configured the same: the difference two identical gateways
+                     show, the noise floor of the tracing comparison
+Cells run interleaved (for each mode and concurrency, every target in turn) for `--duration-s`
+each. The load generator is a separate aiohttp process. Figures per cell: requests/s, latency
+p50/p99 minus the direct p50/p99 ("added"), and the target's CPU ms per request (its whole process
+tree, from /proc). `--targets` picks a subset while iterating (direct always runs).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -27,8 +33,9 @@ from typing import Any
 MODEL = "mock-model"
 LITELLM_KEY = "sk-aigw-bench-0123456789"  # LiteLLM refuses to start without a master key
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-TARGET_NAMES = ("bare_proxy", "aigw_auth_off", "aigw", "aigw_trace_off", "litellm", "aigw_aiohttp")
-DEFAULT_TARGETS = TARGET_NAMES[:-1]  # aigw_aiohttp (aiohttp's upstream client) on request only
+TARGET_NAMES = ("bare_proxy", "aigw_auth_off", "aigw", "aigw_trace_off", "litellm", "aigw_aiohttp",
+                "aigw_twin", "aigw_trace_all")
+DEFAULT_TARGETS = TARGET_NAMES[:-3]  # aigw_aiohttp, aigw_twin and aigw_trace_all on request only
 
 
 @dataclass
@@ -49,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run every cell this many times, interleaved (targets in turn "
                              "forwards and backwards), and report each figure's median (a noisy "
                              "machine's bursts then hit one round)")
+    parser.add_argument("--fresh-gateways", action="store_true",
+                        help="start every aigw target anew each round: a difference one process "
+                             "shows throughout (its memory layout, where the scheduler put it) "
+                             "then varies between rounds instead of biasing every round alike")
     parser.add_argument("--no-litellm", action="store_true")
     parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
                         help="comma-separated subset of " + ",".join(TARGET_NAMES)
@@ -118,6 +129,17 @@ class _Processes:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.running.append(process)
         return process
+
+    def stop(self, pid: int) -> None:
+        for process in self.running:
+            if process.pid == pid:
+                process.terminate()
+                try:
+                    process.wait(15)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+        self.running = [process for process in self.running if process.pid != pid]
 
     def stop_all(self) -> None:
         for process in self.running:
@@ -266,26 +288,34 @@ def _report(results: list[dict[str, Any]], skipped: dict[str, str]) -> None:
 def _report_tracing_cost(per_round: list[dict[str, Any]]) -> None:
     """Tracing on (`aigw`) against off (`aigw_trace_off`), paired within each round (the two
     cells run back to back): the median and range over the rounds of each cell's req/s ratio
-    and CPU difference. A range that spans 1.0 / 0 is a difference the run cannot tell from noise."""
-    cells: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {}
-    for row in per_round:
-        if row["target"] in ("aigw", "aigw_trace_off"):
-            by_target = cells.setdefault((row["mode"], row["concurrency"]),
-                                         {"aigw": [], "aigw_trace_off": []})
-            by_target[row["target"]].append(row)
+    and CPU difference. A range that spans 1.0 / 0 is a difference the run cannot tell from noise.
+    With `aigw_twin` in the run (a second `aigw` process, configured the same), `aigw` against it
+    is printed too: the difference two identical gateways show on this machine, the floor below
+    which the tracing figure means nothing."""
+    pairs = [("aigw", "aigw_trace_off", "on/off"), ("aigw_trace_all", "aigw_trace_off", "all/off"),
+             ("aigw", "aigw_twin", "on/twin")]
     lines = []
-    for (mode, concurrency), by_target in cells.items():
-        traced, untraced = by_target["aigw"], by_target["aigw_trace_off"]
-        if not traced or len(traced) != len(untraced):
-            continue
-        pairs = list(zip(traced, untraced, strict=True))
-        ratios = sorted(a["requests_per_s"] / b["requests_per_s"] for a, b in pairs)
-        cpu_us = sorted((a["cpu_ms_per_request"] - b["cpu_ms_per_request"]) * 1000 for a, b in pairs)
-        lines.append(f"{mode:9} {concurrency:>4}   req/s on/off {ratios[len(ratios) // 2]:.3f} "
-                     f"[{ratios[0]:.3f}, {ratios[-1]:.3f}]   cpu on-off {cpu_us[len(cpu_us) // 2]:+.0f} us "
-                     f"[{cpu_us[0]:+.0f}, {cpu_us[-1]:+.0f}]")
+    for traced_name, other_name, label in pairs:
+        cells: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {}
+        for row in per_round:
+            if row["target"] in (traced_name, other_name):
+                by_target = cells.setdefault((row["mode"], row["concurrency"]),
+                                             {traced_name: [], other_name: []})
+                by_target[row["target"]].append(row)
+        for (mode, concurrency), by_target in cells.items():
+            traced, other = by_target[traced_name], by_target[other_name]
+            if not traced or len(traced) != len(other):
+                continue
+            paired = list(zip(traced, other, strict=True))
+            ratios = sorted(a["requests_per_s"] / b["requests_per_s"] for a, b in paired)
+            cpu_us = sorted((a["cpu_ms_per_request"] - b["cpu_ms_per_request"]) * 1000
+                            for a, b in paired)
+            lines.append(f"{mode:9} {concurrency:>4}   req/s {label:8} {ratios[len(ratios) // 2]:.3f} "
+                         f"[{ratios[0]:.3f}, {ratios[-1]:.3f}]   cpu difference "
+                         f"{cpu_us[len(cpu_us) // 2]:+.0f} us [{cpu_us[0]:+.0f}, {cpu_us[-1]:+.0f}]")
     if lines:
-        print("tracing on vs off, paired per round: median [min, max] over the rounds")
+        print("tracing on vs off (and vs an identical twin), paired per round: "
+              "median [min, max] over the rounds")
         print("\n".join(lines))
 
 
@@ -333,11 +363,18 @@ def run(args: argparse.Namespace) -> int:
                                               str(bare_port), "--upstream", upstream])
             _wait_port(bare_port, 30)
             targets.append(Target("bare_proxy", f"http://127.0.0.1:{bare_port}", bare.pid))
-        for name, auth, extra_env in (("aigw_auth_off", False, None), ("aigw", True, None),
-                                      ("aigw_trace_off", True, {"AIGW_TRACING": "0"}),
-                                      ("aigw_aiohttp", True, {"AIGW_UPSTREAM_CLIENT": "aiohttp"})):
-            if name in wanted:
-                targets.append(_start_aigw(procs, name, upstream, auth, args.workers, extra_env))
+        # aigw sits between its two comparisons (tracing off, its twin), so that in either
+        # direction each is measured right next to it
+        gateways = [(name, auth, extra_env) for name, auth, extra_env in (
+            ("aigw_auth_off", False, None), ("aigw_trace_all", True, {"AIGW_TRACE_MAX_PER_S": "0"}),
+            ("aigw_trace_off", True, {"AIGW_TRACING": "0"}),
+            ("aigw", True, None), ("aigw_twin", True, None),
+            ("aigw_aiohttp", True, {"AIGW_UPSTREAM_CLIENT": "aiohttp"})) if name in wanted]
+        for name, auth, extra_env in gateways:
+            # each run starts from an empty store (a usage table grown by earlier runs would
+            # make one target's writes costlier than another's)
+            shutil.rmtree(out_dir / f"{name}-data", ignore_errors=True)
+            targets.append(_start_aigw(procs, name, upstream, auth, args.workers, extra_env))
         if args.no_litellm or "litellm" not in wanted:
             skipped["litellm"] = "--no-litellm" if args.no_litellm else "not in --targets"
         else:
@@ -347,6 +384,14 @@ def run(args: argparse.Namespace) -> int:
             else:
                 targets.append(litellm)
         for round_index in range(args.rounds):
+            if args.fresh_gateways and round_index > 0:
+                for index, target in enumerate(targets):
+                    spec = next((g for g in gateways if g[0] == target.name), None)
+                    if spec is not None:
+                        procs.stop(target.pid)
+                        name, auth, extra_env = spec
+                        targets[index] = _start_aigw(procs, name, upstream, auth, args.workers,
+                                                     extra_env)
             # direct first (the added latency's baseline), the others in turn forwards and
             # backwards: a target measured right after another is not always the same one
             ordered = targets if round_index % 2 == 0 else [targets[0], *targets[:0:-1]]

@@ -24,6 +24,7 @@ from gateway.dashboard.views import merge_spans, replica_rows, replicas_in, trac
 from gateway.keys import AUTHENTICATOR, FLEET, METER, SETTINGS, TRANSPORT
 from gateway.pipeline import credential_of
 from gateway.telemetry.keys import TELEMETRY
+from gateway.telemetry.settings import TelemetrySettings
 
 REPLICA_TIMEOUT_S = 1.0
 NUM_TRACES_LISTED = 30
@@ -72,7 +73,15 @@ async def overview(request: web.Request) -> web.Response:
         "usage": usage,
         "usage_daily": await _usage_daily(app, projects),
         "traces": traces,
+        "tracing": _tracing_json(telemetry.settings),
     })
+
+
+def _tracing_json(settings: TelemetrySettings) -> dict[str, object]:
+    """Which requests get a trace (the traces table's caption)."""
+    return {"enabled": settings.is_tracing_enabled, "sample_ratio": settings.sample_ratio,
+            "max_new_per_s": settings.max_traces_per_s or None,  # None: no limit
+            "num_traces_buffered": settings.num_traces_buffered}
 
 
 async def _usage_daily(app: web.Application, projects: list[str]) -> dict[str, list[dict[str, object]]]:

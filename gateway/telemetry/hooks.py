@@ -16,7 +16,7 @@ into the request's `RequestTrace`; spans are built from it only when read.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from auth.principal import Authenticator, AuthError, Principal
@@ -26,7 +26,7 @@ from gateway.metering.contract import Admission, Meter, UsageRecord
 from gateway.routing.base import Decision, Router
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.observation import current_observation
-from gateway.telemetry.request_trace import RouteStep, request_values
+from gateway.telemetry.request_trace import RequestTrace, RouteStep, request_values
 
 _time_ns = time.time_ns
 
@@ -35,11 +35,16 @@ class TracedAuthenticator:
     def __init__(self, inner: Authenticator) -> None:
         self.inner = inner
 
-    async def authenticate(self, credential: str | None) -> Principal:
+    def authenticate(self, credential: str | None) -> Coroutine[Any, Any, Principal]:
+        """The inner authenticator's own coroutine for a request not traced (no coroutine
+        layer of ours), else one that notes the step."""
         observation = current_observation()
         trace = observation.trace if observation is not None else None
         if trace is None:
-            return await self.inner.authenticate(credential)
+            return self.inner.authenticate(credential)
+        return self._traced(trace, credential)
+
+    async def _traced(self, trace: RequestTrace, credential: str | None) -> Principal:
         trace.auth_start_ns = _time_ns()
         try:
             principal = await self.inner.authenticate(credential)
@@ -91,25 +96,30 @@ class CountedRouter(Router):
 
 
 class TracedRouter(CountedRouter):
+    """A request that is not traced (or not sampled) is only counted, as by CountedRouter."""
+
     def pick(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision:
-        started_ns = _time_ns()
-        decision = super().pick(request, endpoints)
-        self._note(request, endpoints, decision, started_ns)
-        return decision
-
-    async def choose(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision:
-        started_ns = _time_ns()
-        decision = await self.inner.choose(request, endpoints)  # (one coroutine layer, not two)
-        self._decisions_of(self._policy, decision.reason, decision.endpoint.name).inc()
-        self._note(request, endpoints, decision, started_ns)
-        return decision
-
-    def _note(self, request: CanonicalRequest, endpoints: Sequence[Endpoint], decision: Decision,
-              started_ns: int) -> None:
         observation = current_observation()
         trace = observation.trace if observation is not None else None
         if trace is None:
-            return  # not traced, or not sampled
+            return super().pick(request, endpoints)
+        started_ns = _time_ns()
+        decision = super().pick(request, endpoints)
+        self._note(trace, request, endpoints, decision, started_ns)
+        return decision
+
+    async def choose(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision:
+        observation = current_observation()
+        trace = observation.trace if observation is not None else None
+        started_ns = _time_ns() if trace is not None else 0
+        decision = await self.inner.choose(request, endpoints)  # (one coroutine layer, not two)
+        self._decisions_of(self._policy, decision.reason, decision.endpoint.name).inc()
+        if trace is not None:
+            self._note(trace, request, endpoints, decision, started_ns)
+        return decision
+
+    def _note(self, trace: RequestTrace, request: CanonicalRequest, endpoints: Sequence[Endpoint],
+              decision: Decision, started_ns: int) -> None:
         if trace.request is None:
             trace.request = request_values(request)
         trace.add_route(RouteStep(started_ns, _time_ns(), self._policy, decision, endpoints,

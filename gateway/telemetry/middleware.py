@@ -14,6 +14,8 @@ polling and scanners do not crowd the trace buffer.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import secrets
 import time
 from typing import TYPE_CHECKING
 
@@ -22,11 +24,12 @@ from aiohttp.typedefs import Handler, Middleware
 from opentelemetry import trace as trace_api
 from opentelemetry.trace import SpanContext, TraceFlags
 
-from gateway.telemetry.lean_tracer import new_span_context, new_span_id, new_trace_id
+from gateway.telemetry.lean_tracer import new_span_context
 from gateway.telemetry.observation import RequestObservation, reset_current, set_current
 from gateway.telemetry.recent import LatencySample
 from gateway.telemetry.request_trace import RequestTrace, TraceOrigin
-from gateway.telemetry.upstream import PROPAGATOR
+from gateway.telemetry.sampling import TraceRateLimit
+from gateway.telemetry.upstream import PROPAGATOR, TRACE_FLAGS_HEX
 
 if TYPE_CHECKING:
     from gateway.telemetry.telemetry import Telemetry
@@ -48,6 +51,8 @@ def make_middleware(telemetry: Telemetry) -> Middleware:
     metrics = telemetry.metrics
     is_tracing = telemetry.settings.is_tracing_enabled
     sample_bound, origin = telemetry.provider.bound, telemetry.origin
+    max_per_s = telemetry.settings.max_traces_per_s
+    limit = TraceRateLimit(max_per_s, time.perf_counter()) if max_per_s > 0 else None
 
     @web.middleware
     async def telemetry_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -63,10 +68,11 @@ def make_middleware(telemetry: Telemetry) -> Middleware:
             else:
                 metrics.requests_of(route, str(untraced.status), "", "").inc()
             return untraced
-        trace = _start_trace(request, route, sample_bound, origin) if is_tracing else None
-        observation = RequestObservation(time.perf_counter(), trace)
-        if trace is None and is_tracing:
-            observation.unsampled_traceparent = _unsampled_traceparent(request)
+        started = time.perf_counter()
+        observation = RequestObservation(started, None)
+        if is_tracing:
+            _start_trace(request, route, sample_bound, limit, origin, observation)
+        trace = observation.trace
         token = set_current(observation)
         response: web.StreamResponse | None = None
         status = 500
@@ -98,22 +104,38 @@ def make_middleware(telemetry: Telemetry) -> Middleware:
     return telemetry_middleware
 
 
-def _start_trace(request: web.Request, route: str, sample_bound: int, origin: TraceOrigin
-                 ) -> RequestTrace | None:
-    """The request's trace if it is sampled: a child of the caller's sampled `traceparent`, or a
-    new trace kept at the configured ratio."""
+def _start_trace(request: web.Request, route: str, sample_bound: int, limit: TraceRateLimit | None,
+                 origin: TraceOrigin, observation: RequestObservation) -> None:
+    """The request's sampling decision, into its observation: a `RequestTrace` when sampled (a
+    child of the caller's sampled `traceparent`, or a new trace the rate limit allows and the ratio
+    keeps), else the `traceparent` that passes the decision not to record on (W3C: the caller's
+    trace id, if any, a span id of ours, flags without "sampled")."""
     parent = _incoming_span(request)
+    if parent is None and limit is not None and not limit.allow(observation.started):
+        observation.unsampled_traceparent = _unsampled_traceparent()  # (over the limit: no ids drawn)
+        return
     context = new_span_context(parent, sample_bound)
-    if not context[3] & _SAMPLED:  # (SpanContext is a tuple: its trace flags fourth)
-        return None
-    return RequestTrace(context, parent, request.method, route, origin, time.time_ns())
+    # (SpanContext is a tuple: trace id, span id, is_remote, trace flags, ...)
+    if context[3] & _SAMPLED:
+        observation.trace = RequestTrace(context, parent, request.method, route, origin,
+                                         time.time_ns())
+        return
+    if parent is None and limit is not None:
+        limit.refund()
+    observation.unsampled_traceparent = (f"00-{context[0]:032x}-{context[1]:016x}-"
+                                         + TRACE_FLAGS_HEX[context[3] & ~_SAMPLED])
 
 
-def _unsampled_traceparent(request: web.Request) -> str:
-    """The not-sampled decision, passed on (W3C: the caller's trace id, if any, and flags 00)."""
-    parent = _incoming_span(request)
-    trace_id = parent.trace_id if parent is not None else new_trace_id()
-    return f"00-{trace_id:032x}-{new_span_id():016x}-00"
+# A new request over the trace rate limit still tells the upstream not to record it, under an id
+# of its own; it is made from a counter (this process's random 64 bits, then the count) rather
+# than drawn, as the request will never be traced: unique, cheap, flags 00 (not "random").
+_UNSAMPLED_PREFIX = f"00-{secrets.randbits(64) or 1:016x}"
+_unsampled_count = itertools.count(1)
+
+
+def _unsampled_traceparent() -> str:
+    count = next(_unsampled_count)
+    return f"{_UNSAMPLED_PREFIX}{count:016x}-{count:016x}-00"
 
 
 def _incoming_span(request: web.Request) -> SpanContext | None:

@@ -26,7 +26,7 @@ from gateway.telemetry.request_trace import UpstreamCall
 from gateway.transport import Transport, UpstreamRequest, UpstreamResponse
 
 PROPAGATOR: TextMapPropagator = TraceContextTextMapPropagator()
-_HEX_BYTES = tuple(f"{value:02x}" for value in range(256))  # trace flags -> their two hex digits
+TRACE_FLAGS_HEX = tuple(f"{value:02x}" for value in range(256))  # trace flags -> their two hex digits
 _time_ns = time.time_ns
 T = TypeVar("T")
 
@@ -61,8 +61,8 @@ class TracingTransport(Transport):
         headers = request.headers  # the request's own (UpstreamRequest: wrappers may add to it)
         # W3C trace context: what PROPAGATOR.inject writes for the call's CLIENT span
         headers["traceparent"] = ("00-" + trace.trace_id_hex + "-" + call.span_id.to_bytes(8, "big").hex()
-                                  + "-" + _HEX_BYTES[context[3]])
-        if context[4]:
+                                  + "-" + TRACE_FLAGS_HEX[context[3]])
+        if trace.parent is not None and context[4]:  # (a new trace's state is the empty default)
             headers["tracestate"] = context[4].to_header()
         try:
             response = await self.inner.send(request)

@@ -151,6 +151,7 @@ def test_a_bad_config_file_is_one_error_message_and_status_1(
 
 @pytest.mark.parametrize("variable", [
     "AIGW_TRACE_SAMPLE_RATIO=abc", "AIGW_TRACE_SAMPLE_RATIO=2", "AIGW_TRACE_BUFFER_TRACES=0",
+    "AIGW_TRACE_MAX_PER_S=-1", "AIGW_TRACE_MAX_PER_S=nan",
     "AIGW_JWT_ALGORITHMS=none",
 ])
 def test_a_bad_environment_variable_is_one_error_message_and_status_1(

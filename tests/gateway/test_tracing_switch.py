@@ -25,11 +25,11 @@ def traces_started(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[RequestTrac
     started: list[RequestTrace] = []
     original = middleware._start_trace
 
-    def recording(*args: Any) -> RequestTrace | None:
-        trace = original(*args)
+    def recording(*args: Any) -> None:
+        original(*args)
+        trace = args[-1].trace  # (the request's observation: its trace, when sampled)
         if trace is not None:
             started.append(trace)
-        return trace
 
     monkeypatch.setattr(middleware, "_start_trace", recording)
     yield started

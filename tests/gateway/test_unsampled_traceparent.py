@@ -4,6 +4,8 @@ its own (an orphan replica-only trace per unsampled request)."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from aiohttp import web
@@ -38,7 +40,10 @@ def test_a_request_not_sampled_sends_an_unsampled_traceparent_upstream(
     response = httpx.post(url + "/v1/chat/completions", json=BODY, timeout=10)
     assert response.status_code == 200 and "x-aigw-trace-id" not in response.headers
     [traceparent] = seen
-    assert traceparent is not None and traceparent.startswith("00-") and traceparent.endswith("-00")
+    assert traceparent is not None
+    version, trace_id, parent_id, flags = traceparent.split("-")
+    assert version == "00" and int(trace_id, 16) and int(parent_id, 16)
+    assert not int(flags, 16) & 1  # not sampled (W3C level 2 may set 0x02, "random trace id")
 
 
 def test_a_callers_unsampled_decision_and_trace_id_are_passed_on(
@@ -60,3 +65,45 @@ def test_tracing_off_sends_no_traceparent(make_gateway: GatewayFactory, loop_thr
     url, seen = _gateway_recording_traceparents(make_gateway, loop_thread)
     assert httpx.post(url + "/v1/chat/completions", json=BODY, timeout=10).status_code == 200
     assert seen == [None]
+
+
+def test_new_traces_over_the_rate_limit_are_not_sampled_and_say_so_upstream(
+        make_gateway: GatewayFactory, loop_thread: LoopThread,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """AIGW_TRACE_MAX_PER_S=2: a burst of 8 new requests gets 2 traces (plus what refills while
+    it runs); the rest are answered and counted as usual, untraced, and tell the upstream so. A
+    caller's sampled traceparent is continued whatever the limit."""
+    monkeypatch.setenv("AIGW_TRACE_MAX_PER_S", "2")
+    url, seen = _gateway_recording_traceparents(make_gateway, loop_thread)
+    with httpx.Client(timeout=10) as client:
+        started = time.monotonic()
+        responses = [client.post(url + "/v1/chat/completions", json=BODY) for _ in range(8)]
+        elapsed_s = time.monotonic() - started
+        assert all(r.status_code == 200 for r in responses)
+        num_traced = sum("x-aigw-trace-id" in r.headers for r in responses)
+        assert 2 <= num_traced <= 2 + int(elapsed_s * 2) + 1
+        sampled_upstream = [int(tp.rsplit("-", 1)[1], 16) & 1 for tp in seen if tp is not None]
+        assert len(sampled_upstream) == 8 and sum(sampled_upstream) == num_traced
+        assert len({tp.split("-")[1] for tp in seen if tp is not None}) == 8  # a trace id each
+        caller_trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+        continued = [client.post(url + "/v1/chat/completions", json=BODY, headers={
+            "traceparent": f"00-{caller_trace_id}-00f067aa0ba902b7-01"}) for _ in range(4)]
+    assert [r.headers.get("x-aigw-trace-id") for r in continued] == [caller_trace_id] * 4
+
+
+def test_a_callers_tracestate_goes_upstream_with_the_continued_trace(
+        make_gateway: GatewayFactory, loop_thread: LoopThread) -> None:
+    states: list[str | None] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        states.append(request.headers.get("tracestate"))
+        return web.json_response(COMPLETION)
+
+    _, upstream_url = start_chat_upstream(loop_thread, chat)
+    gateway = make_gateway(models=[{"name": MODEL, "backend": "replica", "endpoints": [upstream_url]}])
+    caller = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+              "tracestate": "vendor=opaque"}
+    assert httpx.post(gateway.url + "/v1/chat/completions", json=BODY, timeout=10,
+                      headers=caller).status_code == 200
+    assert httpx.post(gateway.url + "/v1/chat/completions", json=BODY, timeout=10).status_code == 200
+    assert states == ["vendor=opaque", None]  # a new trace has no state to pass on

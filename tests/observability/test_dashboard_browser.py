@@ -78,6 +78,8 @@ def test_dashboard_shows_replica_usage_and_trace_waterfall(served: Served, tmp_p
             assert any(name.startswith("POST /v1/chat/completions") for name in names), names
             assert any(name.startswith("gateway.route") for name in names), names
             assert any(name.startswith("engine.decode") for name in names), names
+            caption = page.inner_text("#tracing")  # which requests get a trace
+            assert "every new request up to 100 a second" in caption, caption
             usage_row = page.inner_text(f"#usage tr[data-project='{PROJECT}']")
             assert usage_row.split()[1] != "0"  # requests counted
             page.locator("#waterfall .wf-row").first.click()

@@ -116,3 +116,5 @@ def test_dashboard_api_needs_an_admin_key(served: Served) -> None:
     admin = httpx.get(url, headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=TIMEOUT_S)
     assert admin.status_code == 200
     assert admin.json()["replicas"][0]["name"] == served.replica_url.split("://")[1]
+    assert admin.json()["tracing"] == {"enabled": True, "sample_ratio": 1.0, "max_new_per_s": 100.0,
+                                       "num_traces_buffered": 200}

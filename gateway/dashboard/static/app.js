@@ -121,6 +121,16 @@
     }).join("") || '<tr><td colspan="8" class="muted">no traces yet</td></tr>';
   }
 
+  function renderTracing(tracing) {
+    let text = "tracing off (AIGW_TRACING=0)";
+    if (tracing.enabled) {
+      const which = tracing.sample_ratio < 1 ? `${num(tracing.sample_ratio * 100, 2)}% of new requests` : "every new request";
+      const limit = tracing.max_new_per_s ? ` up to ${num(tracing.max_new_per_s, 2)} a second` : "";
+      text = `— ${which}${limit}; the newest ${num(tracing.num_traces_buffered)} kept`;
+    }
+    $("tracing").textContent = text;
+  }
+
   function depthOf(span, byId) {
     let depth = 0;
     for (let p = byId[span.parent_span_id]; p && depth < 20; p = byId[p.parent_span_id]) depth++;
@@ -169,6 +179,7 @@
       renderLatency(overview.latency);
       renderUsage(overview.usage, overview.usage_daily || {});
       renderTraces(overview.traces);
+      renderTracing(overview.tracing);
       if (selectedTrace) renderWaterfall(await api("/dashboard/api/traces/" + encodeURIComponent(selectedTrace)));
       $("status").textContent = "updated " + new Date().toLocaleTimeString();
     } catch (error) {
