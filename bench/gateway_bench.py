@@ -286,12 +286,13 @@ def _report(results: list[dict[str, Any]], skipped: dict[str, str]) -> None:
 
 
 def _report_tracing_cost(per_round: list[dict[str, Any]]) -> None:
-    """Tracing on (`aigw`) against off (`aigw_trace_off`), paired within each round (the two
-    cells run back to back): the median and range over the rounds of each cell's req/s ratio
-    and CPU difference. A range that spans 1.0 / 0 is a difference the run cannot tell from noise.
-    With `aigw_twin` in the run (a second `aigw` process, configured the same), `aigw` against it
-    is printed too: the difference two identical gateways show on this machine, the floor below
-    which the tracing figure means nothing."""
+    """Tracing as configured by default (`aigw`: new traces rate-limited) against off
+    (`aigw_trace_off`), paired within each round (the two cells run back to back): the median and
+    range over the rounds of each cell's req/s ratio and CPU difference. A range that spans
+    1.0 / 0 is a difference the run cannot tell from noise. When in the run, also: tracing every
+    request (`aigw_trace_all`) against off, and `aigw` against `aigw_twin` (a second `aigw`
+    process configured the same): the difference two identical gateways show on this machine,
+    the floor below which a tracing figure means nothing."""
     pairs = [("aigw", "aigw_trace_off", "on/off"), ("aigw_trace_all", "aigw_trace_off", "all/off"),
              ("aigw", "aigw_twin", "on/twin")]
     lines = []
