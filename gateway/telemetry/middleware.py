@@ -39,6 +39,12 @@ STATUS_CLIENT_CLOSED = 499
 _UNTRACED_PREFIXES = ("/metrics", "/health", "/dashboard")
 _SAMPLED = TraceFlags.SAMPLED
 
+# A new request over the trace rate limit still tells the upstream not to record it, under ids
+# of its own (trace id: this process's random 64 bits, then a count; span id: the count) made
+# from a counter rather than drawn, as the request will never be traced: unique, cheap, flags 00.
+_UNSAMPLED_PREFIX = f"00-{secrets.randbits(64) or 1:016x}"
+_unsampled_count = itertools.count(1)
+
 
 def route_of(request: web.Request) -> str:
     resource = request.match_info.route.resource
@@ -110,9 +116,10 @@ def _start_trace(request: web.Request, route: str, sample_bound: int, limit: Tra
     child of the caller's sampled `traceparent`, or a new trace the rate limit allows and the ratio
     keeps), else the `traceparent` that passes the decision not to record on (W3C: the caller's
     trace id, if any, a span id of ours, flags without "sampled")."""
-    parent = _incoming_span(request)
+    parent = _incoming_span(request) if "traceparent" in request.headers else None
     if parent is None and limit is not None and not limit.allow(observation.started):
-        observation.unsampled_traceparent = _unsampled_traceparent()  # (over the limit: no ids drawn)
+        count = next(_unsampled_count)  # (over the limit: no ids drawn)
+        observation.unsampled_traceparent = f"{_UNSAMPLED_PREFIX}{count:016x}-{count:016x}-00"
         return
     context = new_span_context(parent, sample_bound)
     # (SpanContext is a tuple: trace id, span id, is_remote, trace flags, ...)
@@ -126,22 +133,8 @@ def _start_trace(request: web.Request, route: str, sample_bound: int, limit: Tra
                                          + TRACE_FLAGS_HEX[context[3] & ~_SAMPLED])
 
 
-# A new request over the trace rate limit still tells the upstream not to record it, under an id
-# of its own; it is made from a counter (this process's random 64 bits, then the count) rather
-# than drawn, as the request will never be traced: unique, cheap, flags 00 (not "random").
-_UNSAMPLED_PREFIX = f"00-{secrets.randbits(64) or 1:016x}"
-_unsampled_count = itertools.count(1)
-
-
-def _unsampled_traceparent() -> str:
-    count = next(_unsampled_count)
-    return f"{_UNSAMPLED_PREFIX}{count:016x}-{count:016x}-00"
-
-
 def _incoming_span(request: web.Request) -> SpanContext | None:
-    """The caller's span (W3C traceparent), or None (a new trace) without parsing."""
-    if "traceparent" not in request.headers:
-        return None
+    """The caller's span, from its W3C `traceparent` header; None when it is not valid."""
     parent = trace_api.get_current_span(PROPAGATOR.extract(request.headers)).get_span_context()
     return parent if parent.is_valid else None
 
