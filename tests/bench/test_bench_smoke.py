@@ -53,3 +53,19 @@ def test_agent_bench_tiny_reports_hits_only_with_cache_on(tmp_path: Path,
     assert results["agent"]["on"]["hit_ratio"] > 0.3  # later turns re-use the system prompt and history
     assert results["hit30"]["on"]["hit_ratio"] == pytest.approx(0.25)  # 16 of 64 tokens primed
     assert results["zero-reuse"]["on"]["hit_ratio"] == 0.0
+
+
+def test_gateway_bench_pairs_tracing_with_off_and_a_twin_on_fresh_gateways(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two short rounds, each gateway started anew for the second: every cell answered, and the
+    tracing report pairs aigw with tracing off and with its identical twin per round."""
+    assert run_bench(["gateway", "--duration-s", "0.3", "--rounds", "2", "--concurrency", "1",
+                      "--modes", "nonstream", "--fresh-gateways", "--out-dir", str(tmp_path),
+                      "--targets", "aigw,aigw_trace_off,aigw_twin,aigw_trace_all"]) == 0
+    printed = capsys.readouterr().out
+    rows = json.loads((tmp_path / "gateway_bench.json").read_text())
+    assert sorted(r["target"] for r in rows) == ["aigw", "aigw_trace_all", "aigw_trace_off",
+                                                 "aigw_twin", "direct"]
+    assert all(r["num_rounds"] == 2 and r["num_requests"] > 0 and r["num_errors"] == 0 for r in rows)
+    for label in ("on/off", "all/off", "on/twin"):
+        assert f"req/s {label}" in printed, printed
