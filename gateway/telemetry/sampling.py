@@ -17,11 +17,13 @@ each new trace takes one. Time is whatever monotonic clock in seconds the caller
 
 from __future__ import annotations
 
+import math
+
 
 class TraceRateLimit:
     def __init__(self, max_per_s: float, now_s: float) -> None:
-        if max_per_s <= 0:
-            raise ValueError("max_per_s must be positive (no limit: no TraceRateLimit)")
+        if not 0 < max_per_s < math.inf:
+            raise ValueError("max_per_s must be positive and finite (no limit: no TraceRateLimit)")
         self.max_per_s = max_per_s
         self._capacity = max(1.0, max_per_s)
         self._tokens = self._capacity

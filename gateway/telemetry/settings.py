@@ -5,7 +5,7 @@
     AIGW_TRACE_SAMPLE_RATIO=0.1          head sampling of new traces (parent-based: a sampled
                                          incoming `traceparent` is always kept)
     AIGW_TRACE_MAX_PER_S=100             at most this many new traces a second (per gateway
-                                         process; 0: no limit); see gateway/telemetry/sampling.py
+                                         process; 0 or inf: no limit); see gateway/telemetry/sampling.py
     AIGW_TRACE_BUFFER_TRACES=200         recent traces kept in memory for the dashboard
     OTEL_EXPORTER_OTLP_TRACES_ENDPOINT   also export over OTLP/HTTP (full URL, .../v1/traces)
     OTEL_EXPORTER_OTLP_ENDPOINT          the same, as a base URL (/v1/traces is appended)
@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ class TelemetrySettings:
     service_name: str = "aigw-gateway"
     is_tracing_enabled: bool = True
     sample_ratio: float = 1.0
-    max_traces_per_s: float = 100.0  # new traces a second, after the ratio; 0: no limit
+    max_traces_per_s: float = 100.0  # new traces a second, after the ratio; 0 (or inf): no limit
     num_traces_buffered: int = 200
     num_spans_per_trace_max: int = 64
     otlp_traces_endpoint: str | None = None  # full URL of an OTLP/HTTP traces receiver
@@ -36,6 +37,8 @@ class TelemetrySettings:
             raise ValueError("sample_ratio must be in [0, 1]")
         if not self.max_traces_per_s >= 0.0:  # (NaN too)
             raise ValueError("max_traces_per_s must be 0 (no limit) or more")
+        if self.max_traces_per_s == math.inf:  # no limit, as 0 (a bucket of inf tokens turns NaN)
+            object.__setattr__(self, "max_traces_per_s", 0.0)
         if self.num_traces_buffered < 1 or self.num_spans_per_trace_max < 1:
             raise ValueError("trace buffer sizes must be positive")
 

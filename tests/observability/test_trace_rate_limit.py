@@ -3,6 +3,9 @@ setting that makes it is read."""
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 
 from gateway.telemetry.sampling import TraceRateLimit
@@ -56,3 +59,16 @@ def test_the_setting_defaults_to_100_and_0_means_no_limit() -> None:
     for bad in ("-1", "nan"):
         with pytest.raises(ValueError):
             TelemetrySettings.from_env(environ={"AIGW_TRACE_MAX_PER_S": bad})
+
+
+def test_an_infinite_rate_means_no_limit_and_the_dashboard_still_reads_it() -> None:
+    """AIGW_TRACE_MAX_PER_S=inf: no limit, as 0. A TraceRateLimit of inf tokens turned NaN on two
+    requests in the same clock tick (then never traced again), and the dashboard's overview said
+    `"max_new_per_s": Infinity`, which is not JSON (the browser's parse failed: an empty page)."""
+    from gateway.dashboard.handlers import _tracing_json
+
+    settings = TelemetrySettings.from_env(environ={"AIGW_TRACE_MAX_PER_S": "inf"})
+    assert settings.max_traces_per_s == 0.0
+    assert json.loads(json.dumps(_tracing_json(settings), allow_nan=False))["max_new_per_s"] is None
+    with pytest.raises(ValueError):
+        TraceRateLimit(math.inf, now_s=0.0)
