@@ -115,7 +115,7 @@ def _start_trace(request: web.Request, route: str, sample_bound: int, limit: Tra
     """The request's sampling decision, into its observation: a `RequestTrace` when sampled (a
     child of the caller's sampled `traceparent`, or a new trace the rate limit allows and the ratio
     keeps), else the `traceparent` that passes the decision not to record on (W3C: the caller's
-    trace id, if any, a span id of ours, flags without "sampled")."""
+    trace id, if any, a span id of ours, flags without "sampled"; and its `tracestate`)."""
     parent = _incoming_span(request) if "traceparent" in request.headers else None
     if parent is None and limit is not None and not limit.allow(observation.started):
         count = next(_unsampled_count)  # (over the limit: no ids drawn)
@@ -131,6 +131,8 @@ def _start_trace(request: web.Request, route: str, sample_bound: int, limit: Tra
         limit.refund()
     observation.unsampled_traceparent = (f"00-{context[0]:032x}-{context[1]:016x}-"
                                          + TRACE_FLAGS_HEX[context[3] & ~_SAMPLED])
+    if parent is not None and context[4]:  # (W3C: a received tracestate goes on, sampled or not)
+        observation.unsampled_tracestate = context[4].to_header()
 
 
 def _incoming_span(request: web.Request) -> SpanContext | None:

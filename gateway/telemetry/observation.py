@@ -29,6 +29,7 @@ class RequestObservation:
     # Tracing on but this request not sampled: the `traceparent` (flags 00) its upstream calls
     # carry, so that a replica does not start a trace of its own for it.
     unsampled_traceparent: str | None = None
+    unsampled_tracestate: str | None = None  # the caller's `tracestate`, passed on with it
 
 
 _CURRENT: contextvars.ContextVar[RequestObservation | None] = contextvars.ContextVar(

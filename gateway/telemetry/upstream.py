@@ -53,6 +53,8 @@ class TracingTransport(Transport):
         if trace is None:
             if observation.unsampled_traceparent is not None:  # not sampled: nor upstream
                 request.headers["traceparent"] = observation.unsampled_traceparent
+                if observation.unsampled_tracestate is not None:
+                    request.headers["tracestate"] = observation.unsampled_tracestate
             return _TracedResponse(await self.inner.send(request), None, observation)
         name, attributes = _span_shape(request.method, request.url)
         call = trace.new_call(name, attributes, _time_ns())

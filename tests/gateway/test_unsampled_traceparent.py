@@ -107,3 +107,24 @@ def test_a_callers_tracestate_goes_upstream_with_the_continued_trace(
                       headers=caller).status_code == 200
     assert httpx.post(gateway.url + "/v1/chat/completions", json=BODY, timeout=10).status_code == 200
     assert states == ["vendor=opaque", None]  # a new trace has no state to pass on
+
+
+def test_a_callers_tracestate_goes_upstream_with_its_unsampled_decision(
+        make_gateway: GatewayFactory, loop_thread: LoopThread) -> None:
+    """W3C trace context: a received `tracestate` is sent on to outgoing requests, whatever the
+    sampled flag (it was dropped when the caller's traceparent said flags 00)."""
+    sent: list[tuple[str | None, str | None]] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        sent.append((request.headers.get("traceparent"), request.headers.get("tracestate")))
+        return web.json_response(COMPLETION)
+
+    _, upstream_url = start_chat_upstream(loop_thread, chat)
+    gateway = make_gateway(models=[{"name": MODEL, "backend": "replica", "endpoints": [upstream_url]}])
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    caller = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-00", "tracestate": "vendor=opaque"}
+    response = httpx.post(gateway.url + "/v1/chat/completions", json=BODY, timeout=10, headers=caller)
+    assert response.status_code == 200 and "x-aigw-trace-id" not in response.headers
+    [(traceparent, tracestate)] = sent
+    assert traceparent is not None and traceparent.split("-")[1::2] == [trace_id, "00"]
+    assert tracestate == "vendor=opaque"
