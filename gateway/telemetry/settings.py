@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 _FALSE = {"0", "false", "no", "off"}
+N = TypeVar("N", int, float)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,13 +36,13 @@ class TelemetrySettings:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.sample_ratio <= 1.0:
-            raise ValueError("sample_ratio must be in [0, 1]")
+            raise ValueError("AIGW_TRACE_SAMPLE_RATIO (sample_ratio) must be in [0, 1]")
         if not self.max_traces_per_s >= 0.0:  # (NaN too)
-            raise ValueError("max_traces_per_s must be 0 (no limit) or more")
+            raise ValueError("AIGW_TRACE_MAX_PER_S (max_traces_per_s) must be 0 (no limit) or more")
         if self.max_traces_per_s == math.inf:  # no limit, as 0 (a bucket of inf tokens turns NaN)
             object.__setattr__(self, "max_traces_per_s", 0.0)
         if self.num_traces_buffered < 1 or self.num_spans_per_trace_max < 1:
-            raise ValueError("trace buffer sizes must be positive")
+            raise ValueError("AIGW_TRACE_BUFFER_TRACES and spans per trace must be positive")
 
     @classmethod
     def from_env(cls, service_name: str = "aigw-gateway",
@@ -53,8 +55,17 @@ class TelemetrySettings:
             service_name=env.get("OTEL_SERVICE_NAME") or service_name,
             is_tracing_enabled=(env.get("AIGW_TRACING", "1").strip().lower() not in _FALSE
                                 and env.get("OTEL_SDK_DISABLED", "").strip().lower() != "true"),
-            sample_ratio=float(env.get("AIGW_TRACE_SAMPLE_RATIO", "1.0")),
-            max_traces_per_s=float(env.get("AIGW_TRACE_MAX_PER_S", "100")),
-            num_traces_buffered=int(env.get("AIGW_TRACE_BUFFER_TRACES", "200")),
+            sample_ratio=_number(env, "AIGW_TRACE_SAMPLE_RATIO", "1.0", float),
+            max_traces_per_s=_number(env, "AIGW_TRACE_MAX_PER_S", "100", float),
+            num_traces_buffered=_number(env, "AIGW_TRACE_BUFFER_TRACES", "200", int),
             otlp_traces_endpoint=endpoint,
         )
+
+
+def _number(env: Mapping[str, str], name: str, default: str, kind: Callable[[str], N]) -> N:
+    """An environment variable as a number; a value that is not one names the variable."""
+    text = env.get(name, default)
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a number") from None

@@ -166,6 +166,8 @@ def test_a_bad_environment_variable_is_one_error_message_and_status_1(
     assert main(["serve", "--config", str(config)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("aigw: invalid configuration: ") and "Traceback" not in err
+    if name.startswith("AIGW_TRACE"):
+        assert name in err  # which variable is wrong
 
 
 @pytest.mark.parametrize("flag", ["--replicas", "--workers"])

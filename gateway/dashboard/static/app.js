@@ -122,8 +122,10 @@
   }
 
   function renderTracing(tracing) {
-    let text = "tracing off (AIGW_TRACING=0)";
-    if (tracing.enabled) {
+    let text = "— tracing is off";
+    if (tracing.enabled && tracing.sample_ratio === 0) {
+      text = `— only requests whose caller sent a sampled traceparent; the newest ${num(tracing.num_traces_buffered)} kept`;
+    } else if (tracing.enabled) {
       const which = tracing.sample_ratio < 1 ? `${num(tracing.sample_ratio * 100, 2)}% of new requests` : "every new request";
       const limit = tracing.max_new_per_s ? ` up to ${num(tracing.max_new_per_s, 2)} a second` : "";
       text = `— ${which}${limit}; the newest ${num(tracing.num_traces_buffered)} kept`;
