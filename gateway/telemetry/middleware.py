@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import secrets
 import time
 from typing import TYPE_CHECKING
@@ -54,6 +55,10 @@ def route_of(request: web.Request) -> str:
 def make_middleware(telemetry: Telemetry) -> Middleware:
     """The traced middleware; with tracing off (or a request not sampled) it makes no trace (the
     observation still carries the usage record and first-line time the metrics need)."""
+    # OpenTelemetry warns, with the whole header, about each malformed `tracestate` it parses (that
+    # logger's only warnings): one log line per request a client controls. The W3C rule, drop the
+    # bad members, is kept; the warning is not.
+    logging.getLogger("opentelemetry.trace.span").setLevel(logging.ERROR)
     metrics = telemetry.metrics
     is_tracing = telemetry.settings.is_tracing_enabled
     sample_bound, origin = telemetry.provider.bound, telemetry.origin

@@ -4,6 +4,7 @@ its own (an orphan replica-only trace per unsampled request)."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import httpx
@@ -128,3 +129,16 @@ def test_a_callers_tracestate_goes_upstream_with_its_unsampled_decision(
     [(traceparent, tracestate)] = sent
     assert traceparent is not None and traceparent.split("-")[1::2] == [trace_id, "00"]
     assert tracestate == "vendor=opaque"
+
+
+def test_a_malformed_tracestate_is_dropped_without_a_log_line_per_request(
+        make_gateway: GatewayFactory, loop_thread: LoopThread,
+        caplog: pytest.LogCaptureFixture) -> None:
+    url, seen = _gateway_recording_traceparents(make_gateway, loop_thread)
+    caller = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+              "tracestate": "bad key!!=x" * 200}
+    with caplog.at_level(logging.WARNING):
+        response = httpx.post(url + "/v1/chat/completions", json=BODY, timeout=10, headers=caller)
+    assert response.status_code == 200
+    assert response.headers["x-aigw-trace-id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry")]
