@@ -22,15 +22,24 @@ COMPLETION = {"id": "c1", "object": "chat.completion", "created": 0, "model": MO
 
 def _gateway_recording_traceparents(make_gateway: GatewayFactory, loop_thread: LoopThread
                                     ) -> tuple[str, list[str | None]]:
+    """A gateway in front of an upstream that records each call's `traceparent`."""
+    url, seen, _ = _gateway_recording_trace_headers(make_gateway, loop_thread)
+    return url, seen
+
+
+def _gateway_recording_trace_headers(make_gateway: GatewayFactory, loop_thread: LoopThread
+                                     ) -> tuple[str, list[str | None], list[str | None]]:
     seen: list[str | None] = []
+    states: list[str | None] = []
 
     async def chat(request: web.Request) -> web.Response:
         seen.append(request.headers.get("traceparent"))
+        states.append(request.headers.get("tracestate"))
         return web.json_response(COMPLETION)
 
     _, upstream_url = start_chat_upstream(loop_thread, chat)
     gateway = make_gateway(models=[{"name": MODEL, "backend": "replica", "endpoints": [upstream_url]}])
-    return gateway.url, seen
+    return gateway.url, seen, states
 
 
 def test_a_request_not_sampled_sends_an_unsampled_traceparent_upstream(
@@ -94,19 +103,12 @@ def test_new_traces_over_the_rate_limit_are_not_sampled_and_say_so_upstream(
 
 def test_a_callers_tracestate_goes_upstream_with_the_continued_trace(
         make_gateway: GatewayFactory, loop_thread: LoopThread) -> None:
-    states: list[str | None] = []
-
-    async def chat(request: web.Request) -> web.Response:
-        states.append(request.headers.get("tracestate"))
-        return web.json_response(COMPLETION)
-
-    _, upstream_url = start_chat_upstream(loop_thread, chat)
-    gateway = make_gateway(models=[{"name": MODEL, "backend": "replica", "endpoints": [upstream_url]}])
+    url, _, states = _gateway_recording_trace_headers(make_gateway, loop_thread)
     caller = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
               "tracestate": "vendor=opaque"}
-    assert httpx.post(gateway.url + "/v1/chat/completions", json=BODY, timeout=10,
+    assert httpx.post(url + "/v1/chat/completions", json=BODY, timeout=10,
                       headers=caller).status_code == 200
-    assert httpx.post(gateway.url + "/v1/chat/completions", json=BODY, timeout=10).status_code == 200
+    assert httpx.post(url + "/v1/chat/completions", json=BODY, timeout=10).status_code == 200
     assert states == ["vendor=opaque", None]  # a new trace has no state to pass on
 
 
@@ -114,19 +116,12 @@ def test_a_callers_tracestate_goes_upstream_with_its_unsampled_decision(
         make_gateway: GatewayFactory, loop_thread: LoopThread) -> None:
     """W3C trace context: a received `tracestate` is sent on to outgoing requests, whatever the
     sampled flag (it was dropped when the caller's traceparent said flags 00)."""
-    sent: list[tuple[str | None, str | None]] = []
-
-    async def chat(request: web.Request) -> web.Response:
-        sent.append((request.headers.get("traceparent"), request.headers.get("tracestate")))
-        return web.json_response(COMPLETION)
-
-    _, upstream_url = start_chat_upstream(loop_thread, chat)
-    gateway = make_gateway(models=[{"name": MODEL, "backend": "replica", "endpoints": [upstream_url]}])
+    url, seen, states = _gateway_recording_trace_headers(make_gateway, loop_thread)
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
     caller = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-00", "tracestate": "vendor=opaque"}
-    response = httpx.post(gateway.url + "/v1/chat/completions", json=BODY, timeout=10, headers=caller)
+    response = httpx.post(url + "/v1/chat/completions", json=BODY, timeout=10, headers=caller)
     assert response.status_code == 200 and "x-aigw-trace-id" not in response.headers
-    [(traceparent, tracestate)] = sent
+    [traceparent], [tracestate] = seen, states
     assert traceparent is not None and traceparent.split("-")[1::2] == [trace_id, "00"]
     assert tracestate == "vendor=opaque"
 
