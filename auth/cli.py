@@ -11,12 +11,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from auth.store import StoreError
 from gateway.config_errors import one_line
+
+if TYPE_CHECKING:
+    from auth.settings import AuthSettings
 
 Action = Callable[[Any, argparse.Namespace], Awaitable[int]]
 
@@ -87,11 +91,9 @@ async def _with_services(action: Action, args: argparse.Namespace) -> int:
         return 1
 
 
-def _store_settings(settings: Any) -> Any:
+def _store_settings(settings: AuthSettings) -> AuthSettings:
     """The store a gateway started with this environment uses: with AIGW_CONFIG set, its
     `redis_url` and `data_dir` (environment over file), as gateway/services.py takes them."""
-    import os
-
     if not os.environ.get("AIGW_CONFIG"):
         return settings
     from gateway.settings import load_settings

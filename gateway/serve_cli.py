@@ -59,8 +59,6 @@ def _positive_int(text: str) -> int:
 def _unusable_directory(path: Any) -> str | None:
     """Why `path` cannot hold the key store and default-key.txt (not creatable, not a directory,
     not writable), or None; it is created here as the store would create it."""
-    import os
-
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

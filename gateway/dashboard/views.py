@@ -41,7 +41,8 @@ def trace_summary(spans: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
             # (a request refused before routing, e.g. 503 no_healthy_endpoint, has only the
             # settled record's model)
             "model": a.get("gen_ai.request.model") or a.get("gen_ai.response.model"),
-            "project": a.get("aigw.project"), "replica": a.get("aigw.replica") or None, "input_tokens": a.get("gen_ai.usage.input_tokens"),
+            "project": a.get("aigw.project"), "replica": a.get("aigw.replica") or None,
+            "input_tokens": a.get("gen_ai.usage.input_tokens"),
             "output_tokens": a.get("gen_ai.usage.output_tokens"),
             "cached_tokens": a.get("aigw.cached_tokens"), "num_spans": len(spans)}
 
