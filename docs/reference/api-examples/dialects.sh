@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs one request per dialect against a live gateway and prints headers + bodies.
-#   BASE=http://127.0.0.1:8000 KEY=sk-aigw-... MODEL=SmolLM2-135M-Instruct.Q4_1 docs/api-examples/dialects.sh
+#   BASE=http://127.0.0.1:8000 KEY=sk-aigw-... MODEL=SmolLM2-135M-Instruct.Q4_1 docs/reference/api-examples/dialects.sh
 set -u
 : "${BASE:?}" "${KEY:?}" "${MODEL:?}"
 post() {  # post PATH JSON [extra curl args...]
