@@ -26,7 +26,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check engine gateway auth tests
+	$(BIN)/ruff check engine gateway auth chat tests
 
 clean:
 	rm -rf $(VENV) .aigw

@@ -1,6 +1,6 @@
 """Structured output: decoding constrained by a grammar, with llguidance. Two users: OpenAI's
 `response_format` (a JSON object, or a JSON schema), and a forced tool call (`tool_choice`
-"required" or a named function: the tool parser's format as a Lark grammar, engine/tool_parsers).
+"required" or a named function: the tool parser's format as a Lark grammar, chat/tool_parsers).
 
     spec = OutputGrammar.json_schema(schema)       # or .json_object(), .lark(); OutputGrammarError
     params = SamplingParams(..., grammar=spec)

@@ -2,7 +2,8 @@
 
     default_model_path()               the bundled SmolLM2-135M-Instruct Q4_1 GGUF
     load_checkpoint(path, dtype, ...)  -> Checkpoint(config, weights, raw)      (imports torch)
-    load_tokenizer(path)               -> Tokenizer (encode/decode/chat template; no torch)
+    load_tokenizer(path)               -> Tokenizer (encode/decode/chat template; no torch;
+                                          re-exported from chat/, where it lives)
 
 `path` is a GGUF file or a Hugging Face directory (config.json + *.safetensors + tokenizer.json).
 torch-dependent names are imported lazily so that the gateway can import the tokenizer alone.
@@ -12,8 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from chat.tokenizer import Tokenizer, load_tokenizer
 from engine.loader.model_path import default_model_path
-from engine.loader.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from engine.loader.checkpoint import Checkpoint, RawQuantized, load_checkpoint

@@ -44,7 +44,7 @@ class Checkpoint:
 def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,
                     progress: bool = True) -> Checkpoint:
     """Read a GGUF file or a Hugging Face directory; weights are cast to `dtype` on CPU."""
-    from engine.loader.gguf_metadata import is_gguf_file
+    from chat.gguf_metadata import is_gguf_file
 
     path = Path(path)
     if is_gguf_file(path):

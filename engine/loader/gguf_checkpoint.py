@@ -38,10 +38,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from chat.gguf_metadata import GGUFTensorInfo, read_gguf_header
+from chat.special_tokens import collect_eos_token_ids
 from engine.config import ModelConfig
 from engine.loader.checkpoint import Checkpoint, RawQuantized
-from engine.loader.gguf_metadata import GGUFTensorInfo, read_gguf_header
-from engine.loader.special_tokens import collect_eos_token_ids
 
 _TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -27,9 +27,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from chat.special_tokens import as_id_list, collect_eos_token_ids
 from engine.config import ModelConfig
 from engine.loader.checkpoint import Checkpoint
-from engine.loader.special_tokens import as_id_list, collect_eos_token_ids
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "olmoe")
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from chat.tool_parsers import ToolCall, ToolCallStream
 from engine.outputs import RequestOutput
 from engine.server import responses as shapes
 from engine.server.choices import ChoiceState, prompt_usage_headers, usage_of
@@ -25,7 +26,6 @@ from engine.server.protocol import ChatCompletionRequest
 from engine.server.serving import ServingContext
 from engine.server.sse import ClientGone, EventStream
 from engine.server.token_bytes import token_bytes_of
-from engine.tool_parsers import ToolCall, ToolCallStream
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from chat.tool_parsers import ToolCall
 from engine.outputs import TokenLogprob
 from engine.server.token_bytes import TokenBytes, token_string
-from engine.tool_parsers import ToolCall
 
 
 def new_id(prefix: str) -> str:

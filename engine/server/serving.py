@@ -16,6 +16,7 @@ import orjson
 import pydantic
 from aiohttp import web
 
+from chat.tool_parsers import ToolParser, get_tool_parser, tool_parser_for_model
 from engine.outputs import PromptTooLongError
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.server.errors import ContextLengthExceeded, InvalidRequestError, NotFoundError
@@ -25,7 +26,6 @@ from engine.server.protocol import ChatCompletionRequest, CompletionRequest, per
 from engine.server.settings import ReplicaServerSettings
 from engine.server.typedefs import ServedEngine
 from engine.structured_output import OutputGrammar
-from engine.tool_parsers import ToolParser, get_tool_parser, tool_parser_for_model
 
 Body = TypeVar("Body", bound=pydantic.BaseModel)
 TRACE_HEADERS = ("traceparent", "tracestate", "baggage")

@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from engine.loader.gguf_vocab import byte_alphabet
+from chat.gguf_vocab import byte_alphabet
 
 TokenBytes = Callable[[int], bytes]  # token id -> its raw bytes
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from engine.loader.tokenizer import encode_ids
+from chat.tokenizer import encode_ids
 from engine.usage_headers import CACHED_TOKENS_HEADER, PROMPT_TOKENS_HEADER
 from gateway.backends.base import Backend
 from gateway.canonical import (

@@ -22,8 +22,8 @@ import re
 from collections import OrderedDict
 from typing import Any
 
+from chat.tokenizer import Tokenizer
 from engine.kv_cache.block_hash import hash_blocks
-from engine.loader.tokenizer import Tokenizer
 
 
 class _SegmentCache:

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from chat.tokenizer import Tokenizer
 from engine.loader import default_model_path, load_tokenizer
-from engine.loader.tokenizer import Tokenizer
 from engine.server.errors import ContextLengthExceeded
 from engine.server.prompts import chat_prompt_token_ids, completion_prompts
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
+from chat.tokenizer import Tokenizer
 from engine.kv_cache.block_hash import hash_blocks
 from engine.loader import default_model_path, load_tokenizer
-from engine.loader.tokenizer import Tokenizer
 from engine.server.prompts import chat_prompt_token_ids, completion_prompts
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.backends.replica import ReplicaBackend

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from engine.tool_parsers.base import ToolCall, ToolParser, arguments_schema
+from chat.tool_parsers.base import ToolCall, ToolParser, arguments_schema
 
 
 class HermesToolParser(ToolParser):

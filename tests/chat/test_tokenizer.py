@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.loader import Tokenizer, default_model_path, load_tokenizer
-from engine.loader.chat_template import ChatTemplate
+from chat.chat_template import ChatTemplate
+from chat.tokenizer import Tokenizer, load_tokenizer
+from engine.loader import default_model_path
 
 TEXTS = [
     "Hello, world! How are you doing today?",
@@ -175,10 +176,11 @@ def test_raise_exception_raises_template_error():
         ChatTemplate("{{ raise_exception('no system') }}").render([])
 
 
-def test_tokenizer_loads_without_importing_torch(gguf_path):
-    code = ("import sys; from engine.loader import load_tokenizer; "
+def test_tokenizer_loads_without_importing_torch_or_the_engine(gguf_path):
+    code = ("import sys; from chat import load_tokenizer; "
             f"t = load_tokenizer({str(gguf_path)!r}); assert t.encode('hi'); "
-            "assert 'torch' not in sys.modules, 'torch was imported'")
+            "assert 'torch' not in sys.modules, 'torch was imported'; "
+            "assert not any(m.split('.')[0] in ('engine', 'gateway') for m in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0, result.stderr

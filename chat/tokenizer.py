@@ -21,10 +21,10 @@ from typing import Any
 
 from tokenizers import Tokenizer as _BackendTokenizer
 
-from engine.loader.chat_template import ChatTemplate, Message
-from engine.loader.gguf_metadata import is_gguf_file, read_gguf_metadata
-from engine.loader.gguf_vocab import build_gguf_tokenizer
-from engine.loader.special_tokens import as_id_list, collect_eos_token_ids
+from chat.chat_template import ChatTemplate, Message
+from chat.gguf_metadata import is_gguf_file, read_gguf_metadata
+from chat.gguf_vocab import build_gguf_tokenizer
+from chat.special_tokens import as_id_list, collect_eos_token_ids
 
 # Used when a checkpoint has no chat template at all.
 CHATML_TEMPLATE = (

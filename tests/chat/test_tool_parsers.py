@@ -5,9 +5,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from chat.tool_parsers import HermesToolParser, get_tool_parser, tool_parser_for_model
+from chat.tool_parsers.base import ParsedToolCalls, StreamDelta, arguments_schema
 from engine.structured_output import OutputGrammar
-from engine.tool_parsers import HermesToolParser, get_tool_parser, tool_parser_for_model
-from engine.tool_parsers.base import ParsedToolCalls, StreamDelta, arguments_schema
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.tool_parsers.base import (
+from chat.tool_parsers.base import (
     ParsedToolCalls,
     StreamDelta,
     ToolCall,
@@ -19,7 +19,7 @@ from engine.tool_parsers.base import (
     ToolParser,
     new_tool_call_id,
 )
-from engine.tool_parsers.hermes import HermesToolParser
+from chat.tool_parsers.hermes import HermesToolParser
 
 __all__ = [
     "ParsedToolCalls", "StreamDelta", "ToolCall", "ToolCallStream", "ToolParser", "HermesToolParser",

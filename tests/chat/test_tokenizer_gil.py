@@ -1,4 +1,4 @@
-"""Encoding a long text releases the GIL (engine.loader.tokenizer.encode_ids): a multi-MB prompt
+"""Encoding a long text releases the GIL (chat.tokenizer.encode_ids): a multi-MB prompt
 encoded in a worker thread must not stall the event loop's thread (a 25 MB count_tokens body froze
 the gateway, /health included, for 54 s)."""
 
@@ -7,9 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
-from engine.loader import load_tokenizer
+from chat.tokenizer import GIL_FREE_MIN_CHARS, encode_ids, load_tokenizer
 from engine.loader.model_path import default_model_path
-from engine.loader.tokenizer import GIL_FREE_MIN_CHARS, encode_ids
 
 
 def test_long_and_short_texts_encode_to_the_same_ids_either_way() -> None:
