@@ -22,6 +22,7 @@ from engine.kernels import activation, fp8, rmsnorm, rotary
 from engine.kernels import fused_moe as _moe
 from engine.kernels import paged_attention as _attn
 from engine.kernels import store_kv as _store
+from engine.kernels.activation import ClampedSwiGLU
 from engine.kernels.fused_moe import select_experts
 
 __all__ = [
@@ -67,19 +68,24 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     num_decode_seqs: int | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mixed prefill+decode attention over the paged cache -> [T, H, D] (paged_attention.py).
 
     The keyword hints are host ints the scheduler knows (they save device syncs on CUDA);
-    `num_decode_seqs` says the first that many requests are one-token decodes.
+    `num_decode_seqs` says the first that many requests are one-token decodes. `sliding_window`:
+    each query sees its W latest positions; `sinks` [H] float32: per-head logits in the denominator.
     """
     if _triton(q):
         return _attn.paged_attention_triton(
             q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables, scale,
             max_query_len=max_query_len, max_seq_len=max_seq_len, num_decode_seqs=num_decode_seqs,
+            sliding_window=sliding_window, sinks=sinks,
         )
     return _attn.paged_attention_reference(
-        q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables, scale
+        q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables, scale,
+        sliding_window=sliding_window, sinks=sinks,
     )
 
 
@@ -103,11 +109,17 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
-    """SwiGLU experts, routed top-k: hidden [T, H] -> [T, H] (fused_moe.py)."""
+    """SwiGLU experts (or gpt-oss's clamped SwiGLU, optional biases), routed top-k:
+    hidden [T, H] -> [T, H] (fused_moe.py)."""
+    extra = {"w13_bias": w13_bias, "w2_bias": w2_bias, "activation": activation}
     if _triton(hidden):
-        return _moe.fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)
-    return _moe.fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids)
+        return _moe.fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, **extra)
+    return _moe.fused_moe_reference(hidden, w13, w2, topk_weights, topk_ids, **extra)
 
 
 def rms_norm(

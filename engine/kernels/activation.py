@@ -1,11 +1,13 @@
 """SiLU-and-mul (SwiGLU gate): x [T, 2*I] -> silu(x[:, :I]) * x[:, I:]  [T, I].
 
 Math in fp32, output in the input dtype. Triton is imported only when the kernel is first built.
+`ClampedSwiGLU` is gpt-oss's variant (the fused MoE kernel applies it in its epilogue).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -19,6 +21,27 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     inter = x.shape[-1] // 2
     xf = x.float()
     return (F.silu(xf[..., :inter]) * xf[..., inter:]).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation over x [..., 2I] (gate half first, then up):
+    gate = min(gate, limit), up = clamp(up, -limit, limit), out = (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        if not self.limit > 0:
+            raise ValueError(f"swiglu limit must be positive, got {self.limit}")
+
+
+def clamped_swiglu_reference(x: torch.Tensor, act: ClampedSwiGLU) -> torch.Tensor:
+    """x [T, 2*I] -> [T, I] in x's dtype (transformers' GptOssExperts._apply_gate on the split halves)."""
+    inter = x.shape[-1] // 2
+    gate = x[..., :inter].clamp(max=act.limit)
+    up = x[..., inter:].clamp(min=-act.limit, max=act.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
 
 
 @functools.cache

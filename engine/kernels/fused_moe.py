@@ -10,6 +10,8 @@ Dimension legend:
     topk_ids      [T, K] int   topk_weights [T, K] float
     out           [T, H] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t])
     expert_e(x)   = w2[e] @ (silu(w13[e, :I] @ x) * (w13[e, I:] @ x))
+    gpt-oss:        w2[e] @ act(w13[e] @ x + b13[e]) + b2[e], act = ClampedSwiGLU (activation.py),
+                    b13 [E, 2I] and b2 [E, H] optional biases (the routing weight scales b2 too)
 
 Triton path:
     1. moe_align_block_size: pair ids (t * K + k) sorted by expert, each expert's group padded to a
@@ -29,7 +31,11 @@ from typing import NamedTuple
 
 import torch
 
-from engine.kernels.activation import silu_and_mul_reference
+from engine.kernels.activation import (
+    ClampedSwiGLU,
+    clamped_swiglu_reference,
+    silu_and_mul_reference,
+)
 from engine.kernels.launch import check_same_device, interpreting, next_pow2
 from engine.kernels.tuning import pick_config, split_launch_options
 
@@ -94,8 +100,14 @@ def fused_moe_reference(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
-    """Torch reference (the CPU engine's MoE): one batched matmul pair per expert with tokens."""
+    """Torch reference (the CPU engine's MoE): one batched matmul pair per expert with tokens.
+
+    activation None: SiLU-and-mul; biases w13_bias [E, 2I], w2_bias [E, H] are optional."""
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.flatten().to(torch.int64)  # [P]
     order = torch.argsort(flat, stable=True)
@@ -109,8 +121,15 @@ def fused_moe_reference(
         pairs = order[start : start + n]
         start += n
         tokens = pairs // top_k
-        inter = silu_and_mul_reference(hidden[tokens] @ w13[expert].T)  # [n, I]
-        y = (inter @ w2[expert].T).float()  # [n, H]
+        gate_up = hidden[tokens] @ w13[expert].T  # [n, 2I]
+        if w13_bias is not None:
+            gate_up = gate_up + w13_bias[expert]
+        inter = (silu_and_mul_reference(gate_up) if activation is None
+                 else clamped_swiglu_reference(gate_up, activation))  # [n, I]
+        y = inter @ w2[expert].T  # [n, H]
+        if w2_bias is not None:
+            y = y + w2_bias[expert]
+        y = y.float()
         out.index_add_(0, tokens, y * flat_weights[pairs, None])
     return out.to(hidden.dtype)
 
@@ -122,13 +141,17 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr,
-                        num_post_padded_ptr, N, K, num_pairs, max_padded,
-                        stride_am, stride_be, stride_bn, stride_cm,
+                        num_post_padded_ptr, bias_ptr, N, K, num_pairs, max_padded,
+                        stride_am, stride_be, stride_bn, stride_cm, stride_bias_e,
+                        swiglu_alpha, swiglu_limit,
                         PAIRS_PER_A_ROW: tl.constexpr, FUSE_SILU: tl.constexpr,
+                        CLAMPED_SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr,
                         MUL_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """C[pair, n] = sum_k A[pair // PAIRS_PER_A_ROW, k] * B[expert(pair), n, k] over sorted
-        blocks. FUSE_SILU: B rows n (gate) and N + n (up) -> silu(gate) * up. MUL_WEIGHT: times
+        blocks. HAS_BIAS: + bias[expert, n] (and bias[expert, N + n] for the up rows). FUSE_SILU:
+        B rows n (gate) and N + n (up) -> silu(gate) * up, or with CLAMPED_SWIGLU gpt-oss's
+        (min(up, l) clamped to -l + 1) * g * sigmoid(alpha * g), g = min(gate, l). MUL_WEIGHT: times
         the pair's routing weight. A, B, C have unit-stride last dims."""
         pid = tl.program_id(0)
         num_pid_m = tl.cdiv(max_padded, BLOCK_M)
@@ -163,8 +186,18 @@ def _kernels() -> SimpleNamespace:
                 acc_up = tl.dot(a, b_up, acc_up)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
+        if HAS_BIAS:
+            bias_row = bias_ptr + expert * stride_bias_e
+            acc += tl.load(bias_row + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+            if FUSE_SILU:
+                acc_up += tl.load(bias_row + N + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
         if FUSE_SILU:
-            acc = acc * tl.sigmoid(acc) * acc_up
+            if CLAMPED_SWIGLU:
+                gate = tl.minimum(acc, swiglu_limit)
+                up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
+                acc = (up + 1.0) * gate * tl.sigmoid(gate * swiglu_alpha)
+            else:
+                acc = acc * tl.sigmoid(acc) * acc_up
         if MUL_WEIGHT:
             w = tl.load(weights_ptr + pair, mask=row_valid, other=0.0).to(tl.float32)
             acc = acc * w[:, None]
@@ -188,15 +221,20 @@ _CONFIGS_LARGE_T = (
 _INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2}
 
 
-def _run_gemm(kern, a, b, c, weights, routing, n, k, pairs_per_a_row, fuse_silu, mul_weight, cfg):
+def _run_gemm(kern, a, b, c, weights, routing, n, k, pairs_per_a_row, fuse_silu, mul_weight, cfg,
+              bias=None, activation=None):
     meta, opts = split_launch_options(cfg)
     max_padded = routing.sorted_pair_ids.numel()
     grid = (kern.triton.cdiv(max_padded, meta["BLOCK_M"]) * kern.triton.cdiv(n, meta["BLOCK_N"]),)
     kern.gemm[grid](
         a, b, c, weights, routing.sorted_pair_ids, routing.expert_ids,
-        routing.num_pairs_post_padded, n, k, weights.numel(), max_padded,
-        a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        PAIRS_PER_A_ROW=pairs_per_a_row, FUSE_SILU=fuse_silu, MUL_WEIGHT=mul_weight, **meta, **opts,
+        routing.num_pairs_post_padded, bias if bias is not None else weights, n, k, weights.numel(),
+        max_padded, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        bias.stride(0) if bias is not None else 0,
+        activation.alpha if activation is not None else 0.0,
+        activation.limit if activation is not None else 0.0,
+        PAIRS_PER_A_ROW=pairs_per_a_row, FUSE_SILU=fuse_silu, CLAMPED_SWIGLU=activation is not None,
+        HAS_BIAS=bias is not None, MUL_WEIGHT=mul_weight, **meta, **opts,
     )
 
 
@@ -207,6 +245,9 @@ def fused_moe_triton(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: ClampedSwiGLU | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
     """Same contract as `fused_moe_reference`. `config` overrides the tuned launch config."""
@@ -220,6 +261,10 @@ def fused_moe_triton(
     assert not topk_ids.is_floating_point() and topk_weights.is_floating_point()
     assert hidden.dtype == w13.dtype == w2.dtype, "hidden and expert weights must share a dtype"
     assert hidden.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()
+    for bias, shape in ((w13_bias, (num_experts, 2 * inter)), (w2_bias, (num_experts, hidden_size))):
+        if bias is not None:
+            assert tuple(bias.shape) == shape and bias.stride(-1) == 1, f"bias {tuple(bias.shape)}, want {shape}"
+            check_same_device(hidden, bias)
     check_same_device(hidden, w13, w2, topk_weights, topk_ids)
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
@@ -232,10 +277,10 @@ def fused_moe_triton(
         routing = moe_align_block_size(topk_ids, cfg["BLOCK_M"], num_experts)
         inter_out = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
         _run_gemm(kern, hidden, w13, inter_out, weights, routing, inter, hidden_size, top_k,
-                  True, False, cfg)
+                  True, False, cfg, w13_bias, activation)
         partial = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
         _run_gemm(kern, inter_out, w2, partial, weights, routing, hidden_size, inter, 1,
-                  False, True, cfg)
+                  False, True, cfg, w2_bias)
         return partial
 
     if config is None:
@@ -244,7 +289,7 @@ def fused_moe_triton(
         else:
             candidates = _CONFIGS_SMALL_T if num_pairs <= 128 else _CONFIGS_LARGE_T
             bucket = (num_experts, inter, hidden_size, top_k, str(hidden.dtype),
-                      next_pow2(min(num_tokens, 8192)))
+                      next_pow2(min(num_tokens, 8192)), w13_bias is not None, activation is not None)
             config = pick_config("fused_moe", bucket, candidates, run, hidden.device)
     partial = run(config)
     return partial.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
