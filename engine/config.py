@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face's names
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -34,7 +36,22 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
-    qk_norm: bool = False  # OLMoE normalises q and k
+    # MoE layer placement (Qwen2-MoE / Qwen3-MoE): layer i is sparse iff i not in `mlp_only_layers`
+    # and (i + 1) % decoder_sparse_step == 0; the other layers have a dense MLP of intermediate_size.
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # RMSNorm of q and k before RoPE: None, "projection" (OLMoE: over all heads' q / k at once,
+    # weights [H * Dh] / [G * Dh]) or "per_head" (Qwen3: over each head's Dh, weights [Dh]).
+    qk_norm: str | None = None
+    # gpt-oss experts' clamped SwiGLU: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g),
+    # g = min(gate, limit) (engine/kernels/activation.py::ClampedSwiGLU)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # Attention layout: HF `layer_types` ("full_attention" / "sliding_attention" per layer; None: all
+    # full) and the window W of the sliding layers (a query at p sees positions p-W+1..p; required
+    # when a layer slides).
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
     # Tokens: every id that ends a generation (eos and end-of-turn tokens)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -49,10 +66,45 @@ class ModelConfig:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts):
             raise ValueError("num_experts_per_tok must be in 1..num_experts")
+        self._check_attention_layout()
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        if self.qk_norm not in (None, "projection", "per_head"):
+            raise ValueError(f"qk_norm must be None, 'projection' or 'per_head', got {self.qk_norm!r}")
+
+    def _check_attention_layout(self) -> None:
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model has "
+                                 f"{self.num_layers}")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"unsupported layer_types {unknown} (supported: {list(LAYER_TYPES)})")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.sliding_window is None and "sliding_attention" in (self.layer_types or ()):
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.sliding_window is not None and self.layer_types is None:
+            raise ValueError("sliding_window is set but layer_types is not: name the sliding layers")
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The window of decoder layer `layer` in tokens, or None for full attention."""
+        if self.layer_types is not None and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return any(self.layer_sliding_window(i) is not None for i in range(self.num_layers))
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has the routed experts (else a dense MLP)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def num_queries_per_kv(self) -> int:

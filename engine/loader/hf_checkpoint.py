@@ -8,12 +8,25 @@ config.json maps to `ModelConfig` for these `model_type`s (kept as `architecture
                       top-k weights renormalised (norm_topk_prob=True)
     qwen2_moe         num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
                       shared_expert_intermediate_size; q/k/v biases (qkv_bias, default True)
+    qwen2_moe         + decoder_sparse_step, mlp_only_layers (dense MLP on the layers they exclude)
     olmoe             num_experts, num_experts_per_tok; expert size = intermediate_size;
-                      norm_topk_prob; qk_norm=True
+                      norm_topk_prob; qk_norm="projection"
+    qwen3             dense; head_dim from the config; qk_norm="per_head"; attention_bias from the
+                      config (default False)
+    qwen3_moe         as qwen3, plus num_experts (or transformers 5's num_local_experts),
+                      num_experts_per_tok, moe_intermediate_size, norm_topk_prob (default False),
+                      decoder_sparse_step, mlp_only_layers; no shared expert
+    gpt_oss           experts, layer_types + sliding_window, clamped SwiGLU, MXFP4 experts
+                      (engine/loader/hf_gpt_oss.py)
+
+Sliding windows: mistral and mixtral apply `sliding_window` to every layer, as transformers does
+(absent: 4096 for mistral, none for mixtral; null: none); gpt_oss has `layer_types`. Any other config
+that turns one on (`use_sliding_window` with a `sliding_window`, or a "sliding_attention" in
+`layer_types`) is refused; the released Qwen2/Qwen3 models have it off.
 
 rope: `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4.x); a "default"
 rope type means no scaling. Tensor names stay as in the file; `raw` is empty. Not mapped:
-sliding windows, qwen2_moe `mlp_only_layers`/`decoder_sparse_step`, olmoe `clip_qkv`.
+olmoe `clip_qkv`.
 """
 
 from __future__ import annotations
@@ -31,7 +44,8 @@ from chat.special_tokens import as_id_list, collect_eos_token_ids
 from engine.config import ModelConfig
 from engine.loader.checkpoint import Checkpoint
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "olmoe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
+                         "olmoe", "gpt_oss")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -64,21 +78,52 @@ def _moe_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         return {"num_experts": config["num_local_experts"],
                 "num_experts_per_tok": config["num_experts_per_tok"],
                 "moe_intermediate_size": config["intermediate_size"], "norm_topk_prob": True}
-    if model_type == "qwen2_moe":
-        return {"num_experts": config["num_experts"],
-                "num_experts_per_tok": config["num_experts_per_tok"],
-                "moe_intermediate_size": config["moe_intermediate_size"],
-                "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
-                "shared_expert_intermediate_size": config.get("shared_expert_intermediate_size", 0),
-                "attention_bias": bool(config.get("qkv_bias", True))}
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        fields = {"num_experts": config.get("num_experts", config.get("num_local_experts")),
+                  "num_experts_per_tok": config["num_experts_per_tok"],
+                  "moe_intermediate_size": config["moe_intermediate_size"],
+                  "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+                  "decoder_sparse_step": int(config.get("decoder_sparse_step") or 1),
+                  "mlp_only_layers": tuple(int(i) for i in config.get("mlp_only_layers") or ())}
+        if model_type == "qwen3_moe":
+            return {**fields, "qk_norm": "per_head"}
+        return {**fields, "attention_bias": bool(config.get("qkv_bias", True)),
+                "shared_expert_intermediate_size": config.get("shared_expert_intermediate_size", 0)}
     if model_type == "olmoe":
         return {"num_experts": config["num_experts"],
                 "num_experts_per_tok": config["num_experts_per_tok"],
                 "moe_intermediate_size": config["intermediate_size"],
-                "norm_topk_prob": bool(config.get("norm_topk_prob", False)), "qk_norm": True}
+                "norm_topk_prob": bool(config.get("norm_topk_prob", False)), "qk_norm": "projection"}
     if model_type == "qwen2":
         return {"attention_bias": True}
+    if model_type == "qwen3":
+        return {"qk_norm": "per_head"}
+    if model_type == "gpt_oss":
+        from engine.loader.hf_gpt_oss import gpt_oss_fields
+
+        return gpt_oss_fields(config)
     return {}
+
+
+def _every_layer_window(config: Mapping[str, Any]) -> dict[str, Any]:
+    """mistral / mixtral: one `sliding_window` for every layer (transformers' defaults when absent)."""
+    window = config.get("sliding_window", 4096 if config["model_type"] == "mistral" else None)
+    if window is None:
+        return {}
+    return {"sliding_window": int(window),
+            "layer_types": ("sliding_attention",) * int(config["num_hidden_layers"])}
+
+
+def _refuse_sliding_window(config: Mapping[str, Any]) -> None:
+    """Raise for a config with a sliding window turned on (the engine attends to every position)."""
+    window = config.get("sliding_window")
+    sliding_layers = [i for i, kind in enumerate(config.get("layer_types") or [])
+                      if kind == "sliding_attention"]
+    if (config.get("use_sliding_window") and window) or sliding_layers:
+        where = f"layers {sliding_layers}" if sliding_layers else "every layer"
+        raise NotImplementedError(
+            f"{config['model_type']}: sliding-window attention (sliding_window={window}, on "
+            f"{where}) is not supported; this engine serves full attention only")
 
 
 def _token_lookup(directory: Path) -> Any:
@@ -98,6 +143,8 @@ def model_config_from_hf(directory: Path) -> ModelConfig:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise NotImplementedError(
             f"model_type {model_type!r} is not supported (one of {SUPPORTED_MODEL_TYPES})")
+    if model_type != "gpt_oss":  # gpt_oss: sliding and full layers (hf_gpt_oss.py)
+        _refuse_sliding_window(config)
     generation = _read_json(directory / "generation_config.json")
     num_heads = config["num_attention_heads"]
     rope_theta, rope_scaling = _rope(config)
@@ -105,6 +152,8 @@ def model_config_from_hf(directory: Path) -> ModelConfig:
     declared_eos = as_id_list(config.get("eos_token_id")) + as_id_list(generation.get("eos_token_id"))
     fields: dict[str, Any] = {
         "attention_bias": bool(config.get("attention_bias", False)), **_moe_fields(config)}
+    if model_type in ("mistral", "mixtral"):
+        fields.update(_every_layer_window(config))
     return ModelConfig(
         architecture=model_type,
         vocab_size=config["vocab_size"],

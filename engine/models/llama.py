@@ -1,8 +1,16 @@
-"""Llama-family decoder (Llama, SmolLM, Mistral, Qwen2 dense) over the paged KV cache.
+"""Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3 dense) over the paged KV cache.
 
 Weights arrive with Hugging Face names; q/k/v are fused into one [Q+2K, hidden] matrix and gate/up into
 one [2I, hidden] matrix at load, so each layer runs three GEMMs plus o_proj. The MLP of a layer is a
-callable (`DenseMLP` here; MoE families plug theirs in through `mlp_factory`).
+callable (`DenseMLP` here; MoE families plug theirs in through `mlp_factory`). Every tensor is taken
+with the shape the config implies (engine/models/weights.py: a misfit is one error line at load).
+
+Dimension legend: T tokens, H query heads, G kv heads, Dh head_dim (from the config; Qwen3's need
+not be hidden / H), Q = H * Dh, K = G * Dh, I intermediate size.
+
+q/k normalisation (`ModelConfig.qk_norm`), an RMSNorm before RoPE:
+    "projection"  OLMoE: over the whole q [T, Q] and k [T, K] (weights [Q], [K])
+    "per_head"    Qwen3: over each head's Dh, q [T, H, Dh] and k [T, G, Dh] (weights [Dh])
 """
 
 from __future__ import annotations
@@ -14,14 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.layers.attention import PagedAttentionBackend, current_metadata
+from engine.layers.attention import PagedAttentionBackend, layer_metadata
 from engine.layers.linear import DenseLinear, LinearWeight, fuse_rows
 from engine.layers.native_linear import NativeQuantLinear
 from engine.layers.norm import rms_norm, rms_norm_fast
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.models.weights import Weights, take, take_optional
 
 CPU = torch.device("cpu")
-Weights = dict[str, torch.Tensor]
 LinearFactory = Callable[[str, torch.Tensor], LinearWeight]  # (hf name, dense weight) -> linear
 
 
@@ -44,9 +52,11 @@ MLPFactory = Callable[[ModelConfig, Weights, int, LinearFactory], Callable[[torc
 def dense_mlp_factory(config: ModelConfig, weights: Weights, layer: int,
                       make_linear: LinearFactory) -> DenseMLP:
     p = f"model.layers.{layer}.mlp."
-    gate_up = fuse_rows([weights.pop(p + "gate_proj.weight"), weights.pop(p + "up_proj.weight")])
+    hidden, inter = config.hidden_size, config.intermediate_size
+    gate_up = fuse_rows([take(weights, p + "gate_proj.weight", (inter, hidden)),
+                         take(weights, p + "up_proj.weight", (inter, hidden))])
     return DenseMLP(make_linear(p + "gate_up_proj.weight", gate_up),
-                    make_linear(p + "down_proj.weight", weights.pop(p + "down_proj.weight")))
+                    make_linear(p + "down_proj.weight", take(weights, p + "down_proj.weight", (hidden, inter))))
 
 
 @dataclass
@@ -56,8 +66,8 @@ class DecoderLayer:
     qkv: LinearWeight
     o_proj: LinearWeight
     mlp: Callable[[torch.Tensor], torch.Tensor]
-    q_norm: torch.Tensor | None = None  # OLMoE-style qk norm over the whole projection
-    k_norm: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [Q] ("projection") or [Dh] ("per_head"): see module doc
+    k_norm: torch.Tensor | None = None  # [K] or [Dh]
 
 
 class LlamaModel:
@@ -72,9 +82,10 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
-        self.embed_tokens = self._place(weights.pop("model.embed_tokens.weight"))
-        self.norm = self._place(weights.pop("model.norm.weight"))
-        lm_head = weights.pop("lm_head.weight", None)
+        vocab_hidden = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = self._place(take(weights, "model.embed_tokens.weight", vocab_hidden))
+        self.norm = self._place(take(weights, "model.norm.weight", (config.hidden_size,)))
+        lm_head = take_optional(weights, "lm_head.weight", vocab_hidden)
         if lm_head is None or config.tie_word_embeddings:
             lm_head = self.embed_tokens
         self.lm_head = make_linear("lm_head.weight", lm_head)
@@ -86,22 +97,36 @@ class LlamaModel:
 
     def _load_layer(self, weights: Weights, i: int, make_linear: LinearFactory,
                     mlp_factory: MLPFactory) -> DecoderLayer:
-        p = f"model.layers.{i}."
-        qkv = fuse_rows([weights.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        p, cfg = f"model.layers.{i}.self_attn.", self.config
+        hidden = cfg.hidden_size
+        rows = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}  # Q, K, K
+        qkv = fuse_rows([take(weights, f"{p}{n}_proj.weight", (rows[n], hidden)) for n in "qkv"])
         bias = None
-        if self.config.attention_bias:
-            bias = self._place(torch.cat([weights.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+        if cfg.attention_bias:
+            bias = self._place(torch.cat([take(weights, f"{p}{n}_proj.bias", (rows[n],)) for n in "qkv"]))
         qkv_linear = (DenseLinear(self._place(qkv), bias) if bias is not None
-                      else make_linear(p + "self_attn.qkv_proj.weight", qkv))
-        q_norm, k_norm = (weights.pop(p + f"self_attn.{n}_norm.weight", None) for n in "qk")
+                      else make_linear(p + "qkv_proj.weight", qkv))
+        o_weight = take(weights, p + "o_proj.weight", (hidden, self.q_size))
+        o_bias = take_optional(weights, p + "o_proj.bias", (hidden,))  # Llama with attention_bias
+        o_proj = (DenseLinear(self._place(o_weight), self._place(o_bias)) if o_bias is not None
+                  else make_linear(p + "o_proj.weight", o_weight))
+        q_norm = k_norm = None
+        if cfg.qk_norm is not None:
+            per_head = cfg.qk_norm == "per_head"
+            q_norm = self._place(take(weights, p + "q_norm.weight",
+                                      (cfg.head_dim,) if per_head else (self.q_size,)))
+            k_norm = self._place(take(weights, p + "k_norm.weight",
+                                      (cfg.head_dim,) if per_head else (self.kv_size,)))
+        norm_shape = (hidden,)
         return DecoderLayer(
-            input_norm=self._place(weights.pop(p + "input_layernorm.weight")),
-            post_attention_norm=self._place(weights.pop(p + "post_attention_layernorm.weight")),
+            input_norm=self._place(take(weights, f"model.layers.{i}.input_layernorm.weight", norm_shape)),
+            post_attention_norm=self._place(
+                take(weights, f"model.layers.{i}.post_attention_layernorm.weight", norm_shape)),
             qkv=qkv_linear,
-            o_proj=make_linear(p + "self_attn.o_proj.weight", weights.pop(p + "self_attn.o_proj.weight")),
-            mlp=mlp_factory(self.config, weights, i, make_linear),
-            q_norm=self._place(q_norm) if q_norm is not None else None,
-            k_norm=self._place(k_norm) if k_norm is not None else None,
+            o_proj=o_proj,
+            mlp=mlp_factory(cfg, weights, i, make_linear),
+            q_norm=q_norm,
+            k_norm=k_norm,
         )
 
     def _place(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -110,24 +135,29 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (before the lm head)."""
-        meta = current_metadata()
         cfg = self.config
         num_q, num_kv, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos, sin = self.rotary.lookup(positions)  # [T, 1, Dh], shared by every layer
         hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = rms_norm_fast(hidden, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)  # [T, Q + 2K]
-            if layer.q_norm is not None and layer.k_norm is not None:
+            if cfg.qk_norm == "projection":
                 q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)  # type: ignore[arg-type]
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)  # type: ignore[arg-type]
                 qkv = torch.cat([q, k, v], dim=-1)
             heads = qkv.view(-1, num_q + 2 * num_kv, head_dim)  # [T, H + 2G, Dh]
-            qk = apply_rotary(heads[:, : num_q + num_kv], cos, sin)  # q and k heads in one pass
+            qk = heads[:, : num_q + num_kv]  # [T, H + G, Dh]
+            if cfg.qk_norm == "per_head":
+                qk = torch.cat([rms_norm_fast(qk[:, :num_q], layer.q_norm, cfg.rms_norm_eps),  # type: ignore[arg-type]
+                                rms_norm_fast(qk[:, num_q:], layer.k_norm, cfg.rms_norm_eps)],  # type: ignore[arg-type]
+                               dim=1)  # [T, H, Dh] + [T, G, Dh] -> [T, H + G, Dh]
+            qk = apply_rotary(qk, cos, sin)  # q and k heads in one pass
             q, k = qk[:, :num_q], qk[:, num_q:]  # [T, H, Dh], [T, G, Dh]
             v = heads[:, num_q + num_kv :]  # [T, G, Dh]
-            attn = self.attention.forward(q, k, v, k_cache, v_cache, self.scale, meta)
+            attn = self.attention.forward(q, k, v, k_cache, v_cache, self.scale, layer_metadata(i),
+                                          sliding_window=cfg.layer_sliding_window(i))
             hidden = hidden + layer.o_proj(attn.reshape(-1, self.q_size))  # [T, H, Dh] -> [T, Q]
             x = rms_norm_fast(hidden, layer.post_attention_norm, cfg.rms_norm_eps)
             hidden = hidden + layer.mlp(x)

@@ -1,11 +1,13 @@
-"""Mixture-of-experts MLPs: Mixtral, Qwen2-MoE and OLMoE, plugged into LlamaModel as its `mlp_factory`.
+"""Mixture-of-experts MLPs: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, plugged into LlamaModel as its
+`mlp_factory`. Layers that `ModelConfig.is_sparse_layer` says are not sparse (Qwen-MoE's
+`mlp_only_layers` / `decoder_sparse_step`) get the dense MLP of `intermediate_size` instead.
 
 Dimension legend:
     T  tokens     H  hidden     E  experts     K  experts per token (top-k)
     I  expert intermediate size     S  shared-expert intermediate size (Qwen2-MoE)
 
     router        [E, H]        logits = x @ router^T, softmax over E, top-K (renormalised when
-                                `norm_topk_prob`: always for Mixtral, per config for Qwen2-MoE / OLMoE)
+                                `norm_topk_prob`: always for Mixtral, per config for Qwen-MoE / OLMoE)
     w13           [E, 2I, H]    gate rows 0..I-1, then up rows I..2I-1 (one grouped GEMM)
     w2            [E, H, I]
     out [T, H]  = sum_k topk_weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x) * (w13[e, I:] @ x)), e = topk_ids[t, k]
@@ -17,7 +19,8 @@ on the CPU, which loops only over the experts that received tokens).
 Checkpoint layouts read (HF names, `p` = "model.layers.{i}."):
     per expert (Hub files; what transformers 5 `save_pretrained` still writes):
         mixtral          p.block_sparse_moe.gate.weight, p.block_sparse_moe.experts.{e}.w1/w3/w2.weight
-        qwen2_moe, olmoe p.mlp.gate.weight, p.mlp.experts.{e}.gate_proj/up_proj/down_proj.weight
+        qwen2_moe, qwen3_moe, olmoe
+                         p.mlp.gate.weight, p.mlp.experts.{e}.gate_proj/up_proj/down_proj.weight
     fused (transformers 5 in-memory modules, any family):
         p.mlp.gate.weight, p.mlp.experts.gate_up_proj [E, 2I, H], p.mlp.experts.down_proj [E, H, I]
     qwen2_moe shared expert: p.mlp.shared_expert.gate_proj/up_proj/down_proj.weight, p.mlp.shared_expert_gate.weight
@@ -37,11 +40,13 @@ from engine.config import ModelConfig
 from engine.kernels.fp8 import quantize_weight_per_channel
 from engine.layers.fp8_linear import FP8Linear
 from engine.layers.linear import DenseLinear, LinearWeight, fuse_rows
-from engine.models.llama import DenseMLP, LinearFactory, Weights
+from engine.models.llama import DenseMLP, LinearFactory, Weights, dense_mlp_factory
+from engine.models.weights import take, take_optional
 
 _EXPERT_NAMES = {  # family -> (module prefix, gate, up, down) of the per-expert layout
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
     "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj"),
 }
 
@@ -112,26 +117,30 @@ class MoEMLP:
 
 
 def moe_mlp_factory(config: ModelConfig, weights: Weights, layer: int,
-                    make_linear: LinearFactory) -> MoEMLP:
-    """Pop layer `layer`'s MoE weights out of `weights` (HF names) and build its MLP."""
+                    make_linear: LinearFactory) -> MoEMLP | DenseMLP:
+    """Pop layer `layer`'s MoE weights out of `weights` (HF names) and build its MLP (the dense
+    MLP on a layer that is not sparse)."""
+    if not config.is_sparse_layer(layer):
+        return dense_mlp_factory(config, weights, layer, make_linear)
     p = f"model.layers.{layer}."
     module, gate_name, up_name, down_name = _EXPERT_NAMES[config.architecture]
+    num_experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    what = f"{config.architecture} layer {layer}"
     if p + "mlp.experts.gate_up_proj" in weights:  # transformers 5 fused experts
-        router_weight = weights.pop(p + "mlp.gate.weight")
-        w13 = weights.pop(p + "mlp.experts.gate_up_proj")  # [E, 2I, H]
-        w2 = weights.pop(p + "mlp.experts.down_proj")  # [E, H, I]
+        router_weight = take(weights, p + "mlp.gate.weight", (num_experts, hidden), what)
+        w13 = take(weights, p + "mlp.experts.gate_up_proj", (num_experts, 2 * inter, hidden))
+        w2 = take(weights, p + "mlp.experts.down_proj", (num_experts, hidden, inter))
     else:
         m = f"{p}{module}."
-        router_weight = weights.pop(m + "gate.weight")
-        e = range(config.num_experts)
-        gates = [weights.pop(f"{m}experts.{i}.{gate_name}.weight") for i in e]  # E x [I, H]
-        ups = [weights.pop(f"{m}experts.{i}.{up_name}.weight") for i in e]
-        downs = [weights.pop(f"{m}experts.{i}.{down_name}.weight") for i in e]  # E x [H, I]
+        router_weight = take(weights, m + "gate.weight", (num_experts, hidden), what)
+        e = range(num_experts)
+        gates = [take(weights, f"{m}experts.{i}.{gate_name}.weight", (inter, hidden), what)
+                 for i in e]  # E x [I, H]
+        ups = [take(weights, f"{m}experts.{i}.{up_name}.weight", (inter, hidden), what) for i in e]
+        downs = [take(weights, f"{m}experts.{i}.{down_name}.weight", (hidden, inter), what)
+                 for i in e]  # E x [H, I]
         w13 = torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)  # [E, I, H] x 2 -> [E, 2I, H]
         w2 = torch.stack(downs)  # [E, H, I]
-    expected = (config.num_experts, 2 * config.moe_intermediate_size, config.hidden_size)
-    if tuple(w13.shape) != expected:
-        raise ValueError(f"layer {layer}: experts gate/up {tuple(w13.shape)}, expected {expected}")
 
     # The router goes through make_linear only to learn the engine's device and dtype.
     probe = make_linear(p + "mlp.gate.weight", router_weight)
@@ -142,11 +151,14 @@ def moe_mlp_factory(config: ModelConfig, weights: Weights, layer: int,
 
     shared = shared_gate = None
     s = p + "mlp.shared_expert."
-    if config.shared_expert_intermediate_size and s + "gate_proj.weight" in weights:
-        gate_up = fuse_rows([weights.pop(s + "gate_proj.weight"), weights.pop(s + "up_proj.weight")])
+    shared_inter = config.shared_expert_intermediate_size
+    if shared_inter and s + "gate_proj.weight" in weights:
+        gate_up = fuse_rows([take(weights, s + "gate_proj.weight", (shared_inter, hidden)),
+                             take(weights, s + "up_proj.weight", (shared_inter, hidden))])
         shared = DenseMLP(make_linear(s + "gate_up_proj.weight", gate_up),
-                          make_linear(s + "down_proj.weight", weights.pop(s + "down_proj.weight")))
-        gate_weight = weights.pop(p + "mlp.shared_expert_gate.weight", None)  # [1, H]
+                          make_linear(s + "down_proj.weight",
+                                      take(weights, s + "down_proj.weight", (hidden, shared_inter))))
+        gate_weight = take_optional(weights, p + "mlp.shared_expert_gate.weight", (1, hidden))  # [1, H]
         shared_gate = DenseLinear(gate_weight.to(device, dtype)) if gate_weight is not None else None
     for leftover in [k for k in weights if k.startswith(p + "mlp.shared_expert")]:
         weights.pop(leftover)  # zero-size shared expert (shared_expert_intermediate_size == 0)

@@ -1,4 +1,9 @@
-"""Model registry: architecture name -> how to build it."""
+"""Model registry: architecture name -> how to build it.
+
+Every family is `LlamaModel` (dense MLPs) or `LlamaModel` with `moe_mlp_factory` (routed experts);
+a model takes the tensors it needs by name and shape, and a checkpoint tensor left over afterwards
+is refused (engine/models/weights.py), so a misfit fails at load with one line.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,10 @@ import torch
 from engine.config import ModelConfig
 from engine.layers.attention import PagedAttentionBackend
 from engine.models.llama import CPU, LinearFactory, LlamaModel
+from engine.models.weights import check_all_used
 
-_DENSE = {"llama", "mistral", "qwen2", "smollm"}
-_MOE = {"mixtral", "qwen2_moe", "olmoe"}
+_DENSE = {"llama", "mistral", "qwen2", "qwen3", "smollm"}
+_MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"}
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], attention: PagedAttentionBackend,
@@ -17,10 +23,17 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], attention
                 dtype: torch.dtype = torch.float32) -> LlamaModel:
     arch = config.architecture
     if arch in _DENSE:
-        return LlamaModel(config, weights, attention, make_linear, device=device, dtype=dtype)
-    if arch in _MOE:
+        model = LlamaModel(config, weights, attention, make_linear, device=device, dtype=dtype)
+    elif arch in _MOE:
         from engine.models.moe import moe_mlp_factory
 
-        return LlamaModel(config, weights, attention, make_linear, mlp_factory=moe_mlp_factory,
-                          device=device, dtype=dtype)
-    raise ValueError(f"unsupported architecture {arch!r} (supported: {sorted(_DENSE | _MOE)})")
+        model = LlamaModel(config, weights, attention, make_linear, mlp_factory=moe_mlp_factory,
+                           device=device, dtype=dtype)
+    elif arch == "gpt_oss":  # sinks, sliding windows, clamped-SwiGLU experts, MXFP4 (gpt_oss.py)
+        from engine.models.gpt_oss import GptOssModel
+
+        model = GptOssModel(config, weights, attention, make_linear, device=device, dtype=dtype)  # type: ignore[assignment]
+    else:
+        raise ValueError(f"unsupported architecture {arch!r} (supported: {sorted(_DENSE | _MOE | {'gpt_oss'})})")
+    check_all_used(weights, arch)
+    return model
