@@ -73,7 +73,7 @@ def test_cli_errors_go_to_stderr_with_a_nonzero_status(
     assert out == "" and "nope" in err
     assert main(["keys", "revoke", "000000000000"]) == 1
     capsys.readouterr()
-    assert main(["keys", "list", "--project", "nope"]) == 1  # docs/api.md §17: one error form
+    assert main(["keys", "list", "--project", "nope"]) == 1  # docs/reference/cli.md: one error form
     assert capsys.readouterr() == ("", "aigw: UnknownProject: nope\n")
 
 
@@ -139,7 +139,7 @@ def test_usage_of_a_project_known_only_from_jwts_is_printed(
 def test_a_bad_or_unreachable_redis_url_is_one_error_line_not_a_traceback(
         redis_url: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from gateway.ports import free_port
+    from infra.ports import free_port
 
     monkeypatch.setenv("AIGW_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("AIGW_REDIS_URL", redis_url.format(port=free_port()))
