@@ -22,11 +22,11 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError
 
 from auth.key_admin import InvalidRequest
 from auth.principal import AuthError, Principal, Scope
 from auth.store import ProjectExists, UnknownKey, UnknownProject
+from infra.json_body import BodyError, read_json
 
 if TYPE_CHECKING:
     from auth import AuthServices
@@ -43,23 +43,30 @@ def credential_of(request: web.Request) -> str | None:
     return request.headers.get("x-api-key") or None
 
 
-def _is_number(value: object) -> bool:
-    """A JSON number (JSON's true/false are not seconds, though Python's bool is an int)."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _error(status: int, code: str, message: str) -> web.Response:
     return web.json_response({"error": {"type": "admin_error", "code": code, "message": message}},
                              status=status)
 
 
+def _project_in_path(request: web.Request) -> str:
+    """The path's project name; UnknownProject for one no store could hold (a byte that is not
+    UTF-8 arrives as a lone surrogate, which neither SQLite nor Redis can encode)."""
+    project = request.match_info["project"]
+    try:
+        project.encode()
+    except UnicodeEncodeError:
+        raise UnknownProject(project.encode("utf-8", "backslashreplace").decode()) from None
+    return project
+
+
+MAX_ADMIN_BODY_BYTES = 64 * 1024  # a project name, a key's scopes and models
+
+
 async def _body(request: web.Request) -> dict[str, Any]:
     try:
-        body = await request.json() if request.can_read_body else {}
-    except ValueError as exc:  # JSONDecodeError, or UnicodeDecodeError: bytes that are not UTF-8
-        raise InvalidRequest(f"body is not JSON: {exc}") from exc
-    except RequestPayloadError as exc:  # e.g. Content-Encoding: gzip on a body that is not gzip
-        raise InvalidRequest("body cannot be decoded as its Content-Encoding says") from exc
+        body = (await read_json(request, MAX_ADMIN_BODY_BYTES)) if request.can_read_body else {}
+    except BodyError as exc:  # too large, not JSON, too deep, a number beyond a double
+        raise InvalidRequest(exc.message) from exc
     if not isinstance(body, dict):
         raise InvalidRequest("body must be a JSON object")
     return body
@@ -102,7 +109,7 @@ def build_admin_routes(services: AuthServices, prefix: str) -> list[web.RouteDef
                                  status=201)
 
     async def list_keys(request: web.Request, _: Principal) -> web.Response:
-        project = request.match_info["project"]
+        project = _project_in_path(request)
         if await services.store.get_project(project) is None:
             raise UnknownProject(project)
         keys = await services.store.list_keys(project)
@@ -116,13 +123,11 @@ def build_admin_routes(services: AuthServices, prefix: str) -> list[web.RouteDef
         if models is not None and not (isinstance(models, list)
                                        and all(isinstance(m, str) for m in models)):
             raise InvalidRequest("'models' must be a list of model names")
-        if expires_in is not None and not _is_number(expires_in):
-            raise InvalidRequest("'expires_in' must be a number of seconds")
         name = body.get("name", "")
         if not isinstance(name, str):
             raise InvalidRequest("'name' must be a string")
         record, secret = await admin.create_key(
-            request.match_info["project"], scopes, name=name,
+            _project_in_path(request), scopes, name=name,
             allowed_models=models, expires_in_s=expires_in)
         return web.json_response({**record.public_view(), "key": secret}, status=201)
 
@@ -136,9 +141,7 @@ def build_admin_routes(services: AuthServices, prefix: str) -> list[web.RouteDef
 
     async def rotate_key(request: web.Request, _: Principal) -> web.Response:
         grace = (await _body(request)).get("grace_seconds", 0)
-        if not _is_number(grace):
-            raise InvalidRequest("'grace_seconds' must be a number")
-        record, secret = await admin.rotate_key(request.match_info["key_id"], float(grace))
+        record, secret = await admin.rotate_key(request.match_info["key_id"], grace)
         services.forget_cached_key(record.key_id)
         return web.json_response({**record.public_view(), "key": secret})
 
@@ -146,7 +149,7 @@ def build_admin_routes(services: AuthServices, prefix: str) -> list[web.RouteDef
         from gateway.metering import open_usage_reader, render_csv, render_json
         from gateway.metering.usage_report import validate_day
 
-        project = request.match_info["project"]
+        project = _project_in_path(request)
         principal.require_project(project)
         query = request.query
         try:

@@ -52,6 +52,9 @@ class KeyAuthenticator:
         """The caller, or AuthError(401) for a missing/invalid/revoked/expired credential."""
         if not credential:
             raise AuthError(401, "missing_credential", "no API key or bearer token was given")
+        if not is_printable_ascii(credential):  # keys and JWTs are ASCII by construction; a
+            # header byte that is not UTF-8 arrives as a lone surrogate no store can encode
+            raise AuthError(401, "invalid_api_key", "the credential is not valid")
         parsed = parse_key(credential)
         if parsed is not None:
             return await self._authenticate_key(parsed)
@@ -114,6 +117,11 @@ class KeyAuthenticator:
         entry = _CachedKey(record, principal, time.monotonic())
         self._cache[key_id] = entry
         return entry
+
+
+def is_printable_ascii(text: str) -> bool:
+    """Only the 95 printable ASCII characters (no controls, no space inside a token)."""
+    return text.isascii() and text.isprintable() and " " not in text
 
 
 class AnonymousAuthenticator:

@@ -5,7 +5,8 @@ off the event loop). The header's `alg` must be in the allow-list (`AIGW_JWT_ALG
 the algorithms that have a key configured) and picks the key *kind*: an HS*
 token is only ever checked against the HMAC secret, an RS*/ES* token only against a JWKS key of
 that algorithm, so a token HMAC-signed with an RSA public key as secret fails (no HS/RS confusion),
-and `none` is never accepted. exp is required; nbf is checked when present; iss/aud when configured.
+and `none` is never accepted. exp is required; nbf is checked when present; iss/aud when configured;
+exp, nbf and iat must be NumericDates (JSON numbers, not strings or booleans: RFC 7519).
 Scopes come from the space-separated `scope` claim, the project from the `project` claim.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from typing import Any
 
@@ -20,8 +22,10 @@ import jwt
 
 from auth.principal import AuthError, Principal
 from auth.settings import AuthSettings
+from infra.byte_lru import ByteLRU, str_bytes
 
-_MAX_CACHED_TOKENS = 10_000
+_MAX_CACHED_TOKEN_BYTES = 64 * 1024
+_PRINCIPAL_BYTES = 1_024  # a Principal, its scope set and the entry's tuple, about
 
 
 class JwtVerifier:
@@ -35,7 +39,8 @@ class JwtVerifier:
             self._jwks_list = list(jwk_set.keys)
             self._jwks = {k.key_id: k for k in jwk_set.keys if k.key_id}
         # Verified tokens: token -> (caller, monotonic time until which the answer holds).
-        self._verified: dict[str, tuple[Principal, float]] = {}
+        self._verified: ByteLRU[str, tuple[Principal, float]] = ByteLRU(
+            settings.jwt_cache_max_bytes, max_entry_bytes=_MAX_CACHED_TOKEN_BYTES)
         self._jwks_client = (jwt.PyJWKClient(settings.jwt_jwks_url, cache_keys=True, lifespan=300)
                              if settings.jwt_jwks_url else None)
 
@@ -45,14 +50,15 @@ class JwtVerifier:
 
     async def verify(self, token: str) -> Principal:
         """The caller named by a valid token; AuthError(401) for any invalid one."""
+        if not token.isascii():  # a header byte that is not UTF-8 (a lone surrogate)
+            raise _invalid("malformed token")
         cached = self._verified.get(token)
         if cached is not None and time.monotonic() < cached[1]:
             return cached[0]
         principal, exp = await self._verify_uncached(token)
-        if len(self._verified) >= _MAX_CACHED_TOKENS:
-            self._verified.clear()
         ttl_s = min(self._settings.key_cache_ttl_s, exp - time.time())
-        self._verified[token] = (principal, time.monotonic() + ttl_s)
+        self._verified.put(token, (principal, time.monotonic() + ttl_s),
+                           str_bytes(token) + _PRINCIPAL_BYTES)
         return principal
 
     async def _verify_uncached(self, token: str) -> tuple[Principal, float]:
@@ -74,6 +80,9 @@ class JwtVerifier:
             raise AuthError(401, "expired_token", "the token has expired") from exc
         except jwt.PyJWTError as exc:
             raise _invalid(str(exc)) from exc
+        for claim in _NUMERIC_DATE_CLAIMS:
+            if claim in claims and not _is_numeric_date(claims[claim]):
+                raise _invalid(f"the {claim!r} claim must be a NumericDate (a number of seconds)")
         project = claims.get("project")
         if not isinstance(project, str) or not project:
             raise _invalid("the token has no 'project' claim")
@@ -102,6 +111,20 @@ class JwtVerifier:
             if jwk.algorithm_name == alg and _key_kind(jwk.key_type) == alg[:2]:
                 return jwk.key
         raise _invalid(f"no {alg} key to verify this token")
+
+
+_NUMERIC_DATE_CLAIMS = ("exp", "nbf", "iat")
+
+
+def _is_numeric_date(value: object) -> bool:
+    """RFC 7519 NumericDate: a JSON number of seconds (pyjwt takes "9999999999" and true through
+    int(), and Python's json reads Infinity and NaN), finite."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond a double
+        return False
 
 
 def _key_kind(kty: str | None) -> str:

@@ -11,7 +11,15 @@ import re
 import time
 from dataclasses import replace
 
-from auth.keys import KeyRecord, ProjectRecord, format_key, hash_secret, new_key_id, new_secret
+from auth.keys import (
+    KeyRecord,
+    ProjectRecord,
+    format_key,
+    hash_secret,
+    is_key_id,
+    new_key_id,
+    new_secret,
+)
 from auth.principal import Scope
 from auth.store import KeyStore, UnknownKey, UnknownProject
 
@@ -19,8 +27,27 @@ _PROJECT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # fullmatch: "$"
 _VALID_SCOPES = frozenset(s.value for s in Scope)
 
 
+MAX_DURATION_S = 100 * 365 * 86_400  # an expiry or a grace period: at most about a century
+
+
 class InvalidRequest(ValueError):
     """A name, scope or duration that the admin API answers with 400."""
+
+
+def checked_seconds(value: object, what: str, *, positive: bool) -> float:
+    """`value` as a number of seconds in (0 or [0, MAX_DURATION_S]; InvalidRequest otherwise
+    (a bool, a string, NaN, an int too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequest(f"{what} must be a number of seconds")
+    try:
+        seconds = float(value)
+    except OverflowError:
+        seconds = math.inf
+    if not (math.isfinite(seconds) and (seconds > 0 if positive else seconds >= 0)
+            and seconds <= MAX_DURATION_S):
+        raise InvalidRequest(f"{what} must be a number of seconds {'>' if positive else '>='} 0 "
+                             f"and at most {MAX_DURATION_S}")
+    return seconds
 
 
 class KeyAdmin:
@@ -43,8 +70,8 @@ class KeyAdmin:
         unknown = set(scopes) - _VALID_SCOPES
         if not scopes or unknown:
             raise InvalidRequest(f"scopes must be a non-empty subset of {sorted(_VALID_SCOPES)}")
-        if expires_in_s is not None and not (math.isfinite(expires_in_s) and expires_in_s > 0):
-            raise InvalidRequest("expires_in must be a positive number of seconds")
+        if expires_in_s is not None:
+            expires_in_s = checked_seconds(expires_in_s, "expires_in", positive=True)
         if allowed_models is not None and not allowed_models:  # [] must not mean "every model"
             raise InvalidRequest("models must name at least one model (omit it for every model)")
         if await self.store.get_project(project) is None:
@@ -60,7 +87,7 @@ class KeyAdmin:
         return record, format_key(key_id, secret)
 
     async def get_key(self, key_id: str) -> KeyRecord:
-        record = await self.store.get_key(key_id)
+        record = await self.store.get_key(key_id) if is_key_id(key_id) else None
         if record is None:
             raise UnknownKey(key_id)
         return record
@@ -75,8 +102,7 @@ class KeyAdmin:
 
     async def rotate_key(self, key_id: str, grace_s: float) -> tuple[KeyRecord, str]:
         """A new secret for the same key id; the old one keeps working for grace_s seconds."""
-        if not (math.isfinite(grace_s) and grace_s >= 0):
-            raise InvalidRequest("grace period must be a number of seconds >= 0")
+        grace_s = checked_seconds(grace_s, "grace_seconds", positive=False)
         record = await self.get_key(key_id)
         if record.revoked_at is not None:
             raise InvalidRequest(f"key {key_id} is revoked")

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 KEY_PREFIX = "sk-aigw-"
 _KEY_ID_HEX_CHARS = 12
+_KEY_ID = re.compile(r"[0-9a-f]+")
+_SECRET = re.compile(r"[A-Za-z0-9_-]+")  # secrets.token_urlsafe's alphabet
 
 
 @dataclass(frozen=True)
@@ -42,13 +45,20 @@ def format_key(key_id: str, secret: str) -> str:
 
 
 def parse_key(credential: str) -> ParsedKey | None:
-    """Split a presented key; None when it is not shaped like one of ours."""
+    """Split a presented key; None when it is not shaped like one of ours (a key id of 12
+    lowercase hex digits, a secret of at most 128 URL-safe base64 characters)."""
     if not credential.startswith(KEY_PREFIX):
         return None
     key_id, sep, secret = credential[len(KEY_PREFIX):].partition("-")
-    if not sep or len(key_id) != _KEY_ID_HEX_CHARS or not secret or len(secret) > 128:
+    if (not sep or not is_key_id(key_id) or not secret or len(secret) > 128
+            or not _SECRET.fullmatch(secret)):
         return None
     return ParsedKey(key_id, secret)
+
+
+def is_key_id(text: str) -> bool:
+    """Shaped like a key id (what `new_key_id` makes): stores are only ever asked for these."""
+    return len(text) == _KEY_ID_HEX_CHARS and _KEY_ID.fullmatch(text) is not None
 
 
 def hash_secret(pepper: bytes, key_id: str, secret: str) -> str:

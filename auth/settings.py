@@ -37,6 +37,9 @@ class AuthSettings(BaseModel):
     # `jwt_hs256_secret`, RS256 and ES256 with a JWKS (file or URL).
     jwt_algorithms: tuple[str, ...] | None = None
     jwt_leeway_s: float = Field(default=0.0, ge=0)
+    # Verified tokens remembered in process (until min(key_cache_ttl_s, exp)), bounded in bytes
+    # of token text: a token is as long as its issuer makes it (up to a header's 8 KiB).
+    jwt_cache_max_bytes: int = Field(default=16 * 1024 * 1024, ge=0)
 
     # Prompt-cache salt: one per project (default), per key, or none (caching shared across projects).
     cache_salt_scope: Literal["project", "key", "shared"] = "project"
@@ -44,7 +47,7 @@ class AuthSettings(BaseModel):
     @field_validator("redis_url")
     @classmethod
     def _known_redis_scheme(cls, value: str | None) -> str | None:
-        from gateway.redis_client import check_redis_url
+        from infra.redis_client import check_redis_url
 
         return check_redis_url(value) if value else value  # unset or empty: no Redis
 
@@ -79,11 +82,12 @@ class AuthSettings(BaseModel):
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> AuthSettings:
-        """AIGW_REDIS_URL, AIGW_DATA_DIR, AIGW_KEY_PEPPER, AIGW_JWT_* (the CLI's view of the store)."""
+        """AIGW_REDIS_URL, AIGW_DATA_DIR, AIGW_KEY_PEPPER, AIGW_JWT_* (the CLI's view of the store;
+        AIGW_JWT_CACHE_MAX_BYTES too)."""
         env = os.environ if environ is None else environ
         fields: dict[str, object] = {}
         for name in ("redis_url", "data_dir", "key_pepper", "jwt_hs256_secret", "jwt_jwks_file",
-                     "jwt_jwks_url", "jwt_issuer", "jwt_audience"):
+                     "jwt_jwks_url", "jwt_issuer", "jwt_audience", "jwt_cache_max_bytes"):
             value = env.get(f"AIGW_{name.upper()}")
             if value:
                 fields[name] = value

@@ -30,10 +30,15 @@ class EndpointLoad:
 
 
 class Endpoint:
-    def __init__(self, url: str, model: ModelSettings, breaker: CircuitBreaker) -> None:
+    """`auth_headers`: the credential every call to this upstream carries (the model's `api_key`,
+    else for a replica the gateway's replica secret); empty when there is none."""
+
+    def __init__(self, url: str, model: ModelSettings, breaker: CircuitBreaker,
+                 credential: str | None = None) -> None:
         self.url = url
         self.model = model
         self.breaker = breaker
+        self.auth_headers = {"authorization": f"Bearer {credential}"} if credential else {}
         self.name = url.split("://", 1)[-1]  # host:port, what x-aigw-replica shows
         self.is_healthy = True  # optimistic until the first active check says otherwise
         self.num_failed_checks = 0  # consecutive failed active checks
@@ -56,6 +61,11 @@ class ModelRoute:
     backend: Backend
     endpoints: tuple[Endpoint, ...]
 
+    @property
+    def context_length(self) -> int | None:
+        """The largest context window an endpoint reports (or the configured one), if known."""
+        return max((e.context_length for e in self.endpoints if e.context_length), default=None)
+
 
 class Fleet:
     """model name -> ModelRoute, one breaker per endpoint, one backend instance per backend kind."""
@@ -64,6 +74,7 @@ class Fleet:
         from gateway.backends import get_backend_class
 
         self._settings = settings
+        self._replica_secret = settings.read_replica_secret()  # once: a restart rotates it
         backends: dict[str, Backend] = {}
         self.routes: dict[str, ModelRoute] = {}
         for model in settings.models:
@@ -71,6 +82,9 @@ class Fleet:
                 backends[model.backend] = get_backend_class(model.backend)(transport, settings)
             endpoints = tuple(self._new_endpoint(url, model) for url in model.endpoints)
             self.routes[model.name] = ModelRoute(model, backends[model.backend], endpoints)
+        # when each model last had an endpoint that can serve (updated by every health round)
+        now = time.monotonic()
+        self.servable_at_s = dict.fromkeys(self.routes, now)
 
     def get(self, model: str) -> ModelRoute | None:
         return self.routes.get(model)
@@ -97,7 +111,21 @@ class Fleet:
 
     def _new_endpoint(self, url: str, model: ModelSettings) -> Endpoint:
         settings = self._settings
-        return Endpoint(url, model, CircuitBreaker(settings.num_failures_to_eject, settings.ejection_s))
+        credential = model.api_key or (self._replica_secret if model.backend == "replica" else None)
+        return Endpoint(url, model, CircuitBreaker(settings.num_failures_to_eject, settings.ejection_s),
+                        credential)
+
+    def note_servable(self, now: float) -> None:
+        """Stamp `servable_at_s` of every model that has an endpoint that can serve now."""
+        for name, route in self.routes.items():
+            if any(endpoint.can_serve(now) for endpoint in route.endpoints):
+                self.servable_at_s[name] = now
+
+    def unservable_for_s(self, name: str, now: float) -> float:
+        """How long model `name` has had no endpoint that can serve (0.0 while one can)."""
+        if any(endpoint.can_serve(now) for endpoint in self.routes[name].endpoints):
+            return 0.0
+        return now - self.servable_at_s.get(name, now)
 
     def all_endpoints(self) -> list[tuple[ModelRoute, Endpoint]]:
         return [(route, endpoint) for route in self.routes.values() for endpoint in route.endpoints]

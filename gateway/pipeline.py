@@ -25,7 +25,6 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError
 
 from auth.admin_routes import credential_of  # one rule for every route: Bearer, else x-api-key
 from auth.cache_salt import cache_salt_for
@@ -49,12 +48,13 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from gateway.metering.contract import Admission, Meter, RateLimited
+from gateway.metering.contract import Admission, Meter, RateLimited, ReservationTooLarge
 from gateway.retry_budget import RetryBudget
 from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
 from gateway.usage import STATUS_CLIENT_CLOSED, build_record
 from gateway.wait_timer import Watchdog
+from infra.json_body import BodyError, read_json
 
 log = logging.getLogger("aigw.gateway")
 
@@ -95,20 +95,13 @@ def request_ids_of(request: web.Request) -> tuple[str, str]:
 
 
 async def read_json_body(request: web.Request, max_body_bytes: int) -> Any:
-    """The request's JSON body; 413 over the cap, 400 if it is not JSON."""
-    if (request.content_length or 0) > max_body_bytes:
-        raise PayloadTooLarge(f"body over {max_body_bytes} bytes")
+    """The request's JSON body; 413 over the cap, 400 if it is not JSON (infra/json_body.py)."""
     try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise PayloadTooLarge(f"body over {max_body_bytes} bytes") from exc
-    except RequestPayloadError as exc:  # e.g. a Content-Encoding: gzip body that is not gzip
-        raise BadRequest(f"body cannot be decoded as its Content-Encoding "
-                         f"{request.headers.get('Content-Encoding', '')!r} says") from exc
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"body is not valid JSON: {exc}") from exc
+        return await read_json(request, max_body_bytes)
+    except BodyError as exc:
+        if exc.status == 413:
+            raise PayloadTooLarge(exc.message) from exc
+        raise BadRequest(exc.message) from exc
 
 
 def error_response(dialect: Dialect, status: int, code: str, message: str, request_id: str,
@@ -200,9 +193,19 @@ class Pipeline:
         max_tokens = canonical.max_tokens  # per choice; 0 (echo scoring a prompt) reserves none
         if max_tokens is None:
             max_tokens = self.settings.default_max_tokens
-        admission = await self.meter.admit(usage_id, principal, canonical.model,
-                                           estimate_prompt_tokens(canonical),
-                                           canonical.num_choices * max_tokens)
+        context_length = route.context_length
+        if context_length is not None and max_tokens > context_length:
+            if canonical.max_tokens is not None:  # as the replica would refuse it, unadmitted
+                raise BadRequest(
+                    f"max_tokens ({max_tokens}) is over this model's context length of "
+                    f"{context_length} tokens", param="max_tokens", code="context_length_exceeded")
+            max_tokens = context_length  # the default reserve, on a small model
+        try:
+            admission = await self.meter.admit(usage_id, principal, canonical.model,
+                                               estimate_prompt_tokens(canonical),
+                                               canonical.num_choices * max_tokens)
+        except ReservationTooLarge as exc:
+            raise BadRequest(exc.message, param="max_tokens") from exc
         return canonical, principal, route, admission
 
     async def handle(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:

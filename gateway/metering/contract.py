@@ -58,6 +58,15 @@ class RateLimited(Exception):
         self.headers = headers
 
 
+class ReservationTooLarge(ValueError):
+    """A request whose worst case (prompt + max_tokens, and its cost) no counter can hold:
+    answer 400, with nothing reserved."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
 @dataclass
 class Admission:
     request_id: str

@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from auth.principal import Principal
-from gateway.metering.contract import Admission, UsageRecord
+from gateway.metering.contract import Admission, ReservationTooLarge, UsageRecord
 from gateway.metering.limits import Clock, MeterAdmission, ScopeLimits
 from gateway.metering.prices import NANOS_PER_USD, cost_nanos, cost_usd, price_for
 from gateway.metering.settings import MeteringSettings, ModelPrice
@@ -30,6 +30,11 @@ log = logging.getLogger("aigw.metering")
 # a queued settle waits up to this long for others to share its store round trip (Coalescer)
 SETTLE_LINGER_S = 0.01
 _NUM_CACHED_SCOPES = 100_000
+# One reservation at most: far above any model's context (2**40 tokens), and small enough that
+# the counters (Redis INCRBY and SQLite: signed 64 bits; Lua reads them as doubles, exact to
+# 2**53) never overflow however many such reservations a window holds before a limit refuses.
+MAX_RESERVED_TOKENS = 2**40
+MAX_RESERVED_NANOS = 2**52
 
 
 class BaseMeter(ABC):
@@ -60,14 +65,21 @@ class BaseMeter(ABC):
 
     async def admit(self, request_id: str, principal: Principal, model: str,
                     num_prompt_tokens: int, max_tokens: int) -> MeterAdmission:
-        """Reserve, or raise RateLimited (429 with its headers)."""
+        """Reserve, or raise RateLimited (429 with its headers), or ReservationTooLarge (400)
+        for a worst case beyond what the counters hold (checked before anything is counted)."""
         num_tokens = num_prompt_tokens + max_tokens
         scopes = self.scopes_for(principal)
         if not scopes:
             return MeterAdmission(request_id, principal, model, num_tokens)
+        if num_tokens > MAX_RESERVED_TOKENS:
+            raise ReservationTooLarge(f"prompt + max_tokens ({num_tokens}) is over "
+                                      f"{MAX_RESERVED_TOKENS} tokens")
         nanos = 0
         if any(s.limits.daily_budget_usd is not None for s in scopes):
             nanos = cost_nanos(self.settings, model, num_prompt_tokens, 0, max_tokens)
+            if nanos > MAX_RESERVED_NANOS:
+                raise ReservationTooLarge(f"the worst-case cost of prompt + max_tokens "
+                                          f"({nanos / NANOS_PER_USD:g} USD) is out of range")
         admission = MeterAdmission(request_id, principal, model, num_tokens,
                                    reserved_nanos=nanos, scopes=tuple(s.name for s in scopes))
         await self._reserve(admission, scopes, Clock())

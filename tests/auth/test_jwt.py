@@ -167,3 +167,27 @@ def test_keys_are_fetched_from_a_jwks_url(tmp_path: Path) -> None:
 
     good, refused = asyncio.run(scenario())
     assert good.project == "acme" and refused.status == 401
+
+
+@pytest.mark.parametrize("claim", ["exp", "nbf", "iat"])
+@pytest.mark.parametrize("value_of", [lambda now: str(now + 300), lambda now: True,
+                                      lambda now: float("inf"), lambda now: 10**400,
+                                      lambda now: [now + 300], lambda now: {"t": now + 300}],
+                         ids=["numeric_string", "true", "infinity", "400_digits", "list", "object"])
+def test_a_date_claim_that_is_not_a_numeric_date_is_refused(
+        tmp_path: Path, claim: str, value_of: Any) -> None:
+    """RFC 7519 NumericDate is a JSON number: pyjwt read "1796170000" (and true) through int(),
+    so a string exp was accepted; Python's json reads Infinity, an exp that never comes."""
+    now = int(time.time())
+    value = value_of(now)
+    header = base64.urlsafe_b64encode(b'{"alg":"HS256","typ":"JWT"}').rstrip(b"=")
+    payload = json.dumps(_claims(**{claim: value})).encode()  # (json writes Infinity, big ints)
+    signing_input = header + b"." + base64.urlsafe_b64encode(payload).rstrip(b"=")
+    signature = hmac.new(HS_SECRET.encode(), signing_input, hashlib.sha256).digest()
+    token = (signing_input + b"." + base64.urlsafe_b64encode(signature).rstrip(b"=")).decode()
+    _refused(_verifier(tmp_path), token)
+
+
+def test_a_token_with_a_byte_that_is_not_utf8_is_refused(tmp_path: Path) -> None:
+    token = jwt.encode(_claims(), HS_SECRET, algorithm="HS256")
+    _refused(_verifier(tmp_path), token[:10] + "\udcff" + token[10:])  # as aiohttp decodes it

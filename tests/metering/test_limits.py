@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gateway.metering import Limits, MeteringSettings, ModelPrice, RateLimited, open_meter
+from gateway.metering.contract import ReservationTooLarge
 from gateway.metering.limits import MeterAdmission
 from tests.metering.conftest import OpenMeter, principal, record
 
@@ -185,6 +186,28 @@ def test_settling_an_admission_made_elsewhere_records_usage(open_test_meter: Ope
 
             await meter.settle(Admission("z", principal(), "m", 2), record("z", 1, 1))
             assert [r.request_id for r in await meter.usage_records("acme")] == ["z"]
+        finally:
+            await meter.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("limits", [Limits(requests_per_minute=2),
+                                    Limits(requests_per_minute=2, daily_budget_usd=5.0)])
+def test_a_reservation_no_counter_can_hold_is_refused_with_nothing_counted(
+        open_test_meter: OpenMeter, limits: Limits) -> None:
+    """max_tokens of 10**18 overflowed Redis's INCRBY inside the admission script after the
+    request counter had been incremented (a 500, and one request of the minute gone); the
+    embedded meter took it. Both refuse it before counting anything."""
+    async def scenario() -> None:
+        meter = await open_test_meter(MeteringSettings(
+            default_project_limits=limits, default_price=ModelPrice(input=1.0, output=2.0)))
+        try:
+            for max_tokens in (10**18, 2**63, 2**41):
+                with pytest.raises(ReservationTooLarge):
+                    await meter.admit(f"huge-{max_tokens}", principal(), "m", 10, max_tokens)
+            first = await meter.admit("a", principal(), "m", 10, 10)
+            assert first.headers["x-ratelimit-remaining-requests"] == "1"
         finally:
             await meter.close()
 

@@ -1,0 +1,66 @@
+"""The one way a request's JSON body is read, on every route of the gateway and the admin API.
+
+    body = await read_json(request, max_body_bytes)   # raises BodyError(413 or 400)
+
+Bounded three ways: the body's bytes (`max_body_bytes`, checked against Content-Length first and
+then against what was read, for a chunked body), its nesting (orjson stops at 1,024 levels, where
+the standard library's parser recursed until RecursionError: a 500), and its numbers (orjson
+refuses a number beyond a double's range, where `json.loads` made a 400-digit int that later
+overflowed `float()`). Bytes that are not UTF-8 and a Content-Encoding the body does not have
+are 400s. Callers map `BodyError` onto their own error envelope.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
+
+
+class BodyError(ValueError):
+    """`status` 413 (too large) or 400 (not JSON, not decodable)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+async def read_json(request: web.Request, max_body_bytes: int) -> Any:
+    """The request's JSON body (raises BodyError)."""
+    if (request.content_length or 0) > max_body_bytes:
+        raise BodyError(413, f"body over {max_body_bytes} bytes")
+    try:
+        raw = await _read_at_most(request, max_body_bytes)
+    except web.HTTPRequestEntityTooLarge as exc:  # over the app's own client_max_size
+        raise BodyError(413, f"body over {max_body_bytes} bytes") from exc
+    except RequestPayloadError as exc:  # e.g. a Content-Encoding: gzip body that is not gzip
+        raise BodyError(400, f"body cannot be decoded as its Content-Encoding "
+                             f"{request.headers.get('Content-Encoding', '')!r} says") from exc
+    return parse_json(raw)
+
+
+async def _read_at_most(request: web.Request, max_body_bytes: int) -> bytes:
+    if request.content_length is not None:  # known length: one read (aiohttp caps it too)
+        return await request.read()
+    chunks: list[bytes] = []
+    num_bytes = 0
+    while chunk := await request.content.read(_CHUNK_BYTES):
+        num_bytes += len(chunk)
+        if num_bytes > max_body_bytes:
+            raise BodyError(413, f"body over {max_body_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+_CHUNK_BYTES = 64 * 1024
+
+
+def parse_json(raw: bytes) -> Any:
+    """`raw` parsed with the bounds above (raises BodyError(400))."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BodyError(400, f"body is not valid JSON: {exc}") from exc
