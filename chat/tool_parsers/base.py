@@ -199,16 +199,29 @@ _SCHEMA_MAPS = frozenset({"$defs", "definitions", "dependentSchemas", "patternPr
                           "properties"})  # name -> schema
 
 
+_OPEN_KEYWORDS = frozenset({"additionalProperties", "patternProperties", "unevaluatedProperties"})
+
+
 def arguments_schema(parameters: dict[str, Any] | None, pointer: str) -> dict[str, Any]:
     """A function's parameters schema as the schema of a call's arguments placed at JSON pointer
     `pointer` of a larger schema: an object (without a `type` it would admit any JSON, e.g. an
     array, which is no call), and each local `$ref` rebased there (pydantic's "#/$defs/X"
-    becomes "#<pointer>/$defs/X"; unchanged, it would point into the larger schema's root)."""
+    becomes "#<pointer>/$defs/X"; unchanged, it would point into the larger schema's root).
+
+    The object is closed, as OpenAI's strict mode reads a tool's schema: the top level, and every
+    object below it that lists `properties`, gets `additionalProperties: false` unless it says
+    how extra keys are treated (`additionalProperties`, `patternProperties`,
+    `unevaluatedProperties`). JSON Schema's default admits any further key, and a forced call
+    under such a schema (LangChain sends none) let a small model add keys until max_tokens."""
     schema: dict[str, Any] = _rebased({"type": "object", **(parameters or {})}, pointer)
+    if not _OPEN_KEYWORDS & schema.keys():
+        schema["additionalProperties"] = False
     return schema
 
 
 def _rebased(schema: Any, pointer: str) -> Any:
+    """`schema` with local refs rebased under `pointer`, and each nested object schema that
+    lists `properties` closed (see `arguments_schema`)."""
     if isinstance(schema, list):
         return [_rebased(item, pointer) for item in schema]
     if not isinstance(schema, dict):
@@ -223,6 +236,8 @@ def _rebased(schema: Any, pointer: str) -> Any:
             rebased[key] = {name: _rebased(sub, pointer) for name, sub in value.items()}
         else:
             rebased[key] = _rebased(value, pointer)
+    if isinstance(schema.get("properties"), dict) and not _OPEN_KEYWORDS & schema.keys():
+        rebased["additionalProperties"] = False
     return rebased
 
 

@@ -22,6 +22,7 @@ class ChoiceState:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    num_reasoning_tokens: int = 0  # of num_output_tokens, set by the answer's output parser
 
     def add(self, output: RequestOutput) -> None:
         """Fold in one engine output (counters are totals, so the latest wins)."""
@@ -42,13 +43,17 @@ class ChoiceState:
         return "".join(self.text_parts)
 
 
-def usage_of(states: Sequence[ChoiceState], n: int) -> dict[str, Any]:
-    """Completion tokens over all choices; each prompt's tokens once (from its first choice)."""
+def usage_of(states: Sequence[ChoiceState], n: int, with_reasoning: bool = False
+             ) -> dict[str, Any]:
+    """Completion tokens over all choices; each prompt's tokens once (from its first choice).
+    `with_reasoning`: the family reasons, so usage says how many completion tokens did."""
     firsts = states[::n]
     return usage(
         num_prompt_tokens=sum(s.num_prompt_tokens for s in firsts),
         num_completion_tokens=sum(s.num_output_tokens for s in states),
         num_cached_tokens=sum(s.num_cached_tokens for s in firsts),
+        num_reasoning_tokens=(sum(s.num_reasoning_tokens for s in states)
+                              if with_reasoning else None),
     )
 
 

@@ -59,6 +59,7 @@ class AssistantMessage(_Body):
     content: Content | None = None
     tool_calls: list[ToolCallIn] | None = None
     name: str | None = None
+    reasoning_content: str | None = None  # an earlier turn's reasoning (templates may render it)
 
 
 class ToolMessage(_Body):
@@ -123,6 +124,11 @@ class ResponseFormat(_Body):
             return OutputGrammar.json_schema(self.json_schema.schema_)
         return OutputGrammar.json_object()
 
+
+# the chat template's own variables, which chat_template_kwargs cannot replace
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "bos_token", "eos_token", "unk_token", "pad_token", "special_tokens"})
 
 MAX_CHOICES = 128  # engine requests one HTTP request may fan out into (prompts x n)
 
@@ -192,6 +198,12 @@ class ChatCompletionRequest(_SamplingBody):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     continue_final_message: bool = False  # vLLM's extension: the answer continues the last message
+    # reasoning models: gpt-oss's "Reasoning: <effort>" (none/minimal: low); "none" also turns a
+    # think-style model's thinking off unless chat_template_kwargs says otherwise
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # vLLM's extension: extra variables for the checkpoint's jinja template (Qwen3's
+    # enable_thinking); the template's own variables (messages, tools, ...) cannot be replaced
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_tools(self) -> ChatCompletionRequest:
@@ -202,6 +214,9 @@ class ChatCompletionRequest(_SamplingBody):
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise ValueError("tool_choice requires tools")
+        reserved = RESERVED_TEMPLATE_VARIABLES & set(self.chat_template_kwargs or ())
+        if reserved:
+            raise ValueError(f"chat_template_kwargs cannot set {sorted(reserved)}")
         if isinstance(self.tool_choice, NamedToolChoice):
             names = {tool.function.name for tool in self.tools or ()}
             if self.tool_choice.function.name not in names:
@@ -213,6 +228,14 @@ class ChatCompletionRequest(_SamplingBody):
     def uses_tools(self) -> bool:
         """True when tools go into the prompt and the output is parsed for calls."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The template variables: chat_template_kwargs, plus `enable_thinking: false` for
+        reasoning_effort "none" when the body does not set it."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort == "none":
+            kwargs.setdefault("enable_thinking", False)
+        return kwargs
 
     @property
     def forced_functions(self) -> list[ToolDef]:

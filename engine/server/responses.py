@@ -4,7 +4,9 @@ Chat:        chat.completion / chat.completion.chunk, logprobs {content: [{token
              top_logprobs}]}, tool calls {id, type: "function", function: {name, arguments}}.
 Completions: text_completion (also for chunks), logprobs {tokens, token_logprobs, top_logprobs,
              text_offset}.
-Usage:       {prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details{cached_tokens}}.
+Usage:       {prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details{cached_tokens},
+             completion_tokens_details{reasoning_tokens} (families that reason)}.
+Reasoning:   the message's (and a delta's) `reasoning_content`, as vLLM and DeepSeek name it.
 """
 
 from __future__ import annotations
@@ -27,14 +29,18 @@ def now_s() -> int:
     return int(time.time())
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int
-          ) -> dict[str, Any]:
-    return {
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int,
+          num_reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """`num_reasoning_tokens` None (a family without reasoning): no completion_tokens_details."""
+    body: dict[str, Any] = {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
         "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
+    if num_reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": num_reasoning_tokens}
+    return body
 
 
 def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
@@ -44,8 +50,15 @@ def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     return body if index is None else {"index": index, **body}
 
 
-def chat_message(content: str | None, tool_calls: Sequence[ToolCall]) -> dict[str, Any]:
+NO_REASONING = object()  # chat_message's `reasoning` for a family that has none: no field
+
+
+def chat_message(content: str | None, tool_calls: Sequence[ToolCall],
+                 reasoning: str | None | object = NO_REASONING) -> dict[str, Any]:
+    """`reasoning`: the answer's `reasoning_content` (None: this answer had none)."""
     message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if reasoning is not NO_REASONING:
+        message["reasoning_content"] = reasoning
     if tool_calls:
         message["tool_calls"] = [tool_call_json(call) for call in tool_calls]
     return message

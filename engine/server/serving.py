@@ -6,22 +6,26 @@ A handler reads as: parse body -> check model -> sampling params -> prompt ids -
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import orjson
 import pydantic
 from aiohttp import web
 
-from chat.tool_parsers import ToolParser, get_tool_parser, tool_parser_for_model
+from chat.harmony import load_encoding as load_harmony_encoding
+from chat.output import OutputParser
+from chat.registry import ChatFormat, chat_format_for
 from engine.outputs import PromptTooLongError
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.server.errors import ContextLengthExceeded, InvalidRequestError, NotFoundError
 from engine.server.fanout import FanOut, SubRequest
 from engine.server.metrics import ReplicaMetrics
+from engine.server.prompts import ChatPrompt, render_chat_prompt
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest, per_choice_params
 from engine.server.settings import ReplicaServerSettings
 from engine.server.typedefs import ServedEngine
@@ -69,16 +73,38 @@ class ServingContext:
 
     def _forced_calls_grammar(self, req: ChatCompletionRequest) -> OutputGrammar:
         is_parallel = req.parallel_tool_calls is not False and req.tool_choice == "required"
-        grammar = self.new_tool_parser().calls_grammar(
+        grammar = self.chat_format.calls_grammar(
             [(tool.function.name, tool.function.parameters) for tool in req.forced_functions],
-            is_parallel)
+            is_parallel, self.settings.tool_parser)
         return OutputGrammar.lark(grammar, "tools")
 
-    def new_tool_parser(self) -> ToolParser:
-        if self.settings.tool_parser is not None:
-            return get_tool_parser(self.settings.tool_parser)
-        config = self.engine.model_config
-        return tool_parser_for_model(config.architecture, config.model_id)
+    @functools.cached_property
+    def chat_format(self) -> ChatFormat:
+        """The checkpoint's chat format (chat/registry.py: architecture + template sniffing)."""
+        template = getattr(self.engine.tokenizer, "chat_template", None)
+        return chat_format_for(self.engine.model_config.architecture,
+                               getattr(template, "source", None))
+
+    @functools.cached_property
+    def harmony(self) -> Any:
+        """gpt-oss's harmony encoding, its vocabulary from the served tokenizer if need be
+        (chat/harmony.py; loaded once per process)."""
+        backend = getattr(self.engine.tokenizer, "backend", None)
+        return load_harmony_encoding(backend.get_vocab() if backend is not None else None)
+
+    def render_prompt(self, req: ChatCompletionRequest, max_tokens: int | None) -> ChatPrompt:
+        """The chat prompt in the checkpoint's format (called in a worker thread)."""
+        chat_format = self.chat_format
+        harmony = self.harmony if chat_format.renderer == "harmony" else None
+        return render_chat_prompt(req, self.engine.tokenizer, chat_format, max_tokens=max_tokens,
+                                  max_model_len=self.engine.max_model_len, harmony=harmony)
+
+    def new_output_parser(self, req: ChatCompletionRequest, prompt_text: str) -> OutputParser:
+        """One choice's answer parser: reasoning and, when the request uses tools, tool calls."""
+        return self.chat_format.output_parser(
+            prompt_text=prompt_text, uses_tools=req.uses_tools,
+            calls_only=bool(req.forced_functions), tool_parser=self.settings.tool_parser,
+            harmony=lambda: self.harmony)
 
     @asynccontextmanager
     async def fanout(self, request: web.Request, request_id: str, prompts: list[list[int]],

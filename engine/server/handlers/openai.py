@@ -17,7 +17,7 @@ from engine.server.chat import complete_chat, stream_chat
 from engine.server.completions import complete_text, echo_of, stream_text
 from engine.server.errors import json_response
 from engine.server.keys import SERVING_KEY
-from engine.server.prompts import chat_prompt_token_ids, check_context_length, completion_prompts
+from engine.server.prompts import check_context_length, completion_prompts
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from engine.server.serving import parse_body
 
@@ -27,16 +27,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = await parse_body(request, ChatCompletionRequest)
     ctx.check_model(req.model)
     params = await asyncio.to_thread(ctx.sampling_params, req)
-    prompt = await asyncio.to_thread(chat_prompt_token_ids, req, ctx.engine.tokenizer,
-                                     max_tokens=params.max_tokens,
-                                     max_model_len=ctx.engine.max_model_len)
-    check_context_length(len(prompt), params.max_tokens, ctx.engine.max_model_len, "messages")
+    prompt = await asyncio.to_thread(ctx.render_prompt, req, params.max_tokens)
+    check_context_length(len(prompt.token_ids), params.max_tokens, ctx.engine.max_model_len,
+                         "messages")
     id_, created = shapes.new_id("chatcmpl"), shapes.now_s()
-    async with ctx.fanout(request, id_, [prompt], params, cache_salt=req.cache_salt,
+    async with ctx.fanout(request, id_, [prompt.token_ids], params, cache_salt=req.cache_salt,
                           param="messages") as fanout:
         if req.stream:
-            return await stream_chat(request, ctx, req, fanout, id_, created)
-        return await complete_chat(ctx, req, fanout, id_, created)
+            return await stream_chat(request, ctx, req, fanout, id_, created, prompt.text)
+        return await complete_chat(ctx, req, fanout, id_, created, prompt.text)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

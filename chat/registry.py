@@ -1,0 +1,128 @@
+"""Model family -> chat format: how its prompts are rendered and its answers parsed.
+
+    fmt = chat_format_for(architecture, chat_template_source)
+    fmt.name             "hermes" | "qwen3" | "harmony"
+    fmt.reasoning        None | "think" | "harmony"
+    fmt.output_parser(prompt_text=..., tools=..., calls_only=...)  -> OutputParser (chat/output.py)
+    fmt.calls_grammar(functions, is_parallel)                      -> Lark text (forced tool_choice)
+
+Chosen from the checkpoint: the template is sniffed first (it is what the model was trained
+on), the architecture (config.json `model_type`) decides where the template says nothing:
+
+| format  | rendered by            | tool calls                      | reasoning                  |
+| ------- | ---------------------- | ------------------------------- | -------------------------- |
+| hermes  | the checkpoint's jinja | `<tool_call>{json}</tool_call>` | none                       |
+| qwen3   | the checkpoint's jinja | `<tool_call>{json}</tool_call>` | `<think>...</think>`       |
+| harmony | openai-harmony         | commentary `to=functions.NAME`  | the analysis channel       |
+
+A template that writes `<|channel|>` is harmony; one that writes `<think>` has think-style
+reasoning (Qwen3, Qwen3-MoE, DeepSeek-R1 distills, QwQ); a Qwen3 checkpoint whose template has no
+`<think>` (Qwen3-Instruct-2507) has none. Adding a family (Gemma 3, Llama 4, DeepSeek-V3) is an
+entry in `_FAMILIES` plus, if its syntax is new, one parser module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from chat.output import OutputParser, TextOutputParser
+from chat.reasoning import THINK_START, ThinkStream, opens_reasoning
+from chat.tool_parsers import get_tool_parser
+from chat.tool_parsers.base import arguments_schema
+
+CHANNEL_TOKEN = "<|channel|>"  # harmony's header token: a template writing it is gpt-oss's
+HarmonyLoader = Callable[[], Any]  # -> openai_harmony.HarmonyEncoding (chat.harmony.load_encoding)
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """One family's chat format. `tool_parser` names a format of chat/tool_parsers (unused by
+    harmony, which parses calls itself); `reasoning` None means answers have no reasoning."""
+
+    name: str
+    renderer: str = "jinja"  # "jinja" (the checkpoint's template) or "harmony"
+    tool_parser: str = "hermes"
+    reasoning: str | None = None  # None, "think" or "harmony"
+
+    def starts_in_reasoning(self, prompt_text: str) -> bool:
+        """The rendered prompt opened the reasoning block itself (DeepSeek-R1 style)."""
+        return self.reasoning == "think" and opens_reasoning(prompt_text, THINK_START)
+
+    def output_parser(self, *, prompt_text: str = "", uses_tools: bool = False,
+                      calls_only: bool = False, tool_parser: str | None = None,
+                      harmony: HarmonyLoader | None = None) -> OutputParser:
+        """A parser for one answer. `prompt_text`: the rendered prompt (think formats look for
+        an opened block); `tool_parser`: a format name overriding the family's (`--tool-parser`);
+        `harmony`: loads the harmony encoding (harmony formats only)."""
+        if self.renderer == "harmony":
+            from chat.harmony import HarmonyOutputParser, load_encoding
+
+            return HarmonyOutputParser((harmony or load_encoding)(), parse_tools=uses_tools)
+        reasoning = (ThinkStream(self.starts_in_reasoning(prompt_text))
+                     if self.reasoning == "think" else None)
+        tools = (get_tool_parser(tool_parser or self.tool_parser).stream(calls_only)
+                 if uses_tools else None)
+        return TextOutputParser(reasoning, tools)
+
+    def calls_grammar(self, functions: Sequence[tuple[str, dict[str, Any] | None]],
+                      is_parallel: bool = True, tool_parser: str | None = None) -> str:
+        """A Lark grammar (llguidance's dialect) admitting only calls to `functions`, in this
+        format's syntax; for think formats the answer may reason first."""
+        if self.renderer == "harmony":
+            return harmony_calls_grammar(functions)
+        grammar = get_tool_parser(tool_parser or self.tool_parser).calls_grammar(
+            functions, is_parallel)
+        if self.reasoning != "think":
+            return grammar
+        # an optional reasoning block before the calls (the rule `start` renamed `calls`)
+        grammar = grammar.replace("start:", "calls:", 1)
+        return ('start: think? calls\n'
+                'think: "<think>" THINK_TEXT "</think>" /\\n*/\n'
+                'THINK_TEXT: /(.|\\n)*/ & ~/(.|\\n)*<\\/think>(.|\\n)*/\n' + grammar)
+
+
+def harmony_calls_grammar(functions: Sequence[tuple[str, dict[str, Any] | None]]) -> str:
+    """gpt-oss's forced call: an optional analysis message, then one commentary message to one
+    of `functions` whose JSON follows its schema, ended by `<|call|>` (harmony's stop token).
+    The prompt ends with `<|start|>assistant`, so the answer starts at the channel header."""
+    alternatives = []
+    for i, (name, parameters) in enumerate(functions):
+        schema = arguments_schema(parameters, "")
+        schema["x-guidance"] = {"whitespace_flexible": False}
+        header = orjson.dumps(f"commentary to=functions.{name} ").decode()
+        alternatives.append(f'call{i}: <|channel|> {header} <|constrain|> "json" <|message|> '
+                            f'%json {orjson.dumps(schema).decode()} <|call|>')
+    calls = " | ".join(f"call{i}" for i in range(len(functions)))
+    return ('start: analysis? call\n'
+            'analysis: <|channel|> "analysis" <|message|> /(.|\\n)*/ <|end|> <|start|> "assistant"\n'
+            f'call: {calls}\n' + "\n".join(alternatives) + "\n")
+
+
+HERMES = ChatFormat("hermes")
+QWEN3 = ChatFormat("qwen3", reasoning="think")
+HARMONY = ChatFormat("harmony", renderer="harmony", tool_parser="harmony", reasoning="harmony")
+
+# config.json model_type -> the family's format where its template does not say
+_FAMILIES: dict[str, ChatFormat] = {
+    "llama": HERMES,  # SmolLM2 and other ChatML Llama fine-tunes
+    "qwen2": HERMES, "qwen2_moe": HERMES, "mixtral": HERMES, "olmoe": HERMES,
+    "qwen3": QWEN3, "qwen3_moe": QWEN3,
+    "gpt_oss": HARMONY,
+}
+FORMATS = {f.name: f for f in (HERMES, QWEN3, HARMONY)}
+
+
+def chat_format_for(architecture: str, chat_template: str | None = None) -> ChatFormat:
+    """The format of a checkpoint with this architecture and chat template source."""
+    if chat_template is not None:
+        if CHANNEL_TOKEN in chat_template:
+            return HARMONY
+        if THINK_START in chat_template:
+            return QWEN3
+        if architecture in ("qwen3", "qwen3_moe"):
+            return HERMES  # a Qwen3 template without <think>: no reasoning
+    return _FAMILIES.get(architecture, HERMES)
