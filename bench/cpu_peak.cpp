@@ -1,5 +1,5 @@
 // This CPU's ceilings, one thread: the clock, VPMADDUBSW and FMA throughput. They bound what any
-// kernel can reach here (docs/benchmarks.md, "This CPU's ceilings"). Not part of the package.
+// kernel can reach here (bench/results/engine-cpu.md, "This CPU's ceilings"). Not part of the package.
 //
 //   g++ -O2 -mavx2 -mfma -o /tmp/cpu_peak bench/cpu_peak.cpp && /tmp/cpu_peak
 //   (/tmp/cpu_peak & /tmp/cpu_peak; wait)     # both cores at once

@@ -4,7 +4,7 @@ response parser (the parser uvicorn uses), keep-alive connections pooled per ori
 Why not aiohttp's client: on the gateway's hot path a call through `ClientSession.request` (URL and
 header normalisation, timers, traces, cookie and redirect handling the gateway never uses) costs
 more CPU than the rest of the gateway's per-request work; this client writes one request head
-and feeds what arrives to httptools (measured in docs/benchmarks.md, "Gateway overhead").
+and feeds what arrives to httptools (measured in bench/results/gateway-overhead-cpu.md).
 
 Contract (that of `Transport`):
 

@@ -1,4 +1,4 @@
-"""Measure what aigw keeps in Redis, per key, per request and per replica (docs/operations.md).
+"""Measure what aigw keeps in Redis, per key, request and replica (docs/deploy.md, "Memory").
 
     .venv/bin/python -m tests.deploy.redis_memory          # starts its own redis-server
 

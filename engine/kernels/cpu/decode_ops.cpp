@@ -705,7 +705,7 @@ at::Tensor decode_attention_impl(const at::Tensor& qkv, const at::Tensor& cos, c
   // chunk) a task takes all kv heads of its tile and reads each chunk once for all of them: position
   // t's heads are G * Dh contiguous values, so a task streams whole cache blocks. The step's K/V
   // (~3 MB a layer at 32 rows of 128 positions) comes from memory, and read one kv head at a time
-  // (a task per row and kv head) it took ~1.25x as long (docs/benchmarks.md). Fewer tiles: a task
+  // (a task per row and kv head) it took ~1.25x as long (bench/results/engine-cpu.md). Fewer tiles: a task
   // per tile and kv head, so one sequence still spreads over the threads. A one-row tile (a decode
   // row) walks its context 32 positions at a time and prefetches ATTN_PREFETCH chunks ahead (in
   // the engine-level A/B runs; alone, neither measured beyond the noise). Each row's arithmetic is

@@ -7,7 +7,7 @@ Why: a decode step's attention reads each row's K/V from its own cache blocks (6
 SmolLM2's float16 cache, the blocks of 32 sequences interleaved over the cache), ~3 MB a layer at 32
 rows of 128 positions, from memory. With 4 KiB pages every block crosses a page or two (a TLB miss
 each, and the hardware prefetchers stop at page boundaries); on 2 MiB pages the 32-row attention took
-15-30% less time in single-thread micro-benchmarks with cold caches (docs/benchmarks.md). Linux
+15-30% less time in single-thread micro-benchmarks with cold caches (bench/results/engine-cpu.md). Linux
 often leaves transparent huge pages to `madvise` (/sys/kernel/mm/transparent_hugepage/enabled), which
 PyTorch's allocator does not call unless THP_MEM_ALLOC_ENABLE=1 is set for the whole process.
 """
