@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from auth.store import StoreError
-from gateway.config_errors import one_line
+from infra.config_errors import one_line
 
 if TYPE_CHECKING:
     from auth.settings import AuthSettings

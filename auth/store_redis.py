@@ -21,7 +21,7 @@ from typing import Any
 
 from auth.keys import KeyRecord, ProjectRecord
 from auth.store import ChangeFeed, KeyStore, ProjectExists, UnknownKey
-from gateway.redis_client import is_cluster_client
+from infra.redis_client import is_cluster_client
 
 PROJECTS_KEY = "aigw:auth:projects"
 REVOCATION_VERSION_KEY = "aigw:auth:revocation_version"
@@ -55,8 +55,8 @@ def project_keys_key(project: str) -> str:
 
 
 def connect_redis(url: str) -> Any:
-    """A decoding client for `url` (redis:// or redis+cluster://: gateway/redis_client.py)."""
-    from gateway.redis_client import connect_redis as connect
+    """A decoding client for `url` (redis:// or redis+cluster://: infra/redis_client.py)."""
+    from infra.redis_client import connect_redis as connect
 
     return connect(url, decode_responses=True)
 

@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _free_port() -> int:
-    from gateway.ports import free_port
+    from infra.ports import free_port
 
     return free_port()
 

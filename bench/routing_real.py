@@ -26,10 +26,11 @@ import xxhash
 from aiohttp import web
 
 from bench.plotting import percentile
-from gateway import embedded, ports
+from gateway import embedded
 from gateway.canonical import CanonicalRequest
 from gateway.endpoints import Endpoint
 from gateway.routing.base import Decision, LeastOutstandingRouter, Router
+from infra import ports
 
 REAL_POLICIES = ("round-robin", "least-load", "session-hash", "prefix")
 

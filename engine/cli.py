@@ -101,7 +101,7 @@ def run_replica_command(args: argparse.Namespace) -> int:
     from engine.async_engine import AsyncEngine
     from engine.engine import LLMEngine
     from engine.server import ReplicaServerSettings, run_replica
-    from gateway.ports import cannot_listen
+    from infra.ports import cannot_listen
 
     if problem := cannot_listen(args.host, args.port):  # before the model load, not after it
         print(f"aigw: cannot listen on {args.host}:{args.port}: {problem}", file=sys.stderr)
@@ -114,7 +114,7 @@ def run_replica_command(args: argparse.Namespace) -> int:
         from redis.exceptions import RedisClusterException
 
         from engine.kv_cache.redis_publisher import RedisEventPublisher
-        from gateway.redis_client import check_redis_url
+        from infra.redis_client import check_redis_url
 
         try:  # a plain server may come up later (batches are dropped meanwhile); a cluster
             # client must reach a node to be built at all

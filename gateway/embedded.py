@@ -13,8 +13,8 @@ import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gateway.ports import free_port
 from gateway.settings import ModelSettings
+from infra.ports import free_port
 
 
 @dataclass

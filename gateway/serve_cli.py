@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from gateway.config_errors import one_line
+from infra.config_errors import one_line
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -73,7 +73,7 @@ def _redis_unreachable(url: str) -> str | None:
     misnamed Redis is one line at start rather than a traceback from every worker."""
     from redis.exceptions import RedisClusterException, RedisError
 
-    from gateway.redis_client import connect_redis_sync
+    from infra.redis_client import connect_redis_sync
 
     client = None
     try:  # a cluster client connects (and may fail) as it is built
@@ -106,10 +106,11 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from auth.settings import AuthSettings
-    from gateway import embedded, ports
+    from gateway import embedded
     from gateway.backends import get_backend_class
     from gateway.settings import load_settings
-    from gateway.telemetry.settings import TelemetrySettings
+    from infra import ports
+    from infra.telemetry.settings import TelemetrySettings
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     overrides: dict[str, Any] = {}

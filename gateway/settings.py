@@ -163,7 +163,7 @@ class GatewaySettings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _known_redis_scheme(cls, value: str | None) -> str | None:
-        from gateway.redis_client import check_redis_url
+        from infra.redis_client import check_redis_url
 
         return check_redis_url(value) if value else value  # unset or empty: no Redis
 

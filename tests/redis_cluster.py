@@ -2,7 +2,7 @@
 ports, joined by `redis-cli --cluster create` (no replicas), stopped afterwards.
 
 scripts/ensure-redis.sh installs redis-server and redis-cli (Debian's redis-server package ships
-both). The URL handed out is `redis+cluster://127.0.0.1:<first port>` (gateway/redis_client.py).
+both). The URL handed out is `redis+cluster://127.0.0.1:<first port>` (infra/redis_client.py).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def flush_cluster(url: str) -> None:
     """FLUSHALL on every primary of the cluster at `url`."""
     from redis.cluster import RedisCluster
 
-    from gateway.redis_client import connect_redis_sync
+    from infra.redis_client import connect_redis_sync
 
     client = connect_redis_sync(url)
     try:

@@ -41,7 +41,7 @@ class RedisEventPublisher:
                  max_queued_batches: int = 4096, give_up_s: float = 5.0,
                  client: Any = None) -> None:
         # One place builds Redis clients from URLs (plain or `redis+cluster://`), shared with the gateway.
-        from gateway.redis_client import connect_redis_sync
+        from infra.redis_client import connect_redis_sync
 
         self.replica_id = replica_id
         self.stream_key = stream_key(replica_id)

@@ -14,7 +14,7 @@ long), and an `engine.decode` child from its first output on, when there was one
 queue/prefill split is not known then).
 
 Spans go to this process's own SpanBuffer (and OTLP/HTTP when OTEL_EXPORTER_OTLP_ENDPOINT is set,
-see gateway/telemetry/settings.py); the gateway's dashboard fetches a trace's replica spans from
+see infra/telemetry/settings.py); the gateway's dashboard fetches a trace's replica spans from
 `GET /debug/traces?trace_id=<32 hex>` and merges them with its own. Spans carry token counts and
 timings, never prompt or completion text.
 """
@@ -33,9 +33,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from engine.outputs import FinishReason, PromptTooLongError, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.server.typedefs import ServedEngine
-from gateway.telemetry.settings import TelemetrySettings
-from gateway.telemetry.span_buffer import SpanBuffer
-from gateway.telemetry.tracing import build_tracer_provider
+from infra.telemetry.settings import TelemetrySettings
+from infra.telemetry.span_buffer import SpanBuffer
+from infra.telemetry.tracing import build_tracer_provider
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _NS_PER_S = 1_000_000_000

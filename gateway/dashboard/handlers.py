@@ -24,7 +24,7 @@ from gateway.dashboard.views import merge_spans, replica_rows, replicas_in, trac
 from gateway.keys import AUTHENTICATOR, FLEET, METER, SETTINGS, TRANSPORT
 from gateway.pipeline import credential_of
 from gateway.telemetry.keys import TELEMETRY
-from gateway.telemetry.settings import TelemetrySettings
+from infra.telemetry.settings import TelemetrySettings
 
 REPLICA_TIMEOUT_S = 1.0
 NUM_TRACES_LISTED = 30

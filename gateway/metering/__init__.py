@@ -44,7 +44,7 @@ async def open_meter(settings: MeteringSettings, redis: Any | None = None,
         from gateway.metering.redis_meter import RedisMeter
 
         if isinstance(redis, str):
-            from gateway.redis_client import connect_redis
+            from infra.redis_client import connect_redis
 
             return RedisMeter(settings, connect_redis(redis, decode_responses=True),
                               owns_client=True)

@@ -16,7 +16,7 @@ touches a single Redis Cluster slot):
 ADMIT checks every scope and reserves in all or none, in one script (atomic: no two gateways can
 both take the last tokens). SETTLE writes the record with SET NX and, only when that created it,
 moves the counters by (actual - reserved) and adds to the day's sums, also in one script.
-On Redis Cluster (gateway/redis_client.py) the coalesced calls go out concurrently rather than in
+On Redis Cluster (infra/redis_client.py) the coalesced calls go out concurrently rather than in
 one pipeline (redis-py blocks EVALSHA in cluster pipelines); SCRIPT LOAD reaches every primary.
 
 A queued settle that fails because Redis cannot be reached is held in memory (at most
@@ -53,7 +53,7 @@ from gateway.metering.limits import (
 from gateway.metering.meter import SETTLE_LINGER_S, BaseMeter, usage_day
 from gateway.metering.settings import MeteringSettings
 from gateway.metering.usage_report import UsageRow, in_range
-from gateway.redis_client import is_cluster_client
+from infra.redis_client import is_cluster_client
 
 log = logging.getLogger("aigw.metering")
 _METRICS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_nanos")

@@ -99,7 +99,7 @@ class PrefixRouter(Router):
             else:
                 self.index = InProcessIndex()
         if self.config.read_redis_streams and self.config.redis_url:
-            from gateway.redis_client import connect_redis
+            from infra.redis_client import connect_redis
 
             self._stream_client = connect_redis(self.config.redis_url)
         self._session = aiohttp.ClientSession()

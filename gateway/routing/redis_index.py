@@ -148,7 +148,7 @@ class RedisIndex(PrefixIndex):
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "aigw") -> RedisIndex:
-        from gateway.redis_client import connect_redis
+        from infra.redis_client import connect_redis
 
         return cls(connect_redis(url), prefix, owns_client=True)
 

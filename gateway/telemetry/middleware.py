@@ -25,12 +25,12 @@ from aiohttp.typedefs import Handler, Middleware
 from opentelemetry import trace as trace_api
 from opentelemetry.trace import SpanContext, TraceFlags
 
-from gateway.telemetry.lean_tracer import new_span_context
 from gateway.telemetry.observation import RequestObservation, reset_current, set_current
 from gateway.telemetry.recent import LatencySample
 from gateway.telemetry.request_trace import RequestTrace, TraceOrigin
 from gateway.telemetry.sampling import TraceRateLimit
 from gateway.telemetry.upstream import PROPAGATOR, TRACE_FLAGS_HEX
+from infra.telemetry.lean_tracer import new_span_context
 
 if TYPE_CHECKING:
     from gateway.telemetry.telemetry import Telemetry

@@ -31,8 +31,8 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 
 from gateway.metering.contract import UsageRecord
-from gateway.telemetry import attributes as attr
-from gateway.telemetry.lean_tracer import new_span_id
+from infra.telemetry import attributes as attr
+from infra.telemetry.lean_tracer import new_span_id
 
 _UNSET = Status(StatusCode.UNSET)
 _ERROR = Status(StatusCode.ERROR)

@@ -29,10 +29,10 @@ from gateway.telemetry.middleware import TRACE_ID_HEADER, make_middleware
 from gateway.telemetry.observation import current_observation
 from gateway.telemetry.recent import LatencyWindow, UsageSeries
 from gateway.telemetry.request_trace import RequestTrace, TraceOrigin
-from gateway.telemetry.settings import TelemetrySettings
-from gateway.telemetry.tracing import build_tracer_provider
 from gateway.telemetry.upstream import TracingTransport
 from gateway.transport import Transport
+from infra.telemetry.settings import TelemetrySettings
+from infra.telemetry.tracing import build_tracer_provider
 
 
 class Telemetry:

@@ -20,10 +20,10 @@ from urllib.parse import urlsplit
 from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from gateway.telemetry.attributes import AIGW_REPLICA, exception_attributes
 from gateway.telemetry.observation import RequestObservation, current_observation
 from gateway.telemetry.request_trace import UpstreamCall
 from gateway.transport import Transport, UpstreamRequest, UpstreamResponse
+from infra.telemetry.attributes import AIGW_REPLICA, exception_attributes
 
 PROPAGATOR: TextMapPropagator = TraceContextTextMapPropagator()
 TRACE_FLAGS_HEX = tuple(f"{value:02x}" for value in range(256))  # trace flags -> their two hex digits

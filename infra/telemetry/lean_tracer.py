@@ -48,7 +48,7 @@ from opentelemetry.trace import (
     TraceFlags,
 )
 
-from gateway.telemetry.attributes import exception_attributes
+from infra.telemetry.attributes import exception_attributes
 
 _UNSET = Status(StatusCode.UNSET)
 _SAMPLED_RANDOM = TraceFlags(TraceFlags.SAMPLED | TraceFlags.RANDOM_TRACE_ID)

@@ -1,9 +1,10 @@
 """SpanBuffer: an OpenTelemetry SpanProcessor that keeps the most recent traces in memory.
 
 It takes finished spans (`on_end`, the SpanProcessor side: the replica's tracer) and finished
-gateway `RequestTrace`s (`add`: raw records whose spans are built only when read). Either only
+whole-request traces (`add`: any `TraceRecord`, such as the gateway's `RequestTrace`: raw records
+whose spans are built only when read). Either only
 appends to a queue: no lock, no serialization on the request path. Spans are folded into
-per-trace lists when read (or once `num_traces * 4` are queued); a `RequestTrace` is a whole
+per-trace lists when read (or once `num_traces * 4` are queued); a `TraceRecord` is a whole
 trace, so its queue simply keeps the last `num_traces` (older ones drop out as new ones come:
 nothing is kept longer than the dashboard can show, which also keeps the collector's work per
 request flat) and is folded only when read. Readers turn spans into plain JSON dicts
@@ -16,14 +17,23 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, deque
-from typing import Any
+from typing import Any, Protocol
 
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
-from opentelemetry.trace import format_span_id, format_trace_id
+from opentelemetry.trace import SpanContext, format_span_id, format_trace_id
 
-from gateway.telemetry.request_trace import RequestTrace
 
-Entry = ReadableSpan | RequestTrace  # a finished span, or a gateway request's trace (>= 1 span)
+class TraceRecord(Protocol):
+    """A whole trace kept raw until read (the gateway's `RequestTrace`)."""
+
+    context: SpanContext  # its root span's; `context.trace_id` files it
+
+    def spans(self) -> list[ReadableSpan]:
+        """Its spans, root first (built on the first call)."""
+        ...
+
+
+Entry = ReadableSpan | TraceRecord  # a finished span, or a whole request's trace (>= 1 span)
 
 
 class SpanBuffer(SpanProcessor):
@@ -31,7 +41,7 @@ class SpanBuffer(SpanProcessor):
         self._num_traces = num_traces
         self._num_spans_per_trace = num_spans_per_trace
         self._ended: deque[Entry] = deque()  # appends and pops are atomic
-        self._requests: deque[RequestTrace] = deque(maxlen=num_traces)  # the newest, unfolded
+        self._requests: deque[TraceRecord] = deque(maxlen=num_traces)  # the newest, unfolded
         self._num_ended_max = num_traces * 4
         self._traces: OrderedDict[int, list[Entry]] = OrderedDict()
         self._lock = threading.Lock()  # guards _traces (and folding)
@@ -41,7 +51,7 @@ class SpanBuffer(SpanProcessor):
         if len(self._ended) >= self._num_ended_max:
             self._fold()
 
-    def add(self, trace: RequestTrace) -> None:
+    def add(self, trace: TraceRecord) -> None:
         self._requests.append(trace)
 
     def _fold(self) -> None:
@@ -104,10 +114,10 @@ class SpanBuffer(SpanProcessor):
         """One trace's spans as JSON, oldest start first, at most `num_spans_per_trace`."""
         spans: list[ReadableSpan] = []
         for entry in entries:
-            if isinstance(entry, RequestTrace):
-                spans.extend(entry.spans())
-            else:
+            if isinstance(entry, ReadableSpan):
                 spans.append(entry)
+            else:
+                spans.extend(entry.spans())
         return sorted((span_json(s) for s in spans[:self._num_spans_per_trace]),
                       key=lambda s: s["start_ns"])
 

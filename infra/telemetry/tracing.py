@@ -1,7 +1,7 @@
 """Building a tracer provider: the in-memory SpanBuffer always, OTLP/HTTP when configured.
 
 One provider per app (never the global one), so several apps in one process (tests, `--workers`)
-keep their spans apart. The provider is the lean one (gateway/telemetry/lean_tracer.py: the
+keep their spans apart. The provider is the lean one (infra/telemetry/lean_tracer.py: the
 OpenTelemetry API, without the SDK's per-span validation and copies). Sampling is parent-based
 over a trace-id ratio; spans that are not sampled cost a no-op span object. The OTLP exporter
 sits behind the SDK's BatchSpanProcessor (its own thread), so exporting never blocks a request.
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from opentelemetry.sdk.resources import Resource
 
-from gateway.telemetry.lean_tracer import LeanTracerProvider
-from gateway.telemetry.settings import TelemetrySettings
-from gateway.telemetry.span_buffer import SpanBuffer
+from infra.telemetry.lean_tracer import LeanTracerProvider
+from infra.telemetry.settings import TelemetrySettings
+from infra.telemetry.span_buffer import SpanBuffer
 
 
 def build_tracer_provider(settings: TelemetrySettings) -> tuple[LeanTracerProvider, SpanBuffer]:

@@ -10,7 +10,7 @@ import pytest
 
 from auth import AuthError, AuthServices, Scope, open_auth
 from auth.settings import AuthSettings
-from gateway.redis_client import connect_redis_sync, is_cluster_client
+from infra.redis_client import connect_redis_sync, is_cluster_client
 
 INVOKE = [Scope.INVOKE.value]
 

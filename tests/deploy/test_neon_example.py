@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.ports import free_port
+from infra.ports import free_port
 from tests.processes import stop_process
 
 REPO = Path(__file__).resolve().parents[2]

@@ -23,7 +23,7 @@ import pytest
 
 from auth import Scope, open_auth
 from auth.settings import AuthSettings
-from gateway.ports import free_port
+from infra.ports import free_port
 from tests.deploy.test_neon_example import _clean_env, _process, _wait_healthy
 from tests.redis_server import running_redis_server
 

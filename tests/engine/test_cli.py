@@ -53,7 +53,7 @@ def test_a_replica_port_outside_0_to_65535_is_a_usage_error(
 ], ids=["wrong_scheme", "unreachable_cluster"])
 def test_a_replica_redis_url_it_cannot_use_is_one_error_line_before_loading(
         redis_url: str, expected: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from gateway.ports import free_port
+    from infra.ports import free_port
 
     assert main(["replica", "--port", "0", "--redis-url", redis_url.format(port=free_port())]) == 1
     err = capsys.readouterr().err

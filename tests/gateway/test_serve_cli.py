@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.mock_upstream import MockState, create_mock_app
-from gateway.ports import free_port
+from infra.ports import free_port
 from tests.gateway.conftest import MODEL, LoopThread, start_app
 from tests.processes import stop_process
 
@@ -313,7 +313,7 @@ def _has_ipv6() -> bool:
                                   pytest.param("::", marks=pytest.mark.skipif(
                                       not _has_ipv6(), reason="no IPv6 here"))])
 def test_the_port_check_passes_every_host_the_server_can_bind(host: str) -> None:
-    from gateway.ports import cannot_listen
+    from infra.ports import cannot_listen
 
     assert cannot_listen(host, free_port()) is None  # "" (every interface) was refused by name
     assert cannot_listen(host, 0) is None
@@ -325,7 +325,7 @@ def test_the_port_check_lets_an_ipv6_host_use_a_port_held_over_ipv4_only() -> No
     program's 0.0.0.0 socket; the check's dual-stack bind once refused that."""
     import socket
 
-    from gateway.ports import cannot_listen
+    from infra.ports import cannot_listen
 
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))

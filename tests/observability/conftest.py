@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from auth.principal import AuthError, Principal, Scope
-from gateway import embedded, ports
+from gateway import embedded
 from gateway.app import create_app
 from gateway.services import metering_settings
 from gateway.settings import GatewaySettings, Prices
+from infra import ports
 from tests.gateway.conftest import LoopThread, start_app
 from tests.processes import stop_process
 
@@ -56,7 +57,7 @@ class Served:
 def replica_url() -> Iterator[str]:
     port = ports.free_port()
     command = [sys.executable, "-m", "gateway.cli", "replica", "--port", str(port), "--threads", "1",
-               "--kv-cache-memory", "67108864"]
+               "--kv-cache-memory", "67108864", "--no-auth"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -17,16 +17,16 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.server.tracing import TracedEngine
 from gateway.metering.contract import UsageRecord
-from gateway.telemetry.attributes import exception_attributes
-from gateway.telemetry.lean_tracer import new_span_context
 from gateway.telemetry.observation import RequestObservation, reset_current, set_current
 from gateway.telemetry.recent import LatencySample, LatencyWindow, UsageSeries
 from gateway.telemetry.request_trace import RequestTrace, RouteStep
-from gateway.telemetry.settings import TelemetrySettings
 from gateway.telemetry.telemetry import Telemetry
-from gateway.telemetry.tracing import build_tracer_provider
 from gateway.telemetry.upstream import PROPAGATOR, TracingTransport
 from gateway.transport import MockResponse, MockTransport, UpstreamRequest
+from infra.telemetry.attributes import exception_attributes
+from infra.telemetry.lean_tracer import new_span_context
+from infra.telemetry.settings import TelemetrySettings
+from infra.telemetry.tracing import build_tracer_provider
 
 
 def _record(project: str = "p", prompt: int = 100, cached: int = 40, at: float = 1000.0) -> UsageRecord:

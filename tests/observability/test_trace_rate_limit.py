@@ -9,7 +9,7 @@ import math
 import pytest
 
 from gateway.telemetry.sampling import TraceRateLimit
-from gateway.telemetry.settings import TelemetrySettings
+from infra.telemetry.settings import TelemetrySettings
 
 
 def test_it_starts_full_then_allows_max_per_s_a_second() -> None:

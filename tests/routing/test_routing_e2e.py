@@ -14,11 +14,12 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway import embedded, ports
+from gateway import embedded
 from gateway.app import create_app
 from gateway.keys import FLEET
 from gateway.routing.prefix_router import PrefixRouter, PrefixRouterConfig
 from gateway.settings import GatewaySettings
+from infra import ports
 from tests.gateway.conftest import LoopThread, start_app
 
 pytestmark = pytest.mark.slow
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 def replica_command(port: int, redis_url: str) -> list[str]:
     return [sys.executable, "-m", "gateway.cli", "replica", "--port", str(port), "--threads", "1",
-            "--kv-cache-memory", "67108864", "--redis-url", redis_url]
+            "--kv-cache-memory", "67108864", "--redis-url", redis_url, "--no-auth"]
 
 
 @pytest.fixture(scope="module")
