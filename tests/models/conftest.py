@@ -7,6 +7,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.models._qwen3 import qwen3_checkpoints  # noqa: F401 (a session fixture)
+
 
 @pytest.fixture(scope="session")
 def default_checkpoint() -> Any:
