@@ -37,7 +37,8 @@ TOP_DIRS = ("auth", "bench", "chat", "contracts", "deploy", "docs", "engine", "g
 # Paths a page names that a command writes, not the repository holds.
 GENERATED = ("bench/out",)
 _TOP = "|".join(map(re.escape, TOP_DIRS))
-CODE_PATH = re.compile(rf"`((?:{_TOP})/[A-Za-z0-9_./-]*)(?::[0-9-]+)?`")
+CODE_PATH = re.compile(rf"`((?:{_TOP})/[A-Za-z0-9_./-]*)(?::[0-9-]+)?`"  # `engine/kv_cache/`
+                       rf"|(?<![\w/.$-])((?:{_TOP})/[A-Za-z0-9_./-]*\.[a-z]{{1,4}})\b")  # a file in prose
 
 
 def _rel(path: Path) -> str:
@@ -78,7 +79,8 @@ def test_relative_links_resolve_to_files_and_headings(page: Path) -> None:
 
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
 def test_repository_paths_a_page_names_exist(page: Path) -> None:
-    missing = sorted({path for path in CODE_PATH.findall(page.read_text())
+    named = {quoted or bare for quoted, bare in CODE_PATH.findall(page.read_text())}
+    missing = sorted({path for path in named
                       if not any(c in path for c in "*<>{}")
                       and not path.startswith(GENERATED)
                       and not (ROOT / path.rstrip("/")).exists()})
