@@ -172,11 +172,12 @@ class ModelRunner:
         slot_mapping = tables[seq_index, positions // bs] * bs + positions % bs  # [T]
 
         to = self.device
-        decode_blocks = decode_mask = None
+        decode_blocks = decode_mask = decode_context_lens = None
         decode_len = 0
         if num_plain:
-            decode_blocks, decode_len, decode_mask = _padded_blocks(
-                tables[:num_plain], [s.seq_len for s in decodes[:num_plain]], 0, bs, to)
+            plain_lens = [s.seq_len for s in decodes[:num_plain]]
+            decode_blocks, decode_len, decode_mask = _padded_blocks(tables[:num_plain], plain_lens, 0, bs, to)
+            decode_context_lens = torch.tensor(plain_lens, dtype=torch.int64, device=to)
         cascade_groups = []
         for start, end, num_prefix_blocks in groups:
             suffix_blocks, suffix_len, suffix_mask = _padded_blocks(
@@ -208,6 +209,7 @@ class ModelRunner:
                                        dtype=torch.int32, device=to),
             seq_lens=torch.tensor([s.seq_len for s in seqs], dtype=torch.int32, device=to),
             block_tables=tables.to(torch.int32).to(to),
+            decode_context_lens=decode_context_lens,
         )
         return torch.tensor(ids, dtype=torch.int64, device=to), positions.to(to), metadata
 
@@ -257,8 +259,8 @@ def _native_decode_step(model, config: EngineConfig):  # type: ignore[no-untyped
     from engine.kernels import cpu as native
 
     if (config.compile or config.device != "cpu" or config.resolved_dtype != "float32"
-            or not hasattr(model, "layers") or not native.load()):
-        return None
+            or not hasattr(model, "layers") or model.config.has_sliding_layers or not native.load()):
+        return None  # (the native attention kernel has no sliding window)
     from engine.models.llama_decode import FloatDecodeStep, NativeDecodeStep
 
     if config.decode_weights == "q4":
@@ -299,7 +301,7 @@ def _compiled_forward(model):  # type: ignore[no-untyped-def]
 
     Attention reads per-step metadata, so this model's attention call stays eager and splits the
     graph; the element-wise runs between (norms, rotary, residual adds, SiLU-and-mul) and the dense
-    GEMMs are compiled. Measured on the 2-core CPU it is SLOWER than eager (docs/benchmarks.md: the
+    GEMMs are compiled. Measured on the 2-core CPU it is SLOWER than eager (bench/results/engine-cpu.md: the
     graph breaks cost more than the fusion saves at 135M parameters), so it is off by default.
     """
     model.attention.forward = torch.compiler.disable(model.attention.forward)

@@ -19,6 +19,10 @@ position p attends to cache positions 0..p.
                 |<--- cached prefix ------->|<---- new tokens ---->|
     q row j sees positions <= seq_len - q_len + j
 
+Sliding window W (optional): a query at position p sees only positions p-W+1 .. p (the kernels start
+their loops at the window, so block-table entries before it are never read). Sinks [H] (optional,
+float32): one logit per query head added to the softmax denominator, carrying no value.
+
 Batches whose every request has query_len == 1 (decode-only) go to paged_decode.py (split-KV,
 grouped-query); others to the kernel here. Triton is imported only when a kernel is first built.
 """
@@ -43,6 +47,24 @@ def _gather_kv(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     return gathered.reshape(s, nb * b, kvh, d).transpose(1, 2)  # [S, KVH, nb*B, D]
 
 
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    mask: torch.Tensor | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, M, D], k/v [B, KVH, N, D], boolean mask broadcastable to [B, H, M, N] (True: visible;
+    every row sees at least one key) -> [B, H, M, D]. sinks [H]: each head's logit joins the softmax
+    denominator with no value (transformers' gpt_oss eager attention, computed in float32)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # [B, H, N, D]
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, H, M, N]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # [B, H, M, 1]
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # the sink dropped
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
 def paged_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -51,11 +73,14 @@ def paged_attention_reference(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    *,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference (the CPU engine's attention): same contract as the module docstring.
 
-    Decode requests (query_len == 1) are batched into one padded SDPA call; prefill requests run
-    one SDPA call each with a causal mask offset by their cached prefix.
+    Decode requests (query_len == 1) are batched into one padded call; prefill requests run one call
+    each with a causal mask offset by their cached prefix (and the window, if any).
     """
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
@@ -74,8 +99,10 @@ def paged_attention_reference(
         rows = cu_query_lens[idx].to(torch.int64)
         q_d = q[rows].unsqueeze(2)  # [S_d, H, 1, D]
         pos = torch.arange(k.shape[2], device=q.device)
-        mask = (pos[None, :] < ctx[:, None])[:, None, None, :]  # [S_d, 1, 1, L]
-        o = F.scaled_dot_product_attention(q_d, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        visible = pos[None, :] < ctx[:, None]  # [S_d, L]
+        if sliding_window is not None:
+            visible &= pos[None, :] >= ctx[:, None] - sliding_window
+        o = dense_attention(q_d, k, v, scale, visible[:, None, None, :], sinks)
         out[rows] = o.squeeze(2)
     for i, n in enumerate(q_lens):
         if n <= 1:
@@ -86,15 +113,16 @@ def paged_attention_reference(
         k = _gather_kv(k_cache, tables)[:, :, :ctx_len]  # [1, KVH, L, D]
         v = _gather_kv(v_cache, tables)[:, :, :ctx_len]
         q_s = q[starts[i] : starts[i + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if n == ctx_len:  # no cached prefix: plain causal (lets SDPA pick a fused kernel)
-            mask, causal = None, True
+        if n == ctx_len and sliding_window is None and sinks is None:
+            # no cached prefix: plain causal (lets SDPA pick a fused kernel)
+            o = F.scaled_dot_product_attention(q_s, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            q_pos = torch.arange(ctx_len - n, ctx_len, device=q.device)
-            mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
-            causal = False
-        o = F.scaled_dot_product_attention(
-            q_s, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
-        )
+            q_pos = torch.arange(ctx_len - n, ctx_len, device=q.device)[:, None]  # [n, 1]
+            k_pos = torch.arange(ctx_len, device=q.device)[None, :]  # [1, L]
+            visible = k_pos <= q_pos  # [n, L]
+            if sliding_window is not None:
+                visible &= k_pos > q_pos - sliding_window
+            o = dense_attention(q_s, k, v, scale, visible, sinks)
         out[starts[i] : starts[i + 1]] = o[0].transpose(0, 1)
     return out
 
@@ -106,14 +134,14 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr,
-                       qk_scale_log2,
+                       sinks_ptr, qk_scale_log2, window,
                        stride_qt, stride_qh, stride_ot, stride_oh,
                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                        block_size, head_dim,
                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
+                       BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
         """One program per (request, query head, BLOCK_M query rows); online softmax over
-        BLOCK_N-position tiles gathered through the block table."""
+        BLOCK_N-position tiles gathered through the block table, from the tile's window start."""
         seq = tl.program_id(0)
         head = tl.program_id(1)
         q_block = tl.program_id(2)
@@ -136,8 +164,11 @@ def _kernels() -> SimpleNamespace:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         kv_end = tl.minimum(seq_len, first_pos + (q_block + 1) * BLOCK_M)
+        kv_start = 0
+        if HAS_WINDOW:  # the tile's first row sees nothing before its window
+            kv_start = tl.maximum(first_pos + q_block * BLOCK_M - window + 1, 0)
         table = bt_ptr + seq.to(tl.int64) * stride_bt
-        for start in range(0, kv_end, BLOCK_N):
+        for start in range(kv_start, kv_end, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             n_valid = offs_n < kv_end
             blk = tl.load(table + offs_n // block_size, mask=n_valid, other=0).to(tl.int64)
@@ -149,14 +180,21 @@ def _kernels() -> SimpleNamespace:
                         + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k)) * qk_scale_log2  # [BLOCK_M, BLOCK_N], log2 domain
             causal = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+            if HAS_WINDOW:
+                causal = causal & (offs_n[None, :] > q_pos[:, None] - window)
             s = tl.where(causal, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: position 0 is always visible
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # A row may see nothing in this tile yet (windows): keep exp2 away from -inf - -inf.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        acc = acc / l_i[:, None]
+        if HAS_SINKS:  # the sink's e^sink joins the denominator (log2 domain, relative to m_i)
+            sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+            l_i = l_i + tl.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
 
@@ -191,8 +229,18 @@ def check_paged_inputs(q, k_cache, v_cache, cu_query_lens, seq_lens, block_table
     check_same_device(q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables)
 
 
+def check_variants(q: torch.Tensor, sliding_window: int | None, sinks: torch.Tensor | None) -> None:
+    """Assert the window is a positive int and sinks are [H] contiguous float32 on q's device."""
+    assert sliding_window is None or sliding_window >= 1, f"sliding_window {sliding_window}"
+    if sinks is not None:
+        assert sinks.shape == (q.shape[1],), f"sinks {tuple(sinks.shape)} for {q.shape[1]} heads"
+        assert sinks.dtype == torch.float32 and sinks.is_contiguous(), "sinks must be contiguous fp32"
+        assert sinks.device == q.device, f"sinks on {sinks.device}, q on {q.device}"
+
+
 def paged_prefill_triton(q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables, scale,
-                         max_query_len: int, out: torch.Tensor) -> torch.Tensor:
+                         max_query_len: int, out: torch.Tensor, sliding_window: int | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The mixed-batch kernel (any query lengths). Inputs already checked."""
     kern = _kernels()
     num_seqs = seq_lens.shape[0]
@@ -204,11 +252,13 @@ def paged_prefill_triton(q, k_cache, v_cache, cu_query_lens, seq_lens, block_tab
         meta, opts = split_launch_options(cfg)
         grid = (num_seqs, num_heads, kern.triton.cdiv(max_query_len, meta["BLOCK_M"]))
         kern.prefill[grid](
-            q, k_cache, v_cache, out, cu_query_lens, seq_lens, block_tables, scale * log2e,
+            q, k_cache, v_cache, out, cu_query_lens, seq_lens, block_tables,
+            sinks if sinks is not None else seq_lens, scale * log2e, sliding_window or 0,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
             k_cache.shape[1], head_dim,
-            GROUP=group, BLOCK_D=kern.triton.next_power_of_2(head_dim), **meta, **opts,
+            GROUP=group, BLOCK_D=kern.triton.next_power_of_2(head_dim),
+            HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, **meta, **opts,
         )
 
     if q.is_cuda:
@@ -233,6 +283,8 @@ def paged_attention_triton(
     max_seq_len: int | None = None,
     num_decode_seqs: int | None = None,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `paged_attention_reference`.
 
@@ -243,6 +295,7 @@ def paged_attention_triton(
     prefill kernel, whose 16-128-row query tiles would mostly idle on one-token requests.
     """
     check_paged_inputs(q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables)
+    check_variants(q, sliding_window, sinks)
     out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
@@ -259,9 +312,10 @@ def paged_attention_triton(
         # cu_query_lens holds absolute q rows: decode request i owns q row i
         paged_decode_triton(q[:num_decode_seqs], k_cache, v_cache, seq_lens[:num_decode_seqs],
                             block_tables[:num_decode_seqs], scale, max_seq_len=max_seq_len,
-                            out=out[:num_decode_seqs], num_splits=num_splits)
+                            out=out[:num_decode_seqs], num_splits=num_splits,
+                            sliding_window=sliding_window, sinks=sinks)
     if num_decode_seqs < num_seqs:
         paged_prefill_triton(q, k_cache, v_cache, cu_query_lens[num_decode_seqs:],
                              seq_lens[num_decode_seqs:], block_tables[num_decode_seqs:], scale,
-                             max_query_len, out)
+                             max_query_len, out, sliding_window, sinks)
     return out

@@ -8,6 +8,10 @@ paged_attention.py (S requests, H heads, KVH kv heads, G = H // KVH, D head_dim,
              log-sum-exp [S, H, P] fp32 (log2 domain; an empty chunk writes lse = -inf)
     stage 2  grid (S, H): out = sum_p exp2(lse_p - max) * partial_p / sum_p exp2(lse_p - max)
 
+Sliding window W: request i attends to positions [max(0, seq_len - W), seq_len), and the splits cut
+that range (chunks sized for min(max_seq_len, W)). Sinks [H]: stage 2 adds exp2(sink * log2 e - max)
+to its denominator.
+
 Split rule (`choose_num_splits`): split only while the grid (S * KVH programs) would leave the
 GPU's SMs idle, and never below MIN_TOKENS_PER_SPLIT positions per split.
 """
@@ -40,18 +44,21 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr,
-                     bt_ptr, qk_scale_log2,
+                     bt_ptr, qk_scale_log2, window,
                      stride_qt, stride_qh,
                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                      stride_ps, stride_ph, stride_pp, stride_ls, stride_lh,
                      block_size, head_dim, chunk_len,
                      GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
+                     BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + seq)
-        start_pos = split * chunk_len
+        first_pos = 0
+        if HAS_WINDOW:
+            first_pos = tl.maximum(seq_len - window, 0)
+        start_pos = first_pos + split * chunk_len
         end_pos = tl.minimum(start_pos + chunk_len, seq_len)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
@@ -92,9 +99,10 @@ def _kernels() -> SimpleNamespace:
                  mask=g_valid)
 
     @triton.jit
-    def reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr,
+    def reduce_kernel(part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr,
                       stride_ps, stride_ph, stride_pp, stride_ls, stride_lh, stride_ot, stride_oh,
-                      num_splits, head_dim, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+                      num_splits, head_dim, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+                      HAS_SINKS: tl.constexpr):
         seq = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         offs_p = tl.arange(0, BLOCK_P)
@@ -102,11 +110,15 @@ def _kernels() -> SimpleNamespace:
         p_valid = offs_p < num_splits
         lse = tl.load(part_lse_ptr + seq * stride_ls + head * stride_lh + offs_p, mask=p_valid,
                       other=float("-inf"))
-        weight = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 is never empty, so max is finite
+        peak = tl.max(lse, axis=0)  # split 0 is never empty, so the peak is finite
+        weight = tl.exp2(lse - peak)
         part = tl.load(part_out_ptr + seq * stride_ps + head * stride_ph
                        + offs_p[:, None] * stride_pp + offs_d[None, :],
                        mask=p_valid[:, None] & (offs_d[None, :] < head_dim), other=0.0)
-        out = tl.sum(part * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+        total = tl.sum(weight, axis=0)
+        if HAS_SINKS:
+            total += tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634 - peak)
+        out = tl.sum(part * weight[:, None], axis=0) / total
         tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d,
                  out.to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
 
@@ -114,13 +126,17 @@ def _kernels() -> SimpleNamespace:
 
 
 def paged_decode_triton(q, k_cache, v_cache, seq_lens, block_tables, scale, *, max_seq_len: int,
-                        out: torch.Tensor, num_splits: int | None = None) -> torch.Tensor:
+                        out: torch.Tensor, num_splits: int | None = None,
+                        sliding_window: int | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode-only attention; inputs checked by paged_attention_triton. q [S, H, D] -> out."""
     kern = _kernels()
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     assert seq_lens.shape[0] == num_seqs, "decode batches have one query row per request"
     group = num_heads // num_kv_heads
+    if sliding_window is not None:
+        max_seq_len = min(max_seq_len, sliding_window)  # the longest span any request attends to
     if num_splits is None:
         num_sms = 4 if interpreting() else torch.cuda.get_device_properties(q.device).multi_processor_count
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
@@ -133,18 +149,19 @@ def paged_decode_triton(q, k_cache, v_cache, seq_lens, block_tables, scale, *, m
     block_d = kern.triton.next_power_of_2(head_dim)
     kern.split[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, part_out, part_lse, seq_lens, block_tables, scale * 1.4426950408889634,
-        q.stride(0), q.stride(1),
+        sliding_window or 0, q.stride(0), q.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         k_cache.shape[1], head_dim, chunk_len,
         GROUP=group, BLOCK_G=max(16, kern.triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=block_d, num_warps=4,
+        BLOCK_D=block_d, HAS_WINDOW=sliding_window is not None, num_warps=4,
     )
     kern.reduce[(num_seqs, num_heads)](
-        part_out, part_lse, out,
+        part_out, part_lse, out, sinks if sinks is not None else part_lse,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
         num_splits, head_dim, BLOCK_P=max(2, kern.triton.next_power_of_2(num_splits)), BLOCK_D=block_d,
+        HAS_SINKS=sinks is not None,
     )
     return out

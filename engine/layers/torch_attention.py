@@ -7,6 +7,12 @@ prefix length, S its longest suffix, C a prefill chunk's context.
 Decode rows of sequences that share a long prompt prefix (agent loops: one system prompt and tool
 schema for every session) go through cascade attention: the prefix K/V is gathered once for the whole
 group instead of once per sequence, which is most of the memory traffic of a decode step.
+
+Sliding windows and sinks (engine/layers/attention.py): masks are built from absolute positions, so a
+window layer stays correct whether its metadata holds the whole context or only the window's blocks.
+A window layer's cascade rows are attended row by row (a shared prefix mostly lies outside the window).
+Sinks go through `dense_attention` (SDPA has no sink term); a cascade merge adds them to the merged
+log-sum-exp.
 """
 
 from __future__ import annotations
@@ -15,35 +21,41 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from engine.layers.attention import AttentionMetadata, CascadeGroup, PagedAttentionBackend
+from engine.kernels.paged_attention import dense_attention
+from engine.layers.attention import (
+    AttentionMetadata,
+    CascadeGroup,
+    PagedAttentionBackend,
+    PrefillSegment,
+)
 
 
 class TorchPagedAttention(PagedAttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, scale: float, meta: AttentionMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, scale: float, meta: AttentionMetadata, *,
+                sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         num_plain = meta.decode_blocks.shape[0] if meta.decode_blocks is not None else 0
-        if num_plain and num_plain == q.shape[0]:
-            return _plain_decode(q, k_cache, v_cache, meta, scale)  # the common decode-only step
+        if num_plain and num_plain == q.shape[0]:  # the common decode-only step
+            return _plain_decode(q, k_cache, v_cache, meta, scale, sliding_window, sinks)
         out = torch.empty_like(q)
         if num_plain:
-            out[:num_plain] = _plain_decode(q[:num_plain], k_cache, v_cache, meta, scale)
+            out[:num_plain] = _plain_decode(q[:num_plain], k_cache, v_cache, meta, scale, sliding_window,
+                                            sinks)
         for group in meta.cascade_groups:
             rows = slice(group.row_start, group.row_end)
-            out[rows] = _cascade_decode(q[rows], k_cache, v_cache, group, scale)
+            if sliding_window is None:
+                out[rows] = _cascade_decode(q[rows], k_cache, v_cache, group, scale, sinks)
+            else:
+                out[rows] = _windowed_cascade_rows(q[rows], k_cache, v_cache, group, meta, scale,
+                                                   sliding_window, sinks)
         for seg in meta.prefills:
-            # 4-D [1, heads, len, Dh] inputs: with 3-D ones SDPA leaves its fused CPU kernel for the
-            # ~5x slower math path.
-            qs = q[seg.query_start:seg.query_end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, Dh]
-            ks = _gather(k_cache, seg.context_blocks, seg.context_len).transpose(0, 1).unsqueeze(0)
-            vs = _gather(v_cache, seg.context_blocks, seg.context_len).transpose(0, 1).unsqueeze(0)
-            q_len, context_len = qs.shape[2], seg.context_len
-            mask = causal_lower_right(q_len, context_len) if seg.num_cached_tokens else None
-            os_ = F.scaled_dot_product_attention(qs, ks.to(q.dtype), vs.to(q.dtype), attn_mask=mask,
-                                                 is_causal=mask is None, scale=scale, enable_gqa=True)
-            out[seg.query_start:seg.query_end] = os_[0].transpose(0, 1)  # [H, q_len, Dh] -> [q_len, H, Dh]
+            rows = slice(seg.query_start, seg.query_end)
+            out[rows] = _prefill(q[rows], k_cache, v_cache, seg, scale, sliding_window, sinks)
         return out
 
 
@@ -58,19 +70,81 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_positions: int) -> to
     return flat[..., :num_positions, :, :]
 
 
+def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment,
+             scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """q [q_len, H, Dh] of one chunk -> [q_len, H, Dh]."""
+    # 4-D [1, heads, len, Dh] inputs: with 3-D ones SDPA leaves its fused CPU kernel for the
+    # ~5x slower math path.
+    num_positions = seg.context_len - seg.context_start
+    qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, q_len, Dh]
+    ks = _gather(k_cache, seg.context_blocks, num_positions).transpose(0, 1).unsqueeze(0).to(q.dtype)
+    vs = _gather(v_cache, seg.context_blocks, num_positions).transpose(0, 1).unsqueeze(0).to(q.dtype)
+    q_len = qs.shape[2]
+    if window is None and sinks is None and seg.context_start == 0:
+        mask = causal_lower_right(q_len, seg.context_len) if seg.num_cached_tokens else None
+        os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
+                                             scale=scale, enable_gqa=True)
+    else:
+        q_pos = torch.arange(seg.num_cached_tokens, seg.context_len, device=q.device)  # [q_len]
+        k_pos = torch.arange(seg.context_start, seg.context_len, device=q.device)  # [C']
+        visible = k_pos[None, :] <= q_pos[:, None]  # [q_len, C']
+        if window is not None:
+            visible &= k_pos[None, :] > q_pos[:, None] - window
+        os_ = dense_attention(qs, ks, vs, scale, visible, sinks)
+    return os_[0].transpose(0, 1)  # [H, q_len, Dh] -> [q_len, H, Dh]
+
+
 def _plain_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                  meta: AttentionMetadata, scale: float, window: int | None,
+                  sinks: torch.Tensor | None) -> torch.Tensor:
     assert meta.decode_blocks is not None
-    qd = q.unsqueeze(2)  # [D, H, 1, Dh]
-    kd = _gather(k_cache, meta.decode_blocks, meta.decode_len).transpose(1, 2).to(q.dtype)  # [D, G, L, Dh]
-    vd = _gather(v_cache, meta.decode_blocks, meta.decode_len).transpose(1, 2).to(q.dtype)
-    od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
-                                        enable_gqa=True)
-    return od.squeeze(2)  # [D, H, 1, Dh] -> [D, H, Dh]
+    if window is None and sinks is None and meta.decode_first_positions is None:
+        qd = q.unsqueeze(2)  # [D, H, 1, Dh]
+        kd = _gather(k_cache, meta.decode_blocks, meta.decode_len).transpose(1, 2).to(q.dtype)  # [D, G, L, Dh]
+        vd = _gather(v_cache, meta.decode_blocks, meta.decode_len).transpose(1, 2).to(q.dtype)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
+                                            enable_gqa=True)
+        return od.squeeze(2)  # [D, H, 1, Dh] -> [D, H, Dh]
+    if meta.decode_context_lens is None:
+        raise ValueError("windowed or sink decode rows need AttentionMetadata.decode_context_lens")
+    return _decode_rows(q, k_cache, v_cache, meta.decode_blocks, meta.decode_len,
+                        meta.decode_context_lens, meta.decode_first_positions, scale, window, sinks)
+
+
+def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+                 num_positions: int, context_lens: torch.Tensor, first_positions: torch.Tensor | None,
+                 scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """One query per row at position context_len - 1: q [n, H, Dh], blocks [n, W] (row i's first block
+    starts at first_positions[i]) -> [n, H, Dh]; positions outside the row's context or window are masked."""
+    kd = _gather(k_cache, blocks, num_positions).transpose(1, 2).to(q.dtype)  # [n, G, L, Dh]
+    vd = _gather(v_cache, blocks, num_positions).transpose(1, 2).to(q.dtype)
+    ctx = context_lens.to(device=q.device, dtype=torch.int64)[:, None]  # [n, 1]
+    pos = torch.arange(num_positions, device=q.device)[None, :]  # [1, L]
+    if first_positions is not None:
+        pos = pos + first_positions.to(device=q.device, dtype=torch.int64)[:, None]  # [n, L]
+    visible = pos < ctx  # [n, L]
+    if window is not None:
+        visible &= pos >= ctx - window  # key > (ctx - 1) - window
+    od = dense_attention(q.unsqueeze(2), kd, vd, scale, visible[:, None, None, :], sinks)  # [n, H, 1, Dh]
+    return od.squeeze(2)
+
+
+def _windowed_cascade_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           group: CascadeGroup, meta: AttentionMetadata, scale: float, window: int,
+                           sinks: torch.Tensor | None) -> torch.Tensor:
+    """A cascade group's rows on a window layer: each row's prefix + suffix as one table."""
+    if meta.seq_lens is None:
+        raise ValueError("windowed cascade rows need AttentionMetadata.seq_lens")
+    n = q.shape[0]
+    prefix_len = group.prefix_blocks.shape[0] * k_cache.shape[1]
+    tables = torch.cat([group.prefix_blocks.expand(n, -1), group.suffix_blocks], dim=1)  # [n, P/bs + W]
+    context_lens = meta.seq_lens[group.row_start:group.row_end]  # decode rows come first, in row order
+    return _decode_rows(q, k_cache, v_cache, tables, prefix_len + group.suffix_len, context_lens, None,
+                        scale, window, sinks)
 
 
 def _cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    group: CascadeGroup, scale: float) -> torch.Tensor:
+                    group: CascadeGroup, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     r = num_heads // num_kv_heads
@@ -87,8 +161,10 @@ def _cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ks = _gather(k_cache, group.suffix_blocks, group.suffix_len).transpose(1, 2).to(q.dtype)  # [n, G, S, Dh]
     vs = _gather(v_cache, group.suffix_blocks, group.suffix_len).transpose(1, 2).to(q.dtype)
     out_s, lse_s = _attention_with_lse(qs, ks, vs, scale, group.suffix_mask)  # [n, G, R, Dh]
-    # Merge the two partial softmaxes.
+    # Merge the two partial softmaxes (and the sink's term, which has no value).
     lse = torch.logaddexp(lse_p, lse_s)
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, num_kv_heads, r, 1))  # head = g * R + r
     out = out_p * torch.exp(lse_p - lse) + out_s * torch.exp(lse_s - lse)
     return out.reshape(n, num_heads, head_dim)  # [n, G, R, Dh] -> [n, H, Dh]
 

@@ -22,7 +22,7 @@ a chunk of C tokens is C rows, row i attending to the context up to its own posi
 kernel tiles a chunk's rows so each pass over the K/V serves 16 of them), so prefill pays for no
 element-wise ops, K/V gathers or float16-to-float32 copies between the kernels (through the general
 forward they took ~45% of a profiled 1,024-token q4 prefill; this path took it from 560 to 763
-tokens/s in an A/B run, docs/benchmarks.md has the later figures). Every row is computed alone and in the same order whatever else the step
+tokens/s in an A/B run, bench/results/engine-cpu.md has the later figures). Every row is computed alone and in the same order whatever else the step
 holds, so a sequence's tokens do not depend on what it was batched with, nor on how its prompt was
 chunked. The float32 mode sends only decode rows (prefill chunks take the general forward).
 """
@@ -90,9 +90,12 @@ class NativeDecodeStep:
 
 def _plain_layers_of(model: LlamaModel, linear_type: type | tuple[type, ...]) -> bool:
     """True when every layer is the plain Llama shape a decode step handles (no biases, no qk norm,
-    a dense MLP, float32 embeddings, head_dim a multiple of 8) with all four linears `linear_type`."""
+    a dense MLP, full attention, float32 embeddings, head_dim a multiple of 8) with all four linears
+    `linear_type`. (The native attention kernel has no sliding window: such models keep the general
+    forward, whose attention backends do.)"""
     cfg = model.config
-    if cfg.attention_bias or cfg.is_moe or cfg.head_dim % 8 or model.embed_tokens.dtype != torch.float32:
+    if (cfg.attention_bias or cfg.is_moe or cfg.head_dim % 8 or cfg.has_sliding_layers
+            or model.embed_tokens.dtype != torch.float32):
         return False
     for layer in model.layers:
         if not isinstance(layer.mlp, DenseMLP) or layer.q_norm is not None:
