@@ -1,7 +1,8 @@
 """The user docs (README.md, docs/**/*.md) stay true to the tree they ship with.
 
 - every relative link and image resolves to a file, and every `#anchor` to a heading;
-- every repository path a page names in backticks (`gateway/routing/scoring.py`) exists;
+- every repository path a page names (`gateway/routing/scoring.py`) exists, and every command in
+  its code (`aigw keys create`, `python -m bench.fp8_quality`, `make run`);
 - no page reads as a log of past work (dated runs, commit hashes, "this session", "the issue"):
   run logs belong in bench/results/;
 - docs/reference/cli.md documents every `aigw` subcommand and flag, and no flag that is gone;
@@ -102,6 +103,47 @@ def test_the_diary_pattern_catches_what_the_hook_catches() -> None:
     for line in ("session affinity per `x-session-id`", "8 sessions x 4 turns",
                  "`--since 2026-11-29`", "issues are welcome"):
         assert not DIARY.search(line), line
+
+
+# ---- commands a page names: `aigw ...`, `python -m ...`, `make ...`
+
+CODE = re.compile(r"```.*?```|`[^`\n]+`", re.DOTALL)
+
+
+def _code_text(page: Path) -> str:
+    return "\n".join(CODE.findall(page.read_text()))
+
+
+def test_commands_the_pages_name_exist() -> None:
+    tree = _command_tree(_aigw_parser())
+    targets = set(re.findall(r"^([a-z][\w-]*):", (ROOT / "Makefile").read_text(), re.MULTILINE))
+    problems = []
+    for page in PAGES:
+        code = _code_text(page)
+        for first, second in re.findall(r"(?<!-n )(?<![\w/.-])aigw ([a-z][\w-]*)(?: ([a-z][\w-]*))?", code):
+            if first not in tree:
+                problems.append(f"{_rel(page)}: `aigw {first}` is no command")
+            elif second and tree[first] and second not in tree[first]:
+                problems.append(f"{_rel(page)}: `aigw {first} {second}` is no command")
+        for module in re.findall(r"\bpython3? -m ([\w.]+)", code):
+            path = ROOT / module.replace(".", "/")
+            if module.split(".")[0] in TOP_DIRS and not (path.with_suffix(".py").exists()
+                                                         or (path / "__main__.py").exists()):
+                problems.append(f"{_rel(page)}: `python -m {module}`: no such module")
+        problems += [f"{_rel(page)}: `make {target}`: no such target"
+                     for target in re.findall(r"\bmake ([a-z][\w-]*)", code) if target not in targets]
+    assert not problems, "\n".join(problems)
+
+
+def _command_tree(parser: argparse.ArgumentParser) -> dict[str, set[str]]:
+    """'keys' -> {'create', 'list', ...}; a command without subcommands -> set()."""
+    tree: dict[str, set[str]] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                tree[name] = {n for a in sub._actions if isinstance(a, argparse._SubParsersAction)
+                              for n in a.choices}
+    return tree
 
 
 # ---- docs/reference/cli.md against the argument parser behind `aigw --help`
