@@ -225,7 +225,7 @@ class HarmonyOutputParser(OutputParser):
     """The answer's token ids through harmony's StreamableParser: the analysis channel is
     reasoning, a message to `functions.NAME` a tool call (released whole at its `<|call|>`; with
     `parse_tools` False its arguments are content), everything else (final, commentary preambles)
-    content. Tokens of analysis messages count as reasoning tokens. Output harmony cannot parse
+    content. Tokens of analysis messages (their headers included) count as reasoning tokens. Output harmony cannot parse
     (a model gone off-format) is released as decoded content from there on."""
 
     def __init__(self, encoding: oh.HarmonyEncoding, parse_tools: bool = True) -> None:
@@ -233,6 +233,7 @@ class HarmonyOutputParser(OutputParser):
         self._parser = oh.StreamableParser(encoding, oh.Role.ASSISTANT, strict=False)
         self._parse_tools = parse_tools
         self._num_messages = 0
+        self._num_header_tokens = 0  # of the message being opened (they count as its channel's)
         self._is_broken = False
         self.num_calls = 0
         self.num_reasoning_tokens = 0
@@ -252,7 +253,14 @@ class HarmonyOutputParser(OutputParser):
         except oh.HarmonyError:
             self._is_broken = True
             return OutputDelta(content=self._encoding.decode_utf8([token_id]))
-        num_reasoning = int(was_analysis or self._parser.current_channel == "analysis")
+        num_reasoning = 0
+        if was_analysis or self._parser.current_channel == "analysis":
+            num_reasoning = 1 + (0 if was_analysis else self._num_header_tokens)
+            self._num_header_tokens = 0
+        elif self._parser.state != oh.StreamState.CONTENT:  # a header: its channel comes last
+            self._num_header_tokens += 1
+        else:
+            self._num_header_tokens = 0
         self.num_reasoning_tokens += num_reasoning
         delta = self._parser.last_content_delta or ""
         recipient = self._parser.current_recipient

@@ -58,14 +58,22 @@ class TextOutputParser(OutputParser):
 
     def __init__(self, reasoning: ThinkStream | None, tools: ToolCallStream | None) -> None:
         self._reasoning, self._tools = reasoning, tools
+        self._num_undecided_tokens = 0  # fed while the answer may still open with the start tag
         self.num_calls = 0
         self.num_reasoning_tokens = 0
 
     def feed(self, token_ids: Sequence[int], text: str) -> OutputDelta:
-        was_reasoning = self._reasoning is not None and self._reasoning.is_reasoning
-        split = self._reasoning.feed(text) if self._reasoning else ReasoningDelta(content=text)
-        is_reasoning = self._reasoning is not None and self._reasoning.is_reasoning
-        num_reasoning = len(token_ids) if (was_reasoning or is_reasoning or split.reasoning) else 0
+        if self._reasoning is None:
+            return self._delta(ReasoningDelta(), self._call_feed(text), 0)
+        was_reasoning = self._reasoning.is_reasoning
+        split = self._reasoning.feed(text)
+        num_reasoning = 0
+        if was_reasoning or self._reasoning.is_reasoning or split.reasoning:
+            num_reasoning = len(token_ids)
+            if not was_reasoning:  # the start tag's tokens, held while undecided, were reasoning
+                num_reasoning += self._num_undecided_tokens
+        self._num_undecided_tokens = (self._num_undecided_tokens + len(token_ids)
+                                      if self._reasoning.is_undecided else 0)
         return self._delta(split, self._call_feed(split.content), num_reasoning)
 
     def finish(self) -> OutputDelta:

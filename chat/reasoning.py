@@ -58,6 +58,11 @@ class ThinkStream:
     def is_reasoning(self) -> bool:
         return self._state == "reasoning"
 
+    @property
+    def is_undecided(self) -> bool:
+        """Nothing released yet: the text held may still be the start tag."""
+        return self._state == "open"
+
     def feed(self, text: str) -> ReasoningDelta:
         self._pending += text
         reasoning: list[str] = []
@@ -85,8 +90,10 @@ class ThinkStream:
                     self._pending = self._pending[end_at + len(self._end_tag):]
                     self._state, self._after_end = "content", True
                     continue
-                keep = max(partial_suffix_len(self._pending, self._end_tag),
-                           len(self._pending) - len(self._pending.rstrip("\n")))
+                # held: a possible end tag, and the newlines before it (dropped if it closes)
+                cut = partial_suffix_len(self._pending, self._end_tag)
+                head = self._pending[:len(self._pending) - cut]
+                keep = cut + len(head) - len(head.rstrip("\n"))
                 reasoning.append(self._pending[:len(self._pending) - keep])
                 self._pending = self._pending[len(self._pending) - keep:]
                 break

@@ -80,8 +80,10 @@ class ChatFormat:
             return grammar
         # an optional reasoning block before the calls (the rule `start` renamed `calls`)
         grammar = grammar.replace("start:", "calls:", 1)
+        # one lexeme up to the first end tag (a lexer token cannot stop short of a longer match)
         return ('start: think? calls\n'
-                'think: "<think>" THINK_TEXT "</think>" /\\n*/\n'
+                'think: THINK /\\n*/\n'
+                'THINK: "<think>" THINK_TEXT "</think>"\n'
                 'THINK_TEXT: /(.|\\n)*/ & ~/(.|\\n)*<\\/think>(.|\\n)*/\n' + grammar)
 
 

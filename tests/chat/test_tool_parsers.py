@@ -7,7 +7,7 @@ import pytest
 
 from chat.tool_parsers import HermesToolParser, get_tool_parser, tool_parser_for_model
 from chat.tool_parsers.base import ParsedToolCalls, StreamDelta, arguments_schema
-from engine.structured_output import OutputGrammar
+from contracts.output_grammar import OutputGrammar
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
