@@ -22,10 +22,10 @@ def gpt_oss_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     quantization = config.get("quantization_config") or {}
     method = quantization.get("quant_method")
     if method not in (None, "mxfp4"):
-        raise NotImplementedError(f"gpt_oss: quantization_config.quant_method {method!r} is not "
+        raise ValueError(f"gpt_oss: quantization_config.quant_method {method!r} is not "
                                   "supported (only the released checkpoints' 'mxfp4')")
     if not config.get("attention_bias", True):
-        raise NotImplementedError("gpt_oss: attention_bias=false is not supported (the released "
+        raise ValueError("gpt_oss: attention_bias=false is not supported (the released "
                                   "models have q/k/v/o biases)")
     num_layers = config["num_hidden_layers"]
     layer_types = config.get("layer_types") or [

@@ -1,0 +1,214 @@
+"""gpt-oss through the engine matches transformers' GptOss: greedy tokens equal and logprobs within
+2e-3 (float32) on prompts longer than the sliding window, for dense experts and for MXFP4 experts laid
+out as the released checkpoints store them; the same tokens alone and among concurrent requests, with
+chunked prefill, after a prefix-cache hit and after preemption, with no KV block leaked."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from contracts.sampling_params import SamplingParams
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.engine import LLMEngine
+from engine.loader import load_checkpoint
+from tests.engine.fakes import assert_idle_and_clean, drive, generate
+from tests.models._gpt_oss import SLIDING_WINDOW, GptOssCheckpoint, gpt_oss_checkpoints, hf_greedy
+from tests.models._greedy import greedy, make_runner
+
+__all__ = ["gpt_oss_checkpoints"]  # the session fixture
+
+NUM_NEW_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=True)
+_rng = random.Random(7)
+PROMPTS = {f"p{n}": [_rng.randrange(0, 300) for _ in range(n)] for n in (19, 29, 41)}
+assert all(len(p) > 2 * SLIDING_WINDOW for p in PROMPTS.values())
+
+
+def make_engine(directory: Path, *, kv_cache_memory_bytes: int = 32 << 20,
+                max_num_batched_tokens: int = 256, enable_prefix_caching: bool = True) -> LLMEngine:
+    config = EngineConfig(
+        model_path=str(directory), num_threads=1, dtype="float32",
+        cache=CacheConfig(kv_cache_memory_bytes=kv_cache_memory_bytes,
+                          enable_prefix_caching=enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=16))
+    return LLMEngine.from_config(config, progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference(gpt_oss_checkpoints: dict[str, GptOssCheckpoint]) -> dict[str, dict[str, tuple]]:
+    """transformers' (tokens, logprobs) per checkpoint and prompt."""
+    return {name: {p: hf_greedy(gpt_oss_checkpoints[name].model, prompt, NUM_NEW_TOKENS)
+                   for p, prompt in PROMPTS.items()} for name in ("dense", "mxfp4")}
+
+
+@pytest.mark.parametrize("name", ["dense", "mxfp4"])
+def test_engine_generates_transformers_greedy_tokens_and_logprobs(
+        name: str, gpt_oss_checkpoints: dict[str, GptOssCheckpoint], reference: dict) -> None:
+    engine = make_engine(gpt_oss_checkpoints[name].directory)
+    out = generate(engine, PROMPTS, GREEDY)
+    for p in PROMPTS:
+        tokens, logprobs = reference[name][p]
+        assert len(set(tokens)) > 2, "degenerate model: the same few tokens every step"
+        assert out[p].token_ids == tokens, p
+        ours = [lp.logprob for lp in out[p].logprobs]
+        assert max(abs(a - b) for a, b in zip(ours, logprobs, strict=True)) < 2e-3, p
+    assert_idle_and_clean(engine)
+
+
+def test_the_prompts_reach_past_the_window_and_the_sinks_matter(
+        gpt_oss_checkpoints: dict[str, GptOssCheckpoint], reference: dict) -> None:
+    """The parity above can fail: without the window, or without the sinks, transformers itself
+    computes other logprobs for these prompts."""
+    import copy
+
+    model = gpt_oss_checkpoints["dense"].model
+    prompt = PROMPTS["p41"]
+    _, expected = reference["dense"]["p41"]
+    no_window = copy.deepcopy(model)
+    no_window.config.layer_types = ["full_attention"] * len(no_window.config.layer_types)
+    for layer in no_window.model.layers:
+        layer.self_attn.sliding_window = None
+    no_sinks = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in no_sinks.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)
+    for variant in (no_window, no_sinks):
+        _, logprobs = hf_greedy(variant, prompt, 2)
+        assert abs(logprobs[0] - expected[0]) > 2e-3
+
+
+def test_mxfp4_experts_compute_exactly_what_their_dequantized_twin_does(
+        gpt_oss_checkpoints: dict[str, GptOssCheckpoint]) -> None:
+    mxfp4 = load_checkpoint(str(gpt_oss_checkpoints["mxfp4"].directory), progress=False)
+    twin = load_checkpoint(str(gpt_oss_checkpoints["twin"].directory), progress=False)
+    assert mxfp4.weights["model.layers.0.mlp.experts.gate_up_proj_blocks"].dtype == torch.uint8
+    assert "model.layers.0.mlp.experts.gate_up_proj" in twin.weights
+    prompts = list(PROMPTS.values())
+    ours, our_logits = greedy(make_runner(mxfp4.config, mxfp4.weights), prompts, 6)
+    theirs, their_logits = greedy(make_runner(twin.config, twin.weights), prompts, 6)
+    assert ours == theirs
+    for a, b in zip(our_logits, their_logits, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_tokens_alone_equal_tokens_among_8_concurrent_requests_with_chunked_prefill(
+        gpt_oss_checkpoints: dict[str, GptOssCheckpoint], reference: dict) -> None:
+    """A 16-token step budget splits every prompt over several steps (chunks cross the window)."""
+    engine = make_engine(gpt_oss_checkpoints["dense"].directory, max_num_batched_tokens=16,
+                         enable_prefix_caching=False)
+    target = PROMPTS["p41"]
+    others = {f"o{i}": [_rng.randrange(0, 300) for _ in range(9 + 5 * i)] for i in range(8)}
+
+    def arrivals(step: int) -> None:
+        if step == 0:
+            for name, prompt in list(others.items())[:4]:
+                engine.add_request(name, prompt, GREEDY)
+            engine.add_request("target", target, GREEDY)
+        elif step in range(3, 7):
+            name = f"o{step + 1}"
+            engine.add_request(name, others[name], GREEDY)
+
+    batched = drive(engine, on_step=arrivals)
+    assert len(batched) == 9
+    assert batched["target"].token_ids == reference["dense"]["p41"][0]
+    assert_idle_and_clean(engine)
+
+
+def test_a_prefix_cache_hit_continues_with_the_same_tokens(
+        gpt_oss_checkpoints: dict[str, GptOssCheckpoint], reference: dict) -> None:
+    checkpoint = gpt_oss_checkpoints["dense"]
+    engine = make_engine(checkpoint.directory)
+    prompt = PROMPTS["p41"]
+    first = generate(engine, {"first": prompt}, GREEDY)["first"]
+    again = generate(engine, {"again": prompt}, GREEDY)["again"]
+    assert again.num_cached_tokens >= 32  # two whole blocks of 16 came from the cache
+    assert first.token_ids == again.token_ids == reference["dense"]["p41"][0]
+    # a new prompt sharing the first 35 tokens: served from the cache up to a block boundary
+    branch = prompt[:35] + [3, 1, 4, 1, 5, 9, 2, 6]
+    hit = generate(engine, {"branch": branch}, GREEDY)["branch"]
+    assert hit.num_cached_tokens >= 32
+    assert hit.token_ids == hf_greedy(checkpoint.model, branch, NUM_NEW_TOKENS)[0]
+    assert_idle_and_clean(engine)
+
+
+def test_outputs_after_preemption_equal_outputs_with_room(
+        gpt_oss_checkpoints: dict[str, GptOssCheckpoint], reference: dict) -> None:
+    directory = gpt_oss_checkpoints["dense"].directory
+    roomy = make_engine(directory)
+    bytes_per_block = roomy.runner.bytes_per_block
+    # the longest request needs 4 blocks of 16 (41 + 12 tokens), all three 9: 6 force preemptions
+    tight = make_engine(directory, kv_cache_memory_bytes=6 * bytes_per_block,
+                        max_num_batched_tokens=64)
+    out = generate(tight, PROMPTS, GREEDY)
+    assert tight.stats().num_preemptions_total > 0
+    for p in PROMPTS:
+        assert out[p].token_ids == reference["dense"][p][0], p
+    assert_idle_and_clean(tight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_dequantization_equals_transformers_converter(dtype: torch.dtype) -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from engine.layers.mxfp4 import dequantize_mxfp4
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), dtype=torch.uint8, generator=gen)  # [E, N, G, 16]
+    scales = torch.randint(110, 140, (3, 40, 4), dtype=torch.uint8, generator=gen)  # [E, N, G]
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, K, N]
+    assert torch.equal(dequantize_mxfp4(blocks, scales, dtype), theirs.transpose(1, 2))
+
+
+# ---- misfits are one line before serving ---------------------------------------------------------
+def _broken_copy(source: Path, target: Path, edit) -> Path:  # type: ignore[no-untyped-def]
+    shutil.copytree(source, target)
+    tensors = load_file(str(target / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
+@pytest.mark.parametrize(("edit", "named"), [
+    (lambda t: t.pop("model.layers.1.self_attn.sinks"), "model.layers.1.self_attn.sinks"),
+    (lambda t: t.update({"model.layers.2.mlp.experts.down_proj_scales":
+                         t["model.layers.2.mlp.experts.down_proj_scales"][:, :5].contiguous()}),
+     "model.layers.2.mlp.experts.down_proj_scales"),
+], ids=["missing_sinks", "misshapen_mxfp4_scales"])
+def test_a_missing_or_misshapen_tensor_is_one_error_line_naming_it(
+        edit, named: str, gpt_oss_checkpoints: dict[str, GptOssCheckpoint], tmp_path: Path,  # type: ignore[no-untyped-def]
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    broken = _broken_copy(gpt_oss_checkpoints["mxfp4"].directory, tmp_path / "broken", edit)
+    assert main(["replica", "--port", "0", "--no-auth", "--threads", "1", "--model", str(broken)]) == 1
+    assert _error_line(capsys.readouterr().err).count(named) == 1
+
+
+def test_an_unsupported_quantization_is_one_error_line(
+        gpt_oss_checkpoints: dict[str, GptOssCheckpoint], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from gateway.cli import main
+
+    directory = tmp_path / "fp8"
+    shutil.copytree(gpt_oss_checkpoints["dense"].directory, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8"}
+    (directory / "config.json").write_text(json.dumps(config))
+    assert main(["replica", "--port", "0", "--no-auth", "--model", str(directory)]) == 1
+    assert "quant_method 'fp8'" in _error_line(capsys.readouterr().err)
+
+
+def _error_line(stderr: str) -> str:
+    """The one `aigw: ` line (the load's progress bar may come before it), no traceback."""
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("aigw: ")]
+    assert len(lines) == 1, stderr
+    return lines[0]
