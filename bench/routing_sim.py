@@ -4,7 +4,7 @@ Model (kept simple on purpose; what it answers is *placement*, not engine speed)
   - a replica is one FIFO server; a request's service time is
         prefill_s_per_token * uncached_prompt_tokens + decode_s_per_token * output_tokens
     (the two costs are calibrated on a real replica by bench/routing_bench.py);
-  - its cache is an LRU of `num_cache_blocks` block hashes (engine/kv_cache/block_hash.py); when a
+  - its cache is an LRU of `num_cache_blocks` block hashes (contracts/block_hash.py); when a
     request starts, its longest cached prefix is a hit, and its prompt blocks are inserted (LRU
     evicts); at completion its prompt+output blocks are inserted (the next agent turn reuses them);
   - the "prefix" policy is the gateway's own scoring (gateway/routing/scoring.py) over an index
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from engine.kv_cache.block_hash import hash_blocks
+from contracts.block_hash import hash_blocks
 from gateway.routing.scoring import CandidateLoad, ScoringConfig, choose
 
 BLOCK_SIZE = 16

@@ -135,7 +135,7 @@ def replay(engine: Any, clients: Sequence[Client], *, timeout_s: float = 3600.0)
     A client's first request is added at once; each later one right after the step that finished
     its predecessor. Raises TimeoutError after `timeout_s` (the engine is then left with requests).
     """
-    from engine.sampling_params import SamplingParams
+    from contracts.sampling_params import SamplingParams
 
     assert not engine.has_unfinished_requests, "replay needs an idle engine"
     records: list[RequestRecord] = []

@@ -172,3 +172,10 @@ class KVEventLog:
         """Block until a batch newer than `seq` exists or the timeout passes (for long-polling)."""
         with self._cond:
             self._cond.wait_for(lambda: self._last_seq > seq, timeout=timeout_s)
+
+
+def stream_key(replica_id: str, prefix: str = "aigw") -> str:
+    """The Redis stream a replica publishes its batches to (engine/kv_cache/redis_publisher.py)
+    and the gateway reads (gateway/routing/events_consumer.py); the replica id is the hash tag,
+    so each replica's stream may live on its own cluster slot."""
+    return f"{prefix}:kv:events:{{{replica_id}}}"

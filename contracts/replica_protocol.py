@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.sampling_params import SamplingParams
-from engine.structured_output import OutputGrammar
+from contracts.output_grammar import OutputGrammar
+from contracts.sampling_params import SamplingParams
 
 
 class _Body(BaseModel):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.structured_output import OutputGrammar
+    from contracts.output_grammar import OutputGrammar
 
 
 # A temperature below this samples greedily (vLLM's _SAMPLING_EPS): dividing float32 logits by

@@ -19,10 +19,10 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from contracts.output_grammar import OutputGrammar
+from contracts.sampling_params import SamplingParams
 from engine.engine import EngineStats, LLMEngine
 from engine.outputs import FinishReason, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.structured_output import OutputGrammar
 
 logger = logging.getLogger(__name__)
 

@@ -135,8 +135,8 @@ def run_replica_command(args: argparse.Namespace) -> int:
 
 
 def run_generate_command(args: argparse.Namespace) -> int:
+    from contracts.sampling_params import SamplingParams
     from engine.engine import LLMEngine
-    from engine.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)

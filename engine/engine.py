@@ -11,17 +11,17 @@ from dataclasses import dataclass
 
 import torch
 
+from contracts.kv_events import EventPublisher, KVEventLog, KVSnapshot
+from contracts.sampling_params import SamplingParams
 from engine.batch import ScheduledBatch
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_cache.events import EventPublisher, KVEventLog, KVSnapshot
 from engine.kv_cache.manager import KVCacheManager
 from engine.loader import Tokenizer
 from engine.model_runner import ModelRunner
 from engine.outputs import FinishReason, PromptTooLongError, RequestOutput
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, SamplingRow, logprobs_of
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured_output import GrammarCompiler
 

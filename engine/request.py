@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_cache.block_hash import hash_blocks
+from contracts.block_hash import hash_blocks
+from contracts.sampling_params import SamplingParams
 from engine.outputs import FinishReason, TokenLogprob
-from engine.sampling_params import SamplingParams
 from engine.structured_output import GrammarMatcher
 
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from contracts.sampling_params import SamplingParams
 from engine.outputs import TokenLogprob
-from engine.sampling_params import SamplingParams
 from engine.structured_output import unpack_bitmask
 
 

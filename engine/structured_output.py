@@ -20,78 +20,15 @@ newlines until max_tokens. A grammar constrains the tokens, not the length: an a
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-import orjson
 import torch
 
-from engine.sampling_params import SamplingParamsError
-
-GrammarKind = Literal["json_object", "json_schema", "lark"]
-_JSON_OPTIONS: Any = {"whitespace_flexible": False}  # llguidance JsonCompileOptions
-
-
-class OutputGrammarError(SamplingParamsError):
-    """The requested output format cannot be compiled (the message is safe to show)."""
-
-
-@dataclass(frozen=True)
-class OutputGrammar:
-    """What the output must match: `kind` and its text, a JSON schema or a Lark grammar (llguidance's
-    dialect, which embeds JSON schemas with `%json {...}`). Hashable: the compile cache's key."""
-
-    kind: GrammarKind
-    text: str
-
-    @classmethod
-    def json_object(cls) -> OutputGrammar:
-        return cls("json_object", '{"type":"object"}')
-
-    @classmethod
-    def json_schema(cls, schema: dict[str, Any], param: str = "response_format") -> OutputGrammar:
-        """Raises OutputGrammarError (naming `param`) when llguidance cannot compile the schema."""
-        try:
-            text = orjson.dumps(schema).decode()  # key order = output order
-        except orjson.JSONEncodeError:  # orjson writes 254 levels (and reads 1024)
-            raise OutputGrammarError(f"{param}: the JSON schema is nested too deeply",
-                                     param) from None
-        return cls("json_schema", text)._checked(param)
-
-    @classmethod
-    def lark(cls, grammar: str, param: str) -> OutputGrammar:
-        """Raises OutputGrammarError (naming `param`) when llguidance cannot compile the grammar."""
-        return cls("lark", grammar)._checked(param)
-
-    def _checked(self, param: str) -> OutputGrammar:
-        try:
-            _grammar_of(self)
-        except OutputGrammarError as exc:
-            raise OutputGrammarError(f"{param}: {exc}", param) from None
-        return self
-
-
-@functools.lru_cache(maxsize=256)
-def _grammar_of(spec: OutputGrammar) -> str:
-    """The llguidance grammar of `spec` (validated, cached by its text)."""
-    import llguidance
-
-    if spec.kind == "lark":
-        grammar = llguidance.LLMatcher.grammar_from_lark(spec.text)
-    else:
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=_JSON_OPTIONS)
-        except ValueError as exc:
-            raise OutputGrammarError(f"invalid JSON schema: {exc}") from exc
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        what = "grammar" if spec.kind == "lark" else "JSON schema"
-        raise OutputGrammarError(f"unsupported {what}: {'; '.join(messages)}")
-    return grammar
+from contracts import output_grammar
+from contracts.output_grammar import OutputGrammar, OutputGrammarError
 
 
 class GrammarMatcher:
@@ -170,7 +107,7 @@ class GrammarCompiler:
                 self._tokenizer = llguidance.LLTokenizer(
                     self._backend.to_str(), n_vocab=self.vocab_size,
                     eos_token=self._eos_token_ids or None)
-        matcher = llguidance.LLMatcher(self._tokenizer, _grammar_of(spec), log_level=0)
+        matcher = llguidance.LLMatcher(self._tokenizer, output_grammar.grammar_of(spec), log_level=0)
         if matcher.is_error():
             raise OutputGrammarError(f"output grammar: {matcher.get_error()}")
         return matcher

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from contracts.sampling_params import SamplingParams
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.loader import Tokenizer
 from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

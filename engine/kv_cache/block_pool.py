@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
+from contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
 
 
 @dataclass(eq=False)

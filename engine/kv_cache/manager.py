@@ -1,38 +1,59 @@
 """KVCacheManager: which blocks each request holds. The scheduler's only door to the KV cache.
 
     computed = manager.get_computed_blocks(request)           # prefix-cache hits (no reference taken yet)
-    blocks = manager.allocate_slots(request, n, computed)     # None: not enough blocks (preempt and retry)
+    tables = manager.allocate_slots(request, n, computed)     # None: not enough blocks (preempt and retry)
     manager.free(request)                                      # on finish, abort or preemption
+
+A request holds one block table per KV cache group (engine/kv_cache/layout.py). A full-attention group
+keeps a block for every `block_size` tokens. A sliding-window group (window W) keeps only the blocks the
+next token to compute can see: when the request's next position is p, blocks wholly before p - W + 1
+are released to the pool (their table entries become None) as the window moves, so a sequence holds
+about (W + chunk) / block_size blocks there, whatever its length:
+
+    window group, W = 40, block_size 16, next position p = 70 (sees 31..70):
+        table  [None, b1, b2, b3, b4]        block 0 (positions 0..15) released; b1 (16..31) still seen
+
+Prefix hits across groups: a hit of k blocks (N = k * block_size tokens) needs every full group's blocks
+0..k-1 cached, and each window group's blocks covering positions N - W + 1 .. N - 1 (the ones the first
+computed token sees). `get_computed_blocks` takes the longest k that every group can serve; the hit's
+window-group tables start with None for blocks no token will read.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from contracts.kv_events import KVEventLog
 from engine.kv_cache.block_pool import BlockPool, KVBlock
-from engine.kv_cache.events import KVEventLog
 from engine.request import Request
+
+BlockTable = list[int | None]  # block ids of one group, None where a window released the block
 
 
 @dataclass(frozen=True)
 class ComputedBlocks:
-    blocks: tuple[KVBlock, ...] = ()
+    blocks: tuple[tuple[KVBlock | None, ...], ...] = ()  # per group; () = no hit
     num_computed_tokens: int = 0
 
 
 @dataclass
-class _RequestBlocks:
-    blocks: list[KVBlock] = field(default_factory=list)
-    num_cached_blocks: int = 0  # leading blocks already registered in the hash map
+class _GroupBlocks:
+    blocks: list[KVBlock | None] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading entries already registered in the hash map (or released)
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
-                 event_log: KVEventLog | None = None) -> None:
+                 event_log: KVEventLog | None = None,
+                 group_windows: tuple[int | None, ...] = (None,)) -> None:
+        """`group_windows`: each KV cache group's sliding window (None: full attention)."""
+        if not group_windows or any(w is not None and w < 1 for w in group_windows):
+            raise ValueError(f"group_windows must name at least one group, windows >= 1: {group_windows}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.group_windows = group_windows
         self.pool = BlockPool(num_blocks, block_size, enable_caching, event_log)
-        self._requests: dict[str, _RequestBlocks] = {}
+        self._requests: dict[str, list[_GroupBlocks]] = {}
         self.num_queried_tokens = 0  # prefix-cache statistics (prompt tokens looked up / found)
         self.num_hit_tokens = 0
 
@@ -44,82 +65,156 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._requests[request_id].blocks]
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    def block_ids(self, request_id: str, group: int = 0) -> BlockTable:
+        return [b.block_id if b is not None else None for b in self._requests[request_id][group].blocks]
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def _first_needed_block(self, group: int, next_position: int) -> int:
+        """The first block a token at `next_position` (or later) can still attend to in `group`."""
+        window = self.group_windows[group]
+        if window is None:
+            return 0
+        return max(0, next_position - window + 1) // self.block_size
+
+    # ---- prefix hits ---------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
-        """The longest run of cached blocks that starts the request. At least the last token is left to
-        compute (its logits are needed), so a fully cached prompt still recomputes its final token."""
+        """The longest cached prefix every group can serve. At least the last token is left to compute
+        (its logits are needed), so a fully cached prompt still recomputes its final token."""
         if not self.enable_caching or request.wants_prompt_logprobs:
             return ComputedBlocks()  # (prompt logprobs need every position's logits)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return ComputedBlocks(tuple(hits), len(hits) * self.block_size)
+        hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
+        num_hit = len(hashes)
+        for group, window in enumerate(self.group_windows):
+            if window is None:
+                num_hit = min(num_hit, self._num_leading_hits(group, hashes))
+        settled = False
+        while not settled:  # each window group may shorten the hit; repeat until all agree
+            settled = True
+            for group, window in enumerate(self.group_windows):
+                if window is not None:
+                    shorter = self._window_hit(group, hashes, num_hit)
+                    settled, num_hit = settled and shorter == num_hit, shorter
+        if num_hit == 0:
+            return ComputedBlocks()
+        tables = []
+        for group in range(self.num_groups):
+            first = self._first_needed_block(group, num_hit * self.block_size)
+            tables.append((None,) * first + tuple(self.pool.get_cached_block(h, group)
+                                                  for h in hashes[first:num_hit]))
+        return ComputedBlocks(tuple(tables), num_hit * self.block_size)
+
+    def _num_leading_hits(self, group: int, hashes: list[int]) -> int:
+        for i, block_hash in enumerate(hashes):
+            if self.pool.get_cached_block(block_hash, group) is None:
+                return i
+        return len(hashes)
+
+    def _window_hit(self, group: int, hashes: list[int], num_hit: int) -> int:
+        """The longest hit of at most `num_hit` blocks whose window blocks are all cached in `group`."""
+        while num_hit > 0:
+            first = self._first_needed_block(group, num_hit * self.block_size)
+            missing = next((i for i in range(num_hit - 1, first - 1, -1)
+                            if self.pool.get_cached_block(hashes[i], group) is None), None)
+            if missing is None:
+                return num_hit
+            num_hit = missing  # every longer hit needs block `missing` too (its window starts earlier)
+        return 0
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (not the scheduler's look-aheads) in the hit statistics."""
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += num_hit_tokens
 
+    # ---- allocation ----------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed: ComputedBlocks = ComputedBlocks()) -> list[int] | None:
+                       computed: ComputedBlocks = ComputedBlocks()) -> tuple[BlockTable, ...] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones; take references on the
-        cache hits. Returns the request's whole block table, or None (nothing changed) if blocks ran out."""
+        cache hits. Returns the request's block table per group, or None if blocks ran out: then nothing
+        changed except that window groups may have released blocks no future token can see."""
         entry = self._requests.get(request.request_id)
-        num_held = len(entry.blocks) if entry else 0
-        num_total_tokens = request.num_computed_tokens + computed.num_computed_tokens + num_new_tokens
-        num_new_blocks = self.num_blocks_needed(num_total_tokens) - num_held - len(computed.blocks)
+        num_computed = request.num_computed_tokens + computed.num_computed_tokens
+        if entry is not None:
+            self._release_slid_out(entry, num_computed)
+        num_total_tokens = num_computed + num_new_tokens
+        hits = computed.blocks or ((),) * self.num_groups
+        num_new_blocks = [self.num_blocks_needed(num_total_tokens) - len(hits[g])
+                          - (len(entry[g].blocks) if entry else 0) for g in range(self.num_groups)]
         # Cache hits that nobody references sit in the free queue: touching them uses up free blocks.
-        num_evictable_hits = sum(1 for b in computed.blocks if b.ref_cnt == 0)
-        if max(num_new_blocks, 0) > self.pool.num_free_blocks - num_evictable_hits:
+        num_evictable_hits = sum(1 for group in hits for b in group if b is not None and b.ref_cnt == 0)
+        if sum(max(n, 0) for n in num_new_blocks) > self.pool.num_free_blocks - num_evictable_hits:
             return None
         if entry is None:
-            entry = self._requests[request.request_id] = _RequestBlocks()
-        self.pool.touch(computed.blocks)
-        entry.blocks.extend(computed.blocks)
-        entry.num_cached_blocks += len(computed.blocks)
-        if num_new_blocks > 0:
-            entry.blocks.extend(self.pool.get_new_blocks(num_new_blocks))
+            entry = self._requests[request.request_id] = [_GroupBlocks() for _ in self.group_windows]
+        for group, blocks in enumerate(entry):
+            self.pool.touch(b for b in hits[group] if b is not None)
+            blocks.blocks.extend(hits[group])
+            blocks.num_cached_blocks += len(hits[group])
+            if num_new_blocks[group] > 0:
+                blocks.blocks.extend(self.pool.get_new_blocks(num_new_blocks[group]))
         self._cache_full_blocks(request, entry, num_total_tokens)
-        return [b.block_id for b in entry.blocks]
+        return tuple(self.block_ids(request.request_id, g) for g in range(self.num_groups))
 
-    def _cache_full_blocks(self, request: Request, entry: _RequestBlocks, num_tokens: int) -> None:
+    def _release_slid_out(self, entry: list[_GroupBlocks], next_position: int) -> None:
+        """Window groups: release the blocks wholly before what a token at `next_position` can see."""
+        for group, blocks in enumerate(entry):
+            first = min(self._first_needed_block(group, next_position), len(blocks.blocks))
+            released = [b for b in blocks.blocks[:first] if b is not None]
+            if released:
+                blocks.blocks[:first] = [None] * first
+                self.pool.free_blocks(reversed(released))
+
+    def _cache_full_blocks(self, request: Request, entry: list[_GroupBlocks], num_tokens: int) -> None:
         """Register blocks that will be full once this step's tokens are written (shareable at once)."""
         if not self.enable_caching:
             return
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        if num_full > entry.num_cached_blocks:
-            self.pool.cache_full_blocks(entry.blocks, request.block_hashes, request.all_token_ids,
-                                        entry.num_cached_blocks, num_full)
-            entry.num_cached_blocks = num_full
+        for group, blocks in enumerate(entry):
+            if num_full > blocks.num_cached_blocks:
+                self.pool.cache_full_blocks(blocks.blocks, request.block_hashes, request.all_token_ids,
+                                            blocks.num_cached_blocks, num_full, group)
+                blocks.num_cached_blocks = num_full
 
     def free(self, request: Request) -> None:
-        """Return the request's blocks, tail first (so the tail is evicted before the shared head)."""
+        """Return the request's blocks, each group's tail first (so the tail is evicted before the
+        shared head)."""
         entry = self._requests.pop(request.request_id, None)
         if entry is not None:
-            self.pool.free_blocks(reversed(entry.blocks))
+            for blocks in entry:
+                self.pool.free_blocks(reversed(blocks.blocks))
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
         for entry in self._requests.values():
-            entry.num_cached_blocks = len(entry.blocks)  # never re-register blocks of running requests
+            for blocks in entry:  # never re-register blocks of running requests
+                blocks.num_cached_blocks = len(blocks.blocks)
 
     def check_integrity(self) -> None:
+        """The pool's invariants, every reference held by exactly one live request's table, a block in
+        one group at a time, and no window group holding a block before its request's window."""
         self.pool.check_integrity()
         refs: dict[int, int] = {}
+        owner: dict[int, int] = {}
         for entry in self._requests.values():
-            for block in entry.blocks:
-                refs[block.block_id] = refs.get(block.block_id, 0) + 1
+            for group, blocks in enumerate(entry):
+                for block in blocks.blocks:
+                    if block is None:
+                        continue
+                    refs[block.block_id] = refs.get(block.block_id, 0) + 1
+                    assert owner.setdefault(block.block_id, group) == group, (block, group)
+                    if block.block_hash is not None:
+                        assert block.group == group, (block, group)
         for block in self.pool.blocks:
             assert block.ref_cnt == refs.get(block.block_id, 0), (block, refs.get(block.block_id, 0))
+
+    def num_held_blocks(self, request_id: str, group: int) -> int:
+        """Blocks the request references in `group` (window groups: those not yet released)."""
+        return sum(1 for b in self._requests[request_id][group].blocks if b is not None)
 
     @property
     def num_requests(self) -> int:

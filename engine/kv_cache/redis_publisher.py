@@ -1,6 +1,7 @@
 """Publishing a replica's KV event batches to a Redis stream, off the engine thread.
 
-Layout (the contract with gateway/routing/events_consumer.py, which imports `stream_key`):
+Layout (the contract with gateway/routing/events_consumer.py; both take the key from
+contracts/kv_events.py::stream_key):
 
     aigw:kv:events:{<replica_id>}   STREAM, one entry per EventBatch, capped with XADD MAXLEN ~ N
         fields: seq     the batch's sequence number (gap-free per replica process)
@@ -26,14 +27,10 @@ from typing import Any
 
 import orjson
 
-from engine.kv_cache.events import EventBatch
+from contracts.kv_events import EventBatch, stream_key
 
 log = logging.getLogger("aigw.engine.kv_events")
 _STOP = object()
-
-
-def stream_key(replica_id: str, prefix: str = "aigw") -> str:
-    return f"{prefix}:kv:events:{{{replica_id}}}"
 
 
 class RedisEventPublisher:

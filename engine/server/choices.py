@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from contracts.usage_headers import CACHED_TOKENS_HEADER, PROMPT_TOKENS_HEADER
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.server.fanout import FanOut
 from engine.server.responses import usage
-from engine.usage_headers import CACHED_TOKENS_HEADER, PROMPT_TOKENS_HEADER
 
 
 @dataclass
@@ -58,7 +58,7 @@ def usage_of(states: Sequence[ChoiceState], n: int, with_reasoning: bool = False
 
 
 def prompt_usage_headers(fanout: FanOut, n: int) -> dict[str, str]:
-    """A stream's usage headers (engine/usage_headers.py) from each prompt's first
+    """A stream's usage headers (contracts/usage_headers.py) from each prompt's first
     choice's first output (every choice has yielded once when the stream opens)."""
     firsts = [output for index, output in fanout.first_outputs.items() if index % n == 0]
     return {PROMPT_TOKENS_HEADER: str(sum(o.num_prompt_tokens for o in firsts)),

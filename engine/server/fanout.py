@@ -18,8 +18,8 @@ import asyncio
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
+from contracts.sampling_params import SamplingParams
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 from engine.server.metrics import ReplicaMetrics
 from engine.server.typedefs import ServedEngine
 

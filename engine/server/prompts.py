@@ -27,8 +27,7 @@ import orjson
 from chat.harmony import HarmonyError
 from chat.harmony import render_prompt as render_harmony
 from chat.registry import HERMES, ChatFormat
-from engine.server.errors import ContextLengthExceeded, InvalidRequestError
-from engine.server.protocol import (
+from contracts.replica_protocol import (
     AssistantMessage,
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,6 +35,7 @@ from engine.server.protocol import (
     SystemMessage,
     ToolMessage,
 )
+from engine.server.errors import ContextLengthExceeded, InvalidRequestError
 from engine.server.typedefs import ServedTokenizer
 
 

@@ -20,16 +20,16 @@ from aiohttp import web
 from chat.harmony import load_encoding as load_harmony_encoding
 from chat.output import OutputParser
 from chat.registry import ChatFormat, chat_format_for
+from contracts.output_grammar import OutputGrammar
+from contracts.replica_protocol import ChatCompletionRequest, CompletionRequest, per_choice_params
+from contracts.sampling_params import SamplingParams, SamplingParamsError
 from engine.outputs import PromptTooLongError
-from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.server.errors import ContextLengthExceeded, InvalidRequestError, NotFoundError
 from engine.server.fanout import FanOut, SubRequest
 from engine.server.metrics import ReplicaMetrics
 from engine.server.prompts import ChatPrompt, render_chat_prompt
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest, per_choice_params
 from engine.server.settings import ReplicaServerSettings
 from engine.server.typedefs import ServedEngine
-from engine.structured_output import OutputGrammar
 
 Body = TypeVar("Body", bound=pydantic.BaseModel)
 TRACE_HEADERS = ("traceparent", "tracestate", "baggage")

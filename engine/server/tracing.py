@@ -30,8 +30,8 @@ from aiohttp import web
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from contracts.sampling_params import SamplingParams
 from engine.outputs import FinishReason, PromptTooLongError, RequestOutput
-from engine.sampling_params import SamplingParams
 from engine.server.typedefs import ServedEngine
 from infra.telemetry.settings import TelemetrySettings
 from infra.telemetry.span_buffer import SpanBuffer

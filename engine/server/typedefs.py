@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol
 
+from contracts.output_grammar import OutputGrammar
+from contracts.sampling_params import SamplingParams
 from engine.config import ModelConfig
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.structured_output import OutputGrammar
 
 
 class ServedTokenizer(Protocol):

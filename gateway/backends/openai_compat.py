@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from chat.tokenizer import encode_ids
-from engine.usage_headers import CACHED_TOKENS_HEADER, PROMPT_TOKENS_HEADER
+from contracts.usage_headers import CACHED_TOKENS_HEADER, PROMPT_TOKENS_HEADER
 from gateway.backends.base import Backend
 from gateway.canonical import (
     Accumulator,
@@ -254,7 +254,7 @@ def _rejected(status: int, body: bytes) -> UpstreamRejected:
 
 
 def _announced_prompt(headers: Mapping[str, str]) -> PromptUsage | None:
-    """The prompt usage our replicas announce in a stream's headers (engine/usage_headers.py);
+    """The prompt usage our replicas announce in a stream's headers (contracts/usage_headers.py);
     None from any other upstream (or a malformed value)."""
     prompt_tokens = headers.get(PROMPT_TOKENS_HEADER)
     if prompt_tokens is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.sampling_params import SamplingParams, SamplingParamsError  # pure Python, no torch
+from contracts.sampling_params import SamplingParams, SamplingParamsError  # pure Python, no torch
 from gateway.canonical import CanonicalRequest, Message
 from gateway.errors import BadRequest
 
@@ -164,7 +164,7 @@ _NUM_VALID_SAMPLING_MAX = 4096
 
 
 def check_sampling(request: CanonicalRequest, param_names: dict[str, str] | None = None) -> None:
-    """The replica's own ranges (engine.sampling_params), checked here so that a value the replica
+    """The replica's own ranges (contracts.sampling_params), checked here so that a value the replica
     would refuse (e.g. top_p = 0) is a normal 400 naming its parameter. `param_names` maps the
     canonical field to the dialect's name (e.g. {"stop": "stop_sequences"})."""
     key = (request.temperature, request.top_p, request.top_k, request.max_tokens, request.echo,

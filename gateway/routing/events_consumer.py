@@ -26,8 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from engine.kv_cache.events import KVSnapshot, batch_from_json
-from engine.kv_cache.redis_publisher import stream_key
+from contracts.kv_events import KVSnapshot, batch_from_json, stream_key
 from gateway.endpoints import Endpoint
 from gateway.routing.index import ApplyResult, PrefixIndex
 

@@ -23,7 +23,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from engine.kv_cache.events import AllBlocksCleared, BlockStored, EventBatch, KVEvent, KVSnapshot
+from contracts.kv_events import AllBlocksCleared, BlockStored, EventBatch, KVEvent, KVSnapshot
 
 PERMANENT = 0.0  # the expiry stored for entries written by events
 

@@ -5,8 +5,8 @@
 
 Exactness by construction: `upstream_body` is the JSON the replica backend sends (it carries the
 request's `cache_salt`), and it is parsed and rendered by the replica's own code
-(engine/server/protocol.py + prompts.py: same messages mapping, chat template, tools), then hashed
-with engine/kv_cache/block_hash.py, the shared contract.
+(contracts/replica_protocol.py + prompts.py: same messages mapping, chat template, tools), then hashed
+with contracts/block_hash.py, the shared contract.
 
 Cost (SmolLM2 tokenizer, ~1,640-token agent prompt with 12 tools, one core): about 4.2 ms
 uncached, of which 2.5 ms is BPE encoding. Encoding is therefore cached per *segment*: the
@@ -23,7 +23,7 @@ from collections import OrderedDict
 from typing import Any
 
 from chat.tokenizer import Tokenizer
-from engine.kv_cache.block_hash import hash_blocks
+from contracts.block_hash import hash_blocks
 
 
 class _SegmentCache:
@@ -63,8 +63,8 @@ class PromptHasher:
 
     def token_ids(self, upstream_body: dict[str, Any]) -> list[int]:
         """The prompt token ids the replica computes for this chat or completion body."""
+        from contracts.replica_protocol import ChatCompletionRequest, CompletionRequest
         from engine.server.prompts import chat_template_messages, chat_template_tools
-        from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 
         if "messages" not in upstream_body:
             completion = CompletionRequest.model_validate(upstream_body)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.kv_cache.events import AllBlocksCleared, BlockStored, EventBatch, KVSnapshot
+from contracts.kv_events import AllBlocksCleared, BlockStored, EventBatch, KVSnapshot
 from gateway.routing.index import ApplyResult, PrefixIndex
 
 _CLEAR = """

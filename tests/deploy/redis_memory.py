@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 
 from auth import AuthSettings, open_auth
 from auth.principal import Principal
-from engine.kv_cache.events import BlockStored, EventBatch
+from contracts.kv_events import BlockStored, EventBatch
 from engine.kv_cache.redis_publisher import RedisEventPublisher
 from gateway.metering import Limits, MeteringSettings, ModelPrice, UsageRecord, open_meter
 from tests.redis_server import running_redis_server

@@ -10,12 +10,12 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from contracts.sampling_params import SamplingParams
 from engine.batch import ScheduledBatch
 from engine.engine import LLMEngine
 from engine.kv_cache.manager import KVCacheManager
 from engine.outputs import FinishReason, RequestOutput
 from engine.request import Request
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
 BLOCK_SIZE = 16

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from contracts.sampling_params import SamplingParams
 from engine.engine import LLMEngine
 from engine.outputs import FinishReason
-from engine.sampling_params import SamplingParams
 from tests.engine.conftest import EngineFactory
 from tests.engine.fakes import Completion, assert_idle_and_clean, collect, drive, generate
 

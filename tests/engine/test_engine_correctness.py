@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
+from contracts.sampling_params import SamplingParams
 from engine.batch import ScheduledBatch, ScheduledSequence
 from engine.engine import LLMEngine
 from engine.request import Request
-from engine.sampling_params import SamplingParams
 from tests.engine.fakes import generate
 
 NUM_NEW_TOKENS = 32

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from engine.kv_cache.block_hash import first_block_prefix, hash_block, hash_blocks
-from engine.kv_cache.events import (
+from contracts.block_hash import first_block_prefix, hash_block, hash_blocks
+from contracts.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import torch
 
+from contracts.sampling_params import SamplingParams
 from engine.batch import ScheduledBatch, ScheduledSequence
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import LLMEngine
 from engine.kernels import cpu as native
 from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
 from tests.engine.fakes import assert_idle_and_clean, drive, generate
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="native CPU kernels unavailable here")

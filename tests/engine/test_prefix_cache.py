@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from contracts.kv_events import BlockRemoved, apply_events
+from contracts.sampling_params import SamplingParams
 from engine.engine import LLMEngine
-from engine.kv_cache.events import BlockRemoved, apply_events
-from engine.sampling_params import SamplingParams
 from tests.engine.conftest import EngineFactory
 from tests.engine.fakes import Completion, assert_idle_and_clean, collect, generate
 

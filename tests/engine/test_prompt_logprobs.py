@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
+from contracts.sampling_params import SamplingParams, SamplingParamsError
 from engine.engine import LLMEngine
 from engine.outputs import TokenLogprob
-from engine.sampling_params import SamplingParams, SamplingParamsError
 from tests.engine.conftest import EngineFactory
 
 TEXT = ("The capital of France is Paris. The capital of Germany is Berlin. Rivers run to the sea, "

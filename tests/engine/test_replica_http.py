@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from engine.kv_cache.events import apply_events, batch_from_json
+from contracts.kv_events import apply_events, batch_from_json
 
 BLOCK_SIZE = 16
 KV_CACHE_BYTES = 64 << 20  # 91 blocks of 16 tokens: the context window is bounded to 1,456 tokens

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from contracts.sampling_params import SamplingParams
 from engine.sampler import Sampler, SamplingRow, top_k_top_p_probs
-from engine.sampling_params import SamplingParams
 
 VOCAB = 64
 EOS = 3

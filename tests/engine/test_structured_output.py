@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 import torch
 
+from contracts.output_grammar import OutputGrammar, OutputGrammarError
+from contracts.sampling_params import SamplingParams, SamplingParamsError
 from engine.engine import LLMEngine
 from engine.sampler import Sampler, SamplingRow, apply_token_bitmasks
-from engine.sampling_params import SamplingParams, SamplingParamsError
-from engine.structured_output import OutputGrammar, OutputGrammarError, unpack_bitmask
+from engine.structured_output import unpack_bitmask
 
 PERSON = {
     "type": "object",

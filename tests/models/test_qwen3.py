@@ -10,9 +10,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from contracts.sampling_params import SamplingParams
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
 from tests.engine.fakes import Completion, assert_idle_and_clean, drive, generate
 from tests.models._qwen3 import VARIANTS, TinyCheckpoint, hf_greedy
 

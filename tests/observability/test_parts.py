@@ -13,8 +13,8 @@ from opentelemetry import trace as trace_api
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from contracts.sampling_params import SamplingParams
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 from engine.server.tracing import TracedEngine
 from gateway.metering.contract import UsageRecord
 from gateway.telemetry.observation import RequestObservation, reset_current, set_current

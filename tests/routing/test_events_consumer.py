@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from engine.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
+from contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
 from gateway.breaker import CircuitBreaker
 from gateway.endpoints import Endpoint
 from gateway.routing.events_consumer import ConsumerConfig, ReplicaEventConsumer

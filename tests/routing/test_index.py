@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from engine.kv_cache.events import (
+from contracts.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

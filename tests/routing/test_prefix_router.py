@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from engine.kv_cache.events import BlockStored, EventBatch, KVSnapshot
+from contracts.kv_events import BlockStored, EventBatch, KVSnapshot
 from engine.loader import default_model_path, load_tokenizer
 from gateway.backends.replica import ReplicaBackend
 from gateway.breaker import CircuitBreaker

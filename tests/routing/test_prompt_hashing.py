@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 
 from chat.tokenizer import Tokenizer
-from engine.kv_cache.block_hash import hash_blocks
+from contracts.block_hash import hash_blocks
+from contracts.replica_protocol import ChatCompletionRequest, CompletionRequest
 from engine.loader import default_model_path, load_tokenizer
 from engine.server.prompts import chat_prompt_token_ids, completion_prompts
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.backends.replica import ReplicaBackend
 from gateway.breaker import CircuitBreaker
 from gateway.canonical import CanonicalRequest, Message, Tool, ToolCall

@@ -9,7 +9,7 @@ import random
 
 import redis
 
-from engine.kv_cache.events import KVSnapshot
+from contracts.kv_events import KVSnapshot
 from gateway.routing.redis_index import RedisIndex, hash_key
 from tests.routing.conftest import IndexUnderTest
 

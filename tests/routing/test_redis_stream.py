@@ -7,8 +7,8 @@ import time
 import redis
 import redis.asyncio
 
-from engine.kv_cache.events import BlockStored, KVEventLog
-from engine.kv_cache.redis_publisher import RedisEventPublisher, stream_key
+from contracts.kv_events import BlockStored, KVEventLog, stream_key
+from engine.kv_cache.redis_publisher import RedisEventPublisher
 from gateway.routing.events_consumer import ConsumerConfig, ReplicaEventConsumer
 from tests.routing.conftest import IndexUnderTest
 from tests.routing.test_events_consumer import FakeReplica, Rig

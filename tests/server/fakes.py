@@ -20,9 +20,9 @@ from typing import Any
 
 import orjson
 
+from contracts.sampling_params import SamplingParams
 from engine.config import ModelConfig
 from engine.outputs import FinishReason, PromptTooLongError, RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
 
 SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 IM_START, IM_END, ENDOFTEXT = 256, 257, 258

@@ -171,16 +171,16 @@ def test_output_grammars_are_compiled_off_the_event_loop(http: httpx.Client, mod
     done on the event loop, it would stall every other stream of the replica."""
     import threading
 
-    import engine.structured_output as so
+    import contracts.output_grammar as og
 
     threads: list[str] = []
-    compile_grammar = so._grammar_of
+    compile_grammar = og.grammar_of
 
-    def recording(spec: so.OutputGrammar) -> str:
+    def recording(spec: og.OutputGrammar) -> str:
         threads.append(threading.current_thread().name)
         return compile_grammar(spec)
 
-    monkeypatch.setattr(so, "_grammar_of", recording)  # type: ignore[attr-defined]
+    monkeypatch.setattr(og, "grammar_of", recording)  # type: ignore[attr-defined]
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": schema}}

@@ -117,7 +117,7 @@ def test_a_grammar_the_engine_refuses_when_adding_the_request_is_400(
         stream: bool) -> None:
     """llguidance may refuse a grammar only once it meets the tokenizer, in the engine thread
     (LLMEngine.add_request); AsyncEngine.generate then raises it before the first output."""
-    from engine.structured_output import OutputGrammarError
+    from contracts.output_grammar import OutputGrammarError
 
     async def refusing(*args: Any, **kwargs: Any) -> Any:
         raise OutputGrammarError("output grammar: lexer too complex")
@@ -132,7 +132,7 @@ def test_a_grammar_the_engine_refuses_when_adding_the_request_is_400(
 def test_the_grammar_is_prepared_before_the_request_reaches_the_engine(
         http: httpx.Client, fake_engine: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """The server builds a grammar's parser in its worker thread (a refusal is a 400 there)."""
-    from engine.structured_output import OutputGrammarError
+    from contracts.output_grammar import OutputGrammarError
 
     assert http.post("/v1/chat/completions", json=chat(
         response_format={"type": "json_object"})).status_code == 200

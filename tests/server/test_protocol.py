@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest, per_choice_params
+from contracts.replica_protocol import ChatCompletionRequest, CompletionRequest, per_choice_params
 
 USER = [{"role": "user", "content": "hi"}]
 
