@@ -1,4 +1,5 @@
-"""One middleware: every answer carries x-request-id / x-aigw-replica / x-aigw-overhead-ms, and
+"""One middleware: every answer carries x-request-id / x-aigw-replica (and the gateway's own time,
+for the overhead metric: `pipeline.OVERHEAD_MS`; its header only for admin callers), and
 anything that escaped a handler (unknown route, wrong method, a bug) still answers in the route's
 error envelope, with no traceback. Redis down or not answering, where a key must be read, is a
 503 `store_unavailable` (a key still cached in process keeps working meanwhile)."""
@@ -14,7 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.dialects import AnthropicMessages, OpenAIChat
-from gateway.pipeline import error_response, request_id_of
+from gateway.pipeline import OVERHEAD_MS, error_response, request_id_of
 from gateway.routes import is_anthropic_path
 
 log = logging.getLogger("aigw.gateway")
@@ -37,14 +38,16 @@ async def envelope_middleware(request: web.Request, handler: Handler) -> web.Str
     except Exception:  # noqa: BLE001 - never a traceback to the client
         log.exception("unhandled error on %s %s", request.method, request.path)
         return _error(request, 500, "internal_error", "internal gateway error", started)
-    if not response.prepared and request.content.exception() is not None:
-        # the body could not be read (a Content-Encoding it does not have): the rest of it is
-        # unreadable too, so say this connection closes instead of leaving the client to reuse it
+    if not response.prepared and (request.content.exception() is not None
+                                  or response.status == 408):
+        # the body could not be read (a Content-Encoding it does not have), or did not come in
+        # time: the rest of it is unreadable too, so say this connection closes instead of
+        # leaving the client to reuse it
         response.force_close()
     if not response.prepared and "x-request-id" not in response.headers:
         response.headers["x-request-id"] = request_id_of(request)
         response.headers.setdefault("x-aigw-replica", "none")
-        response.headers["x-aigw-overhead-ms"] = f"{(time.perf_counter() - started) * 1000:.3f}"
+        response[OVERHEAD_MS] = (time.perf_counter() - started) * 1000
     return response
 
 

@@ -94,31 +94,50 @@ def request_ids_of(request: web.Request) -> tuple[str, str]:
     return given, f"{given}/{_fresh_id()}"
 
 
-async def read_json_body(request: web.Request, max_body_bytes: int) -> Any:
-    """The request's JSON body; 413 over the cap, 400 if it is not JSON (infra/json_body.py)."""
+async def read_json_body(request: web.Request, max_body_bytes: int,
+                         timeout_s: float | None = None) -> Any:
+    """The request's JSON body; 413 over the cap, 408 when it does not arrive within
+    `timeout_s`, 400 if it is not JSON (infra/json_body.py)."""
     try:
-        return await read_json(request, max_body_bytes)
+        return await read_json(request, max_body_bytes, timeout_s)
     except BodyError as exc:
         if exc.status == 413:
             raise PayloadTooLarge(exc.message) from exc
+        if exc.status == 408:
+            raise GatewayError(exc.message, status=408, code="request_timeout") from exc
         raise BadRequest(exc.message) from exc
+
+
+# The gateway's own time on a request (ms), for the overhead metric; the `x-aigw-overhead-ms`
+# header shows it only to a caller with the admin scope: its figure moves with what the request
+# found cached or queued in state every tenant shares, a timing side channel for anyone else.
+OVERHEAD_MS = web.ResponseKey("aigw_overhead_ms", float)
 
 
 def error_response(dialect: Dialect, status: int, code: str, message: str, request_id: str,
                    overhead_ms: float, replica: str = "none",
                    headers: dict[str, str] | None = None, param: str | None = None,
-                   error_type: str | None = None) -> web.Response:
+                   error_type: str | None = None, show_overhead: bool = False) -> web.Response:
     body = dialect.error_body(status, code, message, param, error_type)
     response = web.Response(status=status, body=orjson.dumps(body),
                             content_type="application/json", headers=headers)
-    _stamp(response, request_id, replica, overhead_ms)
+    _stamp(response, request_id, replica, overhead_ms, show_overhead)
     return response
 
 
-def _stamp(response: web.StreamResponse, request_id: str, replica: str, overhead_ms: float) -> None:
+def _stamp(response: web.StreamResponse, request_id: str, replica: str, overhead_ms: float,
+           show_overhead: bool) -> None:
     response.headers["x-request-id"] = request_id
     response.headers["x-aigw-replica"] = replica
-    response.headers["x-aigw-overhead-ms"] = f"{overhead_ms:.3f}"
+    response[OVERHEAD_MS] = overhead_ms
+    if show_overhead:
+        response.headers["x-aigw-overhead-ms"] = f"{overhead_ms:.3f}"
+
+
+def may_see_overhead(principal: Principal) -> bool:
+    """Only an operator (the admin scope) reads the gateway's per-request timing (or anyone,
+    with auth off: then the dashboard is open too)."""
+    return Scope.ADMIN.value in principal.scopes
 
 
 CacheSaltOf = Callable[[Principal], "str | None"]
@@ -175,7 +194,8 @@ class Pipeline:
         call it. Raises AuthError or GatewayError."""
         principal = await self.authenticator.authenticate(credential_of(request))
         principal.require(Scope.INVOKE)
-        canonical = parse(await read_json_body(request, self.settings.max_body_bytes), request_id)
+        canonical = parse(await read_json_body(request, self.settings.max_body_bytes,
+                                               self.settings.client_body_timeout_s), request_id)
         principal.require_model(canonical.model)
         route = self.fleet.get(canonical.model)
         if route is None:
@@ -242,8 +262,10 @@ class Pipeline:
 
         if admission.counts_against_limits:
             outcome.settle_before_answer = settle_now
+        outcome.show_overhead = not self.settings.auth_enabled or may_see_overhead(principal)
         try:
-            outcome.explain_route = request.headers.get("x-aigw-debug") == "1"
+            outcome.explain_route = (request.headers.get("x-aigw-debug") == "1"
+                                     and outcome.show_overhead)  # replicas' load: operators
             if canonical.stream:
                 return await self._stream(request, dialect, canonical, route, timing, outcome,
                                           admission.headers)
@@ -255,7 +277,8 @@ class Pipeline:
                 outcome.replica = exc.endpoint_name  # the endpoint that answered with the error
             return error_response(dialect, exc.status, exc.code, exc.message, request_id,
                                   timing.overhead_ms(), outcome.replica, headers=admission.headers,
-                                  param=exc.param, error_type=exc.error_type)
+                                  param=exc.param, error_type=exc.error_type,
+                                  show_overhead=outcome.show_overhead)
         except asyncio.CancelledError:  # the client went away while we waited
             outcome.status = STATUS_CLIENT_CLOSED
             raise
@@ -288,6 +311,10 @@ class Pipeline:
         else:
             await self._settle(admission, record())
 
+    async def settle(self, admission: Admission, record: Any) -> None:
+        """Settle now (for a route outside `handle`, e.g. count_tokens); never raises."""
+        await self._settle(admission, record)
+
     async def _settle(self, admission: Admission, record: Any) -> None:
         try:
             await self.meter.settle(admission, record)
@@ -317,7 +344,8 @@ class Pipeline:
             await outcome.settle_before_answer()
         body = orjson.dumps(dialect.render(canonical, outcome.accumulator.response()))
         response = web.Response(body=body, content_type="application/json", headers=extra_headers)
-        _stamp(response, canonical.request_id, outcome.replica, timing.overhead_ms())
+        _stamp(response, canonical.request_id, outcome.replica, timing.overhead_ms(),
+               outcome.show_overhead)
         self._explain_route(response, canonical, outcome)
         if self._extra_stamp is not None:
             self._extra_stamp(response)
@@ -330,7 +358,8 @@ class Pipeline:
 
     def _explain_route(self, response: web.StreamResponse, canonical: CanonicalRequest,
                        outcome: _Outcome) -> None:
-        """`x-aigw-debug: 1` asks for the routing decision: matched blocks and scores per replica."""
+        """`x-aigw-debug: 1` asks for the routing decision: matched blocks and scores per replica
+        (for an admin caller: the scores show every replica's load)."""
         if outcome.explain_route:
             response.headers["x-aigw-route"] = self.router.explain(canonical.request_id) or "no decision"
 
@@ -362,7 +391,8 @@ class Pipeline:
         encoder = dialect.encoder(canonical)
         response = web.StreamResponse(headers={**_SSE_HEADERS, **extra_headers})
         try:
-            _stamp(response, canonical.request_id, outcome.replica, timing.overhead_ms())
+            _stamp(response, canonical.request_id, outcome.replica, timing.overhead_ms(),
+                   outcome.show_overhead)
             self._explain_route(response, canonical, outcome)
             if self._extra_stamp is not None:
                 self._extra_stamp(response)
@@ -419,7 +449,7 @@ def _after_start(exc: BaseException, settings: GatewaySettings) -> UpstreamError
 
 class _Outcome:
     __slots__ = ("accumulator", "endpoint", "explain_route", "num_prompt_tokens", "replica",
-                 "settle_before_answer", "settled", "status")
+                 "settle_before_answer", "settled", "show_overhead", "status")
 
     def __init__(self) -> None:
         self.accumulator = Accumulator()
@@ -430,6 +460,7 @@ class _Outcome:
         self.explain_route = False
         self.settle_before_answer: Callable[[], Awaitable[None]] | None = None  # limited requests
         self.settled = False
+        self.show_overhead = False  # x-aigw-overhead-ms: admin callers only
 
     def needs_prompt_count(self) -> bool:
         """An endpoint answered (so it processed the prompt) but no usage arrived, not even the

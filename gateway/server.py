@@ -3,7 +3,8 @@
 Drain: /health turns 503 and new requests get 503 `draining`, the listening socket closes, and
 in-flight requests get up to `settings.drain_timeout_s` to finish (aiohttp's shutdown_timeout)
 before the cleanup contexts close the upstream sessions and the auth/metering stores.
-With `--workers N`, N such processes share the port through SO_REUSEPORT.
+With `--workers N`, N such processes share the port through SO_REUSEPORT. Every connection must
+send a request's headers within `client_header_timeout_s` (infra/http_server.py).
 """
 
 from __future__ import annotations
@@ -19,14 +20,17 @@ from aiohttp import web
 from gateway.keys import PIPELINE
 from gateway.services import create_served_app
 from gateway.settings import GatewaySettings
+from infra.http_server import GuardedAppRunner
 
 log = logging.getLogger("aigw.gateway")
 
 
 async def serve(settings: GatewaySettings, *, reuse_port: bool = False) -> None:
     app = await create_served_app(settings)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=settings.drain_timeout_s)
+    runner = GuardedAppRunner(app, header_timeout_s=settings.client_header_timeout_s,
+                              keepalive_timeout=settings.keepalive_timeout_s,
+                              handler_cancellation=True, access_log=None,
+                              shutdown_timeout=settings.drain_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, reuse_port=reuse_port, backlog=2048)
     await site.start()

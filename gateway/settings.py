@@ -123,6 +123,21 @@ class GatewaySettings(BaseSettings):
     redis_url: str | None = None
     data_dir: Path = Path(".aigw")
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    # Slow clients: a request's headers must all arrive within this from its first byte (else
+    # 408 and the connection closes), and its body within client_body_timeout_s (else 408 in
+    # the route's envelope). Idle keep-alive connections close after keepalive_timeout_s.
+    client_header_timeout_s: float = Field(10.0, gt=0)
+    client_body_timeout_s: float = Field(60.0, gt=0)
+    keepalive_timeout_s: float = Field(75.0, gt=0)
+    # The prompt-segment token cache of the prefix router and token counts (per tokenizer; keyed
+    # by the request's cache salt), bounded in bytes of segment text and token ids.
+    prompt_segment_cache_max_bytes: int = Field(32 * 1024 * 1024, ge=0)
+    # /metrics: series labelled with a project (tokens, cost, requests per project) are served
+    # only to a caller with `Authorization: Bearer <metrics_token>` or an admin-scoped key, unless
+    # metrics_public is true (every series to anyone: one tenant, or /metrics filtered upstream).
+    # Without the credential, those series are summed over projects.
+    metrics_token: str | None = Field(default=None, repr=False)
+    metrics_public: bool = False
     default_max_tokens: int = Field(1024, gt=0)  # admission reserve when the client sets none
     limits: LimitDefaults = LimitDefaults()  # each project without its own entry below
     key_limits: LimitDefaults = LimitDefaults()  # each key alone, without its own entry below
@@ -145,11 +160,19 @@ class GatewaySettings(BaseSettings):
     # Endpoint health
     health_interval_s: float = Field(5.0, gt=0)
     health_timeout_s: float = Field(2.0, gt=0)
+    # /health answers 503 "unready" once a model has had no endpoint that can serve for this long
+    # (before that, and with some endpoints down, 200 "degraded"); GET /health/live stays 200
+    unready_after_s: float = Field(30.0, gt=0)
     num_failures_to_eject: int = Field(3, gt=0)  # consecutive failures that open the breaker
     ejection_s: float = Field(10.0, gt=0)  # open -> half-open after this long
     drain_timeout_s: float = Field(30.0, ge=0)  # SIGTERM: finish in-flight within this
     # "auto": "prefix" for replica models with >= 2 endpoints, else "least_outstanding"
     router: Literal["least_outstanding", "prefix", "auto"] = "auto"
+    # The credential sent to every `replica` endpoint (`Authorization: Bearer`, on generate, KV
+    # events, /v1/models, health and metrics calls); the replicas read the same AIGW_REPLICA_SECRET
+    # (or AIGW_REPLICA_SECRET_FILE). A model's own `api_key` wins. Embedded replicas: generated.
+    replica_secret: str | None = Field(default=None, repr=False)
+    replica_secret_file: Path | None = None  # a file holding it (a mounted Kubernetes Secret)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings],
@@ -166,6 +189,18 @@ class GatewaySettings(BaseSettings):
         from infra.redis_client import check_redis_url
 
         return check_redis_url(value) if value else value  # unset or empty: no Redis
+
+    def read_replica_secret(self) -> str | None:
+        """`replica_secret`, else the content of `replica_secret_file` (one trailing newline
+        dropped), else None. OSError for an unreadable file, ValueError for an empty one."""
+        if self.replica_secret:
+            return self.replica_secret
+        if self.replica_secret_file is None:
+            return None
+        value = self.replica_secret_file.read_text(encoding="utf-8").removesuffix("\n")
+        if not value.removesuffix("\r"):
+            raise ValueError(f"replica_secret_file {str(self.replica_secret_file)!r} is empty")
+        return value.removesuffix("\r")
 
     def find_model(self, name: str) -> ModelSettings | None:
         for model in self.models:

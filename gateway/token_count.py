@@ -2,12 +2,17 @@
 
     {"model": ..., "system": ..., "messages": [...], "tools": [...]}  ->  {"input_tokens": N}
 
-The same checks as a Messages request before it is admitted (`Pipeline.authorize`: credential,
-invoke scope, body cap, the dialect's validation, the model exists and the key may call it), then
-the model's backend
-counts (`Backend.count_prompt_tokens`, off the event loop): a replica model exactly as the replica
-will (its chat template, tools and tokenizer), an OpenAI-compatible one with its configured
-tokenizer or the ~4-characters-a-token estimate. Nothing is metered and no upstream is called.
+The same checks and limits as a Messages request (`Pipeline.authorize`: credential, invoke
+scope, body cap and body timeout, the dialect's validation, the model exists and the key may
+call it; then the meter's admission, so requests-per-minute and tokens-per-minute limits apply,
+with a reservation of the prompt's estimate and no completion), then the model's backend counts
+(`Backend.count_prompt_tokens`, off the event loop): a replica model exactly as the replica will
+(its chat template, tools and tokenizer, with the caller's cache salt: the segment cache it
+warms is the caller's own), an OpenAI-compatible one with its configured tokenizer or the
+~4-characters-a-token estimate. A prompt whose length alone proves it cannot fit the model's
+context is refused (400 `context_length_exceeded`) without being encoded. No upstream is called;
+the request settles one usage record with no tokens and no cost (so usage shows the calls, and
+the reservation is released before the answer).
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ import pydantic
 from aiohttp import web
 
 from auth.principal import AuthError
+from gateway.canonical import estimate_prompt_tokens
 from gateway.dialects.anthropic_messages import AnthropicMessages
-from gateway.errors import GatewayError, ModelNotFound
-from gateway.pipeline import Pipeline, error_response, request_id_of
+from gateway.errors import BadRequest, GatewayError, ModelNotFound
+from gateway.metering.contract import RateLimited, ReservationTooLarge, UsageRecord
+from gateway.pipeline import Pipeline, error_response, request_ids_of
 
 log = logging.getLogger("aigw.gateway")
 
@@ -30,28 +37,59 @@ log = logging.getLogger("aigw.gateway")
 async def count_tokens(request: web.Request, pipeline: Pipeline, dialect: AnthropicMessages
                        ) -> web.Response:
     started = time.perf_counter()
-    request_id = request_id_of(request)
+    request_id, usage_id = request_ids_of(request)
 
-    def failed(status: int, code: str, message: str) -> web.Response:
+    def failed(status: int, code: str, message: str,
+               headers: dict[str, str] | None = None) -> web.Response:
         return error_response(dialect, status, code, message, request_id,
-                              (time.perf_counter() - started) * 1000.0)
+                              (time.perf_counter() - started) * 1000.0, headers=headers)
 
     try:
-        canonical, _, route = await pipeline.authorize(request, dialect.parse_count_tokens,
-                                                       request_id)
+        if pipeline.draining:
+            raise GatewayError("the gateway is shutting down", status=503, code="draining")
+        canonical, principal, route = await pipeline.authorize(request, dialect.parse_count_tokens,
+                                                               request_id)
         if not route.endpoints:
             raise ModelNotFound(f"the model {canonical.model!r} has no endpoint")
-        num_tokens = await asyncio.to_thread(route.backend.count_prompt_tokens, canonical,
-                                             route.endpoints[0])
+        canonical.project = principal.project
+        canonical.cache_salt = pipeline.cache_salt_of(principal)
+        try:
+            admission = await pipeline.meter.admit(usage_id, principal, canonical.model,
+                                                   estimate_prompt_tokens(canonical), 0)
+        except ReservationTooLarge as exc:
+            raise BadRequest(exc.message) from exc
     except AuthError as exc:
         return failed(exc.status, exc.code, exc.message)
     except GatewayError as exc:
         return failed(exc.status, exc.code, exc.message)
+    except RateLimited as exc:
+        return failed(429, "rate_limit_exceeded", exc.message, exc.headers)
+    answer: web.Response | None = None
+    status = 400
+    try:
+        num_tokens = await asyncio.to_thread(route.backend.count_prompt_tokens, canonical,
+                                             route.endpoints[0])
+        status = 200
     except pydantic.ValidationError as exc:  # the replica's own checks (e.g. tool_choice needs tools)
-        return failed(400, "invalid_request", exc.errors()[0]["msg"].removeprefix("Value error, "))
-    except Exception as exc:  # noqa: BLE001 - e.g. a chat template that rejects this conversation
-        log.warning("count_tokens %s could not render the prompt: %r", request_id, exc)
-        return failed(400, "invalid_request", f"the prompt cannot be rendered for this model: {exc}")
-    response = web.json_response({"input_tokens": num_tokens})
+        answer = failed(400, "invalid_request",
+                        exc.errors()[0]["msg"].removeprefix("Value error, "))
+    except Exception as exc:  # noqa: BLE001 - over the context, or a template that refuses it
+        code = getattr(exc, "code", None)
+        if code == "context_length_exceeded":
+            answer = failed(400, code, str(exc))
+        else:
+            log.warning("count_tokens %s could not render the prompt: %r", request_id, exc)
+            answer = failed(400, "invalid_request",
+                            f"the prompt cannot be rendered for this model: {exc}")
+    finally:
+        record = UsageRecord(
+            request_id=usage_id, project=principal.project, key_id=principal.key_id,
+            model=route.settings.name, endpoint="", prompt_tokens=0, cached_tokens=0,
+            completion_tokens=0, cost_usd=0.0, latency_ms=(time.perf_counter() - started) * 1000,
+            status=status if answer is None else answer.status, created_at=time.time())
+        await asyncio.shield(pipeline.settle(admission, record))
+    if answer is not None:
+        return answer
+    response = web.json_response({"input_tokens": num_tokens}, headers=admission.headers)
     response.headers["x-request-id"] = request_id
     return response

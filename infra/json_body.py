@@ -1,9 +1,11 @@
 """The one way a request's JSON body is read, on every route of the gateway and the admin API.
 
-    body = await read_json(request, max_body_bytes)   # raises BodyError(413 or 400)
+    body = await read_json(request, max_body_bytes, timeout_s)   # raises BodyError
 
-Bounded three ways: the body's bytes (`max_body_bytes`, checked against Content-Length first and
-then against what was read, for a chunked body), its nesting (orjson stops at 1,024 levels, where
+Bounded four ways: the time it takes to arrive (`timeout_s`: a client that sends its headers and
+then trickles, or stops, is answered 408 instead of holding the handler forever), its bytes
+(`max_body_bytes`, checked against Content-Length first and then against what was read, for a
+chunked body), its nesting (orjson stops at 1,024 levels, where
 the standard library's parser recursed until RecursionError: a 500), and its numbers (orjson
 refuses a number beyond a double's range, where `json.loads` made a 400-digit int that later
 overflowed `float()`). Bytes that are not UTF-8 and a Content-Encoding the body does not have
@@ -12,6 +14,7 @@ are 400s. Callers map `BodyError` onto their own error envelope.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -20,7 +23,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 
 class BodyError(ValueError):
-    """`status` 413 (too large) or 400 (not JSON, not decodable)."""
+    """`status` 413 (too large), 408 (too slow) or 400 (not JSON, not decodable)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -28,12 +31,17 @@ class BodyError(ValueError):
         self.message = message
 
 
-async def read_json(request: web.Request, max_body_bytes: int) -> Any:
-    """The request's JSON body (raises BodyError)."""
+async def read_json(request: web.Request, max_body_bytes: int,
+                    timeout_s: float | None = None) -> Any:
+    """The request's JSON body, read within `timeout_s` (None: no bound); raises BodyError
+    (408 for a body that did not arrive in time)."""
     if (request.content_length or 0) > max_body_bytes:
         raise BodyError(413, f"body over {max_body_bytes} bytes")
     try:
-        raw = await _read_at_most(request, max_body_bytes)
+        async with asyncio.timeout(timeout_s):
+            raw = await _read_at_most(request, max_body_bytes)
+    except TimeoutError as exc:
+        raise BodyError(408, f"the request body did not arrive within {timeout_s:g}s") from exc
     except web.HTTPRequestEntityTooLarge as exc:  # over the app's own client_max_size
         raise BodyError(413, f"body over {max_body_bytes} bytes") from exc
     except RequestPayloadError as exc:  # e.g. a Content-Encoding: gzip body that is not gzip

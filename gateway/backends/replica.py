@@ -1,6 +1,9 @@
 """Our engine replicas: OpenAI-compatible HTTP plus the request's `cache_salt`,
 `continue_final_message` (Anthropic prefill) and /metrics load.
 
+Every call carries the replica credential (`Endpoint.auth_headers`: GatewaySettings.replica_secret,
+which the replicas check, engine/server/middlewares.py).
+
 `cache_salt` (decided once per request by auth.cache_salt.cache_salt_for: per project by default)
 keeps one tenant's prefix cache invisible to another (a timing side channel otherwise);
 `ModelSettings.share_cache_across_projects = true` drops it for that model. Load is parsed from
@@ -9,7 +12,6 @@ the replica's Prometheus text defensively: any gauge whose name ends in one of t
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
 from gateway.backends.openai_compat import OpenAICompatBackend
@@ -41,9 +43,12 @@ class ReplicaBackend(OpenAICompatBackend):
         code (chat template, tools) and encoded with its tokenizer, found the way the prefix
         router finds it (gateway/routing/prompt_hashing.py, prefix_router.tokenizer_path)."""
         from gateway.routing.prefix_router import tokenizer_path
+        from gateway.routing.prompt_hashing import shared_prompt_hasher
 
         body = self.upstream_body(request, endpoint)
-        return len(_prompt_hasher(tokenizer_path(endpoint)).token_ids(body))
+        hasher = shared_prompt_hasher(tokenizer_path(endpoint),
+                                      self.settings.prompt_segment_cache_max_bytes)
+        return len(hasher.token_ids(body, endpoint.context_length))
 
     async def health(self, endpoint: Endpoint) -> bool:
         return await self._get_status(endpoint, "/health") == 200
@@ -51,7 +56,8 @@ class ReplicaBackend(OpenAICompatBackend):
     async def load(self, endpoint: Endpoint) -> EndpointLoad | None:
         try:
             response = await self.transport.send(UpstreamRequest(
-                "GET", endpoint.url + "/metrics", connect_timeout_s=self.settings.health_timeout_s))
+                "GET", endpoint.url + "/metrics", headers=dict(endpoint.auth_headers),
+                connect_timeout_s=self.settings.health_timeout_s))
             try:
                 text = (await response.read()).decode("utf-8", "replace")
                 return parse_load(text) if response.status == 200 else None
@@ -59,14 +65,6 @@ class ReplicaBackend(OpenAICompatBackend):
                 response.close()
         except Exception:  # noqa: BLE001 - must not raise
             return None
-
-
-@lru_cache(maxsize=8)
-def _prompt_hasher(path: str) -> Any:
-    from engine.loader import load_tokenizer
-    from gateway.routing.prompt_hashing import PromptHasher
-
-    return PromptHasher(load_tokenizer(path))
 
 
 def parse_load(metrics_text: str) -> EndpointLoad | None:

@@ -29,6 +29,9 @@ def create_router(name: str, settings: GatewaySettings | None = None) -> Router:
     if name == "prefix":
         from gateway.routing.prefix_router import PrefixRouter, PrefixRouterConfig
 
-        redis_url = settings.redis_url if settings is not None else None
-        return PrefixRouter(PrefixRouterConfig(redis_url=redis_url))
+        if settings is None:
+            return PrefixRouter(PrefixRouterConfig())
+        return PrefixRouter(PrefixRouterConfig(
+            redis_url=settings.redis_url,
+            segment_cache_max_bytes=settings.prompt_segment_cache_max_bytes))
     raise ValueError(f"unknown router {name!r} (known: {', '.join(ROUTER_NAMES)})")

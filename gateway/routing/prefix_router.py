@@ -53,6 +53,7 @@ class PrefixRouterConfig:
     hash_off_loop_min_chars: int = 2_000  # prompts this long are hashed in a worker thread
     max_sessions: int = 65_536
     max_explanations: int = 1_024
+    segment_cache_max_bytes: int = 32 * 1024 * 1024  # the prompt hasher's (prompt_hashing.py)
 
     def __post_init__(self) -> None:
         if self.tentative_ttl_s <= 0 or self.hash_off_loop_min_chars < 0:
@@ -248,10 +249,10 @@ class PrefixRouter(Router):
     def _hash_sync(self, path: str, body: dict[str, Any], model_id: str, block_size: int) -> list[int]:
         hasher = self._hashers.get(path)
         if hasher is None:
-            from engine.loader import load_tokenizer
-            from gateway.routing.prompt_hashing import PromptHasher
+            from gateway.routing.prompt_hashing import shared_prompt_hasher
 
-            hasher = self._hashers[path] = PromptHasher(load_tokenizer(path))
+            hasher = self._hashers[path] = shared_prompt_hasher(
+                path, self.config.segment_cache_max_bytes)
         return hasher.block_hashes(body, model_id, block_size)
 
     def _record(self, request: CanonicalRequest, chosen: Endpoint, hashes: list[int],
@@ -303,6 +304,6 @@ def _resolve_tokenizer_path(configured: str | None) -> str:
     if configured:
         path = Path(configured)
         return str(path.parent if path.suffix == ".json" else path)
-    from engine.loader import default_model_path
+    from contracts.default_model import default_model_path
 
     return str(default_model_path())

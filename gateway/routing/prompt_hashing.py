@@ -12,97 +12,113 @@ Cost (SmolLM2 tokenizer, ~1,640-token agent prompt with 12 tools, one core): abo
 uncached, of which 2.5 ms is BPE encoding. Encoding is therefore cached per *segment*: the
 rendered text is cut after every special token (`<|im_end|>` ...); the tokenizer matches added
 special tokens before the BPE model runs, so segments encode independently and an agent loop's
-resent system+tools segment is a cache hit. See tests/routing/test_prompt_hashing.py for the
-exactness check and the report for measured figures.
+resent system+tools segment is a cache hit (for the same tenant: the cache is keyed by the
+body's `cache_salt` and bounded in bytes, see `PromptHasher`). See
+tests/routing/test_prompt_hashing.py for the exactness check and the report for measured figures.
 """
 
 from __future__ import annotations
 
+import array
+import functools
 import re
-from collections import OrderedDict
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 from chat.tokenizer import Tokenizer
 from contracts.block_hash import hash_blocks
+from infra.byte_lru import ByteLRU, str_bytes
+
+DEFAULT_SEGMENT_CACHE_MAX_BYTES = 32 * 1024 * 1024
+_MAX_SEGMENT_BYTES_FRACTION = 8  # one segment takes at most 1/8 of the cache
 
 
-class _SegmentCache:
-    def __init__(self, max_entries: int) -> None:
-        self.max_entries = max_entries
-        self.num_hits = 0
-        self.num_misses = 0
-        self._entries: OrderedDict[str, list[int]] = OrderedDict()
+@functools.lru_cache(maxsize=8)
+def shared_prompt_hasher(path: str, segment_cache_max_bytes: int) -> PromptHasher:
+    """The one hasher (and so the one segment cache) of a tokenizer, shared by the prefix router
+    and the replica backend's token counts."""
+    from chat.tokenizer import load_tokenizer
 
-    def get(self, text: str) -> list[int] | None:
-        ids = self._entries.get(text)
-        if ids is None:
-            self.num_misses += 1
-            return None
-        self.num_hits += 1
-        self._entries.move_to_end(text)
-        return ids
-
-    def put(self, text: str, ids: list[int]) -> None:
-        self._entries[text] = ids
-        if len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+    return PromptHasher(load_tokenizer(path), segment_cache_max_bytes=segment_cache_max_bytes)
 
 
 class PromptHasher:
     """Thread-safe enough for one worker thread at a time (the segment cache is an OrderedDict
-    guarded by the GIL; a lost update only costs a cache miss). CPU-bound: call off the loop."""
+    guarded by the GIL; a lost update only costs a cache miss). CPU-bound: call off the loop.
 
-    def __init__(self, tokenizer: Tokenizer, max_cached_segments: int = 4096,
+    The segment cache is bounded in bytes (segment text + its ids, packed 4 bytes a token,
+    `segment_cache_max_bytes`; one segment at most an eighth of it) and keyed by (cache_salt, segment): what one tenant's
+    requests warm is never a hit, nor a timing difference, for another's."""
+
+    def __init__(self, tokenizer: Tokenizer,
+                 segment_cache_max_bytes: int = DEFAULT_SEGMENT_CACHE_MAX_BYTES,
                  min_cached_segment_chars: int = 256) -> None:
         self.tokenizer = tokenizer
         self.min_cached_segment_chars = min_cached_segment_chars
-        self.segments = _SegmentCache(max_cached_segments)
+        self.segments: ByteLRU[tuple[str | None, str], array.array[int]] = ByteLRU(
+            segment_cache_max_bytes, segment_cache_max_bytes // _MAX_SEGMENT_BYTES_FRACTION)
         specials = sorted({t for t in tokenizer.convert_ids_to_tokens(sorted(tokenizer.special_token_ids))
                            if t}, key=len, reverse=True)
         self._split = re.compile("|".join(map(re.escape, specials))) if specials else None
 
-    def token_ids(self, upstream_body: dict[str, Any]) -> list[int]:
-        """The prompt token ids the replica computes for this chat or completion body."""
+    def token_ids(self, upstream_body: dict[str, Any], max_model_len: int | None = None
+                  ) -> list[int]:
+        """The prompt token ids the replica computes for this chat or completion body. Given
+        `max_model_len`, a prompt whose length alone proves it cannot fit is refused before it
+        is encoded, as the replica refuses it (contracts.replica_errors.ContextLengthExceeded)."""
+        from contracts.replica_prompts import (
+            chat_template_messages,
+            chat_template_tools,
+            refuse_surely_too_long,
+        )
         from contracts.replica_protocol import ChatCompletionRequest, CompletionRequest
-        from engine.server.prompts import chat_template_messages, chat_template_tools
 
         if "messages" not in upstream_body:
             completion = CompletionRequest.model_validate(upstream_body)
             prompt = completion.prompt
             text = prompt if isinstance(prompt, str) else next(
                 (p for p in prompt if isinstance(p, str)), None)
+            served: Any = self.tokenizer
             if text is None:
-                from engine.server.prompts import completion_prompts
+                from contracts.replica_prompts import completion_prompts
 
-                served: Any = self.tokenizer
                 return completion_prompts(completion, served, self.tokenizer.vocab_size)[0]
+            refuse_surely_too_long(text, served, None, max_model_len, "prompt")
             return self.tokenizer.encode(text, add_special_tokens=True)
         chat = ChatCompletionRequest.model_validate(upstream_body)
         text = self.tokenizer.apply_chat_template(
             chat_template_messages(chat), tools=chat_template_tools(chat),
             add_generation_prompt=True, continue_final_message=chat.continue_final_message)
-        return self.encode_segmented(text)
+        refuse_surely_too_long(text, self.tokenizer, None, max_model_len,  # type: ignore[arg-type]
+                               "messages")
+        salt = upstream_body.get("cache_salt")
+        return self.encode_segmented(text, salt if isinstance(salt, str) else None)
 
-    def encode_segmented(self, text: str) -> list[int]:
-        """`tokenizer.encode(text)`, computed segment by segment with a cache."""
+    def encode_segmented(self, text: str, salt: str | None = None) -> list[int]:
+        """`tokenizer.encode(text)`, computed segment by segment with a cache of `salt`'s own."""
         if self._split is None:
             return self.tokenizer.encode(text)
         ids: list[int] = []
         start = 0
         for match in self._split.finditer(text):
-            ids += self._encode_segment(text[start:match.end()])
+            ids += self._encode_segment(text[start:match.end()], salt)
             start = match.end()
         if start < len(text):
-            ids += self._encode_segment(text[start:])
+            ids += self._encode_segment(text[start:], salt)
         return ids
 
-    def _encode_segment(self, segment: str) -> list[int]:
+    def _encode_segment(self, segment: str, salt: str | None) -> Sequence[int]:
         if len(segment) < self.min_cached_segment_chars:
             return self.tokenizer.encode(segment)
-        ids = self.segments.get(segment)
-        if ids is None:
-            ids = self.tokenizer.encode(segment)
-            self.segments.put(segment, ids)
+        key = (salt, segment)
+        cached = self.segments.get(key)
+        if cached is not None:
+            return cached
+        ids = self.tokenizer.encode(segment)
+        packed = array.array("i", ids)  # 4 bytes a token, where a list of ints holds 36
+        self.segments.put(key, packed, str_bytes(segment) + sys.getsizeof(packed)
+                          + (str_bytes(salt) if salt else 0))
         return ids
 
     def block_hashes(self, upstream_body: dict[str, Any], model_id: str, block_size: int) -> list[int]:

@@ -25,6 +25,7 @@ from aiohttp.typedefs import Handler, Middleware
 from opentelemetry import trace as trace_api
 from opentelemetry.trace import SpanContext, TraceFlags
 
+from gateway.pipeline import OVERHEAD_MS
 from gateway.telemetry.observation import RequestObservation, reset_current, set_current
 from gateway.telemetry.recent import LatencySample
 from gateway.telemetry.request_trace import RequestTrace, TraceOrigin
@@ -161,13 +162,10 @@ def _finish(telemetry: Telemetry, route: str, status: int, observation: RequestO
     metrics.requests_of(route, str(status), model, project).inc()
     metrics.duration_of(route, model).observe(latency_s)
     overhead_s = None
-    header = response.headers.get("x-aigw-overhead-ms") if response is not None else None
-    if header:
-        try:
-            overhead_s = float(header) / 1000.0
-            metrics.overhead_of(route).observe(overhead_s)
-        except ValueError:
-            pass
+    overhead_ms = response.get(OVERHEAD_MS) if response is not None else None
+    if overhead_ms is not None:
+        overhead_s = overhead_ms / 1000.0
+        metrics.overhead_of(route).observe(overhead_s)
     ttft_s = None
     if record is not None and record.stream and observation.first_upstream_line_at is not None:
         ttft_s = observation.first_upstream_line_at - observation.started

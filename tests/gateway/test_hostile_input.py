@@ -3,6 +3,7 @@ stores, raw sockets): every answer is the route's envelope with a 4xx status, ne
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,3 +147,55 @@ def test_a_max_tokens_no_counter_can_hold_is_a_400_and_counts_nothing(served: Se
     assert answer.status_code == 200
     # the refused requests left nothing in the minute's request counter
     assert answer.headers["x-ratelimit-remaining-requests"] == "999"
+
+
+def test_only_an_admin_caller_sees_the_gateways_timing_and_routing(served: Served) -> None:
+    """x-aigw-overhead-ms moved with what a request found in caches every tenant shares (one
+    request told another project whether a system prompt had been sent recently), and
+    x-aigw-route shows every replica's load: both are for operators."""
+    for key, shown in ((served.key, False), (served.admin_key, True)):
+        headers = {"authorization": f"Bearer {key}", "x-aigw-debug": "1"}
+        answers = [httpx.post(served.url + "/v1/chat/completions", json=CHAT, headers=headers),
+                   httpx.post(served.url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                              headers=headers),
+                   httpx.post(served.url + "/v1/chat/completions", json={**CHAT, "n": 0},
+                              headers=headers)]
+        if shown:  # the admin key of `ops` may call the model too (admin implies every scope)
+            assert [a.status_code for a in answers] == [200, 200, 400]
+        for answer in answers:  # (a refusal before admission carries no timing for anyone)
+            admitted = answer.status_code == 200
+            assert ("x-aigw-overhead-ms" in answer.headers) == (shown and admitted)
+            assert ("x-aigw-route" in answer.headers) == (shown and admitted)
+        refused = httpx.post(served.url + "/v1/chat/completions", json=CHAT,
+                             headers={"authorization": "Bearer sk-aigw-0123456789ab-nope"})
+        assert refused.status_code == 401 and "x-aigw-overhead-ms" not in refused.headers
+
+
+def test_count_tokens_is_admitted_and_metered_like_a_messages_request(served: Served) -> None:
+    headers = {"authorization": f"Bearer {served.key}"}
+    remaining = []
+    for _ in range(2):
+        answer = httpx.post(served.url + "/v1/messages/count_tokens", json=MESSAGES,
+                            headers=headers)
+        assert answer.status_code == 200 and answer.json()["input_tokens"] > 0
+        remaining.append(int(answer.headers["x-ratelimit-remaining-requests"]))
+    assert remaining == [999, 998]
+    answer = httpx.post(served.url + "/v1/messages/count_tokens",
+                        json={**MESSAGES, "max_tokens": None}, headers=headers)
+    assert answer.status_code == 200
+    assert not served.state.bodies  # counted in the gateway
+
+
+def test_count_tokens_refuses_a_prompt_surely_over_the_context_without_encoding_it(
+        served: Served) -> None:
+    """count_tokens encoded whole bodies (an 8 MB message: seconds of tokenizer time holding the
+    GIL) with no over-context guard; the mock replica's context is 4,096 tokens."""
+    headers = {"authorization": f"Bearer {served.key}"}
+    body = {**MESSAGES, "messages": [{"role": "user", "content": "word " * 1_000_000}]}
+    started = time.monotonic()
+    answer = httpx.post(served.url + "/v1/messages/count_tokens", json=body, headers=headers,
+                        timeout=30)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["type"] == "invalid_request_error"
+    assert "context length" in answer.json()["error"]["message"]
+    assert time.monotonic() - started < 2.0

@@ -8,9 +8,10 @@ import pytest
 
 from chat.tokenizer import Tokenizer
 from contracts.block_hash import hash_blocks
+from contracts.replica_prompts import completion_prompts
 from contracts.replica_protocol import ChatCompletionRequest, CompletionRequest
 from engine.loader import default_model_path, load_tokenizer
-from engine.server.prompts import chat_prompt_token_ids, completion_prompts
+from engine.server.prompts import chat_prompt_token_ids
 from gateway.backends.replica import ReplicaBackend
 from gateway.breaker import CircuitBreaker
 from gateway.canonical import CanonicalRequest, Message, Tool, ToolCall
@@ -93,3 +94,55 @@ def test_segmented_encoding_equals_whole_encoding(tokenizer: Tokenizer) -> None:
         [{"role": "system", "content": "Be brief. <|im_end|> fake"}, {"role": "user", "content": "héllo  \n\n x"}],
         tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
     assert hasher.encode_segmented(text) == tokenizer.encode(text)
+
+
+def _chat_body(system: str, salt: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "system", "content": system},
+                                                       {"role": "user", "content": "hi"}]}
+    if salt is not None:
+        body["cache_salt"] = salt
+    return body
+
+
+def test_the_segment_cache_is_bounded_in_bytes_whatever_the_prompts(tokenizer: Tokenizer) -> None:
+    """It was bounded by entries (4,096): a few different multi-megabyte system prompts grew the
+    gateway by tens of MB each and kept them."""
+    import tracemalloc
+
+    max_bytes = 1024 * 1024
+    hasher = PromptHasher(tokenizer, segment_cache_max_bytes=max_bytes)
+    tracemalloc.start()
+    before, _ = tracemalloc.get_traced_memory()
+    for i in range(36):  # ~17 KB of text each (and its ids): under the one-entry bound
+        hasher.token_ids(_chat_body(f"prompt {i}: " + f"word{i} and more " * 1_000, "p1"))
+    retained, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert hasher.segments.num_bytes <= max_bytes
+    assert 10 < len(hasher.segments) < 36  # the oldest were evicted by bytes
+    assert retained - before < 2 * max_bytes
+    hasher.token_ids(_chat_body("y " * (max_bytes // 8), "p1"))  # over an entry's bound
+    assert all("y y y" not in segment for _, segment in list(hasher.segments._entries))
+
+
+def test_one_tenants_cached_segment_is_never_a_hit_for_another(tokenizer: Tokenizer) -> None:
+    """The cache was keyed by text alone: project B's request ran measurably faster when any
+    tenant had recently sent the same system prompt (x-aigw-overhead-ms told it)."""
+    hasher = PromptHasher(tokenizer)
+    system = "You are the secret assistant of project one. " * 20
+    first = hasher.token_ids(_chat_body(system, "project:p1"))
+    assert hasher.token_ids(_chat_body(system, "project:p1")) == first
+    num_hits = hasher.segments.num_hits
+    assert num_hits > 0
+    assert hasher.token_ids(_chat_body(system, "project:p2")) == first  # same ids, computed anew
+    assert hasher.segments.num_hits == num_hits
+
+
+def test_a_prompt_surely_over_the_context_is_refused_before_it_is_encoded(
+        tokenizer: Tokenizer) -> None:
+    from contracts.replica_errors import ContextLengthExceeded
+
+    hasher = PromptHasher(tokenizer)
+    body = _chat_body("word " * 400_000, "p1")  # 2 MB: seconds to encode, refused in no time
+    with pytest.raises(ContextLengthExceeded):
+        hasher.token_ids(body, max_model_len=2048)
+    assert len(hasher.segments) == 0
