@@ -11,6 +11,10 @@ number that increases by exactly one per batch (no gaps). A consumer that sees a
 for a snapshot (`KVSnapshot`: every hash the replica holds now, with the sequence number it is valid at)
 and continues from there. JSON form: `{"type": "BlockStored", ...}` dicts inside
 `{"replica_id", "seq", "ts", "events": [...]}`.
+
+`token_ids` is empty: the log drops them as events are recorded, so neither GET /kv/events nor the
+Redis stream carries any tenant's prompt (the gateway's index needs the hashes alone). A log made
+with `include_token_ids=True` (`aigw replica --kv-events-token-ids`, for debugging) keeps them.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 
@@ -122,8 +126,10 @@ class KVEventLog:
     """
 
     def __init__(self, replica_id: str, capacity: int = 4096,
-                 publishers: tuple[EventPublisher, ...] = ()) -> None:
+                 publishers: tuple[EventPublisher, ...] = (), include_token_ids: bool = False
+                 ) -> None:
         self.replica_id = replica_id
+        self.include_token_ids = include_token_ids
         self._pending: list[KVEvent] = []
         self._batches: deque[EventBatch] = deque(maxlen=capacity)
         self._last_seq = 0  # batch numbers start at 1; 0 = "nothing yet"
@@ -133,6 +139,8 @@ class KVEventLog:
         self._cond = threading.Condition(self._lock)
 
     def record(self, event: KVEvent) -> None:
+        if isinstance(event, BlockStored) and event.token_ids and not self.include_token_ids:
+            event = replace(event, token_ids=())
         self._pending.append(event)
 
     def seal(self) -> EventBatch | None:

@@ -83,6 +83,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     replica.add_argument("--replica-id", default=None, help="id in KV events (default: host:port)")
     replica.add_argument("--redis-url", default=None,
                          help="also publish KV events to a Redis stream (default: $AIGW_REDIS_URL)")
+    replica.add_argument("--no-auth", action="store_true",
+                         help="local development only: serve every route without the gateway's "
+                              "credential (else AIGW_REPLICA_SECRET or AIGW_REPLICA_SECRET_FILE "
+                              "is required)")
+    replica.add_argument("--kv-events-token-ids", action="store_true",
+                         help="debugging only: KV events carry each cached block's token ids "
+                              "(tenants' prompts) besides its hash")
     add_engine_arguments(replica)
     replica.set_defaults(func=run_replica_command)
 
@@ -106,7 +113,20 @@ def run_replica_command(args: argparse.Namespace) -> int:
     if problem := cannot_listen(args.host, args.port):  # before the model load, not after it
         print(f"aigw: cannot listen on {args.host}:{args.port}: {problem}", file=sys.stderr)
         return 1
+    try:
+        server_settings = ReplicaServerSettings.from_env()
+    except (OSError, ValueError) as exc:  # an unreadable or empty AIGW_REPLICA_SECRET_FILE
+        return _usage_error(exc)
+    if server_settings.secret is None and not args.no_auth:
+        print("aigw: the replica needs the gateway's credential: set AIGW_REPLICA_SECRET or "
+              "AIGW_REPLICA_SECRET_FILE (the gateway sends the same), or pass --no-auth "
+              "(local development: anyone who can reach the port may use every route)",
+              file=sys.stderr)
+        return 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if server_settings.secret is None:
+        logging.getLogger("aigw.replica").warning(
+            "--no-auth: every route (KV events, /kv/reset, generation) is open to any caller")
     replica_id = args.replica_id or f"{args.host}:{args.port}"
     publishers = ()
     redis_url = args.redis_url or os.environ.get("AIGW_REDIS_URL")
@@ -123,12 +143,13 @@ def run_replica_command(args: argparse.Namespace) -> int:
             return _usage_error(exc)
     try:
         engine = LLMEngine.from_config(engine_config_from_args(args, replica_id),
-                                       publishers=publishers)
+                                       publishers=publishers,
+                                       kv_events_token_ids=args.kv_events_token_ids)
     except (FileNotFoundError, ValueError) as exc:  # a bad flag or model path: no traceback
         return _usage_error(exc)
     async_engine = AsyncEngine(engine)
     try:
-        run_replica(async_engine, args.host, args.port, ReplicaServerSettings.from_env())
+        run_replica(async_engine, args.host, args.port, server_settings)
     finally:
         async_engine.shutdown()
     return 0

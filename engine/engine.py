@@ -44,7 +44,8 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, runner: ModelRunner,
-                 tokenizer: Tokenizer, publishers: tuple[EventPublisher, ...] = ()) -> None:
+                 tokenizer: Tokenizer, publishers: tuple[EventPublisher, ...] = (),
+                 kv_events_token_ids: bool = False) -> None:
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -53,7 +54,9 @@ class LLMEngine:
         self.max_model_len = min(model_config.max_position_embeddings,
                                  config.max_model_len or model_config.max_position_embeddings,
                                  runner.num_blocks * self.block_size)
-        self.kv_events = KVEventLog(config.replica_id, publishers=publishers)
+        # token ids stay out of KV events (they are tenants' prompts) unless asked for (debugging)
+        self.kv_events = KVEventLog(config.replica_id, publishers=publishers,
+                                    include_token_ids=kv_events_token_ids)
         self.kv_cache = KVCacheManager(runner.num_blocks, self.block_size,
                                        config.cache.enable_prefix_caching, self.kv_events)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
@@ -67,14 +70,15 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True,
-                    publishers: tuple[EventPublisher, ...] = ()) -> LLMEngine:
+                    publishers: tuple[EventPublisher, ...] = (),
+                    kv_events_token_ids: bool = False) -> LLMEngine:
         from engine.loader import load_checkpoint, load_tokenizer
 
         checkpoint = load_checkpoint(config.model_path, dtype=torch.float32, progress=progress)
         tokenizer = load_tokenizer(config.model_path)
         runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights), dict(checkpoint.raw))
         runner.warmup()
-        return cls(config, checkpoint.config, runner, tokenizer, publishers)
+        return cls(config, checkpoint.config, runner, tokenizer, publishers, kv_events_token_ids)
 
     # ---- requests ------------------------------------------------------------------------------------
     def check_prompt(self, num_prompt_tokens: int) -> None:

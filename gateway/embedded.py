@@ -1,6 +1,11 @@
 """The embedded default: with no models configured, `aigw serve` starts N local engine replicas
-(`aigw replica` subprocesses on free ports), waits for their /health, routes to them, and stops
-them on exit. This runs before the event loop starts, so its blocking waits are fine here."""
+(`aigw replica` subprocesses on free ports), waits for their /health, routes to them, restarts one
+that dies (gateway/supervisor.py), and stops them on exit. This runs before the event loop starts,
+so its blocking waits are fine here.
+
+The replicas get the gateway's replica credential in their environment (AIGW_REPLICA_SECRET, not
+on the command line, which every local user can read): `aigw serve` generates a random one at each
+start unless one is configured (GatewaySettings.replica_secret / replica_secret_file)."""
 
 from __future__ import annotations
 
@@ -11,23 +16,38 @@ import sys
 import time
 import urllib.request
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.settings import ModelSettings
 from infra.ports import free_port
 
+SECRET_ENV = "AIGW_REPLICA_SECRET"  # what engine/server/settings.py reads
+SECRET_FILE_ENV = "AIGW_REPLICA_SECRET_FILE"
+
 
 @dataclass
 class ReplicaProcess:
+    """One embedded replica: the process now serving `url`, and how to start it again."""
+
     process: subprocess.Popen[bytes]
     url: str
+    command: list[str] = field(default_factory=list)  # empty: not restartable (started elsewhere)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def restart(self) -> None:
+        """A new process on the same port (the gateway's endpoint stays valid). The old one
+        must have exited."""
+        self.process = subprocess.Popen(self.command, env=self.env, start_new_session=True)
 
 
 def start_replicas(num_replicas: int, model_path: str | None, kv_cache_memory_bytes: int | None,
-                   host: str = "127.0.0.1", extra_args: list[str] | None = None) -> list[ReplicaProcess]:
+                   host: str = "127.0.0.1", extra_args: list[str] | None = None,
+                   secret: str | None = None) -> list[ReplicaProcess]:
     """Start `aigw replica` processes; without `model_path` each uses the engine's default model.
-    `extra_args` go to every replica's command line as they are (`aigw serve --replica-args`)."""
+    `extra_args` go to every replica's command line as they are (`aigw serve --replica-args`).
+    `secret`: the credential they require (None: `--no-auth`, every route open)."""
     replicas = []
+    env = replica_environ(os.environ, secret)
     for _ in range(num_replicas):
         port = free_port(host)
         command = [sys.executable, "-m", "gateway.cli", "replica", "--host", host, "--port", str(port)]
@@ -35,20 +55,29 @@ def start_replicas(num_replicas: int, model_path: str | None, kv_cache_memory_by
             command += ["--model", model_path]
         if kv_cache_memory_bytes is not None:
             command += ["--kv-cache-memory", str(kv_cache_memory_bytes)]
+        if secret is None:
+            command.append("--no-auth")
         command += extra_args or []
-        replicas.append(ReplicaProcess(subprocess.Popen(command, env=replica_environ(os.environ)),
-                                       f"http://{host}:{port}"))
+        # a session of its own: a terminal's Ctrl-C reaches `aigw serve` alone, which drains,
+        # then stops the replicas (they would die first, and be restarted, otherwise)
+        process = subprocess.Popen(command, env=env, start_new_session=True)
+        replicas.append(ReplicaProcess(process, f"http://{host}:{port}", command, env))
     return replicas
 
 
-def replica_environ(environ: Mapping[str, str]) -> dict[str, str]:
+def replica_environ(environ: Mapping[str, str], secret: str | None = None) -> dict[str, str]:
     """The embedded replicas' environment: the gateway's, except that an `OTEL_SERVICE_NAME` set
     for the gateway names them `<that name>-replica`, so that their spans (exported by each replica
-    itself, and shown by the dashboard) are not filed under the gateway's service; and without
+    itself, and shown by the dashboard) are not filed under the gateway's service; without
     `PROMETHEUS_MULTIPROC_DIR`, which is the gateway workers' (each replica serves its own
-    /metrics; its counters in there would be summed into the gateway's)."""
+    /metrics; its counters in there would be summed into the gateway's); and with `secret` as
+    their credential (any other AIGW_REPLICA_SECRET[_FILE] dropped)."""
     env = dict(environ)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    env.pop(SECRET_ENV, None)
+    env.pop(SECRET_FILE_ENV, None)
+    if secret is not None:
+        env[SECRET_ENV] = secret
     if env.get("OTEL_SERVICE_NAME"):
         env["OTEL_SERVICE_NAME"] += "-replica"
     return env
@@ -73,9 +102,11 @@ def wait_healthy(replicas: list[ReplicaProcess], timeout_s: float = 300.0) -> No
             time.sleep(0.25)
 
 
-def model_settings_for(replicas: list[ReplicaProcess]) -> ModelSettings:
+def model_settings_for(replicas: list[ReplicaProcess], secret: str | None = None) -> ModelSettings:
     """One model served by all replicas, named as the first replica's /v1/models says."""
-    with urllib.request.urlopen(replicas[0].url + "/v1/models", timeout=5) as response:
+    headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+    request = urllib.request.Request(replicas[0].url + "/v1/models", headers=headers)
+    with urllib.request.urlopen(request, timeout=5) as response:
         entry = json.loads(response.read())["data"][0]
     context_length = entry.get("max_model_len") or entry.get("context_length")
     return ModelSettings(name=entry["id"], backend="replica", endpoints=tuple(r.url for r in replicas),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import orjson
 from aiohttp import web
 
@@ -9,7 +11,7 @@ from auth.principal import AuthError, Scope
 from gateway import token_count
 from gateway.dialects import AnthropicMessages, OpenAIChat, OpenAICompletions, OpenAIResponses
 from gateway.dialects.base import Dialect
-from gateway.keys import AUTHENTICATOR, FLEET, PIPELINE
+from gateway.keys import AUTHENTICATOR, FLEET, PIPELINE, SETTINGS
 from gateway.pipeline import credential_of
 
 OPENAI_CHAT = OpenAIChat()
@@ -117,14 +119,26 @@ def _json(body: object, status: int = 200) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """503 "draining" while shutting down; else 200, "degraded" when some model has no endpoint
-    that can serve (not 503: liveness probes read this too, and a replica outage must not restart
-    the gateway), "ok" otherwise. Per model: endpoint counts."""
-    pipeline = request.app[PIPELINE]
+    """Readiness. 503 "draining" while shutting down, 503 "unready" once some model has had no
+    endpoint that can serve for longer than `unready_after_s` (its requests could only fail);
+    else 200: "degraded" when some model has no endpoint that can serve (yet within the grace),
+    "ok" otherwise. Per model: endpoint counts. Liveness is GET /health/live."""
+    pipeline, fleet = request.app[PIPELINE], request.app[FLEET]
     models = {name: {"num_endpoints": len(route.endpoints),
                      "num_healthy_endpoints": sum(e.can_serve() for e in route.endpoints)}
-              for name, route in request.app[FLEET].routes.items()}
+              for name, route in fleet.routes.items()}
+    now = time.monotonic()
+    grace_s = request.app[SETTINGS].unready_after_s
+    unready = any(fleet.unservable_for_s(name, now) > grace_s for name in models)
     degraded = any(m["num_healthy_endpoints"] == 0 for m in models.values())
-    status = "draining" if pipeline.draining else "degraded" if degraded else "ok"
+    status = ("draining" if pipeline.draining else "unready" if unready
+              else "degraded" if degraded else "ok")
     return web.Response(body=orjson.dumps({"status": status, "models": models}),
-                        status=503 if pipeline.draining else 200, content_type="application/json")
+                        status=503 if pipeline.draining or unready else 200,
+                        content_type="application/json")
+
+
+async def live(request: web.Request) -> web.Response:
+    """Liveness: 200 while the process serves HTTP (also while draining, or with every replica
+    down: restarting the gateway would not bring one back)."""
+    return web.Response(body=b'{"status":"live"}', content_type="application/json")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from gateway.endpoints import Endpoint, Fleet, ModelRoute
 
@@ -34,6 +35,7 @@ async def check_endpoint(route: ModelRoute, endpoint: Endpoint) -> None:
 async def check_fleet(fleet: Fleet) -> None:
     await asyncio.gather(*(check_endpoint(route, endpoint)
                            for route, endpoint in fleet.all_endpoints()))
+    fleet.note_servable(time.monotonic())  # what /health's grace (`unready_after_s`) counts from
 
 
 async def run_health_checks(fleet: Fleet, interval_s: float) -> None:

@@ -28,6 +28,7 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/anthropic/v1/models", handlers.anthropic_models)
     app.router.add_get("/anthropic/v1/models/{model:.+}", handlers.anthropic_models)
     app.router.add_get("/health", handlers.health)
+    app.router.add_get("/health/live", handlers.live)
     app.router.add_get("/metrics", telemetry.metrics)
     app.router.add_get("/dashboard", dashboard.page)
     app.router.add_get("/dashboard/api/overview", dashboard.overview)

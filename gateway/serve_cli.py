@@ -7,14 +7,19 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import secrets
 import shlex
 import signal
 import sys
 import tempfile
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from infra.config_errors import one_line
+
+if TYPE_CHECKING:
+    from gateway.supervisor import ReplicaSupervisor
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -126,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
             get_backend_class(model.backend)
         AuthSettings.from_env()  # AIGW_JWT_* and the telemetry variables: likewise
         TelemetrySettings.from_env()
+        configured_secret = settings.read_replica_secret()  # an unreadable or empty file: here
     except (OSError, ValueError, TypeError, ImportError, yaml.YAMLError) as exc:
         # unreadable, unparsable or invalid
         print(f"aigw: invalid configuration: {one_line(exc)}", file=sys.stderr)
@@ -142,17 +148,44 @@ def run(args: argparse.Namespace) -> int:
     replicas: list[embedded.ReplicaProcess] = []
     try:
         if not settings.models:
+            # the credential the embedded replicas require: the configured one, else a new one
+            secret = configured_secret or secrets.token_urlsafe(32)
             replicas = embedded.start_replicas(args.replicas, args.model, args.kv_cache_memory,
-                                               extra_args=shlex.split(args.replica_args))
+                                               extra_args=shlex.split(args.replica_args),
+                                               secret=secret)
             try:
                 embedded.wait_healthy(replicas)
             except (RuntimeError, TimeoutError) as exc:  # a replica exited (its error is above) or hung
                 print(f"aigw: {exc}", file=sys.stderr)
                 return 1
-            settings = settings.model_copy(update={"models": (embedded.model_settings_for(replicas),)})
-        return _serve_workers(settings.model_dump(mode="json"), args.workers)
+            settings = settings.model_copy(update={
+                "models": (embedded.model_settings_for(replicas, secret),),
+                "replica_secret": secret, "replica_secret_file": None})
+        with _supervised(replicas):  # stopped before the replicas are
+            return _serve_workers(settings.model_dump(mode="json"), args.workers)
     finally:
         embedded.stop_replicas(replicas)
+
+
+@contextlib.contextmanager
+def _supervised(replicas: list[Any]) -> Iterator[ReplicaSupervisor | None]:
+    """Restart any embedded replica that dies while the gateway serves (gateway/supervisor.py);
+    its restart counts reach the workers' /metrics through a file named in their environment."""
+    from gateway.supervisor import RESTARTS_FILE_ENV, ReplicaSupervisor, SupervisorSettings
+
+    if not replicas:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="aigw-supervisor-") as directory:
+        restarts_file = Path(directory) / "restarts.json"
+        supervisor = ReplicaSupervisor(replicas, SupervisorSettings(), restarts_file)
+        os.environ[RESTARTS_FILE_ENV] = str(restarts_file)
+        supervisor.start()
+        try:
+            yield supervisor
+        finally:
+            supervisor.stop()
+            del os.environ[RESTARTS_FILE_ENV]
 
 
 def _serve_workers(settings_data: dict[str, Any], num_workers: int) -> int:

@@ -17,7 +17,7 @@ from aiohttp.web_log import AccessLogger
 
 from engine.server.keys import SERVING_KEY
 from engine.server.metrics import ReplicaMetrics
-from engine.server.middlewares import add_request_id, error_middleware
+from engine.server.middlewares import add_request_id, credential_middleware, error_middleware
 from engine.server.routes import setup_routes
 from engine.server.serving import ServingContext
 from engine.server.settings import ReplicaServerSettings
@@ -30,8 +30,10 @@ log = logging.getLogger(__name__)
 def create_app(engine: ServedEngine, settings: ReplicaServerSettings | None = None
                ) -> web.Application:
     settings = settings or ReplicaServerSettings.from_env()
-    app = web.Application(client_max_size=settings.client_max_size_bytes,
-                          middlewares=[error_middleware])
+    middlewares = [error_middleware]
+    if settings.secret is not None:
+        middlewares.append(credential_middleware(settings.secret))
+    app = web.Application(client_max_size=settings.client_max_size_bytes, middlewares=middlewares)
     metrics = ReplicaMetrics(engine.stats, model=engine.model_config.model_id,
                              replica=engine.replica_id)
     engine = install_tracing(app, engine)  # continue the gateway's trace; GET /debug/traces

@@ -4,18 +4,22 @@
   one is generated; it is set on every response, streamed or not, through on_response_prepare.
 - `error_middleware`: APIError -> its envelope; aiohttp HTTP errors (404, 405, 413, ...) -> the
   envelope with their status; anything else -> a logged 500 envelope, never a traceback.
+- `credential_middleware(secret)`: every route but `OPEN_PATHS` (unknown ones too) needs
+  `Authorization: Bearer <secret>`, compared in constant time; else 401 in the envelope.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import re
 import uuid
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from engine.server.errors import APIError, json_error
+from contracts.replica_errors import APIError, AuthenticationError, json_error
 from engine.server.keys import REQUEST_ID_KEY
 
 log = logging.getLogger(__name__)
@@ -67,3 +71,31 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
                       request_id_of(request))
         return json_error(500, "The server had an error while processing your request.",
                           "server_error")
+
+
+# Open to anyone who can reach the port: liveness ({"status": "ok"} or 503) and the aggregate
+# engine gauges and counters (labels model and replica only; no project, key, prompt or token).
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+def credential_middleware(secret: str) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """The gateway's credential check (goes inside `error_middleware`, which renders the 401)."""
+    expected = secret.encode("utf-8")
+
+    @web.middleware
+    async def require_credential(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in OPEN_PATHS and not _presents(request, expected):
+            raise AuthenticationError("A valid replica credential is required "
+                                      "(Authorization: Bearer <AIGW_REPLICA_SECRET>).")
+        return await handler(request)
+
+    return require_credential
+
+
+def _presents(request: web.Request, expected: bytes) -> bool:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    # a header byte that is not UTF-8 arrives as a lone surrogate: never equal, never a 500
+    given = token.strip().encode("utf-8", "surrogatepass")
+    return hmac.compare_digest(given, expected)

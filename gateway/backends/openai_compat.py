@@ -87,10 +87,8 @@ class OpenAICompatBackend(Backend):
         return body
 
     def upstream_headers(self, request: CanonicalRequest, endpoint: Endpoint) -> dict[str, str]:
-        headers = {"content-type": "application/json", "x-request-id": request.request_id}
-        if endpoint.model.api_key:
-            headers["authorization"] = f"Bearer {endpoint.model.api_key}"
-        return headers
+        return {"content-type": "application/json", "x-request-id": request.request_id,
+                **endpoint.auth_headers}
 
     async def stream(self, request: CanonicalRequest, endpoint: Endpoint) -> AsyncIterator[CanonicalEvent]:
         path = "/v1/chat/completions" if request.kind == "chat" else "/v1/completions"
@@ -187,7 +185,8 @@ class OpenAICompatBackend(Backend):
     async def _get_status(self, endpoint: Endpoint, path: str) -> int | None:
         try:
             response = await self.transport.send(UpstreamRequest(
-                "GET", endpoint.url + path, connect_timeout_s=self.settings.health_timeout_s))
+                "GET", endpoint.url + path, headers=dict(endpoint.auth_headers),
+                connect_timeout_s=self.settings.health_timeout_s))
         except Exception:  # noqa: BLE001 - health must not raise
             return None
         try:
@@ -201,7 +200,8 @@ class OpenAICompatBackend(Backend):
     async def _get_json(self, endpoint: Endpoint, path: str) -> Any:
         try:
             response = await self.transport.send(UpstreamRequest(
-                "GET", endpoint.url + path, connect_timeout_s=self.settings.health_timeout_s))
+                "GET", endpoint.url + path, headers=dict(endpoint.auth_headers),
+                connect_timeout_s=self.settings.health_timeout_s))
             try:
                 return orjson.loads(await response.read()) if response.status == 200 else None
             finally:
@@ -224,11 +224,19 @@ def _message_json(message: Any) -> dict[str, Any]:
 
 
 async def _raise_for_status(response: UpstreamResponse) -> None:
-    """A 4xx (not 408/429) is the request's fault: its OpenAI error passes through unchanged
-    (status, type, code, param, message); anything else is `UpstreamUnavailable` (retryable)."""
+    """A 4xx (not 401/403/408/429) is the request's fault: its OpenAI error passes through
+    unchanged (status, type, code, param, message); anything else is `UpstreamUnavailable`
+    (retryable). A 401/403 refuses the gateway's own credential (a replica secret or an upstream
+    `api_key` out of step), never the caller's: passed on, it would tell a caller with a good
+    key that theirs is bad."""
     if response.status < 400:
         return
     body = await response.read()
+    if response.status in (401, 403):
+        log.warning("upstream refused the gateway's credential (%d): %s", response.status,
+                    body[:200].decode("utf-8", "replace"))
+        raise UpstreamUnavailable(f"upstream failed: it refused the gateway's credential "
+                                  f"({response.status})")
     if 400 <= response.status < 500 and response.status not in (408, 429):
         raise _rejected(response.status, body)
     log.warning("upstream answered %d: %s", response.status, body[:500].decode("utf-8", "replace"))

@@ -19,10 +19,12 @@ from gateway.transport import Transport, UpstreamRequest
 _CACHE_COUNTERS = ("prefix_cache_hit_tokens_total", "prefix_cache_queried_tokens_total")
 
 
-async def fetch(transport: Transport, url: str, timeout_s: float) -> bytes | None:
+async def fetch(transport: Transport, url: str, timeout_s: float,
+                headers: dict[str, str] | None = None) -> bytes | None:
     try:
         async with asyncio.timeout(timeout_s):
-            response = await transport.send(UpstreamRequest("GET", url, connect_timeout_s=timeout_s))
+            response = await transport.send(UpstreamRequest("GET", url, headers=dict(headers or {}),
+                                                            connect_timeout_s=timeout_s))
             try:
                 return await response.read() if response.status == 200 else None
             finally:
@@ -49,7 +51,7 @@ def parse_cache_counters(metrics_text: str) -> dict[str, float]:
 
 
 async def cache_hit_ratio(transport: Transport, endpoint: Endpoint, timeout_s: float) -> float | None:
-    body = await fetch(transport, endpoint.url + "/metrics", timeout_s)
+    body = await fetch(transport, endpoint.url + "/metrics", timeout_s, endpoint.auth_headers)
     if body is None:
         return None
     totals = parse_cache_counters(body.decode("utf-8", "replace"))
@@ -60,7 +62,8 @@ async def cache_hit_ratio(transport: Transport, endpoint: Endpoint, timeout_s: f
 async def replica_spans(transport: Transport, endpoints: Sequence[Endpoint], trace_id: str,
                         timeout_s: float) -> list[dict[str, Any]]:
     bodies = await asyncio.gather(*(
-        fetch(transport, f"{e.url}/debug/traces?trace_id={quote(trace_id)}", timeout_s)
+        fetch(transport, f"{e.url}/debug/traces?trace_id={quote(trace_id)}", timeout_s,
+              e.auth_headers)
         for e in endpoints))
     spans: list[dict[str, Any]] = []
     for body in bodies:

@@ -117,7 +117,8 @@ class ReplicaEventConsumer:
 
     async def _get(self, path: str) -> Any:
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
-        async with self._session.get(self.endpoint.url + path, timeout=timeout) as response:
+        async with self._session.get(self.endpoint.url + path, timeout=timeout,
+                                     headers=self.endpoint.auth_headers) as response:
             if response.status != 200:
                 raise aiohttp.ClientResponseError(response.request_info, (), status=response.status)
             return orjson.loads(await response.read())

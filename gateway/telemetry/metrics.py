@@ -9,6 +9,8 @@
     aigw_prompt_cache_hit_ratio{project}                       cached / input tokens, from the two
                                                                counters when scraped
     aigw_routing_decisions_total{policy,reason,replica}
+    aigw_embedded_replica_restarts_total{endpoint}             `aigw serve`'s replicas restarted after
+                                                               their process exited
     aigw_endpoint_{healthy,breaker_open,outstanding_requests,
                    requests_running,requests_waiting,kv_usage_ratio}{model,endpoint}
                                                                read from the Fleet at scrape time
@@ -42,6 +44,7 @@ from prometheus_client.registry import Collector
 
 from gateway.endpoints import Fleet
 from gateway.metering.contract import UsageRecord
+from gateway.supervisor import restarts_collector_from_env
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -86,6 +89,8 @@ class GatewayMetrics:
         self.routing_decisions = Counter("aigw_routing_decisions", "Endpoint picks by the router.",
                                          ["policy", "reason", "replica"], registry=r)
         self._fleet_collector: FleetCollector | None = None
+        # `aigw serve`'s embedded replicas: restart counts from the supervisor (gateway/supervisor.py)
+        self._restarts_collector = restarts_collector_from_env()
         # what a scrape reads the metrics above from: this registry, or every worker's files
         self._source: Any = r
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -124,6 +129,7 @@ class GatewayMetrics:
         families = list(self._source.collect())
         if self._fleet_collector is not None:
             families.extend(self._fleet_collector.collect())
+        families.extend(self._restarts_collector.collect())
         families.append(_cache_hit_ratio(families))
         return families
 

@@ -8,6 +8,7 @@ Compose files are validated against the compose-spec JSON schema vendored by `ch
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -20,7 +21,7 @@ import yaml
 
 from auth.settings import AuthSettings
 from engine.server.metrics import ReplicaMetrics
-from engine.server.settings import ADMIN_TOKEN_ENV, ReplicaServerSettings
+from engine.server.settings import SECRET_ENV, SECRET_FILE_ENV, ReplicaServerSettings
 from gateway.cli import build_parser
 from gateway.routing import ROUTER_NAMES
 from gateway.settings import GatewaySettings, load_settings
@@ -63,7 +64,8 @@ def test_docker_compose_renders_the_cpu_and_gpu_stacks() -> None:
     command = ["docker", "compose"]
     for path in COMPOSE_FILES:
         command += ["-f", str(path)]
-    subprocess.run([*command, "config", "--quiet"], check=True, timeout=60)
+    env = {**os.environ, "AIGW_REPLICA_SECRET": "x" * 64}  # required (`${...:?}`): no default
+    subprocess.run([*command, "config", "--quiet"], check=True, timeout=60, env=env)
 
 
 @pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
@@ -98,9 +100,10 @@ def _read_by_aigw(name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
         return True
     if AuthSettings.from_env({name: "x"}) != AuthSettings.from_env({}):
         return True
-    if name == ADMIN_TOKEN_ENV:
-        monkeypatch.setenv(name, "secret")
-        return ReplicaServerSettings.from_env().admin_token == "secret"
+    if name in (SECRET_ENV, SECRET_FILE_ENV):  # (the gateway reads them too: replica_secret*)
+        (tmp_path / "secret").write_text("secret\n")
+        monkeypatch.setenv(name, "secret" if name == SECRET_ENV else str(tmp_path / "secret"))
+        return ReplicaServerSettings.from_env().secret == "secret"
     if name == "AIGW_CONFIG":
         (tmp_path / "c.toml").write_text("port = 1234\n")
         monkeypatch.setenv(name, str(tmp_path / "c.toml"))
@@ -114,6 +117,15 @@ def test_every_aigw_env_var_in_deploy_is_read_by_the_code(
     names = set().union(*map(env_var_names, texts))
     assert "AIGW_REDIS_URL" in names
     assert {n for n in names if not _read_by_aigw(n, monkeypatch, tmp_path)} == set()
+
+
+def test_compose_gateway_and_replicas_share_a_required_replica_secret() -> None:
+    gateway = SERVICES["gateway"]["environment"]["AIGW_REPLICA_SECRET"]
+    assert gateway.startswith("${AIGW_REPLICA_SECRET:?")  # no default: unset stops `up`
+    for name in AIGW_SERVICES:
+        environment = SERVICES[name]["environment"]
+        assert environment["AIGW_REPLICA_SECRET"] == gateway, name
+        assert not any("ADMIN_TOKEN" in key for key in environment), name
 
 
 def test_compose_redis_persists_with_aof_every_second_and_never_evicts() -> None:

@@ -24,6 +24,7 @@ from tests.deploy.manifests import (
     KUBERNETES_VERSION,
     Obj,
     containers,
+    env_value,
     expanded_args,
     find,
     k8s_objects,
@@ -177,6 +178,34 @@ def test_every_secret_and_configmap_reference_resolves() -> None:
         for volume in (pod_spec(workload) or {}).get("volumes", []):
             if "configMap" in volume:
                 find(OBJECTS, "ConfigMap", volume["configMap"]["name"])
+
+
+def test_replicas_and_gateways_read_one_replica_secret_from_a_mounted_secret() -> None:
+    """Each aigw container's AIGW_REPLICA_SECRET_FILE lies in a read-only mount of the Secret
+    key `replica-secret`, the same for the replicas (which require it) and the gateways."""
+    sources = {}
+    for workload, container in containers(OBJECTS):
+        if not AIGW_IMAGE.match(container["image"]):
+            continue
+        path = env_value(OBJECTS, container, "AIGW_REPLICA_SECRET_FILE")
+        (mount,) = [m for m in container["volumeMounts"]
+                    if path.startswith(m["mountPath"].rstrip("/") + "/")]
+        assert mount.get("readOnly") is True
+        (volume,) = [v for v in pod_spec(workload)["volumes"] if v["name"] == mount["name"]]
+        (item,) = [i for i in volume["secret"]["items"]
+                   if path == f"{mount['mountPath'].rstrip('/')}/{i['path']}"]
+        sources[workload["metadata"]["name"]] = (volume["secret"]["secretName"], item["key"])
+        assert not any("ADMIN_TOKEN" in e["name"] for e in container.get("env", []))
+    assert {"aigw-gateway", "aigw-replica"} <= set(sources)
+    assert len(set(sources.values())) == 1
+    secret_name, key = next(iter(sources.values()))
+    assert key in find(OBJECTS, "Secret", secret_name)["stringData"]
+
+
+def test_gateway_liveness_survives_a_replica_outage_and_readiness_does_not() -> None:
+    (container,) = [c for w, c in containers(OBJECTS) if w["metadata"]["name"] == "aigw-gateway"]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
 
 
 def test_redis_keeps_keys_and_usage_across_restarts_and_never_evicts() -> None:

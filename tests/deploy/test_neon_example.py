@@ -77,7 +77,7 @@ def _npm_install(prefix: Path) -> Path:
 def test_neon_example_runs_against_a_live_gateway_and_reports_cached_tokens(tmp_path: Path) -> None:
     if shutil.which("npm") is None or shutil.which("node") is None:
         pytest.skip("npm/node are not installed (Debian: apt-get install nodejs npm)")
-    env = _clean_env()
+    env = {**_clean_env(), "AIGW_REPLICA_SECRET": "neon-example-replica-secret"}  # both sides
     replica_port, gateway_port = free_port(), free_port()
     replica_url = f"http://127.0.0.1:{replica_port}"
     gateway_url = f"http://127.0.0.1:{gateway_port}"
@@ -91,7 +91,9 @@ def test_neon_example_runs_against_a_live_gateway_and_reports_cached_tokens(tmp_
     with _process(replica_cmd, replica_log, env) as replica:
         tsx = _npm_install(tmp_path / "npm")  # while the replica loads its weights
         _wait_healthy(replica_url, replica, replica_log)
-        with urllib.request.urlopen(replica_url + "/v1/models", timeout=5) as response:
+        models = urllib.request.Request(replica_url + "/v1/models", headers={
+            "Authorization": f"Bearer {env['AIGW_REPLICA_SECRET']}"})
+        with urllib.request.urlopen(models, timeout=5) as response:
             model_id = json.loads(response.read())["data"][0]["id"]
         config.write_text(f'data_dir = "{data_dir}"\nhealth_interval_s = 1.0\n'
                           f'[[models]]\nname = "smollm2"\nupstream_model = "{model_id}"\n'

@@ -30,6 +30,7 @@ from tests.redis_server import running_redis_server
 pytestmark = pytest.mark.slow
 
 TPM_LIMIT = 300  # tokens per minute of project `limited`, both gateways together
+REPLICA_SECRET = "two-gateways-replica-secret"
 MAX_TOKENS = 4
 
 
@@ -38,6 +39,7 @@ class Deployment:
     gateways: tuple[str, str]  # base URLs of gateway A and gateway B
     model: str
     admin_key: str  # ai_gateway:admin on project `ops`, made before the gateways started
+    replicas: tuple[str, ...] = ()  # the replicas' base URLs
 
 
 def _replica_cmd(port: int, redis_url: str) -> list[str]:
@@ -59,7 +61,9 @@ async def _make_admin_key(redis_url: str, data_dir: Path) -> str:
 def _model_id(replica_url: str) -> str:
     import json
 
-    with urllib.request.urlopen(replica_url + "/v1/models", timeout=5) as response:
+    request = urllib.request.Request(replica_url + "/v1/models",
+                                     headers={"Authorization": f"Bearer {REPLICA_SECRET}"})
+    with urllib.request.urlopen(request, timeout=5) as response:
         return str(json.loads(response.read())["data"][0]["id"])
 
 
@@ -75,7 +79,8 @@ def _config(path: Path, redis_url: str, model: str, replicas: list[str]) -> Path
 
 @contextmanager
 def _deployment(tmp: Path) -> Iterator[Deployment]:
-    env = _clean_env()
+    # the replicas require it; both gateways read it (AIGW_REPLICA_SECRET) and present it
+    env = {**_clean_env(), "AIGW_REPLICA_SECRET": REPLICA_SECRET}
     with running_redis_server() as redis_url, ExitStack() as stack:
         replica_urls, replicas = [], []
         for i in range(2):
@@ -99,7 +104,7 @@ def _deployment(tmp: Path) -> Iterator[Deployment]:
                  "--host", "127.0.0.1", "--port", str(port)], log, env))
             _wait_healthy(url, process, log, timeout_s=60)
             gateway_urls.append(url)
-        yield Deployment((gateway_urls[0], gateway_urls[1]), model, admin_key)
+        yield Deployment((gateway_urls[0], gateway_urls[1]), model, admin_key, tuple(replica_urls))
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +216,26 @@ def test_turns_sent_alternately_to_both_gateways_stay_on_one_replica_and_hit_its
         messages = [*messages, {"role": "assistant", "content": f"Answer {turn}."}]
     assert len(set(replicas)) == 1, replicas
     assert all(c > 0 for c in cached[1:]), cached
+
+
+def test_the_replicas_serve_only_the_gateways_credential_and_their_events_hold_no_tokens(
+        deployment: Deployment, clients: tuple[httpx.Client, httpx.Client]) -> None:
+    key = _create_key(clients[0], deployment.admin_key, "acme", [Scope.INVOKE.value])["key"]
+    secret_prompt = "The launch code is 7-alpha-9. " * 12  # several full KV blocks
+    assert _chat(clients[0], key, deployment.model,
+                 [{"role": "system", "content": secret_prompt},
+                  {"role": "user", "content": "hi"}]).status_code == 200  # credential sent
+    for url in deployment.replicas:
+        for method, path in (("GET", "/kv/events?since=0"), ("GET", "/kv/snapshot"),
+                             ("POST", "/kv/reset"), ("GET", "/v1/models"),
+                             ("POST", "/v1/chat/completions")):
+            for headers in ({}, {"authorization": "Bearer wrong"}):
+                response = httpx.request(method, url + path, headers=headers, json={})
+                assert response.status_code == 401, (url, path, response.text)
+                assert response.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(url + "/health").status_code == 200  # probes stay open
+    pages = [httpx.get(url + "/kv/events?since=0", headers=_bearer(REPLICA_SECRET)).json()
+             for url in deployment.replicas]
+    stored = [e for page in pages for b in page["batches"] for e in b["events"]
+              if e["type"] == "BlockStored"]
+    assert stored and all(e["token_ids"] == [] and e["block_hashes"] for e in stored)

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from gateway.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _replica_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A credential, so that each `aigw replica` here fails on the flag under test."""
+    monkeypatch.setenv("AIGW_REPLICA_SECRET", "test-secret")
+    monkeypatch.delenv("AIGW_REPLICA_SECRET_FILE", raising=False)
 
 
 @pytest.mark.parametrize("argv", [
@@ -70,3 +79,24 @@ def test_a_replica_port_in_use_is_one_error_line_before_the_model_loads(
         port = taken.getsockname()[1]
         assert main(["replica", "--port", str(port), "--model", "/never/loaded.gguf"]) == 1
     assert capsys.readouterr().err == f"aigw: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+
+
+def test_a_replica_without_a_credential_refuses_to_start_before_loading(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("AIGW_REPLICA_SECRET")
+    assert main(["replica", "--port", "0", "--model", "/nonexistent/model.gguf"]) == 1
+    err = capsys.readouterr().err  # the credential, not the missing model: nothing was loaded
+    assert err.startswith("aigw: the replica needs the gateway's credential") and "--no-auth" in err
+
+
+@pytest.mark.parametrize("content", ["", "\n"], ids=["empty", "newline_only"])
+def test_an_empty_replica_secret_file_is_one_error_line_not_an_open_replica(
+        content: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "replica-secret"
+    path.write_text(content)
+    monkeypatch.delenv("AIGW_REPLICA_SECRET")
+    monkeypatch.setenv("AIGW_REPLICA_SECRET_FILE", str(path))
+    assert main(["replica", "--port", "0", "--no-auth"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("aigw: ValueError: AIGW_REPLICA_SECRET_FILE=") and "empty" in err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import orjson
 import pytest
 
 from contracts.block_hash import first_block_prefix, hash_block, hash_blocks
@@ -193,8 +194,19 @@ def test_reset_emits_all_blocks_cleared_and_forgets_every_hash() -> None:
     assert manager.pool.num_free_blocks == 8
 
 
-def test_stored_event_carries_the_chain_and_the_tokens() -> None:
+def test_stored_event_carries_the_chain_and_no_token_ids() -> None:
     log = KVEventLog("r")
+    manager = make_manager(8, event_log=log)
+    request = make_request(tokens(40))
+    admit(manager, request)
+    (stored,) = events_of(log)
+    assert stored == BlockStored(tuple(request.block_hashes), None, (), BLOCK_SIZE)
+    page = orjson.loads(orjson.dumps(log.since(0).to_json()))  # GET /kv/events, the Redis stream
+    assert [e["token_ids"] for b in page["batches"] for e in b["events"]] == [[]]
+
+
+def test_stored_event_carries_the_tokens_when_the_debug_switch_asks() -> None:
+    log = KVEventLog("r", include_token_ids=True)
     manager = make_manager(8, event_log=log)
     request = make_request(tokens(40))
     admit(manager, request)

@@ -36,11 +36,11 @@ def _free_port() -> int:
 def replica_url() -> Iterator[str]:
     port = _free_port()
     repo_root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k not in ("AIGW_REPLICA_ADMIN_TOKEN", "AIGW_REDIS_URL")}
+    env = {k: v for k, v in os.environ.items() if k not in ("AIGW_REPLICA_SECRET", "AIGW_REDIS_URL")}
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "replica", "--port", str(port), "--threads", "1",
-             "--kv-cache-memory", str(KV_CACHE_BYTES)],
+             "--kv-cache-memory", str(KV_CACHE_BYTES), "--no-auth"],
             cwd=repo_root, env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:

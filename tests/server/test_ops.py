@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -11,9 +12,10 @@ import openai
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
-from engine.server.errors import AuthenticationError, PermissionDeniedError
-from engine.server.handlers.ops import _require_admin
-from engine.server.settings import ADMIN_TOKEN_ENV, ReplicaServerSettings
+from contracts.replica_errors import PermissionDeniedError
+from engine.server.handlers.ops import kv_reset
+from engine.server.keys import SERVING_KEY
+from engine.server.settings import ReplicaServerSettings
 from tests.server.conftest import ServerThread
 from tests.server.fakes import FakeEngine
 
@@ -81,46 +83,41 @@ def test_kv_reset_without_token_is_allowed_from_loopback(http: httpx.Client,
     assert fake_engine.num_prefix_cache_resets == 1
 
 
-class TestKvResetWithToken:
+class TestKvResetWithSecret:
     @pytest.fixture
     def settings(self) -> ReplicaServerSettings:
-        return ReplicaServerSettings(admin_token="s3cret")
+        return ReplicaServerSettings(secret="s3cret")
 
     @pytest.fixture
     def admin(self, server: ServerThread) -> Iterator[httpx.Client]:
         with httpx.Client(base_url=server.base_url) as client:
             yield client
 
-    def test_missing_token_is_401(self, admin: httpx.Client, fake_engine: FakeEngine) -> None:
+    def test_missing_secret_is_401(self, admin: httpx.Client, fake_engine: FakeEngine) -> None:
         response = admin.post("/kv/reset")
         assert response.status_code == 401
         assert response.json()["error"]["type"] == "authentication_error"
         assert fake_engine.num_prefix_cache_resets == 0
 
-    def test_wrong_token_is_403(self, admin: httpx.Client, fake_engine: FakeEngine) -> None:
+    def test_wrong_secret_is_401(self, admin: httpx.Client, fake_engine: FakeEngine) -> None:
         response = admin.post("/kv/reset", headers={"Authorization": "Bearer nope"})
-        assert response.status_code == 403
+        assert response.status_code == 401
         assert fake_engine.num_prefix_cache_resets == 0
 
-    def test_right_token_resets(self, admin: httpx.Client, fake_engine: FakeEngine) -> None:
+    def test_right_secret_resets(self, admin: httpx.Client, fake_engine: FakeEngine) -> None:
         response = admin.post("/kv/reset", headers={"Authorization": "Bearer s3cret"})
         assert response.status_code == 200 and fake_engine.num_prefix_cache_resets == 1
 
 
-def test_without_token_remote_clients_are_refused() -> None:
+def test_without_a_secret_remote_clients_cannot_reset() -> None:
     class Transport:
         def get_extra_info(self, name: str, default: object = None) -> object:
             return ("10.0.0.7", 5555) if name == "peername" else default
 
-    request = make_mocked_request("POST", "/kv/reset", transport=Transport())
+    class Context:
+        settings = ReplicaServerSettings()
+
+    request = make_mocked_request("POST", "/kv/reset", transport=Transport(),
+                                  app={SERVING_KEY: Context()})  # type: ignore[dict-item]
     with pytest.raises(PermissionDeniedError):
-        _require_admin(request, None)
-    with pytest.raises(AuthenticationError):
-        _require_admin(request, "token")
-
-
-def test_admin_token_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ADMIN_TOKEN_ENV, "from-env")
-    assert ReplicaServerSettings.from_env().admin_token == "from-env"
-    monkeypatch.setenv(ADMIN_TOKEN_ENV, "")
-    assert ReplicaServerSettings.from_env().admin_token is None
+        asyncio.run(kv_reset(request))

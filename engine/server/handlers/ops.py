@@ -1,13 +1,14 @@
-"""Operations: GET /health, GET /metrics, GET /kv/events, GET /kv/snapshot, POST /kv/reset."""
+"""Operations: GET /health, GET /metrics, GET /kv/events, GET /kv/snapshot, POST /kv/reset.
+
+With a replica secret, all but /health and /metrics sit behind the credential middleware
+(engine/server/middlewares.py); without one (`--no-auth`), POST /kv/reset is loopback-only.
+"""
 
 from __future__ import annotations
 
-import hmac
-
 from aiohttp import web
 
-from engine.server.errors import (
-    AuthenticationError,
+from contracts.replica_errors import (
     InvalidRequestError,
     PermissionDeniedError,
     ServiceUnavailableError,
@@ -44,19 +45,7 @@ async def kv_snapshot(request: web.Request) -> web.Response:
 
 async def kv_reset(request: web.Request) -> web.Response:
     ctx = request.app[SERVING_KEY]
-    _require_admin(request, ctx.settings.admin_token)
+    if ctx.settings.secret is None and request.remote not in LOOPBACK_ADDRESSES:
+        raise PermissionDeniedError("Without a replica secret, POST /kv/reset is restricted to "
+                                    "localhost.")
     return json_response({"reset": await ctx.engine.reset_prefix_cache()})
-
-
-def _require_admin(request: web.Request, admin_token: str | None) -> None:
-    """A configured token must be presented as `Authorization: Bearer`; with none configured,
-    only loopback clients are admitted."""
-    if admin_token is None:
-        if request.remote not in LOOPBACK_ADDRESSES:
-            raise PermissionDeniedError("Admin endpoints are restricted to localhost.")
-        return
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        raise AuthenticationError("Missing admin bearer token.")
-    if not hmac.compare_digest(token.strip().encode(), admin_token.encode()):
-        raise PermissionDeniedError("Invalid admin token.")
