@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from chat.tokenizer import Tokenizer, load_tokenizer
-from engine.loader.model_path import default_model_path
+from contracts.default_model import default_model_path
 
 if TYPE_CHECKING:
     from engine.loader.checkpoint import Checkpoint, RawQuantized, load_checkpoint

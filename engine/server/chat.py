@@ -22,11 +22,11 @@ from typing import Any
 from aiohttp import web
 
 from chat.output import OutputDelta, OutputParser
+from contracts.replica_errors import json_response
 from contracts.replica_protocol import ChatCompletionRequest
 from engine.outputs import RequestOutput
 from engine.server import responses as shapes
 from engine.server.choices import ChoiceState, prompt_usage_headers, usage_of
-from engine.server.errors import json_response
 from engine.server.fanout import FanOut
 from engine.server.serving import ServingContext
 from engine.server.sse import ClientGone, EventStream

@@ -1,9 +1,8 @@
 """From request bodies to prompt token ids, and the context-window check.
 
-Chat: messages become the tokenizer's chat-template dicts. `developer` is sent as `system` (open
-chat templates know no developer role); text parts are joined with newlines; an assistant
-message's tool-call `arguments` are parsed back into objects when they are JSON objects (chat
-templates render them with `tojson`). Tools go into the template unless tool_choice is "none".
+Chat: messages become the tokenizer's chat-template dicts (contracts/replica_prompts.py, which the
+gateway shares to hash prompts exactly as rendered here), then go through the checkpoint's chat
+format: its jinja template or harmony.
 
 `continue_final_message` (vLLM's extension; the gateway sends it for Anthropic prefill): the last
 (assistant) message is left open and the answer continues its text. `chat_template_kwargs` reach the
@@ -22,69 +21,18 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jinja2
-import orjson
 
 from chat.harmony import HarmonyError
 from chat.harmony import render_prompt as render_harmony
 from chat.registry import HERMES, ChatFormat
-from contracts.replica_protocol import (
-    AssistantMessage,
-    ChatCompletionRequest,
-    CompletionRequest,
-    Content,
-    SystemMessage,
-    ToolMessage,
+from contracts.replica_errors import InvalidRequestError
+from contracts.replica_prompts import (
+    chat_template_messages,
+    chat_template_tools,
+    refuse_surely_too_long,
 )
-from engine.server.errors import ContextLengthExceeded, InvalidRequestError
+from contracts.replica_protocol import ChatCompletionRequest
 from engine.server.typedefs import ServedTokenizer
-
-
-def _text(content: Content | None) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "\n".join(part.text for part in content)
-
-
-def _arguments(arguments: str) -> Any:
-    try:
-        value = orjson.loads(arguments)
-    except orjson.JSONDecodeError:
-        return arguments
-    return value if isinstance(value, dict) else arguments
-
-
-def chat_template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = []
-    for message in req.messages:
-        if isinstance(message, SystemMessage):
-            messages.append({"role": "system", "content": _text(message.content)})
-        elif isinstance(message, ToolMessage):
-            messages.append({"role": "tool", "content": _text(message.content),
-                             "tool_call_id": message.tool_call_id})
-        elif isinstance(message, AssistantMessage):
-            entry: dict[str, Any] = {"role": "assistant", "content": _text(message.content)}
-            if message.reasoning_content:
-                entry["reasoning_content"] = message.reasoning_content
-            if message.tool_calls:
-                entry["tool_calls"] = [
-                    {"id": call.id, "type": "function",
-                     "function": {"name": call.function.name,
-                                  "arguments": _arguments(call.function.arguments)}}
-                    for call in message.tool_calls
-                ]
-            messages.append(entry)
-        else:
-            messages.append({"role": "user", "content": _text(message.content)})
-    return messages
-
-
-def chat_template_tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """Every tool, whatever tool_choice demands (the grammar enforces it); none for "none"."""
-    if not req.uses_tools or req.tools is None:
-        return None
-    return [tool.model_dump(exclude_none=True) for tool in req.tools]
 
 
 class ChatPrompt(NamedTuple):
@@ -131,51 +79,3 @@ def render_chat_prompt(req: ChatCompletionRequest, tokenizer: ServedTokenizer,
     return ChatPrompt(tokenizer.encode(text, add_special_tokens=False), text)
 
 
-def refuse_surely_too_long(text: str, tokenizer: ServedTokenizer, max_tokens: int | None,
-                           max_model_len: int | None, param: str) -> None:
-    """400 context_length_exceeded, before encoding, for a text whose byte length alone proves it
-    cannot fit: encoding megabytes takes seconds, and the tokenizer may hold the GIL meanwhile,
-    which stalled every running stream of the replica (an 8 MB prompt: 20 s)."""
-    if (max_model_len is None or tokenizer.max_token_bytes is None
-            or len(text) * 4 <= tokenizer.max_token_bytes * max_model_len):
-        return  # (a character is at most 4 UTF-8 bytes: short texts skip the encode below)
-    num_tokens_at_least = len(text.encode("utf-8", "surrogatepass")) // tokenizer.max_token_bytes
-    check_context_length(num_tokens_at_least, max_tokens, max_model_len, param, at_least=True)
-
-
-def completion_prompts(req: CompletionRequest, tokenizer: ServedTokenizer, vocab_size: int, *,
-                       max_tokens: int | None = None, max_model_len: int | None = None
-                       ) -> list[list[int]]:
-    """One token-id list per prompt; token ids are checked against the vocabulary. Given
-    max_model_len, a text sure not to fit is refused before it is encoded."""
-    prompt = req.prompt
-    texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
-    if texts:
-        for text in texts:
-            refuse_surely_too_long(text, tokenizer, max_tokens, max_model_len, "prompt")
-        encoded = [tokenizer.encode(text, add_special_tokens=True) for text in texts]
-        if not all(encoded):
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
-        return encoded
-    flat = [p for p in prompt if isinstance(p, int)]
-    prompts = [flat] if flat else [list(p) for p in prompt if isinstance(p, list)]
-    for ids in prompts:
-        if any(not 0 <= tid < vocab_size for tid in ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})",
-                                      param="prompt")
-    return prompts
-
-
-def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                         param: str, *, at_least: bool = False) -> None:
-    """400 context_length_exceeded when the prompt (+ max_tokens, if given) cannot fit.
-    `at_least`: num_prompt_tokens is a lower bound (the prompt was not encoded)."""
-    num_requested = num_prompt_tokens + (max_tokens or 1)
-    if num_requested <= max_model_len:
-        return
-    completion = f"{max_tokens} in the completion" if max_tokens else "at least 1 to generate"
-    bound = "at least " if at_least else ""
-    raise ContextLengthExceeded(
-        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-        f"{bound}{num_requested} tokens ({bound}{num_prompt_tokens} in the {param}, {completion}). "
-        f"Please reduce the length of the {param} or completion.", param=param)

@@ -21,10 +21,10 @@ from chat.harmony import load_encoding as load_harmony_encoding
 from chat.output import OutputParser
 from chat.registry import ChatFormat, chat_format_for
 from contracts.output_grammar import OutputGrammar
+from contracts.replica_errors import ContextLengthExceeded, InvalidRequestError, NotFoundError
 from contracts.replica_protocol import ChatCompletionRequest, CompletionRequest, per_choice_params
 from contracts.sampling_params import SamplingParams, SamplingParamsError
 from engine.outputs import PromptTooLongError
-from engine.server.errors import ContextLengthExceeded, InvalidRequestError, NotFoundError
 from engine.server.fanout import FanOut, SubRequest
 from engine.server.metrics import ReplicaMetrics
 from engine.server.prompts import ChatPrompt, render_chat_prompt

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from engine.server.errors import error_body
+from contracts.replica_errors import error_body
 
 
 class ClientGone(Exception):

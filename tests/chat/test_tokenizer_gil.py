@@ -8,7 +8,7 @@ import threading
 import time
 
 from chat.tokenizer import GIL_FREE_MIN_CHARS, encode_ids, load_tokenizer
-from engine.loader.model_path import default_model_path
+from contracts.default_model import default_model_path
 
 
 def test_long_and_short_texts_encode_to_the_same_ids_either_way() -> None:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import engine.loader.model_path as model_path_module
+import contracts.default_model as model_path_module
 from engine.loader import Checkpoint, default_model_path, load_checkpoint
 from engine.loader.gguf_checkpoint import hf_tensor_name, unpermute_rope_rows
 

@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 
 from chat.tokenizer import Tokenizer
+from contracts.replica_errors import ContextLengthExceeded
+from contracts.replica_prompts import completion_prompts
 from contracts.replica_protocol import ChatCompletionRequest, CompletionRequest
 from engine.loader import default_model_path, load_tokenizer
-from engine.server.errors import ContextLengthExceeded
-from engine.server.prompts import chat_prompt_token_ids, completion_prompts
+from engine.server.prompts import chat_prompt_token_ids
 
 MAX_MODEL_LEN = 1456
 

@@ -12,13 +12,13 @@ import asyncio
 
 from aiohttp import web
 
+from contracts.replica_errors import json_response
+from contracts.replica_prompts import check_context_length, completion_prompts
 from contracts.replica_protocol import ChatCompletionRequest, CompletionRequest
 from engine.server import responses as shapes
 from engine.server.chat import complete_chat, stream_chat
 from engine.server.completions import complete_text, echo_of, stream_text
-from engine.server.errors import json_response
 from engine.server.keys import SERVING_KEY
-from engine.server.prompts import check_context_length, completion_prompts
 from engine.server.serving import parse_body
 
 
