@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -17,12 +18,18 @@ from aiohttp.web_log import AccessLogger
 
 from engine.server.keys import SERVING_KEY
 from engine.server.metrics import ReplicaMetrics
-from engine.server.middlewares import add_request_id, credential_middleware, error_middleware
+from engine.server.middlewares import (
+    add_request_id,
+    body_timeout_middleware,
+    credential_middleware,
+    error_middleware,
+)
 from engine.server.routes import setup_routes
 from engine.server.serving import ServingContext
 from engine.server.settings import ReplicaServerSettings
 from engine.server.tracing import install_tracing
 from engine.server.typedefs import ServedEngine
+from infra.http_server import GuardedAppRunner
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +40,7 @@ def create_app(engine: ServedEngine, settings: ReplicaServerSettings | None = No
     middlewares = [error_middleware]
     if settings.secret is not None:
         middlewares.append(credential_middleware(settings.secret))
+    middlewares.append(body_timeout_middleware(settings.client_body_timeout_s))
     app = web.Application(client_max_size=settings.client_max_size_bytes, middlewares=middlewares)
     metrics = ReplicaMetrics(engine.stats, model=engine.model_config.model_id,
                              replica=engine.replica_id)
@@ -63,17 +71,30 @@ async def _log_lifecycle(app: web.Application) -> AsyncIterator[None]:
     log.info("replica %s HTTP server stopped", ctx.engine.replica_id)
 
 
+def create_runner(engine: ServedEngine, settings: ReplicaServerSettings,
+                  shutdown_timeout_s: float = 60.0) -> GuardedAppRunner:
+    """The app's runner: request headers within `client_header_timeout_s` (infra/http_server.py),
+    idle keep-alive connections closed after `keepalive_timeout_s`."""
+    return GuardedAppRunner(create_app(engine, settings),
+                            header_timeout_s=settings.client_header_timeout_s,
+                            access_log_class=QuietAccessLogger,
+                            handler_cancellation=settings.handler_cancellation,
+                            keepalive_timeout=settings.keepalive_timeout_s,
+                            shutdown_timeout=shutdown_timeout_s)
+
+
 async def serve(engine: ServedEngine, host: str, port: int,
-                settings: ReplicaServerSettings | None = None) -> None:
-    """Serve until cancelled; then stop accepting and close connections."""
+                settings: ReplicaServerSettings | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Serve until cancelled (or `stop` is set); then stop accepting, let in-flight requests
+    finish for up to 60 s, and close connections."""
     settings = settings or ReplicaServerSettings.from_env()
-    runner = web.AppRunner(create_app(engine, settings), access_log_class=QuietAccessLogger,
-                           handler_cancellation=settings.handler_cancellation)
+    runner = create_runner(engine, settings)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
         log.info("listening on http://%s:%d", host, port)
-        await asyncio.Event().wait()
+        await (stop or asyncio.Event()).wait()
     finally:
         await runner.cleanup()
 
@@ -81,8 +102,14 @@ async def serve(engine: ServedEngine, host: str, port: int,
 def run_replica(engine: ServedEngine, host: str, port: int,
                 settings: ReplicaServerSettings | None = None) -> None:
     """Blocking entry point for the CLI: serve until SIGINT/SIGTERM, then shut down gracefully
-    (aiohttp's run_app: stop accepting, let in-flight requests finish for up to 60 s)."""
+    (stop accepting, let in-flight requests finish for up to 60 s)."""
     settings = settings or ReplicaServerSettings.from_env()
-    web.run_app(create_app(engine, settings), host=host, port=port, print=None,
-                access_log_class=QuietAccessLogger,
-                handler_cancellation=settings.handler_cancellation)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await serve(engine, host, port, settings, stop)
+
+    asyncio.run(main())

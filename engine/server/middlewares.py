@@ -6,10 +6,14 @@
   envelope with their status; anything else -> a logged 500 envelope, never a traceback.
 - `credential_middleware(secret)`: every route but `OPEN_PATHS` (unknown ones too) needs
   `Authorization: Bearer <secret>`, compared in constant time; else 401 in the envelope.
+- `body_timeout_middleware(timeout_s)`: a request's body is read whole within `timeout_s` before
+  its handler runs (aiohttp keeps it for the handler's own read); else 408 in the envelope and
+  the connection closes. Request headers are bounded by the runner (infra/http_server.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import re
@@ -99,3 +103,26 @@ def _presents(request: web.Request, expected: bytes) -> bool:
     # a header byte that is not UTF-8 arrives as a lone surrogate: never equal, never a 500
     given = token.strip().encode("utf-8", "surrogatepass")
     return hmac.compare_digest(given, expected)
+
+
+def body_timeout_middleware(timeout_s: float) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """Goes inside `credential_middleware`: nobody's body is waited for before they are known."""
+
+    @web.middleware
+    async def read_body_in_time(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.body_exists:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await request.read()  # HTTPRequestEntityTooLarge -> 413 (error_middleware)
+            except TimeoutError:
+                log.warning("closing a connection from %s: its request body did not arrive "
+                            "within %gs (%s %s)", request.remote, timeout_s, request.method,
+                            request.path)
+                response = json_error(408, f"The request body did not arrive within "
+                                           f"{timeout_s:g}s.", "invalid_request_error",
+                                      code="request_timeout")
+                response.force_close()
+                return response
+        return await handler(request)
+
+    return read_body_in_time

@@ -9,6 +9,9 @@ from pathlib import Path
 
 SECRET_ENV = "AIGW_REPLICA_SECRET"  # the credential itself (the gateway reads the same variable)
 SECRET_FILE_ENV = "AIGW_REPLICA_SECRET_FILE"  # or a file holding it (a mounted k8s Secret)
+TIMEOUT_ENV = {"client_header_timeout_s": "AIGW_CLIENT_HEADER_TIMEOUT_S",
+               "client_body_timeout_s": "AIGW_CLIENT_BODY_TIMEOUT_S",
+               "keepalive_timeout_s": "AIGW_KEEPALIVE_TIMEOUT_S"}
 
 
 @dataclass(frozen=True)
@@ -16,6 +19,11 @@ class ReplicaServerSettings:
     """`secret` is the credential the gateway presents (`Authorization: Bearer <secret>`) on every
     route but GET /health and GET /metrics (engine/server/middlewares.py). None serves every route
     to anyone (`aigw replica --no-auth`, tests), except POST /kv/reset: loopback clients only.
+
+    Slow clients, with the gateway's setting names and meanings: a request's headers must all
+    arrive within `client_header_timeout_s` of its first byte (else 408 and the connection closes),
+    its body within `client_body_timeout_s` (else 408 in the envelope, connection closed); an idle
+    keep-alive connection closes after `keepalive_timeout_s`.
 
     `served_model_aliases` are extra names accepted in the `model` field besides the engine's
     `model_id`. `tool_parser` names a format in `engine.tool_parsers` (None: by model family).
@@ -26,17 +34,31 @@ class ReplicaServerSettings:
     served_model_aliases: tuple[str, ...] = ()
     tool_parser: str | None = None
     handler_cancellation: bool = True  # a client that hangs up cancels its handler (aborts work)
+    client_header_timeout_s: float = 10.0
+    client_body_timeout_s: float = 60.0
+    keepalive_timeout_s: float = 75.0
 
     def __post_init__(self) -> None:
         if self.client_max_size_bytes <= 0:
             raise ValueError("client_max_size_bytes must be positive")
+        for name in ("client_header_timeout_s", "client_body_timeout_s", "keepalive_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, not {getattr(self, name)}")
         if self.secret is not None and not self.secret:
             raise ValueError("secret must be None or non-empty")
 
     @classmethod
     def from_env(cls, **overrides: object) -> ReplicaServerSettings:
-        """Settings with `secret` from the environment (`read_secret`) unless overridden."""
+        """Settings with `secret` from the environment (`read_secret`) and the timeouts from
+        AIGW_CLIENT_HEADER_TIMEOUT_S, AIGW_CLIENT_BODY_TIMEOUT_S, AIGW_KEEPALIVE_TIMEOUT_S (the
+        gateway's variables; ValueError for one that is not a number) unless overridden."""
         values: dict[str, object] = {"secret": read_secret(os.environ)}
+        for name, variable in TIMEOUT_ENV.items():
+            if raw := os.environ.get(variable):
+                try:
+                    values[name] = float(raw)
+                except ValueError:
+                    raise ValueError(f"{variable}={raw!r} is not a number of seconds") from None
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
 
