@@ -159,7 +159,7 @@ def _start_aigw(procs: _Processes, name: str, upstream: str, auth: bool, workers
     config.write_text(f'data_dir = "{data_dir}"\n[[models]]\nname = "{MODEL}"\nbackend = "replica"\n'
                       f'endpoints = ["{upstream}"]\n[models.prices]\ninput_per_token = 1e-7\n'
                       'output_per_token = 2e-7\n')
-    command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--port",
+    command = [sys.executable, "-m", "cli.main", "serve", "--config", str(config), "--port",
                str(port), "--workers", str(workers)] + ([] if auth else ["--no-auth"])
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIGW_")} | (extra_env or {})
     process = procs.start(name, command, env)

@@ -72,7 +72,7 @@ def _start(args: argparse.Namespace, num_replicas: int) -> list[embedded.Replica
     replicas = []
     for _ in range(num_replicas):
         port = ports.free_port()
-        command = [sys.executable, "-m", "gateway.cli", "replica", "--port", str(port), "--threads", "1",
+        command = [sys.executable, "-m", "cli.main", "replica", "--port", str(port), "--threads", "1",
                    "--kv-cache-memory", str(args.kv_cache_memory), "--no-auth"]  # loopback bench
         replicas.append(embedded.ReplicaProcess(
             subprocess.Popen(command, stderr=subprocess.DEVNULL), f"http://127.0.0.1:{port}"))

@@ -1,9 +1,9 @@
-"""`aigw`: one console script; each package registers its own subcommands.
+"""`aigw`: one console script; one module of this package per part registers its subcommands.
 
-    aigw serve ...            gateway (gateway/serve_cli.py)
-    aigw replica|generate     engine  (engine/cli.py)
-    aigw projects|keys|usage  auth    (auth/cli.py)
-    aigw bench <what>         benchmarks (bench/ via engine/gateway)
+    aigw serve ...            gateway    (cli/gateway.py)
+    aigw replica|generate     engine     (cli/engine.py; needs `pip install 'aigw[engine]'`)
+    aigw projects|keys|usage  auth       (cli/auth.py)
+    aigw bench <what>         benchmarks (cli/bench.py: bench/ via engine/gateway)
 
 Heavy modules are imported inside the subcommand handlers, so `aigw --help` stays fast.
 """
@@ -15,7 +15,7 @@ import importlib
 import sys
 
 # Each entry: a module with `register(subparsers) -> None`; handlers are set with set_defaults(func=...).
-_COMMAND_MODULES = ("gateway.serve_cli", "engine.cli", "auth.cli", "bench.cli")
+_COMMAND_MODULES = ("cli.gateway", "cli.engine", "cli.auth", "cli.bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gateway.serve_cli import attach_replica_args
+    from cli.gateway import attach_replica_args
 
     args = build_parser().parse_args(attach_replica_args(sys.argv[1:] if argv is None else argv))
     try:

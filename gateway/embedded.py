@@ -50,7 +50,7 @@ def start_replicas(num_replicas: int, model_path: str | None, kv_cache_memory_by
     env = replica_environ(os.environ, secret)
     for _ in range(num_replicas):
         port = free_port(host)
-        command = [sys.executable, "-m", "gateway.cli", "replica", "--host", host, "--port", str(port)]
+        command = [sys.executable, "-m", "cli.main", "replica", "--host", host, "--port", str(port)]
         if model_path is not None:
             command += ["--model", model_path]
         if kv_cache_memory_bytes is not None:

@@ -11,7 +11,7 @@ import pytest
 
 from auth import open_auth
 from auth.settings import AuthSettings
-from gateway.cli import main
+from cli.main import main
 from tests.redis_cluster import clean_url_for
 
 

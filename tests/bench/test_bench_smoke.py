@@ -14,7 +14,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def run_bench(argv: list[str]) -> int:
-    from bench.cli import register
+    from cli.bench import register
 
     parser = argparse.ArgumentParser(prog="aigw")
     register(parser.add_subparsers(dest="command"))

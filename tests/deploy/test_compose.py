@@ -20,9 +20,9 @@ import pytest
 import yaml
 
 from auth.settings import AuthSettings
+from cli.main import build_parser
 from engine.server.metrics import ReplicaMetrics
 from engine.server.settings import SECRET_ENV, SECRET_FILE_ENV, ReplicaServerSettings
-from gateway.cli import build_parser
 from gateway.routing import ROUTER_NAMES
 from gateway.settings import GatewaySettings, load_settings
 from tests.deploy.manifests import (

@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.cli import build_parser
+from cli.main import build_parser
 from gateway.discovery import DnsTarget, parse_discover
 from gateway.routing import ROUTER_NAMES
 from gateway.settings import load_settings

@@ -85,7 +85,7 @@ def test_neon_example_runs_against_a_live_gateway_and_reports_cached_tokens(tmp_
     config = tmp_path / "gateway.toml"
     replica_log, gateway_log = tmp_path / "replica.log", tmp_path / "gateway.log"
 
-    replica_cmd = [sys.executable, "-m", "gateway.cli", "replica", "--host", "127.0.0.1",
+    replica_cmd = [sys.executable, "-m", "cli.main", "replica", "--host", "127.0.0.1",
                    "--port", str(replica_port), "--threads", "1",
                    "--kv-cache-memory", str(KV_CACHE_BYTES)]
     with _process(replica_cmd, replica_log, env) as replica:
@@ -98,7 +98,7 @@ def test_neon_example_runs_against_a_live_gateway_and_reports_cached_tokens(tmp_
         config.write_text(f'data_dir = "{data_dir}"\nhealth_interval_s = 1.0\n'
                           f'[[models]]\nname = "smollm2"\nupstream_model = "{model_id}"\n'
                           f'backend = "replica"\nendpoints = ["{replica_url}"]\n')
-        gateway_cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
+        gateway_cmd = [sys.executable, "-m", "cli.main", "serve", "--config", str(config),
                        "--host", "127.0.0.1", "--port", str(gateway_port)]
         with _process(gateway_cmd, gateway_log, env) as gateway:
             _wait_healthy(gateway_url, gateway, gateway_log)

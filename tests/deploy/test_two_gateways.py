@@ -43,7 +43,7 @@ class Deployment:
 
 
 def _replica_cmd(port: int, redis_url: str) -> list[str]:
-    return [sys.executable, "-m", "gateway.cli", "replica", "--host", "127.0.0.1",
+    return [sys.executable, "-m", "cli.main", "replica", "--host", "127.0.0.1",
             "--port", str(port), "--threads", "1", "--kv-cache-memory", "67108864",
             "--redis-url", redis_url]
 
@@ -100,7 +100,7 @@ def _deployment(tmp: Path) -> Iterator[Deployment]:
             url = f"http://127.0.0.1:{port}"
             log = tmp / f"gateway-{name}.log"
             process = stack.enter_context(_process(
-                [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
+                [sys.executable, "-m", "cli.main", "serve", "--config", str(config),
                  "--host", "127.0.0.1", "--port", str(port)], log, env))
             _wait_healthy(url, process, log, timeout_s=60)
             gateway_urls.append(url)

@@ -39,7 +39,7 @@ def replica_url() -> Iterator[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("AIGW_REPLICA_SECRET", "AIGW_REDIS_URL")}
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "replica", "--port", str(port), "--threads", "1",
+            [sys.executable, "-m", "cli.main", "replica", "--port", str(port), "--threads", "1",
              "--kv-cache-memory", str(KV_CACHE_BYTES), "--no-auth"],
             cwd=repo_root, env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"

@@ -20,8 +20,8 @@ from tests.gateway.conftest import LoopThread, start_app
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("engine.cli") is None,
-                       reason="needs the engine replica (engine/cli.py)"),
+    pytest.mark.skipif(importlib.util.find_spec("cli.engine") is None,
+                       reason="needs the engine replica (cli/engine.py)"),
 ]
 
 

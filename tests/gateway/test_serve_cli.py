@@ -48,7 +48,7 @@ def test_serve_with_config_auth_and_workers_then_drains_on_sigterm(
                       f'[[models]]\nname = "{MODEL}"\nbackend = "openai"\nendpoints = ["{upstream_url}"]\n'
                       '[models.prices]\ninput_per_token = 1e-6\noutput_per_token = 2e-6\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIGW_")}
-    process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
+    process = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--config", str(config),
                                 "--port", str(port), "--workers", str(num_workers)],
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -110,7 +110,7 @@ def test_embedded_replicas_get_the_replica_args_and_serve(tmp_path: Path) -> Non
     """`aigw serve --replica-args "..."` reaches each embedded `aigw replica`; here the native q4 mode."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIGW_")}
-    process = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--no-auth", "--port", str(port),
+    process = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--no-auth", "--port", str(port),
                                 "--kv-cache-memory", str(32 << 20),
                                 "--replica-args", "--decode-weights q4 --threads 1"],
                                env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -139,7 +139,7 @@ def test_embedded_replicas_get_the_replica_args_and_serve(tmp_path: Path) -> Non
 ], ids=["unknown_key", "wrong_type", "not_toml", "missing_file", "unknown_backend", "unknown_router"])
 def test_a_bad_config_file_is_one_error_message_and_status_1(
         tmp_path: Path, config_text: str | None, capsys: pytest.CaptureFixture[str]) -> None:
-    from gateway.cli import main
+    from cli.main import main
 
     config = tmp_path / "gateway.toml"
     if config_text is not None:
@@ -157,7 +157,7 @@ def test_a_bad_config_file_is_one_error_message_and_status_1(
 def test_a_bad_environment_variable_is_one_error_message_and_status_1(
         variable: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from gateway.cli import main
+    from cli.main import main
 
     name, _, value = variable.partition("=")
     monkeypatch.setenv(name, value)
@@ -174,7 +174,7 @@ def test_a_bad_environment_variable_is_one_error_message_and_status_1(
 @pytest.mark.parametrize("count", ["0", "-1"])
 def test_replicas_or_workers_below_one_is_a_usage_error(flag: str, count: str,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    from gateway.cli import main
+    from cli.main import main
 
     with pytest.raises(SystemExit) as exit_info:  # --workers 0 once served with one worker
         main(["serve", flag, count])
@@ -188,7 +188,7 @@ def test_replicas_or_workers_below_one_is_a_usage_error(flag: str, count: str,
 ])
 def test_an_out_of_range_flag_is_one_line_naming_the_field(
         words: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from gateway.cli import main
+    from cli.main import main
 
     assert main(["serve", *words]) == 1
     err = capsys.readouterr().err
@@ -202,17 +202,18 @@ def test_an_out_of_range_flag_is_one_line_naming_the_field(
 ])
 def test_replica_args_take_the_next_word_whatever_it_starts_with(
         words: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    from gateway import cli, serve_cli
+    from cli import gateway as serve_cli
+    from cli.main import main
 
     seen: list[str] = []
     monkeypatch.setattr(serve_cli, "run", lambda args: seen.append(args.replica_args) or 0)
-    assert cli.main(["serve", "--port", "1", *words, "--no-auth"]) == 0
+    assert main(["serve", "--port", "1", *words, "--no-auth"]) == 0
     assert seen == [words[-1].removeprefix("--replica-args=")]
 
 
 def test_a_replica_that_exits_at_start_is_one_error_line_and_status_1(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from gateway.cli import main
+    from cli.main import main
 
     assert main(["serve", "--replica-args", "--no-such-flag"]) == 1
     err = capsys.readouterr().err
@@ -231,8 +232,8 @@ def test_a_bad_or_unreachable_redis_url_is_one_error_line_before_any_replica_sta
         redis_url: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     """Each was a traceback: from every worker (unreachable) or from the embedded replica."""
+    from cli.main import main
     from gateway import embedded
-    from gateway.cli import main
 
     monkeypatch.setenv("AIGW_REDIS_URL", redis_url.format(port=free_port()))
     monkeypatch.setattr(embedded, "start_replicas", lambda *a, **k: pytest.fail("replica started"))
@@ -244,14 +245,15 @@ def test_a_bad_or_unreachable_redis_url_is_one_error_line_before_any_replica_sta
 def test_ctrl_c_while_the_replicas_load_stops_them_with_one_line_and_status_130(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Was a KeyboardInterrupt traceback from `make run` interrupted during the model load."""
-    from gateway import cli, embedded
+    from cli.main import main
+    from gateway import embedded
 
     stopped: list[list[object]] = []
     monkeypatch.setattr(embedded, "start_replicas", lambda *a, **k: ["replica"])
     monkeypatch.setattr(embedded, "wait_healthy", lambda replicas: (_ for _ in ()).throw(KeyboardInterrupt))
     monkeypatch.setattr(embedded, "stop_replicas", stopped.append)
     monkeypatch.delenv("AIGW_REDIS_URL", raising=False)
-    assert cli.main(["serve", "--port", str(free_port())]) == 130
+    assert main(["serve", "--port", str(free_port())]) == 130
     assert stopped == [["replica"]]
     assert capsys.readouterr().err == "aigw: interrupted\n"
 
@@ -262,8 +264,8 @@ def test_a_port_in_use_is_one_error_line_before_any_replica_starts(
     """Was a bind traceback after the model load (from each worker, and status 0 with two)."""
     import socket
 
+    from cli.main import main
     from gateway import embedded
-    from gateway.cli import main
 
     monkeypatch.setattr(embedded, "start_replicas", lambda *a, **k: pytest.fail("replica started"))
     with socket.socket() as taken:
@@ -277,8 +279,8 @@ def test_a_port_in_use_is_one_error_line_before_any_replica_starts(
 def test_a_data_dir_that_cannot_be_created_is_one_error_line_before_any_replica_starts(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Was a FileExistsError traceback from the worker, after the model load."""
+    from cli.main import main
     from gateway import embedded
-    from gateway.cli import main
 
     a_file = tmp_path / "not-a-dir"
     a_file.write_text("")
@@ -290,7 +292,7 @@ def test_a_data_dir_that_cannot_be_created_is_one_error_line_before_any_replica_
 
 
 def test_replica_args_with_an_unclosed_quote_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    from gateway.cli import main
+    from cli.main import main
 
     with pytest.raises(SystemExit) as exit_info:  # was a ValueError traceback from shlex
         main(["serve", "--replica-args", '--seed "1'])
@@ -338,14 +340,14 @@ def test_the_port_check_lets_an_ipv6_host_use_a_port_held_over_ipv4_only() -> No
 def test_a_worker_that_fails_makes_the_exit_status_1() -> None:
     """Two spawned workers whose settings cannot be served: status 1 (it was 0 once the metrics
     directory wrapper dropped the workers' status)."""
-    from gateway.serve_cli import _serve_workers
+    from cli.gateway import _serve_workers
 
     assert _serve_workers({"port": -1}, 2) == 1
 
 
 def test_an_invalid_upstream_api_key_is_not_echoed(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    from gateway.cli import main
+    from cli.main import main
 
     config = tmp_path / "gateway.toml"  # an unquoted key: an int, refused, and once printed whole
     config.write_text('[[models]]\nname = "m"\nendpoints = ["http://127.0.0.1:9"]\n'

@@ -183,7 +183,7 @@ def _broken_copy(source: Path, target: Path, edit) -> Path:  # type: ignore[no-u
 def test_a_missing_or_misshapen_tensor_is_one_error_line_naming_it(
         edit, named: str, gpt_oss_checkpoints: dict[str, GptOssCheckpoint], tmp_path: Path,  # type: ignore[no-untyped-def]
         capsys: pytest.CaptureFixture[str]) -> None:
-    from gateway.cli import main
+    from cli.main import main
 
     broken = _broken_copy(gpt_oss_checkpoints["mxfp4"].directory, tmp_path / "broken", edit)
     assert main(["replica", "--port", "0", "--no-auth", "--threads", "1", "--model", str(broken)]) == 1
@@ -195,7 +195,7 @@ def test_an_unsupported_quantization_is_one_error_line(
         capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from gateway.cli import main
+    from cli.main import main
 
     directory = tmp_path / "fp8"
     shutil.copytree(gpt_oss_checkpoints["dense"].directory, directory)

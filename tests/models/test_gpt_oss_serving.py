@@ -25,7 +25,7 @@ NUM_NEW_TOKENS = 10
 def replica_url(gpt_oss_checkpoints: dict[str, GptOssCheckpoint]) -> Iterator[str]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIGW_")}
-    command = [sys.executable, "-m", "gateway.cli", "replica", "--port", str(port), "--threads", "1",
+    command = [sys.executable, "-m", "cli.main", "replica", "--port", str(port), "--threads", "1",
                "--kv-cache-memory", str(32 << 20), "--no-auth",
                "--model", str(gpt_oss_checkpoints["mxfp4"].directory)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

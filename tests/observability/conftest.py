@@ -56,7 +56,7 @@ class Served:
 @pytest.fixture(scope="session")
 def replica_url() -> Iterator[str]:
     port = ports.free_port()
-    command = [sys.executable, "-m", "gateway.cli", "replica", "--port", str(port), "--threads", "1",
+    command = [sys.executable, "-m", "cli.main", "replica", "--port", str(port), "--threads", "1",
                "--kv-cache-memory", "67108864", "--no-auth"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 
 def replica_command(port: int, redis_url: str) -> list[str]:
-    return [sys.executable, "-m", "gateway.cli", "replica", "--port", str(port), "--threads", "1",
+    return [sys.executable, "-m", "cli.main", "replica", "--port", str(port), "--threads", "1",
             "--kv-cache-memory", "67108864", "--redis-url", redis_url, "--no-auth"]
 
 
