@@ -3,7 +3,8 @@
     client JSON --dialect.parse--> CanonicalRequest --backend.stream--> CanonicalEvent* --dialect--> client
 
 A backend yields, in order: at most one `PromptUsage` (when the upstream announces the prompt's
-count as it starts answering), any number of `TextDelta` / `ToolCallDelta`, then one `Finish` per
+count as it starts answering), any number of `TextDelta` / `ReasoningDelta` / `ToolCallDelta`
+(reasoning: a reasoning model's thinking, apart from its answer), then one `Finish` per
 choice, then one `Usage` (the backend guarantees a `Usage`, counting tokens itself if the upstream
 gave none; it covers every choice). Events carry their `choice` (0 unless the client asked for
 `n` > 1, which only the OpenAI chat and completions dialects do). `Accumulator` folds the events
@@ -34,6 +35,7 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None  # role == "tool": the call this result answers
     name: str | None = None
+    reasoning: str = ""  # role == "assistant": an earlier turn's reasoning, sent back
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,11 @@ class CanonicalRequest:
     frequency_penalty: float | None = None
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    # reasoning models: OpenAI's reasoning_effort ("none", "minimal", "low", "medium", "high");
+    # and the upstream chat template's extra variables (vLLM's chat_template_kwargs: Qwen3's
+    # enable_thinking; Anthropic's `thinking` maps onto it)
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     stream: bool = False
     include_usage: bool = False  # OpenAI stream_options.include_usage as the client asked
     # the answer continues the last (assistant) message's text: Anthropic prefill
@@ -133,6 +140,14 @@ class TextDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class ReasoningDelta:
+    """A piece of the model's reasoning (vLLM's and DeepSeek's `reasoning_content`)."""
+
+    text: str
+    choice: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class ToolCallDelta:
     """A piece of tool call `index`; `id` and `name` arrive on its first piece only."""
 
@@ -155,6 +170,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # part of prompt_tokens served from the prefix cache
+    reasoning_tokens: int = 0  # part of completion_tokens spent reasoning
 
     @property
     def total_tokens(self) -> int:
@@ -171,7 +187,7 @@ class PromptUsage:
     cached_tokens: int = 0
 
 
-CanonicalEvent = TextDelta | ToolCallDelta | Finish | Usage | PromptUsage
+CanonicalEvent = TextDelta | ReasoningDelta | ToolCallDelta | Finish | Usage | PromptUsage
 FOLDED_EVENTS = (Finish, Usage, PromptUsage)  # folded into the answer's end, never sent alone
 
 
@@ -184,6 +200,7 @@ class CanonicalResponse:
     stop_sequence: str | None = None  # the stop string that ended the text, when known
     others: tuple[CanonicalResponse, ...] = ()  # choices 1..n-1 (n > 1), in order; no usage
     logprobs: list[Any] | None = None  # each TextDelta's logprobs object, in order, if any came
+    reasoning: str = ""  # the ReasoningDeltas' text
 
 
 class Accumulator:
@@ -192,6 +209,7 @@ class Accumulator:
 
     def __init__(self) -> None:
         self._text: list[str] = []
+        self._reasoning: list[str] = []
         self._logprobs: list[Any] | None = None
         self._calls: dict[int, list[str]] = {}  # index -> [id, name, arguments...]
         self.finish_reason: FinishReason | None = None
@@ -218,6 +236,8 @@ class Accumulator:
                 if self._logprobs is None:
                     self._logprobs = []
                 self._logprobs.append(event.logprobs)
+        elif isinstance(event, ReasoningDelta):
+            self._reasoning.append(event.text)
         elif isinstance(event, ToolCallDelta):
             parts = self._calls.setdefault(event.index, ["", ""])
             if event.id:
@@ -246,8 +266,8 @@ class Accumulator:
     @property
     def num_generated_chars_by_choice(self) -> list[int]:
         """`num_generated_chars` of each choice seen, in `choices` order."""
-        own = sum(map(len, self._text)) + sum(len(part) for parts in self._calls.values()
-                                              for part in parts[1:])
+        own = (sum(map(len, self._text)) + sum(map(len, self._reasoning))
+               + sum(len(part) for parts in self._calls.values() for part in parts[1:]))
         return [own, *(self.others[choice].num_generated_chars for choice in sorted(self.others))]
 
     @property
@@ -269,4 +289,4 @@ class Accumulator:
         others = tuple(self.others[c].response() for c in sorted(self.others))
         return CanonicalResponse(text=self.text, tool_calls=calls, finish_reason=self.finish_reason,
                                  usage=self.usage, stop_sequence=self.stop_sequence, others=others,
-                                 logprobs=self._logprobs)
+                                 logprobs=self._logprobs, reasoning="".join(self._reasoning))

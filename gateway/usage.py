@@ -35,7 +35,7 @@ def build_record(request: CanonicalRequest, principal: Principal, model: ModelSe
         cost_usd=model.prices.cost_usd(usage.prompt_tokens, usage.cached_tokens,
                                        usage.completion_tokens),
         latency_ms=latency_ms, status=status, created_at=time.time(), stream=request.stream,
-        finish_reason=accumulator.finish_reason)
+        finish_reason=accumulator.finish_reason, reasoning_tokens=usage.reasoning_tokens)
 
 
 def _partial_usage(request: CanonicalRequest, accumulator: Accumulator,

@@ -26,6 +26,7 @@ from gateway.canonical import (
     Finish,
     FinishReason,
     PromptUsage,
+    ReasoningDelta,
     TextDelta,
     ToolCallDelta,
     Usage,
@@ -61,6 +62,10 @@ class OpenAICompatBackend(Backend):
                 body["parallel_tool_calls"] = request.parallel_tool_calls
             if request.response_format is not None:
                 body["response_format"] = request.response_format
+            if request.reasoning_effort is not None:
+                body["reasoning_effort"] = request.reasoning_effort
+            if request.chat_template_kwargs:
+                body["chat_template_kwargs"] = request.chat_template_kwargs
         else:
             first = request.prompt if request.prompt_token_ids is None else request.prompt_token_ids
             body["prompt"] = [first, *request.extra_prompts] if request.extra_prompts else first
@@ -220,6 +225,8 @@ def _message_json(message: Any) -> dict[str, Any]:
         out["tool_call_id"] = message.tool_call_id
     if message.name:
         out["name"] = message.name
+    if message.reasoning:
+        out["reasoning_content"] = message.reasoning
     return out
 
 
@@ -296,6 +303,10 @@ def _read_chunk(chunk: dict[str, Any], kind: str) -> list[CanonicalEvent]:
         logprobs = choice.get("logprobs") or None
         if kind == "chat":
             delta = choice.get("delta") or choice.get("message") or {}
+            # vLLM and DeepSeek name it reasoning_content; newer vLLM and OpenRouter `reasoning`
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if isinstance(reasoning, str) and reasoning:
+                events.append(ReasoningDelta(reasoning, index))
             content = _content_text(delta.get("content"))
             if content or logprobs:
                 events.append(TextDelta(content, index, logprobs))
@@ -317,9 +328,11 @@ def _read_chunk(chunk: dict[str, Any], kind: str) -> list[CanonicalEvent]:
     usage = chunk.get("usage")
     if usage:
         details = usage.get("prompt_tokens_details") or {}
+        completion_details = usage.get("completion_tokens_details") or {}
         events.append(Usage(int(usage.get("prompt_tokens") or 0),
                             int(usage.get("completion_tokens") or 0),
-                            int(details.get("cached_tokens") or 0)))
+                            int(details.get("cached_tokens") or 0),
+                            int(completion_details.get("reasoning_tokens") or 0)))
     return events
 
 
@@ -394,14 +407,17 @@ def _tool_call_pieces(events: list[CanonicalEvent], calls: set[tuple[int, int]]
 
 
 def _merged(events: list[CanonicalEvent]) -> list[CanonicalEvent]:
-    """Adjacent text deltas (without logprobs), and adjacent argument pieces of one tool call, of
-    one choice become one event."""
+    """Adjacent text deltas (without logprobs), reasoning deltas, and adjacent argument pieces of
+    one tool call, of one choice become one event."""
     out: list[CanonicalEvent] = []
     for event in events:
         last = out[-1] if out else None
         if (isinstance(event, TextDelta) and isinstance(last, TextDelta)
                 and event.choice == last.choice and event.logprobs is None and last.logprobs is None):
             out[-1] = TextDelta(last.text + event.text, event.choice)
+        elif (isinstance(event, ReasoningDelta) and isinstance(last, ReasoningDelta)
+              and event.choice == last.choice):
+            out[-1] = ReasoningDelta(last.text + event.text, event.choice)
         elif (isinstance(event, ToolCallDelta) and isinstance(last, ToolCallDelta)
               and event.index == last.index and event.choice == last.choice
               and not event.id and not event.name):

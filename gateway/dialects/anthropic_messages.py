@@ -10,6 +10,11 @@ Mapping to the canonical form:
   cache_control anywhere               -> accepted and ignored (our replicas cache prefixes themselves)
   a last assistant message with text   -> prefill: continue_final_message, the answer continues it
   output_config.format (json_schema)    -> response_format json_schema: the replica constrains decoding
+  thinking disabled / enabled           -> chat_template_kwargs enable_thinking false / true (Qwen3),
+                                          budget_tokens -> reasoning_effort (gpt-oss)
+  assistant `thinking` blocks           -> the message's reasoning (sent back upstream)
+The answer's reasoning is a leading `thinking` block (streamed as thinking_delta, then its
+signature_delta), its `signature` an opaque digest of the text.
 Usage: `cache_read_input_tokens` = cached prompt tokens; `input_tokens` = prompt tokens NOT read
 from cache (Anthropic's definition: input_tokens + cache_read + cache_creation = whole prompt);
 `cache_creation_input_tokens` = 0. While streaming, message_start carries the input and
@@ -19,6 +24,8 @@ stream's headers; else 0) and message_delta carries the final input/cache/output
 
 from __future__ import annotations
 
+import base64
+import hashlib
 from typing import Any
 
 import orjson
@@ -29,6 +36,7 @@ from gateway.canonical import (
     CanonicalResponse,
     Message,
     PromptUsage,
+    ReasoningDelta,
     TextDelta,
     Tool,
     ToolCall,
@@ -117,6 +125,7 @@ def _parse_message(raw: Any, i: int) -> list[Message]:
     if isinstance(content, str):
         return [Message(role, content)]  # type: ignore[arg-type]
     texts: list[str] = []
+    thinking: list[str] = []
     calls: list[ToolCall] = []
     results: list[Message] = []
     for j, block in enumerate(get_list(raw, "content", f"{param}.content", required=True) or ()):
@@ -141,12 +150,14 @@ def _parse_message(raw: Any, i: int) -> list[Message]:
                 text = f"Error: {text}"
             results.append(Message("tool", text, tool_call_id=get_str(
                 block, "tool_use_id", f"{where}.tool_use_id", required=True)))
+        elif kind == "thinking" and role == "assistant":
+            thinking.append(get_str(block, "thinking", f"{where}.thinking") or "")
         elif kind in ("thinking", "redacted_thinking"):
             continue
         else:
             raise InvalidParam(f"{where}.type", f"unsupported block {kind!r} in a {role} message")
     if role == "assistant":
-        return [Message("assistant", "".join(texts), tuple(calls))]
+        return [Message("assistant", "".join(texts), tuple(calls), reasoning="".join(thinking))]
     return results + ([Message("user", "".join(texts))] if texts or not results else [])
 
 
@@ -181,6 +192,33 @@ def _parse_output_format(body: dict[str, Any]) -> dict[str, Any] | None:
     if schema is None:
         raise InvalidParam(f"{param}.schema", "is required")
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+
+
+def _parse_thinking(body: dict[str, Any], request: CanonicalRequest) -> None:
+    """`thinking` onto the upstream's switches: disabled -> the chat template's enable_thinking
+    false (Qwen3); enabled -> enable_thinking true and a reasoning_effort from budget_tokens
+    (gpt-oss: under 2,048 low, under 8,192 medium, else high)."""
+    thinking = get_object(body, "thinking")
+    if thinking is None:
+        return
+    kind = get_str(thinking, "type", "thinking.type", required=True)
+    if kind == "disabled":
+        request.chat_template_kwargs = {"enable_thinking": False}
+    elif kind in ("enabled", "adaptive"):
+        request.chat_template_kwargs = {"enable_thinking": True}
+        budget = get_int(thinking, "budget_tokens", "thinking.budget_tokens", minimum=1,
+                         required=kind == "enabled")
+        if budget is not None:
+            request.reasoning_effort = ("low" if budget < 2048 else
+                                        "medium" if budget < 8192 else "high")
+    else:
+        raise InvalidParam("thinking.type", "expected 'enabled', 'adaptive' or 'disabled'")
+
+
+def thinking_signature(thinking: str) -> str:
+    """A thinking block's `signature`: opaque to clients, which send it back with the block (a
+    digest of the text; it vouches for nothing, there being no Anthropic key behind it)."""
+    return base64.b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
 
 
 def _usage(usage: Usage | None) -> dict[str, Any]:
@@ -234,6 +272,7 @@ class AnthropicMessages(Dialect):
             # the grammar would start the JSON again after the prefilled text
             raise InvalidParam("messages", "a last assistant message (prefill) cannot be "
                                "combined with output_config.format")
+        _parse_thinking(body, request)
         check_sampling(request, {"stop": "stop_sequences"})
         return request
 
@@ -243,6 +282,9 @@ class AnthropicMessages(Dialect):
 
     def render(self, request: CanonicalRequest, response: CanonicalResponse) -> dict[str, Any]:
         content: list[dict[str, Any]] = []
+        if response.reasoning:
+            content.append({"type": "thinking", "thinking": response.reasoning,
+                            "signature": thinking_signature(response.reasoning)})
         if response.text:
             content.append({"type": "text", "text": response.text})
         content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": _json_input(c.arguments)}
@@ -276,7 +318,8 @@ class _MessagesEncoder(StreamEncoder):
     def __init__(self, request: CanonicalRequest) -> None:
         self._request = request
         self._num_blocks = 0
-        self._open: str | None = None  # "text" | "tool_use"
+        self._open: str | None = None  # "text" | "thinking" | "tool_use"
+        self._thinking: list[str] = []  # the open thinking block's text (for its signature)
         self._call_index: int | None = None  # the ToolCallDelta index of the last tool_use block
         self._text_head = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":')
 
@@ -292,12 +335,31 @@ class _MessagesEncoder(StreamEncoder):
     def _close_block(self) -> bytes:
         if self._open is None:
             return b""
+        out = b""
+        if self._open == "thinking":  # Anthropic sends the signature last, before the stop
+            signature = thinking_signature("".join(self._thinking))
+            self._thinking = []
+            out = _sse("content_block_delta", {
+                "type": "content_block_delta", "index": self._num_blocks,
+                "delta": {"type": "signature_delta", "signature": signature}})
         self._open = None
         self._num_blocks += 1
-        return _sse("content_block_stop", {"type": "content_block_stop", "index": self._num_blocks - 1})
+        return out + _sse("content_block_stop", {"type": "content_block_stop",
+                                                 "index": self._num_blocks - 1})
 
     def event(self, event: CanonicalEvent) -> bytes:
         out = b""
+        if isinstance(event, ReasoningDelta):
+            if self._open != "thinking":
+                out += self._close_block()
+                self._open = "thinking"
+                out += _sse("content_block_start", {
+                    "type": "content_block_start", "index": self._num_blocks,
+                    "content_block": {"type": "thinking", "thinking": "", "signature": ""}})
+            self._thinking.append(event.text)
+            return out + _sse("content_block_delta", {
+                "type": "content_block_delta", "index": self._num_blocks,
+                "delta": {"type": "thinking_delta", "thinking": event.text}})
         if isinstance(event, TextDelta):
             if self._open != "text":
                 out += self._close_block()

@@ -1,4 +1,9 @@
-"""OpenAI Chat Completions: POST /v1/chat/completions."""
+"""OpenAI Chat Completions: POST /v1/chat/completions.
+
+Reasoning models: `reasoning_effort` and vLLM's `chat_template_kwargs` go upstream; the answer's
+reasoning is the message's `reasoning_content` (and streamed as `reasoning_content` deltas), as
+vLLM and DeepSeek's API name it; an assistant message's `reasoning_content` goes back upstream.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from gateway.canonical import (
     CanonicalResponse,
     Message,
     PromptUsage,
+    ReasoningDelta,
     TextDelta,
     Tool,
     ToolCall,
@@ -25,6 +31,7 @@ from gateway.dialects.validate import (
     ToolResults,
     get_bool,
     get_list,
+    get_object,
     get_str,
     get_tool_schema,
     need_object,
@@ -91,8 +98,9 @@ def _parse_message(raw: Any, i: int) -> Message:
                               get_str(function, "arguments",
                                       f"{param}.tool_calls[{j}].function.arguments") or "{}"))
     tool_call_id = get_str(raw, "tool_call_id", f"{param}.tool_call_id", required=role == "tool")
+    reasoning = get_str(raw, "reasoning_content", f"{param}.reasoning_content") or ""
     return Message(role, content, tuple(calls), tool_call_id,  # type: ignore[arg-type]
-                   get_str(raw, "name", f"{param}.name"))
+                   get_str(raw, "name", f"{param}.name"), reasoning if role == "assistant" else "")
 
 
 class OpenAIChat(Dialect):
@@ -114,6 +122,9 @@ class OpenAIChat(Dialect):
         request.response_format = common.parse_output_format(body.get("response_format"),
                                                              "response_format")
         common.parse_chat_logprobs(body, request)
+        request.reasoning_effort = common.parse_reasoning_effort(body.get("reasoning_effort"),
+                                                                 "reasoning_effort")
+        request.chat_template_kwargs = get_object(body, "chat_template_kwargs")
         return request
 
     def render(self, request: CanonicalRequest, response: CanonicalResponse) -> dict[str, Any]:
@@ -136,6 +147,8 @@ def _choice_json(index: int, choice: CanonicalResponse) -> dict[str, Any]:
     # once) is "", as OpenAI sends it, so `content.strip()` works on every text answer
     content = choice.text if choice.text.strip() or not choice.tool_calls else None
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if choice.reasoning:
+        message["reasoning_content"] = choice.reasoning
     if choice.tool_calls:
         message["tool_calls"] = [_call_json(c) for c in choice.tool_calls]
     return {"index": index, "message": message, "logprobs": common.joined_logprobs(choice.logprobs),
@@ -148,8 +161,8 @@ def _call_json(call: ToolCall) -> dict[str, Any]:
 
 
 class _ChatEncoder(StreamEncoder):
-    """Chunks as OpenAI streams them: a role delta per choice first, then content and tool-call
-    deltas (each naming its choice), a finish chunk per choice, the usage chunk if asked, [DONE]."""
+    """Chunks as OpenAI streams them: a role delta per choice first, then content, reasoning
+    (`reasoning_content`, as vLLM and DeepSeek stream it) and tool-call deltas (each naming its choice), a finish chunk per choice, the usage chunk if asked, [DONE]."""
 
     def __init__(self, request: CanonicalRequest) -> None:
         self._request = request
@@ -176,6 +189,9 @@ class _ChatEncoder(StreamEncoder):
                 return content + self._tail
             return (content + b',"logprobs":' + common.logprobs_bytes(event.logprobs)
                     + b',"finish_reason":null}]}\n\n')
+        if isinstance(event, ReasoningDelta):
+            return (self._head(event.choice) + b'{"reasoning_content":' + orjson.dumps(event.text)
+                    + b"}" + self._tail)
         assert isinstance(event, ToolCallDelta)
         call: dict[str, Any] = {"index": event.index, "function": {"arguments": event.arguments}}
         if event.id:

@@ -38,10 +38,26 @@ MAX_NUM_CHOICES = 128  # OpenAI's own bound on `n` (an upstream may allow fewer:
 
 
 def usage_json(usage: Usage | None) -> dict[str, Any]:
+    """Chat and completions usage; `completion_tokens_details` when some tokens were reasoning."""
     usage = usage or Usage(0, 0)
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+    body = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens,
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    if usage.reasoning_tokens:
+        body["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
+    return body
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def parse_reasoning_effort(value: Any, param: str) -> str | None:
+    """OpenAI's reasoning_effort: None or one of REASONING_EFFORTS."""
+    if value is None:
+        return None
+    if value not in REASONING_EFFORTS:
+        raise InvalidParam(param, f"must be one of {', '.join(REASONING_EFFORTS)}")
+    return str(value)
 
 
 def parse_sampling(body: dict[str, Any], request: CanonicalRequest, *, max_tokens_keys: tuple[str, ...]

@@ -4,6 +4,7 @@ responses, so `previous_response_id` and `conversation` are refused; send the co
 
 Stream events: response.created, response.in_progress, then per output item
 output_item.added -> (content_part.added, output_text.delta*, output_text.done, content_part.done |
+content_part.added, reasoning_text.delta*, reasoning_text.done, content_part.done |
 function_call_arguments.delta*, function_call_arguments.done) -> output_item.done, and finally
 response.completed (or `event: error` with an `error` object when the upstream fails mid-stream).
 """
@@ -22,6 +23,7 @@ from gateway.canonical import (
     CanonicalResponse,
     Message,
     PromptUsage,
+    ReasoningDelta,
     TextDelta,
     Tool,
     ToolCall,
@@ -125,7 +127,17 @@ def _usage(usage: Usage | None) -> dict[str, Any]:
     return {"input_tokens": usage.prompt_tokens,
             "input_tokens_details": {"cached_tokens": usage.cached_tokens},
             "output_tokens": usage.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": usage.total_tokens}
+            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+            "total_tokens": usage.total_tokens}
+
+
+def _reasoning_item(request: CanonicalRequest, index: int, text: str, status: str
+                    ) -> dict[str, Any]:
+    """A reasoning item as OpenAI's Responses API gives an open-weight model's: the raw text as
+    `reasoning_text` content, no summary (none is made)."""
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"type": "reasoning", "id": f"rs_{request.request_id}_{index}", "summary": [],
+            "content": content, "encrypted_content": None, "status": status}
 
 
 def _message_item(request: CanonicalRequest, text: str, status: str) -> dict[str, Any]:
@@ -148,6 +160,8 @@ def _response(request: CanonicalRequest, response: CanonicalResponse | None) -> 
         status = "completed"
         if response.finish_reason == "length":
             status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+        if response.reasoning:
+            output.append(_reasoning_item(request, 0, response.reasoning, "completed"))
         if response.text:
             output.append(_message_item(request, response.text, "completed"))
         output += [_call_item(request, i, c, "completed") for i, c in enumerate(response.tool_calls)]
@@ -161,6 +175,7 @@ def _response(request: CanonicalRequest, response: CanonicalResponse | None) -> 
             "tools": [{"type": "function", "name": t.name, "description": t.description,
                        "parameters": t.parameters, "strict": False} for t in request.tools],
             "text": {"format": _text_format_json(request.response_format)},
+            "reasoning": {"effort": request.reasoning_effort, "summary": None},
             "truncation": "disabled", "metadata": {},
             "usage": _usage(response.usage) if response is not None else None}
 
@@ -202,6 +217,10 @@ class OpenAIResponses(Dialect):
         request.top_p = get_number(body, "top_p", minimum=0.0, maximum=1.0)
         request.stream = bool(get_bool(body, "stream"))
         request.user = get_str(body, "user")
+        reasoning = get_object(body, "reasoning")
+        if reasoning is not None:
+            request.reasoning_effort = common.parse_reasoning_effort(reasoning.get("effort"),
+                                                                     "reasoning.effort")
         check_sampling(request, {"max_tokens": "max_output_tokens"})
         text = get_object(body, "text")
         if text is not None:
@@ -256,6 +275,10 @@ class _ResponsesEncoder(StreamEncoder):
             out += self._emit("response.content_part.added", item_id=item["id"],
                               output_index=self._num_items, content_index=0,
                               part={"type": "output_text", "text": "", "annotations": []})
+        elif item["type"] == "reasoning":
+            out += self._emit("response.content_part.added", item_id=item["id"],
+                              output_index=self._num_items, content_index=0,
+                              part={"type": "reasoning_text", "text": ""})
         return out
 
     def _close_item(self) -> bytes:
@@ -274,6 +297,16 @@ class _ResponsesEncoder(StreamEncoder):
                     + self._emit("response.content_part.done", item_id=item["id"], output_index=index,
                                  content_index=0, part=part)
                     + self._emit("response.output_item.done", output_index=index, item=done))
+        if item["type"] == "reasoning":
+            text, self._text = "".join(self._text), []
+            part = {"type": "reasoning_text", "text": text}
+            done = dict(item, status="completed", content=[part])
+            self._done_items.append(done)
+            return (self._emit("response.reasoning_text.done", item_id=item["id"],
+                               output_index=index, content_index=0, text=text)
+                    + self._emit("response.content_part.done", item_id=item["id"],
+                                 output_index=index, content_index=0, part=part)
+                    + self._emit("response.output_item.done", output_index=index, item=done))
         arguments, self._args = "".join(self._args) or "{}", []
         done = dict(item, status="completed", arguments=arguments)
         self._done_items.append(done)
@@ -283,6 +316,15 @@ class _ResponsesEncoder(StreamEncoder):
 
     def event(self, event: CanonicalEvent) -> bytes:
         out = b""
+        if isinstance(event, ReasoningDelta):
+            if self._open is None or self._open["type"] != "reasoning":
+                out += self._open_item(_reasoning_item(self._request, self._num_items, "",
+                                                       "in_progress"))
+            self._text.append(event.text)
+            assert self._open is not None
+            return out + self._emit("response.reasoning_text.delta", item_id=self._open["id"],
+                                    output_index=self._num_items, content_index=0,
+                                    delta=event.text)
         if isinstance(event, TextDelta):
             if self._open is None or self._open["type"] != "message":
                 item = _message_item(self._request, "", "in_progress")

@@ -1,7 +1,8 @@
 """The embedded meter: usage in SQLite (<data_dir>/aigw.sqlite3), limits in this process.
 
     usage(request_id PRIMARY KEY, project, key_id, model, endpoint, prompt_tokens, cached_tokens,
-          completion_tokens, cost_nanos, latency_ms, status, created_at, day, stream, finish_reason)
+          completion_tokens, cost_nanos, latency_ms, status, created_at, day, stream, finish_reason,
+          reasoning_tokens)
 
 `INSERT OR IGNORE` on the request id makes settle idempotent; only a row that was really inserted
 moves the limit counters (for `settle_nowait`, when its batch is written). Reads wait for queued
@@ -30,17 +31,28 @@ CREATE TABLE IF NOT EXISTS usage (
     endpoint TEXT NOT NULL, prompt_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL,
     completion_tokens INTEGER NOT NULL, cost_nanos INTEGER NOT NULL, latency_ms REAL NOT NULL,
     status INTEGER NOT NULL, created_at REAL NOT NULL, day TEXT NOT NULL, stream INTEGER NOT NULL,
-    finish_reason TEXT);
+    finish_reason TEXT, reasoning_tokens INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS usage_by_project_day ON usage (project, day);
 """
+# a database made before reasoning_tokens: the column is added, its rows read back as 0
+_MIGRATIONS = {"reasoning_tokens": "ALTER TABLE usage ADD COLUMN reasoning_tokens INTEGER NOT NULL "
+                                   "DEFAULT 0"}
 _RECORD_COLUMNS = ("request_id", "project", "key_id", "model", "endpoint", "prompt_tokens",
                    "cached_tokens", "completion_tokens", "latency_ms", "status", "created_at",
-                   "stream", "finish_reason")
+                   "stream", "finish_reason", "reasoning_tokens")
 
 log = logging.getLogger("aigw.metering")
 
 _INSERT_SQL = (f"INSERT OR IGNORE INTO usage ({', '.join(_RECORD_COLUMNS)}, cost_nanos, day) "
                f"VALUES ({', '.join('?' * (len(_RECORD_COLUMNS) + 2))})")
+
+
+def _create_or_migrate(conn: sqlite3.Connection) -> None:
+    conn.executescript(_SCHEMA)
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(usage)")}
+    for column, statement in _MIGRATIONS.items():
+        if column not in columns:
+            conn.execute(statement)
 
 
 class EmbeddedMeter(BaseMeter):
@@ -54,7 +66,7 @@ class EmbeddedMeter(BaseMeter):
     @classmethod
     async def open(cls, settings: MeteringSettings, path: Path) -> EmbeddedMeter:
         runner = SqliteRunner(path)
-        await runner.run(lambda conn: conn.executescript(_SCHEMA))
+        await runner.run(_create_or_migrate)
         return cls(settings, runner)
 
     async def _reserve(self, admission: MeterAdmission, scopes: list[ScopeLimits],

@@ -4,22 +4,16 @@ engine, which replies with the scripted text's token ids."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import openai
 import orjson
 import pytest
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-import chat.harmony
-from chat.gguf_vocab import byte_alphabet
-from chat.tokenizer import Tokenizer as ChatTokenizer
+from tests.chat.tokenizers import HarmonyTokenizer, qwen3_like_tokenizer
 from tests.server.fakes import FakeEngine
 
-QWEN3_TEMPLATE = (Path(__file__).parents[1] / "chat" / "data" / "qwen3.jinja").read_text()
 REASONING = "The user greets me. I should greet back."
 THINKING_REPLY = f"<think>\n{REASONING}\n</think>\n\nHello there!"
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -27,38 +21,6 @@ TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 ASK = [{"role": "user", "content": "Hi"}]
-
-
-def qwen3_like_tokenizer() -> ChatTokenizer:
-    """Byte-level, one token per byte, plus Qwen3's added tokens; the real Qwen3 template."""
-    alphabet = byte_alphabet()
-    backend = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t in ("<think>", "</think>", "<tool_call>", "</tool_call>")])
-    im_end = backend.token_to_id("<|im_end|>")
-    return ChatTokenizer(backend, chat_template=QWEN3_TEMPLATE, bos_token_id=None,
-                         eos_token_id=im_end)
-
-
-class HarmonyTokenizer:
-    """gpt-oss's o200k_harmony ids, through openai-harmony's own encoder."""
-
-    eos_token_ids = (200002, 200012)  # <|return|>, <|call|>
-    vocab_size = 201088
-    max_token_bytes = None
-
-    def __init__(self) -> None:
-        self.encoding = chat.harmony.load_encoding()
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(self.encoding.encode(text, allowed_special="all"))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(self.encoding.decode(list(ids)))
 
 
 @pytest.fixture
