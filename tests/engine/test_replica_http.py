@@ -269,3 +269,35 @@ def test_a_demanded_tool_call_is_always_made_in_the_tools_schema(client: openai.
             assert arguments == {"tz": arguments["tz"]} and arguments["tz"] in ("UTC", "CET")
         else:
             assert isinstance(arguments, dict)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_under_a_schema_without_additional_properties_ends_closed(
+        client: openai.OpenAI, model: str, stream: bool) -> None:
+    """LangChain sends a tool's schema without `additionalProperties`; the forced call's grammar
+    closes the object (as OpenAI's strict mode reads it), so the call ends after its keys instead
+    of adding new ones until max_tokens."""
+    langchain_tool = {"type": "function", "function": {
+        "name": "search_flights", "description": "Search flights between two cities.",
+        "parameters": {"type": "object", "properties": {
+            "origin": {"type": "string", "description": "Departure city"},
+            "destination": {"type": "string", "description": "Arrival city"}},
+            "required": ["origin", "destination"]}}}
+    max_tokens = 120
+    answer = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Find me a flight from Paris to Rome."}],
+        max_tokens=max_tokens, tools=[langchain_tool], temperature=0, stream=stream,
+        tool_choice={"type": "function", "function": {"name": "search_flights"}},
+        **({"stream_options": {"include_usage": True}} if stream else {}))
+    if stream:
+        chunks = list(answer)
+        calls = [call.function for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or ()]
+        finish_reason = [c for c in chunks if c.choices][-1].choices[0].finish_reason
+        usage = chunks[-1].usage
+    else:
+        calls = [call.function for call in answer.choices[0].message.tool_calls or ()]
+        finish_reason, usage = answer.choices[0].finish_reason, answer.usage
+    assert finish_reason == "tool_calls" and len(calls) == 1, (finish_reason, calls)
+    arguments = json.loads(calls[0].arguments)
+    assert set(arguments) == {"origin", "destination"}, arguments
+    assert usage is not None and usage.completion_tokens < max_tokens
