@@ -124,22 +124,53 @@ class GatewayMetrics:
         output_tokens.inc(record.completion_tokens)
         cost.inc(record.cost_usd)
 
-    def collect(self) -> list[Metric]:
-        """Every family /metrics serves (the registry interface `generate_latest` reads)."""
+    def collect(self, per_project: bool = True) -> list[Metric]:
+        """Every family /metrics serves (the registry interface `generate_latest` reads);
+        without `per_project`, each family's `project` label is summed away (and the cache hit
+        ratio is one figure over all projects)."""
         families = list(self._source.collect())
         if self._fleet_collector is not None:
             families.extend(self._fleet_collector.collect())
         families.extend(self._restarts_collector.collect())
-        families.append(_cache_hit_ratio(families))
+        if not per_project:
+            families = [_summed_over_projects(family) for family in families]
+        families.append(_cache_hit_ratio(families, per_project))
         return families
 
-    def render(self) -> bytes:
-        return generate_latest(self)  # type: ignore[arg-type]
+    def render(self, per_project: bool = True) -> bytes:
+        return generate_latest(_View(self, per_project))  # type: ignore[arg-type]
 
 
-def _cache_hit_ratio(families: list[Metric]) -> Metric:
+class _View:
+    """The registry interface over one choice of `per_project`."""
+
+    def __init__(self, metrics: GatewayMetrics, per_project: bool) -> None:
+        self._metrics = metrics
+        self._per_project = per_project
+
+    def collect(self) -> list[Metric]:
+        return self._metrics.collect(self._per_project)
+
+
+def _summed_over_projects(family: Metric) -> Metric:
+    """`family` with its samples' `project` label dropped and the values of samples that then
+    coincide added up (counters and histogram buckets stay counters and buckets)."""
+    if not any("project" in sample.labels for sample in family.samples):
+        return family
+    sums: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for sample in family.samples:
+        labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "project"))
+        sums[(sample.name, labels)] = sums.get((sample.name, labels), 0.0) + sample.value
+    summed = Metric(family.name, family.documentation, family.type, family.unit)
+    for (name, labels), value in sums.items():
+        summed.add_sample(name, dict(labels), value)
+    return summed
+
+
+def _cache_hit_ratio(families: list[Metric], per_project: bool = True) -> Metric:
     """aigw_prompt_cache_hit_ratio{project}: cached / input tokens over all models, from the
-    token counters as scraped (so it is right across workers too)."""
+    token counters as scraped (so it is right across workers too); one unlabelled figure over
+    every project without `per_project`."""
     tokens: dict[str, list[float]] = {}  # project -> [input, cached]
     for family in families:
         column = {"aigw_input_tokens": 0, "aigw_cached_tokens": 1}.get(family.name)
@@ -147,12 +178,14 @@ def _cache_hit_ratio(families: list[Metric]) -> Metric:
             continue
         for sample in family.samples:
             if sample.name.endswith("_total"):
-                tokens.setdefault(sample.labels["project"], [0.0, 0.0])[column] += sample.value
+                project = sample.labels.get("project", "") if per_project else ""
+                tokens.setdefault(project, [0.0, 0.0])[column] += sample.value
     ratio = GaugeMetricFamily("aigw_prompt_cache_hit_ratio",
-                              "Cached / prompt tokens per project since start.", labels=["project"])
+                              "Cached / prompt tokens per project since start.",
+                              labels=["project"] if per_project else [])
     for project, (num_input, num_cached) in sorted(tokens.items()):
         if num_input:
-            ratio.add_metric([project], num_cached / num_input)
+            ratio.add_metric([project] if per_project else [], num_cached / num_input)
     return ratio
 
 

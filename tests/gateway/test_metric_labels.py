@@ -13,12 +13,14 @@ from tests.gateway.conftest import MODEL, GatewayFactory
 from tests.gateway.test_auth_seam import KeyAuthenticator, RecordingMeter
 
 CHAT = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+METRICS_TOKEN = "prometheus-scrape-token"  # per-project series need it (or an admin key)
 
 
 def _requests_total(url: str) -> dict[tuple[str, str, str], float]:
     """(status, model, project) -> count of aigw_requests_total on /v1/chat/completions."""
     counts = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
+    scraped = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {METRICS_TOKEN}"})
+    for line in scraped.text.splitlines():
         if line.startswith("aigw_requests_total{") and 'route="/v1/chat/completions"' in line:
             labels, value = line.rsplit(" ", 1)
             pairs = dict(p.split("=", 1) for p in labels[len("aigw_requests_total{"):-1].split(","))
@@ -29,7 +31,8 @@ def _requests_total(url: str) -> dict[tuple[str, str, str], float]:
 
 def test_a_rate_limited_request_is_counted_under_its_model_and_project(
         make_gateway: GatewayFactory) -> None:
-    gateway = make_gateway(authenticator=KeyAuthenticator(), meter=RecordingMeter(limited=True))
+    gateway = make_gateway(authenticator=KeyAuthenticator(), meter=RecordingMeter(limited=True),
+                           metrics_token=METRICS_TOKEN)
     response = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT,
                           headers={"authorization": "Bearer good"})
     assert response.status_code == 429
@@ -37,7 +40,8 @@ def test_a_rate_limited_request_is_counted_under_its_model_and_project(
 
 
 def test_requests_refused_before_admission_add_no_label_values(make_gateway: GatewayFactory) -> None:
-    gateway = make_gateway(authenticator=KeyAuthenticator(), meter=RecordingMeter())
+    gateway = make_gateway(authenticator=KeyAuthenticator(), meter=RecordingMeter(),
+                           metrics_token=METRICS_TOKEN)
     for _ in range(3):  # a different unknown model name each time
         response = httpx.post(gateway.url + "/v1/chat/completions",
                               json={**CHAT, "model": f"nope-{uuid.uuid4().hex}"},
@@ -74,3 +78,35 @@ def test_dashboard_files_are_counted_with_the_status_they_were_sent_with(
             status = line.split('status="', 1)[1].split('"', 1)[0]
             counted[status] = float(line.rsplit(" ", 1)[1])
     assert counted == {"200": 1.0, "304": 1.0, "404": 1.0}
+
+
+def test_per_project_series_need_the_metrics_token_or_an_admin_key(
+        make_gateway: GatewayFactory) -> None:
+    """/metrics without a credential listed every project's name and token counters; now it
+    gets the same families summed over projects, and the full view needs a credential."""
+    gateway = make_gateway(authenticator=KeyAuthenticator(), meter=RecordingMeter(),
+                           metrics_token=METRICS_TOKEN)
+    for _ in range(2):
+        assert httpx.post(gateway.url + "/v1/chat/completions", json=CHAT,
+                          headers={"authorization": "Bearer good"}).status_code == 200
+    anonymous = httpx.get(gateway.url + "/metrics")
+    assert anonymous.status_code == 200
+    assert "project=" not in anonymous.text
+    summed = [line for line in anonymous.text.splitlines()
+              if line.startswith("aigw_requests_total{") and "/v1/chat/completions" in line]
+    assert summed == ['aigw_requests_total{model="mock-model",route="/v1/chat/completions",'
+                      'status="200"} 2.0']
+    assert any(line.startswith("aigw_prompt_cache_hit_ratio ")
+               for line in anonymous.text.splitlines())
+    full = httpx.get(gateway.url + "/metrics", headers={"authorization": f"Bearer {METRICS_TOKEN}"})
+    assert 'project="proj"' in full.text
+    assert _requests_total(gateway.url) == {("200", MODEL, "proj"): 2.0}
+    assert httpx.get(gateway.url + "/metrics",
+                     headers={"authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(gateway.url + "/metrics",  # an invoke key is no operator
+                     headers={"authorization": "Bearer good"}).status_code == 403
+    public = make_gateway(authenticator=KeyAuthenticator(), meter=RecordingMeter(),
+                          metrics_public=True)
+    httpx.post(public.url + "/v1/chat/completions", json=CHAT,
+               headers={"authorization": "Bearer good"})
+    assert 'project="proj"' in httpx.get(public.url + "/metrics").text
