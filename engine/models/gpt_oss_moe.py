@@ -23,11 +23,13 @@ MXFP4 placement, chosen at load:
             to are dequantized, per call: gpt-oss-20b's experts are 19 G weights, 77 GB in float32, which
             no CPU host we run on holds; a decode token dequantizes K of E experts a layer (memory over
             speed: dequantizing is the CPU step's largest cost).
-    CUDA    dequantized to the engine dtype (bfloat16) at load, so every step runs the Triton grouped
-            GEMMs at full speed (speed over memory: 20b's experts take ~39 GiB in bfloat16, 4x the
-            file). There is no Triton kernel that reads MXFP4 blocks yet; when the bfloat16 experts would
-            not fit in 80% of the free device memory (120b: ~218 GiB), they stay MXFP4 and the routed
-            experts are dequantized per call as on the CPU, which works but spends most of the step there.
+    CUDA    dequantized to the engine dtype (bfloat16) at load, so every step runs the tuned Triton
+            grouped GEMMs of engine/kernels/fused_moe.py (speed over memory: 20b's experts take
+            ~39 GiB in bfloat16, 4x the file, which an 80+ GiB GPU holds). When the bfloat16 experts
+            would not fit in 80% of the free device memory (120b: ~218 GiB), they stay MXFP4 and run
+            through engine/kernels/fused_moe_mxfp4.py, which dequantizes B tiles in registers (memory
+            over speed: its one launch config is untimed; the interpreter tests and an sm_90 compile
+            check it, no GPU run has yet).
 """
 
 from __future__ import annotations
@@ -103,14 +105,23 @@ class GptOssMoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        if self.experts.is_mxfp4:  # dequantize only the experts this step routes to
+        experts, extra = self.experts, {"activation": self.activation}
+        if experts.is_mxfp4 and kernels.kernel_backend(x.device) == "triton":
+            from engine.kernels.fused_moe_mxfp4 import fused_moe_mxfp4_triton
+
+            assert isinstance(experts.w13, MXFP4Weight) and isinstance(experts.w2, MXFP4Weight)
+            return fused_moe_mxfp4_triton(
+                x.contiguous(), experts.w13.blocks, experts.w13.scales, experts.w2.blocks,
+                experts.w2.scales, weights, ids, w13_bias=experts.w13_bias, w2_bias=experts.w2_bias,
+                **extra)  # [T, H]
+        if experts.is_mxfp4:  # CPU: dequantize only the experts this step routes to
             used = torch.unique(ids)  # [E'] sorted
             w13, w2, b13, b2 = self.experts.dense(used.to(torch.int64))
             ids = torch.searchsorted(used, ids).to(torch.int32)  # ids into the E' experts
         else:
             w13, w2, b13, b2 = self.experts.dense()
         return kernels.fused_moe(x.contiguous(), w13, w2, weights, ids, w13_bias=b13, w2_bias=b2,
-                                 activation=self.activation)  # [T, H]
+                                 **extra)  # [T, H]
 
 
 def gpt_oss_moe(config: ModelConfig, weights: Weights, layer: int, device: torch.device,

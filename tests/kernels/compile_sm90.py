@@ -30,12 +30,13 @@ def _module(name: str):
 
 
 activation, fp8, fused_moe = _module("activation"), _module("fp8"), _module("fused_moe")
+fused_moe_mxfp4 = _module("fused_moe_mxfp4")
 paged_attention, paged_decode = _module("paged_attention"), _module("paged_decode")
 rmsnorm, rotary, store_kv = _module("rmsnorm"), _module("rotary"), _module("store_kv")
 
 HOPPER = GPUTarget("cuda", 90, 32)
 MAX_SHARED_BYTES = 232448  # H100 / H200 opt-in shared memory per block
-FLOAT_ARGS = {"eps", "qk_scale_log2"}
+FLOAT_ARGS = {"eps", "qk_scale_log2", "swiglu_alpha", "swiglu_limit"}
 # At realistic shapes the JIT specializes 16-aligned pointers and multiples of 16; mirror that.
 DIVISIBLE_INTS = {"N", "K", "head_dim", "hidden", "inter", "chunk_len"}
 
@@ -98,7 +99,16 @@ def jobs(all_configs: bool):
         for fuse in (True, False):
             yield ("fused_moe_gemm", fused_moe._kernels().gemm, moe_ptrs,
                    {"PAIRS_PER_A_ROW": 2 if fuse else 1, "FUSE_SILU": fuse, "MUL_WEIGHT": not fuse,
-                    **meta}, opts)
+                    "CLAMPED_SWIGLU": False, "HAS_BIAS": False, **meta}, opts)
+    # gpt-oss: expert biases and the clamped SwiGLU; the MXFP4 variant reads uint8 blocks + scales
+    meta, opts = split(fused_moe._CONFIGS_SMALL_T[0])
+    mxfp4_meta, mxfp4_opts = split(fused_moe_mxfp4._CONFIG)
+    for fuse in (True, False):
+        gpt_oss = {"PAIRS_PER_A_ROW": 4 if fuse else 1, "FUSE_SILU": fuse, "MUL_WEIGHT": not fuse,
+                   "CLAMPED_SWIGLU": fuse, "HAS_BIAS": True}
+        yield ("fused_moe_gemm_gpt_oss", fused_moe._kernels().gemm, moe_ptrs, gpt_oss | meta, opts)
+        yield ("fused_moe_mxfp4_gemm", fused_moe_mxfp4._kernels().gemm,
+               moe_ptrs | {"blocks_ptr": "*u8", "scales_ptr": "*u8"}, gpt_oss | mxfp4_meta, mxfp4_opts)
     fp8_ptrs = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32",
                 "b_scale_ptr": "*fp32"}
     for cfg in pick(fp8._CONFIGS_SMALL_M) + pick(fp8._CONFIGS_LARGE_M):
