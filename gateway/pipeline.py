@@ -26,7 +26,6 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from auth.admin_routes import credential_of  # one rule for every route: Bearer, else x-api-key
 from auth.cache_salt import cache_salt_for
 from auth.principal import Authenticator, AuthError, Principal, Scope
 from auth.settings import AuthSettings
@@ -37,6 +36,7 @@ from gateway.canonical import (
     CanonicalRequest,
     estimate_prompt_tokens,
 )
+from gateway.credentials import credential_of  # one rule for every route: Bearer, else x-api-key
 from gateway.dialects.base import Dialect, StreamEncoder
 from gateway.dispatch import Attempt, Timing, dispatch
 from gateway.endpoints import Endpoint, Fleet, ModelRoute
@@ -75,6 +75,11 @@ def _client_request_id(request: web.Request) -> str | None:
 
 def _fresh_id() -> str:
     return f"{_ID_PREFIX}{next(_id_counter):08x}"  # (no syscall per id)
+
+
+def new_request_id() -> str:
+    """A fresh gateway request id (for an answer made before any request object exists)."""
+    return _fresh_id()
 
 
 def request_id_of(request: web.Request) -> str:

@@ -17,20 +17,21 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.dialects import AnthropicMessages, OpenAIChat
 from gateway.keys import PIPELINE
+from gateway.pipeline import error_response, new_request_id
+from gateway.routes import is_anthropic_path
 from gateway.services import create_served_app
 from gateway.settings import GatewaySettings
 from infra.http_server import GuardedAppRunner
 
 log = logging.getLogger("aigw.gateway")
+_OPENAI, _ANTHROPIC = OpenAIChat(), AnthropicMessages()
 
 
 async def serve(settings: GatewaySettings, *, reuse_port: bool = False) -> None:
     app = await create_served_app(settings)
-    runner = GuardedAppRunner(app, header_timeout_s=settings.client_header_timeout_s,
-                              keepalive_timeout=settings.keepalive_timeout_s,
-                              handler_cancellation=True, access_log=None,
-                              shutdown_timeout=settings.drain_timeout_s)
+    runner = gateway_runner(app, settings)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, reuse_port=reuse_port, backlog=2048)
     await site.start()
@@ -51,6 +52,22 @@ async def serve(settings: GatewaySettings, *, reuse_port: bool = False) -> None:
         await stop.wait()
     finally:
         await drain(runner)
+
+
+def gateway_runner(app: web.Application, settings: GatewaySettings) -> GuardedAppRunner:
+    """The runner of the gateway's listener: header deadline, keep-alive, drain timeout, and
+    requests aiohttp's parser refuses answered in the route's envelope."""
+    return GuardedAppRunner(app, header_timeout_s=settings.client_header_timeout_s,
+                            error_answer=parser_error_answer,
+                            keepalive_timeout=settings.keepalive_timeout_s,
+                            handler_cancellation=True, access_log=None,
+                            shutdown_timeout=settings.drain_timeout_s)
+
+
+def parser_error_answer(path: str, status: int, code: str, message: str) -> web.Response:
+    """A request refused before any handler ran, in the envelope its path's routes answer in."""
+    dialect = _ANTHROPIC if is_anthropic_path(path) else _OPENAI
+    return error_response(dialect, status, code, message, new_request_id(), 0.0)
 
 
 async def drain(runner: web.AppRunner) -> None:

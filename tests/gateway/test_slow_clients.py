@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from gateway.app import create_app
+from gateway.server import gateway_runner
 from gateway.settings import GatewaySettings
 from infra.http_server import GuardedAppRunner
 from tests.gateway.conftest import MODEL, LoopThread
@@ -25,8 +26,7 @@ CHAT = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "h
 async def _start(settings: GatewaySettings) -> tuple[GuardedAppRunner, str]:
     from aiohttp import web
 
-    runner = GuardedAppRunner(create_app(settings), header_timeout_s=HEADER_TIMEOUT_S,
-                              handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    runner = gateway_runner(create_app(settings), settings)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -38,7 +38,8 @@ async def _start(settings: GatewaySettings) -> tuple[GuardedAppRunner, str]:
 def gateway_url(loop_thread: LoopThread) -> Iterator[str]:
     """An open gateway (no model endpoints needed: the bodies never get that far), run by the
     runner `aigw serve` uses."""
-    settings = GatewaySettings(auth_enabled=False, client_body_timeout_s=BODY_TIMEOUT_S,
+    settings = GatewaySettings(auth_enabled=False, client_header_timeout_s=HEADER_TIMEOUT_S,
+                               client_body_timeout_s=BODY_TIMEOUT_S, drain_timeout_s=1.0,
                                models=[{"name": MODEL, "endpoints": ["http://127.0.0.1:9"]}])
     runner, url = loop_thread.run(_start(settings))
     yield url

@@ -1,0 +1,78 @@
+"""Requests aiohttp's parser refuses (a header over its limit, a body its Content-Encoding does
+not describe) get one warning line, no traceback, and the route's own error envelope."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import orjson
+import pytest
+
+from gateway.app import create_app
+from gateway.server import gateway_runner
+from gateway.settings import GatewaySettings
+from tests.gateway.conftest import MODEL, LoopThread
+from tests.raw_http import send_raw
+
+CHAT = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+
+
+async def _start(settings: GatewaySettings) -> tuple[object, str]:
+    from aiohttp import web
+
+    runner = gateway_runner(create_app(settings), settings)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def gateway_url(loop_thread: LoopThread) -> Iterator[str]:
+    settings = GatewaySettings(auth_enabled=False, drain_timeout_s=1.0,
+                               models=[{"name": MODEL, "endpoints": ["http://127.0.0.1:9"]}])
+    runner, url = loop_thread.run(_start(settings))
+    yield url
+    loop_thread.run(runner.cleanup())  # type: ignore[attr-defined]
+
+
+def _assert_envelope(body: bytes, anthropic: bool) -> None:
+    payload = orjson.loads(body)
+    assert payload["error"]["message"] and payload["error"]["type"]
+    assert (payload.get("type") == "error") == anthropic
+
+
+def _no_tracebacks(caplog: pytest.LogCaptureFixture) -> None:
+    assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/anthropic/v1/messages"])
+def test_an_over_long_header_is_one_warning_and_a_431_in_the_envelope(
+        gateway_url: str, path: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    for _ in range(3):
+        status, _, body = send_raw(gateway_url, f"POST {path} HTTP/1.1\r\nHost: t\r\n".encode()
+                                   + b"X-Big: " + b"a" * 10_000 + b"\r\nConnection: close\r\n\r\n")
+        assert status == 431
+        _assert_envelope(body, path.startswith("/anthropic"))
+    _no_tracebacks(caplog)
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 3 and all(len(r.getMessage()) < 300 for r in warnings)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/models"])
+def test_a_body_that_is_not_its_content_encoding_is_a_400_in_the_envelope(
+        gateway_url: str, path: str, caplog: pytest.LogCaptureFixture) -> None:
+    method = "GET" if path.endswith("models") else "POST"
+    status, head, body = send_raw(gateway_url, (
+        f"{method} {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        f"Content-Encoding: gzip\r\nContent-Length: {len(CHAT)}\r\nConnection: close\r\n\r\n"
+    ).encode() + CHAT)
+    if method == "POST":
+        assert status == 400
+        _assert_envelope(body, path == "/v1/messages")
+    else:
+        assert status == 200  # a GET does not read its body: it is answered as usual
+    _no_tracebacks(caplog)
