@@ -226,3 +226,53 @@ def test_metrics_reference_names_every_exported_metric_and_no_other() -> None:
     exported = _exported_names()
     assert not exported - documented, f"undocumented metrics: {sorted(exported - documented)}"
     assert not documented - exported, f"documented, not exported: {sorted(documented - exported)}"
+
+
+# ---- docs/reference/configuration.md against the settings classes and the environment reads
+
+PACKAGES = ("auth", "chat", "contracts", "engine", "gateway", "infra")
+# Variables the code reads that are not for users to set.
+INTERNAL_VARIABLES = {"AIGW_EMBEDDED_RESTARTS_FILE"}  # `aigw serve` sets it for its own workers
+
+
+def _settings_models() -> list[Any]:
+    from auth.settings import AuthSettings
+    from gateway.settings import GatewaySettings
+
+    models, todo = [], [GatewaySettings, AuthSettings]
+    while todo:
+        model = todo.pop()
+        models.append(model)
+        for info in model.model_fields.values():
+            for inner in re.findall(r"\b[A-Z]\w+\b", repr(info.annotation)):
+                found = getattr(importlib.import_module(model.__module__), inner, None)
+                if hasattr(found, "model_fields") and found not in models + todo:
+                    todo.append(found)
+    return models
+
+
+def _variables_read_by_the_code() -> set[str]:
+    names: set[str] = set()
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            names.update(re.findall(r"[\"'](AIGW_[A-Z0-9_]*[A-Z0-9])[\"']", path.read_text()))
+    return names - INTERNAL_VARIABLES
+
+
+def test_configuration_reference_names_every_setting_and_variable() -> None:
+    from auth.settings import AuthSettings
+    from gateway.settings import GatewaySettings
+
+    text = (ROOT / "docs" / "reference" / "configuration.md").read_text()
+    problems = [f"setting {model.__name__}.{name} undocumented"
+                for model in _settings_models() if model is not AuthSettings
+                for name in model.model_fields
+                if not re.search(rf"`(?:[\w.<> -]*\.)?{name}[`.]", text)]
+    documented = set(re.findall(r"\b(AIGW_[A-Z0-9_]*[A-Z0-9])\b", text))
+    read = _variables_read_by_the_code()
+    problems += [f"variable {name} undocumented" for name in sorted(read - documented)]
+    from_fields = {f"AIGW_{name.upper()}" for model in (GatewaySettings, AuthSettings)
+                   for name in model.model_fields}
+    problems += [f"documents {name}, which nothing reads" for name in sorted(documented)
+                 if name not in read | from_fields and name.split("__")[0] not in from_fields]
+    assert not problems, "docs/reference/configuration.md:\n" + "\n".join(problems)
