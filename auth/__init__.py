@@ -2,11 +2,11 @@
 
     services = await open_auth(settings)        # store + authenticator + revocation watcher
     principal = await services.authenticator.authenticate(credential)
-    app.add_routes(services.admin_routes())      # /admin/v1/...
     secret = await ensure_default_project(services)   # first embedded start only
     await services.close()
 
-The gateway sees only the seam in auth/principal.py (Authenticator, Principal, Scope, AuthError).
+The gateway sees only the seam in auth/principal.py (Authenticator, Principal, Scope, AuthError);
+auth/ has no HTTP: the admin API's routes are the gateway's (gateway/admin_routes.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from auth.principal import Authenticator, AuthError, Principal, Scope
 from auth.settings import AuthSettings
 
 if TYPE_CHECKING:
-    from aiohttp import web
-
     from auth.key_admin import KeyAdmin
     from auth.revocation import RevocationWatcher
     from auth.store import KeyStore
@@ -39,19 +37,7 @@ class AuthServices:
     admin: KeyAdmin
     redis: Any | None  # redis.asyncio.Redis when settings.redis_url is set; share it with metering
     watcher: RevocationWatcher | None = None
-    usage_reader: Any | None = field(default=None)  # set by admin_routes' first usage request
-
-    def admin_routes(self, app_prefix: str = "/admin/v1",
-                     usage_reader: Any | None = None) -> list[web.RouteDef]:
-        """aiohttp routes of the admin API, authenticated by `self.authenticator`.
-
-        `usage_reader` (a gateway.metering UsageReader) defaults to one on the same store.
-        """
-        from auth.admin_routes import build_admin_routes
-
-        if usage_reader is not None:
-            self.usage_reader = usage_reader
-        return build_admin_routes(self, app_prefix)
+    usage_reader: Any | None = field(default=None)  # the admin API's (gateway/admin_routes.py)
 
     def forget_cached_key(self, key_id: str) -> None:
         """After a revoke or rotate through this instance: its next use of `key_id` reads the

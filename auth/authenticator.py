@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from auth.jwt_verifier import JwtVerifier
 from auth.keys import KeyRecord, ParsedKey, hash_secret, parse_key
-from auth.principal import AuthError, Principal, Scope
+from auth.principal import ANONYMOUS, AuthError, Principal
 from auth.store import KeyStore
 
 _MAX_CACHED_KEYS = 100_000
@@ -125,10 +125,7 @@ def is_printable_ascii(text: str) -> bool:
 
 
 class AnonymousAuthenticator:
-    """Auth turned off: every caller is the `default` project with every scope."""
-
-    PRINCIPAL = Principal(project="default", key_id="anonymous",
-                          scopes=frozenset(s.value for s in Scope), via="anonymous")
+    """Auth turned off: every caller is `ANONYMOUS` (auth/principal.py), whatever it sends."""
 
     async def authenticate(self, credential: str | None) -> Principal:
-        return self.PRINCIPAL
+        return ANONYMOUS

@@ -54,3 +54,10 @@ class Authenticator(Protocol):
     async def authenticate(self, credential: str | None) -> Principal:
         """Return the caller, or raise AuthError(401) for a missing/invalid/revoked/expired one."""
         ...
+
+
+# Auth turned off (`aigw serve --no-auth`, AuthSettings.enabled false): every caller is this one
+# principal, which may call models and read its own usage, and administer nothing.
+ANONYMOUS = Principal(project="anonymous", key_id="anonymous",
+                      scopes=frozenset({Scope.INVOKE.value, Scope.USAGE_READ.value}),
+                      via="anonymous")

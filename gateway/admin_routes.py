@@ -1,4 +1,7 @@
-"""The admin HTTP API (aiohttp): projects, keys and usage. Thin handlers over KeyAdmin.
+"""The admin HTTP API (aiohttp): projects, keys and usage. Thin handlers over auth/'s KeyAdmin
+(auth/ is the domain: no HTTP).
+
+    app.add_routes(build_admin_routes(services, "/admin/v1"))   # services: auth.AuthServices
 
     GET    /admin/v1/projects                        admin   list projects
     POST   /admin/v1/projects        {name}          admin   create a project
@@ -26,21 +29,13 @@ from aiohttp import web
 from auth.key_admin import InvalidRequest
 from auth.principal import AuthError, Principal, Scope
 from auth.store import ProjectExists, UnknownKey, UnknownProject
+from gateway.credentials import credential_of
 from infra.json_body import BodyError, read_json
 
 if TYPE_CHECKING:
     from auth import AuthServices
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def credential_of(request: web.Request) -> str | None:
-    """The one credential rule of every route (admin, model, dashboard): `Authorization: Bearer
-    <token>`, else `x-api-key`; another Authorization scheme does not hide x-api-key."""
-    authorization = request.headers.get("Authorization", "")
-    if authorization[:7].lower() == "bearer ":
-        return authorization[7:].strip() or None
-    return request.headers.get("x-api-key") or None
 
 
 def _error(status: int, code: str, message: str) -> web.Response:
@@ -72,7 +67,14 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def build_admin_routes(services: AuthServices, prefix: str) -> list[web.RouteDef]:
+def build_admin_routes(services: AuthServices, prefix: str = "/admin/v1",
+                       usage_reader: Any | None = None) -> list[web.RouteDef]:
+    """aiohttp routes of the admin API, authenticated by `services.authenticator`.
+
+    `usage_reader` (a gateway.metering UsageReader) defaults to one on the same store, opened on
+    the first usage request and closed with `services`."""
+    if usage_reader is not None:
+        services.usage_reader = usage_reader
     admin = services.admin
     reader_lock = asyncio.Lock()
 

@@ -6,8 +6,8 @@ the first discovery round (models with `discover`: gateway/discovery.py), the ro
 changes), the health checker task, then (on shutdown only) the wait for the settlements still
 counting a prompt (`Pipeline.wait_settled`). The router's close is bounded
 (`ROUTER_CLOSE_TIMEOUT_S`): a Redis index that stopped answering must not hold a drain forever. With
-`settings.auth_enabled` false and nothing injected, the permissive gateway/open_access.py pair is
-used; with auth on, both must be injected
+`settings.auth_enabled` false and nothing injected, auth's AnonymousAuthenticator and
+gateway/open_access.py's NullMeter are used; with auth on, both must be injected
 (gateway/services.py::create_served_app does that with the real auth/ and metering/).
 """
 
@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable
 
 from aiohttp import web
 
+from auth.authenticator import AnonymousAuthenticator
 from auth.principal import Authenticator
 from gateway.discovery import Discovery, Resolver, resolve_dns
 from gateway.endpoints import Fleet
@@ -36,7 +37,7 @@ from gateway.keys import (
 )
 from gateway.metering.contract import Meter
 from gateway.middlewares import envelope_middleware
-from gateway.open_access import AllowAllAuthenticator, NullMeter
+from gateway.open_access import NullMeter
 from gateway.pipeline import CacheSaltOf, Pipeline, default_cache_salt_of
 from gateway.routes import setup_routes
 from gateway.routing import Router, create_router
@@ -65,7 +66,7 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
     app[FLEET] = Fleet(settings, telemetry.traced_transport(app[TRANSPORT]))
     app[DISCOVERY] = Discovery(app[FLEET], app[ROUTER], resolve)
     if not settings.auth_enabled:
-        app[AUTHENTICATOR] = authenticator or AllowAllAuthenticator()
+        app[AUTHENTICATOR] = authenticator or AnonymousAuthenticator()
         app[METER] = meter or NullMeter()
     elif authenticator is not None and meter is not None:
         app[AUTHENTICATOR], app[METER] = authenticator, meter

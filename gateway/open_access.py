@@ -1,4 +1,5 @@
-"""Auth and metering turned OFF: every caller is one anonymous principal, nothing is counted.
+"""Metering turned OFF: nothing is counted (auth off is auth/authenticator.py's
+AnonymousAuthenticator: every caller is the one anonymous principal, auth/principal.py ANONYMOUS).
 
 Used when `settings.auth_enabled` is false (`aigw serve --no-auth`, unit tests, the benchmark's
 "auth off" row). Never the default of a served gateway.
@@ -6,17 +7,8 @@ Used when `settings.auth_enabled` is false (`aigw serve --no-auth`, unit tests, 
 
 from __future__ import annotations
 
-from auth.principal import Principal, Scope
+from auth.principal import Principal
 from gateway.metering.contract import Admission, UsageRecord
-
-ANONYMOUS = Principal(project="anonymous", key_id="anonymous",
-                      scopes=frozenset({Scope.INVOKE.value, Scope.USAGE_READ.value}),
-                      via="anonymous")
-
-
-class AllowAllAuthenticator:
-    async def authenticate(self, credential: str | None) -> Principal:
-        return ANONYMOUS
 
 
 class NullMeter:

@@ -48,6 +48,7 @@ async def create_served_app(settings: GatewaySettings) -> web.Application:
     if not settings.auth_enabled:
         return create_app(settings)
     from auth import AuthSettings, cache_salt_for, ensure_default_project, open_auth
+    from gateway.admin_routes import build_admin_routes
     from gateway.metering import open_meter
 
     auth_settings = AuthSettings.from_env().model_copy(update={
@@ -66,7 +67,7 @@ async def create_served_app(settings: GatewaySettings) -> web.Application:
         raise
     app = create_app(settings, authenticator=auth.authenticator, meter=meter,
                      cache_salt_of=lambda principal: cache_salt_for(principal, auth_settings))
-    app.add_routes(auth.admin_routes(ADMIN_PREFIX))
+    app.add_routes(build_admin_routes(auth, ADMIN_PREFIX))
 
     async def close_services(_: web.Application) -> AsyncIterator[None]:
         yield

@@ -18,8 +18,8 @@ import hmac
 from aiohttp import web
 
 from auth.principal import AuthError, Scope
+from gateway.credentials import credential_of
 from gateway.keys import AUTHENTICATOR, SETTINGS
-from gateway.pipeline import credential_of
 from gateway.telemetry.keys import TELEMETRY
 from gateway.telemetry.metrics import CONTENT_TYPE
 

@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestServer
 
 from auth import AuthError, AuthServices, Principal, Scope, open_auth
 from auth.settings import AuthSettings
+from gateway.admin_routes import build_admin_routes
 from gateway.metering import MeteringSettings, UsageRecord, open_meter
 
 ADMIN, INVOKE, USAGE = Scope.ADMIN.value, Scope.INVOKE.value, Scope.USAGE_READ.value
@@ -37,7 +38,7 @@ async def ops_admin_api(settings: AuthSettings) -> AsyncIterator[tuple[AuthServi
     await services.admin.create_project("ops")
     _, admin_key = await services.admin.create_key("ops", [ADMIN])
     app = web.Application()
-    app.add_routes(services.admin_routes())
+    app.add_routes(build_admin_routes(services))
     server = TestServer(app, host="127.0.0.1", port=0)
     await server.start_server()
     try:
