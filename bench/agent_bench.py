@@ -48,7 +48,7 @@ TARGET_HIT_FRACTION_OF_BOUND, TARGET_ZERO_REUSE_MAX_COST = 0.90, 0.03
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from cli.engine import add_engine_arguments
+    from engine.engine_args import add_engine_arguments
 
     add_engine_arguments(parser)
     parser.set_defaults(threads=2)
@@ -241,7 +241,7 @@ def plot(results: dict[str, dict[str, Any]], path: str, title: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from cli.engine import engine_config_from_args
+    from engine.engine_args import engine_config_from_args
 
     if args.tiny:
         apply_tiny(args)

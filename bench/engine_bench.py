@@ -33,7 +33,7 @@ BASELINES = "issue, this 2-core CPU: transformers decode 24 / prefill 674 / batc
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from cli.engine import add_engine_arguments
+    from engine.engine_args import add_engine_arguments
 
     add_engine_arguments(parser)
     parser.set_defaults(threads=2)
@@ -74,8 +74,8 @@ def load_model(model_path: str) -> tuple[Any, Any]:
 def build_engine(args: argparse.Namespace, *, decode_weights: str | None = None,
                  enable_prefix_caching: bool | None = None) -> Any:
     """An LLMEngine configured from the command line, over the process's shared checkpoint."""
-    from cli.engine import engine_config_from_args
     from engine.engine import LLMEngine
+    from engine.engine_args import engine_config_from_args
     from engine.model_runner import ModelRunner
 
     config = engine_config_from_args(args)
@@ -244,7 +244,7 @@ def _ms(seconds: float | None) -> float | None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from cli.engine import engine_config_from_args
+    from engine.engine_args import engine_config_from_args
 
     if args.tiny:
         apply_tiny(args)

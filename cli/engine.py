@@ -7,28 +7,7 @@ import logging
 import sys
 import uuid
 
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by every command that builds an engine (replica, generate, benchmarks)."""
-    parser.add_argument("--model", default=None,
-                        help="GGUF file or Hugging Face directory (default: bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                        help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
-    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30,
-                        help="KV cache budget in bytes (default 1 GiB)")
-    parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model's step")
-    parser.add_argument("--quantization", choices=["fp8"], default=None)
-    parser.add_argument("--decode-weights", choices=["float", "q4"], default="float",
-                        help="q4: compute with the GGUF's 4-bit weights and 8-bit activations (native AVX2 "
-                             "kernels; ~5x float32 single-stream decode; approximate; CPU only)")
-    parser.add_argument("--seed", type=int, default=0)
+from engine.engine_args import add_engine_arguments, engine_config_from_args
 
 
 def _port(text: str) -> int:
@@ -39,41 +18,6 @@ def _port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be 0..65535, not {value}")
     return value
-
-
-def check_device(device: str) -> None:
-    """A ValueError, not torch's RuntimeError or AssertionError deep in loading, for a device
-    string torch cannot parse or one this build or machine does not have."""
-    import torch
-
-    try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"unknown device {device!r} (cpu, cuda or cuda:N)") from None
-    if parsed.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: CUDA is not available to this torch build or machine")
-        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s)")
-    elif parsed.type != "cpu":
-        raise ValueError(f"unsupported device {device!r} (cpu, cuda or cuda:N)")
-
-
-def engine_config_from_args(args: argparse.Namespace, replica_id: str = "replica-0"):  # type: ignore[no-untyped-def]
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from engine.loader import default_model_path
-
-    check_device(args.device)
-    return EngineConfig(
-        model_path=str(args.model or default_model_path()),
-        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory,
-                          enable_prefix_caching=not args.no_prefix_caching),
-        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_num_seqs=args.max_num_seqs),
-        device=args.device, dtype=args.dtype, num_threads=args.threads, compile=args.compile,
-        quantization=args.quantization, decode_weights=args.decode_weights, replica_id=replica_id, max_model_len=args.max_model_len,
-        seed=args.seed,
-    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
