@@ -138,6 +138,13 @@ def model_config_from_gguf(metadata: Mapping[str, object], tensor_names: set[str
 def load_gguf_checkpoint(path: Path, dtype: torch.dtype = torch.float32,
                          progress: bool = True) -> Checkpoint:
     metadata, infos = read_gguf_header(path)
+    if metadata.get("general.architecture") == "gpt-oss":  # engine/loader/gguf_gpt_oss.py
+        from engine.loader.gguf_gpt_oss import load_gpt_oss_gguf
+
+        file_view = np.memmap(path, dtype=np.uint8, mode="r")
+        return load_gpt_oss_gguf(path, metadata, infos,
+                                 lambda info, ggml_type: _tensor_data(file_view, info, ggml_type),
+                                 dtype=dtype, progress=progress)
     config = model_config_from_gguf(metadata, {t.name for t in infos}, path.stem)
     heads_by_module = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
     file_bytes = np.memmap(path, dtype=np.uint8, mode="r")

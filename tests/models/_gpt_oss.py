@@ -133,3 +133,86 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], num_new_tokens: int
         logprobs.append(float(last[token]))
         ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
     return tokens, logprobs
+
+
+# ---- GGUF, as llama.cpp's convert_hf_to_gguf lays out gpt-oss ----------------------------------------
+def hf_mxfp4_to_ggml(blocks: torch.Tensor, scales: torch.Tensor):  # type: ignore[no-untyped-def]
+    """HF blocks [..., N, G, 16] + scales [..., N, G] -> GGML MXFP4 bytes [..., N, G * 17] (numpy):
+    per group the scale byte, then values 0..15 in the low nibbles and 16..31 in the high ones."""
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # [..., G, 32] value order
+    packed = codes[..., :16] | (codes[..., 16:] << 4)  # [..., G, 16]
+    return torch.cat([scales.unsqueeze(-1), packed], dim=-1).flatten(-2).numpy()
+
+
+def write_gguf(hf_directory: Path, path: Path) -> None:
+    """The MXFP4 HF checkpoint as a gpt-oss GGUF (metadata, byte-level BPE vocabulary, tensors)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((hf_directory / "config.json").read_text())
+    tok = json.loads((hf_directory / "tokenizer.json").read_text())
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_freq_base(YARN["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(config["num_local_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(YARN["factor"])
+    writer.add_rope_scaling_orig_ctx_len(YARN["original_max_position_embeddings"])
+    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
+    tokens = [""] * len(vocab)
+    for token, i in vocab.items():
+        tokens[i] = token
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-4o")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    writer.add_eos_token_id(vocab["<|return|>"])
+
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    modules = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
+               "post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
+    tensors = load_file(str(hf_directory / "model.safetensors"))
+    for name, tensor in sorted(tensors.items()):
+        if name in names:
+            writer.add_tensor(names[name], tensor.float().numpy())
+            continue
+        layer, rest = name.removeprefix("model.layers.").split(".", 1)
+        blk = f"blk.{layer}."
+        module, _, kind = rest.rpartition(".")
+        if rest == "self_attn.sinks":
+            writer.add_tensor(blk + "attn_sinks.weight", tensor.float().numpy())
+        elif module in modules:
+            writer.add_tensor(f"{blk}{modules[module]}.{kind}", tensor.float().numpy())
+        elif rest == "mlp.experts.gate_up_proj_bias":  # interleaved gate/up -> two tensors
+            writer.add_tensor(blk + "ffn_gate_exps.bias", tensor[:, ::2].float().contiguous().numpy())
+            writer.add_tensor(blk + "ffn_up_exps.bias", tensor[:, 1::2].float().contiguous().numpy())
+        elif rest == "mlp.experts.down_proj_bias":
+            writer.add_tensor(blk + "ffn_down_exps.bias", tensor.float().numpy())
+        elif rest == "mlp.experts.gate_up_proj_blocks":
+            scales = tensors[name.replace("_blocks", "_scales")]
+            for target, rows in (("ffn_gate_exps", slice(0, None, 2)), ("ffn_up_exps", slice(1, None, 2))):
+                data = hf_mxfp4_to_ggml(tensor[:, rows].contiguous(), scales[:, rows].contiguous())
+                writer.add_tensor(f"{blk}{target}.weight", data, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        elif rest == "mlp.experts.down_proj_blocks":
+            data = hf_mxfp4_to_ggml(tensor, tensors[name.replace("_blocks", "_scales")])
+            writer.add_tensor(blk + "ffn_down_exps.weight", data, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        elif not rest.endswith("_scales"):
+            raise AssertionError(f"no GGUF name for {name}")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

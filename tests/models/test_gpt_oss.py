@@ -212,3 +212,38 @@ def _error_line(stderr: str) -> str:
     lines = [line for line in stderr.splitlines() if line.startswith("aigw: ")]
     assert len(lines) == 1, stderr
     return lines[0]
+
+
+# ---- GGUF --------------------------------------------------------------------------------------
+def test_ggml_mxfp4_bytes_written_here_dequantize_in_gguf_to_the_hf_values() -> None:
+    """The test's GGUF writer is checked against gguf's own MXFP4 dequantizer (llama.cpp's format)."""
+    import gguf
+
+    from engine.layers.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+    from tests.models._gpt_oss import hf_mxfp4_to_ggml
+
+    blocks, scales = quantize_mxfp4(torch.randn(3, 8, 96))
+    ggml = hf_mxfp4_to_ggml(blocks, scales)
+    theirs = gguf.quants.dequantize(ggml, gguf.GGMLQuantizationType.MXFP4)
+    assert torch.equal(torch.from_numpy(theirs), dequantize_mxfp4(blocks, scales))
+
+
+def test_gguf_file_loads_as_its_hf_directory_and_generates_transformers_tokens(
+        gpt_oss_checkpoints: dict[str, GptOssCheckpoint], reference: dict, tmp_path: Path) -> None:
+    from tests.models._gpt_oss import write_gguf
+
+    checkpoint = gpt_oss_checkpoints["mxfp4"]
+    path = tmp_path / "tiny-gpt-oss.MXFP4.gguf"
+    write_gguf(checkpoint.directory, path)
+    from_gguf = load_checkpoint(str(path), progress=False)
+    from_hf = load_checkpoint(str(checkpoint.directory), progress=False)
+    assert from_gguf.config.architecture == "gpt_oss"
+    assert from_gguf.config.layer_types == from_hf.config.layer_types
+    assert from_gguf.config.rope_scaling == from_hf.config.rope_scaling
+    assert from_gguf.weights.keys() == from_hf.weights.keys()
+    for name, tensor in from_hf.weights.items():
+        assert torch.equal(from_gguf.weights[name], tensor), name
+    prompts = list(PROMPTS.values())
+    tokens, logits = greedy(make_runner(from_gguf.config, from_gguf.weights), prompts, NUM_NEW_TOKENS)
+    for i, p in enumerate(PROMPTS):
+        assert tokens[i] == reference["mxfp4"][p][0], p
