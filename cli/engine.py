@@ -9,6 +9,17 @@ import uuid
 
 from engine.engine_args import add_engine_arguments, engine_config_from_args
 
+ENGINE_MISSING = ("aigw: this command runs the inference engine, which is not installed (no torch): "
+                  "pip install 'aigw[engine]'")
+
+
+def engine_missing() -> str | None:
+    """`ENGINE_MISSING` when torch cannot be imported here (a gateway-only `pip install aigw`), else
+    None: the one line a command that needs the engine prints, before it imports any of it."""
+    import importlib.util
+
+    return ENGINE_MISSING if importlib.util.find_spec("torch") is None else None
+
 
 def _port(text: str) -> int:
     try:
@@ -49,6 +60,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def run_replica_command(args: argparse.Namespace) -> int:
     import os
 
+    if problem := engine_missing():
+        print(problem, file=sys.stderr)
+        return 1
     from engine.async_engine import AsyncEngine
     from engine.engine import LLMEngine
     from engine.server import ReplicaServerSettings, run_replica
@@ -100,6 +114,9 @@ def run_replica_command(args: argparse.Namespace) -> int:
 
 
 def run_generate_command(args: argparse.Namespace) -> int:
+    if problem := engine_missing():
+        print(problem, file=sys.stderr)
+        return 1
     from contracts.sampling_params import SamplingParams
     from engine.engine import LLMEngine
 

@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from auth.settings import AuthSettings
+    from cli.engine import engine_missing
     from gateway import embedded
     from gateway.backends import get_backend_class
     from gateway.settings import load_settings
@@ -144,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if settings.redis_url and (problem := _redis_unreachable(settings.redis_url)):
         print(f"aigw: cannot reach Redis at redis_url: {problem}", file=sys.stderr)
+        return 1
+    if not settings.models and (problem := engine_missing()):  # embedded replicas need it
+        print(f"{problem} (or configure [[models]] upstreams)", file=sys.stderr)
         return 1
     replicas: list[embedded.ReplicaProcess] = []
     try:
