@@ -38,6 +38,18 @@ class ReplicaBackend(OpenAICompatBackend):
             body["continue_final_message"] = True  # vLLM's name for it: prefill
         return body
 
+    def render_prompt(self, request: CanonicalRequest, endpoint: Endpoint
+                      ) -> tuple[str, list[int]]:
+        """(tokenizer path, the prompt's token ids) exactly as the replica will compute them
+        (CPU-bound: off the event loop for long prompts); raises what count_prompt_tokens does."""
+        from gateway.routing.prefix_router import tokenizer_path
+        from gateway.routing.prompt_hashing import shared_prompt_hasher
+
+        path = tokenizer_path(endpoint)
+        hasher = shared_prompt_hasher(path, self.settings.prompt_segment_cache_max_bytes)
+        return path, hasher.token_ids(self.upstream_body(request, endpoint),
+                                      endpoint.context_length)
+
     def count_prompt_tokens(self, request: CanonicalRequest, endpoint: Endpoint) -> int:
         """Exactly the replica's count: the body it would be sent, rendered by the replica's own
         code (chat template, tools) and encoded with its tokenizer, found the way the prefix

@@ -63,6 +63,13 @@ class BaseMeter(ABC):
             scopes = self._scopes[cache_key] = [s for s in every if s.limits.any]
         return scopes
 
+    def counts_tokens(self, principal: Principal) -> bool:
+        """True when a tokens-per-minute limit or a budget applies to this caller: then the
+        admission's prompt count decides how far a limit can be overshot, and the gateway counts
+        the rendered prompt exactly where it can."""
+        return any(s.limits.tokens_per_minute is not None or s.limits.daily_budget_usd is not None
+                   for s in self.scopes_for(principal))
+
     async def admit(self, request_id: str, principal: Principal, model: str,
                     num_prompt_tokens: int, max_tokens: int) -> MeterAdmission:
         """Reserve, or raise RateLimited (429 with its headers), or ReservationTooLarge (400)

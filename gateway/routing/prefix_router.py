@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from contracts.block_hash import hash_blocks
 from gateway.canonical import CanonicalRequest
 from gateway.endpoints import Endpoint, Fleet
 from gateway.routing.base import Decision, LeastOutstandingRouter, Router
@@ -240,6 +241,11 @@ class PrefixRouter(Router):
     async def _hash(self, request: CanonicalRequest, body: dict[str, Any], model_id: str,
                     block_size: int, endpoint: Endpoint) -> list[int]:
         path = tokenizer_path(endpoint)
+        rendered = request.rendered_prompt
+        if rendered is not None and rendered[0] == path:  # rendered at admission: hash those ids
+            salt = body.get("cache_salt")
+            return hash_blocks(rendered[1], block_size, model_id,
+                               salt if isinstance(salt, str) else None)
         if path not in self._hashers or request.text_length() >= self.config.hash_off_loop_min_chars:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._executor, self._hash_sync, path, body,

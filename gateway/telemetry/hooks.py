@@ -142,6 +142,10 @@ class ObservedMeter:
 
             self.settle_nowait = settle_nowait
 
+    def counts_tokens(self, principal: Principal) -> bool:
+        counts = getattr(self.inner, "counts_tokens", None)
+        return bool(counts is not None and counts(principal))
+
     async def admit(self, request_id: str, principal: Principal, model: str,
                     num_prompt_tokens: int, max_tokens: int) -> Admission:
         observation = current_observation()
