@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -80,7 +81,8 @@ class PrefixRouter(Router):
         self._fleet: Fleet | None = None
         self._pending: set[asyncio.Task[Any]] = set()
         self._hashers: dict[str, PromptHasher] = {}
-        self._sessions: OrderedDict[str, tuple[str, int]] = OrderedDict()  # -> (url, num_blocks)
+        # session digest -> (url, num_blocks): max_sessions entries of fixed size (~200 bytes)
+        self._sessions: OrderedDict[bytes, tuple[str, int]] = OrderedDict()
         self._explanations: OrderedDict[str, str] = OrderedDict()
         self._session: aiohttp.ClientSession | None = None
         self._stream_client: Any = None
@@ -203,7 +205,7 @@ class PrefixRouter(Router):
                    request: CanonicalRequest, num_blocks: int) -> CandidateLoad:
         replica_id = state.consumer.replica_id if state and state.consumer.is_synced else None
         num_matched = matched.get(replica_id, 0) if replica_id else 0
-        session = self._sessions.get(_session_key(request) or "")
+        session = self._sessions.get(_session_key(request) or b"")
         if session is not None and session[0] == endpoint.url:
             num_matched = max(num_matched, min(session[1], num_blocks))
         inflight: Sequence[int] = ()
@@ -291,11 +293,15 @@ class PrefixRouter(Router):
         return self._explanations.get(request_id)
 
 
-def _session_key(request: CanonicalRequest) -> str | None:
+def _session_key(request: CanonicalRequest) -> bytes | None:
+    """A fixed-size digest of (project, session): the session's name is the caller's text (an
+    `x-session-id` header of up to 8 KiB, or the body's `user` of any length), and
+    `max_sessions` of them must stay bounded in bytes (16 bytes a key)."""
     for attribute in ("session_id", "user"):
         value = getattr(request, attribute, None)
         if isinstance(value, str) and value:
-            return f"{request.project or ''}/{value}"
+            text = f"{request.project or ''}/{value}".encode("utf-8", "surrogatepass")
+            return hashlib.blake2b(text, digest_size=16).digest()
     return None
 
 

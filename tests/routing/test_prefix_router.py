@@ -169,3 +169,29 @@ def test_a_prompt_sure_not_to_fit_is_routed_by_load_without_being_encoded(
     assert rig.choose(huge)[1] == "least_load:over_context"
     del loaded.block_hashes
     assert rig.choose(request("A prompt that fits. "))[1] != "least_load:over_context"
+
+
+def test_sessions_are_kept_in_fixed_bytes_whatever_their_names() -> None:
+    """The session table held `max_sessions` keys of the caller's own text (an OpenAI `user` of
+    any length): 64 sessions named with 256 KB each kept 16 MB. Keys are 16-byte digests now."""
+    import tracemalloc
+
+    index = IndexUnderTest("in_process", None)  # (the session table is the router's own)
+    rig = Rig(index, PrefixRouterConfig(max_sessions=1_000))
+    rig.choose(request("You are terse. ", request_id="warm"))  # the tokenizer, the segment cache
+    tracemalloc.start()
+    before, _ = tracemalloc.get_traced_memory()
+    for i in range(64):
+        req = request("You are terse. ", request_id=f"r{i}")
+        req.user = f"{i}-" + "u" * 256_000
+        rig.choose(req)
+        del req
+    retained, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert len(rig.router._sessions) == 64
+    assert retained - before < 1_000_000
+    again = request("You are terse. ", request_id="again")
+    again.user = "0-" + "u" * 256_000  # the same session is still found by its digest
+    rig.choose(again)
+    assert len(rig.router._sessions) == 64
+    index.close()
