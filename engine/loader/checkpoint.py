@@ -20,6 +20,13 @@ import torch
 from engine.config import ModelConfig
 
 
+class UnsupportedCheckpointError(NotImplementedError, ValueError):
+    """A checkpoint of an architecture or a setting the engine does not serve (one line naming it).
+
+    A ValueError too, so that the CLI reports it as one line before serving, as it does a bad flag.
+    """
+
+
 @dataclass(frozen=True)
 class RawQuantized:
     """One quantized weight as stored in a GGUF file, rows in Hugging Face order.

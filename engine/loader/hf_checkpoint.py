@@ -20,9 +20,11 @@ config.json maps to `ModelConfig` for these `model_type`s (kept as `architecture
                       (engine/loader/hf_gpt_oss.py)
 
 Sliding windows: mistral and mixtral apply `sliding_window` to every layer, as transformers does
-(absent: 4096 for mistral, none for mixtral; null: none); gpt_oss has `layer_types`. Any other config
-that turns one on (`use_sliding_window` with a `sliding_window`, or a "sliding_attention" in
-`layer_types`) is refused; the released Qwen2/Qwen3 models have it off.
+(absent: 4096 for mistral, none for mixtral; null: none); gpt_oss has `layer_types`. qwen3 and
+qwen3_moe have a window only with `use_sliding_window` (the released models have it off); then, as
+in transformers, qwen3 slides the layers its `layer_types` names (absent: layers >= max_window_layers)
+and qwen3_moe every layer. Any other config that turns one on (`use_sliding_window` with a
+`sliding_window`, or a "sliding_attention" in `layer_types`) is refused.
 
 rope: `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4.x); a "default"
 rope type means no scaling. Tensor names stay as in the file; `raw` is empty. Not mapped:
@@ -42,7 +44,7 @@ from tqdm import tqdm
 
 from chat.special_tokens import as_id_list, collect_eos_token_ids
 from engine.config import ModelConfig
-from engine.loader.checkpoint import Checkpoint
+from engine.loader.checkpoint import Checkpoint, UnsupportedCheckpointError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
                          "olmoe", "gpt_oss")
@@ -114,6 +116,23 @@ def _every_layer_window(config: Mapping[str, Any]) -> dict[str, Any]:
             "layer_types": ("sliding_attention",) * int(config["num_hidden_layers"])}
 
 
+def _qwen3_windows(config: Mapping[str, Any]) -> dict[str, Any]:
+    """qwen3 / qwen3_moe: transformers' sliding layers (module docstring)."""
+    window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    if window is None:
+        return {}
+    num_layers = int(config["num_hidden_layers"])
+    if config["model_type"] == "qwen3_moe":  # Qwen3MoeAttention: config.sliding_window on every layer
+        layer_types = ("sliding_attention",) * num_layers
+    else:
+        first_sliding = int(config.get("max_window_layers", 28))
+        layer_types = tuple(config.get("layer_types") or [
+            "sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)])
+    if "sliding_attention" not in layer_types:
+        return {}
+    return {"sliding_window": int(window), "layer_types": layer_types}
+
+
 def _refuse_sliding_window(config: Mapping[str, Any]) -> None:
     """Raise for a config with a sliding window turned on (the engine attends to every position)."""
     window = config.get("sliding_window")
@@ -121,9 +140,10 @@ def _refuse_sliding_window(config: Mapping[str, Any]) -> None:
                       if kind == "sliding_attention"]
     if (config.get("use_sliding_window") and window) or sliding_layers:
         where = f"layers {sliding_layers}" if sliding_layers else "every layer"
-        raise NotImplementedError(
+        raise UnsupportedCheckpointError(
             f"{config['model_type']}: sliding-window attention (sliding_window={window}, on "
-            f"{where}) is not supported; this engine serves full attention only")
+            f"{where}) is not supported for this model_type (only gpt_oss, mistral, mixtral, qwen3 "
+            f"and qwen3_moe map their sliding layers)")
 
 
 def _token_lookup(directory: Path) -> Any:
@@ -139,11 +159,20 @@ def _token_lookup(directory: Path) -> Any:
 
 def model_config_from_hf(directory: Path) -> ModelConfig:
     config = _read_json(directory / "config.json")
+    try:
+        return _model_config(directory, config)
+    except KeyError as exc:  # a field the model_type needs
+        raise UnsupportedCheckpointError(
+            f"{directory / 'config.json'}: no {exc.args[0]!r} (model_type "
+            f"{config.get('model_type')!r} needs it)") from None
+
+
+def _model_config(directory: Path, config: Mapping[str, Any]) -> ModelConfig:
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise NotImplementedError(
+        raise UnsupportedCheckpointError(
             f"model_type {model_type!r} is not supported (one of {SUPPORTED_MODEL_TYPES})")
-    if model_type != "gpt_oss":  # gpt_oss: sliding and full layers (hf_gpt_oss.py)
+    if model_type not in ("gpt_oss", "qwen3", "qwen3_moe"):  # those map their sliding layers
         _refuse_sliding_window(config)
     generation = _read_json(directory / "generation_config.json")
     num_heads = config["num_attention_heads"]
@@ -154,6 +183,8 @@ def model_config_from_hf(directory: Path) -> ModelConfig:
         "attention_bias": bool(config.get("attention_bias", False)), **_moe_fields(config)}
     if model_type in ("mistral", "mixtral"):
         fields.update(_every_layer_window(config))
+    if model_type in ("qwen3", "qwen3_moe"):
+        fields.update(_qwen3_windows(config))
     return ModelConfig(
         architecture=model_type,
         vocab_size=config["vocab_size"],
