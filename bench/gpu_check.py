@@ -267,6 +267,43 @@ def moe_cases() -> None:
         case("fused_moe", f"T={t}", body)
 
 
+def gpt_oss_moe_cases() -> None:
+    """gpt-oss-20b's experts (E 32, top-4, H = I = 2880): biases and the clamped SwiGLU, bf16 weights
+    (fused_moe.py) and MXFP4 weights dequantized in the kernel (fused_moe_mxfp4.py)."""
+    from engine.kernels.activation import ClampedSwiGLU
+    from engine.kernels.fused_moe import fused_moe_reference, fused_moe_triton
+    from engine.kernels.fused_moe_mxfp4 import fused_moe_mxfp4_triton
+    from engine.layers.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    experts, hidden, inter, top_k = (4, 64, 32, 2) if SMOKE else (32, 2880, 2880, 4)
+    w13_q = quantize_mxfp4(randn(experts, 2 * inter, hidden, scale=hidden**-0.5))
+    w2_q = quantize_mxfp4(randn(experts, hidden, inter, scale=inter**-0.5))
+    w13, w2 = dequantize_mxfp4(*w13_q, DT), dequantize_mxfp4(*w2_q, DT)
+    extra = {"w13_bias": randn(experts, 2 * inter, scale=0.1), "w2_bias": randn(experts, hidden, scale=0.1),
+             "activation": ClampedSwiGLU()}
+    for t in [1, 9] if SMOKE else [1, 16, 128, 512, 2048]:
+        def body(t=t, mxfp4=False) -> Row:
+            x = randn(t, hidden)
+            top, ids = torch.topk(torch.randn(t, experts, device=DEV), top_k, dim=-1)
+            weights, ids = torch.softmax(top, dim=-1), ids.to(torch.int32)
+            if mxfp4:
+                def run() -> torch.Tensor:
+                    return fused_moe_mxfp4_triton(x, *w13_q, *w2_q, weights, ids, **extra)
+            else:
+                def run() -> torch.Tensor:
+                    return fused_moe_triton(x, w13, w2, weights, ids, **extra)
+            ok = check(run(), fused_moe_reference(x, w13, w2, weights, ids, **extra))
+            ms = median_ms(run)
+            used = torch.unique(ids).numel()
+            weight_bytes = used * 3 * hidden * inter * (17 / 32 if mxfp4 else ES)
+            nbytes = weight_bytes + 2 * t * hidden * ES + 2 * t * top_k * (inter + hidden) * ES
+            return Row("fused_moe gpt-oss " + ("mxfp4" if mxfp4 else "bf16"),
+                       f"T={t} E={experts} K={top_k} H={hidden} I={inter}", ok, ms, nbytes / 1e9,
+                       6 * t * top_k * hidden * inter / 1e12)
+        case("fused_moe gpt-oss bf16", f"T={t}", body)
+        case("fused_moe gpt-oss mxfp4", f"T={t}", lambda t=t: body(t, mxfp4=True))
+
+
 def fp8_cases() -> None:
     import engine.kernels.fp8 as fp8
 
@@ -379,7 +416,7 @@ def main() -> int:
     name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke, Triton interpreter)"
     print(f"gpu_check on {name}: torch {torch.__version__}, triton {triton.__version__}", flush=True)
     torch.manual_seed(0)
-    sections = (elementwise_cases, attention_cases, end_to_end, moe_cases, fp8_cases)
+    sections = (elementwise_cases, attention_cases, end_to_end, moe_cases, gpt_oss_moe_cases, fp8_cases)
     chosen = os.environ.get("AIGW_GPU_CHECK_SECTIONS")  # e.g. "fp8_cases,end_to_end"
     if chosen:
         sections = tuple(s for s in sections if s.__name__ in chosen.split(","))
