@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from chat.special_tokens import collect_eos_token_ids
 from engine.config import ModelConfig
-from engine.loader.checkpoint import Checkpoint
+from engine.loader.checkpoint import Checkpoint, UnsupportedCheckpointError
 
 ARCH = "gpt-oss"
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
@@ -72,7 +72,7 @@ def gpt_oss_config_from_gguf(metadata: Mapping[str, object], model_id: str) -> M
             "beta_slow": float(number("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False,
             "original_max_position_embeddings": count("rope.scaling.original_context_length")}.items()))
     elif metadata.get(f"{ARCH}.rope.scaling.type") not in (None, "none"):
-        raise ValueError(f"GGUF {ARCH}.rope.scaling.type {metadata.get(f'{ARCH}.rope.scaling.type')!r} "
+        raise UnsupportedCheckpointError(f"GGUF {ARCH}.rope.scaling.type {metadata.get(f'{ARCH}.rope.scaling.type')!r} "
                          "is not supported (yarn)")
     eos = metadata.get("tokenizer.ggml.eos_token_id")
     bos = metadata.get("tokenizer.ggml.bos_token_id")

@@ -17,16 +17,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from engine.loader.checkpoint import UnsupportedCheckpointError
+
 
 def gpt_oss_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     quantization = config.get("quantization_config") or {}
     method = quantization.get("quant_method")
     if method not in (None, "mxfp4"):
-        raise ValueError(f"gpt_oss: quantization_config.quant_method {method!r} is not "
-                                  "supported (only the released checkpoints' 'mxfp4')")
+        raise UnsupportedCheckpointError(f"gpt_oss: quantization_config.quant_method {method!r} is not "
+                                         "supported (only the released checkpoints' 'mxfp4')")
     if not config.get("attention_bias", True):
-        raise ValueError("gpt_oss: attention_bias=false is not supported (the released "
-                                  "models have q/k/v/o biases)")
+        raise UnsupportedCheckpointError("gpt_oss: attention_bias=false is not supported (the released "
+                                         "models have q/k/v/o biases)")
     num_layers = config["num_hidden_layers"]
     layer_types = config.get("layer_types") or [
         "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
