@@ -3,7 +3,8 @@
 Each kernel module holds one Triton kernel, its launcher and its torch reference; the references are
 what the CPU engine runs. Triton itself is imported only when a Triton kernel is first built, so the
 CPU path never imports it. `AIGW_KERNELS=triton|torch` overrides the choice (triton on CPU needs
-`TRITON_INTERPRET=1`, for tests). Tuned Triton launch configs are cached per GPU model in
+`TRITON_INTERPRET=1`, for tests); it is read once, when this package is first imported (the
+engine's construction), into `FORCED_BACKEND`, never per kernel call. Tuned Triton launch configs are cached per GPU model in
 ~/.cache/aigw/kernels/<gpu name>.json (see tuning.py); tuning times launches, so warm the engine
 up (one step per batch shape) before capturing CUDA graphs.
 
@@ -15,6 +16,7 @@ e.g. `from engine.kernels.fused_moe import moe_align_block_size`.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -40,13 +42,22 @@ __all__ = [
 _BACKENDS = ("triton", "torch")
 
 
+def backend_from_env(environ: Mapping[str, str] = os.environ) -> str | None:
+    """`AIGW_KERNELS` ("triton" | "torch"), or None (choose by device); ValueError otherwise."""
+    forced = environ.get("AIGW_KERNELS") or None
+    if forced is not None and forced not in _BACKENDS:
+        raise ValueError(f"AIGW_KERNELS must be one of {_BACKENDS}, got {forced!r}")
+    return forced
+
+
+# The process's choice, made once (tests set it with monkeypatch.setattr).
+FORCED_BACKEND: str | None = backend_from_env()
+
+
 def kernel_backend(device: torch.device | str | None = None) -> str:
     """"triton" or "torch" for tensors on `device` (None: the default CUDA device if any)."""
-    forced = os.environ.get("AIGW_KERNELS")
-    if forced:
-        if forced not in _BACKENDS:
-            raise ValueError(f"AIGW_KERNELS must be one of {_BACKENDS}, got {forced!r}")
-        return forced
+    if FORCED_BACKEND is not None:
+        return FORCED_BACKEND
     if device is None:
         return "triton" if torch.cuda.is_available() else "torch"
     return "triton" if torch.device(device).type == "cuda" else "torch"

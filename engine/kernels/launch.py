@@ -6,10 +6,13 @@ import os
 
 import torch
 
+# Triton reads TRITON_INTERPRET once, when it is first imported; so do we (not per launch).
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (`TRITON_INTERPRET=1`, tests only)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return INTERPRETING
 
 
 def check_same_device(*tensors: torch.Tensor) -> None:

@@ -29,6 +29,8 @@ _LOCK = threading.Lock()
 _MEMORY: dict[str, Config] = {}
 _FILE_LOADED: set[str] = set()
 _PICKED: dict[tuple[Any, ...], Config] = {}  # (kernel, key, device index) -> config: the per-launch fast path
+# AIGW_KERNEL_TUNE=0: the first candidate, untimed; read once at import, not per launch
+TUNING = os.environ.get("AIGW_KERNEL_TUNE") != "0"
 
 
 def cache_path(device: torch.device) -> Path:
@@ -80,7 +82,7 @@ def pick_config(
     """
     if not candidates:
         raise ValueError("no candidate configs")
-    if device.type != "cuda" or len(candidates) == 1 or os.environ.get("AIGW_KERNEL_TUNE") == "0":
+    if not TUNING or device.type != "cuda" or len(candidates) == 1:
         return dict(candidates[0])
     fast_key = (kernel_name, tuple(key), device.index)
     picked = _PICKED.get(fast_key)  # a dict lookup per launch: launches of small shapes are ~10 us

@@ -1,12 +1,11 @@
 """Model building blocks, and the factories that pick their implementation per device.
 
 CPU: PyTorch implementations (the references). CUDA: Triton kernels from engine/kernels.
-`AIGW_KERNELS=triton|torch` forces one (see engine.kernels.kernel_backend).
+`AIGW_KERNELS=triton|torch` forces one (read once: engine.kernels.FORCED_BACKEND).
 """
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,10 +16,9 @@ if TYPE_CHECKING:
 
 
 def attention_backend_name(device: torch.device) -> str:
-    forced = os.environ.get("AIGW_KERNELS")
-    if forced in ("triton", "torch"):
-        return forced
-    return "triton" if device.type == "cuda" else "torch"
+    from engine import kernels
+
+    return kernels.kernel_backend(device)
 
 
 def make_linear_factory(config: EngineConfig, device: torch.device, raw_weights: dict):  # type: ignore[no-untyped-def]

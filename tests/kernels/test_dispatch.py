@@ -1,4 +1,5 @@
-"""engine.kernels dispatch: backend choice, env override, lazy triton import, shape handling."""
+"""engine.kernels dispatch: backend choice, the AIGW_KERNELS override (read once), lazy triton
+import, shape handling."""
 
 import subprocess
 import sys
@@ -10,15 +11,27 @@ import engine.kernels as kernels
 from tests.kernels._util import DEVICE
 
 
-def test_backend_follows_device_and_env_override(monkeypatch):
-    monkeypatch.delenv("AIGW_KERNELS", raising=False)
+def test_backend_follows_device_and_the_forced_choice(monkeypatch):
+    monkeypatch.setattr(kernels, "FORCED_BACKEND", None)
     assert kernels.kernel_backend("cpu") == "torch"
     assert kernels.kernel_backend(torch.device("cuda", 0)) == "triton"
-    monkeypatch.setenv("AIGW_KERNELS", "torch")
+    monkeypatch.setattr(kernels, "FORCED_BACKEND", "torch")
     assert kernels.kernel_backend("cuda") == "torch"
-    monkeypatch.setenv("AIGW_KERNELS", "cuda")
-    with pytest.raises(ValueError):
-        kernels.kernel_backend("cpu")
+
+
+def test_aigw_kernels_is_validated_when_read():
+    assert kernels.backend_from_env({}) is None
+    assert kernels.backend_from_env({"AIGW_KERNELS": "triton"}) == "triton"
+    with pytest.raises(ValueError, match="AIGW_KERNELS"):
+        kernels.backend_from_env({"AIGW_KERNELS": "cuda"})
+
+
+def test_aigw_kernels_is_read_once_at_import_not_per_call():
+    code = ("import os, torch; os.environ['AIGW_KERNELS'] = 'torch'; import engine.kernels as k;"
+            "os.environ['AIGW_KERNELS'] = 'triton'; print(k.kernel_backend('cpu'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "torch"
 
 
 def test_cpu_path_never_imports_triton():
@@ -35,7 +48,7 @@ def test_cpu_path_never_imports_triton():
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_dispatch_accepts_leading_dims_on_both_backends(backend, monkeypatch):
-    monkeypatch.setenv("AIGW_KERNELS", backend)
+    monkeypatch.setattr(kernels, "FORCED_BACKEND", backend)
     x = torch.randn(2, 3, 16, device=DEVICE)
     res = torch.randn_like(x)
     w = torch.rand(16, device=DEVICE)

@@ -62,12 +62,12 @@ def test_gpt_oss_moe_layer_runs_mxfp4_experts_through_the_kernel_as_the_cpu_path
                                    dequantize_mxfp4=False)
     assert layer.experts.is_mxfp4
     x = torch.randn(7, 64, device=DEVICE)
-    monkeypatch.setenv("AIGW_KERNELS", "torch")
+    monkeypatch.setattr("engine.kernels.FORCED_BACKEND", "torch")
     expected = layer(x)
     calls = []
     real_kernel = __import__("engine.kernels.fused_moe_mxfp4", fromlist=["x"]).fused_moe_mxfp4_triton
     monkeypatch.setattr("engine.kernels.fused_moe_mxfp4.fused_moe_mxfp4_triton",
                         lambda *a, **k: calls.append(1) or real_kernel(*a, **k))
-    monkeypatch.setenv("AIGW_KERNELS", "triton")
+    monkeypatch.setattr("engine.kernels.FORCED_BACKEND", "triton")
     assert_close(layer(x), expected, torch.float32)
     assert calls == [1]

@@ -78,7 +78,7 @@ def test_triton_backend_matches_torch_backend_with_windows_and_sinks(
     k_ref, v_ref = k_cache.float(), v_cache.float()
     expected = TorchPagedAttention().forward(q.float(), k.float(), v.float(), k_ref, v_ref, 0.25, meta,
                                              sliding_window=window, sinks=sinks)
-    monkeypatch.setenv("AIGW_KERNELS", "triton")
+    monkeypatch.setattr("engine.kernels.FORCED_BACKEND", "triton")
     actual = TritonPagedAttention().forward(q, k, v, k_cache, v_cache, 0.25, meta,
                                             sliding_window=window, sinks=sinks)
     tol = 2e-4 if dtype == torch.float32 else 2e-2

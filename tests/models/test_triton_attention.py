@@ -59,7 +59,7 @@ def test_triton_backend_matches_torch_backend_on_a_mixed_batch(dtype: torch.dtyp
     k_ref, v_ref = k_cache.float(), v_cache.float()  # the reference runs in float32
 
     expected = TorchPagedAttention().forward(q.float(), k.float(), v.float(), k_ref, v_ref, 0.25, meta)
-    monkeypatch.setenv("AIGW_KERNELS", "triton")
+    monkeypatch.setattr("engine.kernels.FORCED_BACKEND", "triton")
     actual = TritonPagedAttention().forward(q, k, v, k_cache, v_cache, 0.25, meta)
 
     torch.testing.assert_close(k_cache.float(), k_ref, rtol=0, atol=0)
