@@ -53,7 +53,7 @@ def test_reference_matches_transformers_formula_with_clamped_swiglu_and_biases()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (13, 2), (7, 4)])
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (13, 4)])
 def test_triton_matches_reference_with_clamped_swiglu_and_biases(num_tokens, top_k, dtype):
     h, w13, w2, b13, b2, weights, ids = make_gpt_oss_moe(num_tokens, 4, 64, 32, dtype, top_k)
     extra = {"w13_bias": b13, "w2_bias": b2, "activation": ACT}

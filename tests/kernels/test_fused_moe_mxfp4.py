@@ -24,7 +24,7 @@ def make_mxfp4_moe(num_tokens, num_experts, hidden, inter, dtype, top_k):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_tokens", "top_k", "hidden", "inter"),
-                         [(1, 2, 64, 32), (9, 2, 96, 64), (6, 4, 64, 32)])
+                         [(9, 4, 96, 64)])
 def test_mxfp4_triton_matches_dequantized_reference_for_gpt_oss_experts(
         num_tokens, top_k, hidden, inter, dtype):
     h, experts, (b13, b2), weights, ids = make_mxfp4_moe(num_tokens, 4, hidden, inter, dtype, top_k)

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.models._gpt_oss import gpt_oss_checkpoints  # noqa: F401 (a session fixture)
 from tests.models._qwen3 import qwen3_checkpoints  # noqa: F401 (a session fixture)
 
 

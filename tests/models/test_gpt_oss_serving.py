@@ -13,9 +13,7 @@ import httpx
 import pytest
 
 from infra.ports import free_port
-from tests.models._gpt_oss import SLIDING_WINDOW, GptOssCheckpoint, gpt_oss_checkpoints, hf_greedy
-
-__all__ = ["gpt_oss_checkpoints"]  # the session fixture
+from tests.models._gpt_oss import SLIDING_WINDOW, GptOssCheckpoint, hf_greedy
 
 PROMPT = [(7 * i + 3) % 300 for i in range(3 * SLIDING_WINDOW + 5)]
 NUM_NEW_TOKENS = 10
