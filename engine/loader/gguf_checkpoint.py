@@ -1,11 +1,19 @@
-"""Llama-architecture GGUF files -> `Checkpoint` with Hugging Face names and layout.
+"""Llama, Qwen3 and Qwen3-MoE GGUF files -> `Checkpoint` with Hugging Face names and layout
+(gpt-oss files: gguf_gpt_oss.py).
 
-Config: `llama.*` metadata -> `ModelConfig` (head_dim = embedding_length / head_count unless
-`attention.key_length` is given; tie_word_embeddings when there is no `output.weight`).
+Config: `<arch>.*` metadata -> `ModelConfig`, arch = `general.architecture` ("llama", "qwen3",
+"qwen3moe" -> architecture "llama", "qwen3", "qwen3_moe"); head_dim = embedding_length / head_count
+unless `attention.key_length` is given; tie_word_embeddings when there is no `output.weight`.
+qwen3*: per-head q/k norm (attn_q_norm / attn_k_norm); qwen3moe: expert_count, expert_used_count,
+expert_feed_forward_length, every layer sparse, top-k weights renormalised (llama.cpp's qwen3moe
+always does; `expert_weights_norm` when the file says), no sliding window (GGUF carries none).
 
 Tensors: dequantized with `gguf.quants.dequantize`; GGUF names map to HF names (`_TENSOR_NAMES`).
+qwen3moe's stacked experts ffn_gate_exps / ffn_up_exps [E, I, H] become transformers 5's fused
+`mlp.experts.gate_up_proj` [E, 2I, H], ffn_down_exps [E, H, I] `mlp.experts.down_proj`.
 
-The q/k permutation. llama.cpp's converter reorders the rows of q_proj and k_proj (weights and
+The q/k permutation (llama only: qwen3 uses GGML's NEOX RoPE, as HF, and is stored unpermuted).
+llama.cpp's converter reorders the rows of q_proj and k_proj (weights and
 biases) so that GGML's RoPE, which rotates adjacent pairs (x0, x1), (x2, x3)..., computes what HF's
 `rotate_half`, which rotates (x_i, x_{i + d/2}), computes on the original rows:
 
@@ -41,7 +49,7 @@ from tqdm import tqdm
 from chat.gguf_metadata import GGUFTensorInfo, read_gguf_header
 from chat.special_tokens import collect_eos_token_ids
 from engine.config import ModelConfig
-from engine.loader.checkpoint import Checkpoint, RawQuantized
+from engine.loader.checkpoint import Checkpoint, RawQuantized, UnsupportedCheckpointError
 
 _TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -52,8 +60,12 @@ _LAYER_TENSOR_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
+    "ffn_norm": "post_attention_layernorm", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",  # fused at load
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
+_ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}  # GGUF -> ours
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Present in some llama GGUFs, derivable from the config; we skip them.
 _SKIPPED_TENSORS = {"rope_freqs.weight"}
@@ -86,15 +98,17 @@ def unpermute_rope_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
 def model_config_from_gguf(metadata: Mapping[str, object], tensor_names: set[str],
                            model_id: str) -> ModelConfig:
     arch = metadata.get("general.architecture")
-    if arch != "llama":
-        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
-    if metadata.get("llama.expert_count"):
-        raise NotImplementedError("MoE GGUF files are not supported; use the HF directory")
+    if arch not in _ARCHITECTURES:
+        raise UnsupportedCheckpointError(
+            f"GGUF architecture {arch!r} is not supported (one of {sorted(_ARCHITECTURES)}, gpt-oss)")
+    if arch == "llama" and metadata.get("llama.expert_count"):
+        raise UnsupportedCheckpointError("llama-architecture MoE GGUF files (Mixtral) are not "
+                                         "supported; use the HF directory")
 
     def number(key: str, default: float | None = None) -> float:
-        value = metadata.get(f"llama.{key}", default)
+        value = metadata.get(f"{arch}.{key}", default)
         if not isinstance(value, (int, float)):
-            raise ValueError(f"GGUF metadata llama.{key} is missing or not a number: {value!r}")
+            raise ValueError(f"GGUF metadata {arch}.{key} is missing or not a number: {value!r}")
         return value
 
     def count(key: str, default: int | None = None) -> int:
@@ -104,20 +118,25 @@ def model_config_from_gguf(metadata: Mapping[str, object], tensor_names: set[str
     assert isinstance(tokens, list)
     hidden, num_heads = count("embedding_length"), count("attention.head_count")
     rope_scaling = None
-    scaling = metadata.get("llama.rope.scaling.type")
+    scaling = metadata.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         items: dict[str, object] = {"rope_type": scaling, "factor": number("rope.scaling.factor")}
-        if metadata.get("llama.rope.scaling.original_context_length"):
+        if metadata.get(f"{arch}.rope.scaling.original_context_length"):
             items["original_max_position_embeddings"] = count("rope.scaling.original_context_length")
         rope_scaling = tuple(sorted(items.items()))
     token_index = {token: i for i, token in enumerate(tokens)}
     eos = metadata.get("tokenizer.ggml.eos_token_id")
     bos = metadata.get("tokenizer.ggml.bos_token_id")
+    experts: dict[str, object] = {}
+    if arch == "qwen3moe":
+        experts = {"num_experts": count("expert_count"), "num_experts_per_tok": count("expert_used_count"),
+                   "moe_intermediate_size": count("expert_feed_forward_length"),
+                   "norm_topk_prob": bool(metadata.get("qwen3moe.expert_weights_norm", True))}
     return ModelConfig(
-        architecture="llama",
+        architecture=_ARCHITECTURES[arch],
         vocab_size=count("vocab_size", len(tokens)),
         hidden_size=hidden,
-        intermediate_size=count("feed_forward_length"),
+        intermediate_size=count("feed_forward_length", 0 if experts else None),
         num_layers=count("block_count"),
         num_heads=num_heads,
         num_kv_heads=count("attention.head_count_kv", num_heads),
@@ -132,6 +151,8 @@ def model_config_from_gguf(metadata: Mapping[str, object], tensor_names: set[str
                                             token_index.get),
         bos_token_id=bos if isinstance(bos, int) else None,
         model_id=model_id,
+        qk_norm="per_head" if arch in ("qwen3", "qwen3moe") else None,
+        **experts,  # type: ignore[arg-type]
     )
 
 
@@ -146,7 +167,8 @@ def load_gguf_checkpoint(path: Path, dtype: torch.dtype = torch.float32,
                                  lambda info, ggml_type: _tensor_data(file_view, info, ggml_type),
                                  dtype=dtype, progress=progress)
     config = model_config_from_gguf(metadata, {t.name for t in infos}, path.stem)
-    heads_by_module = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
+    heads_by_module = ({"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
+                       if config.architecture == "llama" else {})  # qwen3: NEOX rope, unpermuted
     file_bytes = np.memmap(path, dtype=np.uint8, mode="r")
 
     weights: dict[str, torch.Tensor] = {}
@@ -170,7 +192,21 @@ def load_gguf_checkpoint(path: Path, dtype: torch.dtype = torch.float32,
             out_features, in_features = values.shape
             raw[name] = RawQuantized(ggml_type=ggml_type.name,
                                      shape=(out_features, in_features), data=blocks)
+    _fuse_stacked_experts(weights)
     return Checkpoint(config=config, weights=weights, raw=raw)
+
+
+def _fuse_stacked_experts(weights: dict[str, torch.Tensor]) -> None:
+    """Stacked expert tensors (module docstring) -> the fused experts layout, in place."""
+    for gate_name in [n for n in weights if n.endswith(".mlp.experts.gate_proj.weight")]:
+        prefix = gate_name.removesuffix("gate_proj.weight")  # "model.layers.N.mlp.experts."
+        gate, up = weights.pop(gate_name), weights.pop(prefix + "up_proj.weight", None)
+        if up is None:
+            raise ValueError(f"GGUF has {gate_name!r} but no {prefix}up_proj.weight (ffn_up_exps)")
+        weights[prefix + "gate_up_proj"] = torch.cat([gate, up], dim=1)  # 2 x [E, I, H] -> [E, 2I, H]
+        down = weights.pop(prefix + "down_proj.weight", None)
+        if down is not None:
+            weights[prefix + "down_proj"] = down  # [E, H, I]
 
 
 def _tensor_data(file_bytes: np.ndarray, info: GGUFTensorInfo,
