@@ -18,6 +18,7 @@ laid out like the released ones.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,11 +35,19 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
         raise TypeError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != GROUP_SIZE // 2:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
-    lut = torch.tensor(E2M1_VALUES, dtype=dtype, device=blocks.device)
-    values = torch.stack([lut[(blocks & 0x0F).int()], lut[(blocks >> 4).int()]], dim=-1)  # [..., G, 16, 2]
-    values = values.flatten(-2)  # [..., N, G, 32]: low nibble first
-    exponents = scales.to(torch.int32) - SCALE_BIAS  # [..., N, G]
-    return torch.ldexp(values, exponents.unsqueeze(-1)).flatten(-2)  # [..., N, G * 32]
+    # one gather of (low, high) value pairs per byte: ~5x faster on the CPU than indexing each nibble
+    pairs = _byte_values(dtype, blocks.device).index_select(0, blocks.flatten().int())  # [bytes, 2]
+    values = pairs.view(*scales.shape, GROUP_SIZE)  # [..., N, G, 32]: low nibble first
+    ones = torch.ones(scales.shape, dtype=dtype, device=scales.device)
+    values *= torch.ldexp(ones, scales.int() - SCALE_BIAS).unsqueeze(-1)  # exact: powers of two
+    return values.flatten(-2)  # [..., N, G * 32]
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256, 2]: byte b -> (e2m1(b & 15), e2m1(b >> 4))."""
+    lut = torch.tensor(E2M1_VALUES, dtype=dtype)
+    return torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1).to(device)
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
