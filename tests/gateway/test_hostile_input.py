@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from bench.mock_upstream import MockState, create_mock_app
-from gateway.services import create_served_app
 from gateway.settings import GatewaySettings
+from gateway.web.services import create_served_app
 from tests.gateway.conftest import MODEL, LoopThread, start_app
 from tests.raw_http import request_bytes, send_raw
 
@@ -199,3 +199,15 @@ def test_count_tokens_refuses_a_prompt_surely_over_the_context_without_encoding_
     assert answer.json()["error"]["type"] == "invalid_request_error"
     assert "context length" in answer.json()["error"]["message"]
     assert time.monotonic() - started < 2.0
+
+
+def test_other_headers_with_bytes_that_are_not_utf8_never_make_a_500(served: Served) -> None:
+    headers = {"Authorization": b"Bearer " + served.key.encode()}
+    for name in ("x-session-id", "x-request-id", "traceparent", "tracestate", "anthropic-version",
+                 "x-aigw-debug", "user-agent", "content-encoding", "accept"):
+        for method, path, body, envelope in ROUTES:
+            status, _, answer = send_raw(served.url, request_bytes(
+                method, path, {**headers, name: b"\xff\xfe-\x80"}, body))
+            assert status < 500, (name, path, answer)
+            if status >= 400:
+                _assert_envelope(envelope, answer, status)
