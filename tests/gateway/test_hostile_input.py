@@ -58,13 +58,15 @@ async def _keys(data_dir: Path, redis_url: str | None) -> tuple[str, str]:
         await services.close()
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture
 def served(request: pytest.FixtureRequest, loop_thread: LoopThread, tmp_path: Path,
            monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
-    """`aigw serve`'s app on one mock replica, its keys in SQLite or in a flushed Redis; the
-    default project may make 1,000 requests a minute (so the meter's counters are in play)."""
+    """`aigw serve`'s app on one mock replica, its keys in SQLite (or, parametrized indirectly
+    with "redis", in a flushed Redis); the default project may make 1,000 requests a minute (so
+    the meter's counters are in play)."""
     monkeypatch.setenv("AIGW_JWT_HS256_SECRET", "a-long-shared-hmac-secret-32-bytes!")
-    redis_url = request.getfixturevalue("clean_redis_url") if request.param == "redis" else None
+    store = getattr(request, "param", "sqlite")
+    redis_url = request.getfixturevalue("clean_redis_url") if store == "redis" else None
     state = MockState()
     upstream, upstream_url = loop_thread.run(start_app(create_mock_app(state)))
     key, admin_key = loop_thread.run(_keys(tmp_path, redis_url))
@@ -93,6 +95,7 @@ def _assert_envelope(envelope: str, body: bytes, status: int) -> None:
     assert status < 500
 
 
+@pytest.mark.parametrize("served", ["sqlite", "redis"], indirect=True)
 def test_a_credential_with_a_byte_that_is_not_utf8_is_a_401_on_every_route(
         served: Served) -> None:
     for credential in BAD_CREDENTIALS:
@@ -106,6 +109,7 @@ def test_a_credential_with_a_byte_that_is_not_utf8_is_a_401_on_every_route(
     assert not served.state.bodies  # nothing reached the upstream
 
 
+@pytest.mark.parametrize("served", ["sqlite", "redis"], indirect=True)
 def test_admin_durations_beyond_any_clock_and_deep_nesting_are_400s(served: Served) -> None:
     admin = {"authorization": f"Bearer {served.admin_key}"}
     keys_url = served.url + "/admin/v1/projects/default/keys"
@@ -131,6 +135,7 @@ def test_admin_durations_beyond_any_clock_and_deep_nesting_are_400s(served: Serv
         assert status == 404, (path, answer)
 
 
+@pytest.mark.parametrize("served", ["sqlite", "redis"], indirect=True)
 def test_a_max_tokens_no_counter_can_hold_is_a_400_and_counts_nothing(served: Served) -> None:
     headers = {"authorization": f"Bearer {served.key}"}
     for _ in range(3):
