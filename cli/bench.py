@@ -13,6 +13,7 @@ BENCHMARKS = {
     "agent": "bench.agent_bench",        # prompt caching on agent-loop / shared-prefix workloads
     "gateway": "bench.gateway_bench",    # gateway overhead vs bare proxy and LiteLLM
     "routing": "bench.routing_bench",    # routing policies, real replicas + simulator
+    "soak": "bench.soak_bench",          # many mixed requests: RSS flat, no KV leak, ledger exact
 }
 
 

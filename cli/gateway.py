@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from infra.config_errors import one_line
 
 if TYPE_CHECKING:
-    from gateway.supervisor import ReplicaSupervisor
+    from gateway.fleet.supervisor import ReplicaSupervisor
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -112,8 +112,8 @@ def run(args: argparse.Namespace) -> int:
 
     from auth.settings import AuthSettings
     from cli.engine import engine_missing
-    from gateway import embedded
     from gateway.backends import get_backend_class
+    from gateway.fleet import embedded
     from gateway.settings import load_settings
     from infra import ports
     from infra.telemetry.settings import TelemetrySettings
@@ -150,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{problem} (or configure [[models]] upstreams)", file=sys.stderr)
         return 1
     replicas: list[embedded.ReplicaProcess] = []
+    # until the gateway installs its own handlers: a SIGTERM while replicas load still stops
+    # them (they have sessions of their own; the default action would leave them running)
+    previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         if not settings.models:
             # the credential the embedded replicas require: the configured one, else a new one
@@ -165,17 +168,22 @@ def run(args: argparse.Namespace) -> int:
             settings = settings.model_copy(update={
                 "models": (embedded.model_settings_for(replicas, secret),),
                 "replica_secret": secret, "replica_secret_file": None})
+        signal.signal(signal.SIGTERM, previous_sigterm)
         with _supervised(replicas):  # stopped before the replicas are
             return _serve_workers(settings.model_dump(mode="json"), args.workers)
     finally:
         embedded.stop_replicas(replicas)
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 @contextlib.contextmanager
 def _supervised(replicas: list[Any]) -> Iterator[ReplicaSupervisor | None]:
-    """Restart any embedded replica that dies while the gateway serves (gateway/supervisor.py);
+    """Restart any embedded replica that dies while the gateway serves (gateway/fleet/supervisor.py);
     its restart counts reach the workers' /metrics through a file named in their environment."""
-    from gateway.supervisor import RESTARTS_FILE_ENV, ReplicaSupervisor, SupervisorSettings
+    from gateway.fleet.supervisor import RESTARTS_FILE_ENV, ReplicaSupervisor, SupervisorSettings
 
     if not replicas:
         yield None
@@ -194,7 +202,7 @@ def _supervised(replicas: list[Any]) -> Iterator[ReplicaSupervisor | None]:
 
 def _serve_workers(settings_data: dict[str, Any], num_workers: int) -> int:
     """Serve until a signal; the exit status: 1 when a worker failed (its error is above), else 0."""
-    from gateway.server import run_worker
+    from gateway.web.server import run_worker
 
     if num_workers == 1:
         run_worker(settings_data, reuse_port=False)
@@ -220,7 +228,7 @@ def _shared_metrics_dir() -> Iterator[None]:
 
 
 def _run_workers(settings_data: dict[str, Any], num_workers: int) -> int:
-    from gateway.server import run_worker
+    from gateway.web.server import run_worker
 
     context = multiprocessing.get_context("spawn")
     workers = [context.Process(target=run_worker, args=(settings_data, True), daemon=False)

@@ -1,0 +1,61 @@
+"""`aigw bench soak` end to end with a tiny N (every kind of the mix once, then a few more) on the
+real default model: it passes its own checks and reports what it measured; and its ledger check
+catches a record that differs from the client's usage (so a PASS means something)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from bench.soak_ledger import compare
+from bench.soak_workload import MIX, Outcome, mix
+
+pytestmark = pytest.mark.slow
+
+
+def run_bench(argv: list[str]) -> int:
+    from cli.bench import register
+
+    parser = argparse.ArgumentParser(prog="aigw")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", *argv])
+    return int(args.func(args))
+
+
+def test_a_tiny_soak_passes_and_reports_rss_kv_and_the_ledger(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "soak.md"
+    status = run_bench(["soak", "--requests", "14", "--concurrency", "4", "--threads", "1",
+                        "--replica-args", "",  # float: no native build in the way
+                        "--kv-cache-memory", str(32 << 20), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert printed.startswith("# aigw bench soak: PASS") and out.read_text() in printed
+    assert "requests 14 of 14 planned" in printed
+    assert "| gateway |" in printed and "| replica |" in printed
+    assert "kv_blocks_used 0.0 of" in printed and "mismatches 0" in printed
+    for kind in MIX:  # each kind was sent
+        assert f"- {kind}: " in printed
+
+
+def test_the_mix_sends_every_kind_first() -> None:
+    assert mix(len(MIX) + 5, seed=3)[:len(MIX)] == list(MIX)
+    assert mix(3, seed=3) == list(MIX)[:3]
+
+
+def test_the_ledger_check_catches_a_differing_missing_or_double_record() -> None:
+    outcomes = [Outcome(0, "chat", "p", 200, (10, 0, 3)), Outcome(1, "abort", "p", 200, None),
+                Outcome(2, "bad", "p", 400, None)]
+    good = [{"request_id": "soak-0/gw1", "project": "p", "prompt_tokens": 10, "cached_tokens": 0,
+             "completion_tokens": 3, "status": 200},
+            {"request_id": "soak-1/gw2", "project": "p", "prompt_tokens": 10, "cached_tokens": 0,
+             "completion_tokens": 1, "status": 499}]
+    assert compare(outcomes, good)["mismatches"] == 0
+    off_by_one = [{**good[0], "completion_tokens": 4}, good[1]]
+    assert compare(outcomes, off_by_one)["mismatches"] == 1
+    assert compare(outcomes, [good[1]])["mismatches"] == 1  # an answered request unrecorded
+    assert compare(outcomes, [*good, good[0]])["mismatches"] == 1  # recorded twice
+    billed_refusal = [*good, {**good[0], "request_id": "soak-2/gw3", "status": 400}]
+    assert compare(outcomes, billed_refusal)["mismatches"] == 1
