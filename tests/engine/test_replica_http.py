@@ -275,19 +275,16 @@ def test_a_demanded_tool_call_is_always_made_in_the_tools_schema(client: openai.
 def test_a_forced_call_under_a_schema_without_additional_properties_ends_closed(
         client: openai.OpenAI, model: str, stream: bool) -> None:
     """LangChain sends a tool's schema without `additionalProperties`; the forced call's grammar
-    closes the object (as OpenAI's strict mode reads it), so the call ends after its keys instead
-    of adding new ones until max_tokens."""
-    langchain_tool = {"type": "function", "function": {
-        "name": "search_flights", "description": "Search flights between two cities.",
-        "parameters": {"type": "object", "properties": {
-            "origin": {"type": "string", "description": "Departure city"},
-            "destination": {"type": "string", "description": "Arrival city"}},
-            "required": ["origin", "destination"]}}}
+    closes the object (as OpenAI's strict mode reads it), so the call ends after its keys. Left
+    open, SmolLM2 answers this one {"location": "USA", "unit": "c", "unit_map": "USA"}."""
+    langchain_tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "properties": {"location": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["location"], "type": "object"}}}
     max_tokens = 120
     answer = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Find me a flight from Paris to Rome."}],
+        model=model, messages=[{"role": "user", "content": "Tell me a joke."}],
         max_tokens=max_tokens, tools=[langchain_tool], temperature=0, stream=stream,
-        tool_choice={"type": "function", "function": {"name": "search_flights"}},
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
         **({"stream_options": {"include_usage": True}} if stream else {}))
     if stream:
         chunks = list(answer)
@@ -299,5 +296,5 @@ def test_a_forced_call_under_a_schema_without_additional_properties_ends_closed(
         finish_reason, usage = answer.choices[0].finish_reason, answer.usage
     assert finish_reason == "tool_calls" and len(calls) == 1, (finish_reason, calls)
     arguments = json.loads(calls[0].arguments)
-    assert set(arguments) == {"origin", "destination"}, arguments
+    assert "location" in arguments and set(arguments) <= {"location", "unit"}, arguments
     assert usage is not None and usage.completion_tokens < max_tokens
