@@ -178,6 +178,7 @@ def test_raise_exception_raises_template_error():
 
 def test_tokenizer_loads_without_importing_torch_or_the_engine(gguf_path):
     code = ("import sys; from chat import load_tokenizer; "
+            "import chat.registry, chat.harmony, chat.output, chat.reasoning; "
             f"t = load_tokenizer({str(gguf_path)!r}); assert t.encode('hi'); "
             "assert 'torch' not in sys.modules, 'torch was imported'; "
             "assert not any(m.split('.')[0] in ('engine', 'gateway') for m in sys.modules)")
