@@ -30,10 +30,15 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], num_new_tokens: int,
     new: list[list[int]] = [[] for _ in prompts]
     logits: list[list[torch.Tensor]] = [[] for _ in prompts]
     num_blocks = (max(map(len, prompts)) + num_new_tokens) // BLOCK_SIZE + 1
-    tables = [list(range(i * num_blocks, (i + 1) * num_blocks)) for i in range(len(prompts))]
+    layout = getattr(runner, "kv_layout", None)
+    num_groups = len(layout.groups) if layout is not None else 1  # KV cache groups (sliding windows)
+    tables = [[list(range((g * len(prompts) + i) * num_blocks, (g * len(prompts) + i + 1) * num_blocks))
+               for g in range(num_groups)] for i in range(len(prompts))]  # [prompt][group] -> blocks
     for step in range(num_new_tokens):
+        extra = [{"extra_block_tables": tuple(tables[i][1:])} if num_groups > 1 else {}
+                 for i in range(len(prompts))]
         seqs = [ScheduledSequence(str(i), t if step == 0 else t[-1:], 0 if step == 0 else len(t) - 1,
-                                  tables[i], True) for i, t in enumerate(tokens)]
+                                  tables[i][0], True, **extra[i]) for i, t in enumerate(tokens)]
         out = runner.execute(ScheduledBatch(seqs))
         for request_id, row in zip(out.request_ids, out.logits, strict=True):
             i = int(request_id)
