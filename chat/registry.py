@@ -118,8 +118,12 @@ _FAMILIES: dict[str, ChatFormat] = {
 FORMATS = {f.name: f for f in (HERMES, QWEN3, HARMONY)}
 
 
-def chat_format_for(architecture: str, chat_template: str | None = None) -> ChatFormat:
-    """The format of a checkpoint with this architecture and chat template source."""
+def chat_format_for(architecture: str, chat_template: str | None = None,
+                    token_to_id: Callable[[str], int | None] | None = None) -> ChatFormat:
+    """The format of a checkpoint with this architecture and chat template source.
+    `token_to_id`: its vocabulary's lookup; harmony is only chosen for a vocabulary that holds
+    harmony's `<|channel|>` (or a template that writes it): a gpt_oss checkpoint with another
+    tokenizer (a test's tiny one) cannot take o200k ids."""
     if chat_template is not None:
         if CHANNEL_TOKEN in chat_template:
             return HARMONY
@@ -127,4 +131,7 @@ def chat_format_for(architecture: str, chat_template: str | None = None) -> Chat
             return QWEN3
         if architecture in ("qwen3", "qwen3_moe"):
             return HERMES  # a Qwen3 template without <think>: no reasoning
-    return _FAMILIES.get(architecture, HERMES)
+    family = _FAMILIES.get(architecture, HERMES)
+    if family is HARMONY and token_to_id is not None and token_to_id(CHANNEL_TOKEN) is None:
+        return HERMES
+    return family

@@ -81,9 +81,11 @@ class ServingContext:
     @functools.cached_property
     def chat_format(self) -> ChatFormat:
         """The checkpoint's chat format (chat/registry.py: architecture + template sniffing)."""
-        template = getattr(self.engine.tokenizer, "chat_template", None)
+        tokenizer = self.engine.tokenizer
+        template = getattr(tokenizer, "chat_template", None)
         return chat_format_for(self.engine.model_config.architecture,
-                               getattr(template, "source", None))
+                               getattr(template, "source", None),
+                               getattr(tokenizer, "token_to_id", None))
 
     @functools.cached_property
     def harmony(self) -> Any:

@@ -36,6 +36,9 @@ def test_formats_follow_the_template_first_and_the_architecture_second(smollm2) 
     no_think = qwen3.replace("<think>", "").replace("</think>", "")  # an Instruct-2507 template
     assert chat_format_for("qwen3", no_think) is HERMES
     assert chat_format_for("gpt_oss") is HARMONY and chat_format_for("qwen3_moe") is QWEN3
+    # a gpt_oss checkpoint whose vocabulary is not harmony's (a tiny test tokenizer)
+    assert chat_format_for("gpt_oss", None, smollm2.token_to_id) is HERMES
+    assert chat_format_for("gpt_oss", None, {"<|channel|>": 200005}.get) is HARMONY
     assert chat_format_for("some_new_family") is HERMES
 
 

@@ -45,3 +45,7 @@ class HarmonyTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.encoding.decode(list(ids)))
+
+    def token_to_id(self, token: str) -> int | None:
+        ids = self.encode(token)
+        return ids[0] if len(ids) == 1 and self.encoding.is_special_token(ids[0]) else None
