@@ -53,12 +53,14 @@ class LLMEngine:
         self.block_size = config.cache.block_size
         self.max_model_len = min(model_config.max_position_embeddings,
                                  config.max_model_len or model_config.max_position_embeddings,
-                                 runner.num_blocks * self.block_size)
+                                 runner.max_num_tokens_per_sequence(
+                                     config.scheduler.max_num_batched_tokens))
         # token ids stay out of KV events (they are tenants' prompts) unless asked for (debugging)
         self.kv_events = KVEventLog(config.replica_id, publishers=publishers,
                                     include_token_ids=kv_events_token_ids)
         self.kv_cache = KVCacheManager(runner.num_blocks, self.block_size,
-                                       config.cache.enable_prefix_caching, self.kv_events)
+                                       config.cache.enable_prefix_caching, self.kv_events,
+                                       group_windows=runner.kv_layout.group_windows)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.sampler = Sampler(seed=config.seed)
         self.grammars = GrammarCompiler(tokenizer.backend, model_config.vocab_size,

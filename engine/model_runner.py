@@ -19,6 +19,7 @@ import torch
 from engine.batch import ScheduledBatch, ScheduledSequence
 from engine.config import EngineConfig, ModelConfig
 from engine.kernels.cpu import huge_pages
+from engine.kv_cache.layout import KVCacheLayout, kv_bytes_per_token
 from engine.layers.attention import (
     AttentionMetadata,
     CascadeGroup,
@@ -66,13 +67,20 @@ class ModelRunner:
         if config.compile:
             self._forward = _compiled_forward(self.model)
         self.block_size = config.cache.block_size
-        self.enable_cascade = self.device.type == "cpu"
+        max_len = min(model_config.max_position_embeddings,
+                      config.max_model_len or model_config.max_position_embeddings)
+        self.kv_layout = KVCacheLayout.for_model(model_config, max_len)
+        # cascade shares group 0's prefix blocks: only where group 0 is full attention
+        self.enable_cascade = self.device.type == "cpu" and self.kv_layout.groups[0].sliding_window is None
         self.kv_dtype = self._native_decode.kv_dtype if self._native_decode is not None else self.dtype
         self.num_blocks = self._num_blocks_for_budget()
         shape = (self.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.kv_caches = [(self._kv_tensor(shape), self._kv_tensor(shape)) for _ in range(model_config.num_layers)]
-        logger.info("KV cache: %d blocks of %d tokens (%.0f MiB)", self.num_blocks, self.block_size,
-                    self.num_blocks * self.bytes_per_block / 2**20)
+        slots = [(self._kv_tensor(shape), self._kv_tensor(shape))
+                 for _ in range(self.kv_layout.num_tensor_slots)]
+        self.kv_caches = [slots[j] for j in self.kv_layout.layer_slot]  # per layer (slots are shared)
+        logger.info("KV cache: %d blocks of %d tokens (%.0f MiB), %d group(s)", self.num_blocks,
+                    self.block_size, self.num_blocks * self.bytes_per_block / 2**20,
+                    len(self.kv_layout.groups))
 
     def _kv_tensor(self, shape: tuple[int, int, int, int]) -> torch.Tensor:
         """[num_blocks, block_size, G, Dh] zeros; on the CPU on huge pages (engine/kernels/cpu/huge_pages.py)."""
@@ -82,9 +90,19 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        cfg = self.model_config
+        """One block id's bytes: a block of K and V in every tensor slot (layers of one group)."""
         element_size = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * element_size
+        return (self.kv_layout.num_tensor_slots * self.block_size
+                * kv_bytes_per_token(self.model_config, element_size))
+
+    def max_num_tokens_per_sequence(self, chunk_tokens: int) -> int:
+        """The longest sequence the cache can hold alone, with prefill chunks of `chunk_tokens`."""
+        bs, windows = self.block_size, self.kv_layout.group_windows
+        window_blocks = sum(-(-(w - 1 + chunk_tokens) // bs) + 2 for w in windows if w is not None)
+        num_full_groups = sum(1 for w in windows if w is None)
+        if not num_full_groups:  # only windows: any length, if one sequence's windows fit at all
+            return self.model_config.max_position_embeddings if window_blocks <= self.num_blocks else 0
+        return max(0, self.num_blocks - window_blocks) // num_full_groups * bs
 
     def _num_blocks_for_budget(self) -> int:
         num_blocks = self.config.cache.kv_cache_memory_bytes // self.bytes_per_block
@@ -112,8 +130,11 @@ class ModelRunner:
             [s for s in batch.sequences if s.num_scheduled_tokens == 1 and s.start_position > 0])
         prefills = [s for s in batch.sequences if not (s.num_scheduled_tokens == 1 and s.start_position > 0)]
         ordered = decodes + prefills
-        input_ids, positions, metadata = self._prepare(decodes, prefills, num_plain, groups)
-        with forward_context(metadata):
+        input_ids, positions, per_group = self._prepare(decodes, prefills, num_plain, groups)
+        per_layer = None
+        if len(per_group) > 1:
+            per_layer = tuple(per_group[g] for g in self.kv_layout.layer_group)
+        with forward_context(per_group[0], per_layer):
             hidden = self._forward(input_ids, positions, self.kv_caches)
         rows, request_ids, spans, row = [], [], [], 0
         for seq in ordered:
@@ -135,7 +156,7 @@ class ModelRunner:
         scheduled token; logits only for each sampling sequence's last row."""
         assert self._native_decode is not None
         bs = self.block_size
-        tables = _block_table_tensor(seqs)  # [S, W]
+        tables = _block_table_tensor([s.block_table for s in seqs])  # [S, W] (one full group here)
         seq_index = torch.repeat_interleave(torch.arange(len(seqs)),
                                             torch.tensor([s.num_scheduled_tokens for s in seqs]))  # [M]
         positions = torch.cat([torch.arange(s.start_position, s.seq_len) for s in seqs])  # [M]
@@ -156,9 +177,9 @@ class ModelRunner:
 
     def _prepare(self, decodes: list[ScheduledSequence], prefills: list[ScheduledSequence],
                  num_plain: int, groups: list[tuple[int, int, int]]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Step tensors. `decodes` come ordered by `_plan_decodes` (plain rows, then cascade groups)."""
-        bs = self.block_size
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]:
+        """Step tensors and one AttentionMetadata per KV cache group. `decodes` come ordered by
+        `_plan_decodes` (plain rows, then cascade groups); rows are in that order in every group."""
         seqs = decodes + prefills
         ids: list[int] = []
         pos: list[int] = []
@@ -166,17 +187,36 @@ class ModelRunner:
             ids.extend(seq.token_ids)
             pos.extend(range(seq.start_position, seq.seq_len))
         positions = torch.tensor(pos, dtype=torch.int64)
-        tables = _block_table_tensor(seqs)  # [S, max_blocks]
         seq_index = torch.repeat_interleave(torch.arange(len(seqs)),
                                             torch.tensor([s.num_scheduled_tokens for s in seqs]))
+        per_group = []
+        for g, group in enumerate(self.kv_layout.groups):
+            cascade = (num_plain, groups) if g == 0 else (len(decodes), [])  # cascade: group 0 only
+            per_group.append(self._group_metadata(g, group.sliding_window, decodes, prefills, *cascade,
+                                                  positions, seq_index))
+        to = self.device
+        return torch.tensor(ids, dtype=torch.int64, device=to), positions.to(to), per_group
+
+    def _group_metadata(self, g: int, window: int | None, decodes: list[ScheduledSequence],
+                        prefills: list[ScheduledSequence], num_plain: int,
+                        groups: list[tuple[int, int, int]], positions: torch.Tensor,
+                        seq_index: torch.Tensor) -> AttentionMetadata:
+        """Group g's metadata. Window groups gather only the blocks each row's window reaches."""
+        bs, to = self.block_size, self.device
+        seqs = decodes + prefills
+        tables = _block_table_tensor([s.block_tables[g] for s in seqs])  # [S, max_blocks]
         slot_mapping = tables[seq_index, positions // bs] * bs + positions % bs  # [T]
 
-        to = self.device
-        decode_blocks = decode_mask = decode_context_lens = None
+        decode_blocks = decode_mask = decode_context_lens = first_positions = None
         decode_len = 0
         if num_plain:
             plain_lens = [s.seq_len for s in decodes[:num_plain]]
-            decode_blocks, decode_len, decode_mask = _padded_blocks(tables[:num_plain], plain_lens, 0, bs, to)
+            if window is None:
+                decode_blocks, decode_len, decode_mask = _padded_blocks(tables[:num_plain], plain_lens,
+                                                                        0, bs, to)
+            else:
+                decode_blocks, decode_len, first_positions = _window_blocks(tables[:num_plain], plain_lens,
+                                                                            window, bs, to)
             decode_context_lens = torch.tensor(plain_lens, dtype=torch.int64, device=to)
         cascade_groups = []
         for start, end, num_prefix_blocks in groups:
@@ -188,14 +228,14 @@ class ModelRunner:
         segments = []
         query_start = len(decodes)
         for i, seq in enumerate(prefills):
-            num_blocks = -(-seq.seq_len // bs)
+            first = 0 if window is None else max(0, seq.start_position - window + 1) // bs
             query_end = query_start + seq.num_scheduled_tokens
-            segments.append(PrefillSegment(query_start, query_end,
-                                           tables[len(decodes) + i, :num_blocks].to(to), seq.seq_len,
-                                           seq.start_position))
+            context_blocks = tables[len(decodes) + i, first:-(-seq.seq_len // bs)].to(to)
+            segments.append(PrefillSegment(query_start, query_end, context_blocks, seq.seq_len,
+                                           seq.start_position, context_start=first * bs))
             query_start = query_end
 
-        metadata = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=slot_mapping.to(to),
             num_decode_tokens=len(decodes),
             decode_blocks=decode_blocks,
@@ -210,8 +250,8 @@ class ModelRunner:
             seq_lens=torch.tensor([s.seq_len for s in seqs], dtype=torch.int32, device=to),
             block_tables=tables.to(torch.int32).to(to),
             decode_context_lens=decode_context_lens,
+            decode_first_positions=first_positions,
         )
-        return torch.tensor(ids, dtype=torch.int64, device=to), positions.to(to), metadata
 
     def _plan_decodes(self, decodes: list[ScheduledSequence]
                       ) -> tuple[list[ScheduledSequence], int, list[tuple[int, int, int]]]:
@@ -246,7 +286,8 @@ class ModelRunner:
     def warmup(self) -> float:
         """One small forward pass so the first request does not pay for lazy initialisation."""
         start = time.perf_counter()
-        seq = ScheduledSequence("warmup", [0] * min(8, self.block_size), 0, [0], True)
+        seq = ScheduledSequence("warmup", [0] * min(8, self.block_size), 0, [0], True,
+                                extra_block_tables=([0],) * (len(self.kv_layout.groups) - 1))
         self.execute(ScheduledBatch([seq]))
         for k, v in self.kv_caches:
             k[0].zero_()
@@ -288,12 +329,28 @@ def _is_decode(seq: ScheduledSequence) -> bool:
     return seq.num_scheduled_tokens == 1 and seq.start_position > 0
 
 
-def _block_table_tensor(seqs: list[ScheduledSequence]) -> torch.Tensor:
-    width = max(len(s.block_table) for s in seqs)
-    table = torch.zeros(len(seqs), width, dtype=torch.int64)
-    for i, s in enumerate(seqs):
-        table[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
-    return table
+def _block_table_tensor(tables: list[list[int | None]]) -> torch.Tensor:
+    """Block tables -> [S, widest] int64, padded with block 0; a None entry (a block a window released)
+    becomes block 0 too: no attention reads it (the window starts after it)."""
+    width = max(len(t) for t in tables)
+    out = torch.zeros(len(tables), width, dtype=torch.int64)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = torch.tensor([b if b is not None else 0 for b in t], dtype=torch.int64)
+    return out
+
+
+def _window_blocks(tables: torch.Tensor, seq_lens: list[int], window: int, block_size: int,
+                   device: torch.device) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """Each decode row's blocks from the first its window reaches: ([N, W] int64 padded with block 0,
+    positions to gather, [N] int64 position of each row's first gathered block)."""
+    firsts = [max(0, n - window) // block_size for n in seq_lens]  # the query at n - 1 sees n - W ..
+    counts = [-(-n // block_size) - f for n, f in zip(seq_lens, firsts, strict=True)]
+    blocks = torch.zeros(len(seq_lens), max(counts), dtype=torch.int64)
+    for i, (first, count) in enumerate(zip(firsts, counts, strict=True)):
+        blocks[i, :count] = tables[i, first:first + count]
+    num_positions = max(n - f * block_size for n, f in zip(seq_lens, firsts, strict=True))
+    first_positions = torch.tensor([f * block_size for f in firsts], dtype=torch.int64)
+    return blocks.to(device), num_positions, first_positions.to(device)
 
 
 def _compiled_forward(model):  # type: ignore[no-untyped-def]

@@ -18,7 +18,7 @@ from collections import deque
 
 from engine.batch import ScheduledBatch, ScheduledSequence
 from engine.config import SchedulerConfig
-from engine.kv_cache.manager import ComputedBlocks, KVCacheManager
+from engine.kv_cache.manager import BlockTable, ComputedBlocks, KVCacheManager
 from engine.outputs import FinishReason
 from engine.request import Request, RequestStatus
 
@@ -52,17 +52,17 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            block_table = self.kv_cache.allocate_slots(request, num_new)
-            while block_table is None:
+            block_tables = self.kv_cache.allocate_slots(request, num_new)
+            while block_tables is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 batch.preempted_request_ids.append(victim.request_id)
                 if victim is request:
                     break
-                block_table = self.kv_cache.allocate_slots(request, num_new)
-            if block_table is None:
+                block_tables = self.kv_cache.allocate_slots(request, num_new)
+            if block_tables is None:
                 break  # the request preempted itself: nothing younger is left to schedule
-            batch.sequences.append(self._scheduled(request, num_new, block_table))
+            batch.sequences.append(self._scheduled(request, num_new, block_tables))
             budget -= num_new
             index += 1
         return budget
@@ -71,8 +71,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request, computed = self._pick_waiting()
             num_new = min(request.num_tokens - computed.num_computed_tokens, budget)
-            block_table = self.kv_cache.allocate_slots(request, num_new, computed)
-            if block_table is None:
+            block_tables = self.kv_cache.allocate_slots(request, num_new, computed)
+            if block_tables is None:
                 break  # no room: wait for running requests to finish (they never get preempted for it)
             self.waiting.remove(request)
             if request.num_preemptions == 0:
@@ -83,7 +83,7 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            batch.sequences.append(self._scheduled(request, num_new, block_table))
+            batch.sequences.append(self._scheduled(request, num_new, block_tables))
             budget -= num_new
 
     def _pick_waiting(self) -> tuple[Request, ComputedBlocks]:
@@ -101,7 +101,8 @@ class Scheduler:
         self._num_head_skips = self._num_head_skips + 1 if best is not head else 0
         return best, best_computed
 
-    def _scheduled(self, request: Request, num_new: int, block_table: list[int]) -> ScheduledSequence:
+    def _scheduled(self, request: Request, num_new: int,
+                   block_tables: tuple[BlockTable, ...]) -> ScheduledSequence:
         start = request.num_computed_tokens
         if start < request.num_prompt_tokens:
             request.num_prefill_chunks += 1
@@ -110,7 +111,8 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + num_new],
             start_position=start,
-            block_table=block_table,
+            block_table=block_tables[0],
+            extra_block_tables=block_tables[1:],
             needs_sample=request.num_computed_tokens == request.num_tokens,
             needs_prompt_logits=(request.wants_prompt_logprobs
                                  and start < request.num_prompt_tokens - 1),

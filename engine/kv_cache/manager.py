@@ -40,6 +40,7 @@ class ComputedBlocks:
 class _GroupBlocks:
     blocks: list[KVBlock | None] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading entries already registered in the hash map (or released)
+    first_live: int = 0  # entries before it are None: released by the window (0 in full groups)
 
 
 class KVCacheManager:
@@ -150,7 +151,9 @@ class KVCacheManager:
         if sum(max(n, 0) for n in num_new_blocks) > self.pool.num_free_blocks - num_evictable_hits:
             return None
         if entry is None:
-            entry = self._requests[request.request_id] = [_GroupBlocks() for _ in self.group_windows]
+            entry = self._requests[request.request_id] = [
+                _GroupBlocks(first_live=self._first_needed_block(g, num_computed))
+                for g in range(self.num_groups)]
         for group, blocks in enumerate(entry):
             self.pool.touch(b for b in hits[group] if b is not None)
             blocks.blocks.extend(hits[group])
@@ -164,9 +167,10 @@ class KVCacheManager:
         """Window groups: release the blocks wholly before what a token at `next_position` can see."""
         for group, blocks in enumerate(entry):
             first = min(self._first_needed_block(group, next_position), len(blocks.blocks))
-            released = [b for b in blocks.blocks[:first] if b is not None]
-            if released:
-                blocks.blocks[:first] = [None] * first
+            released = [b for b in blocks.blocks[blocks.first_live:first] if b is not None]
+            if first > blocks.first_live:
+                blocks.blocks[blocks.first_live:first] = [None] * (first - blocks.first_live)
+                blocks.first_live = first
                 self.pool.free_blocks(reversed(released))
 
     def _cache_full_blocks(self, request: Request, entry: list[_GroupBlocks], num_tokens: int) -> None:
@@ -202,6 +206,8 @@ class KVCacheManager:
         owner: dict[int, int] = {}
         for entry in self._requests.values():
             for group, blocks in enumerate(entry):
+                assert all(b is None for b in blocks.blocks[:blocks.first_live]), (group, blocks)
+                assert self.group_windows[group] is not None or blocks.first_live == 0
                 for block in blocks.blocks:
                     if block is None:
                         continue

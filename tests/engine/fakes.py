@@ -39,20 +39,29 @@ def make_request(prompt_token_ids: list[int], *, max_tokens: int = 8, cache_salt
     return request
 
 
-def make_manager(num_blocks: int, enable_caching: bool = True, event_log=None) -> KVCacheManager:  # type: ignore[no-untyped-def]
-    return KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching, event_log)
+def make_manager(num_blocks: int, enable_caching: bool = True, event_log=None,  # type: ignore[no-untyped-def]
+                 group_windows: tuple[int | None, ...] = (None,)) -> KVCacheManager:
+    return KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching, event_log, group_windows)
 
 
-def admit(manager: KVCacheManager, request: Request, num_new_tokens: int | None = None) -> list[int] | None:
-    """What the scheduler does for a waiting request: look up hits, allocate, mark computed."""
+def admit_groups(manager: KVCacheManager, request: Request,
+                 num_new_tokens: int | None = None) -> tuple[list[int | None], ...] | None:
+    """What the scheduler does for a waiting request: look up hits, allocate, mark computed.
+    Returns the block table of every KV cache group."""
     computed = manager.get_computed_blocks(request)
     if num_new_tokens is None:
         num_new_tokens = request.num_tokens - computed.num_computed_tokens
-    table = manager.allocate_slots(request, num_new_tokens, computed)
-    if table is not None:
+    tables = manager.allocate_slots(request, num_new_tokens, computed)
+    if tables is not None:
         request.num_cached_tokens = computed.num_computed_tokens
         request.num_computed_tokens = computed.num_computed_tokens + num_new_tokens
-    return table
+    return tables
+
+
+def admit(manager: KVCacheManager, request: Request, num_new_tokens: int | None = None) -> list[int] | None:
+    """`admit_groups` for a one-group (full attention) manager: its only block table."""
+    tables = admit_groups(manager, request, num_new_tokens)
+    return None if tables is None else [b for b in tables[0] if b is not None]
 
 
 def fake_token(request: Request) -> int:

@@ -93,8 +93,9 @@ def ours(make_engine: Any, prompts: dict[str, list[int]]) -> dict[str, Any]:
 def last_position_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     """One hand-built prefill step through the runner: the logits after the prompt's last token."""
     probe = Request("logits-probe", list(prompt), SamplingParams(max_tokens=1), (), engine.max_model_len)
-    block_table = engine.kv_cache.allocate_slots(probe, len(prompt))  # no hashes: nothing gets cached
-    assert block_table is not None
+    block_tables = engine.kv_cache.allocate_slots(probe, len(prompt))  # no hashes: nothing gets cached
+    assert block_tables is not None
+    block_table = block_tables[0]
     try:
         batch = ScheduledBatch([ScheduledSequence(probe.request_id, list(prompt), 0, block_table, True)])
         step = engine.runner.execute(batch)

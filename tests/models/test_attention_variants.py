@@ -26,8 +26,8 @@ def _step(dtype: torch.dtype):
     seqs = mixed_batch()
     decodes, num_plain, groups = runner._plan_decodes([s for s in seqs if s.num_scheduled_tokens == 1])
     assert groups, "the batch should form a cascade group"
-    _, _, meta = runner._prepare(decodes, [s for s in seqs if s.num_scheduled_tokens > 1], num_plain,
-                                 groups)
+    _, _, (meta,) = runner._prepare(decodes, [s for s in seqs if s.num_scheduled_tokens > 1], num_plain,
+                                    groups)
     gen = torch.Generator().manual_seed(0)
     num_tokens = int(meta.cu_query_lens[-1])
     q = torch.randn(num_tokens, 4, 16, generator=gen).to(dtype)  # [T, H, Dh]

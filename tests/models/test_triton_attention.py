@@ -45,7 +45,8 @@ def test_triton_backend_matches_torch_backend_on_a_mixed_batch(dtype: torch.dtyp
     seqs = mixed_batch()
     decodes, num_plain, groups = runner._plan_decodes([s for s in seqs if s.num_scheduled_tokens == 1])
     assert groups, "the batch should form a cascade group"
-    _, _, meta = runner._prepare(decodes, [s for s in seqs if s.num_scheduled_tokens > 1], num_plain, groups)
+    _, _, (meta,) = runner._prepare(decodes, [s for s in seqs if s.num_scheduled_tokens > 1], num_plain,
+                                    groups)
     assert max_lens(meta) == (21, max(s.seq_len for s in seqs))  # exact, read off host-side shapes
 
     gen = torch.Generator().manual_seed(0)
