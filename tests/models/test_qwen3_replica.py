@@ -24,6 +24,9 @@ NUM_NEW_TOKENS = 8
 PROMPT_IDS = [5, 17, 99, 3, 250, 42, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 200]
 
 
+pytestmark = pytest.mark.slow  # a replica process: ~25 s to start on the 2-core CI machine
+
+
 @pytest.fixture(scope="module")
 def checkpoint(qwen3_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
     return qwen3_checkpoints["qwen3_moe"]
