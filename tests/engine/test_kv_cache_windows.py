@@ -5,6 +5,8 @@ Every test checks `check_integrity()` after each operation that changes the cach
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from contracts.kv_events import KVEventLog, apply_events
@@ -187,10 +189,16 @@ def test_layout_pairs_window_and_full_layers_on_shared_tensor_slots() -> None:
     assert short.group_windows == (None,) and short.num_tensor_slots == 24
 
 
-def test_a_32k_sequence_needs_about_half_the_kv_bytes_of_full_attention() -> None:
-    layout = KVCacheLayout.for_model(GPT_OSS_20B, max_model_len=131072)
-    full = KVCacheLayout.full_attention(24)
-    hybrid = kv_bytes_per_sequence(layout, GPT_OSS_20B, 32768, 16, element_size=2)
-    dense = kv_bytes_per_sequence(full, GPT_OSS_20B, 32768, 16, element_size=2)
-    assert dense == 24 * 32768 * 2 * 8 * 64 * 2  # 1.5 GiB
-    assert hybrid == 12 * (32768 + 8 * 16) * 2 * 8 * 64 * 2  # full layers + the window's 8 blocks
+@pytest.mark.parametrize(("num_layers", "full_mib", "windowed_mib"),
+                         [(24, 1536, 771), (36, 2304, 1156.5)])  # gpt-oss-20b, -120b (docs/models.md)
+def test_a_32k_sequence_needs_about_half_the_kv_bytes_of_full_attention(
+        num_layers: int, full_mib: float, windowed_mib: float) -> None:
+    config = replace(GPT_OSS_20B, num_layers=num_layers,
+                     layer_types=("sliding_attention", "full_attention") * (num_layers // 2))
+    layout = KVCacheLayout.for_model(config, max_model_len=131072)
+    hybrid = kv_bytes_per_sequence(layout, config, 32768, 16, element_size=2)
+    dense = kv_bytes_per_sequence(KVCacheLayout.full_attention(num_layers), config, 32768, 16,
+                                  element_size=2)
+    assert dense == num_layers * 32768 * 2 * 8 * 64 * 2 == full_mib * 2**20
+    half = num_layers // 2  # full layers: every token; window layers: the window's 8 blocks
+    assert hybrid == half * (32768 + 8 * 16) * 2 * 8 * 64 * 2 == windowed_mib * 2**20
