@@ -17,19 +17,6 @@ from typing import Any
 
 import orjson
 
-from gateway.canonical import (
-    CanonicalEvent,
-    CanonicalRequest,
-    CanonicalResponse,
-    Message,
-    PromptUsage,
-    ReasoningDelta,
-    TextDelta,
-    Tool,
-    ToolCall,
-    ToolCallDelta,
-    Usage,
-)
 from gateway.dialects import openai_common as common
 from gateway.dialects.base import Dialect, StreamEncoder
 from gateway.dialects.openai_chat import parse_content
@@ -46,6 +33,19 @@ from gateway.dialects.validate import (
     get_tool_schema,
     need_object,
 )
+from gateway.request.canonical import (
+    CanonicalEvent,
+    CanonicalRequest,
+    CanonicalResponse,
+    Message,
+    PromptUsage,
+    ReasoningDelta,
+    TextDelta,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 
@@ -57,15 +57,23 @@ def _parse_input(body: dict[str, Any]) -> list[Message]:
     items = get_list(body, "input", required=True, non_empty=True) or []
     messages: list[Message] = []
     results = ToolResults(is_adjacent=False)
+    reasoning = ""  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(items):
         item = need_object(item, f"input[{i}]")
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            reasoning += _reasoning_text(item, f"input[{i}]")
+            continue
+        if not (kind == "function_call" or kind == "message" and item.get("role") == "assistant"):
+            reasoning = ""  # only an assistant turn right after it takes the reasoning (below)
         if kind == "message":
             role = _ROLES.get(get_str(item, "role", f"input[{i}].role", required=True) or "")
             if role is None:
                 raise InvalidParam(f"input[{i}].role", f"unknown role {item.get('role')!r}")
             messages.append(Message(role, parse_content(item.get("content"),  # type: ignore[arg-type]
-                                                        f"input[{i}].content")))
+                                                        f"input[{i}].content"),
+                                    reasoning=reasoning if role == "assistant" else ""))
+            reasoning = ""
         elif kind == "function_call":
             call = ToolCall(get_str(item, "call_id", f"input[{i}].call_id", required=True) or "",
                             get_str(item, "name", f"input[{i}].name", required=True,
@@ -73,9 +81,11 @@ def _parse_input(body: dict[str, Any]) -> list[Message]:
                             get_str(item, "arguments", f"input[{i}].arguments") or "{}")
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":  # the same turn: text, then calls
-                messages[-1] = Message("assistant", last.content, (*last.tool_calls, call))
+                messages[-1] = Message("assistant", last.content, (*last.tool_calls, call),
+                                       reasoning=last.reasoning + reasoning)
             else:
-                messages.append(Message("assistant", "", (call,)))
+                messages.append(Message("assistant", "", (call,), reasoning=reasoning))
+            reasoning = ""
             results.add(messages[-1], f"input[{i}]")
         elif kind == "function_call_output":
             output = item.get("output")
@@ -83,12 +93,23 @@ def _parse_input(body: dict[str, Any]) -> list[Message]:
                                     tool_call_id=get_str(item, "call_id", f"input[{i}].call_id",
                                                          required=True)))
             results.add(messages[-1], f"input[{i}].call_id")
-        elif kind != "reasoning":
+        else:
             raise InvalidParam(f"input[{i}].type", f"unsupported input item {kind!r}")
     if not messages:
         raise InvalidParam("input", "needs at least one message or function call item "
-                           "(reasoning items are dropped)")
+                           "(reasoning items only go with them)")
     return messages
+
+
+def _reasoning_text(item: dict[str, Any], param: str) -> str:
+    """A reasoning input item's text: its `reasoning_text` content, else its summary."""
+    parts = get_list(item, "content", f"{param}.content") or get_list(
+        item, "summary", f"{param}.summary") or ()
+    texts = []
+    for j, part in enumerate(parts):
+        part = need_object(part, f"{param}.content[{j}]")
+        texts.append(get_str(part, "text", f"{param}.content[{j}].text") or "")
+    return "".join(texts)
 
 
 def _parse_tools(body: dict[str, Any]) -> list[Tool]:

@@ -174,3 +174,16 @@ def test_a_forced_call_after_reasoning_in_every_dialect(served: Any) -> None:
     # every dialect's forced choice reached the replica as a grammar (the think format's)
     grammars = [call.params.grammar for call in fake.calls]
     assert len(grammars) == 3 and all(g is not None and "THINK" in g.text for g in grammars)
+
+
+def test_a_responses_reasoning_item_goes_back_with_the_call_that_follows_it(served: Any) -> None:
+    fake, gateway = served
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+    client.responses.create(model=MODEL, tools=[{"type": "function", **WEATHER}], input=[  # type: ignore[list-item]
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Look it up."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "20 C"}])
+    assert "<think>\nLook it up.\n</think>\n\n<tool_call>" in _prompt(fake)
