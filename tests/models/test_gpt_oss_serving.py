@@ -43,7 +43,11 @@ def replica_url(gpt_oss_checkpoints: dict[str, GptOssCheckpoint]) -> Iterator[st
         yield url
     finally:
         process.terminate()
-        process.wait(timeout=30)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def test_replica_completes_a_prompt_past_the_window_as_transformers_does(
