@@ -20,13 +20,13 @@ moves with its scales).
 
 MXFP4 placement, chosen at load:
     CPU     kept as stored (uint8 blocks + scales, ~4.25 bits a weight) and only the experts a step routes
-            to are dequantized, per call: gpt-oss-20b's experts are 19 G weights, 77 GB in float32, which
+            to are dequantized, per call: gpt-oss-20b's experts are 19.1 G weights, 76 GB in float32, which
             no CPU host we run on holds; a decode token dequantizes K of E experts a layer (memory over
             speed: dequantizing is the CPU step's largest cost).
     CUDA    dequantized to the engine dtype (bfloat16) at load, so every step runs the tuned Triton
             grouped GEMMs of engine/kernels/fused_moe.py (speed over memory: 20b's experts take
-            ~39 GiB in bfloat16, 4x the file, which an 80+ GiB GPU holds). When the bfloat16 experts
-            would not fit in 80% of the free device memory (120b: ~218 GiB), they stay MXFP4 and run
+            38 GB in bfloat16, 3.8x their MXFP4 bytes, which an 80 GB GPU holds). When the bfloat16 experts
+            would not fit in 80% of the free device memory (120b: 229 GB), they stay MXFP4 and run
             through engine/kernels/fused_moe_mxfp4.py, which dequantizes B tiles in registers (memory
             over speed: its one launch config is untimed; the interpreter tests and an sm_90 compile
             check it, no GPU run has yet).
