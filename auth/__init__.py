@@ -6,7 +6,7 @@
     await services.close()
 
 The gateway sees only the seam in auth/principal.py (Authenticator, Principal, Scope, AuthError);
-auth/ has no HTTP: the admin API's routes are the gateway's (gateway/admin_routes.py).
+auth/ has no HTTP: the admin API's routes are the gateway's (gateway/web/admin_routes.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class AuthServices:
     admin: KeyAdmin
     redis: Any | None  # redis.asyncio.Redis when settings.redis_url is set; share it with metering
     watcher: RevocationWatcher | None = None
-    usage_reader: Any | None = field(default=None)  # the admin API's (gateway/admin_routes.py)
+    usage_reader: Any | None = field(default=None)  # the admin API's (gateway/web/admin_routes.py)
 
     def forget_cached_key(self, key_id: str) -> None:
         """After a revoke or rotate through this instance: its next use of `key_id` reads the

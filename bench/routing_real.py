@@ -26,9 +26,9 @@ import xxhash
 from aiohttp import web
 
 from bench.plotting import percentile
-from gateway import embedded
-from gateway.canonical import CanonicalRequest
-from gateway.endpoints import Endpoint
+from gateway.fleet import embedded
+from gateway.fleet.endpoints import Endpoint
+from gateway.request.canonical import CanonicalRequest
 from gateway.routing.base import Decision, LeastOutstandingRouter, Router
 from infra import ports
 
@@ -160,8 +160,8 @@ async def _chat(client: httpx.AsyncClient, messages: list[dict[str, str]]) -> di
 
 async def _run_policy(policy: str, replicas: list[embedded.ReplicaProcess], workload: str,
                       args: argparse.Namespace) -> dict[str, Any]:
-    from gateway.app import create_app
     from gateway.settings import GatewaySettings
+    from gateway.web.app import create_app
 
     served = embedded.model_settings_for(replicas)
     model = served.model_copy(update={"name": "m", "upstream_model": served.name})

@@ -93,7 +93,7 @@ async def _with_services(action: Action, args: argparse.Namespace) -> int:
 
 def _store_settings(settings: AuthSettings) -> AuthSettings:
     """The store a gateway started with this environment uses: with AIGW_CONFIG set, its
-    `redis_url` and `data_dir` (environment over file), as gateway/services.py takes them."""
+    `redis_url` and `data_dir` (environment over file), as gateway/web/services.py takes them."""
     if not os.environ.get("AIGW_CONFIG"):
         return settings
     from gateway.settings import load_settings

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from infra.config_errors import one_line
 
 if TYPE_CHECKING:
-    from gateway.supervisor import ReplicaSupervisor
+    from gateway.fleet.supervisor import ReplicaSupervisor
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -112,8 +112,8 @@ def run(args: argparse.Namespace) -> int:
 
     from auth.settings import AuthSettings
     from cli.engine import engine_missing
-    from gateway import embedded
     from gateway.backends import get_backend_class
+    from gateway.fleet import embedded
     from gateway.settings import load_settings
     from infra import ports
     from infra.telemetry.settings import TelemetrySettings
@@ -181,9 +181,9 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
 
 @contextlib.contextmanager
 def _supervised(replicas: list[Any]) -> Iterator[ReplicaSupervisor | None]:
-    """Restart any embedded replica that dies while the gateway serves (gateway/supervisor.py);
+    """Restart any embedded replica that dies while the gateway serves (gateway/fleet/supervisor.py);
     its restart counts reach the workers' /metrics through a file named in their environment."""
-    from gateway.supervisor import RESTARTS_FILE_ENV, ReplicaSupervisor, SupervisorSettings
+    from gateway.fleet.supervisor import RESTARTS_FILE_ENV, ReplicaSupervisor, SupervisorSettings
 
     if not replicas:
         yield None
@@ -202,7 +202,7 @@ def _supervised(replicas: list[Any]) -> Iterator[ReplicaSupervisor | None]:
 
 def _serve_workers(settings_data: dict[str, Any], num_workers: int) -> int:
     """Serve until a signal; the exit status: 1 when a worker failed (its error is above), else 0."""
-    from gateway.server import run_worker
+    from gateway.web.server import run_worker
 
     if num_workers == 1:
         run_worker(settings_data, reuse_port=False)
@@ -228,7 +228,7 @@ def _shared_metrics_dir() -> Iterator[None]:
 
 
 def _run_workers(settings_data: dict[str, Any], num_workers: int) -> int:
-    from gateway.server import run_worker
+    from gateway.web.server import run_worker
 
     context = multiprocessing.get_context("spawn")
     workers = [context.Process(target=run_worker, args=(settings_data, True), daemon=False)

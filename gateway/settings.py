@@ -7,13 +7,13 @@
     backend = "replica"                       # or "openai", or a plugin from `aigw.backends`
     endpoints = ["http://10.0.0.5:8001", "http://10.0.0.6:8001"]
     # or, instead of a hand-kept list, every A/AAAA record of a name (a Kubernetes headless
-    # Service), re-resolved every `health_interval_s` (gateway/discovery.py):
+    # Service), re-resolved every `health_interval_s` (gateway/fleet/discovery.py):
     # discover = "dns://aigw-replica.aigw.svc.cluster.local:8001"
     context_length = 8192
     prices = { input_per_token = 1e-7, cached_input_per_token = 2.5e-8, output_per_token = 4e-7 }
 
 Precedence: explicit arguments > environment > config file > defaults. With no `models`, `aigw serve`
-starts embedded replicas (gateway/embedded.py) and fills them in.
+starts embedded replicas (gateway/fleet/embedded.py) and fills them in.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class ModelSettings(BaseModel):
     @classmethod
     def _check_discover(cls, discover: str | None) -> str | None:
         if discover is not None:
-            from gateway.discovery import parse_discover
+            from gateway.fleet.discovery import parse_discover
 
             parse_discover(discover)  # raises ValueError on a malformed target
         return discover
@@ -150,7 +150,7 @@ class GatewaySettings(BaseSettings):
     num_retries: int = Field(2, ge=0)
     retry_budget_ratio: float = Field(0.2, ge=0)
     num_retries_reserve: int = Field(10, ge=0)
-    # Upstream HTTP client: "lean" (gateway/lean_transport.py: asyncio + httptools, the fast one)
+    # Upstream HTTP client: "lean" (gateway/upstream/lean_transport.py: asyncio + httptools, the fast one)
     # or "aiohttp" (aiohttp's ClientSession, e.g. as a fallback).
     upstream_client: Literal["lean", "aiohttp"] = "lean"
     connect_timeout_s: float = Field(5.0, gt=0)

@@ -2,7 +2,7 @@
 
 Contract of `stream(request, endpoint)`:
   - yields `TextDelta`/`ToolCallDelta`* then exactly one `Finish` then exactly one `Usage`;
-  - raises `UpstreamError` (gateway/errors.py) on any failure, before or after the first event,
+  - raises `UpstreamError` (gateway/request/errors.py) on any failure, before or after the first event,
     and never ends early without one (a truncated upstream stream is an error, not a finish);
   - closing the iterator (aclose, or cancelling the task awaiting it) aborts the upstream request
     and releases its connection;
@@ -16,10 +16,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
-from gateway.canonical import CanonicalEvent, CanonicalRequest, estimate_prompt_tokens
-from gateway.endpoints import Endpoint, EndpointLoad
+from gateway.fleet.endpoints import Endpoint, EndpointLoad
+from gateway.request.canonical import CanonicalEvent, CanonicalRequest, estimate_prompt_tokens
 from gateway.settings import GatewaySettings
-from gateway.transport import Transport
+from gateway.upstream.transport import Transport
 
 
 class Backend(ABC):

@@ -19,7 +19,8 @@ import orjson
 from chat.tokenizer import encode_ids
 from contracts.usage_headers import CACHED_TOKENS_HEADER, PROMPT_TOKENS_HEADER
 from gateway.backends.base import Backend
-from gateway.canonical import (
+from gateway.fleet.endpoints import Endpoint
+from gateway.request.canonical import (
     Accumulator,
     CanonicalEvent,
     CanonicalRequest,
@@ -33,9 +34,8 @@ from gateway.canonical import (
     estimate_num_tokens,
     estimate_prompt_tokens,
 )
-from gateway.endpoints import Endpoint
-from gateway.errors import UpstreamRejected, UpstreamUnavailable
-from gateway.transport import UpstreamRequest, UpstreamResponse
+from gateway.request.errors import UpstreamRejected, UpstreamUnavailable
+from gateway.upstream.transport import UpstreamRequest, UpstreamResponse
 
 log = logging.getLogger("aigw.gateway")
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.backends.openai_compat import OpenAICompatBackend
-from gateway.canonical import CanonicalRequest
-from gateway.endpoints import Endpoint, EndpointLoad
-from gateway.transport import UpstreamRequest
+from gateway.fleet.endpoints import Endpoint, EndpointLoad
+from gateway.request.canonical import CanonicalRequest
+from gateway.upstream.transport import UpstreamRequest
 
 _LOAD_SUFFIXES = {
     "num_requests_running": "num_requests_running",

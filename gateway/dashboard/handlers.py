@@ -18,12 +18,12 @@ import orjson
 from aiohttp import web
 
 from auth.principal import AuthError, Scope
-from gateway.credentials import credential_of
 from gateway.dashboard import STATIC_DIR
 from gateway.dashboard.replicas import cache_hit_ratio, replica_spans
 from gateway.dashboard.views import merge_spans, replica_rows, replicas_in, trace_summary
-from gateway.keys import AUTHENTICATOR, FLEET, METER, SETTINGS, TRANSPORT
 from gateway.telemetry.keys import TELEMETRY
+from gateway.web.credentials import credential_of
+from gateway.web.keys import AUTHENTICATOR, FLEET, METER, SETTINGS, TRANSPORT
 from infra.telemetry.settings import TelemetrySettings
 
 REPLICA_TIMEOUT_S = 1.0

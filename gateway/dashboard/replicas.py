@@ -13,8 +13,8 @@ from urllib.parse import quote
 
 import orjson
 
-from gateway.endpoints import Endpoint
-from gateway.transport import Transport, UpstreamRequest
+from gateway.fleet.endpoints import Endpoint
+from gateway.upstream.transport import Transport, UpstreamRequest
 
 _CACHE_COUNTERS = ("prefix_cache_hit_tokens_total", "prefix_cache_queried_tokens_total")
 

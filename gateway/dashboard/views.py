@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from gateway.endpoints import Fleet
+from gateway.fleet.endpoints import Fleet
 
 
 def replica_rows(fleet: Fleet, cache_ratios: dict[str, float | None], now: float) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""Public API shapes, each translated once to and from gateway/canonical.py."""
+"""Public API shapes, each translated once to and from gateway/request/canonical.py."""
 
 from gateway.dialects.anthropic_messages import AnthropicMessages
 from gateway.dialects.base import Dialect, StreamEncoder

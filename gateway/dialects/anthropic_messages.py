@@ -30,19 +30,6 @@ from typing import Any
 
 import orjson
 
-from gateway.canonical import (
-    CanonicalEvent,
-    CanonicalRequest,
-    CanonicalResponse,
-    Message,
-    PromptUsage,
-    ReasoningDelta,
-    TextDelta,
-    Tool,
-    ToolCall,
-    ToolCallDelta,
-    Usage,
-)
 from gateway.dialects.base import Dialect, StreamEncoder
 from gateway.dialects.validate import (
     InvalidParam,
@@ -58,7 +45,20 @@ from gateway.dialects.validate import (
     get_tool_schema,
     need_object,
 )
-from gateway.errors import GatewayError
+from gateway.request.canonical import (
+    CanonicalEvent,
+    CanonicalRequest,
+    CanonicalResponse,
+    Message,
+    PromptUsage,
+    ReasoningDelta,
+    TextDelta,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
+from gateway.request.errors import GatewayError
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
                  "content_filter": "refusal", "error": "end_turn"}

@@ -2,7 +2,7 @@
 
 Contract: `parse` validates completely and raises `BadRequest` (never KeyError/TypeError);
 `render` and the `StreamEncoder` only read the canonical response. A dialect holds no I/O:
-streaming, retries and metering live once, in gateway/pipeline.py.
+streaming, retries and metering live once, in gateway/request/pipeline.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from gateway.canonical import CanonicalEvent, CanonicalRequest, CanonicalResponse, PromptUsage
+from gateway.request.canonical import (
+    CanonicalEvent,
+    CanonicalRequest,
+    CanonicalResponse,
+    PromptUsage,
+)
 
 
 class StreamEncoder(ABC):

@@ -12,18 +12,6 @@ from typing import Any
 
 import orjson
 
-from gateway.canonical import (
-    CanonicalEvent,
-    CanonicalRequest,
-    CanonicalResponse,
-    Message,
-    PromptUsage,
-    ReasoningDelta,
-    TextDelta,
-    Tool,
-    ToolCall,
-    ToolCallDelta,
-)
 from gateway.dialects import openai_common as common
 from gateway.dialects.base import Dialect, StreamEncoder
 from gateway.dialects.validate import (
@@ -35,6 +23,18 @@ from gateway.dialects.validate import (
     get_str,
     get_tool_schema,
     need_object,
+)
+from gateway.request.canonical import (
+    CanonicalEvent,
+    CanonicalRequest,
+    CanonicalResponse,
+    Message,
+    PromptUsage,
+    ReasoningDelta,
+    TextDelta,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
 )
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",

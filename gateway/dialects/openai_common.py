@@ -6,7 +6,6 @@ from typing import Any
 
 import orjson
 
-from gateway.canonical import CanonicalRequest, Usage
 from gateway.dialects.validate import (
     InvalidParam,
     check_sampling,
@@ -17,6 +16,7 @@ from gateway.dialects.validate import (
     get_stop,
     get_str,
 )
+from gateway.request.canonical import CanonicalRequest, Usage
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}

@@ -8,16 +8,16 @@ from typing import Any
 
 import orjson
 
-from gateway.canonical import (
+from gateway.dialects import openai_common as common
+from gateway.dialects.base import Dialect, StreamEncoder
+from gateway.dialects.validate import InvalidParam, get_bool, get_int, get_str, need_object
+from gateway.request.canonical import (
     CanonicalEvent,
     CanonicalRequest,
     CanonicalResponse,
     PromptUsage,
     TextDelta,
 )
-from gateway.dialects import openai_common as common
-from gateway.dialects.base import Dialect, StreamEncoder
-from gateway.dialects.validate import InvalidParam, get_bool, get_int, get_str, need_object
 
 
 def _is_token_ids(value: Any) -> bool:

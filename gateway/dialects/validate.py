@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from contracts.sampling_params import SamplingParams, SamplingParamsError  # pure Python, no torch
-from gateway.canonical import CanonicalRequest, Message
-from gateway.errors import BadRequest
+from gateway.request.canonical import CanonicalRequest, Message
+from gateway.request.errors import BadRequest
 
 _MISSING = object()
 

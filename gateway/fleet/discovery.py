@@ -25,8 +25,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from gateway.endpoints import Endpoint, Fleet
-from gateway.health import check_endpoint
+from gateway.fleet.endpoints import Endpoint, Fleet
+from gateway.fleet.health import check_endpoint
 from gateway.routing.base import Router
 
 log = logging.getLogger("aigw.gateway.discovery")

@@ -1,6 +1,6 @@
 """The embedded default: with no models configured, `aigw serve` starts N local engine replicas
 (`aigw replica` subprocesses on free ports), waits for their /health, routes to them, restarts one
-that dies (gateway/supervisor.py), and stops them on exit. This runs before the event loop starts,
+that dies (gateway/fleet/supervisor.py), and stops them on exit. This runs before the event loop starts,
 so its blocking waits are fine here.
 
 The replicas get the gateway's replica credential in their environment (AIGW_REPLICA_SECRET, not

@@ -11,12 +11,12 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from gateway.breaker import CircuitBreaker
+from gateway.fleet.breaker import CircuitBreaker
 from gateway.settings import GatewaySettings, ModelSettings
 
 if TYPE_CHECKING:
     from gateway.backends.base import Backend
-    from gateway.transport import Transport
+    from gateway.upstream.transport import Transport
 
 
 @dataclass(frozen=True, slots=True)

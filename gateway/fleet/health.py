@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 
-from gateway.endpoints import Endpoint, Fleet, ModelRoute
+from gateway.fleet.endpoints import Endpoint, Fleet, ModelRoute
 
 log = logging.getLogger("aigw.gateway.health")
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.embedded import ReplicaProcess
+from gateway.fleet.embedded import ReplicaProcess
 
 log = logging.getLogger("aigw.gateway.supervisor")
 

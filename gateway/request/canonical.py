@@ -90,7 +90,7 @@ class CanonicalRequest:
     project: str | None = None  # set after authentication (metering, routing)
     cache_salt: str | None = None  # set after authentication: auth.cache_salt.cache_salt_for
     # (tokenizer path, prompt token ids) when the gateway rendered the prompt at admission (a
-    # token limit applies: gateway/pipeline.py); the prefix router hashes these, not a new render
+    # token limit applies: gateway/request/pipeline.py); the prefix router hashes these, not a new render
     rendered_prompt: tuple[str, list[int]] | None = None
 
     @property

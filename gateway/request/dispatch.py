@@ -15,13 +15,18 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from gateway.canonical import CanonicalEvent, CanonicalRequest
-from gateway.endpoints import Endpoint, ModelRoute
-from gateway.errors import NoHealthyEndpoint, UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from gateway.retry_budget import RetryBudget
+from gateway.fleet.endpoints import Endpoint, ModelRoute
+from gateway.request.canonical import CanonicalEvent, CanonicalRequest
+from gateway.request.errors import (
+    NoHealthyEndpoint,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
-from gateway.wait_timer import Watchdog
+from gateway.upstream.retry_budget import RetryBudget
+from gateway.upstream.wait_timer import Watchdog
 
 
 @dataclass(slots=True)

@@ -29,18 +29,18 @@ from aiohttp import web
 from auth.cache_salt import cache_salt_for
 from auth.principal import Authenticator, AuthError, Principal, Scope
 from auth.settings import AuthSettings
-from gateway.canonical import (
+from gateway.dialects.base import Dialect, StreamEncoder
+from gateway.fleet.endpoints import Endpoint, Fleet, ModelRoute
+from gateway.metering.contract import Admission, Meter, RateLimited, ReservationTooLarge
+from gateway.request.canonical import (
     FOLDED_EVENTS,
     Accumulator,
     CanonicalEvent,
     CanonicalRequest,
     estimate_prompt_tokens,
 )
-from gateway.credentials import credential_of  # one rule for every route: Bearer, else x-api-key
-from gateway.dialects.base import Dialect, StreamEncoder
-from gateway.dispatch import Attempt, Timing, dispatch
-from gateway.endpoints import Endpoint, Fleet, ModelRoute
-from gateway.errors import (
+from gateway.request.dispatch import Attempt, Timing, dispatch
+from gateway.request.errors import (
     BadRequest,
     GatewayError,
     ModelNotFound,
@@ -48,12 +48,14 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from gateway.metering.contract import Admission, Meter, RateLimited, ReservationTooLarge
-from gateway.retry_budget import RetryBudget
+from gateway.request.usage import STATUS_CLIENT_CLOSED, build_record
 from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
-from gateway.usage import STATUS_CLIENT_CLOSED, build_record
-from gateway.wait_timer import Watchdog
+from gateway.upstream.retry_budget import RetryBudget
+from gateway.upstream.wait_timer import Watchdog
+from gateway.web.credentials import (
+    credential_of,  # one rule for every route: Bearer, else x-api-key
+)
 from infra.json_body import BodyError, read_json
 
 log = logging.getLogger("aigw.gateway")

@@ -5,14 +5,14 @@ from __future__ import annotations
 import time
 
 from auth.principal import Principal
-from gateway.canonical import (
+from gateway.metering.contract import UsageRecord
+from gateway.request.canonical import (
     Accumulator,
     CanonicalRequest,
     Usage,
     estimate_num_tokens,
     estimate_prompt_tokens,
 )
-from gateway.metering.contract import UsageRecord
 from gateway.settings import ModelSettings
 
 STATUS_CLIENT_CLOSED = 499  # nginx's code for "the client went away before the answer"

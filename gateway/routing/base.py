@@ -16,8 +16,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.canonical import CanonicalRequest
-from gateway.endpoints import Endpoint, Fleet
+from gateway.fleet.endpoints import Endpoint, Fleet
+from gateway.request.canonical import CanonicalRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +41,7 @@ class Router(ABC):
 
     async def on_endpoints_changed(self, added: Sequence[Endpoint], removed: Sequence[Endpoint]
                                    ) -> None:
-        """Discovery (gateway/discovery.py) changed the fleet after `start`: `added` endpoints
+        """Discovery (gateway/fleet/discovery.py) changed the fleet after `start`: `added` endpoints
         are in their routes now (`endpoint.model.name` names the route), `removed` ones are
         out and marked unhealthy (drop their state). Called on the event loop, between `start`
         and `close`; the default keeps no per-endpoint state, so it does nothing."""

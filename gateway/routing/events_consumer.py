@@ -27,7 +27,7 @@ import aiohttp
 import orjson
 
 from contracts.kv_events import KVSnapshot, batch_from_json, stream_key
-from gateway.endpoints import Endpoint
+from gateway.fleet.endpoints import Endpoint
 from gateway.routing.index import ApplyResult, PrefixIndex
 
 log = logging.getLogger("aigw.routing.events")

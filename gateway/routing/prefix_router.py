@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from contracts.block_hash import hash_blocks
-from gateway.canonical import CanonicalRequest
-from gateway.endpoints import Endpoint, Fleet
+from gateway.fleet.endpoints import Endpoint, Fleet
+from gateway.request.canonical import CanonicalRequest
 from gateway.routing.base import Decision, LeastOutstandingRouter, Router
 from gateway.routing.events_consumer import ConsumerConfig, ReplicaEventConsumer
 from gateway.routing.index import InProcessIndex, PrefixIndex

@@ -1,4 +1,4 @@
-"""Observing decorators the gateway's Pipeline is built with (gateway/app.py):
+"""Observing decorators the gateway's Pipeline is built with (gateway/web/app.py):
 
     TracedAuthenticator   notes the auth step (times, identity or error) in the request's trace
     CountedRouter         the routing-decisions counter (tracing off: no trace work at all)
@@ -20,9 +20,9 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from auth.principal import Authenticator, AuthError, Principal
-from gateway.canonical import CanonicalRequest
-from gateway.endpoints import Endpoint, Fleet
+from gateway.fleet.endpoints import Endpoint, Fleet
 from gateway.metering.contract import Admission, Meter, UsageRecord
+from gateway.request.canonical import CanonicalRequest
 from gateway.routing.base import Decision, Router
 from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.observation import current_observation

@@ -18,10 +18,10 @@ import hmac
 from aiohttp import web
 
 from auth.principal import AuthError, Scope
-from gateway.credentials import credential_of
-from gateway.keys import AUTHENTICATOR, SETTINGS
 from gateway.telemetry.keys import TELEMETRY
 from gateway.telemetry.metrics import CONTENT_TYPE
+from gateway.web.credentials import credential_of
+from gateway.web.keys import AUTHENTICATOR, SETTINGS
 
 
 async def metrics(request: web.Request) -> web.Response:

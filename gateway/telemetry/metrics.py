@@ -42,9 +42,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from gateway.endpoints import Fleet
+from gateway.fleet.endpoints import Fleet
+from gateway.fleet.supervisor import restarts_collector_from_env
 from gateway.metering.contract import UsageRecord
-from gateway.supervisor import restarts_collector_from_env
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -89,7 +89,7 @@ class GatewayMetrics:
         self.routing_decisions = Counter("aigw_routing_decisions", "Endpoint picks by the router.",
                                          ["policy", "reason", "replica"], registry=r)
         self._fleet_collector: FleetCollector | None = None
-        # `aigw serve`'s embedded replicas: restart counts from the supervisor (gateway/supervisor.py)
+        # `aigw serve`'s embedded replicas: restart counts from the supervisor (gateway/fleet/supervisor.py)
         self._restarts_collector = restarts_collector_from_env()
         # what a scrape reads the metrics above from: this registry, or every worker's files
         self._source: Any = r

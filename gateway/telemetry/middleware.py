@@ -25,7 +25,7 @@ from aiohttp.typedefs import Handler, Middleware
 from opentelemetry import trace as trace_api
 from opentelemetry.trace import SpanContext, TraceFlags
 
-from gateway.pipeline import OVERHEAD_MS
+from gateway.request.pipeline import OVERHEAD_MS
 from gateway.telemetry.observation import RequestObservation, reset_current, set_current
 from gateway.telemetry.recent import LatencySample
 from gateway.telemetry.request_trace import RequestTrace, TraceOrigin

@@ -14,7 +14,7 @@ from aiohttp import web
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from auth.principal import Authenticator
-from gateway.endpoints import Fleet
+from gateway.fleet.endpoints import Fleet
 from gateway.metering.contract import Meter, UsageRecord
 from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
@@ -30,7 +30,7 @@ from gateway.telemetry.observation import current_observation
 from gateway.telemetry.recent import LatencyWindow, UsageSeries
 from gateway.telemetry.request_trace import RequestTrace, TraceOrigin
 from gateway.telemetry.upstream import TracingTransport
-from gateway.transport import Transport
+from gateway.upstream.transport import Transport
 from infra.telemetry.settings import TelemetrySettings
 from infra.telemetry.tracing import build_tracer_provider
 

@@ -22,7 +22,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from gateway.telemetry.observation import RequestObservation, current_observation
 from gateway.telemetry.request_trace import UpstreamCall
-from gateway.transport import Transport, UpstreamRequest, UpstreamResponse
+from gateway.upstream.transport import Transport, UpstreamRequest, UpstreamResponse
 from infra.telemetry.attributes import AIGW_REPLICA, exception_attributes
 
 PROPAGATOR: TextMapPropagator = TraceContextTextMapPropagator()

@@ -40,8 +40,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from gateway.errors import UpstreamTimeout, UpstreamUnavailable
-from gateway.transport import Transport, UpstreamRequest, UpstreamResponse
+from gateway.request.errors import UpstreamTimeout, UpstreamUnavailable
+from gateway.upstream.transport import Transport, UpstreamRequest, UpstreamResponse
 
 log = logging.getLogger("aigw.gateway")
 

@@ -1,7 +1,7 @@
 """Upstream I/O behind one method: `Transport.send(UpstreamRequest) -> UpstreamResponse`.
 
 Backends never touch an HTTP client directly; tests hand them a `MockTransport`. Two real ones:
-`LeanTransport` (gateway/lean_transport.py, the default: asyncio protocols + httptools) and
+`LeanTransport` (gateway/upstream/lean_transport.py, the default: asyncio protocols + httptools) and
 `AiohttpTransport` here, which keeps one pooled `ClientSession` per upstream origin (keep-alive
 connections, no per-request session); `create_transport(name)` makes either.
 Connection failures surface as `UpstreamUnavailable`, connect timeouts as `UpstreamTimeout`; their
@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from yarl import URL
 
-from gateway.errors import UpstreamTimeout, UpstreamUnavailable
+from gateway.request.errors import UpstreamTimeout, UpstreamUnavailable
 
 log = logging.getLogger("aigw.gateway")
 
@@ -183,7 +183,7 @@ def create_transport(name: str) -> Transport:
     if name == "aiohttp":
         return AiohttpTransport()
     if name == "lean":
-        from gateway.lean_transport import LeanTransport
+        from gateway.upstream.lean_transport import LeanTransport
 
         return LeanTransport()
     raise ValueError(f"unknown upstream client {name!r}")

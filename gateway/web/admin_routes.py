@@ -29,7 +29,7 @@ from aiohttp import web
 from auth.key_admin import InvalidRequest
 from auth.principal import AuthError, Principal, Scope
 from auth.store import ProjectExists, UnknownKey, UnknownProject
-from gateway.credentials import credential_of
+from gateway.web.credentials import credential_of
 from infra.json_body import BodyError, read_json
 
 if TYPE_CHECKING:

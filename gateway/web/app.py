@@ -1,14 +1,14 @@
 """The app factory: `create_app(settings, authenticator=..., meter=...)`.
 
 Lifecycles (cleanup_ctx, in order): the upstream transport (one pooled ClientSession per upstream),
-the first discovery round (models with `discover`: gateway/discovery.py), the router's own tasks
+the first discovery round (models with `discover`: gateway/fleet/discovery.py), the router's own tasks
 (`Router.start/close`), the discovery task (every `health_interval_s`; it tells the router of
 changes), the health checker task, then (on shutdown only) the wait for the settlements still
 counting a prompt (`Pipeline.wait_settled`). The router's close is bounded
 (`ROUTER_CLOSE_TIMEOUT_S`): a Redis index that stopped answering must not hold a drain forever. With
 `settings.auth_enabled` false and nothing injected, auth's AnonymousAuthenticator and
-gateway/open_access.py's NullMeter are used; with auth on, both must be injected
-(gateway/services.py::create_served_app does that with the real auth/ and metering/).
+gateway/metering/null_meter.py's NullMeter are used; with auth on, both must be injected
+(gateway/web/services.py::create_served_app does that with the real auth/ and metering/).
 """
 
 from __future__ import annotations
@@ -22,10 +22,17 @@ from aiohttp import web
 
 from auth.authenticator import AnonymousAuthenticator
 from auth.principal import Authenticator
-from gateway.discovery import Discovery, Resolver, resolve_dns
-from gateway.endpoints import Fleet
-from gateway.health import check_fleet, run_health_checks
-from gateway.keys import (
+from gateway.fleet.discovery import Discovery, Resolver, resolve_dns
+from gateway.fleet.endpoints import Fleet
+from gateway.fleet.health import check_fleet, run_health_checks
+from gateway.metering.contract import Meter
+from gateway.metering.null_meter import NullMeter
+from gateway.request.pipeline import CacheSaltOf, Pipeline, default_cache_salt_of
+from gateway.routing import Router, create_router
+from gateway.settings import GatewaySettings
+from gateway.telemetry import Telemetry
+from gateway.upstream.transport import Transport, create_transport
+from gateway.web.keys import (
     AUTHENTICATOR,
     DISCOVERY,
     FLEET,
@@ -35,15 +42,8 @@ from gateway.keys import (
     SETTINGS,
     TRANSPORT,
 )
-from gateway.metering.contract import Meter
-from gateway.middlewares import envelope_middleware
-from gateway.open_access import NullMeter
-from gateway.pipeline import CacheSaltOf, Pipeline, default_cache_salt_of
-from gateway.routes import setup_routes
-from gateway.routing import Router, create_router
-from gateway.settings import GatewaySettings
-from gateway.telemetry import Telemetry
-from gateway.transport import Transport, create_transport
+from gateway.web.middlewares import envelope_middleware
+from gateway.web.routes import setup_routes
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
         app[AUTHENTICATOR], app[METER] = authenticator, meter
     else:
         raise ValueError("auth is enabled: inject an authenticator and a meter, or build the app "
-                         "with gateway.services.create_served_app(settings)")
+                         "with gateway.web.services.create_served_app(settings)")
     telemetry.attach(settings, app[FLEET])
     app[PIPELINE] = Pipeline(settings, telemetry.traced_authenticator(app[AUTHENTICATOR]),
                              telemetry.observed_meter(app[METER]),
@@ -154,7 +154,7 @@ async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _settlements_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
-    await app[PIPELINE].wait_settled()  # before the meter closes (gateway/services.py)
+    await app[PIPELINE].wait_settled()  # before the meter closes (gateway/web/services.py)
 
 
 async def _start_draining(app: web.Application) -> None:

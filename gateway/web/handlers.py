@@ -8,11 +8,11 @@ import orjson
 from aiohttp import web
 
 from auth.principal import AuthError, Scope
-from gateway import token_count
-from gateway.credentials import credential_of
 from gateway.dialects import AnthropicMessages, OpenAIChat, OpenAICompletions, OpenAIResponses
 from gateway.dialects.base import Dialect
-from gateway.keys import AUTHENTICATOR, FLEET, PIPELINE, SETTINGS
+from gateway.web import token_count
+from gateway.web.credentials import credential_of
+from gateway.web.keys import AUTHENTICATOR, FLEET, PIPELINE, SETTINGS
 
 OPENAI_CHAT = OpenAIChat()
 OPENAI_COMPLETIONS = OpenAICompletions()

@@ -5,13 +5,13 @@ from __future__ import annotations
 from aiohttp import web
 
 from auth.principal import Authenticator
-from gateway.discovery import Discovery
-from gateway.endpoints import Fleet
+from gateway.fleet.discovery import Discovery
+from gateway.fleet.endpoints import Fleet
 from gateway.metering.contract import Meter
-from gateway.pipeline import Pipeline
+from gateway.request.pipeline import Pipeline
 from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
-from gateway.transport import Transport
+from gateway.upstream.transport import Transport
 
 SETTINGS = web.AppKey("settings", GatewaySettings)
 AUTHENTICATOR = web.AppKey("authenticator", Authenticator)

@@ -15,8 +15,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.dialects import AnthropicMessages, OpenAIChat
-from gateway.pipeline import OVERHEAD_MS, error_response, request_id_of
-from gateway.routes import is_anthropic_path
+from gateway.request.pipeline import OVERHEAD_MS, error_response, request_id_of
+from gateway.web.routes import is_anthropic_path
 
 log = logging.getLogger("aigw.gateway")
 _OPENAI = OpenAIChat()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gateway import handlers
 from gateway.dashboard import STATIC_DIR
 from gateway.dashboard import handlers as dashboard
 from gateway.telemetry import http as telemetry
+from gateway.web import handlers
 
 
 def setup_routes(app: web.Application) -> None:

@@ -18,11 +18,11 @@ from typing import Any
 from aiohttp import web
 
 from gateway.dialects import AnthropicMessages, OpenAIChat
-from gateway.keys import PIPELINE
-from gateway.pipeline import error_response, new_request_id
-from gateway.routes import is_anthropic_path
-from gateway.services import create_served_app
+from gateway.request.pipeline import error_response, new_request_id
 from gateway.settings import GatewaySettings
+from gateway.web.keys import PIPELINE
+from gateway.web.routes import is_anthropic_path
+from gateway.web.services import create_served_app
 from infra.http_server import GuardedAppRunner
 
 log = logging.getLogger("aigw.gateway")

@@ -16,8 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.app import create_app
 from gateway.settings import GatewaySettings
+from gateway.web.app import create_app
 
 log = logging.getLogger("aigw.gateway")
 ADMIN_PREFIX = "/admin/v1"
@@ -48,8 +48,8 @@ async def create_served_app(settings: GatewaySettings) -> web.Application:
     if not settings.auth_enabled:
         return create_app(settings)
     from auth import AuthSettings, cache_salt_for, ensure_default_project, open_auth
-    from gateway.admin_routes import build_admin_routes
     from gateway.metering import open_meter
+    from gateway.web.admin_routes import build_admin_routes
 
     auth_settings = AuthSettings.from_env().model_copy(update={
         "enabled": True, "redis_url": settings.redis_url, "data_dir": settings.data_dir,

@@ -25,11 +25,11 @@ import pydantic
 from aiohttp import web
 
 from auth.principal import AuthError
-from gateway.canonical import estimate_prompt_tokens
 from gateway.dialects.anthropic_messages import AnthropicMessages
-from gateway.errors import BadRequest, GatewayError, ModelNotFound
 from gateway.metering.contract import RateLimited, ReservationTooLarge, UsageRecord
-from gateway.pipeline import Pipeline, error_response, request_ids_of
+from gateway.request.canonical import estimate_prompt_tokens
+from gateway.request.errors import BadRequest, GatewayError, ModelNotFound
+from gateway.request.pipeline import Pipeline, error_response, request_ids_of
 
 log = logging.getLogger("aigw.gateway")
 

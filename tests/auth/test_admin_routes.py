@@ -17,8 +17,8 @@ from aiohttp.test_utils import TestServer
 
 from auth import AuthError, AuthServices, Principal, Scope, open_auth
 from auth.settings import AuthSettings
-from gateway.admin_routes import build_admin_routes
 from gateway.metering import MeteringSettings, UsageRecord, open_meter
+from gateway.web.admin_routes import build_admin_routes
 
 ADMIN, INVOKE, USAGE = Scope.ADMIN.value, Scope.INVOKE.value, Scope.USAGE_READ.value
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from cli.main import build_parser
-from gateway.discovery import DnsTarget, parse_discover
+from gateway.fleet.discovery import DnsTarget, parse_discover
 from gateway.routing import ROUTER_NAMES
 from gateway.settings import load_settings
 from tests.deploy.manifests import (

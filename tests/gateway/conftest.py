@@ -17,9 +17,9 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from bench.mock_upstream import MockConfig, MockState, create_mock_app
-from gateway.app import create_app
-from gateway.open_access import NullMeter
+from gateway.metering.null_meter import NullMeter
 from gateway.settings import GatewaySettings
+from gateway.web.app import create_app
 
 T = TypeVar("T")
 MODEL = "mock-model"

@@ -10,10 +10,10 @@ import pytest
 
 from bench.mock_upstream import MockConfig
 from gateway.backends.openai_compat import OpenAICompatBackend
-from gateway.canonical import estimate_prompt_tokens
 from gateway.dialects.anthropic_messages import AnthropicMessages
+from gateway.request.canonical import estimate_prompt_tokens
 from gateway.settings import GatewaySettings
-from gateway.transport import MockResponse, MockTransport, UpstreamRequest
+from gateway.upstream.transport import MockResponse, MockTransport, UpstreamRequest
 from tests.gateway.conftest import MODEL, Gateway, GatewayFactory
 
 TOOL = {"name": "get_weather", "description": "Weather in a city",

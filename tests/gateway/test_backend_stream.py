@@ -10,7 +10,9 @@ import pytest
 
 from bench.mock_upstream import MockConfig, MockState, create_mock_app
 from gateway.backends.openai_compat import _merged
-from gateway.canonical import (
+from gateway.dialects import OpenAIChat, OpenAICompletions
+from gateway.fleet.endpoints import Fleet
+from gateway.request.canonical import (
     Accumulator,
     CanonicalRequest,
     Finish,
@@ -19,11 +21,14 @@ from gateway.canonical import (
     ToolCallDelta,
     Usage,
 )
-from gateway.dialects import OpenAIChat, OpenAICompletions
-from gateway.endpoints import Fleet
-from gateway.errors import UpstreamUnavailable
+from gateway.request.errors import UpstreamUnavailable
 from gateway.settings import GatewaySettings
-from gateway.transport import MockResponse, MockTransport, UpstreamRequest, create_transport
+from gateway.upstream.transport import (
+    MockResponse,
+    MockTransport,
+    UpstreamRequest,
+    create_transport,
+)
 from tests.gateway.conftest import MODEL, LoopThread, start_app
 
 

@@ -1,4 +1,4 @@
-"""Replica discovery from DNS (gateway/discovery.py). DNS is the one faked part: a resolver
+"""Replica discovery from DNS (gateway/fleet/discovery.py). DNS is the one faked part: a resolver
 function maps names to loopback addresses where real mock upstreams listen on the same port."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from bench.mock_upstream import MockConfig, MockState, create_mock_app
-from gateway.app import create_app
-from gateway.breaker import BreakerState
-from gateway.discovery import DnsTarget, parse_discover
-from gateway.endpoints import Endpoint, Fleet
+from gateway.fleet.breaker import BreakerState
+from gateway.fleet.discovery import DnsTarget, parse_discover
+from gateway.fleet.endpoints import Endpoint, Fleet
 from gateway.routing.base import LeastOutstandingRouter
 from gateway.settings import GatewaySettings, ModelSettings
-from gateway.transport import MockTransport
+from gateway.upstream.transport import MockTransport
+from gateway.web.app import create_app
 from tests.gateway.conftest import MODEL, LoopThread, start_app
 
 NAME = "replicas.aigw.test"

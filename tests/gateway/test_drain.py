@@ -13,15 +13,15 @@ import httpx
 import pytest
 from aiohttp import web
 
-import gateway.app
+import gateway.web.app
 from bench.mock_upstream import MockConfig, MockState, create_mock_app
-from gateway.app import create_app
 from gateway.backends.replica import ReplicaBackend
 from gateway.metering.contract import UsageRecord
-from gateway.open_access import NullMeter
+from gateway.metering.null_meter import NullMeter
 from gateway.routing.base import LeastOutstandingRouter
-from gateway.server import drain
 from gateway.settings import GatewaySettings
+from gateway.web.app import create_app
+from gateway.web.server import drain
 from tests.gateway.conftest import MODEL, LoopThread, start_app
 
 
@@ -65,7 +65,7 @@ def test_a_stream_cut_by_the_drain_timeout_is_settled_before_the_meter_closes(
         loop_thread: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
     """The cut stream's settlement counts its prompt off the event loop first (slow here, as when
     the tokenizer loads on first use); shutdown waits for it before the cleanup that closes the
-    meter (gateway/services.py puts that one first)."""
+    meter (gateway/web/services.py puts that one first)."""
     count_prompt_tokens = ReplicaBackend.count_prompt_tokens
 
     def slow_count(*args: Any) -> int:
@@ -111,7 +111,7 @@ class _RouterWhoseCloseHangs(LeastOutstandingRouter):
 
 def test_a_router_whose_close_hangs_does_not_hold_the_shutdown(
         loop_thread: LoopThread, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(gateway.app, "ROUTER_CLOSE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(gateway.web.app, "ROUTER_CLOSE_TIMEOUT_S", 0.3)
     settings = GatewaySettings(auth_enabled=False, models=[{"name": MODEL, "endpoints": ["http://127.0.0.1:9"]}])
     runner, _ = loop_thread.run(start_app(create_app(settings, router=_RouterWhoseCloseHangs())))
     started = time.monotonic()

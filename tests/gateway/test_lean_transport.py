@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from gateway.errors import UpstreamTimeout, UpstreamUnavailable
-from gateway.lean_transport import READ_HIGH_WATER_BYTES, LeanTransport
-from gateway.transport import UpstreamRequest
+from gateway.request.errors import UpstreamTimeout, UpstreamUnavailable
+from gateway.upstream.lean_transport import READ_HIGH_WATER_BYTES, LeanTransport
+from gateway.upstream.transport import UpstreamRequest
 
 
 class _Upstream:

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
-from gateway.app import create_app
-from gateway.server import gateway_runner
 from gateway.settings import GatewaySettings
+from gateway.web.app import create_app
+from gateway.web.server import gateway_runner
 from tests.gateway.conftest import MODEL, LoopThread
 from tests.raw_http import send_raw
 

@@ -8,7 +8,7 @@ import uuid
 
 import httpx
 
-from gateway.embedded import replica_environ
+from gateway.fleet.embedded import replica_environ
 from tests.gateway.conftest import MODEL, GatewayFactory
 from tests.gateway.test_auth_seam import KeyAuthenticator, RecordingMeter
 

@@ -7,7 +7,7 @@ from aiohttp import web
 
 from auth.principal import Principal
 from gateway.backends.openai_compat import _announced_prompt
-from gateway.canonical import (
+from gateway.request.canonical import (
     Accumulator,
     CanonicalRequest,
     Message,
@@ -15,8 +15,8 @@ from gateway.canonical import (
     TextDelta,
     ToolCallDelta,
 )
+from gateway.request.usage import build_record
 from gateway.settings import ModelSettings
-from gateway.usage import build_record
 from tests.gateway.conftest import (
     MODEL,
     GatewayFactory,

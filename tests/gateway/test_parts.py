@@ -13,14 +13,21 @@ from gateway.backends import get_backend_class, register_backend
 from gateway.backends.base import Backend
 from gateway.backends.openai_compat import OpenAICompatBackend
 from gateway.backends.replica import parse_load
-from gateway.breaker import BreakerState, CircuitBreaker
-from gateway.canonical import CanonicalRequest, Finish, Message, TextDelta, ToolCallDelta, Usage
-from gateway.endpoints import Endpoint, EndpointLoad, Fleet
-from gateway.errors import UpstreamRejected, UpstreamUnavailable
-from gateway.retry_budget import RetryBudget
+from gateway.fleet.breaker import BreakerState, CircuitBreaker
+from gateway.fleet.endpoints import Endpoint, EndpointLoad, Fleet
+from gateway.request.canonical import (
+    CanonicalRequest,
+    Finish,
+    Message,
+    TextDelta,
+    ToolCallDelta,
+    Usage,
+)
+from gateway.request.errors import UpstreamRejected, UpstreamUnavailable
 from gateway.routing import LeastOutstandingRouter, create_router
 from gateway.settings import GatewaySettings, ModelSettings, load_settings
-from gateway.transport import MockResponse, MockTransport, UpstreamRequest
+from gateway.upstream.retry_budget import RetryBudget
+from gateway.upstream.transport import MockResponse, MockTransport, UpstreamRequest
 
 
 def test_breaker_opens_after_consecutive_failures_and_half_opens_for_one_trial() -> None:

@@ -13,13 +13,13 @@ import pytest
 
 from engine.server import ReplicaServerSettings
 from engine.server import create_app as create_replica_app
-from gateway.breaker import CircuitBreaker
 from gateway.dashboard.replicas import fetch
-from gateway.endpoints import Endpoint
-from gateway.keys import FLEET, TRANSPORT
+from gateway.fleet.breaker import CircuitBreaker
+from gateway.fleet.endpoints import Endpoint
 from gateway.routing.events_consumer import ReplicaEventConsumer
 from gateway.routing.index import InProcessIndex
 from gateway.settings import ModelSettings
+from gateway.web.keys import FLEET, TRANSPORT
 from tests.gateway.conftest import GatewayFactory, LoopThread, start_app, wait_until
 from tests.server.fakes import FakeEngine
 

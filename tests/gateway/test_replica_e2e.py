@@ -13,9 +13,9 @@ import httpx
 import openai
 import pytest
 
-from gateway import embedded
-from gateway.app import create_app
+from gateway.fleet import embedded
 from gateway.settings import GatewaySettings
+from gateway.web.app import create_app
 from tests.gateway.conftest import LoopThread, start_app
 
 pytestmark = [

@@ -230,7 +230,7 @@ def test_gateway_reuses_the_replica_sampling_checks_without_importing_torch() ->
     import subprocess
     import sys
 
-    code = "import sys, gateway.app, gateway.dialects.validate; print('torch' in sys.modules)"
+    code = "import sys, gateway.web.app, gateway.dialects.validate; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                             check=True)
     assert result.stdout.strip() == "False"

@@ -7,7 +7,8 @@ from typing import Any
 
 import orjson
 
-from gateway.canonical import (
+from gateway.dialects import OpenAIResponses
+from gateway.request.canonical import (
     Accumulator,
     CanonicalRequest,
     Finish,
@@ -16,7 +17,6 @@ from gateway.canonical import (
     ToolCallDelta,
     Usage,
 )
-from gateway.dialects import OpenAIResponses
 
 
 def _events(data: bytes) -> list[dict[str, Any]]:

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import httpx
 
-from gateway.canonical import CanonicalRequest
-from gateway.endpoints import Endpoint
+from gateway.fleet.endpoints import Endpoint
+from gateway.request.canonical import CanonicalRequest
 from gateway.routing.base import Decision, LeastOutstandingRouter
 from tests.gateway.conftest import MODEL, GatewayFactory
 
@@ -27,7 +27,7 @@ class RecordingRouter(LeastOutstandingRouter):
 
 def _gateway_with(make_gateway: GatewayFactory, router: RecordingRouter):  # type: ignore[no-untyped-def]
     gateway = make_gateway()
-    from gateway.keys import PIPELINE
+    from gateway.web.keys import PIPELINE
 
     pipeline = gateway.app[PIPELINE]
     pipeline.router = router

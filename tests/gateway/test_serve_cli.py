@@ -233,7 +233,7 @@ def test_a_bad_or_unreachable_redis_url_is_one_error_line_before_any_replica_sta
         capsys: pytest.CaptureFixture[str]) -> None:
     """Each was a traceback: from every worker (unreachable) or from the embedded replica."""
     from cli.main import main
-    from gateway import embedded
+    from gateway.fleet import embedded
 
     monkeypatch.setenv("AIGW_REDIS_URL", redis_url.format(port=free_port()))
     monkeypatch.setattr(embedded, "start_replicas", lambda *a, **k: pytest.fail("replica started"))
@@ -246,7 +246,7 @@ def test_ctrl_c_while_the_replicas_load_stops_them_with_one_line_and_status_130(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Was a KeyboardInterrupt traceback from `make run` interrupted during the model load."""
     from cli.main import main
-    from gateway import embedded
+    from gateway.fleet import embedded
 
     stopped: list[list[object]] = []
     monkeypatch.setattr(embedded, "start_replicas", lambda *a, **k: ["replica"])
@@ -265,7 +265,7 @@ def test_a_port_in_use_is_one_error_line_before_any_replica_starts(
     import socket
 
     from cli.main import main
-    from gateway import embedded
+    from gateway.fleet import embedded
 
     monkeypatch.setattr(embedded, "start_replicas", lambda *a, **k: pytest.fail("replica started"))
     with socket.socket() as taken:
@@ -280,7 +280,7 @@ def test_a_data_dir_that_cannot_be_created_is_one_error_line_before_any_replica_
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Was a FileExistsError traceback from the worker, after the model load."""
     from cli.main import main
-    from gateway import embedded
+    from gateway.fleet import embedded
 
     a_file = tmp_path / "not-a-dir"
     a_file.write_text("")

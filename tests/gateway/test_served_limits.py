@@ -1,4 +1,4 @@
-"""`aigw serve`'s wiring (gateway.services) of settings it used to drop: per-key limits and the
+"""`aigw serve`'s wiring (gateway.web.services) of settings it used to drop: per-key limits and the
 prompt-cache salt scope reach the real meter and auth, on real sockets."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 import httpx
 
 from bench.mock_upstream import MockState, create_mock_app
-from gateway.services import create_served_app, metering_settings
 from gateway.settings import GatewaySettings
+from gateway.web.services import create_served_app, metering_settings
 from tests.gateway.conftest import MODEL, LoopThread, start_app
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}

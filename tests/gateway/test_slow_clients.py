@@ -12,9 +12,9 @@ from urllib.parse import urlsplit
 import orjson
 import pytest
 
-from gateway.app import create_app
-from gateway.server import gateway_runner
 from gateway.settings import GatewaySettings
+from gateway.web.app import create_app
+from gateway.web.server import gateway_runner
 from infra.http_server import GuardedAppRunner
 from tests.gateway.conftest import MODEL, LoopThread
 

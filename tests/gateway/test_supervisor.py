@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.embedded import ReplicaProcess
-from gateway.supervisor import ReplicaSupervisor, RestartsCollector, SupervisorSettings
+from gateway.fleet.embedded import ReplicaProcess
+from gateway.fleet.supervisor import ReplicaSupervisor, RestartsCollector, SupervisorSettings
 from tests.gateway.conftest import GatewayFactory, wait_until
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]

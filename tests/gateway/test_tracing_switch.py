@@ -9,11 +9,11 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.keys import PIPELINE
 from gateway.telemetry import middleware
 from gateway.telemetry.hooks import CountedRouter, TracedRouter
 from gateway.telemetry.keys import TELEMETRY
 from gateway.telemetry.request_trace import RequestTrace
+from gateway.web.keys import PIPELINE
 from tests.gateway.conftest import MODEL, Gateway, GatewayFactory, wait_until
 
 BODY = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from gateway.wait_timer import Watchdog
+from gateway.upstream.wait_timer import Watchdog
 
 
 def test_time_between_waits_does_not_count_but_one_long_wait_does() -> None:

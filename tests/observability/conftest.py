@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from auth.principal import AuthError, Principal, Scope
-from gateway import embedded
-from gateway.app import create_app
-from gateway.services import metering_settings
+from gateway.fleet import embedded
 from gateway.settings import GatewaySettings, Prices
+from gateway.web.app import create_app
+from gateway.web.services import metering_settings
 from infra import ports
 from tests.gateway.conftest import LoopThread, start_app
 from tests.processes import stop_process

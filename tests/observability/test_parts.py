@@ -22,7 +22,7 @@ from gateway.telemetry.recent import LatencySample, LatencyWindow, UsageSeries
 from gateway.telemetry.request_trace import RequestTrace, RouteStep
 from gateway.telemetry.telemetry import Telemetry
 from gateway.telemetry.upstream import PROPAGATOR, TracingTransport
-from gateway.transport import MockResponse, MockTransport, UpstreamRequest
+from gateway.upstream.transport import MockResponse, MockTransport, UpstreamRequest
 from infra.telemetry.attributes import exception_attributes
 from infra.telemetry.lean_tracer import new_span_context
 from infra.telemetry.settings import TelemetrySettings

@@ -10,8 +10,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
-from gateway.breaker import CircuitBreaker
-from gateway.endpoints import Endpoint
+from gateway.fleet.breaker import CircuitBreaker
+from gateway.fleet.endpoints import Endpoint
 from gateway.routing.events_consumer import ConsumerConfig, ReplicaEventConsumer
 from gateway.settings import ModelSettings
 from tests.routing.conftest import IndexUnderTest

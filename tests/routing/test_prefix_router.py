@@ -10,9 +10,9 @@ import pytest
 from contracts.kv_events import BlockStored, EventBatch, KVSnapshot
 from engine.loader import default_model_path, load_tokenizer
 from gateway.backends.replica import ReplicaBackend
-from gateway.breaker import CircuitBreaker
-from gateway.canonical import CanonicalRequest, Message
-from gateway.endpoints import Endpoint, EndpointLoad
+from gateway.fleet.breaker import CircuitBreaker
+from gateway.fleet.endpoints import Endpoint, EndpointLoad
+from gateway.request.canonical import CanonicalRequest, Message
 from gateway.routing.prefix_router import PrefixRouter, PrefixRouterConfig
 from gateway.routing.prompt_hashing import PromptHasher
 from gateway.settings import GatewaySettings, ModelSettings

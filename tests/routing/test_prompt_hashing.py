@@ -13,9 +13,9 @@ from contracts.replica_protocol import ChatCompletionRequest, CompletionRequest
 from engine.loader import default_model_path, load_tokenizer
 from engine.server.prompts import chat_prompt_token_ids
 from gateway.backends.replica import ReplicaBackend
-from gateway.breaker import CircuitBreaker
-from gateway.canonical import CanonicalRequest, Message, Tool, ToolCall
-from gateway.endpoints import Endpoint
+from gateway.fleet.breaker import CircuitBreaker
+from gateway.fleet.endpoints import Endpoint
+from gateway.request.canonical import CanonicalRequest, Message, Tool, ToolCall
 from gateway.routing.prompt_hashing import PromptHasher
 from gateway.settings import GatewaySettings, ModelSettings
 

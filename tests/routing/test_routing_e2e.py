@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway import embedded
-from gateway.app import create_app
-from gateway.keys import FLEET
+from gateway.fleet import embedded
 from gateway.routing.prefix_router import PrefixRouter, PrefixRouterConfig
 from gateway.settings import GatewaySettings
+from gateway.web.app import create_app
+from gateway.web.keys import FLEET
 from infra import ports
 from tests.gateway.conftest import LoopThread, start_app
 
