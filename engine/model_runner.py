@@ -17,6 +17,7 @@ from itertools import accumulate
 import torch
 
 from engine.batch import ScheduledBatch, ScheduledSequence
+from engine.block_tables import block_table_tensor, num_shared_blocks, padded_blocks, window_blocks
 from engine.config import EngineConfig, ModelConfig
 from engine.kernels.cpu import huge_pages
 from engine.kv_cache.layout import KVCacheLayout, kv_bytes_per_token
@@ -156,7 +157,7 @@ class ModelRunner:
         scheduled token; logits only for each sampling sequence's last row."""
         assert self._native_decode is not None
         bs = self.block_size
-        tables = _block_table_tensor([s.block_table for s in seqs])  # [S, W] (one full group here)
+        tables = block_table_tensor([s.block_table for s in seqs])  # [S, W] (one full group here)
         seq_index = torch.repeat_interleave(torch.arange(len(seqs)),
                                             torch.tensor([s.num_scheduled_tokens for s in seqs]))  # [M]
         positions = torch.cat([torch.arange(s.start_position, s.seq_len) for s in seqs])  # [M]
@@ -204,7 +205,7 @@ class ModelRunner:
         """Group g's metadata. Window groups gather only the blocks each row's window reaches."""
         bs, to = self.block_size, self.device
         seqs = decodes + prefills
-        tables = _block_table_tensor([s.block_tables[g] for s in seqs])  # [S, max_blocks]
+        tables = block_table_tensor([s.block_tables[g] for s in seqs])  # [S, max_blocks]
         slot_mapping = tables[seq_index, positions // bs] * bs + positions % bs  # [T]
 
         decode_blocks = decode_mask = decode_context_lens = first_positions = None
@@ -212,15 +213,15 @@ class ModelRunner:
         if num_plain:
             plain_lens = [s.seq_len for s in decodes[:num_plain]]
             if window is None:
-                decode_blocks, decode_len, decode_mask = _padded_blocks(tables[:num_plain], plain_lens,
+                decode_blocks, decode_len, decode_mask = padded_blocks(tables[:num_plain], plain_lens,
                                                                         0, bs, to)
             else:
-                decode_blocks, decode_len, first_positions = _window_blocks(tables[:num_plain], plain_lens,
+                decode_blocks, decode_len, first_positions = window_blocks(tables[:num_plain], plain_lens,
                                                                             window, bs, to)
             decode_context_lens = torch.tensor(plain_lens, dtype=torch.int64, device=to)
         cascade_groups = []
         for start, end, num_prefix_blocks in groups:
-            suffix_blocks, suffix_len, suffix_mask = _padded_blocks(
+            suffix_blocks, suffix_len, suffix_mask = padded_blocks(
                 tables[start:end], [s.seq_len for s in decodes[start:end]], num_prefix_blocks, bs, to)
             cascade_groups.append(CascadeGroup(start, end, tables[start, :num_prefix_blocks].to(to),
                                                suffix_blocks, suffix_len, suffix_mask))
@@ -271,7 +272,7 @@ class ModelRunner:
         for members in by_first_block.values():
             shared = 0
             if len(members) >= CASCADE_MIN_GROUP:
-                shared = _num_shared_blocks([m.block_table for m in members],
+                shared = num_shared_blocks([m.block_table for m in members],
                                             [m.seq_len for m in members], self.block_size)
             if shared >= CASCADE_MIN_PREFIX_BLOCKS:
                 grouped.append((members, shared))
@@ -329,28 +330,6 @@ def _is_decode(seq: ScheduledSequence) -> bool:
     return seq.num_scheduled_tokens == 1 and seq.start_position > 0
 
 
-def _block_table_tensor(tables: list[list[int | None]]) -> torch.Tensor:
-    """Block tables -> [S, widest] int64, padded with block 0; a None entry (a block a window released)
-    becomes block 0 too: no attention reads it (the window starts after it)."""
-    width = max(len(t) for t in tables)
-    out = torch.zeros(len(tables), width, dtype=torch.int64)
-    for i, t in enumerate(tables):
-        out[i, : len(t)] = torch.tensor([b if b is not None else 0 for b in t], dtype=torch.int64)
-    return out
-
-
-def _window_blocks(tables: torch.Tensor, seq_lens: list[int], window: int, block_size: int,
-                   device: torch.device) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """Each decode row's blocks from the first its window reaches: ([N, W] int64 padded with block 0,
-    positions to gather, [N] int64 position of each row's first gathered block)."""
-    firsts = [max(0, n - window) // block_size for n in seq_lens]  # the query at n - 1 sees n - W ..
-    counts = [-(-n // block_size) - f for n, f in zip(seq_lens, firsts, strict=True)]
-    blocks = torch.zeros(len(seq_lens), max(counts), dtype=torch.int64)
-    for i, (first, count) in enumerate(zip(firsts, counts, strict=True)):
-        blocks[i, :count] = tables[i, first:first + count]
-    num_positions = max(n - f * block_size for n, f in zip(seq_lens, firsts, strict=True))
-    first_positions = torch.tensor([f * block_size for f in firsts], dtype=torch.int64)
-    return blocks.to(device), num_positions, first_positions.to(device)
 
 
 def _compiled_forward(model):  # type: ignore[no-untyped-def]
@@ -363,31 +342,3 @@ def _compiled_forward(model):  # type: ignore[no-untyped-def]
     """
     model.attention.forward = torch.compiler.disable(model.attention.forward)
     return torch.compile(model.forward, dynamic=True)
-
-
-def _padded_blocks(tables: torch.Tensor, seq_lens: list[int], first_block: int, block_size: int,
-                   device: torch.device) -> tuple[torch.Tensor, int, torch.Tensor | None]:
-    """Blocks [first_block, last) of each row, padded with block 0, and the additive mask that hides
-    positions past each row's length: ([N, W] int64, positions to use, [N, 1, 1, that] or None)."""
-    lens = [n - first_block * block_size for n in seq_lens]  # positions per row after the first block
-    width = -(-max(lens) // block_size)
-    blocks = tables[:, first_block:first_block + width]
-    if blocks.shape[1] < width:  # rows are padded to the widest table; widen with block 0 if needed
-        blocks = torch.nn.functional.pad(blocks, (0, width - blocks.shape[1]))
-    num_positions = max(lens)
-    if all(n == num_positions for n in lens):
-        return blocks.to(device), num_positions, None
-    valid = torch.arange(num_positions)[None, :] < torch.tensor(lens)[:, None]  # [N, L]
-    mask = torch.zeros(len(lens), 1, 1, num_positions).masked_fill_(~valid.view(len(lens), 1, 1, -1),
-                                                                   float("-inf"))
-    return blocks.to(device), num_positions, mask.to(device)
-
-
-def _num_shared_blocks(tables: list[list[int]], seq_lens: list[int], block_size: int) -> int:
-    """Leading block ids every table has in common, excluding each sequence's last (current) block."""
-    limit = min((n - 1) // block_size for n in seq_lens)
-    first = tables[0]
-    shared = 0
-    while shared < limit and all(t[shared] == first[shared] for t in tables):
-        shared += 1
-    return shared

@@ -17,6 +17,11 @@ Prefix hits across groups: a hit of k blocks (N = k * block_size tokens) needs e
 0..k-1 cached, and each window group's blocks covering positions N - W + 1 .. N - 1 (the ones the first
 computed token sees). `get_computed_blocks` takes the longest k that every group can serve; the hit's
 window-group tables start with None for blocks no token will read.
+
+Another local kind slots in at the same two places: what a token at position p can still see
+(`_first_needed_block`) and what a hit needs (the same rule at p = N). Chunked local attention of
+chunk C (Llama 4) would see floor(p / C) * C .. p: its group releases a chunk's blocks once p enters
+the next chunk, and a hit of N tokens needs blocks from floor(N / C) * C on.
 """
 
 from __future__ import annotations
