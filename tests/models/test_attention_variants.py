@@ -10,6 +10,8 @@ import os
 import pytest
 import torch
 
+from engine.batch import ScheduledSequence
+from engine.config import ModelConfig
 from engine.kernels.paged_attention import paged_attention_reference
 from engine.layers.torch_attention import TorchPagedAttention
 from engine.layers.triton_attention import TritonPagedAttention
@@ -83,3 +85,50 @@ def test_triton_backend_matches_torch_backend_with_windows_and_sinks(
                                             sliding_window=window, sinks=sinks)
     tol = 2e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
+
+
+WINDOWED = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=32,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                       max_position_embeddings=512, layer_types=("sliding_attention", "full_attention"),
+                       sliding_window=20)
+
+
+def windowed_batch() -> list[ScheduledSequence]:
+    """Group 1 (window 20) tables hold None where the window released a block (as the manager
+    leaves them): decodes at 40 and 3, a fresh prefill, a chunk of 13 after 35 cached tokens."""
+    return [ScheduledSequence("decode-40", [1], 40, [1, 2, 3], True, extra_block_tables=([None, 21, 22],)),
+            ScheduledSequence("decode-3", [1], 3, [4], True, extra_block_tables=([23],)),
+            ScheduledSequence("fresh", [1] * 21, 0, [5, 6], True, extra_block_tables=([40, 41],)),
+            ScheduledSequence("chunk", [1] * 13, 35, [7, 8, 9], True,
+                              extra_block_tables=([None, 43, 44],))]
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_runner_built_window_metadata_skips_released_blocks_in_both_backends(
+        with_sinks: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = make_runner(WINDOWED, random_weights(WINDOWED, torch.device("cpu"), torch.float32))
+    assert runner.kv_layout.group_windows == (None, 20)
+    seqs = windowed_batch()
+    _, _, (full_meta, window_meta) = runner._prepare(seqs[:2], seqs[2:], 2, [])
+    assert window_meta.decode_first_positions.tolist() == [16, 0]  # decode-40 gathers from block 1
+    assert window_meta.prefills[1].context_start == 16
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(36, 4, 16, generator=gen)  # [T, H, Dh]
+    k, v = torch.randn(36, 2, 16, generator=gen), torch.randn(36, 2, 16, generator=gen)
+    k_cache = torch.randn(48, BLOCK_SIZE, 2, 16, generator=gen)
+    v_cache = torch.randn(48, BLOCK_SIZE, 2, 16, generator=gen)
+    k_cache[0], v_cache[0] = 1e4, -1e4  # what a released block's table entry points at
+    sinks = torch.randn(4, generator=gen) if with_sinks else None
+    out = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, 0.25, window_meta,
+                                        sliding_window=20, sinks=sinks)
+    expected = paged_attention_reference(q, k_cache, v_cache, window_meta.cu_query_lens,
+                                         window_meta.seq_lens, window_meta.block_tables, 0.25,
+                                         sliding_window=20, sinks=sinks)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    assert out.abs().max() < 100  # nothing of the poisoned block leaked in
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        monkeypatch.setenv("AIGW_KERNELS", "triton")
+        k2, v2 = k_cache.clone(), v_cache.clone()
+        actual = TritonPagedAttention().forward(q, k, v, k2, v2, 0.25, window_meta, sliding_window=20,
+                                                sinks=sinks)
+        torch.testing.assert_close(actual, expected, rtol=2e-4, atol=2e-4)
