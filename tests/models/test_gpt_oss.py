@@ -249,3 +249,35 @@ def test_gguf_file_loads_as_its_hf_directory_and_generates_transformers_tokens(
     tokens, logits = greedy(make_runner(from_gguf.config, from_gguf.weights), prompts, NUM_NEW_TOKENS)
     for i, p in enumerate(PROMPTS):
         assert tokens[i] == reference["mxfp4"][p][0], p
+
+
+# ---- the released config ----------------------------------------------------------------------
+RELEASED_20B = {  # openai/gpt-oss-20b config.json (transformers 4.55 keys)
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_size": 2880, "initial_context_length": 4096,
+    "intermediate_size": 2880, "max_position_embeddings": 131072, "model_type": "gpt_oss",
+    "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+    "num_key_value_heads": 8, "num_local_experts": 32, "pad_token_id": 199999,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+    "rms_norm_eps": 1e-05, "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                     "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+    "tie_word_embeddings": False, "vocab_size": 201088}
+
+
+def test_the_released_20b_config_maps_to_its_architecture(tmp_path: Path) -> None:
+    import json
+
+    from engine.layers.rotary import RotaryEmbedding
+    from engine.loader.hf_checkpoint import model_config_from_hf
+
+    (tmp_path / "config.json").write_text(json.dumps(RELEASED_20B))
+    config = model_config_from_hf(tmp_path)
+    assert (config.architecture, config.num_experts, config.num_experts_per_tok) == ("gpt_oss", 32, 4)
+    assert (config.moe_intermediate_size, config.head_dim, config.num_kv_heads) == (2880, 64, 8)
+    assert [config.layer_sliding_window(i) for i in range(4)] == [128, None, 128, None]
+    assert (config.swiglu_limit, config.swiglu_alpha, config.eos_token_ids) == (7.0, 1.702, (200002,))
+    rotary = RotaryEmbedding(64, 8, config.rope_theta, dict(config.rope_scaling))
+    assert float(rotary.cos[0, 0]) == pytest.approx(0.1 * torch.log(torch.tensor(32.0)).item() + 1)
