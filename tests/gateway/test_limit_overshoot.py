@@ -203,3 +203,50 @@ def test_a_limited_request_refused_upstream_settles_before_its_answer(
     finally:
         loop_thread.run(runner.cleanup())
         loop_thread.run(upstream.cleanup())
+
+
+class _CountingMeter(_OrderRecordingMeter):
+    """Under a token limit (counts_tokens), recording the prompt count each admission got."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.admitted_prompt_tokens: list[int] = []
+
+    def counts_tokens(self, principal: Any) -> bool:
+        return True
+
+    async def admit(self, request_id: str, principal: Any, model: str, num_prompt_tokens: int,
+                    max_tokens: int) -> Admission:
+        self.admitted_prompt_tokens.append(num_prompt_tokens)
+        return await super().admit(request_id, principal, model, num_prompt_tokens, max_tokens)
+
+
+def test_another_upstreams_tokenizer_counts_a_limited_prompt_at_admission(
+        loop_thread: LoopThread, tmp_path: Path) -> None:
+    """An OpenAI-compatible model with a configured tokenizer: admission counts the text's
+    tokens plus framing (never less than the estimate), not the 4-characters estimate alone."""
+    from gateway.request.canonical import CanonicalRequest, Message, estimate_prompt_tokens
+    from gateway.web.app import create_app
+    from tests.gateway.test_auth_seam import KeyAuthenticator
+
+    tokenizer = shared_prompt_hasher(str(default_model_path()), 1 << 20).tokenizer
+    tokenizer.backend.save(str(tmp_path / "tokenizer.json"))  # the model's, as a tokenizer.json
+    upstream, upstream_url = loop_thread.run(start_app(_replica_like_upstream(0.0)))
+    meter = _CountingMeter()
+    settings = GatewaySettings(models=[{"name": MODEL, "backend": "openai",
+                                        "endpoints": [upstream_url],
+                                        "tokenizer": str(tmp_path / "tokenizer.json")}])
+    runner, url = loop_thread.run(start_app(create_app(
+        settings, authenticator=KeyAuthenticator(), meter=meter)))  # type: ignore[arg-type]
+    text = "Thermodynamics, entropy; 0xDEADBEEF ünïcödé " * 20  # tokens, not 4 characters each
+    try:
+        answer = httpx.post(url + "/v1/chat/completions", headers={"x-api-key": "good"},
+                            json={"model": MODEL, "messages": [{"role": "user", "content": text}]})
+        assert answer.status_code == 200, answer.text
+    finally:
+        loop_thread.run(runner.cleanup())
+        loop_thread.run(upstream.cleanup())
+    estimate = estimate_prompt_tokens(CanonicalRequest("r", MODEL, messages=[Message("user", text)]))
+    counted = len(tokenizer.backend.encode(text, add_special_tokens=False).ids) + 4
+    assert counted > estimate
+    assert meter.admitted_prompt_tokens == [counted]
