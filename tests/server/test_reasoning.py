@@ -163,3 +163,18 @@ def test_a_family_without_reasoning_sends_no_reasoning_fields(http: Any, model: 
     body = http.post("/v1/chat/completions", json={"model": model, "messages": ASK}).json()
     assert "reasoning_content" not in body["choices"][0]["message"]
     assert "completion_tokens_details" not in body["usage"]
+
+
+@pytest.mark.parametrize("engine", ["harmony"], indirect=True)
+def test_a_forced_gpt_oss_call_is_decoded_under_harmonys_call_grammar(
+        client: openai.OpenAI, fake_engine: FakeEngine, model: str) -> None:
+    fake_engine.reply = HARMONY_CALL
+    fake_engine.eos_token_id = 200012
+    answer = client.chat.completions.create(
+        model=model, messages=ASK, tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert answer.choices[0].finish_reason == "tool_calls"
+    grammar = fake_engine.calls[0].params.grammar
+    assert grammar is not None and grammar.kind == "lark"
+    assert '<|channel|> "commentary to=functions.get_weather " <|constrain|>' in grammar.text
+    assert '"additionalProperties":false' in grammar.text
