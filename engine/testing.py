@@ -34,7 +34,8 @@ def mixtral_config(num_layers: int) -> ModelConfig:
 
 def random_weights(config: ModelConfig, device: torch.device, dtype: torch.dtype,
                    seed: int = 0) -> dict[str, torch.Tensor]:
-    """HF-named random weights for a Llama / Mixtral-style `config` (dense MLP when num_experts == 0)."""
+    """HF-named random weights for a Llama / Mixtral / Qwen3-style `config` (q/k norms when it has
+    them; a dense MLP on the layers that are not sparse)."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
@@ -51,7 +52,11 @@ def random_weights(config: ModelConfig, device: torch.device, dtype: torch.dtype
         weights |= {p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
                     p + "self_attn.q_proj.weight": randn(q, h), p + "self_attn.k_proj.weight": randn(kv, h),
                     p + "self_attn.v_proj.weight": randn(kv, h), p + "self_attn.o_proj.weight": randn(h, q)}
-        if config.num_experts:
+        if config.qk_norm is not None:  # per head (Qwen3): [Dh]; over the projection (OLMoE): [Q], [K]
+            per_head = config.qk_norm == "per_head"
+            weights |= {p + "self_attn.q_norm.weight": ones(config.head_dim if per_head else q),
+                        p + "self_attn.k_norm.weight": ones(config.head_dim if per_head else kv)}
+        if config.is_sparse_layer(i):
             e, inter = config.num_experts, config.moe_intermediate_size
             weights |= {p + "mlp.gate.weight": randn(e, h),
                         p + "mlp.experts.gate_up_proj": randn(e, 2 * inter, h),  # [E, 2I, H]

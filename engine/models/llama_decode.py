@@ -3,8 +3,10 @@ engine/kernels/cpu.
 
 `NativeDecodeStep` (the q4 mode, every linear a `NativeQuantLinear`): 5 ops a layer, float16 KV.
 `FloatDecodeStep` (the float32 mode, oneDNN linears): the native attention (float32 KV) between
-float32 GEMMs, ~9 ops a layer. `build` returns None for anything else (biases, qk norm, MoE, other
-dtypes), and the runner keeps the general forward. Per layer of the q4 step:
+float32 GEMMs, ~9 ops a layer. `build` returns None for anything else (biases, OLMoE's projection qk
+norm, MoE, other dtypes), and the runner keeps the general forward. Qwen3's per-head q/k norm runs
+between the qkv projection and the attention kernel (which applies the rotary), as two F.rms_norm
+over the q and k heads (+2 ops a layer). Per layer of the q4 step:
 
     qkv = q_linear(hidden, W_qkv, rms_norm=input_norm)                 [M, (H + 2G) * Dh]
     attn = decode_attention(qkv, rotary, k/v cache, slots, block tables, context lens)   [M, H * Dh]
@@ -34,10 +36,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.config import ModelConfig
 from engine.layers.linear import DenseLinear, LinearWeight, OneDNNLinear
 from engine.layers.native_linear import NativeQuantLinear
 from engine.layers.norm import rms_norm_fast
-from engine.models.llama import DenseMLP, LlamaModel
+from engine.models.llama import DecoderLayer, DenseMLP, LlamaModel
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,8 @@ class NativeDecodeStep:
             qkv_proj, o_proj = _native(layer.qkv), _native(layer.o_proj)
             mlp: DenseMLP = layer.mlp  # type: ignore[assignment]
             qkv = qkv_proj.native(hidden, layer.input_norm, eps)  # [M, (H + 2G) * Dh]
+            if cfg.qk_norm == "per_head":
+                _norm_qk_heads(qkv, layer, cfg)
             attn = torch.ops.aigw_cpu.decode_attention(
                 qkv, cos, sin, step.positions, k_cache, v_cache, step.slots, step.block_tables,
                 step.context_lens, cfg.num_heads, cfg.num_kv_heads, model.scale)  # [M, H * Dh]
@@ -89,21 +94,31 @@ class NativeDecodeStep:
 
 
 def _plain_layers_of(model: LlamaModel, linear_type: type | tuple[type, ...]) -> bool:
-    """True when every layer is the plain Llama shape a decode step handles (no biases, no qk norm,
-    a dense MLP, full attention, float32 embeddings, head_dim a multiple of 8) with all four linears
-    `linear_type`. (The native attention kernel has no sliding window: such models keep the general
-    forward, whose attention backends do.)"""
+    """True when every layer is the plain Llama shape a decode step handles (no biases, no qk norm
+    but Qwen3's per head, a dense MLP, full attention, float32 embeddings, head_dim a multiple of 8)
+    with all four linears `linear_type`. (The native attention kernel has no sliding window: such
+    models keep the general forward, whose attention backends do.)"""
     cfg = model.config
     if (cfg.attention_bias or cfg.is_moe or cfg.head_dim % 8 or cfg.has_sliding_layers
             or model.embed_tokens.dtype != torch.float32):
         return False
     for layer in model.layers:
-        if not isinstance(layer.mlp, DenseMLP) or layer.q_norm is not None:
+        if not isinstance(layer.mlp, DenseMLP) or cfg.qk_norm not in (None, "per_head"):
             return False
         linears = [layer.qkv, layer.o_proj, layer.mlp.gate_up, layer.mlp.down]
         if not all(isinstance(w, linear_type) for w in linears):
             return False
     return True
+
+
+def _norm_qk_heads(qkv: torch.Tensor, layer: DecoderLayer, cfg: ModelConfig) -> None:
+    """Qwen3's per-head RMSNorm of the q and k heads of qkv [M, (H + 2G) * Dh], in place (before
+    the attention kernel's rotary), as LlamaModel.forward computes it."""
+    num_q, num_kv, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    heads = qkv.view(qkv.shape[0], num_q + 2 * num_kv, head_dim)  # [M, H + 2G, Dh]
+    heads[:, :num_q] = F.rms_norm(heads[:, :num_q], (head_dim,), layer.q_norm, cfg.rms_norm_eps)
+    heads[:, num_q:num_q + num_kv] = F.rms_norm(heads[:, num_q:num_q + num_kv], (head_dim,),
+                                                layer.k_norm, cfg.rms_norm_eps)
 
 
 def _native(linear: object) -> NativeQuantLinear:
@@ -136,6 +151,8 @@ class FloatDecodeStep:
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
             mlp: DenseMLP = layer.mlp  # type: ignore[assignment]
             qkv = layer.qkv(rms_norm_fast(hidden, layer.input_norm, eps))  # [M, (H + 2G) * Dh]
+            if cfg.qk_norm == "per_head":
+                _norm_qk_heads(qkv, layer, cfg)
             attn = torch.ops.aigw_cpu.decode_attention(
                 qkv, cos, sin, step.positions, k_cache, v_cache, step.slots, step.block_tables,
                 step.context_lens, cfg.num_heads, cfg.num_kv_heads, model.scale)  # [M, H * Dh]

@@ -85,6 +85,9 @@ def test_greedy_tokens_and_logprobs_equal_transformers_with_chunked_prefill(
     result = generate(engine, {"target": prompts["target"]}, GREEDY)["target"]
     assert_matches_transformers(result, expected)
     assert_idle_and_clean(engine)
+    from engine.kernels import cpu as native
+    if native.load() and not engine.model_config.is_moe:  # decode rows took the native float step
+        assert engine.runner._native_decode is not None
 
 
 def test_same_tokens_among_8_concurrent_requests_and_after_a_prefix_cache_hit(

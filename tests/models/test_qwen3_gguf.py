@@ -1,7 +1,7 @@
 """qwen3 / qwen3moe GGUF files (written here as llama.cpp's converter lays them out, from the tiny
 transformers checkpoints) load to the same config and bit-identical weights as the HF directories,
 the engine serves them with the GGUF's own vocabulary and generates transformers' tokens, and the
-CPU q4 mode (`--decode-weights q4`) runs qwen3 on the file's 4-bit blocks."""
+CPU q4 mode (`--decode-weights q4`) runs qwen3 on the file's 4-bit blocks in the fused native step."""
 
 from __future__ import annotations
 
@@ -78,6 +78,7 @@ def test_q4_mode_runs_qwen3_on_the_files_4_bit_blocks(checkpoints: dict[str, Tin
     from engine.kernels import cpu as native
     from engine.layers.native_linear import NativeQuantLinear
     from engine.layers.q4_linear import Q4DecodeLinear
+    from engine.models.llama_decode import NativeDecodeStep
 
     path = tmp_path / "qwen3-q4_0.gguf"
     write_gguf(checkpoints["qwen3"].directory, path, linear_type="Q4_0")
@@ -86,6 +87,8 @@ def test_q4_mode_runs_qwen3_on_the_files_4_bit_blocks(checkpoints: dict[str, Tin
     q4_engine = engine_for(path, decode_weights="q4")
     expected_type = NativeQuantLinear if native.load() else Q4DecodeLinear
     assert isinstance(q4_engine.runner.model.layers[0].qkv, expected_type)
+    if native.load():  # every row through the fused native step, the per-head q/k norm included
+        assert isinstance(q4_engine.runner._native_decode, NativeDecodeStep)
     q4 = generate(q4_engine, {"p": PROMPT}, params)["p"]
     assert q4.token_ids[:2] == exact.token_ids[:2]
     first_exact, first_q4 = dict(exact.logprobs[0].top), dict(q4.logprobs[0].top)
