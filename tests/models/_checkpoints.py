@@ -20,6 +20,9 @@ FAMILIES = {
     "qwen2_moe-normalized-no-shared": lambda: transformers.Qwen2MoeConfig(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=0,
         norm_topk_prob=True, **COMMON),
+    "qwen2_moe-mlp-only-layer-0": lambda: transformers.Qwen2MoeConfig(  # layer 0 dense, layer 1 sparse
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        norm_topk_prob=False, mlp_only_layers=[0], **COMMON),
     "olmoe": lambda: transformers.OlmoeConfig(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
                                               **COMMON),
 }
