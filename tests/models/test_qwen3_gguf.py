@@ -71,27 +71,29 @@ def test_gguf_loads_as_the_hf_directory_and_generates_transformers_tokens(
     assert_idle_and_clean(engine)
 
 
-def test_q4_mode_runs_qwen3_on_the_files_4_bit_blocks(checkpoints: dict[str, TinyCheckpoint],
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_q4_mode_runs_qwen3_on_the_files_4_bit_blocks(name: str, checkpoints: dict[str, TinyCheckpoint],
                                                       tmp_path: Path) -> None:
     """Q4_0 projections: q4 mode computes them on the blocks (8-bit activations), float mode on the
-    same weights dequantized; the two agree to the q4 mode's approximation."""
+    same weights dequantized; the two agree to the q4 mode's approximation. Dense qwen3 runs every
+    row through the fused native step; qwen3_moe the general forward (experts and router in float)."""
     from engine.kernels import cpu as native
     from engine.layers.native_linear import NativeQuantLinear
     from engine.layers.q4_linear import Q4DecodeLinear
     from engine.models.llama_decode import NativeDecodeStep
 
-    path = tmp_path / "qwen3-q4_0.gguf"
-    write_gguf(checkpoints["qwen3"].directory, path, linear_type="Q4_0")
+    path = tmp_path / f"{name}-q4_0.gguf"
+    write_gguf(checkpoints[name].directory, path, linear_type="Q4_0")
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=True, top_logprobs=5)
     exact = generate(engine_for(path), {"p": PROMPT}, params)["p"]
     q4_engine = engine_for(path, decode_weights="q4")
     expected_type = NativeQuantLinear if native.load() else Q4DecodeLinear
     assert isinstance(q4_engine.runner.model.layers[0].qkv, expected_type)
-    if native.load():  # every row through the fused native step, the per-head q/k norm included
-        assert isinstance(q4_engine.runner._native_decode, NativeDecodeStep)
+    if native.load():
+        assert isinstance(q4_engine.runner._native_decode, NativeDecodeStep) == (name == "qwen3")
     q4 = generate(q4_engine, {"p": PROMPT}, params)["p"]
     assert q4.token_ids[:2] == exact.token_ids[:2]
     first_exact, first_q4 = dict(exact.logprobs[0].top), dict(q4.logprobs[0].top)
     for token in set(first_exact) & set(first_q4):
-        assert abs(first_exact[token] - first_q4[token]) < 0.2  # measured: <= 0.09
+        assert abs(first_exact[token] - first_q4[token]) < 0.2  # measured: <= 0.11
     assert_idle_and_clean(q4_engine)
