@@ -231,6 +231,8 @@ async def _drive(session: Any, url: str, kinds: list[str], keys: dict[str, str],
     _, gateway_rss, replica_rss = min(samples, key=lambda s: abs(s[0] - elapsed_s / 2))
     rss["middle"] = {"gateway": gateway_rss, "replica": replica_rss}
     rss["max"] = {"gateway": max(s[1] for s in samples), "replica": max(s[2] for s in samples)}
+    rss["tenths"] = [min(samples, key=lambda s, t=t: abs(s[0] - elapsed_s * t / 10))
+                     for t in range(11)]  # type: ignore[assignment]
     return sorted(outcomes, key=lambda o: o.index), elapsed_s
 
 
@@ -269,6 +271,9 @@ def render(report: dict[str, Any]) -> str:
         values = [rss[p][process] / mib for p in ("start", "middle", "end", "max")]
         lines.append(f"| {process} | {values[0]:.1f} | {values[1]:.1f} | {values[2]:.1f} | "
                      f"{values[3]:.1f} | {values[2] - values[0]:+.1f} |")
+    for column, process in ((1, "gateway"), (2, "replica")):
+        trend = " ".join(f"{sample[column] / mib:.0f}" for sample in rss["tenths"])
+        lines.append(f"\n{process} RSS (MiB) at each tenth of the run: {trend}")
     kv, ledger = report["kv"], report["ledger"]
     lines += ["", f"replica after the run: kv_blocks_used {kv.get('kv_blocks_used')} of "
                   f"{kv.get('kv_blocks_total')}, running {kv.get('num_requests_running')}, "
