@@ -26,7 +26,8 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check engine gateway auth chat tests
+	$(BIN)/ruff check engine gateway auth chat contracts infra cli bench tests
+	$(BIN)/mypy --strict --follow-imports=silent gateway auth chat contracts infra
 
 clean:
 	rm -rf $(VENV) .aigw

@@ -42,7 +42,7 @@ ErrorAnswer = Callable[[str, int, str, str], web.Response]
 _HEAD_PREFIX_BYTES = 512  # of a request's first bytes, kept to name its path in an error
 
 
-class _GuardedHandler(RequestHandler):  # type: ignore[misc]
+class _GuardedHandler(RequestHandler):
     __slots__ = ("_error_answer", "_error_head", "_head", "_header_timeout_s", "_header_timer",
                  "_last_payload")
 

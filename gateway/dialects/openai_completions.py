@@ -48,7 +48,8 @@ class OpenAICompletions(Dialect):
         body = need_object(body, "body")
         request = CanonicalRequest(request_id, get_str(body, "model", required=True,
                                                        allow_empty=False) or "", kind="completion")
-        first, *request.extra_prompts = _parse_prompts(body.get("prompt"))
+        prompts: list[str | list[int]] = list(_parse_prompts(body.get("prompt")))
+        first, *request.extra_prompts = prompts
         if isinstance(first, str):
             request.prompt = first
         else:

@@ -51,7 +51,7 @@ class SupervisorSettings:
 
     def backoff_s(self, num_restarts_in_a_row: int) -> float:
         """The wait before restart number `num_restarts_in_a_row` (1-based) of a streak."""
-        return min(self.initial_backoff_s * 2 ** (num_restarts_in_a_row - 1), self.max_backoff_s)
+        return min(self.initial_backoff_s * 2.0 ** (num_restarts_in_a_row - 1), self.max_backoff_s)
 
 
 @dataclass

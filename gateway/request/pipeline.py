@@ -265,6 +265,7 @@ class Pipeline:
         except Exception:  # noqa: BLE001 - the upstream refuses it itself, in its own words
             log.debug("cannot render %s for admission", canonical.request_id, exc_info=True)
             return estimate
+        assert canonical.rendered_prompt is not None  # render returns (text, ids)
         return len(canonical.rendered_prompt[1])
 
     async def handle(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:

@@ -90,7 +90,7 @@ class PromptHasher:
         text = self.tokenizer.apply_chat_template(
             chat_template_messages(chat), tools=chat_template_tools(chat),
             add_generation_prompt=True, continue_final_message=chat.continue_final_message)
-        refuse_surely_too_long(text, self.tokenizer, None, max_model_len,  # type: ignore[arg-type]
+        refuse_surely_too_long(text, self.tokenizer, None, max_model_len,
                                "messages")
         salt = upstream_body.get("cache_salt")
         return self.encode_segmented(text, salt if isinstance(salt, str) else None)

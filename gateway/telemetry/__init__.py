@@ -5,6 +5,7 @@ when configured), Prometheus metrics, and the series the ops dashboard (gateway/
     from infra.telemetry.settings import TelemetrySettings
 """
 
-from gateway.telemetry.telemetry import TRACE_ID_HEADER, Telemetry
+from gateway.telemetry.middleware import TRACE_ID_HEADER
+from gateway.telemetry.telemetry import Telemetry
 
 __all__ = ["TRACE_ID_HEADER", "Telemetry"]

@@ -95,7 +95,7 @@ class GatewayMetrics:
         self._source: Any = r
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             self._source = CollectorRegistry()
-            MultiProcessCollector(self._source)
+            MultiProcessCollector(self._source)  # type: ignore[no-untyped-call]
         # request-path accessors: labels() once per label tuple
         self.requests_of = LabelCache(self.requests)
         self.duration_of = LabelCache(self.duration)
@@ -138,7 +138,7 @@ class GatewayMetrics:
         return families
 
     def render(self, per_project: bool = True) -> bytes:
-        return generate_latest(_View(self, per_project))  # type: ignore[arg-type]
+        return generate_latest(_View(self, per_project))
 
 
 class _View:

@@ -78,7 +78,7 @@ class Telemetry:
                     processor.on_end(span)
 
     def observed_meter(self, meter: Meter) -> Meter:
-        return ObservedMeter(meter, self.on_record)  # type: ignore[return-value]
+        return ObservedMeter(meter, self.on_record)
 
     def on_record(self, record: UsageRecord) -> None:
         observation = current_observation()

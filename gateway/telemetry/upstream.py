@@ -91,10 +91,10 @@ class _TracedResponse(UpstreamResponse):
     async def read(self) -> bytes:
         return await self._inner.read()
 
-    def lines(self) -> AsyncIterator[bytes]:  # type: ignore[override]
+    def lines(self) -> AsyncIterator[bytes]:
         return self._watched(self._inner.lines())
 
-    def line_batches(self) -> AsyncIterator[list[bytes]]:  # type: ignore[override]
+    def line_batches(self) -> AsyncIterator[list[bytes]]:
         return self._watched(self._inner.line_batches())
 
     async def _watched(self, items: AsyncIterator[T]) -> AsyncIterator[T]:

@@ -265,7 +265,7 @@ class _LeanResponse(UpstreamResponse):
         self.release()
         return body
 
-    async def lines(self) -> AsyncIterator[bytes]:  # type: ignore[override]
+    async def lines(self) -> AsyncIterator[bytes]:
         pending = b""
         async for data in self._chunks():
             *complete, pending = (pending + data).split(b"\n")
@@ -274,7 +274,7 @@ class _LeanResponse(UpstreamResponse):
         if pending:
             yield pending
 
-    async def line_batches(self) -> AsyncIterator[list[bytes]]:  # type: ignore[override]
+    async def line_batches(self) -> AsyncIterator[list[bytes]]:
         pending = b""
         async for data in self._chunks():
             *complete, pending = (pending + data).split(b"\n")

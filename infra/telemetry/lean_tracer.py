@@ -73,7 +73,7 @@ def _current_span_getter() -> Any:
         return trace_api.get_current_span
 
     def current_span() -> trace_api.Span:
-        return var.get().get(_SPAN_KEY) or INVALID_SPAN  # type: ignore[no-any-return]
+        return var.get().get(_SPAN_KEY) or INVALID_SPAN
 
     return current_span
 
@@ -142,15 +142,15 @@ class LeanSpan(trace_api.Span, ReadableSpan):
         return self._tracer.scope
 
     def get_span_context(self) -> SpanContext:
-        return self._context
+        return self._context  # type: ignore[return-value]  # set in __init__, never None
 
     def set_attribute(self, key: str, value: Any) -> None:
         if self._end_time is None and value is not None:
-            self._attributes[key] = value
+            self._attributes[key] = value  # type: ignore[index]  # a dict, made in __init__
 
     def set_attributes(self, attributes: Mapping[str, Any]) -> None:
         if self._end_time is None:
-            self._attributes.update(attributes)
+            self._attributes.update(attributes)  # type: ignore[union-attr]  # a dict, as above
 
     def add_event(self, name: str, attributes: Mapping[str, Any] | None = None,
                   timestamp: int | None = None) -> None:
@@ -233,13 +233,12 @@ class LeanTracer(trace_api.Tracer):
         return span
 
     @contextmanager
-    def start_as_current_span(self, name: str, context: Context | None = None,
-                              kind: SpanKind = SpanKind.INTERNAL,
-                              attributes: Mapping[str, Any] | None = None,
-                              links: Sequence[trace_api.Link] | None = None,
-                              start_time: int | None = None, record_exception: bool = True,
-                              set_status_on_exception: bool = True, end_on_exit: bool = True
-                              ) -> Iterator[trace_api.Span]:
+    def start_as_current_span(  # type: ignore[override]  # a generator context manager
+            self, name: str, context: Context | None = None, kind: SpanKind = SpanKind.INTERNAL,
+            attributes: Mapping[str, Any] | None = None,
+            links: Sequence[trace_api.Link] | None = None, start_time: int | None = None,
+            record_exception: bool = True, set_status_on_exception: bool = True,
+            end_on_exit: bool = True) -> Iterator[trace_api.Span]:
         span = self.start_span(name, context, kind, attributes, links, start_time)
         with trace_api.use_span(span, end_on_exit=end_on_exit, record_exception=record_exception,
                                 set_status_on_exception=set_status_on_exception) as current:
