@@ -127,3 +127,24 @@ def test_engine_with_window_layers_matches_the_reference_under_preemption(expect
     assert [g.token_ids for g in results] == [expected[tuple(p)] for p in BASE + SHARED]
     assert engine.engine.scheduler.num_preemptions_total > 0
     _assert_clean(engine)
+
+
+def test_native_decode_step_refuses_window_layers() -> None:
+    """The native CPU decode kernel attends to the whole context: windowed models keep the general
+    forward (whose attention applies the window), full-attention twins may take it."""
+    from dataclasses import replace
+
+    from engine.layers import make_linear_factory
+    from engine.layers.torch_attention import TorchPagedAttention
+    from engine.models.llama_decode import FloatDecodeStep
+    from engine.models.registry import build_model
+
+    config = EngineConfig(model_path="<random>", device="cpu", dtype="float32", num_threads=1,
+                          cache=CacheConfig(kv_cache_memory_bytes=64 * BYTES_PER_BLOCK))
+    windowed = ModelRunner(config, CONFIG, _weights())
+    assert windowed._native_decode is None
+    assert FloatDecodeStep.build(windowed.model) is None
+    twin = replace(CONFIG, layer_types=None, sliding_window=None)
+    make_linear = make_linear_factory(config, torch.device("cpu"), {})
+    twin_model = build_model(twin, _weights(), TorchPagedAttention(), make_linear)
+    assert FloatDecodeStep.build(twin_model) is not None
