@@ -176,7 +176,12 @@ def load_gguf_checkpoint(path: Path, dtype: torch.dtype = torch.float32,
     for info in tqdm(infos, desc=f"loading {path.name}", unit="tensor", disable=not progress):
         if info.name in _SKIPPED_TENSORS:
             continue
-        name = hf_tensor_name(info.name)
+        try:
+            name = hf_tensor_name(info.name)
+        except KeyError:
+            raise UnsupportedCheckpointError(
+                f"{path.name}: GGUF tensor {info.name!r} is not part of a {config.architecture} "
+                "model this engine reads") from None
         ggml_type = gguf.GGMLQuantizationType(info.ggml_type)
         # A plain array (not a memmap view): gguf's dequantize is ~10x slower on memmap slices.
         data = _tensor_data(file_bytes, info, ggml_type)

@@ -132,7 +132,8 @@ _GGUF_MODULES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "se
                  "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}
 
 
-def write_gguf(hf_directory: Path, path: Path, linear_type: str = "F32") -> None:
+def write_gguf(hf_directory: Path, path: Path, linear_type: str = "F32",
+               extra_tensors: dict[str, torch.Tensor] | None = None) -> None:
     """The HF checkpoint as a qwen3 / qwen3moe GGUF: metadata, the byte-level BPE vocabulary, tensors
     (q/k not permuted: NEOX rope); per-expert tensors stacked into ffn_{gate,up,down}_exps. 2-D
     projection weights in `linear_type` ("F32", "Q8_0" or "Q4_0"; norms and experts stay F32)."""
@@ -193,6 +194,8 @@ def write_gguf(hf_directory: Path, path: Path, linear_type: str = "F32") -> None
                 quantize=tensor.dim() == 2 and module != "mlp.gate")
     for name, by_expert in experts.items():
         add(name, torch.stack([by_expert[e] for e in sorted(by_expert)]), quantize=False)  # [E, out, in]
+    for name, tensor in (extra_tensors or {}).items():
+        add(name, tensor, quantize=False)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -17,6 +17,7 @@ from contracts.sampling_params import SamplingParams
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.loader import load_checkpoint
+from engine.loader.checkpoint import UnsupportedCheckpointError
 from tests.engine.fakes import assert_idle_and_clean, generate
 from tests.models._qwen3 import TinyCheckpoint, hf_greedy, write_checkpoints, write_gguf
 
@@ -69,6 +70,16 @@ def test_gguf_loads_as_the_hf_directory_and_generates_transformers_tokens(
     assert max(abs(a.logprob - b) for a, b in zip(result.logprobs, logprobs, strict=True)) < 2e-3
     assert engine.tokenizer.decode(tokens) == result.text  # the GGUF's own vocabulary
     assert_idle_and_clean(engine)
+
+
+def test_a_gguf_tensor_the_architecture_does_not_have_is_named(checkpoints: dict[str, TinyCheckpoint],
+                                                              tmp_path: Path) -> None:
+    path = tmp_path / "shared-expert.gguf"
+    write_gguf(checkpoints["qwen3_moe"].directory, path,
+               extra_tensors={"blk.0.ffn_gate_shexp.weight": torch.zeros(32, 64)})
+    with pytest.raises(UnsupportedCheckpointError, match=r"^shared-expert\.gguf: GGUF tensor "
+                                                         r"'blk\.0\.ffn_gate_shexp\.weight' is not part"):
+        load_checkpoint(path, progress=False)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
