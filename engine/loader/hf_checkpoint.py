@@ -7,8 +7,8 @@ config.json maps to `ModelConfig` for these `model_type`s (kept as `architecture
     mixtral           num_local_experts, num_experts_per_tok; expert size = intermediate_size;
                       top-k weights renormalised (norm_topk_prob=True)
     qwen2_moe         num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
-                      shared_expert_intermediate_size; q/k/v biases (qkv_bias, default True)
-    qwen2_moe         + decoder_sparse_step, mlp_only_layers (dense MLP on the layers they exclude)
+                      shared_expert_intermediate_size; q/k/v biases (qkv_bias, default True);
+                      decoder_sparse_step, mlp_only_layers (the dense MLP on the layers they exclude)
     olmoe             num_experts, num_experts_per_tok; expert size = intermediate_size;
                       norm_topk_prob; qk_norm="projection"
     qwen3             dense; head_dim from the config; qk_norm="per_head"; attention_bias from the
@@ -28,7 +28,8 @@ and qwen3_moe every layer. Any other config that turns one on (`use_sliding_wind
 
 rope: `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4.x); a "default"
 rope type means no scaling. Tensor names stay as in the file; `raw` is empty. Not mapped:
-olmoe `clip_qkv`.
+olmoe `clip_qkv`. A missing field a model_type needs, an unknown model_type or a refused setting
+is one `UnsupportedCheckpointError` line.
 """
 
 from __future__ import annotations
