@@ -281,3 +281,21 @@ def test_the_released_20b_config_maps_to_its_architecture(tmp_path: Path) -> Non
     assert (config.swiglu_limit, config.swiglu_alpha, config.eos_token_ids) == (7.0, 1.702, (200002,))
     rotary = RotaryEmbedding(64, 8, config.rope_theta, dict(config.rope_scaling))
     assert float(rotary.cos[0, 0]) == pytest.approx(0.1 * torch.log(torch.tensor(32.0)).item() + 1)
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_cos_sin_equal_transformers_gpt_oss_rotary_bit_for_bit(truncate: bool) -> None:
+    import transformers
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    from engine.layers.rotary import RotaryEmbedding
+
+    scaling = {**RELEASED_20B["rope_scaling"], "truncate": truncate}
+    config = transformers.GptOssConfig(head_dim=64, max_position_embeddings=131072,
+                                       rope_parameters={**scaling, "rope_theta": 150000.0})
+    positions = torch.arange(0, 9000, 7)
+    cos, sin = GptOssRotaryEmbedding(config)(torch.zeros(1), positions[None])  # [1, P, Dh/2]
+    ours = RotaryEmbedding(64, 9000, 150000.0, dict(scaling))
+    our_cos, our_sin = ours.lookup(positions)  # [P, 1, Dh]: the two halves repeat
+    assert torch.equal(our_cos[:, 0, :32], cos[0]) and torch.equal(our_sin[:, 0, :32], sin[0])
+    assert torch.equal(our_cos[:, 0, 32:], cos[0])
