@@ -14,6 +14,7 @@ from contracts.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    EventBatch,
     KVEventLog,
     apply_events,
 )
@@ -203,6 +204,26 @@ def test_stored_event_carries_the_chain_and_no_token_ids() -> None:
     assert stored == BlockStored(tuple(request.block_hashes), None, (), BLOCK_SIZE)
     page = orjson.loads(orjson.dumps(log.since(0).to_json()))  # GET /kv/events, the Redis stream
     assert [e["token_ids"] for b in page["batches"] for e in b["events"]] == [[]]
+
+
+def test_what_publishers_get_holds_no_token_ids_either() -> None:
+    class Recording:  # what the Redis stream publisher is handed (contracts.kv_events)
+        def __init__(self) -> None:
+            self.batches: list[EventBatch] = []
+
+        def publish(self, batch: EventBatch) -> None:
+            self.batches.append(batch)
+
+    publisher = Recording()
+    log = KVEventLog("r", publishers=(publisher,))
+    manager = make_manager(8, event_log=log)
+    admit(manager, make_request(tokens(40)))
+    log.seal()
+    manager.check_integrity()
+    (batch,) = publisher.batches
+    (stored,) = batch.events
+    assert isinstance(stored, BlockStored) and stored.block_hashes and stored.token_ids == ()
+    assert [list(event["token_ids"]) for event in batch.to_json()["events"]] == [[]]
 
 
 def test_stored_event_carries_the_tokens_when_the_debug_switch_asks() -> None:
