@@ -5,7 +5,6 @@ pass-through (bench/bare_proxy.py, the ceiling for a Python proxy), `aigw serve`
 metering off and on (tracing on, as configured by default), the same with tracing off
 (`aigw_trace_off`, AIGW_TRACING=0), and LiteLLM's proxy (installed into bench/out/litellm-venv;
 skipped with a reason if that fails). On request (`--targets ...`):
-    aigw_aiohttp     `aigw` with aiohttp's upstream client instead of its own
     aigw_trace_all   `aigw` tracing every request (AIGW_TRACE_MAX_PER_S=0: no rate limit)
     aigw_twin        a second `aigw` configured the same: the difference two identical gateways
                      show, the noise floor of the tracing comparison
@@ -33,9 +32,9 @@ from typing import Any
 MODEL = "mock-model"
 LITELLM_KEY = "sk-aigw-bench-0123456789"  # LiteLLM refuses to start without a master key
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-TARGET_NAMES = ("bare_proxy", "aigw_auth_off", "aigw", "aigw_trace_off", "litellm", "aigw_aiohttp",
+TARGET_NAMES = ("bare_proxy", "aigw_auth_off", "aigw", "aigw_trace_off", "litellm",
                 "aigw_twin", "aigw_trace_all")
-DEFAULT_TARGETS = TARGET_NAMES[:-3]  # aigw_aiohttp, aigw_twin and aigw_trace_all on request only
+DEFAULT_TARGETS = TARGET_NAMES[:-2]  # aigw_twin and aigw_trace_all on request only
 
 
 @dataclass
@@ -369,8 +368,7 @@ def run(args: argparse.Namespace) -> int:
         gateways = [(name, auth, extra_env) for name, auth, extra_env in (
             ("aigw_auth_off", False, None), ("aigw_trace_all", True, {"AIGW_TRACE_MAX_PER_S": "0"}),
             ("aigw_trace_off", True, {"AIGW_TRACING": "0"}),
-            ("aigw", True, None), ("aigw_twin", True, None),
-            ("aigw_aiohttp", True, {"AIGW_UPSTREAM_CLIENT": "aiohttp"})) if name in wanted]
+            ("aigw", True, None), ("aigw_twin", True, None)) if name in wanted]
         for name, auth, extra_env in gateways:
             # each run starts from an empty store (a usage table grown by earlier runs would
             # make one target's writes costlier than another's)

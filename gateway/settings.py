@@ -150,9 +150,6 @@ class GatewaySettings(BaseSettings):
     num_retries: int = Field(2, ge=0)
     retry_budget_ratio: float = Field(0.2, ge=0)
     num_retries_reserve: int = Field(10, ge=0)
-    # Upstream HTTP client: "lean" (gateway/upstream/lean_transport.py: asyncio + httptools, the fast one)
-    # or "aiohttp" (aiohttp's ClientSession, e.g. as a fallback).
-    upstream_client: Literal["lean", "aiohttp"] = "lean"
     connect_timeout_s: float = Field(5.0, gt=0)
     first_token_timeout_s: float = Field(60.0, gt=0)  # request sent -> first event (streamed)
     response_timeout_s: float = Field(600.0, gt=0)  # request sent -> a non-streamed whole answer

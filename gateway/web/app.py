@@ -1,6 +1,6 @@
 """The app factory: `create_app(settings, authenticator=..., meter=...)`.
 
-Lifecycles (cleanup_ctx, in order): the upstream transport (one pooled ClientSession per upstream),
+Lifecycles (cleanup_ctx, in order): the upstream transport (LeanTransport: keep-alive connections pooled per upstream),
 the first discovery round (models with `discover`: gateway/fleet/discovery.py), the router's own tasks
 (`Router.start/close`), the discovery task (every `health_interval_s`; it tells the router of
 changes), the health checker task, then (on shutdown only) the wait for the settlements still
@@ -31,7 +31,8 @@ from gateway.request.pipeline import CacheSaltOf, Pipeline, default_cache_salt_o
 from gateway.routing import Router, create_router
 from gateway.settings import GatewaySettings
 from gateway.telemetry import Telemetry
-from gateway.upstream.transport import Transport, create_transport
+from gateway.upstream.lean_transport import LeanTransport
+from gateway.upstream.transport import Transport
 from gateway.web.keys import (
     AUTHENTICATOR,
     DISCOVERY,
@@ -61,7 +62,7 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
     app = web.Application(client_max_size=settings.max_body_bytes + 1,
                           middlewares=[telemetry.middleware, envelope_middleware])
     app[SETTINGS] = settings
-    app[TRANSPORT] = transport or create_transport(settings.upstream_client)
+    app[TRANSPORT] = transport or LeanTransport()
     app[ROUTER] = router or create_router(settings.router, settings)
     app[FLEET] = Fleet(settings, telemetry.traced_transport(app[TRANSPORT]))
     app[DISCOVERY] = Discovery(app[FLEET], app[ROUTER], resolve)

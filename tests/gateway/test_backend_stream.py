@@ -1,4 +1,4 @@
-"""The replica backend over the real aiohttp transport (no wrappers): batched SSE reading keeps
+"""The replica backend over the real upstream transport (LeanTransport, no wrappers): batched SSE reading keeps
 every token, merges what arrived together, and still reports a cut stream as an error."""
 
 from __future__ import annotations
@@ -23,12 +23,8 @@ from gateway.request.canonical import (
 )
 from gateway.request.errors import UpstreamUnavailable
 from gateway.settings import GatewaySettings
-from gateway.upstream.transport import (
-    MockResponse,
-    MockTransport,
-    UpstreamRequest,
-    create_transport,
-)
+from gateway.upstream.lean_transport import LeanTransport
+from gateway.upstream.transport import MockResponse, MockTransport, UpstreamRequest
 from tests.gateway.conftest import MODEL, LoopThread, start_app
 
 
@@ -39,12 +35,9 @@ def test_merging_joins_adjacent_text_and_argument_pieces_only() -> None:
                                ToolCallDelta(1, "d", "g", ""), Finish("stop")]
 
 
-UPSTREAM_CLIENTS = pytest.mark.parametrize("client", ["lean", "aiohttp"])
-
-
-async def _stream(upstream: str, client: str, stream: bool = True) -> list[object]:
+async def _stream(upstream: str, stream: bool = True) -> list[object]:
     settings = GatewaySettings(auth_enabled=False, models=[{"name": MODEL, "endpoints": [upstream]}])
-    transport = create_transport(client)
+    transport = LeanTransport()
     try:
         route = Fleet(settings, transport).get(MODEL)
         assert route is not None
@@ -54,11 +47,10 @@ async def _stream(upstream: str, client: str, stream: bool = True) -> list[objec
         await transport.aclose()
 
 
-@UPSTREAM_CLIENTS
-def test_batched_stream_keeps_every_token_and_usage(loop_thread: LoopThread, client: str) -> None:
+def test_batched_stream_keeps_every_token_and_usage(loop_thread: LoopThread) -> None:
     runner, url = loop_thread.run(start_app(create_mock_app(MockState(MockConfig(num_tokens=50)))))
     try:
-        events = loop_thread.run(_stream(url, client))
+        events = loop_thread.run(_stream(url))
     finally:
         loop_thread.run(runner.cleanup())
     text = "".join(e.text for e in events if isinstance(e, TextDelta))
@@ -66,13 +58,12 @@ def test_batched_stream_keeps_every_token_and_usage(loop_thread: LoopThread, cli
     assert events[-2:] == [Finish("stop"), Usage(1, 50, 0)]
 
 
-@UPSTREAM_CLIENTS
-def test_batched_stream_cut_mid_way_is_an_error(loop_thread: LoopThread, client: str) -> None:
+def test_batched_stream_cut_mid_way_is_an_error(loop_thread: LoopThread) -> None:
     config = MockConfig(num_tokens=50, fail_mode="mid_stream", fail_after_tokens=10)
     runner, url = loop_thread.run(start_app(create_mock_app(MockState(config))))
     try:
         with pytest.raises(UpstreamUnavailable):
-            loop_thread.run(_stream(url, client))
+            loop_thread.run(_stream(url))
     finally:
         loop_thread.run(runner.cleanup())
 
