@@ -13,6 +13,41 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face's names
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek-V3 multi-head latent attention. The KV cache holds, per token and layer, only the
+    compressed latent and the shared rope key: one "kv head" of kv_lora_rank + qk_rope_head_dim,
+    K and V one tensor (engine/models/deepseek_v3.py)."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None  # None: a plain q_proj
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # rope dims in interleaved pairs (transformers' default)
+
+
+@dataclass(frozen=True)
+class GroupedTopK:
+    """DeepSeek-V3 routing: sigmoid scores (+ e_score_correction_bias for the choice), the best
+    `topk_group` of `n_group` expert groups (by each group's two best scores), top-k inside them,
+    weights times `routed_scaling_factor`."""
+
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+
+
+@dataclass(frozen=True)
+class GemmaConfig:
+    """Gemma 3 text (engine/models/gemma3.py): what sets it apart from the Llama family."""
+
+    local_rope_theta: float  # sliding layers' rope base, unscaled (full layers: rope_theta, rope_scaling)
+    query_pre_attn_scalar: float  # softmax scale = query_pre_attn_scalar ** -0.5 (not head_dim's)
+    final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
+    attn_logit_softcapping: float | None = None  # the same on attention scores (refused at load)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Llama-family architecture (dense, or MoE when `num_experts` > 0)."""
 
@@ -56,6 +91,12 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     model_id: str = "model"
+    # DeepSeek-V3 (None elsewhere): latent attention (num_kv_heads 1, head_dim = latent + rope dims)
+    # and grouped top-k routing
+    mla: MLAConfig | None = None
+    grouped_topk: GroupedTopK | None = None
+    # Gemma 3 (None elsewhere): local rope base, softmax scale, soft-capping
+    gemma: GemmaConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -105,6 +146,11 @@ class ModelConfig:
         """Whether decoder layer `layer` has the routed experts (else a dense MLP)."""
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def kv_is_shared(self) -> bool:
+        """K and V are one cache tensor (MLA's latent), so a token costs one vector per layer."""
+        return self.mla is not None
 
     @property
     def num_queries_per_kv(self) -> int:

@@ -76,8 +76,10 @@ class ModelRunner:
         self.kv_dtype = self._native_decode.kv_dtype if self._native_decode is not None else self.dtype
         self.num_blocks = self._num_blocks_for_budget()
         shape = (self.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
-        slots = [(self._kv_tensor(shape), self._kv_tensor(shape))
-                 for _ in range(self.kv_layout.num_tensor_slots)]
+        slots = []
+        for _ in range(self.kv_layout.num_tensor_slots):
+            k = self._kv_tensor(shape)  # MLA: the latent is K and V (one tensor, kv_is_shared)
+            slots.append((k, k if model_config.kv_is_shared else self._kv_tensor(shape)))
         self.kv_caches = [slots[j] for j in self.kv_layout.layer_slot]  # per layer (slots are shared)
         logger.info("KV cache: %d blocks of %d tokens (%.0f MiB), %d group(s)", self.num_blocks,
                     self.block_size, self.num_blocks * self.bytes_per_block / 2**20,

@@ -92,8 +92,8 @@ class KVCacheLayout:
 
 
 def kv_bytes_per_token(config: ModelConfig, element_size: int) -> int:
-    """K and V of one token in one layer, in bytes."""
-    return 2 * config.num_kv_heads * config.head_dim * element_size
+    """K and V of one token in one layer, in bytes (MLA: one latent vector, K and V shared)."""
+    return (1 if config.kv_is_shared else 2) * config.num_kv_heads * config.head_dim * element_size
 
 
 def kv_bytes_per_sequence(layout: KVCacheLayout, config: ModelConfig, num_tokens: int,

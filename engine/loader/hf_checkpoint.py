@@ -18,6 +18,8 @@ config.json maps to `ModelConfig` for these `model_type`s (kept as `architecture
                       decoder_sparse_step, mlp_only_layers; no shared expert
     gpt_oss           experts, layer_types + sliding_window, clamped SwiGLU, MXFP4 experts
                       (engine/loader/hf_gpt_oss.py)
+    deepseek_v3       latent attention, grouped top-k routing, shared experts, dense first layers
+                      (engine/loader/hf_deepseek_v3.py; also Kimi-K2's configs)
 
 Sliding windows: mistral and mixtral apply `sliding_window` to every layer, as transformers does
 (absent: 4096 for mistral, none for mixtral; null: none); gpt_oss has `layer_types`. qwen3 and
@@ -48,7 +50,7 @@ from engine.config import ModelConfig
 from engine.loader.checkpoint import Checkpoint, UnsupportedCheckpointError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-                         "olmoe", "gpt_oss")
+                         "olmoe", "gpt_oss", "deepseek_v3")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -105,6 +107,10 @@ def _moe_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         from engine.loader.hf_gpt_oss import gpt_oss_fields
 
         return gpt_oss_fields(config)
+    if model_type == "deepseek_v3":
+        from engine.loader.hf_deepseek_v3 import deepseek_v3_fields
+
+        return deepseek_v3_fields(config)
     return {}
 
 
@@ -186,6 +192,8 @@ def _model_config(directory: Path, config: Mapping[str, Any]) -> ModelConfig:
         fields.update(_every_layer_window(config))
     if model_type in ("qwen3", "qwen3_moe"):
         fields.update(_qwen3_windows(config))
+    num_kv_heads = fields.pop("num_kv_heads", None) or config.get("num_key_value_heads") or num_heads
+    head_dim = fields.pop("head_dim", None) or config.get("head_dim") or config["hidden_size"] // num_heads
     return ModelConfig(
         architecture=model_type,
         vocab_size=config["vocab_size"],
@@ -193,8 +201,8 @@ def _model_config(directory: Path, config: Mapping[str, Any]) -> ModelConfig:
         intermediate_size=config["intermediate_size"],
         num_layers=config["num_hidden_layers"],
         num_heads=num_heads,
-        num_kv_heads=config.get("num_key_value_heads") or num_heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+        num_kv_heads=num_kv_heads,  # deepseek_v3: the latent's one "kv head" (hf_deepseek_v3.py)
+        head_dim=head_dim,
         max_position_embeddings=config["max_position_embeddings"],
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
         rope_theta=rope_theta,

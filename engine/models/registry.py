@@ -33,7 +33,12 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], attention
         from engine.models.gpt_oss import GptOssModel
 
         model = GptOssModel(config, weights, attention, make_linear, device=device, dtype=dtype)  # type: ignore[assignment]
+    elif arch == "deepseek_v3":  # latent attention, grouped top-k routing (deepseek_v3.py)
+        from engine.models.deepseek_v3 import DeepseekV3Model
+
+        model = DeepseekV3Model(config, weights, attention, make_linear, device=device, dtype=dtype)  # type: ignore[assignment]
     else:
-        raise ValueError(f"unsupported architecture {arch!r} (supported: {sorted(_DENSE | _MOE | {'gpt_oss'})})")
+        supported = sorted(_DENSE | _MOE | {"gpt_oss", "deepseek_v3"})
+        raise ValueError(f"unsupported architecture {arch!r} (supported: {supported})")
     check_all_used(weights, arch)
     return model
