@@ -1,6 +1,7 @@
-"""A real `aigw serve` whose embedded replica is SIGKILLed: /health goes 503 "unready" once the
-grace has passed, the supervisor starts the replica again on its port (one log line, one count on
-/metrics), and the gateway serves again. The default model, one thread."""
+"""A real `aigw serve` whose embedded replica (requiring the secret serve generated for it) is
+SIGKILLed: /health goes 503 "unready" once the grace has passed, the supervisor starts the
+replica again on its port (one log line, one count on /metrics), and the gateway serves again.
+The default model, one thread."""
 
 from __future__ import annotations
 
@@ -79,6 +80,11 @@ def test_a_killed_embedded_replica_makes_health_unready_then_comes_back_and_serv
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         assert _chat(url, model).status_code == 200
         (first,) = _replica_pids(process.pid)
+        argv = Path(f"/proc/{first}/cmdline").read_bytes().decode().split("\0")
+        assert "--no-auth" not in argv  # serve made it a secret, passed in its environment
+        replica_url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
+        assert httpx.get(replica_url + "/kv/events?since=0").status_code == 401
+        assert httpx.get(replica_url + "/health").status_code == 200
         os.kill(first, signal.SIGKILL)
         killed_at = time.monotonic()
         _wait_for(lambda: _status(url) == (503, "unready"), 30, "/health 503 unready")
