@@ -62,10 +62,11 @@ def parse_reasoning_effort(value: Any, param: str) -> str | None:
 
 def parse_sampling(body: dict[str, Any], request: CanonicalRequest, *, max_tokens_keys: tuple[str, ...]
                    ) -> None:
-    """temperature, top_p, penalties, n, seed, stop, max tokens, stream, stream_options and user
-    onto `request`
+    """temperature, top_p, penalties, n, seed, stop, max tokens, stream, stream_options, user
+    and prompt_cache_key onto `request`
     (max tokens may be 0 only on a completion that echoes its prompt: it scores the prompt)."""
     request.user = get_str(body, "user")
+    request.prompt_cache_key = get_str(body, "prompt_cache_key")
     for key in max_tokens_keys:
         value = get_int(body, key, minimum=0 if request.echo else 1)
         if value is not None:
@@ -134,8 +135,9 @@ def joined_logprobs(parts: list[Any] | None) -> Any:
     form: chat `{"content": [...]}`, or the legacy completions form of parallel arrays)."""
     if not parts:
         return None
-    if all(isinstance(p, dict) and "content" in p for p in parts):
-        return {"content": [entry for p in parts for entry in p.get("content") or ()]}
+    if all(isinstance(p, dict) and "content" in p for p in parts):  # chat: refusal always there
+        return {"content": [entry for p in parts for entry in p.get("content") or ()],
+                "refusal": None}
     joined: dict[str, list[Any]] = {}
     for part in parts:
         for key, values in (part.items() if isinstance(part, dict) else ()):
@@ -145,4 +147,8 @@ def joined_logprobs(parts: list[Any] | None) -> Any:
 
 
 def logprobs_bytes(logprobs: Any) -> bytes:
+    """A delta's logprobs as JSON; chat's form (`content`) always carries `refusal` (null when
+    the upstream left it out), as OpenAI sends it."""
+    if isinstance(logprobs, dict) and "content" in logprobs and "refusal" not in logprobs:
+        logprobs = {**logprobs, "refusal": None}
     return b"null" if logprobs is None else orjson.dumps(logprobs)

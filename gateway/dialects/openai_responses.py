@@ -238,6 +238,7 @@ class OpenAIResponses(Dialect):
         request.top_p = get_number(body, "top_p", minimum=0.0, maximum=1.0)
         request.stream = bool(get_bool(body, "stream"))
         request.user = get_str(body, "user")
+        request.prompt_cache_key = get_str(body, "prompt_cache_key")
         reasoning = get_object(body, "reasoning")
         if reasoning is not None:
             request.reasoning_effort = common.parse_reasoning_effort(reasoning.get("effort"),

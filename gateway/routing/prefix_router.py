@@ -10,8 +10,9 @@ for long prompts), look up the longest run each candidate holds (one index round
 (scoring.py), then record the chosen replica as holding the request's blocks for
 `tentative_ttl_s` (events arrive later). Falls back to least load when the route is not served
 by our replicas, no consumer has synced yet, or the prompt has no full block. Session affinity
-(`x-session-id` / `user`, read from `request.session_id` / `request.user` when the canonical form
-carries them): the session's last replica is credited with the session's last prompt blocks.
+(the body's `prompt_cache_key`, else `x-session-id`, else `user` / metadata.user_id: the first
+of SESSION_KEY_PRECEDENCE the canonical form carries): the session's last replica is credited
+with the session's last prompt blocks.
 """
 
 from __future__ import annotations
@@ -293,11 +294,16 @@ class PrefixRouter(Router):
         return self._explanations.get(request_id)
 
 
+# the affinity inputs, first present wins: the body's prompt_cache_key (OpenAI's field for cache
+# routing), the `x-session-id` header, the end user (OpenAI `user`, Anthropic metadata.user_id)
+SESSION_KEY_PRECEDENCE = ("prompt_cache_key", "session_id", "user")
+
+
 def _session_key(request: CanonicalRequest) -> bytes | None:
-    """A fixed-size digest of (project, session): the session's name is the caller's text (an
-    `x-session-id` header of up to 8 KiB, or the body's `user` of any length), and
+    """A fixed-size digest of (project, session): the session's name is the caller's text (a
+    body's prompt_cache_key or `user` of any length, an `x-session-id` header of up to 8 KiB), and
     `max_sessions` of them must stay bounded in bytes (16 bytes a key)."""
-    for attribute in ("session_id", "user"):
+    for attribute in SESSION_KEY_PRECEDENCE:
         value = getattr(request, attribute, None)
         if isinstance(value, str) and value:
             text = f"{request.project or ''}/{value}".encode("utf-8", "surrogatepass")

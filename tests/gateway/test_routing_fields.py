@@ -49,6 +49,26 @@ def test_user_and_session_reach_the_router_from_every_dialect(make_gateway: Gate
                                                              ("carol", None)]
 
 
+def test_prompt_cache_key_reaches_the_router_from_the_openai_sdk(
+        make_gateway: GatewayFactory) -> None:
+    import openai
+
+    router = RecordingRouter()
+    gateway = _gateway_with(make_gateway, router)
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                   prompt_cache_key="conv-7", user="alice",
+                                   extra_headers={"x-session-id": "s-1"})
+    client.responses.create(model=MODEL, input="hi", prompt_cache_key="conv-8")
+    client.completions.create(model=MODEL, prompt="hi", extra_body={"prompt_cache_key": "conv-9"})
+    assert [(r.prompt_cache_key, r.session_id, r.user) for r in router.seen] == [
+        ("conv-7", "s-1", "alice"), ("conv-8", None, None), ("conv-9", None, None)]
+    bad = httpx.post(gateway.url + "/v1/chat/completions",
+                     json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                           "prompt_cache_key": 7})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_cache_key"
+
+
 def test_debug_header_explains_the_routing_decision_only_when_asked(
         make_gateway: GatewayFactory) -> None:
     gateway = _gateway_with(make_gateway, RecordingRouter())

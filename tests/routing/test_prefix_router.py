@@ -195,3 +195,25 @@ def test_sessions_are_kept_in_fixed_bytes_whatever_their_names() -> None:
     rig.choose(again)
     assert len(rig.router._sessions) == 64
     index.close()
+
+
+def test_prompt_cache_key_is_the_session_key_ahead_of_the_header_and_the_user(
+        index: IndexUnderTest) -> None:
+    """A session's replica is credited with its last prompt; prompt_cache_key names the session
+    first, so two requests sharing it follow each other whatever their x-session-id and user."""
+    rig = Rig(index)
+    first = request("You are terse. ", request_id="k1")
+    first.prompt_cache_key, first.session_id, first.user = "conv-1", "s-a", "alice"
+    chosen, _ = rig.choose(first)
+    # another prompt (no shared prefix in the index), the same key, another header and user
+    follow = request("Other words entirely. ", request_id="k2")
+    follow.prompt_cache_key, follow.session_id, follow.user = "conv-1", "s-b", "bob"
+    followed, reason = rig.choose(follow)
+    assert followed is chosen and reason == "prefix"
+    # the first request's header and user, without its key, name no session seen: no credit
+    stranger = request("A third new prompt. ", request_id="k3")
+    stranger.session_id, stranger.user = "s-a", "alice"
+    assert rig.choose(stranger)[1] == "least_cost"
+    keyed = request("A fourth new prompt. ", request_id="k4")
+    keyed.session_id, keyed.prompt_cache_key = "s-a", "conv-1"  # the key: credited again
+    assert rig.choose(keyed) == (chosen, "prefix")
