@@ -1,12 +1,15 @@
-"""The one request pipeline every dialect runs through.
+"""The one request pipeline every dialect runs through; `Pipeline.handle` reads as its steps:
 
-    request id -> authenticate (a bad body without a credential is a 401) -> body cap
-      -> parse + validate (dialect) -> require scope & model
-      -> meter.admit -> dispatch (pick endpoint, first event, retries) -> respond or stream
-      -> meter.settle (exactly once per admitted request: also on disconnect and failure; with
-         a meter that has `settle_nowait`, queued, so the answer never waits for the usage write,
-         except when the request counts against rate limits or a budget: then it settles before
-         the answer goes out, so the caller's next request sees its real token count)
+    admit      `_admit`: request id -> authenticate (a bad body without a credential is a 401)
+               -> body cap -> parse + validate (dialect) -> require scope & model -> meter.admit
+    dispatch   `_dispatch`: pick an endpoint, its first event, retries (gateway/request/dispatch.py)
+    respond    `_respond`: the whole answer, or
+    stream     `_stream`: the dialect's events as they come
+    settle     the request's `Settlement` (gateway/request/settlement.py): exactly once per
+               admitted request, also on disconnect and failure; with a meter that has
+               `settle_nowait`, queued, so the answer never waits for the usage write, except when
+               the request counts against rate limits or a budget: then it settles before the
+               answer goes out, so the caller's next request sees its real token count
 
 Errors before admission answer in the dialect's envelope and are never metered. After the stream
 has started, a failure ends it with the dialect's error event (status 200 already sent).
@@ -48,6 +51,7 @@ from gateway.request.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
+from gateway.request.settlement import Settlement
 from gateway.request.usage import STATUS_CLIENT_CLOSED, build_record
 from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
@@ -292,32 +296,33 @@ class Pipeline:
                                 outcome.accumulator, outcome.status, latency_ms,
                                 outcome.num_prompt_tokens, record_id=usage_id)
 
-        async def settle_now() -> None:
-            outcome.settled = True
-            if outcome.needs_prompt_count():  # a stream that broke off
+        async def settle_once(queue: bool) -> None:
+            if outcome.needs_prompt_count():  # an answer that broke off before its usage
                 await self._count_then_settle(canonical, route, outcome, admission, record,
-                                              queue=False)
+                                              queue=queue)
+            elif queue and self._settle_nowait is not None:
+                self._settle_nowait(admission, record())  # never raises; nothing to cancel
             else:
                 await asyncio.shield(self._settle(admission, record()))
 
-        if admission.counts_against_limits:
-            outcome.settle_before_answer = settle_now
+        outcome.settlement = Settlement(settle_once)
+        outcome.settles_before_answer = admission.counts_against_limits
         outcome.show_overhead = not self.settings.auth_enabled or may_see_overhead(principal)
         try:
             outcome.explain_route = (request.headers.get("x-aigw-debug") == "1"
                                      and outcome.show_overhead)  # replicas' load: operators
+            attempt = await self._dispatch(canonical, route, timing, outcome)
             if canonical.stream:
-                return await self._stream(request, dialect, canonical, route, timing, outcome,
+                return await self._stream(request, dialect, canonical, attempt, timing, outcome,
                                           admission.headers)
-            return await self._respond(request, dialect, canonical, route, timing, outcome,
+            return await self._respond(request, dialect, canonical, attempt, timing, outcome,
                                        admission.headers)
         except GatewayError as exc:
             outcome.status = exc.status
             if isinstance(exc, UpstreamError) and exc.endpoint_name:
                 outcome.replica = exc.endpoint_name  # the endpoint that answered with the error
-            if outcome.settle_before_answer is not None and not outcome.settled:
-                await outcome.settle_before_answer()  # (an upstream refusal: its reservation
-                # is released before the caller can send its next request)
+            if outcome.settles_before_answer:  # (an upstream refusal: its reservation is
+                await outcome.settlement.settle(queue=False)  # released before the caller's next)
             return error_response(dialect, exc.status, exc.code, exc.message, request_id,
                                   timing.overhead_ms(), outcome.replica, headers=admission.headers,
                                   param=exc.param, error_type=exc.error_type,
@@ -326,14 +331,7 @@ class Pipeline:
             outcome.status = STATUS_CLIENT_CLOSED
             raise
         finally:
-            if outcome.settled:
-                pass
-            elif outcome.needs_prompt_count():
-                await self._count_then_settle(canonical, route, outcome, admission, record)
-            elif self._settle_nowait is not None:
-                self._settle_nowait(admission, record())  # never raises; nothing to cancel
-            else:
-                await asyncio.shield(self._settle(admission, record()))
+            await outcome.settlement.settle()  # (a no-op when settled before the answer)
 
     async def _count_and_settle(self, canonical: CanonicalRequest, route: ModelRoute,
                                 outcome: _Outcome, admission: Admission,
@@ -364,14 +362,19 @@ class Pipeline:
         except Exception:  # noqa: BLE001 - a metering outage must not fail the answer
             log.exception("settle failed for %s", record.request_id)
 
-    async def _respond(self, request: web.Request, dialect: Dialect, canonical: CanonicalRequest,
-                       route: ModelRoute, timing: Timing, outcome: _Outcome,
-                       extra_headers: dict[str, str]) -> web.Response:
-        """The whole answer, sent here (so settling and the telemetry that follow it are not on
-        the client's critical path)."""
+    async def _dispatch(self, canonical: CanonicalRequest, route: ModelRoute, timing: Timing,
+                        outcome: _Outcome) -> Attempt:
+        """An endpoint's first event (gateway/request/dispatch.py: routing, retries)."""
         attempt = await dispatch(canonical, route, self.router, self.settings, self.retry_budget,
                                  timing, self._watchdog)
         outcome.replica, outcome.endpoint = attempt.endpoint.name, attempt.endpoint
+        return attempt
+
+    async def _respond(self, request: web.Request, dialect: Dialect, canonical: CanonicalRequest,
+                       attempt: Attempt, timing: Timing, outcome: _Outcome,
+                       extra_headers: dict[str, str]) -> web.Response:
+        """The whole answer, sent here (so settling and the telemetry that follow it are not on
+        the client's critical path). Releases `attempt`."""
         outcome.status = 499  # until the answer is built (a cancelled handler keeps this)
         try:
             outcome.accumulator.add(attempt.first_event)
@@ -383,8 +386,8 @@ class Pipeline:
         finally:
             await attempt.release()
         outcome.status = 200
-        if outcome.settle_before_answer is not None:
-            await outcome.settle_before_answer()
+        if outcome.settles_before_answer:
+            await outcome.settlement.settle(queue=False)
         body = orjson.dumps(dialect.render(canonical, outcome.accumulator.response()))
         response = web.Response(body=body, content_type="application/json", headers=extra_headers)
         _stamp(response, canonical.request_id, outcome.replica, timing.overhead_ms(),
@@ -424,11 +427,9 @@ class Pipeline:
                 accumulator.add(event)
 
     async def _stream(self, request: web.Request, dialect: Dialect, canonical: CanonicalRequest,
-                      route: ModelRoute, timing: Timing, outcome: _Outcome,
+                      attempt: Attempt, timing: Timing, outcome: _Outcome,
                       extra_headers: dict[str, str]) -> web.StreamResponse:
-        attempt = await dispatch(canonical, route, self.router, self.settings, self.retry_budget,
-                                 timing, self._watchdog)
-        outcome.replica, outcome.endpoint = attempt.endpoint.name, attempt.endpoint
+        """The answer as the dialect's events, written as they come. Releases `attempt`."""
         outcome.status = STATUS_CLIENT_CLOSED
         accumulator = outcome.accumulator
         encoder = dialect.encoder(canonical)
@@ -466,8 +467,8 @@ class Pipeline:
                 log.warning("stream %s failed after start: %s", canonical.request_id, error.message)
                 accumulator.finish_reason = "error"
                 tail = encoder.error(error.status, error.code, error.message)
-            if outcome.settle_before_answer is not None:
-                await outcome.settle_before_answer()
+            if outcome.settles_before_answer:
+                await outcome.settlement.settle(queue=False)
             await response.write_eof(tail)  # the last events and the chunked terminator in one send
             return response
         except _CLIENT_GONE:
@@ -492,7 +493,7 @@ def _after_start(exc: BaseException, settings: GatewaySettings) -> UpstreamError
 
 class _Outcome:
     __slots__ = ("accumulator", "endpoint", "explain_route", "num_prompt_tokens", "replica",
-                 "settle_before_answer", "settled", "show_overhead", "status")
+                 "settlement", "settles_before_answer", "show_overhead", "status")
 
     def __init__(self) -> None:
         self.accumulator = Accumulator()
@@ -501,8 +502,8 @@ class _Outcome:
         self.num_prompt_tokens: int | None = None  # counted here when the upstream sent no usage
         self.status = 502
         self.explain_route = False
-        self.settle_before_answer: Callable[[], Awaitable[None]] | None = None  # limited requests
-        self.settled = False
+        self.settlement: Settlement  # set once admitted: the one settle of this request
+        self.settles_before_answer = False  # limited requests: settled before the answer goes out
         self.show_overhead = False  # x-aigw-overhead-ms: admin callers only
 
     def needs_prompt_count(self) -> bool:
