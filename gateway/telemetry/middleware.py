@@ -34,6 +34,7 @@ from gateway.telemetry.upstream import PROPAGATOR, TRACE_FLAGS_HEX
 from infra.telemetry.lean_tracer import new_span_context
 
 if TYPE_CHECKING:
+    from gateway.telemetry.access_log import AccessLog
     from gateway.telemetry.telemetry import Telemetry
 
 TRACE_ID_HEADER = "x-aigw-trace-id"
@@ -108,6 +109,8 @@ def make_middleware(telemetry: Telemetry) -> Middleware:
                 record = observation.record
                 final = record.status if cancelled and record is not None else status
                 _finish(telemetry, route, final, observation, response)
+                if telemetry.access_log is not None:
+                    _log_access(telemetry.access_log, request, final, observation, response)
 
             if cancelled and observation.is_admitted and observation.record is None:
                 observation.on_settled = finish  # the settle is still running: wait for it
@@ -172,3 +175,28 @@ def _finish(telemetry: Telemetry, route: str, status: int, observation: RequestO
         metrics.ttft_of(model).observe(ttft_s)
     if record is not None:
         telemetry.latency.add(LatencySample(time.time(), model, latency_s, overhead_s, ttft_s))
+
+
+def _log_access(access_log: AccessLog, request: web.Request, status: int,
+                observation: RequestObservation, response: web.StreamResponse | None) -> None:
+    """The request's access line: its usage record's figures when it was metered, else what
+    admission learnt (model, project); the trace id of a sampled trace, or the id its upstream
+    calls carried unsampled."""
+    record = observation.record
+    trace = observation.trace
+    if trace is not None:
+        trace_id = trace.trace_id_hex
+    elif observation.unsampled_traceparent is not None:
+        trace_id = observation.unsampled_traceparent[3:35]  # 00-<32 hex>-<16 hex>-00
+    else:
+        trace_id = ""
+    request_id = response.headers.get("x-request-id", "") if response is not None else ""
+    latency_ms = (time.perf_counter() - observation.started) * 1000.0
+    if record is not None:
+        access_log.write(request.method, request.path, status, record.model, record.project,
+                         record.key_id, (record.prompt_tokens, record.cached_tokens,
+                                         record.completion_tokens),
+                         latency_ms, request_id, trace_id)
+    else:
+        access_log.write(request.method, request.path, status, observation.model,
+                         observation.project, "", (0, 0, 0), latency_ms, request_id, trace_id)

@@ -18,6 +18,7 @@ from gateway.fleet.endpoints import Fleet
 from gateway.metering.contract import Meter, UsageRecord
 from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
+from gateway.telemetry.access_log import AccessLog
 from gateway.telemetry.hooks import (
     CountedRouter,
     ObservedMeter,
@@ -43,6 +44,8 @@ class Telemetry:
         self.metrics = GatewayMetrics()
         self.usage = UsageSeries()
         self.latency = LatencyWindow()
+        self.access_log = (AccessLog(self.settings.access_log)
+                           if self.settings.access_log != "off" else None)
         self.middleware = make_middleware(self)
         self._savings_by_model: dict[str, float] = {}  # USD saved per cached prompt token
 

@@ -10,6 +10,8 @@
     OTEL_EXPORTER_OTLP_TRACES_ENDPOINT   also export over OTLP/HTTP (full URL, .../v1/traces)
     OTEL_EXPORTER_OTLP_ENDPOINT          the same, as a base URL (/v1/traces is appended)
     OTEL_SERVICE_NAME                    service.name (default: aigw-gateway / aigw-replica)
+    AIGW_ACCESS_LOG=text                 the gateway's access log: text (default), json or off
+                                         (gateway/telemetry/access_log.py)
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class TelemetrySettings:
     num_traces_buffered: int = 200
     num_spans_per_trace_max: int = 64
     otlp_traces_endpoint: str | None = None  # full URL of an OTLP/HTTP traces receiver
+    access_log: str = "text"  # one line per request: "text", "json" or "off"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.sample_ratio <= 1.0:
@@ -43,6 +46,8 @@ class TelemetrySettings:
             object.__setattr__(self, "max_traces_per_s", 0.0)
         if self.num_traces_buffered < 1 or self.num_spans_per_trace_max < 1:
             raise ValueError("AIGW_TRACE_BUFFER_TRACES and spans per trace must be positive")
+        if self.access_log not in ("text", "json", "off"):
+            raise ValueError(f"AIGW_ACCESS_LOG={self.access_log!r}: expected text, json or off")
 
     @classmethod
     def from_env(cls, service_name: str = "aigw-gateway",
@@ -59,6 +64,7 @@ class TelemetrySettings:
             max_traces_per_s=_number(env, "AIGW_TRACE_MAX_PER_S", "100", float),
             num_traces_buffered=_number(env, "AIGW_TRACE_BUFFER_TRACES", "200", int),
             otlp_traces_endpoint=endpoint,
+            access_log=env.get("AIGW_ACCESS_LOG", "text").strip().lower() or "text",
         )
 
 

@@ -1,0 +1,76 @@
+"""The access log: one line per request the gateway answers (the telemetry middleware writes it
+when the request's metrics are taken, so a stream's line comes after its last event).
+
+    AIGW_ACCESS_LOG=text   (default)  ts=... method=POST path=/v1/chat/completions status=200
+                                      model=m project=p key_id=k1 prompt_tokens=12 ...
+    AIGW_ACCESS_LOG=json              {"ts": ..., "method": "POST", "path": ..., ...}
+    AIGW_ACCESS_LOG=off               no line
+
+Fields: ts (unix seconds), method, path (no query string), status (the client's: 499 when it
+left), model, project, key_id (the key's id, never the key), prompt_tokens, cached_tokens,
+completion_tokens, ms (the whole request), request_id, trace_id ("" when the request was not
+traced). Never a credential, a header or a body. A value a client chose (model, path) is quoted
+in the text form when it holds a space, a quote, `=` or a control character, so one request is
+always one line.
+
+The lines go to the `aigw.access` logger at INFO, which writes them to stderr as they are (its
+own handler, not propagated); /health, /metrics, the dashboard and unknown paths are not logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+from typing import Any
+
+import orjson
+
+ACCESS_LOG_FORMATS = ("text", "json", "off")
+LOGGER_NAME = "aigw.access"
+_NEEDS_QUOTES = re.compile(r'[\s"=\\\x00-\x1f\x7f]')
+
+
+class AccessLog:
+    """Writes access lines in `fmt` ("text" or "json") to the `aigw.access` logger."""
+
+    def __init__(self, fmt: str) -> None:
+        if fmt not in ("text", "json"):
+            raise ValueError(f"AIGW_ACCESS_LOG must be one of {', '.join(ACCESS_LOG_FORMATS)}")
+        self.is_json = fmt == "json"
+        self.logger = logging.getLogger(LOGGER_NAME)
+        if not self.logger.handlers:  # (once per process: every app of it shares the logger)
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            self.logger.addHandler(handler)
+            self.logger.propagate = False
+        if self.logger.level == logging.NOTSET:
+            self.logger.setLevel(logging.INFO)
+
+    def write(self, method: str, path: str, status: int, model: str, project: str, key_id: str,
+              tokens: tuple[int, int, int], latency_ms: float, request_id: str,
+              trace_id: str) -> None:
+        """One request's line; `tokens` is (prompt, cached, completion)."""
+        if not self.logger.isEnabledFor(logging.INFO):
+            return
+        fields: dict[str, Any] = {
+            "ts": round(time.time(), 3), "method": method, "path": path, "status": status,
+            "model": model, "project": project, "key_id": key_id, "prompt_tokens": tokens[0],
+            "cached_tokens": tokens[1], "completion_tokens": tokens[2],
+            "ms": round(latency_ms, 2), "request_id": request_id, "trace_id": trace_id}
+        self.logger.info(format_line(fields, self.is_json))
+
+
+def format_line(fields: dict[str, Any], is_json: bool) -> str:
+    """`fields` as one JSON object, or as `key=value` pairs (a value quoted when it must be)."""
+    if is_json:
+        return orjson.dumps(fields).decode()
+    return " ".join(f"{key}={_text_value(value)}" for key, value in fields.items())
+
+
+def _text_value(value: Any) -> str:
+    text = str(value)
+    if text == "" or _NEEDS_QUOTES.search(text):
+        return orjson.dumps(text).decode()  # escapes quotes, backslashes, control characters
+    return text

@@ -1,0 +1,103 @@
+"""The access log: one line per request (method, path, status, model, project, key id, tokens,
+ms, request and trace ids), text by default, JSON when AIGW_ACCESS_LOG=json asks; never the key,
+a header or a body."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from auth.principal import AuthError, Principal, Scope
+from gateway.telemetry.access_log import LOGGER_NAME, format_line
+from tests.gateway.conftest import MODEL, GatewayFactory, wait_until
+
+SECRET_KEY = "sk-very-secret-0123456789"
+PROMPT = "the words of a private prompt"
+
+
+class OneKey:
+    async def authenticate(self, credential: str | None) -> Principal:
+        if credential == SECRET_KEY:
+            return Principal("proj-a", "key-17", frozenset({Scope.INVOKE.value}))
+        raise AuthError(401, "invalid_api_key", "unknown key")
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def access_lines() -> Iterator[list[str]]:
+    handler = Lines()
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.addHandler(handler)
+    yield handler.lines
+    logger.removeHandler(handler)
+
+
+def _requests(gateway_url: str) -> None:
+    client = openai.OpenAI(base_url=gateway_url + "/v1", api_key=SECRET_KEY, max_retries=0)
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
+                                   max_tokens=5)
+    for _ in client.chat.completions.create(model=MODEL, max_tokens=5, stream=True,
+                                            messages=[{"role": "user", "content": PROMPT}],
+                                            stream_options={"include_usage": True}):
+        pass
+    assert httpx.post(gateway_url + "/v1/chat/completions", json={"model": MODEL},
+                      headers={"authorization": "Bearer wrong-key"}).status_code == 401
+
+
+def test_each_request_is_one_text_line_with_its_usage_and_no_secret(
+        make_gateway: GatewayFactory, access_lines: list[str]) -> None:
+    gateway = make_gateway(authenticator=OneKey())
+    _requests(gateway.url)
+    assert wait_until(lambda: len(access_lines) >= 3)
+    plain, streamed, refused = (dict(pair.split("=", 1) for pair in line.split(" "))
+                                for line in access_lines[:3])
+    for fields in (plain, streamed):
+        assert fields["method"] == "POST" and fields["path"] == "/v1/chat/completions"
+        assert fields["status"] == "200" and fields["model"] == MODEL
+        assert fields["project"] == "proj-a" and fields["key_id"] == "key-17"
+        assert int(fields["prompt_tokens"]) > 0 and 0 < int(fields["completion_tokens"]) <= 5
+        assert float(fields["ms"]) > 0 and fields["request_id"]
+    assert len(plain["trace_id"]) == 32  # tracing is on by default: the sampled trace's id
+    assert refused["status"] == "401" and refused["key_id"] == '""'
+    text = "\n".join(access_lines)
+    assert SECRET_KEY not in text and "wrong-key" not in text and PROMPT not in text
+
+
+def test_json_when_asked(make_gateway: GatewayFactory, access_lines: list[str],
+                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIGW_ACCESS_LOG", "json")
+    gateway = make_gateway(authenticator=OneKey())
+    _requests(gateway.url)
+    assert wait_until(lambda: len(access_lines) >= 3)
+    plain, streamed, refused = (orjson.loads(line) for line in access_lines[:3])
+    assert (plain["status"], streamed["status"], refused["status"]) == (200, 200, 401)
+    assert streamed["key_id"] == "key-17" and streamed["completion_tokens"] > 0
+    assert SECRET_KEY not in "".join(access_lines) and PROMPT not in "".join(access_lines)
+
+
+def test_off_writes_nothing(make_gateway: GatewayFactory, access_lines: list[str],
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIGW_ACCESS_LOG", "off")
+    gateway = make_gateway()
+    assert httpx.post(gateway.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+    assert not access_lines
+
+
+def test_a_value_the_client_chose_cannot_break_the_line() -> None:
+    line = format_line({"model": 'a b\nstatus=200 "x"', "status": 404}, is_json=False)
+    assert "\n" not in line and line.endswith(" status=404")
+    assert line.startswith('model="a b\\nstatus=200 \\"x\\""')
