@@ -5,6 +5,8 @@ catches a record that differs from the client's usage (so a PASS means something
 from __future__ import annotations
 
 import argparse
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,8 @@ def test_a_tiny_soak_passes_and_reports_rss_kv_and_the_ledger(
                         "--replica-args", "",  # float: no native build in the way
                         "--kv-cache-memory", str(32 << 20), "--out", str(out)])
     printed = capsys.readouterr().out
+    if logs := re.search(r"^logs: (\S+)$", printed, re.MULTILINE):  # the run's work directory
+        shutil.rmtree(logs[1], ignore_errors=True)
     assert status == 0, printed
     assert printed.startswith("# aigw bench soak: PASS") and out.read_text() in printed
     assert "requests 14 of 14 planned" in printed
