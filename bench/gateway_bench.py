@@ -8,6 +8,8 @@ skipped with a reason if that fails). On request (`--targets ...`):
     aigw_trace_all   `aigw` tracing every request (AIGW_TRACE_MAX_PER_S=0: no rate limit)
     aigw_twin        a second `aigw` configured the same: the difference two identical gateways
                      show, the noise floor of the tracing comparison
+    aigw_baseline    `aigw` served from another checkout (`--baseline-tree PATH`, e.g. a git
+                     worktree of an earlier commit) in this venv: two commits in one run
 Cells run interleaved (for each mode and concurrency, every target in turn) for `--duration-s`
 each. The load generator is a separate aiohttp process. Figures per cell: requests/s, latency
 p50/p99 minus the direct p50/p99 ("added"), and the target's CPU ms per request (its whole process
@@ -33,8 +35,8 @@ MODEL = "mock-model"
 LITELLM_KEY = "sk-aigw-bench-0123456789"  # LiteLLM refuses to start without a master key
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 TARGET_NAMES = ("bare_proxy", "aigw_auth_off", "aigw", "aigw_trace_off", "litellm",
-                "aigw_twin", "aigw_trace_all")
-DEFAULT_TARGETS = TARGET_NAMES[:-2]  # aigw_twin and aigw_trace_all on request only
+                "aigw_twin", "aigw_trace_all", "aigw_baseline")
+DEFAULT_TARGETS = TARGET_NAMES[:-3]  # aigw_twin, aigw_trace_all and aigw_baseline on request only
 
 
 @dataclass
@@ -63,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
                         help="comma-separated subset of " + ",".join(TARGET_NAMES)
                              + " (direct, the baseline of the added latency, always runs)")
+    parser.add_argument("--baseline-tree", default=None,
+                        help="a checkout of another commit: the aigw_baseline target (added to "
+                             "--targets) serves from it, configured as aigw")
     parser.add_argument("--out-dir", default="bench/out")
     parser.add_argument("--plot", default=None, help="write a PNG here")
 
@@ -123,9 +128,10 @@ class _Processes:
         self.out_dir = out_dir
         self.running: list[subprocess.Popen[bytes]] = []
 
-    def start(self, name: str, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def start(self, name: str, command: list[str], env: dict[str, str] | None = None,
+              cwd: str | None = None) -> subprocess.Popen[bytes]:
         log = open(self.out_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         self.running.append(process)
         return process
 
@@ -151,17 +157,24 @@ class _Processes:
 
 
 def _start_aigw(procs: _Processes, name: str, upstream: str, auth: bool, workers: int,
-                extra_env: dict[str, str] | None = None) -> Target:
+                extra_env: dict[str, str] | None = None, tree: str | None = None) -> Target:
+    """`aigw serve` in front of the mock; from the checkout `tree` when given (its own CLI
+    module: cli.main, or gateway.cli before the CLI had a package of its own)."""
     port = _free_port()
     data_dir = procs.out_dir / f"{name}-data"
     config = procs.out_dir / f"{name}.toml"
     config.write_text(f'data_dir = "{data_dir}"\n[[models]]\nname = "{MODEL}"\nbackend = "replica"\n'
                       f'endpoints = ["{upstream}"]\n[models.prices]\ninput_per_token = 1e-7\n'
                       'output_per_token = 2e-7\n')
-    command = [sys.executable, "-m", "cli.main", "serve", "--config", str(config), "--port",
+    module = "cli.main"
+    if tree is not None and not (Path(tree) / "cli" / "main.py").exists():
+        module = "gateway.cli"
+    command = [sys.executable, "-m", module, "serve", "--config", str(config), "--port",
                str(port), "--workers", str(workers)] + ([] if auth else ["--no-auth"])
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIGW_")} | (extra_env or {})
-    process = procs.start(name, command, env)
+    if tree is not None:
+        env["PYTHONPATH"] = str(Path(tree).resolve())
+    process = procs.start(name, command, env, cwd=tree)
     url = f"http://127.0.0.1:{port}"
     _wait_http(url + "/health", 60, process)
     headers = {}
@@ -291,9 +304,10 @@ def _report_tracing_cost(per_round: list[dict[str, Any]]) -> None:
     1.0 / 0 is a difference the run cannot tell from noise. When in the run, also: tracing every
     request (`aigw_trace_all`) against off, and `aigw` against `aigw_twin` (a second `aigw`
     process configured the same): the difference two identical gateways show on this machine,
-    the floor below which a tracing figure means nothing."""
+    the floor below which a tracing figure means nothing. With `aigw_baseline`: `aigw` against
+    the other checkout's gateway, paired the same way."""
     pairs = [("aigw", "aigw_trace_off", "on/off"), ("aigw_trace_all", "aigw_trace_off", "all/off"),
-             ("aigw", "aigw_twin", "on/twin")]
+             ("aigw", "aigw_twin", "on/twin"), ("aigw", "aigw_baseline", "on/base")]
     lines = []
     for traced_name, other_name, label in pairs:
         cells: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {}
@@ -353,6 +367,10 @@ def run(args: argparse.Namespace) -> int:
         upstream = f"http://127.0.0.1:{mock_port}"
         _wait_http(upstream + "/health", 30, mock)
         wanted = set(args.targets.split(","))
+        if args.baseline_tree:
+            wanted.add("aigw_baseline")
+        elif "aigw_baseline" in wanted:
+            raise SystemExit("aigw_baseline needs --baseline-tree PATH")
         unknown = wanted - set(TARGET_NAMES)
         if unknown:
             raise SystemExit(f"unknown targets: {sorted(unknown)}")
@@ -365,15 +383,17 @@ def run(args: argparse.Namespace) -> int:
             targets.append(Target("bare_proxy", f"http://127.0.0.1:{bare_port}", bare.pid))
         # aigw sits between its two comparisons (tracing off, its twin), so that in either
         # direction each is measured right next to it
-        gateways = [(name, auth, extra_env) for name, auth, extra_env in (
-            ("aigw_auth_off", False, None), ("aigw_trace_all", True, {"AIGW_TRACE_MAX_PER_S": "0"}),
-            ("aigw_trace_off", True, {"AIGW_TRACING": "0"}),
-            ("aigw", True, None), ("aigw_twin", True, None)) if name in wanted]
-        for name, auth, extra_env in gateways:
+        gateways = [(name, auth, extra_env, tree) for name, auth, extra_env, tree in (
+            ("aigw_auth_off", False, None, None),
+            ("aigw_trace_all", True, {"AIGW_TRACE_MAX_PER_S": "0"}, None),
+            ("aigw_trace_off", True, {"AIGW_TRACING": "0"}, None),
+            ("aigw", True, None, None), ("aigw_baseline", True, None, args.baseline_tree),
+            ("aigw_twin", True, None, None)) if name in wanted]
+        for name, auth, extra_env, tree in gateways:
             # each run starts from an empty store (a usage table grown by earlier runs would
             # make one target's writes costlier than another's)
             shutil.rmtree(out_dir / f"{name}-data", ignore_errors=True)
-            targets.append(_start_aigw(procs, name, upstream, auth, args.workers, extra_env))
+            targets.append(_start_aigw(procs, name, upstream, auth, args.workers, extra_env, tree))
         if args.no_litellm or "litellm" not in wanted:
             skipped["litellm"] = "--no-litellm" if args.no_litellm else "not in --targets"
         else:
@@ -388,9 +408,9 @@ def run(args: argparse.Namespace) -> int:
                     spec = next((g for g in gateways if g[0] == target.name), None)
                     if spec is not None:
                         procs.stop(target.pid)
-                        name, auth, extra_env = spec
+                        name, auth, extra_env, tree = spec
                         targets[index] = _start_aigw(procs, name, upstream, auth, args.workers,
-                                                     extra_env)
+                                                     extra_env, tree)
             # direct first (the added latency's baseline), the others in turn forwards and
             # backwards: a target measured right after another is not always the same one
             ordered = targets if round_index % 2 == 0 else [targets[0], *targets[:0:-1]]
