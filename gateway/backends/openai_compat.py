@@ -34,7 +34,7 @@ from gateway.request.canonical import (
     estimate_num_tokens,
     estimate_prompt_tokens,
 )
-from gateway.request.errors import UpstreamRejected, UpstreamUnavailable
+from gateway.request.errors import UpstreamRejected, UpstreamThrottled, UpstreamUnavailable
 from gateway.upstream.transport import UpstreamRequest, UpstreamResponse
 
 log = logging.getLogger("aigw.gateway")
@@ -231,7 +231,8 @@ def _message_json(message: Any) -> dict[str, Any]:
 
 
 async def _raise_for_status(response: UpstreamResponse) -> None:
-    """A 4xx (not 401/403/408/429) is the request's fault: its OpenAI error passes through
+    """A 429 is `UpstreamThrottled` (retryable; its rate-limit headers kept). A 4xx (not
+    401/403/408) is the request's fault: its OpenAI error passes through
     unchanged (status, type, code, param, message); anything else is `UpstreamUnavailable`
     (retryable). A 401/403 refuses the gateway's own credential (a replica secret or an upstream
     `api_key` out of step), never the caller's: passed on, it would tell a caller with a good
@@ -244,10 +245,28 @@ async def _raise_for_status(response: UpstreamResponse) -> None:
                     body[:200].decode("utf-8", "replace"))
         raise UpstreamUnavailable(f"upstream failed: it refused the gateway's credential "
                                   f"({response.status})")
-    if 400 <= response.status < 500 and response.status not in (408, 429):
+    if response.status == 429:
+        log.warning("upstream throttled (429): %s", body[:200].decode("utf-8", "replace"))
+        raise throttled(response.headers)
+    if 400 <= response.status < 500 and response.status != 408:
         raise _rejected(response.status, body)
     log.warning("upstream answered %d: %s", response.status, body[:500].decode("utf-8", "replace"))
     raise UpstreamUnavailable(f"upstream failed: it answered {response.status}")
+
+
+THROTTLE_HEADERS = ("retry-after", "retry-after-ms")  # and every x-ratelimit-* header
+
+
+def throttled(headers: Mapping[str, str]) -> UpstreamThrottled:
+    """An upstream's 429 as UpstreamThrottled with its Retry-After / x-ratelimit-* headers (at
+    most 32, each value at most 256 characters). Its message is not passed on: a hosted API's
+    names the gateway's own account (OpenAI's: "... in organization org-...")."""
+    kept: dict[str, str] = {}
+    for name, value in headers.items():
+        lower = name.lower()
+        if (lower in THROTTLE_HEADERS or lower.startswith("x-ratelimit-")) and len(kept) < 32:
+            kept[lower] = value[:256]
+    return UpstreamThrottled("the model's upstream is rate limiting requests; retry later", kept)
 
 
 def _rejected(status: int, body: bytes) -> UpstreamRejected:

@@ -6,7 +6,7 @@
 
 Retries happen only before the first event, only for retryable `UpstreamError`s, at most
 `settings.num_retries` per request and within the shared `RetryBudget`; each retry goes to an
-endpoint not yet tried for this request. Each failure feeds the endpoint's circuit breaker.
+endpoint not yet tried for this request. Each failure but a throttle (429) feeds the endpoint's circuit breaker.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from gateway.request.canonical import CanonicalEvent, CanonicalRequest
 from gateway.request.errors import (
     NoHealthyEndpoint,
     UpstreamError,
+    UpstreamThrottled,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
@@ -114,7 +115,8 @@ async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
             if not error.retryable:
                 endpoint.breaker.record_success()  # the endpoint answered; the request was at fault
                 raise error from None
-            endpoint.breaker.record_failure(time.monotonic())
+            if not isinstance(error, UpstreamThrottled):  # (a throttled endpoint is healthy)
+                endpoint.breaker.record_failure(time.monotonic())
             if num_retries >= settings.num_retries or not budget.try_withdraw():
                 raise error from None
             num_retries += 1

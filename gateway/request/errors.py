@@ -8,6 +8,9 @@
      └── UpstreamError                the backend failed; `retryable` only before the first token
           ├── UpstreamUnavailable 502  connect refused/reset, 5xx, malformed upstream answer
           ├── UpstreamTimeout     504  no first token / no next chunk within the timeout
+          ├── UpstreamThrottled   429  the upstream throttled us (retried on another endpoint;
+          │                            the last one's Retry-After / x-ratelimit-* headers go to
+          │                            the client with the 429; not a breaker failure)
           └── UpstreamRejected    4xx  the upstream refused the request itself (not retried);
                                        its OpenAI error (status, type, code, param, message) is
                                        passed through unchanged
@@ -79,6 +82,19 @@ class UpstreamUnavailable(UpstreamError):
 class UpstreamTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"
+
+
+class UpstreamThrottled(UpstreamError):
+    """A 429 from the upstream: another endpoint may be tried; `headers` are the upstream's
+    Retry-After and x-ratelimit-* headers, passed to the client when no attempt is left."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, headers: dict[str, str]) -> None:
+        super().__init__(message)
+        self.headers = headers
 
 
 class UpstreamRejected(UpstreamError):

@@ -49,6 +49,7 @@ from gateway.request.errors import (
     ModelNotFound,
     PayloadTooLarge,
     UpstreamError,
+    UpstreamThrottled,
     UpstreamTimeout,
 )
 from gateway.request.settlement import Settlement
@@ -323,8 +324,11 @@ class Pipeline:
                 outcome.replica = exc.endpoint_name  # the endpoint that answered with the error
             if outcome.settles_before_answer:  # (an upstream refusal: its reservation is
                 await outcome.settlement.settle(queue=False)  # released before the caller's next)
+            headers = admission.headers
+            if isinstance(exc, UpstreamThrottled):  # the upstream's retry-after, x-ratelimit-*
+                headers = {**headers, **exc.headers}
             return error_response(dialect, exc.status, exc.code, exc.message, request_id,
-                                  timing.overhead_ms(), outcome.replica, headers=admission.headers,
+                                  timing.overhead_ms(), outcome.replica, headers=headers,
                                   param=exc.param, error_type=exc.error_type,
                                   show_overhead=outcome.show_overhead)
         except asyncio.CancelledError:  # the client went away while we waited

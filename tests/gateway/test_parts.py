@@ -23,7 +23,7 @@ from gateway.request.canonical import (
     ToolCallDelta,
     Usage,
 )
-from gateway.request.errors import UpstreamRejected, UpstreamUnavailable
+from gateway.request.errors import UpstreamRejected, UpstreamThrottled, UpstreamUnavailable
 from gateway.routing import LeastOutstandingRouter, create_router
 from gateway.settings import GatewaySettings, ModelSettings, load_settings
 from gateway.upstream.retry_budget import RetryBudget
@@ -175,7 +175,7 @@ def test_a_stream_cut_before_done_is_an_error_not_a_short_answer() -> None:
 
 
 @pytest.mark.parametrize(("status", "error"), [(400, UpstreamRejected), (503, UpstreamUnavailable),
-                                               (429, UpstreamUnavailable)])
+                                               (429, UpstreamThrottled)])
 def test_upstream_status_maps_to_retryable_or_not(status: int, error: type[Exception]) -> None:
     async def answer(request: UpstreamRequest) -> MockResponse:
         return MockResponse(status, b'{"error": "no"}')
