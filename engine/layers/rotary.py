@@ -1,6 +1,7 @@
 """Rotary position embedding, Hugging Face llama style (rotate_half over the two halves of Dh).
 
-Scalings (`scaling["rope_type"]`): "llama3" (Llama 3.1 wavelength bands) and "yarn" (gpt-oss,
+Scalings (`scaling["rope_type"]`): "linear" (positions divided by `factor`: Gemma 3's global layers),
+"llama3" (Llama 3.1 wavelength bands) and "yarn" (gpt-oss,
 transformers' `_compute_yarn_parameters`: a ramp between interpolated and extrapolated frequencies over
 the correction range of `beta_fast` / `beta_slow`, and cos/sin multiplied by the attention factor,
 0.1 ln(factor) + 1 unless the config states `attention_factor`). Other types are refused.
@@ -18,12 +19,14 @@ class RotaryEmbedding:
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         rope_type = scaling.get("rope_type", scaling.get("type")) if scaling else None
         attention_factor = 1.0
-        if rope_type == "llama3":
+        if rope_type == "linear":  # position interpolation (Gemma 3's global layers): p / factor
+            inv_freq = inv_freq / float(scaling["factor"])  # type: ignore[index, arg-type]
+        elif rope_type == "llama3":
             inv_freq = _llama3_scaled(inv_freq, scaling)  # type: ignore[arg-type]
         elif rope_type == "yarn":
             inv_freq, attention_factor = _yarn_scaled(head_dim, base, scaling)  # type: ignore[arg-type]
         elif rope_type not in (None, "default"):
-            raise NotImplementedError(f"rope scaling {rope_type!r} is not supported (llama3, yarn)")
+            raise NotImplementedError(f"rope scaling {rope_type!r} is not supported (linear, llama3, yarn)")
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [P, Dh/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, Dh]

@@ -18,6 +18,8 @@ config.json maps to `ModelConfig` for these `model_type`s (kept as `architecture
                       decoder_sparse_step, mlp_only_layers; no shared expert
     gpt_oss           experts, layer_types + sliding_window, clamped SwiGLU, MXFP4 experts
                       (engine/loader/hf_gpt_oss.py)
+    gemma3_text       local sliding layers between global ones, two rope bases, per-head q/k norm,
+                      soft-capping (engine/loader/hf_gemma3.py)
     deepseek_v3       latent attention, grouped top-k routing, shared experts, dense first layers
                       (engine/loader/hf_deepseek_v3.py; also Kimi-K2's configs)
 
@@ -50,7 +52,7 @@ from engine.config import ModelConfig
 from engine.loader.checkpoint import Checkpoint, UnsupportedCheckpointError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-                         "olmoe", "gpt_oss", "deepseek_v3")
+                         "olmoe", "gpt_oss", "deepseek_v3", "gemma3_text")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -111,6 +113,10 @@ def _moe_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         from engine.loader.hf_deepseek_v3 import deepseek_v3_fields
 
         return deepseek_v3_fields(config)
+    if model_type == "gemma3_text":
+        from engine.loader.hf_gemma3 import gemma3_fields
+
+        return gemma3_fields(config)
     return {}
 
 
@@ -179,7 +185,7 @@ def _model_config(directory: Path, config: Mapping[str, Any]) -> ModelConfig:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedCheckpointError(
             f"model_type {model_type!r} is not supported (one of {SUPPORTED_MODEL_TYPES})")
-    if model_type not in ("gpt_oss", "qwen3", "qwen3_moe"):  # those map their sliding layers
+    if model_type not in ("gpt_oss", "qwen3", "qwen3_moe", "gemma3_text"):  # those map their windows
         _refuse_sliding_window(config)
     generation = _read_json(directory / "generation_config.json")
     num_heads = config["num_attention_heads"]
@@ -194,6 +200,9 @@ def _model_config(directory: Path, config: Mapping[str, Any]) -> ModelConfig:
         fields.update(_qwen3_windows(config))
     num_kv_heads = fields.pop("num_kv_heads", None) or config.get("num_key_value_heads") or num_heads
     head_dim = fields.pop("head_dim", None) or config.get("head_dim") or config["hidden_size"] // num_heads
+    rope_theta = fields.pop("rope_theta", rope_theta)  # gemma3_text: the global layers' rope
+    rope_scaling = fields.pop("rope_scaling", rope_scaling)
+    tied = fields.pop("tie_word_embeddings", bool(config.get("tie_word_embeddings", False)))
     return ModelConfig(
         architecture=model_type,
         vocab_size=config["vocab_size"],
@@ -207,7 +216,7 @@ def _model_config(directory: Path, config: Mapping[str, Any]) -> ModelConfig:
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tie_word_embeddings=tied,
         eos_token_ids=collect_eos_token_ids(declared_eos, _token_lookup(directory)),
         bos_token_id=bos[0] if bos else None,
         model_id=directory.resolve().name,

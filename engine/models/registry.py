@@ -37,8 +37,12 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], attention
         from engine.models.deepseek_v3 import DeepseekV3Model
 
         model = DeepseekV3Model(config, weights, attention, make_linear, device=device, dtype=dtype)  # type: ignore[assignment]
+    elif arch == "gemma3_text":  # local/global layers, two rope bases, (1 + w) norms (gemma3.py)
+        from engine.models.gemma3 import Gemma3Model
+
+        model = Gemma3Model(config, weights, attention, make_linear, device=device, dtype=dtype)  # type: ignore[assignment]
     else:
-        supported = sorted(_DENSE | _MOE | {"gpt_oss", "deepseek_v3"})
+        supported = sorted(_DENSE | _MOE | {"gpt_oss", "deepseek_v3", "gemma3_text"})
         raise ValueError(f"unsupported architecture {arch!r} (supported: {supported})")
     check_all_used(weights, arch)
     return model

@@ -1,0 +1,151 @@
+"""Gemma 3 text, served by the engine from a tiny random checkpoint that transformers wrote
+(tests/models/_gemma3.py: local window 20 between global layers, two rope bases, soft-capped
+logits): greedy tokens equal transformers' and their logprobs agree within 2e-3 (float32) on a
+prompt several windows long, alone with chunked prefill, among 8 concurrent requests, after a
+prefix-cache hit and under preemption; every KV block comes back. Config refusals are one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import jinja2
+import pytest
+import torch
+
+from contracts.sampling_params import SamplingParams
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.engine import LLMEngine
+from engine.loader.checkpoint import UnsupportedCheckpointError
+from engine.loader.hf_checkpoint import model_config_from_hf
+from tests.engine.fakes import assert_idle_and_clean, generate
+from tests.models._gemma3 import SLIDING_WINDOW
+from tests.models._qwen3 import TinyCheckpoint, hf_greedy
+from tests.models.test_qwen3 import (
+    GREEDY,
+    NUM_NEW_TOKENS,
+    OTHERS,
+    TARGET,
+    assert_matches_transformers,
+    drive_with_checks,
+)
+
+EngineFactory = Callable[..., LLMEngine]
+
+
+@pytest.fixture(scope="module")
+def make_engine(gemma3_checkpoint: TinyCheckpoint) -> EngineFactory:
+    def make(kv_cache_memory_bytes: int = 8 << 20, max_num_batched_tokens: int = 32) -> LLMEngine:
+        config = EngineConfig(
+            model_path=str(gemma3_checkpoint.directory), num_threads=1, dtype="float32",
+            cache=CacheConfig(kv_cache_memory_bytes=kv_cache_memory_bytes),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=16))
+        return LLMEngine.from_config(config, progress=False)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def engine(make_engine: EngineFactory) -> LLMEngine:
+    """32 tokens a step: the target prompt prefills in several chunks."""
+    return make_engine()
+
+
+@pytest.fixture(scope="module")
+def prompts(engine: LLMEngine) -> dict[str, list[int]]:
+    chat = engine.tokenizer.encode_chat
+    encoded = {"target": chat([{"role": "system", "content": "be brief"},
+                               {"role": "user", "content": TARGET}])}
+    encoded |= {f"other-{i}": chat([{"role": "user", "content": text}]) for i, text in enumerate(OTHERS)}
+    assert len(encoded["target"]) > 3 * SLIDING_WINDOW  # the local layers' window slides
+    assert len(encoded["target"]) > 2 * 32  # prefilled in 3 or more chunks of the step budget
+    return encoded
+
+
+@pytest.fixture(scope="module")
+def expected(gemma3_checkpoint: TinyCheckpoint, prompts: dict[str, list[int]]
+             ) -> tuple[list[int], list[float]]:
+    torch.set_num_threads(1)
+    tokens, logprobs = hf_greedy(gemma3_checkpoint.model, prompts["target"], NUM_NEW_TOKENS)
+    assert len(set(tokens)) > 2, "degenerate model: the same few tokens"
+    return tokens, logprobs
+
+
+def test_gemma_template_renders_bos_model_role_and_system_in_the_first_turn(engine: LLMEngine) -> None:
+    text = engine.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+         {"role": "assistant", "content": "hello"}, {"role": "user", "content": "jazz?"}])
+    assert text == ("<bos><start_of_turn>user\nbe brief\n\nhi<end_of_turn>\n<start_of_turn>model\n"
+                    "hello<end_of_turn>\n<start_of_turn>user\njazz?<end_of_turn>\n<start_of_turn>model\n")
+    with pytest.raises(jinja2.TemplateError, match="alternate"):  # the replica answers it as a 400
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": "a"},
+                                              {"role": "user", "content": "b"}])
+
+
+def test_greedy_tokens_and_logprobs_equal_transformers_with_chunked_prefill(
+        engine: LLMEngine, prompts: dict[str, list[int]], expected: tuple[list[int], list[float]]) -> None:
+    assert len(engine.runner.kv_layout.groups) > 1  # the local layers hold their own blocks
+    result = generate(engine, {"target": prompts["target"]}, GREEDY)["target"]
+    assert_matches_transformers(result, expected)
+    assert_idle_and_clean(engine)
+
+
+def test_same_tokens_among_8_concurrent_requests_and_after_a_prefix_cache_hit(
+        engine: LLMEngine, prompts: dict[str, list[int]], expected: tuple[list[int], list[float]]) -> None:
+    together = generate(engine, prompts, GREEDY)
+    assert len(together) == 8
+    assert_matches_transformers(together["target"], expected)
+    again = generate(engine, {"target": prompts["target"]}, GREEDY)["target"]
+    assert again.num_cached_tokens >= 16
+    assert_matches_transformers(again, expected)
+    assert_idle_and_clean(engine)
+
+
+def test_outputs_under_preemption_equal_the_roomy_engines(
+        engine: LLMEngine, make_engine: EngineFactory, prompts: dict[str, list[int]],
+        expected: tuple[list[int], list[float]]) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    roomy = generate(engine, prompts, params)
+    num_blocks = 32  # one request fits (window groups included), the 8 together do not
+    tight = make_engine(kv_cache_memory_bytes=num_blocks * engine.runner.bytes_per_block)
+    assert tight.kv_cache.num_blocks == num_blocks
+    assert tight.max_model_len >= max(map(len, prompts.values())) + 24
+    results = drive_with_checks(tight, prompts, params)
+    assert tight.stats().num_preemptions_total > 0
+    for name in prompts:
+        assert results[name].token_ids == roomy[name].token_ids, name
+    assert results["target"].token_ids[:NUM_NEW_TOKENS] == expected[0]
+    assert_idle_and_clean(tight)
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("attn_logit_softcapping", 50.0, "attn_logit_softcapping=50.0 is not supported"),
+    ("use_bidirectional_attention", True, "use_bidirectional_attention=True is not supported"),
+    ("hidden_activation", "gelu", "hidden_activation 'gelu' is not supported"),
+])
+def test_a_setting_no_backend_runs_is_refused_in_one_line(
+        gemma3_checkpoint: TinyCheckpoint, tmp_path: Path, field: str, value: object, message: str) -> None:
+    directory = tmp_path / "changed"
+    directory.mkdir()
+    shutil.copy(gemma3_checkpoint.directory / "config.json", directory / "config.json")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {field: value}))
+    with pytest.raises(UnsupportedCheckpointError, match=message):
+        model_config_from_hf(directory)
+
+
+def test_released_4x_config_fields_map_to_the_same_layers_and_ropes(tmp_path: Path) -> None:
+    """A transformers 4.x gemma-3 config.json: flat rope fields and sliding_window_pattern."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "gemma3_text", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 7, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "max_position_embeddings": 512, "sliding_window": 16, "sliding_window_pattern": 6,
+        "rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "query_pre_attn_scalar": 256, "final_logit_softcapping": None, "attn_logit_softcapping": None}))
+    config = model_config_from_hf(tmp_path)
+    assert [config.layer_sliding_window(i) for i in range(7)] == [16] * 5 + [None, 16]
+    assert config.rope_theta == 1e6 and dict(config.rope_scaling or ()) == {"rope_type": "linear", "factor": 8.0}
+    assert config.gemma is not None and config.gemma.local_rope_theta == 1e4
+    assert config.tie_word_embeddings and config.gemma.final_logit_softcapping is None
