@@ -31,7 +31,9 @@ and qwen3_moe every layer. Any other config that turns one on (`use_sliding_wind
 `sliding_window`, or a "sliding_attention" in `layer_types`) is refused.
 
 rope: `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4.x); a "default"
-rope type means no scaling. Tensor names stay as in the file; `raw` is empty. Not mapped:
+rope type means no scaling. Tensor names stay as in the file; `raw` is empty. A block-scaled FP8
+`quantization_config` (quant_method "fp8" with weight_block_size: DeepSeek-V3, Qwen3-*-FP8) is read
+as stored and dequantized at load (engine/loader/fp8_blocks.py). Not mapped:
 olmoe `clip_qkv`. A missing field a model_type needs, an unknown model_type or a refused setting
 is one `UnsupportedCheckpointError` line.
 """
@@ -50,6 +52,7 @@ from tqdm import tqdm
 from chat.special_tokens import as_id_list, collect_eos_token_ids
 from engine.config import ModelConfig
 from engine.loader.checkpoint import Checkpoint, UnsupportedCheckpointError
+from engine.loader.fp8_blocks import FP8_DTYPES, dequantize_checkpoint, fp8_block_size
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
                          "olmoe", "gpt_oss", "deepseek_v3", "gemma3_text")
@@ -227,6 +230,7 @@ def _model_config(directory: Path, config: Mapping[str, Any]) -> ModelConfig:
 def load_hf_checkpoint(directory: Path, dtype: torch.dtype = torch.float32,
                        progress: bool = True) -> Checkpoint:
     config = model_config_from_hf(directory)
+    fp8_block = fp8_block_size(_read_json(directory / "config.json"))  # block-scaled FP8 files
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{directory} has no *.safetensors files")
@@ -236,6 +240,10 @@ def load_hf_checkpoint(directory: Path, dtype: torch.dtype = torch.float32,
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                     tensor = f.get_tensor(name)
-                    weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                    as_stored = fp8_block is not None and tensor.dtype in FP8_DTYPES
+                    keep = as_stored or not tensor.is_floating_point()
+                    weights[name] = tensor if keep else tensor.to(dtype)
                     bar.update(1)
+    if fp8_block is not None:
+        dequantize_checkpoint(weights, fp8_block, dtype)  # the FP8 values as stored, scaled
     return Checkpoint(config=config, weights=weights, raw={})

@@ -13,8 +13,9 @@
 rope: YaRN with mscale / mscale_all_dim from `rope_parameters` / `rope_scaling` (hf_checkpoint._rope);
 the softmax scale is qk_head_dim^-0.5 * yarn_mscale(factor, mscale_all_dim)^2 (engine/models/deepseek_v3.py).
 
-Refused, one line each: quantization_config (FP8 block-scaled checkpoints are not read yet),
-attention_bias, scoring_func other than sigmoid, topk_method other than noaux_tc, moe_layer_freq != 1.
+quantization_config: the released block-scaled FP8 (quant_method "fp8", weight_block_size [128, 128])
+is read and dequantized at load (engine/loader/fp8_blocks.py); another quant_method is refused.
+Refused, one line each: attention_bias, scoring_func other than sigmoid, topk_method other than noaux_tc, moe_layer_freq != 1.
 """
 
 from __future__ import annotations
@@ -30,11 +31,10 @@ def deepseek_v3_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     def refuse(what: str) -> UnsupportedCheckpointError:
         return UnsupportedCheckpointError(f"deepseek_v3: {what} is not supported")
 
-    quantization = config.get("quantization_config")
-    if quantization:
-        raise refuse(f"quantization_config (quant_method {quantization.get('quant_method')!r}, "
-                     f"weight_block_size {quantization.get('weight_block_size')}); dequantize to "
-                     "bf16 first")
+    quantization = config.get("quantization_config") or {}
+    if quantization and quantization.get("quant_method") != "fp8":  # fp8: engine/loader/fp8_blocks.py
+        raise refuse(f"quantization_config quant_method {quantization.get('quant_method')!r} (only "
+                     "the released block-scaled 'fp8')")
     if config.get("attention_bias"):
         raise refuse("attention_bias=true (the released models have none)")
     if config.get("scoring_func", "sigmoid") != "sigmoid":

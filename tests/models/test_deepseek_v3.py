@@ -155,9 +155,8 @@ RELEASED_V3 = {  # deepseek-ai/DeepSeek-V3 config.json, the fields the engine re
 
 
 def test_deepseek_v3_671b_caches_70_kb_per_token_in_bf16_not_4_8_mb(tmp_path: Path) -> None:
-    """The released config with its FP8 quantization_config removed (a bf16 conversion)."""
-    released = {k: v for k, v in RELEASED_V3.items() if k != "quantization_config"}
-    (tmp_path / "config.json").write_text(json.dumps(released))
+    """The released config (FP8 block-scaled weights: tests/models/test_fp8_block_checkpoints.py)."""
+    (tmp_path / "config.json").write_text(json.dumps(RELEASED_V3))
     config = model_config_from_hf(tmp_path)
     assert (config.num_kv_heads, config.head_dim, config.mlp_only_layers) == (1, 576, (0, 1, 2))
     latent, full = kv_bytes_per_token_mla_and_full(config, element_size=2)
@@ -169,10 +168,11 @@ def test_deepseek_v3_671b_caches_70_kb_per_token_in_bf16_not_4_8_mb(tmp_path: Pa
 
 
 @pytest.mark.parametrize(("edit", "named"), [
-    (lambda c: None, "quant_method 'fp8'"),
+    (lambda c: c.update(quantization_config={"quant_method": "awq"}), "quant_method 'awq'"),
+    (lambda c: c.update(quantization_config={"quant_method": "fp8"}), "without weight_block_size"),
     (lambda c: c.update(scoring_func="softmax"), "scoring_func 'softmax'"),
     (lambda c: c.update(topk_method="greedy"), "topk_method 'greedy'"),
-], ids=["fp8_block_scaled", "softmax_scores", "greedy_topk"])
+], ids=["awq", "fp8_per_tensor", "softmax_scores", "greedy_topk"])
 def test_an_unsupported_config_is_one_error_line(
         edit, named: str, deepseek_v3_checkpoints: dict[str, DeepseekCheckpoint], tmp_path: Path,  # type: ignore[no-untyped-def]
         capsys: pytest.CaptureFixture[str]) -> None:
@@ -181,8 +181,6 @@ def test_an_unsupported_config_is_one_error_line(
     directory = tmp_path / "unsupported"
     shutil.copytree(deepseek_v3_checkpoints["plain_q"].directory, directory)
     config = json.loads((directory / "config.json").read_text())
-    if named.startswith("quant_method"):
-        config["quantization_config"] = RELEASED_V3["quantization_config"]
     edit(config)
     (directory / "config.json").write_text(json.dumps(config))
     assert main(["replica", "--port", "0", "--no-auth", "--model", str(directory)]) == 1
