@@ -57,6 +57,10 @@ class ModelSettings(BaseModel):
     context_length: int | None = Field(default=None, gt=0)  # else read from the upstream's /v1/models
     prices: Prices = Prices()
     share_cache_across_projects: bool = False  # replica: omit the per-project cache_salt
+    # openai backend: send the tenant's cache_salt (a digest of it) as vLLM's `cache_salt`, so a
+    # shared vLLM keeps each tenant's prefix cache apart; false for an upstream that refuses
+    # unknown fields (OpenAI's own API answers 400 "Unrecognized request argument")
+    send_cache_salt: bool = True
     tokenizer: str | None = None  # tokenizer.json path, to count tokens when usage is missing
     owned_by: str = "aigw"
 

@@ -8,6 +8,7 @@ Endpoint URLs are origins (`http://host:port`); `/v1/...` paths are appended.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 from collections.abc import AsyncIterator, Mapping
@@ -82,6 +83,9 @@ class OpenAICompatBackend(Backend):
             body["stop"] = request.stop
         if request.n > 1:
             body["n"] = request.n
+        salt = self.upstream_cache_salt(request, endpoint)
+        if salt is not None:
+            body["cache_salt"] = salt
         if request.logprobs:
             if request.kind == "chat":
                 body["logprobs"] = True
@@ -90,6 +94,16 @@ class OpenAICompatBackend(Backend):
             else:
                 body["logprobs"] = request.top_logprobs  # the legacy API's form: an integer
         return body
+
+    def upstream_cache_salt(self, request: CanonicalRequest, endpoint: Endpoint) -> str | None:
+        """The `cache_salt` the upstream gets: a 32-hex digest of the tenant's salt (stable across
+        gateways, so one tenant shares its own cache; the upstream never sees a project's name),
+        unless the model shares its cache across projects or `send_cache_salt` is off."""
+        model = endpoint.model
+        if (not request.cache_salt or model.share_cache_across_projects
+                or not model.send_cache_salt):
+            return None
+        return _salt_digest(request.cache_salt)
 
     def upstream_headers(self, request: CanonicalRequest, endpoint: Endpoint) -> dict[str, str]:
         return {"content-type": "application/json", "x-request-id": request.request_id,
@@ -252,6 +266,11 @@ async def _raise_for_status(response: UpstreamResponse) -> None:
         raise _rejected(response.status, body)
     log.warning("upstream answered %d: %s", response.status, body[:500].decode("utf-8", "replace"))
     raise UpstreamUnavailable(f"upstream failed: it answered {response.status}")
+
+
+def _salt_digest(salt: str) -> str:
+    return hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16,
+                           person=b"aigw-cache-salt").hexdigest()
 
 
 THROTTLE_HEADERS = ("retry-after", "retry-after-ms")  # and every x-ratelimit-* header

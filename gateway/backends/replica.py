@@ -32,11 +32,16 @@ class ReplicaBackend(OpenAICompatBackend):
 
     def upstream_body(self, request: CanonicalRequest, endpoint: Endpoint) -> dict[str, Any]:
         body = super().upstream_body(request, endpoint)
-        if request.cache_salt and not endpoint.model.share_cache_across_projects:
-            body["cache_salt"] = request.cache_salt
         if request.continue_final_message:
             body["continue_final_message"] = True  # vLLM's name for it: prefill
         return body
+
+    def upstream_cache_salt(self, request: CanonicalRequest, endpoint: Endpoint) -> str | None:
+        """Our replicas get the tenant's salt as it is (the prefix router hashes blocks with it,
+        as the replica does), unless the model shares its cache across projects."""
+        if not request.cache_salt or endpoint.model.share_cache_across_projects:
+            return None
+        return request.cache_salt
 
     def render_prompt(self, request: CanonicalRequest, endpoint: Endpoint
                       ) -> tuple[str, list[int]]:
