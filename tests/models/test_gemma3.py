@@ -15,9 +15,11 @@ import jinja2
 import pytest
 import torch
 
+from chat.registry import chat_format_for
 from contracts.sampling_params import SamplingParams
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
+from engine.kv_cache.layout import KVCacheLayout, kv_bytes_per_sequence, kv_bytes_per_token
 from engine.loader.checkpoint import UnsupportedCheckpointError
 from engine.loader.hf_checkpoint import model_config_from_hf
 from tests.engine.fakes import assert_idle_and_clean, generate
@@ -79,6 +81,7 @@ def test_gemma_template_renders_bos_model_role_and_system_in_the_first_turn(engi
          {"role": "assistant", "content": "hello"}, {"role": "user", "content": "jazz?"}])
     assert text == ("<bos><start_of_turn>user\nbe brief\n\nhi<end_of_turn>\n<start_of_turn>model\n"
                     "hello<end_of_turn>\n<start_of_turn>user\njazz?<end_of_turn>\n<start_of_turn>model\n")
+    assert chat_format_for("gemma3_text", engine.tokenizer.chat_template.source).name == "hermes"
     with pytest.raises(jinja2.TemplateError, match="alternate"):  # the replica answers it as a 400
         engine.tokenizer.apply_chat_template([{"role": "user", "content": "a"},
                                               {"role": "user", "content": "b"}])
@@ -149,3 +152,30 @@ def test_released_4x_config_fields_map_to_the_same_layers_and_ropes(tmp_path: Pa
     assert config.rope_theta == 1e6 and dict(config.rope_scaling or ()) == {"rope_type": "linear", "factor": 8.0}
     assert config.gemma is not None and config.gemma.local_rope_theta == 1e4
     assert config.tie_word_embeddings and config.gemma.final_logit_softcapping is None
+
+
+# Released text configs: hidden, layers, heads, kv heads, head_dim, window, max positions
+RELEASED = {"gemma-3-1b": (1152, 26, 4, 1, 256, 512, 32768), "gemma-3-4b": (2560, 34, 8, 4, 256, 1024, 131072),
+            "gemma-3-12b": (3840, 48, 16, 8, 256, 1024, 131072),
+            "gemma-3-27b": (5376, 62, 32, 16, 128, 1024, 131072)}
+
+
+@pytest.mark.parametrize(("name", "full_layers", "per_token", "with_windows_mib", "full_mib"), [
+    ("gemma-3-1b", 4, 4_096, 140, 832), ("gemma-3-4b", 5, 20_480, 760, 4_352),
+    ("gemma-3-12b", 8, 65_536, 2_368, 12_288), ("gemma-3-27b", 10, 81_920, 3_040, 15_872)])
+def test_released_shapes_keep_kv_for_the_global_layers_and_one_window_of_the_local_ones(
+        tmp_path: Path, name: str, full_layers: int, per_token: int, with_windows_mib: int,
+        full_mib: int) -> None:
+    """bf16 KV, block size 16, one sequence decoding at 32,768 tokens (docs/models.md's figures)."""
+    hidden, layers, heads, kv_heads, head_dim, window, positions = RELEASED[name]
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "gemma3_text", "vocab_size": 262_144, "hidden_size": hidden,
+        "intermediate_size": 4 * hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "max_position_embeddings": positions,
+        "sliding_window": window, "sliding_window_pattern": 6}))
+    config = model_config_from_hf(tmp_path)
+    assert sum(config.layer_sliding_window(i) is None for i in range(layers)) == full_layers
+    assert kv_bytes_per_token(config, 2) * full_layers == per_token
+    hybrid = kv_bytes_per_sequence(KVCacheLayout.for_model(config, positions), config, 32_768, 16, 2)
+    full = kv_bytes_per_sequence(KVCacheLayout.full_attention(layers), config, 32_768, 16, 2)
+    assert (hybrid / 2**20, full / 2**20) == (with_windows_mib, full_mib)
