@@ -139,8 +139,12 @@ def error_response(dialect: Dialect, status: int, code: str, message: str, reque
 
 def _stamp(response: web.StreamResponse, request_id: str, replica: str, overhead_ms: float,
            show_overhead: bool) -> None:
+    """`show_overhead` is the operator's view (an admin caller, or auth off): only it reads the
+    gateway's time and which endpoint served (`x-aigw-replica` is the endpoint's host:port,
+    internal topology; others see it only as "none" when nothing was dispatched)."""
     response.headers["x-request-id"] = request_id
-    response.headers["x-aigw-replica"] = replica
+    if show_overhead or replica == "none":
+        response.headers["x-aigw-replica"] = replica
     response[OVERHEAD_MS] = overhead_ms
     if show_overhead:
         response.headers["x-aigw-overhead-ms"] = f"{overhead_ms:.3f}"

@@ -202,7 +202,9 @@ def test_the_tpm_limit_holds_across_both_gateways_and_usage_is_one_sum(
 
 def test_turns_sent_alternately_to_both_gateways_stay_on_one_replica_and_hit_its_cache(
         deployment: Deployment, clients: tuple[httpx.Client, httpx.Client]) -> None:
-    key = _create_key(clients[1], deployment.admin_key, "acme", [Scope.INVOKE.value])["key"]
+    # (an operator's key: only the admin scope reads x-aigw-replica, the serving host:port)
+    key = _create_key(clients[1], deployment.admin_key, "acme",
+                      [Scope.INVOKE.value, Scope.ADMIN.value])["key"]
     system = {"role": "system", "content": "You are an assistant for beekeeping. " * 12}
     messages: list[dict[str, str]] = [system]
     replicas, cached = [], []

@@ -41,6 +41,7 @@ class Served:
     key: str  # the default project's invoke key
     admin_key: str  # of project `ops`
     state: MockState
+    replica: str = ""  # the mock replica's host:port
 
 
 async def _keys(data_dir: Path, redis_url: str | None) -> tuple[str, str]:
@@ -76,7 +77,7 @@ def served(request: pytest.FixtureRequest, loop_thread: LoopThread, tmp_path: Pa
     app = loop_thread.run(create_served_app(settings))
     runner, url = loop_thread.run(start_app(app))
     try:
-        yield Served(url, key, admin_key, state)
+        yield Served(url, key, admin_key, state, upstream_url.split("://", 1)[1])
     finally:
         loop_thread.run(runner.cleanup())
         loop_thread.run(upstream.cleanup())
@@ -156,8 +157,9 @@ def test_a_max_tokens_no_counter_can_hold_is_a_400_and_counts_nothing(served: Se
 
 def test_only_an_admin_caller_sees_the_gateways_timing_and_routing(served: Served) -> None:
     """x-aigw-overhead-ms moved with what a request found in caches every tenant shares (one
-    request told another project whether a system prompt had been sent recently), and
-    x-aigw-route shows every replica's load: both are for operators."""
+    request told another project whether a system prompt had been sent recently), x-aigw-route
+    shows every replica's load and x-aigw-replica the serving endpoint's host:port: all three
+    are for operators."""
     for key, shown in ((served.key, False), (served.admin_key, True)):
         headers = {"authorization": f"Bearer {key}", "x-aigw-debug": "1"}
         answers = [httpx.post(served.url + "/v1/chat/completions", json=CHAT, headers=headers),
@@ -171,6 +173,11 @@ def test_only_an_admin_caller_sees_the_gateways_timing_and_routing(served: Serve
             admitted = answer.status_code == 200
             assert ("x-aigw-overhead-ms" in answer.headers) == (shown and admitted)
             assert ("x-aigw-route" in answer.headers) == (shown and admitted)
+            replica = answer.headers.get("x-aigw-replica")
+            if shown and admitted:
+                assert replica is not None and replica == served.replica
+            else:  # nothing of the fleet: no header, or "none" for a refusal before dispatch
+                assert replica in (None, "none"), replica
         refused = httpx.post(served.url + "/v1/chat/completions", json=CHAT,
                              headers={"authorization": "Bearer sk-aigw-0123456789ab-nope"})
         assert refused.status_code == 401 and "x-aigw-overhead-ms" not in refused.headers
