@@ -146,7 +146,7 @@ def _choice_json(index: int, choice: CanonicalResponse) -> dict[str, Any]:
     # null only beside tool calls (OpenAI's form); an empty answer (e.g. cut by a stop string at
     # once) is "", as OpenAI sends it, so `content.strip()` works on every text answer
     content = choice.text if choice.text.strip() or not choice.tool_calls else None
-    message: dict[str, Any] = {"role": "assistant", "content": content}
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
     if choice.reasoning:
         message["reasoning_content"] = choice.reasoning
     if choice.tool_calls:

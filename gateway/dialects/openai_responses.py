@@ -144,9 +144,12 @@ def _tool_choice_json(tool_choice: str | dict[str, Any] | None) -> str | dict[st
 
 
 def _usage(usage: Usage | None) -> dict[str, Any]:
+    """The Responses usage object; `cache_write_tokens` is 0: a prefix-cache write is not billed
+    (nor counted) apart from the prompt's input tokens."""
     usage = usage or Usage(0, 0)
     return {"input_tokens": usage.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens,
+                                     "cache_write_tokens": 0},
             "output_tokens": usage.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
             "total_tokens": usage.total_tokens}
@@ -161,8 +164,13 @@ def _reasoning_item(request: CanonicalRequest, index: int, text: str, status: st
             "content": content, "encrypted_content": None, "status": status}
 
 
+def _text_part(text: str) -> dict[str, Any]:
+    """An `output_text` content part (no token logprobs: the Responses API here returns none)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
 def _message_item(request: CanonicalRequest, text: str, status: str) -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+    content = [_text_part(text)] if status == "completed" else []
     return {"type": "message", "id": f"msg_{request.request_id}", "status": status,
             "role": "assistant", "content": content}
 
@@ -198,7 +206,8 @@ def _response(request: CanonicalRequest, response: CanonicalResponse | None) -> 
             "text": {"format": _text_format_json(request.response_format)},
             "reasoning": {"effort": request.reasoning_effort, "summary": None},
             "truncation": "disabled", "metadata": {},
-            "usage": _usage(response.usage) if response is not None else None}
+            # no usage before the end (the spec's `usage` is an object or absent, never null)
+            **({"usage": _usage(response.usage)} if response is not None else {})}
 
 
 def _text_format_json(response_format: dict[str, Any] | None) -> dict[str, Any]:
@@ -296,7 +305,7 @@ class _ResponsesEncoder(StreamEncoder):
         if item["type"] == "message":
             out += self._emit("response.content_part.added", item_id=item["id"],
                               output_index=self._num_items, content_index=0,
-                              part={"type": "output_text", "text": "", "annotations": []})
+                              part=_text_part(""))
         elif item["type"] == "reasoning":
             out += self._emit("response.content_part.added", item_id=item["id"],
                               output_index=self._num_items, content_index=0,
@@ -311,7 +320,7 @@ class _ResponsesEncoder(StreamEncoder):
         self._num_items += 1
         if item["type"] == "message":
             text, self._text = "".join(self._text), []
-            part = {"type": "output_text", "text": text, "annotations": []}
+            part = _text_part(text)
             done = dict(item, status="completed", content=[part])
             self._done_items.append(done)
             return (self._emit("response.output_text.done", item_id=item["id"], output_index=index,
@@ -333,7 +342,7 @@ class _ResponsesEncoder(StreamEncoder):
         done = dict(item, status="completed", arguments=arguments)
         self._done_items.append(done)
         return (self._emit("response.function_call_arguments.done", item_id=item["id"],
-                           output_index=index, arguments=arguments)
+                           output_index=index, name=item["name"], arguments=arguments)
                 + self._emit("response.output_item.done", output_index=index, item=done))
 
     def event(self, event: CanonicalEvent) -> bytes:

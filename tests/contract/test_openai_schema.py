@@ -1,0 +1,214 @@
+"""Every body the gateway sends on its OpenAI routes validates against OpenAI's published OpenAPI
+description (tests/contract/openai/, spec 2.3.0): what strict generated clients decode.
+
+Two replicas stand behind the gateway: the real engine on the default model (one process, started
+once for the module; few requests, few tokens), and a replica server over the fake engine with a
+Qwen3-style template, whose scripted reply makes reasoning and tool calls certain (and instant). Bodies are read raw with httpx (no SDK
+leniency in between)."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from engine.server import ReplicaServerSettings
+from gateway.fleet import embedded
+from gateway.settings import GatewaySettings
+from gateway.web.app import create_app
+from tests.chat.tokenizers import qwen3_like_tokenizer
+from tests.contract.openapi_schema import schema_errors
+from tests.gateway.conftest import LoopThread, start_app
+from tests.server.conftest import ServerThread
+from tests.server.fakes import FakeEngine
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("cli.engine") is None,
+                       reason="needs the engine replica (cli/engine.py)"),
+]
+
+FAKE = "fake-model"
+REPLY = ('<think>\nThe user asks for the weather.\n</think>\n\n<tool_call>\n'
+         '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+ASK = [{"role": "user", "content": "Say hi"}]
+WEATHER = {"name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}
+CHAT_TOOLS = [{"type": "function", "function": WEATHER}]
+RESPONSES_TOOLS = [{"type": "function", **WEATHER}]
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
+          "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[str, str]]:
+    """(gateway URL, default model name): the gateway before a real replica and a fake one."""
+    loop_thread = LoopThread()
+    replicas = embedded.start_replicas(1, None, 32 * 1024 * 1024)
+    fake = ServerThread(FakeEngine(tokenizer=qwen3_like_tokenizer(), reply=REPLY,
+                                   max_model_len=4096), ReplicaServerSettings())
+    fake.start()
+    try:
+        embedded.wait_healthy(replicas, timeout_s=180)
+        model = embedded.model_settings_for(replicas)
+        settings = GatewaySettings(
+            auth_enabled=False, health_interval_s=0.5, first_token_timeout_s=60, idle_timeout_s=30,
+            models=[model, {"name": FAKE, "backend": "replica", "endpoints": [fake.base_url]}])
+        runner, url = loop_thread.run(start_app(create_app(settings)))
+        yield url, model.name
+        loop_thread.run(runner.cleanup())
+    finally:
+        fake.stop()
+        embedded.stop_replicas(replicas)
+        loop_thread.close()
+
+
+@pytest.fixture(scope="module")
+def http(served: tuple[str, str]) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=served[0] + "/v1", timeout=120) as client:
+        yield client
+
+
+def _post(http: httpx.Client, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    answer = http.post(path, json=body)
+    return answer.status_code, answer.json()
+
+
+def _sse(http: httpx.Client, path: str, body: dict[str, Any]) -> list[tuple[str | None, Any]]:
+    """(event name or None, parsed data) of each SSE event, `[DONE]` left out."""
+    events, name = [], None
+    with http.stream("POST", path, json={**body, "stream": True}) as answer:
+        assert answer.status_code == 200, answer.read()
+        for line in answer.iter_lines():
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:") and line[5:].strip() != "[DONE]":
+                events.append((name, orjson.loads(line[5:])))
+                name = None
+    return events
+
+
+def _check(found: list[str], label: str, schema: str, body: Any) -> None:
+    found += [f"{label} ({schema}) {line}" for line in schema_errors(schema, body)]
+
+
+def test_models_list_and_entry_match_the_spec(http: httpx.Client, served: tuple[str, str]) -> None:
+    found: list[str] = []
+    listed = http.get("/models").json()
+    _check(found, "models", "ListModelsResponse", listed)
+    _check(found, "model", "Model", http.get(f"/models/{served[1]}").json())
+    assert {entry["id"] for entry in listed["data"]} >= {served[1], FAKE}
+    assert not found, "\n".join(found)
+
+
+def test_chat_completions_match_the_spec(http: httpx.Client, served: tuple[str, str]) -> None:
+    model, found = served[1], []
+    bodies = {
+        "plain": {"model": model, "messages": ASK, "max_tokens": 4},
+        "n=2 logprobs": {"model": model, "messages": ASK, "max_tokens": 3, "n": 2, "logprobs": True,
+                         "top_logprobs": 2},
+        "structured": {"model": model, "messages": ASK, "max_tokens": 6, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}},
+        "reasoning+tool": {"model": FAKE, "messages": ASK, "tools": CHAT_TOOLS,
+                           "tool_choice": "required"},
+    }
+    for label, body in bodies.items():
+        status, answer = _post(http, "/chat/completions", body)
+        assert status == 200, (label, answer)
+        _check(found, label, "CreateChatCompletionResponse", answer)
+    assert len(answer["choices"][0]["message"]["tool_calls"]) == 1  # the fake's scripted call
+    assert not found, "\n".join(found)
+
+
+def test_chat_chunks_and_the_usage_chunk_match_the_spec(http: httpx.Client,
+                                                        served: tuple[str, str]) -> None:
+    model, found = served[1], []
+    usage = {"stream_options": {"include_usage": True}}
+    streams = {
+        "plain+logprobs": {"model": model, "messages": ASK, "max_tokens": 3, "logprobs": True,
+                           "top_logprobs": 1, **usage},
+        "n=2": {"model": model, "messages": ASK, "max_tokens": 2, "n": 2, **usage},
+        "reasoning+tool": {"model": FAKE, "messages": ASK, "tools": CHAT_TOOLS, **usage},
+    }
+    for label, body in streams.items():
+        chunks = _sse(http, "/chat/completions", body)
+        assert chunks[-1][1]["usage"] is not None and chunks[-1][1]["choices"] == []
+        for index, (_, chunk) in enumerate(chunks):
+            _check(found, f"{label} chunk {index}", "CreateChatCompletionStreamResponse", chunk)
+    assert not found, "\n".join(found)
+
+
+def test_legacy_completions_match_the_spec(http: httpx.Client, served: tuple[str, str]) -> None:
+    model, found = served[1], []
+    status, answer = _post(http, "/completions", {"model": model, "prompt": ["Hi", "Yo"],
+                                                  "max_tokens": 3, "logprobs": 2})
+    assert status == 200, answer
+    _check(found, "completion", "CreateCompletionResponse", answer)
+    chunks = _sse(http, "/completions", {"model": model, "prompt": "Hi", "max_tokens": 3,
+                                         "stream_options": {"include_usage": True}})
+    # The spec gives streamed chunks the completion's schema, whose finish_reason is never null;
+    # OpenAI's live API (and so the gateway) sends null until a choice's last chunk.
+    assert chunks[-1][1]["usage"] is not None
+    for index, (_, chunk) in enumerate(chunks):
+        choices = [dict(c, finish_reason=c["finish_reason"] or "stop") for c in chunk["choices"]]
+        _check(found, f"chunk {index}", "CreateCompletionResponse", dict(chunk, choices=choices))
+    assert [c["finish_reason"] for _, chunk in chunks for c in chunk["choices"]][-1] is not None
+    assert not found, "\n".join(found)
+
+
+def test_responses_and_their_stream_events_match_the_spec(http: httpx.Client,
+                                                          served: tuple[str, str]) -> None:
+    model, found = served[1], []
+    bodies = {
+        "plain": {"model": model, "input": "Say hi", "max_output_tokens": 4},
+        "structured": {"model": model, "input": "A person", "max_output_tokens": 6, "text": {
+            "format": {"type": "json_schema", "name": "person", "schema": PERSON}}},
+        "reasoning+tool": {"model": FAKE, "input": "Weather in Paris?", "tools": RESPONSES_TOOLS,
+                           "reasoning": {"effort": "low"}},
+    }
+    for label, body in bodies.items():
+        status, answer = _post(http, "/responses", body)
+        assert status == 200, (label, answer)
+        _check(found, label, "Response", answer)
+    assert [item["type"] for item in answer["output"]] == ["reasoning", "function_call"]
+    kinds = set()
+    for label in ("plain", "reasoning+tool"):
+        for index, (name, event) in enumerate(_sse(http, "/responses", bodies[label])):
+            assert name == event["type"]
+            kinds.add(event["type"])
+            _check(found, f"{label} event {index} {name}", "ResponseStreamEvent", event)
+    assert {"response.created", "response.output_text.delta", "response.reasoning_text.delta",
+            "response.function_call_arguments.delta", "response.completed"} <= kinds
+    assert not found, "\n".join(found)
+
+
+def test_error_bodies_match_the_spec(http: httpx.Client, served: tuple[str, str]) -> None:
+    model, found = served[1], []
+    too_long = "hello " * 40_000
+    cases = [
+        ("/chat/completions", {"model": "no-such-model", "messages": ASK}, 404),
+        ("/chat/completions", {"model": model}, 400),
+        ("/chat/completions", {"model": model, "messages": ASK, "temperature": "hot"}, 400),
+        ("/chat/completions", {"model": model, "messages": [{"role": "user", "content": too_long}]},
+         400),
+        ("/completions", {"model": model, "prompt": 7}, 400),
+        ("/responses", {"model": model, "input": 7}, 400),
+        ("/responses", {"model": "no-such-model", "input": "x"}, 404),
+    ]
+    for path, body, status in cases:
+        got, answer = _post(http, path, body)
+        assert got == status, (path, body, answer)
+        _check(found, f"{path} {got}", "ErrorResponse", answer)
+    answer = http.post("/chat/completions", content=b"{not json", headers={
+        "content-type": "application/json"})
+    assert answer.status_code == 400
+    _check(found, "undecodable", "ErrorResponse", answer.json())
+    missing = http.get("/models/no-such-model")
+    assert missing.status_code == 404
+    _check(found, "missing model", "ErrorResponse", missing.json())
+    assert not found, "\n".join(found)
