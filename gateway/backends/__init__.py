@@ -15,6 +15,7 @@ ENTRY_POINT_GROUP = "aigw.backends"
 _BUILTIN = {
     "replica": "gateway.backends.replica:ReplicaBackend",
     "openai": "gateway.backends.openai_compat:OpenAICompatBackend",
+    "anthropic": "gateway.backends.anthropic:AnthropicBackend",
 }
 _registered: dict[str, type[Backend]] = {}
 

@@ -7,7 +7,9 @@ Mapping to the canonical form:
                                           previous assistant turn)
   assistant text + `tool_use` blocks   -> one assistant message with tool calls (input -> JSON text)
   tools[].input_schema                 -> Tool.parameters;  tool_choice auto/any/tool/none -> OpenAI's
-  cache_control anywhere               -> accepted and ignored (our replicas cache prefixes themselves)
+  cache_control on blocks              -> kept per message for a native Anthropic upstream
+                                          (backends/anthropic.py); others ignore it (our
+                                          replicas cache prefixes themselves)
   a last assistant message with text   -> prefill: continue_final_message, the answer continues it
   output_config.format (json_schema)    -> response_format json_schema: the replica constrains decoding
   thinking disabled / enabled           -> chat_template_kwargs enable_thinking false / true (Qwen3),
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -156,9 +159,25 @@ def _parse_message(raw: Any, i: int) -> list[Message]:
             continue
         else:
             raise InvalidParam(f"{where}.type", f"unsupported block {kind!r} in a {role} message")
+    cache_control = _cache_control_of(content)
     if role == "assistant":
-        return [Message("assistant", "".join(texts), tuple(calls), reasoning="".join(thinking))]
-    return results + ([Message("user", "".join(texts))] if texts or not results else [])
+        return [Message("assistant", "".join(texts), tuple(calls), reasoning="".join(thinking),
+                        cache_control=cache_control)]
+    if results and not texts and cache_control is not None:  # on the last tool result
+        results[-1] = replace(results[-1], cache_control=cache_control)
+    return results + ([Message("user", "".join(texts), cache_control=cache_control)]
+                      if texts or not results else [])
+
+
+def _cache_control_of(content: Any) -> str | None:
+    """The last cache_control object among a message's (or system's) blocks, as JSON text:
+    a native Anthropic upstream gets it back on the message's block."""
+    if not isinstance(content, list):
+        return None
+    for block in reversed(content):
+        if isinstance(block, dict) and isinstance(block.get("cache_control"), dict):
+            return orjson.dumps(block["cache_control"]).decode()
+    return None
 
 
 def _parse_tool_choice(value: Any) -> str | dict[str, Any] | None:
@@ -239,7 +258,8 @@ class AnthropicMessages(Dialect):
         _check_thread(body.get("thread"))
         system = body.get("system")
         if system is not None:
-            request.messages.append(Message("system", _text_of(system, "system")))
+            request.messages.append(Message("system", _text_of(system, "system"),
+                                            cache_control=_cache_control_of(system)))
         results = ToolResults()  # each tool_result answers a tool_use of the message before
         for i, raw in enumerate(get_list(body, "messages", required=True, non_empty=True) or ()):
             for message in _parse_message(raw, i):

@@ -36,6 +36,9 @@ class Message:
     tool_call_id: str | None = None  # role == "tool": the call this result answers
     name: str | None = None
     reasoning: str = ""  # role == "assistant": an earlier turn's reasoning, sent back
+    # Anthropic's cache_control on the message's blocks, as JSON text (a native Anthropic
+    # upstream gets it back on the message's block; other upstreams cache prefixes themselves)
+    cache_control: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
