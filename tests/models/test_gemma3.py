@@ -123,6 +123,29 @@ def test_outputs_under_preemption_equal_the_roomy_engines(
     assert_idle_and_clean(tight)
 
 
+def test_a_checkpoint_without_window_layers_matches_transformers_on_the_general_forward(
+        gemma3_checkpoint: TinyCheckpoint, prompts: dict[str, list[int]], tmp_path: Path) -> None:
+    """Every layer global (layer_types all full_attention): one KV group; the native float decode
+    step (Llama layers only) is not taken."""
+    import transformers
+
+    directory = tmp_path / "global-only"
+    shutil.copytree(gemma3_checkpoint.directory, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config |= {"layer_types": ["full_attention"] * config["num_hidden_layers"]}
+    (directory / "config.json").write_text(json.dumps(config))
+    reference = transformers.Gemma3ForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    expected = hf_greedy(reference, prompts["target"], NUM_NEW_TOKENS)
+    engine = LLMEngine.from_config(EngineConfig(
+        model_path=str(directory), num_threads=1, dtype="float32",
+        cache=CacheConfig(kv_cache_memory_bytes=4 << 20),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=16)), progress=False)
+    assert len(engine.runner.kv_layout.groups) == 1 and engine.runner._native_decode is None
+    result = generate(engine, {"target": prompts["target"]}, GREEDY)["target"]
+    assert_matches_transformers(result, expected)
+    assert_idle_and_clean(engine)
+
+
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("attn_logit_softcapping", 50.0, "attn_logit_softcapping=50.0 is not supported"),
     ("use_bidirectional_attention", True, "use_bidirectional_attention=True is not supported"),
