@@ -2,7 +2,8 @@
 
     num_local_experts, num_experts_per_tok    experts (expert size = intermediate_size)
     layer_types, sliding_window               "sliding_attention" / "full_attention" per layer; transformers'
-                                              default when absent: sliding on even layers (0, 2, ...)
+                                              defaults when absent: sliding on even layers (0, 2, ...),
+                                              window 128 (GptOssConfig's)
     swiglu_alpha (1.702), swiglu_limit (7.0)  the experts' clamped SwiGLU
     attention_bias (default True)             q/k/v/o biases (the engine requires them)
     quantization_config                       absent (dense experts) or quant_method "mxfp4": the experts'
@@ -37,6 +38,6 @@ def gpt_oss_fields(config: Mapping[str, Any]) -> dict[str, Any]:
             "moe_intermediate_size": config["intermediate_size"],
             "attention_bias": True,
             "layer_types": tuple(layer_types),
-            "sliding_window": config.get("sliding_window"),
+            "sliding_window": config.get("sliding_window", 128),
             "swiglu_alpha": float(config.get("swiglu_alpha", 1.702)),
             "swiglu_limit": float(config.get("swiglu_limit", 7.0))}

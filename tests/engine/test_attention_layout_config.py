@@ -58,3 +58,11 @@ def test_mixtral_has_no_window_unless_its_config_sets_one(tmp_path: Path) -> Non
 
 def test_llama_configs_keep_full_attention(tmp_path: Path) -> None:
     assert _hf_config(tmp_path, model_type="llama").layer_types is None
+
+
+def test_gpt_oss_window_defaults_to_transformers_128_when_config_has_no_key(tmp_path: Path) -> None:
+    moe = {"model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8}
+    absent = _hf_config(tmp_path, **moe)  # GptOssConfig's default
+    assert absent.sliding_window == 128
+    assert [absent.layer_sliding_window(i) for i in range(3)] == [128, None, 128]
+    assert _hf_config(tmp_path, **moe, sliding_window=32).sliding_window == 32
