@@ -33,6 +33,7 @@ pytestmark = [
 ]
 
 FAKE = "fake-model"
+FAILING = "fake-failing"  # its replica fails after three tokens: mid-stream errors
 REPLY = ('<think>\nThe user asks for the weather.\n</think>\n\n<tool_call>\n'
          '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
 ASK = [{"role": "user", "content": "Say hi"}]
@@ -52,18 +53,24 @@ def served() -> Iterator[tuple[str, str]]:
     replicas = embedded.start_replicas(1, None, 32 * 1024 * 1024)
     fake = ServerThread(FakeEngine(tokenizer=qwen3_like_tokenizer(), reply=REPLY,
                                    max_model_len=4096), ReplicaServerSettings())
+    failing = ServerThread(FakeEngine(fail_after_num_tokens=3, token_delay_s=0.05),
+                           ReplicaServerSettings())
     fake.start()
+    failing.start()
     try:
         embedded.wait_healthy(replicas, timeout_s=180)
         model = embedded.model_settings_for(replicas)
         settings = GatewaySettings(
             auth_enabled=False, health_interval_s=0.5, first_token_timeout_s=60, idle_timeout_s=30,
-            models=[model, {"name": FAKE, "backend": "replica", "endpoints": [fake.base_url]}])
+            models=[model, {"name": FAKE, "backend": "replica", "endpoints": [fake.base_url]},
+                    {"name": FAILING, "backend": "replica", "endpoints": [failing.base_url],
+                     "upstream_model": FAKE}])
         runner, url = loop_thread.run(start_app(create_app(settings)))
         yield url, model.name
         loop_thread.run(runner.cleanup())
     finally:
         fake.stop()
+        failing.stop()
         embedded.stop_replicas(replicas)
         loop_thread.close()
 
@@ -211,4 +218,18 @@ def test_error_bodies_match_the_spec(http: httpx.Client, served: tuple[str, str]
     missing = http.get("/models/no-such-model")
     assert missing.status_code == 404
     _check(found, "missing model", "ErrorResponse", missing.json())
+    assert not found, "\n".join(found)
+
+
+def test_mid_stream_errors_match_the_spec(http: httpx.Client) -> None:
+    found: list[str] = []
+    chat = _sse(http, "/chat/completions", {"model": FAILING, "messages": ASK})
+    assert "error" in chat[-1][1]
+    _check(found, "chat stream error", "ErrorResponse", chat[-1][1])
+    for index, (_, chunk) in enumerate(chat[:-1]):
+        _check(found, f"chat chunk {index}", "CreateChatCompletionStreamResponse", chunk)
+    events = _sse(http, "/responses", {"model": FAILING, "input": "Say hi"})
+    assert events[-1][0] == "error"
+    for index, (name, event) in enumerate(events):
+        _check(found, f"responses event {index} {name}", "ResponseStreamEvent", event)
     assert not found, "\n".join(found)
