@@ -156,40 +156,56 @@ def test_a_key_made_on_one_gateway_works_on_the_other_and_its_revocation_too(
     assert status == 401 and time.monotonic() - started <= 1.0
 
 
-def _wait_for_a_fresh_minute(min_left_s: float = 15.0) -> None:
+def _wait_for_a_fresh_minute(min_left_s: float = 40.0) -> None:
     """The limit is per fixed UTC minute: start with enough of one left to reach the limit."""
     left = 60.0 - time.time() % 60.0
     if left < min_left_s:
         time.sleep(left + 0.1)
 
 
-def test_the_tpm_limit_holds_across_both_gateways_and_usage_is_one_sum(
-        deployment: Deployment, clients: tuple[httpx.Client, httpx.Client]) -> None:
-    key = _create_key(clients[0], deployment.admin_key, "limited",
-                      [Scope.INVOKE.value, Scope.USAGE_READ.value])["key"]
+def _fill_one_minute(clients: tuple[httpx.Client, httpx.Client], key: str, model: str
+                     ) -> tuple[list[dict[str, int]], int, list[dict[str, str]], bool]:
+    """Requests alternating the gateways until one is refused: (the admitted usages, the index
+    of the refusing gateway, the refused messages, whether all of it fell in one minute)."""
     _wait_for_a_fresh_minute()
+    window = int(time.time() // 60)
     admitted: list[dict[str, int]] = []
-    refused_by = None
     for i in range(30):
-        gateway = clients[i % 2]
-        response = _chat(gateway, key, deployment.model,
-                         [{"role": "user", "content": f"Count to {i}, slowly, please."}])
+        messages = [{"role": "user", "content": f"Count to {i}, slowly, please."}]
+        response = _chat(clients[i % 2], key, model, messages)
         if response.status_code == 429:
-            refused_by = i % 2
-            break
+            return admitted, i % 2, messages, int(time.time() // 60) == window
         assert response.status_code == 200, response.text
         admitted.append(response.json()["usage"])
-    assert refused_by is not None, "30 requests never reached the limit"
+    raise AssertionError("30 requests never reached the limit")
+
+
+def test_the_tpm_limit_holds_across_both_gateways_and_usage_is_one_sum(
+        deployment: Deployment, clients: tuple[httpx.Client, httpx.Client]) -> None:
+    """The limit is per fixed minute: a run that crossed one (requests take 1-5 s each on a
+    loaded 2-core machine) was admitted by two windows' counters, ~520 tokens against 300, as
+    the rule allows; such a run is redone from the next minute's start."""
+    key = _create_key(clients[0], deployment.admin_key, "limited",
+                      [Scope.INVOKE.value, Scope.USAGE_READ.value])["key"]
+    everything: list[dict[str, int]] = []  # every admitted request's usage, all runs
+    for _ in range(3):
+        admitted, refused_by, refused, in_one_minute = _fill_one_minute(
+            clients, key, deployment.model)
+        everything += admitted
+        if in_one_minute:
+            break
+    assert in_one_minute, "three runs each crossed a minute"
     assert len(admitted) >= 2  # both gateways admitted some before one refused
     totals = [u["prompt_tokens"] + u["completion_tokens"] for u in admitted]
     assert sum(totals) <= TPM_LIMIT + max(totals)
-    # The other gateway refuses too: the counters are the shared ones.
+    # The other gateway refuses the same request: the counters are the shared ones. (A smaller
+    # one may still fit what is left of the limit, as the rule says.)
     other = clients[1 - refused_by]
-    assert _chat(other, key, deployment.model, [{"role": "user", "content": "hi"}]).status_code == 429
+    assert _chat(other, key, deployment.model, refused).status_code == 429
 
-    expected = {"requests": len(admitted),
-                "prompt_tokens": sum(u["prompt_tokens"] for u in admitted),
-                "completion_tokens": sum(u["completion_tokens"] for u in admitted)}
+    expected = {"requests": len(everything),
+                "prompt_tokens": sum(u["prompt_tokens"] for u in everything),
+                "completion_tokens": sum(u["completion_tokens"] for u in everything)}
     deadline = time.monotonic() + 10
     while True:  # settlement follows the response: poll, bounded
         rows = clients[0].get("/admin/v1/projects/limited/usage", headers=_bearer(key)).json()["data"]
