@@ -147,6 +147,9 @@ class GatewaySettings(BaseSettings):
     key_limits: LimitDefaults = LimitDefaults()  # each key alone, without its own entry below
     project_limits: dict[str, LimitDefaults] = {}  # project name -> its limits
     key_limits_by_id: dict[str, LimitDefaults] = {}  # key id -> its limits
+    # Usage writes waiting on the store (queued, in flight, held through a Redis outage), in
+    # bytes: past it new requests get 503 `metering_backlogged` until they drain (none dropped).
+    metering_backlog_max_bytes: int = Field(64 * 1024 * 1024, gt=0)
     # Prompt-cache isolation (auth.cache_salt): per project, per key, or shared by all.
     cache_salt_scope: Literal["project", "key", "shared"] = "project"
     # Retries before the first token: at most `num_retries` per request, and in all at most

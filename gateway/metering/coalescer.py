@@ -15,6 +15,11 @@ Nobody waits on them; a `submit` or `flush` in the meantime flushes at once. So 
 at a time shares its store round trip with its neighbours: at concurrency 1 a batch is the
 requests of one linger (~10 per SQLite transaction at 1 ms a request), not one, which had the
 store's thread contend for the GIL with the event loop on every request.
+
+With `size_of`, `backlog_bytes` is what the items queued or in flight weigh (their store calls,
+by `size_of`), until their results are delivered: a store that hangs instead of failing leaves
+it growing, and the meters refuse new requests past their bound (back-pressure, MeterBacklogged)
+rather than let it grow or drop an item.
 """
 
 from __future__ import annotations
@@ -32,8 +37,11 @@ log = logging.getLogger("aigw.metering")
 
 class Coalescer(Generic[T, R]):
     def __init__(self, flush: Callable[[list[T]], Awaitable[list[R | BaseException]]],
-                 max_batch: int = 256, linger_s: float = 0.0) -> None:
+                 max_batch: int = 256, linger_s: float = 0.0,
+                 size_of: Callable[[T], int] | None = None) -> None:
         self._flush = flush
+        self._size_of = size_of
+        self.backlog_bytes = 0  # of the items submitted and not yet delivered (with size_of)
         self._max_batch = max_batch
         self._linger_s = linger_s
         self._linger: asyncio.TimerHandle | None = None
@@ -45,6 +53,7 @@ class Coalescer(Generic[T, R]):
     async def submit(self, item: T) -> R:
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         self._pending.append((item, future))
+        self._weigh(item, 1)
         self._start()
         return await future
 
@@ -52,10 +61,22 @@ class Coalescer(Generic[T, R]):
         """Queue `item`; `on_result` gets its result or exception (also on cancellation) and
         must not raise (what it raises is logged)."""
         self._pending.append((item, on_result))
+        self._weigh(item, 1)
         if self._linger_s <= 0.0:
             self._start()
         elif self._linger is None and (self._flusher is None or self._flusher.done()):
             self._linger = asyncio.get_running_loop().call_later(self._linger_s, self._start)
+
+    def _weigh(self, item: T, sign: int) -> None:
+        if self._size_of is not None:
+            self.backlog_bytes += sign * self._size_of(item)
+
+    def _deliver_batch(self, batch: list[tuple[T, asyncio.Future[R]
+                                               | Callable[[R | BaseException], None]]],
+                       results: list[R | BaseException]) -> None:
+        for (item, waiter), result in zip(batch, results, strict=True):
+            self._weigh(item, -1)
+            _deliver(waiter, result)
 
     def _start(self) -> None:
         if self._linger is not None:
@@ -73,11 +94,9 @@ class Coalescer(Generic[T, R]):
             except BaseException as exc:  # noqa: BLE001 - handed to every waiter of the batch
                 results = [exc] * len(batch)
                 if isinstance(exc, asyncio.CancelledError):
-                    for (_, waiter), result in zip(batch, results, strict=True):
-                        _deliver(waiter, result)
+                    self._deliver_batch(batch, results)
                     raise
-            for (_, waiter), result in zip(batch, results, strict=True):
-                _deliver(waiter, result)
+            self._deliver_batch(batch, results)
             if self._pending and self._linger_s > 0.0 and self._may_linger():
                 self._linger = asyncio.get_running_loop().call_later(self._linger_s, self._start)
                 return

@@ -62,6 +62,16 @@ class RateLimited(Exception):
         self.headers = headers
 
 
+class MeterBacklogged(Exception):
+    """The usage writes waiting on the store (queued, in flight, or held through an outage)
+    weigh more than the meter's bound: answer 503 and admit nothing new until they drain, so no
+    usage record is dropped and the queue stays bounded in bytes."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
 class ReservationTooLarge(ValueError):
     """A request whose worst case (prompt + max_tokens, and its cost) no counter can hold:
     answer 400, with nothing reserved."""

@@ -61,7 +61,11 @@ class EmbeddedMeter(BaseMeter):
         self._db = runner
         self._limiter = LocalLimiter()
         self._inserts: Coalescer[tuple[object, ...], bool] = Coalescer(
-            self._insert_rows, linger_s=SETTLE_LINGER_S)
+            self._insert_rows, linger_s=SETTLE_LINGER_S, size_of=_row_bytes)
+
+    def backlog_bytes(self) -> int:
+        """Rows queued or in a transaction not yet done (a stalled disk keeps them here)."""
+        return self._inserts.backlog_bytes
 
     @classmethod
     async def open(cls, settings: MeteringSettings, path: Path) -> EmbeddedMeter:
@@ -158,3 +162,8 @@ class EmbeddedMeter(BaseMeter):
 def _row(record: UsageRecord, cost_nanos: int) -> tuple[object, ...]:
     values = vars(record)
     return tuple(values[c] for c in _RECORD_COLUMNS) + (cost_nanos, usage_day(record.created_at))
+
+
+def _row_bytes(row: tuple[object, ...]) -> int:
+    """What a queued row weighs: its strings, 8 a number, plus a fixed 200 for the tuple."""
+    return 200 + sum(len(v) if isinstance(v, str) else 8 for v in row)

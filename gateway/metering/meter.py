@@ -20,7 +20,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from auth.principal import Principal
-from gateway.metering.contract import Admission, ReservationTooLarge, UsageRecord
+from gateway.metering.contract import (
+    Admission,
+    MeterBacklogged,
+    ReservationTooLarge,
+    UsageRecord,
+)
 from gateway.metering.limits import Clock, MeterAdmission, ScopeLimits
 from gateway.metering.prices import NANOS_PER_USD, cost_nanos, cost_usd, price_for
 from gateway.metering.settings import MeteringSettings, ModelPrice
@@ -70,10 +75,22 @@ class BaseMeter(ABC):
         return any(s.limits.tokens_per_minute is not None or s.limits.daily_budget_usd is not None
                    for s in self.scopes_for(principal))
 
+    def backlog_bytes(self) -> int:
+        """Bytes of usage writes not yet in the store (queued, in flight, held)."""
+        return 0
+
     async def admit(self, request_id: str, principal: Principal, model: str,
                     num_prompt_tokens: int, max_tokens: int) -> MeterAdmission:
         """Reserve, or raise RateLimited (429 with its headers), or ReservationTooLarge (400)
-        for a worst case beyond what the counters hold (checked before anything is counted)."""
+        for a worst case beyond what the counters hold (checked before anything is counted),
+        or MeterBacklogged (503) while the usage writes waiting on the store are over
+        `backlog_max_bytes` (back-pressure: every admitted request adds one write, so refusing
+        new ones bounds the backlog by the bound plus the requests already in flight, and no
+        record is ever dropped)."""
+        backlog = self.backlog_bytes()
+        if backlog > self.settings.backlog_max_bytes:
+            raise MeterBacklogged(
+                f"usage writes are not reaching the store ({backlog} bytes waiting); retry shortly")
         num_tokens = num_prompt_tokens + max_tokens
         scopes = self.scopes_for(principal)
         if not scopes:

@@ -19,10 +19,11 @@ moves the counters by (actual - reserved) and adds to the day's sums, also in on
 On Redis Cluster (infra/redis_client.py) the coalesced calls go out concurrently rather than in
 one pipeline (redis-py blocks EVALSHA in cluster pipelines); SCRIPT LOAD reaches every primary.
 
-A queued settle that fails because Redis cannot be reached is held in memory (at most
-`MAX_HELD_SETTLES`) and written again with backoff (0.5 s doubling to 5 s) until Redis answers;
+A queued settle that fails because Redis cannot be reached is held in memory and written again with backoff (0.5 s doubling to 5 s) until Redis answers;
 SET NX makes a repeat of one that did land a no-op, so nothing is counted twice. What is still
-held at shutdown is tried once more, then logged as `settle failed` per request.
+held at shutdown is tried once more, then logged as `settle failed` per request. Held, queued
+and in-flight calls together are bounded in bytes (`backlog_bytes`, settings.backlog_max_bytes):
+past the bound new requests are refused (BaseMeter.admit, MeterBacklogged: 503), none is dropped.
 """
 
 from __future__ import annotations
@@ -123,7 +124,6 @@ _SCRIPT_SHAS = {name: hashlib.sha1(lua.encode()).hexdigest() for name, lua in _S
 ScriptCall = tuple[str, list[str], list[Any]]  # (script name, keys, args)
 
 
-MAX_HELD_SETTLES = 100_000  # queued settles kept through a Redis outage (~1 KB each)
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.5, 5.0
 _OUTAGE = (RedisConnectionError, RedisTimeoutError, ClusterDownError, OSError)
 
@@ -137,11 +137,17 @@ class RedisMeter(BaseMeter):
         self._owns_client = owns_client
         self._scripts_loaded = False
         self._cluster = is_cluster_client(client)
-        self._calls: Coalescer[ScriptCall, Any] = Coalescer(self._run_scripts,
-                                                                linger_s=SETTLE_LINGER_S)
+        self._calls: Coalescer[ScriptCall, Any] = Coalescer(
+            self._run_scripts, linger_s=SETTLE_LINGER_S, size_of=call_bytes)
         self._held: list[tuple[ScriptCall, str]] = []  # settles that met an outage, to retry
+        self._held_bytes = 0  # call_bytes of self._held
         self._retrier: asyncio.Task[None] | None = None
         self._is_closing = False
+
+    def backlog_bytes(self) -> int:
+        """Script calls queued or in flight (a hung Redis) plus settles held through an outage:
+        past settings.backlog_max_bytes, admit refuses (MeterBacklogged), nothing is dropped."""
+        return self._calls.backlog_bytes + self._held_bytes
 
     async def _run_scripts(self, calls: list[ScriptCall]) -> list[Any]:
         if not self._scripts_loaded:
@@ -218,11 +224,9 @@ class RedisMeter(BaseMeter):
             return
         if not isinstance(result, _OUTAGE) or self._is_closing:
             log.error("settle failed for %s", request_id, exc_info=result)
-        elif len(self._held) >= MAX_HELD_SETTLES:
-            log.error("settle failed for %s: Redis unreachable and %d settles already held",
-                      request_id, len(self._held))
-        else:
+        else:  # held whatever their number: admit refuses new requests past the byte bound
             self._held.append((call, request_id))
+            self._held_bytes += call_bytes(call)
             if self._retrier is None or self._retrier.done():
                 log.warning("Redis unreachable: holding usage records until it answers (%s)", result)
                 self._retrier = asyncio.get_running_loop().create_task(self._retry_held())
@@ -237,7 +241,7 @@ class RedisMeter(BaseMeter):
         log.warning("Redis answers again: held usage records written")
 
     async def _resubmit_held(self) -> None:
-        held, self._held = self._held, []
+        held, self._held, self._held_bytes = self._held, [], 0
         for call, request_id in held:
             self._submit_settle(call, request_id)  # a failure holds it again
         await self._calls.flush()
@@ -300,6 +304,14 @@ class RedisMeter(BaseMeter):
         await self._resubmit_held()  # a last try; what fails now is logged
         if self._owns_client:
             await self.client.aclose()
+
+
+def call_bytes(call: ScriptCall) -> int:
+    """What a script call weighs while it waits: its keys and arguments (the usage record's
+    JSON, for a settle), plus a fixed 200 for the objects around them."""
+    _, keys, args = call
+    return 200 + sum(len(k) for k in keys) + sum(len(a) if isinstance(a, str | bytes) else 8
+                                                 for a in args)
 
 
 def _arg(limit: int | None) -> Any:

@@ -44,6 +44,9 @@ class MeteringSettings(BaseModel):
     project_limits: dict[str, Limits] = Field(default_factory=dict)  # project name -> override
     key_limits: dict[str, Limits] = Field(default_factory=dict)  # key id -> override
     record_ttl_days: int = Field(default=90, gt=0)  # Redis: how long per-request records live
+    # usage writes waiting on the store (queued, in flight, held through a Redis outage), in
+    # bytes of their store calls: past it, new requests are refused (503) until they drain
+    backlog_max_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
 
     def limits_for_project(self, project: str) -> Limits:
         return self.project_limits.get(project, self.default_project_limits)

@@ -34,7 +34,13 @@ from auth.principal import Authenticator, AuthError, Principal, Scope
 from auth.settings import AuthSettings
 from gateway.dialects.base import Dialect, StreamEncoder
 from gateway.fleet.endpoints import Endpoint, Fleet, ModelRoute
-from gateway.metering.contract import Admission, Meter, RateLimited, ReservationTooLarge
+from gateway.metering.contract import (
+    Admission,
+    Meter,
+    MeterBacklogged,
+    RateLimited,
+    ReservationTooLarge,
+)
 from gateway.request.canonical import (
     FOLDED_EVENTS,
     Accumulator,
@@ -243,6 +249,8 @@ class Pipeline:
                                                canonical.num_choices * max_tokens)
         except ReservationTooLarge as exc:
             raise BadRequest(exc.message, param="max_tokens") from exc
+        except MeterBacklogged as exc:  # back-pressure: the usage ledger cannot keep up
+            raise GatewayError(exc.message, status=503, code="metering_backlogged") from exc
         return canonical, principal, route, admission
 
     async def _admission_prompt_tokens(self, canonical: CanonicalRequest, route: ModelRoute,

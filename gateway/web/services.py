@@ -40,7 +40,8 @@ def metering_settings(settings: GatewaySettings) -> Any:
         default_project_limits=limits_of(settings.limits),
         default_key_limits=limits_of(settings.key_limits),
         project_limits={name: limits_of(v) for name, v in settings.project_limits.items()},
-        key_limits={key_id: limits_of(v) for key_id, v in settings.key_limits_by_id.items()})
+        key_limits={key_id: limits_of(v) for key_id, v in settings.key_limits_by_id.items()},
+        backlog_max_bytes=settings.metering_backlog_max_bytes)
 
 
 async def create_served_app(settings: GatewaySettings) -> web.Application:

@@ -26,7 +26,12 @@ from aiohttp import web
 
 from auth.principal import AuthError
 from gateway.dialects.anthropic_messages import AnthropicMessages
-from gateway.metering.contract import RateLimited, ReservationTooLarge, UsageRecord
+from gateway.metering.contract import (
+    MeterBacklogged,
+    RateLimited,
+    ReservationTooLarge,
+    UsageRecord,
+)
 from gateway.request.canonical import estimate_prompt_tokens
 from gateway.request.errors import BadRequest, GatewayError, ModelNotFound
 from gateway.request.pipeline import Pipeline, error_response, request_ids_of
@@ -58,6 +63,8 @@ async def count_tokens(request: web.Request, pipeline: Pipeline, dialect: Anthro
                                                    estimate_prompt_tokens(canonical), 0)
         except ReservationTooLarge as exc:
             raise BadRequest(exc.message) from exc
+        except MeterBacklogged as exc:  # back-pressure: the usage ledger cannot keep up
+            raise GatewayError(exc.message, status=503, code="metering_backlogged") from exc
     except AuthError as exc:
         return failed(exc.status, exc.code, exc.message)
     except GatewayError as exc:

@@ -223,3 +223,22 @@ def test_other_headers_with_bytes_that_are_not_utf8_never_make_a_500(served: Ser
             assert status < 500, (name, path, answer)
             if status >= 400:
                 _assert_envelope(envelope, answer, status)
+
+
+def test_a_usage_ledger_that_cannot_keep_up_refuses_new_requests_with_a_503(
+        served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Back-pressure from the meter (its queued usage writes past metering_backlog_max_bytes,
+    tests/metering/test_redis_outage.py makes them with a hung Redis) is a 503 in each route's
+    envelope, and nothing reaches the upstream."""
+    from gateway.metering.embedded_meter import EmbeddedMeter
+
+    monkeypatch.setattr(EmbeddedMeter, "backlog_bytes", lambda self: 1 << 40)
+    headers = {"authorization": f"Bearer {served.key}"}
+    answer = httpx.post(served.url + "/v1/chat/completions", json=CHAT, headers=headers)
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "metering_backlogged"
+    answer = httpx.post(served.url + "/anthropic/v1/messages", json=MESSAGES, headers=headers)
+    assert answer.status_code == 503 and answer.json()["type"] == "error", answer.text
+    answer = httpx.post(served.url + "/v1/messages/count_tokens", json=MESSAGES, headers=headers)
+    assert answer.status_code == 503 and answer.json()["type"] == "error", answer.text
+    assert not served.state.bodies
