@@ -142,6 +142,9 @@ class GatewaySettings(BaseSettings):
     # Without the credential, those series are summed over projects.
     metrics_token: str | None = Field(default=None, repr=False)
     metrics_public: bool = False
+    # distinct projects with their own /metrics label value (per process; JWT `project` claims
+    # of a trusted issuer are unbounded): later ones are summed under project="_other"
+    metrics_max_projects: int = Field(1000, ge=0)
     default_max_tokens: int = Field(1024, gt=0)  # admission reserve when the client sets none
     limits: LimitDefaults = LimitDefaults()  # each project without its own entry below
     key_limits: LimitDefaults = LimitDefaults()  # each key alone, without its own entry below

@@ -17,6 +17,9 @@
 
 Model and project are "" for requests refused before admission (failed auth, bad body, unknown
 model); from admission on (a 429 included) they are the configured model and the caller's project.
+Projects come from API keys and from a trusted issuer's JWT `project` claims, which the gateway
+does not bound: the first `metrics_max_projects` distinct ones (per process) keep their own label
+value, every later one is counted under `_other` (ProjectLabels), so the series stay bounded.
 The request path reaches label children through `child(metric, *labels)`-style caches
 (`LabelCache`), so prometheus_client's `labels()` runs once per label tuple, not per request.
 (Writing the children's numbers lock-free through prometheus_client's private fields saved ~3.5 us
@@ -68,8 +71,31 @@ class LabelCache:
         return child
 
 
+OTHER_PROJECTS = "_other"  # the label value of every project past the first max_projects
+
+
+class ProjectLabels:
+    """`labels(project)`: the project's own name for the first `max_projects` distinct projects
+    seen ("" is not one: no project yet), OTHER_PROJECTS for every later one."""
+
+    __slots__ = ("_seen", "max_projects")
+
+    def __init__(self, max_projects: int) -> None:
+        self.max_projects = max_projects
+        self._seen: set[str] = set()
+
+    def __call__(self, project: str) -> str:
+        if project in self._seen or not project:
+            return project
+        if len(self._seen) < self.max_projects:
+            self._seen.add(project)
+            return project
+        return OTHER_PROJECTS
+
+
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, max_projects: int = 1000) -> None:
+        self.project_label = ProjectLabels(max_projects)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("aigw_requests", "Requests answered by the gateway.",
@@ -112,7 +138,7 @@ class GatewayMetrics:
         self._fleet_collector = FleetCollector(fleet)
 
     def observe_usage(self, record: UsageRecord) -> None:
-        labels = (record.model, record.project)
+        labels = (record.model, self.project_label(record.project))
         children = self._usage_children.get(labels)
         if children is None:
             children = self._usage_children[labels] = (

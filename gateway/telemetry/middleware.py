@@ -162,7 +162,7 @@ def _finish(telemetry: Telemetry, route: str, status: int, observation: RequestO
     record = observation.record
     model, project = ((record.model, record.project) if record is not None
                       else (observation.model, observation.project))
-    metrics.requests_of(route, str(status), model, project).inc()
+    metrics.requests_of(route, str(status), model, metrics.project_label(project)).inc()
     metrics.duration_of(route, model).observe(latency_s)
     overhead_s = None
     overhead_ms = response.get(OVERHEAD_MS) if response is not None else None

@@ -55,6 +55,7 @@ class Telemetry:
             model.name: max(0.0, model.prices.input_per_token - model.prices.cached_input_per_token)
             for model in settings.models}
         self.metrics.attach_fleet(fleet)
+        self.metrics.project_label.max_projects = settings.metrics_max_projects
 
     # With tracing off (settings.is_tracing_enabled false) the wrappers below do no trace work:
     # the choice is made here, once, not per request.
