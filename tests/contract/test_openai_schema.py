@@ -1,30 +1,18 @@
 """Every body the gateway sends on its OpenAI routes validates against OpenAI's published OpenAPI
 description (tests/contract/openai/, spec 2.3.0): what strict generated clients decode.
 
-Two replicas stand behind the gateway: the real engine on the default model (one process, started
-once for the module; few requests, few tokens), and a replica server over the fake engine with a
-Qwen3-style template, whose scripted reply makes reasoning and tool calls certain (and instant). Bodies are read raw with httpx (no SDK
-leniency in between)."""
+The gateway and its replicas: tests/contract/conftest.py."""
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import orjson
 import pytest
 
-from engine.server import ReplicaServerSettings
-from gateway.fleet import embedded
-from gateway.settings import GatewaySettings
-from gateway.web.app import create_app
-from tests.chat.tokenizers import qwen3_like_tokenizer
+from tests.contract.conftest import ASK, FAILING, FAKE, WEATHER, post, sse
 from tests.contract.openapi_schema import schema_errors
-from tests.gateway.conftest import LoopThread, start_app
-from tests.server.conftest import ServerThread
-from tests.server.fakes import FakeEngine
 
 pytestmark = [
     pytest.mark.slow,
@@ -32,72 +20,10 @@ pytestmark = [
                        reason="needs the engine replica (cli/engine.py)"),
 ]
 
-FAKE = "fake-model"
-FAILING = "fake-failing"  # its replica fails after three tokens: mid-stream errors
-REPLY = ('<think>\nThe user asks for the weather.\n</think>\n\n<tool_call>\n'
-         '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
-ASK = [{"role": "user", "content": "Say hi"}]
-WEATHER = {"name": "get_weather", "description": "Weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                          "required": ["city"]}}
 CHAT_TOOLS = [{"type": "function", "function": WEATHER}]
 RESPONSES_TOOLS = [{"type": "function", **WEATHER}]
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
           "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[str, str]]:
-    """(gateway URL, default model name): the gateway before a real replica and a fake one."""
-    loop_thread = LoopThread()
-    replicas = embedded.start_replicas(1, None, 32 * 1024 * 1024)
-    fake = ServerThread(FakeEngine(tokenizer=qwen3_like_tokenizer(), reply=REPLY,
-                                   max_model_len=4096), ReplicaServerSettings())
-    failing = ServerThread(FakeEngine(fail_after_num_tokens=3, token_delay_s=0.05),
-                           ReplicaServerSettings())
-    fake.start()
-    failing.start()
-    try:
-        embedded.wait_healthy(replicas, timeout_s=180)
-        model = embedded.model_settings_for(replicas)
-        settings = GatewaySettings(
-            auth_enabled=False, health_interval_s=0.5, first_token_timeout_s=60, idle_timeout_s=30,
-            models=[model, {"name": FAKE, "backend": "replica", "endpoints": [fake.base_url]},
-                    {"name": FAILING, "backend": "replica", "endpoints": [failing.base_url],
-                     "upstream_model": FAKE}])
-        runner, url = loop_thread.run(start_app(create_app(settings)))
-        yield url, model.name
-        loop_thread.run(runner.cleanup())
-    finally:
-        fake.stop()
-        failing.stop()
-        embedded.stop_replicas(replicas)
-        loop_thread.close()
-
-
-@pytest.fixture(scope="module")
-def http(served: tuple[str, str]) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=served[0] + "/v1", timeout=120) as client:
-        yield client
-
-
-def _post(http: httpx.Client, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-    answer = http.post(path, json=body)
-    return answer.status_code, answer.json()
-
-
-def _sse(http: httpx.Client, path: str, body: dict[str, Any]) -> list[tuple[str | None, Any]]:
-    """(event name or None, parsed data) of each SSE event, `[DONE]` left out."""
-    events, name = [], None
-    with http.stream("POST", path, json={**body, "stream": True}) as answer:
-        assert answer.status_code == 200, answer.read()
-        for line in answer.iter_lines():
-            if line.startswith("event:"):
-                name = line[6:].strip()
-            elif line.startswith("data:") and line[5:].strip() != "[DONE]":
-                events.append((name, orjson.loads(line[5:])))
-                name = None
-    return events
 
 
 def _check(found: list[str], label: str, schema: str, body: Any) -> None:
@@ -125,7 +51,7 @@ def test_chat_completions_match_the_spec(http: httpx.Client, served: tuple[str, 
                            "tool_choice": "required"},
     }
     for label, body in bodies.items():
-        status, answer = _post(http, "/chat/completions", body)
+        status, answer = post(http, "/chat/completions", body)
         assert status == 200, (label, answer)
         _check(found, label, "CreateChatCompletionResponse", answer)
     assert len(answer["choices"][0]["message"]["tool_calls"]) == 1  # the fake's scripted call
@@ -143,7 +69,7 @@ def test_chat_chunks_and_the_usage_chunk_match_the_spec(http: httpx.Client,
         "reasoning+tool": {"model": FAKE, "messages": ASK, "tools": CHAT_TOOLS, **usage},
     }
     for label, body in streams.items():
-        chunks = _sse(http, "/chat/completions", body)
+        chunks = sse(http, "/chat/completions", body)
         assert chunks[-1][1]["usage"] is not None and chunks[-1][1]["choices"] == []
         for index, (_, chunk) in enumerate(chunks):
             _check(found, f"{label} chunk {index}", "CreateChatCompletionStreamResponse", chunk)
@@ -152,11 +78,11 @@ def test_chat_chunks_and_the_usage_chunk_match_the_spec(http: httpx.Client,
 
 def test_legacy_completions_match_the_spec(http: httpx.Client, served: tuple[str, str]) -> None:
     model, found = served[1], []
-    status, answer = _post(http, "/completions", {"model": model, "prompt": ["Hi", "Yo"],
+    status, answer = post(http, "/completions", {"model": model, "prompt": ["Hi", "Yo"],
                                                   "max_tokens": 3, "logprobs": 2})
     assert status == 200, answer
     _check(found, "completion", "CreateCompletionResponse", answer)
-    chunks = _sse(http, "/completions", {"model": model, "prompt": "Hi", "max_tokens": 3,
+    chunks = sse(http, "/completions", {"model": model, "prompt": "Hi", "max_tokens": 3,
                                          "stream_options": {"include_usage": True}})
     # The spec gives streamed chunks the completion's schema, whose finish_reason is never null;
     # OpenAI's live API (and so the gateway) sends null until a choice's last chunk.
@@ -179,13 +105,13 @@ def test_responses_and_their_stream_events_match_the_spec(http: httpx.Client,
                            "reasoning": {"effort": "low"}},
     }
     for label, body in bodies.items():
-        status, answer = _post(http, "/responses", body)
+        status, answer = post(http, "/responses", body)
         assert status == 200, (label, answer)
         _check(found, label, "Response", answer)
     assert [item["type"] for item in answer["output"]] == ["reasoning", "function_call"]
     kinds = set()
     for label in ("plain", "reasoning+tool"):
-        for index, (name, event) in enumerate(_sse(http, "/responses", bodies[label])):
+        for index, (name, event) in enumerate(sse(http, "/responses", bodies[label])):
             assert name == event["type"]
             kinds.add(event["type"])
             _check(found, f"{label} event {index} {name}", "ResponseStreamEvent", event)
@@ -208,7 +134,7 @@ def test_error_bodies_match_the_spec(http: httpx.Client, served: tuple[str, str]
         ("/responses", {"model": "no-such-model", "input": "x"}, 404),
     ]
     for path, body, status in cases:
-        got, answer = _post(http, path, body)
+        got, answer = post(http, path, body)
         assert got == status, (path, body, answer)
         _check(found, f"{path} {got}", "ErrorResponse", answer)
     answer = http.post("/chat/completions", content=b"{not json", headers={
@@ -223,12 +149,12 @@ def test_error_bodies_match_the_spec(http: httpx.Client, served: tuple[str, str]
 
 def test_mid_stream_errors_match_the_spec(http: httpx.Client) -> None:
     found: list[str] = []
-    chat = _sse(http, "/chat/completions", {"model": FAILING, "messages": ASK})
+    chat = sse(http, "/chat/completions", {"model": FAILING, "messages": ASK})
     assert "error" in chat[-1][1]
     _check(found, "chat stream error", "ErrorResponse", chat[-1][1])
     for index, (_, chunk) in enumerate(chat[:-1]):
         _check(found, f"chat chunk {index}", "CreateChatCompletionStreamResponse", chunk)
-    events = _sse(http, "/responses", {"model": FAILING, "input": "Say hi"})
+    events = sse(http, "/responses", {"model": FAILING, "input": "Say hi"})
     assert events[-1][0] == "error"
     for index, (name, event) in enumerate(events):
         _check(found, f"responses event {index} {name}", "ResponseStreamEvent", event)
