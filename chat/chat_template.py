@@ -22,7 +22,9 @@ instruct data used, then renders it with the model's own template:
     `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
   - assistant `tool_calls`: appended to the content as `<tool_call>` JSON blocks;
   - `tool` messages: one user turn per run of consecutive results, each in `<tool_response>` tags.
-Templates that do read `tools` get the normalised messages unchanged.
+Templates that do read `tools` get the normalised messages unchanged. DeepSeek's templates write
+calls and results in their own tokens but not the tool list: chat/deepseek_prompt.py keeps
+those and puts the tools in the system prompt.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from chat.deepseek_prompt import native_tools_rewriter
 
 Message = Mapping[str, Any]
 
@@ -111,6 +115,8 @@ class ChatTemplate:
         self.source = source
         self.template = env.from_string(source)
         self.reads_tools = "tools" in meta.find_undeclared_variables(env.parse(source))
+        # DeepSeek's templates write calls and results natively but not the tool list
+        self._native_tools = None if self.reads_tools else native_tools_rewriter(source)
 
     def render(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None,
                add_generation_prompt: bool = True, special_tokens: Mapping[str, str] | None = None,
@@ -135,7 +141,10 @@ class ChatTemplate:
                              "cannot be continued")
         chat = [normalize_message(m) for m in messages]
         tool_list = [dict(t) for t in tools] if tools else None
-        if not self.reads_tools:
+        if self._native_tools is not None:
+            chat = self._native_tools(chat, tool_list)
+            tool_list = None
+        elif not self.reads_tools:
             chat = _inline_tools(chat, tool_list)
             tool_list = None
         variables = {**(special_tokens or {}), **extra}

@@ -1,7 +1,7 @@
 """Model family -> chat format: how its prompts are rendered and its answers parsed.
 
     fmt = chat_format_for(architecture, chat_template_source)
-    fmt.name             "hermes" | "qwen3" | "harmony"
+    fmt.name             "hermes" | "qwen3" | "harmony" | "deepseek_v3" | "deepseek_r1" | "deepseek_v3_1"
     fmt.reasoning        None | "think" | "harmony"
     fmt.output_parser(prompt_text=..., tools=..., calls_only=...)  -> OutputParser (chat/output.py)
     fmt.calls_grammar(functions, is_parallel)                      -> Lark text (forced tool_choice)
@@ -14,11 +14,16 @@ on), the architecture (config.json `model_type`) decides where the template says
 | hermes  | the checkpoint's jinja | `<tool_call>{json}</tool_call>` | none                       |
 | qwen3   | the checkpoint's jinja | `<tool_call>{json}</tool_call>` | `<think>...</think>`       |
 | harmony | openai-harmony         | commentary `to=functions.NAME`  | the analysis channel       |
+| deepseek_v3   | the checkpoint's jinja | `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` + ```json | none |
+| deepseek_r1   | the checkpoint's jinja | as deepseek_v3                  | `<think>...</think>`       |
+| deepseek_v3_1 | the checkpoint's jinja | `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}` | `<think>...</think>` |
 
 A template that writes `<|channel|>` is harmony; one that writes `<think>` has think-style
 reasoning (Qwen3, Qwen3-MoE, DeepSeek-R1 distills, QwQ); a Qwen3 checkpoint whose template has no
-`<think>` (Qwen3-Instruct-2507) has none. Adding a family (Gemma 3, Llama 4, DeepSeek-V3) is an
-entry in `_FAMILIES` plus, if its syntax is new, one parser module.
+`<think>` (Qwen3-Instruct-2507) has none. A template that writes `<｜tool▁sep｜>` is DeepSeek's:
+V3.1's when the name comes before the separator, V3's (a ```json block) otherwise; with `<think>`
+it reasons (R1, V3.1 with `thinking`). Adding a family (Gemma 3, Llama 4) is an entry in
+`_FAMILIES` plus, if its syntax is new, one parser module.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from chat.tool_parsers import get_tool_parser
 from chat.tool_parsers.base import arguments_schema
 
 CHANNEL_TOKEN = "<|channel|>"  # harmony's header token: a template writing it is gpt-oss's
+DEEPSEEK_SEP = "<｜tool▁sep｜>"  # DeepSeek's call separator: a template writing it is DeepSeek's
 HarmonyLoader = Callable[[], Any]  # -> openai_harmony.HarmonyEncoding (chat.harmony.load_encoding)
 
 
@@ -107,6 +113,9 @@ def harmony_calls_grammar(functions: Sequence[tuple[str, dict[str, Any] | None]]
 HERMES = ChatFormat("hermes")
 QWEN3 = ChatFormat("qwen3", reasoning="think")
 HARMONY = ChatFormat("harmony", renderer="harmony", tool_parser="harmony", reasoning="harmony")
+DEEPSEEK_V3 = ChatFormat("deepseek_v3", tool_parser="deepseek_v3")
+DEEPSEEK_R1 = ChatFormat("deepseek_r1", tool_parser="deepseek_v3", reasoning="think")
+DEEPSEEK_V3_1 = ChatFormat("deepseek_v3_1", tool_parser="deepseek_v3_1", reasoning="think")
 
 # config.json model_type -> the family's format where its template does not say
 _FAMILIES: dict[str, ChatFormat] = {
@@ -114,8 +123,9 @@ _FAMILIES: dict[str, ChatFormat] = {
     "qwen2": HERMES, "qwen2_moe": HERMES, "mixtral": HERMES, "olmoe": HERMES,
     "qwen3": QWEN3, "qwen3_moe": QWEN3,
     "gpt_oss": HARMONY,
+    "deepseek_v3": DEEPSEEK_V3,
 }
-FORMATS = {f.name: f for f in (HERMES, QWEN3, HARMONY)}
+FORMATS = {f.name: f for f in (HERMES, QWEN3, HARMONY, DEEPSEEK_V3, DEEPSEEK_R1, DEEPSEEK_V3_1)}
 
 
 def chat_format_for(architecture: str, chat_template: str | None = None,
@@ -127,6 +137,8 @@ def chat_format_for(architecture: str, chat_template: str | None = None,
     if chat_template is not None:
         if CHANNEL_TOKEN in chat_template:
             return HARMONY
+        if DEEPSEEK_SEP in chat_template:
+            return _deepseek_format(chat_template)
         if THINK_START in chat_template:
             return QWEN3
         if architecture in ("qwen3", "qwen3_moe"):
@@ -134,4 +146,14 @@ def chat_format_for(architecture: str, chat_template: str | None = None,
     family = _FAMILIES.get(architecture, HERMES)
     if family is HARMONY and token_to_id is not None and token_to_id(CHANNEL_TOKEN) is None:
         return HERMES
+    if family is DEEPSEEK_V3 and token_to_id is not None and token_to_id(DEEPSEEK_SEP) is None:
+        return HERMES  # a deepseek_v3 checkpoint with another vocabulary (a test's tiny one)
     return family
+
+
+def _deepseek_format(chat_template: str) -> ChatFormat:
+    """V3.1 renders `name + '<｜tool▁sep｜>' + arguments`; V3 and R1 `type + '<｜tool▁sep｜>' +
+    name` and a ```json block. A template writing `<think>` reasons (R1, V3.1's `thinking`)."""
+    if "```json" not in chat_template:
+        return DEEPSEEK_V3_1
+    return DEEPSEEK_R1 if THINK_START in chat_template else DEEPSEEK_V3

@@ -3,8 +3,8 @@
     get_tool_parser("hermes")                 -> a parser by format name
     tool_parser_for_model("qwen2_moe", id)    -> the format a model family speaks
 
-Every family we load today (Llama-architecture SmolLM2, Qwen, Mixtral/OLMoE fine-tunes with
-ChatML templates) is served with the Hermes format; a family with its own format registers here.
+ChatML families (Llama-architecture SmolLM2, Qwen, Mixtral/OLMoE fine-tunes) speak the Hermes
+format; DeepSeek-V3/R1 and V3.1 their own (deepseek.py); a family with its own format registers here.
 """
 
 from __future__ import annotations
@@ -19,14 +19,20 @@ from chat.tool_parsers.base import (
     ToolParser,
     new_tool_call_id,
 )
+from chat.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
 from chat.tool_parsers.hermes import HermesToolParser
 
 __all__ = [
     "ParsedToolCalls", "StreamDelta", "ToolCall", "ToolCallStream", "ToolParser", "HermesToolParser",
+    "DeepSeekV3ToolParser", "DeepSeekV31ToolParser",
     "new_tool_call_id", "get_tool_parser", "tool_parser_for_model", "TOOL_PARSERS",
 ]
 
-TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {"hermes": HermesToolParser}
+TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {
+    "hermes": HermesToolParser,
+    "deepseek_v3": DeepSeekV3ToolParser,  # DeepSeek-V3 and -R1
+    "deepseek_v3_1": DeepSeekV31ToolParser,
+}
 
 # Model family (ModelConfig.architecture) -> format name. Families not listed use DEFAULT_FORMAT.
 _FAMILY_FORMATS: dict[str, str] = {
@@ -37,6 +43,7 @@ _FAMILY_FORMATS: dict[str, str] = {
     "qwen3_moe": "hermes",
     "mixtral": "hermes",
     "olmoe": "hermes",
+    "deepseek_v3": "deepseek_v3",
 }
 DEFAULT_FORMAT = "hermes"
 

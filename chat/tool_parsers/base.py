@@ -63,6 +63,10 @@ class ToolParser(ABC):
 
     start_tag: str
     end_tag: str
+    # the markers of a block holding the calls (DeepSeek's `<｜tool▁calls▁begin｜>` ...
+    # `<｜tool▁calls▁end｜>`), or (): no text, dropped from the content and held back like the
+    # start tag while they may be forming; whitespace between calls inside the block is dropped
+    block_tags: tuple[str, ...] = ()
 
     @abstractmethod
     def parse_call(self, body: str) -> ToolCall | None:
@@ -111,6 +115,7 @@ class ToolCallStream:
         self._parser = parser
         self._pending = ""  # text not yet released: a possible start tag, or an open call
         self._in_call = False
+        self._in_block = False  # inside the parser's block_tags
         # whitespace outside calls, held until text follows: an answer of calls and whitespace
         # (the "\n" after a call) streams no content, as `extract` returns none for it
         self._blank = ""
@@ -140,20 +145,35 @@ class ToolCallStream:
                     calls.append(call)
                     self._ends_with_call = True
                 continue
-            start_at = self._pending.find(start)
-            if start_at >= 0:
-                self._release(content, self._pending[:start_at])
-                self._pending = self._pending[start_at + len(start):]
-                self._in_call = True
+            tag, tag_at = self._first_tag()
+            if tag_at >= 0:
+                self._release(content, self._pending[:tag_at])
+                self._pending = self._pending[tag_at + len(tag):]
+                self._in_call = tag == start
+                if not self._in_call:
+                    self._in_block = tag == self._parser.block_tags[0]
                 continue
-            keep = _partial_suffix_len(self._pending, start)
+            keep = max(_partial_suffix_len(self._pending, t)
+                       for t in (start, *self._parser.block_tags))
             self._release(content, self._pending[: len(self._pending) - keep])
             self._pending = self._pending[len(self._pending) - keep:]
             break
         self.num_calls += len(calls)
         return StreamDelta(content=self._shown("".join(content)), tool_calls=tuple(calls))
 
+    def _first_tag(self) -> tuple[str, int]:
+        """The start tag or block tag that comes first in the pending text, and where (-1:
+        none)."""
+        first, first_at = self._parser.start_tag, self._pending.find(self._parser.start_tag)
+        for tag in self._parser.block_tags:
+            at = self._pending.find(tag)
+            if at >= 0 and (first_at < 0 or at < first_at):
+                first, first_at = tag, at
+        return first, first_at
+
     def _release(self, content: list[str], text: str) -> None:
+        if self._in_block and not text.strip():
+            return  # the separator between two calls of a block
         content.append(text)
         if text.strip():
             self._ends_with_call = False

@@ -10,7 +10,7 @@ import pytest
 from chat.chat_template import ChatTemplate
 from chat.output import TextOutputParser, parse_output
 from chat.reasoning import ThinkStream, opens_reasoning, split_reasoning
-from chat.registry import QWEN3, chat_format_for
+from chat.registry import DEEPSEEK_R1, QWEN3, chat_format_for
 from chat.tool_parsers import HermesToolParser
 
 DATA = Path(__file__).parent / "data"
@@ -73,7 +73,8 @@ def test_qwen3_template_with_thinking_on_leaves_the_block_to_the_model(
 def test_deepseek_r1_prompt_opens_the_block_so_the_answer_starts_in_reasoning() -> None:
     template = ChatTemplate((DATA / "deepseek_r1_distill_qwen.jinja").read_text())
     prompt = template.render(ASK, bos_token="<｜begin▁of▁sentence｜>", enable_thinking=True)
-    assert opens_reasoning(prompt) and chat_format_for("qwen2", template.source) is QWEN3
+    # the distill's template writes past calls in DeepSeek's tokens: R1's format, with <think>
+    assert opens_reasoning(prompt) and chat_format_for("qwen2", template.source) is DEEPSEEK_R1
     assert not opens_reasoning(template.render(ASK, enable_thinking=False))  # closed at once
     answer = "The user asks about LLMs.\n</think>\n\nLLMs predict the next token."
     for step in (1, 4, 1000):
