@@ -38,6 +38,7 @@ class EngineStats:
     num_prefix_cache_queried_tokens: int
     num_prefix_cache_hit_tokens: int
     num_prompt_tokens_total: int
+    num_prompt_tokens_computed_total: int  # prompt tokens prefilled (not served by the prefix cache)
     num_generation_tokens_total: int
     num_preemptions_total: int
 
@@ -270,6 +271,7 @@ class LLMEngine:
             num_prefix_cache_queried_tokens=self.kv_cache.num_queried_tokens,
             num_prefix_cache_hit_tokens=self.kv_cache.num_hit_tokens,
             num_prompt_tokens_total=self._num_prompt_tokens_total,
+            num_prompt_tokens_computed_total=self.scheduler.num_prompt_tokens_computed_total,
             num_generation_tokens_total=self._num_generation_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions_total,
         )

@@ -31,6 +31,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._num_head_skips = 0
         self.num_preemptions_total = 0
+        self.num_prompt_tokens_computed_total = 0  # prompt positions run through the model (recomputes too)
 
     @property
     def num_unfinished(self) -> int:
@@ -106,6 +107,7 @@ class Scheduler:
         start = request.num_computed_tokens
         if start < request.num_prompt_tokens:
             request.num_prefill_chunks += 1
+            self.num_prompt_tokens_computed_total += min(start + num_new, request.num_prompt_tokens) - start
         request.num_computed_tokens += num_new
         return ScheduledSequence(
             request_id=request.request_id,

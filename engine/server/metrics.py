@@ -71,6 +71,10 @@ class _EngineStatsCollector(Collector):
             yield gauge("kv_blocks_cached", "KV blocks holding prefix-cache content.",
                         num_cached)
         yield counter("prompt_tokens", "Prompt tokens processed.", stats.num_prompt_tokens_total)
+        computed = getattr(stats, "num_prompt_tokens_computed_total", None)  # not every engine has it
+        if computed is not None:
+            yield counter("prompt_tokens_computed", "Prompt tokens prefilled by the model (the rest came "
+                          "from the prefix cache; recomputes after preemption count again).", computed)
         yield counter("generation_tokens", "Tokens generated.", stats.num_generation_tokens_total)
         yield counter("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
                       queried)
