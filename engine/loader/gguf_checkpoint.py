@@ -1,5 +1,5 @@
 """Llama, Qwen3 and Qwen3-MoE GGUF files -> `Checkpoint` with Hugging Face names and layout
-(gpt-oss files: gguf_gpt_oss.py).
+(gpt-oss files: gguf_gpt_oss.py; DeepSeek-V3's `deepseek2`: gguf_deepseek2.py).
 
 Config: `<arch>.*` metadata -> `ModelConfig`, arch = `general.architecture` ("llama", "qwen3",
 "qwen3moe" -> architecture "llama", "qwen3", "qwen3_moe"); head_dim = embedding_length / head_count
@@ -100,7 +100,7 @@ def model_config_from_gguf(metadata: Mapping[str, object], tensor_names: set[str
     arch = metadata.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise UnsupportedCheckpointError(
-            f"GGUF architecture {arch!r} is not supported (one of {sorted(_ARCHITECTURES)}, gpt-oss)")
+            f"GGUF architecture {arch!r} is not supported (one of {sorted(_ARCHITECTURES)}, gpt-oss, deepseek2)")
     if arch == "llama" and metadata.get("llama.expert_count"):
         raise UnsupportedCheckpointError("llama-architecture MoE GGUF files (Mixtral) are not "
                                          "supported; use the HF directory")
@@ -159,6 +159,13 @@ def model_config_from_gguf(metadata: Mapping[str, object], tensor_names: set[str
 def load_gguf_checkpoint(path: Path, dtype: torch.dtype = torch.float32,
                          progress: bool = True) -> Checkpoint:
     metadata, infos = read_gguf_header(path)
+    if metadata.get("general.architecture") == "deepseek2":  # engine/loader/gguf_deepseek2.py
+        from engine.loader.gguf_deepseek2 import load_deepseek2_gguf
+
+        file_view = np.memmap(path, dtype=np.uint8, mode="r")
+        return load_deepseek2_gguf(path, metadata, infos,
+                                   lambda info, ggml_type: _tensor_data(file_view, info, ggml_type),
+                                   dtype=dtype, progress=progress)
     if metadata.get("general.architecture") == "gpt-oss":  # engine/loader/gguf_gpt_oss.py
         from engine.loader.gguf_gpt_oss import load_gpt_oss_gguf
 

@@ -40,6 +40,7 @@ is one `UnsupportedCheckpointError` line.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -181,6 +182,17 @@ def model_config_from_hf(directory: Path) -> ModelConfig:
         raise UnsupportedCheckpointError(
             f"{directory / 'config.json'}: no {exc.args[0]!r} (model_type "
             f"{config.get('model_type')!r} needs it)") from None
+
+
+def model_config_from_fields(config: Mapping[str, Any], model_id: str) -> ModelConfig:
+    """The `ModelConfig` of a config.json's fields alone (no directory: no generation_config.json,
+    eos ids only from `eos_token_id`); a GGUF loader that builds config.json fields uses it."""
+    try:
+        return dataclasses.replace(_model_config(Path("/nonexistent-model-directory"), config),
+                                   model_id=model_id)
+    except KeyError as exc:
+        raise UnsupportedCheckpointError(
+            f"no {exc.args[0]!r} (model_type {config.get('model_type')!r} needs it)") from None
 
 
 def _model_config(directory: Path, config: Mapping[str, Any]) -> ModelConfig:
