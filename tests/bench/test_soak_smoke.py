@@ -1,5 +1,6 @@
-"""`aigw bench soak` end to end with a tiny N (every kind of the mix once, then a few more) on the
-real default model: it passes its own checks and reports what it measured; and its ledger check
+"""`aigw bench soak` end to end with a tiny N (every kind of the mix once) on a tiny random
+Llama with the default model's tokenizer (tests/tiny_llama.py: what the soak checks, the ledger,
+KV blocks and RSS, does not depend on what the model says; the default model made this ~2.5 min): it passes its own checks and reports what it measured; and its ledger check
 catches a record that differs from the client's usage (so a PASS means something)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 
 from bench.soak_ledger import compare
 from bench.soak_workload import MIX, Outcome, mix
+from tests.tiny_llama import write_tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -29,15 +31,16 @@ def run_bench(argv: list[str]) -> int:
 def test_a_tiny_soak_passes_and_reports_rss_kv_and_the_ledger(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "soak.md"
-    status = run_bench(["soak", "--requests", "14", "--concurrency", "4", "--threads", "1",
-                        "--replica-args", "",  # float: no native build in the way
+    model = write_tiny_llama(tmp_path)
+    status = run_bench(["soak", "--requests", str(len(MIX)), "--concurrency", "4",
+                        "--threads", "1", "--replica-args", f"--model {model}",
                         "--kv-cache-memory", str(32 << 20), "--out", str(out)])
     printed = capsys.readouterr().out
     if logs := re.search(r"^logs: (\S+)$", printed, re.MULTILINE):  # the run's work directory
         shutil.rmtree(logs[1], ignore_errors=True)
     assert status == 0, printed
     assert printed.startswith("# aigw bench soak: PASS") and out.read_text() in printed
-    assert "requests 14 of 14 planned" in printed
+    assert f"requests {len(MIX)} of {len(MIX)} planned" in printed
     assert "| gateway |" in printed and "| replica |" in printed
     assert "kv_blocks_used 0.0 of" in printed and "mismatches 0" in printed
     for kind in MIX:  # each kind was sent

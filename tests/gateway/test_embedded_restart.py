@@ -1,7 +1,9 @@
 """A real `aigw serve` whose embedded replica (requiring the secret serve generated for it) is
 SIGKILLed: /health goes 503 "unready" once the grace has passed, the supervisor starts the
 replica again on its port (one log line, one count on /metrics), and the gateway serves again.
-The default model, one thread."""
+A tiny random Llama with the default model's tokenizer, one thread: the replica loads in
+seconds, where the default model took ~65 s a load on the loaded 2-core VM (and this test loads
+it twice)."""
 
 from __future__ import annotations
 
@@ -18,10 +20,16 @@ import pytest
 
 from infra.ports import free_port
 from tests.processes import stop_process
+from tests.tiny_llama import write_tiny_llama
 
 pytestmark = pytest.mark.slow
 
 GRACE_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def _replica_pids(parent: int) -> list[int]:
@@ -63,7 +71,7 @@ def _chat(url: str, model: str) -> httpx.Response:
 
 
 def test_a_killed_embedded_replica_makes_health_unready_then_comes_back_and_serves(
-        tmp_path: Path) -> None:
+        tmp_path: Path, tiny_model: Path) -> None:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIGW_")}
     env.update(AIGW_UNREADY_AFTER_S=str(GRACE_S), AIGW_HEALTH_INTERVAL_S="0.3")
@@ -71,11 +79,12 @@ def test_a_killed_embedded_replica_makes_health_unready_then_comes_back_and_serv
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "cli.main", "serve", "--no-auth", "--port", str(port),
-             "--kv-cache-memory", str(32 << 20), "--replica-args", "--threads 1"],
+             "--model", str(tiny_model), "--kv-cache-memory", str(32 << 20),
+             "--replica-args", "--threads 1"],
             env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_for(lambda: process.poll() is None and _status(url) == (200, "ok"), 240,
+        _wait_for(lambda: process.poll() is None and _status(url) == (200, "ok"), 120,
                   "aigw serve healthy")
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         assert _chat(url, model).status_code == 200
@@ -89,7 +98,7 @@ def test_a_killed_embedded_replica_makes_health_unready_then_comes_back_and_serv
         killed_at = time.monotonic()
         _wait_for(lambda: _status(url) == (503, "unready"), 30, "/health 503 unready")
         assert time.monotonic() - killed_at >= GRACE_S  # not before the grace
-        _wait_for(lambda: _status(url) == (200, "ok"), 180, "/health back to ok")
+        _wait_for(lambda: _status(url) == (200, "ok"), 120, "/health back to ok")
         (second,) = _replica_pids(process.pid)
         assert second != first
         reply = _chat(url, model)
@@ -104,13 +113,14 @@ def test_a_killed_embedded_replica_makes_health_unready_then_comes_back_and_serv
     assert _replica_pids(process.pid) == []  # stopped with the gateway
 
 
-def test_sigterm_while_the_replicas_load_stops_them_too(tmp_path: Path) -> None:
+def test_sigterm_while_the_replicas_load_stops_them_too(tmp_path: Path, tiny_model: Path) -> None:
     """The replicas run in sessions of their own (a terminal's Ctrl-C reaches the gateway, which
     drains first): `aigw serve` must stop them itself, also when told to before it serves."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIGW_")}
     process = subprocess.Popen(
         [sys.executable, "-m", "cli.main", "serve", "--no-auth", "--port", str(free_port()),
-         "--kv-cache-memory", str(32 << 20), "--replica-args", "--threads 1"],
+         "--model", str(tiny_model), "--kv-cache-memory", str(32 << 20),
+         "--replica-args", "--threads 1"],
         env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_for(lambda: _replica_pids(process.pid), 60, "an embedded replica started")
