@@ -94,13 +94,18 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, retain_s: float = 0.0,
+                    retention_id: str | None = None) -> None:
+        """`retain_s` > 0: keep the prompt's cached blocks safe from eviction that long after the request
+        finishes (bounded per cache salt; `retention_id` names the session whose last retention this
+        one supersedes; engine/kv_cache/retention.py)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         self.check_prompt(len(prompt_token_ids))
         request = Request(request_id, list(prompt_token_ids), params,
                           () if params.ignore_eos else self.model_config.eos_token_ids,
                           self.max_model_len, cache_salt)
+        request.retain_s, request.retention_id = retain_s, retention_id
         if params.grammar is not None:
             request.grammar = self.grammars.matcher(params.grammar)  # OutputGrammarError: refused
         if self.kv_cache.enable_caching:

@@ -54,6 +54,16 @@ class Request:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # Keep the prompt's cached blocks for retain_s seconds after finishing (engine/kv_cache/retention.py);
+    # the same retention_key (per cache salt) supersedes; None: the prompt's first block hash.
+    retain_s: float = 0.0
+    retention_id: str | None = None
+
+    @property
+    def retention_key(self) -> tuple[str, str]:
+        """(owner, session): the owner is the cache salt, whose share of the pool is bounded."""
+        session = self.retention_id or (str(self.block_hashes[0]) if self.block_hashes else self.request_id)
+        return (self.cache_salt or "", session)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

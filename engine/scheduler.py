@@ -42,6 +42,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        self.kv_cache.expire_retention(time.monotonic())
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(batch, budget)
         if not batch.preempted_request_ids:
@@ -73,6 +74,11 @@ class Scheduler:
             request, computed = self._pick_waiting()
             num_new = min(request.num_tokens - computed.num_computed_tokens, budget)
             block_tables = self.kv_cache.allocate_slots(request, num_new, computed)
+            if block_tables is None and not self.running and self.kv_cache.retention.num_blocks:
+                self.kv_cache.release_retention()  # retained prefixes never stall an idle engine
+                computed = self.kv_cache.get_computed_blocks(request)
+                num_new = min(request.num_tokens - computed.num_computed_tokens, budget)
+                block_tables = self.kv_cache.allocate_slots(request, num_new, computed)
             if block_tables is None:
                 break  # no room: wait for running requests to finish (they never get preempted for it)
             self.waiting.remove(request)
@@ -134,7 +140,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv_cache.free(request)
+        retain = request.retain_s > 0 and reason != FinishReason.ABORT
+        self.kv_cache.free(request, time.monotonic() + request.retain_s if retain else None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason

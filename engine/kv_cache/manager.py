@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from contracts.kv_events import KVEventLog
 from engine.kv_cache.block_pool import BlockPool, KVBlock
+from engine.kv_cache.retention import RetentionTable
 from engine.request import Request
 
 BlockTable = list[int | None]  # block ids of one group, None where a window released the block
@@ -51,8 +52,11 @@ class _GroupBlocks:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
                  event_log: KVEventLog | None = None,
-                 group_windows: tuple[int | None, ...] = (None,)) -> None:
-        """`group_windows`: each KV cache group's sliding window (None: full attention)."""
+                 group_windows: tuple[int | None, ...] = (None,),
+                 retention_share_per_owner: float = 0.25, retention_share_total: float = 0.5) -> None:
+        """`group_windows`: each KV cache group's sliding window (None: full attention).
+        `retention_share_*`: the fractions of the pool that retained prefixes may hold, per owner
+        (cache salt) and in all (engine/kv_cache/retention.py)."""
         if not group_windows or any(w is not None and w < 1 for w in group_windows):
             raise ValueError(f"group_windows must name at least one group, windows >= 1: {group_windows}")
         self.block_size = block_size
@@ -60,6 +64,8 @@ class KVCacheManager:
         self.group_windows = group_windows
         self.pool = BlockPool(num_blocks, block_size, enable_caching, event_log)
         self._requests: dict[str, list[_GroupBlocks]] = {}
+        self.retention = RetentionTable(self.pool, int(num_blocks * retention_share_per_owner),
+                                        int(num_blocks * retention_share_total))
         self.num_queried_tokens = 0  # prefix-cache statistics (prompt tokens looked up / found)
         self.num_hit_tokens = 0
 
@@ -189,15 +195,39 @@ class KVCacheManager:
                                             blocks.num_cached_blocks, num_full, group)
                 blocks.num_cached_blocks = num_full
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, retain_until_s: float | None = None) -> None:
         """Return the request's blocks, each group's tail first (so the tail is evicted before the
-        shared head)."""
+        shared head). With `retain_until_s`, its cached blocks (those findable by hash) first get a
+        retention reference under the request's retention key, within the retention bounds."""
         entry = self._requests.pop(request.request_id, None)
+        if entry is not None and retain_until_s is not None and self.enable_caching:
+            self.retention.retain(request.retention_key, self._retainable(request, entry),
+                                  retain_until_s)
         if entry is not None:
             for blocks in entry:
                 self.pool.free_blocks(reversed(blocks.blocks))
 
+    def _retainable(self, request: Request, entry: list[_GroupBlocks]) -> list[KVBlock]:
+        """The blocks that hold the request's hashes, position-major across groups (the head first);
+        a window group only from its window on. A block the request recomputed as a duplicate is
+        replaced by the cached block of the same hash."""
+        blocks: list[KVBlock] = []
+        for i, block_hash in enumerate(request.block_hashes):
+            for group, group_blocks in enumerate(entry):
+                block = self.pool.get_cached_block(block_hash, group)
+                if block is not None and i >= group_blocks.first_live:
+                    blocks.append(block)
+        return blocks
+
+    def expire_retention(self, now_s: float) -> None:
+        self.retention.expire(now_s)
+
+    def release_retention(self) -> None:
+        """Drop every retention now (the blocks stay cached, evictable)."""
+        self.retention.release_all()
+
     def reset_prefix_cache(self) -> None:
+        self.retention.release_all()
         self.pool.reset_prefix_cache()
         for entry in self._requests.values():
             for blocks in entry:  # never re-register blocks of running requests
@@ -220,6 +250,8 @@ class KVCacheManager:
                     assert owner.setdefault(block.block_id, group) == group, (block, group)
                     if block.block_hash is not None:
                         assert block.group == group, (block, group)
+        for block in self.retention.references():
+            refs[block.block_id] = refs.get(block.block_id, 0) + 1
         for block in self.pool.blocks:
             assert block.ref_cnt == refs.get(block.block_id, 0), (block, refs.get(block.block_id, 0))
 
