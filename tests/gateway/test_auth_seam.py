@@ -17,7 +17,8 @@ MESSAGES = {**CHAT, "max_tokens": 5}
 
 
 class KeyAuthenticator:
-    """'good' may invoke anything, 'noscope' lacks invoke, 'narrow' may call another model only."""
+    """'good' may invoke anything, 'noscope' lacks invoke, 'narrow' may call another model only,
+    'admin' is an operator's key (admin and invoke)."""
 
     def __init__(self) -> None:
         self.seen: list[str | None] = []
@@ -26,6 +27,8 @@ class KeyAuthenticator:
         self.seen.append(credential)
         if credential == "good":
             return Principal("proj", "k1", frozenset({Scope.INVOKE.value}))
+        if credential == "admin":
+            return Principal("ops", "k0", frozenset({Scope.INVOKE.value, Scope.ADMIN.value}))
         if credential == "noscope":
             return Principal("proj", "k2", frozenset({Scope.USAGE_READ.value}))
         if credential == "narrow":

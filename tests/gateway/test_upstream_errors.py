@@ -42,14 +42,19 @@ def test_upstream_context_length_error_reaches_client_unchanged_with_the_replica
         make_gateway: GatewayFactory, loop_thread: LoopThread) -> None:
     runner, url = _refusing_upstream(loop_thread)
     try:
-        gateway = _gateway_on(make_gateway, url, authenticator=KeyAuthenticator(),
-                              meter=RecordingMeter())
+        meter = RecordingMeter()
+        gateway = _gateway_on(make_gateway, url, authenticator=KeyAuthenticator(), meter=meter)
         headers = {"authorization": "Bearer good"}
         response = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT, headers=headers)
         assert response.status_code == 400
         assert response.json() == TOO_LONG
-        assert response.headers["x-aigw-replica"] == url.split("://")[1]
+        assert "x-aigw-replica" not in response.headers  # host:port: for operators only
+        assert meter.settled[-1].endpoint == url.split("://")[1]  # the ledger names it
         assert response.headers["x-ratelimit-remaining-requests"] == "9"
+        operator = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT,
+                              headers={"authorization": "Bearer admin"})
+        assert operator.status_code == 400
+        assert operator.headers["x-aigw-replica"] == url.split("://")[1]
         anthropic = httpx.post(gateway.url + "/v1/messages", json={**CHAT, "max_tokens": 5},
                                headers=headers)
         assert anthropic.status_code == 400
