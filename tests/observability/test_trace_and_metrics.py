@@ -78,14 +78,23 @@ def test_one_request_is_one_trace_across_gateway_and_replica(served: Served) -> 
     assert route["aigw.routing.candidates"] and route["aigw.routing.policy"]
 
 
-def test_metrics_carry_requests_tokens_cache_routing_and_health(served: Served) -> None:
-    _chat(served, "Say yes.")
-    _chat(served, "Say no.", stream=True, stream_options={"include_usage": True})
-    text = httpx.get(served.url + "/metrics", timeout=TIMEOUT_S).text
-    samples = {}
+def _samples(text: str) -> dict[str, list[dict[str, str]]]:
+    samples: dict[str, list[dict[str, str]]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             samples.setdefault(sample.name, []).append(sample.labels)
+    return samples
+
+
+def test_metrics_carry_requests_tokens_cache_routing_and_health(served: Served) -> None:
+    _chat(served, "Say yes.")
+    _chat(served, "Say no.", stream=True, stream_options={"include_usage": True})
+    # Per-project series are for operators: an admin credential (or the metrics token) sees them,
+    # an anonymous scrape gets every series summed over projects.
+    anonymous = _samples(httpx.get(served.url + "/metrics", timeout=TIMEOUT_S).text)
+    assert not any("project" in labels for labels in anonymous["aigw_requests_total"])
+    samples = _samples(httpx.get(served.url + "/metrics", timeout=TIMEOUT_S,
+                                 headers={"authorization": f"Bearer {ADMIN_KEY}"}).text)
 
     def labels_of(name: str) -> list[dict[str, str]]:
         assert name in samples, f"{name} missing from /metrics"
