@@ -4,8 +4,10 @@ a header or a body."""
 
 from __future__ import annotations
 
+import io
 import logging
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -13,6 +15,7 @@ import orjson
 import pytest
 
 from auth.principal import AuthError, Principal, Scope
+from gateway.telemetry import access_log
 from gateway.telemetry.access_log import LOGGER_NAME, format_line
 from tests.gateway.conftest import MODEL, GatewayFactory, wait_until
 
@@ -101,3 +104,48 @@ def test_a_value_the_client_chose_cannot_break_the_line() -> None:
     line = format_line({"model": 'a b\nstatus=200 "x"', "status": 404}, is_json=False)
     assert "\n" not in line and line.endswith(" status=404")
     assert line.startswith('model="a b\\nstatus=200 \\"x\\""')
+
+
+_LINES = [  # write()'s arguments: plain values, a value that needs quotes, empty ids
+    ("POST", "/v1/chat/completions", 200, "m-1", "proj-a", "key-17", (12, 4, 5), 3.14159,
+     "req-1", "ab" * 16),
+    ("POST", "/v1/messages", 404, 'a b\nstatus=200 "x"', "proj-a", "key-17", (0, 0, 0), 0.5,
+     "req-2", "ab" * 16),
+    ("GET", "/v1/models", 401, "", "", "", (0, 0, 0), 1.0, "", ""),
+]
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_the_direct_stderr_write_is_byte_identical_to_logging(
+        fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(access_log, "time", SimpleNamespace(time=lambda: 1764637200.123456))
+    writer = access_log.AccessLog(fmt)
+    own = access_log._own_handler
+    assert own is not None and own in logging.getLogger(LOGGER_NAME).handlers
+    logger = logging.getLogger(LOGGER_NAME)
+    monkeypatch.setattr(logger, "handlers", [own])  # (pytest adds its own)
+    logger.info = None  # type: ignore[method-assign]  # (the direct path never calls it)
+    direct, via_logging = io.StringIO(), io.StringIO()
+    previous = own.setStream(direct)
+    try:
+        for args in _LINES:
+            writer.write(*args)
+        del logger.info
+        own.setStream(via_logging)
+        own.addFilter(lambda record: True)  # (a filter: every line through logger.info)
+        for args in _LINES:
+            writer.write(*args)
+    finally:
+        vars(logger).pop("info", None)
+        own.filters.clear()
+        own.setStream(previous)
+    assert direct.getvalue() == via_logging.getvalue()
+    lines = direct.getvalue().splitlines()
+    assert len(lines) == len(_LINES)
+    for line, args in zip(lines, _LINES, strict=True):
+        fields = {"ts": 1764637200.123, "method": args[0], "path": args[1], "status": args[2],
+                  "model": args[3], "project": args[4], "key_id": args[5],
+                  "prompt_tokens": args[6][0], "cached_tokens": args[6][1],
+                  "completion_tokens": args[6][2], "ms": round(args[7], 2),
+                  "request_id": args[8], "trace_id": args[9]}
+        assert line == format_line(fields, fmt == "json")
