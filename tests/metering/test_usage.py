@@ -154,3 +154,15 @@ def test_a_disabled_meter_admits_everything_and_records_nothing(open_test_meter:
             await meter.close()
 
     asyncio.run(scenario())
+
+
+def test_a_queued_rows_weight_counts_every_string_and_8_bytes_a_number() -> None:
+    """The embedded meter's backlog bound weighs a row in O(1) calls; it must still count each
+    string's length (a long model or project name weighs more) and 8 for anything else."""
+    from gateway.metering.embedded_meter import _row, _row_bytes
+
+    for rec in (record("r-1", 10, 5), replace(record("r-2", 1, 1), finish_reason=None),
+                record("r-" + "x" * 500, 3, 4, project="p" * 300, key_id="k" * 70,
+                       model="m" * 1000)):
+        row = _row(rec, 12_345)
+        assert _row_bytes(row) == 200 + sum(len(v) if isinstance(v, str) else 8 for v in row)
