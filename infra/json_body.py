@@ -2,8 +2,9 @@
 
     body = await read_json(request, max_body_bytes, timeout_s)   # raises BodyError
 
-Bounded four ways: the time it takes to arrive (`timeout_s`: a client that sends its headers and
-then trickles, or stops, is answered 408 instead of holding the handler forever), its bytes
+Bounded four ways: the time it takes to arrive (`timeout_s`, one timer for the whole body, armed
+only when the body is not all received yet: a client that sends its headers and then trickles,
+or stops, is answered 408 instead of holding the handler forever), its bytes
 (`max_body_bytes`, checked against Content-Length first and then against what was read, for a
 chunked body), its nesting (orjson stops at 1,024 levels, where
 the standard library's parser recursed until RecursionError: a 500), and its numbers (orjson
@@ -38,8 +39,13 @@ async def read_json(request: web.Request, max_body_bytes: int,
     if (request.content_length or 0) > max_body_bytes:
         raise BodyError(413, f"body over {max_body_bytes} bytes")
     try:
-        async with asyncio.timeout(timeout_s):
+        if timeout_s is None or request.content.is_eof():
+            # (all of it is here, as a small body that came with its headers is: nothing to wait
+            # for, so no timer to arm and cancel)
             raw = await _read_at_most(request, max_body_bytes)
+        else:
+            async with asyncio.timeout(timeout_s):
+                raw = await _read_at_most(request, max_body_bytes)
     except TimeoutError as exc:
         raise BodyError(408, f"the request body did not arrive within {timeout_s:g}s") from exc
     except web.HTTPRequestEntityTooLarge as exc:  # over the app's own client_max_size
