@@ -1,7 +1,9 @@
-"""Tiny random-weight MoE checkpoints of each family, written by transformers' save_pretrained."""
+"""Tiny random-weight MoE checkpoints of each family, written by transformers' save_pretrained; and
+the small byte-level BPE every tiny checkpoint's tokenizer is trained from (`train_byte_bpe`)."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -37,3 +39,23 @@ def write_checkpoint(family: str, directory: Path, initializer_range: float | No
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(directory)
     return model
+
+
+CORPUS = ["the quick brown fox jumps over the lazy dog", "tell me one fact about the moon and the sea",
+          "def prime(n): return all(n % d for d in range(2, n))", "bread, jazz, chess, rain, bees"]
+
+
+@functools.cache
+def train_byte_bpe(special_tokens: tuple[str, ...], vocab_size: int):  # type: ignore[no-untyped-def]
+    """A byte-level BPE (tokenizers.Tokenizer) trained on CORPUS, vocab <= vocab_size, the specials
+    first; cached: every caller gets the same object (save it, do not change it)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(CORPUS * 20, trainer)
+    assert tokenizer.get_vocab_size() <= vocab_size
+    return tokenizer

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models._qwen3 import CORPUS, TinyCheckpoint
+from tests.models._checkpoints import train_byte_bpe
+from tests.models._qwen3 import TinyCheckpoint
 
 VOCAB_SIZE = 320
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
@@ -38,15 +39,7 @@ GEMMA_TEMPLATE = (
 
 def write_tokenizer(directory: Path) -> dict[str, int]:
     """A byte-level BPE as tokenizer.json + tokenizer_config.json; -> special token ids by name."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(CORPUS * 20, trainer)
-    assert tokenizer.get_vocab_size() <= VOCAB_SIZE
+    tokenizer = train_byte_bpe(tuple(SPECIALS), VOCAB_SIZE)
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",

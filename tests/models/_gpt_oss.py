@@ -1,4 +1,4 @@
-"""Tiny random gpt-oss checkpoints, written once per test session, and transformers' greedy reference.
+"""Tiny random gpt-oss checkpoints, written once per test session.
 
     dense   transformers' save_pretrained of a seeded random GptOssForCausalLM: 4 layers (sliding, full,
             sliding, full), sliding_window 8, YaRN as the released config has it (factor 32, beta 32/1,
@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.models._checkpoints import train_byte_bpe
+
 VOCAB_SIZE = 320
 SPECIALS = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>",
             "<|call|>"]
-CORPUS = ["the quick brown fox jumps over the lazy dog", "tell me one fact about the moon and the sea",
-          "def prime(n): return all(n % d for d in range(2, n))", "bread, jazz, chess, rain, bees"]
 SLIDING_WINDOW = 8
 YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
         "original_max_position_embeddings": 64, "rope_theta": 150000.0}
@@ -44,15 +44,7 @@ def make_config(eos_id: int | None):  # type: ignore[no-untyped-def]
 
 def write_tokenizer(directory: Path) -> int:
     """A byte-level BPE (vocab <= VOCAB_SIZE) as tokenizer.json + tokenizer_config.json; -> eos id."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(CORPUS * 20, trainer)
-    assert tokenizer.get_vocab_size() <= VOCAB_SIZE
+    tokenizer = train_byte_bpe(tuple(SPECIALS), VOCAB_SIZE)
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "<|return|>", "pad_token": "<|endoftext|>"}))
@@ -118,21 +110,6 @@ def write_checkpoints(root: Path) -> dict[str, GptOssCheckpoint]:
 def gpt_oss_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, GptOssCheckpoint]:
     torch.set_num_threads(1)
     return write_checkpoints(tmp_path_factory.mktemp("gpt_oss"))
-
-
-@torch.inference_mode()
-def hf_greedy(model: torch.nn.Module, prompt: list[int], num_new_tokens: int
-              ) -> tuple[list[int], list[float]]:
-    """transformers' greedy continuation (full recompute each step) and each new token's logprob."""
-    ids = torch.tensor([prompt])
-    tokens, logprobs = [], []
-    for _ in range(num_new_tokens):
-        last = torch.log_softmax(model(input_ids=ids).logits[0, -1].float(), dim=-1)  # [vocab]
-        token = int(last.argmax())
-        tokens.append(token)
-        logprobs.append(float(last[token]))
-        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return tokens, logprobs
 
 
 # ---- GGUF, as llama.cpp's convert_hf_to_gguf lays out gpt-oss ----------------------------------------

@@ -1,4 +1,5 @@
-"""Drive a ModelRunner directly (no scheduler, no tokenizer): greedy decoding with every step's logits."""
+"""Greedy decoding two ways: a ModelRunner driven directly (no scheduler, no tokenizer) with every
+step's logits, and transformers' reference (`hf_greedy`)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,18 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], num_new_tokens: int,
             new[i].append(token)
             tokens[i].append(token)
     return new, [torch.stack(rows) for rows in logits]
+
+
+@torch.inference_mode()
+def hf_greedy(model: torch.nn.Module, prompt: list[int], num_new_tokens: int
+              ) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation (full recompute each step) and each new token's logprob."""
+    ids = torch.tensor([prompt])
+    tokens, logprobs = [], []
+    for _ in range(num_new_tokens):
+        last = torch.log_softmax(model(input_ids=ids).logits[0, -1].float(), dim=-1)  # [vocab]
+        token = int(last.argmax())
+        tokens.append(token)
+        logprobs.append(float(last[token]))
+        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return tokens, logprobs

@@ -1,5 +1,5 @@
 """Tiny random Qwen3 / Qwen3-MoE checkpoints written by transformers' save_pretrained, with a small
-byte-level BPE tokenizer (ChatML specials), once per test session; and transformers' greedy run.
+byte-level BPE tokenizer (ChatML specials), once per test session.
 
 Variants (each a directory under one session tmp dir):
     qwen3              dense; head_dim 32 != hidden / heads (16); tied embeddings
@@ -10,7 +10,6 @@ Variants (each a directory under one session tmp dir):
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.models._checkpoints import train_byte_bpe
+
 VOCAB_SIZE = 320  # the tokenizer's 256 bytes + merges + 3 specials fit in it
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
           " + '<|im_end|>' + '\\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-CORPUS = ["the quick brown fox jumps over the lazy dog", "tell me one fact about the moon and the sea",
-          "def prime(n): return all(n % d for d in range(2, n))", "bread, jazz, chess, rain, bees"]
 
 COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, max_position_embeddings=512, initializer_range=0.3,
@@ -53,23 +52,9 @@ def make_config(name: str, eos_id: int | None = None):  # type: ignore[no-untype
 VARIANTS = ("qwen3", "qwen3_moe", "qwen3_moe-step2")
 
 
-@functools.cache
-def _trained_tokenizer():  # type: ignore[no-untyped-def]
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(CORPUS * 20, trainer)
-    assert tokenizer.get_vocab_size() <= VOCAB_SIZE
-    return tokenizer
-
-
 def write_tokenizer(directory: Path) -> int:
     """A byte-level BPE (vocab <= VOCAB_SIZE) as tokenizer.json + tokenizer_config.json; -> eos id."""
-    tokenizer = _trained_tokenizer()
+    tokenizer = train_byte_bpe(tuple(SPECIALS), VOCAB_SIZE)
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML}))
@@ -105,21 +90,6 @@ def write_checkpoints(root: Path, names: tuple[str, ...] = VARIANTS) -> dict[str
 @pytest.fixture(scope="session")
 def qwen3_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyCheckpoint]:
     return write_checkpoints(tmp_path_factory.mktemp("qwen3"))
-
-
-@torch.inference_mode()
-def hf_greedy(model: torch.nn.Module, prompt: list[int], num_new_tokens: int
-              ) -> tuple[list[int], list[float]]:
-    """transformers' greedy continuation (full recompute each step) and each new token's logprob."""
-    ids = torch.tensor([prompt])
-    tokens, logprobs = [], []
-    for _ in range(num_new_tokens):
-        last = torch.log_softmax(model(input_ids=ids).logits[0, -1].float(), dim=-1)  # [vocab]
-        token = int(last.argmax())
-        tokens.append(token)
-        logprobs.append(float(last[token]))
-        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return tokens, logprobs
 
 
 # ---- GGUF, as llama.cpp's convert_hf_to_gguf lays out qwen3 / qwen3moe ----------------------------

@@ -20,7 +20,7 @@ from engine.loader.hf_checkpoint import model_config_from_hf
 from engine.models.deepseek_v3 import kv_bytes_per_token_mla_and_full, mla_softmax_scale
 from tests.engine.fakes import assert_idle_and_clean, drive, generate
 from tests.models._deepseek_v3 import DeepseekCheckpoint
-from tests.models._gpt_oss import hf_greedy
+from tests.models._greedy import hf_greedy
 
 NUM_NEW_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=True)

@@ -24,7 +24,8 @@ from engine.loader.checkpoint import UnsupportedCheckpointError
 from engine.loader.hf_checkpoint import model_config_from_hf
 from tests.engine.fakes import assert_idle_and_clean, generate
 from tests.models._gemma3 import SLIDING_WINDOW
-from tests.models._qwen3 import TinyCheckpoint, hf_greedy
+from tests.models._greedy import hf_greedy
+from tests.models._qwen3 import TinyCheckpoint
 from tests.models.test_qwen3 import (
     GREEDY,
     NUM_NEW_TOKENS,

@@ -18,8 +18,8 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.loader import load_checkpoint
 from tests.engine.fakes import assert_idle_and_clean, drive, generate
-from tests.models._gpt_oss import SLIDING_WINDOW, GptOssCheckpoint, hf_greedy
-from tests.models._greedy import greedy, make_runner
+from tests.models._gpt_oss import SLIDING_WINDOW, GptOssCheckpoint
+from tests.models._greedy import greedy, hf_greedy, make_runner
 
 NUM_NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=True)

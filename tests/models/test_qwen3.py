@@ -14,7 +14,8 @@ from contracts.sampling_params import SamplingParams
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from tests.engine.fakes import Completion, assert_idle_and_clean, drive, generate
-from tests.models._qwen3 import VARIANTS, TinyCheckpoint, hf_greedy
+from tests.models._greedy import hf_greedy
+from tests.models._qwen3 import VARIANTS, TinyCheckpoint
 
 NUM_NEW_TOKENS = 12
 LOGPROB_TOLERANCE = 2e-3
