@@ -6,6 +6,7 @@ kv_lora_rank + qk_rope_head_dim per token and layer)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import shutil
@@ -14,11 +15,10 @@ from pathlib import Path
 import pytest
 
 from contracts.sampling_params import SamplingParams
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import LLMEngine
 from engine.loader.hf_checkpoint import model_config_from_hf
 from engine.models.deepseek_v3 import kv_bytes_per_token_mla_and_full, mla_softmax_scale
-from tests.engine.fakes import assert_idle_and_clean, drive, generate
+from tests.engine.fakes import assert_idle_and_clean, generate
+from tests.models import _serving_checks as serving
 from tests.models._deepseek_v3 import DeepseekCheckpoint
 from tests.models._greedy import hf_greedy
 
@@ -28,14 +28,7 @@ _rng = random.Random(11)
 PROMPTS = {f"p{n}": [_rng.randrange(0, 300) for _ in range(n)] for n in (19, 29, 41)}
 
 
-def make_engine(directory: Path, *, kv_cache_memory_bytes: int = 8 << 20,
-                max_num_batched_tokens: int = 256, enable_prefix_caching: bool = True) -> LLMEngine:
-    config = EngineConfig(
-        model_path=str(directory), num_threads=1, dtype="float32",
-        cache=CacheConfig(kv_cache_memory_bytes=kv_cache_memory_bytes,
-                          enable_prefix_caching=enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=16))
-    return LLMEngine.from_config(config, progress=False)
+make_engine = functools.partial(serving.make_engine, kv_cache_memory_bytes=8 << 20)  # overridable
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +43,7 @@ def reference(deepseek_v3_checkpoints: dict[str, DeepseekCheckpoint]) -> dict[st
 def test_engine_generates_transformers_greedy_tokens_and_logprobs(
         name: str, deepseek_v3_checkpoints: dict[str, DeepseekCheckpoint], reference: dict) -> None:
     engine = make_engine(deepseek_v3_checkpoints[name].directory)
-    out = generate(engine, PROMPTS, GREEDY)
-    for p in PROMPTS:
-        tokens, logprobs = reference[name][p]
-        assert len(set(tokens)) > 2, "degenerate model: the same few tokens every step"
-        assert out[p].token_ids == tokens, p
-        ours = [lp.logprob for lp in out[p].logprobs]
-        assert max(abs(a - b) for a, b in zip(ours, logprobs, strict=True)) < 2e-3, p
-    assert_idle_and_clean(engine)
+    serving.check_greedy_parity(engine, PROMPTS, reference[name], GREEDY)
 
 
 def test_the_kv_cache_holds_one_latent_vector_per_token_and_layer(
@@ -90,36 +76,15 @@ def test_tokens_alone_equal_tokens_among_8_concurrent_requests_with_chunked_pref
                          enable_prefix_caching=False)
     target = PROMPTS["p41"]
     others = {f"o{i}": [_rng.randrange(0, 300) for _ in range(9 + 5 * i)] for i in range(8)}
-
-    def arrivals(step: int) -> None:
-        if step == 0:
-            for name, prompt in list(others.items())[:4]:
-                engine.add_request(name, prompt, GREEDY)
-            engine.add_request("target", target, GREEDY)
-        elif step in range(3, 7):
-            name = f"o{step + 1}"
-            engine.add_request(name, others[name], GREEDY)
-
-    batched = drive(engine, on_step=arrivals)
-    assert len(batched) == 9
-    assert batched["target"].token_ids == reference["lora"]["p41"][0]
-    assert_idle_and_clean(engine)
+    serving.check_target_among_8_concurrent(engine, target, others, reference["lora"]["p41"][0], GREEDY)
 
 
 def test_a_prefix_cache_hit_continues_with_the_same_tokens(
         deepseek_v3_checkpoints: dict[str, DeepseekCheckpoint], reference: dict) -> None:
     checkpoint = deepseek_v3_checkpoints["lora"]
-    engine = make_engine(checkpoint.directory)
-    prompt = PROMPTS["p41"]
-    first = generate(engine, {"first": prompt}, GREEDY)["first"]
-    again = generate(engine, {"again": prompt}, GREEDY)["again"]
-    assert again.num_cached_tokens >= 32  # two whole blocks of latents came from the cache
-    assert first.token_ids == again.token_ids == reference["lora"]["p41"][0]
-    branch = prompt[:35] + [3, 1, 4, 1, 5, 9, 2, 6]
-    hit = generate(engine, {"branch": branch}, GREEDY)["branch"]
-    assert hit.num_cached_tokens >= 32
-    assert hit.token_ids == hf_greedy(checkpoint.model, branch, NUM_NEW_TOKENS)[0]
-    assert_idle_and_clean(engine)
+    engine = make_engine(checkpoint.directory)  # blocks of latents
+    serving.check_prefix_cache_hit(engine, checkpoint.model, PROMPTS["p41"], reference["lora"]["p41"][0],
+                                   GREEDY)
 
 
 def test_outputs_after_preemption_equal_outputs_with_room(

@@ -6,9 +6,9 @@ prefix-cache hit and under preemption; every KV block comes back. Config refusal
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import jinja2
@@ -23,31 +23,21 @@ from engine.kv_cache.layout import KVCacheLayout, kv_bytes_per_sequence, kv_byte
 from engine.loader.checkpoint import UnsupportedCheckpointError
 from engine.loader.hf_checkpoint import model_config_from_hf
 from tests.engine.fakes import assert_idle_and_clean, generate
+from tests.models import _serving_checks as serving
 from tests.models._gemma3 import SLIDING_WINDOW
 from tests.models._greedy import hf_greedy
 from tests.models._qwen3 import TinyCheckpoint
-from tests.models.test_qwen3 import (
-    GREEDY,
-    NUM_NEW_TOKENS,
-    OTHERS,
-    TARGET,
+from tests.models._serving_checks import (
+    EngineFactory,
     assert_matches_transformers,
     drive_with_checks,
 )
-
-EngineFactory = Callable[..., LLMEngine]
+from tests.models.test_qwen3 import GREEDY, NUM_NEW_TOKENS, OTHERS, TARGET
 
 
 @pytest.fixture(scope="module")
 def make_engine(gemma3_checkpoint: TinyCheckpoint) -> EngineFactory:
-    def make(kv_cache_memory_bytes: int = 8 << 20, max_num_batched_tokens: int = 32) -> LLMEngine:
-        config = EngineConfig(
-            model_path=str(gemma3_checkpoint.directory), num_threads=1, dtype="float32",
-            cache=CacheConfig(kv_cache_memory_bytes=kv_cache_memory_bytes),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=16))
-        return LLMEngine.from_config(config, progress=False)
-
-    return make
+    return functools.partial(serving.make_engine, gemma3_checkpoint.directory, max_num_batched_tokens=32)
 
 
 @pytest.fixture(scope="module")
@@ -98,13 +88,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers_with_chunked_prefill(
 
 def test_same_tokens_among_8_concurrent_requests_and_after_a_prefix_cache_hit(
         engine: LLMEngine, prompts: dict[str, list[int]], expected: tuple[list[int], list[float]]) -> None:
-    together = generate(engine, prompts, GREEDY)
-    assert len(together) == 8
-    assert_matches_transformers(together["target"], expected)
-    again = generate(engine, {"target": prompts["target"]}, GREEDY)["target"]
-    assert again.num_cached_tokens >= 16
-    assert_matches_transformers(again, expected)
-    assert_idle_and_clean(engine)
+    serving.check_same_tokens_together_and_after_a_prefix_hit(engine, prompts, expected, GREEDY)
 
 
 def test_outputs_under_preemption_equal_the_roomy_engines(

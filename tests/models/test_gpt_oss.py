@@ -5,6 +5,7 @@ chunked prefill, after a prefix-cache hit and after preemption, with no KV block
 
 from __future__ import annotations
 
+import functools
 import random
 import shutil
 from pathlib import Path
@@ -14,10 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from contracts.sampling_params import SamplingParams
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import LLMEngine
 from engine.loader import load_checkpoint
-from tests.engine.fakes import assert_idle_and_clean, drive, generate
+from tests.engine.fakes import assert_idle_and_clean, generate
+from tests.models import _serving_checks as serving
 from tests.models._gpt_oss import SLIDING_WINDOW, GptOssCheckpoint
 from tests.models._greedy import greedy, hf_greedy, make_runner
 
@@ -28,14 +28,7 @@ PROMPTS = {f"p{n}": [_rng.randrange(0, 300) for _ in range(n)] for n in (19, 29,
 assert all(len(p) > 2 * SLIDING_WINDOW for p in PROMPTS.values())
 
 
-def make_engine(directory: Path, *, kv_cache_memory_bytes: int = 32 << 20,
-                max_num_batched_tokens: int = 256, enable_prefix_caching: bool = True) -> LLMEngine:
-    config = EngineConfig(
-        model_path=str(directory), num_threads=1, dtype="float32",
-        cache=CacheConfig(kv_cache_memory_bytes=kv_cache_memory_bytes,
-                          enable_prefix_caching=enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=16))
-    return LLMEngine.from_config(config, progress=False)
+make_engine = functools.partial(serving.make_engine, kv_cache_memory_bytes=32 << 20)  # overridable
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +42,7 @@ def reference(gpt_oss_checkpoints: dict[str, GptOssCheckpoint]) -> dict[str, dic
 def test_engine_generates_transformers_greedy_tokens_and_logprobs(
         name: str, gpt_oss_checkpoints: dict[str, GptOssCheckpoint], reference: dict) -> None:
     engine = make_engine(gpt_oss_checkpoints[name].directory)
-    out = generate(engine, PROMPTS, GREEDY)
-    for p in PROMPTS:
-        tokens, logprobs = reference[name][p]
-        assert len(set(tokens)) > 2, "degenerate model: the same few tokens every step"
-        assert out[p].token_ids == tokens, p
-        ours = [lp.logprob for lp in out[p].logprobs]
-        assert max(abs(a - b) for a, b in zip(ours, logprobs, strict=True)) < 2e-3, p
-    assert_idle_and_clean(engine)
+    serving.check_greedy_parity(engine, PROMPTS, reference[name], GREEDY)
 
 
 def test_the_prompts_reach_past_the_window_and_the_sinks_matter(
@@ -102,37 +88,15 @@ def test_tokens_alone_equal_tokens_among_8_concurrent_requests_with_chunked_pref
                          enable_prefix_caching=False)
     target = PROMPTS["p41"]
     others = {f"o{i}": [_rng.randrange(0, 300) for _ in range(9 + 5 * i)] for i in range(8)}
-
-    def arrivals(step: int) -> None:
-        if step == 0:
-            for name, prompt in list(others.items())[:4]:
-                engine.add_request(name, prompt, GREEDY)
-            engine.add_request("target", target, GREEDY)
-        elif step in range(3, 7):
-            name = f"o{step + 1}"
-            engine.add_request(name, others[name], GREEDY)
-
-    batched = drive(engine, on_step=arrivals)
-    assert len(batched) == 9
-    assert batched["target"].token_ids == reference["dense"]["p41"][0]
-    assert_idle_and_clean(engine)
+    serving.check_target_among_8_concurrent(engine, target, others, reference["dense"]["p41"][0], GREEDY)
 
 
 def test_a_prefix_cache_hit_continues_with_the_same_tokens(
         gpt_oss_checkpoints: dict[str, GptOssCheckpoint], reference: dict) -> None:
     checkpoint = gpt_oss_checkpoints["dense"]
     engine = make_engine(checkpoint.directory)
-    prompt = PROMPTS["p41"]
-    first = generate(engine, {"first": prompt}, GREEDY)["first"]
-    again = generate(engine, {"again": prompt}, GREEDY)["again"]
-    assert again.num_cached_tokens >= 32  # two whole blocks of 16 came from the cache
-    assert first.token_ids == again.token_ids == reference["dense"]["p41"][0]
-    # a new prompt sharing the first 35 tokens: served from the cache up to a block boundary
-    branch = prompt[:35] + [3, 1, 4, 1, 5, 9, 2, 6]
-    hit = generate(engine, {"branch": branch}, GREEDY)["branch"]
-    assert hit.num_cached_tokens >= 32
-    assert hit.token_ids == hf_greedy(checkpoint.model, branch, NUM_NEW_TOKENS)[0]
-    assert_idle_and_clean(engine)
+    serving.check_prefix_cache_hit(engine, checkpoint.model, PROMPTS["p41"], reference["dense"]["p41"][0],
+                                   GREEDY)
 
 
 def test_outputs_after_preemption_equal_outputs_with_room(

@@ -5,27 +5,29 @@ preemption; every KV block comes back."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 
 import pytest
 import torch
 
 from contracts.sampling_params import SamplingParams
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
-from tests.engine.fakes import Completion, assert_idle_and_clean, drive, generate
+from tests.engine.fakes import assert_idle_and_clean, generate
+from tests.models import _serving_checks as serving
 from tests.models._greedy import hf_greedy
 from tests.models._qwen3 import VARIANTS, TinyCheckpoint
+from tests.models._serving_checks import (
+    EngineFactory,
+    assert_matches_transformers,
+    drive_with_checks,
+)
 
 NUM_NEW_TOKENS = 12
-LOGPROB_TOLERANCE = 2e-3
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=True)
 TARGET = ("Tell me one fact about the moon and the sea, then one about bread, jazz, chess, rain "
           "and bees. def prime(n): return all(n % d for d in range(2, n))")
 OTHERS = ["the quick brown fox", "jazz", "tell me about rain and bees " * 3, "chess, bread",
           "def prime(n): return n", "the lazy dog jumps over the moon " * 2, "sea"]
-
-EngineFactory = Callable[..., LLMEngine]
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -36,16 +38,7 @@ def variant(request: pytest.FixtureRequest, qwen3_checkpoints: dict[str, TinyChe
 
 @pytest.fixture(scope="module")
 def make_engine(variant: TinyCheckpoint) -> EngineFactory:
-    def make(kv_cache_memory_bytes: int = 8 << 20, max_num_batched_tokens: int = 32,
-             max_num_seqs: int = 16) -> LLMEngine:
-        config = EngineConfig(
-            model_path=str(variant.directory), num_threads=1, dtype="float32",
-            cache=CacheConfig(kv_cache_memory_bytes=kv_cache_memory_bytes),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                                      max_num_seqs=max_num_seqs))
-        return LLMEngine.from_config(config, progress=False)
-
-    return make
+    return functools.partial(serving.make_engine, variant.directory, max_num_batched_tokens=32)
 
 
 @pytest.fixture(scope="module")
@@ -72,15 +65,6 @@ def expected(variant: TinyCheckpoint, prompts: dict[str, list[int]]) -> tuple[li
     return tokens, logprobs
 
 
-def assert_matches_transformers(result: Completion, expected: tuple[list[int], list[float]]) -> None:
-    tokens, logprobs = expected
-    assert result.token_ids == tokens
-    ours = [entry.logprob for entry in result.logprobs]
-    assert len(ours) == len(logprobs)
-    worst = max(abs(a - b) for a, b in zip(ours, logprobs, strict=True))
-    assert worst < LOGPROB_TOLERANCE, f"logprobs differ by {worst:.2e}"
-
-
 def test_greedy_tokens_and_logprobs_equal_transformers_with_chunked_prefill(
         engine: LLMEngine, prompts: dict[str, list[int]], expected: tuple[list[int], list[float]]) -> None:
     result = generate(engine, {"target": prompts["target"]}, GREEDY)["target"]
@@ -93,13 +77,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers_with_chunked_prefill(
 
 def test_same_tokens_among_8_concurrent_requests_and_after_a_prefix_cache_hit(
         engine: LLMEngine, prompts: dict[str, list[int]], expected: tuple[list[int], list[float]]) -> None:
-    together = generate(engine, prompts, GREEDY)  # the target plus 7 others, one batch
-    assert len(together) == 8
-    assert_matches_transformers(together["target"], expected)
-    again = generate(engine, {"target": prompts["target"]}, GREEDY)["target"]
-    assert again.num_cached_tokens >= 16  # at least one whole block came from the prefix cache
-    assert_matches_transformers(again, expected)
-    assert_idle_and_clean(engine)
+    serving.check_same_tokens_together_and_after_a_prefix_hit(engine, prompts, expected, GREEDY)
 
 
 def test_outputs_under_preemption_equal_the_roomy_engines(
@@ -117,11 +95,3 @@ def test_outputs_under_preemption_equal_the_roomy_engines(
         assert results[name].token_ids == roomy[name].token_ids, name
     assert results["target"].token_ids[:NUM_NEW_TOKENS] == expected[0]
     assert_idle_and_clean(tight)
-
-
-def drive_with_checks(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams
-                      ) -> dict[str, Completion]:
-    """`generate`, checking the KV allocator's invariant before every step."""
-    for request_id, prompt in prompts.items():
-        engine.add_request(request_id, prompt, params)
-    return drive(engine, on_step=lambda _: engine.kv_cache.check_integrity())
