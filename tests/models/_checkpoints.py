@@ -1,10 +1,13 @@
 """Tiny random-weight MoE checkpoints of each family, written by transformers' save_pretrained; and
-the small byte-level BPE every tiny checkpoint's tokenizer is trained from (`train_byte_bpe`)."""
+the small byte-level BPE every tiny checkpoint's tokenizer is trained from (`train_byte_bpe`), and
+the parts every test GGUF writer shares (`add_gguf_vocabulary`, `finish_gguf`)."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -59,3 +62,29 @@ def train_byte_bpe(special_tokens: tuple[str, ...], vocab_size: int):  # type: i
     tokenizer.train_from_iterator(CORPUS * 20, trainer)
     assert tokenizer.get_vocab_size() <= vocab_size
     return tokenizer
+
+
+def add_gguf_vocabulary(writer: Any, tokenizer_json: dict, pre: str, is_special: Callable[[str], bool],
+                        num_tokens: int | None = None) -> dict[str, int]:
+    """The byte-level BPE in `tokenizer_json` (a tokenizer.json, parsed) as llama.cpp writes a "gpt2"
+    vocabulary: token list, types (3 control, 1 normal), merges. With `num_tokens` the list is padded
+    to that many with "<|pad_{id}|>" for ids the BPE does not use. -> token ids by text."""
+    model = tokenizer_json["model"]
+    vocab = {**model["vocab"], **{t["content"]: t["id"] for t in tokenizer_json["added_tokens"]}}
+    tokens = [f"<|pad_{i}|>" for i in range(num_tokens)] if num_tokens is not None else [""] * len(vocab)
+    for token, i in vocab.items():
+        tokens[i] = token
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if is_special(t) else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
+    return vocab
+
+
+def finish_gguf(writer: Any) -> None:
+    """Write the header, metadata and tensors a GGUFWriter holds, and close the file."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models._checkpoints import train_byte_bpe
+from tests.models._checkpoints import add_gguf_vocabulary, finish_gguf, train_byte_bpe
 
 VOCAB_SIZE = 320
 SPECIALS = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>",
@@ -146,15 +146,7 @@ def write_gguf(hf_directory: Path, path: Path) -> None:
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     writer.add_rope_scaling_factor(YARN["factor"])
     writer.add_rope_scaling_orig_ctx_len(YARN["original_max_position_embeddings"])
-    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
-    tokens = [""] * len(vocab)
-    for token, i in vocab.items():
-        tokens[i] = token
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-4o")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    vocab = add_gguf_vocabulary(writer, tok, "gpt-4o", lambda t: t in SPECIALS)
     writer.add_eos_token_id(vocab["<|return|>"])
 
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -189,7 +181,4 @@ def write_gguf(hf_directory: Path, path: Path) -> None:
             writer.add_tensor(blk + "ffn_down_exps.weight", data, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
         elif not rest.endswith("_scales"):
             raise AssertionError(f"no GGUF name for {name}")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models._checkpoints import train_byte_bpe
+from tests.models._checkpoints import add_gguf_vocabulary, finish_gguf, train_byte_bpe
 
 VOCAB_SIZE = 320  # the tokenizer's 256 bytes + merges + 3 specials fit in it
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -129,15 +129,7 @@ def write_gguf(hf_directory: Path, path: Path, linear_type: str = "F32",
         writer.add_expert_count(config["num_local_experts"])
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
-    tokens = [f"<|pad_{i}|>" for i in range(config["vocab_size"])]  # ids the BPE does not use
-    for token, i in vocab.items():
-        tokens[i] = token
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    vocab = add_gguf_vocabulary(writer, tok, "qwen2", lambda t: t.startswith("<|"), config["vocab_size"])
     writer.add_eos_token_id(vocab["<|im_end|>"])
 
     def add(name: str, tensor: torch.Tensor, quantize: bool) -> None:
@@ -166,7 +158,4 @@ def write_gguf(hf_directory: Path, path: Path, linear_type: str = "F32",
         add(name, torch.stack([by_expert[e] for e in sorted(by_expert)]), quantize=False)  # [E, out, in]
     for name, tensor in (extra_tensors or {}).items():
         add(name, tensor, quantize=False)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish_gguf(writer)

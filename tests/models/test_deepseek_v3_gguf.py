@@ -19,6 +19,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.loader import load_checkpoint
 from tests.engine.fakes import assert_idle_and_clean, generate
+from tests.models._checkpoints import add_gguf_vocabulary, finish_gguf
 from tests.models._deepseek_v3 import DeepseekCheckpoint
 from tests.models._greedy import hf_greedy
 
@@ -75,15 +76,7 @@ def write_deepseek2_gguf(directory: Path, path: Path) -> None:
     w.add_rope_scaling_factor(rope["factor"])
     w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
-    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
-    tokens = [f"<|pad_{i}|>" for i in range(config["vocab_size"])]
-    for token, i in vocab.items():
-        tokens[i] = token
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    add_gguf_vocabulary(w, tok, "qwen2", lambda t: t.startswith("<|"), config["vocab_size"])
     w.add_eos_token_id(config["eos_token_id"])
 
     def add(name: str, tensor: torch.Tensor) -> None:
@@ -114,10 +107,7 @@ def write_deepseek2_gguf(directory: Path, path: Path) -> None:
             add(f"{blk}{_MODULES[module]}.{kind}", tensor)
     for name, by_expert in experts.items():  # stacked [E, out, in]
         add(name, torch.stack([by_expert[e] for e in sorted(by_expert)]))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
 
 
 def test_deepseek2_gguf_loads_as_the_hf_directory_and_generates_transformers_tokens(
