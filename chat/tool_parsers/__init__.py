@@ -1,7 +1,8 @@
 """Tool-call parsers, one per model family's output format, behind `ToolParser` (base.py).
 
     get_tool_parser("hermes")                 -> a parser by format name
-    tool_parser_for_model("qwen2_moe", id)    -> the format a model family speaks
+
+Which format a checkpoint speaks is chat/registry.py's choice (template, then architecture).
 
 ChatML families (Llama-architecture SmolLM2, Qwen, Mixtral/OLMoE fine-tunes) speak the Hermes
 format; DeepSeek-V3/R1 and V3.1 their own (deepseek.py); a family with its own format registers here.
@@ -25,7 +26,7 @@ from chat.tool_parsers.hermes import HermesToolParser
 __all__ = [
     "ParsedToolCalls", "StreamDelta", "ToolCall", "ToolCallStream", "ToolParser", "HermesToolParser",
     "DeepSeekV3ToolParser", "DeepSeekV31ToolParser",
-    "new_tool_call_id", "get_tool_parser", "tool_parser_for_model", "TOOL_PARSERS",
+    "new_tool_call_id", "get_tool_parser", "TOOL_PARSERS",
 ]
 
 TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {
@@ -34,19 +35,6 @@ TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {
     "deepseek_v3_1": DeepSeekV31ToolParser,
 }
 
-# Model family (ModelConfig.architecture) -> format name. Families not listed use DEFAULT_FORMAT.
-_FAMILY_FORMATS: dict[str, str] = {
-    "llama": "hermes",  # SmolLM2 and other ChatML Llama fine-tunes
-    "qwen2": "hermes",
-    "qwen2_moe": "hermes",
-    "qwen3": "hermes",
-    "qwen3_moe": "hermes",
-    "mixtral": "hermes",
-    "olmoe": "hermes",
-    "deepseek_v3": "deepseek_v3",
-}
-DEFAULT_FORMAT = "hermes"
-
 
 def get_tool_parser(name: str) -> ToolParser:
     """A new parser for the format `name`; KeyError names the known formats."""
@@ -54,9 +42,3 @@ def get_tool_parser(name: str) -> ToolParser:
         return TOOL_PARSERS[name]()
     except KeyError:
         raise KeyError(f"unknown tool parser {name!r}; known: {sorted(TOOL_PARSERS)}") from None
-
-
-def tool_parser_for_model(architecture: str, model_id: str = "") -> ToolParser:
-    """The parser for a model family; `model_id` is reserved for families split by checkpoint."""
-    del model_id
-    return get_tool_parser(_FAMILY_FORMATS.get(architecture, DEFAULT_FORMAT))
