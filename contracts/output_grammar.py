@@ -8,8 +8,7 @@ token masks are engine/structured_output.py.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import orjson
@@ -27,10 +26,13 @@ class OutputGrammarError(SamplingParamsError):
 @dataclass(frozen=True)
 class OutputGrammar:
     """What the output must match: `kind` and its text, a JSON schema or a Lark grammar (llguidance's
-    dialect, which embeds JSON schemas with `%json {...}`). Hashable: the compile cache's key."""
+    dialect, which embeds JSON schemas with `%json {...}`). Hashable by (kind, text): the engine's
+    matcher cache key. `compiled` is the validated llguidance grammar, kept on the spec by the
+    constructors that check it (so no process-wide cache holds one tenant's grammars)."""
 
     kind: GrammarKind
     text: str
+    compiled: str | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def json_object(cls) -> OutputGrammar:
@@ -53,15 +55,15 @@ class OutputGrammar:
 
     def _checked(self, param: str) -> OutputGrammar:
         try:
-            grammar_of(self)
+            return replace(self, compiled=grammar_of(self))
         except OutputGrammarError as exc:
             raise OutputGrammarError(f"{param}: {exc}", param) from None
-        return self
 
 
-@functools.lru_cache(maxsize=256)
 def grammar_of(spec: OutputGrammar) -> str:
-    """The llguidance grammar of `spec` (validated, cached by its text)."""
+    """The llguidance grammar of `spec`, validated (the one its constructor kept, if it did)."""
+    if spec.compiled is not None:
+        return spec.compiled
     import llguidance
 
     if spec.kind == "lark":

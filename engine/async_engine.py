@@ -83,8 +83,8 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(("abort", request_id))
 
-    def prepare_grammar(self, grammar: OutputGrammar) -> None:
-        self.engine.grammars.prepare(grammar)  # thread-safe; the engine thread then only copies
+    def prepare_grammar(self, grammar: OutputGrammar, cache_salt: str | None = None) -> None:
+        self.engine.grammars.prepare(grammar, cache_salt)  # thread-safe; the engine thread copies
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

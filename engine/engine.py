@@ -107,7 +107,7 @@ class LLMEngine:
                           self.max_model_len, cache_salt)
         request.retain_s, request.retention_id = retain_s, retention_id
         if params.grammar is not None:
-            request.grammar = self.grammars.matcher(params.grammar)  # OutputGrammarError: refused
+            request.grammar = self.grammars.matcher(params.grammar, cache_salt)  # OutputGrammarError
         if self.kv_cache.enable_caching:
             request.update_block_hashes(self.block_size, self.model_config.model_id)
         self._requests[request_id] = request

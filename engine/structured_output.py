@@ -21,7 +21,6 @@ newlines until max_tokens. A grammar constrains the tokens, not the length: an a
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch
 
 from contracts import output_grammar
 from contracts.output_grammar import OutputGrammar, OutputGrammarError
+from infra.byte_lru import ByteLRU, str_bytes
 
 
 class GrammarMatcher:
@@ -59,16 +59,27 @@ class GrammarCompiler:
     Building a matcher builds its lexer against the vocabulary (~40 ms for a forced choice
     among 40 tools): each grammar is built once, by `prepare` in the server's worker thread
     (or, for a caller that did not prepare, in the engine thread, where it stalls every running
-    request), and each request (each choice of n) gets a copy of that fresh matcher."""
+    request), and each request (each choice of n) gets a copy of that fresh matcher.
 
-    MAX_CACHED_GRAMMARS = 32
+    Built matchers are cached per (cache salt, grammar): a tenant whose grammar is already built
+    is answered ~40 ms sooner, so one tenant's traffic must not warm another's. The cache is
+    bounded by an estimate of its bytes, not by a count: a matcher grows with its grammar (a
+    forced choice among many large tool schemas)."""
+
+    MAX_CACHED_GRAMMAR_BYTES = 64 * 1024 * 1024
+    # A built matcher's estimated bytes: a fixed part plus a part per byte of llguidance grammar,
+    # above the RSS growth measured per built matcher with SmolLM2's 49k vocabulary (JSON schemas
+    # of 2-400 properties: 0-1.7 MiB a matcher, 7-64 bytes per grammar byte).
+    MATCHER_BASE_BYTES = 256 * 1024
+    MATCHER_BYTES_PER_GRAMMAR_BYTE = 64
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self._backend = tokenizer  # a `tokenizers.Tokenizer`
         self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's vocabulary)
         self._eos_token_ids = list(eos_token_ids)
         self._tokenizer: Any = None
-        self._fresh: OrderedDict[OutputGrammar, Any] = OrderedDict()  # spec -> unused LLMatcher
+        self._fresh: ByteLRU[tuple[str, OutputGrammar], Any] = ByteLRU(  # (salt, spec) -> LLMatcher
+            self.MAX_CACHED_GRAMMAR_BYTES)
         self._lock = threading.Lock()  # guards _fresh (the server's threads and the engine's)
         self._tokenizer_lock = threading.Lock()
 
@@ -77,26 +88,32 @@ class GrammarCompiler:
         """int32 words of a bitmask row: one bit per token of the logits, rounded up."""
         return (self.vocab_size + 31) // 32
 
-    def prepare(self, spec: OutputGrammar) -> None:
+    def prepare(self, spec: OutputGrammar, cache_salt: str | None = None) -> None:
         """Build `spec`'s matcher now, from any thread (the replica's server does it in a worker
-        thread as it reads the request); OutputGrammarError when llguidance refuses it."""
-        self._fresh_matcher(spec)
+        thread as it reads the request); OutputGrammarError when llguidance refuses it.
+        `cache_salt`: the request's (its tenant's); a matcher is reused only under the same salt."""
+        self._fresh_matcher(spec, cache_salt)
 
-    def matcher(self, spec: OutputGrammar) -> GrammarMatcher:
+    def matcher(self, spec: OutputGrammar, cache_salt: str | None = None) -> GrammarMatcher:
         """A new parser state for `spec`; OutputGrammarError when llguidance refuses it."""
-        return GrammarMatcher(self._fresh_matcher(spec).deep_copy(), self.num_words)
+        return GrammarMatcher(self._fresh_matcher(spec, cache_salt).deep_copy(), self.num_words)
 
-    def _fresh_matcher(self, spec: OutputGrammar) -> Any:
+    @property
+    def num_cached_bytes(self) -> int:
+        """The estimated bytes of the cached matchers (at most `MAX_CACHED_GRAMMAR_BYTES`)."""
+        return self._fresh.num_bytes
+
+    def _fresh_matcher(self, spec: OutputGrammar, cache_salt: str | None) -> Any:
+        key = (cache_salt or "", spec)
         with self._lock:
-            fresh = self._fresh.get(spec)
-            if fresh is not None:
-                self._fresh.move_to_end(spec)
-                return fresh
+            fresh = self._fresh.get(key)
+        if fresh is not None:
+            return fresh
         fresh = self._build(spec)  # outside the lock: slow, and llguidance releases the GIL
+        num_bytes = (self.MATCHER_BASE_BYTES + str_bytes(key[0])
+                     + self.MATCHER_BYTES_PER_GRAMMAR_BYTE * len(output_grammar.grammar_of(spec)))
         with self._lock:
-            self._fresh[spec] = fresh
-            if len(self._fresh) > self.MAX_CACHED_GRAMMARS:
-                self._fresh.popitem(last=False)
+            self._fresh.put(key, fresh, num_bytes)
         return fresh
 
     def _build(self, spec: OutputGrammar) -> Any:

@@ -63,7 +63,7 @@ class ServingContext:
             if isinstance(req, ChatCompletionRequest) and req.forced_functions:
                 params = replace(params, grammar=self._forced_calls_grammar(req))
             if params.grammar is not None:
-                self.engine.prepare_grammar(params.grammar)
+                self.engine.prepare_grammar(params.grammar, req.cache_salt)
             return params
         except orjson.JSONEncodeError:  # orjson writes 254 levels (and reads 1024)
             raise InvalidRequestError("tools: a function's parameters schema is nested too deeply",

@@ -58,9 +58,10 @@ class ServedEngine(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
-    def prepare_grammar(self, grammar: OutputGrammar) -> None:
+    def prepare_grammar(self, grammar: OutputGrammar, cache_salt: str | None = None) -> None:
         """Build `grammar`'s parser ahead, from any thread (OutputGrammarError if refused), so
-        adding the request later costs the engine thread only a copy."""
+        adding the request later costs the engine thread only a copy; it is reused only by
+        requests with the same `cache_salt` (a tenant's built grammars are its own)."""
         ...
 
     def stats(self) -> EngineStatsLike: ...

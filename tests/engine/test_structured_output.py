@@ -193,3 +193,42 @@ def test_a_grammar_prepared_in_another_thread_is_built_once(engine: LLMEngine) -
         del compiler._build
     assert built == [spec]
     assert first.accept(engine.tokenizer.encode('{"k":"a"}')[0]) and not second.is_stopped()
+
+
+def test_a_grammar_built_for_one_cache_salt_is_not_reused_under_another(engine: LLMEngine) -> None:
+    """A built grammar answers ~40 ms sooner: one tenant's requests must not warm another's."""
+    spec = OutputGrammar.json_schema({"type": "object", "properties": {"t": {"type": "boolean"}},
+                                      "required": ["t"], "additionalProperties": False})
+    compiler = engine.grammars
+    built = []
+    build = compiler._build
+
+    def counting(grammar: OutputGrammar) -> Any:
+        built.append(grammar)
+        return build(grammar)
+
+    compiler._build = counting  # type: ignore[method-assign]
+    try:
+        compiler.prepare(spec, "tenant-a")
+        compiler.matcher(spec, "tenant-a")
+        compiler.matcher(spec, "tenant-b")
+        compiler.matcher(spec, "tenant-b")
+    finally:
+        del compiler._build
+    assert built == [spec, spec]
+
+
+def test_the_grammar_cache_is_bounded_by_bytes_not_by_count(engine: LLMEngine) -> None:
+    from engine.structured_output import GrammarCompiler
+
+    compiler = GrammarCompiler(engine.tokenizer.backend, engine.grammars.vocab_size, [])
+    compiler._fresh.max_bytes = compiler._fresh.max_entry_bytes = 4 * compiler.MATCHER_BASE_BYTES
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(300)}}
+    small = [{"type": "object", "properties": {f"q{i}": {"type": "integer"}}} for i in range(6)]
+    for schema in small:
+        compiler.prepare(OutputGrammar.json_schema(schema))
+    assert 0 < compiler.num_cached_bytes <= 4 * compiler.MATCHER_BASE_BYTES
+    assert len(compiler._fresh) < len(small)  # the oldest went: a count bound would keep all 6
+    compiler.prepare(OutputGrammar.json_schema(big))  # over the entry cap: built, not kept
+    assert compiler.num_cached_bytes <= 4 * compiler.MATCHER_BASE_BYTES
+    assert compiler.matcher(OutputGrammar.json_schema(big)) is not None

@@ -145,7 +145,7 @@ class FakeEngine:
     def prompt_text(self, call: GenerateCall) -> str:
         return self.tokenizer.decode(call.prompt_token_ids)
 
-    def prepare_grammar(self, grammar: Any) -> None:
+    def prepare_grammar(self, grammar: Any, cache_salt: str | None = None) -> None:
         self.prepared_grammars.append(grammar)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

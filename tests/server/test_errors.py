@@ -139,7 +139,7 @@ def test_the_grammar_is_prepared_before_the_request_reaches_the_engine(
     assert [g.kind for g in fake_engine.prepared_grammars] == ["json_object"]
     assert fake_engine.calls[-1].params.grammar == fake_engine.prepared_grammars[0]
 
-    def refusing(grammar: Any) -> None:
+    def refusing(grammar: Any, cache_salt: str | None = None) -> None:
         raise OutputGrammarError("output grammar: lexer too complex")
 
     monkeypatch.setattr(fake_engine, "prepare_grammar", refusing)
