@@ -36,12 +36,27 @@ AIGW_ROUTING_EXPLAIN = "aigw.routing.explain"
 OPERATION_BY_KIND = {"chat": "chat", "completion": "text_completion"}
 
 
+MAX_EXCEPTION_MESSAGE_CHARS = 1024
+MAX_EXCEPTION_STACKTRACE_CHARS = 4096  # the innermost frames are kept
+
+
 def exception_attributes(exception: BaseException, escaped: bool = False) -> dict[str, Any]:
-    """The OpenTelemetry `exception` event's attributes (what the SDK's `record_exception` writes)."""
+    """The OpenTelemetry `exception` event's attributes (what the SDK's `record_exception` writes),
+    the message and the stack trace cut to a bound: trace buffers hold spans by count, so each
+    span's attributes must be bounded in bytes (an error can quote a whole request)."""
     kind = type(exception)
     module = kind.__module__
+    message = str(exception)
+    if len(message) > MAX_EXCEPTION_MESSAGE_CHARS:
+        message = message[:MAX_EXCEPTION_MESSAGE_CHARS] + "..."
+    stacktrace = "".join(traceback.format_exception(exception))
+    if len(stacktrace) > MAX_EXCEPTION_STACKTRACE_CHARS:  # the innermost frames, then the message
+        frames = "".join(traceback.format_tb(exception.__traceback__))
+        room = max(0, MAX_EXCEPTION_STACKTRACE_CHARS - len(message) - 100)
+        stacktrace = (f"Traceback (most recent call last, cut):\n...\n{frames[-room:]}"
+                      f"{kind.__qualname__}: {message}\n")
     return {"exception.type": f"{module}.{kind.__qualname__}" if module and module != "builtins"
             else kind.__qualname__,
-            "exception.message": str(exception),
-            "exception.stacktrace": "".join(traceback.format_exception(exception)),
+            "exception.message": message,
+            "exception.stacktrace": stacktrace,
             "exception.escaped": str(escaped)}

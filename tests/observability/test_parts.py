@@ -287,3 +287,22 @@ def test_the_trace_list_names_the_model_of_a_request_refused_before_routing() ->
     summary = trace_summary([root])
     assert summary is not None
     assert (summary["model"], summary["replica"], summary["http_status"]) == ("dead", None, 503)
+
+
+def test_an_exceptions_span_attributes_are_bounded_however_long_its_message() -> None:
+    """Trace buffers keep spans by count: an error quoting a whole request must not make one
+    span megabytes."""
+    def deep(n: int) -> None:
+        if n:
+            deep(n - 1)
+        raise ValueError("x" * 1_000_000)
+
+    try:
+        deep(200)
+    except ValueError as exc:
+        values = exception_attributes(exc)
+    assert values["exception.type"] == "ValueError"
+    assert 1024 <= len(values["exception.message"]) <= 1030
+    assert len(values["exception.stacktrace"]) <= 4096 + 40
+    stacktrace = values["exception.stacktrace"]
+    assert "in deep" in stacktrace and stacktrace.endswith("ValueError: " + "x" * 1024 + "...\n")
