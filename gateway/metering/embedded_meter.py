@@ -14,13 +14,22 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import time
 from functools import partial
 from pathlib import Path
 
 from auth.sqlite_runner import SqliteRunner
+from gateway.metering.budgets import Window
 from gateway.metering.coalescer import Coalescer
 from gateway.metering.contract import UsageRecord
-from gateway.metering.limits import Clock, LocalLimiter, MeterAdmission, ScopeLimits, rate_headers
+from gateway.metering.limits import (
+    Clock,
+    LocalLimiter,
+    MeterAdmission,
+    ScopeLimits,
+    Spend,
+    rate_headers,
+)
 from gateway.metering.meter import SETTLE_LINGER_S, BaseMeter, usage_day
 from gateway.metering.settings import MeteringSettings
 from gateway.metering.usage_report import UsageRow
@@ -33,6 +42,9 @@ CREATE TABLE IF NOT EXISTS usage (
     status INTEGER NOT NULL, created_at REAL NOT NULL, day TEXT NOT NULL, stream INTEGER NOT NULL,
     finish_reason TEXT, reasoning_tokens INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS usage_by_project_day ON usage (project, day);
+CREATE TABLE IF NOT EXISTS limit_alerts (
+    project TEXT NOT NULL, scope TEXT NOT NULL, window TEXT NOT NULL, threshold REAL NOT NULL,
+    sent_at REAL NOT NULL, PRIMARY KEY (project, scope, window, threshold));
 """
 # a database made before reasoning_tokens: the column is added, its rows read back as 0
 _MIGRATIONS = {"reasoning_tokens": "ALTER TABLE usage ADD COLUMN reasoning_tokens INTEGER NOT NULL "
@@ -76,34 +88,45 @@ class EmbeddedMeter(BaseMeter):
     async def _reserve(self, admission: MeterAdmission, scopes: list[ScopeLimits],
                        clock: Clock) -> None:
         for scope in scopes:
-            if scope.limits.daily_budget_usd is not None and not self._limiter.has_spent(
-                    scope, clock.day):
-                self._limiter.seed_spent(scope, clock.day,
-                                         await self._spent_today(admission, scope.name, clock.day))
-        after, refusal = self._limiter.admit(scopes, clock, admission.reserved_tokens,
-                                             admission.reserved_nanos)
+            for window in scope.windows_at(clock.now):
+                if not self._limiter.has_spent(scope, window):
+                    self._limiter.seed_spent(scope, window,
+                                             await self._spent_in(admission, scope, window))
+        after, refusal = self._limiter.admit(admission, scopes, clock)
         if refusal is not None:
             raise refusal
-        admission.minute_window, admission.day = clock.minute_window, clock.day
+        admission.minute_window = clock.minute_window
         admission.headers = rate_headers(after, clock)
 
-    async def _spent_today(self, admission: MeterAdmission, scope: str, day: str) -> int:
+    async def _spent_in(self, admission: MeterAdmission, scope: ScopeLimits,
+                        window: Window) -> int:
+        """What the usage table holds for the scope in the window (a restart keeps budgets)."""
         await self._inserts.flush()
-        project = admission.principal.project
-        sql = "SELECT SUM(cost_nanos) FROM usage WHERE project = ? AND day = ?"
-        args: tuple[str, ...] = (project, day)
-        if scope != "proj":
-            sql, args = sql + " AND key_id = ?", (project, day, admission.principal.key_id)
+        sql = ("SELECT SUM(cost_nanos) FROM usage WHERE project = ? AND day >= ? AND day <= ? "
+               "AND created_at >= ? AND created_at < ?")
+        args: tuple[object, ...] = (admission.principal.project, usage_day(window.start_s),
+                                    usage_day(window.end_s), window.start_s, window.end_s)
+        if not scope.is_project:
+            sql, args = sql + " AND key_id = ?", (*args, admission.principal.key_id)
         row = await self._db.run(lambda conn: conn.execute(sql, args).fetchone())
         return int(row[0] or 0)
 
+    async def _claim_alert(self, spend: Spend, threshold: float) -> bool:
+        scope = spend.scope
+        args = (scope.project, scope.name, spend.window.key, threshold, time.time())
+        return bool(await self._db.run(lambda conn: conn.execute(
+            "INSERT OR IGNORE INTO limit_alerts (project, scope, window, threshold, sent_at) "
+            "VALUES (?, ?, ?, ?, ?)", args).rowcount))
+
     async def _record(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
                       delta_tokens: int, delta_nanos: int) -> None:
+        self._limiter.release(admission)
         if await self._inserts.submit(_row(record, cost_nanos)) and admission.scopes:
-            self._limiter.settle(admission, delta_tokens, delta_nanos)
+            self._observe_spends(self._limiter.settle(admission, delta_tokens, delta_nanos))
 
     def _record_nowait(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
                        delta_tokens: int, delta_nanos: int) -> None:
+        self._limiter.release(admission)
         self._inserts.submit_nowait(_row(record, cost_nanos), partial(
             self._on_inserted, admission, record.request_id, delta_tokens, delta_nanos))
 
@@ -112,7 +135,7 @@ class EmbeddedMeter(BaseMeter):
         if isinstance(inserted, BaseException):
             log.error("settle failed for %s", request_id, exc_info=inserted)
         elif inserted and admission.scopes:
-            self._limiter.settle(admission, delta_tokens, delta_nanos)
+            self._observe_spends(self._limiter.settle(admission, delta_tokens, delta_nanos))
 
     async def _insert_rows(self, rows: list[tuple[object, ...]]) -> list[bool | BaseException]:
         """One transaction for a batch (group commit); True for each row really inserted."""
@@ -156,6 +179,7 @@ class EmbeddedMeter(BaseMeter):
 
     async def close(self) -> None:
         await self._inserts.close()
+        await self._close_alerts()
         await self._db.close()
 
 

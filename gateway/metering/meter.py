@@ -20,15 +20,17 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from auth.principal import Principal
+from gateway.metering.alerts import BudgetAlerts
 from gateway.metering.contract import (
     Admission,
     MeterBacklogged,
     ReservationTooLarge,
     UsageRecord,
 )
-from gateway.metering.limits import Clock, MeterAdmission, ScopeLimits
+from gateway.metering.limit_store import StoredLimits
+from gateway.metering.limits import Clock, MeterAdmission, ScopeLimits, Spend
 from gateway.metering.prices import NANOS_PER_USD, cost_nanos, cost_usd, price_for
-from gateway.metering.settings import MeteringSettings, ModelPrice
+from gateway.metering.settings import Limits, MeteringSettings, ModelPrice
 from gateway.metering.usage_report import UsageRow, group_rows
 
 log = logging.getLogger("aigw.metering")
@@ -46,6 +48,22 @@ class BaseMeter(ABC):
     def __init__(self, settings: MeteringSettings) -> None:
         self.settings = settings
         self._scopes: dict[tuple[str, str], list[ScopeLimits]] = {}
+        self._stored = StoredLimits()  # set through the admin API: replace the settings' per scope
+        self._alerts: BudgetAlerts | None = None  # started by the first threshold crossed
+
+    def set_stored_limits(self, stored: StoredLimits) -> None:
+        """The limits set through the admin API (gateway/metering/limit_store.py), as loaded by
+        its watcher: from the next admission on, they replace the settings' for their scopes."""
+        self._stored = stored
+        self._scopes = {}
+
+    def limits_for_project(self, project: str) -> Limits:
+        stored = self._stored.projects.get(project)
+        return stored if stored is not None else self.settings.limits_for_project(project)
+
+    def limits_for_key(self, key_id: str) -> Limits:
+        stored = self._stored.keys.get(key_id)
+        return stored if stored is not None else self.settings.limits_for_key(key_id)
 
     def price_for(self, model: str) -> ModelPrice | None:
         return price_for(self.settings, model)
@@ -55,14 +73,14 @@ class BaseMeter(ABC):
         return cost_usd(self.settings, model, prompt_tokens, cached_tokens, completion_tokens)
 
     def scopes_for(self, principal: Principal) -> list[ScopeLimits]:
-        """The scopes with a limit (settings are fixed for the meter's life: cached per caller)."""
+        """The scopes with a limit (cached per caller until the stored limits change)."""
         cache_key = (principal.project, principal.key_id)
         scopes = self._scopes.get(cache_key)
         if scopes is None:
             project = principal.project
-            every = [ScopeLimits(project, "proj", self.settings.limits_for_project(project)),
+            every = [ScopeLimits(project, "proj", self.limits_for_project(project)),
                      ScopeLimits(project, f"key:{principal.key_id}",
-                                 self.settings.limits_for_key(principal.key_id))]
+                                 self.limits_for_key(principal.key_id))]
             if len(self._scopes) >= _NUM_CACHED_SCOPES:
                 self._scopes.clear()
             scopes = self._scopes[cache_key] = [s for s in every if s.limits.any]
@@ -72,12 +90,29 @@ class BaseMeter(ABC):
         """True when a tokens-per-minute limit or a budget applies to this caller: then the
         admission's prompt count decides how far a limit can be overshot, and the gateway counts
         the rendered prompt exactly where it can."""
-        return any(s.limits.tokens_per_minute is not None or s.limits.daily_budget_usd is not None
+        return any(s.limits.tokens_per_minute is not None or s.budgets
                    for s in self.scopes_for(principal))
 
     def backlog_bytes(self) -> int:
         """Bytes of usage writes not yet in the store (queued, in flight, held)."""
         return 0
+
+    def _observe_spends(self, spends: list[Spend]) -> None:
+        """After a settle: fire the alerts whose threshold a budget window's spend reached."""
+        if not spends or not any(s.budget.alert_at for s in spends):
+            return
+        if self._alerts is None:
+            self._alerts = BudgetAlerts(self._claim_alert)
+        self._alerts.observe(spends)
+
+    async def _claim_alert(self, spend: Spend, threshold: float) -> bool:
+        """True for the one caller (of every gateway on the store) that may send this alert of
+        this window; the backends claim it in their store."""
+        return True
+
+    async def _close_alerts(self) -> None:
+        if self._alerts is not None:
+            await self._alerts.close()
 
     async def admit(self, request_id: str, principal: Principal, model: str,
                     num_prompt_tokens: int, max_tokens: int) -> MeterAdmission:
@@ -99,13 +134,14 @@ class BaseMeter(ABC):
             raise ReservationTooLarge(f"prompt + max_tokens ({num_tokens}) is over "
                                       f"{MAX_RESERVED_TOKENS} tokens")
         nanos = 0
-        if any(s.limits.daily_budget_usd is not None for s in scopes):
+        if any(s.budgets for s in scopes):
             nanos = cost_nanos(self.settings, model, num_prompt_tokens, 0, max_tokens)
             if nanos > MAX_RESERVED_NANOS:
                 raise ReservationTooLarge(f"the worst-case cost of prompt + max_tokens "
                                           f"({nanos / NANOS_PER_USD:g} USD) is out of range")
         admission = MeterAdmission(request_id, principal, model, num_tokens,
-                                   reserved_nanos=nanos, scopes=tuple(s.name for s in scopes))
+                                   reserved_nanos=nanos, scopes=tuple(s.name for s in scopes),
+                                   scope_limits=tuple(scopes))
         await self._reserve(admission, scopes, Clock())
         return admission
 

@@ -5,7 +5,11 @@ touches a single Redis Cluster slot):
 
     aigw:{p:<P>}:lim:<scope>:req:<minute>    int  requests admitted in that minute window
     aigw:{p:<P>}:lim:<scope>:tok:<minute>    int  tokens reserved/settled in that minute window
-    aigw:{p:<P>}:lim:<scope>:spent:<day>     int  nano-USD reserved/settled that UTC day
+    aigw:{p:<P>}:lim:<scope>:spent:<window>  int  nano-USD reserved/settled in that budget window
+                                                  (<window>: budgets.Window.key, e.g. the day)
+    aigw:{p:<P>}:lim:<scope>:inflight        zset request ids admitted and not settled, scored
+                                                  by their lease's end (max_concurrent_requests)
+    aigw:{p:<P>}:lim:<scope>:alert:<window>:<threshold>  str  SET NX: who sends that alert
     aigw:{p:<P>}:usage:req:<request_id>      str  UsageRecord JSON; SET NX = idempotency (TTL)
     aigw:{p:<P>}:usage:day:<day>             hash "<model>|<metric>" -> int (requests, tokens,
                                                   cost_nanos) summed at settle
@@ -32,6 +36,8 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
+import time
 from functools import partial
 from typing import Any
 
@@ -43,11 +49,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from gateway.metering.coalescer import Coalescer
 from gateway.metering.contract import UsageRecord
 from gateway.metering.limits import (
+    CONCURRENCY_LEASE_S,
     WINDOW_S,
     Clock,
     Counts,
     MeterAdmission,
     ScopeLimits,
+    Spend,
     rate_headers,
     rate_limited,
 )
@@ -60,48 +68,90 @@ log = logging.getLogger("aigw.metering")
 _METRICS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "cost_nanos")
 
 # Numbers travel packed in one space-separated ARGV (fewer arguments to encode per call).
-# KEYS: per scope (requests, tokens, spent). ARGV[1]: reserve tokens, reserve nanos, window ttl,
-# day ttl, then per scope rpm, tpm, budget nanos ('-' = no limit). Mirrors limits.denied_limit.
+# KEYS: per scope requests, tokens, in-flight (sorted set), then one spend key per budget.
+# ARGV[1]: reserve tokens, reserve nanos, window ttl, now (unix s), concurrency lease s, then per
+# scope rpm, tpm, max concurrent ('-' = no limit), number of budgets, and per budget its nanos and
+# its key's ttl. ARGV[2]: the request id (its in-flight member). Mirrors limits.denied_limit.
 _ADMIT_LUA = """
 local a = {}
 for v in string.gmatch(ARGV[1], '%S+') do a[#a + 1] = v end
-local rt, rc = tonumber(a[1]), tonumber(a[2])
-local counts, denied, what = {}, 0, ''
-for s = 0, #KEYS / 3 - 1 do
-  local req = tonumber(redis.call('GET', KEYS[3*s+1]) or '0')
-  local tok = tonumber(redis.call('GET', KEYS[3*s+2]) or '0')
-  local spent = tonumber(redis.call('GET', KEYS[3*s+3]) or '0')
-  local rpm, tpm, bud = a[5+3*s], a[6+3*s], a[7+3*s]
+local rt, rc, now = tonumber(a[1]), tonumber(a[2]), tonumber(a[4])
+local counts, layout, denied, what, which = {}, {}, 0, '', 0
+local k, p, s = 1, 6, 0
+while p <= #a do
+  s = s + 1
+  local rpm, tpm, conc, nb = a[p], a[p+1], a[p+2], tonumber(a[p+3])
+  p = p + 4
+  local req = tonumber(redis.call('GET', KEYS[k]) or '0')
+  local tok = tonumber(redis.call('GET', KEYS[k+1]) or '0')
+  local inflight = 0
+  if conc ~= '-' then
+    redis.call('ZREMRANGEBYSCORE', KEYS[k+2], '-inf', now)
+    inflight = redis.call('ZCARD', KEYS[k+2])
+  end
+  counts[#counts + 1] = req; counts[#counts + 1] = tok; counts[#counts + 1] = inflight
   if denied == 0 then
-    if rpm ~= '-' and req >= tonumber(rpm) then denied, what = s + 1, 'requests'
+    if rpm ~= '-' and req >= tonumber(rpm) then denied, what = s, 'requests'
     elseif tpm ~= '-' and (tok >= tonumber(tpm) or (tok > 0 and tok + rt > tonumber(tpm))) then
-      denied, what = s + 1, 'tokens'
-    elseif bud ~= '-' and (spent >= tonumber(bud) or (spent > 0 and spent + rc > tonumber(bud))) then
-      denied, what = s + 1, 'budget'
+      denied, what = s, 'tokens'
+    elseif conc ~= '-' and inflight >= tonumber(conc) then denied, what = s, 'concurrency'
     end
   end
-  counts[#counts + 1] = req; counts[#counts + 1] = tok; counts[#counts + 1] = spent
+  layout[s] = {k, conc, nb, p}
+  for b = 1, nb do
+    local spent = tonumber(redis.call('GET', KEYS[k+2+b]) or '0')
+    local bud = tonumber(a[p])
+    counts[#counts + 1] = spent
+    if denied == 0 and (spent >= bud or (spent > 0 and spent + rc > bud)) then
+      denied, what, which = s, 'budget', b - 1
+    end
+    p = p + 2
+  end
+  k = k + 3 + nb
 end
 if denied == 0 then
-  for s = 0, #KEYS / 3 - 1 do
-    redis.call('INCR', KEYS[3*s+1]); redis.call('EXPIRE', KEYS[3*s+1], a[3])
-    redis.call('INCRBY', KEYS[3*s+2], rt); redis.call('EXPIRE', KEYS[3*s+2], a[3])
-    redis.call('INCRBY', KEYS[3*s+3], rc); redis.call('EXPIRE', KEYS[3*s+3], a[4])
+  for i = 1, s do
+    local kk, conc, nb, bp = layout[i][1], layout[i][2], layout[i][3], layout[i][4]
+    redis.call('INCR', KEYS[kk]); redis.call('EXPIRE', KEYS[kk], a[3])
+    redis.call('INCRBY', KEYS[kk+1], rt); redis.call('EXPIRE', KEYS[kk+1], a[3])
+    if conc ~= '-' then
+      redis.call('ZADD', KEYS[kk+2], now + tonumber(a[5]), ARGV[2])
+      redis.call('EXPIRE', KEYS[kk+2], a[5])
+    end
+    for b = 1, nb do
+      redis.call('INCRBY', KEYS[kk+2+b], rc)
+      redis.call('EXPIRE', KEYS[kk+2+b], a[bp + 2 * (b - 1) + 1])
+    end
   end
 end
-return {denied, what, unpack(counts)}
+return {denied, what, which, unpack(counts)}
 """
 
-# KEYS: record, day hash, day ids, days set, then per scope (tokens, spent).
+# KEYS: record, day hash, day ids, days set, then counters, each of a kind in ARGV[5]: 't' tokens
+# (+delta tokens), 's' a budget's spend (+delta nanos; its new value is returned, '' when it had
+# expired), 'c' in-flight set (the request id removed, also on a repeated settle).
 # ARGV: record JSON; "record_ttl delta_tokens delta_nanos prompt cached completion cost_nanos day";
-# model; request id.
+# model; request id; kinds. Returns 0 for a repeat, else {1, each 's' counter's new value}.
 _SETTLE_LUA = """
 local a = {}
 for v in string.gmatch(ARGV[2], '%S+') do a[#a + 1] = v end
+local kinds = ARGV[5]
+for i = 5, #KEYS do
+  if string.sub(kinds, i - 4, i - 4) == 'c' then redis.call('ZREM', KEYS[i], ARGV[4]) end
+end
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', a[1]) then return 0 end
-for i = 5, #KEYS, 2 do
-  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('INCRBY', KEYS[i], a[2]) end
-  if redis.call('EXISTS', KEYS[i+1]) == 1 then redis.call('INCRBY', KEYS[i+1], a[3]) end
+local result = {1}
+for i = 5, #KEYS do
+  local kind = string.sub(kinds, i - 4, i - 4)
+  if kind == 't' then
+    if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('INCRBY', KEYS[i], a[2]) end
+  elseif kind == 's' then
+    if redis.call('EXISTS', KEYS[i]) == 1 then
+      result[#result + 1] = redis.call('INCRBY', KEYS[i], a[3])
+    else
+      result[#result + 1] = ''
+    end
+  end
 end
 local m = ARGV[3]
 redis.call('HINCRBY', KEYS[2], m .. '|requests', 1)
@@ -111,7 +161,7 @@ redis.call('HINCRBY', KEYS[2], m .. '|completion_tokens', a[6])
 redis.call('HINCRBY', KEYS[2], m .. '|cost_nanos', a[7])
 redis.call('RPUSH', KEYS[3], ARGV[4]); redis.call('EXPIRE', KEYS[3], a[1])
 redis.call('SADD', KEYS[4], a[8])
-return 1
+return result
 """
 
 
@@ -181,46 +231,72 @@ class RedisMeter(BaseMeter):
                        clock: Clock) -> None:
         prefix = _project_prefix(admission.principal.project)
         keys: list[str] = []
+        now = clock.now
         numbers: list[Any] = [admission.reserved_tokens, admission.reserved_nanos, 2 * WINDOW_S,
-                              2 * 86_400]
-        for scope in scopes:
+                              repr(now), CONCURRENCY_LEASE_S]
+        windows = tuple(s.windows_at(now) for s in scopes)
+        for scope, scope_windows in zip(scopes, windows, strict=True):
             base = f"{prefix}:lim:{scope.name}"
             keys += [f"{base}:req:{clock.minute_window}", f"{base}:tok:{clock.minute_window}",
-                     f"{base}:spent:{clock.day}"]
-            budget = scope.budget_nanos
-            numbers += [_arg(scope.limits.requests_per_minute),
-                        _arg(scope.limits.tokens_per_minute), _arg(budget)]
-        denied, what, *raw = await self._calls.submit(
-            ("admit", keys, [" ".join(map(str, numbers))]))
-        before = [Counts(int(raw[3 * i]), int(raw[3 * i + 1]), int(raw[3 * i + 2]))
-                  for i in range(len(scopes))]
+                     f"{base}:inflight"]
+            keys += [f"{base}:spent:{w.key}" for w in scope_windows]
+            limits = scope.limits
+            numbers += [_arg(limits.requests_per_minute), _arg(limits.tokens_per_minute),
+                        _arg(limits.max_concurrent_requests), len(scope.budgets)]
+            for budget, window in zip(scope.budgets, scope_windows, strict=True):
+                numbers += [budget.nanos, math.ceil(window.reset_s(now)) + 86_400]
+        denied, what, which, *raw = await self._calls.submit(
+            ("admit", keys, [" ".join(map(str, numbers)), admission.request_id]))
+        before, at = [], 0
+        for scope in scopes:
+            num_budgets = len(scope.budgets)
+            values = [int(v) for v in raw[at:at + 3 + num_budgets]]
+            before.append(Counts(values[0], values[1], tuple(values[3:]), values[2]))
+            at += 3 + num_budgets
         if int(denied):
             pairs = list(zip(scopes, before, strict=True))
-            raise rate_limited(scopes[int(denied) - 1], str(what), pairs, clock)
+            raise rate_limited(scopes[int(denied) - 1], (str(what), int(which)), pairs, clock)
         after = [(s, Counts(c.num_requests + 1, c.num_tokens + admission.reserved_tokens,
-                            c.spent_nanos + admission.reserved_nanos))
+                            tuple(v + admission.reserved_nanos for v in c.spent_nanos),
+                            c.num_concurrent + (s.limits.max_concurrent_requests is not None)))
                  for s, c in zip(scopes, before, strict=True)]
-        admission.minute_window, admission.day = clock.minute_window, clock.day
+        admission.minute_window, admission.windows = clock.minute_window, windows
+        admission.concurrent_scopes = tuple(s.name for s in scopes
+                                            if s.limits.max_concurrent_requests is not None)
         admission.headers = rate_headers(after, clock)
+
+    async def _claim_alert(self, spend: Spend, threshold: float) -> bool:
+        scope, window = spend.scope, spend.window
+        key = (f"{_project_prefix(scope.project)}:lim:{scope.name}:alert:{window.key}:"
+               f"{threshold:g}")
+        ttl_s = math.ceil(max(window.end_s - time.time(), 0)) + 86_400
+        return bool(await self.client.set(key, "1", nx=True, ex=ttl_s))
 
     async def _record(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
                       delta_tokens: int, delta_nanos: int) -> None:
         call = self._settle_call(admission, record, cost_nanos, delta_tokens, delta_nanos)
         try:
-            await self._calls.submit(call)
+            result = await self._calls.submit(call)
         except _OUTAGE as exc:  # Redis went away after the admission: held like a queued one
             self._on_settle_result(call, record.request_id, exc)
+            return
+        self._observe_spends(_spends(admission, result))
 
     def _record_nowait(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
                        delta_tokens: int, delta_nanos: int) -> None:
         self._submit_settle(self._settle_call(admission, record, cost_nanos, delta_tokens,
-                                              delta_nanos), record.request_id)
+                                              delta_nanos), record.request_id, admission)
 
-    def _submit_settle(self, call: ScriptCall, request_id: str) -> None:
-        self._calls.submit_nowait(call, partial(self._on_settle_result, call, request_id))
+    def _submit_settle(self, call: ScriptCall, request_id: str,
+                       admission: MeterAdmission | None = None) -> None:
+        self._calls.submit_nowait(call, partial(self._on_settle_result, call, request_id,
+                                                admission=admission))
 
-    def _on_settle_result(self, call: ScriptCall, request_id: str, result: Any) -> None:
+    def _on_settle_result(self, call: ScriptCall, request_id: str, result: Any,
+                          admission: MeterAdmission | None = None) -> None:
         if not isinstance(result, BaseException):
+            if admission is not None:
+                self._observe_spends(_spends(admission, result))
             return
         if not isinstance(result, _OUTAGE) or self._is_closing:
             log.error("settle failed for %s", request_id, exc_info=result)
@@ -252,15 +328,21 @@ class RedisMeter(BaseMeter):
         day = usage_day(record.created_at)
         keys = [f"{prefix}:usage:req:{record.request_id}", f"{prefix}:usage:day:{day}",
                 f"{prefix}:usage:ids:{day}", f"{prefix}:usage:days"]
+        kinds = []
         if admission.principal.project == record.project:
-            for name in admission.scopes:
+            for name, windows in zip(admission.scopes, admission.windows, strict=True):
                 base = f"{prefix}:lim:{name}"
-                keys += [f"{base}:tok:{admission.minute_window}", f"{base}:spent:{admission.day}"]
+                keys.append(f"{base}:tok:{admission.minute_window}")
+                keys += [f"{base}:spent:{w.key}" for w in windows]
+                kinds += ["t"] + ["s"] * len(windows)
+                if name in admission.concurrent_scopes:
+                    keys.append(f"{base}:inflight")
+                    kinds.append("c")
         numbers = (self.settings.record_ttl_days * 86_400, delta_tokens, delta_nanos,
                    record.prompt_tokens, record.cached_tokens, record.completion_tokens,
                    cost_nanos, day)
         args = [orjson.dumps(record), " ".join(map(str, numbers)), record.model,
-                record.request_id]
+                record.request_id, "".join(kinds)]
         return ("settle", keys, args)
 
     async def _daily_rows(self, project: str, since: str | None,
@@ -298,6 +380,7 @@ class RedisMeter(BaseMeter):
 
     async def close(self) -> None:
         await self._calls.close()
+        await self._close_alerts()
         if self._retrier is not None:
             self._retrier.cancel()
         self._is_closing = True
@@ -316,3 +399,17 @@ def call_bytes(call: ScriptCall) -> int:
 
 def _arg(limit: int | None) -> Any:
     return "-" if limit is None else limit
+
+
+def _spends(admission: MeterAdmission, result: Any) -> list[Spend]:
+    """The budgets' spend after a settle, from the settle script's answer (0 for a repeat)."""
+    if not isinstance(result, list) or not admission.scope_limits:
+        return []
+    values = iter(result[1:])
+    spends = []
+    for scope, windows in zip(admission.scope_limits, admission.windows, strict=True):
+        for budget, window in zip(scope.budgets, windows, strict=True):
+            value = next(values, "")
+            if value != "":
+                spends.append(Spend(scope, budget, window, int(value)))
+    return spends
