@@ -86,6 +86,11 @@ def run_replica_command(args: argparse.Namespace) -> int:
         logging.getLogger("aigw.replica").warning(
             "--no-auth: every route (KV events, /kv/reset, generation) is open to any caller")
     replica_id = args.replica_id or f"{args.host}:{args.port}"
+    if args.model is not None:
+        from engine.loader.hf_bert import is_encoder_checkpoint
+
+        if is_encoder_checkpoint(args.model):  # an embedding model: its own serving path
+            return _run_embedding_replica(args, replica_id, server_settings)
     publishers = ()
     redis_url = args.redis_url or os.environ.get("AIGW_REDIS_URL")
     if redis_url:
@@ -110,6 +115,35 @@ def run_replica_command(args: argparse.Namespace) -> int:
         run_replica(async_engine, args.host, args.port, server_settings)
     finally:
         async_engine.shutdown()
+    return 0
+
+
+def _run_embedding_replica(args: argparse.Namespace, replica_id: str, server_settings: object
+                           ) -> int:
+    """`aigw replica --model <encoder>`: serve POST /v1/embeddings (engine/server/embeddings.py);
+    of the engine options only --device, --dtype and --threads apply."""
+    import torch
+
+    from engine.embedding.embedder import Embedder
+    from engine.engine_args import check_device
+    from engine.server.embeddings import run_embedding_replica
+
+    try:
+        check_device(args.device)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        embedder = Embedder.load(args.model, device=args.device,
+                                 dtype=getattr(torch, args.dtype or "float32"),
+                                 replica_id=replica_id)
+    except (FileNotFoundError, ValueError) as exc:
+        return _usage_error(exc)
+    logging.getLogger("aigw.replica").info("replica %s embedding with %s (%d dimensions)",
+                                           replica_id, embedder.model_id,
+                                           embedder.config.dimensions)
+    try:
+        run_embedding_replica(embedder, args.host, args.port, server_settings)  # type: ignore[arg-type]
+    finally:
+        embedder.shutdown()
     return 0
 
 

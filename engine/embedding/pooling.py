@@ -1,0 +1,38 @@
+"""Hidden states -> sentence vectors, as sentence-transformers' Pooling and Normalize modules do.
+
+    pool(hidden [B, T, C], lengths [B], "mean" | "cls") -> [B, C]
+    normalize(vectors [B, C]) -> [B, C] of unit L2 norm
+    shorten(vectors [N, C], d, renormalize) -> [N, d]: OpenAI's `dimensions`
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.embedding.config import Pooling
+
+
+def pool(hidden: torch.Tensor, lengths: torch.Tensor, pooling: Pooling) -> torch.Tensor:
+    """Mean over each input's real tokens (padding excluded), or its first ([CLS]) token's state."""
+    if pooling == "cls":
+        return hidden[:, 0]
+    t = hidden.shape[1]
+    mask = (torch.arange(t, device=hidden.device)[None, :] < lengths[:, None]).to(hidden.dtype)
+    summed = (hidden * mask[:, :, None]).sum(dim=1)  # [B, T, C] -> [B, C]
+    return summed / lengths[:, None].to(hidden.dtype).clamp(min=1)
+
+
+def normalize(vectors: torch.Tensor) -> torch.Tensor:
+    return F.normalize(vectors, p=2.0, dim=-1)
+
+
+def shorten(vectors: np.ndarray, num_dimensions: int, renormalize: bool) -> np.ndarray:
+    """The first `num_dimensions` of each vector, scaled back to unit length when the model's
+    vectors are normalized (OpenAI's text-embedding-3 `dimensions`); float32 [N, d]."""
+    short = np.ascontiguousarray(vectors[:, :num_dimensions], dtype=np.float32)
+    if renormalize:
+        norms = np.linalg.norm(short, axis=1, keepdims=True)
+        short /= np.maximum(norms, np.float32(1e-12))
+    return short
