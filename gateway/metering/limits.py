@@ -210,9 +210,9 @@ class LocalLimiter:
             windows = tuple(s.windows_at(clock.now) for s in scopes)
             for s, scope_windows in zip(scopes, windows, strict=True):
                 used_requests, used_tokens = self._minute.get(s.qualified_name, (0, 0))
-                spent = tuple(int(self._spent.get((*s.qualified_name, w.key), (0, 0))[0])
-                              for w in scope_windows)
-                before.append((s, Counts(used_requests, used_tokens, spent,
+                spent_nanos = tuple(int(self._spent.get((*s.qualified_name, w.key), (0, 0))[0])
+                                    for w in scope_windows)
+                before.append((s, Counts(used_requests, used_tokens, spent_nanos,
                                          self._concurrent.get(s.qualified_name, 0))))
             for scope, counts in before:
                 denied = denied_limit(scope, counts, num_tokens, nanos)
@@ -222,8 +222,8 @@ class LocalLimiter:
             for (scope, counts), scope_windows in zip(before, windows, strict=True):
                 name = scope.qualified_name
                 self._minute[name] = [counts.num_requests + 1, counts.num_tokens + num_tokens]
-                for window, spent in zip(scope_windows, counts.spent_nanos, strict=True):
-                    self._spent[(*name, window.key)] = [spent + nanos, window.end_s]
+                for window, window_spent in zip(scope_windows, counts.spent_nanos, strict=True):
+                    self._spent[(*name, window.key)] = [window_spent + nanos, window.end_s]
                 concurrent = counts.num_concurrent
                 if scope.limits.max_concurrent_requests is not None:
                     concurrent = self._concurrent[name] = concurrent + 1

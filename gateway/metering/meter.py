@@ -57,6 +57,10 @@ class BaseMeter(ABC):
         self._stored = stored
         self._scopes = {}
 
+    @property
+    def stored_limits(self) -> StoredLimits:
+        return self._stored
+
     def limits_for_project(self, project: str) -> Limits:
         stored = self._stored.projects.get(project)
         return stored if stored is not None else self.settings.limits_for_project(project)

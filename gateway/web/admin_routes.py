@@ -30,6 +30,7 @@ from auth.key_admin import InvalidRequest
 from auth.principal import AuthError, Principal, Scope
 from auth.store import ProjectExists, UnknownKey, UnknownProject
 from gateway.web.credentials import credential_of
+from gateway.web.origin_check import cross_site_write
 from infra.json_body import BodyError, read_json
 
 if TYPE_CHECKING:
@@ -81,6 +82,9 @@ def build_admin_routes(services: AuthServices, prefix: str = "/admin/v1",
     def guarded(scope: Scope, handler: Callable[[web.Request, Principal],
                                                Awaitable[web.StreamResponse]]) -> Handler:
         async def wrapper(request: web.Request) -> web.StreamResponse:
+            refused = cross_site_write(request)  # the dashboard's writes: CSRF-safe
+            if refused is not None:
+                return _error(403, "cross_site_request", refused)
             try:
                 principal = await services.authenticator.authenticate(credential_of(request))
                 principal.require(scope)

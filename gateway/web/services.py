@@ -44,6 +44,24 @@ def metering_settings(settings: GatewaySettings) -> Any:
         backlog_max_bytes=settings.metering_backlog_max_bytes)
 
 
+async def open_limits(meter: Any, redis: Any | None, settings: GatewaySettings,
+                      poll_interval_s: float) -> Any:
+    """The run-time limits (admin API, `aigw limits`): their store on the same Redis or SQLite
+    file, and the watcher that keeps `meter` applying them (started: loaded before serving)."""
+    from gateway.metering.limit_store import open_limit_store
+    from gateway.metering.limit_watcher import LimitWatcher
+    from gateway.web.limit_routes import LimitServices
+
+    store = await open_limit_store(redis, settings.data_dir)
+    watcher = LimitWatcher(store, meter.set_stored_limits, poll_interval_s)
+    try:
+        await watcher.start()
+    except BaseException:
+        await store.close()
+        raise
+    return LimitServices(store, watcher, meter)
+
+
 async def create_served_app(settings: GatewaySettings) -> web.Application:
     """The gateway as `aigw serve` runs it: real auth and metering unless auth is disabled."""
     if not settings.auth_enabled:
@@ -51,6 +69,7 @@ async def create_served_app(settings: GatewaySettings) -> web.Application:
     from auth import AuthSettings, cache_salt_for, ensure_default_project, open_auth
     from gateway.metering import open_meter
     from gateway.web.admin_routes import build_admin_routes
+    from gateway.web.limit_routes import build_limit_routes
 
     auth_settings = AuthSettings.from_env().model_copy(update={
         "enabled": True, "redis_url": settings.redis_url, "data_dir": settings.data_dir,
@@ -63,15 +82,20 @@ async def create_served_app(settings: GatewaySettings) -> web.Application:
         if secret:
             print(f"aigw: created project 'default' with API key {secret} "
                   f"(also in {auth_settings.default_key_path})", flush=True)
+        limits = await open_limits(meter, auth.redis, settings,
+                                   auth_settings.revocation_poll_interval_s)
     except BaseException:
         await auth.close()
         raise
     app = create_app(settings, authenticator=auth.authenticator, meter=meter,
                      cache_salt_of=lambda principal: cache_salt_for(principal, auth_settings))
     app.add_routes(build_admin_routes(auth, ADMIN_PREFIX))
+    app.add_routes(build_limit_routes(auth, limits, ADMIN_PREFIX))
 
     async def close_services(_: web.Application) -> AsyncIterator[None]:
         yield
+        await limits.watcher.stop()
+        await limits.store.close()
         await meter.close()
         await auth.close()
 
