@@ -3,6 +3,7 @@
     aigw serve ...            gateway    (cli/gateway.py)
     aigw replica|generate     engine     (cli/engine.py; needs `pip install 'aigw[engine]'`)
     aigw projects|keys|usage  auth       (cli/auth.py)
+    aigw limits ...           run-time limits and budgets (cli/limits.py)
     aigw bench <what>         benchmarks (cli/bench.py: bench/ via engine/gateway)
 
 Heavy modules are imported inside the subcommand handlers, so `aigw --help` stays fast.
@@ -15,7 +16,7 @@ import importlib
 import sys
 
 # Each entry: a module with `register(subparsers) -> None`; handlers are set with set_defaults(func=...).
-_COMMAND_MODULES = ("cli.gateway", "cli.engine", "cli.auth", "cli.bench")
+_COMMAND_MODULES = ("cli.gateway", "cli.engine", "cli.auth", "cli.limits", "cli.bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
