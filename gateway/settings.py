@@ -27,6 +27,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from gateway.batch.settings import BatchSettings
+
 _config_path: contextvars.ContextVar[Path | None] = contextvars.ContextVar("aigw_config", default=None)
 
 
@@ -180,6 +182,8 @@ class GatewaySettings(BaseSettings):
     # (or AIGW_REPLICA_SECRET_FILE). A model's own `api_key` wins. Embedded replicas: generated.
     replica_secret: str | None = Field(default=None, repr=False)
     replica_secret_file: Path | None = None  # a file holding it (a mounted Kubernetes Secret)
+    # /v1/files and /v1/batches: bounds, the batch price discount, pacing (gateway/batch/)
+    batch: BatchSettings = BatchSettings()
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings],

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from auth.authenticator import AnonymousAuthenticator
 from auth.principal import Authenticator
+from gateway.batch.service import BatchService, run_batch_service
 from gateway.fleet.discovery import Discovery, Resolver, resolve_dns
 from gateway.fleet.endpoints import Fleet
 from gateway.fleet.health import check_fleet, run_health_checks
@@ -35,6 +36,7 @@ from gateway.upstream.lean_transport import LeanTransport
 from gateway.upstream.transport import Transport
 from gateway.web.keys import (
     AUTHENTICATOR,
+    BATCH,
     DISCOVERY,
     FLEET,
     METER,
@@ -79,6 +81,7 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
                              telemetry.observed_meter(app[METER]),
                              telemetry.traced_router(app[ROUTER], settings.router), app[FLEET],
                              cache_salt_of, telemetry.response_stamp())
+    app[BATCH] = BatchService(settings)
     telemetry.install(app)
     app.cleanup_ctx.append(_transport_ctx)
     app.cleanup_ctx.append(_first_discovery_ctx)
@@ -86,6 +89,7 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
     app.cleanup_ctx.append(_discovery_ctx)
     app.cleanup_ctx.append(_health_ctx)
     app.cleanup_ctx.append(_settlements_ctx)
+    app.cleanup_ctx.append(_batch_ctx)  # (closed first: its lines settle before the meter closes)
     app.on_shutdown.append(_start_draining)
     setup_routes(app)
     return app
@@ -156,6 +160,12 @@ async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _settlements_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     await app[PIPELINE].wait_settled()  # before the meter closes (gateway/web/services.py)
+
+
+async def _batch_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The Batch API's store and runner (gateway/batch/service.py)."""
+    async for _ in run_batch_service(app[BATCH], app[PIPELINE], app[FLEET]):
+        yield
 
 
 async def _start_draining(app: web.Application) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from auth.principal import Authenticator
+from gateway.batch.service import BatchService
 from gateway.fleet.discovery import Discovery
 from gateway.fleet.endpoints import Fleet
 from gateway.metering.contract import Meter
@@ -21,3 +22,4 @@ TRANSPORT = web.AppKey("transport", Transport)
 FLEET = web.AppKey("fleet", Fleet)
 DISCOVERY = web.AppKey("discovery", Discovery)
 PIPELINE = web.AppKey("pipeline", Pipeline)
+BATCH = web.AppKey("batch", BatchService)

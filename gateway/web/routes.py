@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from gateway.batch import handlers as batch
 from gateway.dashboard import STATIC_DIR
 from gateway.dashboard import handlers as dashboard
 from gateway.telemetry import http as telemetry
@@ -27,6 +28,16 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/openai/v1/models/{model:.+}", handlers.retrieve_model)
     app.router.add_get("/anthropic/v1/models", handlers.anthropic_models)
     app.router.add_get("/anthropic/v1/models/{model:.+}", handlers.anthropic_models)
+    for prefix in ("/v1", "/openai/v1"):  # the Batch API (gateway/batch/)
+        app.router.add_post(f"{prefix}/files", batch.upload_file)
+        app.router.add_get(f"{prefix}/files", batch.list_files)
+        app.router.add_get(f"{prefix}/files/{{file_id}}", batch.retrieve_file)
+        app.router.add_delete(f"{prefix}/files/{{file_id}}", batch.delete_file)
+        app.router.add_get(f"{prefix}/files/{{file_id}}/content", batch.file_content)
+        app.router.add_post(f"{prefix}/batches", batch.create_batch)
+        app.router.add_get(f"{prefix}/batches", batch.list_batches)
+        app.router.add_get(f"{prefix}/batches/{{batch_id}}", batch.retrieve_batch)
+        app.router.add_post(f"{prefix}/batches/{{batch_id}}/cancel", batch.cancel_batch)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/health/live", handlers.live)
     app.router.add_get("/metrics", telemetry.metrics)

@@ -1,0 +1,311 @@
+"""The batch runner: one background task per gateway that works the active batches, oldest
+first, one at a time, on idle capacity.
+
+    validating   read the input file into a plan (gateway/batch/plan.py); malformed lines are
+                 recorded as errors at once -> in_progress (or failed: no file, no line)
+    in_progress  settle lines recorded but not metered (a crash's leftovers), then run the
+                 lines not yet recorded, in plan order; each: run (line_runner.py) -> record
+                 (once per line index) -> settle (once per record id) -> mark metered
+    finalizing   write the output and error files from the recorded lines -> completed
+                 (cancelled after a cancel, expired after the completion window)
+
+Idle capacity: a line starts only while its model's interactive requests in flight on this
+gateway (every endpoint's outstanding count less this runner's own lines) are fewer than
+`max_interactive_in_flight`, and at most `max_concurrent_lines` run at once. A batch is worked by
+the gateway that holds its lease (renewed while it works; a dead gateway's lapses), so gateways
+sharing a Redis store do not run it twice; a restarted gateway resumes where the store says.
+
+A line is never run again once recorded; a line running when the gateway died was not
+recorded, so it runs again, under the same record id: the meter keeps one record of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from gateway.batch.file_directory import FileDirectory
+from gateway.batch.line_runner import LineOutcome, LineRunner, output_line
+from gateway.batch.plan import Plan, PlannedLine, read_line_body, read_plan
+from gateway.batch.records import (
+    PURPOSE_BATCH_OUTPUT,
+    BatchRecord,
+    BatchStatus,
+    FileRecord,
+    LineResult,
+    now_s,
+)
+from gateway.batch.settings import BatchSettings
+from gateway.batch.store import BatchStore
+from gateway.fleet.endpoints import Fleet
+from gateway.metering.contract import Admission, Meter, UsageRecord
+
+log = logging.getLogger("aigw.batch")
+
+_IDLE_CHECK_S = 0.05  # how often a line waiting for idle capacity looks again
+_EXPIRED = {"code": "batch_expired",
+            "message": "This line could not be run before the batch's completion window ended."}
+
+
+def derived_file_id(batch_id: str, kind: str) -> str:
+    """The output/error file's id: the same on every try of a finalize (so a retry overwrites)."""
+    return "file-" + hashlib.blake2b(f"{batch_id}/{kind}".encode(), digest_size=12).hexdigest()
+
+
+class BatchRunner:
+    def __init__(self, store: BatchStore, files: FileDirectory, lines: LineRunner, fleet: Fleet,
+                 meter: Meter, settings: BatchSettings) -> None:
+        self._store = store
+        self._files = files
+        self._lines = lines
+        self._fleet = fleet
+        self._meter = meter
+        self._settings = settings
+        self._owner = os.urandom(8).hex()  # this gateway process, as a lease holder
+        self._in_flight: dict[str, int] = {}  # model -> this runner's lines in flight
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    def wake(self) -> None:
+        """A batch was created or cancelled: look now rather than at the next poll."""
+        self._wake.set()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                for batch_id in await self._store.active_batch_ids():
+                    if await self._store.try_lease(batch_id, self._owner, self._settings.lease_s):
+                        await self._work(batch_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a store outage: try again at the next poll
+                log.exception("the batch runner failed; retrying")
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._settings.poll_interval_s)
+
+    async def _work(self, batch_id: str) -> None:
+        batch = await self._store.get_batch_any(batch_id)
+        if batch is None:
+            return
+        plan: Plan | None = None
+        if batch.status == BatchStatus.VALIDATING:
+            plan = await self._validate(batch)
+            if plan is None:
+                return
+        if batch.status == BatchStatus.IN_PROGRESS:
+            if plan is None:
+                plan = await self._plan(batch)
+                if plan is None:
+                    return
+            await self._run(batch, plan)
+        if batch.status == BatchStatus.FINALIZING:
+            await self._finalize(batch)
+
+    async def _plan(self, batch: BatchRecord) -> Plan | None:
+        path = self._files.path_of(batch.input_file_id)
+        try:
+            return await asyncio.to_thread(read_plan, str(path), batch.endpoint)
+        except OSError:
+            await self._fail(batch, "file_not_found",
+                             f"the input file {batch.input_file_id} cannot be read")
+            return None
+
+    async def _fail(self, batch: BatchRecord, code: str, message: str) -> None:
+        batch.status, batch.failed_at = BatchStatus.FAILED.value, now_s()
+        batch.errors = [{"code": code, "message": message, "param": None, "line": None}]
+        await self._store.save_batch(batch)
+
+    async def _validate(self, batch: BatchRecord) -> Plan | None:
+        plan = await self._plan(batch)
+        if plan is None:
+            return None
+        if plan.num_total == 0:
+            await self._fail(batch, "empty_file", "the input file has no lines")
+            return None
+        if plan.num_total > self._settings.max_lines:
+            await self._fail(batch, "too_many_lines", f"the input file has {plan.num_total} "
+                             f"lines; a batch holds at most {self._settings.max_lines}")
+            return None
+        for invalid in plan.invalid:  # the error file's lines for malformed input lines
+            error = {"code": invalid.code, "message": invalid.message}
+            await self._store.record_line(batch.id, LineResult(
+                invalid.index, False, output_line(batch.id, invalid.index, invalid.custom_id,
+                                                  None, None, error), None, metered=True))
+        batch.status, batch.in_progress_at = BatchStatus.IN_PROGRESS.value, now_s()
+        batch.num_total, batch.model = plan.num_total, plan.model
+        batch.num_failed = len(plan.invalid)
+        await self._store.save_batch(batch)
+        return plan
+
+    async def _settle_unmetered(self, batch: BatchRecord) -> dict[int, bool]:
+        """Settle what a crash left recorded but unmetered; {index: ok} of the recorded lines."""
+        recorded, unmetered = await self._store.recorded_lines(batch.id)
+        principal = batch.principal
+        for line in unmetered:
+            assert line.usage_record is not None
+            record = UsageRecord(**line.usage_record)
+            await self._meter.settle(Admission(record.request_id, principal, record.model, 0),
+                                     record)
+            await self._store.mark_metered(batch.id, line.index)
+        return recorded
+
+    async def _run(self, batch: BatchRecord, plan: Plan) -> None:
+        recorded = await self._settle_unmetered(batch)
+        batch.num_completed = sum(recorded.values())
+        batch.num_failed = len(recorded) - batch.num_completed
+        await self._store.save_batch(batch)
+        pending = [line for line in plan.lines if line.index not in recorded]
+        running: set[asyncio.Task[None]] = set()
+        lease_renewed = time.monotonic()
+        try:
+            for line in pending:
+                while not await self._may_start(line, running):
+                    if time.monotonic() - lease_renewed > self._settings.lease_s / 3:
+                        if not await self._store.try_lease(batch.id, self._owner,
+                                                           self._settings.lease_s):
+                            return  # another gateway took it over
+                        lease_renewed = time.monotonic()
+                        if await self._stopping(batch):
+                            break
+                if await self._stopping(batch):
+                    break
+                task = asyncio.create_task(self._run_line(batch, line))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            if running:
+                await asyncio.wait(set(running))
+        finally:
+            for task in running:
+                task.cancel()
+        if batch.expired_at is not None:
+            await self._expire_rest(batch, plan)
+        batch.status, batch.finalizing_at = BatchStatus.FINALIZING.value, now_s()
+        await self._store.save_batch(batch)
+
+    async def _may_start(self, line: PlannedLine, running: set[asyncio.Task[None]]) -> bool:
+        """Wait a tick for a free slot on idle capacity; True when the line may start now."""
+        if len(running) < self._settings.max_concurrent_lines:
+            route = self._fleet.get(line.model)
+            ours = self._in_flight.get(line.model, 0)
+            interactive = 0 if route is None else (
+                sum(endpoint.num_outstanding for endpoint in route.endpoints) - ours)
+            if interactive < self._settings.max_interactive_in_flight:
+                return True
+        await asyncio.sleep(_IDLE_CHECK_S)
+        return False
+
+    async def _stopping(self, batch: BatchRecord) -> bool:
+        """True once the batch was cancelled or its window ended (then `expired_at` is set)."""
+        stored = await self._store.get_batch_any(batch.id)
+        if stored is not None and stored.cancelling_at is not None:
+            batch.cancelling_at = stored.cancelling_at
+            return True
+        if now_s() >= batch.expires_at:
+            batch.expired_at = now_s()
+            return True
+        return False
+
+    async def _run_line(self, batch: BatchRecord, line: PlannedLine) -> None:
+        self._in_flight[line.model] = self._in_flight.get(line.model, 0) + 1
+        try:
+            body = await asyncio.to_thread(read_line_body,
+                                           str(self._files.path_of(batch.input_file_id)), line)
+            outcome = await self._lines.run_line(batch.id, line.index, line.custom_id,
+                                                 batch.endpoint, body, batch.principal)
+        finally:
+            self._in_flight[line.model] -= 1
+        await asyncio.shield(self._keep(batch, line.index, outcome))
+
+    async def _keep(self, batch: BatchRecord, index: int, outcome: LineOutcome) -> None:
+        """Record the line, then settle it: never the other way round (see the module doc)."""
+        record = outcome.record
+        await self._store.record_line(batch.id, LineResult(
+            index, outcome.ok, outcome.output,
+            None if record is None else dict(record.__dict__), metered=record is None))
+        if outcome.ok:
+            batch.num_completed += 1
+        else:
+            batch.num_failed += 1
+        if record is not None:
+            _add_usage(batch.usage, record.__dict__)
+            admission = outcome.admission or Admission(record.request_id, batch.principal,
+                                                       record.model, 0)
+            try:
+                await self._meter.settle(admission, record)
+            except Exception:  # noqa: BLE001 - recorded unmetered: settled at the finalize
+                log.exception("settling batch line %s failed", record.request_id)
+                return
+            await self._store.mark_metered(batch.id, index)
+        await self._store.save_batch(batch)
+
+    async def _expire_rest(self, batch: BatchRecord, plan: Plan) -> None:
+        recorded, _ = await self._store.recorded_lines(batch.id)
+        for line in plan.lines:
+            if line.index not in recorded:
+                await self._store.record_line(batch.id, LineResult(
+                    line.index, False, output_line(batch.id, line.index, line.custom_id, None,
+                                                   None, _EXPIRED), None, metered=True))
+
+    async def _finalize(self, batch: BatchRecord) -> None:
+        await self._settle_unmetered(batch)
+        usage = {key: 0 for key in batch.usage}
+        counts = {True: 0, False: 0}
+        async for ok, _, record in self._store.line_outputs(batch.id):
+            counts[ok] += 1
+            if record is not None:
+                _add_usage(usage, record)
+        batch.usage, batch.num_completed, batch.num_failed = usage, counts[True], counts[False]
+        if batch.cancelling_at is None:
+            stored = await self._store.get_batch_any(batch.id)
+            batch.cancelling_at = None if stored is None else stored.cancelling_at
+        for ok, kind in ((True, "output"), (False, "error")):
+            if not counts[ok]:
+                continue
+            file_id = derived_file_id(batch.id, kind)
+            num_bytes = await self._files.write_lines(file_id, self._outputs(batch.id, ok))
+            await self._store.add_file(FileRecord(file_id, batch.project, PURPOSE_BATCH_OUTPUT,
+                                                  f"{batch.id}_{kind}.jsonl", num_bytes, now_s()))
+            if ok:
+                batch.output_file_id = file_id
+            else:
+                batch.error_file_id = file_id
+        if batch.expired_at is not None:
+            batch.status = BatchStatus.EXPIRED.value
+        elif batch.cancelling_at is not None and batch.num_completed + batch.num_failed < batch.num_total:
+            batch.status, batch.cancelled_at = BatchStatus.CANCELLED.value, now_s()
+        elif batch.cancelling_at is not None:
+            batch.status, batch.cancelled_at = BatchStatus.CANCELLED.value, now_s()
+        else:
+            batch.status, batch.completed_at = BatchStatus.COMPLETED.value, now_s()
+        await self._store.save_batch(batch)
+        await self._store.drop_lines(batch.id)
+        log.info("batch %s %s: %d completed, %d failed", batch.id, batch.status,
+                 batch.num_completed, batch.num_failed)
+
+    async def _outputs(self, batch_id: str, ok: bool) -> AsyncIterator[bytes]:
+        async for line_ok, output, _ in self._store.line_outputs(batch_id):
+            if line_ok is ok:
+                yield output
+
+
+def _add_usage(usage: dict[str, int], record: dict[str, Any]) -> None:
+    usage["input_tokens"] += int(record["prompt_tokens"])
+    usage["cached_tokens"] += int(record["cached_tokens"])
+    usage["output_tokens"] += int(record["completion_tokens"])
+    usage["reasoning_tokens"] += int(record.get("reasoning_tokens", 0))

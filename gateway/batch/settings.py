@@ -1,0 +1,28 @@
+"""The Batch API's settings (`[batch]` in the gateway's config, `AIGW_BATCH__*` in the environment)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class BatchSettings(BaseModel):
+    """Bounds, price and pacing of `/v1/files` and `/v1/batches`.
+
+    A line starts only while the model's interactive requests in flight on this gateway are fewer
+    than `max_interactive_in_flight` (default 1: only when none is), at most
+    `max_concurrent_lines` at a time; it is metered at (1 - `price_discount`) of the model's
+    prices."""
+
+    model_config = ConfigDict(frozen=True)
+    enabled: bool = True
+    max_file_bytes: int = Field(100 * 1024 * 1024, gt=0)  # one upload (413 above it)
+    max_lines: int = Field(50_000, gt=0)  # lines of one batch input file (400 above it)
+    max_project_bytes: int = Field(10 * 1024 * 1024 * 1024, gt=0)  # all files of a project
+    price_discount: float = Field(0.5, ge=0.0, le=1.0)  # batch lines cost (1 - this) x the price
+    max_concurrent_lines: int = Field(4, gt=0)
+    max_interactive_in_flight: int = Field(1, gt=0)
+    poll_interval_s: float = Field(1.0, gt=0)  # how often the runner looks for work and for load
+    lease_s: float = Field(30.0, gt=0)  # a batch is run by the gateway holding its lease
+    files_dir: Path | None = None  # file contents; default <data_dir>/batch-files

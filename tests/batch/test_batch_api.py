@@ -1,0 +1,304 @@
+"""The Batch API on a mock replica, through the openai SDK and raw HTTP, with auth and the
+embedded meter on (two projects): the flow to completed with the custom_id mapping, the batch
+price in the ledger, malformed lines in the error file, cancel, isolation between projects,
+bounds, pagination, and interactive traffic first."""
+
+from __future__ import annotations
+
+import io
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from auth import AuthSettings, open_auth
+from auth.principal import Scope
+from bench.mock_upstream import MockConfig, MockState, create_mock_app
+from gateway.settings import GatewaySettings
+from gateway.web.services import create_served_app
+from tests.gateway.conftest import MODEL, LoopThread, start_app
+
+PRICES = {"input_per_token": 1e-6, "cached_input_per_token": 1e-7, "output_per_token": 2e-6}
+DISCOUNT = 0.5
+
+
+@dataclass
+class Served:
+    url: str
+    key: str  # project "default"
+    other_key: str  # project "other"
+    state: MockState
+    data_dir: Path
+
+    def client(self, key: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or self.key, max_retries=0,
+                             timeout=30)
+
+    def ledger(self, prefix: str) -> list[tuple[str, int, int, int]]:
+        """(record id, prompt, completion, cost in nanos) of the usage rows under `prefix`."""
+        with sqlite3.connect(self.data_dir / "aigw.sqlite3") as conn:
+            return conn.execute("SELECT request_id, prompt_tokens, completion_tokens, cost_nanos "
+                                "FROM usage WHERE request_id LIKE ? ORDER BY request_id",
+                                (prefix + "%",)).fetchall()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    loop_thread = LoopThread()
+    data_dir = tmp_path_factory.mktemp("batch-api")
+    state = MockState(MockConfig(model=MODEL, num_tokens=4))
+    upstream, upstream_url = loop_thread.run(start_app(create_mock_app(state)))
+    settings = GatewaySettings(
+        data_dir=data_dir, health_interval_s=0.2,
+        batch={"max_file_bytes": 64 * 1024, "max_lines": 50, "poll_interval_s": 0.1,
+               "price_discount": DISCOUNT, "max_concurrent_lines": 2},
+        models=[{"name": MODEL, "backend": "replica", "endpoints": [upstream_url],
+                 "prices": PRICES}])
+    key, other = loop_thread.run(project_keys(data_dir, "default", "other"))
+    runner, url = loop_thread.run(start_app(loop_thread.run(create_served_app(settings))))
+    try:
+        yield Served(url, key, other, state, data_dir)
+    finally:
+        loop_thread.run(runner.cleanup())
+        loop_thread.run(upstream.cleanup())
+        loop_thread.close()
+
+
+async def project_keys(data_dir: Path, *projects: str) -> list[str]:
+    """An invoke key of each project (created in the key store before the gateway opens it)."""
+    auth = await open_auth(AuthSettings(enabled=True, data_dir=data_dir))
+    try:
+        keys = []
+        for project in projects:
+            await auth.admin.create_project(project)
+            keys.append((await auth.admin.create_key(project, [Scope.INVOKE.value]))[1])
+        return keys
+    finally:
+        await auth.close()
+
+
+def chat_line(custom_id: str, content: str, system: str = "You are terse.",
+              model: str = MODEL) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model, "max_tokens": 4,
+                     "messages": [{"role": "system", "content": system},
+                                  {"role": "user", "content": content}]}}
+
+
+def jsonl(lines: list[Any]) -> bytes:
+    return b"".join((line if isinstance(line, bytes) else orjson.dumps(line)) + b"\n"
+                    for line in lines)
+
+
+def wait_done(client: openai.OpenAI, batch_id: str, timeout_s: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "cancelled", "expired"):
+            return batch
+        time.sleep(0.1)
+    raise AssertionError(f"batch {batch_id} still {batch.status}")
+
+
+def submit(client: openai.OpenAI, lines: list[Any], endpoint: str = "/v1/chat/completions") -> Any:
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+    return client.batches.create(input_file_id=uploaded.id, endpoint=endpoint,  # type: ignore[arg-type]
+                                 completion_window="24h", metadata={"job": "test"})
+
+
+def read_jsonl(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    assert file_id is not None
+    return [orjson.loads(line) for line in client.files.content(file_id).content.splitlines()]
+
+
+def test_the_sdk_flow_maps_custom_ids_and_meters_each_line_once_at_the_batch_price(
+        served: Served) -> None:
+    client = served.client()
+    lines = [chat_line(f"q-{i}", f"question {i}") for i in range(6)]
+    batch = submit(client, lines)
+    assert batch.status == "validating" and batch.metadata == {"job": "test"}
+    done = wait_done(client, batch.id)
+    assert done.status == "completed" and done.completed_at and done.in_progress_at
+    assert done.request_counts.total == 6 and done.request_counts.completed == 6
+    assert done.request_counts.failed == 0 and done.error_file_id is None
+    outputs = read_jsonl(client, done.output_file_id)
+    assert sorted(o["custom_id"] for o in outputs) == sorted(f"q-{i}" for i in range(6))
+    for output in outputs:
+        body = output["response"]["body"]
+        assert output["response"]["status_code"] == 200 and output["error"] is None
+        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
+    assert done.usage.output_tokens == sum(o["response"]["body"]["usage"]["completion_tokens"]
+                                           for o in outputs)
+    ledger = served.ledger(batch.id + "/")
+    assert [row[0] for row in ledger] == [f"{batch.id}/{i}" for i in range(6)]
+    for _, prompt, completion, cost_nanos in ledger:  # the interactive price, halved
+        full = prompt * PRICES["input_per_token"] + completion * PRICES["output_per_token"]
+        assert cost_nanos == round(full * (1 - DISCOUNT) * 1e9)
+    info = client.files.retrieve(done.output_file_id)
+    assert info.purpose == "batch_output" and info.bytes > 0
+
+
+def test_malformed_lines_and_refused_requests_go_to_the_error_file(served: Served) -> None:
+    client = served.client()
+    lines: list[Any] = [
+        chat_line("good", "hi"), b"{not json", orjson.dumps({"method": "POST"}),
+        chat_line("good", "again"),  # a repeated custom_id
+        {**chat_line("wrong-url", "hi"), "url": "/v1/completions"},
+        {**chat_line("stream", "hi"), "body": {**chat_line("s", "x")["body"], "stream": True}},
+        chat_line("no-model", "hi", model="no-such-model"),
+        {**chat_line("bad-body", "hi"), "body": {"model": MODEL, "messages": "not a list"}}]
+    done = wait_done(client, submit(client, lines).id)
+    assert done.status == "completed"
+    assert (done.request_counts.total, done.request_counts.completed,
+            done.request_counts.failed) == (8, 1, 7)
+    errors = {(e["custom_id"], e["error"]["code"] if e["error"] else e["response"]["status_code"])
+              for e in read_jsonl(client, done.error_file_id)}
+    assert errors == {(None, "invalid_json_line"), (None, "missing_custom_id"),
+                      ("good", "duplicate_custom_id"), ("wrong-url", "mismatched_endpoint"),
+                      ("stream", "stream_not_supported"), ("no-model", 404), ("bad-body", 400)}
+    refused = [e for e in read_jsonl(client, done.error_file_id) if e["response"]]
+    assert all(e["response"]["body"]["error"]["message"] for e in refused)
+    assert [o["custom_id"] for o in read_jsonl(client, done.output_file_id)] == ["good"]
+
+
+def test_a_batch_with_no_lines_fails_and_a_cancel_of_a_finished_one_is_refused(
+        served: Served) -> None:
+    client = served.client()
+    uploaded = client.files.create(file=("blank.jsonl", io.BytesIO(b"\n \n")), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    failed = wait_done(client, batch.id)
+    assert failed.status == "failed" and failed.errors.data[0].code == "empty_file"
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)
+
+
+def test_cancel_stops_the_batch_with_the_finished_lines_kept(served: Served) -> None:
+    client = served.client()
+    served.state.config.latency_ms = 150.0
+    try:
+        batch = submit(client, [chat_line(f"c-{i}", f"slow {i}") for i in range(30)])
+        deadline = time.monotonic() + 10
+        while client.batches.retrieve(batch.id).request_counts.completed < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        cancelling = client.batches.cancel(batch.id)
+        assert cancelling.status == "cancelling" and cancelling.cancelling_at
+        done = wait_done(client, batch.id)
+    finally:
+        served.state.config.latency_ms = 0.0
+    assert done.status == "cancelled" and done.cancelled_at
+    assert 1 <= done.request_counts.completed < 30
+    outputs = read_jsonl(client, done.output_file_id)
+    assert len(outputs) == done.request_counts.completed
+    assert len(served.ledger(batch.id + "/")) == done.request_counts.completed
+
+
+def test_another_projects_key_sees_none_of_it(served: Served) -> None:
+    mine, theirs = served.client(), served.client(served.other_key)
+    done = wait_done(mine, submit(mine, [chat_line("x", "hi")]).id)
+    for call in (lambda: theirs.batches.retrieve(done.id),
+                 lambda: theirs.batches.cancel(done.id),
+                 lambda: theirs.files.retrieve(done.input_file_id),
+                 lambda: theirs.files.content(done.output_file_id),
+                 lambda: theirs.files.delete(done.input_file_id),
+                 lambda: theirs.batches.create(input_file_id=done.input_file_id,
+                                               endpoint="/v1/chat/completions",
+                                               completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert theirs.batches.list().data == [] and theirs.files.list().data == []
+    assert mine.files.retrieve(done.input_file_id).id == done.input_file_id
+    assert mine.files.delete(done.input_file_id).deleted
+    with pytest.raises(openai.NotFoundError):
+        mine.files.retrieve(done.input_file_id)
+
+
+def test_lists_page_newest_first(served: Served) -> None:
+    client = served.client()
+    ids = [submit(client, [chat_line("p", "hi")]).id for _ in range(3)]
+    first = client.batches.list(limit=2)
+    assert [b.id for b in first.data] == ids[::-1][:2] and first.has_more
+    rest = client.batches.list(limit=2, after=first.data[-1].id)
+    assert rest.data[0].id == ids[0]
+    everything = [b.id for b in client.batches.list(limit=1)]  # the SDK follows the pages
+    assert everything[:3] == ids[::-1] and len(everything) == len(set(everything))
+    for batch_id in ids:
+        wait_done(client, batch_id)
+
+
+@pytest.mark.parametrize(("call", "status", "code"), [
+    ("big", 413, "file_too_large"), ("lines", 400, "too_many_lines"),
+    ("purpose", 400, "invalid_request"), ("form", 400, "invalid_request"),
+    ("endpoint", 400, "invalid_request"), ("window", 400, "invalid_request"),
+    ("metadata", 400, "invalid_request"), ("no-key", 401, None), ("limit", 400, "invalid_request"),
+])
+def test_bad_requests_get_openai_errors(served: Served, call: str, status: int,
+                                        code: str | None) -> None:
+    headers = {"authorization": f"Bearer {served.key}"}
+    url = served.url + "/v1"
+    uploaded = served.client().files.create(file=("x.jsonl", io.BytesIO(jsonl([chat_line("a", "b")]))),
+                                            purpose="batch")
+    create = {"input_file_id": uploaded.id, "endpoint": "/v1/chat/completions",
+              "completion_window": "24h"}
+    response = {
+        "big": lambda: httpx.post(url + "/files", headers=headers, data={"purpose": "batch"},
+                                  files={"file": ("a.jsonl", b"x" * (65 * 1024))}),
+        "lines": lambda: httpx.post(url + "/files", headers=headers, data={"purpose": "batch"},
+                                    files={"file": ("a.jsonl", b"{}\n" * 51)}),
+        "purpose": lambda: httpx.post(url + "/files", headers=headers,
+                                      data={"purpose": "fine-tune"},
+                                      files={"file": ("a.jsonl", b"{}\n")}),
+        "form": lambda: httpx.post(url + "/files", headers=headers, json={"purpose": "batch"}),
+        "endpoint": lambda: httpx.post(url + "/batches", headers=headers,
+                                       json={**create, "endpoint": "/v1/images/generations"}),
+        "window": lambda: httpx.post(url + "/batches", headers=headers,
+                                     json={**create, "completion_window": "1h"}),
+        "metadata": lambda: httpx.post(url + "/batches", headers=headers,
+                                       json={**create, "metadata": {"k": 1}}),
+        "no-key": lambda: httpx.get(url + "/batches"),
+        "limit": lambda: httpx.get(url + "/batches?limit=0", headers=headers),
+    }[call]()
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and (code is None or error["code"] == code)
+
+
+def test_lines_wait_while_interactive_requests_are_in_flight(served: Served) -> None:
+    """max_interactive_in_flight 1: no line starts while one interactive request is in flight."""
+    client = served.client()
+    served.state.config.latency_ms = 800.0
+    interactive: list[float] = []
+
+    def batch_line_sent() -> bool:
+        return any(m["content"] == "batch line" for b in list(served.state.bodies)
+                   for m in b.get("messages", []))
+
+    def ask() -> None:
+        client.chat.completions.create(model=MODEL, max_tokens=2,
+                                       messages=[{"role": "user", "content": "interactive"}])
+        interactive.append(time.monotonic())
+
+    try:
+        asker = threading.Thread(target=ask)
+        asker.start()
+        deadline = time.monotonic() + 5
+        while served.state.num_running == 0:  # until it is in flight at the replica
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        batch = submit(client, [chat_line("after", "batch line")])
+        time.sleep(0.3)
+        assert served.state.num_running == 1 and not batch_line_sent()  # the line waits
+        asker.join()
+    finally:
+        served.state.config.latency_ms = 0.0
+    done = wait_done(client, batch.id)
+    assert done.status == "completed" and interactive and batch_line_sent()
