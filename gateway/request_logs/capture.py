@@ -1,0 +1,37 @@
+"""What the pipeline calls to log a sampled request: `capture(...)` builds the cheap `Capture`
+(references, no copies; the writer renders and redacts it later, off the request path)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from gateway.dialects.base import Dialect
+from gateway.metering.contract import UsageRecord
+from gateway.request.canonical import Accumulator, CanonicalRequest
+from gateway.request_logs.entry import Capture
+
+REQUEST_BODY = "aigw_request_body"  # request[REQUEST_BODY]: the parsed JSON, kept when logging
+_FIXED_WEIGHT_BYTES = 1024  # headers, metadata
+
+
+def keep_body(request: web.Request, body: Any) -> None:
+    request[REQUEST_BODY] = body
+
+
+def capture(request: web.Request, dialect: Dialect, canonical: CanonicalRequest,
+            accumulator: Accumulator, error: tuple[str, str] | None,
+            record: UsageRecord) -> Capture:
+    from gateway.telemetry.observation import current_observation  # (telemetry imports the
+    # pipeline, which imports this module)
+
+    observation = current_observation()
+    trace = observation.trace if observation is not None else None
+    body_bytes = max(request.content_length or 0, canonical.text_length())
+    return Capture(
+        body=request.get(REQUEST_BODY), headers=list(request.headers.items()), path=request.path,
+        dialect=dialect, request=canonical,
+        response=accumulator.response() if accumulator.num_events else None, error=error,
+        record=record, trace_id=trace.trace_id_hex if trace is not None else None,
+        weight_bytes=_FIXED_WEIGHT_BYTES + body_bytes + accumulator.num_generated_chars)
