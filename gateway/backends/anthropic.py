@@ -140,7 +140,8 @@ class AnthropicBackend(Backend):
 
 
 def _refuse_unsupported(request: CanonicalRequest) -> None:
-    why = ("completions (a prompt, not messages)" if request.kind != "chat"
+    why = ("embeddings" if request.kind == "embedding"
+           else "completions (a prompt, not messages)" if request.kind != "chat"
            else "n > 1" if request.n > 1 else "logprobs" if request.logprobs
            else "response_format" if request.response_format is not None else None)
     if why is not None:

@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from chat.tokenizer import encode_ids
+from contracts.embeddings import vector_from_wire
 from contracts.usage_headers import CACHED_TOKENS_HEADER, PROMPT_TOKENS_HEADER
 from gateway.backends.base import Backend
 from gateway.fleet.endpoints import Endpoint
@@ -25,6 +26,7 @@ from gateway.request.canonical import (
     Accumulator,
     CanonicalEvent,
     CanonicalRequest,
+    EmbeddingVectors,
     Finish,
     FinishReason,
     PromptUsage,
@@ -48,6 +50,9 @@ _FINISH_REASONS: dict[str, FinishReason] = {
 
 class OpenAICompatBackend(Backend):
     name = "openai"
+    # what embeddings are asked for upstream: None, the client's encoding_format (any upstream
+    # takes "float"); our replicas get "base64" (a third of the bytes, no float printing)
+    embedding_encoding: str | None = None
 
     def upstream_body(self, request: CanonicalRequest, endpoint: Endpoint) -> dict[str, Any]:
         body: dict[str, Any] = {"model": endpoint.model.upstream_name, "stream": request.stream}
@@ -109,7 +114,23 @@ class OpenAICompatBackend(Backend):
         return {"content-type": "application/json", "x-request-id": request.request_id,
                 **endpoint.auth_headers}
 
+    def embedding_body(self, request: CanonicalRequest, endpoint: Endpoint) -> dict[str, Any]:
+        first = request.prompt if request.prompt_token_ids is None else request.prompt_token_ids
+        body: dict[str, Any] = {
+            "model": endpoint.model.upstream_name,
+            "input": [first, *request.extra_prompts] if request.extra_prompts else first,
+            "encoding_format": self.embedding_encoding or request.encoding_format}
+        if request.embedding_dimensions is not None:
+            body["dimensions"] = request.embedding_dimensions
+        if request.user is not None:
+            body["user"] = request.user
+        return body
+
     async def stream(self, request: CanonicalRequest, endpoint: Endpoint) -> AsyncIterator[CanonicalEvent]:
+        if request.kind == "embedding":
+            async for event in self._embed(request, endpoint):
+                yield event
+            return
         path = "/v1/chat/completions" if request.kind == "chat" else "/v1/completions"
         try:
             payload = orjson.dumps(self.upstream_body(request, endpoint))
@@ -158,6 +179,34 @@ class OpenAICompatBackend(Backend):
                 yield Finish(folded.finish_reason or "stop", folded.stop_sequence, choice)
             is_answered = True
             yield usage or self._count_usage(request, endpoint, accumulator)
+        finally:
+            if is_answered:
+                response.release()
+            else:
+                response.close()
+
+    async def _embed(self, request: CanonicalRequest, endpoint: Endpoint
+                     ) -> AsyncIterator[CanonicalEvent]:
+        """POST /v1/embeddings: EmbeddingVectors, Finish, Usage (the prompt's tokens only)."""
+        upstream = UpstreamRequest("POST", endpoint.url + "/v1/embeddings",
+                                   orjson.dumps(self.embedding_body(request, endpoint)),
+                                   self.upstream_headers(request, endpoint),
+                                   self.settings.connect_timeout_s)
+        response = await self.transport.send(upstream)
+        is_answered = False
+        try:
+            if response.status >= 400:
+                await _raise_for_status(response)
+            body = await _read_json(response)
+            vectors = _embedding_vectors(body, request.num_prompts)
+            is_answered = True
+            yield EmbeddingVectors(vectors)
+            yield Finish("stop")
+            usage = body.get("usage") if isinstance(body, dict) else None
+            num_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+            if not isinstance(num_tokens, int) or num_tokens < 0:
+                num_tokens = self.count_prompt_tokens(request, endpoint)
+            yield Usage(num_tokens, 0)
         finally:
             if is_answered:
                 response.release()
@@ -471,6 +520,24 @@ async def _read_json(response: UpstreamResponse) -> Any:
         return orjson.loads(await response.read())
     except orjson.JSONDecodeError as exc:
         raise UpstreamUnavailable("upstream sent malformed JSON") from exc
+
+
+def _embedding_vectors(body: Any, num_inputs: int) -> tuple[bytes, ...]:
+    """An upstream's embeddings list, in input order (by `index`); UpstreamUnavailable when it
+    is malformed or does not hold exactly one vector per input."""
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list) or len(data) != num_inputs:
+        raise UpstreamUnavailable("upstream sent an embeddings list that does not match the input")
+    vectors: list[bytes | None] = [None] * num_inputs
+    for position, item in enumerate(data):
+        index = item.get("index", position) if isinstance(item, dict) else None
+        if type(index) is not int or not 0 <= index < num_inputs or vectors[index] is not None:
+            raise UpstreamUnavailable("upstream sent an embedding of no input")
+        try:
+            vectors[index] = vector_from_wire(item.get("embedding"))
+        except ValueError as exc:
+            raise UpstreamUnavailable(f"upstream sent a malformed embedding: {exc}") from None
+    return tuple(v for v in vectors if v is not None)
 
 
 def _whole_events(body: Any, kind: str) -> list[CanonicalEvent]:

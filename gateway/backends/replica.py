@@ -16,7 +16,7 @@ from typing import Any
 
 from gateway.backends.openai_compat import OpenAICompatBackend
 from gateway.fleet.endpoints import Endpoint, EndpointLoad
-from gateway.request.canonical import CanonicalRequest
+from gateway.request.canonical import CanonicalRequest, estimate_prompt_tokens
 from gateway.upstream.transport import UpstreamRequest
 
 _LOAD_SUFFIXES = {
@@ -29,6 +29,7 @@ _LOAD_SUFFIXES = {
 
 class ReplicaBackend(OpenAICompatBackend):
     name = "replica"
+    embedding_encoding = "base64"
 
     def upstream_body(self, request: CanonicalRequest, endpoint: Endpoint) -> dict[str, Any]:
         body = super().upstream_body(request, endpoint)
@@ -62,6 +63,8 @@ class ReplicaBackend(OpenAICompatBackend):
         from gateway.routing.prefix_router import tokenizer_path
         from gateway.routing.prompt_hashing import shared_prompt_hasher
 
+        if request.kind == "embedding":  # an encoder's tokenizer, not the chat model's
+            return estimate_prompt_tokens(request)
         body = self.upstream_body(request, endpoint)
         hasher = shared_prompt_hasher(tokenizer_path(endpoint),
                                       self.settings.prompt_segment_cache_max_bytes)

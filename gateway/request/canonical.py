@@ -50,11 +50,13 @@ class Tool:
 
 @dataclass(slots=True)
 class CanonicalRequest:
-    """One client request, dialect-free. `kind` picks the upstream route (chat or completion)."""
+    """One client request, dialect-free. `kind` picks the upstream route (chat, completion or
+    embedding: an embedding request's inputs are `prompt` / `prompt_token_ids` and
+    `extra_prompts`, as a completion's several prompts; it has no choices to generate)."""
 
     request_id: str
     model: str
-    kind: Literal["chat", "completion"] = "chat"
+    kind: Literal["chat", "completion", "embedding"] = "chat"
     messages: list[Message] = field(default_factory=list)
     prompt: str = ""  # kind == "completion"
     prompt_token_ids: list[int] | None = None  # kind == "completion", a prompt given as token ids
@@ -62,6 +64,9 @@ class CanonicalRequest:
     # each a string or token ids; each prompt gets `n` choices, prompt i's at i*n .. i*n + n - 1
     extra_prompts: list[str | list[int]] = field(default_factory=list)
     echo: bool = False  # kind == "completion": each choice's text (and logprobs) starts with its prompt
+    # kind == "embedding": OpenAI's `dimensions` (None: the model's) and `encoding_format`
+    embedding_dimensions: int | None = None
+    encoding_format: Literal["float", "base64"] = "float"
     tools: list[Tool] = field(default_factory=list)
     tool_choice: str | dict[str, Any] | None = None  # OpenAI form: "auto"|"none"|"required"|{...}
     parallel_tool_calls: bool | None = None  # False: at most one call (None: the upstream's default)
@@ -195,8 +200,18 @@ class PromptUsage:
     cached_tokens: int = 0
 
 
-CanonicalEvent = TextDelta | ReasoningDelta | ToolCallDelta | Finish | Usage | PromptUsage
-FOLDED_EVENTS = (Finish, Usage, PromptUsage)  # folded into the answer's end, never sent alone
+@dataclass(frozen=True, slots=True)
+class EmbeddingVectors:
+    """An embedding request's answer: one vector per input, in input order, each as float32
+    little-endian bytes (contracts/embeddings.py writes them in the client's encoding_format)."""
+
+    vectors: tuple[bytes, ...]
+
+
+CanonicalEvent = (TextDelta | ReasoningDelta | ToolCallDelta | Finish | Usage | PromptUsage
+                  | EmbeddingVectors)
+# folded into the answer's end, never sent alone
+FOLDED_EVENTS = (Finish, Usage, PromptUsage, EmbeddingVectors)
 
 
 @dataclass(slots=True)
@@ -209,6 +224,7 @@ class CanonicalResponse:
     others: tuple[CanonicalResponse, ...] = ()  # choices 1..n-1 (n > 1), in order; no usage
     logprobs: list[Any] | None = None  # each TextDelta's logprobs object, in order, if any came
     reasoning: str = ""  # the ReasoningDeltas' text
+    embeddings: tuple[bytes, ...] | None = None  # kind == "embedding": EmbeddingVectors.vectors
 
 
 class Accumulator:
@@ -224,12 +240,13 @@ class Accumulator:
         self.stop_sequence: str | None = None
         self.usage: Usage | None = None
         self.prompt_usage: PromptUsage | None = None
+        self.embeddings: tuple[bytes, ...] | None = None
         self.num_events = 0
         self.others: dict[int, Accumulator] = {}  # choice -> its events (n > 1)
 
     def add(self, event: CanonicalEvent) -> None:
         self.num_events += 1
-        if not isinstance(event, Usage | PromptUsage) and event.choice:
+        if not isinstance(event, Usage | PromptUsage | EmbeddingVectors) and event.choice:
             other = self.others.get(event.choice)
             if other is None:
                 other = self.others[event.choice] = Accumulator()
@@ -258,6 +275,8 @@ class Accumulator:
             self.stop_sequence = event.stop_sequence
         elif isinstance(event, PromptUsage):
             self.prompt_usage = event
+        elif isinstance(event, EmbeddingVectors):
+            self.embeddings = event.vectors
         else:
             self.usage = event
 
@@ -297,4 +316,5 @@ class Accumulator:
         others = tuple(self.others[c].response() for c in sorted(self.others))
         return CanonicalResponse(text=self.text, tool_calls=calls, finish_reason=self.finish_reason,
                                  usage=self.usage, stop_sequence=self.stop_sequence, others=others,
-                                 logprobs=self._logprobs, reasoning="".join(self._reasoning))
+                                 logprobs=self._logprobs, reasoning="".join(self._reasoning),
+                                 embeddings=self.embeddings)

@@ -266,7 +266,7 @@ class Pipeline:
         estimate = estimate_prompt_tokens(canonical)
         if (not route.endpoints or counts_tokens is None or not counts_tokens(principal)):
             return estimate
-        if render is None or canonical.num_prompts != 1:
+        if render is None or canonical.num_prompts != 1 or canonical.kind == "embedding":
             if not route.settings.tokenizer:
                 return estimate
             try:  # another upstream, with its tokenizer: text tokens + framing, at least the

@@ -172,6 +172,8 @@ class PrefixRouter(Router):
         return self._fallback.pick(request, endpoints)
 
     async def choose(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision:
+        if request.kind == "embedding":  # an encoder keeps no prefix cache
+            return self._least_load(request, endpoints, "least_load:embedding")
         states = [self._states.get(e.url) for e in endpoints]
         synced = [s for s in states if s is not None and s.consumer.is_synced]
         if self.index is None or not synced or len(endpoints) < 2:

@@ -10,6 +10,7 @@ from aiohttp import web
 from auth.principal import AuthError, Scope
 from gateway.dialects import AnthropicMessages, OpenAIChat, OpenAICompletions, OpenAIResponses
 from gateway.dialects.base import Dialect
+from gateway.dialects.openai_embeddings import OpenAIEmbeddings
 from gateway.web import token_count
 from gateway.web.credentials import credential_of
 from gateway.web.keys import AUTHENTICATOR, FLEET, PIPELINE, SETTINGS
@@ -17,6 +18,7 @@ from gateway.web.keys import AUTHENTICATOR, FLEET, PIPELINE, SETTINGS
 OPENAI_CHAT = OpenAIChat()
 OPENAI_COMPLETIONS = OpenAICompletions()
 OPENAI_RESPONSES = OpenAIResponses()
+OPENAI_EMBEDDINGS = OpenAIEmbeddings()
 ANTHROPIC_MESSAGES = AnthropicMessages()
 
 
@@ -30,6 +32,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def responses(request: web.Request) -> web.StreamResponse:
     return await request.app[PIPELINE].handle(request, OPENAI_RESPONSES)
+
+
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    return await request.app[PIPELINE].handle(request, OPENAI_EMBEDDINGS)
 
 
 async def messages(request: web.Request) -> web.StreamResponse:

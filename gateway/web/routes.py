@@ -18,6 +18,8 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_post("/v1/responses", handlers.responses)
     app.router.add_post("/openai/v1/responses", handlers.responses)
     app.router.add_post("/openai/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/embeddings", handlers.embeddings)
+    app.router.add_post("/openai/v1/embeddings", handlers.embeddings)
     app.router.add_post("/anthropic/v1/messages", handlers.messages)
     app.router.add_post("/v1/messages", handlers.messages)
     app.router.add_post("/anthropic/v1/messages/count_tokens", handlers.count_tokens)
