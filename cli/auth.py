@@ -55,10 +55,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     rotate.add_argument("--grace-seconds", type=float, default=0.0, dest="grace_s")
     rotate.set_defaults(func=_runner(_rotate_key))
 
-    usage = subparsers.add_parser("usage", help="a project's usage by model and day")
+    usage = subparsers.add_parser("usage", help="a project's usage by day, hour, model, key, tag "
+                                                "or session")
     usage.add_argument("--project", required=True)
     usage.add_argument("--format", choices=("json", "csv"), default="json")
-    usage.add_argument("--group-by", default="model,day", help="model, day or model,day")
+    usage.add_argument("--group-by", default="model,day",
+                       help="any of day, hour, model, key, tag, session (comma-separated)")
     usage.add_argument("--since", help="first UTC day, YYYY-MM-DD")
     usage.add_argument("--until", help="last UTC day, YYYY-MM-DD")
     usage.set_defaults(func=_runner(_usage))
@@ -162,6 +164,7 @@ async def _usage(services: Any, args: argparse.Namespace) -> int:
         await reader.close()
     if not rows and await services.store.get_project(args.project) is None:
         raise UnknownProject(args.project)  # a project known only from JWTs has usage
-    print(render_csv(rows) if args.format == "csv" else render_json(args.project, rows),
+    print(render_csv(rows, group_by) if args.format == "csv"
+          else render_json(args.project, rows, group_by),
           end="" if args.format == "csv" else "\n")
     return 0

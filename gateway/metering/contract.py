@@ -38,18 +38,22 @@ class UsageRecord:
     # part of completion_tokens a reasoning model spent reasoning (billed as completion, as
     # OpenAI bills it); last and defaulted, so records written before it read back as 0
     reasoning_tokens: int = 0
+    # the request's usage tags and session (gateway/request/usage_tags.py: bounded in bytes)
+    tags: tuple[str, ...] = ()
+    session_id: str | None = None
 
     def __init__(self, request_id: str, project: str, key_id: str, model: str, endpoint: str,
                  prompt_tokens: int, cached_tokens: int, completion_tokens: int, cost_usd: float,
                  latency_ms: float, status: int, created_at: float, stream: bool = False,
-                 finish_reason: str | None = None, reasoning_tokens: int = 0) -> None:
+                 finish_reason: str | None = None, reasoning_tokens: int = 0,
+                 tags: tuple[str, ...] | list[str] = (), session_id: str | None = None) -> None:
         """The dataclass's own init, in one write (a frozen one sets each field by a call)."""
         self.__dict__.update(
             request_id=request_id, project=project, key_id=key_id, model=model, endpoint=endpoint,
             prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
             completion_tokens=completion_tokens, cost_usd=cost_usd, latency_ms=latency_ms,
             status=status, created_at=created_at, stream=stream, finish_reason=finish_reason,
-            reasoning_tokens=reasoning_tokens)
+            reasoning_tokens=reasoning_tokens, tags=tuple(tags), session_id=session_id)
 
 
 class RateLimited(Exception):

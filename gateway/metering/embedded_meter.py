@@ -12,6 +12,7 @@ the table the first time it is needed. Limits are per process (one embedded gate
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
 import time
@@ -40,7 +41,8 @@ CREATE TABLE IF NOT EXISTS usage (
     endpoint TEXT NOT NULL, prompt_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL,
     completion_tokens INTEGER NOT NULL, cost_nanos INTEGER NOT NULL, latency_ms REAL NOT NULL,
     status INTEGER NOT NULL, created_at REAL NOT NULL, day TEXT NOT NULL, stream INTEGER NOT NULL,
-    finish_reason TEXT, reasoning_tokens INTEGER NOT NULL DEFAULT 0);
+    finish_reason TEXT, reasoning_tokens INTEGER NOT NULL DEFAULT 0, session_id TEXT,
+    tags TEXT NOT NULL DEFAULT '[]');
 CREATE INDEX IF NOT EXISTS usage_by_project_day ON usage (project, day);
 CREATE TABLE IF NOT EXISTS limit_alerts (
     project TEXT NOT NULL, scope TEXT NOT NULL, window TEXT NOT NULL, threshold REAL NOT NULL,
@@ -48,15 +50,17 @@ CREATE TABLE IF NOT EXISTS limit_alerts (
 """
 # a database made before reasoning_tokens: the column is added, its rows read back as 0
 _MIGRATIONS = {"reasoning_tokens": "ALTER TABLE usage ADD COLUMN reasoning_tokens INTEGER NOT NULL "
-                                   "DEFAULT 0"}
+                                   "DEFAULT 0",
+               "session_id": "ALTER TABLE usage ADD COLUMN session_id TEXT",
+               "tags": "ALTER TABLE usage ADD COLUMN tags TEXT NOT NULL DEFAULT '[]'"}
 _RECORD_COLUMNS = ("request_id", "project", "key_id", "model", "endpoint", "prompt_tokens",
                    "cached_tokens", "completion_tokens", "latency_ms", "status", "created_at",
-                   "stream", "finish_reason", "reasoning_tokens")
+                   "stream", "finish_reason", "reasoning_tokens", "session_id")
 
 log = logging.getLogger("aigw.metering")
 
-_INSERT_SQL = (f"INSERT OR IGNORE INTO usage ({', '.join(_RECORD_COLUMNS)}, cost_nanos, day) "
-               f"VALUES ({', '.join('?' * (len(_RECORD_COLUMNS) + 2))})")
+_INSERT_SQL = (f"INSERT OR IGNORE INTO usage ({', '.join(_RECORD_COLUMNS)}, cost_nanos, day, tags) "
+               f"VALUES ({', '.join('?' * (len(_RECORD_COLUMNS) + 3))})")
 
 
 def _create_or_migrate(conn: sqlite3.Connection) -> None:
@@ -165,16 +169,17 @@ class EmbeddedMeter(BaseMeter):
 
     async def usage_records(self, project: str, since: str | None = None,
                             until: str | None = None) -> list[UsageRecord]:
-        sql = (f"SELECT {', '.join(_RECORD_COLUMNS)}, cost_nanos FROM usage WHERE project = ? "
+        sql = (f"SELECT {', '.join(_RECORD_COLUMNS)}, cost_nanos, tags FROM usage WHERE project = ? "
                "AND day >= ? AND day <= ? ORDER BY created_at, request_id")
         args = (project, since or "", until or "9999-99-99")
         await self._inserts.flush()
         rows = await self._db.run(lambda conn: conn.execute(sql, args).fetchall())
         records = []
         for row in rows:
-            fields = dict(zip(_RECORD_COLUMNS, row[:-1], strict=True))
+            fields = dict(zip(_RECORD_COLUMNS, row[:-2], strict=True))
             fields["stream"] = bool(fields["stream"])
-            records.append(UsageRecord(**fields, cost_usd=row[-1] / 1e9))
+            records.append(UsageRecord(**fields, cost_usd=row[-2] / 1e9,
+                                       tags=tuple(json.loads(row[-1]))))
         return records
 
     async def close(self) -> None:
@@ -185,16 +190,19 @@ class EmbeddedMeter(BaseMeter):
 
 def _row(record: UsageRecord, cost_nanos: int) -> tuple[object, ...]:
     values = vars(record)
-    return tuple(values[c] for c in _RECORD_COLUMNS) + (cost_nanos, usage_day(record.created_at))
+    return tuple(values[c] for c in _RECORD_COLUMNS) + (
+        cost_nanos, usage_day(record.created_at), json.dumps(record.tags) if record.tags else "[]")
 
 
 _ROW_FIXED_BYTES = 200 + 8 * 9  # the tuple, and its 9 numbers (tokens, latency, status, ...)
 
 
 def _row_bytes(row: tuple[object, ...]) -> int:
-    """What a queued row weighs: its strings, 8 a number, plus a fixed 200 for the tuple. In two
+    """What a queued row weighs: its strings, 8 a number, plus a fixed 200 for the tuple. In few
     calls (it is taken at every submit and delivery): `_row` puts the strings at 0-4 (request_id ..
-    endpoint) and 15 (day), finish_reason (a string or None) at 12, numbers everywhere else."""
-    strings = row[0] + row[1] + row[2] + row[3] + row[4] + row[15]  # type: ignore[operator]
-    finish = row[12]
-    return _ROW_FIXED_BYTES + len(strings) + (8 if finish is None else len(finish))  # type: ignore[arg-type]
+    endpoint), 16 (day) and 17 (tags JSON), finish_reason and session_id (a string or None) at 12
+    and 14, numbers everywhere else."""
+    strings = row[0] + row[1] + row[2] + row[3] + row[4] + row[16] + row[17]  # type: ignore[operator]
+    finish, session = row[12], row[14]
+    return (_ROW_FIXED_BYTES + len(strings) + (8 if finish is None else len(finish))  # type: ignore[arg-type]
+            + (8 if session is None else len(session)))  # type: ignore[arg-type]

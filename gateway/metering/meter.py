@@ -31,7 +31,13 @@ from gateway.metering.limit_store import StoredLimits
 from gateway.metering.limits import Clock, MeterAdmission, ScopeLimits, Spend
 from gateway.metering.prices import NANOS_PER_USD, cost_nanos, cost_usd, price_for
 from gateway.metering.settings import Limits, MeteringSettings, ModelPrice
-from gateway.metering.usage_report import UsageRow, group_rows
+from gateway.metering.usage_report import (
+    DAILY_FIELDS,
+    UsageRow,
+    group_records,
+    group_rows,
+    validate_group_by,
+)
 
 log = logging.getLogger("aigw.metering")
 # a queued settle waits up to this long for others to share its store round trip (Coalescer)
@@ -172,9 +178,18 @@ class BaseMeter(ABC):
         return admission, record, actual_nanos, delta_tokens, delta_nanos
 
     async def usage_by_project(self, project: str, group_by: Sequence[str] = ("model", "day"),
-                               since: str | None = None, until: str | None = None) -> list[UsageRow]:
-        """Usage of `project` summed per group; since/until are inclusive UTC days (YYYY-MM-DD)."""
-        return group_rows(await self._daily_rows(project, since, until), group_by)
+                               since: str | None = None, until: str | None = None,
+                               key_id: str | None = None, tag: str | None = None
+                               ) -> list[UsageRow]:
+        """Usage of `project` summed per group (usage_report.GROUP_FIELDS); since/until are
+        inclusive UTC days (YYYY-MM-DD); `key_id` / `tag` keep that key's / tag's requests. By
+        day and model from the per-day sums, else from the per-request records of the range."""
+        fields = validate_group_by(group_by)
+        if set(fields) <= DAILY_FIELDS and key_id is None and tag is None:
+            return group_rows(await self._daily_rows(project, since, until), fields)
+        records = [r for r in await self.usage_records(project, since, until)
+                   if (key_id is None or r.key_id == key_id) and (tag is None or tag in r.tags)]
+        return group_records(records, fields)
 
     @abstractmethod
     async def usage_records(self, project: str, since: str | None = None,

@@ -360,7 +360,9 @@ class RedisMeter(BaseMeter):
             for field, value in sums.items():
                 model, _, metric = field.rpartition("|")
                 per_model.setdefault(model, {})[metric] = int(value)
-            rows += [UsageRow(day, model, *(m.get(k, 0) for k in _METRICS))
+            rows += [UsageRow(day, model, m.get("requests", 0), m.get("prompt_tokens", 0),
+                              m.get("cached_tokens", 0), m.get("completion_tokens", 0),
+                              m.get("cost_nanos", 0))
                      for model, m in sorted(per_model.items())]
         return rows
 

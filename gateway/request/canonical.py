@@ -97,6 +97,9 @@ class CanonicalRequest:
     session_id: str | None = None  # `x-session-id` header: optional routing affinity
     # OpenAI's prompt_cache_key: the routing affinity key, ahead of session_id and user
     prompt_cache_key: str | None = None
+    # what the usage record is labelled with (gateway/request/usage_tags.py)
+    tags: tuple[str, ...] = ()
+    usage_session: str | None = None
     project: str | None = None  # set after authentication (metering, routing)
     cache_salt: str | None = None  # set after authentication: auth.cache_salt.cache_salt_for
     # (tokenizer path, prompt token ids) when the gateway rendered the prompt at admission (a

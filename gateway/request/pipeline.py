@@ -60,6 +60,7 @@ from gateway.request.errors import (
 )
 from gateway.request.settlement import Settlement
 from gateway.request.usage import STATUS_CLIENT_CLOSED, build_record
+from gateway.request.usage_tags import usage_session, usage_tags
 from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
 from gateway.upstream.retry_budget import RetryBudget
@@ -216,8 +217,10 @@ class Pipeline:
         call it. Raises AuthError or GatewayError."""
         principal = await self.authenticator.authenticate(credential_of(request))
         principal.require(Scope.INVOKE)
-        canonical = parse(await read_json_body(request, self.settings.max_body_bytes,
-                                               self.settings.client_body_timeout_s), request_id)
+        body = await read_json_body(request, self.settings.max_body_bytes,
+                                    self.settings.client_body_timeout_s)
+        canonical = parse(body, request_id)
+        canonical.tags = usage_tags(body, request.headers)  # bounded: 400 past them
         principal.require_model(canonical.model)
         route = self.fleet.get(canonical.model)
         if route is None:
@@ -232,6 +235,7 @@ class Pipeline:
         canonical.project = principal.project
         canonical.cache_salt = self.cache_salt_of(principal)
         canonical.session_id = request.headers.get("x-session-id")
+        canonical.usage_session = usage_session(canonical)
         max_tokens = canonical.max_tokens  # per choice; 0 (echo scoring a prompt) reserves none
         if max_tokens is None:
             max_tokens = self.settings.default_max_tokens

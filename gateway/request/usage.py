@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 from auth.principal import Principal
 from gateway.metering.contract import UsageRecord
@@ -35,7 +36,26 @@ def build_record(request: CanonicalRequest, principal: Principal, model: ModelSe
         cost_usd=model.prices.cost_usd(usage.prompt_tokens, usage.cached_tokens,
                                        usage.completion_tokens),
         latency_ms=latency_ms, status=status, created_at=time.time(), stream=request.stream,
-        finish_reason=accumulator.finish_reason, reasoning_tokens=usage.reasoning_tokens)
+        finish_reason=accumulator.finish_reason, reasoning_tokens=usage.reasoning_tokens,
+        tags=request.tags, session_id=request.usage_session)
+
+
+COST_REQUEST_HEADER = "x-aigw-cost"  # a request with "1" (or "true") asks for its cost
+COST_HEADER = "x-aigw-cost-usd"
+
+
+def wants_cost(headers: Mapping[str, str]) -> bool:
+    return headers.get(COST_REQUEST_HEADER, "").lower() in ("1", "true")
+
+
+def cost_usd_of(request: CanonicalRequest, model: ModelSettings, accumulator: Accumulator,
+                num_prompt_tokens: int | None = None) -> str:
+    """The answer's cost as its usage record will count it (build_record's rule), for the
+    `x-aigw-cost-usd` header (non-streaming) or the stream's `: x-aigw-cost-usd=` comment line,
+    to the nano-dollar."""
+    usage = accumulator.usage or _partial_usage(request, accumulator, num_prompt_tokens)
+    cost = model.prices.cost_usd(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
+    return f"{cost:.9f}"
 
 
 def _partial_usage(request: CanonicalRequest, accumulator: Accumulator,

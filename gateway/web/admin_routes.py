@@ -12,7 +12,9 @@
     DELETE /admin/v1/keys/{key_id}                   admin   revoke (also POST .../revoke)
     POST   /admin/v1/keys/{key_id}/rotate            admin   {grace_seconds} -> the new key, once
     GET    /admin/v1/projects/{project}/usage        usage:read of that project (or admin);
-                                                     ?group_by=model,day&since=&until=&format=json|csv
+                                                     ?group_by=day,hour,model,key,tag,session (any
+                                                     of them)&since=&until=&key_id=&tag=
+                                                     &format=json|csv
 
 The credential comes from `Authorization: Bearer ...` or `x-api-key`. Errors are JSON
 {"error": {"type", "code", "message"}} with 400/401/403/404/409.
@@ -166,21 +168,24 @@ def build_admin_routes(services: AuthServices, prefix: str = "/admin/v1",
         output_format = query.get("format", "json")
         if output_format not in ("json", "csv"):
             raise InvalidRequest(f"format must be json or csv, not {output_format!r}")
-        group_by = [g for g in query.get("group_by", "model,day").split(",") if g]
+        group_by = [g.strip() for g in query.get("group_by", "model,day").split(",") if g.strip()]
         async with reader_lock:
             if services.usage_reader is None:
                 services.usage_reader = await open_usage_reader(services.redis,
                                                                 services.settings.data_dir)
         try:
             rows = await services.usage_reader.usage_by_project(
-                project, group_by, since=since, until=until)
+                project, group_by, since=since, until=until, key_id=query.get("key_id"),
+                tag=query.get("tag"))
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
         if not rows and await services.store.get_project(project) is None:
             raise UnknownProject(project)  # a typo; a project known only from JWTs has usage
         if output_format == "csv":
-            return web.Response(text=render_csv(rows), content_type="text/csv")
-        return web.json_response(text=render_json(project, rows))
+            return web.Response(text=render_csv(rows, group_by), content_type="text/csv",
+                                headers={"content-disposition":
+                                         f'attachment; filename="usage-{project}.csv"'})
+        return web.json_response(text=render_json(project, rows, group_by))
 
     admin_scope = Scope.ADMIN
     return [
