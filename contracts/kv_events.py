@@ -5,6 +5,14 @@ The records (one module, imported by the engine that emits them and the gateway 
     BlockStored     {block_hashes, parent_hash, token_ids, block_size}   blocks became cached (full, hashed)
     BlockRemoved    {block_hashes}                                        blocks were evicted
     AllBlocksCleared {}                                                   the whole cache was reset
+    BlockRetained   {block_hashes, retained_until_ts}                     cached blocks a finished request
+                                                                          keeps from eviction until then
+                                                                          (unix s; a later event for the
+                                                                          same hashes replaces it)
+
+`BlockRetained` names blocks already stored (the replica's KV retention, engine/kv_cache/retention.py):
+a consumer counts them as held, like `BlockStored`; no event marks a retention's end, since the blocks
+stay cached until a `BlockRemoved` says otherwise.
 
 Events are grouped into an `EventBatch` per engine step, stamped with the replica id and a sequence
 number that increases by exactly one per batch (no gaps). A consumer that sees a gap, or restarts, asks
@@ -46,7 +54,14 @@ class AllBlocksCleared:
     type: str = "AllBlocksCleared"
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+@dataclass(frozen=True)
+class BlockRetained:
+    block_hashes: tuple[int, ...]
+    retained_until_ts: float  # unix seconds
+    type: str = "BlockRetained"
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | BlockRetained
 
 
 @dataclass(frozen=True)
@@ -70,6 +85,8 @@ def event_from_json(data: dict[str, Any]) -> KVEvent:
         return BlockRemoved(tuple(data["block_hashes"]))
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
+    if kind == "BlockRetained":
+        return BlockRetained(tuple(data["block_hashes"]), float(data["retained_until_ts"]))
     raise ValueError(f"unknown KV event type {kind!r}")
 
 
@@ -81,7 +98,7 @@ def batch_from_json(data: dict[str, Any]) -> EventBatch:
 def apply_events(held: set[int], events: tuple[KVEvent, ...] | list[KVEvent]) -> None:
     """Replay events onto a set of held hashes (what a consumer of the stream does)."""
     for event in events:
-        if isinstance(event, BlockStored):
+        if isinstance(event, BlockStored | BlockRetained):
             held.update(event.block_hashes)
         elif isinstance(event, BlockRemoved):
             held.difference_update(event.block_hashes)

@@ -6,10 +6,17 @@ ignored, as OpenAI-compatible servers do (logit_bias included); `parallel_tool_c
 keeps at most one tool call; response_format `json_object` / `json_schema` constrain decoding
 (engine/structured_output.py). `cache_salt` is our (and vLLM's) extension: requests with
 different salts never share prefix-cache blocks.
+
+KV retention (engine/kv_cache/retention.py): `cache_retention_s` (our extension: seconds, the gateway
+sends it) or OpenAI's `prompt_cache_retention` ("in_memory": 5 minutes, "24h") asks the replica to
+keep the prompt's cached blocks from eviction that long after the request ends (clamped to the
+replica's `--kv-retention-max-s`); `cache_retention_id` (ours) or `prompt_cache_key` names the
+session, whose next retention replaces this one.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
@@ -17,6 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from contracts.output_grammar import OutputGrammar
 from contracts.sampling_params import SamplingParams
+
+# OpenAI's prompt_cache_retention values, in seconds ("in_memory": its caches live 5-10 minutes)
+PROMPT_CACHE_RETENTION_S = {"in_memory": 300.0, "24h": 86_400.0}
 
 
 class _Body(BaseModel):
@@ -154,6 +164,24 @@ class _SamplingBody(_Body):
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
     response_format: ResponseFormat | None = None
+    cache_retention_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    cache_retention_id: str | None = Field(default=None, min_length=1, max_length=128)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_key: str | None = None
+
+    def retention(self) -> tuple[float, str | None]:
+        """(seconds to keep the prompt's blocks after the request, the session's retention id):
+        `cache_retention_s`, else OpenAI's `prompt_cache_retention`, else 0 (none); the id is
+        `cache_retention_id`, else a digest of `prompt_cache_key` (bounded whatever its length)."""
+        retain_s = self.cache_retention_s
+        if retain_s is None:
+            retain_s = PROMPT_CACHE_RETENTION_S.get(self.prompt_cache_retention or "", 0.0)
+        retention_id = self.cache_retention_id
+        if retention_id is None and self.prompt_cache_key:
+            digest = hashlib.blake2b(self.prompt_cache_key.encode("utf-8", "surrogatepass"),
+                                     digest_size=16)
+            retention_id = "key:" + digest.hexdigest()
+        return retain_s, retention_id
 
     @model_validator(mode="after")
     def _check_streaming(self) -> _SamplingBody:
@@ -204,6 +232,10 @@ class ChatCompletionRequest(_SamplingBody):
     # vLLM's extension: extra variables for the checkpoint's jinja template (Qwen3's
     # enable_thinking); the template's own variables (messages, tools, ...) cannot be replaced
     chat_template_kwargs: dict[str, Any] | None = None
+    # ours: the prompt as the gateway rendered it (chat/render.py), used by a replica whose own
+    # render id is `prompt_render_id` instead of rendering `messages` again; others ignore it
+    prompt_token_ids: list[int] | None = Field(default=None, min_length=1)
+    prompt_render_id: str | None = None
 
     @model_validator(mode="after")
     def _check_tools(self) -> ChatCompletionRequest:

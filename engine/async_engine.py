@@ -59,7 +59,9 @@ class AsyncEngine:
     # ---- the asyncio side ----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        cache_salt: str | None = None,
-                       trace_headers: Mapping[str, str] | None = None) -> AsyncIterator[RequestOutput]:
+                       trace_headers: Mapping[str, str] | None = None,
+                       retain_s: float = 0.0, retention_id: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         if self._error is not None:
             raise EngineDeadError(str(self._error))
         self.engine.check_prompt(len(prompt_token_ids))  # PromptTooLongError before the first yield
@@ -68,7 +70,8 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
-        self._commands.put(("add", (request_id, list(prompt_token_ids), params, cache_salt)))
+        self._commands.put(("add", (request_id, list(prompt_token_ids), params, cache_salt,
+                                    retain_s, retention_id)))
         finished = False
         try:
             while not finished:
@@ -144,9 +147,9 @@ class AsyncEngine:
 
     def _apply(self, kind: str, arg: Any) -> None:
         if kind == "add":
-            request_id, prompt, params, salt = arg
+            request_id, prompt, params, salt, retain_s, retention_id = arg
             try:
-                self.engine.add_request(request_id, prompt, params, salt)
+                self.engine.add_request(request_id, prompt, params, salt, retain_s, retention_id)
             except Exception as exc:  # noqa: BLE001 - reported to that request's stream
                 self._deliver_error(request_id, exc)
         elif kind == "abort":

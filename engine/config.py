@@ -164,12 +164,23 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int = 256 * 1024 * 1024
     enable_prefix_caching: bool = True
+    # KV retention (engine/kv_cache/retention.py): the longest time a request may keep its prefix
+    # from eviction after it finishes (longer asks are clamped), and the fractions of the pool that
+    # retained prefixes may hold per project (cache salt) and in all
+    max_retention_s: float = 3600.0
+    retention_share_per_project: float = 0.25
+    retention_share_total: float = 0.5
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        if not 0.0 <= self.max_retention_s <= 7 * 86_400:
+            raise ValueError(f"max_retention_s must be in 0..604800, got {self.max_retention_s}")
+        for name in ("retention_share_per_project", "retention_share_total"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in 0..1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,9 @@ class LLMEngine:
                                     include_token_ids=kv_events_token_ids)
         self.kv_cache = KVCacheManager(runner.num_blocks, self.block_size,
                                        config.cache.enable_prefix_caching, self.kv_events,
-                                       group_windows=runner.kv_layout.group_windows)
+                                       group_windows=runner.kv_layout.group_windows,
+                                       retention_share_per_owner=config.cache.retention_share_per_project,
+                                       retention_share_total=config.cache.retention_share_total)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.sampler = Sampler(seed=config.seed)
         self.grammars = GrammarCompiler(tokenizer.backend, model_config.vocab_size,
@@ -97,10 +99,13 @@ class LLMEngine:
                     cache_salt: str | None = None, retain_s: float = 0.0,
                     retention_id: str | None = None) -> None:
         """`retain_s` > 0: keep the prompt's cached blocks safe from eviction that long after the request
-        finishes (bounded per cache salt; `retention_id` names the session whose last retention this
-        one supersedes; engine/kv_cache/retention.py)."""
+        finishes (clamped to CacheConfig.max_retention_s; bounded per cache salt; `retention_id`
+        names the session whose last retention this one supersedes; engine/kv_cache/retention.py)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
+        if not retain_s >= 0.0:  # (NaN too)
+            raise ValueError(f"retain_s must be >= 0, got {retain_s}")
+        retain_s = min(retain_s, self.config.cache.max_retention_s)
         self.check_prompt(len(prompt_token_ids))
         request = Request(request_id, list(prompt_token_ids), params,
                           () if params.ignore_eos else self.model_config.eos_token_ids,

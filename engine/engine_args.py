@@ -25,6 +25,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--kv-retention-max-s", type=float, default=3600.0,
+                        help="longest KV retention a request may ask for, in seconds (longer is clamped)")
+    parser.add_argument("--kv-retention-share-per-project", type=float, default=0.25,
+                        help="fraction of the KV pool one project's retained prefixes may hold")
+    parser.add_argument("--kv-retention-share-total", type=float, default=0.5,
+                        help="fraction of the KV pool all retained prefixes together may hold")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model's step")
     parser.add_argument("--quantization", choices=["fp8"], default=None)
@@ -60,7 +66,10 @@ def engine_config_from_args(args: argparse.Namespace, replica_id: str = "replica
     return EngineConfig(
         model_path=str(args.model or default_model_path()),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory,
-                          enable_prefix_caching=not args.no_prefix_caching),
+                          enable_prefix_caching=not args.no_prefix_caching,
+                          max_retention_s=args.kv_retention_max_s,
+                          retention_share_per_project=args.kv_retention_share_per_project,
+                          retention_share_total=args.kv_retention_share_total),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs),
         device=args.device, dtype=args.dtype, num_threads=args.threads, compile=args.compile,

@@ -55,14 +55,16 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     # Keep the prompt's cached blocks for retain_s seconds after finishing (engine/kv_cache/retention.py);
-    # the same retention_key (per cache salt) supersedes; None: the prompt's first block hash.
+    # the same retention_key (per cache salt) supersedes; None: the last block's hash (a later
+    # retention that extends this prefix supersedes it all the same).
     retain_s: float = 0.0
     retention_id: str | None = None
 
     @property
     def retention_key(self) -> tuple[str, str]:
         """(owner, session): the owner is the cache salt, whose share of the pool is bounded."""
-        session = self.retention_id or (str(self.block_hashes[0]) if self.block_hashes else self.request_id)
+        session = self.retention_id or (f"tail:{self.block_hashes[-1]}" if self.block_hashes
+                                        else self.request_id)
         return (self.cache_salt or "", session)
 
     def __post_init__(self) -> None:

@@ -157,6 +157,12 @@ class GatewaySettings(BaseSettings):
     metering_backlog_max_bytes: int = Field(64 * 1024 * 1024, gt=0)
     # Prompt-cache isolation (auth.cache_salt): per project, per key, or shared by all.
     cache_salt_scope: Literal["project", "key", "shared"] = "project"
+    # KV retention on our replicas (gateway/request/retention.py): the longest a client may ask
+    # for (cache_control ttl, prompt_cache_retention), what a repeating session (prompt_cache_key
+    # or x-session-id seen before) gets unasked (0: none), and how many sessions are remembered
+    max_cache_retention_s: float = Field(3600.0, ge=0)
+    session_cache_retention_s: float = Field(300.0, ge=0)
+    cache_retention_max_sessions: int = Field(65_536, ge=0)
     # Retries before the first token: at most `num_retries` per request, and in all at most
     # `retry_budget_ratio` retries per request plus `num_retries_reserve` (a retry budget).
     num_retries: int = Field(2, ge=0)

@@ -65,7 +65,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, block_size, enable_caching, event_log)
         self._requests: dict[str, list[_GroupBlocks]] = {}
         self.retention = RetentionTable(self.pool, int(num_blocks * retention_share_per_owner),
-                                        int(num_blocks * retention_share_total))
+                                        int(num_blocks * retention_share_total), event_log)
         self.num_queried_tokens = 0  # prefix-cache statistics (prompt tokens looked up / found)
         self.num_hit_tokens = 0
 
@@ -250,6 +250,7 @@ class KVCacheManager:
                     assert owner.setdefault(block.block_id, group) == group, (block, group)
                     if block.block_hash is not None:
                         assert block.group == group, (block, group)
+        self.retention.check_integrity()
         for block in self.retention.references():
             refs[block.block_id] = refs.get(block.block_id, 0) + 1
         for block in self.pool.blocks:

@@ -54,14 +54,16 @@ class TracedEngine:
         return getattr(self.inner, name)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       cache_salt: str | None = None, trace_headers: Mapping[str, str] | None = None
+                       cache_salt: str | None = None, trace_headers: Mapping[str, str] | None = None,
+                       retain_s: float = 0.0, retention_id: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
         started_ns = time.time_ns()
         first_output_ns: int | None = None
         last: RequestOutput | None = None
         error: BaseException | None = None
         outputs = self.inner.generate(request_id, prompt_token_ids, params, cache_salt=cache_salt,
-                                      trace_headers=trace_headers)
+                                      trace_headers=trace_headers, retain_s=retain_s,
+                                      retention_id=retention_id)
         try:
             async for output in outputs:
                 if first_output_ns is None:

@@ -8,8 +8,9 @@ Mapping to the canonical form:
   assistant text + `tool_use` blocks   -> one assistant message with tool calls (input -> JSON text)
   tools[].input_schema                 -> Tool.parameters;  tool_choice auto/any/tool/none -> OpenAI's
   cache_control on blocks              -> kept per message for a native Anthropic upstream
-                                          (backends/anthropic.py); others ignore it (our
-                                          replicas cache prefixes themselves)
+                                          (backends/anthropic.py); its longest ttl ("5m" /
+                                          "1h", anywhere: top level, system, tools, messages)
+                                          -> cache_retention_s (our replicas keep the prefix)
   a last assistant message with text   -> prefill: continue_final_message, the answer continues it
   output_config.format (json_schema)    -> response_format json_schema: the replica constrains decoding
   thinking disabled / enabled           -> chat_template_kwargs enable_thinking false / true (Qwen3),
@@ -180,6 +181,41 @@ def _cache_control_of(content: Any) -> str | None:
     return None
 
 
+CACHE_TTL_S = {"5m": 300.0, "1h": 3600.0}  # cache_control ttl values (absent: "5m")
+
+
+def _cache_retention_s(body: dict[str, Any]) -> float | None:
+    """The longest `cache_control` ttl in seconds anywhere Anthropic takes one (the top level,
+    system blocks, tools, message blocks); None when none is set. Each must be
+    `{"type": "ephemeral", "ttl"?: "5m" | "1h"}`."""
+    found: list[tuple[Any, str]] = [(body.get("cache_control"), "cache_control")]
+    system = body.get("system")
+    if isinstance(system, list):
+        found += [(b.get("cache_control"), f"system[{i}].cache_control")
+                  for i, b in enumerate(system) if isinstance(b, dict)]
+    tools = body.get("tools")
+    if isinstance(tools, list):
+        found += [(t.get("cache_control"), f"tools[{i}].cache_control")
+                  for i, t in enumerate(tools) if isinstance(t, dict)]
+    for i, message in enumerate(body.get("messages") or ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            found += [(b.get("cache_control"), f"messages[{i}].content[{j}].cache_control")
+                      for j, b in enumerate(content) if isinstance(b, dict)]
+    longest: float | None = None
+    for value, where in found:
+        if value is None:
+            continue
+        control = need_object(value, where)
+        if control.get("type") != "ephemeral":
+            raise InvalidParam(f"{where}.type", "expected 'ephemeral'")
+        ttl = control.get("ttl", "5m")
+        if ttl not in CACHE_TTL_S:
+            raise InvalidParam(f"{where}.ttl", "expected '5m' or '1h'")
+        longest = max(longest or 0.0, CACHE_TTL_S[ttl])
+    return longest
+
+
 def _parse_tool_choice(value: Any) -> str | dict[str, Any] | None:
     if value is None:
         return None
@@ -293,6 +329,7 @@ class AnthropicMessages(Dialect):
             raise InvalidParam("messages", "a last assistant message (prefill) cannot be "
                                "combined with output_config.format")
         _parse_thinking(body, request)
+        request.cache_retention_s = _cache_retention_s(body)
         check_sampling(request, {"stop": "stop_sequences"})
         return request
 

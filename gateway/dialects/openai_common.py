@@ -60,13 +60,38 @@ def parse_reasoning_effort(value: Any, param: str) -> str | None:
     return str(value)
 
 
+# prompt_cache_retention (Azure's documents spell the first "in-memory") and
+# prompt_cache_options.ttl, in seconds: OpenAI's in-memory caches live 5 to 10 minutes
+PROMPT_CACHE_RETENTION_S = {"in_memory": 300.0, "in-memory": 300.0, "24h": 86_400.0}
+PROMPT_CACHE_TTL_S = {"30m": 1800.0}
+
+
+def parse_cache_retention(body: dict[str, Any]) -> float | None:
+    """How long the prompt's prefix should stay cached, in seconds: the longer of
+    `prompt_cache_retention` ("in_memory" / "24h") and `prompt_cache_options.ttl` ("30m");
+    None when neither is given."""
+    found: list[float] = []
+    retention = body.get("prompt_cache_retention")
+    if retention is not None:
+        if retention not in PROMPT_CACHE_RETENTION_S:
+            raise InvalidParam("prompt_cache_retention", "must be 'in_memory' or '24h'")
+        found.append(PROMPT_CACHE_RETENTION_S[retention])
+    options = get_object(body, "prompt_cache_options")
+    if options is not None and options.get("ttl") is not None:
+        if options["ttl"] not in PROMPT_CACHE_TTL_S:
+            raise InvalidParam("prompt_cache_options.ttl", "must be '30m'")
+        found.append(PROMPT_CACHE_TTL_S[options["ttl"]])
+    return max(found) if found else None
+
+
 def parse_sampling(body: dict[str, Any], request: CanonicalRequest, *, max_tokens_keys: tuple[str, ...]
                    ) -> None:
     """temperature, top_p, penalties, n, seed, stop, max tokens, stream, stream_options, user
-    and prompt_cache_key onto `request`
+    prompt_cache_key and the prompt cache retention onto `request`
     (max tokens may be 0 only on a completion that echoes its prompt: it scores the prompt)."""
     request.user = get_str(body, "user")
     request.prompt_cache_key = get_str(body, "prompt_cache_key")
+    request.cache_retention_s = parse_cache_retention(body)
     for key in max_tokens_keys:
         value = get_int(body, key, minimum=0 if request.echo else 1)
         if value is not None:

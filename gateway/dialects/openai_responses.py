@@ -248,6 +248,7 @@ class OpenAIResponses(Dialect):
         request.stream = bool(get_bool(body, "stream"))
         request.user = get_str(body, "user")
         request.prompt_cache_key = get_str(body, "prompt_cache_key")
+        request.cache_retention_s = common.parse_cache_retention(body)
         reasoning = get_object(body, "reasoning")
         if reasoning is not None:
             request.reasoning_effort = common.parse_reasoning_effort(reasoning.get("effort"),

@@ -12,7 +12,8 @@ already applied it: all writes are set operations, so replays are harmless); seq
 or no applied seq at all answers `GAP` and changes nothing: the caller re-syncs from a snapshot.
 
 Entries written by events are permanent until removed; tentative entries carry an expiry and
-never overwrite a permanent one; an event `BlockStored` makes a tentative entry permanent.
+never overwrite a permanent one; an event `BlockStored` (or `BlockRetained`: a stored block the
+replica keeps from eviction for a while) makes a tentative entry permanent.
 Two implementations: `InProcessIndex` here, `RedisIndex` (gateway/routing/redis_index.py).
 """
 
@@ -23,7 +24,14 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from contracts.kv_events import AllBlocksCleared, BlockStored, EventBatch, KVEvent, KVSnapshot
+from contracts.kv_events import (
+    AllBlocksCleared,
+    BlockRetained,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    KVSnapshot,
+)
 
 PERMANENT = 0.0  # the expiry stored for entries written by events
 
@@ -86,7 +94,7 @@ class InProcessIndex(PrefixIndex):
         return ApplyResult.APPLIED
 
     def _apply_event(self, replica_id: str, event: KVEvent) -> None:
-        if isinstance(event, BlockStored):
+        if isinstance(event, BlockStored | BlockRetained):
             self._add(replica_id, event.block_hashes, PERMANENT)
         elif isinstance(event, AllBlocksCleared):
             self._clear(replica_id)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from contracts.kv_events import AllBlocksCleared, BlockStored, EventBatch, KVSnapshot
+from contracts.kv_events import AllBlocksCleared, BlockRetained, BlockStored, EventBatch, KVSnapshot
 from gateway.routing.index import ApplyResult, PrefixIndex
 
 _CLEAR = """
@@ -158,7 +158,8 @@ class RedisIndex(PrefixIndex):
             if isinstance(event, AllBlocksCleared):
                 ops.append("C")
             else:
-                ops += ["S" if isinstance(event, BlockStored) else "R", len(event.block_hashes)]
+                ops += ["S" if isinstance(event, BlockStored | BlockRetained) else "R",
+                        len(event.block_hashes)]
                 ops += [hash_key(h) for h in event.block_hashes]
         result = await self._apply(keys=[self.seq_key, self.replica_prefix + batch.replica_id],
                                    args=[batch.replica_id, batch.seq, self.block_prefix, *ops])

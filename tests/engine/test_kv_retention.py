@@ -111,3 +111,80 @@ def test_retention_yields_when_the_idle_engine_cannot_fit_a_waiting_request() ->
 def test_negative_bounds_are_refused(share: float) -> None:
     with pytest.raises(ValueError, match="retention bounds"):
         scheduler_of(10, retention_share_per_owner=share)
+
+
+def test_sessions_sharing_a_head_keep_it_once_and_count_it_once() -> None:
+    scheduler = scheduler_of(200)  # 50 blocks per owner
+    head = tokens(320, start=1000)  # 20 blocks every session shares (system prompt and tools)
+    sessions = [retained(head + tokens(48, start=10_000 + 1000 * i), 600, salt="p", session=f"s{i}")
+                for i in range(8)]
+    run(scheduler, *sessions)
+    table = scheduler.kv_cache.retention
+    assert table.num_entries == 8 and table.num_blocks_of("p") == 20 + 8 * 3  # head once
+    assert all(b.ref_cnt == 1 for b in table.references())  # one pool reference a distinct block
+    scheduler.kv_cache.check_integrity()
+    table.release_all()
+    assert scheduler.kv_cache.num_free_blocks == 200
+    scheduler.kv_cache.check_integrity()
+
+
+def test_a_next_turn_without_a_session_id_supersedes_the_prefix_it_extends() -> None:
+    scheduler = scheduler_of(200)
+    turn1 = tokens(160, start=1000)
+    other = tokens(160, start=1000)[:96] + tokens(64, start=60_000)  # shares 6 blocks of head only
+    run(scheduler, retained(turn1, 600), retained(other, 600))
+    table = scheduler.kv_cache.retention
+    assert table.num_entries == 2 and table.num_blocks == 10 + 4
+    turn2 = turn1 + tokens(2, start=3000) + tokens(62, start=70_000)  # turn 1's prompt, answer, more
+    run(scheduler, retained(turn2, 600))
+    assert table.num_entries == 2  # turn 1's entry gone, the other session's kept
+    assert num_cached_blocks_of(scheduler, other) == 10
+    scheduler.kv_cache.check_integrity()
+
+
+def test_retention_events_name_the_kept_hashes_and_replaying_events_stays_true() -> None:
+    from contracts.kv_events import BlockRetained, KVEventLog, apply_events
+
+    log = KVEventLog("r0")
+    from engine.kv_cache.manager import KVCacheManager
+    manager = KVCacheManager(40, BLOCK_SIZE, True, log, (None,), retention_share_per_owner=0.5)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16), manager)
+    kept = retained(tokens(160, start=1000), 600)
+    started = time.time()
+    run(scheduler, kept)
+    batch = log.seal()
+    assert batch is not None
+    events = [e for e in batch.events if isinstance(e, BlockRetained)]
+    assert len(events) == 1 and events[0].block_hashes == tuple(kept.block_hashes[:10])
+    assert started + 599 <= events[0].retained_until_ts <= time.time() + 601
+    held: set[int] = set()
+    apply_events(held, batch.events)
+    for start in (20_000, 40_000, 60_000):  # pressure: 24 blocks each, 30 evictable
+        run(scheduler, make_request(tokens(384, start=start), max_tokens=1))
+        sealed = log.seal()
+        if sealed is not None:
+            apply_events(held, sealed.events)
+        assert held == set(manager.pool.cached_hashes())  # what a consumer of the events holds
+        assert set(kept.block_hashes[:10]) <= held
+    manager.check_integrity()
+
+
+def test_an_engine_clamps_retention_to_its_maximum_and_refuses_a_negative_one(
+        make_engine) -> None:  # type: ignore[no-untyped-def]
+    from contracts.sampling_params import SamplingParams
+    from tests.engine.fakes import drive
+
+    engine = make_engine(kv_cache_memory_bytes=16 << 20, fresh=True)  # 22 blocks
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with pytest.raises(ValueError, match="retain_s"):
+        engine.add_request("neg", tokens(40, start=100), params, retain_s=-1.0)
+    prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)
+    engine.add_request("a", prompt, params, cache_salt="p1", retain_s=10 ** 9)
+    drive(engine)
+    table = engine.kv_cache.retention
+    entry = next(iter(table._entries.values()))
+    assert entry.expires_at_s <= time.monotonic() + engine.config.cache.max_retention_s
+    assert table.num_blocks_of("p1") == len(prompt) // BLOCK_SIZE
+    engine.kv_cache.check_integrity()
+    engine.kv_cache.release_retention()
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks

@@ -310,3 +310,65 @@ def test_killing_one_replica_mid_run_never_hangs_a_request(served: tuple[str, st
     after = httpx.post(url + "/v1/chat/completions", timeout=120, json={
         "model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
     assert after.status_code == 200
+
+
+def _retained_until(replica_url: str, since: int) -> list[float]:
+    """Each BlockRetained's `retained_until_ts` in the replica's KV events after batch `since`."""
+    page = httpx.get(replica_url + "/kv/events", params={"since": since}, timeout=10).json()
+    return [event["retained_until_ts"] for batch in page["batches"] for event in batch["events"]
+            if event["type"] == "BlockRetained"]
+
+
+def _last_seq(replica_url: str) -> int:
+    return int(httpx.get(replica_url + "/kv/events", params={"since": 10**9}, timeout=10)
+               .json()["last_seq"])
+
+
+def test_sdk_cache_retention_fields_keep_a_prefix_through_pressure_that_evicts_others(
+        served: tuple[str, str], two_replicas: list[embedded.ReplicaProcess]) -> None:
+    """OpenAI's prompt_cache_retention and Anthropic's cache_control ttl reach the replica as KV
+    retention (clamped to the gateway's 1 h maximum): its events name the kept blocks, and after
+    unrelated prompts that fill the whole pool (91 blocks) the session's next turn still hits them
+    while a prefix sent without retention is gone."""
+    import time
+
+    url, model = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    system = "You are a terse assistant for the harbour office. " + "Tide tables and berth rules. " * 40
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Berth 4?"}]
+    seqs = {r.url: _last_seq(r.url) for r in two_replicas}
+    started = time.time()
+    first = client.chat.completions.with_raw_response.create(
+        model=model, max_tokens=4, temperature=0, messages=messages,  # type: ignore[arg-type]
+        prompt_cache_key="harbour-agent-1", prompt_cache_retention="24h")
+    replica = "http://" + first.headers["x-aigw-replica"]
+    assert replica in seqs, (replica, list(seqs))
+    untils = _retained_until(replica, seqs[replica])
+    assert untils and all(started + 3590 <= t <= time.time() + 3601 for t in untils)  # 24h -> 1 h
+    num_prompt = first.parse().usage.prompt_tokens
+    bare = openai.OpenAI(base_url=replica + "/v1", api_key="x", max_retries=0, timeout=120)
+    plain = "Lighthouse keeping notes, unretained. " * 40
+    bare.completions.create(model=model, prompt=plain, max_tokens=1)
+    for k in range(3):  # unrelated prompts of ~1,100 tokens each: every unreferenced block goes
+        bare.completions.create(model=model, prompt=f"{k} " + "Granary ledger entry. " * 200,
+                                max_tokens=1)
+    again = bare.completions.create(model=model, prompt=plain, max_tokens=1)
+    assert again.usage.prompt_tokens_details is None or not again.usage.prompt_tokens_details.cached_tokens
+    second = client.chat.completions.create(
+        model=model, max_tokens=4, temperature=0, prompt_cache_key="harbour-agent-1",
+        messages=[*messages, {"role": "assistant", "content": "Free."},  # type: ignore[list-item]
+                  {"role": "user", "content": "And berth 5?"}])
+    cached = second.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    assert cached >= (num_prompt // 16 - 1) * 16, (cached, num_prompt)
+
+    claude = anthropic.Anthropic(base_url=url + "/anthropic", api_key="x", max_retries=0, timeout=120)
+    seqs = {r.url: _last_seq(r.url) for r in two_replicas}
+    started = time.time()
+    claude.messages.create(model=model, max_tokens=2, system=[
+        {"type": "text", "text": "Customs desk rules. " * 30, "cache_control": {"type": "ephemeral", "ttl": "5m"}}],
+        messages=[{"role": "user", "content": "Form 12?"}])
+    untils = [t for r in two_replicas for t in _retained_until(r.url, seqs[r.url])]
+    assert untils and all(started + 295 <= t <= time.time() + 301 for t in untils)
+    with pytest.raises(anthropic.BadRequestError, match="ttl"):
+        claude.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral", "ttl": "2d"}}]}])  # type: ignore[typeddict-item]
