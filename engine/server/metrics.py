@@ -12,6 +12,13 @@ the server as outputs stream out:
     aigw_replica_prefix_cache_hit_tokens_total            counter
     aigw_replica_prefix_cache_hit_ratio                   gauge (hit / queried, 0 when none)
     aigw_replica_preemptions_total                        counter
+    aigw_replica_kv_host_tier_hit_tokens_total            counter (of the hit tokens, restored from
+                                                                   the second KV tier)
+    aigw_replica_kv_host_tier_blocks / _bytes / _budget_bytes      gauge
+    aigw_replica_kv_host_tier_offloaded_blocks_total      counter (evicted from the pool into the tier)
+    aigw_replica_kv_host_tier_restored_blocks_total       counter (copied back on a prefix hit)
+    aigw_replica_kv_host_tier_dropped_blocks_total        counter (gave their slot up to newer ones,
+                                                                   or evicted when none was free)
     aigw_replica_requests_total{finish_reason}            counter (engine requests, not HTTP)
     aigw_replica_time_to_first_token_seconds              histogram
     aigw_replica_inter_token_latency_seconds              histogram
@@ -83,6 +90,26 @@ class _EngineStatsCollector(Collector):
                     hit / queried if queried else 0.0)
         yield counter("preemptions", "Requests preempted for lack of KV blocks.",
                       stats.num_preemptions_total)
+        if getattr(stats, "host_tier_budget_bytes", None) is not None:  # not every engine has a tier
+            yield from _host_tier_metrics(stats, gauge, counter)
+
+
+def _host_tier_metrics(stats: Any, gauge: Callable[[str, str, float], Metric],
+                       counter: Callable[[str, str, float], Metric]) -> Iterator[Metric]:
+    yield counter("kv_host_tier_hit_tokens", "Prompt tokens of the prefix-cache hits that the second "
+                  "KV tier served (restored, not recomputed).", stats.num_host_tier_hit_tokens)
+    yield gauge("kv_host_tier_blocks", "KV blocks the second tier holds.", stats.num_host_tier_blocks)
+    yield gauge("kv_host_tier_bytes", "Bytes of the KV blocks the second tier holds.",
+                stats.num_host_tier_bytes)
+    yield gauge("kv_host_tier_budget_bytes", "The second KV tier's budget (0: none).",
+                stats.host_tier_budget_bytes)
+    yield counter("kv_host_tier_offloaded_blocks", "KV blocks evicted from the pool into the second "
+                  "tier.", stats.num_host_tier_offloaded_blocks_total)
+    yield counter("kv_host_tier_restored_blocks", "KV blocks the second tier copied back into the "
+                  "pool on a prefix hit.", stats.num_host_tier_restored_blocks_total)
+    yield counter("kv_host_tier_dropped_blocks", "KV blocks the second tier let go: entries that gave "
+                  "their slot up to newer blocks, evicted blocks that found no free slot.",
+                  stats.num_host_tier_dropped_blocks_total)
 
 
 class ReplicaMetrics:
@@ -101,7 +128,14 @@ class ReplicaMetrics:
                               label_names, buckets=_E2E_BUCKETS, registry=self.registry)
         self._finished = Counter(PREFIX + "requests", "Engine requests finished.",
                                  [*label_names, "finish_reason"], registry=self.registry)
+        self._prompt_renders = Counter(
+            PREFIX + "prompt_renders", "Chat prompts by who rendered them: the gateway (its token "
+            "ids used) or this replica.", [*label_names, "by"], registry=self.registry)
         self._labels = labels
+
+    def count_prompt_render(self, by: str) -> None:
+        """`by`: "gateway" (its prompt_token_ids were used) or "replica" (rendered here)."""
+        self._prompt_renders.labels(**self._labels, by=by).inc()
 
     def track(self, start: float | None = None) -> RequestLatency:
         return RequestLatency(self, time.perf_counter() if start is None else start)

@@ -17,9 +17,9 @@ import orjson
 import pydantic
 from aiohttp import web
 
-from chat.harmony import load_encoding as load_harmony_encoding
 from chat.output import OutputParser
 from chat.registry import ChatFormat, chat_format_for
+from chat.render import ChatPrompt, PromptRenderer
 from contracts.output_grammar import OutputGrammar
 from contracts.replica_errors import ContextLengthExceeded, InvalidRequestError, NotFoundError
 from contracts.replica_protocol import ChatCompletionRequest, CompletionRequest, per_choice_params
@@ -27,7 +27,6 @@ from contracts.sampling_params import SamplingParams, SamplingParamsError
 from engine.outputs import PromptTooLongError
 from engine.server.fanout import FanOut, SubRequest
 from engine.server.metrics import ReplicaMetrics
-from engine.server.prompts import ChatPrompt, render_chat_prompt
 from engine.server.settings import ReplicaServerSettings
 from engine.server.typedefs import ServedEngine
 
@@ -88,25 +87,37 @@ class ServingContext:
                                getattr(tokenizer, "token_to_id", None))
 
     @functools.cached_property
+    def renderer(self) -> PromptRenderer:
+        """The checkpoint's prompt renderer (chat/render.py), the gateway's too."""
+        return PromptRenderer(self.engine.tokenizer, self.chat_format)
+
     def harmony(self) -> Any:
-        """gpt-oss's harmony encoding, its vocabulary from the served tokenizer if need be
-        (chat/harmony.py; loaded once per process)."""
-        backend = getattr(self.engine.tokenizer, "backend", None)
-        return load_harmony_encoding(backend.get_vocab() if backend is not None else None)
+        """gpt-oss's harmony encoding (chat/harmony.py; loaded once per process)."""
+        return self.renderer.harmony()
 
     def render_prompt(self, req: ChatCompletionRequest, max_tokens: int | None) -> ChatPrompt:
-        """The chat prompt in the checkpoint's format (called in a worker thread)."""
-        chat_format = self.chat_format
-        harmony = self.harmony if chat_format.renderer == "harmony" else None
-        return render_chat_prompt(req, self.engine.tokenizer, chat_format, max_tokens=max_tokens,
-                                  max_model_len=self.engine.max_model_len, harmony=harmony)
+        """The chat prompt in the checkpoint's format (called in a worker thread). A body that
+        carries the gateway's `prompt_token_ids` under this replica's render id is not rendered
+        again (chat/render.py); with another render id (another tokenizer or template loaded
+        there), the messages are."""
+        renderer = self.renderer
+        ids = req.prompt_token_ids
+        if ids is not None and req.prompt_render_id == renderer.render_id:
+            vocab_size = self.engine.model_config.vocab_size
+            if any(not 0 <= tid < vocab_size for tid in ids):
+                raise InvalidRequestError(f"prompt_token_ids must be in [0, {vocab_size})",
+                                          param="prompt_token_ids")
+            self.metrics.count_prompt_render("gateway")
+            return renderer.given(ids)
+        self.metrics.count_prompt_render("replica")
+        return renderer.render(req, max_tokens=max_tokens, max_model_len=self.engine.max_model_len)
 
     def new_output_parser(self, req: ChatCompletionRequest, prompt_text: str) -> OutputParser:
         """One choice's answer parser: reasoning and, when the request uses tools, tool calls."""
         return self.chat_format.output_parser(
             prompt_text=prompt_text, uses_tools=req.uses_tools,
             calls_only=bool(req.forced_functions), tool_parser=self.settings.tool_parser,
-            harmony=lambda: self.harmony)
+            harmony=self.harmony)
 
     @asynccontextmanager
     async def fanout(self, request: web.Request, request_id: str, prompts: list[list[int]],

@@ -1,5 +1,8 @@
 """Our engine replicas: OpenAI-compatible HTTP plus the request's `cache_salt`,
-`continue_final_message` (Anthropic prefill) and /metrics load.
+`continue_final_message` (Anthropic prefill), KV retention (`cache_retention_s` and
+`cache_retention_id`: gateway/request/retention.py), the prompt's token ids when the gateway
+rendered it already (`prompt_token_ids` + `prompt_render_id`, chat/render.py: the replica does not
+render it again) and /metrics load.
 
 Every call carries the replica credential (`Endpoint.auth_headers`: GatewaySettings.replica_secret,
 which the replicas check, engine/server/middlewares.py).
@@ -35,6 +38,21 @@ class ReplicaBackend(OpenAICompatBackend):
         body = super().upstream_body(request, endpoint)
         if request.continue_final_message:
             body["continue_final_message"] = True  # vLLM's name for it: prefill
+        retain_s, retention_id = request.kv_retention
+        if retain_s > 0:  # KV retention (contracts/replica_protocol.py)
+            body["cache_retention_s"] = retain_s
+            if retention_id is not None:
+                body["cache_retention_id"] = retention_id
+        rendered = request.rendered_prompt
+        if rendered is not None and request.kind == "chat":
+            from gateway.routing.prefix_router import tokenizer_path
+            from gateway.routing.prompt_hashing import shared_prompt_hasher
+
+            path = tokenizer_path(endpoint)
+            if rendered[0] == path:  # rendered here already (admission or routing): send the ids
+                hasher = shared_prompt_hasher(path, self.settings.prompt_segment_cache_max_bytes)
+                body["prompt_token_ids"] = rendered[1]
+                body["prompt_render_id"] = hasher.renderer.render_id
         return body
 
     def upstream_cache_salt(self, request: CanonicalRequest, endpoint: Endpoint) -> str | None:

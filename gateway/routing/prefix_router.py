@@ -194,7 +194,7 @@ class PrefixRouter(Router):
         if not hashes:
             return self._least_load(request, endpoints, "least_load:short_prompt")
         replica_ids = [s.consumer.replica_id for s in synced if s.consumer.replica_id]
-        matched = await self.index.match(hashes, replica_ids)
+        matched = await self.index.match_tiers(hashes, replica_ids)
         candidates = [self._candidate(endpoint, state, matched, request, len(hashes))
                       for endpoint, state in zip(endpoints, states, strict=True)]
         best, scores = choose(self.config.scoring, len(hashes), hashes[0], candidates)
@@ -204,10 +204,11 @@ class PrefixRouter(Router):
                      "; ".join(s.describe() for s in scores))
         return Decision(chosen, reason)
 
-    def _candidate(self, endpoint: Endpoint, state: _EndpointState | None, matched: dict[str, int],
-                   request: CanonicalRequest, num_blocks: int) -> CandidateLoad:
+    def _candidate(self, endpoint: Endpoint, state: _EndpointState | None,
+                   matched: dict[str, tuple[int, int]], request: CanonicalRequest,
+                   num_blocks: int) -> CandidateLoad:
         replica_id = state.consumer.replica_id if state and state.consumer.is_synced else None
-        num_matched = matched.get(replica_id, 0) if replica_id else 0
+        num_matched, num_host = matched.get(replica_id, (0, 0)) if replica_id else (0, 0)
         session = self._sessions.get(_session_key(request) or b"")
         if session is not None and session[0] == endpoint.url:
             num_matched = max(num_matched, min(session[1], num_blocks))
@@ -222,13 +223,13 @@ class PrefixRouter(Router):
         if load and load.num_kv_blocks_used is not None and load.num_kv_blocks_total:
             kv_used = load.num_kv_blocks_used / load.num_kv_blocks_total
         return CandidateLoad(endpoint.name, num_matched, inflight,
-                             (load.num_requests_waiting or 0) if load else 0, kv_used)
+                             (load.num_requests_waiting or 0) if load else 0, kv_used, num_host)
 
     def _is_surely_over_context(self, request: CanonicalRequest,
                                 endpoints: Sequence[Endpoint]) -> bool:
         """A prompt whose length alone proves it cannot fit is not hashed: encoding megabytes
         takes seconds, during which the tokenizer may hold the GIL and stall the event loop; the
-        replica refuses it unencoded (engine/server/prompts.py: refuse_surely_too_long). Its
+        replica refuses it unencoded (chat/render.py: refuse_surely_too_long). Its
         characters bound its UTF-8 bytes from below, and a token stands for at most
         `max_token_bytes` of them (unknown until this model's tokenizer is loaded)."""
         hasher = self._hashers.get(tokenizer_path(endpoints[0]))
@@ -253,18 +254,21 @@ class PrefixRouter(Router):
                                salt if isinstance(salt, str) else None)
         if path not in self._hashers or request.text_length() >= self.config.hash_off_loop_min_chars:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, self._hash_sync, path, body,
-                                              model_id, block_size)
-        return self._hash_sync(path, body, model_id, block_size)
+            ids = await loop.run_in_executor(self._executor, self._token_ids, path, body)
+        else:
+            ids = self._token_ids(path, body)
+        request.rendered_prompt = (path, ids)  # the replica backend sends them on: rendered once
+        salt = body.get("cache_salt")
+        return hash_blocks(ids, block_size, model_id, salt if isinstance(salt, str) else None)
 
-    def _hash_sync(self, path: str, body: dict[str, Any], model_id: str, block_size: int) -> list[int]:
+    def _token_ids(self, path: str, body: dict[str, Any]) -> list[int]:
         hasher = self._hashers.get(path)
         if hasher is None:
             from gateway.routing.prompt_hashing import shared_prompt_hasher
 
             hasher = self._hashers[path] = shared_prompt_hasher(
                 path, self.config.segment_cache_max_bytes)
-        return hasher.block_hashes(body, model_id, block_size)
+        return hasher.token_ids(body)
 
     def _record(self, request: CanonicalRequest, chosen: Endpoint, hashes: list[int],
                 num_matched: int, reason: str, detail: str) -> None:

@@ -5,8 +5,9 @@
 
 Exactness by construction: `upstream_body` is the JSON the replica backend sends (it carries the
 request's `cache_salt`), and it is parsed and rendered by the replica's own code
-(contracts/replica_protocol.py + prompts.py: same messages mapping, chat template, tools), then hashed
-with contracts/block_hash.py, the shared contract.
+(contracts/replica_protocol.py + chat/render.py: same messages mapping, chat format, template,
+tools), then hashed with contracts/block_hash.py, the shared contract. The ids are sent on to the
+replica with the renderer's `render_id` (gateway/backends/replica.py), which then renders nothing.
 
 Cost (SmolLM2 tokenizer, ~1,640-token agent prompt with 12 tools, one core): about 4.2 ms
 uncached, of which 2.5 ms is BPE encoding. Encoding is therefore cached per *segment*: the
@@ -37,10 +38,13 @@ _MAX_SEGMENT_BYTES_FRACTION = 8  # one segment takes at most 1/8 of the cache
 @functools.lru_cache(maxsize=8)
 def shared_prompt_hasher(path: str, segment_cache_max_bytes: int) -> PromptHasher:
     """The one hasher (and so the one segment cache) of a tokenizer, shared by the prefix router
-    and the replica backend's token counts."""
+    and the replica backend's token counts; its chat format is the checkpoint's, chosen as the
+    replica chooses it (its architecture and template)."""
+    from chat.render import checkpoint_architecture
     from chat.tokenizer import load_tokenizer
 
-    return PromptHasher(load_tokenizer(path), segment_cache_max_bytes=segment_cache_max_bytes)
+    return PromptHasher(load_tokenizer(path), segment_cache_max_bytes=segment_cache_max_bytes,
+                        architecture=checkpoint_architecture(path))
 
 
 class PromptHasher:
@@ -53,8 +57,14 @@ class PromptHasher:
 
     def __init__(self, tokenizer: Tokenizer,
                  segment_cache_max_bytes: int = DEFAULT_SEGMENT_CACHE_MAX_BYTES,
-                 min_cached_segment_chars: int = 256) -> None:
+                 min_cached_segment_chars: int = 256, architecture: str = "") -> None:
+        from chat.registry import chat_format_for
+        from chat.render import PromptRenderer
+
         self.tokenizer = tokenizer
+        template = getattr(tokenizer.chat_template, "source", None)
+        self.renderer = PromptRenderer(tokenizer, chat_format_for(architecture, template,
+                                                                  tokenizer.token_to_id))
         self.min_cached_segment_chars = min_cached_segment_chars
         self.segments: ByteLRU[tuple[str | None, str], array.array[int]] = ByteLRU(
             segment_cache_max_bytes, segment_cache_max_bytes // _MAX_SEGMENT_BYTES_FRACTION)
@@ -67,11 +77,7 @@ class PromptHasher:
         """The prompt token ids the replica computes for this chat or completion body. Given
         `max_model_len`, a prompt whose length alone proves it cannot fit is refused before it
         is encoded, as the replica refuses it (contracts.replica_errors.ContextLengthExceeded)."""
-        from contracts.replica_prompts import (
-            chat_template_messages,
-            chat_template_tools,
-            refuse_surely_too_long,
-        )
+        from contracts.replica_prompts import refuse_surely_too_long
         from contracts.replica_protocol import ChatCompletionRequest, CompletionRequest
 
         if "messages" not in upstream_body:
@@ -87,13 +93,9 @@ class PromptHasher:
             refuse_surely_too_long(text, served, None, max_model_len, "prompt")
             return self.tokenizer.encode(text, add_special_tokens=True)
         chat = ChatCompletionRequest.model_validate(upstream_body)
-        text = self.tokenizer.apply_chat_template(
-            chat_template_messages(chat), tools=chat_template_tools(chat),
-            add_generation_prompt=True, continue_final_message=chat.continue_final_message)
-        refuse_surely_too_long(text, self.tokenizer, None, max_model_len,
-                               "messages")
         salt = upstream_body.get("cache_salt")
-        return self.encode_segmented(text, salt if isinstance(salt, str) else None)
+        return self.renderer.render(chat, max_model_len=max_model_len, encode=lambda text: (
+            self.encode_segmented(text, salt if isinstance(salt, str) else None))).token_ids
 
     def encode_segmented(self, text: str, salt: str | None = None) -> list[int]:
         """`tokenizer.encode(text)`, computed segment by segment with a cache of `salt`'s own."""

@@ -8,14 +8,20 @@ from typing import Any
 
 import pytest
 
+from chat.registry import HERMES
+from chat.render import PromptRenderer
 from chat.tokenizer import Tokenizer
 from contracts.replica_errors import ContextLengthExceeded
 from contracts.replica_prompts import completion_prompts
 from contracts.replica_protocol import ChatCompletionRequest, CompletionRequest
 from engine.loader import default_model_path, load_tokenizer
-from engine.server.prompts import chat_prompt_token_ids
 
 MAX_MODEL_LEN = 1456
+
+
+def chat_prompt_token_ids(req: ChatCompletionRequest, tokenizer: Any, **limits: Any) -> list[int]:
+    """The replica's render of `req` (chat/render.py) with the default model's format."""
+    return PromptRenderer(tokenizer, HERMES).render(req, **limits).token_ids
 
 
 @pytest.fixture(scope="module")

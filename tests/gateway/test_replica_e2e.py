@@ -284,6 +284,40 @@ def test_an_agent_loop_round_trips_its_calls_and_reads_its_growing_prefix_from_c
             prompt_tokens, cached_tokens)
 
 
+def _prompt_renders(replicas: list[embedded.ReplicaProcess]) -> dict[str, float]:
+    """aigw_replica_prompt_renders_total summed over the replicas, by who rendered."""
+    totals = {"gateway": 0.0, "replica": 0.0}
+    for replica in replicas:
+        for line in httpx.get(replica.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("aigw_replica_prompt_renders_total{"):
+                by = line.split('by="', 1)[1].split('"', 1)[0]
+                totals[by] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def test_the_prompt_is_rendered_once_by_the_gateway_and_answers_as_a_replica_rendering_it(
+        served: tuple[str, str], two_replicas: list[embedded.ReplicaProcess]) -> None:
+    """The router renders and tokenizes the chat prompt to hash it; the replica takes those ids
+    (same render id: tokenizer, template, chat format) instead of rendering the messages again,
+    and answers exactly as it does when it renders them itself (greedy, tools in the prompt)."""
+    url, model = served
+    tools: Any = [{"type": "function", "function": {"name": "read_file", "description": "Read",
+                   "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+    ask: Any = {"model": model, "max_tokens": 12, "temperature": 0, "tools": tools, "messages": [
+        {"role": "system", "content": "You help with code. " * 8},
+        {"role": "user", "content": "What is in main.py?"}]}
+    before = _prompt_renders(two_replicas)
+    through = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    answer = through.chat.completions.create(**ask)
+    after = _prompt_renders(two_replicas)
+    assert after["gateway"] == before["gateway"] + 1 and after["replica"] == before["replica"]
+    direct = openai.OpenAI(base_url=two_replicas[0].url + "/v1", api_key="x", max_retries=0,
+                           timeout=120).chat.completions.create(**ask)
+    assert _prompt_renders(two_replicas)["replica"] == after["replica"] + 1
+    assert answer.choices[0].message == direct.choices[0].message
+    assert answer.usage.prompt_tokens == direct.usage.prompt_tokens
+
+
 def test_killing_one_replica_mid_run_never_hangs_a_request(served: tuple[str, str],
                                                            two_replicas: list[embedded.ReplicaProcess]) -> None:
     url, model = served

@@ -6,12 +6,13 @@ from typing import Any
 
 import pytest
 
+from chat.registry import HERMES
+from chat.render import PromptRenderer
 from chat.tokenizer import Tokenizer
 from contracts.block_hash import hash_blocks
 from contracts.replica_prompts import completion_prompts
 from contracts.replica_protocol import ChatCompletionRequest, CompletionRequest
 from engine.loader import default_model_path, load_tokenizer
-from engine.server.prompts import chat_prompt_token_ids
 from gateway.backends.replica import ReplicaBackend
 from gateway.fleet.breaker import CircuitBreaker
 from gateway.fleet.endpoints import Endpoint
@@ -22,6 +23,11 @@ from gateway.settings import GatewaySettings, ModelSettings
 TOOLS = [Tool(f"tool_{i}", f"Does thing {i} carefully.", {
     "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]})
     for i in range(6)]
+
+
+def chat_prompt_token_ids(req: ChatCompletionRequest, tokenizer: Any, **limits: Any) -> list[int]:
+    """The replica's render of `req` (chat/render.py) with the default model's format."""
+    return PromptRenderer(tokenizer, HERMES).render(req, **limits).token_ids
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,7 @@ class ServerThread:
         self._loop.close()
 
     async def _setup(self) -> None:
-        app = create_app(self._engine, self._settings)
+        app = self.app = create_app(self._engine, self._settings)
         self._runner = web.AppRunner(app, handler_cancellation=self._settings.handler_cancellation)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)

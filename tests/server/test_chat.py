@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import openai
 import orjson
@@ -193,3 +195,30 @@ def test_output_grammars_are_compiled_off_the_event_loop(http: httpx.Client, mod
     ]:
         assert http.post(path, json={"model": model, "max_tokens": 4, **body}).status_code == 200
     assert len(threads) == 3 and "replica-server" not in threads
+
+
+def test_the_gateways_prompt_ids_are_used_only_under_this_replicas_render_id(
+        http: httpx.Client, fake_engine: FakeEngine, model: str, server: Any) -> None:
+    """The gateway sends the prompt it rendered (chat/render.py) with its render id: the same id
+    means the same tokenizer, template and format, and the replica does not render again; any
+    other id (another tokenizer loaded there) and the replica renders the messages itself."""
+    from engine.server.keys import SERVING_KEY
+
+    render_id = server.app[SERVING_KEY].renderer.render_id
+    messages = [{"role": "user", "content": "Say hello"}]
+    rendered = fake_engine.tokenizer.encode_chat(messages)
+    given = [*rendered[:-1], 7]  # not what the messages render to: shows which one was used
+    body = {"model": model, "messages": messages, "max_tokens": 4, "prompt_token_ids": given}
+    assert http.post("/v1/chat/completions", json={**body, "prompt_render_id": render_id}
+                     ).status_code == 200
+    assert fake_engine.calls[-1].prompt_token_ids == given
+    assert http.post("/v1/chat/completions", json={**body, "prompt_render_id": "0" * 16}
+                     ).status_code == 200
+    assert fake_engine.calls[-1].prompt_token_ids == rendered
+    outside = http.post("/v1/chat/completions", json={
+        **body, "prompt_token_ids": [10**9], "prompt_render_id": render_id})
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "prompt_token_ids"
+    renders = {line.split('by="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+               for line in http.get("/metrics").text.splitlines()
+               if line.startswith("aigw_replica_prompt_renders_total{")}
+    assert renders == {"gateway": 1.0, "replica": 1.0}
