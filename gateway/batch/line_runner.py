@@ -27,6 +27,7 @@ import orjson
 from auth.principal import AuthError, Principal
 from gateway.dialects import OpenAIChat, OpenAICompletions
 from gateway.dialects.base import Dialect
+from gateway.dialects.openai_embeddings import OpenAIEmbeddings
 from gateway.metering.contract import (
     Admission,
     MeterBacklogged,
@@ -55,14 +56,8 @@ _ADMIT_WAIT_MAX_S = 30.0  # a line over the caller's rate limit waits this long 
 
 def batch_dialects() -> dict[str, Dialect]:
     """The endpoints a batch may name, each with the dialect its lines are read in."""
-    dialects: dict[str, Dialect] = {"/v1/chat/completions": OpenAIChat(),
-                                    "/v1/completions": OpenAICompletions()}
-    try:  # the embeddings dialect, where the gateway serves /v1/embeddings
-        from gateway.dialects import OpenAIEmbeddings  # type: ignore[attr-defined]
-    except ImportError:
-        return dialects
-    dialects["/v1/embeddings"] = OpenAIEmbeddings()
-    return dialects
+    return {"/v1/chat/completions": OpenAIChat(), "/v1/completions": OpenAICompletions(),
+            "/v1/embeddings": OpenAIEmbeddings()}
 
 
 def line_request_id(batch_id: str, index: int) -> str:
