@@ -190,6 +190,23 @@ class GatewaySettings(BaseSettings):
     replica_secret_file: Path | None = None  # a file holding it (a mounted Kubernetes Secret)
     # /v1/files and /v1/batches: bounds, the batch price discount, pacing (gateway/batch/)
     batch: BatchSettings = BatchSettings()
+    # Stored Responses API answers (`store`, `previous_response_id`; gateway/responses_store/):
+    # kept this long, in Redis when redis_url is set, else in <data_dir>/responses.sqlite3. A
+    # response whose body (its conversation and output) is over max_response_bytes is answered
+    # but not stored; past max_project_bytes (a project) or max_bytes (all), the soonest-expiring
+    # responses are evicted. max_response_bytes <= max_project_bytes <= max_bytes.
+    responses_store_ttl_s: float = Field(30 * 24 * 3600.0, gt=0)
+    responses_store_max_response_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    responses_store_max_project_bytes: int = Field(256 * 1024 * 1024, gt=0)
+    responses_store_max_bytes: int = Field(1024 * 1024 * 1024, gt=0)
+
+    @model_validator(mode="after")
+    def _check_responses_store(self) -> GatewaySettings:
+        if not (self.responses_store_max_response_bytes <= self.responses_store_max_project_bytes
+                <= self.responses_store_max_bytes):
+            raise ValueError("responses_store_max_response_bytes <= responses_store_max_project_"
+                             "bytes <= responses_store_max_bytes must hold")
+        return self
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings],

@@ -37,6 +37,11 @@ class StreamEncoder(ABC):
     def error(self, status: int, code: str, message: str) -> bytes:
         """The stream's last bytes when it fails after it started."""
 
+    def answer(self) -> dict[str, Any] | None:
+        """After `finish` or `error`: the object the stream's end stands for (the Responses
+        API's final response object, which a stored response keeps), or None (most dialects)."""
+        return None
+
 
 class Dialect(ABC):
     name: str

@@ -1,6 +1,7 @@
-"""OpenAI Responses API: POST /v1/responses (and /openai/v1/responses). Stateless: no `store`d
-responses, so `previous_response_id` and `conversation` are refused; send the conversation as
-`input` items.
+"""OpenAI Responses API: POST /v1/responses (and /openai/v1/responses). The answers are stored
+(`store`, true by default) by gateway/responses_store/, which also resolves `previous_response_id`
+(the stored conversation comes before `input`); this module stays free of I/O: it parses the
+request, names the ids, and writes the response object. `conversation` is refused.
 
 Stream events: response.created, response.in_progress, then per output item
 output_item.added -> (content_part.added, output_text.delta*, output_text.done, content_part.done |
@@ -11,8 +12,9 @@ response.completed (or `event: error` with an `error` object when the upstream f
 
 from __future__ import annotations
 
+import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -50,35 +52,49 @@ from gateway.request.canonical import (
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 
 
-def _parse_input(body: dict[str, Any]) -> list[Message]:
+def input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """`input` as a list of items (a string is one user message); shapes are checked by
+    `parse_items`."""
     value = body.get("input")
     if isinstance(value, str):
-        return [Message("user", value)]
+        return [{"type": "message", "role": "user", "content": value}]
     items = get_list(body, "input", required=True, non_empty=True) or []
+    return [need_object(item, f"input[{i}]") for i, item in enumerate(items)]
+
+
+def parse_items(items: list[dict[str, Any]], *, num_prior: int = 0,
+                check_results: bool = True) -> list[Message]:
+    """The conversation of `items`: the first `num_prior` are a stored conversation's (an error
+    there names `previous_response_id`), the rest the request's `input`. `check_results` False:
+    a function call output may answer a call not among `items` (one of the stored conversation,
+    checked once that is known)."""
     messages: list[Message] = []
     results = ToolResults(is_adjacent=False)
     reasoning = ""  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(items):
-        item = need_object(item, f"input[{i}]")
+        where = f"input[{i - num_prior}]" if i >= num_prior else "previous_response_id"
         kind = item.get("type", "message")
         if kind == "reasoning":
-            reasoning += _reasoning_text(item, f"input[{i}]")
+            reasoning += _reasoning_text(item, where)
             continue
+        if kind == "item_reference":
+            raise InvalidParam(f"{where}.type", "item references are not supported; send the "
+                               "item, or continue with previous_response_id")
         if not (kind == "function_call" or kind == "message" and item.get("role") == "assistant"):
             reasoning = ""  # only an assistant turn right after it takes the reasoning (below)
         if kind == "message":
-            role = _ROLES.get(get_str(item, "role", f"input[{i}].role", required=True) or "")
+            role = _ROLES.get(get_str(item, "role", f"{where}.role", required=True) or "")
             if role is None:
-                raise InvalidParam(f"input[{i}].role", f"unknown role {item.get('role')!r}")
+                raise InvalidParam(f"{where}.role", f"unknown role {item.get('role')!r}")
             messages.append(Message(role, parse_content(item.get("content"),  # type: ignore[arg-type]
-                                                        f"input[{i}].content"),
+                                                        f"{where}.content"),
                                     reasoning=reasoning if role == "assistant" else ""))
             reasoning = ""
         elif kind == "function_call":
-            call = ToolCall(get_str(item, "call_id", f"input[{i}].call_id", required=True) or "",
-                            get_str(item, "name", f"input[{i}].name", required=True,
+            call = ToolCall(get_str(item, "call_id", f"{where}.call_id", required=True) or "",
+                            get_str(item, "name", f"{where}.name", required=True,
                                     allow_empty=False) or "",
-                            get_str(item, "arguments", f"input[{i}].arguments") or "{}")
+                            get_str(item, "arguments", f"{where}.arguments") or "{}")
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":  # the same turn: text, then calls
                 messages[-1] = Message("assistant", last.content, (*last.tool_calls, call),
@@ -86,19 +102,27 @@ def _parse_input(body: dict[str, Any]) -> list[Message]:
             else:
                 messages.append(Message("assistant", "", (call,), reasoning=reasoning))
             reasoning = ""
-            results.add(messages[-1], f"input[{i}]")
+            results.add(messages[-1], where)
         elif kind == "function_call_output":
             output = item.get("output")
-            messages.append(Message("tool", parse_content(output, f"input[{i}].output"),
-                                    tool_call_id=get_str(item, "call_id", f"input[{i}].call_id",
+            messages.append(Message("tool", parse_content(output, f"{where}.output"),
+                                    tool_call_id=get_str(item, "call_id", f"{where}.call_id",
                                                          required=True)))
-            results.add(messages[-1], f"input[{i}].call_id")
+            if check_results:
+                results.add(messages[-1], f"{where}.call_id")
         else:
-            raise InvalidParam(f"input[{i}].type", f"unsupported input item {kind!r}")
+            raise InvalidParam(f"{where}.type", f"unsupported input item {kind!r}")
     if not messages:
         raise InvalidParam("input", "needs at least one message or function call item "
                            "(reasoning items only go with them)")
     return messages
+
+
+def with_instructions(request: CanonicalRequest, messages: list[Message]) -> list[Message]:
+    """`instructions` as the leading system message (never a stored turn's: each request
+    states its own, as OpenAI's previous_response_id does)."""
+    instructions = request.instructions if isinstance(request, ResponsesRequest) else None
+    return ([Message("system", instructions)] if instructions else []) + messages
 
 
 def _reasoning_text(item: dict[str, Any], param: str) -> str:
@@ -160,7 +184,7 @@ def _reasoning_item(request: CanonicalRequest, index: int, text: str, status: st
     """A reasoning item as OpenAI's Responses API gives an open-weight model's: the raw text as
     `reasoning_text` content, no summary (none is made)."""
     content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
-    return {"type": "reasoning", "id": f"rs_{request.request_id}_{index}", "summary": [],
+    return {"type": "reasoning", "id": f"rs_{_hex(request)}_{index}", "summary": [],
             "content": content, "encrypted_content": None, "status": status}
 
 
@@ -171,12 +195,12 @@ def _text_part(text: str) -> dict[str, Any]:
 
 def _message_item(request: CanonicalRequest, text: str, status: str) -> dict[str, Any]:
     content = [_text_part(text)] if status == "completed" else []
-    return {"type": "message", "id": f"msg_{request.request_id}", "status": status,
+    return {"type": "message", "id": f"msg_{_hex(request)}", "status": status,
             "role": "assistant", "content": content}
 
 
 def _call_item(request: CanonicalRequest, index: int, call: ToolCall, status: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": f"fc_{request.request_id}_{index}", "call_id": call.id,
+    return {"type": "function_call", "id": f"fc_{_hex(request)}_{index}", "call_id": call.id,
             "name": call.name, "arguments": call.arguments if status == "completed" else "",
             "status": status}
 
@@ -194,18 +218,20 @@ def _response(request: CanonicalRequest, response: CanonicalResponse | None) -> 
         if response.text:
             output.append(_message_item(request, response.text, "completed"))
         output += [_call_item(request, i, c, "completed") for i, c in enumerate(response.tool_calls)]
-    return {"id": f"resp_{request.request_id}", "object": "response", "created_at": int(time.time()),
+    stated = request if isinstance(request, ResponsesRequest) else ResponsesRequest("", "")
+    return {"id": response_id(request), "object": "response", "created_at": stated.created_at,
             "status": status, "error": None, "incomplete_details": incomplete,
-            "instructions": getattr(request, "instructions", None), "max_output_tokens": request.max_tokens, "model": request.model,
-            "output": output, "parallel_tool_calls": request.parallel_tool_calls is not False,
-            "previous_response_id": None,
+            "instructions": stated.instructions, "max_output_tokens": request.max_tokens,
+            "model": request.model, "output": output,
+            "parallel_tool_calls": request.parallel_tool_calls is not False,
+            "previous_response_id": stated.previous_response_id, "store": stated.store,
             "temperature": request.temperature, "top_p": request.top_p,
             "tool_choice": _tool_choice_json(request.tool_choice),
             "tools": [{"type": "function", "name": t.name, "description": t.description,
                        "parameters": t.parameters, "strict": False} for t in request.tools],
             "text": {"format": _text_format_json(request.response_format)},
             "reasoning": {"effort": request.reasoning_effort, "summary": None},
-            "truncation": "disabled", "metadata": {},
+            "truncation": "disabled", "metadata": stated.metadata,
             # no usage before the end (the spec's `usage` is an object or absent, never null)
             **({"usage": _usage(response.usage)} if response is not None else {})}
 
@@ -217,11 +243,49 @@ def _text_format_json(response_format: dict[str, Any] | None) -> dict[str, Any]:
     return {"type": response_format["type"], **response_format.get("json_schema", {})}
 
 
+def _hex(request: CanonicalRequest) -> str:
+    """The response's own random part, which its item ids share (not the request id: clients
+    reuse x-request-id, and stored ids must not collide)."""
+    return request.id_hex if isinstance(request, ResponsesRequest) else request.request_id
+
+
+def response_id(request: CanonicalRequest) -> str:
+    return f"resp_{_hex(request)}"
+
+
+def is_response_id(value: str) -> bool:
+    """The form of the ids this dialect makes (`resp_` and 32 hex digits)."""
+    return len(value) == 37 and value.startswith("resp_") and all(
+        c in "0123456789abcdef" for c in value[5:])
+
+
+def _parse_metadata(body: dict[str, Any]) -> dict[str, str]:
+    """OpenAI's `metadata`: at most 16 string pairs, keys up to 64 and values up to 512 chars."""
+    metadata = get_object(body, "metadata") or {}
+    if len(metadata) > 16:
+        raise InvalidParam("metadata", "at most 16 key-value pairs")
+    for key, value in metadata.items():
+        if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
+            raise InvalidParam(f"metadata.{key[:64]}", "keys are strings of at most 64 "
+                               "characters, values strings of at most 512")
+    return dict(metadata)
+
+
 @dataclass(slots=True)
 class ResponsesRequest(CanonicalRequest):
-    """The canonical request plus what the Responses object echoes back and nothing else reads."""
+    """The canonical request plus the Responses API's own state: what the response object
+    echoes, whether it is stored, and the conversation as items (for the store)."""
 
     instructions: str | None = None
+    id_hex: str = field(default_factory=lambda: secrets.token_hex(16))
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # this request's `input`
+    # the stored conversation before `input` (previous_response_id's items and output); set by
+    # the store (gateway/responses_store/conversation.py) before admission
+    context_items: list[dict[str, Any]] = field(default_factory=list)
 
 
 class OpenAIResponses(Dialect):
@@ -231,14 +295,21 @@ class OpenAIResponses(Dialect):
         body = need_object(body, "body")
         request = ResponsesRequest(request_id, get_str(body, "model", required=True,
                                                        allow_empty=False) or "")
-        if body.get("previous_response_id") is not None:
-            raise InvalidParam("previous_response_id", "stored responses are not supported; "
-                               "send the conversation as input items")
         if body.get("conversation") is not None:  # its stored items would precede `input`
-            raise InvalidParam("conversation", "stored conversations are not supported; "
-                               "send the conversation as input items")
-        instructions = request.instructions = get_str(body, "instructions")
-        request.messages = ([Message("system", instructions)] if instructions else []) + _parse_input(body)
+            raise InvalidParam("conversation", "conversations are not supported; continue with "
+                               "previous_response_id or send the conversation as input items")
+        request.previous_response_id = get_str(body, "previous_response_id", allow_empty=False)
+        store = get_bool(body, "store")
+        request.store = store is not False
+        request.metadata = _parse_metadata(body)
+        request.instructions = get_str(body, "instructions")
+        request.input_items = input_items(body)
+        if request.previous_response_id is None:
+            request.messages = with_instructions(request, parse_items(request.input_items))
+        else:  # shapes checked now; the conversation once the store has read it
+            own = [item for item in request.input_items if item.get("type") != "item_reference"]
+            if own:
+                parse_items(own, check_results=False)
         request.tools = _parse_tools(body)
         request.tool_choice = _parse_tool_choice(body.get("tool_choice"))
         request.parallel_tool_calls = get_bool(body, "parallel_tool_calls")
@@ -287,6 +358,7 @@ class _ResponsesEncoder(StreamEncoder):
         self._call_index: int | None = None  # the ToolCallDelta index of the last call item
         self._text: list[str] = []
         self._args: list[str] = []
+        self._final: dict[str, Any] | None = None  # the last event's response object
 
     def _emit(self, kind: str, **fields: Any) -> bytes:
         fields["type"] = kind
@@ -388,8 +460,15 @@ class _ResponsesEncoder(StreamEncoder):
         out = self._close_item()
         if self._done_items:  # the items as streamed, in their output_index order
             snapshot["output"] = self._done_items
+        self._final = snapshot
         return out + self._emit(kind, response=snapshot)
 
     def error(self, status: int, code: str, message: str) -> bytes:
         error = common.error_body(status, code, message)["error"]
+        # the response as far as it came, `failed` (what a stored response says of it)
+        self._final = dict(_response(self._request, None), status="failed",
+                           error={"code": code, "message": message}, output=self._done_items)
         return self._emit("error", code=code, message=message, param=None, error=error)
+
+    def answer(self) -> dict[str, Any] | None:
+        return self._final

@@ -58,6 +58,7 @@ from gateway.request.errors import (
     UpstreamThrottled,
     UpstreamTimeout,
 )
+from gateway.request.keeper import AnswerKeeper
 from gateway.request.settlement import Settlement
 from gateway.request.usage import STATUS_CLIENT_CLOSED, build_record
 from gateway.request.usage_tags import usage_session, usage_tags
@@ -228,13 +229,16 @@ class Pipeline:
         return canonical, principal, route
 
     async def _admit(self, request: web.Request, dialect: Dialect, request_id: str,
-                     usage_id: str) -> tuple[CanonicalRequest, Principal, ModelRoute, Admission]:
+                     usage_id: str, keeper: AnswerKeeper | None = None
+                     ) -> tuple[CanonicalRequest, Principal, ModelRoute, Admission]:
         if self.draining:
             raise GatewayError("the gateway is shutting down", status=503, code="draining")
         canonical, principal, route = await self.authorize(request, dialect.parse, request_id)
         canonical.project = principal.project
         canonical.cache_salt = self.cache_salt_of(principal)
         canonical.session_id = request.headers.get("x-session-id")
+        if keeper is not None:  # e.g. a stored conversation before the input (previous_response_id)
+            await keeper.prepare(canonical, principal)
         canonical.usage_session = usage_session(canonical)
         max_tokens = canonical.max_tokens  # per choice; 0 (echo scoring a prompt) reserves none
         if max_tokens is None:
@@ -289,12 +293,14 @@ class Pipeline:
         assert canonical.rendered_prompt is not None  # render returns (text, ids)
         return len(canonical.rendered_prompt[1])
 
-    async def handle(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
+    async def handle(self, request: web.Request, dialect: Dialect,
+                     keeper: AnswerKeeper | None = None) -> web.StreamResponse:
+        """`keeper`: what a stateful API stores of its answers (gateway/request/keeper.py)."""
         timing = Timing(time.perf_counter())
         request_id, usage_id = request_ids_of(request)
         try:
             canonical, principal, route, admission = await self._admit(request, dialect, request_id,
-                                                                       usage_id)
+                                                                       usage_id, keeper)
         except GatewayError as exc:
             return error_response(dialect, exc.status, exc.code, exc.message, request_id,
                                   timing.overhead_ms(), param=exc.param, error_type=exc.error_type)
@@ -305,6 +311,7 @@ class Pipeline:
             return error_response(dialect, 429, "rate_limit_exceeded", exc.message, request_id,
                                   timing.overhead_ms(), headers=exc.headers)
         outcome = _Outcome()
+        outcome.keeper = keeper
 
         def record() -> Any:
             latency_ms = (time.perf_counter() - timing.started) * 1000.0
@@ -408,7 +415,10 @@ class Pipeline:
         outcome.status = 200
         if outcome.settles_before_answer:
             await outcome.settlement.settle(queue=False)
-        body = orjson.dumps(dialect.render(canonical, outcome.accumulator.response()))
+        answer = dialect.render(canonical, outcome.accumulator.response())
+        if outcome.keeper is not None:
+            await outcome.keeper.keep(canonical, answer)
+        body = orjson.dumps(answer)
         response = web.Response(body=body, content_type="application/json", headers=extra_headers)
         _stamp(response, canonical.request_id, outcome.replica, timing.overhead_ms(),
                outcome.show_overhead)
@@ -487,6 +497,8 @@ class Pipeline:
                 log.warning("stream %s failed after start: %s", canonical.request_id, error.message)
                 accumulator.finish_reason = "error"
                 tail = encoder.error(error.status, error.code, error.message)
+            if outcome.keeper is not None and (answer := encoder.answer()) is not None:
+                await outcome.keeper.keep(canonical, answer)  # before its last event goes out
             if outcome.settles_before_answer:
                 await outcome.settlement.settle(queue=False)
             await response.write_eof(tail)  # the last events and the chunked terminator in one send
@@ -512,8 +524,8 @@ def _after_start(exc: BaseException, settings: GatewaySettings) -> UpstreamError
 
 
 class _Outcome:
-    __slots__ = ("accumulator", "endpoint", "explain_route", "num_prompt_tokens", "replica",
-                 "settlement", "settles_before_answer", "show_overhead", "status")
+    __slots__ = ("accumulator", "endpoint", "explain_route", "keeper", "num_prompt_tokens",
+                 "replica", "settlement", "settles_before_answer", "show_overhead", "status")
 
     def __init__(self) -> None:
         self.accumulator = Accumulator()
@@ -525,6 +537,7 @@ class _Outcome:
         self.settlement: Settlement  # set once admitted: the one settle of this request
         self.settles_before_answer = False  # limited requests: settled before the answer goes out
         self.show_overhead = False  # x-aigw-overhead-ms: admin callers only
+        self.keeper: AnswerKeeper | None = None  # stores the answer before it is sent
 
     def needs_prompt_count(self) -> bool:
         """An endpoint answered (so it processed the prompt) but no usage arrived, not even the

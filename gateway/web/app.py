@@ -29,6 +29,7 @@ from gateway.fleet.health import check_fleet, run_health_checks
 from gateway.metering.contract import Meter
 from gateway.metering.null_meter import NullMeter
 from gateway.request.pipeline import CacheSaltOf, Pipeline, default_cache_salt_of
+from gateway.responses_store import StoredResponses, open_response_store
 from gateway.routing import Router, create_router
 from gateway.settings import GatewaySettings
 from gateway.telemetry import Telemetry
@@ -41,6 +42,7 @@ from gateway.web.keys import (
     FLEET,
     METER,
     PIPELINE,
+    RESPONSES,
     ROUTER,
     SETTINGS,
     TRANSPORT,
@@ -81,9 +83,11 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
                              telemetry.observed_meter(app[METER]),
                              telemetry.traced_router(app[ROUTER], settings.router), app[FLEET],
                              cache_salt_of, telemetry.response_stamp())
+    app[RESPONSES] = StoredResponses(open_response_store(settings))  # (opens on first use)
     app[BATCH] = BatchService(settings)
     telemetry.install(app)
     app.cleanup_ctx.append(_transport_ctx)
+    app.cleanup_ctx.append(_responses_ctx)
     app.cleanup_ctx.append(_first_discovery_ctx)
     app.cleanup_ctx.append(_router_ctx)
     app.cleanup_ctx.append(_discovery_ctx)
@@ -98,6 +102,11 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
 async def _transport_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     await app[TRANSPORT].aclose()
+
+
+async def _responses_ctx(app: web.Application) -> AsyncIterator[None]:
+    yield
+    await app[RESPONSES].close()
 
 
 async def _router_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -13,7 +13,7 @@ from gateway.dialects.base import Dialect
 from gateway.dialects.openai_embeddings import OpenAIEmbeddings
 from gateway.web import token_count
 from gateway.web.credentials import credential_of
-from gateway.web.keys import AUTHENTICATOR, FLEET, PIPELINE, SETTINGS
+from gateway.web.keys import AUTHENTICATOR, FLEET, PIPELINE, RESPONSES, SETTINGS
 
 OPENAI_CHAT = OpenAIChat()
 OPENAI_COMPLETIONS = OpenAICompletions()
@@ -31,7 +31,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
-    return await request.app[PIPELINE].handle(request, OPENAI_RESPONSES)
+    return await request.app[PIPELINE].handle(request, OPENAI_RESPONSES, request.app[RESPONSES])
 
 
 async def embeddings(request: web.Request) -> web.StreamResponse:

@@ -10,6 +10,7 @@ from gateway.fleet.discovery import Discovery
 from gateway.fleet.endpoints import Fleet
 from gateway.metering.contract import Meter
 from gateway.request.pipeline import Pipeline
+from gateway.responses_store import StoredResponses
 from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
 from gateway.upstream.transport import Transport
@@ -23,3 +24,4 @@ FLEET = web.AppKey("fleet", Fleet)
 DISCOVERY = web.AppKey("discovery", Discovery)
 PIPELINE = web.AppKey("pipeline", Pipeline)
 BATCH = web.AppKey("batch", BatchService)
+RESPONSES = web.AppKey("responses", StoredResponses)  # stored Responses API answers

@@ -8,7 +8,7 @@ from gateway.batch import handlers as batch
 from gateway.dashboard import STATIC_DIR
 from gateway.dashboard import handlers as dashboard
 from gateway.telemetry import http as telemetry
-from gateway.web import handlers
+from gateway.web import handlers, stored_responses
 
 
 def setup_routes(app: web.Application) -> None:
@@ -17,6 +17,11 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_post("/openai/v1/completions", handlers.completions)
     app.router.add_post("/v1/responses", handlers.responses)
     app.router.add_post("/openai/v1/responses", handlers.responses)
+    for prefix in ("/v1", "/openai/v1"):
+        app.router.add_get(prefix + "/responses/{response_id}", stored_responses.retrieve)
+        app.router.add_delete(prefix + "/responses/{response_id}", stored_responses.delete)
+        app.router.add_get(prefix + "/responses/{response_id}/input_items",
+                           stored_responses.input_items)
     app.router.add_post("/openai/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/embeddings", handlers.embeddings)
     app.router.add_post("/openai/v1/embeddings", handlers.embeddings)

@@ -31,10 +31,21 @@ WEATHER = {"name": "get_weather", "description": "Weather in a city",
                           "required": ["city"]}}
 
 @pytest.fixture(scope="session")
-def served() -> Iterator[tuple[str, str]]:
+def default_replica() -> Iterator[Any]:
+    """One real replica on the default model, for the session: its ModelSettings."""
+    replicas = embedded.start_replicas(1, None, 32 * 1024 * 1024)
+    try:
+        embedded.wait_healthy(replicas, timeout_s=180)
+        yield embedded.model_settings_for(replicas)
+    finally:
+        embedded.stop_replicas(replicas)
+
+
+@pytest.fixture(scope="session")
+def served(default_replica: Any, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[str, str]]:
     """(gateway URL, default model name)."""
     loop_thread = LoopThread()
-    replicas = embedded.start_replicas(1, None, 32 * 1024 * 1024)
     fake = ServerThread(FakeEngine(tokenizer=qwen3_like_tokenizer(), reply=REPLY,
                                    max_model_len=4096), ReplicaServerSettings())
     failing = ServerThread(FakeEngine(fail_after_num_tokens=3, token_delay_s=0.05),
@@ -42,10 +53,10 @@ def served() -> Iterator[tuple[str, str]]:
     fake.start()
     failing.start()
     try:
-        embedded.wait_healthy(replicas, timeout_s=180)
-        model = embedded.model_settings_for(replicas)
+        model = default_replica
         settings = GatewaySettings(
             auth_enabled=False, health_interval_s=0.5, first_token_timeout_s=60, idle_timeout_s=30,
+            data_dir=tmp_path_factory.mktemp("contract-gateway"),
             models=[model, {"name": FAKE, "backend": "replica", "endpoints": [fake.base_url]},
                     {"name": FAILING, "backend": "replica", "endpoints": [failing.base_url],
                      "upstream_model": FAKE}])
@@ -55,7 +66,6 @@ def served() -> Iterator[tuple[str, str]]:
     finally:
         fake.stop()
         failing.stop()
-        embedded.stop_replicas(replicas)
         loop_thread.close()
 
 

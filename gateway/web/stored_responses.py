@@ -1,0 +1,76 @@
+"""Thin handlers for stored Responses API answers (gateway/responses_store/conversation.py):
+
+    GET    /v1/responses/{response_id}               the response object
+    DELETE /v1/responses/{response_id}               {"id", "object": "response", "deleted": true}
+    GET    /v1/responses/{response_id}/input_items   ?limit=1..100 (20) &order=asc|desc (desc) &after=<item id>
+
+Each needs the invoke scope and sees only its own project's responses: another project's id, a
+deleted or expired one, and one never stored are the same 404, in OpenAI's envelope.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from auth.principal import AuthError, Principal, Scope
+from gateway.dialects import openai_common
+from gateway.request.errors import BadRequest, GatewayError
+from gateway.web.credentials import credential_of
+from gateway.web.keys import AUTHENTICATOR, RESPONSES
+
+
+async def retrieve(request: web.Request) -> web.Response:
+    async def answer(principal: Principal, response_id: str) -> dict[str, Any]:
+        if request.query.get("stream", "false").lower() not in ("false", "0"):
+            raise BadRequest("streaming a stored response back is not supported; retrieve it "
+                             "without stream", param="stream")
+        return await request.app[RESPONSES].retrieve(principal, response_id)
+
+    return await _answer(request, answer)
+
+
+async def delete(request: web.Request) -> web.Response:
+    async def answer(principal: Principal, response_id: str) -> dict[str, Any]:
+        return await request.app[RESPONSES].delete(principal, response_id)
+
+    return await _answer(request, answer)
+
+
+async def input_items(request: web.Request) -> web.Response:
+    async def answer(principal: Principal, response_id: str) -> dict[str, Any]:
+        query = request.query
+        limit = _limit(query.get("limit", "20"))
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise BadRequest("order: expected 'asc' or 'desc'", param="order")
+        return await request.app[RESPONSES].input_items(
+            principal, response_id, limit=limit, descending=order == "desc",
+            after=query.get("after") or None)
+
+    return await _answer(request, answer)
+
+
+def _limit(value: str) -> int:
+    if not value.isdigit() or not 1 <= int(value) <= 100:
+        raise BadRequest("limit: expected an integer from 1 to 100", param="limit")
+    return int(value)
+
+
+async def _answer(request: web.Request,
+                  answer: Callable[[Principal, str], Awaitable[dict[str, Any]]]) -> web.Response:
+    """Authenticate (invoke scope), then `answer`; any refusal in OpenAI's error envelope."""
+    try:
+        principal = await request.app[AUTHENTICATOR].authenticate(credential_of(request))
+        principal.require(Scope.INVOKE)
+        body, status = await answer(principal, request.match_info["response_id"]), 200
+    except AuthError as exc:
+        body, status = openai_common.error_body(exc.status, exc.code, exc.message), exc.status
+    except GatewayError as exc:
+        body = openai_common.error_body(exc.status, exc.code, exc.message, exc.param,
+                                        exc.error_type)
+        status = exc.status
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
