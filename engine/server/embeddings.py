@@ -87,6 +87,8 @@ def create_embedding_app(embedder: Embedder, settings: ReplicaServerSettings | N
     app.router.add_get("/metrics", metrics_route)
     app.router.add_get("/kv/snapshot", kv_snapshot)
     app.router.add_get("/kv/events", kv_events)
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
+        app.router.add_post(path, not_generative)
     return app
 
 
@@ -156,6 +158,12 @@ async def _json_object(request: web.Request) -> dict[str, object]:
     if not isinstance(payload, dict):
         raise InvalidRequestError("The request body must be a JSON object.")
     return payload
+
+
+async def not_generative(request: web.Request) -> web.Response:
+    model = request.app[EMBEDDING_KEY].embedder.model_id
+    raise InvalidRequestError(f"`{model}` is an embedding model: it serves POST /v1/embeddings "
+                              "only", param="model", code="model_not_generative")
 
 
 async def models(request: web.Request) -> web.Response:

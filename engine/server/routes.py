@@ -12,6 +12,7 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_get("/v1/models", openai_api.models)
+    app.router.add_post("/v1/embeddings", openai_api.embeddings)
     app.router.add_get("/health", ops.health)
     app.router.add_get("/metrics", ops.metrics)
     app.router.add_get("/kv/events", ops.kv_events)

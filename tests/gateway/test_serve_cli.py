@@ -118,13 +118,21 @@ def test_embedded_replicas_get_the_replica_args_and_serve(tmp_path: Path) -> Non
     try:
         _wait_healthy(url, process, timeout_s=240)
         replicas = [argv for argv in _child_command_lines(process.pid) if "replica" in argv]
-        assert len(replicas) == 1, _child_command_lines(process.pid)
-        assert replicas[0][-4:] == ["--decode-weights", "q4", "--threads", "1"]
-        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        # the chat replica, and the bundled embedding model's beside it (the args reach both)
+        assert len(replicas) == 2, _child_command_lines(process.pid)
+        assert [argv[-4:] for argv in replicas] == [["--decode-weights", "q4", "--threads", "1"]] * 2
+        assert replicas[1][replicas[1].index("--model") + 1].endswith("model.zip")
+        models = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+        assert models[1] == "all-MiniLM-L6-v2"
+        model = models[0]
         reply = httpx.post(url + "/v1/chat/completions", timeout=60, json={
             "model": model, "max_tokens": 6, "messages": [{"role": "user", "content": "Name a color."}]})
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] >= 1
+        embedded = httpx.post(url + "/v1/embeddings", timeout=60,
+                              json={"model": models[1], "input": ["a color", "a colour"]})
+        assert embedded.status_code == 200, embedded.text
+        assert [len(d["embedding"]) for d in embedded.json()["data"]] == [384, 384]
     finally:
         stop_process(process)
 

@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
+"""POST /v1/chat/completions, POST /v1/completions, GET /v1/models (POST /v1/embeddings: a 400).
 
 Prompts are rendered and tokenized in a worker thread (`asyncio.to_thread`) so a long prompt
 does not stall other streams; the tokenizer and chat template are thread-safe. The sampling
@@ -12,7 +12,7 @@ import asyncio
 
 from aiohttp import web
 
-from contracts.replica_errors import json_response
+from contracts.replica_errors import InvalidRequestError, json_response
 from contracts.replica_prompts import check_context_length, completion_prompts
 from contracts.replica_protocol import ChatCompletionRequest, CompletionRequest
 from engine.server import responses as shapes
@@ -57,6 +57,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if req.stream:
             return await stream_text(request, ctx, req, fanout, num_choices, id_, created, echo)
         return await complete_text(ctx, req, fanout, num_choices, id_, created, echo)
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    """A generative model embeds nothing: 400 naming the model (an encoder replica serves this
+    route: engine/server/embeddings.py)."""
+    model = request.app[SERVING_KEY].engine.model_config.model_id
+    raise InvalidRequestError(f"`{model}` is not an embedding model", param="model",
+                              code="model_not_embedding")
 
 
 async def models(request: web.Request) -> web.Response:
