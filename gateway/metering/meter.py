@@ -173,7 +173,9 @@ class BaseMeter(ABC):
             admission = MeterAdmission(admission.request_id, admission.principal, admission.model,
                                        admission.reserved_tokens)
         actual_nanos = round(record.cost_usd * NANOS_PER_USD)
-        delta_tokens = record.prompt_tokens + record.completion_tokens - admission.reserved_tokens
+        # tokens per minute count what the upstream computed: cached prompt tokens are free
+        delta_tokens = (record.prompt_tokens - record.cached_tokens + record.completion_tokens
+                        - admission.reserved_tokens)
         delta_nanos = actual_nanos - admission.reserved_nanos
         return admission, record, actual_nanos, delta_tokens, delta_nanos
 

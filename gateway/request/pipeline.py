@@ -250,16 +250,27 @@ class Pipeline:
                     f"max_tokens ({max_tokens}) is over this model's context length of "
                     f"{context_length} tokens", param="max_tokens", code="context_length_exceeded")
             max_tokens = context_length  # the default reserve, on a small model
+        num_prompt_tokens = await self._admission_prompt_tokens(canonical, route, principal)
+        if canonical.rendered_prompt is not None:  # admission prices the cache: the expected hit
+            num_prompt_tokens -= await self._expected_cached_tokens(canonical, route)
         try:
             admission = await self.meter.admit(usage_id, principal, canonical.model,
-                                               await self._admission_prompt_tokens(
-                                                   canonical, route, principal),
-                                               canonical.num_choices * max_tokens)
+                                               num_prompt_tokens, canonical.num_choices * max_tokens)
         except ReservationTooLarge as exc:
             raise BadRequest(exc.message, param="max_tokens") from exc
         except MeterBacklogged as exc:  # back-pressure: the usage ledger cannot keep up
             raise GatewayError(exc.message, status=503, code="metering_backlogged") from exc
         return canonical, principal, route, admission
+
+    async def _expected_cached_tokens(self, canonical: CanonicalRequest, route: ModelRoute) -> int:
+        """The rendered prompt's tokens the prefix index expects the routed replica to hold: a
+        token limit reserves only the uncached rest (settle charges the real figures), so agent
+        turns that hit most of their prompt are not throttled as if they recomputed it."""
+        try:
+            return await self.router.expected_cached_tokens(canonical, route.endpoints)
+        except Exception:  # noqa: BLE001 - an index outage: reserve the whole prompt
+            log.debug("no cache estimate for %s", canonical.request_id, exc_info=True)
+            return 0
 
     async def _admission_prompt_tokens(self, canonical: CanonicalRequest, route: ModelRoute,
                                        principal: Principal) -> int:

@@ -50,6 +50,12 @@ class Router(ABC):
     def explain(self, request_id: str) -> str | None:
         return None
 
+    async def expected_cached_tokens(self, request: CanonicalRequest,
+                                     endpoints: Sequence[Endpoint]) -> int:
+        """How many of the request's prompt tokens the chosen endpoint will likely find in its
+        prefix cache (admission reserves only the rest against a token limit); 0 when unknown."""
+        return 0
+
 
 class LeastOutstandingRouter(Router):
     """Fewest requests in flight from this gateway; ties go to the lower reported queue."""

@@ -204,6 +204,36 @@ class PrefixRouter(Router):
                      "; ".join(s.describe() for s in scores))
         return Decision(chosen, reason)
 
+    async def expected_cached_tokens(self, request: CanonicalRequest,
+                                     endpoints: Sequence[Endpoint]) -> int:
+        """The prompt tokens the index expects `request` to find cached: the longest run of its
+        blocks one of `endpoints` holds (or the session's last replica is credited with), at most
+        all but the last token (which a replica always computes). 0 without a rendered prompt
+        (admission renders one under a token limit) or a synced index: nothing is assumed."""
+        rendered = request.rendered_prompt
+        states = [self._states.get(e.url) for e in endpoints]
+        synced = [s for s in states if s is not None and s.consumer.is_synced]
+        if rendered is None or self.index is None or not synced or request.kind == "embedding":
+            return 0
+        block_size = synced[0].consumer.block_size
+        upstream_body = getattr(synced[0].backend, "upstream_body", None)
+        if upstream_body is None or block_size is None or rendered[0] != tokenizer_path(endpoints[0]):
+            return 0
+        try:
+            hashes = await self._hash(request, upstream_body(request, synced[0].endpoint),
+                                      synced[0].consumer.model_id or "", block_size,
+                                      synced[0].endpoint)
+        except Exception:  # noqa: BLE001 - nothing assumed cached
+            return 0
+        if not hashes:
+            return 0
+        replica_ids = [s.consumer.replica_id for s in synced if s.consumer.replica_id]
+        num_matched = max((await self.index.match(hashes, replica_ids)).values(), default=0)
+        session = self._sessions.get(_session_key(request) or b"")
+        if session is not None and any(e.url == session[0] for e in endpoints):
+            num_matched = max(num_matched, min(session[1], len(hashes)))
+        return min(num_matched * block_size, max(len(rendered[1]) - 1, 0))
+
     def _candidate(self, endpoint: Endpoint, state: _EndpointState | None,
                    matched: dict[str, tuple[int, int]], request: CanonicalRequest,
                    num_blocks: int) -> CandidateLoad:

@@ -91,6 +91,10 @@ class CountedRouter(Router):
     def explain(self, request_id: str) -> str | None:
         return self.inner.explain(request_id)
 
+    async def expected_cached_tokens(self, request: CanonicalRequest,
+                                     endpoints: Sequence[Endpoint]) -> int:
+        return await self.inner.expected_cached_tokens(request, endpoints)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
