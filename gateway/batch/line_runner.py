@@ -11,6 +11,8 @@ never counted twice (the record id is the line's, and meters settle once per rec
 A line that the upstream could not serve for a passing reason (no healthy endpoint, throttled,
 a timeout, a rate limit of the caller's) is retried under the same admission, then answered as
 the error it got; a line the request itself dooms (bad body, unknown model) is answered at once.
+The gateway's guardrails check a line and its answer as they check an interactive request; a
+model's fallback chain is not followed (a line that fails is retried on the same model).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from auth.principal import AuthError, Principal
 from gateway.dialects import OpenAIChat, OpenAICompletions
 from gateway.dialects.base import Dialect
 from gateway.dialects.openai_embeddings import OpenAIEmbeddings
+from gateway.guardrails.base import GuardrailBlocked
 from gateway.metering.contract import (
     Admission,
     MeterBacklogged,
@@ -155,6 +158,18 @@ class LineRunner:
         started = time.perf_counter()
         accumulator, endpoint_name, status = Accumulator(), "", 502
         error: GatewayError | None = None
+        chain = getattr(pipeline, "guardrails", None)  # the interactive requests' guardrails
+        guards = chain.for_request(canonical) if chain is not None else None
+        if guards is not None:
+            try:
+                await guards.check_request(canonical)
+            except GatewayError as exc:  # blocked: refused as the endpoint would refuse it
+                record = self._record(canonical, principal, route, "", accumulator, exc.status,
+                                      started, admission)
+                body = dialect.error_body(exc.status, exc.code, exc.message, exc.param,
+                                          exc.error_type)
+                return LineOutcome(False, output_line(batch_id, index, custom_id, exc.status,
+                                                      body), record, admission)
         pipeline.retry_budget.on_request()
         for attempt_number in range(NUM_ATTEMPTS):
             accumulator, error = Accumulator(), None
@@ -169,6 +184,8 @@ class LineRunner:
                 break
             endpoint_name = attempt.endpoint.name
             try:
+                if guards is not None:  # the answer through the response guards
+                    await guards.guard_attempt(attempt, canonical)
                 accumulator.add(attempt.first_event)
                 async with asyncio.timeout(pipeline.settings.response_timeout_s):
                     async for event in attempt.events:
@@ -176,7 +193,10 @@ class LineRunner:
                 attempt.endpoint.breaker.record_success()
                 status = 200
             except (GatewayError, TimeoutError) as exc:
-                attempt.endpoint.breaker.record_failure(time.monotonic())
+                if isinstance(exc, GuardrailBlocked):  # (the endpoint answered)
+                    attempt.endpoint.breaker.record_success()
+                else:
+                    attempt.endpoint.breaker.record_failure(time.monotonic())
                 error = exc if isinstance(exc, GatewayError) else UpstreamTimeout(
                     f"{endpoint_name} did not finish within "
                     f"{pipeline.settings.response_timeout_s:g}s")

@@ -28,6 +28,8 @@ from tests.gateway.conftest import MODEL, LoopThread, start_app
 
 PRICES = {"input_per_token": 1e-6, "cached_input_per_token": 1e-7, "output_per_token": 2e-6}
 DISCOUNT = 0.5
+BLOCKED_WORD = "project-bluebird"
+HAS_GUARDRAILS = "guardrails" in GatewaySettings.model_fields
 
 
 @dataclass
@@ -56,8 +58,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     data_dir = tmp_path_factory.mktemp("batch-api")
     state = MockState(MockConfig(model=MODEL, num_tokens=4))
     upstream, upstream_url = loop_thread.run(start_app(create_mock_app(state)))
+    guardrails = ({"guardrails": [{"name": "no-secret", "type": "regex", "stages": ["request"],
+                                   "options": {"words": [BLOCKED_WORD]}}]}
+                  if HAS_GUARDRAILS else {})
     settings = GatewaySettings(
-        data_dir=data_dir, health_interval_s=0.2,
+        **guardrails, data_dir=data_dir, health_interval_s=0.2,
         batch={"max_file_bytes": 64 * 1024, "max_lines": 50, "poll_interval_s": 0.1,
                "price_discount": DISCOUNT, "max_concurrent_lines": 2},
         models=[{"name": MODEL, "backend": "replica", "endpoints": [upstream_url],
@@ -302,3 +307,15 @@ def test_lines_wait_while_interactive_requests_are_in_flight(served: Served) -> 
         served.state.config.latency_ms = 0.0
     done = wait_done(client, batch.id)
     assert done.status == "completed" and interactive and batch_line_sent()
+
+
+@pytest.mark.skipif(not HAS_GUARDRAILS, reason="the gateway has no guardrails")
+def test_the_gateways_guardrails_check_batch_lines_too(served: Served) -> None:
+    client = served.client()
+    done = wait_done(client, submit(client, [chat_line("ok", "hello"),
+                                             chat_line("blocked", f"tell me of {BLOCKED_WORD}")]).id)
+    (error,) = read_jsonl(client, done.error_file_id)
+    assert error["custom_id"] == "blocked" and error["response"]["status_code"] == 400
+    assert error["response"]["body"]["error"]["code"] == "guardrail_blocked"
+    assert not any(BLOCKED_WORD in m["content"] for b in list(served.state.bodies)
+                   for m in b.get("messages", []))
