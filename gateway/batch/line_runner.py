@@ -94,6 +94,13 @@ class LineRunner:
         self._price_factor = 1.0 - price_discount
         self._watchdog = Watchdog()
         self._dialects = batch_dialects()
+        self._num_held: dict[str, int] = {}  # model -> attempts this runner holds open
+
+    def num_held(self, model: str) -> int:
+        """The model's upstream attempts held by batch lines now (each counted in its endpoint's
+        `num_outstanding` from when dispatch returned it until it is released: while dispatch is
+        still choosing, a line counts as interactive, which errs towards waiting)."""
+        return self._num_held.get(model, 0)
 
     def dialect_for(self, endpoint: str) -> Dialect | None:
         return self._dialects.get(endpoint)
@@ -183,6 +190,7 @@ class LineRunner:
                     continue
                 break
             endpoint_name = attempt.endpoint.name
+            self._num_held[canonical.model] = self._num_held.get(canonical.model, 0) + 1
             try:
                 if guards is not None:  # the answer through the response guards
                     await guards.guard_attempt(attempt, canonical)
@@ -203,6 +211,7 @@ class LineRunner:
                 status = error.status
             finally:
                 await attempt.release()
+                self._num_held[canonical.model] -= 1
             break
         record = self._record(canonical, principal, route, endpoint_name, accumulator, status,
                               started, admission)

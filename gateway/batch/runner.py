@@ -68,7 +68,6 @@ class BatchRunner:
         self._meter = meter
         self._settings = settings
         self._owner = os.urandom(8).hex()  # this gateway process, as a lease holder
-        self._in_flight: dict[str, int] = {}  # model -> this runner's lines in flight
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
@@ -193,6 +192,10 @@ class BatchRunner:
         finally:
             for task in running:
                 task.cancel()
+        if batch.cancelling_at is None and batch.expired_at is None:
+            recorded, _ = await self._store.recorded_lines(batch.id)
+            if any(line.index not in recorded for line in plan.lines):
+                return  # some failed to record: the next pass runs them
         if batch.expired_at is not None:
             await self._expire_rest(batch, plan)
         batch.status, batch.finalizing_at = BatchStatus.FINALIZING.value, now_s()
@@ -202,9 +205,9 @@ class BatchRunner:
         """Wait a tick for a free slot on idle capacity; True when the line may start now."""
         if len(running) < self._settings.max_concurrent_lines:
             route = self._fleet.get(line.model)
-            ours = self._in_flight.get(line.model, 0)
             interactive = 0 if route is None else (
-                sum(endpoint.num_outstanding for endpoint in route.endpoints) - ours)
+                sum(endpoint.num_outstanding for endpoint in route.endpoints)
+                - self._lines.num_held(line.model))
             if interactive < self._settings.max_interactive_in_flight:
                 return True
         await asyncio.sleep(_IDLE_CHECK_S)
@@ -222,15 +225,23 @@ class BatchRunner:
         return False
 
     async def _run_line(self, batch: BatchRecord, line: PlannedLine) -> None:
-        self._in_flight[line.model] = self._in_flight.get(line.model, 0) + 1
+        """Run, record, settle one line; a failure to record leaves it for the next pass."""
         try:
             body = await asyncio.to_thread(read_line_body,
                                            str(self._files.path_of(batch.input_file_id)), line)
+        except OSError:  # the input file was deleted under the batch
+            error = {"code": "file_not_found", "message": "the input file is gone"}
+            outcome = LineOutcome(False, output_line(batch.id, line.index, line.custom_id, None,
+                                                     None, error), None)
+        else:
             outcome = await self._lines.run_line(batch.id, line.index, line.custom_id,
                                                  batch.endpoint, body, batch.principal)
-        finally:
-            self._in_flight[line.model] -= 1
-        await asyncio.shield(self._keep(batch, line.index, outcome))
+        try:
+            await asyncio.shield(self._keep(batch, line.index, outcome))
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a store outage: the line runs again on the next pass
+            log.exception("recording batch line %s/%d failed", batch.id, line.index)
 
     async def _keep(self, batch: BatchRecord, index: int, outcome: LineOutcome) -> None:
         """Record the line, then settle it: never the other way round (see the module doc)."""
@@ -287,8 +298,6 @@ class BatchRunner:
                 batch.error_file_id = file_id
         if batch.expired_at is not None:
             batch.status = BatchStatus.EXPIRED.value
-        elif batch.cancelling_at is not None and batch.num_completed + batch.num_failed < batch.num_total:
-            batch.status, batch.cancelled_at = BatchStatus.CANCELLED.value, now_s()
         elif batch.cancelling_at is not None:
             batch.status, batch.cancelled_at = BatchStatus.CANCELLED.value, now_s()
         else:
