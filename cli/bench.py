@@ -15,6 +15,7 @@ BENCHMARKS = {
     "routing": "bench.routing_bench",    # routing policies, real replicas + simulator
     "soak": "bench.soak_bench",          # many mixed requests: RSS flat, no KV leak, ledger exact
     "embed": "bench.embed_bench",        # embedding texts/s vs transformers + pooling
+    "calls": "bench.calls_bench",        # Python calls per request: gateway vs a baseline tree, replica renders
 }
 
 
