@@ -67,13 +67,18 @@ class EncoderConfig:
 class EmbedderConfig:
     """One forward pass holds at most `max_num_batched_tokens` tokens counted with padding
     (inputs x the longest input of the pass) and at most `max_num_inputs` inputs; inputs of
-    several requests share a pass. `max_num_queued_inputs` bounds what waits (more: 503)."""
+    several requests share a pass. What waits is bounded in bytes: `max_num_queued_tokens` token
+    ids (int32, 4 bytes each: 4 MiB) and `max_num_queued_inputs` inputs, each of which holds its
+    output vector (hidden_size float32s: 1.5 KiB for MiniLM, 24 MiB in all); more is refused
+    (EmbedderBusy, a 503)."""
 
     max_num_batched_tokens: int = 8192
     max_num_inputs: int = 256
     max_num_queued_inputs: int = 16384
+    max_num_queued_tokens: int = 1 << 20
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_inputs", "max_num_queued_inputs"):
+        for name in ("max_num_batched_tokens", "max_num_inputs", "max_num_queued_inputs",
+                     "max_num_queued_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)}")

@@ -47,7 +47,7 @@ class EmbedderDead(RuntimeError):
 class _Job:
     """One request's inputs and where their vectors go."""
 
-    token_ids: list[list[int]]
+    token_ids: list[np.ndarray]  # int32, one array per input
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[np.ndarray]
     vectors: np.ndarray
@@ -81,12 +81,13 @@ class _Item:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.job.token_ids[self.index])
+        return int(self.job.token_ids[self.index].shape[0])
 
 
 @dataclass
 class _Queue:
     items: deque[_Item] = field(default_factory=deque)
+    num_tokens: int = 0  # in `items`
 
 
 class Embedder:
@@ -140,7 +141,14 @@ class Embedder:
         """float32 [len(token_ids), dimensions]; each list non-empty, within max_seq_length and
         the vocabulary (the caller checks). Raises EmbedderBusy, EmbedderDead."""
         loop = asyncio.get_running_loop()
-        job = _Job(token_ids, loop, loop.create_future(),
+        num_tokens = sum(map(len, token_ids))
+        batching = self.batching
+        if (len(token_ids) > batching.max_num_queued_inputs
+                or num_tokens > batching.max_num_queued_tokens):
+            raise EmbedderBusy(f"{len(token_ids)} inputs of {num_tokens} tokens are more than "
+                               "the embedder queues")
+        job = _Job([np.asarray(ids, dtype=np.int32) for ids in token_ids], loop,
+                   loop.create_future(),
                    np.empty((len(token_ids), self.config.dimensions), dtype=np.float32),
                    num_left=len(token_ids))
         if not token_ids:
@@ -148,9 +156,12 @@ class Embedder:
         with self._cond:
             if self._error is not None or self._stopped:
                 raise EmbedderDead(f"the embedder is not running: {self._error}")
-            if len(self._queue.items) + len(token_ids) > self.batching.max_num_queued_inputs:
-                raise EmbedderBusy(f"{len(self._queue.items)} inputs are waiting already")
+            if (len(self._queue.items) + len(token_ids) > batching.max_num_queued_inputs
+                    or self._queue.num_tokens + num_tokens > batching.max_num_queued_tokens):
+                raise EmbedderBusy(f"{len(self._queue.items)} inputs of "
+                                   f"{self._queue.num_tokens} tokens are waiting already")
             self._queue.items.extend(_Item(job, i) for i in range(len(token_ids)))
+            self._queue.num_tokens += num_tokens
             self._stats.num_waiting_requests += 1
             self._cond.notify()
         return await job.future
@@ -178,6 +189,7 @@ class Embedder:
                 self._error = exc
                 pending = list(self._queue.items)
                 self._queue.items.clear()
+                self._queue.num_tokens = 0
             for job in {id(item.job): item.job for item in pending}.values():
                 _fail(job, EmbedderDead(f"embedder failed: {exc}"))
 
@@ -192,6 +204,7 @@ class Embedder:
             window = []
             while self._queue.items and len(window) < limit:
                 item = self._queue.items.popleft()
+                self._queue.num_tokens -= item.num_tokens
                 if not item.job.is_abandoned():
                     window.append(item)
             self._stats.num_waiting_requests = len({id(i.job) for i in self._queue.items})
@@ -223,7 +236,7 @@ class Embedder:
         t = max(lengths_list)
         ids = torch.full((len(batch), t), self.config.pad_token_id, dtype=torch.long)
         for row, item in enumerate(batch):
-            ids[row, :item.num_tokens] = torch.tensor(item.job.token_ids[item.index])
+            ids[row, :item.num_tokens] = torch.from_numpy(item.job.token_ids[item.index])
         lengths = torch.tensor(lengths_list, device=device)
         hidden = self.model.forward(ids.to(device), lengths)  # [B, T, C]
         vectors = pool(hidden, lengths, self.config.pooling).float()

@@ -147,3 +147,19 @@ def test_a_checkpoint_with_a_stray_tensor_is_refused(tmp_path: Path) -> None:
     checkpoint = load_encoder_checkpoint(directory)
     with pytest.raises(CheckpointMismatchError, match="no bert layer uses"):
         BertEncoder(checkpoint.config, dict(checkpoint.weights), torch.device("cpu"))
+
+
+def test_a_full_queue_refuses_instead_of_growing(tmp_path: Path) -> None:
+    from engine.embedding.embedder import EmbedderBusy
+
+    embedder = Embedder.load(write_tiny_bert(tmp_path / "tiny"),
+                             EmbedderConfig(max_num_queued_inputs=4, max_num_queued_tokens=20))
+    try:
+        ids = embedder.tokenize(["the cat sat on the mat"] * 5)  # 8 tokens each
+        with pytest.raises(EmbedderBusy):
+            asyncio.run(embedder.embed(ids))  # 5 inputs > 4
+        with pytest.raises(EmbedderBusy):
+            asyncio.run(embedder.embed(ids[:3]))  # 24 tokens > 20
+        assert asyncio.run(embedder.embed(ids[:2])).shape == (2, 32)  # and it still serves
+    finally:
+        embedder.shutdown()
