@@ -10,6 +10,9 @@ skipped with a reason if that fails). On request (`--targets ...`):
                      show, the noise floor of the tracing comparison
     aigw_baseline    `aigw` served from another checkout (`--baseline-tree PATH`, e.g. a git
                      worktree of an earlier commit) in this venv: two commits in one run
+    aigw_logs_guards `aigw` logging every request of the project (request logs at 100%) with a
+                     regex guard and a PII guard (masking) on requests and answers: paired with
+                     `aigw` (both off), its cost per request as a CPU and req/s ratio
 Cells run interleaved (for each mode and concurrency, every target in turn) for `--duration-s`
 each. The load generator is a separate aiohttp process. Figures per cell: requests/s, latency
 p50/p99 minus the direct p50/p99 ("added"), and the target's CPU ms per request (its whole process
@@ -35,8 +38,22 @@ MODEL = "mock-model"
 LITELLM_KEY = "sk-aigw-bench-0123456789"  # LiteLLM refuses to start without a master key
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 TARGET_NAMES = ("bare_proxy", "aigw_auth_off", "aigw", "aigw_trace_off", "litellm",
-                "aigw_twin", "aigw_trace_all", "aigw_baseline")
-DEFAULT_TARGETS = TARGET_NAMES[:-3]  # aigw_twin, aigw_trace_all and aigw_baseline on request only
+                "aigw_twin", "aigw_trace_all", "aigw_baseline", "aigw_logs_guards")
+DEFAULT_TARGETS = TARGET_NAMES[:-4]  # the last four on request only
+# aigw_logs_guards: request logs at 100% for the default project, a deny-list and a PII guard
+LOGS_GUARDS_CONFIG = """
+[request_logs.projects.default]
+sample_rate = 1.0
+[[guardrails]]
+name = "deny"
+type = "regex"
+[guardrails.options]
+words = ["project zeus", "forbidden topic"]
+patterns = ['\\bsk-[A-Za-z0-9]{20,}']
+[[guardrails]]
+name = "pii"
+type = "pii"
+"""
 
 
 @dataclass
@@ -157,7 +174,8 @@ class _Processes:
 
 
 def _start_aigw(procs: _Processes, name: str, upstream: str, auth: bool, workers: int,
-                extra_env: dict[str, str] | None = None, tree: str | None = None) -> Target:
+                extra_env: dict[str, str] | None = None, tree: str | None = None,
+                extra_config: str = "") -> Target:
     """`aigw serve` in front of the mock; from the checkout `tree` when given (its own CLI
     module: cli.main, or gateway.cli before the CLI had a package of its own)."""
     port = _free_port()
@@ -165,7 +183,7 @@ def _start_aigw(procs: _Processes, name: str, upstream: str, auth: bool, workers
     config = procs.out_dir / f"{name}.toml"
     config.write_text(f'data_dir = "{data_dir}"\n[[models]]\nname = "{MODEL}"\nbackend = "replica"\n'
                       f'endpoints = ["{upstream}"]\n[models.prices]\ninput_per_token = 1e-7\n'
-                      'output_per_token = 2e-7\n')
+                      'output_per_token = 2e-7\n' + extra_config)
     module = "cli.main"
     if tree is not None and not (Path(tree) / "cli" / "main.py").exists():
         module = "gateway.cli"
@@ -333,6 +351,37 @@ def _report_tracing_cost(per_round: list[dict[str, Any]]) -> None:
         print("\n".join(lines))
 
 
+def _extra_config(name: str) -> str:
+    return LOGS_GUARDS_CONFIG if name == "aigw_logs_guards" else ""
+
+
+def _report_policy_cost(per_round: list[dict[str, Any]]) -> None:
+    """Request logs at 100% and guardrails on (`aigw_logs_guards`) against both off (`aigw`),
+    paired within each round: the median [min, max] over the rounds of the CPU ms a request
+    ratio (the cost per request) and of the req/s ratio."""
+    cells: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {}
+    for row in per_round:
+        if row["target"] in ("aigw_logs_guards", "aigw"):
+            cells.setdefault((row["mode"], row["concurrency"]), {"aigw_logs_guards": [], "aigw": []}
+                             )[row["target"]].append(row)
+    lines = []
+    for (mode, concurrency), by_target in cells.items():
+        on, off = by_target["aigw_logs_guards"], by_target["aigw"]
+        if not on or len(on) != len(off):
+            continue
+        cpu = sorted(a["cpu_ms_per_request"] / max(b["cpu_ms_per_request"], 1e-9)
+                     for a, b in zip(on, off, strict=True))
+        rps = sorted(a["requests_per_s"] / max(b["requests_per_s"], 1e-9)
+                     for a, b in zip(on, off, strict=True))
+        lines.append(f"{mode:9} {concurrency:>4}   cpu/req on/off {cpu[len(cpu) // 2]:.3f} "
+                     f"[{cpu[0]:.3f}, {cpu[-1]:.3f}]   req/s on/off {rps[len(rps) // 2]:.3f} "
+                     f"[{rps[0]:.3f}, {rps[-1]:.3f}]")
+    if lines:
+        print("request logs at 100% + guardrails (regex, PII) vs both off, paired per round: "
+              "median [min, max] over the rounds")
+        print("\n".join(lines))
+
+
 def _plot(results: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
@@ -388,12 +437,14 @@ def run(args: argparse.Namespace) -> int:
             ("aigw_trace_all", True, {"AIGW_TRACE_MAX_PER_S": "0"}, None),
             ("aigw_trace_off", True, {"AIGW_TRACING": "0"}, None),
             ("aigw", True, None, None), ("aigw_baseline", True, None, args.baseline_tree),
-            ("aigw_twin", True, None, None)) if name in wanted]
+            ("aigw_twin", True, None, None), ("aigw_logs_guards", True, None, None))
+            if name in wanted]
         for name, auth, extra_env, tree in gateways:
             # each run starts from an empty store (a usage table grown by earlier runs would
             # make one target's writes costlier than another's)
             shutil.rmtree(out_dir / f"{name}-data", ignore_errors=True)
-            targets.append(_start_aigw(procs, name, upstream, auth, args.workers, extra_env, tree))
+            targets.append(_start_aigw(procs, name, upstream, auth, args.workers, extra_env, tree,
+                                       _extra_config(name)))
         if args.no_litellm or "litellm" not in wanted:
             skipped["litellm"] = "--no-litellm" if args.no_litellm else "not in --targets"
         else:
@@ -410,7 +461,7 @@ def run(args: argparse.Namespace) -> int:
                         procs.stop(target.pid)
                         name, auth, extra_env, tree = spec
                         targets[index] = _start_aigw(procs, name, upstream, auth, args.workers,
-                                                     extra_env, tree)
+                                                     extra_env, tree, _extra_config(name))
             # direct first (the added latency's baseline), the others in turn forwards and
             # backwards: a target measured right after another is not always the same one
             ordered = targets if round_index % 2 == 0 else [targets[0], *targets[:0:-1]]
@@ -426,6 +477,7 @@ def run(args: argparse.Namespace) -> int:
     results = _medians(results)
     _report(results, skipped)
     _report_tracing_cost(per_round)
+    _report_policy_cost(per_round)
     (out_dir / "gateway_bench.json").write_text(json.dumps(results, indent=1))
     if args.plot:
         _plot(results, args.plot)

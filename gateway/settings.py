@@ -28,6 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from gateway.batch.settings import BatchSettings
+from gateway.guardrails.settings import GuardrailSettings
+from gateway.request_logs.settings import RequestLogSettings
 
 _config_path: contextvars.ContextVar[Path | None] = contextvars.ContextVar("aigw_config", default=None)
 
@@ -188,6 +190,10 @@ class GatewaySettings(BaseSettings):
     # (or AIGW_REPLICA_SECRET_FILE). A model's own `api_key` wins. Embedded replicas: generated.
     replica_secret: str | None = Field(default=None, repr=False)
     replica_secret_file: Path | None = None  # a file holding it (a mounted Kubernetes Secret)
+    # Request logs (gateway/request_logs/): opted-in projects' sampled bodies, redacted, bounded
+    request_logs: RequestLogSettings = RequestLogSettings()
+    # Guardrails on requests and answers, per model and/or project (gateway/guardrails/)
+    guardrails: tuple[GuardrailSettings, ...] = ()
     # /v1/files and /v1/batches: bounds, the batch price discount, pacing (gateway/batch/)
     batch: BatchSettings = BatchSettings()
     # Stored Responses API answers (`store`, `previous_response_id`; gateway/responses_store/):

@@ -16,7 +16,7 @@ counted, the completion estimated from what was received, as for any stream cut 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from gateway.guardrails.base import (
@@ -129,9 +129,19 @@ class RequestGuards:
                                                                                       0) + 1
         _write_back(request, view.parts)
 
-    @property
-    def guards_response(self) -> bool:
-        return bool(self._on_response)
+    def body_masker(self) -> Callable[[str], str] | None:
+        """What the request guards that mask (`mask_text`) do to a text, for the request log's
+        copy of the body; None when none masks."""
+        maskers = [mask for guard in self._on_request
+                   if (mask := getattr(guard, "mask_text", None)) is not None]
+        if not maskers:
+            return None
+
+        def mask_all(text: str) -> str:
+            for mask in maskers:
+                text = mask(text)
+            return text
+        return mask_all
 
     async def guard_attempt(self, attempt: Attempt, request: CanonicalRequest) -> None:
         """The attempt's events through the response scanners, from its first event on (a

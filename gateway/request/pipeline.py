@@ -34,6 +34,8 @@ from auth.principal import Authenticator, AuthError, Principal, Scope
 from auth.settings import AuthSettings
 from gateway.dialects.base import Dialect, StreamEncoder
 from gateway.fleet.endpoints import Endpoint, Fleet, ModelRoute
+from gateway.guardrails.base import GuardrailBlocked
+from gateway.guardrails.chain import RequestGuards, build_chain
 from gateway.metering.contract import (
     Admission,
     Meter,
@@ -62,6 +64,8 @@ from gateway.request.keeper import AnswerKeeper
 from gateway.request.settlement import Settlement
 from gateway.request.usage import STATUS_CLIENT_CLOSED, build_record
 from gateway.request.usage_tags import usage_session, usage_tags
+from gateway.request_logs import RequestLog
+from gateway.request_logs.capture import capture, keep_body
 from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
 from gateway.upstream.retry_budget import RetryBudget
@@ -192,6 +196,10 @@ class Pipeline:
         self._settle_nowait = getattr(meter, "settle_nowait", None)
         self._watchdog = Watchdog()  # the upstream waits' timeouts
         self._counting: set[asyncio.Task[None]] = set()  # _count_and_settle tasks in flight
+        # guardrails (gateway/guardrails/) and request logs (gateway/request_logs/; set by the
+        # served app, whose store it is); None: off, nothing done per request
+        self.guardrails = build_chain(settings, fleet, router, self.retry_budget, self._watchdog)
+        self.request_log: RequestLog | None = None
 
     async def wait_settled(self, timeout_s: float = 5.0) -> None:
         """Shutdown, before the meter closes: let the settlements that count a prompt first
@@ -220,6 +228,8 @@ class Pipeline:
         principal.require(Scope.INVOKE)
         body = await read_json_body(request, self.settings.max_body_bytes,
                                     self.settings.client_body_timeout_s)
+        if self.request_log is not None:
+            keep_body(request, body)  # (logged only if this request is sampled)
         canonical = parse(body, request_id)
         canonical.tags = usage_tags(body, request.headers)  # bounded: 400 past them
         principal.require_model(canonical.model)
@@ -326,10 +336,15 @@ class Pipeline:
 
         def record() -> Any:
             latency_ms = (time.perf_counter() - timing.started) * 1000.0
-            return build_record(canonical, principal, route.settings,
-                                "" if outcome.replica == "none" else outcome.replica,
-                                outcome.accumulator, outcome.status, latency_ms,
-                                outcome.num_prompt_tokens, record_id=usage_id)
+            built = build_record(canonical, principal, route.settings,
+                                 "" if outcome.replica == "none" else outcome.replica,
+                                 outcome.accumulator, outcome.status, latency_ms,
+                                 outcome.num_prompt_tokens, record_id=usage_id)
+            if outcome.is_logged and self.request_log is not None:  # (queued, never awaited)
+                self.request_log.submit(capture(
+                    request, dialect, canonical, outcome.accumulator, outcome.error, built,
+                    outcome.guards.body_masker() if outcome.guards is not None else None))
+            return built
 
         async def settle_once(queue: bool) -> None:
             if outcome.needs_prompt_count():  # an answer that broke off before its usage
@@ -343,7 +358,12 @@ class Pipeline:
         outcome.settlement = Settlement(settle_once)
         outcome.settles_before_answer = admission.counts_against_limits
         outcome.show_overhead = not self.settings.auth_enabled or may_see_overhead(principal)
+        outcome.is_logged = self.request_log is not None and self.request_log.sample(
+            principal.project)
+        outcome.guards = self.guardrails.for_request(canonical) if self.guardrails else None
         try:
+            if outcome.guards is not None:  # (a block is a 400, settled like any refusal)
+                await outcome.guards.check_request(canonical)
             outcome.explain_route = (request.headers.get("x-aigw-debug") == "1"
                                      and outcome.show_overhead)  # replicas' load: operators
             attempt = await self._dispatch(canonical, route, timing, outcome)
@@ -354,6 +374,7 @@ class Pipeline:
                                        admission.headers)
         except GatewayError as exc:
             outcome.status = exc.status
+            outcome.error = (exc.code, exc.message)
             if isinstance(exc, UpstreamError) and exc.endpoint_name:
                 outcome.replica = exc.endpoint_name  # the endpoint that answered with the error
             if outcome.settles_before_answer:  # (an upstream refusal: its reservation is
@@ -415,9 +436,14 @@ class Pipeline:
         the client's critical path). Releases `attempt`."""
         outcome.status = 499  # until the answer is built (a cancelled handler keeps this)
         try:
+            if outcome.guards is not None:  # the answer through the response guards
+                await outcome.guards.guard_attempt(attempt, canonical)
             outcome.accumulator.add(attempt.first_event)
             await self._drain_events(attempt, outcome.accumulator, timing)
             attempt.endpoint.breaker.record_success()
+        except GuardrailBlocked:
+            attempt.endpoint.breaker.record_success()  # (the endpoint answered)
+            raise
         except (UpstreamError, TimeoutError) as exc:
             attempt.endpoint.breaker.record_failure(time.monotonic())
             raise _after_start(exc, self.settings) from None
@@ -476,6 +502,8 @@ class Pipeline:
         encoder = dialect.encoder(canonical)
         response = web.StreamResponse(headers={**_SSE_HEADERS, **extra_headers})
         try:
+            if outcome.guards is not None:  # (a block on the first event is still a 400)
+                await outcome.guards.guard_attempt(attempt, canonical)
             _stamp(response, canonical.request_id, outcome.replica, timing.overhead_ms(),
                    outcome.show_overhead)
             self._explain_route(response, canonical, outcome)
@@ -502,6 +530,11 @@ class Pipeline:
                             await response.write(encoder.event(event))
                 attempt.endpoint.breaker.record_success()
                 tail = encoder.finish(accumulator.response())
+            except GuardrailBlocked as exc:  # a response guard stopped it: the dialect's error event
+                attempt.endpoint.breaker.record_success()
+                accumulator.finish_reason = "content_filter"
+                outcome.error = (exc.code, exc.message)
+                tail = encoder.error(exc.status, exc.code, exc.message)
             except (UpstreamError, TimeoutError) as exc:
                 attempt.endpoint.breaker.record_failure(time.monotonic())
                 error = _after_start(exc, self.settings)
@@ -535,8 +568,9 @@ def _after_start(exc: BaseException, settings: GatewaySettings) -> UpstreamError
 
 
 class _Outcome:
-    __slots__ = ("accumulator", "endpoint", "explain_route", "keeper", "num_prompt_tokens",
-                 "replica", "settlement", "settles_before_answer", "show_overhead", "status")
+    __slots__ = ("accumulator", "endpoint", "error", "explain_route", "guards", "is_logged",
+                 "keeper", "num_prompt_tokens", "replica", "settlement", "settles_before_answer",
+                 "show_overhead", "status")
 
     def __init__(self) -> None:
         self.accumulator = Accumulator()
@@ -548,6 +582,9 @@ class _Outcome:
         self.settlement: Settlement  # set once admitted: the one settle of this request
         self.settles_before_answer = False  # limited requests: settled before the answer goes out
         self.show_overhead = False  # x-aigw-overhead-ms: admin callers only
+        self.guards: RequestGuards | None = None  # the guardrails that apply to this request
+        self.is_logged = False  # sampled for the request log
+        self.error: tuple[str, str] | None = None  # (code, message) answered, for the log
         self.keeper: AnswerKeeper | None = None  # stores the answer before it is sent
 
     def needs_prompt_count(self) -> bool:

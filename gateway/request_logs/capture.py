@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -21,8 +22,9 @@ def keep_body(request: web.Request, body: Any) -> None:
 
 
 def capture(request: web.Request, dialect: Dialect, canonical: CanonicalRequest,
-            accumulator: Accumulator, error: tuple[str, str] | None,
-            record: UsageRecord) -> Capture:
+            accumulator: Accumulator, error: tuple[str, str] | None, record: UsageRecord,
+            mask: Callable[[str], str] | None = None) -> Capture:
+    """`mask`: the request guards' masking (RequestGuards.body_masker), for the logged body."""
     from gateway.telemetry.observation import current_observation  # (telemetry imports the
     # pipeline, which imports this module)
 
@@ -34,4 +36,4 @@ def capture(request: web.Request, dialect: Dialect, canonical: CanonicalRequest,
         dialect=dialect, request=canonical,
         response=accumulator.response() if accumulator.num_events else None, error=error,
         record=record, trace_id=trace.trace_id_hex if trace is not None else None,
-        weight_bytes=_FIXED_WEIGHT_BYTES + body_bytes + accumulator.num_generated_chars)
+        weight_bytes=_FIXED_WEIGHT_BYTES + body_bytes + accumulator.num_generated_chars, mask=mask)

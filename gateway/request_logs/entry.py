@@ -14,6 +14,7 @@ JSON text cut to fit (`"truncated": true`, each as `{"text": "..."}`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ class Capture:
     record: UsageRecord
     trace_id: str | None
     weight_bytes: int  # what it holds, roughly (the queue's bound counts this)
+    mask: Callable[[str], str] | None = None  # the request guards' masking, for the body's strings
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +77,7 @@ def build_entry(capture: Capture, max_entry_bytes: int, redact_fields: tuple[str
                   "completion_tokens": record.completion_tokens,
                   "reasoning_tokens": record.reasoning_tokens},
         "headers": redact_headers(capture.headers[:_HEADER_LIMIT]),
-        "request": redact_value(capture.body),
+        "request": redact_value(capture.body, capture.mask),
         "response": redact_value(response),
         "error": ({"code": capture.error[0], "message": capture.error[1]}
                   if capture.error is not None else None),

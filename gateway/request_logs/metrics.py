@@ -15,17 +15,20 @@ from gateway.request_logs.writer import RequestLog
 
 
 class RequestLogCollector:
-    def __init__(self, request_log: RequestLog) -> None:
-        self._log = request_log
+    """`request_log` is set by the served app (until then: zeros)."""
+
+    def __init__(self, request_log: RequestLog | None = None) -> None:
+        self.request_log = request_log
 
     def collect(self) -> Iterator[Metric]:
+        source = self.request_log
         written = CounterMetricFamily("aigw_request_logs_written", "Request log entries stored.")
-        written.add_metric([], self._log.num_written)
+        written.add_metric([], source.num_written if source is not None else 0)
         dropped = CounterMetricFamily("aigw_request_logs_dropped",
                                       "Request log entries dropped, by reason.", labels=["reason"])
-        for reason, count in sorted(self._log.num_dropped.items()):
+        for reason, count in sorted((source.num_dropped if source is not None else {}).items()):
             dropped.add_metric([reason], count)
         queued = GaugeMetricFamily("aigw_request_logs_queued_bytes",
                                    "Request log captures waiting to be written (bytes).")
-        queued.add_metric([], self._log.queued_bytes)
+        queued.add_metric([], source.queued_bytes if source is not None else 0)
         yield from (written, dropped, queued)

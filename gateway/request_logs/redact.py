@@ -15,6 +15,7 @@ What is redacted becomes "[REDACTED]".
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 REDACTED = "[REDACTED]"
@@ -35,15 +36,16 @@ def redact_text(text: str) -> str:
                                                 or "earer" in text) else text
 
 
-def redact_value(value: Any) -> Any:
-    """`value` with credential keys and secret-looking strings redacted (a new object)."""
+def redact_value(value: Any, mask: Callable[[str], str] | None = None) -> Any:
+    """`value` with credential keys and secret-looking strings redacted (a new object); `mask`,
+    if given, is applied to every string first (a masking guardrail's rule)."""
     if isinstance(value, str):
-        return redact_text(value)
+        return redact_text(value if mask is None else mask(value))
     if isinstance(value, dict):
         return {key: REDACTED if isinstance(key, str) and key.lower() in SECRET_KEYS
-                else redact_value(item) for key, item in value.items()}
+                else redact_value(item, mask) for key, item in value.items()}
     if isinstance(value, list):
-        return [redact_value(item) for item in value]
+        return [redact_value(item, mask) for item in value]
     return value
 
 

@@ -25,9 +25,7 @@ async def attach_request_log(app: web.Application, settings: GatewaySettings, au
     app[PIPELINE].request_log = request_log
     app.add_routes(build_request_log_routes(request_log, auth.authenticator, prefix))
     if TELEMETRY in app:
-        from gateway.request_logs.metrics import RequestLogCollector
-
-        app[TELEMETRY].metrics.extra_collectors.append(RequestLogCollector(request_log))
+        app[TELEMETRY].metrics.request_logs.request_log = request_log  # aigw_request_logs_*
 
     async def lifecycle(_: web.Application) -> AsyncIterator[None]:
         await request_log.start()

@@ -1,14 +1,16 @@
 """Request logs in Redis Streams, one stream per project (under the project's hash tag):
 
-    aigw:{p:<P>}:reqlog                     stream  fields m (model), t (trace id), i (id), e (entry)
+    aigw:{p:<P>}:reqlog                     stream  fields m (model), t (trace id), i (id),
+                                                    c (created_at), e (entry)
     aigw:reqlog:trace:<trace id>            set     "<project> <stream id>" members (EXPIRE: retention)
     aigw:reqlog:settings                    hash    project -> settings JSON (admin API)
 
 Each XADD trims the stream to MAXLEN ~ max_project_bytes // max_entry_bytes entries (so a project
 holds at most about max_project_bytes), then XTRIM MINID ~ drops what is past the retention,
 and the stream's EXPIRE is pushed to the retention (an idle project's stream goes away whole).
-Stream ids are millisecond timestamps, so a time filter is a range read; model, trace and
-request id filters are applied to what the range returns (at most `_MAX_SCANNED` entries a page).
+Stream ids are millisecond timestamps of the XADD (after the entry's created_at), so `since` is
+a range read; `until`, model, trace and request id filters are applied to what the range returns
+(at most `_MAX_SCANNED` entries a page).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class RedisLogStore(RequestLogStore):
             key = stream_key(entry.project)
             projects.add(entry.project)
             pipe.xadd(key, {"m": entry.model, "t": entry.trace_id or "", "i": entry.id,
-                            "e": entry.data.decode()},
+                            "c": repr(entry.created_at), "e": entry.data.decode()},
                       maxlen=self._max_entries, approximate=True)
         for project in projects:
             pipe.xtrim(stream_key(project), minid=minid, approximate=True)
@@ -73,7 +75,7 @@ class RedisLogStore(RequestLogStore):
             return await self._by_trace(query, limit), None
         import time
 
-        high = "+" if query.until is None else f"({int(query.until * 1000)}"
+        high = "+"  # (an entry is added after its created_at: `until` is checked per entry)
         if query.cursor is not None:
             if not _is_stream_id(query.cursor):
                 raise ValueError("cursor: not one this store handed out")
@@ -130,6 +132,8 @@ def _is_stream_id(text: str) -> bool:
 
 
 def _matches(fields: dict[str, str], query: LogQuery) -> bool:
+    if query.until is not None and float(fields.get("c") or 0.0) >= query.until:
+        return False
     return ((query.model is None or fields.get("m") == query.model)
             and (query.trace_id is None or fields.get("t") == query.trace_id)
             and (query.request_id is None or fields.get("i") == query.request_id))

@@ -115,6 +115,13 @@ class GatewayMetrics:
         self.routing_decisions = Counter("aigw_routing_decisions", "Endpoint picks by the router.",
                                          ["policy", "reason", "replica"], registry=r)
         self._fleet_collector: FleetCollector | None = None
+        # families other packages keep, read at scrape time (their sources are set by the app)
+        from gateway.guardrails.metrics import GuardrailCollector
+        from gateway.request_logs.metrics import RequestLogCollector
+
+        self.guardrails = GuardrailCollector()  # aigw_guardrail_*
+        self.request_logs = RequestLogCollector()  # aigw_request_logs_*
+        self.extra_collectors: list[Any] = [self.guardrails, self.request_logs]
         # `aigw serve`'s embedded replicas: restart counts from the supervisor (gateway/fleet/supervisor.py)
         self._restarts_collector = restarts_collector_from_env()
         # what a scrape reads the metrics above from: this registry, or every worker's files
@@ -158,6 +165,8 @@ class GatewayMetrics:
         if self._fleet_collector is not None:
             families.extend(self._fleet_collector.collect())
         families.extend(self._restarts_collector.collect())
+        for collector in self.extra_collectors:
+            families.extend(collector.collect())
         if not per_project:
             families = [_summed_over_projects(family) for family in families]
         families.append(_cache_hit_ratio(families, per_project))

@@ -68,6 +68,7 @@ async def create_served_app(settings: GatewaySettings) -> web.Application:
         return create_app(settings)
     from auth import AuthSettings, cache_salt_for, ensure_default_project, open_auth
     from gateway.metering import open_meter
+    from gateway.request_logs.served import attach_request_log
     from gateway.web.admin_routes import build_admin_routes
     from gateway.web.limit_routes import build_limit_routes
 
@@ -90,6 +91,7 @@ async def create_served_app(settings: GatewaySettings) -> web.Application:
     app = create_app(settings, authenticator=auth.authenticator, meter=meter,
                      cache_salt_of=lambda principal: cache_salt_for(principal, auth_settings))
     app.add_routes(build_admin_routes(auth, ADMIN_PREFIX))
+    await attach_request_log(app, settings, auth, ADMIN_PREFIX)  # (gateway/request_logs/)
     app.add_routes(build_limit_routes(auth, limits, ADMIN_PREFIX))
 
     async def close_services(_: web.Application) -> AsyncIterator[None]:

@@ -173,6 +173,25 @@
     }));
   }
 
+  // the trace's request log entries (admin API; the project must log requests: gateway/request_logs/)
+  async function renderTraceLogs(traceId) {
+    const box = $("trace-logs");
+    let response;
+    try {
+      response = await fetch("/admin/v1/request-logs?trace_id=" + encodeURIComponent(traceId),
+        { headers: { authorization: "Bearer " + sessionStorage.getItem(KEY) }, cache: "no-store" });
+    } catch (error) { box.textContent = "request logs unreachable: " + error.message; return; }
+    if (response.status === 404) { box.textContent = "request logs are not served here (auth off)"; return; }
+    if (!response.ok) { box.textContent = "request logs: HTTP " + response.status; return; }
+    const entries = (await response.json()).data;
+    if (!entries.length) { box.textContent = "no request log entry for this trace (its project does not log requests, or it was not sampled)"; return; }
+    box.innerHTML = entries.map((e) => `<div class="log-entry" data-log="${esc(e.id)}">
+      <div><b>${esc(e.project)}</b> · ${esc(e.model)} · ${esc(e.path)} · status ${esc(e.status)} ·
+        ${num(e.usage.prompt_tokens)} + ${num(e.usage.completion_tokens)} tokens · ${usd(e.cost_usd)} ·
+        ${num(e.latency_ms, 1)} ms${e.truncated ? " · truncated" : ""}</div>
+      <pre>${esc(JSON.stringify({ request: e.request, response: e.response, error: e.error }, null, 2))}</pre></div>`).join("");
+  }
+
   async function refresh() {
     try {
       const overview = await api("/dashboard/api/overview");
@@ -182,7 +201,10 @@
       renderUsage(overview.usage, overview.usage_daily || {});
       renderTraces(overview.traces);
       renderTracing(overview.tracing);
-      if (selectedTrace) renderWaterfall(await api("/dashboard/api/traces/" + encodeURIComponent(selectedTrace)));
+      if (selectedTrace) {
+        renderWaterfall(await api("/dashboard/api/traces/" + encodeURIComponent(selectedTrace)));
+        await renderTraceLogs(selectedTrace);
+      }
       $("status").textContent = "updated " + new Date().toLocaleTimeString();
     } catch (error) {
       if (error.auth) { sessionStorage.removeItem(KEY); showLogin(error.message); return; }
