@@ -32,6 +32,7 @@ from typing import Any
 
 from gateway.batch.file_directory import FileDirectory
 from gateway.batch.line_runner import LineOutcome, LineRunner, output_line
+from gateway.batch.metrics import BatchCounts
 from gateway.batch.plan import Plan, PlannedLine, read_line_body, read_plan
 from gateway.batch.records import (
     PURPOSE_BATCH_OUTPUT,
@@ -60,13 +61,14 @@ def derived_file_id(batch_id: str, kind: str) -> str:
 
 class BatchRunner:
     def __init__(self, store: BatchStore, files: FileDirectory, lines: LineRunner, fleet: Fleet,
-                 meter: Meter, settings: BatchSettings) -> None:
+                 meter: Meter, settings: BatchSettings, counts: BatchCounts | None = None) -> None:
         self._store = store
         self._files = files
         self._lines = lines
         self._fleet = fleet
         self._meter = meter
         self._settings = settings
+        self.counts = counts or BatchCounts()  # /metrics (gateway/batch/metrics.py)
         self._owner = os.urandom(8).hex()  # this gateway process, as a lease holder
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -184,6 +186,7 @@ class BatchRunner:
                             break
                 if await self._stopping(batch):
                     break
+                self.counts.num_running += 1
                 task = asyncio.create_task(self._run_line(batch, line))
                 running.add(task)
                 task.add_done_callback(running.discard)
@@ -203,7 +206,8 @@ class BatchRunner:
 
     async def _may_start(self, line: PlannedLine, running: set[asyncio.Task[None]]) -> bool:
         """Wait a tick for a free slot on idle capacity; True when the line may start now."""
-        if len(running) < self._settings.max_concurrent_lines:
+        is_slot_free = len(running) < self._settings.max_concurrent_lines
+        if is_slot_free:
             route = self._fleet.get(line.model)
             interactive = 0 if route is None else (
                 sum(endpoint.num_outstanding for endpoint in route.endpoints)
@@ -211,6 +215,8 @@ class BatchRunner:
             if interactive < self._settings.max_interactive_in_flight:
                 return True
         await asyncio.sleep(_IDLE_CHECK_S)
+        if is_slot_free:  # (a slot was free: the wait was for interactive traffic)
+            self.counts.idle_wait_s += _IDLE_CHECK_S
         return False
 
     async def _stopping(self, batch: BatchRecord) -> bool:
@@ -226,6 +232,12 @@ class BatchRunner:
 
     async def _run_line(self, batch: BatchRecord, line: PlannedLine) -> None:
         """Run, record, settle one line; a failure to record leaves it for the next pass."""
+        try:
+            await self._run_and_keep(batch, line)
+        finally:
+            self.counts.num_running -= 1
+
+    async def _run_and_keep(self, batch: BatchRecord, line: PlannedLine) -> None:
         try:
             body = await asyncio.to_thread(read_line_body,
                                            str(self._files.path_of(batch.input_file_id)), line)
@@ -251,8 +263,10 @@ class BatchRunner:
             None if record is None else dict(record.__dict__), metered=record is None))
         if outcome.ok:
             batch.num_completed += 1
+            self.counts.num_completed += 1
         else:
             batch.num_failed += 1
+            self.counts.num_failed += 1
         if record is not None:
             _add_usage(batch.usage, record.__dict__)
             admission = outcome.admission or Admission(record.request_id, batch.principal,

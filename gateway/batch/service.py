@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gateway.batch.file_directory import FileDirectory
 from gateway.batch.line_runner import LineRunner, batch_dialects
+from gateway.batch.metrics import BatchCounts
 from gateway.batch.runner import BatchRunner
 from gateway.batch.settings import BatchSettings
 from gateway.batch.store import BatchStore
@@ -37,6 +38,7 @@ class BatchService:
         self._runner: BatchRunner | None = None
         self._parts: tuple[Pipeline, Fleet] | None = None  # set while the app runs
         self._opening = asyncio.Lock()
+        self.counts = BatchCounts()  # the runner's, for /metrics (also before it opens)
 
     @property
     def store(self) -> BatchStore:
@@ -94,7 +96,7 @@ class BatchService:
         self._files = FileDirectory(self.settings.files_dir or data_dir / "batch-files")
         self._runner = BatchRunner(self._store, self._files,
                                    LineRunner(pipeline, self.settings.price_discount), fleet,
-                                   pipeline.meter, self.settings)
+                                   pipeline.meter, self.settings, self.counts)
         self._runner.start()
 
     async def close(self) -> None:

@@ -9,6 +9,8 @@
     aigw_prompt_cache_hit_ratio{project}                       cached / input tokens, from the two
                                                                counters when scraped
     aigw_routing_decisions_total{policy,reason,replica}
+    aigw_batch_lines_total{outcome}, aigw_batch_lines_running, aigw_batch_idle_wait_seconds_total
+                                                               the Batch API (gateway/batch/metrics.py)
     aigw_embedded_replica_restarts_total{endpoint}             `aigw serve`'s replicas restarted after
                                                                their process exited
     aigw_endpoint_{healthy,breaker_open,outstanding_requests,
@@ -124,6 +126,9 @@ class GatewayMetrics:
         self.extra_collectors: list[Any] = [self.guardrails, self.request_logs]
         # `aigw serve`'s embedded replicas: restart counts from the supervisor (gateway/fleet/supervisor.py)
         self._restarts_collector = restarts_collector_from_env()
+        from gateway.batch.metrics import BatchCollector  # aigw_batch_* (counts set by the app)
+
+        self.batch = BatchCollector()
         # what a scrape reads the metrics above from: this registry, or every worker's files
         self._source: Any = r
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -165,6 +170,7 @@ class GatewayMetrics:
         if self._fleet_collector is not None:
             families.extend(self._fleet_collector.collect())
         families.extend(self._restarts_collector.collect())
+        families.extend(self.batch.collect())
         for collector in self.extra_collectors:
             families.extend(collector.collect())
         if not per_project:

@@ -85,6 +85,7 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
                              cache_salt_of, telemetry.response_stamp())
     app[RESPONSES] = StoredResponses(open_response_store(settings))  # (opens on first use)
     app[BATCH] = BatchService(settings)
+    telemetry.metrics.batch.counts = app[BATCH].counts  # aigw_batch_* on /metrics
     telemetry.metrics.guardrails.guardrails = app[PIPELINE].guardrails  # aigw_guardrail_*
     telemetry.install(app)
     app.cleanup_ctx.append(_transport_ctx)

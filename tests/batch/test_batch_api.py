@@ -6,6 +6,7 @@ bounds, pagination, and interactive traffic first."""
 from __future__ import annotations
 
 import io
+import re
 import sqlite3
 import threading
 import time
@@ -149,6 +150,10 @@ def test_the_sdk_flow_maps_custom_ids_and_meters_each_line_once_at_the_batch_pri
         assert cost_nanos == round(full * (1 - DISCOUNT) * 1e9)
     info = client.files.retrieve(done.output_file_id)
     assert info.purpose == "batch_output" and info.bytes > 0
+    metrics = httpx.get(served.url + "/metrics").text
+    completed = re.search(r'^aigw_batch_lines_total\{outcome="completed"\} (\S+)$', metrics, re.M)
+    assert completed and float(completed.group(1)) >= 6
+    assert re.search(r"^aigw_batch_lines_running 0\.0$", metrics, re.M)
 
 
 def test_malformed_lines_and_refused_requests_go_to_the_error_file(served: Served) -> None:
