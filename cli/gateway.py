@@ -34,6 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--model", default=None, help="model path for the embedded replicas")
     parser.add_argument("--kv-cache-memory", type=int, default=None,
                         help="KV cache bytes per embedded replica")
+    parser.add_argument("--kv-host-tier-bytes", type=int, default=None,
+                        help="second KV tier bytes per embedded replica (evicted blocks restored on a "
+                             "prefix hit; `aigw replica --kv-host-tier-bytes`)")
     parser.add_argument("--embedding-model", default=None,
                         help="embedding model for one more embedded replica (default: the bundled "
                              "all-MiniLM-L6-v2 when installed; `none`: no embedding replica)")
@@ -163,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
             replicas = embedded.start_replicas(args.replicas, args.model, args.kv_cache_memory,
                                                extra_args=shlex.split(args.replica_args),
                                                secret=secret,
+                                               host_tier_bytes=args.kv_host_tier_bytes,
                                                embedding_model_path=_embedding_model(args))
             try:
                 embedded.wait_healthy(replicas)

@@ -14,6 +14,13 @@ The records (one module, imported by the engine that emits them and the gateway 
 a consumer counts them as held, like `BlockStored`; no event marks a retention's end, since the blocks
 stay cached until a `BlockRemoved` says otherwise.
 
+`medium` on BlockStored / BlockRemoved says which tier: "main" (the KV pool the model reads; the
+default, and what an event without the field means) or "host" (the replica's second tier, where
+blocks evicted from the pool wait to be restored instead of recomputed: engine/kv_cache/host_tier.py).
+The tiers are two sets: a block moving out of the pool is a BlockRemoved "main" plus a BlockStored
+"host" in the same batch; a block restored into the pool stays in the host tier too (BlockStored
+"main" only). A consumer that routes on hits counts a hash held in either.
+
 Events are grouped into an `EventBatch` per engine step, stamped with the replica id and a sequence
 number that increases by exactly one per batch (no gaps). A consumer that sees a gap, or restarts, asks
 for a snapshot (`KVSnapshot`: every hash the replica holds now, with the sequence number it is valid at)
@@ -40,12 +47,14 @@ class BlockStored:
     parent_hash: int | None
     token_ids: tuple[int, ...]
     block_size: int
+    medium: str = "main"  # MEDIUM_MAIN: the KV pool; MEDIUM_HOST: the replica's second tier
     type: str = "BlockStored"
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: tuple[int, ...]
+    medium: str = "main"
     type: str = "BlockRemoved"
 
 
@@ -62,6 +71,10 @@ class BlockRetained:
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | BlockRetained
+
+MEDIUM_MAIN = "main"  # the KV pool the model reads (GPU memory, or host memory on a CPU replica)
+MEDIUM_HOST = "host"  # the second tier blocks evicted from the pool go to (engine/kv_cache/host_tier.py)
+MEDIA = (MEDIUM_MAIN, MEDIUM_HOST)
 
 
 @dataclass(frozen=True)
@@ -80,9 +93,10 @@ def event_from_json(data: dict[str, Any]) -> KVEvent:
     kind = data.get("type")
     if kind == "BlockStored":
         return BlockStored(tuple(data["block_hashes"]), data.get("parent_hash"),
-                           tuple(data.get("token_ids", ())), int(data["block_size"]))
+                           tuple(data.get("token_ids", ())), int(data["block_size"]),
+                           _medium(data))
     if kind == "BlockRemoved":
-        return BlockRemoved(tuple(data["block_hashes"]))
+        return BlockRemoved(tuple(data["block_hashes"]), _medium(data))
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     if kind == "BlockRetained":
@@ -90,20 +104,37 @@ def event_from_json(data: dict[str, Any]) -> KVEvent:
     raise ValueError(f"unknown KV event type {kind!r}")
 
 
+def _medium(data: dict[str, Any]) -> str:
+    medium = data.get("medium", MEDIUM_MAIN)
+    if medium not in MEDIA:
+        raise ValueError(f"unknown KV event medium {medium!r}")
+    return str(medium)
+
+
 def batch_from_json(data: dict[str, Any]) -> EventBatch:
     return EventBatch(str(data["replica_id"]), int(data["seq"]), float(data["ts"]),
                       tuple(event_from_json(e) for e in data["events"]))
 
 
-def apply_events(held: set[int], events: tuple[KVEvent, ...] | list[KVEvent]) -> None:
-    """Replay events onto a set of held hashes (what a consumer of the stream does)."""
+def apply_events(held: set[int], events: tuple[KVEvent, ...] | list[KVEvent],
+                 host_held: set[int] | None = None) -> None:
+    """Replay events onto a set of held hashes (what a consumer of the stream does): `held` is the
+    main pool's, `host_held` (when given) the second tier's; AllBlocksCleared empties both."""
     for event in events:
-        if isinstance(event, BlockStored | BlockRetained):
+        if isinstance(event, BlockStored | BlockRemoved) and event.medium == MEDIUM_HOST:
+            if host_held is not None:
+                if isinstance(event, BlockStored):
+                    host_held.update(event.block_hashes)
+                else:
+                    host_held.difference_update(event.block_hashes)
+        elif isinstance(event, BlockStored | BlockRetained):
             held.update(event.block_hashes)
         elif isinstance(event, BlockRemoved):
             held.difference_update(event.block_hashes)
         else:
             held.clear()
+            if host_held is not None:
+                host_held.clear()
 
 
 @dataclass(frozen=True)
@@ -112,10 +143,12 @@ class KVSnapshot:
     seq: int  # the snapshot includes every batch up to and including this one
     block_size: int
     block_hashes: tuple[int, ...]
+    host_block_hashes: tuple[int, ...] = ()  # held in the second tier (a hash may be in both)
 
     def to_json(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, "seq": self.seq, "block_size": self.block_size,
-                "block_hashes": list(self.block_hashes)}
+                "block_hashes": list(self.block_hashes),
+                "host_block_hashes": list(self.host_block_hashes)}
 
 
 class EventPublisher(Protocol):
@@ -152,6 +185,7 @@ class KVEventLog:
         self._last_seq = 0  # batch numbers start at 1; 0 = "nothing yet"
         self._publishers = publishers
         self._held: set[int] = set()  # hashes held as of the last sealed batch (the snapshot)
+        self._held_host: set[int] = set()  # the same for the second tier
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
 
@@ -168,7 +202,7 @@ class KVEventLog:
             self._last_seq += 1
             batch = EventBatch(self.replica_id, self._last_seq, time.time(), tuple(self._pending))
             self._pending = []
-            apply_events(self._held, batch.events)
+            apply_events(self._held, batch.events, self._held_host)
             self._batches.append(batch)
             self._cond.notify_all()
         for publisher in self._publishers:
@@ -182,7 +216,8 @@ class KVEventLog:
     def snapshot(self, block_size: int) -> KVSnapshot:
         """Every hash held as of the last sealed batch; safe to call from any thread."""
         with self._lock:
-            return KVSnapshot(self.replica_id, self._last_seq, block_size, tuple(self._held))
+            return KVSnapshot(self.replica_id, self._last_seq, block_size, tuple(self._held),
+                              tuple(self._held_host))
 
     def since(self, seq: int) -> EventPage | None:
         """Batches with number > seq, or None when some of them are no longer held (take a snapshot)."""

@@ -170,12 +170,19 @@ class CacheConfig:
     max_retention_s: float = 3600.0
     retention_share_per_project: float = 0.25
     retention_share_total: float = 0.5
+    # The second KV tier (engine/kv_cache/host_tier.py): bytes for blocks evicted from the pool, kept to
+    # be restored on a prefix hit instead of recomputed (0: none). CUDA: pinned host memory; CPU: a
+    # mapped file in `host_tier_dir` (None: the system's temporary directory).
+    host_tier_bytes: int = 0
+    host_tier_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.host_tier_bytes < 0:
+            raise ValueError(f"host_tier_bytes must be >= 0, got {self.host_tier_bytes}")
         if not 0.0 <= self.max_retention_s <= 7 * 86_400:
             raise ValueError(f"max_retention_s must be in 0..604800, got {self.max_retention_s}")
         for name in ("retention_share_per_project", "retention_share_total"):

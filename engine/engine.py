@@ -16,6 +16,8 @@ from contracts.sampling_params import SamplingParams
 from engine.batch import ScheduledBatch
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache.host_storage import HostTierStorage
+from engine.kv_cache.host_tier import HostTier
 from engine.kv_cache.manager import KVCacheManager
 from engine.loader import Tokenizer
 from engine.model_runner import ModelRunner
@@ -37,6 +39,13 @@ class EngineStats:
     num_kv_blocks_cached: int
     num_prefix_cache_queried_tokens: int
     num_prefix_cache_hit_tokens: int
+    num_host_tier_hit_tokens: int  # of the hit tokens, those restored from the host tier
+    num_host_tier_blocks: int  # blocks the host tier holds now
+    num_host_tier_bytes: int  # their bytes (at most host_tier_budget_bytes)
+    host_tier_budget_bytes: int  # 0: no host tier
+    num_host_tier_offloaded_blocks_total: int  # blocks evicted from the pool into the tier
+    num_host_tier_restored_blocks_total: int  # blocks copied back into the pool (tier hits)
+    num_host_tier_dropped_blocks_total: int  # gave their slot up to newer blocks, or found none
     num_prompt_tokens_total: int
     num_prompt_tokens_computed_total: int  # prompt tokens prefilled (not served by the prefix cache)
     num_generation_tokens_total: int
@@ -63,7 +72,8 @@ class LLMEngine:
                                        config.cache.enable_prefix_caching, self.kv_events,
                                        group_windows=runner.kv_layout.group_windows,
                                        retention_share_per_owner=config.cache.retention_share_per_project,
-                                       retention_share_total=config.cache.retention_share_total)
+                                       retention_share_total=config.cache.retention_share_total,
+                                       host_tier=self._host_tier(config, runner))
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.sampler = Sampler(seed=config.seed)
         self.grammars = GrammarCompiler(tokenizer.backend, model_config.vocab_size,
@@ -72,6 +82,19 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._num_prompt_tokens_total = 0
         self._num_generation_tokens_total = 0
+
+    def _host_tier(self, config: EngineConfig, runner: ModelRunner) -> HostTier | None:
+        """The second KV tier's storage (self.host_storage) and bookkeeping, when it has a budget."""
+        self.host_storage: HostTierStorage | None = None
+        if not config.cache.host_tier_bytes or not config.cache.enable_prefix_caching:
+            return None
+        self.host_storage = HostTierStorage.for_kv([t for kv in runner.kv_caches for t in kv],
+                                                   config.cache.host_tier_bytes, config.cache.host_tier_dir)
+        logger.info("KV host tier: %d blocks (%.0f MiB) in %s", self.host_storage.num_slots,
+                    self.host_storage.num_slots * self.host_storage.bytes_per_block / 2**20,
+                    "pinned memory" if self.host_storage.device.type == "cuda" else "a mapped file")
+        return HostTier(self.host_storage.num_slots, self.host_storage.bytes_per_block, self.block_size,
+                        self.kv_events)
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True,
@@ -134,6 +157,8 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        if self.host_storage is not None:  # evicted blocks out, tier hits in, before the model runs
+            self.host_storage.apply(self.kv_cache.take_transfers())
         sampled = self._run(batch)
         outputs = self._postprocess(batch, sampled)
         self.kv_events.seal()
@@ -272,6 +297,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         pool = self.kv_cache.pool
+        tier = self.kv_cache.host_tier
         return EngineStats(
             num_running_requests=len(self.scheduler.running),
             num_waiting_requests=len(self.scheduler.waiting),
@@ -280,6 +306,13 @@ class LLMEngine:
             num_kv_blocks_cached=pool.num_cached_blocks,
             num_prefix_cache_queried_tokens=self.kv_cache.num_queried_tokens,
             num_prefix_cache_hit_tokens=self.kv_cache.num_hit_tokens,
+            num_host_tier_hit_tokens=self.kv_cache.num_host_hit_tokens,
+            num_host_tier_blocks=tier.num_blocks if tier else 0,
+            num_host_tier_bytes=tier.used_bytes if tier else 0,
+            host_tier_budget_bytes=tier.budget_bytes if tier else 0,
+            num_host_tier_offloaded_blocks_total=tier.num_offloaded_blocks_total if tier else 0,
+            num_host_tier_restored_blocks_total=tier.num_restored_blocks_total if tier else 0,
+            num_host_tier_dropped_blocks_total=tier.num_dropped_blocks_total if tier else 0,
             num_prompt_tokens_total=self._num_prompt_tokens_total,
             num_prompt_tokens_computed_total=self.scheduler.num_prompt_tokens_computed_total,
             num_generation_tokens_total=self._num_generation_tokens_total,

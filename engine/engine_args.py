@@ -31,6 +31,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fraction of the KV pool one project's retained prefixes may hold")
     parser.add_argument("--kv-retention-share-total", type=float, default=0.5,
                         help="fraction of the KV pool all retained prefixes together may hold")
+    parser.add_argument("--kv-host-tier-bytes", type=int, default=0,
+                        help="second KV tier in bytes: blocks evicted from the KV cache wait there and are "
+                             "restored on a prefix hit instead of recomputed (CUDA: pinned host memory; "
+                             "CPU: a mapped file; default 0: none)")
+    parser.add_argument("--kv-host-tier-dir", default=None,
+                        help="CPU: the directory of the host tier's file (default: the temporary directory; "
+                             "put it on a disk, not a tmpfs, to hold more than memory)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model's step")
     parser.add_argument("--quantization", choices=["fp8"], default=None)
@@ -69,7 +76,8 @@ def engine_config_from_args(args: argparse.Namespace, replica_id: str = "replica
                           enable_prefix_caching=not args.no_prefix_caching,
                           max_retention_s=args.kv_retention_max_s,
                           retention_share_per_project=args.kv_retention_share_per_project,
-                          retention_share_total=args.kv_retention_share_total),
+                          retention_share_total=args.kv_retention_share_total,
+                          host_tier_bytes=args.kv_host_tier_bytes, host_tier_dir=args.kv_host_tier_dir),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs),
         device=args.device, dtype=args.dtype, num_threads=args.threads, compile=args.compile,

@@ -84,7 +84,8 @@ class Scheduler:
             self.waiting.remove(request)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = computed.num_computed_tokens
-                self.kv_cache.record_prefix_query(request.num_tokens, computed.num_computed_tokens)
+                self.kv_cache.record_prefix_query(request.num_tokens, computed.num_computed_tokens,
+                                                  computed.num_host_tokens)
             request.num_computed_tokens = computed.num_computed_tokens
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()

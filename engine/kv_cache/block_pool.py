@@ -20,7 +20,7 @@ shorter than the events suggest (a window group dropped the prefix's tail), neve
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
@@ -50,6 +50,9 @@ class BlockPool:
         self._free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[CacheKey, KVBlock] = {}
         self._event_log = event_log
+        # Told of every block handed out, with the (group, hash) it dropped (None: it was free): the
+        # host tier copies evicted blocks out before the step overwrites them (host_tier.py).
+        self.taken_listener: Callable[[int, CacheKey | None], None] | None = None
 
     # ---- queries -------------------------------------------------------------------------------------
     @property
@@ -81,11 +84,15 @@ class BlockPool:
         evicted: list[int] = []
         for _ in range(num_blocks):
             _, block = self._free_queue.popitem(last=False)
+            old_key: CacheKey | None = None
             if block.block_hash is not None:
                 if block.group == EVENT_GROUP:
                     evicted.append(block.block_hash)
-                del self._cached[(block.group, block.block_hash)]
+                old_key = (block.group, block.block_hash)
+                del self._cached[old_key]
                 block.block_hash = None
+            if self.taken_listener is not None:
+                self.taken_listener(block.block_id, old_key)
             block.ref_cnt = 1
             taken.append(block)
         if evicted and self._event_log is not None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from contracts.kv_events import KVEventLog
 from engine.kv_cache.block_pool import BlockPool, KVBlock
+from engine.kv_cache.host_tier import HostTier, KVTransfers, TierHit
 from engine.kv_cache.retention import RetentionTable
 from engine.request import Request
 
@@ -38,8 +39,10 @@ BlockTable = list[int | None]  # block ids of one group, None where a window rel
 
 @dataclass(frozen=True)
 class ComputedBlocks:
-    blocks: tuple[tuple[KVBlock | None, ...], ...] = ()  # per group; () = no hit
+    # per group; () = no hit. TierHit: served by the host tier (restored into a fresh block)
+    blocks: tuple[tuple[KVBlock | TierHit | None, ...], ...] = ()
     num_computed_tokens: int = 0
+    num_host_tokens: int = 0  # of them, in blocks group 0 restores from the host tier
 
 
 @dataclass
@@ -53,10 +56,12 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
                  event_log: KVEventLog | None = None,
                  group_windows: tuple[int | None, ...] = (None,),
-                 retention_share_per_owner: float = 0.25, retention_share_total: float = 0.5) -> None:
+                 retention_share_per_owner: float = 0.25, retention_share_total: float = 0.5,
+                 host_tier: HostTier | None = None) -> None:
         """`group_windows`: each KV cache group's sliding window (None: full attention).
         `retention_share_*`: the fractions of the pool that retained prefixes may hold, per owner
-        (cache salt) and in all (engine/kv_cache/retention.py)."""
+        (cache salt) and in all (engine/kv_cache/retention.py). `host_tier`: where evicted blocks
+        go and prefix hits continue (engine/kv_cache/host_tier.py); None: evicted blocks are gone."""
         if not group_windows or any(w is not None and w < 1 for w in group_windows):
             raise ValueError(f"group_windows must name at least one group, windows >= 1: {group_windows}")
         self.block_size = block_size
@@ -68,6 +73,10 @@ class KVCacheManager:
                                         int(num_blocks * retention_share_total), event_log)
         self.num_queried_tokens = 0  # prefix-cache statistics (prompt tokens looked up / found)
         self.num_hit_tokens = 0
+        self.num_host_hit_tokens = 0  # of the hit tokens, those the host tier served
+        self.host_tier = host_tier if enable_caching else None
+        if self.host_tier is not None:
+            self.pool.taken_listener = self.host_tier.note_taken
 
     @property
     def num_blocks(self) -> int:
@@ -117,13 +126,23 @@ class KVCacheManager:
         tables = []
         for group in range(self.num_groups):
             first = self._first_needed_block(group, num_hit * self.block_size)
-            tables.append((None,) * first + tuple(self.pool.get_cached_block(h, group)
+            tables.append((None,) * first + tuple(self._hit_block(h, group)
                                                   for h in hashes[first:num_hit]))
-        return ComputedBlocks(tuple(tables), num_hit * self.block_size)
+        num_host = sum(1 for b in tables[0] if isinstance(b, TierHit))
+        return ComputedBlocks(tuple(tables), num_hit * self.block_size, num_host * self.block_size)
+
+    def _holds(self, block_hash: int, group: int) -> bool:
+        """The pool or the host tier has this block (a hit continues from one into the other)."""
+        return (self.pool.get_cached_block(block_hash, group) is not None
+                or (self.host_tier is not None and self.host_tier.contains(block_hash, group)))
+
+    def _hit_block(self, block_hash: int, group: int) -> KVBlock | TierHit:
+        block = self.pool.get_cached_block(block_hash, group)
+        return block if block is not None else TierHit(group, block_hash)
 
     def _num_leading_hits(self, group: int, hashes: list[int]) -> int:
         for i, block_hash in enumerate(hashes):
-            if self.pool.get_cached_block(block_hash, group) is None:
+            if not self._holds(block_hash, group):
                 return i
         return len(hashes)
 
@@ -132,16 +151,18 @@ class KVCacheManager:
         while num_hit > 0:
             first = self._first_needed_block(group, num_hit * self.block_size)
             missing = next((i for i in range(num_hit - 1, first - 1, -1)
-                            if self.pool.get_cached_block(hashes[i], group) is None), None)
+                            if not self._holds(hashes[i], group)), None)
             if missing is None:
                 return num_hit
             num_hit = missing  # every longer hit needs block `missing` too (its window starts earlier)
         return 0
 
-    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int, num_host_hit_tokens: int = 0
+                            ) -> None:
         """Count one admitted request's lookup (not the scheduler's look-aheads) in the hit statistics."""
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += num_hit_tokens
+        self.num_host_hit_tokens += num_host_hit_tokens
 
     # ---- allocation ----------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -157,22 +178,48 @@ class KVCacheManager:
         hits = computed.blocks or ((),) * self.num_groups
         num_new_blocks = [self.num_blocks_needed(num_total_tokens) - len(hits[g])
                           - (len(entry[g].blocks) if entry else 0) for g in range(self.num_groups)]
-        # Cache hits that nobody references sit in the free queue: touching them uses up free blocks.
-        num_evictable_hits = sum(1 for group in hits for b in group if b is not None and b.ref_cnt == 0)
-        if sum(max(n, 0) for n in num_new_blocks) > self.pool.num_free_blocks - num_evictable_hits:
+        # Cache hits that nobody references sit in the free queue: touching them uses up free blocks;
+        # each host tier hit takes a fresh block to be restored into.
+        num_evictable_hits = sum(1 for group in hits for b in group
+                                 if isinstance(b, KVBlock) and b.ref_cnt == 0)
+        num_restores = sum(1 for group in hits for b in group if isinstance(b, TierHit))
+        if (sum(max(n, 0) for n in num_new_blocks) + num_restores
+                > self.pool.num_free_blocks - num_evictable_hits):
             return None
         if entry is None:
             entry = self._requests[request.request_id] = [
                 _GroupBlocks(first_live=self._first_needed_block(g, num_computed))
                 for g in range(self.num_groups)]
+        for group in range(self.num_groups):  # every group's hits first: new blocks never evict them
+            self.pool.touch(b for b in hits[group] if isinstance(b, KVBlock))
         for group, blocks in enumerate(entry):
-            self.pool.touch(b for b in hits[group] if b is not None)
-            blocks.blocks.extend(hits[group])
+            first = len(blocks.blocks)
+            blocks.blocks.extend(self._restored(hit, group) if isinstance(hit, TierHit) else hit
+                                 for hit in hits[group])
+            if num_restores:  # register the restored blocks (BlockStored "main")
+                self.pool.cache_full_blocks(blocks.blocks, request.block_hashes, request.all_token_ids,
+                                            first, len(blocks.blocks), group)
             blocks.num_cached_blocks += len(hits[group])
             if num_new_blocks[group] > 0:
                 blocks.blocks.extend(self.pool.get_new_blocks(num_new_blocks[group]))
         self._cache_full_blocks(request, entry, num_total_tokens)
         return tuple(self.block_ids(request.request_id, g) for g in range(self.num_groups))
+
+    def _restored(self, hit: TierHit, group: int) -> KVBlock:
+        """A pool block holding a tier hit's KV by the time the step runs: the pool's own if another
+        request cached it since the lookup, else a fresh block the tier restores into."""
+        block = self.pool.get_cached_block(hit.block_hash, group)
+        if block is not None:
+            self.pool.touch((block,))
+            return block
+        assert self.host_tier is not None
+        block = self.pool.get_new_blocks(1)[0]
+        self.host_tier.queue_restore(hit.block_hash, group, block.block_id)
+        return block
+
+    def take_transfers(self) -> KVTransfers:
+        """The copies between the pool and the host tier this step owes (before the model runs)."""
+        return self.host_tier.take_transfers() if self.host_tier is not None else KVTransfers()
 
     def _release_slid_out(self, entry: list[_GroupBlocks], next_position: int) -> None:
         """Window groups: release the blocks wholly before what a token at `next_position` can see."""
@@ -229,6 +276,8 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         self.retention.release_all()
         self.pool.reset_prefix_cache()
+        if self.host_tier is not None:
+            self.host_tier.clear()
         for entry in self._requests.values():
             for blocks in entry:  # never re-register blocks of running requests
                 blocks.num_cached_blocks = len(blocks.blocks)
@@ -251,6 +300,8 @@ class KVCacheManager:
                     if block.block_hash is not None:
                         assert block.group == group, (block, group)
         self.retention.check_integrity()
+        if self.host_tier is not None:
+            self.host_tier.check_integrity()
         for block in self.retention.references():
             refs[block.block_id] = refs.get(block.block_id, 0) + 1
         for block in self.pool.blocks:

@@ -43,9 +43,10 @@ class ReplicaProcess:
 
 def start_replicas(num_replicas: int, model_path: str | None, kv_cache_memory_bytes: int | None,
                    host: str = "127.0.0.1", extra_args: list[str] | None = None,
-                   secret: str | None = None, embedding_model_path: str | None = None
-                   ) -> list[ReplicaProcess]:
+                   secret: str | None = None, host_tier_bytes: int | None = None,
+                   embedding_model_path: str | None = None) -> list[ReplicaProcess]:
     """Start `aigw replica` processes; without `model_path` each uses the engine's default model.
+    `host_tier_bytes`: each replica's second KV tier (`--kv-host-tier-bytes`; None: the replica's default).
     `extra_args` go to every replica's command line as they are (`aigw serve --replica-args`).
     `secret`: the credential they require (None: `--no-auth`, every route open).
     `embedding_model_path`: one more replica, last, serving that embedding model (an encoder
@@ -59,6 +60,8 @@ def start_replicas(num_replicas: int, model_path: str | None, kv_cache_memory_by
             command += ["--model", model_path]
         if kv_cache_memory_bytes is not None:
             command += ["--kv-cache-memory", str(kv_cache_memory_bytes)]
+        if host_tier_bytes is not None:
+            command += ["--kv-host-tier-bytes", str(host_tier_bytes)]
         if secret is None:
             command.append("--no-auth")
         command += extra_args or []

@@ -130,7 +130,8 @@ class ReplicaEventConsumer:
             self.model_id = str(entry.get("root") or entry["id"])
         data = await self._get("/kv/snapshot")
         snapshot = KVSnapshot(str(data["replica_id"]), int(data["seq"]), int(data["block_size"]),
-                              tuple(int(h) for h in data["block_hashes"]))
+                              tuple(int(h) for h in data["block_hashes"]),
+                              tuple(int(h) for h in data.get("host_block_hashes", ())))
         await self.index.load_snapshot(snapshot)
         self._holds_entries = True
         self.replica_id, self.block_size = snapshot.replica_id, snapshot.block_size

@@ -2,12 +2,16 @@
 
 For a request of `n` full prompt blocks and each candidate replica r:
 
-    prefill_r = n - matched_r                       blocks r would have to compute
+    prefill_r = n - matched_r + H * host_r          blocks r would have to compute; host_r of the
+                                                    matched blocks only r's host tier holds: each is
+                                                    a copy back into the pool, H of a recompute
     active_r  = sum over this gateway's requests in flight to r of (uncached_blocks + D)
               + waiting_r * (n + D)                 requests the replica reports queued (/metrics)
               + n * max(0, kv_used_r - S) / (1 - S) KV nearly full: new blocks evict cached ones
     cost_r    = W * prefill_r + active_r
 
+    H = host_block_cost (default 0.1: a host-tier hit is cheaper than any miss, dearer than a
+    pool hit; bench/results/kv-host-tier-cpu.md measured a restore at ~1% of a recompute on a CPU),
     W = prefill_weight (default 1.5), D = decode_blocks_per_request (default 8: a request's decode
     work in prefill-block units), S = kv_saturation (0.9). W > 1 charges a move for more than its
     prefill: recomputing a prefix elsewhere also evicts that replica's cached blocks. The defaults
@@ -34,10 +38,13 @@ class ScoringConfig:
     prefill_weight: float = 1.5
     decode_blocks_per_request: float = 8.0
     kv_saturation: float = 0.9
+    host_block_cost: float = 0.1
 
     def __post_init__(self) -> None:
         if self.prefill_weight < 0 or self.decode_blocks_per_request < 0:
             raise ValueError("weights must be non-negative")
+        if not 0.0 <= self.host_block_cost <= 1.0:
+            raise ValueError("host_block_cost must be in [0, 1]")
         if not 0.0 <= self.kv_saturation < 1.0:
             raise ValueError("kv_saturation must be in [0, 1)")
 
@@ -51,6 +58,7 @@ class CandidateLoad:
     inflight_uncached_blocks: Sequence[int] = ()  # one entry per request in flight from us
     num_requests_waiting: int = 0
     kv_used_fraction: float = 0.0
+    num_host_blocks: int = 0  # of the matched blocks, those only the replica's host tier holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,21 +68,25 @@ class Score:
     prefill_blocks: float
     active_blocks: float
     cost: float
+    num_host_blocks: int = 0
 
     def describe(self) -> str:
-        return (f"{self.name} matched={self.num_matched_blocks} prefill={self.prefill_blocks:g} "
+        host = f" host={self.num_host_blocks}" if self.num_host_blocks else ""
+        return (f"{self.name} matched={self.num_matched_blocks}{host} prefill={self.prefill_blocks:g} "
                 f"active={self.active_blocks:g} cost={self.cost:g}")
 
 
 def score(config: ScoringConfig, num_blocks: int, candidate: CandidateLoad) -> Score:
     matched = min(candidate.num_matched_blocks, num_blocks)
-    prefill = float(num_blocks - matched)
+    host = min(candidate.num_host_blocks, matched)
+    prefill = float(num_blocks - matched) + config.host_block_cost * host
     decode = config.decode_blocks_per_request
     active = sum(blocks + decode for blocks in candidate.inflight_uncached_blocks)
     active += candidate.num_requests_waiting * (num_blocks + decode)
     over = max(0.0, candidate.kv_used_fraction - config.kv_saturation)
     active += num_blocks * over / (1.0 - config.kv_saturation)
-    return Score(candidate.name, matched, prefill, active, config.prefill_weight * prefill + active)
+    return Score(candidate.name, matched, prefill, active, config.prefill_weight * prefill + active,
+                 host)
 
 
 def rendezvous(first_block_hash: int, name: str) -> int:
