@@ -29,6 +29,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from gateway.batch.settings import BatchSettings
 from gateway.guardrails.settings import GuardrailSettings
+from gateway.metering.budgets import Budget
 from gateway.request_logs.settings import RequestLogSettings
 
 _config_path: contextvars.ContextVar[Path | None] = contextvars.ContextVar("aigw_config", default=None)
@@ -94,12 +95,17 @@ class ModelSettings(BaseModel):
 
 
 class LimitDefaults(BaseModel):
-    """Limits handed to the meter (None = unlimited): per minute, and a USD budget per UTC day."""
+    """Limits handed to the meter (None = unlimited): per minute, in flight, and USD budgets
+    (gateway/metering/settings.py::Limits checks them; the admin API's limits replace these)."""
 
     model_config = ConfigDict(frozen=True)
     requests_per_minute: int | None = Field(default=None, gt=0)
     tokens_per_minute: int | None = Field(default=None, gt=0)
     daily_budget_usd: float | None = Field(default=None, gt=0)
+    max_concurrent_requests: int | None = Field(default=None, gt=0)
+    budgets: tuple[Budget, ...] = ()  # day, month or custom windows, with alert_at thresholds
+    webhook_url: str | None = None  # where the budgets' alerts are POSTed
+    webhook_secret: str | None = None  # their HMAC-SHA256 signing key (x-aigw-signature)
 
 
 class _ConfigFileSource(PydanticBaseSettingsSource):
