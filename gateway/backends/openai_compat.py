@@ -18,9 +18,9 @@ from typing import Any
 import orjson
 
 from chat.tokenizer import encode_ids
-from contracts.embeddings import vector_from_wire
 from contracts.usage_headers import CACHED_TOKENS_HEADER, PROMPT_TOKENS_HEADER
 from gateway.backends.base import Backend
+from gateway.backends.embeddings import embedding_body, read_embeddings
 from gateway.fleet.endpoints import Endpoint
 from gateway.request.canonical import (
     Accumulator,
@@ -115,16 +115,7 @@ class OpenAICompatBackend(Backend):
                 **endpoint.auth_headers}
 
     def embedding_body(self, request: CanonicalRequest, endpoint: Endpoint) -> dict[str, Any]:
-        first = request.prompt if request.prompt_token_ids is None else request.prompt_token_ids
-        body: dict[str, Any] = {
-            "model": endpoint.model.upstream_name,
-            "input": [first, *request.extra_prompts] if request.extra_prompts else first,
-            "encoding_format": self.embedding_encoding or request.encoding_format}
-        if request.embedding_dimensions is not None:
-            body["dimensions"] = request.embedding_dimensions
-        if request.user is not None:
-            body["user"] = request.user
-        return body
+        return embedding_body(request, endpoint, self.embedding_encoding)
 
     async def stream(self, request: CanonicalRequest, endpoint: Endpoint) -> AsyncIterator[CanonicalEvent]:
         if request.kind == "embedding":
@@ -198,7 +189,7 @@ class OpenAICompatBackend(Backend):
             if response.status >= 400:
                 await _raise_for_status(response)
             body = await _read_json(response)
-            vectors = _embedding_vectors(body, request.num_prompts)
+            vectors = read_embeddings(body, request.num_prompts)
             is_answered = True
             yield EmbeddingVectors(vectors)
             yield Finish("stop")
@@ -520,24 +511,6 @@ async def _read_json(response: UpstreamResponse) -> Any:
         return orjson.loads(await response.read())
     except orjson.JSONDecodeError as exc:
         raise UpstreamUnavailable("upstream sent malformed JSON") from exc
-
-
-def _embedding_vectors(body: Any, num_inputs: int) -> tuple[bytes, ...]:
-    """An upstream's embeddings list, in input order (by `index`); UpstreamUnavailable when it
-    is malformed or does not hold exactly one vector per input."""
-    data = body.get("data") if isinstance(body, dict) else None
-    if not isinstance(data, list) or len(data) != num_inputs:
-        raise UpstreamUnavailable("upstream sent an embeddings list that does not match the input")
-    vectors: list[bytes | None] = [None] * num_inputs
-    for position, item in enumerate(data):
-        index = item.get("index", position) if isinstance(item, dict) else None
-        if type(index) is not int or not 0 <= index < num_inputs or vectors[index] is not None:
-            raise UpstreamUnavailable("upstream sent an embedding of no input")
-        try:
-            vectors[index] = vector_from_wire(item.get("embedding"))
-        except ValueError as exc:
-            raise UpstreamUnavailable(f"upstream sent a malformed embedding: {exc}") from None
-    return tuple(v for v in vectors if v is not None)
 
 
 def _whole_events(body: Any, kind: str) -> list[CanonicalEvent]:

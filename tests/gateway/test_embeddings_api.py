@@ -170,3 +170,22 @@ def test_the_embedding_model_is_listed(client: openai.OpenAI) -> None:
     assert MODEL in {m.id for m in client.models.list()}
 
 
+
+
+def test_an_upstreams_embeddings_are_read_by_index_and_malformed_ones_refused() -> None:
+    from array import array
+
+    from gateway.backends.embeddings import read_embeddings
+    from gateway.request.errors import UpstreamUnavailable
+
+    one, two = array("f", [1.0, 2.0]).tobytes(), array("f", [3.0, 4.0]).tobytes()
+    body = {"data": [{"index": 1, "embedding": base64.b64encode(two).decode()},
+                     {"index": 0, "embedding": [1.0, 2.0]}]}
+    assert read_embeddings(body, 2) == (one, two)
+    for bad in [{"data": [{"index": 0, "embedding": [1.0]}]},  # one vector for two inputs
+                {"data": [{"index": 0, "embedding": [1.0]}, {"index": 0, "embedding": [2.0]}]},
+                {"data": [{"index": 0, "embedding": "not base64!"}, {"index": 1, "embedding": []}]},
+                {"data": [{"index": 0, "embedding": [True]}, {"index": 1, "embedding": [1.0]}]},
+                {"data": "x"}, []]:
+        with pytest.raises(UpstreamUnavailable):
+            read_embeddings(bad, 2)
