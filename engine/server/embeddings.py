@@ -135,6 +135,8 @@ def _token_ids(embedder: Embedder, inputs: list[EmbeddingInput]) -> list[list[in
         ids[i] = encoded
     for i, row in enumerate(ids):
         param = "input" if len(ids) == 1 else f"input[{i}]"
+        if not row:  # (a tokenizer without special tokens, on a text of whitespace)
+            raise InvalidRequestError(f"{param} has no tokens", param=param)
         if len(row) > config.max_seq_length:
             raise ContextLengthExceeded(
                 f"{param} has {len(row)} tokens; this model embeds at most "
