@@ -49,6 +49,7 @@ from gateway.metering.contract import Admission, Meter, UsageRecord
 
 log = logging.getLogger("aigw.batch")
 
+_NUM_CRASHES = 3  # a line whose run raises this often is recorded as a 500 error line
 _IDLE_CHECK_S = 0.05  # how often a line waiting for idle capacity looks again
 _EXPIRED = {"code": "batch_expired",
             "message": "This line could not be run before the batch's completion window ended."}
@@ -71,6 +72,7 @@ class BatchRunner:
         self.counts = counts or BatchCounts()  # /metrics (gateway/batch/metrics.py)
         self._owner = os.urandom(8).hex()  # this gateway process, as a lease holder
         self._task: asyncio.Task[None] | None = None
+        self._num_crashes: dict[tuple[str, int], int] = {}  # (batch, line) -> failed tries
         self._wake = asyncio.Event()
 
     def start(self) -> None:
@@ -246,8 +248,21 @@ class BatchRunner:
             outcome = LineOutcome(False, output_line(batch.id, line.index, line.custom_id, None,
                                                      None, error), None)
         else:
-            outcome = await self._lines.run_line(batch.id, line.index, line.custom_id,
-                                                 batch.endpoint, body, batch.principal)
+            try:
+                outcome = await self._lines.run_line(batch.id, line.index, line.custom_id,
+                                                     batch.endpoint, body, batch.principal)
+            except Exception:  # noqa: BLE001 - e.g. a meter outage at admission: try again
+                key = (batch.id, line.index)
+                self._num_crashes[key] = self._num_crashes.get(key, 0) + 1
+                log.exception("batch line %s/%d failed (%d of %d)", batch.id, line.index,
+                              self._num_crashes[key], _NUM_CRASHES)
+                if self._num_crashes[key] < _NUM_CRASHES:
+                    return  # not recorded: the next pass runs it again
+                del self._num_crashes[key]
+                outcome = LineOutcome(False, output_line(
+                    batch.id, line.index, line.custom_id, 500,
+                    {"error": {"message": "the gateway failed on this line", "type": "server_error",
+                               "param": None, "code": "internal_error"}}), None)
         try:
             await asyncio.shield(self._keep(batch, line.index, outcome))
         except asyncio.CancelledError:
@@ -289,6 +304,7 @@ class BatchRunner:
 
     async def _finalize(self, batch: BatchRecord) -> None:
         await self._settle_unmetered(batch)
+        self._num_crashes = {k: n for k, n in self._num_crashes.items() if k[0] != batch.id}
         usage = {key: 0 for key in batch.usage}
         counts = {True: 0, False: 0}
         async for ok, _, record in self._store.line_outputs(batch.id):

@@ -324,3 +324,26 @@ def test_the_gateways_guardrails_check_batch_lines_too(served: Served) -> None:
     assert error["response"]["body"]["error"]["code"] == "guardrail_blocked"
     assert not any(BLOCKED_WORD in m["content"] for b in list(served.state.bodies)
                    for m in b.get("messages", []))
+
+
+def test_a_line_that_keeps_failing_in_the_gateway_ends_as_a_500_and_the_batch_completes(
+        served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.batch.line_runner import LineRunner
+
+    real = LineRunner.run_line
+    tries: list[str] = []
+
+    async def flaky(self: LineRunner, batch_id: str, index: int, custom_id: str,
+                    *args: Any) -> Any:
+        if custom_id == "crash":
+            tries.append(custom_id)
+            raise RuntimeError("a store outage, say")
+        return await real(self, batch_id, index, custom_id, *args)
+
+    monkeypatch.setattr(LineRunner, "run_line", flaky)
+    client = served.client()
+    done = wait_done(client, submit(client, [chat_line("fine", "hi"), chat_line("crash", "hi")]).id)
+    assert done.status == "completed" and len(tries) == 3
+    (error,) = read_jsonl(client, done.error_file_id)
+    assert error["custom_id"] == "crash" and error["response"]["status_code"] == 500
+    assert [o["custom_id"] for o in read_jsonl(client, done.output_file_id)] == ["fine"]
