@@ -107,6 +107,15 @@ class LimitDefaults(BaseModel):
     webhook_url: str | None = None  # where the budgets' alerts are POSTed
     webhook_secret: str | None = None  # their HMAC-SHA256 signing key (x-aigw-signature)
 
+    @model_validator(mode="after")
+    def _check_as_metering_does(self) -> LimitDefaults:
+        """What metering refuses (two budgets of one window, a webhook without its secret)
+        is a settings error at start-up, in one line, not a traceback later."""
+        from gateway.metering.settings import Limits
+
+        Limits(**self.model_dump())
+        return self
+
 
 class _ConfigFileSource(PydanticBaseSettingsSource):
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
