@@ -10,6 +10,9 @@ skipped with a reason if that fails). On request (`--targets ...`):
                      show, the noise floor of the tracing comparison
     aigw_baseline    `aigw` served from another checkout (`--baseline-tree PATH`, e.g. a git
                      worktree of an earlier commit) in this venv: two commits in one run
+    aigw_fallbacks   `aigw` whose model has a fallback chain (`fallbacks = ["mock-model-b"]`, a
+                     second model on the same mock) that no request takes: paired with `aigw`
+                     (no chain), what configured chains cost on the path that does not use them
     aigw_logs_guards `aigw` logging every request of the project (request logs at 100%) with a
                      regex guard and a PII guard (masking) on requests and answers: paired with
                      `aigw` (both off), its cost per request as a CPU and req/s ratio
@@ -54,6 +57,9 @@ patterns = ['\\bsk-[A-Za-z0-9]{20,}']
 name = "pii"
 type = "pii"
 """
+
+# (on request only)
+TARGET_NAMES += ("aigw_fallbacks",)
 
 
 @dataclass
@@ -382,6 +388,44 @@ def _report_policy_cost(per_round: list[dict[str, Any]]) -> None:
         print("\n".join(lines))
 
 
+def _chain_env(upstream: str) -> dict[str, str]:
+    """`aigw_fallbacks`' models (the environment wins over the config file): the bench's model
+    with a fallback to a second model on the same mock, which every request leaves unused."""
+    prices = {"input_per_token": 1e-7, "output_per_token": 2e-7}
+    models = [{"name": MODEL, "backend": "replica", "endpoints": [upstream], "prices": prices,
+               "fallbacks": [MODEL + "-b"]},
+              {"name": MODEL + "-b", "backend": "replica", "endpoints": [upstream],
+               "upstream_model": MODEL, "prices": prices}]
+    return {"AIGW_MODELS": json.dumps(models)}
+
+
+def _report_fallback_cost(per_round: list[dict[str, Any]]) -> None:
+    """`aigw_fallbacks` (a chain configured, never taken) against `aigw` (none), paired within
+    each round: the median [min, max] over the rounds of the req/s ratio and the CPU difference
+    a request. A range that spans 1.0 / 0 is a difference the run cannot tell from noise."""
+    cells: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {}
+    for row in per_round:
+        if row["target"] in ("aigw_fallbacks", "aigw"):
+            cells.setdefault((row["mode"], row["concurrency"]),
+                             {"aigw_fallbacks": [], "aigw": []})[row["target"]].append(row)
+    lines = []
+    for (mode, concurrency), by_target in cells.items():
+        chained, plain = by_target["aigw_fallbacks"], by_target["aigw"]
+        if not chained or len(chained) != len(plain):
+            continue
+        paired = list(zip(chained, plain, strict=True))
+        ratios = sorted(a["requests_per_s"] / b["requests_per_s"] for a, b in paired)
+        cpu_us = sorted((a["cpu_ms_per_request"] - b["cpu_ms_per_request"]) * 1000
+                        for a, b in paired)
+        lines.append(f"{mode:9} {concurrency:>4}   req/s chain/none {ratios[len(ratios) // 2]:.3f} "
+                     f"[{ratios[0]:.3f}, {ratios[-1]:.3f}]   cpu difference "
+                     f"{cpu_us[len(cpu_us) // 2]:+.0f} us [{cpu_us[0]:+.0f}, {cpu_us[-1]:+.0f}]")
+    if lines:
+        print("a fallback chain configured but unused vs none, paired per round: "
+              "median [min, max] over the rounds")
+        print("\n".join(lines))
+
+
 def _plot(results: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
@@ -437,7 +481,8 @@ def run(args: argparse.Namespace) -> int:
             ("aigw_trace_all", True, {"AIGW_TRACE_MAX_PER_S": "0"}, None),
             ("aigw_trace_off", True, {"AIGW_TRACING": "0"}, None),
             ("aigw", True, None, None), ("aigw_baseline", True, None, args.baseline_tree),
-            ("aigw_twin", True, None, None), ("aigw_logs_guards", True, None, None))
+            ("aigw_twin", True, None, None),
+            ("aigw_fallbacks", True, _chain_env(upstream), None), ("aigw_logs_guards", True, None, None))
             if name in wanted]
         for name, auth, extra_env, tree in gateways:
             # each run starts from an empty store (a usage table grown by earlier runs would
@@ -477,6 +522,7 @@ def run(args: argparse.Namespace) -> int:
     results = _medians(results)
     _report(results, skipped)
     _report_tracing_cost(per_round)
+    _report_fallback_cost(per_round)
     _report_policy_cost(per_round)
     (out_dir / "gateway_bench.json").write_text(json.dumps(results, indent=1))
     if args.plot:

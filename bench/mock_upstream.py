@@ -8,6 +8,9 @@ latency before the first byte, number of tokens and delay between them, and a fa
     "before_first_byte"  answer 500 without streaming anything
     "mid_stream"         stream `fail_after_tokens` tokens, then drop the connection
     "hang"               accept the request and never answer
+    "throttle"           answer 429 with Retry-After and x-ratelimit-* headers (OpenAI's error body)
+With `enforce_context`, a prompt (~4 characters a token) plus max_tokens over `max_model_len` is
+refused as vLLM refuses it (400, "This model's maximum context length is ...").
 Requests that ask for tools get one tool call to the first tool unless the last message is a tool
 result. `MockState` records request ids, bodies and which requests the client abandoned.
 
@@ -24,7 +27,9 @@ from typing import Any, Literal
 import orjson
 from aiohttp import web
 
-FailMode = Literal["none", "before_first_byte", "mid_stream", "hang"]
+FailMode = Literal["none", "before_first_byte", "mid_stream", "hang", "throttle"]
+THROTTLE_HEADERS = {"retry-after": "7", "x-ratelimit-limit-requests": "60",
+                    "x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "7s"}
 
 
 @dataclass
@@ -39,6 +44,7 @@ class MockConfig:
     fail_after_tokens: int = 2
     health_status: int = 200
     send_usage: bool = True
+    enforce_context: bool = False
 
 
 @dataclass
@@ -103,6 +109,16 @@ async def _completion(request: web.Request) -> web.StreamResponse:
             await asyncio.sleep(config.latency_ms / 1000)
         if config.fail_mode == "before_first_byte":
             return web.json_response({"error": {"message": "injected failure"}}, status=500)
+        if config.fail_mode == "throttle":
+            return web.json_response({"error": {"message": "Rate limit reached for requests",
+                                                "type": "requests", "code": "rate_limit_exceeded"}},
+                                     status=429, headers=THROTTLE_HEADERS)
+        num_asked = _num_prompt_tokens(body) + int(body.get("max_tokens") or 0)
+        if config.enforce_context and num_asked > config.max_model_len:
+            return web.json_response({"error": {
+                "message": f"This model's maximum context length is {config.max_model_len} "
+                           f"tokens. However, you requested {num_asked} tokens.",
+                "type": "BadRequestError", "param": None, "code": 400}}, status=400)
         if body.get("stream"):
             return await _stream(request, body, is_chat, config)
         num_tokens, finish = _plan(body, config)

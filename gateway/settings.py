@@ -68,6 +68,11 @@ class ModelSettings(BaseModel):
     send_cache_salt: bool = True
     tokenizer: str | None = None  # tokenizer.json path, to count tokens when usage is missing
     owned_by: str = "aigw"
+    # Other configured models to try, in order, when this one throttles (429), fails (5xx,
+    # timeout), has no endpoint that can serve (breakers open), or refuses a prompt as too long
+    # for its context (then only models with a longer one): before the client sees a token,
+    # within the retry budget. A fallback's own fallbacks follow it (gateway/request/fallback.py).
+    fallbacks: tuple[str, ...] = ()
 
     @field_validator("endpoints")
     @classmethod
@@ -227,6 +232,13 @@ class GatewaySettings(BaseSettings):
                 <= self.responses_store_max_bytes):
             raise ValueError("responses_store_max_response_bytes <= responses_store_max_project_"
                              "bytes <= responses_store_max_bytes must hold")
+        return self
+
+    @model_validator(mode="after")
+    def _check_fallbacks(self) -> GatewaySettings:
+        from gateway.request.fallback import fallback_chains
+
+        fallback_chains(self.models)  # raises ValueError: an unknown target or a loop
         return self
 
     @classmethod

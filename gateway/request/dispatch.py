@@ -1,12 +1,14 @@
 """Getting a first event: pick an endpoint, start the backend stream, retry before the first token.
 
-    attempt = await dispatch(...)      # Attempt(endpoint, events, first_event), or raises
+    attempt = await dispatch(...)      # Attempt(route, endpoint, events, first_event), or raises
     try: ... read attempt.events ...
     finally: await attempt.release()   # exactly once: closes the upstream, frees the slot
 
 Retries happen only before the first event, only for retryable `UpstreamError`s, at most
 `settings.num_retries` per request and within the shared `RetryBudget`; each retry goes to an
 endpoint not yet tried for this request. Each failure but a throttle (429) feeds the endpoint's circuit breaker.
+The caller deposits the request in the budget once (`RetryBudget.on_request`), however many
+models it dispatches to (gateway/request/fallback.py).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Timing:
 
 @dataclass(slots=True)
 class Attempt:
+    route: ModelRoute  # the model that answered (a fallback's, after a hop)
     endpoint: Endpoint
     events: AsyncIterator[CanonicalEvent]
     first_event: CanonicalEvent
@@ -72,6 +75,11 @@ def _as_upstream_error(exc: BaseException, endpoint: Endpoint, request: Canonica
     return UpstreamUnavailable(f"{endpoint.name} ended the stream before any event")
 
 
+def _any_untried(route: ModelRoute, tried: set[int]) -> bool:
+    now = time.monotonic()
+    return any(id(e) not in tried and e.can_serve(now) for e in route.endpoints)
+
+
 def first_event_timeout_s(request: CanonicalRequest, settings: GatewaySettings) -> float:
     """How long the first event may take: a stream's first token, or a non-streamed request's
     whole answer (its first event comes with the upstream's whole body)."""
@@ -81,7 +89,6 @@ def first_event_timeout_s(request: CanonicalRequest, settings: GatewaySettings) 
 async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
                    settings: GatewaySettings, budget: RetryBudget, timing: Timing,
                    watchdog: Watchdog) -> Attempt:
-    budget.on_request()
     tried: set[int] = set()
     last_error: UpstreamError | None = None
     num_retries = 0
@@ -103,7 +110,7 @@ async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
                 timer.waiting(timeout_s)
                 first = await anext(events)
             timing.upstream_s += time.perf_counter() - wait_started
-            return Attempt(endpoint, events, first)
+            return Attempt(route, endpoint, events, first)
         except (UpstreamError, TimeoutError, StopAsyncIteration) as exc:
             timing.upstream_s += time.perf_counter() - wait_started
             endpoint.num_outstanding -= 1
@@ -117,7 +124,8 @@ async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
                 raise error from None
             if not isinstance(error, UpstreamThrottled):  # (a throttled endpoint is healthy)
                 endpoint.breaker.record_failure(time.monotonic())
-            if num_retries >= settings.num_retries or not budget.try_withdraw():
+            if (num_retries >= settings.num_retries or not _any_untried(route, tried)
+                    or not budget.try_withdraw()):  # (no retry spent when none could be made)
                 raise error from None
             num_retries += 1
         except BaseException:

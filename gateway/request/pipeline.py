@@ -2,7 +2,8 @@
 
     admit      `_admit`: request id -> authenticate (a bad body without a credential is a 401)
                -> body cap -> parse + validate (dialect) -> require scope & model -> meter.admit
-    dispatch   `_dispatch`: pick an endpoint, its first event, retries (gateway/request/dispatch.py)
+    dispatch   `_dispatch`: pick an endpoint, its first event, retries (gateway/request/dispatch.py),
+               down the model's fallback chain (gateway/request/fallback.py)
     respond    `_respond`: the whole answer, or
     stream     `_stream`: the dialect's events as they come
     settle     the request's `Settlement` (gateway/request/settlement.py): exactly once per
@@ -50,7 +51,7 @@ from gateway.request.canonical import (
     CanonicalRequest,
     estimate_prompt_tokens,
 )
-from gateway.request.dispatch import Attempt, Timing, dispatch
+from gateway.request.dispatch import Attempt, Timing
 from gateway.request.errors import (
     BadRequest,
     GatewayError,
@@ -60,6 +61,7 @@ from gateway.request.errors import (
     UpstreamThrottled,
     UpstreamTimeout,
 )
+from gateway.request.fallback import FallbackChains, FallbackObserver
 from gateway.request.keeper import AnswerKeeper
 from gateway.request.settlement import Settlement
 from gateway.request.usage import STATUS_CLIENT_CLOSED, build_record
@@ -80,6 +82,7 @@ log = logging.getLogger("aigw.gateway")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _CLIENT_GONE = (ConnectionResetError, ConnectionError)
 _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
+SERVED_MODEL_HEADER = "x-aigw-served-model"  # the model that answered (a fallback's, after a hop)
 
 
 _ID_PREFIX = os.urandom(8).hex()  # per process: ids stay unique across workers and restarts
@@ -183,7 +186,8 @@ _DEFAULT_AUTH_SETTINGS = AuthSettings()
 class Pipeline:
     def __init__(self, settings: GatewaySettings, authenticator: Authenticator, meter: Meter,
                  router: Router, fleet: Fleet, cache_salt_of: CacheSaltOf = default_cache_salt_of,
-                 stamp: ResponseStamp | None = None) -> None:
+                 stamp: ResponseStamp | None = None,
+                 on_fallback: FallbackObserver | None = None) -> None:
         self.settings = settings
         self._extra_stamp = stamp  # telemetry's trace id header, when tracing is on
         self.cache_salt_of = cache_salt_of
@@ -195,6 +199,8 @@ class Pipeline:
         self.draining = False
         self._settle_nowait = getattr(meter, "settle_nowait", None)
         self._watchdog = Watchdog()  # the upstream waits' timeouts
+        self._chains = FallbackChains(settings, fleet, router, self.retry_budget, self._watchdog,
+                                      on_fallback)
         self._counting: set[asyncio.Task[None]] = set()  # _count_and_settle tasks in flight
         # guardrails (gateway/guardrails/) and request logs (gateway/request_logs/; set by the
         # served app, whose store it is); None: off, nothing done per request
@@ -254,6 +260,8 @@ class Pipeline:
         if max_tokens is None:
             max_tokens = self.settings.default_max_tokens
         context_length = route.context_length
+        if context_length is not None and max_tokens > context_length:
+            context_length = self._chains.context_length(route)  # a fallback's may be longer
         if context_length is not None and max_tokens > context_length:
             if canonical.max_tokens is not None:  # as the replica would refuse it, unadmitted
                 raise BadRequest(
@@ -331,12 +339,12 @@ class Pipeline:
         except RateLimited as exc:
             return error_response(dialect, 429, "rate_limit_exceeded", exc.message, request_id,
                                   timing.overhead_ms(), headers=exc.headers)
-        outcome = _Outcome()
+        outcome = _Outcome(route)
         outcome.keeper = keeper
 
         def record() -> Any:
             latency_ms = (time.perf_counter() - timing.started) * 1000.0
-            built = build_record(canonical, principal, route.settings,
+            built = build_record(canonical, principal, outcome.route.settings,
                                  "" if outcome.replica == "none" else outcome.replica,
                                  outcome.accumulator, outcome.status, latency_ms,
                                  outcome.num_prompt_tokens, record_id=usage_id)
@@ -348,8 +356,8 @@ class Pipeline:
 
         async def settle_once(queue: bool) -> None:
             if outcome.needs_prompt_count():  # an answer that broke off before its usage
-                await self._count_then_settle(canonical, route, outcome, admission, record,
-                                              queue=queue)
+                await self._count_then_settle(canonical, outcome.route, outcome, admission,
+                                              record, queue=queue)
             elif queue and self._settle_nowait is not None:
                 self._settle_nowait(admission, record())  # never raises; nothing to cancel
             else:
@@ -423,10 +431,14 @@ class Pipeline:
 
     async def _dispatch(self, canonical: CanonicalRequest, route: ModelRoute, timing: Timing,
                         outcome: _Outcome) -> Attempt:
-        """An endpoint's first event (gateway/request/dispatch.py: routing, retries)."""
-        attempt = await dispatch(canonical, route, self.router, self.settings, self.retry_budget,
-                                 timing, self._watchdog)
+        """An endpoint's first event, from the model or one down its fallback chain
+        (gateway/request/fallback.py; routing and retries: gateway/request/dispatch.py). After a
+        hop the answer names the model that served it, which the usage record bills."""
+        attempt = await self._chains.dispatch(canonical, route, timing)
         outcome.replica, outcome.endpoint = attempt.endpoint.name, attempt.endpoint
+        if attempt.route is not route:
+            outcome.route = attempt.route
+            canonical.model = attempt.route.settings.name
         return attempt
 
     async def _respond(self, request: web.Request, dialect: Dialect, canonical: CanonicalRequest,
@@ -459,6 +471,7 @@ class Pipeline:
         response = web.Response(body=body, content_type="application/json", headers=extra_headers)
         _stamp(response, canonical.request_id, outcome.replica, timing.overhead_ms(),
                outcome.show_overhead)
+        response.headers[SERVED_MODEL_HEADER] = canonical.model
         self._explain_route(response, canonical, outcome)
         if self._extra_stamp is not None:
             self._extra_stamp(response)
@@ -506,6 +519,7 @@ class Pipeline:
                 await outcome.guards.guard_attempt(attempt, canonical)
             _stamp(response, canonical.request_id, outcome.replica, timing.overhead_ms(),
                    outcome.show_overhead)
+            response.headers[SERVED_MODEL_HEADER] = canonical.model
             self._explain_route(response, canonical, outcome)
             if self._extra_stamp is not None:
                 self._extra_stamp(response)
@@ -569,10 +583,11 @@ def _after_start(exc: BaseException, settings: GatewaySettings) -> UpstreamError
 
 class _Outcome:
     __slots__ = ("accumulator", "endpoint", "error", "explain_route", "guards", "is_logged",
-                 "keeper", "num_prompt_tokens", "replica", "settlement", "settles_before_answer",
+                 "keeper", "num_prompt_tokens", "replica", "route", "settlement", "settles_before_answer",
                  "show_overhead", "status")
 
-    def __init__(self) -> None:
+    def __init__(self, route: ModelRoute) -> None:
+        self.route = route  # the model that serves: the requested one, or a fallback after a hop
         self.accumulator = Accumulator()
         self.replica = "none"
         self.endpoint: Endpoint | None = None  # the endpoint that answered, once one did

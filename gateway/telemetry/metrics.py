@@ -9,6 +9,7 @@
     aigw_prompt_cache_hit_ratio{project}                       cached / input tokens, from the two
                                                                counters when scraped
     aigw_routing_decisions_total{policy,reason,replica}
+    aigw_fallbacks_total{model,fallback,reason}               hops down a model's fallback chain
     aigw_batch_lines_total{outcome}, aigw_batch_lines_running, aigw_batch_idle_wait_seconds_total
                                                                the Batch API (gateway/batch/metrics.py)
     aigw_embedded_replica_restarts_total{endpoint}             `aigw serve`'s replicas restarted after
@@ -116,6 +117,9 @@ class GatewayMetrics:
         self.cost = Counter("aigw_cost_usd", "Cost in US dollars.", usage_labels, registry=r)
         self.routing_decisions = Counter("aigw_routing_decisions", "Endpoint picks by the router.",
                                          ["policy", "reason", "replica"], registry=r)
+        self.fallbacks = Counter("aigw_fallbacks", "Requests handed to a fallback model before "
+                                 "their first token, by reason.", ["model", "fallback", "reason"],
+                                 registry=r)
         self._fleet_collector: FleetCollector | None = None
         # families other packages keep, read at scrape time (their sources are set by the app)
         from gateway.guardrails.metrics import GuardrailCollector
@@ -140,6 +144,7 @@ class GatewayMetrics:
         self.overhead_of = LabelCache(self.overhead)
         self.ttft_of = LabelCache(self.ttft)
         self.routing_decisions_of = LabelCache(self.routing_decisions)
+        self.fallbacks_of = LabelCache(self.fallbacks)
         self._usage_children: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
         self._input_tokens_of = LabelCache(self.input_tokens)
         self._cached_tokens_of = LabelCache(self.cached_tokens)

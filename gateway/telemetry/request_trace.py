@@ -10,7 +10,10 @@ when the dashboard's buffer is read or an exporter takes the trace:
                                           usage attributes, project, key id, status code
       gateway.auth              INTERNAL  project, key id, how the caller proved it (or the error)
       gateway.route             INTERNAL  one per routing decision (a retry decides again):
-                                          policy, reason, replica, candidates, matched blocks, scores
+                                          policy, reason, model, replica, candidates, matched
+                                          blocks, scores
+      gateway.fallback          INTERNAL  one per hop down a fallback chain: from and to model,
+                                          reason, the error code that made it
       upstream POST /v1/...     CLIENT    one per upstream call; its span id is the `traceparent`
                                           the replica continues; a `first_line` event
 
@@ -57,6 +60,15 @@ class RouteStep:
     explanation: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class FallbackStep:
+    at_ns: int
+    from_model: str
+    to_model: str
+    reason: str
+    error_code: str
+
+
 class UpstreamCall:
     """One upstream call of a traced request (the fields that are often unset default to None
     at class level, so a call is made with four writes)."""
@@ -86,6 +98,7 @@ class RequestTrace:
     request: tuple[Any, ...] | None = None  # `request_values()`, set by the first routing decision
     routes: tuple[RouteStep, ...] = ()  # each routing decision, in order
     calls: tuple[UpstreamCall, ...] = ()  # each upstream call, in order
+    fallbacks: tuple[FallbackStep, ...] = ()  # each hop down a fallback chain, in order
     record: UsageRecord | None = None
     _spans: list[ReadableSpan] | None = None
 
@@ -103,6 +116,9 @@ class RequestTrace:
 
     def add_route(self, step: RouteStep) -> None:
         self.routes += (step,)
+
+    def add_fallback(self, step: FallbackStep) -> None:
+        self.fallbacks += (step,)
 
     def new_call(self, name: str, attributes: dict[str, Any], start_ns: int) -> UpstreamCall:
         call = UpstreamCall(new_span_id(), name, attributes, start_ns)
@@ -149,11 +165,17 @@ def _build(trace: RequestTrace, resource: Resource, scope: InstrumentationScope)
     for step in trace.routes:
         route = {attr.AIGW_ROUTING_POLICY: step.policy, attr.AIGW_ROUTING_REASON: step.decision.reason,
                  attr.AIGW_REPLICA: step.decision.endpoint.name,
+                 attr.AIGW_ROUTING_MODEL: step.decision.endpoint.model.name,
                  **candidate_attributes(step.decision, step.candidates)}
         if step.explanation:
             route[attr.AIGW_ROUTING_EXPLAIN] = step.explanation
         spans.append(child("gateway.route", new_span_id(), SpanKind.INTERNAL, route, step.start_ns,
                            step.end_ns))
+    for hop in trace.fallbacks:
+        spans.append(child("gateway.fallback", new_span_id(), SpanKind.INTERNAL, {
+            attr.AIGW_FALLBACK_FROM: hop.from_model, attr.AIGW_FALLBACK_TO: hop.to_model,
+            attr.AIGW_FALLBACK_REASON: hop.reason, attr.AIGW_FALLBACK_ERROR: hop.error_code},
+            hop.at_ns, hop.at_ns))
     for call in trace.calls:
         upstream = dict(call.attributes)
         events = []

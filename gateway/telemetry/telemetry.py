@@ -8,6 +8,7 @@ dashboard's in-memory series, and hands out the observing wrappers app.py builds
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
@@ -16,6 +17,8 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from auth.principal import Authenticator
 from gateway.fleet.endpoints import Fleet
 from gateway.metering.contract import Meter, UsageRecord
+from gateway.request.canonical import CanonicalRequest
+from gateway.request.errors import GatewayError
 from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
 from gateway.telemetry.access_log import AccessLog
@@ -29,7 +32,7 @@ from gateway.telemetry.metrics import GatewayMetrics
 from gateway.telemetry.middleware import TRACE_ID_HEADER, make_middleware
 from gateway.telemetry.observation import current_observation
 from gateway.telemetry.recent import LatencyWindow, UsageSeries
-from gateway.telemetry.request_trace import RequestTrace, TraceOrigin
+from gateway.telemetry.request_trace import FallbackStep, RequestTrace, TraceOrigin
 from gateway.telemetry.upstream import TracingTransport
 from gateway.upstream.transport import Transport
 from infra.telemetry.settings import TelemetrySettings
@@ -94,6 +97,16 @@ class Telemetry:
         self.usage.add(record, self._savings_by_model.get(record.model, 0.0))
         if observation is not None and observation.on_settled is not None:
             observation.on_settled()
+
+    def on_fallback(self, request: CanonicalRequest, from_model: str, to_model: str, reason: str,
+                    error: GatewayError) -> None:
+        """A hop down a fallback chain (gateway/request/fallback.py): counted in
+        aigw_fallbacks_total, noted in the request's trace (a `gateway.fallback` span)."""
+        self.metrics.fallbacks_of(from_model, to_model, reason).inc()
+        observation = current_observation()
+        if observation is not None and observation.trace is not None:
+            observation.trace.add_fallback(FallbackStep(time.time_ns(), from_model, to_model,
+                                                        reason, error.code))
 
     def response_stamp(self) -> Callable[[web.StreamResponse], None] | None:
         """What the pipeline calls on each answer it sends itself (the trace id header; the

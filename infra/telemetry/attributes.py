@@ -32,6 +32,11 @@ AIGW_ROUTING_CANDIDATES = "aigw.routing.candidates"
 AIGW_ROUTING_MATCHED_BLOCKS = "aigw.routing.matched_blocks"  # one per candidate, same order
 AIGW_ROUTING_SCORES = "aigw.routing.scores"  # the router's cost per candidate (lower wins)
 AIGW_ROUTING_EXPLAIN = "aigw.routing.explain"
+AIGW_ROUTING_MODEL = "aigw.routing.model"  # the model whose endpoints were chosen among
+AIGW_FALLBACK_FROM = "aigw.fallback.from_model"
+AIGW_FALLBACK_TO = "aigw.fallback.to_model"
+AIGW_FALLBACK_REASON = "aigw.fallback.reason"  # gateway/request/fallback.py FALLBACK_REASONS
+AIGW_FALLBACK_ERROR = "aigw.fallback.error_code"  # the error code the model ended with
 
 OPERATION_BY_KIND = {"chat": "chat", "completion": "text_completion"}
 
