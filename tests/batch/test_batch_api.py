@@ -347,3 +347,17 @@ def test_a_line_that_keeps_failing_in_the_gateway_ends_as_a_500_and_the_batch_co
     (error,) = read_jsonl(client, done.error_file_id)
     assert error["custom_id"] == "crash" and error["response"]["status_code"] == 500
     assert [o["custom_id"] for o in read_jsonl(client, done.output_file_id)] == ["fine"]
+
+
+def test_a_batch_past_its_window_expires_with_its_lines_in_the_error_file(
+        served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.batch import records
+
+    monkeypatch.setitem(records.COMPLETION_WINDOW_S, "24h", 0)  # the window ends at once
+    client = served.client()
+    done = wait_done(client, submit(client, [chat_line(f"e-{i}", "hi") for i in range(3)]).id)
+    assert done.status == "expired" and done.expired_at and done.output_file_id is None
+    errors = read_jsonl(client, done.error_file_id)
+    assert sorted(e["custom_id"] for e in errors) == ["e-0", "e-1", "e-2"]
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    assert done.request_counts.failed == 3
