@@ -14,6 +14,7 @@ from typing import Any
 import openai
 import pytest
 
+from gateway.metering.null_meter import NullMeter
 from gateway.settings import GatewaySettings
 from gateway.web.app import create_app
 from tests.contract.openapi_schema import schema_errors
@@ -36,23 +37,10 @@ def gateway(default_replica: Any, tmp_path_factory: pytest.TempPathFactory
                                data_dir=Path(tmp_path_factory.mktemp("stored-responses")),
                                models=[default_replica])
     runner, url = loop_thread.run(start_app(create_app(
-        settings, authenticator=TwoProjects(), meter=_NoLimits())))
+        settings, authenticator=TwoProjects(), meter=NullMeter())))
     yield url, default_replica.name
     loop_thread.run(runner.cleanup())
     loop_thread.close()
-
-
-class _NoLimits:
-    """Admits everything, records nothing (metering is not what these tests look at)."""
-
-    async def admit(self, request_id: str, principal: Any, model: str, num_prompt_tokens: int,
-                    max_tokens: int) -> Any:
-        from gateway.metering.null_meter import NullMeter
-
-        return await NullMeter().admit(request_id, principal, model, num_prompt_tokens, max_tokens)
-
-    async def settle(self, admission: Any, record: Any) -> None:
-        return None
 
 
 def _client(url: str, key: str) -> openai.OpenAI:

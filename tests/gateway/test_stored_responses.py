@@ -18,8 +18,8 @@ from auth.principal import AuthError, Principal, Scope
 from gateway.responses_store import ResponseStore, ResponseStoreSettings
 from gateway.responses_store.redis_store import RedisResponseStore
 from gateway.responses_store.sqlite_store import SqliteResponseStore
-from gateway.web.keys import RESPONSES
-from tests.gateway.conftest import MODEL, Gateway, GatewayFactory, LoopThread
+from gateway.web.keys import FLEET, RESPONSES, ROUTER
+from tests.gateway.conftest import MODEL, Gateway, GatewayFactory, LoopThread, wait_until
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
@@ -327,11 +327,7 @@ def test_a_gateway_with_redis_keeps_responses_there(make_gateway: GatewayFactory
 
 def test_a_stored_conversation_is_one_session_unless_the_client_names_its_own(
         make_gateway: GatewayFactory, tmp_path: Path) -> None:
-    from tests.gateway.conftest import wait_until
-    from tests.gateway.test_auth_seam import RecordingMeter
-
-    meter = RecordingMeter()
-    served = make_gateway(authenticator=TwoProjects(), meter=meter, data_dir=str(tmp_path))
+    served = make_gateway(authenticator=TwoProjects(), data_dir=str(tmp_path))
     client = _client(served)
     first = client.responses.create(model=MODEL, input="one")
     second = client.responses.create(model=MODEL, input="two", previous_response_id=first.id)
@@ -341,6 +337,66 @@ def test_a_stored_conversation_is_one_session_unless_the_client_names_its_own(
     named = client.responses.create(model=MODEL, input="a", prompt_cache_key="agent-7")
     client.responses.create(model=MODEL, input="b", previous_response_id=named.id)
     client.responses.create(model=MODEL, input="unstored", store=False)
-    assert wait_until(lambda: len(meter.settled) == 7)
-    assert [r.session_id for r in meter.settled] == [first.id] * 3 + ["mine", "agent-7",
-                                                                     "agent-7", None]
+    assert wait_until(lambda: len(served.meter.settled) == 7)
+    assert [r.session_id for r in served.meter.settled.values()] == [
+        first.id] * 3 + ["mine", "agent-7", "agent-7", None]
+
+
+def test_each_turn_of_a_conversation_goes_to_the_replica_of_the_turn_before(
+        make_gateway: GatewayFactory, tmp_path: Path) -> None:
+    """Two replica servers (the fake engine) behind the prefix router: two conversations start at
+    once, so on both; each later turn, sent alone to an idle fleet, goes to the replica of its
+    conversation (the stored conversation's session credits it with the previous turn's blocks),
+    not to the one an idle tie would pick."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.server import ReplicaServerSettings
+    from tests.server.conftest import ServerThread
+    from tests.server.fakes import FakeEngine
+
+    class SyncedFake(FakeEngine):  # a snapshot the prefix router syncs from (no blocks held)
+        def kv_snapshot(self) -> dict[str, Any]:
+            return {**super().kv_snapshot(), "seq": 0, "block_size": 16}
+
+        def kv_events_since(self, seq: int) -> dict[str, Any]:
+            return {"batches": [], "last_seq": 0, "replica_id": self.replica_id}
+
+    engines = [SyncedFake(token_delay_s=0.05, replica_id=f"fake-{i}") for i in range(2)]
+    servers = [ServerThread(engine, ReplicaServerSettings()) for engine in engines]
+    for server in servers:
+        server.start()
+    try:
+        served = make_gateway(authenticator=TwoProjects(), data_dir=str(tmp_path), router="prefix",
+                              models=[{"name": MODEL, "backend": "replica", "upstream_model":
+                                       "fake-model", "endpoints": [s.base_url for s in servers]}])
+        client = _client(served)
+        router = served.app[ROUTER]
+        assert wait_until(lambda: all(
+            e.can_serve() and router.consumer(e).is_synced  # type: ignore[attr-defined]
+            for e in served.app[FLEET].routes[MODEL].endpoints), 10)
+
+        def new_call() -> int:
+            """The replica that got a call since the last look (the turns after the first go
+            one at a time)."""
+            grown = [n for n, engine in enumerate(engines) if len(engine.calls) > seen[n]]
+            seen[:] = [len(engine.calls) for engine in engines]
+            assert len(grown) == 1
+            return grown[0]
+
+        with ThreadPoolExecutor(2) as pool:  # conversation i's first prompt: 40 + 40 i words
+            firsts = list(pool.map(lambda i: client.responses.create(
+                model=MODEL, input="word " * (40 + 40 * i)), range(2)))
+        by_length = sorted(range(2), key=lambda n: len(engines[n].calls[0].prompt_token_ids))
+        where = {i: [by_length[i]] for i in range(2)}
+        assert sorted(by_length) == [0, 1]  # (one conversation on each replica)
+        seen = [1, 1]
+        previous = {i: firsts[i].id for i in range(2)}
+        for turn in (1, 2):
+            for i in (1, 0):
+                previous[i] = client.responses.create(model=MODEL, input=f"turn {turn}",
+                                                      previous_response_id=previous[i]).id
+                where[i].append(new_call())
+        assert all(len(set(replicas)) == 1 for replicas in where.values()), where
+    finally:
+        for server in servers:
+            server.stop()
