@@ -46,6 +46,7 @@ from redis.exceptions import ClusterDownError, NoScriptError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from gateway.metering.budgets import Window
 from gateway.metering.coalescer import Coalescer
 from gateway.metering.contract import UsageRecord
 from gateway.metering.limits import (
@@ -60,6 +61,7 @@ from gateway.metering.limits import (
     rate_limited,
 )
 from gateway.metering.meter import SETTLE_LINGER_S, BaseMeter, usage_day
+from gateway.metering.prices import NANOS_PER_USD
 from gateway.metering.settings import MeteringSettings
 from gateway.metering.usage_report import UsageRow, in_range
 from infra.redis_client import is_cluster_client
@@ -70,8 +72,10 @@ _METRICS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "
 # Numbers travel packed in one space-separated ARGV (fewer arguments to encode per call).
 # KEYS: per scope requests, tokens, in-flight (sorted set), then one spend key per budget.
 # ARGV[1]: reserve tokens, reserve nanos, window ttl, now (unix s), concurrency lease s, then per
-# scope rpm, tpm, max concurrent ('-' = no limit), number of budgets, and per budget its nanos and
-# its key's ttl. ARGV[2]: the request id (its in-flight member). Mirrors limits.denied_limit.
+# scope rpm, tpm, max concurrent ('-' = no limit), number of budgets, and per budget its nanos,
+# its key's ttl and the seed: what the ledger holds for the window, set when the key does not
+# exist yet ('-' = not read: this gateway has seeded it before). ARGV[2]: the request id (its
+# in-flight member). Mirrors limits.denied_limit.
 _ADMIT_LUA = """
 local a = {}
 for v in string.gmatch(ARGV[1], '%S+') do a[#a + 1] = v end
@@ -99,13 +103,16 @@ while p <= #a do
   end
   layout[s] = {k, conc, nb, p}
   for b = 1, nb do
+    if a[p+2] ~= '-' and redis.call('EXISTS', KEYS[k+2+b]) == 0 then
+      redis.call('SET', KEYS[k+2+b], a[p+2], 'EX', a[p+1])
+    end
     local spent = tonumber(redis.call('GET', KEYS[k+2+b]) or '0')
     local bud = tonumber(a[p])
     counts[#counts + 1] = spent
     if denied == 0 and (spent >= bud or (spent > 0 and spent + rc > bud)) then
       denied, what, which = s, 'budget', b - 1
     end
-    p = p + 2
+    p = p + 3
   end
   k = k + 3 + nb
 end
@@ -120,7 +127,7 @@ if denied == 0 then
     end
     for b = 1, nb do
       redis.call('INCRBY', KEYS[kk+2+b], rc)
-      redis.call('EXPIRE', KEYS[kk+2+b], a[bp + 2 * (b - 1) + 1])
+      redis.call('EXPIRE', KEYS[kk+2+b], a[bp + 3 * (b - 1) + 1])
     end
   end
 end
@@ -175,6 +182,7 @@ ScriptCall = tuple[str, list[str], list[Any]]  # (script name, keys, args)
 
 
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.5, 5.0
+_NUM_SEEDED = 100_000
 _OUTAGE = (RedisConnectionError, RedisTimeoutError, ClusterDownError, OSError)
 
 
@@ -193,6 +201,7 @@ class RedisMeter(BaseMeter):
         self._held_bytes = 0  # call_bytes of self._held
         self._retrier: asyncio.Task[None] | None = None
         self._is_closing = False
+        self._seeded: set[str] = set()  # spend keys this process has seeded from the ledger
 
     def backlog_bytes(self) -> int:
         """Script calls queued or in flight (a hung Redis) plus settles held through an outage:
@@ -244,9 +253,15 @@ class RedisMeter(BaseMeter):
             numbers += [_arg(limits.requests_per_minute), _arg(limits.tokens_per_minute),
                         _arg(limits.max_concurrent_requests), len(scope.budgets)]
             for budget, window in zip(scope.budgets, scope_windows, strict=True):
-                numbers += [budget.nanos, math.ceil(window.reset_s(now)) + 86_400]
+                seed = "-"
+                if f"{base}:spent:{window.key}" not in self._seeded:
+                    seed = str(await self._ledger_spend(admission, scope, window))
+                numbers += [budget.nanos, math.ceil(window.reset_s(now)) + 86_400, seed]
         denied, what, which, *raw = await self._calls.submit(
             ("admit", keys, [" ".join(map(str, numbers)), admission.request_id]))
+        if len(self._seeded) > _NUM_SEEDED:
+            self._seeded.clear()
+        self._seeded.update(k for k in keys if ":spent:" in k)
         before, at = [], 0
         for scope in scopes:
             num_budgets = len(scope.budgets)
@@ -264,6 +279,21 @@ class RedisMeter(BaseMeter):
         admission.concurrent_scopes = tuple(s.name for s in scopes
                                             if s.limits.max_concurrent_requests is not None)
         admission.headers = rate_headers(after, clock)
+
+    async def _ledger_spend(self, admission: MeterAdmission, scope: ScopeLimits,
+                            window: Window) -> int:
+        """What the ledger holds for the scope in the window, nano-USD: a budget set (or a
+        window begun) after requests were settled counts them. A project's whole-day windows
+        from the per-day sums; a key's, or a window that cuts a day, from the records."""
+        project = admission.principal.project
+        first, last = usage_day(window.start_s), usage_day(window.end_s - 0.001)
+        if scope.is_project and window.start_s % 86_400 == 0 and window.end_s % 86_400 == 0:
+            rows = await self._daily_rows(project, first, last)
+            return sum(row.cost_nanos for row in rows)
+        return sum(round(r.cost_usd * NANOS_PER_USD)
+                   for r in await self.usage_records(project, first, last)
+                   if window.start_s <= r.created_at < window.end_s
+                   and (scope.is_project or r.key_id == scope.key_id))
 
     async def _claim_alert(self, spend: Spend, threshold: float) -> bool:
         scope, window = spend.scope, spend.window

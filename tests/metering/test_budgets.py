@@ -172,3 +172,27 @@ def test_the_limit_store_round_trips_and_bumps_its_version(
                 await client.aclose()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("budget", [Budget(usd=0.05, window="month"),
+                                    Budget(usd=0.05, window="custom", window_s=3600)])
+def test_a_budget_set_after_spending_counts_what_its_window_already_spent(
+        open_test_meter: OpenMeter, budget: Budget) -> None:
+    """The spend counter of a window that had no budget yet starts from the ledger (the
+    per-day sums for a project's whole days, else the records), not from zero."""
+    async def scenario() -> None:
+        meter = await open_test_meter(MeteringSettings(prices=PRICES))
+        try:
+            for name in ("a", "b"):
+                admission = await meter.admit(name, principal(), "m", 10, 10)
+                await meter.settle(admission, record(name, 10, 10, cost_usd=0.02))
+            meter.set_stored_limits(StoredLimits(projects={"acme": Limits(budgets=(budget,))}))
+            with pytest.raises(RateLimited):  # 0.04 spent + 0.02 reserved > 0.05
+                await meter.admit("c", principal(), "m", 10, 10)
+            await meter.admit("d", principal(), "m", 5, 4)  # 0.04 + 0.009 fits
+            meter.set_stored_limits(StoredLimits(keys={"k2": Limits(budgets=(budget,))}))
+            await meter.admit("e", principal(key_id="k2"), "m", 10, 10)  # k2 spent nothing
+        finally:
+            await meter.close()
+
+    asyncio.run(scenario())
