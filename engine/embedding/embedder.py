@@ -7,11 +7,12 @@
 
 Batching across requests: `embed` queues its inputs and awaits them. The worker takes a window of
 the oldest queued inputs (at most 4 passes' worth, from any number of requests), sorts it by
-length, and cuts it into padded passes of at most `max_num_inputs` inputs and
-`max_num_batched_tokens` tokens counted with padding (inputs x the longest input of the pass),
-so inputs of similar length share a pass and padding stays small. A request is answered when
-its last input is done. A caller that stops waiting (cancelled) has its inputs skipped if they
-are not yet in a pass. More than `max_num_queued_inputs` waiting: `EmbedderBusy` (a 503).
+length, and cuts it into passes of at most `max_num_inputs` inputs and `max_num_batched_tokens`
+tokens. A pass is packed (engine/models/bert.py: the inputs end to end, no padding but in
+attention), and its attention's padded rows (inputs x the longest input) stay within twice the
+token budget; sorting keeps that padding small. A request is answered when its last input is
+done. A caller that stops waiting (cancelled) has its inputs skipped if they are not yet in a
+pass. More than the queue's bounds waiting: `EmbedderBusy` (a 503).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class EmbedderStats:
     num_generation_tokens_total: int = 0
     num_preemptions_total: int = 0
     num_passes_total: int = 0
-    num_padded_tokens_total: int = 0  # tokens run, padding included (>= prompt tokens)
+    num_padded_tokens_total: int = 0  # attention rows, padding included (>= prompt tokens)
 
 
 @dataclass
@@ -212,17 +213,20 @@ class Embedder:
             return window
 
     def _passes(self, window: list[_Item]) -> list[list[_Item]]:
-        """`window` sorted by length and cut into padded passes within the batch bounds."""
+        """`window` sorted by length and cut into passes within the batch bounds."""
         window.sort(key=lambda item: item.num_tokens)
+        budget = self.batching.max_num_batched_tokens
         passes: list[list[_Item]] = []
         current: list[_Item] = []
+        num_tokens = 0
         for item in window:  # ascending: the new item is the longest of its pass
             padded = (len(current) + 1) * item.num_tokens
             if current and (len(current) >= self.batching.max_num_inputs
-                            or padded > self.batching.max_num_batched_tokens):
+                            or num_tokens + item.num_tokens > budget or padded > 2 * budget):
                 passes.append(current)
-                current = []
+                current, num_tokens = [], 0
             current.append(item)
+            num_tokens += item.num_tokens
         if current:
             passes.append(current)
         return passes
@@ -234,11 +238,10 @@ class Embedder:
         device = self.model.device
         lengths_list = [item.num_tokens for item in batch]
         t = max(lengths_list)
-        ids = torch.full((len(batch), t), self.config.pad_token_id, dtype=torch.long)
-        for row, item in enumerate(batch):
-            ids[row, :item.num_tokens] = torch.from_numpy(item.job.token_ids[item.index])
+        packed = np.concatenate([item.job.token_ids[item.index] for item in batch])
+        ids = torch.from_numpy(packed.astype(np.int64))
         lengths = torch.tensor(lengths_list, device=device)
-        hidden = self.model.forward(ids.to(device), lengths)  # [B, T, C]
+        hidden = self.model.forward(ids.to(device), lengths)  # [N, C], N = sum(lengths)
         vectors = pool(hidden, lengths, self.config.pooling).float()
         if self.config.normalize:
             vectors = normalize(vectors)

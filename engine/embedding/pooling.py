@@ -1,6 +1,6 @@
 """Hidden states -> sentence vectors, as sentence-transformers' Pooling and Normalize modules do.
 
-    pool(hidden [B, T, C], lengths [B], "mean" | "cls") -> [B, C]
+    pool(hidden [N, C] packed, lengths [B], "mean" | "cls") -> [B, C]
     normalize(vectors [B, C]) -> [B, C] of unit L2 norm
     shorten(vectors [N, C], d, renormalize) -> [N, d]: OpenAI's `dimensions`
 """
@@ -15,13 +15,14 @@ from engine.embedding.config import Pooling
 
 
 def pool(hidden: torch.Tensor, lengths: torch.Tensor, pooling: Pooling) -> torch.Tensor:
-    """Mean over each input's real tokens (padding excluded), or its first ([CLS]) token's state."""
+    """Mean over each input's tokens, or its first ([CLS]) token's state; `hidden` holds the
+    inputs' tokens end to end (`lengths` each)."""
+    starts = torch.cumsum(lengths, 0) - lengths
     if pooling == "cls":
-        return hidden[:, 0]
-    t = hidden.shape[1]
-    mask = (torch.arange(t, device=hidden.device)[None, :] < lengths[:, None]).to(hidden.dtype)
-    summed = (hidden * mask[:, :, None]).sum(dim=1)  # [B, T, C] -> [B, C]
-    return summed / lengths[:, None].to(hidden.dtype).clamp(min=1)
+        return hidden[starts]
+    rows = torch.repeat_interleave(torch.arange(lengths.shape[0], device=hidden.device), lengths)
+    summed = hidden.new_zeros(lengths.shape[0], hidden.shape[1]).index_add_(0, rows, hidden)
+    return summed / lengths[:, None].to(hidden.dtype)
 
 
 def normalize(vectors: torch.Tensor) -> torch.Tensor:

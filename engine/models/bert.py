@@ -1,14 +1,17 @@
 """BERT-style encoders (`BertModel`: all-MiniLM, BGE, GTE): token ids -> last hidden states.
 
-Dimensions:  B inputs in the pass, T the longest input's tokens (the others padded),
-             C hidden_size, H num_heads, D head_dim (C = H * D), F intermediate_size.
+Dimensions:  N tokens of the pass (its inputs packed end to end, no padding), B inputs,
+             T the longest input's tokens, C hidden_size, H num_heads, D head_dim (C = H * D),
+             F intermediate_size.
 
-    x = LN(word[ids] + position[0..T) + token_type[0])            [B, T, C]
+    x = LN(word[ids] + position[p] + token_type[0])               [N, C]   p: within its input
     per layer:  x = LN(x + attn(x) @ Wo)                           post-norm, as BERT
                 x = LN(x + act(x @ W1) @ W2)
 
-Attention is bidirectional; a padded position is masked as a key, so a real token's state does
-not depend on how much padding its pass has (the pooling ignores padded queries). The pooler
+Packed: every linear layer, norm and activation runs on the N real tokens only; attention alone
+scatters q/k/v into a padded [B, H, T, D] (`flat`: each token's row in it), masks padded keys,
+and gathers the real rows back. So a pass costs its real tokens plus the attention's padding,
+and a token's state does not depend on which inputs share its pass. The pooler
 (`pooler.dense`, BERT's next-sentence head) is not used by sentence embeddings: its tensors are
 read and dropped. No KV cache: every pass is a whole prompt.
 """
@@ -72,21 +75,39 @@ class _EncoderLayer:
         self.mlp_norm = _LayerNorm(weights, f"{p}.output.LayerNorm", c, eps, device, dtype)
         self.act = ACTIVATIONS[config.hidden_act]
 
-    def __call__(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
+    def __call__(self, x: torch.Tensor, layout: _Layout) -> torch.Tensor:
+        n, c = x.shape
+        b, t = layout.key_mask.shape[0], layout.key_mask.shape[-1]
 
-        def heads(y: torch.Tensor) -> torch.Tensor:
-            return y.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        def heads(y: torch.Tensor) -> torch.Tensor:  # [N, C] -> [B, H, T, D], padding zero
+            padded = y.new_zeros(b * t, c).index_copy_(0, layout.flat, y)
+            return padded.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
 
         attn = F.scaled_dot_product_attention(heads(self.query(x)), heads(self.key(x)),
-                                              heads(self.value(x)), attn_mask=key_mask)
-        attn = attn.transpose(1, 2).reshape(b, t, c)  # [B, H, T, D] -> [B, T, C]
+                                              heads(self.value(x)), attn_mask=layout.key_mask)
+        attn = attn.transpose(1, 2).reshape(b * t, c)[layout.flat]  # [B, H, T, D] -> [N, C]
         x = self.attn_norm(x + self.attn_out(attn))
         return self.mlp_norm(x + self.down(self.act(self.up(x))))
 
 
+class _Layout:
+    """Where the packed tokens sit: `flat` [N] each token's row in a padded [B * T], `key_mask`
+    [B, 1, 1, T] the real keys, `positions` [N] each token's position within its input."""
+
+    __slots__ = ("flat", "key_mask", "positions")
+
+    def __init__(self, lengths: torch.Tensor) -> None:
+        b, t = lengths.shape[0], int(lengths.max())
+        starts = torch.cumsum(lengths, 0) - lengths  # [B]
+        rows = torch.repeat_interleave(torch.arange(b, device=lengths.device), lengths)  # [N]
+        self.positions = torch.arange(rows.shape[0], device=lengths.device) - starts[rows]
+        self.flat = rows * t + self.positions
+        valid = torch.arange(t, device=lengths.device)[None, :] < lengths[:, None]  # [B, T]
+        self.key_mask = valid[:, None, None, :]
+
+
 class BertEncoder:
-    """`forward(input_ids, lengths)` -> last hidden states [B, T, C] (padded rows: garbage)."""
+    """`forward(input_ids, lengths)` -> last hidden states [N, C] of the packed tokens."""
 
     def __init__(self, config: EncoderConfig, weights: Weights, device: torch.device,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -110,13 +131,10 @@ class BertEncoder:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """`input_ids` [B, T] (padded with anything), `lengths` [B] (each >= 1, <= T)."""
-        b, t = input_ids.shape
-        positions = torch.arange(t, device=self.device)
-        valid = positions[None, :] < lengths[:, None]  # [B, T]
-        x = self.word[input_ids] + self.position[:t] + self.token_type0  # [B, T, C]
-        x = self.norm(x)
-        key_mask = valid[:, None, None, :]  # [B, 1, 1, T]: attend to real tokens only
+        """`input_ids` [N]: the inputs end to end; `lengths` [B] (each >= 1, summing to N)."""
+        layout = _Layout(lengths)
+        x = self.norm(self.word[input_ids] + self.position[layout.positions]
+                      + self.token_type0)  # [N, C]
         for layer in self.layers:
-            x = layer(x, key_mask)
+            x = layer(x, layout)
         return x
