@@ -37,23 +37,41 @@ class RegexGuard(Guardrail):
         patterns = option(options, "patterns", list, [])
         if not all(isinstance(x, str) and x for x in words + patterns):
             raise ValueError(f"guardrail {name!r}: words and patterns must be non-empty strings")
-        alternatives = [rf"(?i:\b{re.escape(word)}\b)" for word in words]
+        if not words and not patterns:
+            raise ValueError(f"guardrail {name!r}: give `words` or `patterns`")
         for pattern in patterns:
             try:
                 re.compile(pattern)
             except re.error as exc:
                 raise ValueError(f"guardrail {name!r}: bad pattern {pattern!r}: {exc}") from None
-            alternatives.append(f"(?:{pattern})")
-        if not alternatives:
-            raise ValueError(f"guardrail {name!r}: give `words` or `patterns`")
-        self.pattern = re.compile("|".join(alternatives))
+        # words and patterns apart: a streamed word match starts at most its length back, a
+        # pattern's anywhere in the window
+        self.words = (re.compile("|".join(rf"\b{re.escape(w)}\b" for w in words), re.IGNORECASE)
+                      if words else None)
+        self.patterns = re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
+        self.max_word_chars = max(map(len, words), default=0)
         self.window_chars = option(options, "window_chars", int, 256)
         if self.window_chars < 0:
             raise ValueError(f"guardrail {name!r}: window_chars must be >= 0")
+        if self.patterns is None:
+            self.window_chars = min(self.window_chars, self.max_word_chars)
+
+    def matches(self, text: str, from_char: int = 0) -> bool:
+        """Does a word or pattern match in `text` and end past `from_char`?"""
+        for pattern, start in ((self.words, max(0, from_char - self.max_word_chars)),
+                               (self.patterns, 0)):
+            if pattern is None:
+                continue
+            match = pattern.search(text, start)
+            while match is not None and match.end() <= from_char:  # (one in the tail alone was
+                match = pattern.search(text, match.start() + 1)  # checked already)
+            if match is not None:
+                return True
+        return False
 
     async def check_request(self, request: GuardedRequest) -> None:
         for part in request.parts:
-            if self.pattern.search(part.text):
+            if self.matches(part.text):
                 raise self.block("request", f"the {part.role} text matches a denied pattern")
 
     def scan_response(self, request: GuardedRequest) -> ResponseScanner:
@@ -70,9 +88,8 @@ class _RegexScanner(ResponseScanner):
     async def feed(self, text: str) -> str:
         guard = self._guard
         seen = self._tail + text
-        match = guard.pattern.search(seen)
-        if match is not None and match.end() > len(self._tail):  # (one in the tail alone was
-            raise guard.block("response", "the answer matches a denied pattern")  # checked)
+        if guard.matches(seen, len(self._tail)):
+            raise guard.block("response", "the answer matches a denied pattern")
         self._tail = seen[-guard.window_chars:] if guard.window_chars else ""
         return text
 

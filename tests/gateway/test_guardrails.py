@@ -299,3 +299,21 @@ def test_a_guardrail_from_an_aigw_guardrails_entry_point_runs_on_requests_and_st
     assert "".join(deltas) == "QUIET WORDS"
     with pytest.raises(openai.BadRequestError, match="asked not to"):
         client.chat.completions.create(model=MODEL, messages=_say("no-upper"))
+
+
+def test_a_block_mid_stream_cuts_the_upstream_and_bills_the_prompt_and_what_came(
+        make_gateway: GatewayFactory, scripted: Any) -> None:
+    gateway = _gateway(make_gateway, scripted, [
+        {"name": "deny", "type": "regex", "stages": ["response"],
+         "options": {"words": ["project zeus"]}}])
+    said = "first part of the answer, then project zeus, " + "and a long tail " * 40
+    received = []
+    with pytest.raises(openai.APIError, match="'deny' \\(response\\)"):
+        for chunk in _openai(gateway).chat.completions.create(model=MODEL, messages=_say(said),
+                                                              stream=True):
+            received += [c.delta.content for c in chunk.choices if c.delta.content]
+    sent = "".join(received)
+    assert said.startswith(sent) and "project zeus" not in sent and len(sent) > 20
+    record = _one_record(gateway)
+    assert record.finish_reason == "content_filter"
+    assert record.prompt_tokens > 0 and 0 < record.completion_tokens < len(said) // 4

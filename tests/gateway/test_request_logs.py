@@ -204,16 +204,17 @@ def test_an_entry_is_cut_to_max_entry_bytes_with_its_metadata_whole() -> None:
     assert parsed["request"]["text"].startswith('{"messages"')
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+@pytest.mark.parametrize("kind", ["sqlite", "redis", "cluster"])
 def test_stores_hold_a_project_within_its_byte_bound_and_drop_what_is_past_retention(
         kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     async def run() -> None:
         entry_bytes = 4096
-        if kind == "redis":
+        if kind != "sqlite":
             from infra.redis_client import connect_redis
 
-            client = connect_redis(request.getfixturevalue("clean_redis_url"),
-                                   decode_responses=True)
+            client = connect_redis(request.getfixturevalue(
+                "clean_redis_url" if kind == "redis" else "clean_redis_cluster_url"),
+                decode_responses=True)
             store: Any = RedisLogStore(client, retention_s=1.0, max_entries=40_960 // entry_bytes)
         else:
             store = await SqliteLogStore.open(tmp_path, retention_s=1.0, max_project_bytes=40_960)
@@ -234,11 +235,16 @@ def test_stores_hold_a_project_within_its_byte_bound_and_drop_what_is_past_reten
             fresh = build_entry(_capture({}, time.time()), entry_bytes, ())
             await store.append([fresh], time.time())
             assert [e["id"] for e in (await store.query(LogQuery("p")))[0]] == [fresh.id]
-            if kind == "redis":
+            if kind != "sqlite":
                 assert await client.xlen("aigw:{p:p}:reqlog") <= 2  # MINID trimmed the old ones
+                trace = build_entry(_capture({}, time.time()), entry_bytes, ())
+                traced = LogEntry(trace.id, "q", "m", "ab" * 16, trace.created_at, trace.data)
+                await store.append([traced], time.time())  # (the trace index: another slot)
+                found, _ = await store.query(LogQuery(None, trace_id="ab" * 16))
+                assert [e["id"] for e in found] == [trace.id]
         finally:
             await store.close()
-            if kind == "redis":
+            if kind != "sqlite":
                 await client.aclose()
 
     asyncio.run(run())
