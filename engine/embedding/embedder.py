@@ -242,7 +242,7 @@ class Embedder:
         ids = torch.from_numpy(packed.astype(np.int64))
         lengths = torch.tensor(lengths_list, device=device)
         hidden = self.model.forward(ids.to(device), lengths)  # [N, C], N = sum(lengths)
-        vectors = pool(hidden, lengths, self.config.pooling).float()
+        vectors = pool(hidden.float(), lengths, self.config.pooling)  # (float32 sums)
         if self.config.normalize:
             vectors = normalize(vectors)
         rows = vectors.cpu().numpy()
