@@ -1,5 +1,6 @@
 """The batch runner: one background task per gateway that works the active batches, oldest
-first, one at a time, on idle capacity.
+first, in turns (with other batches waiting, one starts lines for `_TURN_S`, then the next gets
+its turn: one project's long batch does not hold another's back), on idle capacity.
 
     validating   read the input file into a plan (gateway/batch/plan.py); malformed lines are
                  recorded as errors at once -> in_progress (or failed: no file, no line)
@@ -49,6 +50,7 @@ from gateway.metering.contract import Admission, Meter, UsageRecord
 
 log = logging.getLogger("aigw.batch")
 
+_TURN_S = 10.0  # with other batches waiting, a batch starts lines for this long, then yields
 _NUM_CRASHES = 3  # a line whose run raises this often is recorded as a 500 error line
 _IDLE_CHECK_S = 0.05  # how often a line waiting for idle capacity looks again
 _EXPIRED = {"code": "batch_expired",
@@ -73,6 +75,7 @@ class BatchRunner:
         self._owner = os.urandom(8).hex()  # this gateway process, as a lease holder
         self._task: asyncio.Task[None] | None = None
         self._num_crashes: dict[tuple[str, int], int] = {}  # (batch, line) -> failed tries
+        self._plans: dict[str, Plan] = {}  # active batches' plans, read once
         self._wake = asyncio.Event()
 
     def start(self) -> None:
@@ -91,9 +94,12 @@ class BatchRunner:
     async def _loop(self) -> None:
         while True:
             try:
-                for batch_id in await self._store.active_batch_ids():
+                active = await self._store.active_batch_ids()
+                for batch_id in active:  # each gets a turn of _TURN_S while others wait
                     if await self._store.try_lease(batch_id, self._owner, self._settings.lease_s):
                         await self._work(batch_id)
+                for batch_id in set(self._plans) - set(active):  # finished elsewhere
+                    del self._plans[batch_id]
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - a store outage: try again at the next poll
@@ -119,15 +125,21 @@ class BatchRunner:
             await self._run(batch, plan)
         if batch.status == BatchStatus.FINALIZING:
             await self._finalize(batch)
+            self._plans.pop(batch.id, None)
 
     async def _plan(self, batch: BatchRecord) -> Plan | None:
+        """The batch's plan (kept while the batch is active here: ~0.5 KiB a line)."""
+        if batch.id in self._plans:
+            return self._plans[batch.id]
         path = self._files.path_of(batch.input_file_id)
         try:
-            return await asyncio.to_thread(read_plan, str(path), batch.endpoint)
+            plan = await asyncio.to_thread(read_plan, str(path), batch.endpoint)
         except OSError:
             await self._fail(batch, "file_not_found",
                              f"the input file {batch.input_file_id} cannot be read")
             return None
+        self._plans[batch.id] = plan
+        return plan
 
     async def _fail(self, batch: BatchRecord, code: str, message: str) -> None:
         batch.status, batch.failed_at = BatchStatus.FAILED.value, now_s()
@@ -169,6 +181,8 @@ class BatchRunner:
         return recorded
 
     async def _run(self, batch: BatchRecord, plan: Plan) -> None:
+        """Run the lines not yet recorded; when its turn ends with other batches waiting, start
+        no more and return (the batch stays in_progress for its next turn)."""
         recorded = await self._settle_unmetered(batch)
         batch.num_completed = sum(recorded.values())
         batch.num_failed = len(recorded) - batch.num_completed
@@ -176,6 +190,7 @@ class BatchRunner:
         pending = [line for line in plan.lines if line.index not in recorded]
         running: set[asyncio.Task[None]] = set()
         lease_renewed = time.monotonic()
+        turn_ends = lease_renewed + _TURN_S
         try:
             for line in pending:
                 while not await self._may_start(line, running):
@@ -188,6 +203,12 @@ class BatchRunner:
                             break
                 if await self._stopping(batch):
                     break
+                if time.monotonic() > turn_ends:
+                    if len(await self._store.active_batch_ids()) > 1:
+                        if running:
+                            await asyncio.wait(set(running))
+                        return  # the next batch's turn
+                    turn_ends = time.monotonic() + _TURN_S
                 self.counts.num_running += 1
                 task = asyncio.create_task(self._run_line(batch, line))
                 running.add(task)

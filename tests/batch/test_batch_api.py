@@ -361,3 +361,24 @@ def test_a_batch_past_its_window_expires_with_its_lines_in_the_error_file(
     assert sorted(e["custom_id"] for e in errors) == ["e-0", "e-1", "e-2"]
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
     assert done.request_counts.failed == 3
+
+
+def test_batches_take_turns_so_a_long_one_does_not_hold_a_short_one_back(
+        served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.batch import runner
+
+    monkeypatch.setattr(runner, "_TURN_S", 0.2)
+    served.state.config.latency_ms = 100.0
+    client = served.client()
+    try:
+        long = submit(client, [chat_line(f"l-{i}", f"long {i}") for i in range(40)])
+        deadline = time.monotonic() + 10
+        while client.batches.retrieve(long.id).request_counts.completed < 2:  # it is running
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        short = wait_done(client, submit(client, [chat_line("s", "short")]).id)
+        assert short.status == "completed"
+        assert client.batches.retrieve(long.id).request_counts.completed < 30  # far from done
+        assert wait_done(client, long.id).request_counts.completed == 40
+    finally:
+        served.state.config.latency_ms = 0.0
