@@ -34,6 +34,7 @@ with `include_token_ids=True` (`aigw replica --kv-events-token-ids`, for debuggi
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -87,6 +88,20 @@ class EventBatch:
     def to_json(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, "seq": self.seq, "ts": self.ts,
                 "events": [asdict(e) for e in self.events]}
+
+    @functools.cached_property
+    def num_bytes(self) -> int:
+        """An upper bound of the bytes the batch holds in CPython: what the log's and the
+        publisher's byte budgets count (a step's batch has one event per stored or evicted run of
+        blocks, so its size follows the step, not a fixed count)."""
+        num_ids = sum(len(getattr(e, "block_hashes", ())) + len(getattr(e, "token_ids", ()))
+                      for e in self.events)
+        return _BATCH_BYTES + _EVENT_BYTES * len(self.events) + _ID_BYTES * num_ids
+
+
+# CPython sizes, rounded up: a batch (object, tuple, str, float), an event (a frozen dataclass
+# and its tuples), and one id in a tuple (a pointer and an int of up to 64 bits)
+_BATCH_BYTES, _EVENT_BYTES, _ID_BYTES = 256, 192, 44
 
 
 def event_from_json(data: dict[str, Any]) -> KVEvent:
@@ -170,18 +185,23 @@ class EventPage:
 
 
 class KVEventLog:
-    """Collects events during a step, seals them into numbered batches, keeps the last `capacity` batches.
+    """Collects events during a step, seals them into numbered batches, keeps the last `capacity`
+    batches and at most `max_bytes` of them (`EventBatch.num_bytes`; the newest is always kept).
+    A consumer further behind than what is kept re-syncs from a snapshot.
 
     Written by the engine thread, read by the server's event loop: guarded by a lock.
     """
 
     def __init__(self, replica_id: str, capacity: int = 4096,
-                 publishers: tuple[EventPublisher, ...] = (), include_token_ids: bool = False
-                 ) -> None:
+                 publishers: tuple[EventPublisher, ...] = (), include_token_ids: bool = False,
+                 max_bytes: int = 16 * 1024 * 1024) -> None:
         self.replica_id = replica_id
         self.include_token_ids = include_token_ids
+        self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.num_bytes = 0  # of the kept batches
         self._pending: list[KVEvent] = []
-        self._batches: deque[EventBatch] = deque(maxlen=capacity)
+        self._batches: deque[EventBatch] = deque()
         self._last_seq = 0  # batch numbers start at 1; 0 = "nothing yet"
         self._publishers = publishers
         self._held: set[int] = set()  # hashes held as of the last sealed batch (the snapshot)
@@ -203,7 +223,12 @@ class KVEventLog:
             batch = EventBatch(self.replica_id, self._last_seq, time.time(), tuple(self._pending))
             self._pending = []
             apply_events(self._held, batch.events, self._held_host)
-            self._batches.append(batch)
+            batches = self._batches
+            batches.append(batch)
+            self.num_bytes += batch.num_bytes
+            while len(batches) > 1 and (len(batches) > self.capacity
+                                        or self.num_bytes > self.max_bytes):
+                self.num_bytes -= batches.popleft().num_bytes
             self._cond.notify_all()
         for publisher in self._publishers:
             publisher.publish(batch)

@@ -12,8 +12,9 @@ The hash tag is the replica id: each replica's stream may live on its own cluste
 
 `publish` is called on the engine thread and never waits on the network: it puts the batch on a
 bounded queue; a daemon thread drains it with a synchronous client, pipelining what has piled up.
-When the queue is full, or Redis is unreachable for longer than `give_up_s`, batches are dropped
-and counted in `num_dropped`: consumers see a gap in `seq` and re-sync from GET /kv/snapshot.
+When the queue is full (`max_queued_batches`, or `max_queued_bytes` of `EventBatch.num_bytes`), or
+Redis is unreachable for longer than `give_up_s`, batches are dropped and counted in
+`num_dropped`: consumers see a gap in `seq` and re-sync from GET /kv/snapshot.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ _STOP = object()
 
 class RedisEventPublisher:
     def __init__(self, redis_url: str, replica_id: str, *, max_stream_len: int = 10_000,
-                 max_queued_batches: int = 4096, give_up_s: float = 5.0,
-                 client: Any = None) -> None:
+                 max_queued_batches: int = 4096, max_queued_bytes: int = 16 * 1024 * 1024,
+                 give_up_s: float = 5.0, client: Any = None) -> None:
         # One place builds Redis clients from URLs (plain or `redis+cluster://`), shared with the gateway.
         from infra.redis_client import connect_redis_sync
 
@@ -50,15 +51,29 @@ class RedisEventPublisher:
         self._redis = client or connect_redis_sync(redis_url, socket_timeout=2.0,
                                                    socket_connect_timeout=2.0)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queued_batches)
+        self.max_queued_bytes = max_queued_bytes
+        self.num_queued_bytes = 0  # of the batches on the queue (written under _bytes_lock)
+        self._bytes_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kv-events-redis", daemon=True)
         self._thread.start()
 
     def publish(self, batch: EventBatch) -> None:
         """Enqueue without blocking; a full queue drops the batch (consumers will re-sync)."""
+        num_bytes = batch.num_bytes
+        with self._bytes_lock:
+            if self.num_queued_bytes + num_bytes > self.max_queued_bytes:
+                self.num_dropped += 1
+                return
+            self.num_queued_bytes += num_bytes
         try:
             self._queue.put_nowait(batch)
         except queue.Full:
+            self._dequeued(batch)
             self.num_dropped += 1
+
+    def _dequeued(self, batch: EventBatch) -> None:
+        with self._bytes_lock:
+            self.num_queued_bytes -= batch.num_bytes
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Flush what is queued (within `timeout_s`) and stop the thread."""
@@ -85,10 +100,15 @@ class RedisEventPublisher:
                 except queue.Empty:
                     break
                 if item is _STOP:
-                    self._send(pending)
+                    self._send_dequeued(pending)
                     return
                 pending.append(item)
-            self._send(pending)
+            self._send_dequeued(pending)
+
+    def _send_dequeued(self, batches: list[EventBatch]) -> None:
+        for batch in batches:
+            self._dequeued(batch)
+        self._send(batches)
 
     def _send(self, batches: list[EventBatch]) -> None:
         deadline = time.monotonic() + self.give_up_s

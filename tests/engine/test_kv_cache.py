@@ -195,6 +195,23 @@ def test_reset_emits_all_blocks_cleared_and_forgets_every_hash() -> None:
     assert manager.pool.num_free_blocks == 8
 
 
+def test_the_event_log_keeps_batches_up_to_its_bytes_and_a_reader_further_behind_resyncs() -> None:
+    log = KVEventLog("r", max_bytes=100_000)
+    for step in range(40):
+        log.record(BlockStored(tuple(range(step * 100, step * 100 + 100)), None, (), 16))
+        log.seal()
+    assert log.num_bytes <= 100_000 and log.last_seq == 40
+    page = log.since(39)
+    assert page is not None and [b.seq for b in page.batches] == [40]
+    assert log.since(0) is None  # the oldest went by bytes: that reader takes a snapshot
+    kept = log.since(page.first_seq - 1)
+    assert kept is not None and sum(b.num_bytes for b in kept.batches) == log.num_bytes
+    huge = KVEventLog("r", max_bytes=1)
+    huge.record(BlockStored((1, 2, 3), None, (), 16))
+    huge.seal()
+    assert huge.since(0) is not None  # the newest batch stays, whatever its size
+
+
 def test_stored_event_carries_the_chain_and_no_token_ids() -> None:
     log = KVEventLog("r")
     manager = make_manager(8, event_log=log)

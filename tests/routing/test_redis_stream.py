@@ -47,6 +47,19 @@ def test_publish_never_waits_when_redis_is_down() -> None:
     publisher.close()
 
 
+def test_the_publish_queue_is_bounded_in_bytes_and_drops_what_would_pass_the_bound() -> None:
+    """A step that evicts thousands of blocks makes one large batch: the queue's bound is its
+    bytes, not only its count, while Redis is away."""
+    publisher = RedisEventPublisher("redis://127.0.0.1:1/0", "rep-a", give_up_s=30,
+                                    max_queued_bytes=64 * 1024)
+    log = KVEventLog("rep-a", publishers=(publisher,))
+    for step in range(8):
+        log.record(BlockStored(tuple(range(step * 1000, step * 1000 + 500)), None, (), 16))
+        log.seal()
+    assert 0 < publisher.num_queued_bytes <= 64 * 1024
+    assert publisher.num_dropped >= 4  # ~22 KB a batch: two or three fit (one may be in flight)
+
+
 def test_the_stream_consumer_applies_published_batches_and_resyncs_on_restart(
         clean_redis_url: str) -> None:
     index = IndexUnderTest("in_process", None)
