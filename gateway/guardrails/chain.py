@@ -16,6 +16,7 @@ counted, the completion estimated from what was received, as for any stream cut 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,8 @@ from gateway.upstream.wait_timer import Watchdog
 
 if TYPE_CHECKING:
     from gateway.fleet.endpoints import Fleet
+
+log = logging.getLogger("aigw.guardrails")
 
 
 class Guardrails:
@@ -124,6 +127,8 @@ class RequestGuards:
             except GuardrailBlocked as blocked:
                 self._owner.count_block(blocked)
                 raise
+            except Exception as exc:  # noqa: BLE001 - a guard's own bug fails closed
+                raise self._failed(guard.name, "request", exc) from None
             if before != [part.text for part in view.parts]:
                 self._owner.num_rewritten[guard.name] = self._owner.num_rewritten.get(guard.name,
                                                                                       0) + 1
@@ -219,7 +224,15 @@ class RequestGuards:
         except GuardrailBlocked as blocked:
             self._owner.count_block(blocked)
             raise
+        except Exception as exc:  # noqa: BLE001 - a scanner's own bug fails closed
+            raise self._failed(type(scanner).__name__, "response", exc) from None
         return text
+
+    def _failed(self, name: str, stage: str, exc: Exception) -> GuardrailBlocked:
+        log.error("guardrail %s failed on the %s", name, stage, exc_info=exc)
+        blocked = GuardrailBlocked(name, stage, "the guardrail failed")
+        self._owner.count_block(blocked)
+        return blocked
 
     async def _flush(self, chains: dict[tuple[bool, int], list[ResponseScanner]]
                      ) -> list[CanonicalEvent]:

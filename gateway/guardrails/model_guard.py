@@ -73,9 +73,9 @@ class ModelGuard(Guardrail):
         try:
             verdict = await self.context.complete(self.model, turns, self.max_tokens,
                                                   request.cache_salt)
-        except GatewayError as exc:
+        except Exception as exc:  # noqa: BLE001 - GatewayError, or a backend's own bug
             log.warning("guardrail %s: the classifier %s failed: %s", self.name, self.model,
-                        exc.message)
+                        exc.message if isinstance(exc, GatewayError) else repr(exc))
             if self.on_error == "block":
                 raise self.block(stage, "the safety classifier is unavailable") from None
             return

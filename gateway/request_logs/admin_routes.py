@@ -15,6 +15,7 @@ reaches every gateway on the same store within `settings_refresh_s`. Errors are 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -31,6 +32,7 @@ from gateway.web.credentials import credential_of
 from infra.json_body import BodyError, read_json
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+log = logging.getLogger("aigw.request_logs")
 _MAX_FILTER_CHARS = 256
 
 
@@ -92,6 +94,9 @@ def build_request_log_routes(request_log: RequestLog, authenticator: Authenticat
                 return _error(exc.status, exc.code, exc.message)
             except _Invalid as exc:
                 return _error(400, "invalid_request", str(exc))
+            except Exception:  # noqa: BLE001 - the store (Redis, the disk) did not answer
+                log.warning("request log store failed for %s", request.path, exc_info=True)
+                return _error(503, "store_unavailable", "the request log store did not answer")
         return wrapper
 
     def log_query(request: web.Request, project: str | None) -> LogQuery:

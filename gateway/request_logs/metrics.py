@@ -1,7 +1,7 @@
 """/metrics families of the request log (read at scrape time; each worker's own counts).
 
     aigw_request_logs_written_total              entries stored
-    aigw_request_logs_dropped_total{reason}      queue_full | store_error
+    aigw_request_logs_dropped_total{reason}      queue_full | store_error | build_error
     aigw_request_logs_queued_bytes               captures waiting to be written
 """
 

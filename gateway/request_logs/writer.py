@@ -39,7 +39,8 @@ class RequestLog:
         self._queue: deque[Capture] = deque()
         self.queued_bytes = 0
         self.num_written = 0
-        self.num_dropped: dict[str, int] = {"queue_full": 0, "store_error": 0}
+        self.num_dropped: dict[str, int] = {"queue_full": 0, "store_error": 0,
+                                                "build_error": 0}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -138,5 +139,13 @@ class RequestLog:
 
     def _build(self, batch: list[Capture]) -> list[LogEntry]:
         settings = self.settings
-        return [build_entry(capture, settings.max_entry_bytes, settings.redact_fields)
-                for capture in batch]
+        entries = []
+        for capture in batch:
+            try:
+                entries.append(build_entry(capture, settings.max_entry_bytes,
+                                           settings.redact_fields))
+            except Exception:  # noqa: BLE001 - one bad entry does not drop its batch
+                self.num_dropped["build_error"] += 1
+                log.exception("cannot build the request log entry of %s",
+                              capture.record.request_id)
+        return entries

@@ -317,3 +317,34 @@ def test_a_block_mid_stream_cuts_the_upstream_and_bills_the_prompt_and_what_came
     record = _one_record(gateway)
     assert record.finish_reason == "content_filter"
     assert record.prompt_tokens > 0 and 0 < record.completion_tokens < len(said) // 4
+
+
+class BrokenGuard(Guardrail):
+    """A plugin with a bug on both sides."""
+
+    async def check_request(self, request: GuardedRequest) -> None:
+        if "SAY:break" in request.parts[-1].text:
+            raise RuntimeError("bug")
+
+    def scan_response(self, request: GuardedRequest) -> ResponseScanner:
+        class Broken(ResponseScanner):
+            async def feed(self, text: str) -> str:
+                raise KeyError(text)
+
+            async def finish(self) -> str:
+                return ""
+        return Broken()
+
+
+def test_a_guardrail_that_raises_fails_closed_with_a_400_or_the_error_event(
+        make_gateway: GatewayFactory, scripted: Any) -> None:
+    from gateway.guardrails import register_guardrail
+
+    register_guardrail("broken", BrokenGuard)
+    gateway = _gateway(make_gateway, scripted, [{"name": "broken", "type": "broken"}])
+    client = _openai(gateway)
+    with pytest.raises(openai.BadRequestError, match="the guardrail failed"):
+        client.chat.completions.create(model=MODEL, messages=_say("break"))
+    with pytest.raises(openai.BadRequestError, match="the guardrail failed"):
+        client.chat.completions.create(model=MODEL, messages=_say("fine"))  # the first delta
+    assert wait_until(lambda: gateway.meter.num_settle_calls == 2)
