@@ -348,9 +348,38 @@ _UPSTREAM_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
                     "max_completion_tokens": "max_output_tokens"}
 
 
+def replay(stored: dict[str, Any], starting_after: int | None = None) -> bytes:
+    """A stored response object as the stream of events that makes it (`GET
+    /v1/responses/{id}?stream=true`): created, in_progress, each output item whole in one delta,
+    then response.completed / .incomplete / .failed carrying the object itself; the events
+    numbered up to `starting_after` left out."""
+    request = ResponsesRequest("", str(stored.get("model") or ""), id_hex=str(stored["id"])[5:])
+    encoder = _ResponsesEncoder(request, stored)
+    out = [encoder.start()]
+    num_calls = 0
+    for item in stored.get("output") or ():
+        kind = item.get("type")
+        parts = "".join(str(part.get("text") or "") for part in item.get("content") or ())
+        if kind == "reasoning":
+            out.append(encoder.event(ReasoningDelta(parts)))
+        elif kind == "message":
+            out.append(encoder.event(TextDelta(parts)))
+        elif kind == "function_call":
+            out.append(encoder.event(ToolCallDelta(num_calls, str(item.get("call_id") or ""),
+                                                   str(item.get("name") or ""),
+                                                   str(item.get("arguments") or ""))))
+            num_calls += 1
+    out.append(encoder.end_replay())
+    events = b"".join(out).split(b"\n\n")[:-1]
+    if starting_after is not None:
+        events = events[starting_after + 1:]  # (event i has sequence_number i)
+    return b"".join(event + b"\n\n" for event in events)
+
+
 class _ResponsesEncoder(StreamEncoder):
-    def __init__(self, request: CanonicalRequest) -> None:
+    def __init__(self, request: CanonicalRequest, stored: dict[str, Any] | None = None) -> None:
         self._request = request
+        self._stored = stored  # replaying a stored response: its object, not the request's
         self._sequence_number = 0
         self._num_items = 0
         self._done_items: list[dict[str, Any]] = []  # in stream order: response.completed's output
@@ -368,6 +397,9 @@ class _ResponsesEncoder(StreamEncoder):
 
     def start(self, prompt: PromptUsage | None = None) -> bytes:
         snapshot = _response(self._request, None)
+        if self._stored is not None:
+            snapshot = {key: value for key, value in self._stored.items() if key != "usage"}
+            snapshot.update(status="in_progress", output=[], error=None, incomplete_details=None)
         return (self._emit("response.created", response=snapshot)
                 + self._emit("response.in_progress", response=snapshot))
 
@@ -472,3 +504,11 @@ class _ResponsesEncoder(StreamEncoder):
 
     def answer(self) -> dict[str, Any] | None:
         return self._final
+
+    def end_replay(self) -> bytes:
+        """A replay's last events: the open item closed, then the stored object."""
+        assert self._stored is not None
+        status = self._stored.get("status")
+        kind = {"incomplete": "response.incomplete", "failed": "response.failed"}.get(
+            str(status), "response.completed")
+        return self._close_item() + self._emit(kind, response=self._stored)

@@ -21,6 +21,7 @@ to the replica that holds that KV, and the replica's prefix cache serves it (cac
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -41,6 +42,7 @@ from gateway.responses_store.base import ResponseStore
 
 log = logging.getLogger("aigw.gateway")
 
+_PARSE_OFF_LOOP_BYTES = 1024 * 1024
 _ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
                      "reasoning": "rs"}
 
@@ -155,7 +157,11 @@ class StoredResponses(AnswerKeeper):
             body = await self.store.get(project, response_id)
         except Exception as exc:  # noqa: BLE001 - a store outage is a 503, not a traceback
             raise StoreUnavailable(f"the responses store cannot be reached: {exc!r}") from exc
-        return (None, 0) if body is None else (orjson.loads(body), len(body))
+        if body is None:
+            return None, 0
+        if len(body) > _PARSE_OFF_LOOP_BYTES:  # (a long conversation: ~10 ms a MiB to parse)
+            return await asyncio.to_thread(orjson.loads, body), len(body)
+        return orjson.loads(body), len(body)
 
     async def close(self) -> None:
         await self.store.close()

@@ -1,6 +1,6 @@
 """Thin handlers for stored Responses API answers (gateway/responses_store/conversation.py):
 
-    GET    /v1/responses/{response_id}               the response object
+    GET    /v1/responses/{response_id}               the response object (?stream=true: its events)
     DELETE /v1/responses/{response_id}               {"id", "object": "response", "deleted": true}
     GET    /v1/responses/{response_id}/input_items   ?limit=1..100 (20) &order=asc|desc (desc) &after=<item id>
 
@@ -17,20 +17,38 @@ import orjson
 from aiohttp import web
 
 from auth.principal import AuthError, Principal, Scope
-from gateway.dialects import openai_common
+from gateway.dialects import openai_common, openai_responses
 from gateway.request.errors import BadRequest, GatewayError
 from gateway.web.credentials import credential_of
 from gateway.web.keys import AUTHENTICATOR, RESPONSES
 
 
 async def retrieve(request: web.Request) -> web.Response:
-    async def answer(principal: Principal, response_id: str) -> dict[str, Any]:
-        if request.query.get("stream", "false").lower() not in ("false", "0"):
-            raise BadRequest("streaming a stored response back is not supported; retrieve it "
-                             "without stream", param="stream")
-        return await request.app[RESPONSES].retrieve(principal, response_id)
+    """The response object; with `?stream=true` the events that make it (`starting_after`: from
+    the event after that sequence number)."""
+    stream = request.query.get("stream", "false").lower()
+    if stream not in ("true", "1", "false", "0"):
+        return _error(BadRequest("stream: expected true or false", param="stream"))
+    if stream in ("false", "0"):
+        async def answer(principal: Principal, response_id: str) -> dict[str, Any]:
+            return await request.app[RESPONSES].retrieve(principal, response_id)
 
-    return await _answer(request, answer)
+        return await _answer(request, answer)
+    streamed: list[bytes] = []
+
+    async def events(principal: Principal, response_id: str) -> dict[str, Any]:
+        after = request.query.get("starting_after")
+        if after is not None and not after.isdigit():
+            raise BadRequest("starting_after: expected a sequence number", param="starting_after")
+        stored = await request.app[RESPONSES].retrieve(principal, response_id)
+        streamed.append(openai_responses.replay(stored, None if after is None else int(after)))
+        return stored
+
+    answered = await _answer(request, events)
+    if not streamed:
+        return answered  # the refusal
+    return web.Response(body=streamed[0], content_type="text/event-stream",
+                        headers={"cache-control": "no-cache"})
 
 
 async def delete(request: web.Request) -> web.Response:
@@ -52,6 +70,11 @@ async def input_items(request: web.Request) -> web.Response:
             after=query.get("after") or None)
 
     return await _answer(request, answer)
+
+
+def _error(exc: GatewayError) -> web.Response:
+    body = openai_common.error_body(exc.status, exc.code, exc.message, exc.param, exc.error_type)
+    return web.Response(body=orjson.dumps(body), status=exc.status, content_type="application/json")
 
 
 def _limit(value: str) -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import orjson
 import pytest
 
 from gateway.metering.null_meter import NullMeter
@@ -89,6 +90,12 @@ def test_each_turn_finds_the_whole_previous_conversation_in_the_prefix_cache(
     items = http.get(f"{url}/v1/responses/{turns[-1].id}/input_items?order=asc&limit=100",
                      headers=headers).json()
     assert not _spec_errors("Response", stored) and not _spec_errors("ResponseItemList", items)
+    replayed = http.get(f"{url}/v1/responses/{turns[-1].id}?stream=true", headers=headers).text
+    events = [orjson.loads(block.split("data: ", 1)[1]) for block in replayed.split("\n\n")
+              if block]
+    assert events[-1]["response"] == stored
+    assert not [error for event in events
+                for error in _spec_errors("ResponseStreamEvent", event)]
     assert stored["output"][0]["content"][0]["text"] == turns[-1].output_text
     assert [item["role"] for item in items["data"]] == ["user", "assistant", "user"]
     assert items["data"][1]["content"][0]["text"] == turns[0].output_text

@@ -174,8 +174,37 @@ def test_delete_store_false_and_unknown_ids(served: Gateway) -> None:
         openai.OpenAI(base_url=served.url + "/v1", api_key="nope",
                       max_retries=0).responses.retrieve(kept.id)
     http = httpx.Client(base_url=served.url, headers={"authorization": "Bearer a"})
-    answer = http.get(f"/v1/responses/{kept.id}?stream=true")
-    assert answer.status_code == 400 and answer.json()["error"]["param"] == "stream"
+    for query, param in (("stream=maybe", "stream"), ("stream=true&starting_after=x",
+                                                      "starting_after")):
+        answer = http.get(f"/v1/responses/{unstored.id}?{query}")
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param
+    assert http.get(f"/v1/responses/{kept.id}?stream=true").status_code == 404
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_a_stored_response_streams_back_as_the_events_that_made_it(served: Gateway,
+                                                                   tools: Any) -> None:
+    client = _client(served)
+    extra = {"tools": tools} if tools else {}
+    with client.responses.create(model=MODEL, input="Say hi", stream=True, **extra) as events:
+        original = list(events)
+    stored_id = original[-1].response.id
+    with client.responses.retrieve(stored_id, stream=True) as events:
+        replayed = list(events)
+    assert replayed[-1].response.model_dump() == client.responses.retrieve(stored_id).model_dump()
+    assert [e.sequence_number for e in replayed] == list(range(len(replayed)))
+
+    def shape(events: list[Any]) -> list[tuple[str, str | None]]:  # deltas: one a part, replayed
+        kinds = [(e.type, getattr(e, "item_id", None)) for e in events if not e.type.endswith(
+            ".delta")]
+        return kinds
+
+    assert shape(replayed) == shape(original)
+    if tools is None:
+        text = "".join(e.delta for e in replayed if e.type == "response.output_text.delta")
+        assert text == original[-1].response.output_text
+    with client.responses.retrieve(stored_id, stream=True, starting_after=3) as events:
+        assert [e.sequence_number for e in events] == list(range(4, len(replayed)))
 
 
 def test_a_stream_cut_mid_way_is_stored_as_failed(make_gateway: GatewayFactory,
@@ -292,14 +321,15 @@ def test_sqlite_store_bounds_and_expiry(tmp_path: Path, loop_thread: LoopThread)
     assert not (tmp_path / "never.sqlite3").exists()
 
 
-def test_redis_store_bounds_and_expiry(clean_redis_url: str, loop_thread: LoopThread) -> None:
+def test_redis_store_bounds_and_expiry(any_clean_redis_url: str, loop_thread: LoopThread) -> None:
+    """On one server and on a Cluster (every key of a script under the {resp} hash tag)."""
     from infra.redis_client import connect_redis
 
     async def run() -> None:
-        store = RedisResponseStore(_bounds(), connect_redis(clean_redis_url), owns_client=True)
+        store = RedisResponseStore(_bounds(), connect_redis(any_clean_redis_url), owns_client=True)
         await _check_bounds(store)
         await store.close()
-        store = RedisResponseStore(_bounds(ttl_s=0.2), connect_redis(clean_redis_url),
+        store = RedisResponseStore(_bounds(ttl_s=0.2), connect_redis(any_clean_redis_url),
                                    prefix="t2", owns_client=True)
         await _check_expiry(store)
         await store.close()
