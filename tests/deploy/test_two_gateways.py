@@ -32,6 +32,7 @@ pytestmark = pytest.mark.slow
 TPM_LIMIT = 300  # tokens per minute of project `limited`, both gateways together
 REPLICA_SECRET = "two-gateways-replica-secret"
 MAX_TOKENS = 4
+USD_PER_TOKEN = 0.0001  # what the gateways charge a token, cached or not: ~0.004 USD a request
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,9 @@ def _config(path: Path, redis_url: str, model: str, replicas: list[str]) -> Path
         f'redis_url = "{redis_url}"\ndata_dir = "{path.parent / "data"}"\nauth_enabled = true\n'
         f'router = "prefix"\nhealth_interval_s = 0.5\n'
         f'[project_limits.limited]\ntokens_per_minute = {TPM_LIMIT}\n'
-        f'[[models]]\nname = "{model}"\nbackend = "replica"\nendpoints = [{endpoints}]\n')
+        f'[[models]]\nname = "{model}"\nbackend = "replica"\nendpoints = [{endpoints}]\n'
+        f'prices = {{ input_per_token = {USD_PER_TOKEN}, cached_input_per_token = {USD_PER_TOKEN}, '
+        f'output_per_token = {USD_PER_TOKEN} }}\n')
     return path
 
 
@@ -257,3 +260,134 @@ def test_the_replicas_serve_only_the_gateways_credential_and_their_events_hold_n
     stored = [e for page in pages for b in page["batches"] for e in b["events"]
               if e["type"] == "BlockStored"]
     assert stored and all(e["token_ids"] == [] and e["block_hashes"] for e in stored)
+
+
+def _usage(client: httpx.Client, admin_key: str, project: str, group_by: str) -> list[dict[str, Any]]:
+    response = client.get(f"/admin/v1/projects/{project}/usage", headers=_bearer(admin_key),
+                          params={"group_by": group_by})
+    assert response.status_code == 200, response.text
+    return list(response.json()["data"])
+
+
+def _request_cost(response: httpx.Response) -> float:
+    usage = response.json()["usage"]
+    return USD_PER_TOKEN * (usage["prompt_tokens"] + usage["completion_tokens"])
+
+
+def test_a_budget_set_through_the_api_stops_the_project_within_one_request_on_both(
+        deployment: Deployment, clients: tuple[httpx.Client, httpx.Client]) -> None:
+    """Set on gateway A, in force on B within a second; requests alternating the gateways are
+    admitted until the budget is spent, passing it by at most the one request in flight."""
+    a, b = clients
+    key = _create_key(a, deployment.admin_key, "budgeted", [Scope.INVOKE.value])["key"]
+    messages = [{"role": "user", "content": "Say hi."}]
+    first = _chat(b, key, deployment.model, messages)
+    assert first.status_code == 200, first.text
+    spent = _request_cost(first)
+    budget = round(spent + 0.012, 6)  # what is left: ~3 more requests
+    put = a.put("/admin/v1/projects/budgeted/limits", headers=_bearer(deployment.admin_key),
+                json={"budgets": [{"usd": budget, "window": "month"}]})
+    assert put.status_code == 200, put.text
+    assert _applied_within(b, deployment.admin_key, budget) <= 1.0
+    costs: list[float] = []
+    for i in range(12):
+        response = _chat(clients[(i + 1) % 2], key, deployment.model, messages)
+        if response.status_code == 429:
+            break
+        assert response.status_code == 200, response.text
+        costs.append(_request_cost(response))
+    assert response.status_code == 429, "twelve requests never reached the budget"
+    assert "monthly budget of this project is spent" in response.json()["error"]["message"]
+    assert costs, "the budget refused the first request after it was set"
+    assert spent + sum(costs) <= budget + max(costs) + 1e-9
+    for client in (a, b):  # both refuse now
+        assert _chat(client, key, deployment.model, messages).status_code == 429
+    # a change made on B is in force on A within a second
+    raised = b.put("/admin/v1/projects/budgeted/limits", headers=_bearer(deployment.admin_key),
+                   json={"budgets": [{"usd": budget * 100, "window": "month"}]})
+    assert raised.status_code == 200, raised.text
+    assert _applied_within(a, deployment.admin_key, budget * 100) <= 1.0
+    assert _chat(a, key, deployment.model, messages).status_code == 200
+
+
+def _applied_within(client: httpx.Client, admin_key: str, budget_usd: float) -> float:
+    """Seconds until `client`'s gateway applies a month budget of `budget_usd` to `budgeted`
+    (GET .../limits shows what that instance applies, not what the store holds)."""
+    started = time.monotonic()
+    while True:
+        view = client.get("/admin/v1/projects/budgeted/limits", headers=_bearer(admin_key)).json()
+        budgets = view["effective"]["budgets"]
+        if budgets and budgets[0]["usd"] == budget_usd:
+            return time.monotonic() - started
+        assert time.monotonic() - started < 3.0, f"not applied after 3 s: {view}"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def webhook_receiver() -> Iterator[tuple[str, list[tuple[dict[str, str], bytes]]]]:
+    """A local aiohttp receiver: (its URL, the (headers, body) of every POST it got)."""
+    from aiohttp import web
+
+    from tests.gateway.conftest import LoopThread, start_app
+
+    received: list[tuple[dict[str, str], bytes]] = []
+
+    async def receive(request: web.Request) -> web.Response:
+        received.append(({k.lower(): v for k, v in request.headers.items()}, await request.read()))
+        return web.Response(status=204)
+
+    app = web.Application()
+    app.router.add_post("/hook", receive)
+    loop_thread = LoopThread()
+    runner, url = loop_thread.run(start_app(app))
+    try:
+        yield url + "/hook", received
+    finally:
+        loop_thread.run(runner.cleanup())
+        loop_thread.close()
+
+
+def test_a_soft_threshold_fires_one_signed_webhook_and_usage_by_tag_sums_to_the_ledger(
+        deployment: Deployment, clients: tuple[httpx.Client, httpx.Client],
+        webhook_receiver: tuple[str, list[tuple[dict[str, str], bytes]]]) -> None:
+    """Every request passes the threshold, on both gateways: the alert is claimed in Redis and
+    sent once for the window, signed; each request carries one tag, so the rows by tag sum to
+    the project's ledger."""
+    import json
+
+    from gateway.metering.alerts import SIGNATURE_HEADER, verify_signature
+
+    hook_url, received = webhook_receiver
+    secret = "two-gateways-webhook-secret"
+    a, _ = clients
+    key = _create_key(a, deployment.admin_key, "alerted", [Scope.INVOKE.value])["key"]
+    put = a.put("/admin/v1/projects/alerted/limits", headers=_bearer(deployment.admin_key), json={
+        "budgets": [{"usd": 100.0, "window": "custom", "window_s": 86_400, "alert_at": [0.00001]}],
+        "webhook_url": hook_url, "webhook_secret": secret})
+    assert put.status_code == 200, put.text
+    time.sleep(1.0)  # B has the limits too
+    tags = ["team:search", "team:ads", "team:search", "team:ads"]
+    for i, tag in enumerate(tags):
+        response = clients[i % 2].post(
+            "/v1/chat/completions", headers={**_bearer(key), "x-aigw-tags": tag},
+            json={"model": deployment.model, "max_tokens": MAX_TOKENS,
+                  "messages": [{"role": "user", "content": f"Name colour {i}."}]})
+        assert response.status_code == 200, response.text
+    deadline = time.monotonic() + 5.0
+    while not received and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.5)  # and no second one comes
+    assert len(received) == 1, [body for _, body in received]
+    headers, body = received[0]
+    assert verify_signature(secret, headers[SIGNATURE_HEADER], body)
+    assert not verify_signature("another-secret", headers[SIGNATURE_HEADER], body)
+    alert = json.loads(body)
+    assert alert["project"] == "alerted" and alert["threshold"] == 0.00001
+    assert alert["spent_usd"] >= 0.001 and alert["window"]["end"] - alert["window"]["start"] == 86_400
+
+    ledger = _usage(a, deployment.admin_key, "alerted", "")
+    by_tag = _usage(clients[1], deployment.admin_key, "alerted", "tag")
+    assert ledger[0]["requests"] == 4
+    assert {row["tag"]: row["requests"] for row in by_tag} == {"team:ads": 2, "team:search": 2}
+    for metric in ("requests", "prompt_tokens", "completion_tokens", "total_tokens", "cost_usd"):
+        assert abs(sum(row[metric] for row in by_tag) - ledger[0][metric]) < 1e-9, metric
