@@ -179,6 +179,10 @@ class GatewaySettings(BaseSettings):
     metering_backlog_max_bytes: int = Field(64 * 1024 * 1024, gt=0)
     # Prompt-cache isolation (auth.cache_salt): per project, per key, or shared by all.
     cache_salt_scope: Literal["project", "key", "shared"] = "project"
+    # The cache-miss explainer's store (gateway/request/cache_explainer.py): each session's
+    # previous turn (its prompt's parts and token ids) and its last turns, per project, in bytes
+    # (0: off)
+    cache_explainer_max_bytes: int = Field(16 * 1024 * 1024, ge=0)
     # KV retention on our replicas (gateway/request/retention.py): the longest a client may ask
     # for (cache_control ttl, prompt_cache_retention), what a repeating session (prompt_cache_key
     # or x-session-id seen before) gets unasked (0: none), and how many sessions are remembered

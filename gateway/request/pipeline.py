@@ -44,11 +44,13 @@ from gateway.metering.contract import (
     RateLimited,
     ReservationTooLarge,
 )
+from gateway.request.cache_explainer import CacheExplainer, SessionTurn, session_of
 from gateway.request.canonical import (
     FOLDED_EVENTS,
     Accumulator,
     CanonicalEvent,
     CanonicalRequest,
+    PromptUsage,
     estimate_prompt_tokens,
 )
 from gateway.request.dispatch import Attempt, Timing
@@ -187,7 +189,8 @@ class Pipeline:
     def __init__(self, settings: GatewaySettings, authenticator: Authenticator, meter: Meter,
                  router: Router, fleet: Fleet, cache_salt_of: CacheSaltOf = default_cache_salt_of,
                  stamp: ResponseStamp | None = None,
-                 on_fallback: FallbackObserver | None = None) -> None:
+                 on_fallback: FallbackObserver | None = None,
+                 on_cache_turn: Callable[[SessionTurn], None] | None = None) -> None:
         self.settings = settings
         self._extra_stamp = stamp  # telemetry's trace id header, when tracing is on
         self.cache_salt_of = cache_salt_of
@@ -201,6 +204,9 @@ class Pipeline:
         self._watchdog = Watchdog()  # the upstream waits' timeouts
         self._chains = FallbackChains(settings, fleet, router, self.retry_budget, self._watchdog,
                                       on_fallback)
+        # each session's previous turn, to say where a prompt diverged (x-aigw-debug: 1, traces)
+        self.cache_explainer = CacheExplainer(settings.cache_explainer_max_bytes)
+        self._on_cache_turn = on_cache_turn  # telemetry: the turn into the request's trace
         self._counting: set[asyncio.Task[None]] = set()  # _count_and_settle tasks in flight
         # guardrails (gateway/guardrails/) and request logs (gateway/request_logs/; set by the
         # served app, whose store it is); None: off, nothing done per request
@@ -372,6 +378,7 @@ class Pipeline:
         try:
             if outcome.guards is not None:  # (a block is a 400, settled like any refusal)
                 await outcome.guards.check_request(canonical)
+            outcome.debug = request.headers.get("x-aigw-debug") == "1"
             outcome.explain_route = (request.headers.get("x-aigw-debug") == "1"
                                      and outcome.show_overhead)  # replicas' load: operators
             attempt = await self._dispatch(canonical, route, timing, outcome)
@@ -399,6 +406,8 @@ class Pipeline:
             raise
         finally:
             await outcome.settlement.settle()  # (a no-op when settled before the answer)
+            if outcome.turn is not None:
+                self._settle_turn(canonical, outcome)
 
     async def _count_and_settle(self, canonical: CanonicalRequest, route: ModelRoute,
                                 outcome: _Outcome, admission: Admission,
@@ -439,7 +448,27 @@ class Pipeline:
         if attempt.route is not route:
             outcome.route = attempt.route
             canonical.model = attempt.route.settings.name
+        if self.cache_explainer.max_bytes and session_of(canonical) is not None:
+            self._explain_turn(canonical, attempt, outcome)
         return attempt
+
+    def _explain_turn(self, canonical: CanonicalRequest, attempt: Attempt,
+                      outcome: _Outcome) -> None:
+        """This request as its session's next turn: where its prompt diverged from the previous
+        turn's (gateway/request/cache_explainer.py), for the trace and the debug headers."""
+        outcome.turn = self.cache_explainer.explain(canonical)
+        if outcome.turn is not None and self._on_cache_turn is not None:
+            self._on_cache_turn(outcome.turn)
+        if isinstance(attempt.first_event, PromptUsage):  # a replica's stream announces it
+            outcome.announced = attempt.first_event
+
+    def _settle_turn(self, canonical: CanonicalRequest, outcome: _Outcome) -> None:
+        """The turn's prompt and cached tokens, for the dashboard's session view."""
+        usage = outcome.accumulator.usage or outcome.accumulator.prompt_usage
+        session = session_of(canonical)
+        if usage is not None and outcome.turn is not None and session is not None:
+            self.cache_explainer.settle(outcome.turn, usage.prompt_tokens, usage.cached_tokens,
+                                        canonical.project or "", session)
 
     async def _respond(self, request: web.Request, dialect: Dialect, canonical: CanonicalRequest,
                        attempt: Attempt, timing: Timing, outcome: _Outcome,
@@ -486,6 +515,8 @@ class Pipeline:
                        outcome: _Outcome) -> None:
         """`x-aigw-debug: 1` asks for the routing decision: matched blocks and scores per replica
         (for an admin caller: the scores show every replica's load)."""
+        if outcome.debug:
+            _explain_cache(response, outcome)
         if outcome.explain_route:
             response.headers["x-aigw-route"] = self.router.explain(canonical.request_id) or "no decision"
 
@@ -571,6 +602,27 @@ class Pipeline:
             await attempt.release()
 
 
+def _explain_cache(response: web.StreamResponse, outcome: _Outcome) -> None:
+    """`x-aigw-debug: 1`: the prompt's tokens and how many hit the prefix cache (a stream: when
+    its upstream announced them first, as our replicas do), and for a session where the prompt
+    diverged from the previous turn's (docs/reference/api.md §4)."""
+    usage = outcome.accumulator.usage or outcome.accumulator.prompt_usage or outcome.announced
+    if usage is not None:
+        response.headers["x-aigw-prompt-tokens"] = str(usage.prompt_tokens)
+        response.headers["x-aigw-cache-hit-tokens"] = str(usage.cached_tokens)
+    turn = outcome.turn
+    if turn is not None:
+        response.headers["x-aigw-cache-session-turn"] = str(turn.turn)
+        divergence = turn.divergence
+        if divergence is None:
+            response.headers["x-aigw-cache-divergence"] = "none"
+        else:
+            response.headers["x-aigw-cache-divergence"] = divergence.where
+            response.headers["x-aigw-cache-divergence-token"] = (
+                str(divergence.token_index) if divergence.is_exact
+                else f"~{divergence.token_index}")
+
+
 def _delta_bytes(encoder: StreamEncoder, event: CanonicalEvent) -> bytes:
     return b"" if isinstance(event, FOLDED_EVENTS) else encoder.event(event)
 
@@ -583,11 +635,14 @@ def _after_start(exc: BaseException, settings: GatewaySettings) -> UpstreamError
 
 class _Outcome:
     __slots__ = ("accumulator", "endpoint", "error", "explain_route", "guards", "is_logged",
-                 "keeper", "num_prompt_tokens", "replica", "route", "settlement", "settles_before_answer",
+                 "keeper", "num_prompt_tokens", "replica", "route", "settlement", "turn", "debug", "announced", "settles_before_answer",
                  "show_overhead", "status")
 
     def __init__(self, route: ModelRoute) -> None:
         self.route = route  # the model that serves: the requested one, or a fallback after a hop
+        self.debug = False  # x-aigw-debug: 1
+        self.turn: SessionTurn | None = None  # this request as its session's turn
+        self.announced: PromptUsage | None = None  # a stream's first event: the prompt's usage
         self.accumulator = Accumulator()
         self.replica = "none"
         self.endpoint: Endpoint | None = None  # the endpoint that answered, once one did

@@ -99,6 +99,7 @@ class RequestTrace:
     routes: tuple[RouteStep, ...] = ()  # each routing decision, in order
     calls: tuple[UpstreamCall, ...] = ()  # each upstream call, in order
     fallbacks: tuple[FallbackStep, ...] = ()  # each hop down a fallback chain, in order
+    cache_turn: Any = None  # gateway.request.cache_explainer.SessionTurn: the session's turn
     record: UsageRecord | None = None
     _spans: list[ReadableSpan] | None = None
 
@@ -191,6 +192,8 @@ def _build(trace: RequestTrace, resource: Resource, scope: InstrumentationScope)
             status = Status(StatusCode.ERROR, call.exception["exception.type"].rsplit(".", 1)[-1])
         spans.append(child(call.name, call.span_id, SpanKind.CLIENT, upstream, call.start_ns,
                            call.end_ns or trace.end_ns, status, events))
+    if trace.cache_turn is not None:
+        values.update(cache_turn_attributes(trace.cache_turn))
     if trace.record is not None:
         values.update(usage_attributes(trace.record))
     if trace.status_code is not None:
@@ -230,6 +233,18 @@ def candidate_attributes(decision: Any, endpoints: Sequence[Any]) -> dict[str, A
     costs = [getattr(s, "cost", None) for s in scores]
     if all(isinstance(c, int | float) for c in costs):
         values[attr.AIGW_ROUTING_SCORES] = [float(c) for c in costs]  # type: ignore[arg-type]
+    return values
+
+
+def cache_turn_attributes(turn: Any) -> dict[str, Any]:
+    """A session's turn (gateway/request/cache_explainer.py): where its prompt diverged from
+    the previous turn's; the hit itself is `aigw.cached_tokens` of the usage."""
+    values: dict[str, Any] = {attr.AIGW_CACHE_SESSION_TURN: turn.turn,
+                              attr.AIGW_CACHE_DIVERGENCE: "none"}
+    if turn.divergence is not None:
+        values[attr.AIGW_CACHE_DIVERGENCE] = turn.divergence.where
+        values[attr.AIGW_CACHE_DIVERGENCE_TOKEN] = turn.divergence.token_index
+        values[attr.AIGW_CACHE_DIVERGENCE_EXACT] = turn.divergence.is_exact
     return values
 
 

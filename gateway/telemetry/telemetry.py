@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from aiohttp import web
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -107,6 +108,12 @@ class Telemetry:
         if observation is not None and observation.trace is not None:
             observation.trace.add_fallback(FallbackStep(time.time_ns(), from_model, to_model,
                                                         reason, error.code))
+
+    def on_cache_turn(self, turn: Any) -> None:
+        """A session's turn explained (gateway/request/cache_explainer.py): into the trace."""
+        observation = current_observation()
+        if observation is not None and observation.trace is not None:
+            observation.trace.cache_turn = turn
 
     def response_stamp(self) -> Callable[[web.StreamResponse], None] | None:
         """What the pipeline calls on each answer it sends itself (the trace id header; the

@@ -82,7 +82,8 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
     app[PIPELINE] = Pipeline(settings, telemetry.traced_authenticator(app[AUTHENTICATOR]),
                              telemetry.observed_meter(app[METER]),
                              telemetry.traced_router(app[ROUTER], settings.router), app[FLEET],
-                             cache_salt_of, telemetry.response_stamp(), telemetry.on_fallback)
+                             cache_salt_of, telemetry.response_stamp(), telemetry.on_fallback,
+                             telemetry.on_cache_turn)
     app[RESPONSES] = StoredResponses(open_response_store(settings))  # (opens on first use)
     app[BATCH] = BatchService(settings)
     telemetry.metrics.batch.counts = app[BATCH].counts  # aigw_batch_* on /metrics

@@ -7,6 +7,7 @@ from aiohttp import web
 from gateway.batch import handlers as batch
 from gateway.dashboard import STATIC_DIR
 from gateway.dashboard import handlers as dashboard
+from gateway.dashboard import sessions as dashboard_sessions
 from gateway.telemetry import http as telemetry
 from gateway.web import handlers, stored_responses
 
@@ -51,6 +52,7 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/dashboard", dashboard.page)
     app.router.add_get("/dashboard/api/overview", dashboard.overview)
     app.router.add_get("/dashboard/api/traces/{trace_id}", dashboard.trace)
+    app.router.add_get("/dashboard/api/sessions/{project}/{session}", dashboard_sessions.session)
     app.router.add_static("/dashboard/static", STATIC_DIR)
 
 

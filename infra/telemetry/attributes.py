@@ -37,6 +37,10 @@ AIGW_FALLBACK_FROM = "aigw.fallback.from_model"
 AIGW_FALLBACK_TO = "aigw.fallback.to_model"
 AIGW_FALLBACK_REASON = "aigw.fallback.reason"  # gateway/request/fallback.py FALLBACK_REASONS
 AIGW_FALLBACK_ERROR = "aigw.fallback.error_code"  # the error code the model ended with
+AIGW_CACHE_SESSION_TURN = "aigw.cache.session_turn"  # the request's turn in its session
+AIGW_CACHE_DIVERGENCE = "aigw.cache.divergence"  # "none", or what changed from the last turn
+AIGW_CACHE_DIVERGENCE_TOKEN = "aigw.cache.divergence_token"  # tokens shared with the last turn
+AIGW_CACHE_DIVERGENCE_EXACT = "aigw.cache.divergence_exact"  # from token ids, not estimated
 
 OPERATION_BY_KIND = {"chat": "chat", "completion": "text_completion"}
 
