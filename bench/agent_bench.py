@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true", help="smoke-test sizes; the figures mean nothing")
     parser.add_argument("--plot", default=None, help="write a PNG here")
     parser.add_argument("--json", default=None, help="write the figures as JSON here")
+    from bench import agent_pauses
+
+    agent_pauses.add_arguments(parser)  # --pauses and its options (bench/agent_pauses.py)
 
 
 def apply_tiny(args: argparse.Namespace) -> None:
@@ -243,6 +246,12 @@ def run(args: argparse.Namespace) -> int:
 
     from engine.engine_args import engine_config_from_args
 
+    if args.pauses:
+        from bench import agent_pauses
+
+        if args.tiny:
+            agent_pauses.apply_tiny(args)
+        return agent_pauses.run(args)
     if args.tiny:
         apply_tiny(args)
     torch.set_num_threads(args.threads)

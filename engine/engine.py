@@ -37,6 +37,7 @@ class EngineStats:
     num_kv_blocks_total: int
     num_kv_blocks_used: int
     num_kv_blocks_cached: int
+    num_kv_blocks_retained: int  # kept from eviction by KV retention (engine/kv_cache/retention.py)
     num_prefix_cache_queried_tokens: int
     num_prefix_cache_hit_tokens: int
     num_host_tier_hit_tokens: int  # of the hit tokens, those restored from the host tier
@@ -304,6 +305,7 @@ class LLMEngine:
             num_kv_blocks_total=pool.num_blocks,
             num_kv_blocks_used=pool.num_used_blocks,
             num_kv_blocks_cached=pool.num_cached_blocks,
+            num_kv_blocks_retained=self.kv_cache.retention.num_blocks,
             num_prefix_cache_queried_tokens=self.kv_cache.num_queried_tokens,
             num_prefix_cache_hit_tokens=self.kv_cache.num_hit_tokens,
             num_host_tier_hit_tokens=self.kv_cache.num_host_hit_tokens,

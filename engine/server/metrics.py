@@ -5,7 +5,7 @@ counters) is read from `engine.stats()` at scrape time by a collector; latencies
 the server as outputs stream out:
 
     aigw_replica_num_requests_running / _waiting          gauge
-    aigw_replica_kv_blocks_used / _total (/ _cached)      gauge
+    aigw_replica_kv_blocks_used / _total (/ _cached, _retained)  gauge
     aigw_replica_prompt_tokens_total                      counter
     aigw_replica_generation_tokens_total                  counter
     aigw_replica_prefix_cache_queried_tokens_total        counter
@@ -77,6 +77,11 @@ class _EngineStatsCollector(Collector):
         if num_cached is not None:
             yield gauge("kv_blocks_cached", "KV blocks holding prefix-cache content.",
                         num_cached)
+        num_retained = getattr(stats, "num_kv_blocks_retained", None)
+        if num_retained is not None:
+            yield gauge("kv_blocks_retained", "KV blocks finished requests keep from eviction "
+                        "(KV retention: cache_control ttl, prompt_cache_retention, sessions).",
+                        num_retained)
         yield counter("prompt_tokens", "Prompt tokens processed.", stats.num_prompt_tokens_total)
         computed = getattr(stats, "num_prompt_tokens_computed_total", None)  # not every engine has it
         if computed is not None:

@@ -188,3 +188,31 @@ def test_an_engine_clamps_retention_to_its_maximum_and_refuses_a_negative_one(
     engine.kv_cache.check_integrity()
     engine.kv_cache.release_retention()
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_on_the_real_engine_retention_expires_holds_its_project_bound_and_an_abort_leaks_nothing(
+        make_engine) -> None:  # type: ignore[no-untyped-def]
+    from contracts.sampling_params import SamplingParams
+    from tests.engine.fakes import drive
+
+    engine = make_engine(kv_cache_memory_bytes=16 << 20, fresh=True)  # 22 blocks: 5 a project
+    manager, params = engine.kv_cache, SamplingParams(temperature=0.0, max_tokens=2)
+    text = engine.tokenizer.encode("Harbour tide tables, berth rules and pilot schedules. " * 30)
+    assert len(text) >= 230
+    engine.add_request("short", text[:50], params, cache_salt="p1", retain_s=0.05)
+    engine.add_request("long", text[50:150], params, cache_salt="p1", retain_s=600, retention_id="s1")
+    engine.add_request("other", text[150:230], params, cache_salt="p2", retain_s=600)
+    drive(engine)
+    bound = manager.retention.max_blocks_per_owner
+    assert manager.retention.num_blocks_of("p1") == bound  # 3 + 6 blocks asked, the bound kept
+    assert manager.retention.num_blocks_of("p2") == 5
+    time.sleep(0.06)
+    engine.add_request("abort-me", text[:120], params, retain_s=600)
+    engine.step()  # (a step expires what is due) mid-prefill or decoding: then aborted
+    engine.abort_request("abort-me")
+    assert manager.retention.num_blocks_of("") == 0  # an abort retains nothing
+    assert manager.retention.num_entries == 2  # the 0.05 s one expired
+    manager.check_integrity()
+    manager.release_retention()
+    assert manager.num_free_blocks == manager.num_blocks  # no block leaked
+    manager.check_integrity()

@@ -105,9 +105,11 @@ def test_entries_hold_bodies_usage_cost_latency_and_trace_id_with_secrets_redact
         model=MODEL, messages=[{"role": "user", "content": f"SAY:my key is {SECRET}"}],
         metadata={"email": "jo@example.com", "team": "search"}, extra_headers={"x-api-key": "k"})
     completion = raw.parse()
-    anthropic.Anthropic(base_url=served.url + "/anthropic", api_key=served.keys["default"],
-                        max_retries=0).messages.create(
-        model=MODEL, max_tokens=20, messages=[{"role": "user", "content": "SAY:streamed"}])
+    with anthropic.Anthropic(base_url=served.url + "/anthropic", api_key=served.keys["default"],
+                             max_retries=0).messages.stream(
+            model=MODEL, max_tokens=20, messages=[{"role": "user", "content": "SAY:streamed"}]
+            ) as stream:
+        assert "".join(stream.text_stream) == "streamed"
     entries = served.logs()
     assert [e["path"] for e in entries] == ["/anthropic/v1/messages", "/v1/chat/completions"]
     entry = entries[1]
@@ -125,6 +127,7 @@ def test_entries_hold_bodies_usage_cost_latency_and_trace_id_with_secrets_redact
     assert entry["request"]["messages"][0]["content"] == f"SAY:my key is {REDACTED}"
     assert entry["response"]["choices"][0]["message"]["content"] == f"my key is {REDACTED}"
     assert SECRET not in str(entries) and served.keys["default"] not in str(entries)
+    assert entries[0]["stream"] is True  # a stream's answer as its events added up
     assert entries[0]["response"]["content"][0]["text"] == "streamed"
     # filters and pages
     assert [e["id"] for e in served.logs(trace_id=entry["trace_id"])] == [entry["id"]]
@@ -272,4 +275,35 @@ def test_a_full_queue_drops_and_counts_and_a_pii_guard_masks_the_logged_body_too
             "small, mail [EMAIL]"]
     finally:
         loop_thread.run(runner.cleanup())
+        loop_thread.run(upstream.cleanup())
+
+
+def test_a_setting_made_on_one_gateway_reaches_another_on_the_same_redis(
+        loop_thread: LoopThread, tmp_path: Path, clean_redis_url: str) -> None:
+    upstream, upstream_url = loop_thread.run(start_app(create_scripted_upstream([])))
+    keys = loop_thread.run(_keys(tmp_path, clean_redis_url))
+    settings = GatewaySettings(
+        data_dir=tmp_path, redis_url=clean_redis_url,
+        models=[{"name": MODEL, "backend": "openai", "endpoints": [upstream_url],
+                 "context_length": 4096}],
+        request_logs={"settings_refresh_s": 0.2})
+    runners = [loop_thread.run(start_app(loop_thread.run(create_served_app(settings))))
+               for _ in range(2)]
+    try:
+        first, second = (Served(url, keys, "redis") for _, url in runners)
+        _chat(second)
+        assert first.logs() == []  # not opted in
+        assert first.admin("PUT", "/projects/default/request-log-settings",
+                           json={"sample_rate": 1.0}).status_code == 200
+        started = time.monotonic()
+        while time.monotonic() - started < 5:
+            _chat(second, text="after")
+            if first.logs():
+                break
+            time.sleep(0.1)
+        assert time.monotonic() - started < 1.5  # within settings_refresh_s and a request
+        assert first.logs()[0]["request"]["messages"][0]["content"] == "after"
+    finally:
+        for runner, _ in runners:
+            loop_thread.run(runner.cleanup())
         loop_thread.run(upstream.cleanup())
