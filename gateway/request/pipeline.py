@@ -2,6 +2,8 @@
 
     admit      `_admit`: request id -> authenticate (a bad body without a credential is a 401)
                -> body cap -> parse + validate (dialect) -> require scope & model -> meter.admit
+    guard      the request guards (gateway/guardrails/) after admission, before dispatch; the
+               answer's events pass through the response guards in respond / stream
     dispatch   `_dispatch`: pick an endpoint, its first event, retries (gateway/request/dispatch.py),
                down the model's fallback chain (gateway/request/fallback.py)
     respond    `_respond`: the whole answer, or
@@ -10,7 +12,8 @@
                admitted request, also on disconnect and failure; with a meter that has
                `settle_nowait`, queued, so the answer never waits for the usage write, except when
                the request counts against rate limits or a budget: then it settles before the
-               answer goes out, so the caller's next request sees its real token count
+               answer goes out, so the caller's next request sees its real token count; a
+               request sampled for the request log is queued with its record (gateway/request_logs/)
 
 Errors before admission answer in the dialect's envelope and are never metered. After the stream
 has started, a failure ends it with the dialect's error event (status 200 already sent).
