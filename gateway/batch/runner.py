@@ -51,6 +51,7 @@ from gateway.metering.contract import Admission, Meter, UsageRecord
 log = logging.getLogger("aigw.batch")
 
 _TURN_S = 10.0  # with other batches waiting, a batch starts lines for this long, then yields
+_STOP_CHECK_S = 1.0  # how often a batch waiting for idle capacity looks for a cancel
 _NUM_CRASHES = 3  # a line whose run raises this often is recorded as a 500 error line
 _IDLE_CHECK_S = 0.05  # how often a line waiting for idle capacity looks again
 _EXPIRED = {"code": "batch_expired",
@@ -76,6 +77,7 @@ class BatchRunner:
         self._task: asyncio.Task[None] | None = None
         self._num_crashes: dict[tuple[str, int], int] = {}  # (batch, line) -> failed tries
         self._plans: dict[str, Plan] = {}  # active batches' plans, read once
+        self._lease_lost = False  # the batch being worked: its lease went to another gateway
         self._wake = asyncio.Event()
 
     def start(self) -> None:
@@ -109,6 +111,30 @@ class BatchRunner:
                 await asyncio.wait_for(self._wake.wait(), self._settings.poll_interval_s)
 
     async def _work(self, batch_id: str) -> None:
+        """Work the batch while a task keeps its lease (losing it stops the work)."""
+        self._lease_lost = False
+        keeper = asyncio.create_task(self._keep_lease(batch_id))
+        try:
+            await self._work_leased(batch_id)
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+
+    async def _keep_lease(self, batch_id: str) -> None:
+        while True:
+            await asyncio.sleep(self._settings.lease_s / 3)
+            try:
+                held = await self._store.try_lease(batch_id, self._owner, self._settings.lease_s)
+            except Exception:  # noqa: BLE001 - a store outage: try again, the lease may hold
+                log.warning("renewing the lease of batch %s failed", batch_id, exc_info=True)
+                continue
+            if not held:
+                log.warning("batch %s: another gateway took its lease; stopping here", batch_id)
+                self._lease_lost = True
+                return
+
+    async def _work_leased(self, batch_id: str) -> None:
         batch = await self._store.get_batch_any(batch_id)
         if batch is None:
             return
@@ -189,18 +215,17 @@ class BatchRunner:
         await self._store.save_batch(batch)
         pending = [line for line in plan.lines if line.index not in recorded]
         running: set[asyncio.Task[None]] = set()
-        lease_renewed = time.monotonic()
-        turn_ends = lease_renewed + _TURN_S
+        checked = time.monotonic()
+        turn_ends = checked + _TURN_S
         try:
             for line in pending:
                 while not await self._may_start(line, running):
-                    if time.monotonic() - lease_renewed > self._settings.lease_s / 3:
-                        if not await self._store.try_lease(batch.id, self._owner,
-                                                           self._settings.lease_s):
-                            return  # another gateway took it over
-                        lease_renewed = time.monotonic()
-                        if await self._stopping(batch):
+                    if time.monotonic() - checked > _STOP_CHECK_S:  # (waiting for idle capacity)
+                        checked = time.monotonic()
+                        if self._lease_lost or await self._stopping(batch):
                             break
+                if self._lease_lost:
+                    return  # another gateway works it now
                 if await self._stopping(batch):
                     break
                 if time.monotonic() > turn_ends:

@@ -67,3 +67,35 @@ def test_another_gateway_finishes_a_batch_from_the_shared_store(
     finally:
         loop_thread.run(second.cleanup())  # type: ignore[attr-defined]
         loop_thread.run(upstream.cleanup())
+
+
+def test_two_gateways_on_one_store_run_each_line_once(
+        clean_redis_url: str, loop_thread: LoopThread, tmp_path: Path) -> None:
+    """The lease is renewed while a gateway works a batch (here for far longer than lease_s), so
+    the other gateway never runs its lines too."""
+    state = MockState(MockConfig(model=MODEL, num_tokens=2, latency_ms=100.0))
+    upstream, upstream_url = loop_thread.run(start_app(create_mock_app(state)))
+    gateways = []
+    for name in ("a", "b"):
+        settings = GatewaySettings(
+            redis_url=clean_redis_url, data_dir=tmp_path / name, health_interval_s=0.2,
+            batch={"poll_interval_s": 0.05, "lease_s": 1.0, "max_concurrent_lines": 1,
+                   "files_dir": tmp_path / "shared-files"},
+            models=[{"name": MODEL, "backend": "replica", "endpoints": [upstream_url]}])
+        gateways.append(loop_thread.run(start_app(loop_thread.run(create_served_app(settings)))))
+    try:
+        key = (tmp_path / "a" / "default-key.txt").read_text().strip()
+        client = openai.OpenAI(base_url=gateways[0][1] + "/v1", api_key=key, max_retries=0,
+                               timeout=30)
+        uploaded = client.files.create(file=("in.jsonl", io.BytesIO(jsonl(
+            [chat_line(f"t-{i}", f"twice? {i}") for i in range(30)]))), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        done = wait_done(client, batch.id, 60)
+        assert done.status == "completed" and done.request_counts.completed == 30
+        sent = [m["content"] for b in state.bodies for m in b["messages"] if m["role"] == "user"]
+        assert sorted(sent) == sorted(f"twice? {i}" for i in range(30))  # each line once
+    finally:
+        for runner, _ in gateways:
+            loop_thread.run(runner.cleanup())
+        loop_thread.run(upstream.cleanup())

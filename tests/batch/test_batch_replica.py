@@ -129,51 +129,49 @@ def test_the_sdk_batch_flow_on_the_default_model(serve: ServeProcess,
     chat = [{"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions",
              "body": {"model": model, "max_tokens": 6, "temperature": 0,
                       "messages": [{"role": "user", "content": f"Name the color number {i}."}]}}
-            for i in range(3)]
+            for i in range(2)]
     completions = [{"custom_id": f"text-{i}", "method": "POST", "url": "/v1/completions",
                     "body": {"model": model, "max_tokens": 6, "temperature": 0,
-                             "prompt": f"The {i}th planet from the sun is"}} for i in range(2)]
+                             "prompt": f"The {i}th planet from the sun is"}} for i in range(1)]
     chat_id = submit(client, chat, "/v1/chat/completions")
     text_id = submit(client, completions, "/v1/completions")
     done, text_done = wait_done(client, chat_id, 300), wait_done(client, text_id, 300)
     assert done.status == text_done.status == "completed"
     by_id = {o["custom_id"]: o["response"]["body"] for o in read_jsonl(client, done.output_file_id)}
-    assert sorted(by_id) == ["chat-0", "chat-1", "chat-2"]
-    for custom_id, body in by_id.items():
-        reference = client.chat.completions.create(**next(
-            line["body"] for line in chat if line["custom_id"] == custom_id))
-        assert body["choices"][0]["message"]["content"] == reference.choices[0].message.content
-        assert body["usage"]["completion_tokens"] >= 1
+    assert sorted(by_id) == ["chat-0", "chat-1"]
+    assert all(body["usage"]["completion_tokens"] >= 1 for body in by_id.values())
+    reference = client.chat.completions.create(**chat[1]["body"])  # the same, interactively
+    assert by_id["chat-1"]["choices"][0]["message"]["content"] == reference.choices[0].message.content
     texts = {o["custom_id"]: o["response"]["body"] for o in read_jsonl(client, text_done.output_file_id)}
-    assert sorted(texts) == ["text-0", "text-1"]
+    assert sorted(texts) == ["text-0"]
     assert all(t["object"] == "text_completion" and t["choices"][0]["text"] for t in texts.values())
-    assert ledger(serve.data_dir, chat_id) == [f"{chat_id}/{i}" for i in range(3)]
+    assert ledger(serve.data_dir, chat_id) == [f"{chat_id}/{i}" for i in range(2)]
 
 
 def test_agent_like_lines_share_the_prompt_cache(serve: ServeProcess,
                                                  replica_model: dict[str, Any]) -> None:
-    """Six lines with one long system prompt, interleaved in the file with lines of another:
+    """Five lines with one long system prompt, interleaved in the file with lines of another:
     the plan runs each group together, so all but a group's first few lines find the system
     prompt cached."""
     client, model = serve.client(), replica_model["name"]
     other_system = "You translate English into French. " * 20
     lines = []
-    for i in range(6):
+    for i in range(5):
         for name, system in (("agent", AGENT_SYSTEM), ("translate", other_system)):
             lines.append({"custom_id": f"{name}-{i}", "method": "POST",
                           "url": "/v1/chat/completions",
-                          "body": {"model": model, "max_tokens": 2, "temperature": 0,
+                          "body": {"model": model, "max_tokens": 1, "temperature": 0,
                                    "messages": [{"role": "system", "content": system},
                                                 {"role": "user", "content": f"Task {i}: go."}]}})
     done = wait_done(client, submit(client, lines, "/v1/chat/completions"), 600)
-    assert done.status == "completed" and done.request_counts.completed == 12
+    assert done.status == "completed" and done.request_counts.completed == 10
     usage = [o["response"]["body"]["usage"] for o in read_jsonl(client, done.output_file_id)
              if o["custom_id"].startswith("agent-")]
     num_prompt = sum(u["prompt_tokens"] for u in usage)
     num_cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
     ratio = num_cached / num_prompt
     print(f"agent-like batch: {num_cached}/{num_prompt} prompt tokens cached ({ratio:.0%})")
-    assert sum(u["prompt_tokens_details"]["cached_tokens"] > 0 for u in usage) >= 4
+    assert sum(u["prompt_tokens_details"]["cached_tokens"] > 0 for u in usage) >= 3
     assert ratio > 0.6
     assert done.usage.input_tokens_details.cached_tokens >= num_cached
 
@@ -187,9 +185,9 @@ def _recorded(data_dir: Path, batch_id: str) -> dict[int, bytes]:
 def test_a_gateway_killed_mid_batch_resumes_and_meters_each_line_once(
         serve: ServeProcess, replica_model: dict[str, Any]) -> None:
     client, model = serve.client(), replica_model["name"]
-    num_lines = 8
+    num_lines = 6
     lines = [{"custom_id": f"k-{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"model": model, "max_tokens": 12,
+              "body": {"model": model, "max_tokens": 8,
                        "messages": [{"role": "user", "content": f"Write a line about {i}."}]}}
              for i in range(num_lines)]
     batch_id = submit(client, lines, "/v1/chat/completions")
