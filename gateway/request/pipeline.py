@@ -69,7 +69,13 @@ from gateway.request.errors import (
 from gateway.request.fallback import FallbackChains, FallbackObserver
 from gateway.request.keeper import AnswerKeeper
 from gateway.request.settlement import Settlement
-from gateway.request.usage import STATUS_CLIENT_CLOSED, build_record
+from gateway.request.usage import (
+    COST_HEADER,
+    STATUS_CLIENT_CLOSED,
+    build_record,
+    cost_usd_of,
+    wants_cost,
+)
 from gateway.request.usage_tags import usage_session, usage_tags
 from gateway.request_logs import RequestLog
 from gateway.request_logs.capture import capture, keep_body
@@ -504,6 +510,9 @@ class Pipeline:
         _stamp(response, canonical.request_id, outcome.replica, timing.overhead_ms(),
                outcome.show_overhead)
         response.headers[SERVED_MODEL_HEADER] = canonical.model
+        if wants_cost(request.headers):  # the client asked (x-aigw-cost: 1)
+            response.headers[COST_HEADER] = cost_usd_of(canonical, outcome.route.settings,
+                                                        outcome.accumulator)
         self._explain_route(response, canonical, outcome)
         if self._extra_stamp is not None:
             self._extra_stamp(response)
@@ -593,6 +602,9 @@ class Pipeline:
                 await outcome.keeper.keep(canonical, answer)  # before its last event goes out
             if outcome.settles_before_answer:
                 await outcome.settlement.settle(queue=False)
+            if wants_cost(request.headers):  # headers are gone: an SSE comment before the end
+                tail = (f": {COST_HEADER}={cost_usd_of(canonical, outcome.route.settings, accumulator)}"
+                        "\n\n").encode() + tail
             await response.write_eof(tail)  # the last events and the chunked terminator in one send
             return response
         except _CLIENT_GONE:
