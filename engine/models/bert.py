@@ -8,10 +8,10 @@ Dimensions:  N tokens of the pass (its inputs packed end to end, no padding), B 
     per layer:  x = LN(x + attn(x) @ Wo)                           post-norm, as BERT
                 x = LN(x + act(x @ W1) @ W2)
 
-Packed: every linear layer, norm and activation runs on the N real tokens only; attention alone
-scatters q/k/v into a padded [B, H, T, D] (`flat`: each token's row in it), masks padded keys,
-and gathers the real rows back. So a pass costs its real tokens plus the attention's padding,
-and a token's state does not depend on which inputs share its pass. The pooler
+Packed: every linear layer (q, k and v fused into one), norm and activation runs on the N real
+tokens only; attention alone scatters q/k/v into a padded [B, H, T, D] (`flat`: each token's
+row in it), masks padded keys, and gathers the real rows back. So a pass costs its real tokens
+plus the attention's padding, and a token's state does not depend on which inputs share it. The pooler
 (`pooler.dense`, BERT's next-sentence head) is not used by sentence embeddings: its tensors are
 read and dropped. No KV cache: every pass is a whole prompt.
 """
@@ -45,6 +45,14 @@ class _Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    @classmethod
+    def fused(cls, parts: tuple[_Linear, ...]) -> _Linear:
+        """One linear whose output is the parts' outputs side by side."""
+        fused = cls.__new__(cls)
+        fused.weight = torch.cat([part.weight for part in parts])
+        fused.bias = torch.cat([part.bias for part in parts])
+        return fused
+
 
 class _LayerNorm:
     __slots__ = ("bias", "eps", "weight")
@@ -65,9 +73,9 @@ class _EncoderLayer:
         c, f, eps = config.hidden_size, config.intermediate_size, config.layer_norm_eps
         p = f"encoder.layer.{i}"
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
-        self.query = _Linear(weights, f"{p}.attention.self.query", c, c, device, dtype)
-        self.key = _Linear(weights, f"{p}.attention.self.key", c, c, device, dtype)
-        self.value = _Linear(weights, f"{p}.attention.self.value", c, c, device, dtype)
+        q, k, v = (_Linear(weights, f"{p}.attention.self.{name}", c, c, device, dtype)
+                   for name in ("query", "key", "value"))
+        self.qkv = _Linear.fused((q, k, v))  # one [3C, C] matmul instead of three
         self.attn_out = _Linear(weights, f"{p}.attention.output.dense", c, c, device, dtype)
         self.attn_norm = _LayerNorm(weights, f"{p}.attention.output.LayerNorm", c, eps, device, dtype)
         self.up = _Linear(weights, f"{p}.intermediate.dense", f, c, device, dtype)
@@ -78,13 +86,10 @@ class _EncoderLayer:
     def __call__(self, x: torch.Tensor, layout: _Layout) -> torch.Tensor:
         n, c = x.shape
         b, t = layout.key_mask.shape[0], layout.key_mask.shape[-1]
-
-        def heads(y: torch.Tensor) -> torch.Tensor:  # [N, C] -> [B, H, T, D], padding zero
-            padded = y.new_zeros(b * t, c).index_copy_(0, layout.flat, y)
-            return padded.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-
-        attn = F.scaled_dot_product_attention(heads(self.query(x)), heads(self.key(x)),
-                                              heads(self.value(x)), attn_mask=layout.key_mask)
+        qkv = self.qkv(x)  # [N, 3C]
+        padded = qkv.new_zeros(b * t, 3 * c).index_copy_(0, layout.flat, qkv)  # [B*T, 3C]
+        q, k, v = padded.view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.key_mask)  # [B, H, T, D]
         attn = attn.transpose(1, 2).reshape(b * t, c)[layout.flat]  # [B, H, T, D] -> [N, C]
         x = self.attn_norm(x + self.attn_out(attn))
         return self.mlp_norm(x + self.down(self.act(self.up(x))))
