@@ -168,6 +168,16 @@ def test_delete_store_false_and_unknown_ids(served: Gateway) -> None:
             "message": f"Previous response with id '{previous}' not found.",
             "type": "invalid_request_error", "param": "previous_response_id",
             "code": "previous_response_not_found"}
+    with pytest.raises(openai.BadRequestError) as refused:  # streamed: refused before it starts
+        client.responses.create(model=MODEL, input="x", stream=True,
+                                previous_response_id="resp_" + "1" * 32)
+    assert refused.value.code == "previous_response_not_found"
+    with client.responses.create(model=MODEL, input="stream, forget me", store=False,
+                                 stream=True) as events:
+        streamed = list(events)[-1].response
+    assert streamed.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(streamed.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("../../etc")
     with pytest.raises(openai.AuthenticationError):
