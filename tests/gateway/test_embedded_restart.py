@@ -80,7 +80,7 @@ def test_a_killed_embedded_replica_makes_health_unready_then_comes_back_and_serv
         process = subprocess.Popen(
             [sys.executable, "-m", "cli.main", "serve", "--no-auth", "--port", str(port),
              "--model", str(tiny_model), "--kv-cache-memory", str(32 << 20),
-             "--replica-args", "--threads 1"],
+             "--embedding-model", "none", "--replica-args", "--threads 1"],
             env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -120,7 +120,7 @@ def test_sigterm_while_the_replicas_load_stops_them_too(tmp_path: Path, tiny_mod
     process = subprocess.Popen(
         [sys.executable, "-m", "cli.main", "serve", "--no-auth", "--port", str(free_port()),
          "--model", str(tiny_model), "--kv-cache-memory", str(32 << 20),
-         "--replica-args", "--threads 1"],
+         "--embedding-model", "none", "--replica-args", "--threads 1"],
         env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_for(lambda: _replica_pids(process.pid), 60, "an embedded replica started")
