@@ -14,7 +14,9 @@ BENCHMARKS = {
     "gateway": "bench.gateway_bench",    # gateway overhead vs bare proxy and LiteLLM
     "routing": "bench.routing_bench",    # routing policies, real replicas + simulator
     "soak": "bench.soak_bench",          # many mixed requests: RSS flat, no KV leak, ledger exact
+    "kv-tier": "bench.kv_tier_bench",    # TTFT of an evicted prefix: second KV tier vs recompute
     "embed": "bench.embed_bench",        # embedding texts/s vs transformers + pooling
+    "batch": "bench.batch_bench",        # Batch API lines in prefix order vs file order
     "calls": "bench.calls_bench",        # Python calls per request: gateway vs a baseline tree, replica renders
 }
 

@@ -259,6 +259,31 @@ def test_real_model_tier_hit_restores_the_evicted_kv_and_the_same_tokens(
     assert drive(recompute)["r"].token_ids == first.token_ids
     assert after.num_host_tier_bytes <= after.host_tier_budget_bytes
     assert_idle_and_clean(engine)
+    from engine.server.metrics import ReplicaMetrics
+
+    scrape = ReplicaMetrics(engine.stats, model="m", replica="r").render().decode()
+    series = {x.split("{")[0]: float(x.rsplit(" ", 1)[1]) for x in scrape.splitlines()
+              if x.startswith("aigw_replica_kv_host_tier")}
+    assert series["aigw_replica_kv_host_tier_hit_tokens_total"] == after.num_host_tier_hit_tokens
+    assert series["aigw_replica_kv_host_tier_budget_bytes"] == after.host_tier_budget_bytes
+    assert series["aigw_replica_kv_host_tier_restored_blocks_total"] >= 5
+
+
+def test_the_replica_flags_make_the_engine_config() -> None:
+    import argparse
+
+    from engine.engine_args import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    config = engine_config_from_args(parser.parse_args(["--kv-host-tier-bytes", "1048576",
+                                                        "--kv-host-tier-dir", "/var/tmp"]))
+    assert (config.cache.host_tier_bytes, config.cache.host_tier_dir) == (1 << 20, "/var/tmp")
+    assert engine_config_from_args(parser.parse_args([])).cache.host_tier_bytes == 0
+    with pytest.raises(ValueError, match="host_tier_bytes"):
+        CacheConfig(host_tier_bytes=-1)
+    with pytest.raises(ValueError, match="at least one"):
+        HostTierStorage.for_kv([torch.zeros(4, 16, 2, 4)], budget_bytes=100)
 
 
 def test_real_model_abort_after_a_restore_leaks_nothing(tier_engines: tuple[LLMEngine, LLMEngine]) -> None:
