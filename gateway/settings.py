@@ -245,6 +245,22 @@ class GatewaySettings(BaseSettings):
         fallback_chains(self.models)  # raises ValueError: an unknown target or a loop
         return self
 
+    @model_validator(mode="after")
+    def _check_guardrails(self) -> GatewaySettings:
+        """Guard names are unique, and the models a guard names (where it applies, a model
+        guard's classifier) are configured ones (with no `models`, embedded replicas: unknown
+        until they start)."""
+        names = [guard.name for guard in self.guardrails]
+        if len(set(names)) != len(names):
+            raise ValueError("guardrails: names must be unique")
+        known = {model.name for model in self.models}
+        for guard in self.guardrails if known else ():
+            named = [*guard.models, *([guard.options["model"]] if guard.type == "model" else [])]
+            unknown = [name for name in named if name not in known]
+            if unknown:
+                raise ValueError(f"guardrail {guard.name!r}: no model {unknown[0]!r} is configured")
+        return self
+
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings],
                                    init_settings: PydanticBaseSettingsSource,

@@ -48,12 +48,17 @@ def scripted(loop_thread: LoopThread) -> Any:
     loop_thread.run(runner.cleanup())
 
 
+DEAD_MODEL = "dead-model"  # its only endpoint refuses connections
+
+
 def _gateway(make_gateway: GatewayFactory, scripted: Any, guardrails: list[dict[str, Any]]
              ) -> Gateway:
     url, _ = scripted
     models = [{"name": name, "backend": "openai", "endpoints": [url], "context_length": 4096,
                "prices": {"input_per_token": 1e-6, "output_per_token": 2e-6}}
               for name in (MODEL, GUARD_MODEL)]
+    models.append({"name": DEAD_MODEL, "backend": "openai", "endpoints": ["http://127.0.0.1:9"],
+                   "context_length": 4096})
     return make_gateway(models=models, guardrails=guardrails)
 
 
@@ -232,16 +237,16 @@ def test_model_guard_asks_the_classifier_behind_the_gateway(make_gateway: Gatewa
     assert record.finish_reason == "content_filter" and record.completion_tokens == 3
 
 
-def test_model_guard_fails_closed_or_open_when_the_classifier_is_missing(
+def test_model_guard_fails_closed_or_open_when_the_classifier_is_down(
         make_gateway: GatewayFactory, scripted: Any) -> None:
     closed = _gateway(make_gateway, scripted, [
         {"name": "g", "type": "model", "stages": ["request"],
-         "options": {"model": "absent-model"}}])
+         "options": {"model": DEAD_MODEL}}])
     with pytest.raises(openai.BadRequestError, match="unavailable"):
         _openai(closed).chat.completions.create(model=MODEL, messages=_say("hi"))
     opened = _gateway(make_gateway, scripted, [
         {"name": "g", "type": "model", "stages": ["request"],
-         "options": {"model": "absent-model", "on_error": "allow"}}])
+         "options": {"model": DEAD_MODEL, "on_error": "allow"}}])
     assert _openai(opened).chat.completions.create(model=MODEL, messages=_say("hi")
                                                    ).choices[0].message.content == "hi"
 
@@ -258,7 +263,10 @@ def test_guards_apply_per_model_and_project_and_bad_options_fail_at_start(
     for bad in ({"name": "x", "type": "regex", "options": {"words": [], "patterns": []}},
                 {"name": "x", "type": "regex", "options": {"patterns": ["("]}},
                 {"name": "x", "type": "pii", "options": {"action": "shout"}},
-                {"name": "x", "type": "pii", "options": {"colour": 1}}):
+                {"name": "x", "type": "pii", "options": {"colour": 1}},
+                {"name": "x", "type": "regex", "models": ["nope"], "options": {"words": ["a"]}},
+                {"name": "x", "type": "model", "options": {"model": "nope"}},
+                {"name": "x", "type": "no-such-type"}):
         with pytest.raises(ValueError):
             _gateway(make_gateway, scripted, [bad])
 
