@@ -11,6 +11,9 @@ Two figures, each beside its baseline in the same run:
   output token, an agent prompt: system prompt and 6 tools) when it renders the messages itself
   against when it is given the prompt's ids as the gateway sends them (`prompt_token_ids` +
   `prompt_render_id`, chat/render.py): what rendering once saves the replica.
+- **fallbacks** (`--parts fallbacks`): the gateway whose model has a fallback chain that no
+  request takes (`fallbacks = ["mock-model-b"]`) against the same gateway without it (both with
+  the second model configured): what a configured chain costs the path that does not use it.
 
 Each process runs under bench/call_counter.py (a profile hook counting every Python call, all
 threads); counts are read after a warm-up, over `--requests` sequential requests. Background work
@@ -77,13 +80,18 @@ def _per_request(counted: _Counted, send: Any, num_warmup: int, num_requests: in
     return (counted.calls() - start) / num_requests
 
 
-def _gateway(procs: _Processes, name: str, tree: Path, upstream: str, args: argparse.Namespace
-             ) -> dict[str, float]:
+def _gateway(procs: _Processes, name: str, tree: Path, upstream: str, args: argparse.Namespace,
+             chain: bool | None = None) -> dict[str, float]:
+    """`chain` None: the bench's one model; False: a second model too; True: the first falls
+    back to the second."""
     data_dir = procs.out_dir / f"{name}-data"
     config = procs.out_dir / f"{name}.toml"
+    fallbacks = f'fallbacks = ["{MODEL}-b"]\n' if chain else ""
+    second = "" if chain is None else (f'[[models]]\nname = "{MODEL}-b"\nbackend = "replica"\n'
+                                       f'upstream_model = "{MODEL}"\nendpoints = ["{upstream}"]\n')
     config.write_text(f'data_dir = "{data_dir}"\n[[models]]\nname = "{MODEL}"\nbackend = "replica"\n'
-                      f'endpoints = ["{upstream}"]\n[models.prices]\ninput_per_token = 1e-7\n'
-                      'output_per_token = 2e-7\n')
+                      f'endpoints = ["{upstream}"]\n{fallbacks}[models.prices]\n'
+                      'input_per_token = 1e-7\noutput_per_token = 2e-7\n' + second)
     module = "cli.main" if (tree / "cli" / "main.py").exists() else "gateway.cli"
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIGW_")}
@@ -161,12 +169,19 @@ def run(args: argparse.Namespace) -> int:
     parts = set(args.parts.split(","))
     rows: list[tuple[str, str, float, float | None]] = []
     try:
-        if "gateway" in parts:
+        if parts & {"gateway", "fallbacks"}:
             mock_port = _free_port()
             mock = procs.start("mock", [sys.executable, "-m", "bench.mock_upstream", "--port",
                                         str(mock_port), "--num-tokens", "16", "--model", MODEL])
             upstream = f"http://127.0.0.1:{mock_port}"
             _wait_http(upstream + "/health", 30, mock)
+        if "fallbacks" in parts:
+            here = Path(__file__).resolve().parent.parent
+            chained = _gateway(procs, "aigw_chain", here, upstream, args, chain=True)
+            plain = _gateway(procs, "aigw_no_chain", here, upstream, args, chain=False)
+            for mode, value in chained.items():
+                rows.append(("gateway", f"{mode}, chain unused", value, plain[mode]))
+        if "gateway" in parts:
             ours = _gateway(procs, "aigw", Path(__file__).resolve().parent.parent, upstream, args)
             base = (_gateway(procs, "aigw_baseline", Path(args.baseline_tree).resolve(), upstream,
                              args) if args.baseline_tree else {})
@@ -185,8 +200,9 @@ def run(args: argparse.Namespace) -> int:
         ratio = f"{value / baseline:7.3f}" if baseline else "      -"
         shown = f"{baseline:10.0f}" if baseline else "         -"
         print(f"{part:8} {case:24} {value:10.0f} {shown} {ratio}")
-    print("baseline: gateway = --baseline-tree (none given: -); replica = the same request as "
-          "messages, rendered by the replica")
+    print("baseline: gateway = --baseline-tree (none given: -), or for 'chain unused' the same "
+          "gateway without the chain; replica = the same request as messages, rendered by the "
+          "replica")
     if args.plot:
         from bench.plotting import BarPanel, write_bar_chart
 

@@ -7,8 +7,8 @@
 Retries happen only before the first event, only for retryable `UpstreamError`s, at most
 `settings.num_retries` per request and within the shared `RetryBudget`; each retry goes to an
 endpoint not yet tried for this request. Each failure but a throttle (429) feeds the endpoint's circuit breaker.
-The caller deposits the request in the budget once (`RetryBudget.on_request`), however many
-models it dispatches to (gateway/request/fallback.py).
+Each call deposits its request in the budget (`RetryBudget.on_request`) unless `deposit` is
+false: a fallback chain's later models (gateway/request/fallback.py) are the same request.
 """
 
 from __future__ import annotations
@@ -88,7 +88,9 @@ def first_event_timeout_s(request: CanonicalRequest, settings: GatewaySettings) 
 
 async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
                    settings: GatewaySettings, budget: RetryBudget, timing: Timing,
-                   watchdog: Watchdog) -> Attempt:
+                   watchdog: Watchdog, deposit: bool = True) -> Attempt:
+    if deposit:
+        budget.on_request()
     tried: set[int] = set()
     last_error: UpstreamError | None = None
     num_retries = 0

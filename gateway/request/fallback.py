@@ -152,7 +152,6 @@ class FallbackChains:
         """The first event from `route`'s model, else from the first model down its chain that
         gives one; raises the error that ended the chain (module docstring). The first model is
         dispatched as if there were no chain: a chain costs nothing until its model fails."""
-        self._budget.on_request()
         try:
             return await dispatch(request, route, self._router, self._settings, self._budget,
                                   timing, self._watchdog)
@@ -183,7 +182,7 @@ class FallbackChains:
             current = target
             try:
                 return await dispatch(request, current, self._router, self._settings,
-                                      self._budget, timing, self._watchdog)
+                                      self._budget, timing, self._watchdog, deposit=False)
             except GatewayError as exc:
                 error = exc
 
