@@ -35,13 +35,15 @@ class Tiered:
     """A manager with a host tier of `num_slots` and KV tensors [num_blocks, 16, 2, 4] (K and V of
     two layers), random, so every block's bytes are distinct and copies can be checked."""
 
-    def __init__(self, num_blocks: int, num_slots: int, events: bool = False) -> None:
+    def __init__(self, num_blocks: int, num_slots: int, events: bool = False,
+                 group_windows: tuple[int | None, ...] = (None,)) -> None:
         self.log = KVEventLog("r") if events else None
         gen = torch.Generator().manual_seed(num_blocks * 31 + num_slots)
         self.kv = [torch.randn(num_blocks, BLOCK_SIZE, 2, 4, generator=gen) for _ in range(4)]
         self.storage = HostTierStorage(self.kv, num_slots)
         self.tier = HostTier(num_slots, self.storage.bytes_per_block, BLOCK_SIZE, self.log)
-        self.manager = KVCacheManager(num_blocks, BLOCK_SIZE, True, self.log, host_tier=self.tier)
+        self.manager = KVCacheManager(num_blocks, BLOCK_SIZE, True, self.log, group_windows,
+                                      host_tier=self.tier)
 
     def step(self) -> None:
         """What LLMEngine.step does around the model: the tier's copies, then the step's writes
@@ -191,6 +193,31 @@ def test_a_slot_being_restored_is_never_given_to_this_steps_eviction() -> None:
     for block_hash, block_id in zip(first.block_hashes[:2], table, strict=False):
         assert torch.equal(t.block_bytes(block_id), kept[block_hash])
     assert all(t.tier.contains(h) for h in kept)
+
+
+def test_a_sliding_window_group_restores_only_the_blocks_its_window_needs() -> None:
+    from tests.engine.fakes import admit_groups
+
+    t = Tiered(num_blocks=24, num_slots=64, group_windows=(None, 32))
+    prompt = tokens(96)  # 6 blocks per full group; the window group keeps the last ~3
+    request = make_request(prompt)
+    assert admit_groups(t.manager, request) is not None
+    t.step()
+    t.manager.free(request)
+    t.run(tokens(150, start=9000))  # evicts everything of the first prompt into the tier
+    t.run(tokens(150, start=19000))
+    again = make_request(prompt)
+    computed = t.manager.get_computed_blocks(again)
+    assert computed.num_computed_tokens == 80 and computed.num_host_tokens == 80
+    window_table = computed.blocks[1]
+    assert window_table[:3] == (None, None, None)  # positions 48-79 are all the window needs
+    assert admit_groups(t.manager, again) is not None
+    restores = len(t.storage_restore_targets())
+    assert restores == 5 + 2
+    t.step()
+    t.manager.free(again)
+    t.manager.check_integrity()
+    assert t.manager.pool.num_free_blocks == t.manager.num_blocks
 
 
 # ---- the real default model -------------------------------------------------------------------------
