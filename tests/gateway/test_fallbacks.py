@@ -288,3 +288,32 @@ def test_a_chain_follows_each_fallbacks_own_fallbacks_once() -> None:
         {"name": name, "endpoints": ["http://127.0.0.1:1"], "fallbacks": fallbacks}
         for name, fallbacks in (("a", ["b", "c"]), ("b", ["d"]), ("c", ["d"]), ("d", []))])
     assert fallback_chains(settings.models) == {"a": ("b", "d", "c"), "b": ("d",), "c": ("d",)}
+
+
+def test_a_replica_model_falls_back_to_an_anthropic_upstream(make_gateway: GatewayFactory,
+                                                             loop_thread: LoopThread) -> None:
+    """Across backend kinds: a replica model that throttles hands the request to a model whose
+    backend is a native Anthropic upstream, through the openai SDK, streamed and not; the
+    Anthropic upstream gets its own body (its model name and credential)."""
+    from tests.gateway.anthropic_upstream import AnthropicState, create_anthropic_app
+
+    state = AnthropicState()
+    runner, claude_url = loop_thread.run(start_app(create_anthropic_app(state)))
+    throttling = make_gateway(configs=[MockConfig(fail_mode="throttle")]).upstreams[0]
+    gateway = make_gateway(num_upstreams=0, configs=[], models=[
+        {"name": "model-a", "endpoints": [throttling.url], "fallbacks": ["claude"]},
+        {"name": "claude", "backend": "anthropic", "endpoints": [claude_url],
+         "upstream_model": "claude-sonnet-4-5", "api_key": "sk-ant-upstream", "prices": PRICES_B}])
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="k", max_retries=0)
+    answer = client.chat.completions.create(model="model-a", messages=HI)
+    assert answer.model == "claude" and answer.choices[0].message.content == "Hello from Claude"
+    chunks = list(client.chat.completions.create(model="model-a", messages=HI, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        "Hello from Claude"
+    assert [body["model"] for body in state.bodies] == ["claude-sonnet-4-5"] * 2
+    assert {h.get("x-api-key") for h in state.headers} == {"sk-ant-upstream"}
+    assert wait_until(lambda: gateway.meter.num_settle_calls == 2)
+    records = list(gateway.meter.settled.values())
+    assert {r.model for r in records} == {"claude"} and all(r.prompt_tokens == 12 for r in records)
+    assert _fallbacks_counted(gateway.url) == {("model-a", "claude", "throttled"): 2.0}
+    loop_thread.run(runner.cleanup())
