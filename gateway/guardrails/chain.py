@@ -34,6 +34,7 @@ from gateway.request.canonical import (
     Finish,
     ReasoningDelta,
     TextDelta,
+    ToolCallDelta,
     Usage,
 )
 from gateway.request.dispatch import Attempt
@@ -181,6 +182,10 @@ class RequestGuards:
                         yield self._delta(event, text)
                 elif isinstance(event, Finish):
                     finishes.append(event)
+                elif isinstance(event, ToolCallDelta):  # the choice's held text goes first
+                    for delta in await self._flush(chains, event.choice):
+                        yield delta
+                    yield event
                 elif isinstance(event, Usage):
                     try:
                         tail = await self._flush(chains)
@@ -234,15 +239,17 @@ class RequestGuards:
         self._owner.count_block(blocked)
         return blocked
 
-    async def _flush(self, chains: dict[tuple[bool, int], list[ResponseScanner]]
-                     ) -> list[CanonicalEvent]:
+    async def _flush(self, chains: dict[tuple[bool, int], list[ResponseScanner]],
+                     only_choice: int | None = None) -> list[CanonicalEvent]:
+        """What the scanners hold, as deltas (of one choice, or of all); their chains end
+        (text after this, e.g. after a tool call, gets fresh scanners)."""
         deltas: list[CanonicalEvent] = []
-        for (is_reasoning, choice), chain in chains.items():
-            text = await self._run(chain, "", final=True)
+        for key in [k for k in chains if only_choice is None or k[1] == only_choice]:
+            is_reasoning, choice = key
+            text = await self._run(chains.pop(key), "", final=True)
             if text:
                 deltas.append(ReasoningDelta(text, choice) if is_reasoning
                               else TextDelta(text, choice))
-        chains.clear()
         return deltas
 
     def _delta(self, event: TextDelta | ReasoningDelta, text: str) -> CanonicalEvent:

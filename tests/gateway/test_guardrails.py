@@ -356,3 +356,38 @@ def test_a_guardrail_that_raises_fails_closed_with_a_400_or_the_error_event(
     with pytest.raises(openai.BadRequestError, match="the guardrail failed"):
         client.chat.completions.create(model=MODEL, messages=_say("fine"))  # the first delta
     assert wait_until(lambda: gateway.meter.num_settle_calls == 2)
+
+
+def test_held_text_goes_out_before_a_tool_call_and_finish_waits_for_it() -> None:
+    from gateway.guardrails.chain import Guardrails
+    from gateway.guardrails.settings import GuardrailSettings
+    from gateway.request.canonical import (
+        CanonicalRequest,
+        Finish,
+        TextDelta,
+        ToolCallDelta,
+        Usage,
+    )
+    from gateway.request.dispatch import Attempt
+
+    settings = GuardrailSettings(name="pii", type="pii", stages=("response",))
+    guards = Guardrails([(settings, PiiGuard("pii", {}, CONTEXT))]).for_request(
+        CanonicalRequest("r", MODEL))
+    assert guards is not None
+    upstream = [TextDelta("call me at "), TextDelta("+1 415 555 "), ToolCallDelta(0, "c1", "f"),
+                TextDelta("2671 later"), Finish("tool_calls"), Usage(5, 7)]
+
+    async def run() -> list[Any]:
+        async def events() -> Any:
+            for event in upstream[1:]:
+                yield event
+        attempt = Attempt(None, None, events(), upstream[0])  # type: ignore[arg-type]
+        await guards.guard_attempt(attempt, CanonicalRequest("r", MODEL))
+        return [attempt.first_event] + [event async for event in attempt.events]
+
+    out = asyncio.run(run())
+    kinds = [type(e).__name__ for e in out]
+    assert kinds == ["TextDelta", "ToolCallDelta", "TextDelta", "Finish", "Usage"]
+    before = "".join(e.text for e in out[:kinds.index("ToolCallDelta")] if isinstance(e, TextDelta))
+    after = "".join(e.text for e in out[kinds.index("ToolCallDelta"):] if isinstance(e, TextDelta))
+    assert before == "call me at +1 415 555 " and after == "2671 later"  # (split by the call)
