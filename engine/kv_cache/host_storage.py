@@ -17,7 +17,7 @@ Where the bytes live:
          disk only once written). A copy is a memcpy into the page cache; the kernel writes pages
          back in the background, and reads them back from disk only after memory pressure dropped
          them. bench/results/kv-host-tier-cpu.md measured this against an in-memory compressed tier
-         (lossless codecs on the default model's KV save 3-14%: floats' mantissas are noise).
+         (lossless codecs on the default model's KV save at most 16%: floats' mantissas are noise).
 """
 
 from __future__ import annotations
