@@ -79,10 +79,17 @@ def test_evicted_blocks_move_to_the_tier_and_come_back_bit_exact() -> None:
     prompt_a = tokens(80)  # 5 full blocks, 4 of them a later hit can use (the last token is recomputed)
     request, table = t.run(prompt_a)
     kept = {h: t.block_bytes(b).clone() for h, b in zip(request.block_hashes, table, strict=False)}
-    t.run(tokens(120, start=5000))  # 8 blocks: evicts every block of A
+    other, other_table = t.run(tokens(120, start=5000))  # 8 blocks: evicts every block of A
     assert t.manager.pool.num_cached_blocks == 7 and t.tier.num_blocks == 5
-    again, table2 = t.run(prompt_a)
+    kept_other = {h: t.block_bytes(b).clone() for h, b in zip(other.block_hashes, other_table,
+                                                                strict=False)}
+    again, table2 = t.run(prompt_a)  # its restores take B's blocks: B's go out before A's come in
     assert again.num_cached_tokens == 64  # 4 blocks, all restored from the tier
+    offloaded = [h for h in other.block_hashes if t.tier.contains(h)]
+    assert len(offloaded) >= 4
+    for block_hash in offloaded:
+        slot = t.tier._entries[(0, block_hash)]
+        assert torch.equal(t.storage.read_slot(slot), kept_other[block_hash])
     for block_hash, block_id in zip(again.block_hashes[:4], table2[:4], strict=True):
         assert torch.equal(t.block_bytes(block_id), kept[block_hash])
     assert t.tier.num_restored_blocks_total == 4
