@@ -106,6 +106,9 @@ class PiiGuard(Guardrail):
         if self.action == "block":
             raise self.block(stage, f"the text holds {'an' if spans[0][2] == 'email' else 'a'} "
                                     f"{_NOUN[spans[0][2]]}")
+        return self._masked(text, spans)
+
+    def _masked(self, text: str, spans: list[tuple[int, int, str]]) -> str:
         pieces, position = [], 0
         for start, end, kind in spans:
             pieces += [text[position:start], self.mask_format.format(kind=kind.upper())]
@@ -118,9 +121,10 @@ class PiiGuard(Guardrail):
             part.text = self.mask(part.text, find_pii(part.text, self.kinds), "request")
 
     def mask_text(self, text: str) -> str:
-        """`text` masked (the request log applies it to the body it stores)."""
-        return self.mask(text, find_pii(text, self.kinds), "request") if self.action == "mask" \
-            else text
+        """`text` masked, whatever `action` is (the request log applies it to the body it
+        stores: a request this guard blocked keeps no PII in the log either)."""
+        spans = find_pii(text, self.kinds)
+        return self._masked(text, spans) if spans else text
 
     def scan_response(self, request: GuardedRequest) -> ResponseScanner:
         return _PiiScanner(self)

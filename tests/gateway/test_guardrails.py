@@ -84,6 +84,8 @@ def test_pii_finds_emails_phones_and_luhn_valid_cards_only() -> None:
     assert found == [("bob.smith+x@mail.example.co.uk", "email"), ("+44 20 7946 0958", "phone"),
                      ("(415) 555-2671", "phone"), (CARD, "card")]
     assert luhn_ok("79927398713") and not luhn_ok("79927398710")
+    blocking = PiiGuard("pii", {"action": "block"}, CONTEXT)  # (the request log's copy is masked)
+    assert blocking.mask_text(f"card {CARD}, a@b.io") == "card [CARD], [EMAIL]"
 
 
 def test_pii_scanner_masks_a_value_split_across_deltas_and_never_sends_part_of_it() -> None:
