@@ -1,7 +1,7 @@
 """Fallback chains across models: when a model cannot answer, another configured model does.
 
-    chains = FallbackChains(settings, fleet, router, budget, watchdog, on_fallback)
-    attempt = await chains.dispatch(request, route, timing)   # attempt.route: the model that served
+    chains = FallbackChains(settings, fleet, budget, watchdog, on_fallback)
+    attempt = await chains.dispatch(request, route, router, timing)  # attempt.route: who served
 
 A model's chain is its `fallbacks`, each followed by its own fallbacks (depth first, every model
 once): `a.fallbacks = ["b", "c"]`, `b.fallbacks = ["d"]` gives a -> b -> d -> c. Loops and
@@ -121,12 +121,10 @@ def fallback_reason(error: GatewayError, route: ModelRoute) -> str | None:
 class FallbackChains:
     """Dispatch down a model's chain."""
 
-    def __init__(self, settings: GatewaySettings, fleet: Fleet, router: Router,
-                 budget: RetryBudget, watchdog: Watchdog,
-                 on_fallback: FallbackObserver | None = None) -> None:
+    def __init__(self, settings: GatewaySettings, fleet: Fleet, budget: RetryBudget,
+                 watchdog: Watchdog, on_fallback: FallbackObserver | None = None) -> None:
         self._settings = settings
         self._fleet = fleet
-        self._router = router
         self._budget = budget
         self._watchdog = watchdog
         self._on_fallback = on_fallback
@@ -147,21 +145,21 @@ class FallbackChains:
         assert route is not None  # fallback_chains checked every target is a configured model
         return route
 
-    async def dispatch(self, request: CanonicalRequest, route: ModelRoute,
+    async def dispatch(self, request: CanonicalRequest, route: ModelRoute, router: Router,
                        timing: Timing) -> Attempt:
         """The first event from `route`'s model, else from the first model down its chain that
         gives one; raises the error that ended the chain (module docstring). The first model is
         dispatched as if there were no chain: a chain costs nothing until its model fails."""
         try:
-            return await dispatch(request, route, self._router, self._settings, self._budget,
-                                  timing, self._watchdog)
+            return await dispatch(request, route, router, self._settings, self._budget, timing,
+                                  self._watchdog)
         except GatewayError as exc:
             chain = self.chains.get(route.settings.name)
             if not chain:
                 raise
-            return await self._fall_back(request, route, chain, exc, timing)
+            return await self._fall_back(request, route, router, chain, exc, timing)
 
-    async def _fall_back(self, request: CanonicalRequest, failed: ModelRoute,
+    async def _fall_back(self, request: CanonicalRequest, failed: ModelRoute, router: Router,
                          chain: tuple[str, ...], error: GatewayError, timing: Timing) -> Attempt:
         remaining = list(chain)
         current = failed
@@ -181,8 +179,8 @@ class FallbackChains:
                                   error)
             current = target
             try:
-                return await dispatch(request, current, self._router, self._settings,
-                                      self._budget, timing, self._watchdog, deposit=False)
+                return await dispatch(request, current, router, self._settings, self._budget,
+                                      timing, self._watchdog, deposit=False)
             except GatewayError as exc:
                 error = exc
 

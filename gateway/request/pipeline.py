@@ -211,7 +211,7 @@ class Pipeline:
         self.draining = False
         self._settle_nowait = getattr(meter, "settle_nowait", None)
         self._watchdog = Watchdog()  # the upstream waits' timeouts
-        self._chains = FallbackChains(settings, fleet, router, self.retry_budget, self._watchdog,
+        self._chains = FallbackChains(settings, fleet, self.retry_budget, self._watchdog,
                                       on_fallback)
         # each session's previous turn, to say where a prompt diverged (x-aigw-debug: 1, traces)
         self.cache_explainer = CacheExplainer(settings.cache_explainer_max_bytes)
@@ -452,7 +452,7 @@ class Pipeline:
         """An endpoint's first event, from the model or one down its fallback chain
         (gateway/request/fallback.py; routing and retries: gateway/request/dispatch.py). After a
         hop the answer names the model that served it, which the usage record bills."""
-        attempt = await self._chains.dispatch(canonical, route, timing)
+        attempt = await self._chains.dispatch(canonical, route, self.router, timing)
         outcome.replica, outcome.endpoint = attempt.endpoint.name, attempt.endpoint
         if attempt.route is not route:
             outcome.route = attempt.route
