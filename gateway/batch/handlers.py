@@ -126,7 +126,7 @@ async def upload_file(request: web.Request) -> web.Response:
                     raw = await part.read_chunk(_MAX_PURPOSE_BYTES + 1)
                     purpose = raw.decode("utf-8", "replace").strip()
                 elif part.name == "file" and written is None:
-                    filename = (part.filename or "upload.jsonl")[:_MAX_FILENAME_CHARS]
+                    filename = _printable(part.filename or "upload.jsonl")[:_MAX_FILENAME_CHARS]
                     num_bytes, num_newlines = await service.files.write_stream(
                         file_id, _chunks(part, service.gateway_settings.client_body_timeout_s),
                         settings.max_file_bytes)
@@ -139,15 +139,28 @@ async def upload_file(request: web.Request) -> web.Response:
     except TimeoutError:
         await service.files.delete(file_id)
         raise ApiError(408, "request_timeout", "the upload did not arrive in time") from None
-    except ValueError as exc:  # a malformed multipart body
+    except ApiError:
         await service.files.delete(file_id)
-        raise ApiError(400, "invalid_request", f"not a multipart body: {exc}") from None
+        raise
+    except OSError:  # the disk (or the client's connection), not the body
+        await service.files.delete(file_id)
+        raise
+    except Exception as exc:  # noqa: BLE001 - aiohttp's multipart parser on a malformed body
+        # raises ValueError, RuntimeError, HttpProcessingError, AttributeError, ...
+        await service.files.delete(file_id)
+        reason = _printable(getattr(exc, "message", None) or str(exc) or type(exc).__name__)
+        raise ApiError(400, "invalid_request", f"not a multipart/form-data body: {reason}") from None
     try:
         record = await _keep_upload(service, principal, file_id, purpose, written)
     except BaseException:
         await service.files.delete(file_id)
         raise
     return _json(record.to_openai())
+
+
+def _printable(text: str) -> str:
+    """`text` as valid UTF-8 (a header decoded with surrogate escapes is not), for the JSON."""
+    return text.encode("utf-8", "replace").decode("utf-8")[:200]
 
 
 async def _chunks(part: BodyPartReader, idle_timeout_s: float) -> AsyncIterator[bytes]:

@@ -101,8 +101,9 @@ def check_line(raw: bytes, index: int, endpoint: str, seen: set[str]
     return custom_id, model, body
 
 
-def read_plan(path: str, endpoint: str) -> Plan:
-    """The file's plan (blocking: call from a worker thread). Blank lines are skipped."""
+def read_plan(path: str, endpoint: str, by_prefix: bool = True) -> Plan:
+    """The file's plan (blocking: call from a worker thread). Blank lines are skipped; without
+    `by_prefix`, lines run in the file's order."""
     planned: list[PlannedLine] = []
     invalid: list[InvalidLine] = []
     seen: set[str] = set()
@@ -122,7 +123,8 @@ def read_plan(path: str, endpoint: str) -> Plan:
                 planned.append(PlannedLine(index, start, len(raw), custom_id, line_model,
                                            order_key(line_model, body)))
             index += 1
-    planned.sort(key=lambda line: (line.order_key, line.index))
+    if by_prefix:
+        planned.sort(key=lambda line: (line.order_key, line.index))
     return Plan(planned, invalid, index, model)
 
 

@@ -159,7 +159,8 @@ class BatchRunner:
             return self._plans[batch.id]
         path = self._files.path_of(batch.input_file_id)
         try:
-            plan = await asyncio.to_thread(read_plan, str(path), batch.endpoint)
+            plan = await asyncio.to_thread(read_plan, str(path), batch.endpoint,
+                                           self._settings.order == "prefix")
         except OSError:
             await self._fail(batch, "file_not_found",
                              f"the input file {batch.input_file_id} cannot be read")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,3 +27,6 @@ class BatchSettings(BaseModel):
     poll_interval_s: float = Field(1.0, gt=0)  # how often the runner looks for work and for load
     lease_s: float = Field(30.0, gt=0)  # a batch is run by the gateway holding its lease
     files_dir: Path | None = None  # file contents; default <data_dir>/batch-files
+    # "prefix": lines sharing a prompt prefix run together (the prompt cache serves the shared
+    # part once); "file": in the input file's order
+    order: Literal["prefix", "file"] = "prefix"

@@ -250,6 +250,8 @@ def test_lists_page_newest_first(served: Served) -> None:
     ("purpose", 400, "invalid_request"), ("form", 400, "invalid_request"),
     ("endpoint", 400, "invalid_request"), ("window", 400, "invalid_request"),
     ("metadata", 400, "invalid_request"), ("no-key", 401, None), ("limit", 400, "invalid_request"),
+    ("broken", 400, "invalid_request"), ("no-boundary", 400, "invalid_request"),
+    ("empty", 400, "invalid_request"),
 ])
 def test_bad_requests_get_openai_errors(served: Served, call: str, status: int,
                                         code: str | None) -> None:
@@ -276,6 +278,12 @@ def test_bad_requests_get_openai_errors(served: Served, call: str, status: int,
                                        json={**create, "metadata": {"k": 1}}),
         "no-key": lambda: httpx.get(url + "/batches"),
         "limit": lambda: httpx.get(url + "/batches?limit=0", headers=headers),
+        "broken": lambda: httpx.post(url + "/files", content=b"--xyz\r\ngarbage", headers={
+            **headers, "content-type": "multipart/form-data; boundary=xyz"}),
+        "no-boundary": lambda: httpx.post(url + "/files", content=b"x", headers={
+            **headers, "content-type": "multipart/form-data"}),
+        "empty": lambda: httpx.post(url + "/files", headers=headers, data={"purpose": "batch"},
+                                    files={"file": ("a.jsonl", b"")}),
     }[call]()
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -382,3 +390,28 @@ def test_batches_take_turns_so_a_long_one_does_not_hold_a_short_one_back(
         assert wait_done(client, long.id).request_counts.completed == 40
     finally:
         served.state.config.latency_ms = 0.0
+
+
+def test_hostile_multipart_bodies_get_a_4xx_never_a_5xx(served: Served) -> None:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    valid = (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--b\r\n'
+             b'Content-Disposition: form-data; name="file"; filename="x.jsonl"\r\n\r\n{}\n\r\n'
+             b'--b--\r\n')
+    headers = {"authorization": f"Bearer {served.key}",
+               "content-type": "multipart/form-data; boundary=b"}
+
+    @settings(max_examples=40, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(cut=st.integers(0, len(valid)), junk=st.binary(max_size=40))
+    def upload(cut: int, junk: bytes) -> None:
+        answer = http.post(served.url + "/v1/files", content=valid[:cut] + junk, headers=headers)
+        assert answer.status_code < 500, answer.text
+        if answer.status_code >= 400:
+            assert answer.json()["error"]["message"]
+
+    with httpx.Client(timeout=10) as http:
+        assert http.post(served.url + "/v1/files", content=valid,
+                         headers=headers).status_code == 200  # the uncut body is fine
+        upload()

@@ -174,3 +174,5 @@ def test_the_plan_runs_lines_sharing_a_prefix_together_and_sets_malformed_ones_a
     assert groups in ([0, 0, 0, 1, 1, 1], [1, 1, 1, 0, 0, 0])  # each group in one run
     assert sorted(line.custom_id for line in plan.lines) == [f"l{i}" for i in range(6)]
     assert [line.index for line in plan.lines if line.custom_id == "l3"] == [4]  # after the bad one
+    in_file_order = read_plan(str(path), "/v1/chat/completions", by_prefix=False)  # batch.order
+    assert [line.custom_id for line in in_file_order.lines] == [f"l{i}" for i in range(6)]
