@@ -185,5 +185,5 @@ def _print(rows: dict[str, tuple[float, float]], args: argparse.Namespace, path:
              for name, (ours, base) in rows.items()]
     print(format_table(["row", "ours texts/s", "transformers texts/s", "ratio"], table))
     print(f"max 1 - cosine(ours, transformers) = {max_gap:.2e}; our passes {stats.num_passes_total},"
-          f" padding {stats.num_padded_tokens_total / max(1, stats.num_prompt_tokens_total):.2f}x"
-          " the real tokens")
+          f" attention rows {stats.num_padded_tokens_total / max(1, stats.num_prompt_tokens_total):.2f}x"
+          " the real tokens (the linear layers run on the real tokens only: packed)")
