@@ -52,7 +52,7 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/dashboard", dashboard.page)
     app.router.add_get("/dashboard/api/overview", dashboard.overview)
     app.router.add_get("/dashboard/api/traces/{trace_id}", dashboard.trace)
-    app.router.add_get("/dashboard/api/sessions/{project}/{session}", dashboard_sessions.session)
+    app.router.add_get("/dashboard/api/sessions/{project}/{session:.+}", dashboard_sessions.session)
     app.router.add_static("/dashboard/static", STATIC_DIR)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import anthropic
 import httpx
@@ -84,7 +85,7 @@ def test_the_openai_sdk_is_told_which_message_changed(make_gateway: GatewayFacto
 
     def turn(system: str, stream: bool = False) -> httpx.Headers:
         raw = client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=_chat(system), prompt_cache_key="agent-1",  # type: ignore[arg-type]
+            model=MODEL, messages=_chat(system), prompt_cache_key="agent/1",  # type: ignore[arg-type]
             extra_headers=DEBUG, stream=stream)
         raw.parse() if not stream else list(raw.parse())
         return raw.headers
@@ -109,6 +110,11 @@ def test_the_openai_sdk_is_told_which_message_changed(make_gateway: GatewayFacto
     assert root["aigw.cache.divergence"] == "messages[0].content changed at char 227"
     assert root["aigw.cache.session_turn"] == 2 and root["aigw.cached_tokens"] == 30
     assert root["aigw.cache.divergence_exact"] is False
+    view = httpx.get(gateway.url + "/dashboard/api/sessions/anonymous/" + quote("agent/1", safe=""))
+    turns = view.json()["turns"]  # (auth off: the dashboard is open, the project "anonymous")
+    assert [t["turn"] for t in turns] == [1, 2, 3] and turns[0]["divergence"] is None
+    assert turns[1]["divergence"]["where"] == "messages[0].content changed at char 227"
+    assert turns[1]["cached_tokens"] == 30 and 0 < turns[1]["hit_ratio"] < 1
 
 
 @pytest.fixture
