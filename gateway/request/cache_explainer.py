@@ -10,7 +10,8 @@ prompt_cache_key, else `x-session-id`, else OpenAI `user` / Anthropic metadata.u
 within the caller's project: the store is keyed by (project, session), so a project never sees,
 nor compares against, another project's turns, whatever session name it sends.
 
-A prompt is laid out as its parts: the fields a template may read (`response_format`,
+A prompt is laid out as its parts: the model (each has its own cache: `model changed`, e.g. a
+turn served by a fallback model), the fields a template may read (`response_format`,
 `tool_choice`, `chat_template_kwargs`, `reasoning_effort`), each tool (`tools[i].name`,
 `.description`, `.parameters`), then each message (`messages[i].role`, `.content`,
 `.tool_calls`, ...), the order a chat template writes them in; a completion is its `prompt`. Comparing with the
@@ -109,10 +110,10 @@ def _json(value: Any) -> str:
 
 def prompt_parts(request: CanonicalRequest) -> list[tuple[str, str]]:
     """The prompt as (part name, text) in the order it is laid out (module docstring)."""
+    parts: list[tuple[str, str]] = [("model", request.model)]  # (the cache is per model)
     if request.kind != "chat":
         first = request.prompt if request.prompt_token_ids is None else _json(request.prompt_token_ids)
-        return [("prompt", first)]
-    parts: list[tuple[str, str]] = []
+        return [*parts, ("prompt", first)]
     for name in _FIELDS:  # first: a template may write them anywhere (and the history grows last)
         value = getattr(request, name)
         if value is not None:
@@ -160,8 +161,10 @@ def diverge(previous: list[tuple[str, str]], current: list[tuple[str, str]]
     num_chars = 0
     for (old_key, old_value), (new_key, new_value) in zip(previous, current, strict=False):
         if old_key == new_key and old_value == new_value:
-            num_chars += len(new_value)
+            num_chars += len(new_value) if new_key != "model" else 0  # (not in the prompt's text)
             continue
+        if new_key == "model":
+            return "model changed", 0  # another model's cache: nothing of it is shared
         if old_key == new_key:
             at = _common_prefix(old_value, new_value)
             return f"{new_key} changed at char {at}", num_chars + at

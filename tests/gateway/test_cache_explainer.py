@@ -59,6 +59,9 @@ def test_the_first_difference_is_named_by_part_and_char() -> None:
     formatted = _request(tools=tools, messages=turn1.messages,
                          response_format={"type": "json_object"})
     assert diverge(prompt_parts(turn1), prompt_parts(formatted))[0] == "response_format added"
+    other_model = _request(tools=tools, messages=turn1.messages)
+    other_model.model = "m2"
+    assert diverge(prompt_parts(turn1), prompt_parts(other_model)) == ("model changed", 0)
 
 
 def test_the_store_is_bounded_in_bytes_and_keyed_by_project() -> None:
