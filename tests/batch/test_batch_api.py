@@ -40,6 +40,8 @@ class Served:
     other_key: str  # project "other"
     state: MockState
     data_dir: Path
+    restricted_key: str  # project "default", invoke, only the model "another-model"
+    read_only_key: str  # project "default", usage:read only
 
     def client(self, key: str | None = None) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key or self.key, max_retries=0,
@@ -68,10 +70,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                "price_discount": DISCOUNT, "max_concurrent_lines": 2},
         models=[{"name": MODEL, "backend": "replica", "endpoints": [upstream_url],
                  "prices": PRICES}])
-    key, other = loop_thread.run(project_keys(data_dir, "default", "other"))
+    key, other, restricted, read_only = loop_thread.run(project_keys(data_dir, "default", "other"))
     runner, url = loop_thread.run(start_app(loop_thread.run(create_served_app(settings))))
     try:
-        yield Served(url, key, other, state, data_dir)
+        yield Served(url, key, other, state, data_dir, restricted, read_only)
     finally:
         loop_thread.run(runner.cleanup())
         loop_thread.run(upstream.cleanup())
@@ -86,6 +88,9 @@ async def project_keys(data_dir: Path, *projects: str) -> list[str]:
         for project in projects:
             await auth.admin.create_project(project)
             keys.append((await auth.admin.create_key(project, [Scope.INVOKE.value]))[1])
+        keys.append((await auth.admin.create_key(projects[0], [Scope.INVOKE.value],
+                                                 allowed_models=["another-model"]))[1])
+        keys.append((await auth.admin.create_key(projects[0], [Scope.USAGE_READ.value]))[1])
         return keys
     finally:
         await auth.close()
@@ -415,3 +420,13 @@ def test_hostile_multipart_bodies_get_a_4xx_never_a_5xx(served: Served) -> None:
         assert http.post(served.url + "/v1/files", content=valid,
                          headers=headers).status_code == 200  # the uncut body is fine
         upload()
+
+
+def test_a_keys_scope_and_models_hold_for_its_batches(served: Served) -> None:
+    with pytest.raises(openai.PermissionDeniedError):  # usage:read only: no files, no batches
+        served.client(served.read_only_key).batches.list()
+    restricted = served.client(served.restricted_key)
+    done = wait_done(restricted, submit(restricted, [chat_line("x", "hi")]).id)
+    (error,) = read_jsonl(restricted, done.error_file_id)  # the line runs with the key's rights
+    assert error["response"]["status_code"] == 403
+    assert error["response"]["body"]["error"]["code"] == "model_not_allowed"
