@@ -26,6 +26,9 @@ from typing import Any
 
 import orjson
 
+# llguidance JSON options: no free whitespace, items and keys separated as json.dumps does
+TEMPLATE_JSON_SPACING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
 
 def new_tool_call_id() -> str:
     """An OpenAI-style call id: `call_` + 24 random alphanumerics."""
@@ -81,10 +84,14 @@ class ToolParser(ABC):
     def calls_grammar(self, functions: Sequence[tuple[str, dict[str, Any] | None]],
                       is_parallel: bool = True) -> str:
         """A Lark grammar: tagged calls (one, or with `is_parallel` one or more), each to one of
-        `functions` ((name, JSON schema of its arguments) pairs), each body compact JSON."""
+        `functions` ((name, JSON schema of its arguments) pairs), each body JSON spaced as
+        `json.dumps` spaces it: the chat template's `tojson` renders the call that way when the
+        conversation comes back (chat/chat_template.py `tool_call_text`), so the next turn's
+        prompt repeats the call's tokens and its prefix cache reaches past the call (compact
+        JSON stopped the cache at the call's first `":`)."""
         schema = {"anyOf": [self.call_schema(name, parameters, f"/anyOf/{i}")
                             for i, (name, parameters) in enumerate(functions)],
-                  "x-guidance": {"whitespace_flexible": False}}
+                  "x-guidance": TEMPLATE_JSON_SPACING}
         start, end = orjson.dumps(self.start_tag + "\n").decode(), orjson.dumps("\n" + self.end_tag).decode()
         calls = "call+" if is_parallel else "call"
         return (f'start: {calls}\n'

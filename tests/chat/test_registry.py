@@ -62,11 +62,12 @@ def _accepts(compiler: GrammarCompiler, grammar: str, text: str, tokenizer) -> b
 def test_a_think_formats_forced_call_may_reason_first_and_cannot_add_keys(smollm2) -> None:  # type: ignore[no-untyped-def]
     compiler = GrammarCompiler(smollm2.backend, smollm2.vocab_size, smollm2.eos_token_ids)
     grammar = QWEN3.calls_grammar([("get_weather", LANGCHAIN_SCHEMA)], is_parallel=False)
-    call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     assert _accepts(compiler, grammar, call, smollm2)
+    assert not _accepts(compiler, grammar, call.replace(": ", ":"), smollm2)  # spaced as tojson
     assert _accepts(compiler, grammar, "<think>\nThe user wants Paris.\n</think>\n\n" + call,
                     smollm2)
-    extra = call.replace('"Paris"}', '"Paris","country":"FR"}')
+    extra = call.replace('"Paris"}', '"Paris", "country": "FR"}')
     assert not _accepts(compiler, grammar, extra, smollm2)
     assert not _accepts(compiler, HERMES.calls_grammar([("get_weather", LANGCHAIN_SCHEMA)]),
                         "<think>\nx\n</think>\n\n" + call, smollm2)
