@@ -11,7 +11,7 @@ For a request of `n` full prompt blocks and each candidate replica r:
     cost_r    = W * prefill_r + active_r
 
     H = host_block_cost (default 0.1: a host-tier hit is cheaper than any miss, dearer than a
-    pool hit; bench/results/kv-host-tier-cpu.md measured a restore at ~1% of a recompute on a CPU),
+    pool hit; bench/results/kv-host-tier-cpu.md measured a restore at ~0.5% of a recompute on a CPU),
     W = prefill_weight (default 1.5), D = decode_blocks_per_request (default 8: a request's decode
     work in prefill-block units), S = kv_saturation (0.9). W > 1 charges a move for more than its
     prefill: recomputing a prefix elsewhere also evicts that replica's cached blocks. The defaults
