@@ -119,6 +119,7 @@ async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
             await _close(events)
             error = _as_upstream_error(exc, endpoint, request, timeout_s)
             error.endpoint_name = endpoint.name
+            error.model_name = route.settings.name
             tried.add(id(endpoint))
             last_error = error
             if not error.retryable:

@@ -72,6 +72,7 @@ class UpstreamError(GatewayError):
     code = "upstream_error"
     retryable = True
     endpoint_name: str | None = None  # set by dispatch: the endpoint that failed or refused
+    model_name: str | None = None  # set by dispatch: that endpoint's model (a fallback's, maybe)
 
 
 class UpstreamUnavailable(UpstreamError):

@@ -401,6 +401,8 @@ class Pipeline:
             outcome.error = (exc.code, exc.message)
             if isinstance(exc, UpstreamError) and exc.endpoint_name:
                 outcome.replica = exc.endpoint_name  # the endpoint that answered with the error
+                if exc.model_name != outcome.route.settings.name:  # a fallback's: bill it there
+                    outcome.route = self.fleet.get(exc.model_name or "") or outcome.route
             if outcome.settles_before_answer:  # (an upstream refusal: its reservation is
                 await outcome.settlement.settle(queue=False)  # released before the caller's next)
             headers = admission.headers

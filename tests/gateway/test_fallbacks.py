@@ -139,6 +139,9 @@ def test_an_exhausted_chain_answers_the_upstreams_429_with_its_retry_after(
     assert refused.value.response.headers["retry-after"] == "7"
     assert [len(u.state.bodies) for u in upstreams] == [3, 3]
     assert wait_until(lambda: gateway.meter.num_settle_calls == 3)
+    records = list(gateway.meter.settled.values())  # one each, named as the answer that came:
+    assert {(r.model, r.endpoint, r.status) for r in records} == {  # model-b's 429
+        ("model-b", upstreams[1].url.split("://")[1], 429)}
 
 
 @pytest.mark.parametrize("cause", ["server_error", "timeout", "breaker_open"])
