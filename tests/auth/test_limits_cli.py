@@ -13,6 +13,12 @@ from gateway.metering.limit_store import LimitScope, open_limit_store
 from tests.auth.test_cli import cli_env  # noqa: F401 - the fixture
 
 
+@pytest.fixture(params=["redis", "sqlite"])
+def store_kind(request: pytest.FixtureRequest) -> str:
+    """Redis and SQLite (the limit store's Redis Cluster case is in tests/metering/test_budgets.py)."""
+    return str(request.param)
+
+
 def _stored(scope: LimitScope) -> object:
     async def load() -> object:
         import os
