@@ -149,5 +149,18 @@ def render_csv(rows: Sequence[UsageRow], group_by: Sequence[str] = ()) -> str:
     writer.writerow(columns)
     for row in rows:
         data = row.to_json_dict(group_by)
-        writer.writerow(["" if data[c] is None else data[c] for c in columns])
+        writer.writerow([_cell(data[c]) for c in columns])
     return out.getvalue()
+
+
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _cell(value: object) -> object:
+    """A CSV cell; a text one that a spreadsheet would run as a formula (a client's tag or
+    session "=HYPERLINK(...)") gets a leading apostrophe, as OWASP advises for CSV exports."""
+    if value is None:
+        return ""
+    if isinstance(value, str) and value.startswith(_FORMULA_STARTS):
+        return "'" + value
+    return value

@@ -56,6 +56,11 @@ def test_usage_by_tag_and_session_sums_to_the_ledger_and_exports_as_csv(served: 
     assert list(rows[0]) == ["day", "model", "tag", "requests", "prompt_tokens", "cached_tokens",
                              "completion_tokens", "total_tokens", "cost_usd"]
     assert sum(int(r["requests"]) for r in rows) == 5
+    formula = "=cmd|' /C calc'!A0"
+    assert _send(served, key, {"x-aigw-tags": f"{formula}"}).status_code == 200
+    exported = _usage(served, "tagged", group_by="tag", format="csv").text
+    cells = [r["tag"] for r in csv.DictReader(io.StringIO(exported))]
+    assert "'" + formula in cells and formula not in cells  # a spreadsheet shows it as text
     assert _usage(served, "tagged", group_by="colour").status_code == 400
 
 
