@@ -65,8 +65,15 @@ def usage_tags(body: Any, headers: Mapping[str, str]) -> tuple[str, ...]:
 def usage_session(request: CanonicalRequest) -> str | None:
     """The session usage is grouped by: prompt_cache_key, else the x-session-id header."""
     session = request.prompt_cache_key or request.session_id
-    if session is not None and len(session.encode("utf-8", "surrogatepass")) > MAX_SESSION_BYTES:
-        where = "prompt_cache_key" if request.prompt_cache_key else "x-session-id"
+    if session is None:
+        return None
+    where = "prompt_cache_key" if request.prompt_cache_key else "x-session-id"
+    try:  # a header's bytes that are not UTF-8 arrive as surrogates: no store can keep them
+        num_bytes = len(session.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise BadRequest(f"{where} is not UTF-8 text", code="invalid_session",
+                         param=where) from None
+    if num_bytes > MAX_SESSION_BYTES:
         raise BadRequest(f"{where} is over {MAX_SESSION_BYTES} bytes", code="invalid_session",
                          param=where)
     return session

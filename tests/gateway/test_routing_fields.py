@@ -45,8 +45,11 @@ def test_user_and_session_reach_the_router_from_every_dialect(make_gateway: Gate
     assert httpx.post(gateway.url + "/v1/messages", json=anthropic).status_code == 200
     responses = {"model": MODEL, "input": "hi", "user": "carol"}
     assert httpx.post(gateway.url + "/v1/responses", json=responses).status_code == 200
-    assert [(r.user, r.session_id) for r in router.seen] == [("alice", "s-1"), ("bob", None),
-                                                             ("carol", None)]
+    seen = [(r.user, r.session_id) for r in router.seen]
+    assert seen[:2] == [("alice", "s-1"), ("bob", None)]
+    # a stored response is its conversation's session unless the client names one (the next
+    # turn's previous_response_id continues it: gateway/responses_store/conversation.py)
+    assert seen[2][0] == "carol" and str(seen[2][1]).startswith("resp_")
 
 
 def test_prompt_cache_key_reaches_the_router_from_the_openai_sdk(
