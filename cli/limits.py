@@ -121,12 +121,11 @@ async def _get(services: Any, args: argparse.Namespace) -> int:
 async def _set(services: Any, args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from gateway.metering.settings import Limits
-    from gateway.web.limit_routes import validation_message
+    from gateway.web.limit_routes import parse_limits, validation_message
 
     scope = await _scope(services, args)
     try:
-        limits = Limits.model_validate(_body(args))
+        limits = parse_limits(_body(args))
     except ValidationError as exc:
         raise ValueError(validation_message(exc)) from None
     store = await _store(services)

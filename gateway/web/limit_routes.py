@@ -18,6 +18,7 @@ before answering; the others within a second (gateway/metering/limit_watcher.py)
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,13 @@ def validation_message(exc: ValidationError) -> str:
     """One line per problem: 'budgets.0.window_s: Input should be ...'."""
     return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
                      for e in exc.errors(include_url=False))[:2000]
+
+
+def parse_limits(body: Any) -> Limits:
+    """A limits body as JSON types it, without coercion: `true` is not 1 request a minute and
+    `"10"` not a number (pydantic's lax mode took both). ValidationError when it is not one;
+    ValueError for a NaN or infinity (which `aigw limits set --json` could parse)."""
+    return Limits.model_validate_json(json.dumps(body, allow_nan=False), strict=True)
 
 
 def build_limit_routes(services: AuthServices, limits: LimitServices,
@@ -107,7 +115,7 @@ def build_limit_routes(services: AuthServices, limits: LimitServices,
 
     async def put_limits(request: web.Request) -> web.Response:
         scope = await scope_of(request)
-        record = Limits.model_validate(await _body(request))
+        record = parse_limits(await _body(request))
         await limits.store.put(scope, record)
         await limits.watcher.reload()  # in force here before the answer
         return web.json_response(view(scope))

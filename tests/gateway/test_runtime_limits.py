@@ -161,7 +161,11 @@ def test_bad_limits_are_a_400_and_a_cross_site_write_a_403(served: Served) -> No
     for body in ({"requests_per_minute": 0}, {"budgets": [{"usd": 1, "window": "custom"}]},
                  {"budgets": [{"usd": 1, "alert_at": [1.5]}]}, {"webhook_url": "http://x/"},
                  {"daily_budget_usd": 1, "budgets": [{"usd": 2, "window": "day"}]},
-                 {"surprise": 1}, [1, 2]):
+                 {"surprise": 1}, [1, 2],
+                 # no coercion: true is not 1 request a minute, "10" not a number
+                 {"requests_per_minute": True}, {"requests_per_minute": "10"},
+                 {"daily_budget_usd": "5"}, {"budgets": [{"usd": True}]},
+                 {"budgets": [{"usd": 5, "alert_at": [True]}]}):
         response = httpx.put(url, headers=served.admin, json=body)
         assert response.status_code == 400, (body, response.text)
         assert response.json()["error"]["code"] in ("invalid_limits", "invalid_request")
