@@ -265,11 +265,11 @@ async def create_batch(request: web.Request) -> web.Response:
     if not isinstance(input_file_id, str):
         raise ApiError(400, "invalid_request", "input_file_id must be a string", "input_file_id")
     endpoint = body.get("endpoint")
-    if endpoint not in service.endpoints:
+    if not isinstance(endpoint, str) or endpoint not in service.endpoints:
         raise ApiError(400, "invalid_request", f"endpoint must be one of "
                        f"{', '.join(service.endpoints)}", "endpoint")
     window = body.get("completion_window")
-    if window not in COMPLETION_WINDOW_S:
+    if not isinstance(window, str) or window not in COMPLETION_WINDOW_S:
         raise ApiError(400, "invalid_request", "completion_window must be '24h'",
                        "completion_window")
     metadata = _metadata(body.get("metadata"))

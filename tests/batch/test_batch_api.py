@@ -256,7 +256,8 @@ def test_lists_page_newest_first(served: Served) -> None:
     ("endpoint", 400, "invalid_request"), ("window", 400, "invalid_request"),
     ("metadata", 400, "invalid_request"), ("no-key", 401, None), ("limit", 400, "invalid_request"),
     ("broken", 400, "invalid_request"), ("no-boundary", 400, "invalid_request"),
-    ("empty", 400, "invalid_request"),
+    ("empty", 400, "invalid_request"), ("window-list", 400, "invalid_request"),
+    ("endpoint-object", 400, "invalid_request"),
 ])
 def test_bad_requests_get_openai_errors(served: Served, call: str, status: int,
                                         code: str | None) -> None:
@@ -287,6 +288,10 @@ def test_bad_requests_get_openai_errors(served: Served, call: str, status: int,
             **headers, "content-type": "multipart/form-data; boundary=xyz"}),
         "no-boundary": lambda: httpx.post(url + "/files", content=b"x", headers={
             **headers, "content-type": "multipart/form-data"}),
+        "window-list": lambda: httpx.post(url + "/batches", headers=headers,
+                                          json={**create, "completion_window": ["24h"]}),
+        "endpoint-object": lambda: httpx.post(url + "/batches", headers=headers,
+                                              json={**create, "endpoint": {"a": 1}}),
         "empty": lambda: httpx.post(url + "/files", headers=headers, data={"purpose": "batch"},
                                     files={"file": ("a.jsonl", b"")}),
     }[call]()
