@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -19,19 +19,19 @@ class ProjectLogSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     enabled: bool = True
-    sample_rate: float = Field(1.0, ge=0.0, le=1.0)
+    sample_rate: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
 
 
 class RequestLogSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     projects: dict[str, ProjectLogSettings] = {}  # opted in (no project is logged by default)
     store: Literal["auto", "sqlite", "redis"] = "auto"  # auto: Redis when redis_url is set
-    retention_s: float = Field(7 * 86400.0, gt=0)
-    max_entry_bytes: int = Field(64 * 1024, ge=4096)  # one entry's JSON; bodies cut to fit
-    max_project_bytes: int = Field(256 * 1024 * 1024, gt=0)  # a project's entries in all
-    queue_max_bytes: int = Field(16 * 1024 * 1024, gt=0)  # waiting to be written; past it, dropped
+    retention_s: Annotated[float, Field(gt=0)] = 7 * 86400.0
+    max_entry_bytes: Annotated[int, Field(ge=4096)] = 64 * 1024  # one entry's JSON; bodies cut to fit
+    max_project_bytes: Annotated[int, Field(gt=0)] = 256 * 1024 * 1024  # a project's entries in all
+    queue_max_bytes: Annotated[int, Field(gt=0)] = 16 * 1024 * 1024  # waiting to be written; past it, dropped
     redact_fields: tuple[str, ...] = ()  # dotted JSON paths from the entry's root; `*`: any key
-    settings_refresh_s: float = Field(1.0, gt=0)  # how soon an admin API change is seen
+    settings_refresh_s: Annotated[float, Field(gt=0)] = 1.0  # how soon an admin API change is seen
 
     @field_validator("redact_fields")
     @classmethod
