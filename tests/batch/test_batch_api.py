@@ -435,3 +435,28 @@ def test_a_keys_scope_and_models_hold_for_its_batches(served: Served) -> None:
     (error,) = read_jsonl(restricted, done.error_file_id)  # the line runs with the key's rights
     assert error["response"]["status_code"] == 403
     assert error["response"]["body"]["error"]["code"] == "model_not_allowed"
+
+
+def test_create_bodies_of_any_json_get_a_4xx_never_a_5xx(served: Served) -> None:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    anything = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=10),
+                            lambda inner: st.lists(inner, max_size=3)
+                            | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                            max_leaves=6)
+    bodies = st.fixed_dictionaries({}, optional={
+        "input_file_id": anything, "endpoint": anything | st.just("/v1/chat/completions"),
+        "completion_window": anything | st.just("24h"), "metadata": anything})
+
+    @settings(max_examples=40, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(body=bodies)
+    def create(body: dict[str, Any]) -> None:
+        answer = http.post(served.url + "/v1/batches", json=body,
+                           headers={"authorization": f"Bearer {served.key}"})
+        assert 400 <= answer.status_code < 500, answer.text
+        assert answer.json()["error"]["message"]
+
+    with httpx.Client(timeout=10) as http:
+        create()
