@@ -38,6 +38,8 @@ class Request:
     max_model_len: int
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # scheduling class, lower first (engine/scheduler.py): -1 priority, 0 default, 1 flex
+    priority: int = 0
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

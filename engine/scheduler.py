@@ -6,9 +6,17 @@ already streaming). When the KV cache runs out, the youngest running request is 
 freed; it goes back to the front of the waiting queue and later recomputes, mostly from its own prefix-cache
 hits). Requests never leave the running list except by finishing, aborting or preemption.
 
-Prefix-aware admission: among the first `prefix_aware_window` waiting requests the one with the most
-cached prompt tokens goes first (it costs the least prefill); the head of the queue is passed over at most
-`prefix_aware_window` times, so nothing starves.
+Prefix-aware admission: among the first `prefix_aware_window` waiting requests of the head's class the one
+with the most cached prompt tokens goes first (it costs the least prefill); the head of the queue is passed
+over at most `prefix_aware_window` times, so nothing starves.
+
+Priority classes (`Request.priority`, lower first: OpenAI's service_tier priority -1, default 0, flex 1):
+both queues are kept in class order (FIFO within a class), and each step goes class by class, highest
+first: the class's running requests, then its waiting ones. So a waiting request of a higher class takes
+the budget before lower classes' decodes, and when it finds no KV room (or no free seat) it preempts
+running requests of lower classes, lowest and youngest first; a running request that needs a block
+preempts the lowest class's youngest request too (itself, when it is that). A request is never preempted
+to make room for a lower class's, and a waiting request never preempts its own class.
 """
 
 from __future__ import annotations
@@ -38,27 +46,39 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+        """Queue `request` behind every waiting request of its class or a higher one."""
+        index = len(self.waiting)
+        while index > 0 and self.waiting[index - 1].priority > request.priority:
+            index -= 1
+        self.waiting.insert(index, request)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         self.kv_cache.expire_retention(time.monotonic())
         budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(batch, budget)
-        if not batch.preempted_request_ids:
-            self._schedule_waiting(batch, budget)
+        # running[:index] are scheduled in this step; running[index:] (lower classes) are not yet
+        index = 0
+        classes = sorted({r.priority for r in self.running} | {r.priority for r in self.waiting})
+        for priority in classes:
+            if budget <= 0:
+                break
+            index, budget = self._schedule_running(batch, budget, index, priority)
+            if not batch.preempted_request_ids:  # no admission in a step that ran out of blocks
+                index, budget = self._schedule_waiting(batch, budget, index, priority)
         return batch
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        index = 0
-        while index < len(self.running) and budget > 0:
+    def _schedule_running(self, batch: ScheduledBatch, budget: int, index: int,
+                          priority: int) -> tuple[int, int]:
+        """The running requests of class `priority` from running[index]: a decode token each, or the
+        next prefill chunk. Out of blocks, the last running request (lowest class, youngest) is
+        preempted, until the request fits or was that one."""
+        while index < len(self.running) and self.running[index].priority == priority and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             block_tables = self.kv_cache.allocate_slots(request, num_new)
             while block_tables is None:
                 victim = self.running.pop()
-                self._preempt(victim)
-                batch.preempted_request_ids.append(victim.request_id)
+                self._preempt(victim, batch)
                 if victim is request:
                     break
                 block_tables = self.kv_cache.allocate_slots(request, num_new)
@@ -67,20 +87,32 @@ class Scheduler:
             batch.sequences.append(self._scheduled(request, num_new, block_tables))
             budget -= num_new
             index += 1
-        return budget
+        return index, budget
 
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int, index: int,
+                          priority: int) -> tuple[int, int]:
+        """Admit waiting requests of class `priority`, in order, into running[index]; each may
+        preempt running requests of lower classes (not yet scheduled in this step) for a seat or
+        for KV room."""
+        while self.waiting and self.waiting[0].priority == priority and budget > 0:
+            while len(self.running) >= self.config.max_num_seqs and self._has_lower(index, priority):
+                self._preempt(self.running.pop(), batch)
+            if len(self.running) >= self.config.max_num_seqs:
+                break
             request, computed = self._pick_waiting()
             num_new = min(request.num_tokens - computed.num_computed_tokens, budget)
             block_tables = self.kv_cache.allocate_slots(request, num_new, computed)
-            if block_tables is None and not self.running and self.kv_cache.retention.num_blocks:
-                self.kv_cache.release_retention()  # retained prefixes never stall an idle engine
+            while block_tables is None and self._has_lower(index, priority):
+                self._preempt(self.running.pop(), batch)
+                block_tables = self.kv_cache.allocate_slots(request, num_new, computed)
+            while block_tables is None and self.kv_cache.release_one_retention():
+                # retained prefixes yield to a waiting request, the soonest to expire first: they
+                # are safe from LRU eviction, never from demand (no request waits on a retention)
                 computed = self.kv_cache.get_computed_blocks(request)
                 num_new = min(request.num_tokens - computed.num_computed_tokens, budget)
                 block_tables = self.kv_cache.allocate_slots(request, num_new, computed)
             if block_tables is None:
-                break  # no room: wait for running requests to finish (they never get preempted for it)
+                break  # no room: wait for running requests of its class or higher to finish
             self.waiting.remove(request)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = computed.num_computed_tokens
@@ -90,9 +122,15 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self.running.insert(index, request)  # behind its class, ahead of the lower ones
+            index += 1
             batch.sequences.append(self._scheduled(request, num_new, block_tables))
             budget -= num_new
+        return index, budget
+
+    def _has_lower(self, index: int, priority: int) -> bool:
+        """Whether a running request not yet scheduled in this step is of a lower class."""
+        return len(self.running) > index and self.running[-1].priority > priority
 
     def _pick_waiting(self) -> tuple[Request, ComputedBlocks]:
         head = self.waiting[0]
@@ -103,6 +141,8 @@ class Scheduler:
         best, best_computed = head, head_computed
         for i in range(1, min(self.config.prefix_aware_window, len(self.waiting))):
             candidate = self.waiting[i]
+            if candidate.priority != head.priority:
+                break  # (the queue is in class order: never past the head's class)
             computed = self.kv_cache.get_computed_blocks(candidate)
             if computed.num_computed_tokens > best_computed.num_computed_tokens:
                 best, best_computed = candidate, computed
@@ -127,13 +167,19 @@ class Scheduler:
                                  and start < request.num_prompt_tokens - 1),
         )
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
+        """Free a running request's blocks (already out of `running`); it waits at the front of
+        its class and later recomputes."""
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        batch.preempted_request_ids.append(request.request_id)
+        index = 0
+        while index < len(self.waiting) and self.waiting[index].priority < request.priority:
+            index += 1
+        self.waiting.insert(index, request)
 
     def finish(self, request: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         """Take a request out (finished or aborted) and return its blocks at once."""

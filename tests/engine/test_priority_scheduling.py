@@ -1,0 +1,152 @@
+"""Priority classes in the Scheduler (Request.priority: -1 priority, 0 default, 1 flex), driven with
+fake requests and the fake compute step (tests/engine/fakes.py). No model."""
+
+from __future__ import annotations
+
+from engine.config import SchedulerConfig
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
+from tests.engine.fakes import make_manager, make_request, run_to_completion, simulate_step, tokens
+
+PRIORITY, DEFAULT, FLEX = -1, 0, 1
+
+
+def make_scheduler(num_blocks: int = 256, max_num_batched_tokens: int = 64,
+                   max_num_seqs: int = 16) -> Scheduler:
+    config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                             prefix_aware_window=8)
+    return Scheduler(config, make_manager(num_blocks, enable_caching=False))
+
+
+def classed(priority: int, num_prompt_tokens: int, start: int, max_tokens: int = 8,
+            request_id: str | None = None) -> Request:
+    request = make_request(tokens(num_prompt_tokens, start=start), max_tokens=max_tokens,
+                           request_id=request_id)
+    request.priority = priority
+    return request
+
+
+def test_a_flood_of_flex_requests_does_not_delay_a_priority_request() -> None:
+    # 40 blocks of 16 tokens; 16 flex requests of 32 prompt tokens growing to 96 tokens each fill
+    # the KV cache and every seat; a priority request arrives while they decode.
+    scheduler = make_scheduler(num_blocks=40, max_num_batched_tokens=128, max_num_seqs=16)
+    flood = [classed(FLEX, 32, start=1000 * (i + 1), max_tokens=64) for i in range(16)]
+    for request in flood:
+        scheduler.add_request(request)
+    for _ in range(30):
+        simulate_step(scheduler, scheduler.schedule())
+        scheduler.kv_cache.check_integrity()
+    assert scheduler.running and all(r.priority == FLEX for r in scheduler.running)
+    assert scheduler.waiting, "the flood must be holding requests back"
+    urgent = classed(PRIORITY, 100, start=90_000, max_tokens=20, request_id="urgent")
+    scheduler.add_request(urgent)
+    assert scheduler.waiting[0] is urgent  # ahead of every waiting flex request
+    batch = scheduler.schedule()  # the very next step
+    by_id = {s.request_id: s for s in batch.sequences}
+    assert urgent.status == RequestStatus.RUNNING and "urgent" in by_id
+    assert batch.sequences[0].request_id == "urgent"  # its prefill before the flex decodes
+    assert by_id["urgent"].num_scheduled_tokens == 100
+    assert batch.preempted_request_ids  # it made KV room by preempting flex requests
+    assert all(scheduler.waiting[i].priority == FLEX for i in range(len(scheduler.waiting)))
+    simulate_step(scheduler, batch)
+    scheduler.kv_cache.check_integrity()
+    # from then on it decodes every step until it finishes; it is never preempted
+    while not urgent.is_finished:
+        batch = scheduler.schedule()
+        assert "urgent" in {s.request_id for s in batch.sequences}
+        assert "urgent" not in batch.preempted_request_ids
+        simulate_step(scheduler, batch)
+        scheduler.kv_cache.check_integrity()
+    assert urgent.num_preemptions == 0 and urgent.num_output_tokens == 20
+    run_to_completion(scheduler)
+    assert all(r.is_finished and r.num_output_tokens == 64 for r in flood)
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
+
+
+def test_preemption_takes_the_lowest_class_first_then_the_youngest() -> None:
+    # 9 blocks of 16 tokens; three requests of 30 prompt tokens each growing to 80 (5 blocks):
+    # no two of them fit together to the end.
+    scheduler = make_scheduler(num_blocks=9, max_num_batched_tokens=128)
+    flex = classed(FLEX, 30, start=1000, max_tokens=50, request_id="flex")
+    default_old = classed(DEFAULT, 30, start=2000, max_tokens=50, request_id="default-old")
+    default_young = classed(DEFAULT, 30, start=3000, max_tokens=50, request_id="default-young")
+    scheduler.add_request(flex)  # the oldest, but of the lowest class
+    simulate_step(scheduler, scheduler.schedule())
+    for request in (default_old, default_young):
+        scheduler.add_request(request)
+    preempted: list[str] = []
+    for _ in range(1000):
+        if not scheduler.num_unfinished:
+            break
+        batch = scheduler.schedule()
+        for request_id in batch.preempted_request_ids:
+            if request_id != "flex":  # a default request goes only once the flex one holds nothing
+                assert flex not in scheduler.running
+        preempted.extend(batch.preempted_request_ids)
+        simulate_step(scheduler, batch)
+        scheduler.kv_cache.check_integrity()
+    assert preempted[0] == "flex"
+    assert next(p for p in preempted if p != "flex") == "default-young"
+    assert default_old.num_preemptions == 0  # the older of the class keeps its blocks
+    assert all(r.is_finished and r.num_output_tokens == 50 for r in (flex, default_old, default_young))
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
+
+
+def test_a_higher_class_is_never_preempted_for_a_lower_one() -> None:
+    # 12 blocks: the two priority requests grow to 5 blocks each, the flex one to 5 too
+    scheduler = make_scheduler(num_blocks=12, max_num_batched_tokens=128, max_num_seqs=4)
+    urgent = [classed(PRIORITY, 30, start=1000 * (i + 1), max_tokens=50) for i in range(2)]
+    for request in urgent:
+        scheduler.add_request(request)
+    simulate_step(scheduler, scheduler.schedule())
+    late_flex = classed(FLEX, 30, start=50_000, max_tokens=40, request_id="late-flex")
+    scheduler.add_request(late_flex)
+    while any(not r.is_finished for r in urgent):
+        batch = scheduler.schedule()
+        assert not {r.request_id for r in urgent} & set(batch.preempted_request_ids)
+        simulate_step(scheduler, batch)
+        scheduler.kv_cache.check_integrity()
+    assert all(r.num_preemptions == 0 for r in urgent)
+    assert late_flex.num_preemptions >= 1  # it was admitted, and made room when they grew
+    run_to_completion(scheduler)
+    assert late_flex.is_finished and late_flex.num_output_tokens == 40
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
+
+
+def test_waiting_requests_are_admitted_in_class_order_and_fifo_within_a_class() -> None:
+    # one seat: the admission order is the order requests are first scheduled in
+    scheduler = make_scheduler(max_num_batched_tokens=64, max_num_seqs=1)
+    arrivals = [("f1", FLEX), ("d1", DEFAULT), ("p1", PRIORITY), ("f2", FLEX), ("d2", DEFAULT),
+                ("p2", PRIORITY), ("d3", DEFAULT)]
+    requests = {name: classed(priority, 8, start=1000 * (i + 1), max_tokens=2, request_id=name)
+                for i, (name, priority) in enumerate(arrivals)}
+    for request in requests.values():
+        scheduler.add_request(request)
+    assert [r.request_id for r in scheduler.waiting] == ["p1", "p2", "d1", "d2", "d3", "f1", "f2"]
+    order: list[str] = []
+    for batch in run_to_completion(scheduler):
+        order.extend(s.request_id for s in batch.sequences
+                     if s.start_position == 0 and s.request_id not in order)
+    assert order == ["p1", "p2", "d1", "d2", "d3", "f1", "f2"]
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
+
+
+def test_a_priority_arrival_takes_a_seat_from_a_flex_request() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=64, max_num_seqs=2)
+    flex = [classed(FLEX, 8, start=1000 * (i + 1), max_tokens=30) for i in range(2)]
+    default = classed(DEFAULT, 8, start=7000, max_tokens=30)
+    for request in (*flex, default):
+        scheduler.add_request(request)
+    simulate_step(scheduler, scheduler.schedule())
+    assert default in scheduler.running and len(scheduler.running) == 2  # default ran first
+    urgent = classed(PRIORITY, 8, start=9000, max_tokens=3, request_id="urgent")
+    scheduler.add_request(urgent)
+    batch = scheduler.schedule()
+    assert "urgent" in {s.request_id for s in batch.sequences}
+    assert len(batch.preempted_request_ids) == 1
+    assert batch.preempted_request_ids[0] in {r.request_id for r in flex}
+    assert default in scheduler.running  # the default request keeps its seat
+    simulate_step(scheduler, batch)
+    run_to_completion(scheduler)
+    assert all(r.is_finished for r in (*flex, default, urgent))
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
