@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 from aiohttp import web
 from pydantic import ValidationError
 
@@ -140,8 +141,15 @@ def build_request_log_routes(request_log: RequestLog, authenticator: Authenticat
         project = _project(request)
         try:
             body = await read_json(request, 4096)
-            chosen = ProjectLogSettings(**body) if isinstance(body, dict) else None
-        except (BodyError, ValidationError, TypeError) as exc:
+            # strict, as JSON types it: "yes" or 1 is not `true` (pydantic's lax mode took them)
+            chosen = (ProjectLogSettings.model_validate_json(orjson.dumps(body), strict=True)
+                      if isinstance(body, dict) else None)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+                                 for e in exc.errors(include_url=False))
+            raise _Invalid(f"the body must be {{\"enabled\": bool, \"sample_rate\": 0..1}}: "
+                           f"{problems[:200]}") from None
+        except BodyError as exc:
             raise _Invalid(f"the body must be {{\"enabled\": bool, \"sample_rate\": 0..1}}: "
                            f"{str(exc)[:200]}") from None
         if chosen is None:

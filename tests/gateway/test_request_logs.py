@@ -172,6 +172,11 @@ def test_logs_are_opt_in_tenant_scoped_and_switched_through_the_admin_api(
     assert len(served.logs()) == 2
     assert served.admin("PUT", "/projects/other/request-log-settings",
                         json={"sample_rate": 2}).status_code == 400
+    for coerced in ({"enabled": "yes"}, {"enabled": 1}, {"sample_rate": "1"}):  # not JSON's types
+        refused = served.admin("PUT", "/projects/default/request-log-settings", json=coerced)
+        assert refused.status_code == 400, (coerced, refused.text)
+        assert "validation error" not in refused.json()["error"]["message"]  # one line a field
+    assert served.admin("GET", "/projects/default/request-log-settings").json()["enabled"] is True
 
 
 def test_sampling_keeps_about_the_rate_asked() -> None:
