@@ -273,6 +273,11 @@ class KVCacheManager:
         """Drop every retention now (the blocks stay cached, evictable)."""
         self.retention.release_all()
 
+    def release_one_retention(self) -> bool:
+        """Drop the retention that expires soonest (its blocks stay cached, evictable); False when
+        there is none."""
+        return self.retention.release_soonest()
+
     def reset_prefix_cache(self) -> None:
         self.retention.release_all()
         self.pool.reset_prefix_cache()

@@ -14,6 +14,10 @@ Bounds, in distinct blocks: one owner (a project: the cache salt) keeps at most
 fit keeps its leading blocks (the shared head of the prompt, already kept blocks cost nothing) up
 to the bound.
 
+Demand wins: a waiting request that cannot get blocks releases entries, the soonest to expire first,
+until it fits (the scheduler): retention protects a prefix from LRU eviction by other cached content,
+never makes a live request wait.
+
 Superseding: retaining again under the same key (a session's next turn) releases that key's
 previous entry first; and an entry of the same owner whose last block is among the new blocks is
 released too (the new prefix extends it: the next turn of a session that sent no session id).
@@ -118,6 +122,13 @@ class RetentionTable:
             return
         for key in [k for k, e in self._entries.items() if e.expires_at_s <= now_s]:
             self.release(key)
+
+    def release_soonest(self) -> bool:
+        """Release the entry that expires first; False when the table is empty."""
+        if not self._entries:
+            return False
+        self.release(min(self._entries, key=lambda k: self._entries[k].expires_at_s))
+        return True
 
     def release_all(self) -> None:
         for key in list(self._entries):

@@ -216,3 +216,22 @@ def test_on_the_real_engine_retention_expires_holds_its_project_bound_and_an_abo
     manager.release_retention()
     assert manager.num_free_blocks == manager.num_blocks  # no block leaked
     manager.check_integrity()
+
+
+def test_a_waiting_request_takes_retained_blocks_soonest_expiring_first_while_others_run() -> None:
+    from tests.engine.fakes import simulate_step
+
+    scheduler = scheduler_of(50, retention_share_per_owner=0.5)
+    run(scheduler, retained(tokens(160, start=1000), 100, session="soon"),
+        retained(tokens(160, start=5000), 600, session="late"))  # 20 of 50 blocks retained
+    running = make_request(tokens(320, start=20_000), max_tokens=50)  # 21 blocks, keeps running
+    scheduler.add_request(running)
+    for _ in range(3):  # its prefill (256 + 64 tokens), then decoding
+        simulate_step(scheduler, scheduler.schedule())
+    waiting = make_request(tokens(480, start=40_000), max_tokens=1)  # a 255-token chunk: 16 blocks
+    scheduler.add_request(waiting)
+    scheduler.schedule()  # 8 free: only with 10 retained blocks released does it fit
+    assert waiting in scheduler.running and running in scheduler.running  # it did not wait
+    table = scheduler.kv_cache.retention
+    assert [key[1] for key in table._entries] == ["late"]  # the soonest to expire yielded
+    scheduler.kv_cache.check_integrity()
