@@ -12,6 +12,10 @@ sends it) or OpenAI's `prompt_cache_retention` ("in_memory": 5 minutes, "24h") a
 keep the prompt's cached blocks from eviction that long after the request ends (clamped to the
 replica's `--kv-retention-max-s`); `cache_retention_id` (ours) or `prompt_cache_key` names the
 session, whose next retention replaces this one.
+
+Priority classes (engine/scheduler.py): `priority` (vLLM's field: an int, lower is scheduled first;
+the gateway sends it) or OpenAI's `service_tier` (SERVICE_TIER_PRIORITY: "priority" -1, "default" 0,
+"flex" 1; "fast" is "priority", "auto" and "scale" are "default") picks the request's class.
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ from contracts.sampling_params import SamplingParams
 
 # OpenAI's prompt_cache_retention values, in seconds ("in_memory": its caches live 5-10 minutes)
 PROMPT_CACHE_RETENTION_S = {"in_memory": 300.0, "24h": 86_400.0}
+
+# OpenAI's service_tier classes -> the engine's scheduling priority (lower first)
+SERVICE_TIER_PRIORITY = {"priority": -1, "default": 0, "flex": 1}
+SERVICE_TIER_ALIASES = {"fast": "priority", "auto": "default", "scale": "default"}
+MAX_ABS_PRIORITY = 1000
 
 
 class _Body(BaseModel):
@@ -168,6 +177,15 @@ class _SamplingBody(_Body):
     cache_retention_id: str | None = Field(default=None, min_length=1, max_length=128)
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_key: str | None = None
+    priority: int | None = Field(default=None, ge=-MAX_ABS_PRIORITY, le=MAX_ABS_PRIORITY)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
+
+    def priority_class(self) -> int:
+        """The engine's scheduling class, lower first: `priority`, else `service_tier`'s, else 0."""
+        if self.priority is not None:
+            return self.priority
+        tier = SERVICE_TIER_ALIASES.get(self.service_tier or "auto", self.service_tier or "")
+        return SERVICE_TIER_PRIORITY[tier]
 
     def retention(self) -> tuple[float, str | None]:
         """(seconds to keep the prompt's blocks after the request, the session's retention id):

@@ -60,8 +60,8 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        cache_salt: str | None = None,
                        trace_headers: Mapping[str, str] | None = None,
-                       retain_s: float = 0.0, retention_id: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       retain_s: float = 0.0, retention_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         if self._error is not None:
             raise EngineDeadError(str(self._error))
         self.engine.check_prompt(len(prompt_token_ids))  # PromptTooLongError before the first yield
@@ -71,7 +71,7 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
         self._commands.put(("add", (request_id, list(prompt_token_ids), params, cache_salt,
-                                    retain_s, retention_id)))
+                                    retain_s, retention_id, priority)))
         finished = False
         try:
             while not finished:
@@ -147,9 +147,10 @@ class AsyncEngine:
 
     def _apply(self, kind: str, arg: Any) -> None:
         if kind == "add":
-            request_id, prompt, params, salt, retain_s, retention_id = arg
+            request_id, prompt, params, salt, retain_s, retention_id, priority = arg
             try:
-                self.engine.add_request(request_id, prompt, params, salt, retain_s, retention_id)
+                self.engine.add_request(request_id, prompt, params, salt, retain_s, retention_id,
+                                        priority)
             except Exception as exc:  # noqa: BLE001 - reported to that request's stream
                 self._deliver_error(request_id, exc)
         elif kind == "abort":

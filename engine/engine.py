@@ -121,10 +121,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, retain_s: float = 0.0,
-                    retention_id: str | None = None) -> None:
+                    retention_id: str | None = None, priority: int = 0) -> None:
         """`retain_s` > 0: keep the prompt's cached blocks safe from eviction that long after the request
         finishes (clamped to CacheConfig.max_retention_s; bounded per cache salt; `retention_id`
-        names the session whose last retention this one supersedes; engine/kv_cache/retention.py)."""
+        names the session whose last retention this one supersedes; engine/kv_cache/retention.py).
+        `priority`: the scheduling class, lower first (-1 priority, 0 default, 1 flex;
+        engine/scheduler.py)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         if not retain_s >= 0.0:  # (NaN too)
@@ -135,6 +137,7 @@ class LLMEngine:
                           () if params.ignore_eos else self.model_config.eos_token_ids,
                           self.max_model_len, cache_salt)
         request.retain_s, request.retention_id = retain_s, retention_id
+        request.priority = priority
         if params.grammar is not None:
             request.grammar = self.grammars.matcher(params.grammar, cache_salt)  # OutputGrammarError
         if self.kv_cache.enable_caching:

@@ -40,13 +40,15 @@ _DONE = object()
 class FanOut:
     def __init__(self, engine: ServedEngine, subs: list[SubRequest], *, metrics: ReplicaMetrics,
                  cache_salt: str | None = None, trace_headers: Mapping[str, str] | None = None,
-                 retention: tuple[float, str | None] = (0.0, None)) -> None:
-        """`retention`: (seconds, id) of KV retention for every engine request (LLMEngine.add_request)."""
+                 retention: tuple[float, str | None] = (0.0, None), priority: int = 0) -> None:
+        """`retention`: (seconds, id) of KV retention and `priority` (scheduling class, lower first)
+        for every engine request (LLMEngine.add_request)."""
         self._engine = engine
         self._subs = subs
         self._metrics = metrics
         self._cache_salt = cache_salt
         self._retention = retention
+        self._priority = priority
         self._trace_headers = trace_headers
         self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
@@ -101,7 +103,7 @@ class FanOut:
         outputs = self._engine.generate(sub.request_id, sub.prompt_token_ids, sub.params,
                                         cache_salt=self._cache_salt,
                                         trace_headers=self._trace_headers, retain_s=retain_s,
-                                        retention_id=retention_id)
+                                        retention_id=retention_id, priority=self._priority)
         try:
             async for output in outputs:
                 latency.observe(output)

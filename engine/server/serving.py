@@ -122,11 +122,12 @@ class ServingContext:
     @asynccontextmanager
     async def fanout(self, request: web.Request, request_id: str, prompts: list[list[int]],
                      params: SamplingParams, *, cache_salt: str | None, param: str,
-                     retention: tuple[float, str | None] = (0.0, None)
+                     retention: tuple[float, str | None] = (0.0, None), priority: int = 0
                      ) -> AsyncIterator[FanOut]:
         """Started engine requests, `params.n` per prompt, ids `{request_id}-{choice}` when
         there are several; closed (aborting any still running) on exit. `retention`: the
-        body's KV retention (seconds, id: ChatCompletionRequest.retention)."""
+        body's KV retention (seconds, id: ChatCompletionRequest.retention); `priority`: its
+        scheduling class (ChatCompletionRequest.priority_class)."""
         num_choices = len(prompts) * params.n
         subs = [
             SubRequest(index=i, prompt_token_ids=prompts[i // params.n],
@@ -135,7 +136,8 @@ class ServingContext:
             for i in range(num_choices)
         ]
         fanout = FanOut(self.engine, subs, metrics=self.metrics, cache_salt=cache_salt,
-                        trace_headers=trace_headers(request.headers), retention=retention)
+                        trace_headers=trace_headers(request.headers), retention=retention,
+                        priority=priority)
         try:
             try:
                 await fanout.start()

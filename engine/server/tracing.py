@@ -55,7 +55,7 @@ class TracedEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        cache_salt: str | None = None, trace_headers: Mapping[str, str] | None = None,
-                       retain_s: float = 0.0, retention_id: str | None = None
+                       retain_s: float = 0.0, retention_id: str | None = None, priority: int = 0
                        ) -> AsyncIterator[RequestOutput]:
         started_ns = time.time_ns()
         first_output_ns: int | None = None
@@ -63,7 +63,7 @@ class TracedEngine:
         error: BaseException | None = None
         outputs = self.inner.generate(request_id, prompt_token_ids, params, cache_salt=cache_salt,
                                       trace_headers=trace_headers, retain_s=retain_s,
-                                      retention_id=retention_id)
+                                      retention_id=retention_id, priority=priority)
         try:
             async for output in outputs:
                 if first_output_ns is None:

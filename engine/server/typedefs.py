@@ -52,10 +52,11 @@ class ServedEngine(Protocol):
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  cache_salt: str | None = None, trace_headers: Mapping[str, str] | None = None,
-                 retain_s: float = 0.0, retention_id: str | None = None
+                 retain_s: float = 0.0, retention_id: str | None = None, priority: int = 0
                  ) -> AsyncIterator[RequestOutput]:
         """Async generator; raises PromptTooLongError before the first yield; closing it aborts.
-        `retain_s` / `retention_id`: KV retention after the request ends (LLMEngine.add_request)."""
+        `retain_s` / `retention_id`: KV retention after the request ends; `priority`: the
+        scheduling class, lower first (LLMEngine.add_request)."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -115,6 +115,7 @@ class GenerateCall:
     cache_salt: str | None
     trace_headers: dict[str, str]
     retention: tuple[float, str | None] = (0.0, None)  # (retain_s, retention_id)
+    priority: int = 0  # the scheduling class, lower first
 
 
 @dataclass
@@ -152,7 +153,7 @@ class FakeEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        *, cache_salt: str | None = None,
                        trace_headers: Mapping[str, str] | None = None,
-                       retain_s: float = 0.0, retention_id: str | None = None
+                       retain_s: float = 0.0, retention_id: str | None = None, priority: int = 0
                        ) -> AsyncIterator[RequestOutput]:
         num_prompt_tokens = len(prompt_token_ids)
         if num_prompt_tokens + 1 > self.max_model_len:
@@ -160,7 +161,7 @@ class FakeEngine:
         if self.kv_capacity_tokens is not None and num_prompt_tokens >= self.kv_capacity_tokens:
             raise PromptTooLongError(num_prompt_tokens, self.kv_capacity_tokens, "KV cache size")
         call = GenerateCall(request_id, list(prompt_token_ids), params, cache_salt,
-                            dict(trace_headers or {}), (retain_s, retention_id))
+                            dict(trace_headers or {}), (retain_s, retention_id), priority)
         self.calls.append(call)
         num_cached_tokens = self._lookup_prefix(prompt_token_ids, cache_salt)
         reply = self.reply if isinstance(self.reply, str) else self.reply(self.prompt_text(call))

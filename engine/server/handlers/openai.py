@@ -32,7 +32,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                          "messages")
     id_, created = shapes.new_id("chatcmpl"), shapes.now_s()
     async with ctx.fanout(request, id_, [prompt.token_ids], params, cache_salt=req.cache_salt,
-                          param="messages", retention=req.retention()) as fanout:
+                          param="messages", retention=req.retention(),
+                          priority=req.priority_class()) as fanout:
         if req.stream:
             return await stream_chat(request, ctx, req, fanout, id_, created, prompt.text)
         return await complete_chat(ctx, req, fanout, id_, created, prompt.text)
@@ -52,7 +53,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     id_, created = shapes.new_id("cmpl"), shapes.now_s()
     num_choices = len(prompts) * params.n
     async with ctx.fanout(request, id_, prompts, params, cache_salt=req.cache_salt,
-                          param="prompt", retention=req.retention()) as fanout:
+                          param="prompt", retention=req.retention(),
+                          priority=req.priority_class()) as fanout:
         echo = echo_of(req, prompts, ctx.engine.tokenizer)
         if req.stream:
             return await stream_text(request, ctx, req, fanout, num_choices, id_, created, echo)
