@@ -129,11 +129,13 @@ class LineRunner:
                request_id: str) -> tuple[CanonicalRequest, Any]:
         canonical = dialect.parse(body, request_id)
         canonical.stream = False
+        canonical.service_tier = "flex"  # batch lines yield to interactive requests on our replicas
         principal.require_model(canonical.model)
         route = self._pipeline.fleet.get(canonical.model)
         if route is None:
             raise ModelNotFound(f"the model {canonical.model!r} does not exist")
         canonical.project = principal.project
+        canonical.allowed_models = principal.allowed_models
         canonical.cache_salt = self._pipeline.cache_salt_of(principal)
         return canonical, route
 

@@ -101,6 +101,8 @@ class CanonicalRequest:
     tags: tuple[str, ...] = ()
     usage_session: str | None = None
     project: str | None = None  # set after authentication (metering, routing)
+    # set after authentication: the key's models (None: every one); a fallback skips the others
+    allowed_models: frozenset[str] | None = None
     cache_salt: str | None = None  # set after authentication: auth.cache_salt.cache_salt_for
     # (tokenizer path, prompt token ids) when the gateway rendered the prompt at admission (a
     # token limit applies: gateway/request/pipeline.py); the prefix router hashes these, not a new render

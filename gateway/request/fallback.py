@@ -23,7 +23,8 @@ Any other refusal (a 400 for a bad field, a 4xx) ends the request: the next mode
 it too. Within each model, `dispatch` retries across endpoints as before; every hop spends one
 retry from the shared `RetryBudget` (none left: the request ends with the error it has). When the
 chain is exhausted the client gets the last upstream's error (a 429 with its Retry-After and
-x-ratelimit-* headers); a model skipped for having no endpoint adds none over it.
+x-ratelimit-* headers); a model skipped for having no endpoint adds none over it. A model the
+caller's key may not call (its `allowed_models`) is skipped: a fallback is no way around them.
 
 Models of any backend kind chain with each other: the canonical request is backend-neutral, each
 model's backend builds its own upstream body (its `upstream_model`, credential, cache salt).
@@ -171,7 +172,7 @@ class FallbackChains:
             reason = fallback_reason(error, current)
             if reason == "context_length":
                 refused_context = max(refused_context, current.context_length or 0)
-            target = self._next(remaining, reason, refused_context)
+            target = self._next(request, remaining, reason, refused_context)
             if reason is None or target is None or not self._budget.try_withdraw():
                 raise (answered or error) from None
             if self._on_fallback is not None:
@@ -184,7 +185,7 @@ class FallbackChains:
             except GatewayError as exc:
                 error = exc
 
-    def _next(self, remaining: list[str], reason: str | None,
+    def _next(self, request: CanonicalRequest, remaining: list[str], reason: str | None,
               refused_context: int) -> ModelRoute | None:
         """The next model to try (popped from `remaining`), or None: the chain ends."""
         if reason is None:
@@ -192,6 +193,9 @@ class FallbackChains:
         now = time.monotonic()
         while remaining:
             target = self._route(remaining.pop(0))
+            allowed = request.allowed_models
+            if allowed is not None and target.settings.name not in allowed:
+                continue  # the key may not call it: a fallback is no way around that
             if reason == "context_length" and 0 < (target.context_length or 0) <= refused_context:
                 continue  # no longer than one that refused it
             if not any(endpoint.can_serve(now) for endpoint in target.endpoints):

@@ -266,6 +266,7 @@ class Pipeline:
             raise GatewayError("the gateway is shutting down", status=503, code="draining")
         canonical, principal, route = await self.authorize(request, dialect.parse, request_id)
         canonical.project = principal.project
+        canonical.allowed_models = principal.allowed_models
         canonical.cache_salt = self.cache_salt_of(principal)
         canonical.session_id = request.headers.get("x-session-id")
         if keeper is not None:  # e.g. a stored conversation before the input (previous_response_id)

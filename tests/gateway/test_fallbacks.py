@@ -123,6 +123,31 @@ def test_a_429_falls_back_to_the_next_model_which_serves_and_is_billed_once(
     assert _fallbacks_counted(url) == {("model-a", "model-b", "throttled"): 3.0}
 
 
+def test_a_key_limited_to_a_model_is_never_served_by_a_fallback_it_may_not_call(
+        served: Any, loop_thread: LoopThread, tmp_path: Path) -> None:
+    from auth import AuthSettings, open_auth
+
+    url, _, app, throttling, serving = served
+
+    async def make_key() -> str:
+        services = await open_auth(AuthSettings(data_dir=tmp_path))
+        try:
+            return (await services.admin.create_key("default", ["ai_gateway:invoke"],
+                                                    allowed_models=["model-a"]))[1]
+        finally:
+            await services.close()
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key=loop_thread.run(make_key()),
+                           max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError):
+        client.chat.completions.create(model="model-b", messages=HI)
+    for stream in (False, True):  # model-a throttles; its fallback model-b is not this key's
+        with pytest.raises(openai.RateLimitError):
+            client.chat.completions.create(model="model-a", messages=HI, stream=stream)
+    assert len(throttling.bodies) == 2 and serving.bodies == []
+    assert _fallbacks_counted(url) == {}
+
+
 def test_an_exhausted_chain_answers_the_upstreams_429_with_its_retry_after(
         make_gateway: GatewayFactory) -> None:
     gateway, upstreams = _chain_gateway(
