@@ -60,44 +60,46 @@ def order_key(model: str, body: dict[str, Any]) -> bytes:
     return model.encode() + b"\0" + b"".join(digests)
 
 
-def check_line(raw: bytes, index: int, endpoint: str, seen: set[str]
-               ) -> tuple[str, str, dict[str, Any]] | InvalidLine:
-    """(custom_id, model, body) of a line fit to run, or why it is not."""
+def check_line(raw: bytes, index: int, endpoint: str, seen: set[str],
+               line_number: int | None = None) -> tuple[str, str, dict[str, Any]] | InvalidLine:
+    """(custom_id, model, body) of a line fit to run, or why it is not. Messages name the line
+    by `line_number` (1-based in the file, blank lines counted; default `index + 1`)."""
+    number = index + 1 if line_number is None else line_number
     try:
         line = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return InvalidLine(index, None, "invalid_json_line",
-                           f"line {index + 1} is not valid JSON")
+                           f"line {number} is not valid JSON")
     if not isinstance(line, dict):
         return InvalidLine(index, None, "invalid_json_line",
-                           f"line {index + 1} is not a JSON object")
+                           f"line {number} is not a JSON object")
     custom_id = line.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id or len(custom_id) > MAX_CUSTOM_ID_CHARS:
         return InvalidLine(index, None, "missing_custom_id",
-                           f"line {index + 1}: custom_id must be a string of 1 to "
+                           f"line {number}: custom_id must be a string of 1 to "
                            f"{MAX_CUSTOM_ID_CHARS} characters")
     if custom_id in seen:
         return InvalidLine(index, custom_id, "duplicate_custom_id",
-                           f"line {index + 1}: the custom_id {custom_id!r} is used by an "
+                           f"line {number}: the custom_id {custom_id!r} is used by an "
                            "earlier line")
     seen.add(custom_id)
     if line.get("method") != "POST":
         return InvalidLine(index, custom_id, "invalid_method",
-                           f"line {index + 1}: method must be 'POST'")
+                           f"line {number}: method must be 'POST'")
     if line.get("url") != endpoint:
         return InvalidLine(index, custom_id, "mismatched_endpoint",
-                           f"line {index + 1}: url must be the batch's endpoint {endpoint!r}")
+                           f"line {number}: url must be the batch's endpoint {endpoint!r}")
     body = line.get("body")
     if not isinstance(body, dict):
         return InvalidLine(index, custom_id, "invalid_body",
-                           f"line {index + 1}: body must be a JSON object")
+                           f"line {number}: body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         return InvalidLine(index, custom_id, "missing_model",
-                           f"line {index + 1}: body.model must be a string")
+                           f"line {number}: body.model must be a string")
     if body.get("stream"):
         return InvalidLine(index, custom_id, "stream_not_supported",
-                           f"line {index + 1}: a batch line cannot stream")
+                           f"line {number}: a batch line cannot stream")
     return custom_id, model, body
 
 
@@ -110,11 +112,11 @@ def read_plan(path: str, endpoint: str, by_prefix: bool = True) -> Plan:
     model: str | None = None
     index = offset = 0
     with open(path, "rb") as handle:
-        for raw in handle:
+        for line_number, raw in enumerate(handle, 1):
             start, offset = offset, offset + len(raw)
             if not raw.strip():
                 continue
-            checked = check_line(raw, index, endpoint, seen)
+            checked = check_line(raw, index, endpoint, seen, line_number)
             if isinstance(checked, InvalidLine):
                 invalid.append(checked)
             else:

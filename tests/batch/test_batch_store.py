@@ -176,3 +176,16 @@ def test_the_plan_runs_lines_sharing_a_prefix_together_and_sets_malformed_ones_a
     assert [line.index for line in plan.lines if line.custom_id == "l3"] == [4]  # after the bad one
     in_file_order = read_plan(str(path), "/v1/chat/completions", by_prefix=False)  # batch.order
     assert [line.custom_id for line in in_file_order.lines] == [f"l{i}" for i in range(6)]
+
+
+def test_a_bad_line_is_named_by_its_line_number_in_the_file_blank_lines_counted(
+        tmp_path: Path) -> None:
+    good = orjson.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": "m", "messages": []}})
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"\n".join([good, b"", b"  ", b"not json", good]) + b"\n")
+    plan = read_plan(str(path), "/v1/chat/completions")
+    assert plan.num_total == 3  # blank lines are not requests
+    assert [(i.index, i.message) for i in plan.invalid] == [
+        (1, "line 4 is not valid JSON"),  # the editor's line 4, not the 2nd non-blank line
+        (2, "line 5: the custom_id 'a' is used by an earlier line")]
