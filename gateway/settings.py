@@ -174,6 +174,10 @@ class GatewaySettings(BaseSettings):
     key_limits: LimitDefaults = LimitDefaults()  # each key alone, without its own entry below
     project_limits: dict[str, LimitDefaults] = {}  # project name -> its limits
     key_limits_by_id: dict[str, LimitDefaults] = {}  # key id -> its limits
+    # Priority classes (OpenAI's service_tier; our replicas schedule by them): the class of a
+    # request that asks for none or "auto", per project (project name -> class), else the default
+    default_service_tier: Literal["priority", "default", "flex"] = "default"
+    project_service_tiers: dict[str, Literal["priority", "default", "flex"]] = {}
     # Usage writes waiting on the store (queued, in flight, held through a Redis outage), in
     # bytes: past it new requests get 503 `metering_backlogged` until they drain (none dropped).
     metering_backlog_max_bytes: int = Field(64 * 1024 * 1024, gt=0)

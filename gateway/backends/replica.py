@@ -1,6 +1,7 @@
 """Our engine replicas: OpenAI-compatible HTTP plus the request's `cache_salt`,
 `continue_final_message` (Anthropic prefill), KV retention (`cache_retention_s` and
-`cache_retention_id`: gateway/request/retention.py), the prompt's token ids when the gateway
+`cache_retention_id`: gateway/request/retention.py), the scheduling class (`priority`, vLLM's
+int, from the request's service_tier), the prompt's token ids when the gateway
 rendered it already (`prompt_token_ids` + `prompt_render_id`, chat/render.py: the replica does not
 render it again) and /metrics load.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from contracts.replica_protocol import SERVICE_TIER_PRIORITY
 from gateway.backends.openai_compat import OpenAICompatBackend
 from gateway.fleet.endpoints import Endpoint, EndpointLoad
 from gateway.request.canonical import CanonicalRequest, estimate_prompt_tokens
@@ -43,6 +45,9 @@ class ReplicaBackend(OpenAICompatBackend):
             body["cache_retention_s"] = retain_s
             if retention_id is not None:
                 body["cache_retention_id"] = retention_id
+        priority = SERVICE_TIER_PRIORITY.get(request.service_tier or "default", 0)
+        if priority:  # the engine schedules higher classes first (engine/scheduler.py)
+            body["priority"] = priority
         rendered = request.rendered_prompt
         if rendered is not None and request.kind == "chat":
             from gateway.routing.prefix_router import tokenizer_path

@@ -330,6 +330,10 @@ class AnthropicMessages(Dialect):
                                "combined with output_config.format")
         _parse_thinking(body, request)
         request.cache_retention_s = _cache_retention_s(body)
+        tier = body.get("service_tier")  # "standard_only": the default class; "auto": the project's
+        if tier is not None and tier not in ("auto", "standard_only"):
+            raise InvalidParam("service_tier", "must be 'auto' or 'standard_only'")
+        request.service_tier = "default" if tier == "standard_only" else None
         check_sampling(request, {"stop": "stop_sequences"})
         return request
 

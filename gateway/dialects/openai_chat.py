@@ -132,7 +132,8 @@ class OpenAIChat(Dialect):
                 "created": int(time.time()), "model": request.model,
                 "choices": [_choice_json(index, choice)
                             for index, choice in enumerate((response, *response.others))],
-                "usage": common.usage_json(response.usage)}
+                "usage": common.usage_json(response.usage),
+                "service_tier": request.service_tier or "default"}
 
     def encoder(self, request: CanonicalRequest) -> StreamEncoder:
         return _ChatEncoder(request)
@@ -169,7 +170,9 @@ class _ChatEncoder(StreamEncoder):
         self._choices_head = (b'data: {"id":"chatcmpl-' + request.request_id.encode()
                               + b'","object":"chat.completion.chunk","created":'
                               + str(int(time.time())).encode() + b',"model":'
-                              + orjson.dumps(request.model) + b',"choices":[{"index":')
+                              + orjson.dumps(request.model) + b',"service_tier":'
+                              + orjson.dumps(request.service_tier or "default")
+                              + b',"choices":[{"index":')
         self._heads = [self._choices_head + str(c).encode() + b',"delta":' for c in range(request.n)]
         self._tail = b',"logprobs":null,"finish_reason":null}]}\n\n'
 
@@ -208,7 +211,8 @@ class _ChatEncoder(StreamEncoder):
         if self._request.include_usage:
             out += common.sse_data({
                 "id": f"chatcmpl-{self._request.request_id}", "object": "chat.completion.chunk",
-                "created": int(time.time()), "model": self._request.model, "choices": [],
+                "created": int(time.time()), "model": self._request.model,
+                "service_tier": self._request.service_tier or "default", "choices": [],
                 "usage": common.usage_json(response.usage)})
         return out + common.SSE_DONE
 

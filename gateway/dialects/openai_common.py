@@ -84,6 +84,21 @@ def parse_cache_retention(body: dict[str, Any]) -> float | None:
     return max(found) if found else None
 
 
+SERVICE_TIERS = ("auto", "default", "flex", "priority", "fast", "scale")
+
+
+def parse_service_tier(body: dict[str, Any]) -> str | None:
+    """OpenAI's `service_tier` as a scheduling class ("priority", "default", "flex"); None for
+    "auto" or none given (the project's default class). "fast" is "priority"; "scale" (reserved
+    capacity, which is not offered) is "default"."""
+    value = body.get("service_tier")
+    if value is None or value == "auto":
+        return None
+    if value not in SERVICE_TIERS:
+        raise InvalidParam("service_tier", "must be one of 'auto', 'default', 'flex', 'priority'")
+    return {"fast": "priority", "scale": "default"}.get(str(value), str(value))
+
+
 def parse_sampling(body: dict[str, Any], request: CanonicalRequest, *, max_tokens_keys: tuple[str, ...]
                    ) -> None:
     """temperature, top_p, penalties, n, seed, stop, max tokens, stream, stream_options, user
@@ -92,6 +107,7 @@ def parse_sampling(body: dict[str, Any], request: CanonicalRequest, *, max_token
     request.user = get_str(body, "user")
     request.prompt_cache_key = get_str(body, "prompt_cache_key")
     request.cache_retention_s = parse_cache_retention(body)
+    request.service_tier = parse_service_tier(body)
     for key in max_tokens_keys:
         value = get_int(body, key, minimum=0 if request.echo else 1)
         if value is not None:

@@ -232,6 +232,7 @@ def _response(request: CanonicalRequest, response: CanonicalResponse | None) -> 
             "text": {"format": _text_format_json(request.response_format)},
             "reasoning": {"effort": request.reasoning_effort, "summary": None},
             "truncation": "disabled", "metadata": stated.metadata,
+            "service_tier": request.service_tier or "default",
             # no usage before the end (the spec's `usage` is an object or absent, never null)
             **({"usage": _usage(response.usage)} if response is not None else {})}
 
@@ -320,6 +321,7 @@ class OpenAIResponses(Dialect):
         request.user = get_str(body, "user")
         request.prompt_cache_key = get_str(body, "prompt_cache_key")
         request.cache_retention_s = common.parse_cache_retention(body)
+        request.service_tier = common.parse_service_tier(body)
         reasoning = get_object(body, "reasoning")
         if reasoning is not None:
             request.reasoning_effort = common.parse_reasoning_effort(reasoning.get("effort"),

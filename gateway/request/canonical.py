@@ -97,6 +97,10 @@ class CanonicalRequest:
     session_id: str | None = None  # `x-session-id` header: optional routing affinity
     # OpenAI's prompt_cache_key: the routing affinity key, ahead of session_id and user
     prompt_cache_key: str | None = None
+    # the scheduling class ("priority", "default", "flex"): as asked (OpenAI service_tier; None:
+    # "auto"), then, after authentication, the one used (the project's default when unasked).
+    # Our replicas schedule by it (contracts/replica_protocol.py); the answer echoes it
+    service_tier: str | None = None
     # what the usage record is labelled with (gateway/request/usage_tags.py)
     tags: tuple[str, ...] = ()
     usage_session: str | None = None

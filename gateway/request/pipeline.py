@@ -272,6 +272,8 @@ class Pipeline:
         if keeper is not None:  # e.g. a stored conversation before the input (previous_response_id)
             await keeper.prepare(canonical, principal)
         canonical.usage_session = usage_session(canonical)
+        canonical.service_tier = canonical.service_tier or self.settings.project_service_tiers.get(
+            principal.project, self.settings.default_service_tier)
         max_tokens = canonical.max_tokens  # per choice; 0 (echo scoring a prompt) reserves none
         if max_tokens is None:
             max_tokens = self.settings.default_max_tokens
