@@ -76,9 +76,14 @@ class Guardrails:
         self.num_blocked[key] = self.num_blocked.get(key, 0) + 1
 
 
+# kinds whose texts are `prompt` and `extra_prompts` (an embeddings request's inputs too: a guard
+# on a model applies to what is embedded as much as to what is generated)
+_PROMPT_KINDS = ("completion", "embedding")
+
+
 def _parts_of(request: CanonicalRequest) -> list[TextPart]:
     parts = [TextPart(message.role, message.content) for message in request.messages]
-    if request.kind == "completion":
+    if request.kind in _PROMPT_KINDS:
         parts.append(TextPart("prompt", request.prompt))
         parts += [TextPart("prompt", p) for p in request.extra_prompts if isinstance(p, str)]
     return parts
@@ -93,7 +98,7 @@ def _write_back(request: CanonicalRequest, parts: list[TextPart]) -> bool:
         if part.text != message.content:
             request.messages[index] = dataclasses.replace(message, content=part.text)
             changed = True
-    if request.kind == "completion":
+    if request.kind in _PROMPT_KINDS:
         prompts = iter(parts[num_messages:])
         text = next(prompts).text
         if text != request.prompt:

@@ -393,3 +393,32 @@ def test_held_text_goes_out_before_a_tool_call_and_finish_waits_for_it() -> None
     before = "".join(e.text for e in out[:kinds.index("ToolCallDelta")] if isinstance(e, TextDelta))
     after = "".join(e.text for e in out[kinds.index("ToolCallDelta"):] if isinstance(e, TextDelta))
     assert before == "call me at +1 415 555 " and after == "2671 later"  # (split by the call)
+
+
+def test_request_guards_check_every_text_of_an_embeddings_request() -> None:
+    from gateway.dialects.openai_embeddings import OpenAIEmbeddings
+    from gateway.guardrails.base import GuardrailBlocked
+    from gateway.guardrails.chain import Guardrails
+    from gateway.guardrails.settings import GuardrailSettings
+
+    def parsed(texts: Any) -> Any:
+        return OpenAIEmbeddings().parse({"model": MODEL, "input": texts}, "r")
+
+    masking = Guardrails([(GuardrailSettings(name="pii", type="pii", stages=("request",)),
+                           PiiGuard("pii", {}, CONTEXT))])
+    request = parsed(["mail bob@example.com", "plain", "or ann@example.org"])
+    guards = masking.for_request(request)
+    assert guards is not None
+    asyncio.run(guards.check_request(request))
+    assert [request.prompt, *request.extra_prompts] == ["mail [EMAIL]", "plain", "or [EMAIL]"]
+    tokens = parsed([[1, 2, 3]])  # token ids: nothing to read, passed as they are
+    asyncio.run(masking.for_request(tokens).check_request(tokens))  # type: ignore[union-attr]
+    assert tokens.prompt_token_ids == [1, 2, 3]
+
+    words = {"words": ["project zeus"]}
+    denying = Guardrails([(GuardrailSettings(name="deny", type="regex", stages=("request",),
+                                             options=words),
+                           RegexGuard("deny", words, CONTEXT))])
+    request = parsed(["fine", "all about Project Zeus"])
+    with pytest.raises(GuardrailBlocked):
+        asyncio.run(denying.for_request(request).check_request(request))  # type: ignore[union-attr]
