@@ -2,9 +2,9 @@
 
 Each step: running requests first (a decode token each, or the next prefill chunk), then waiting requests
 (chunked prefill: a long prompt takes what is left of the budget, so it never stalls requests that are
-already streaming). When the KV cache runs out, the youngest running request is preempted (its blocks are
-freed; it goes back to the front of the waiting queue and later recomputes, mostly from its own prefix-cache
-hits). Requests never leave the running list except by finishing, aborting or preemption.
+already streaming). When the KV cache runs out, the youngest running request of the lowest class is
+preempted (its blocks are freed; it goes back to the front of its class in the waiting queue and later
+recomputes, mostly from its own prefix-cache hits). Requests never leave the running list except by finishing, aborting or preemption.
 
 Prefix-aware admission: among the first `prefix_aware_window` waiting requests of the head's class the one
 with the most cached prompt tokens goes first (it costs the least prefill); the head of the queue is passed
