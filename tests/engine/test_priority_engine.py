@@ -1,0 +1,56 @@
+"""Priority classes on the real model (SmolLM2-135M): a priority request added behind a flood of flex
+requests that hold every seat gets its first token at the next step, its greedy output is what it is
+alone, and every block is free afterwards."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from contracts.sampling_params import SamplingParams
+from engine.outputs import RequestOutput
+from tests.engine.conftest import EngineFactory
+from tests.engine.fakes import Completion, assert_idle_and_clean, collect, drive, generate
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def test_a_priority_request_is_not_held_back_by_a_flex_flood(make_engine: EngineFactory,
+                                                            tokenizer: Any) -> None:
+    engine = make_engine(max_num_seqs=4, max_num_batched_tokens=128, enable_prefix_caching=False)
+    urgent_prompt = tokenizer.encode_chat([{"role": "user", "content": "Name a colour."}])
+    alone = generate(engine, {"alone": urgent_prompt}, GREEDY)["alone"]
+    flood = {f"flex-{i}": tokenizer.encode_chat([{"role": "user", "content": f"Count to {i + 3}."}])
+             for i in range(12)}
+    for request_id, prompt in flood.items():
+        engine.add_request(request_id, prompt, GREEDY, priority=1)
+    first_token_step: dict[str, int] = {}
+    results: dict[str, Completion] = {}
+    step = 0
+
+    def on_step(index: int) -> None:
+        nonlocal step
+        step = index
+        if index == 3:  # every seat taken by flex requests, eight more waiting
+            assert len(engine.scheduler.running) == 4 and len(engine.scheduler.waiting) == 8
+            engine.add_request("urgent", urgent_prompt, GREEDY, priority=-1)
+
+    original_step = engine.step
+
+    def recording_step() -> list[RequestOutput]:
+        outputs = original_step()
+        for output in outputs:
+            if output.new_token_ids:
+                first_token_step.setdefault(output.request_id, step)
+            collect(results, output)
+        return outputs
+
+    engine.step = recording_step  # type: ignore[method-assign]
+    try:
+        drive(engine, on_step=on_step)
+    finally:
+        del engine.step
+    assert first_token_step["urgent"] == 3  # the step right after it arrived
+    assert results["urgent"].token_ids == alone.token_ids
+    assert all(len(results[r].token_ids) == 12 for r in flood)
+    assert engine.scheduler.num_preemptions_total >= 1  # a flex request gave up its seat
+    assert_idle_and_clean(engine)
