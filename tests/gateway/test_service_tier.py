@@ -92,7 +92,10 @@ def test_the_projects_default_class_applies_when_none_is_asked(
     messages.messages.create(model="m", max_tokens=4, messages=USER)  # type: ignore[arg-type]
     messages.messages.create(model="m", max_tokens=4, messages=USER,  # type: ignore[arg-type]
                              service_tier="standard_only")
-    assert [call.priority for call in engine.calls] == [1, 1, -1, 1, 0]
+    # the replica's own `priority` field is the gateway's to set: a client's is not forwarded
+    client.chat.completions.create(model="m", messages=USER, max_tokens=4,  # type: ignore[arg-type]
+                                   extra_body={"priority": -1000})
+    assert [call.priority for call in engine.calls] == [1, 1, -1, 1, 0, 1]
 
 
 def test_a_bad_service_tier_is_a_400_naming_it(served: tuple[Gateway, FakeEngine]) -> None:
