@@ -148,6 +148,9 @@ def test_the_sdk_flow_maps_custom_ids_and_meters_each_line_once_at_the_batch_pri
         assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
     assert done.usage.output_tokens == sum(o["response"]["body"]["usage"]["completion_tokens"]
                                            for o in outputs)
+    questions = {f"question {i}" for i in range(6)}
+    sent = [b for b in served.state.bodies if b.get("messages", [{}])[-1].get("content") in questions]
+    assert len(sent) >= 6 and all(b.get("priority") == 1 for b in sent)  # lines run as flex
     ledger = served.ledger(batch.id + "/")
     assert [row[0] for row in ledger] == [f"{batch.id}/{i}" for i in range(6)]
     for _, prompt, completion, cost_nanos in ledger:  # the interactive price, halved
