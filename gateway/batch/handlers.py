@@ -326,6 +326,9 @@ async def cancel_batch(request: web.Request) -> web.Response:
         raise ApiError(409, "invalid_state",
                        f"a batch that is {record.status} cannot be cancelled")
     cancelled = await service.store.request_cancel(principal.project, record.id, now_s())
+    if cancelled is not None and cancelled.cancelling_at is None:  # it ended in between
+        raise ApiError(409, "invalid_state",
+                       f"a batch that is {cancelled.status} cannot be cancelled")
     service.runner.wake()
     return _json((cancelled or record).to_openai())
 
