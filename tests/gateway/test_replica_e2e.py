@@ -401,8 +401,10 @@ def test_sdk_cache_retention_fields_keep_a_prefix_through_pressure_that_evicts_o
     claude = anthropic.Anthropic(base_url=url + "/anthropic", api_key="x", max_retries=0, timeout=120)
     seqs = {r.url: _last_seq(r.url) for r in two_replicas}
     started = time.time()
+    # (the same system prompt: on the replica whose project share the first session filled, its
+    # head is already kept and costs nothing, so this retention is recorded wherever it lands)
     claude.messages.create(model=model, max_tokens=2, system=[
-        {"type": "text", "text": "Customs desk rules. " * 30, "cache_control": {"type": "ephemeral", "ttl": "5m"}}],
+        {"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "5m"}}],
         messages=[{"role": "user", "content": "Form 12?"}])
     untils = [t for r in two_replicas for t in _retained_until(r.url, seqs[r.url])]
     assert untils and all(started + 295 <= t <= time.time() + 301 for t in untils)
