@@ -27,8 +27,11 @@ the gateway rendered both with one tokenizer (`CanonicalRequest.rendered_prompt`
 from the characters before it (~4 a token, `is_exact` false). Nothing of the prompt's text is
 kept beyond the previous turn's parts, nor shown: only names of parts and offsets.
 
-The store is a ByteLRU (infra/byte_lru.py) bounded in bytes of what it holds (parts, token ids,
-the last `max_turns` turns' rows); a session whose entry is over `max_entry_bytes` is not kept.
+The store is one ByteLRU (infra/byte_lru.py) per project, each bounded in bytes of what it holds
+(parts, token ids, the last `max_turns` turns' rows) to `max_bytes // PROJECT_SHARES`, and all of
+them to `max_bytes` (the least recently used project's sessions go first): one project's sessions
+never evict another's while fewer than PROJECT_SHARES projects are active. A session whose entry
+is over `max_entry_bytes` is not kept.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import time
 from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,16 +186,34 @@ def diverge(previous: list[tuple[str, str]], current: list[tuple[str, str]]
 class CacheExplainer:
     """Per (project, session): the previous turn's parts and token ids, and its last turns."""
 
+    PROJECT_SHARES = 8  # a project's sessions hold at most max_bytes / 8
+
     def __init__(self, max_bytes: int, max_turns: int = 64,
                  max_entry_bytes: int | None = None) -> None:
         self.max_bytes = max_bytes
-        self._sessions: ByteLRU[bytes, _Session] = ByteLRU(
-            max_bytes, max_entry_bytes if max_entry_bytes is not None else max_bytes // 8)
+        self.max_project_bytes = max_bytes // self.PROJECT_SHARES
+        self.max_entry_bytes = (max_entry_bytes if max_entry_bytes is not None
+                                else self.max_project_bytes)
+        self._projects: OrderedDict[str, ByteLRU[bytes, _Session]] = OrderedDict()
         self.max_turns = max_turns
 
     @property
     def num_bytes(self) -> int:
-        return self._sessions.num_bytes
+        return sum(sessions.num_bytes for sessions in self._projects.values())
+
+    def _get(self, project: str, key: bytes) -> _Session | None:
+        sessions = self._projects.get(project)
+        return sessions.get(key) if sessions is not None else None
+
+    def _put(self, project: str, key: bytes, state: _Session) -> None:
+        sessions = self._projects.get(project)
+        if sessions is None:
+            sessions = self._projects[project] = ByteLRU(self.max_project_bytes,
+                                                         self.max_entry_bytes)
+        self._projects.move_to_end(project)
+        sessions.put(key, state, state.num_bytes())
+        while len(self._projects) > 1 and self.num_bytes > self.max_bytes:
+            self._projects.popitem(last=False)  # the least recently used project's sessions
 
     def explain(self, request: CanonicalRequest) -> SessionTurn | None:
         """This request as its session's next turn (compared with the previous one, which it
@@ -199,12 +221,13 @@ class CacheExplainer:
         session = session_of(request)
         if session is None:
             return None
-        key = _key(request.project or "", session)
+        project = request.project or ""
+        key = _key(project, session)
         parts = prompt_parts(request)
         rendered = request.rendered_prompt
         ids = array("i", rendered[1]) if rendered is not None else None
         tokenizer = rendered[0] if rendered is not None else None
-        state = self._sessions.get(key)
+        state = self._get(project, key)
         divergence = None
         if state is not None:
             found = diverge(state.parts, parts)
@@ -220,7 +243,7 @@ class CacheExplainer:
         state.parts, state.token_ids, state.tokenizer = parts, ids, tokenizer
         state.num_turns += 1
         state.turns = [*state.turns[-(self.max_turns - 1):], turn] if self.max_turns else []
-        self._sessions.put(key, state, state.num_bytes())
+        self._put(project, key, state)
         return turn
 
     def settle(self, turn: SessionTurn, num_prompt_tokens: int, num_cached_tokens: int,
@@ -228,14 +251,14 @@ class CacheExplainer:
         """The turn with its answer's prompt and cached tokens (kept for the dashboard)."""
         answered = SessionTurn(turn.turn, turn.request_id, turn.at_s, turn.divergence,
                                num_prompt_tokens, num_cached_tokens)
-        state = self._sessions.get(_key(project, session))
+        state = self._get(project, _key(project, session))
         if state is not None:
             state.turns = [answered if t is turn else t for t in state.turns]
         return answered
 
     def turns(self, project: str, session: str) -> list[SessionTurn]:
         """The session's last turns (oldest first), [] for a session this project never sent."""
-        state = self._sessions.get(_key(project, session))
+        state = self._get(project, _key(project, session))
         return list(state.turns) if state is not None else []
 
 

@@ -80,6 +80,23 @@ def test_the_store_is_bounded_in_bytes_and_keyed_by_project() -> None:
     assert explainer.turns("q", "nope") == []
 
 
+def test_one_projects_sessions_never_evict_anothers() -> None:
+    """Each project's sessions have their own share of the bytes: a tenant sending thousands of
+    sessions evicts only its own, never another tenant's history."""
+    explainer = CacheExplainer(max_bytes=64 * 1024)
+    theirs = _request(messages=[Message("user", "a quiet session")], prompt_cache_key="quiet")
+    theirs.project = "q"
+    explainer.explain(theirs)
+    for i in range(500):
+        explainer.explain(_request(messages=[Message("user", "x" * 2000)],
+                                   prompt_cache_key=f"flood-{i}"))
+    assert explainer.num_bytes <= 64 * 1024
+    assert [t.turn for t in explainer.turns("q", "quiet")] == [1]
+    again = _request(messages=[Message("user", "a quiet session")], prompt_cache_key="quiet")
+    again.project = "q"
+    assert explainer.explain(again).turn == 2  # type: ignore[union-attr]
+
+
 def test_the_openai_sdk_is_told_which_message_changed(make_gateway: GatewayFactory,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIGW_TRACING", "1")
