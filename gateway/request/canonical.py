@@ -104,6 +104,13 @@ class CanonicalRequest:
     # what the usage record is labelled with (gateway/request/usage_tags.py)
     tags: tuple[str, ...] = ()
     usage_session: str | None = None
+    # how long the client asked the prompt's prefix to stay cached after the request, in seconds
+    # (Anthropic cache_control ttl "5m" / "1h", OpenAI prompt_cache_retention); None: not asked.
+    # Our replicas get it as KV retention, clamped (gateway/request/retention.py)
+    cache_retention_s: float | None = None
+    # set after authentication (gateway/request/retention.py): the KV retention our replicas are
+    # asked for, (seconds, session retention id); (0.0, None): none
+    kv_retention: tuple[float, str | None] = (0.0, None)
     project: str | None = None  # set after authentication (metering, routing)
     # set after authentication: the key's models (None: every one); a fallback skips the others
     allowed_models: frozenset[str] | None = None

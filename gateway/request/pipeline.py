@@ -68,6 +68,7 @@ from gateway.request.errors import (
 )
 from gateway.request.fallback import FallbackChains, FallbackObserver
 from gateway.request.keeper import AnswerKeeper
+from gateway.request.retention import RetentionPolicy, RetentionSettings
 from gateway.request.settlement import Settlement
 from gateway.request.usage import (
     COST_HEADER,
@@ -221,6 +222,9 @@ class Pipeline:
         # served app, whose store it is); None: off, nothing done per request
         self.guardrails = build_chain(settings, fleet, router, self.retry_budget, self._watchdog)
         self.request_log: RequestLog | None = None
+        self.retention = RetentionPolicy(RetentionSettings(
+            settings.max_cache_retention_s, settings.session_cache_retention_s,
+            settings.cache_retention_max_sessions))
 
     async def wait_settled(self, timeout_s: float = 5.0) -> None:
         """Shutdown, before the meter closes: let the settlements that count a prompt first
@@ -272,6 +276,7 @@ class Pipeline:
         if keeper is not None:  # e.g. a stored conversation before the input (previous_response_id)
             await keeper.prepare(canonical, principal)
         canonical.usage_session = usage_session(canonical)
+        canonical.kv_retention = self.retention.decide(canonical)
         canonical.service_tier = canonical.service_tier or self.settings.project_service_tiers.get(
             principal.project, self.settings.default_service_tier)
         max_tokens = canonical.max_tokens  # per choice; 0 (echo scoring a prompt) reserves none
@@ -655,8 +660,8 @@ def _after_start(exc: BaseException, settings: GatewaySettings) -> UpstreamError
 
 class _Outcome:
     __slots__ = ("accumulator", "endpoint", "error", "explain_route", "guards", "is_logged",
-                 "keeper", "num_prompt_tokens", "replica", "route", "settlement", "turn", "debug", "announced", "settles_before_answer",
-                 "show_overhead", "status")
+                 "keeper", "num_prompt_tokens", "replica", "route", "settlement", "turn", "debug", "announced",
+                 "settles_before_answer", "show_overhead", "status")
 
     def __init__(self, route: ModelRoute) -> None:
         self.route = route  # the model that serves: the requested one, or a fallback after a hop
@@ -672,10 +677,10 @@ class _Outcome:
         self.settlement: Settlement  # set once admitted: the one settle of this request
         self.settles_before_answer = False  # limited requests: settled before the answer goes out
         self.show_overhead = False  # x-aigw-overhead-ms: admin callers only
+        self.keeper: AnswerKeeper | None = None  # stores the answer before it is sent
         self.guards: RequestGuards | None = None  # the guardrails that apply to this request
         self.is_logged = False  # sampled for the request log
         self.error: tuple[str, str] | None = None  # (code, message) answered, for the log
-        self.keeper: AnswerKeeper | None = None  # stores the answer before it is sent
 
     def needs_prompt_count(self) -> bool:
         """An endpoint answered (so it processed the prompt) but no usage arrived, not even the

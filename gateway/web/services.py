@@ -91,8 +91,8 @@ async def create_served_app(settings: GatewaySettings) -> web.Application:
     app = create_app(settings, authenticator=auth.authenticator, meter=meter,
                      cache_salt_of=lambda principal: cache_salt_for(principal, auth_settings))
     app.add_routes(build_admin_routes(auth, ADMIN_PREFIX))
-    await attach_request_log(app, settings, auth, ADMIN_PREFIX)  # (gateway/request_logs/)
     app.add_routes(build_limit_routes(auth, limits, ADMIN_PREFIX))
+    await attach_request_log(app, settings, auth, ADMIN_PREFIX)  # (gateway/request_logs/)
 
     async def close_services(_: web.Application) -> AsyncIterator[None]:
         yield
