@@ -168,7 +168,7 @@ class LineRunner:
         accumulator, endpoint_name, status = Accumulator(), "", 502
         error: GatewayError | None = None
         chain = getattr(pipeline, "guardrails", None)  # the interactive requests' guardrails
-        guards = chain.for_request(canonical) if chain is not None else None
+        guards = chain.for_request(canonical, principal) if chain is not None else None
         if guards is not None:
             try:
                 await guards.check_request(canonical)

@@ -54,11 +54,16 @@ class GuardedRequest:
     project: str | None
     parts: list[TextPart] = field(default_factory=list)
     cache_salt: str | None = None  # the tenant's prompt-cache salt (for a classifier call)
+    # who a classifier call is billed to (auth.principal.Principal; None: not metered) and the
+    # request it guards (its usage records are named after it)
+    principal: Any = None
+    request_id: str = ""
 
 
-# (model, [(role, content)], max_tokens, cache_salt) -> the model's answer text; raises
-# GatewayError (a route that does not exist, an upstream failure)
-Complete = Callable[[str, list[tuple[str, str]], int, "str | None"], Awaitable[str]]
+# (model, [(role, content)], max_tokens, the guarded request) -> the model's answer text, the
+# call metered to the request's principal; raises GatewayError (a route that does not exist, an
+# upstream failure)
+Complete = Callable[[str, list[tuple[str, str]], int, GuardedRequest], Awaitable[str]]
 
 
 @dataclass(frozen=True, slots=True)

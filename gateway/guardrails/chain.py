@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway.guardrails.base import (
     GuardedRequest,
@@ -59,7 +59,10 @@ class Guardrails:
         self.num_blocked: dict[tuple[str, str], int] = {}
         self.num_rewritten: dict[str, int] = {}
 
-    def for_request(self, request: CanonicalRequest) -> RequestGuards | None:
+    def for_request(self, request: CanonicalRequest, principal: Any = None
+                    ) -> RequestGuards | None:
+        """The guards that apply to `request`; a model guard's calls are billed to `principal`
+        (None: not metered)."""
         on_request, on_response = [], []
         for settings, guard in self._guards:
             if settings.applies_to(request.model, request.project):
@@ -69,7 +72,7 @@ class Guardrails:
                     on_response.append(guard)
         if not on_request and not on_response:
             return None
-        return RequestGuards(self, on_request, on_response)
+        return RequestGuards(self, on_request, on_response, principal)
 
     def count_block(self, blocked: GuardrailBlocked) -> None:
         key = (blocked.guardrail, blocked.stage)
@@ -115,8 +118,9 @@ def _write_back(request: CanonicalRequest, parts: list[TextPart]) -> bool:
 
 class RequestGuards:
     def __init__(self, owner: Guardrails, on_request: list[Guardrail],
-                 on_response: list[Guardrail]) -> None:
+                 on_response: list[Guardrail], principal: Any = None) -> None:
         self._owner = owner
+        self._principal = principal
         self._on_request = on_request
         self._on_response = on_response
         self._rewrites = any(guard.rewrites_response for guard in on_response)
@@ -124,8 +128,7 @@ class RequestGuards:
 
     async def check_request(self, request: CanonicalRequest) -> None:
         """Run the request guards (raises GuardrailBlocked); masked texts are written back."""
-        view = self._view = GuardedRequest(request.model, request.project, _parts_of(request),
-                                           request.cache_salt)
+        view = self._view = self._guarded(request)
         for guard in self._on_request:
             before = [part.text for part in view.parts]
             try:
@@ -139,6 +142,10 @@ class RequestGuards:
                 self._owner.num_rewritten[guard.name] = self._owner.num_rewritten.get(guard.name,
                                                                                       0) + 1
         _write_back(request, view.parts)
+
+    def _guarded(self, request: CanonicalRequest) -> GuardedRequest:
+        return GuardedRequest(request.model, request.project, _parts_of(request),
+                              request.cache_salt, self._principal, request.request_id)
 
     def body_masker(self) -> Callable[[str], str] | None:
         """What the request guards that mask (`mask_text`) do to a text, for the request log's
@@ -160,8 +167,7 @@ class RequestGuards:
         if not self._on_response:
             return
         if self._view is None:
-            self._view = GuardedRequest(request.model, request.project, _parts_of(request),
-                                        request.cache_salt)
+            self._view = self._guarded(request)
         guarded = self._events(attempt.first_event, attempt.events)
         attempt.events = guarded
         try:
@@ -266,13 +272,15 @@ class RequestGuards:
 
 
 def build_chain(settings: GatewaySettings, fleet: Fleet, router: Router, budget: RetryBudget,
-                watchdog: Watchdog) -> Guardrails | None:
-    """The configured guardrails (a model guard's calls routed like the pipeline's); None when
-    none is configured. (Their settings were checked when the config was read.)"""
+                watchdog: Watchdog, meter: Any = None) -> Guardrails | None:
+    """The configured guardrails (a model guard's calls routed like the pipeline's and metered
+    to `meter`); None when none is configured. (Their settings were checked when the config was
+    read.)"""
     if not settings.guardrails:
         return None
     from gateway.guardrails import build_guardrails
     from gateway.guardrails.completer import make_completer
 
     return Guardrails(build_guardrails(settings.guardrails,
-                                       make_completer(fleet, router, settings, budget, watchdog)))
+                                       make_completer(fleet, router, settings, budget, watchdog,
+                                                      meter)))

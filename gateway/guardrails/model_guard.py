@@ -16,8 +16,9 @@ whether the conversation is safe, and blocks when its answer says "unsafe".
 The request stage sends the request's messages (a completion prompt as one user message); the
 response stage sends them followed by the answer as the assistant's turn: Llama Guard's chat
 template then classifies the agent's last turn. The classifier call is routed, retried and
-timed out like any request to that model, with the caller's prompt-cache salt; it is not metered
-(its tokens are the gateway's own cost of the guard).
+timed out like any request to that model, with the caller's prompt-cache salt, and metered to the
+caller: one usage record per classifier call, at the classifier model's price, named
+`<request id>/guard-<n>` and tagged `guardrail` (gateway/guardrails/completer.py).
 """
 
 from __future__ import annotations
@@ -71,8 +72,7 @@ class ModelGuard(Guardrail):
             turns.append(("assistant", answer))
         turns = _last_chars(turns, self.max_chars)
         try:
-            verdict = await self.context.complete(self.model, turns, self.max_tokens,
-                                                  request.cache_salt)
+            verdict = await self.context.complete(self.model, turns, self.max_tokens, request)
         except Exception as exc:  # noqa: BLE001 - GatewayError, or a backend's own bug
             log.warning("guardrail %s: the classifier %s failed: %s", self.name, self.model,
                         exc.message if isinstance(exc, GatewayError) else repr(exc))

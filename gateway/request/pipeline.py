@@ -220,7 +220,8 @@ class Pipeline:
         self._counting: set[asyncio.Task[None]] = set()  # _count_and_settle tasks in flight
         # guardrails (gateway/guardrails/) and request logs (gateway/request_logs/; set by the
         # served app, whose store it is); None: off, nothing done per request
-        self.guardrails = build_chain(settings, fleet, router, self.retry_budget, self._watchdog)
+        self.guardrails = build_chain(settings, fleet, router, self.retry_budget, self._watchdog,
+                                      meter)
         self.request_log: RequestLog | None = None
         self.retention = RetentionPolicy(RetentionSettings(
             settings.max_cache_retention_s, settings.session_cache_retention_s,
@@ -391,7 +392,8 @@ class Pipeline:
         outcome.show_overhead = not self.settings.auth_enabled or may_see_overhead(principal)
         outcome.is_logged = self.request_log is not None and self.request_log.sample(
             principal.project)
-        outcome.guards = self.guardrails.for_request(canonical) if self.guardrails else None
+        outcome.guards = (self.guardrails.for_request(canonical, principal) if self.guardrails
+                          else None)
         try:
             if outcome.guards is not None:  # (a block is a 400, settled like any refusal)
                 await outcome.guards.check_request(canonical)

@@ -70,10 +70,16 @@ def _say(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": "SAY:" + text}]
 
 
-def _one_record(gateway: Gateway) -> Any:
-    assert wait_until(lambda: gateway.meter.num_settle_calls >= 1)
-    assert gateway.meter.num_settle_calls == 1
-    return next(iter(gateway.meter.settled.values()))
+def _one_record(gateway: Gateway, num_classifier_calls: int = 0) -> Any:
+    """The request's one usage record (besides one per model-guard classifier call)."""
+    assert wait_until(lambda: gateway.meter.num_settle_calls >= 1 + num_classifier_calls)
+    assert gateway.meter.num_settle_calls == 1 + num_classifier_calls
+    (record,) = [r for r in gateway.meter.settled.values() if "/guard-" not in r.request_id]
+    return record
+
+
+def _classifier_records(gateway: Gateway) -> list[Any]:
+    return [r for r in gateway.meter.settled.values() if "/guard-" in r.request_id]
 
 
 # -- the guards alone ---------------------------------------------------------------------------
@@ -235,8 +241,14 @@ def test_model_guard_asks_the_classifier_behind_the_gateway(make_gateway: Gatewa
                 model=MODEL, messages=_say("forbidden-topic"), stream=True):
             received += [c.delta.content for c in chunk.choices if c.delta.content]
     assert "".join(received) == "forbidden-topic"
-    record = _one_record(answers)
+    record = _one_record(answers, num_classifier_calls=1)
     assert record.finish_reason == "content_filter" and record.completion_tokens == 3
+    # the classifier's tokens are metered too: to the caller, at the classifier's model, named
+    # after the request they guarded
+    (classified_call,) = _classifier_records(answers)
+    assert classified_call.model == GUARD_MODEL and classified_call.tags == ("guardrail",)
+    assert classified_call.request_id.startswith(record.request_id + "/guard-")
+    assert classified_call.project == record.project and classified_call.prompt_tokens > 0
 
 
 def test_model_guard_fails_closed_or_open_when_the_classifier_is_down(
