@@ -48,6 +48,21 @@ class GemmaConfig:
 
 
 @dataclass(frozen=True)
+class Llama4Config:
+    """Llama 4 text (engine/models/llama4.py): per-layer RoPE / NoPE, chunked local attention,
+    attention temperature tuning, interleaved MoE layers."""
+
+    rope_layers: tuple[bool, ...]  # per layer: RoPE + chunked attention (True) or NoPE, global (False)
+    attention_chunk_size: int | None  # C: a RoPE layer's query sees its own chunk of C positions
+    moe_layers: tuple[int, ...]  # layers with routed experts + a shared expert (others: dense MLP)
+    intermediate_size_mlp: int  # the dense layers' MLP (intermediate_size: each expert's)
+    use_qk_norm: bool = True  # L2 norm of q and k (no weight) on the RoPE layers, after RoPE
+    attn_temperature_tuning: bool = True  # NoPE layers: q *= 1 + attn_scale * log1p(floor((p + 1) / floor_scale))
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Llama-family architecture (dense, or MoE when `num_experts` > 0)."""
 
@@ -97,6 +112,8 @@ class ModelConfig:
     grouped_topk: GroupedTopK | None = None
     # Gemma 3 (None elsewhere): local rope base, softmax scale, soft-capping
     gemma: GemmaConfig | None = None
+    # Llama 4 text (None elsewhere): NoPE layers, chunked attention, temperature tuning, MoE placement
+    llama4: Llama4Config | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",

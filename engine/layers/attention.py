@@ -14,6 +14,9 @@ Attention variants (keyword arguments of `PagedAttentionBackend.forward`):
 
     sliding_window W   a query at position p sees keys at positions p-W+1 .. p (W keys, itself
                        included), as transformers' sliding_window_causal mask (kv_idx > q_idx - W)
+    attention_chunk C  chunked local attention (Llama 4's RoPE layers): a query at position p sees
+                       keys at floor(p / C) * C .. p, its own chunk only (transformers'
+                       chunked_causal mask: kv_idx // C == q_idx // C)
     sinks [H]          one learned logit per query head that joins each softmax denominator and
                        carries no value (gpt-oss): out = sum_j e^s_j v_j / (sum_j e^s_j + e^sink)
 
@@ -119,12 +122,15 @@ class PagedAttentionBackend(abc.ABC):
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, scale: float, meta: AttentionMetadata, *,
-                sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                attention_chunk: int | None = None) -> torch.Tensor:
         """q [T, H, Dh], k/v [T, G, Dh] (new tokens) -> [T, H, Dh]. Writes k/v into the caches
         ([num_blocks, block_size, G, Dh]) at meta.slot_mapping first, then attends over each context.
 
         sliding_window: W >= 1, each query sees its W latest positions (None: the whole context).
         sinks: [H] float logits, one per query head, added to every softmax denominator (None: none).
+        attention_chunk: C >= 1, each query sees its own chunk of C positions only (None: no chunks);
+        the torch backend has it, the Triton kernels refuse it.
         Pass `meta = layer_metadata(layer)`: a window layer's group has its own block tables."""
 
 

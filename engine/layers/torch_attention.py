@@ -10,12 +10,14 @@ group instead of once per sequence, which is most of the memory traffic of a dec
 
 Sliding windows and sinks (engine/layers/attention.py): masks are built from absolute positions, so a
 window layer stays correct whether its metadata holds the whole context or only the window's blocks.
-A window layer's cascade rows are attended row by row (a shared prefix mostly lies outside the window).
+Chunked local attention (Llama 4) masks the same way. A window or chunked layer's cascade rows are attended row by row (a shared prefix mostly lies outside the window).
 Sinks go through `dense_attention` (SDPA has no sink term); a cascade merge adds them to the merged
 log-sum-exp.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,30 +35,55 @@ from engine.layers.attention import (
 class TorchPagedAttention(PagedAttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, scale: float, meta: AttentionMetadata, *,
-                sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                attention_chunk: int | None = None) -> torch.Tensor:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        if attention_chunk is not None and attention_chunk < 1:
+            raise ValueError(f"attention_chunk must be >= 1, got {attention_chunk}")
+        local = _Local(sliding_window, attention_chunk)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         num_plain = meta.decode_blocks.shape[0] if meta.decode_blocks is not None else 0
         if num_plain and num_plain == q.shape[0]:  # the common decode-only step
-            return _plain_decode(q, k_cache, v_cache, meta, scale, sliding_window, sinks)
+            return _plain_decode(q, k_cache, v_cache, meta, scale, local, sinks)
         out = torch.empty_like(q)
         if num_plain:
-            out[:num_plain] = _plain_decode(q[:num_plain], k_cache, v_cache, meta, scale, sliding_window,
-                                            sinks)
+            out[:num_plain] = _plain_decode(q[:num_plain], k_cache, v_cache, meta, scale, local, sinks)
         for group in meta.cascade_groups:
             rows = slice(group.row_start, group.row_end)
-            if sliding_window is None:
+            if local.is_global:
                 out[rows] = _cascade_decode(q[rows], k_cache, v_cache, group, scale, sinks)
             else:
                 out[rows] = _windowed_cascade_rows(q[rows], k_cache, v_cache, group, meta, scale,
-                                                   sliding_window, sinks)
+                                                   local, sinks)
         for seg in meta.prefills:
             rows = slice(seg.query_start, seg.query_end)
-            out[rows] = _prefill(q[rows], k_cache, v_cache, seg, scale, sliding_window, sinks)
+            out[rows] = _prefill(q[rows], k_cache, v_cache, seg, scale, local, sinks)
         return out
+
+
+@dataclass(frozen=True)
+class _Local:
+    """What a query at position p may see besides the causal limit: keys after p - window (a
+    sliding window) and keys from floor(p / chunk) * chunk on (chunked local attention)."""
+
+    window: int | None
+    chunk: int | None
+
+    @property
+    def is_global(self) -> bool:
+        return self.window is None and self.chunk is None
+
+    def visible(self, k_pos: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+        """Broadcast key and query positions -> whether each key is seen (causality included)."""
+        seen = k_pos <= q_pos
+        if self.window is not None:
+            seen &= k_pos > q_pos - self.window
+        if self.chunk is not None:
+            seen &= k_pos >= torch.div(q_pos, self.chunk, rounding_mode="floor") * self.chunk
+        return seen
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_positions: int) -> torch.Tensor:
@@ -71,7 +98,7 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_positions: int) -> to
 
 
 def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment,
-             scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+             scale: float, local: _Local, sinks: torch.Tensor | None) -> torch.Tensor:
     """q [q_len, H, Dh] of one chunk -> [q_len, H, Dh]."""
     # 4-D [1, heads, len, Dh] inputs: with 3-D ones SDPA leaves its fused CPU kernel for the
     # ~5x slower math path.
@@ -80,25 +107,23 @@ def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg:
     ks = _gather(k_cache, seg.context_blocks, num_positions).transpose(0, 1).unsqueeze(0).to(q.dtype)
     vs = _gather(v_cache, seg.context_blocks, num_positions).transpose(0, 1).unsqueeze(0).to(q.dtype)
     q_len = qs.shape[2]
-    if window is None and sinks is None and seg.context_start == 0:
+    if local.is_global and sinks is None and seg.context_start == 0:
         mask = causal_lower_right(q_len, seg.context_len) if seg.num_cached_tokens else None
         os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
                                              scale=scale, enable_gqa=True)
     else:
         q_pos = torch.arange(seg.num_cached_tokens, seg.context_len, device=q.device)  # [q_len]
         k_pos = torch.arange(seg.context_start, seg.context_len, device=q.device)  # [C']
-        visible = k_pos[None, :] <= q_pos[:, None]  # [q_len, C']
-        if window is not None:
-            visible &= k_pos[None, :] > q_pos[:, None] - window
+        visible = local.visible(k_pos[None, :], q_pos[:, None])  # [q_len, C']
         os_ = dense_attention(qs, ks, vs, scale, visible, sinks)
     return os_[0].transpose(0, 1)  # [H, q_len, Dh] -> [q_len, H, Dh]
 
 
 def _plain_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  meta: AttentionMetadata, scale: float, window: int | None,
+                  meta: AttentionMetadata, scale: float, local: _Local,
                   sinks: torch.Tensor | None) -> torch.Tensor:
     assert meta.decode_blocks is not None
-    if window is None and sinks is None and meta.decode_first_positions is None:
+    if local.is_global and sinks is None and meta.decode_first_positions is None:
         qd = q.unsqueeze(2)  # [D, H, 1, Dh]
         kd = _gather(k_cache, meta.decode_blocks, meta.decode_len).transpose(1, 2).to(q.dtype)  # [D, G, L, Dh]
         vd = _gather(v_cache, meta.decode_blocks, meta.decode_len).transpose(1, 2).to(q.dtype)
@@ -108,12 +133,12 @@ def _plain_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if meta.decode_context_lens is None:
         raise ValueError("windowed or sink decode rows need AttentionMetadata.decode_context_lens")
     return _decode_rows(q, k_cache, v_cache, meta.decode_blocks, meta.decode_len,
-                        meta.decode_context_lens, meta.decode_first_positions, scale, window, sinks)
+                        meta.decode_context_lens, meta.decode_first_positions, scale, local, sinks)
 
 
 def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
                  num_positions: int, context_lens: torch.Tensor, first_positions: torch.Tensor | None,
-                 scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+                 scale: float, local: _Local, sinks: torch.Tensor | None) -> torch.Tensor:
     """One query per row at position context_len - 1: q [n, H, Dh], blocks [n, W] (row i's first block
     starts at first_positions[i]) -> [n, H, Dh]; positions outside the row's context or window are masked."""
     kd = _gather(k_cache, blocks, num_positions).transpose(1, 2).to(q.dtype)  # [n, G, L, Dh]
@@ -122,17 +147,15 @@ def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     pos = torch.arange(num_positions, device=q.device)[None, :]  # [1, L]
     if first_positions is not None:
         pos = pos + first_positions.to(device=q.device, dtype=torch.int64)[:, None]  # [n, L]
-    visible = pos < ctx  # [n, L]
-    if window is not None:
-        visible &= pos >= ctx - window  # key > (ctx - 1) - window
+    visible = local.visible(pos, ctx - 1)  # [n, L]: the query sits at ctx - 1
     od = dense_attention(q.unsqueeze(2), kd, vd, scale, visible[:, None, None, :], sinks)  # [n, H, 1, Dh]
     return od.squeeze(2)
 
 
 def _windowed_cascade_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           group: CascadeGroup, meta: AttentionMetadata, scale: float, window: int,
+                           group: CascadeGroup, meta: AttentionMetadata, scale: float, local: _Local,
                            sinks: torch.Tensor | None) -> torch.Tensor:
-    """A cascade group's rows on a window layer: each row's prefix + suffix as one table."""
+    """A cascade group's rows on a window or chunked layer: each row's prefix + suffix as one table."""
     if meta.seq_lens is None:
         raise ValueError("windowed cascade rows need AttentionMetadata.seq_lens")
     n = q.shape[0]
@@ -140,7 +163,7 @@ def _windowed_cascade_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tables = torch.cat([group.prefix_blocks.expand(n, -1), group.suffix_blocks], dim=1)  # [n, P/bs + W]
     context_lens = meta.seq_lens[group.row_start:group.row_end]  # decode rows come first, in row order
     return _decode_rows(q, k_cache, v_cache, tables, prefix_len + group.suffix_len, context_lens, None,
-                        scale, window, sinks)
+                        scale, local, sinks)
 
 
 def _cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -24,7 +24,11 @@ from engine.layers.attention import AttentionMetadata, PagedAttentionBackend
 class TritonPagedAttention(PagedAttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, scale: float, meta: AttentionMetadata, *,
-                sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                attention_chunk: int | None = None) -> torch.Tensor:
+        if attention_chunk is not None:
+            raise NotImplementedError("chunked local attention (Llama 4) is not in the Triton kernels: "
+                                      "serve it on the CPU")
         if meta.cu_query_lens is None or meta.seq_lens is None or meta.block_tables is None:
             raise ValueError("TritonPagedAttention needs cu_query_lens, seq_lens and block_tables")
         kernels.store_kv(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)

@@ -22,6 +22,8 @@ config.json maps to `ModelConfig` for these `model_type`s (kept as `architecture
                       soft-capping (engine/loader/hf_gemma3.py)
     deepseek_v3       latent attention, grouped top-k routing, shared experts, dense first layers
                       (engine/loader/hf_deepseek_v3.py; also Kimi-K2's configs)
+    llama4_text       RoPE layers with chunked local attention, NoPE global layers, interleaved
+                      MoE with a shared expert (engine/loader/hf_llama4.py)
 
 Sliding windows: mistral and mixtral apply `sliding_window` to every layer, as transformers does
 (absent: 4096 for mistral, none for mixtral; null: none); gpt_oss has `layer_types`. qwen3 and
@@ -56,7 +58,7 @@ from engine.loader.checkpoint import Checkpoint, UnsupportedCheckpointError
 from engine.loader.fp8_blocks import FP8_DTYPES, dequantize_checkpoint, fp8_block_size
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-                         "olmoe", "gpt_oss", "deepseek_v3", "gemma3_text")
+                         "olmoe", "gpt_oss", "deepseek_v3", "gemma3_text", "llama4_text")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -121,6 +123,10 @@ def _moe_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         from engine.loader.hf_gemma3 import gemma3_fields
 
         return gemma3_fields(config)
+    if model_type == "llama4_text":
+        from engine.loader.hf_llama4 import llama4_fields
+
+        return llama4_fields(config)
     return {}
 
 

@@ -99,7 +99,7 @@ def _plain_layers_of(model: LlamaModel, linear_type: type | tuple[type, ...]) ->
     with all four linears `linear_type`. (The native attention kernel has no sliding window: such
     models keep the general forward, whose attention backends do.)"""
     cfg = model.config
-    if (cfg.attention_bias or cfg.is_moe or cfg.mla or cfg.gemma or cfg.head_dim % 8
+    if (cfg.attention_bias or cfg.is_moe or cfg.mla or cfg.gemma or cfg.llama4 or cfg.head_dim % 8
             or cfg.has_sliding_layers or model.embed_tokens.dtype != torch.float32):
         return False
     for layer in model.layers:

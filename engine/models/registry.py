@@ -41,8 +41,12 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], attention
         from engine.models.gemma3 import Gemma3Model
 
         model = Gemma3Model(config, weights, attention, make_linear, device=device, dtype=dtype)  # type: ignore[assignment]
+    elif arch == "llama4_text":  # chunked RoPE layers, NoPE global layers, interleaved MoE (llama4.py)
+        from engine.models.llama4 import Llama4Model
+
+        model = Llama4Model(config, weights, attention, make_linear, device=device, dtype=dtype)  # type: ignore[assignment]
     else:
-        supported = sorted(_DENSE | _MOE | {"gpt_oss", "deepseek_v3", "gemma3_text"})
+        supported = sorted(_DENSE | _MOE | {"gpt_oss", "deepseek_v3", "gemma3_text", "llama4_text"})
         raise ValueError(f"unsupported architecture {arch!r} (supported: {supported})")
     check_all_used(weights, arch)
     return model

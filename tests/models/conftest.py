@@ -10,6 +10,7 @@ import torch
 from tests.models._deepseek_v3 import deepseek_v3_checkpoints  # noqa: F401 (a session fixture)
 from tests.models._gemma3 import gemma3_checkpoint  # noqa: F401 (a session fixture)
 from tests.models._gpt_oss import gpt_oss_checkpoints  # noqa: F401 (a session fixture)
+from tests.models._llama4 import llama4_checkpoints  # noqa: F401 (a session fixture)
 from tests.models._qwen3 import qwen3_checkpoints  # noqa: F401 (a session fixture)
 
 

@@ -1,0 +1,184 @@
+"""Llama 4 text, served by the engine from tiny random checkpoints that transformers wrote
+(tests/models/_llama4.py: chunked local attention of 24 on the RoPE layers, a NoPE global layer with
+temperature tuning, L2 q/k norm; all-dense, and MoE every other layer with a sigmoid top-1 router
+and a shared expert): greedy tokens equal transformers' and their logprobs agree within 2e-3
+(float32) on a prompt several chunks long, prefilled in chunks of the step budget, among 8
+concurrent requests, after prefix-cache hits (one branching inside a chunk) and under preemption;
+every KV block comes back. Config refusals are one line."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from contracts.sampling_params import SamplingParams
+from engine.engine import LLMEngine
+from engine.loader.checkpoint import UnsupportedCheckpointError
+from engine.loader.hf_checkpoint import model_config_from_hf
+from tests.engine.fakes import assert_idle_and_clean, generate
+from tests.models import _serving_checks as serving
+from tests.models._greedy import hf_greedy
+from tests.models._llama4 import CHUNK_SIZE, VARIANTS
+from tests.models._qwen3 import TinyCheckpoint
+from tests.models._serving_checks import (
+    EngineFactory,
+    assert_matches_transformers,
+    drive_with_checks,
+)
+from tests.models.test_qwen3 import GREEDY, NUM_NEW_TOKENS, OTHERS, TARGET
+
+STEP_TOKENS = 32  # the engine's step budget: the target prompt prefills in several chunks
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def variant(request: pytest.FixtureRequest, llama4_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
+    return llama4_checkpoints[request.param]
+
+
+@pytest.fixture(scope="module")
+def make_engine(variant: TinyCheckpoint) -> EngineFactory:
+    return functools.partial(serving.make_engine, variant.directory, max_num_batched_tokens=STEP_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def engine(make_engine: EngineFactory) -> LLMEngine:
+    return make_engine()
+
+
+@pytest.fixture(scope="module")
+def prompts(engine: LLMEngine) -> dict[str, list[int]]:
+    chat = engine.tokenizer.encode_chat
+    encoded = {"target": chat([{"role": "system", "content": "be brief"},
+                               {"role": "user", "content": TARGET}])}
+    encoded |= {f"other-{i}": chat([{"role": "user", "content": text}]) for i, text in enumerate(OTHERS)}
+    assert len(encoded["target"]) > 4 * CHUNK_SIZE  # the RoPE layers attend within 4+ chunks
+    assert len(encoded["target"]) > 2 * STEP_TOKENS
+    return encoded
+
+
+@pytest.fixture(scope="module")
+def expected(variant: TinyCheckpoint, prompts: dict[str, list[int]]) -> tuple[list[int], list[float]]:
+    torch.set_num_threads(1)
+    tokens, logprobs = hf_greedy(variant.model, prompts["target"], NUM_NEW_TOKENS)
+    assert len(set(tokens)) > 2, "degenerate model: the same few tokens"
+    return tokens, logprobs
+
+
+def test_greedy_tokens_and_logprobs_equal_transformers_with_chunked_prefill(
+        variant: TinyCheckpoint, engine: LLMEngine, prompts: dict[str, list[int]],
+        expected: tuple[list[int], list[float]]) -> None:
+    config = engine.runner.model.config
+    assert config.llama4 is not None and config.llama4.rope_layers == (True, True, False, True)
+    assert bool(config.llama4.moe_layers) == (variant.name == "llama4-moe")
+    assert engine.runner._native_decode is None  # the general forward: chunks and NoPE layers
+    result = generate(engine, {"target": prompts["target"]}, GREEDY)["target"]
+    assert_matches_transformers(result, expected)
+    assert_idle_and_clean(engine)
+
+
+def test_same_tokens_among_8_concurrent_requests_and_after_a_prefix_cache_hit(
+        engine: LLMEngine, prompts: dict[str, list[int]], expected: tuple[list[int], list[float]]) -> None:
+    serving.check_same_tokens_together_and_after_a_prefix_hit(engine, prompts, expected, GREEDY)
+
+
+def test_a_branch_inside_a_chunk_is_served_from_the_prefix_cache(
+        variant: TinyCheckpoint, engine: LLMEngine, prompts: dict[str, list[int]],
+        expected: tuple[list[int], list[float]]) -> None:
+    """The hit ends at 32 tokens, inside the chunk 24..47: the first computed token reads the
+    cached 24..31 of its chunk and none before."""
+    serving.check_prefix_cache_hit(engine, variant.model, prompts["target"], expected[0],
+                                   SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True))
+
+
+def test_outputs_under_preemption_equal_the_roomy_engines(
+        variant: TinyCheckpoint, engine: LLMEngine, make_engine: EngineFactory,
+        prompts: dict[str, list[int]], expected: tuple[list[int], list[float]]) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    roomy = generate(engine, prompts, params)
+    num_blocks = 16  # one request fits, the 8 together do not
+    tight = make_engine(kv_cache_memory_bytes=num_blocks * engine.runner.bytes_per_block)
+    assert tight.kv_cache.num_blocks == num_blocks
+    assert tight.max_model_len >= max(map(len, prompts.values())) + 24
+    results = drive_with_checks(tight, prompts, params)
+    assert tight.stats().num_preemptions_total > 0
+    for name in prompts:
+        assert results[name].token_ids == roomy[name].token_ids, name
+    assert results["target"].token_ids[:NUM_NEW_TOKENS] == expected[0]
+    assert_idle_and_clean(tight)
+
+
+def test_the_chunks_bind_on_this_prompt(variant: TinyCheckpoint, prompts: dict[str, list[int]]) -> None:
+    """transformers' own logits change when the chunk is lifted, so the parity above checks the mask."""
+    import transformers
+
+    config = transformers.Llama4TextConfig.from_dict(variant.model.config.to_dict() | {
+        "attention_chunk_size": None, "layer_types": None})
+    unchunked = transformers.Llama4ForCausalLM(config).eval()
+    unchunked.load_state_dict(variant.model.state_dict())
+    ids = torch.tensor([prompts["target"]])
+    with torch.inference_mode():
+        chunked_logits, global_logits = variant.model(input_ids=ids).logits, unchunked(input_ids=ids).logits
+    assert torch.allclose(chunked_logits[0, :CHUNK_SIZE], global_logits[0, :CHUNK_SIZE], atol=1e-5)
+    assert (chunked_logits[0, -1] - global_logits[0, -1]).abs().max() > 1e-2
+
+
+def _write_config(directory: Path, source: Path, **changes: object) -> Path:
+    directory.mkdir()
+    config = json.loads((source / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | changes))
+    return directory
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"attention_bias": True}, "attention_bias=True is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"layer_types": ["full_attention"] * 4}, "disagree with no_rope_layers"),
+    ({"no_rope_layers": [1, 0]}, "no_rope_layers names 2 layers, the model has 4"),
+])
+def test_a_setting_the_engine_does_not_run_is_refused_in_one_line(
+        llama4_checkpoints: dict[str, TinyCheckpoint], tmp_path: Path, changes: dict[str, object],
+        message: str) -> None:
+    directory = _write_config(tmp_path / "changed", llama4_checkpoints["moe"].directory, **changes)
+    with pytest.raises(UnsupportedCheckpointError, match=message):
+        model_config_from_hf(directory)
+
+
+def test_released_scout_and_maverick_fields_map_to_their_layers(tmp_path: Path) -> None:
+    """Llama-4-Scout's text config (MoE every layer, NoPE every 4th) and Maverick's (MoE every
+    other layer), as config.json states them: defaults fill no_rope_layers and moe_layers."""
+    base = {"model_type": "llama4_text", "vocab_size": 202_048, "hidden_size": 5120,
+            "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_hidden_layers": 48,
+            "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+            "max_position_embeddings": 10_485_760, "num_local_experts": 16, "num_experts_per_tok": 1,
+            "attention_chunk_size": 8192, "rope_theta": 500_000.0,
+            "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}}
+    scout = model_config_from_hf(_write_config(tmp_path / "scout", _json_dir(tmp_path / "s", base),
+                                               interleave_moe_layer_step=1))
+    maverick = model_config_from_hf(_write_config(
+        tmp_path / "maverick", _json_dir(tmp_path / "m", base), interleave_moe_layer_step=2,
+        num_local_experts=128, use_qk_norm=False))
+    assert scout.llama4 is not None and maverick.llama4 is not None
+    assert [i for i, rope in enumerate(scout.llama4.rope_layers) if not rope] == list(range(3, 48, 4))
+    assert scout.llama4.moe_layers == tuple(range(48)) and scout.num_experts == 16
+    assert maverick.llama4.moe_layers == tuple(range(1, 48, 2)) and not maverick.llama4.use_qk_norm
+    assert scout.llama4.attention_chunk_size == 8192 and scout.llama4.floor_scale == 8192
+    assert dict(scout.rope_scaling or ())["rope_type"] == "llama3"
+    assert scout.layer_types is None  # one full KV group: chunked layers keep their whole context
+
+
+def _json_dir(directory: Path, config: dict[str, object]) -> Path:
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_multimodal_llama4_checkpoints_are_refused_in_one_line(tmp_path: Path) -> None:
+    directory = _json_dir(tmp_path / "mm", {"model_type": "llama4", "text_config": {}})
+    with pytest.raises(UnsupportedCheckpointError, match="model_type 'llama4' is not supported"):
+        model_config_from_hf(directory)
+
