@@ -24,6 +24,14 @@ def window_blocks(tables: torch.Tensor, seq_lens: list[int], window: int, block_
     """Each decode row's blocks from the first its window reaches: ([N, W] int64 padded with block 0,
     positions to gather, [N] int64 position of each row's first gathered block)."""
     firsts = [max(0, n - window) // block_size for n in seq_lens]  # the query at n - 1 sees n - W ..
+    return blocks_from(tables, seq_lens, firsts, block_size, device)
+
+
+def blocks_from(tables: torch.Tensor, seq_lens: list[int], firsts: list[int], block_size: int,
+                device: torch.device) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """Each decode row's blocks from its block `firsts[i]` on (a window's or a chunk's first):
+    ([N, W] int64 padded with block 0, positions to gather, [N] int64 position of each row's first
+    gathered block)."""
     counts = [-(-n // block_size) - f for n, f in zip(seq_lens, firsts, strict=True)]
     blocks = torch.zeros(len(seq_lens), max(counts), dtype=torch.int64)
     for i, (first, count) in enumerate(zip(firsts, counts, strict=True)):

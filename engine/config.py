@@ -151,6 +151,12 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def layer_attention_chunk(self, layer: int) -> int | None:
+        """The attention chunk of decoder layer `layer` (Llama 4's RoPE layers), or None."""
+        if self.llama4 is not None and self.llama4.rope_layers[layer]:
+            return self.llama4.attention_chunk_size
+        return None
+
     @property
     def has_sliding_layers(self) -> bool:
         return any(self.layer_sliding_window(i) is not None for i in range(self.num_layers))

@@ -72,6 +72,7 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(runner.num_blocks, self.block_size,
                                        config.cache.enable_prefix_caching, self.kv_events,
                                        group_windows=runner.kv_layout.group_windows,
+                                       group_chunks=runner.kv_layout.group_chunks,
                                        retention_share_per_owner=config.cache.retention_share_per_project,
                                        retention_share_total=config.cache.retention_share_total,
                                        host_tier=self._host_tier(config, runner))

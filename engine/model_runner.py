@@ -17,10 +17,10 @@ from itertools import accumulate
 import torch
 
 from engine.batch import ScheduledBatch, ScheduledSequence
-from engine.block_tables import block_table_tensor, num_shared_blocks, padded_blocks, window_blocks
+from engine.block_tables import block_table_tensor, blocks_from, num_shared_blocks, padded_blocks
 from engine.config import EngineConfig, ModelConfig
 from engine.kernels.cpu import huge_pages
-from engine.kv_cache.layout import KVCacheLayout, kv_bytes_per_token
+from engine.kv_cache.layout import KVCacheGroup, KVCacheLayout, kv_bytes_per_token
 from engine.layers.attention import (
     AttentionMetadata,
     CascadeGroup,
@@ -72,7 +72,7 @@ class ModelRunner:
                       config.max_model_len or model_config.max_position_embeddings)
         self.kv_layout = KVCacheLayout.for_model(model_config, max_len)
         # cascade shares group 0's prefix blocks: only where group 0 is full attention
-        self.enable_cascade = self.device.type == "cpu" and self.kv_layout.groups[0].sliding_window is None
+        self.enable_cascade = self.device.type == "cpu" and self.kv_layout.groups[0].is_full
         self.kv_dtype = self._native_decode.kv_dtype if self._native_decode is not None else self.dtype
         self.num_blocks = self._num_blocks_for_budget()
         shape = (self.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
@@ -100,9 +100,10 @@ class ModelRunner:
 
     def max_num_tokens_per_sequence(self, chunk_tokens: int) -> int:
         """The longest sequence the cache can hold alone, with prefill chunks of `chunk_tokens`."""
-        bs, windows = self.block_size, self.kv_layout.group_windows
-        window_blocks = sum(-(-(w - 1 + chunk_tokens) // bs) + 2 for w in windows if w is not None)
-        num_full_groups = sum(1 for w in windows if w is None)
+        bs, groups = self.block_size, self.kv_layout.groups
+        spans = [g.sliding_window or g.attention_chunk for g in groups]  # a local group's reach (or None)
+        window_blocks = sum(-(-(w - 1 + chunk_tokens) // bs) + 2 for w in spans if w is not None)
+        num_full_groups = sum(1 for w in spans if w is None)
         if not num_full_groups:  # only windows: any length, if one sequence's windows fit at all
             return self.model_config.max_position_embeddings if window_blocks <= self.num_blocks else 0
         return max(0, self.num_blocks - window_blocks) // num_full_groups * bs
@@ -195,16 +196,16 @@ class ModelRunner:
         per_group = []
         for g, group in enumerate(self.kv_layout.groups):
             cascade = (num_plain, groups) if g == 0 else (len(decodes), [])  # cascade: group 0 only
-            per_group.append(self._group_metadata(g, group.sliding_window, decodes, prefills, *cascade,
+            per_group.append(self._group_metadata(g, group, decodes, prefills, *cascade,
                                                   positions, seq_index))
         to = self.device
         return torch.tensor(ids, dtype=torch.int64, device=to), positions.to(to), per_group
 
-    def _group_metadata(self, g: int, window: int | None, decodes: list[ScheduledSequence],
+    def _group_metadata(self, g: int, group: KVCacheGroup, decodes: list[ScheduledSequence],
                         prefills: list[ScheduledSequence], num_plain: int,
                         groups: list[tuple[int, int, int]], positions: torch.Tensor,
                         seq_index: torch.Tensor) -> AttentionMetadata:
-        """Group g's metadata. Window groups gather only the blocks each row's window reaches."""
+        """Group g's metadata. Window and chunk groups gather only the blocks each row can see."""
         bs, to = self.block_size, self.device
         seqs = decodes + prefills
         tables = block_table_tensor([s.block_tables[g] for s in seqs])  # [S, max_blocks]
@@ -214,12 +215,13 @@ class ModelRunner:
         decode_len = 0
         if num_plain:
             plain_lens = [s.seq_len for s in decodes[:num_plain]]
-            if window is None:
+            if group.is_full:
                 decode_blocks, decode_len, decode_mask = padded_blocks(tables[:num_plain], plain_lens,
                                                                         0, bs, to)
-            else:
-                decode_blocks, decode_len, first_positions = window_blocks(tables[:num_plain], plain_lens,
-                                                                            window, bs, to)
+            else:  # the query at n - 1 sees from its window's or chunk's first position on
+                firsts = [group.first_visible_position(n - 1) // bs for n in plain_lens]
+                decode_blocks, decode_len, first_positions = blocks_from(tables[:num_plain], plain_lens,
+                                                                          firsts, bs, to)
             decode_context_lens = torch.tensor(plain_lens, dtype=torch.int64, device=to)
         cascade_groups = []
         for start, end, num_prefix_blocks in groups:
@@ -231,7 +233,7 @@ class ModelRunner:
         segments = []
         query_start = len(decodes)
         for i, seq in enumerate(prefills):
-            first = 0 if window is None else max(0, seq.start_position - window + 1) // bs
+            first = group.first_visible_position(seq.start_position) // bs
             query_end = query_start + seq.num_scheduled_tokens
             context_blocks = tables[len(decodes) + i, first:-(-seq.seq_len // bs)].to(to)
             segments.append(PrefillSegment(query_start, query_end, context_blocks, seq.seq_len,

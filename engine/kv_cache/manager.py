@@ -18,10 +18,10 @@ Prefix hits across groups: a hit of k blocks (N = k * block_size tokens) needs e
 computed token sees). `get_computed_blocks` takes the longest k that every group can serve; the hit's
 window-group tables start with None for blocks no token will read.
 
-Another local kind slots in at the same two places: what a token at position p can still see
-(`_first_needed_block`) and what a hit needs (the same rule at p = N). Chunked local attention of
-chunk C (Llama 4) would see floor(p / C) * C .. p: its group releases a chunk's blocks once p enters
-the next chunk, and a hit of N tokens needs blocks from floor(N / C) * C on.
+Chunked local attention of chunk C (Llama 4's RoPE layers) is the other local kind, at the same two
+places: what a token at position p can still see (`_first_needed_block`: floor(p / C) * C .. p) and
+what a hit needs (the same rule at p = N). Its group releases a chunk's blocks once p enters the
+next chunk, and a hit of N tokens needs blocks from floor(N / C) * C on.
 """
 
 from __future__ import annotations
@@ -56,9 +56,11 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
                  event_log: KVEventLog | None = None,
                  group_windows: tuple[int | None, ...] = (None,),
+                 group_chunks: tuple[int | None, ...] | None = None,
                  retention_share_per_owner: float = 0.25, retention_share_total: float = 0.5,
                  host_tier: HostTier | None = None) -> None:
         """`group_windows`: each KV cache group's sliding window (None: full attention).
+        `group_chunks`: each group's attention chunk (None: none; a group has a window or a chunk).
         `retention_share_*`: the fractions of the pool that retained prefixes may hold, per owner
         (cache salt) and in all (engine/kv_cache/retention.py). `host_tier`: where evicted blocks
         go and prefix hits continue (engine/kv_cache/host_tier.py); None: evicted blocks are gone."""
@@ -67,6 +69,12 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.group_windows = group_windows
+        self.group_chunks = group_chunks if group_chunks is not None else (None,) * len(group_windows)
+        if (len(self.group_chunks) != len(group_windows)
+                or any(c is not None and c < 1 for c in self.group_chunks)
+                or any(w is not None and c is not None
+                       for w, c in zip(group_windows, self.group_chunks, strict=True))):
+            raise ValueError(f"group_chunks must match group_windows, chunks >= 1: {group_chunks}")
         self.pool = BlockPool(num_blocks, block_size, enable_caching, event_log)
         self._requests: dict[str, list[_GroupBlocks]] = {}
         self.retention = RetentionTable(self.pool, int(num_blocks * retention_share_per_owner),
@@ -98,10 +106,15 @@ class KVCacheManager:
 
     def _first_needed_block(self, group: int, next_position: int) -> int:
         """The first block a token at `next_position` (or later) can still attend to in `group`."""
-        window = self.group_windows[group]
-        if window is None:
-            return 0
-        return max(0, next_position - window + 1) // self.block_size
+        window, chunk = self.group_windows[group], self.group_chunks[group]
+        if window is not None:
+            return max(0, next_position - window + 1) // self.block_size
+        if chunk is not None:
+            return next_position // chunk * chunk // self.block_size
+        return 0
+
+    def _is_full(self, group: int) -> bool:
+        return self.group_windows[group] is None and self.group_chunks[group] is None
 
     # ---- prefix hits ---------------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
@@ -111,14 +124,14 @@ class KVCacheManager:
             return ComputedBlocks()  # (prompt logprobs need every position's logits)
         hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
         num_hit = len(hashes)
-        for group, window in enumerate(self.group_windows):
-            if window is None:
+        for group in range(self.num_groups):
+            if self._is_full(group):
                 num_hit = min(num_hit, self._num_leading_hits(group, hashes))
         settled = False
-        while not settled:  # each window group may shorten the hit; repeat until all agree
+        while not settled:  # each window / chunk group may shorten the hit; repeat until all agree
             settled = True
-            for group, window in enumerate(self.group_windows):
-                if window is not None:
+            for group in range(self.num_groups):
+                if not self._is_full(group):
                     shorter = self._window_hit(group, hashes, num_hit)
                     settled, num_hit = settled and shorter == num_hit, shorter
         if num_hit == 0:
@@ -296,7 +309,7 @@ class KVCacheManager:
         for entry in self._requests.values():
             for group, blocks in enumerate(entry):
                 assert all(b is None for b in blocks.blocks[:blocks.first_live]), (group, blocks)
-                assert self.group_windows[group] is not None or blocks.first_live == 0
+                assert not self._is_full(group) or blocks.first_live == 0
                 for block in blocks.blocks:
                     if block is None:
                         continue

@@ -26,9 +26,9 @@ rotation. q . k is unchanged by one permutation of both, and so is the L2 norm.
 Attention backends: chunked attention is in the torch backend (CPU) only; the Triton kernels (CUDA)
 have no chunk mask, so a CUDA engine refuses the checkpoint at load.
 
-KV: every layer keeps its whole context (one full-attention KV group); a chunked layer masks the other
-chunks' positions. Releasing a chunk's blocks once the sequence leaves it (engine/kv_cache/manager.py's
-seam) is not done, so the chunked layers cost as much KV as global ones.
+KV: the NoPE layers form the full-attention KV group(s); the chunked layers form chunk groups
+(engine/kv_cache/layout.py) that release a chunk's blocks once the sequence enters the next chunk
+(engine/kv_cache/manager.py), and the attention masks the other chunks' positions.
 """
 
 from __future__ import annotations

@@ -17,9 +17,10 @@ import torch
 
 from contracts.sampling_params import SamplingParams
 from engine.engine import LLMEngine
+from engine.kv_cache.layout import KVCacheLayout, kv_bytes_per_sequence, kv_bytes_per_token
 from engine.loader.checkpoint import UnsupportedCheckpointError
 from engine.loader.hf_checkpoint import model_config_from_hf
-from tests.engine.fakes import assert_idle_and_clean, generate
+from tests.engine.fakes import assert_idle_and_clean, drive, generate
 from tests.models import _serving_checks as serving
 from tests.models._greedy import hf_greedy
 from tests.models._llama4 import CHUNK_SIZE, VARIANTS
@@ -80,6 +81,36 @@ def test_greedy_tokens_and_logprobs_equal_transformers_with_chunked_prefill(
     assert_idle_and_clean(engine)
 
 
+def test_chunk_groups_release_the_blocks_of_chunks_left_behind(
+        engine: LLMEngine, prompts: dict[str, list[int]]) -> None:
+    """The RoPE layers' groups keep only the blocks of the chunk the next token is in (plus the
+    step's), the NoPE layer's group the whole context; the tokens are the same with or without it."""
+    layout, manager = engine.runner.kv_layout, engine.kv_cache
+    assert layout.groups[0].is_full and layout.groups[0].layers == (2,)
+    chunk_groups = [g for g, c in enumerate(layout.group_chunks) if c == CHUNK_SIZE]
+    assert [layout.groups[g].layers for g in chunk_groups] == [(0,), (1,), (3,)]
+    held: list[tuple[int, list[int]]] = []  # (context tokens, blocks per chunk group) before each step
+
+    def record(_: int) -> None:
+        manager.check_integrity()
+        running = [r for r in engine.scheduler.running if r.request_id == "target"]
+        if running and manager.num_requests:
+            request = running[0]
+            held.append((request.num_computed_tokens,
+                         [manager.num_held_blocks("target", g) for g in chunk_groups]))
+
+    engine.add_request("target", prompts["target"], SamplingParams(temperature=0.0, max_tokens=12,
+                                                                   ignore_eos=True))
+    drive(engine, on_step=record)
+    assert held, "the target was never seen holding blocks"
+    num_tokens, last = held[-1]
+    assert num_tokens > 4 * CHUNK_SIZE
+    chunk_start = num_tokens // CHUNK_SIZE * CHUNK_SIZE
+    assert last == [-(-(num_tokens + 1) // 16) - chunk_start // 16] * 3  # its chunk's blocks only
+    assert max(max(blocks) for _, blocks in held) <= -(-(CHUNK_SIZE - 1 + STEP_TOKENS) // 16) + 1
+    assert_idle_and_clean(engine)
+
+
 def test_same_tokens_among_8_concurrent_requests_and_after_a_prefix_cache_hit(
         engine: LLMEngine, prompts: dict[str, list[int]], expected: tuple[list[int], list[float]]) -> None:
     serving.check_same_tokens_together_and_after_a_prefix_hit(engine, prompts, expected, GREEDY)
@@ -99,7 +130,7 @@ def test_outputs_under_preemption_equal_the_roomy_engines(
         prompts: dict[str, list[int]], expected: tuple[list[int], list[float]]) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     roomy = generate(engine, prompts, params)
-    num_blocks = 16  # one request fits, the 8 together do not
+    num_blocks = 40  # one request fits (its chunk groups' blocks included), the 8 together do not
     tight = make_engine(kv_cache_memory_bytes=num_blocks * engine.runner.bytes_per_block)
     assert tight.kv_cache.num_blocks == num_blocks
     assert tight.max_model_len >= max(map(len, prompts.values())) + 24
@@ -168,7 +199,17 @@ def test_released_scout_and_maverick_fields_map_to_their_layers(tmp_path: Path) 
     assert maverick.llama4.moe_layers == tuple(range(1, 48, 2)) and not maverick.llama4.use_qk_norm
     assert scout.llama4.attention_chunk_size == 8192 and scout.llama4.floor_scale == 8192
     assert dict(scout.rope_scaling or ())["rope_type"] == "llama3"
-    assert scout.layer_types is None  # one full KV group: chunked layers keep their whole context
+    assert scout.layer_types is None and scout.layer_attention_chunk(0) == 8192
+    assert scout.layer_attention_chunk(3) is None  # a NoPE layer: global
+    # KV (bf16, block size 16, one sequence decoding; docs/models.md's figures): the 12 NoPE layers
+    # keep the context, the 36 chunked ones only the current chunk's blocks
+    assert kv_bytes_per_token(scout, 2) * 12 == 49_152
+    layout = KVCacheLayout.for_model(scout, scout.max_position_embeddings)
+    assert [(g.attention_chunk, len(g.layers)) for g in layout.groups] == [(None, 12)] + [(8192, 12)] * 3
+    for num_tokens, chunked_mib, full_mib in ((32_768, 2_688, 6_144), (131_072, 7_296, 24_576)):
+        chunked = kv_bytes_per_sequence(layout, scout, num_tokens, 16, 2)
+        full = kv_bytes_per_sequence(KVCacheLayout.full_attention(48), scout, num_tokens, 16, 2)
+        assert (chunked / 2**20, full / 2**20) == (chunked_mib, full_mib)
 
 
 def _json_dir(directory: Path, config: dict[str, object]) -> Path:
