@@ -24,6 +24,7 @@ config.json maps to `ModelConfig` for these `model_type`s (kept as `architecture
                       (engine/loader/hf_deepseek_v3.py; also Kimi-K2's configs)
     llama4_text       RoPE layers with chunked local attention, NoPE global layers, interleaved
                       MoE with a shared expert (engine/loader/hf_llama4.py)
+    llama4            the multimodal checkpoint's text model only, as llama4_text (kept as that)
 
 Sliding windows: mistral and mixtral apply `sliding_window` to every layer, as transformers does
 (absent: 4096 for mistral, none for mixtral; null: none); gpt_oss has `layer_types`. qwen3 and
@@ -44,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,7 @@ from engine.loader.checkpoint import Checkpoint, UnsupportedCheckpointError
 from engine.loader.fp8_blocks import FP8_DTYPES, dequantize_checkpoint, fp8_block_size
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
-                         "olmoe", "gpt_oss", "deepseek_v3", "gemma3_text", "llama4_text")
+                         "olmoe", "gpt_oss", "deepseek_v3", "gemma3_text", "llama4_text", "llama4")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -203,6 +204,11 @@ def model_config_from_fields(config: Mapping[str, Any], model_id: str) -> ModelC
 
 def _model_config(directory: Path, config: Mapping[str, Any]) -> ModelConfig:
     model_type = config.get("model_type")
+    if model_type == "llama4":  # the multimodal checkpoint's text model (hf_llama4.py)
+        from engine.loader.hf_llama4 import text_config_of
+
+        config = text_config_of(config)
+        model_type = "llama4_text"
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedCheckpointError(
             f"model_type {model_type!r} is not supported (one of {SUPPORTED_MODEL_TYPES})")
@@ -248,7 +254,9 @@ def _model_config(directory: Path, config: Mapping[str, Any]) -> ModelConfig:
 def load_hf_checkpoint(directory: Path, dtype: torch.dtype = torch.float32,
                        progress: bool = True) -> Checkpoint:
     config = model_config_from_hf(directory)
-    fp8_block = fp8_block_size(_read_json(directory / "config.json"))  # block-scaled FP8 files
+    raw_config = _read_json(directory / "config.json")
+    fp8_block = fp8_block_size(raw_config)  # block-scaled FP8 files
+    rename = _tensor_renamer(raw_config)
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{directory} has no *.safetensors files")
@@ -256,8 +264,11 @@ def load_hf_checkpoint(directory: Path, dtype: torch.dtype = torch.float32,
     with tqdm(desc=f"loading {directory.name}", unit="tensor", disable=not progress) as bar:
         for file in files:
             with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                    tensor = f.get_tensor(name)
+                for stored_name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                    name = rename(stored_name)
+                    if name is None:
+                        continue  # a part the engine does not run (llama4's vision tower)
+                    tensor = f.get_tensor(stored_name)
                     as_stored = fp8_block is not None and tensor.dtype in FP8_DTYPES
                     keep = as_stored or not tensor.is_floating_point()
                     weights[name] = tensor if keep else tensor.to(dtype)
@@ -265,3 +276,12 @@ def load_hf_checkpoint(directory: Path, dtype: torch.dtype = torch.float32,
     if fp8_block is not None:
         dequantize_checkpoint(weights, fp8_block, dtype)  # the FP8 values as stored, scaled
     return Checkpoint(config=config, weights=weights, raw={})
+
+
+def _tensor_renamer(config: Mapping[str, Any]) -> Callable[[str], str | None]:
+    """stored tensor name -> the model's name, or None for a tensor not read."""
+    if config.get("model_type") == "llama4":
+        from engine.loader.hf_llama4 import text_tensor_name
+
+        return text_tensor_name
+    return lambda name: name

@@ -15,8 +15,10 @@ Llama4TextConfig reads it:
     rope_parameters / rope_theta + rope_scaling   one rope for every RoPE layer (llama3 scaling as released)
 
 Refused in one line: attention_bias, a hidden_act other than silu, layer_types that disagree.
-Multimodal `llama4` checkpoints (Llama4ForConditionalGeneration, a `text_config` inside) are not
-mapped: their model_type is refused by hf_checkpoint.py.
+Multimodal `llama4` checkpoints (Llama4ForConditionalGeneration: a `text_config` inside, tensors
+language_model.*, vision_model.*, multi_modal_projector.*) load as their text model: the config is
+the text_config, the language_model.* tensors lose that prefix and the vision tower and projector
+are not read (images are not supported).
 """
 
 from __future__ import annotations
@@ -26,6 +28,21 @@ from typing import Any
 
 from engine.config import Llama4Config
 from engine.loader.checkpoint import UnsupportedCheckpointError
+
+
+def text_config_of(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A `llama4` config.json -> its text model's, as a `llama4_text` config."""
+    text = config.get("text_config")
+    if not isinstance(text, Mapping):
+        raise UnsupportedCheckpointError("llama4: config.json has no text_config")
+    return {"eos_token_id": config.get("eos_token_id"), "bos_token_id": config.get("bos_token_id"),
+            **{k: v for k, v in text.items() if v is not None}, "model_type": "llama4_text"}
+
+
+def text_tensor_name(name: str) -> str | None:
+    """A `llama4` checkpoint's tensor name -> the text model's (None: the vision part, not read)."""
+    prefix = "language_model."
+    return name[len(prefix):] if name.startswith(prefix) else None
 
 
 def llama4_fields(config: Mapping[str, Any]) -> dict[str, Any]:

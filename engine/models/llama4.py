@@ -164,10 +164,10 @@ class Llama4Model:
                          swiglu(f + "shared_expert.", inter))
 
     def _temperature(self, positions: torch.Tensor) -> torch.Tensor:
-        """positions [T] -> the NoPE layers' query scale [T, 1, 1]."""
+        """positions [T] -> the NoPE layers' query scale [T, 1, 1] float32."""
         cfg = self.llama4
         floor = torch.floor((positions.float() + 1.0) / cfg.floor_scale)
-        return (torch.log1p(floor) * cfg.attn_scale + 1.0).to(self._dtype)[:, None, None]
+        return (torch.log1p(floor) * cfg.attn_scale + 1.0)[:, None, None]  # float32, as transformers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -187,7 +187,7 @@ class Llama4Model:
                     qk = l2_norm(qk, eps)
             q, k = qk[:, :num_q], qk[:, num_q:]  # [T, H, Dh], [T, G, Dh]
             if not layer.uses_rope and temperature is not None:
-                q = q * temperature
+                q = (q * temperature).to(q.dtype)
             v = heads[:, num_q + num_kv :]  # [T, G, Dh]
             chunk = l4.attention_chunk_size if layer.uses_rope else None
             attn = self.attention.forward(q, k, v, k_cache, v_cache, self.scale, layer_metadata(i),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -169,6 +170,7 @@ def _write_config(directory: Path, source: Path, **changes: object) -> Path:
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"layer_types": ["full_attention"] * 4}, "disagree with no_rope_layers"),
     ({"no_rope_layers": [1, 0]}, "no_rope_layers names 2 layers, the model has 4"),
+    ({"attention_chunk_size": 0}, "attention_chunk_size=0 must be >= 1"),
 ])
 def test_a_setting_the_engine_does_not_run_is_refused_in_one_line(
         llama4_checkpoints: dict[str, TinyCheckpoint], tmp_path: Path, changes: dict[str, object],
@@ -218,8 +220,35 @@ def _json_dir(directory: Path, config: dict[str, object]) -> Path:
     return directory
 
 
-def test_multimodal_llama4_checkpoints_are_refused_in_one_line(tmp_path: Path) -> None:
-    directory = _json_dir(tmp_path / "mm", {"model_type": "llama4", "text_config": {}})
-    with pytest.raises(UnsupportedCheckpointError, match="model_type 'llama4' is not supported"):
-        model_config_from_hf(directory)
+def test_a_multimodal_llama4_checkpoint_serves_its_text_model(
+        llama4_checkpoints: dict[str, TinyCheckpoint], tmp_path: Path) -> None:
+    """Llama4ForConditionalGeneration (model_type llama4, a tiny vision tower beside the MoE text
+    model): the engine reads text_config and the language_model.* tensors only, and its tokens and
+    logprobs are the text model's."""
+    import transformers
 
+    source = llama4_checkpoints["moe"]
+    vision = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+              "image_size": 28, "patch_size": 14, "vision_output_dim": 32, "projector_input_dim": 32,
+              "projector_output_dim": 32, "pixel_shuffle_ratio": 0.5}
+    config = transformers.Llama4Config(text_config=source.model.config.to_dict(), vision_config=vision)
+    torch.manual_seed(1)
+    model = transformers.Llama4ForConditionalGeneration(config).eval()
+    model.language_model.load_state_dict(source.model.state_dict())
+    directory = tmp_path / "multimodal"
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source.directory / name, directory / name)
+    assert json.loads((directory / "config.json").read_text())["model_type"] == "llama4"
+    engine = serving.make_engine(directory, max_num_batched_tokens=STEP_TOKENS)
+    assert engine.runner.model.config.architecture == "llama4_text"
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": TARGET}])
+    expected = hf_greedy(source.model, prompt, NUM_NEW_TOKENS)
+    assert_matches_transformers(generate(engine, {"p": prompt}, GREEDY)["p"], expected)
+    assert_idle_and_clean(engine)
+
+
+def test_a_multimodal_config_without_a_text_config_is_refused_in_one_line(tmp_path: Path) -> None:
+    directory = _json_dir(tmp_path / "mm", {"model_type": "llama4", "vision_config": {}})
+    with pytest.raises(UnsupportedCheckpointError, match="llama4: config.json has no text_config"):
+        model_config_from_hf(directory)
