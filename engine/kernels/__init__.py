@@ -81,22 +81,24 @@ def paged_attention(
     num_decode_seqs: int | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Mixed prefill+decode attention over the paged cache -> [T, H, D] (paged_attention.py).
 
     The keyword hints are host ints the scheduler knows (they save device syncs on CUDA);
     `num_decode_seqs` says the first that many requests are one-token decodes. `sliding_window`:
-    each query sees its W latest positions; `sinks` [H] float32: per-head logits in the denominator.
+    each query sees its W latest positions; `sinks` [H] float32: per-head logits in the denominator;
+    `attention_chunk` C: a query at p sees floor(p / C) * C .. p (Llama 4's chunked local attention).
     """
     if _triton(q):
         return _attn.paged_attention_triton(
             q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables, scale,
             max_query_len=max_query_len, max_seq_len=max_seq_len, num_decode_seqs=num_decode_seqs,
-            sliding_window=sliding_window, sinks=sinks,
+            sliding_window=sliding_window, sinks=sinks, attention_chunk=attention_chunk,
         )
     return _attn.paged_attention_reference(
         q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables, scale,
-        sliding_window=sliding_window, sinks=sinks,
+        sliding_window=sliding_window, sinks=sinks, attention_chunk=attention_chunk,
     )
 
 

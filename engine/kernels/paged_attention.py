@@ -76,8 +76,10 @@ def paged_attention_reference(
     *,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Torch reference (the CPU engine's attention): same contract as the module docstring.
+    `attention_chunk` C: a query at p sees floor(p / C) * C .. p only (Llama 4).
 
     Decode requests (query_len == 1) are batched into one padded call; prefill requests run one call
     each with a causal mask offset by their cached prefix (and the window, if any).
@@ -102,6 +104,8 @@ def paged_attention_reference(
         visible = pos[None, :] < ctx[:, None]  # [S_d, L]
         if sliding_window is not None:
             visible &= pos[None, :] >= ctx[:, None] - sliding_window
+        if attention_chunk is not None:
+            visible &= pos[None, :] >= (ctx[:, None] - 1) // attention_chunk * attention_chunk
         o = dense_attention(q_d, k, v, scale, visible[:, None, None, :], sinks)
         out[rows] = o.squeeze(2)
     for i, n in enumerate(q_lens):
@@ -113,7 +117,7 @@ def paged_attention_reference(
         k = _gather_kv(k_cache, tables)[:, :, :ctx_len]  # [1, KVH, L, D]
         v = _gather_kv(v_cache, tables)[:, :, :ctx_len]
         q_s = q[starts[i] : starts[i + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if n == ctx_len and sliding_window is None and sinks is None:
+        if n == ctx_len and sliding_window is None and sinks is None and attention_chunk is None:
             # no cached prefix: plain causal (lets SDPA pick a fused kernel)
             o = F.scaled_dot_product_attention(q_s, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
@@ -122,6 +126,8 @@ def paged_attention_reference(
             visible = k_pos <= q_pos  # [n, L]
             if sliding_window is not None:
                 visible &= k_pos > q_pos - sliding_window
+            if attention_chunk is not None:
+                visible &= k_pos >= q_pos // attention_chunk * attention_chunk
             o = dense_attention(q_s, k, v, scale, visible, sinks)
         out[starts[i] : starts[i + 1]] = o[0].transpose(0, 1)
     return out
@@ -134,12 +140,13 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, bt_ptr,
-                       sinks_ptr, qk_scale_log2, window,
+                       sinks_ptr, qk_scale_log2, window, chunk,
                        stride_qt, stride_qh, stride_ot, stride_oh,
                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                        block_size, head_dim,
                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
+                       BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+                       HAS_CHUNK: tl.constexpr):
         """One program per (request, query head, BLOCK_M query rows); online softmax over
         BLOCK_N-position tiles gathered through the block table, from the tile's window start."""
         seq = tl.program_id(0)
@@ -167,6 +174,8 @@ def _kernels() -> SimpleNamespace:
         kv_start = 0
         if HAS_WINDOW:  # the tile's first row sees nothing before its window
             kv_start = tl.maximum(first_pos + q_block * BLOCK_M - window + 1, 0)
+        if HAS_CHUNK:  # ... nor before its chunk
+            kv_start = tl.maximum(kv_start, (first_pos + q_block * BLOCK_M) // chunk * chunk)
         table = bt_ptr + seq.to(tl.int64) * stride_bt
         for start in range(kv_start, kv_end, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
@@ -182,6 +191,8 @@ def _kernels() -> SimpleNamespace:
             causal = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
             if HAS_WINDOW:
                 causal = causal & (offs_n[None, :] > q_pos[:, None] - window)
+            if HAS_CHUNK:
+                causal = causal & (offs_n[None, :] >= q_pos[:, None] // chunk * chunk)
             s = tl.where(causal, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             # A row may see nothing in this tile yet (windows): keep exp2 away from -inf - -inf.
@@ -240,7 +251,8 @@ def check_variants(q: torch.Tensor, sliding_window: int | None, sinks: torch.Ten
 
 def paged_prefill_triton(q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables, scale,
                          max_query_len: int, out: torch.Tensor, sliding_window: int | None = None,
-                         sinks: torch.Tensor | None = None) -> torch.Tensor:
+                         sinks: torch.Tensor | None = None,
+                         attention_chunk: int | None = None) -> torch.Tensor:
     """The mixed-batch kernel (any query lengths). Inputs already checked."""
     kern = _kernels()
     num_seqs = seq_lens.shape[0]
@@ -254,11 +266,12 @@ def paged_prefill_triton(q, k_cache, v_cache, cu_query_lens, seq_lens, block_tab
         kern.prefill[grid](
             q, k_cache, v_cache, out, cu_query_lens, seq_lens, block_tables,
             sinks if sinks is not None else seq_lens, scale * log2e, sliding_window or 0,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            attention_chunk or 1, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
             k_cache.shape[1], head_dim,
             GROUP=group, BLOCK_D=kern.triton.next_power_of_2(head_dim),
-            HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, **meta, **opts,
+            HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
+            HAS_CHUNK=attention_chunk is not None, **meta, **opts,
         )
 
     if q.is_cuda:
@@ -285,6 +298,7 @@ def paged_attention_triton(
     num_splits: int | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `paged_attention_reference`.
 
@@ -296,6 +310,7 @@ def paged_attention_triton(
     """
     check_paged_inputs(q, k_cache, v_cache, cu_query_lens, seq_lens, block_tables)
     check_variants(q, sliding_window, sinks)
+    assert attention_chunk is None or attention_chunk >= 1, f"attention_chunk {attention_chunk}"
     out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
@@ -313,9 +328,9 @@ def paged_attention_triton(
         paged_decode_triton(q[:num_decode_seqs], k_cache, v_cache, seq_lens[:num_decode_seqs],
                             block_tables[:num_decode_seqs], scale, max_seq_len=max_seq_len,
                             out=out[:num_decode_seqs], num_splits=num_splits,
-                            sliding_window=sliding_window, sinks=sinks)
+                            sliding_window=sliding_window, sinks=sinks, attention_chunk=attention_chunk)
     if num_decode_seqs < num_seqs:
         paged_prefill_triton(q, k_cache, v_cache, cu_query_lens[num_decode_seqs:],
                              seq_lens[num_decode_seqs:], block_tables[num_decode_seqs:], scale,
-                             max_query_len, out, sliding_window, sinks)
+                             max_query_len, out, sliding_window, sinks, attention_chunk)
     return out

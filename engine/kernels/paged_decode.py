@@ -44,13 +44,13 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr,
-                     bt_ptr, qk_scale_log2, window,
+                     bt_ptr, qk_scale_log2, window, chunk,
                      stride_qt, stride_qh,
                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
                      stride_ps, stride_ph, stride_pp, stride_ls, stride_lh,
                      block_size, head_dim, chunk_len,
                      GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                     BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -58,6 +58,8 @@ def _kernels() -> SimpleNamespace:
         first_pos = 0
         if HAS_WINDOW:
             first_pos = tl.maximum(seq_len - window, 0)
+        if HAS_CHUNK:  # the query at seq_len - 1 sees its own chunk only
+            first_pos = (seq_len - 1) // chunk * chunk
         start_pos = first_pos + split * chunk_len
         end_pos = tl.minimum(start_pos + chunk_len, seq_len)
         offs_g = tl.arange(0, BLOCK_G)
@@ -128,7 +130,8 @@ def _kernels() -> SimpleNamespace:
 def paged_decode_triton(q, k_cache, v_cache, seq_lens, block_tables, scale, *, max_seq_len: int,
                         out: torch.Tensor, num_splits: int | None = None,
                         sliding_window: int | None = None,
-                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+                        sinks: torch.Tensor | None = None,
+                        attention_chunk: int | None = None) -> torch.Tensor:
     """Decode-only attention; inputs checked by paged_attention_triton. q [S, H, D] -> out."""
     kern = _kernels()
     num_seqs, num_heads, head_dim = q.shape
@@ -137,6 +140,8 @@ def paged_decode_triton(q, k_cache, v_cache, seq_lens, block_tables, scale, *, m
     group = num_heads // num_kv_heads
     if sliding_window is not None:
         max_seq_len = min(max_seq_len, sliding_window)  # the longest span any request attends to
+    if attention_chunk is not None:
+        max_seq_len = min(max_seq_len, attention_chunk)
     if num_splits is None:
         num_sms = 4 if interpreting() else torch.cuda.get_device_properties(q.device).multi_processor_count
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
@@ -149,13 +154,14 @@ def paged_decode_triton(q, k_cache, v_cache, seq_lens, block_tables, scale, *, m
     block_d = kern.triton.next_power_of_2(head_dim)
     kern.split[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, part_out, part_lse, seq_lens, block_tables, scale * 1.4426950408889634,
-        sliding_window or 0, q.stride(0), q.stride(1),
+        sliding_window or 0, attention_chunk or 1, q.stride(0), q.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         k_cache.shape[1], head_dim, chunk_len,
         GROUP=group, BLOCK_G=max(16, kern.triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=block_d, HAS_WINDOW=sliding_window is not None, num_warps=4,
+        BLOCK_D=block_d, HAS_WINDOW=sliding_window is not None, HAS_CHUNK=attention_chunk is not None,
+        num_warps=4,
     )
     kern.reduce[(num_seqs, num_heads)](
         part_out, part_lse, out, sinks if sinks is not None else part_lse,

@@ -129,8 +129,7 @@ class PagedAttentionBackend(abc.ABC):
 
         sliding_window: W >= 1, each query sees its W latest positions (None: the whole context).
         sinks: [H] float logits, one per query head, added to every softmax denominator (None: none).
-        attention_chunk: C >= 1, each query sees its own chunk of C positions only (None: no chunks);
-        the torch backend has it, the Triton kernels refuse it.
+        attention_chunk: C >= 1, each query sees its own chunk of C positions only (None: no chunks).
         Pass `meta = layer_metadata(layer)`: a window layer's group has its own block tables."""
 
 

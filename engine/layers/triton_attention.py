@@ -5,8 +5,8 @@ Dimension legend: T tokens in the step, H query heads, G kv heads, Dh head dim, 
 Per layer: `store_kv` writes the step's k/v [T, G, Dh] into the paged caches at `slot_mapping`, then one
 `paged_attention` call covers the whole mixed batch from the metadata's per-sequence tensors
 (cu_query_lens [S+1], seq_lens [S], block_tables [S, max_blocks]; decode sequences first). Cascade
-groups are not needed here: the per-sequence tensors already cover every decode row. Windows and sinks
-go to the kernels as they are (block-table entries before a window are never read, so a window group's
+groups are not needed here: the per-sequence tensors already cover every decode row. Windows, chunks
+(Llama 4) and sinks go to the kernels as they are (block-table entries before a window are never read, so a window group's
 table may hold block 0 there).
 
 The kernels want host ints for the longest query and context (no device sync per layer); they are read
@@ -26,9 +26,6 @@ class TritonPagedAttention(PagedAttentionBackend):
                 v_cache: torch.Tensor, scale: float, meta: AttentionMetadata, *,
                 sliding_window: int | None = None, sinks: torch.Tensor | None = None,
                 attention_chunk: int | None = None) -> torch.Tensor:
-        if attention_chunk is not None:
-            raise NotImplementedError("chunked local attention (Llama 4) is not in the Triton kernels: "
-                                      "serve it on the CPU")
         if meta.cu_query_lens is None or meta.seq_lens is None or meta.block_tables is None:
             raise ValueError("TritonPagedAttention needs cu_query_lens, seq_lens and block_tables")
         kernels.store_kv(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
@@ -37,7 +34,7 @@ class TritonPagedAttention(PagedAttentionBackend):
             q.to(k_cache.dtype), k_cache, v_cache, meta.cu_query_lens, meta.seq_lens, meta.block_tables,
             scale, max_query_len=max_query_len, max_seq_len=max_seq_len,
             num_decode_seqs=meta.num_decode_tokens,  # one row per decode sequence
-            sliding_window=sliding_window,
+            sliding_window=sliding_window, attention_chunk=attention_chunk,
             sinks=sinks.float().contiguous() if sinks is not None else None,
         ).to(q.dtype)
 

@@ -23,8 +23,8 @@ RoPE pairs: transformers rotates interleaved pairs (x[2i], x[2i + 1]) as complex
 of each head are permuted at load (evens, then odds) so the engine's rotate-half rope computes the same
 rotation. q . k is unchanged by one permutation of both, and so is the L2 norm.
 
-Attention backends: chunked attention is in the torch backend (CPU) only; the Triton kernels (CUDA)
-have no chunk mask, so a CUDA engine refuses the checkpoint at load.
+Attention backends: the torch backend (CPU) and the Triton kernels (CUDA) both mask chunks
+(engine/kernels/paged_attention.py, paged_decode.py: tested in Triton's interpreter).
 
 KV: the NoPE layers form the full-attention KV group(s); the chunked layers form chunk groups
 (engine/kv_cache/layout.py) that release a chunk's blocks once the sequence enters the next chunk
@@ -44,7 +44,6 @@ from engine.layers.attention import PagedAttentionBackend, layer_metadata
 from engine.layers.linear import DenseLinear, LinearWeight, fuse_rows
 from engine.layers.norm import rms_norm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
-from engine.layers.torch_attention import TorchPagedAttention
 from engine.models.llama import CPU, DenseMLP, LinearFactory
 from engine.models.weights import Weights, take, take_optional
 
@@ -97,9 +96,6 @@ class Llama4Model:
         if config.llama4 is None:
             raise ValueError("llama4_text config: ModelConfig.llama4 is not set")
         self.config, self.llama4 = config, config.llama4
-        if self.llama4.attention_chunk_size is not None and not isinstance(attention, TorchPagedAttention):
-            raise ValueError(f"llama4_text: chunked local attention runs on the torch attention backend "
-                             f"only (not {type(attention).__name__}): serve it on the CPU")
         self._device, self._dtype = device, dtype
         self.attention = attention
         self.q_size = config.num_heads * config.head_dim
