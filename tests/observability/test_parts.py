@@ -146,7 +146,8 @@ def test_a_request_trace_builds_its_spans_when_read_under_the_callers_span() -> 
     trace.auth_start_ns, trace.auth_end_ns = trace.start_ns + 10, trace.start_ns + 20
     trace.auth_identity = ("proj", "key1", "api_key")
     trace.request = ("chat", "m", "req-1", True, 16, 0.5, None, None)
-    endpoints = [SimpleNamespace(name="r0"), SimpleNamespace(name="r1")]
+    model = SimpleNamespace(name="m")
+    endpoints = [SimpleNamespace(name="r0", model=model), SimpleNamespace(name="r1", model=model)]
     for index, endpoint in enumerate(endpoints):
         decision = SimpleNamespace(endpoint=endpoint, reason="least_outstanding")
         trace.add_route(RouteStep(trace.start_ns + 30, trace.start_ns + 40, "least_outstanding",
@@ -176,6 +177,7 @@ def test_a_request_trace_builds_its_spans_when_read_under_the_callers_span() -> 
     assert {s["parent_span_id"] for s in children} == {root["span_id"]}
     assert children[0]["attributes"]["aigw.auth.via"] == "api_key"
     assert children[1]["attributes"]["aigw.routing.candidates"] == ["r0", "r1"]
+    assert children[1]["attributes"]["aigw.routing.model"] == "m"
     assert children[2]["attributes"]["aigw.routing.candidates"] == ["r1"]
     assert children[3]["status"] == "ERROR" and children[4]["status"] == "UNSET"
     assert [s["span_id"] for s in children[3:]] == [f"{c.span_id:016x}" for c in (failed, served)]
