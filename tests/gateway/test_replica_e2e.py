@@ -321,34 +321,6 @@ def test_the_prompt_is_rendered_once_by_the_gateway_and_answers_as_a_replica_ren
     assert answer.usage.prompt_tokens == direct.usage.prompt_tokens
 
 
-def test_killing_one_replica_mid_run_never_hangs_a_request(served: tuple[str, str],
-                                                           two_replicas: list[embedded.ReplicaProcess]) -> None:
-    url, model = served
-    results: list[str] = []
-
-    def one_request() -> None:
-        try:
-            with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={
-                    "model": model, "max_tokens": 48, "stream": True,
-                    "messages": [{"role": "user", "content": "Tell a story"}]}) as response:
-                text = response.read().decode()
-            results.append("ok" if "[DONE]" in text else "error_event" if '"error"' in text else "bad")
-        except httpx.HTTPError as exc:
-            results.append(f"transport:{exc!r}")
-
-    threads = [threading.Thread(target=one_request) for _ in range(6)]
-    for thread in threads:
-        thread.start()
-    two_replicas[0].process.kill()
-    for thread in threads:
-        thread.join(150)
-    assert not any(t.is_alive() for t in threads), "a request hung"
-    assert set(results) <= {"ok", "error_event"}, results
-    after = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-        "model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
-    assert after.status_code == 200
-
-
 def _retained_until(replica_url: str, since: int) -> list[float]:
     """Each BlockRetained's `retained_until_ts` in the replica's KV events after batch `since`."""
     page = httpx.get(replica_url + "/kv/events", params={"since": since}, timeout=10).json()
@@ -411,3 +383,32 @@ def test_sdk_cache_retention_fields_keep_a_prefix_through_pressure_that_evicts_o
     with pytest.raises(anthropic.BadRequestError, match="ttl"):
         claude.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral", "ttl": "2d"}}]}])  # type: ignore[typeddict-item]
+
+
+# last in the module: it kills one of the replicas the other tests share
+def test_killing_one_replica_mid_run_never_hangs_a_request(served: tuple[str, str],
+                                                           two_replicas: list[embedded.ReplicaProcess]) -> None:
+    url, model = served
+    results: list[str] = []
+
+    def one_request() -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={
+                    "model": model, "max_tokens": 48, "stream": True,
+                    "messages": [{"role": "user", "content": "Tell a story"}]}) as response:
+                text = response.read().decode()
+            results.append("ok" if "[DONE]" in text else "error_event" if '"error"' in text else "bad")
+        except httpx.HTTPError as exc:
+            results.append(f"transport:{exc!r}")
+
+    threads = [threading.Thread(target=one_request) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    two_replicas[0].process.kill()
+    for thread in threads:
+        thread.join(150)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    assert set(results) <= {"ok", "error_event"}, results
+    after = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    assert after.status_code == 200
