@@ -6,43 +6,16 @@
 
 from __future__ import annotations
 
-import importlib
-from importlib.metadata import entry_points
-
 from gateway.backends.base import Backend
+from infra.plugin_registry import PluginRegistry
 
 ENTRY_POINT_GROUP = "aigw.backends"
-_BUILTIN = {
+BACKENDS: PluginRegistry[Backend] = PluginRegistry("backend", ENTRY_POINT_GROUP, Backend, {
     "replica": "gateway.backends.replica:ReplicaBackend",
     "openai": "gateway.backends.openai_compat:OpenAICompatBackend",
     "anthropic": "gateway.backends.anthropic:AnthropicBackend",
-}
-_registered: dict[str, type[Backend]] = {}
+})
+register_backend = BACKENDS.register
+get_backend_class = BACKENDS.get
 
-
-def register_backend(name: str, backend_class: type[Backend]) -> None:
-    """Register a backend class in-process (entry points do the same from a package)."""
-    _registered[name] = backend_class
-
-
-def get_backend_class(name: str) -> type[Backend]:
-    if name in _registered:
-        return _registered[name]
-    target = _BUILTIN.get(name)
-    if target is None:
-        for entry in entry_points(group=ENTRY_POINT_GROUP):
-            if entry.name == name:
-                target = entry.value
-                break
-    if target is None:
-        raise ValueError(f"unknown backend {name!r}: not built in and no {ENTRY_POINT_GROUP} "
-                         "entry point of that name")
-    module_name, _, attr = target.partition(":")
-    backend_class = getattr(importlib.import_module(module_name), attr)
-    if not (isinstance(backend_class, type) and issubclass(backend_class, Backend)):
-        raise TypeError(f"{target} is not a Backend subclass")
-    _registered[name] = backend_class
-    return backend_class
-
-
-__all__ = ["Backend", "ENTRY_POINT_GROUP", "get_backend_class", "register_backend"]
+__all__ = ["BACKENDS", "Backend", "ENTRY_POINT_GROUP", "get_backend_class", "register_backend"]
