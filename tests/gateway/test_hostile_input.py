@@ -191,7 +191,9 @@ def test_count_tokens_is_admitted_and_metered_like_a_messages_request(served: Se
                             headers=headers)
         assert answer.status_code == 200 and answer.json()["input_tokens"] > 0
         remaining.append(int(answer.headers["x-ratelimit-remaining-requests"]))
-    assert remaining == [999, 998]
+    # counted like a request: one of the minute's 1,000 (the second is 999 again only when the
+    # minute's window rolled over between the two)
+    assert remaining[0] == 999 and remaining[1] in (998, 999)
     answer = httpx.post(served.url + "/v1/messages/count_tokens",
                         json={**MESSAGES, "max_tokens": None}, headers=headers)
     assert answer.status_code == 200
