@@ -13,6 +13,7 @@ index), so the same code runs on one server and on a cluster.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -57,13 +58,31 @@ def connect_redis(url: str, *, decode_responses: bool = False, **options: Any) -
     """An asyncio client for `url`: RedisCluster for redis+cluster://, else Redis. `options` go to
     the client (e.g. socket_timeout). The caller closes it with `await client.aclose()`."""
     if is_cluster_url(url):
-        from redis.asyncio.cluster import RedisCluster
-
-        return RedisCluster.from_url(_plain_url(url), decode_responses=decode_responses,
-                                     **options)
+        return _cluster_client_class().from_url(_plain_url(url),
+                                                decode_responses=decode_responses, **options)
     import redis.asyncio
 
     return redis.asyncio.Redis.from_url(url, decode_responses=decode_responses, **options)
+
+
+@functools.cache
+def _cluster_client_class() -> Any:
+    """redis-py's asyncio RedisCluster, learning the cluster's slot map before its first command.
+
+    The stock client picks a command's node before it has initialized: with no default node yet,
+    a keyed command (SMEMBERS, GET, ...) is taken for keyless and sent to a random primary. The
+    primary answers MOVED, and every few MOVED the client closes all its connections, in-flight
+    ones too (a concurrent command mid-handshake then fails with AttributeError). The blocking
+    client initializes in its constructor, so it has no such window."""
+    from redis.asyncio.cluster import RedisCluster
+
+    class InitializedRedisCluster(RedisCluster):
+        async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+            if self._initialize:
+                await self.initialize()
+            return await super().execute_command(*args, **kwargs)
+
+    return InitializedRedisCluster
 
 
 def connect_redis_sync(url: str, *, decode_responses: bool = False, **options: Any) -> Any:
