@@ -321,40 +321,58 @@ def _report(results: list[dict[str, Any]], skipped: dict[str, str]) -> None:
         print(f"skipped {name}: {reason}")
 
 
+Pair = tuple[dict[str, Any], dict[str, Any]]
+
+
+def _paired_cells(per_round: list[dict[str, Any]], first: str,
+                  second: str) -> list[tuple[str, int, list[Pair]]]:
+    """(mode, concurrency, [(first's row, second's row) per round]) for every cell where both
+    targets ran the same number of rounds (the two run back to back within a round)."""
+    cells: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {}
+    for row in per_round:
+        if row["target"] in (first, second):
+            cells.setdefault((row["mode"], row["concurrency"]), {first: [], second: []}
+                             )[row["target"]].append(row)
+    return [(mode, concurrency, list(zip(by[first], by[second], strict=True)))
+            for (mode, concurrency), by in cells.items()
+            if by[first] and len(by[first]) == len(by[second])]
+
+
+def _spread(values: list[float], spec: str, unit: str = "") -> str:
+    """`median [min, max]` of `values`, each formatted with `spec`, the median followed by `unit`."""
+    ordered = sorted(values)
+    return (f"{ordered[len(ordered) // 2]:{spec}}{unit} "
+            f"[{ordered[0]:{spec}}, {ordered[-1]:{spec}}]")
+
+
+def _rps_and_cpu_lines(per_round: list[dict[str, Any]], first: str, second: str,
+                       label: str) -> list[str]:
+    """Per cell: the req/s ratio first/second and the CPU difference a request, over the rounds."""
+    return [f"{mode:9} {concurrency:>4}   req/s {label:8} "
+            f"{_spread([a['requests_per_s'] / b['requests_per_s'] for a, b in paired], '.3f')}"
+            f"   cpu difference "
+            f"{_spread([(a['cpu_ms_per_request'] - b['cpu_ms_per_request']) * 1000 for a, b in paired], '+.0f', ' us')}"
+            for mode, concurrency, paired in _paired_cells(per_round, first, second)]
+
+
+def _print_section(title: str, lines: list[str]) -> None:
+    if lines:
+        print(f"{title}, paired per round: median [min, max] over the rounds")
+        print("\n".join(lines))
+
+
 def _report_tracing_cost(per_round: list[dict[str, Any]]) -> None:
     """Tracing as configured by default (`aigw`: new traces rate-limited) against off
-    (`aigw_trace_off`), paired within each round (the two cells run back to back): the median and
-    range over the rounds of each cell's req/s ratio and CPU difference. A range that spans
-    1.0 / 0 is a difference the run cannot tell from noise. When in the run, also: tracing every
-    request (`aigw_trace_all`) against off, and `aigw` against `aigw_twin` (a second `aigw`
-    process configured the same): the difference two identical gateways show on this machine,
-    the floor below which a tracing figure means nothing. With `aigw_baseline`: `aigw` against
-    the other checkout's gateway, paired the same way."""
+    (`aigw_trace_off`). When in the run, also: tracing every request (`aigw_trace_all`) against
+    off, and `aigw` against `aigw_twin` (a second `aigw` process configured the same): the
+    difference two identical gateways show on this machine, the floor below which a tracing
+    figure means nothing. With `aigw_baseline`: `aigw` against the other checkout's gateway. A
+    range that spans 1.0 / 0 is a difference the run cannot tell from noise."""
     pairs = [("aigw", "aigw_trace_off", "on/off"), ("aigw_trace_all", "aigw_trace_off", "all/off"),
              ("aigw", "aigw_twin", "on/twin"), ("aigw", "aigw_baseline", "on/base")]
-    lines = []
-    for traced_name, other_name, label in pairs:
-        cells: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {}
-        for row in per_round:
-            if row["target"] in (traced_name, other_name):
-                by_target = cells.setdefault((row["mode"], row["concurrency"]),
-                                             {traced_name: [], other_name: []})
-                by_target[row["target"]].append(row)
-        for (mode, concurrency), by_target in cells.items():
-            traced, other = by_target[traced_name], by_target[other_name]
-            if not traced or len(traced) != len(other):
-                continue
-            paired = list(zip(traced, other, strict=True))
-            ratios = sorted(a["requests_per_s"] / b["requests_per_s"] for a, b in paired)
-            cpu_us = sorted((a["cpu_ms_per_request"] - b["cpu_ms_per_request"]) * 1000
-                            for a, b in paired)
-            lines.append(f"{mode:9} {concurrency:>4}   req/s {label:8} {ratios[len(ratios) // 2]:.3f} "
-                         f"[{ratios[0]:.3f}, {ratios[-1]:.3f}]   cpu difference "
-                         f"{cpu_us[len(cpu_us) // 2]:+.0f} us [{cpu_us[0]:+.0f}, {cpu_us[-1]:+.0f}]")
-    if lines:
-        print("tracing on vs off (and vs an identical twin), paired per round: "
-              "median [min, max] over the rounds")
-        print("\n".join(lines))
+    _print_section("tracing on vs off (and vs an identical twin)",
+                   [line for first, second, label in pairs
+                    for line in _rps_and_cpu_lines(per_round, first, second, label)])
 
 
 def _extra_config(name: str) -> str:
@@ -362,30 +380,14 @@ def _extra_config(name: str) -> str:
 
 
 def _report_policy_cost(per_round: list[dict[str, Any]]) -> None:
-    """Request logs at 100% and guardrails on (`aigw_logs_guards`) against both off (`aigw`),
-    paired within each round: the median [min, max] over the rounds of the CPU ms a request
-    ratio (the cost per request) and of the req/s ratio."""
-    cells: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {}
-    for row in per_round:
-        if row["target"] in ("aigw_logs_guards", "aigw"):
-            cells.setdefault((row["mode"], row["concurrency"]), {"aigw_logs_guards": [], "aigw": []}
-                             )[row["target"]].append(row)
-    lines = []
-    for (mode, concurrency), by_target in cells.items():
-        on, off = by_target["aigw_logs_guards"], by_target["aigw"]
-        if not on or len(on) != len(off):
-            continue
-        cpu = sorted(a["cpu_ms_per_request"] / max(b["cpu_ms_per_request"], 1e-9)
-                     for a, b in zip(on, off, strict=True))
-        rps = sorted(a["requests_per_s"] / max(b["requests_per_s"], 1e-9)
-                     for a, b in zip(on, off, strict=True))
-        lines.append(f"{mode:9} {concurrency:>4}   cpu/req on/off {cpu[len(cpu) // 2]:.3f} "
-                     f"[{cpu[0]:.3f}, {cpu[-1]:.3f}]   req/s on/off {rps[len(rps) // 2]:.3f} "
-                     f"[{rps[0]:.3f}, {rps[-1]:.3f}]")
-    if lines:
-        print("request logs at 100% + guardrails (regex, PII) vs both off, paired per round: "
-              "median [min, max] over the rounds")
-        print("\n".join(lines))
+    """Request logs at 100% and guardrails on (`aigw_logs_guards`) against both off (`aigw`): the
+    CPU ms a request ratio (the cost per request) and the req/s ratio."""
+    lines = [f"{mode:9} {concurrency:>4}   cpu/req on/off "
+             f"{_spread([a['cpu_ms_per_request'] / max(b['cpu_ms_per_request'], 1e-9) for a, b in paired], '.3f')}"
+             f"   req/s on/off "
+             f"{_spread([a['requests_per_s'] / max(b['requests_per_s'], 1e-9) for a, b in paired], '.3f')}"
+             for mode, concurrency, paired in _paired_cells(per_round, "aigw_logs_guards", "aigw")]
+    _print_section("request logs at 100% + guardrails (regex, PII) vs both off", lines)
 
 
 def _chain_env(upstream: str) -> dict[str, str]:
@@ -400,30 +402,9 @@ def _chain_env(upstream: str) -> dict[str, str]:
 
 
 def _report_fallback_cost(per_round: list[dict[str, Any]]) -> None:
-    """`aigw_fallbacks` (a chain configured, never taken) against `aigw` (none), paired within
-    each round: the median [min, max] over the rounds of the req/s ratio and the CPU difference
-    a request. A range that spans 1.0 / 0 is a difference the run cannot tell from noise."""
-    cells: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {}
-    for row in per_round:
-        if row["target"] in ("aigw_fallbacks", "aigw"):
-            cells.setdefault((row["mode"], row["concurrency"]),
-                             {"aigw_fallbacks": [], "aigw": []})[row["target"]].append(row)
-    lines = []
-    for (mode, concurrency), by_target in cells.items():
-        chained, plain = by_target["aigw_fallbacks"], by_target["aigw"]
-        if not chained or len(chained) != len(plain):
-            continue
-        paired = list(zip(chained, plain, strict=True))
-        ratios = sorted(a["requests_per_s"] / b["requests_per_s"] for a, b in paired)
-        cpu_us = sorted((a["cpu_ms_per_request"] - b["cpu_ms_per_request"]) * 1000
-                        for a, b in paired)
-        lines.append(f"{mode:9} {concurrency:>4}   req/s chain/none {ratios[len(ratios) // 2]:.3f} "
-                     f"[{ratios[0]:.3f}, {ratios[-1]:.3f}]   cpu difference "
-                     f"{cpu_us[len(cpu_us) // 2]:+.0f} us [{cpu_us[0]:+.0f}, {cpu_us[-1]:+.0f}]")
-    if lines:
-        print("a fallback chain configured but unused vs none, paired per round: "
-              "median [min, max] over the rounds")
-        print("\n".join(lines))
+    """`aigw_fallbacks` (a chain configured, never taken) against `aigw` (none)."""
+    _print_section("a fallback chain configured but unused vs none",
+                   _rps_and_cpu_lines(per_round, "aigw_fallbacks", "aigw", "chain/none"))
 
 
 def _plot(results: list[dict[str, Any]], path: str) -> None:
