@@ -4,6 +4,8 @@ and follow the schema; unconstrained neighbours in the batch are unaffected."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -170,27 +172,34 @@ def test_each_request_gets_its_own_parser_state_from_a_grammar_built_once(engine
     assert allowed_fresh[opening[0]] and not torch.equal(allowed_fresh, allowed_advanced)
 
 
-def test_a_grammar_prepared_in_another_thread_is_built_once(engine: LLMEngine) -> None:
-    import threading
-
-    spec = OutputGrammar.json_schema({"type": "object", "properties": {"k": {"enum": ["a", "b"]}},
-                                      "required": ["k"], "additionalProperties": False})
-    compiler = engine.grammars
-    built = []
+@contextmanager
+def _counted_builds(compiler: Any) -> Iterator[list[OutputGrammar]]:
+    """The grammars `compiler` builds (not takes from its cache) inside the block, in order."""
+    built: list[OutputGrammar] = []
     build = compiler._build
 
     def counting(grammar: OutputGrammar) -> Any:
         built.append(grammar)
         return build(grammar)
 
-    compiler._build = counting  # type: ignore[method-assign]
+    compiler._build = counting
     try:
+        yield built
+    finally:
+        del compiler._build
+
+
+def test_a_grammar_prepared_in_another_thread_is_built_once(engine: LLMEngine) -> None:
+    import threading
+
+    spec = OutputGrammar.json_schema({"type": "object", "properties": {"k": {"enum": ["a", "b"]}},
+                                      "required": ["k"], "additionalProperties": False})
+    compiler = engine.grammars
+    with _counted_builds(compiler) as built:
         worker = threading.Thread(target=compiler.prepare, args=(spec,))
         worker.start()
         worker.join()
         first, second = compiler.matcher(spec), compiler.matcher(spec)
-    finally:
-        del compiler._build
     assert built == [spec]
     assert first.accept(engine.tokenizer.encode('{"k":"a"}')[0]) and not second.is_stopped()
 
@@ -200,21 +209,11 @@ def test_a_grammar_built_for_one_cache_salt_is_not_reused_under_another(engine: 
     spec = OutputGrammar.json_schema({"type": "object", "properties": {"t": {"type": "boolean"}},
                                       "required": ["t"], "additionalProperties": False})
     compiler = engine.grammars
-    built = []
-    build = compiler._build
-
-    def counting(grammar: OutputGrammar) -> Any:
-        built.append(grammar)
-        return build(grammar)
-
-    compiler._build = counting  # type: ignore[method-assign]
-    try:
+    with _counted_builds(compiler) as built:
         compiler.prepare(spec, "tenant-a")
         compiler.matcher(spec, "tenant-a")
         compiler.matcher(spec, "tenant-b")
         compiler.matcher(spec, "tenant-b")
-    finally:
-        del compiler._build
     assert built == [spec, spec]
 
 
