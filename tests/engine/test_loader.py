@@ -27,14 +27,10 @@ def checkpoint(gguf_path) -> Checkpoint:
 
 
 @pytest.fixture(scope="module")
-def reference_state_dict(gguf_path) -> dict[str, torch.Tensor]:
-    """transformers' own dequantized, un-permuted weights for the same file."""
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    del model
-    return state
+def reference_state_dict(hf_model) -> dict[str, torch.Tensor]:
+    """transformers' own dequantized, un-permuted weights for the same file (the session's
+    transformers model, tests/engine/conftest.py: read, never changed here)."""
+    return dict(hf_model.state_dict())
 
 
 def test_default_model_path_points_at_the_bundled_gguf(gguf_path):
