@@ -152,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     if settings.redis_url and (problem := _redis_unreachable(settings.redis_url)):
         print(f"aigw: cannot reach Redis at redis_url: {problem}", file=sys.stderr)
         return 1
-    if not settings.models and (problem := engine_missing()):  # embedded replicas need it
+    configured = embedded.embedded_model(settings.models)  # served by embedded replicas, if any
+    if (not settings.models or configured) and (problem := engine_missing()):  # they need it
         print(f"{problem} (or configure [[models]] upstreams)", file=sys.stderr)
         return 1
     replicas: list[embedded.ReplicaProcess] = []
@@ -160,11 +161,15 @@ def run(args: argparse.Namespace) -> int:
     # them (they have sessions of their own; the default action would leave them running)
     previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
-        if not settings.models:
+        if not settings.models or configured:
             # the credential the embedded replicas require: the configured one, else a new one
             secret = configured_secret or secrets.token_urlsafe(32)
+            # the configured model's targets and shares (ModelSettings.replica_args), then
+            # --replica-args (whose later flags win)
+            replica_args = [*(configured.replica_args() if configured else []),
+                            *shlex.split(args.replica_args)]
             replicas = embedded.start_replicas(args.replicas, args.model, args.kv_cache_memory,
-                                               extra_args=shlex.split(args.replica_args),
+                                               extra_args=replica_args,
                                                secret=secret,
                                                host_tier_bytes=args.kv_host_tier_bytes,
                                                embedding_model_path=_embedding_model(args))
@@ -173,8 +178,9 @@ def run(args: argparse.Namespace) -> int:
             except (RuntimeError, TimeoutError) as exc:  # a replica exited (its error is above) or hung
                 print(f"aigw: {exc}", file=sys.stderr)
                 return 1
+            served = embedded.models_for(replicas, secret)
             settings = settings.model_copy(update={
-                "models": embedded.models_for(replicas, secret),
+                "models": embedded.fill_embedded(settings.models, served) if configured else served,
                 "replica_secret": secret, "replica_secret_file": None})
         signal.signal(signal.SIGTERM, previous_sigterm)
         with _supervised(replicas):  # stopped before the replicas are

@@ -10,6 +10,8 @@ Exception tree (raise these in handlers; the error middleware renders them):
      ├── AuthenticationError          401 authentication_error
      ├── PermissionDeniedError        403 permission_error
      ├── NotFoundError                404 invalid_request_error  (model_not_found, unknown route)
+     ├── LatencyTargetError           429 server_overloaded, code latency_target (admission control:
+     │                                    Retry-After and x-aigw-predicted-queue-ms headers)
      └── ServiceUnavailableError      503 server_error           (engine loop not alive)
 
 aiohttp's own HTTP errors (404/405 routes, 413 body over `client_max_size`) are rendered in the
@@ -61,6 +63,29 @@ class PermissionDeniedError(APIError):
 class NotFoundError(APIError):
     status = 404
     type = "invalid_request_error"
+
+
+PREDICTED_QUEUE_HEADER = "x-aigw-predicted-queue-ms"
+
+
+class LatencyTargetError(APIError):
+    """The replica refuses a request at once, before any byte of an answer, because its predicted
+    queueing delay would break its class's TTFT target (engine/slo.py). `Retry-After` is the
+    estimate in whole seconds (rounded up, at least 1); PREDICTED_QUEUE_HEADER the estimate in ms."""
+
+    status = 429
+    type = "server_overloaded"
+
+    def __init__(self, message: str, *, retry_after_s: int, predicted_queue_ms: int) -> None:
+        super().__init__(message, code="latency_target")
+        self.retry_after_s = retry_after_s
+        self.predicted_queue_ms = predicted_queue_ms
+
+    def to_response(self) -> web.Response:
+        response = super().to_response()
+        response.headers["Retry-After"] = str(self.retry_after_s)
+        response.headers[PREDICTED_QUEUE_HEADER] = str(self.predicted_queue_ms)
+        return response
 
 
 class ServiceUnavailableError(APIError):

@@ -23,6 +23,7 @@ from contracts.output_grammar import OutputGrammar
 from contracts.sampling_params import SamplingParams
 from engine.engine import EngineStats, LLMEngine
 from engine.outputs import FinishReason, RequestOutput
+from engine.slo import Admission
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,16 @@ class AsyncEngine:
         self._streams_lock = threading.Lock()
         self._stopped = threading.Event()
         self._error: BaseException | None = None
+        # prompt tokens of requests accepted but not yet queued by the engine thread, per class:
+        # admission counts them as waiting (a burst is not all admitted on one stale load)
+        self._pending_tokens: dict[int, int] = {}
+        self._pending_lock = threading.Lock()
+        self._applied_tokens: dict[int, int] = {}  # engine thread: adds applied since the last publish
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
+        watch = getattr(engine.runner, "watch", None)  # a tensor-parallel replica's lost rank
+        if watch is not None:
+            watch(self._runner_failed)
 
     @property
     def is_alive(self) -> bool:
@@ -70,6 +79,8 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
+        with self._pending_lock:
+            self._pending_tokens[priority] = self._pending_tokens.get(priority, 0) + len(prompt_token_ids)
         self._commands.put(("add", (request_id, list(prompt_token_ids), params, cache_salt,
                                     retain_s, retention_id, priority)))
         finished = False
@@ -85,6 +96,19 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             if not finished:
                 self._commands.put(("abort", request_id))
+
+    @property
+    def latency_targets_ms(self) -> tuple[float | None, float | None]:
+        """(TTFT, TPOT) p90 targets in ms (None: none; engine/slo.py)."""
+        config = self.engine.config.scheduler
+        return config.ttft_p90_ms, config.tpot_p90_ms
+
+    def admit(self, priority: int, num_prompt_tokens: int) -> Admission:
+        """Whether a new request of class `priority` would meet its TTFT target (engine/slo.py),
+        counting requests accepted ahead of it that the engine thread has not queued yet."""
+        with self._pending_lock:
+            pending = sum(n for c, n in self._pending_tokens.items() if c <= priority)
+            return self.engine.admission(priority, num_prompt_tokens, pending)
 
     def prepare_grammar(self, grammar: OutputGrammar, cache_salt: str | None = None) -> None:
         self.engine.grammars.prepare(grammar, cache_salt)  # thread-safe; the engine thread copies
@@ -114,6 +138,15 @@ class AsyncEngine:
         self._stopped.set()
         self._commands.put(("stop", None))
         self._thread.join(timeout=10)
+        close = getattr(self.engine.runner, "close", None)  # tensor parallel: stop the workers
+        if close is not None:
+            close()
+
+    def _runner_failed(self, exc: BaseException) -> None:
+        """The runner is lost for good (any thread): unready at once, every stream ends with it."""
+        if self._error is None:
+            self._error = exc
+        self._fail_all(EngineDeadError(f"engine failed: {exc}"))
 
     # ---- the engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -122,12 +155,26 @@ class AsyncEngine:
                 block = not self.engine.has_unfinished_requests
                 if not self._apply_commands(block):
                     break
+                self._publish_load()
                 if self.engine.has_unfinished_requests:
                     self._deliver(self.engine.step())
         except BaseException as exc:  # noqa: BLE001 - the thread must report every failure
             logger.exception("engine loop failed")
             self._error = exc
             self._fail_all(EngineDeadError(f"engine failed: {exc}"))
+
+    def _publish_load(self) -> None:
+        """The adds just applied are in the scheduler's queue now: the load counts them, the
+        pending tokens no longer do (one lock: admission never sees them in both or neither)."""
+        with self._pending_lock:
+            self.engine.publish_load()
+            for priority, num_tokens in self._applied_tokens.items():
+                left = self._pending_tokens.get(priority, 0) - num_tokens
+                if left > 0:
+                    self._pending_tokens[priority] = left
+                else:
+                    self._pending_tokens.pop(priority, None)
+        self._applied_tokens.clear()
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands; wait for one when idle. False means stop."""
@@ -148,6 +195,7 @@ class AsyncEngine:
     def _apply(self, kind: str, arg: Any) -> None:
         if kind == "add":
             request_id, prompt, params, salt, retain_s, retention_id, priority = arg
+            self._applied_tokens[priority] = self._applied_tokens.get(priority, 0) + len(prompt)
             try:
                 self.engine.add_request(request_id, prompt, params, salt, retain_s, retention_id,
                                         priority)

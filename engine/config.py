@@ -213,16 +213,43 @@ class CacheConfig:
                 raise ValueError(f"{name} must be in 0..1, got {getattr(self, name)}")
 
 
+SCHEDULER_POLICIES = ("fixed", "slo")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """One token budget per step; `max_num_seqs` caps the running batch."""
+    """One token budget per step; `max_num_seqs` caps the running batch.
+
+    Latency targets (engine/slo.py): `ttft_p90_ms` (admission refuses requests whose predicted
+    queueing would break it) and `tpot_p90_ms` (policy "slo" sizes each step so running decodes
+    keep it; "fixed" keeps `max_num_batched_tokens` every step). None: no target.
+    `reserved_shares`: (project, fraction) pairs, a project's provisioned share of each step's
+    token budget and of the KV blocks, which other projects cannot take while it has work
+    (engine/reserved_shares.py)."""
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     # Longest-cached-prefix-first among the first `prefix_aware_window` waiting requests.
     prefix_aware_window: int = 8
+    ttft_p90_ms: float | None = None
+    tpot_p90_ms: float | None = None
+    policy: str = "fixed"
+    reserved_shares: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("ttft_p90_ms", "tpot_p90_ms"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 < value < 3_600_000.0:  # (NaN too)
+                raise ValueError(f"{name} must be a positive number of milliseconds, got {value}")
+        if self.policy not in SCHEDULER_POLICIES:
+            raise ValueError(f"policy must be one of {SCHEDULER_POLICIES}, got {self.policy!r}")
+        projects = [project for project, _ in self.reserved_shares]
+        if len(set(projects)) != len(projects) or not all(projects):
+            raise ValueError("reserved_shares: each project once, by a non-empty name")
+        if not all(0.0 < share < 1.0 for _, share in self.reserved_shares):
+            raise ValueError("reserved_shares: every share must be in (0, 1)")
+        if sum(share for _, share in self.reserved_shares) > 0.9:
+            raise ValueError("reserved_shares: the shares may hold at most 0.9 of the replica together")
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.max_num_batched_tokens < self.max_num_seqs:

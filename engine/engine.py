@@ -25,6 +25,14 @@ from engine.outputs import FinishReason, PromptTooLongError, RequestOutput
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, SamplingRow, logprobs_of
 from engine.scheduler import Scheduler
+from engine.slo import (
+    STANDARD_CLASSES,
+    Admission,
+    QueueLoad,
+    predict_admission,
+    predict_queue_s,
+    service_tier_of,
+)
 from engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -51,6 +59,10 @@ class EngineStats:
     num_prompt_tokens_computed_total: int  # prompt tokens prefilled (not served by the prefix cache)
     num_generation_tokens_total: int
     num_preemptions_total: int
+    # admission control (engine/slo.py): predicted queueing delay of a new request per service_tier
+    predicted_queue_delay_ms: tuple[tuple[str, float], ...] = ()
+    step_token_budget: int = 0  # the current step plan's token budget (policy slo: adaptive)
+    max_num_running: int = 0  # and its cap on the running batch
 
 
 class LLMEngine:
@@ -77,6 +89,7 @@ class LLMEngine:
                                        retention_share_total=config.cache.retention_share_total,
                                        host_tier=self._host_tier(config, runner))
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.queue_load: QueueLoad = self.scheduler.queue_load()  # replaced, never mutated: any thread reads it
         self.sampler = Sampler(seed=config.seed)
         self.grammars = GrammarCompiler(tokenizer.backend, model_config.vocab_size,
                                         model_config.eos_token_ids)
@@ -161,13 +174,33 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started_s = time.perf_counter()  # (wall time even under a virtual clock: admission's unit)
         batch = self.scheduler.schedule()
         if self.host_storage is not None:  # evicted blocks out, tier hits in, before the model runs
             self.host_storage.apply(self.kv_cache.take_transfers())
         sampled = self._run(batch)
         outputs = self._postprocess(batch, sampled)
         self.kv_events.seal()
+        self.scheduler.record_step(batch, time.perf_counter() - started_s)
+        self.publish_load()
         return outputs
+
+    # ---- admission control ---------------------------------------------------------------------------
+    def publish_load(self) -> None:
+        """Take the scheduler's queue load for admission (engine thread; after adds and steps)."""
+        self.queue_load = self.scheduler.queue_load()
+
+    def admission(self, priority: int, num_prompt_tokens: int, num_pending_tokens: int = 0
+                  ) -> Admission:
+        """Whether a new request would meet its class's TTFT target (engine/slo.py); any thread."""
+        return predict_admission(self.queue_load, priority, num_prompt_tokens,
+                                 self.config.scheduler.ttft_p90_ms, num_pending_tokens)
+
+    def predicted_queue_delay_ms(self) -> tuple[tuple[str, float], ...]:
+        """(service_tier, ms of work ahead of a new request of that class), the standard classes."""
+        load = self.queue_load
+        return tuple((service_tier_of(c), predict_queue_s(load, c)[0] * 1000.0)
+                     for c in STANDARD_CLASSES)
 
     def _run(self, batch: ScheduledBatch) -> tuple[list[str], SamplerOutput | None]:
         if batch.is_empty:
@@ -323,4 +356,7 @@ class LLMEngine:
             num_prompt_tokens_computed_total=self.scheduler.num_prompt_tokens_computed_total,
             num_generation_tokens_total=self._num_generation_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions_total,
+            predicted_queue_delay_ms=self.predicted_queue_delay_ms(),
+            step_token_budget=self.scheduler.plan.token_budget,
+            max_num_running=self.scheduler.plan.max_num_running,
         )

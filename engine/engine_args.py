@@ -45,6 +45,44 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="q4: compute with the GGUF's 4-bit weights and 8-bit activations (native AVX2 "
                              "kernels; ~5x float32 single-stream decode; approximate; CPU only)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="split the model across N processes: one per CUDA device (cuda:0..N-1), or "
+                             "on the CPU each with 1/N of the cores (gloo); the KV budget is the "
+                             "replica's (default 1)")
+    add_slo_arguments(parser)
+
+
+def add_slo_arguments(parser: argparse.ArgumentParser) -> None:
+    """Latency targets, the scheduler policy and reserved shares (engine/slo.py)."""
+    parser.add_argument("--ttft-p90-ms", type=float, default=None,
+                        help="target p90 time to first token in ms: a request whose predicted queueing "
+                             "would break its class's target is refused at once (429, Retry-After); "
+                             "flex is held to 4x it (default: no target, no refusals)")
+    parser.add_argument("--tpot-p90-ms", type=float, default=None,
+                        help="target p90 time per output token in ms: under --scheduler-policy slo each "
+                             "step's prefill chunk and running batch are sized to keep it")
+    parser.add_argument("--scheduler-policy", choices=["fixed", "slo"], default=None,
+                        help="slo: step budgets from measured step times and the TPOT target; fixed: "
+                             "--max-num-batched-tokens every step (default: slo when a target is set)")
+    parser.add_argument("--reserved-share", action="append", default=[], metavar="PROJECT=FRACTION",
+                        help="a project's provisioned share of each step's token budget and of the KV "
+                             "blocks, which other projects cannot take while it has work (repeatable)")
+
+
+def slo_scheduler_fields(args: argparse.Namespace) -> dict[str, object]:
+    """SchedulerConfig's latency-target fields from the flags (ValueError: a malformed share)."""
+    targets = {"ttft_p90_ms": args.ttft_p90_ms or None, "tpot_p90_ms": args.tpot_p90_ms or None}
+    policy = args.scheduler_policy or ("slo" if any(targets.values()) else "fixed")
+    shares = []
+    for item in args.reserved_share:
+        project, sep, fraction = item.rpartition("=")
+        try:
+            shares.append((project, float(fraction)))
+        except ValueError:
+            sep = ""
+        if not sep or not project:
+            raise ValueError(f"--reserved-share {item!r}: expected PROJECT=FRACTION, e.g. acme=0.25")
+    return {**targets, "policy": policy, "reserved_shares": tuple(shares)}
 
 
 def check_device(device: str) -> None:
@@ -79,7 +117,7 @@ def engine_config_from_args(args: argparse.Namespace, replica_id: str = "replica
                           retention_share_total=args.kv_retention_share_total,
                           host_tier_bytes=args.kv_host_tier_bytes, host_tier_dir=args.kv_host_tier_dir),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_num_seqs=args.max_num_seqs),
+                                  max_num_seqs=args.max_num_seqs, **slo_scheduler_fields(args)),
         device=args.device, dtype=args.dtype, num_threads=args.threads, compile=args.compile,
         quantization=args.quantization, decode_weights=args.decode_weights, replica_id=replica_id, max_model_len=args.max_model_len,
         seed=args.seed,

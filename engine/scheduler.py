@@ -17,6 +17,11 @@ the budget before lower classes' decodes, and when it finds no KV room (or no fr
 running requests of lower classes, lowest and youngest first; a running request that needs a block
 preempts the lowest class's youngest request too (itself, when it is that). A request is never preempted
 to make room for a lower class's, and a waiting request never preempts its own class.
+
+Latency targets (engine/slo.py): every step's time is measured (`record_step`) into a step-time
+model. Under policy "slo" with a TPOT target, each step's token budget and the running batch's size
+come from `plan_step` (decodes keep their target, prefill takes the rest); under "fixed" the budget
+is `max_num_batched_tokens` every step. `queue_load()` is what admission control predicts from.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from engine.config import SchedulerConfig
 from engine.kv_cache.manager import BlockTable, ComputedBlocks, KVCacheManager
 from engine.outputs import FinishReason
 from engine.request import Request, RequestStatus
+from engine.slo import STANDARD_CLASSES, ClassLoad, QueueLoad, StepCostModel, StepPlan, plan_step
 
 
 class Scheduler:
@@ -40,6 +46,8 @@ class Scheduler:
         self._num_head_skips = 0
         self.num_preemptions_total = 0
         self.num_prompt_tokens_computed_total = 0  # prompt positions run through the model (recomputes too)
+        self.step_costs = StepCostModel()
+        self.plan = StepPlan(config.max_num_batched_tokens, config.max_num_seqs)
 
     @property
     def num_unfinished(self) -> int:
@@ -55,7 +63,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         self.kv_cache.expire_retention(time.monotonic())
-        budget = self.config.max_num_batched_tokens
+        self.plan = self._plan_step()
+        budget = self.plan.token_budget
         # running[:index] are scheduled in this step; running[index:] (lower classes) are not yet
         index = 0
         classes = sorted({r.priority for r in self.running} | {r.priority for r in self.waiting})
@@ -66,6 +75,39 @@ class Scheduler:
             if not batch.preempted_request_ids:  # no admission in a step that ran out of blocks
                 index, budget = self._schedule_waiting(batch, budget, index, priority)
         return batch
+
+    def _plan_step(self) -> StepPlan:
+        config = self.config
+        if config.policy != "slo":
+            return StepPlan(config.max_num_batched_tokens, config.max_num_seqs)
+        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens <= 1)
+        return plan_step(self.step_costs.cost, num_decodes, config.tpot_p90_ms,
+                         config.max_num_batched_tokens, config.max_num_seqs)
+
+    def record_step(self, batch: ScheduledBatch, step_s: float) -> None:
+        """The measured wall time of the step that ran `batch` (schedule, model, sampling)."""
+        num_decodes = sum(1 for seq in batch.sequences if seq.num_scheduled_tokens == 1)
+        self.step_costs.observe(batch.num_scheduled_tokens - num_decodes, num_decodes, step_s)
+
+    def queue_load(self) -> QueueLoad:
+        """The work ahead of each class (engine/slo.py::QueueLoad); O(waiting + running)."""
+        prefill: dict[int, int] = dict.fromkeys(STANDARD_CLASSES, 0)
+        decodes: dict[int, int] = dict.fromkeys(STANDARD_CLASSES, 0)
+        for request in self.waiting:
+            prefill[request.priority] = prefill.get(request.priority, 0) + request.num_tokens
+        for request in self.running:
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining > 1:
+                prefill[request.priority] = prefill.get(request.priority, 0) + remaining
+            else:
+                decodes[request.priority] = decodes.get(request.priority, 0) + 1
+        by_class: dict[int, ClassLoad] = {}
+        num_prefill = num_decodes = 0
+        for priority in sorted(prefill.keys() | decodes.keys()):  # cumulative: this class and higher
+            num_prefill += prefill.get(priority, 0)
+            num_decodes += decodes.get(priority, 0)
+            by_class[priority] = ClassLoad(num_prefill, num_decodes)
+        return QueueLoad(by_class, num_decodes, self.plan.token_budget, self.step_costs.cost)
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int, index: int,
                           priority: int) -> tuple[int, int]:
@@ -95,9 +137,11 @@ class Scheduler:
         preempt running requests of lower classes (not yet scheduled in this step) for a seat or
         for KV room."""
         while self.waiting and self.waiting[0].priority == priority and budget > 0:
-            while len(self.running) >= self.config.max_num_seqs and self._has_lower(index, priority):
-                self._preempt(self.running.pop(), batch)
-            if len(self.running) >= self.config.max_num_seqs:
+            num_seats = self.plan.max_num_running
+            if len(self.running) >= num_seats and self._has_lower(index, priority):
+                self._preempt(self.running.pop(), batch)  # one lower-class request gives its seat
+                num_seats = max(num_seats, len(self.running) + 1)
+            if len(self.running) >= num_seats:
                 break
             request, computed = self._pick_waiting()
             num_new = min(request.num_tokens - computed.num_computed_tokens, budget)

@@ -73,6 +73,42 @@ class ModelSettings(BaseModel):
     # for its context (then only models with a longer one): before the client sees a token,
     # within the retry budget. A fallback's own fallbacks follow it (gateway/request/fallback.py).
     fallbacks: tuple[str, ...] = ()
+    # `aigw serve` starts its embedded replicas for this model (`--replicas`, `--model`, ...) and
+    # fills in `endpoints` (and `upstream_model`, `context_length` if unset) once they are healthy
+    embedded: bool = False
+    # Latency targets of our replicas (backend "replica"; engine/slo.py): the p90 time to first
+    # token and time per output token their scheduler holds, refusing (429, Retry-After) what
+    # would break the TTFT target; `reserved_shares`: project -> the fraction of each replica's
+    # capacity it holds while it has work. Embedded replicas get them as `--ttft-p90-ms`,
+    # `--tpot-p90-ms`, `--reserved-share P=F`; replicas run elsewhere need the same flags. The
+    # dashboard compares each class's percentiles with these targets.
+    ttft_p90_ms: float | None = Field(default=None, gt=0, lt=3_600_000)
+    tpot_p90_ms: float | None = Field(default=None, gt=0, lt=3_600_000)
+    reserved_shares: dict[str, float] = {}
+
+    @field_validator("reserved_shares")
+    @classmethod
+    def _check_shares(cls, shares: dict[str, float]) -> dict[str, float]:
+        """As the replica checks them (engine/config.py SchedulerConfig): a start-up error here
+        rather than replicas that exit."""
+        if not all(project and "=" not in project for project in shares):
+            raise ValueError("reserved_shares: project names must be non-empty, without '='")
+        if not all(0.0 < share < 1.0 for share in shares.values()):
+            raise ValueError("reserved_shares: every share must be in (0, 1)")
+        if sum(shares.values()) > 0.9:
+            raise ValueError("reserved_shares: the shares may hold at most 0.9 of a replica together")
+        return shares
+
+    def replica_args(self) -> list[str]:
+        """This model's latency targets and reserved shares as `aigw replica` flags."""
+        args: list[str] = []
+        if self.ttft_p90_ms is not None:
+            args += ["--ttft-p90-ms", f"{self.ttft_p90_ms:g}"]
+        if self.tpot_p90_ms is not None:
+            args += ["--tpot-p90-ms", f"{self.tpot_p90_ms:g}"]
+        for project, share in sorted(self.reserved_shares.items()):
+            args += ["--reserved-share", f"{project}={share:g}"]
+        return args
 
     @field_validator("endpoints")
     @classmethod
@@ -90,8 +126,13 @@ class ModelSettings(BaseModel):
 
     @model_validator(mode="after")
     def _has_endpoints(self) -> ModelSettings:
+        if self.embedded:
+            if self.backend != "replica" or self.discover is not None:
+                raise ValueError(f"model {self.name!r}: an embedded model is backend \"replica\" "
+                                 f"without `discover`")
+            return self
         if not self.endpoints and self.discover is None:
-            raise ValueError(f"model {self.name!r}: set `endpoints` or `discover`")
+            raise ValueError(f"model {self.name!r}: set `endpoints`, `discover` or `embedded`")
         return self
 
     @property
@@ -240,6 +281,12 @@ class GatewaySettings(BaseSettings):
                 <= self.responses_store_max_bytes):
             raise ValueError("responses_store_max_response_bytes <= responses_store_max_project_"
                              "bytes <= responses_store_max_bytes must hold")
+        return self
+
+    @model_validator(mode="after")
+    def _one_embedded_model(self) -> GatewaySettings:
+        if sum(model.embedded for model in self.models) > 1:
+            raise ValueError("models: at most one model may be `embedded`")
         return self
 
     @model_validator(mode="after")

@@ -42,8 +42,10 @@ def create_app(engine: ServedEngine, settings: ReplicaServerSettings | None = No
         middlewares.append(credential_middleware(settings.secret))
     middlewares.append(body_timeout_middleware(settings.client_body_timeout_s))
     app = web.Application(client_max_size=settings.client_max_size_bytes, middlewares=middlewares)
+    ttft_target_ms, tpot_target_ms = getattr(engine, "latency_targets_ms", (None, None))
     metrics = ReplicaMetrics(engine.stats, model=engine.model_config.model_id,
-                             replica=engine.replica_id)
+                             replica=engine.replica_id, ttft_target_ms=ttft_target_ms,
+                             tpot_target_ms=tpot_target_ms)
     engine = install_tracing(app, engine)  # continue the gateway's trace; GET /debug/traces
     app[SERVING_KEY] = ServingContext(engine=engine, settings=settings, metrics=metrics)
     app.on_response_prepare.append(add_request_id)

@@ -98,7 +98,7 @@ class FanOut:
         self._tasks.clear()
 
     async def _pump(self, sub: SubRequest) -> None:
-        latency = self._metrics.track()
+        latency = self._metrics.track(priority=self._priority)
         retain_s, retention_id = self._retention
         outputs = self._engine.generate(sub.request_id, sub.prompt_token_ids, sub.params,
                                         cache_salt=self._cache_salt,

@@ -24,6 +24,19 @@ the server as outputs stream out:
     aigw_replica_inter_token_latency_seconds              histogram
     aigw_replica_e2e_request_latency_seconds              histogram
 
+Latency targets and classes (engine/slo.py), label service_tier (priority, default, flex):
+
+    aigw_replica_predicted_queue_delay_ms{service_tier}   gauge (work ahead of a new request)
+    aigw_replica_step_token_budget                        gauge (the step plan's tokens)
+    aigw_replica_step_max_num_running                     gauge (the step plan's running batch cap)
+    aigw_replica_ttft_target_ms{service_tier} / aigw_replica_tpot_target_ms   gauge (when set)
+    aigw_replica_ttft_seconds{service_tier}               histogram (per engine request)
+    aigw_replica_tpot_seconds{service_tier}               histogram (per request: decode time /
+                                                                     (output tokens - 1))
+    aigw_replica_admissions_refused_total{service_tier}   counter (429 latency_target)
+    aigw_replica_completed_requests_total{service_tier}   counter (finished, not aborted)
+    aigw_replica_goodput_requests_total{service_tier}     counter (of those, within both targets)
+
 Every series carries the labels model and replica.
 """
 
@@ -33,17 +46,19 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.outputs import FinishReason, RequestOutput
+from engine.slo import STANDARD_CLASSES, class_ttft_target_ms, service_tier_of
 
 PREFIX = "aigw_replica_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
 class _EngineStatsCollector(Collector):
@@ -97,6 +112,25 @@ class _EngineStatsCollector(Collector):
                       stats.num_preemptions_total)
         if getattr(stats, "host_tier_budget_bytes", None) is not None:  # not every engine has a tier
             yield from _host_tier_metrics(stats, gauge, counter)
+        yield from self._slo_metrics(stats, gauge)
+
+    def _slo_metrics(self, stats: Any, gauge: Callable[[str, str, float], Metric]
+                     ) -> Iterator[Metric]:
+        delays = getattr(stats, "predicted_queue_delay_ms", None)  # not every engine predicts
+        if delays is None:
+            return
+        names, values = [*self._labels, "service_tier"], list(self._labels.values())
+        family = GaugeMetricFamily(PREFIX + "predicted_queue_delay_ms", "Predicted queueing delay "
+                                   "of a new request of the class, in ms (the work ahead of it: "
+                                   "admission control and the gateway's load score).", labels=names)
+        for tier, delay_ms in delays:
+            family.add_metric([*values, tier], delay_ms)
+        yield family
+        yield gauge("step_token_budget", "Tokens the current step plan schedules at most "
+                    "(--scheduler-policy slo: sized from measured step times).",
+                    stats.step_token_budget)
+        yield gauge("step_max_num_running", "Sequences the current step plan lets run at once.",
+                    stats.max_num_running)
 
 
 def _host_tier_metrics(stats: Any, gauge: Callable[[str, str, float], Metric],
@@ -118,13 +152,32 @@ def _host_tier_metrics(stats: Any, gauge: Callable[[str, str, float], Metric],
 
 
 class ReplicaMetrics:
-    """Owns one registry; `track(start)` gives a per-engine-request latency observer."""
+    """Owns one registry; `track(start, priority)` gives a per-engine-request latency observer.
+    `ttft_target_ms` / `tpot_target_ms`: the replica's targets (None: none), which goodput and the
+    target gauges use."""
 
-    def __init__(self, read_stats: Callable[[], Any], *, model: str, replica: str) -> None:
+    def __init__(self, read_stats: Callable[[], Any], *, model: str, replica: str,
+                 ttft_target_ms: float | None = None, tpot_target_ms: float | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = {"model": model, "replica": replica}
         self.registry.register(_EngineStatsCollector(read_stats, labels))
+        self.ttft_target_ms, self.tpot_target_ms = ttft_target_ms, tpot_target_ms
         label_names = list(labels)
+        tier_labels = [*label_names, "service_tier"]
+        self._class_ttft = Histogram(PREFIX + "ttft_seconds", "Time to first token by class.",
+                                     tier_labels, buckets=_TTFT_BUCKETS, registry=self.registry)
+        self._class_tpot = Histogram(PREFIX + "tpot_seconds", "Time per output token by class (a "
+                                     "request's decode time / its output tokens after the first).",
+                                     tier_labels, buckets=_TPOT_BUCKETS, registry=self.registry)
+        self._refused = Counter(PREFIX + "admissions_refused", "Requests refused at once (429 "
+                                "latency_target): their predicted queueing broke the class's TTFT "
+                                "target.", tier_labels, registry=self.registry)
+        self._completed = Counter(PREFIX + "completed_requests", "Engine requests finished (not "
+                                  "aborted), by class.", tier_labels, registry=self.registry)
+        self._goodput = Counter(PREFIX + "goodput_requests", "Finished engine requests within both "
+                                "latency targets (TTFT and TPOT; a target not set always holds).",
+                                tier_labels, registry=self.registry)
+        self._targets(label_names, labels)
         self._ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
                                label_names, buckets=_TTFT_BUCKETS, registry=self.registry)
         self._itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between tokens.",
@@ -138,12 +191,27 @@ class ReplicaMetrics:
             "ids used) or this replica.", [*label_names, "by"], registry=self.registry)
         self._labels = labels
 
+    def _targets(self, label_names: list[str], labels: dict[str, str]) -> None:
+        if self.ttft_target_ms:
+            ttft = Gauge(PREFIX + "ttft_target_ms", "The class's TTFT target admission holds it to "
+                         "(--ttft-p90-ms; flex: 4x).", [*label_names, "service_tier"],
+                         registry=self.registry)
+            for priority in STANDARD_CLASSES:
+                ttft.labels(**labels, service_tier=service_tier_of(priority)).set(
+                    class_ttft_target_ms(self.ttft_target_ms, priority) or 0.0)
+        if self.tpot_target_ms:
+            Gauge(PREFIX + "tpot_target_ms", "The TPOT target (--tpot-p90-ms).", label_names,
+                  registry=self.registry).labels(**labels).set(self.tpot_target_ms)
+
+    def count_refused(self, priority: int) -> None:
+        self._refused.labels(**self._labels, service_tier=service_tier_of(priority)).inc()
+
     def count_prompt_render(self, by: str) -> None:
         """`by`: "gateway" (its prompt_token_ids were used) or "replica" (rendered here)."""
         self._prompt_renders.labels(**self._labels, by=by).inc()
 
-    def track(self, start: float | None = None) -> RequestLatency:
-        return RequestLatency(self, time.perf_counter() if start is None else start)
+    def track(self, start: float | None = None, priority: int = 0) -> RequestLatency:
+        return RequestLatency(self, time.perf_counter() if start is None else start, priority)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -152,18 +220,26 @@ class ReplicaMetrics:
 class RequestLatency:
     """Observes TTFT on the first output, ITL per later token, e2e and the finish reason."""
 
-    def __init__(self, metrics: ReplicaMetrics, start: float) -> None:
+    def __init__(self, metrics: ReplicaMetrics, start: float, priority: int = 0) -> None:
         self._metrics = metrics
         self._start = start
+        self._tier = service_tier_of(priority)
+        self._ttft_target_ms = class_ttft_target_ms(metrics.ttft_target_ms, priority)
+        self._first: float | None = None
         self._last: float | None = None
+        self._num_tokens = 0
         self._is_finished = False
 
     def observe(self, output: RequestOutput) -> None:
         now = time.perf_counter()
         labels = self._metrics._labels
         if output.new_token_ids:
+            self._num_tokens += len(output.new_token_ids)
             if self._last is None:
+                self._first = now
                 self._metrics._ttft.labels(**labels).observe(now - self._start)
+                self._metrics._class_ttft.labels(**labels, service_tier=self._tier).observe(
+                    now - self._start)
             else:
                 per_token = (now - self._last) / len(output.new_token_ids)
                 itl = self._metrics._itl.labels(**labels)
@@ -172,6 +248,22 @@ class RequestLatency:
             self._last = now
         if output.finish_reason is not None:
             self._finish(str(output.finish_reason), now)
+            if output.finish_reason != FinishReason.ABORT:
+                self._settle_class()
+
+    def _settle_class(self) -> None:
+        """The class's TPOT, completion and goodput (both targets met) of a finished request."""
+        metrics, labels = self._metrics, {**self._metrics._labels, "service_tier": self._tier}
+        ttft_s = (self._first - self._start) if self._first is not None else None
+        tpot_s = None
+        if self._first is not None and self._last is not None and self._num_tokens > 1:
+            tpot_s = (self._last - self._first) / (self._num_tokens - 1)
+            metrics._class_tpot.labels(**labels).observe(tpot_s)
+        metrics._completed.labels(**labels).inc()
+        ttft_ok = not self._ttft_target_ms or ttft_s is None or ttft_s * 1000.0 <= self._ttft_target_ms
+        tpot_ok = not metrics.tpot_target_ms or tpot_s is None or tpot_s * 1000.0 <= metrics.tpot_target_ms
+        if ttft_ok and tpot_ok:
+            metrics._goodput.labels(**labels).inc()
 
     def observe_abort(self) -> None:
         """The request ended without a final output (its caller went away): the engine aborts it."""

@@ -21,7 +21,12 @@ from chat.output import OutputParser
 from chat.registry import ChatFormat, chat_format_for
 from chat.render import ChatPrompt, PromptRenderer
 from contracts.output_grammar import OutputGrammar
-from contracts.replica_errors import ContextLengthExceeded, InvalidRequestError, NotFoundError
+from contracts.replica_errors import (
+    ContextLengthExceeded,
+    InvalidRequestError,
+    LatencyTargetError,
+    NotFoundError,
+)
 from contracts.replica_protocol import ChatCompletionRequest, CompletionRequest, per_choice_params
 from contracts.sampling_params import SamplingParams, SamplingParamsError
 from engine.outputs import PromptTooLongError
@@ -135,6 +140,7 @@ class ServingContext:
                        params=per_choice_params(params, i % params.n))
             for i in range(num_choices)
         ]
+        self.check_admission(priority, sum(len(sub.prompt_token_ids) for sub in subs))
         fanout = FanOut(self.engine, subs, metrics=self.metrics, cache_salt=cache_salt,
                         trace_headers=trace_headers(request.headers), retention=retention,
                         priority=priority)
@@ -148,6 +154,24 @@ class ServingContext:
             yield fanout
         finally:
             await fanout.aclose()
+
+    def check_admission(self, priority: int, num_prompt_tokens: int) -> None:
+        """LatencyTargetError (429, before any engine request starts) when the engine predicts
+        that queueing would break the class's TTFT target (engine/slo.py); engines without
+        admission control admit everything."""
+        admit = getattr(self.engine, "admit", None)
+        if admit is None:
+            return
+        admission = admit(priority, num_prompt_tokens)
+        if admission.is_admitted:
+            return
+        self.metrics.count_refused(priority)
+        raise LatencyTargetError(
+            f"The replica is over its latency target: the predicted queueing delay "
+            f"({admission.queue_ms:.0f} ms) and prefill would take this request's time to first "
+            f"token to {admission.ttft_ms:.0f} ms, beyond its service tier's target of "
+            f"{admission.target_ms:.0f} ms. Retry after {admission.retry_after_s} s.",
+            retry_after_s=admission.retry_after_s, predicted_queue_ms=round(admission.queue_ms))
 
 
 def trace_headers(headers: Mapping[str, str]) -> dict[str, str]:

@@ -16,6 +16,8 @@ the replica's Prometheus text defensively: any gauge whose name ends in one of t
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 from contracts.replica_protocol import SERVICE_TIER_PRIORITY
@@ -110,18 +112,41 @@ class ReplicaBackend(OpenAICompatBackend):
             return None
 
 
+_QUEUE_DELAY_SUFFIX = "predicted_queue_delay_ms"  # {service_tier}: the admission estimate
+_PREFILL_COST_SUFFIX = "prefill_ms_per_token"
+_TIER_LABEL = re.compile(r'service_tier="(priority|default|flex)"')
+
+
 def parse_load(metrics_text: str) -> EndpointLoad | None:
-    """Read load gauges from Prometheus text; unknown or malformed lines are skipped."""
+    """Read load gauges from Prometheus text; unknown or malformed lines are skipped. The
+    predicted queueing delay is kept per service_tier (the largest, if a tier repeats)."""
     values: dict[str, int] = {}
+    delays: dict[str, float] = {}
+    prefill_ms: float | None = None
     for line in metrics_text.splitlines():
         if not line or line.startswith("#"):
             continue
         name_part, _, value_part = line.rpartition(" ")
         name = name_part.split("{", 1)[0].strip()
+        if name.endswith(_QUEUE_DELAY_SUFFIX) or name.endswith(_PREFILL_COST_SUFFIX):
+            try:
+                value = float(value_part)
+            except ValueError:
+                continue
+            if not math.isfinite(value) or value < 0:
+                continue
+            if name.endswith(_PREFILL_COST_SUFFIX):
+                prefill_ms = value
+            elif tier := _TIER_LABEL.search(name_part):
+                delays[tier.group(1)] = max(value, delays.get(tier.group(1), 0.0))
+            continue
         for suffix, field in _LOAD_SUFFIXES.items():
             if name.endswith(suffix):
                 try:
                     values[field] = values.get(field, 0) + int(float(value_part))
                 except ValueError:
                     pass
-    return EndpointLoad(**values) if values else None
+    if not values and not delays:
+        return None
+    return EndpointLoad(**values, predicted_queue_delay_ms=delays or None,
+                        prefill_ms_per_token=prefill_ms)

@@ -135,6 +135,29 @@ def models_for(replicas: list[ReplicaProcess], secret: str | None = None
     return tuple(model_settings_for(group, secret) for group in groups if group)
 
 
+def embedded_model(models: tuple[ModelSettings, ...]) -> ModelSettings | None:
+    """The configured model `aigw serve`'s embedded replicas serve (`embedded = true`), if any."""
+    return next((model for model in models if model.embedded), None)
+
+
+def fill_embedded(configured: tuple[ModelSettings, ...], served: tuple[ModelSettings, ...]
+                  ) -> tuple[ModelSettings, ...]:
+    """The configured models with the embedded one's endpoints filled in from `served` (what
+    `models_for` read from the started replicas: the chat model, then the embedding model);
+    its `upstream_model` and `context_length`, when unset, become the replicas' own. The
+    embedding model is appended unless a configured model has its name."""
+    chat, *rest = served
+    names = {model.name for model in configured}
+    filled = tuple(
+        model.model_copy(update={
+            "endpoints": chat.endpoints,
+            "upstream_model": model.upstream_model or chat.name,
+            "context_length": model.context_length or chat.context_length})
+        if model.embedded else model
+        for model in configured)
+    return filled + tuple(model for model in rest if model.name not in names)
+
+
 def stop_replicas(replicas: list[ReplicaProcess], timeout_s: float = 10.0) -> None:
     for replica in replicas:
         if replica.process.poll() is None:

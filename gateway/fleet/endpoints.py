@@ -8,6 +8,7 @@ an endpoint it removes unhealthy so that in-flight requests holding the old rout
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,16 @@ class EndpointLoad:
     num_requests_waiting: int | None = None
     num_kv_blocks_used: int | None = None
     num_kv_blocks_total: int | None = None
+    # service_tier -> the replica's predicted queueing delay for a request of that class (ms;
+    # aigw_replica_predicted_queue_delay_ms): the router's load score and admission's estimate
+    predicted_queue_delay_ms: Mapping[str, float] | None = None
+    prefill_ms_per_token: float | None = None  # the replica's measured prefill cost, if it says
+
+    def queue_delay_ms(self, service_tier: str | None) -> float | None:
+        """The predicted queueing delay of a request of `service_tier` (None: "default"), if
+        the replica reports one."""
+        delays = self.predicted_queue_delay_ms
+        return delays.get(service_tier or "default") if delays else None
 
 
 class Endpoint:

@@ -11,6 +11,9 @@
           ├── UpstreamThrottled   429  the upstream throttled us (retried on another endpoint;
           │                            the last one's Retry-After / x-ratelimit-* headers go to
           │                            the client with the 429; not a breaker failure)
+          │    └── UpstreamOverloaded 429  a replica refused to queue the request past its TTFT
+          │                            target (code latency_target): one more replica tried,
+          │                            then the client gets the 429 with its Retry-After
           └── UpstreamRejected    4xx  the upstream refused the request itself (not retried);
                                        its OpenAI error (status, type, code, param, message) is
                                        passed through unchanged
@@ -96,6 +99,21 @@ class UpstreamThrottled(UpstreamError):
     def __init__(self, message: str, headers: dict[str, str]) -> None:
         super().__init__(message)
         self.headers = headers
+
+
+class UpstreamOverloaded(UpstreamThrottled):
+    """A replica's admission control: its predicted queueing delay would break the request's
+    TTFT target (`code: latency_target`, contracts: the replica answers before any byte of a
+    stream). Dispatch tries one other endpoint at most (every endpoint of a model sees the
+    same traffic: a second refusal says the fleet is full); `predicted_queue_ms` is the
+    refusing replica's estimate, when it said."""
+
+    code = "latency_target"
+
+    def __init__(self, message: str, headers: dict[str, str],
+                 predicted_queue_ms: int | None = None) -> None:
+        super().__init__(message, headers)
+        self.predicted_queue_ms = predicted_queue_ms
 
 
 class UpstreamRejected(UpstreamError):

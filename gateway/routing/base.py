@@ -58,13 +58,18 @@ class Router(ABC):
 
 
 class LeastOutstandingRouter(Router):
-    """Fewest requests in flight from this gateway; ties go to the lower reported queue."""
+    """Fewest requests in flight from this gateway; ties go to the shorter predicted queueing
+    delay for the request's class (the replica's admission estimate), then the lower reported
+    queue."""
 
     def pick(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision:
-        best = min(endpoints, key=_load_key)
+        best = min(endpoints, key=lambda endpoint: _load_key(endpoint, request.service_tier))
         return Decision(best, "least_outstanding")
 
 
-def _load_key(endpoint: Endpoint) -> tuple[int, int]:
-    waiting = endpoint.load.num_requests_waiting if endpoint.load else None
-    return endpoint.num_outstanding, waiting or 0
+def _load_key(endpoint: Endpoint, service_tier: str | None) -> tuple[int, float, int]:
+    load = endpoint.load
+    if load is None:
+        return endpoint.num_outstanding, 0.0, 0
+    return (endpoint.num_outstanding, load.queue_delay_ms(service_tier) or 0.0,
+            load.num_requests_waiting or 0)

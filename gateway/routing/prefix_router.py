@@ -252,8 +252,13 @@ class PrefixRouter(Router):
         kv_used = 0.0
         if load and load.num_kv_blocks_used is not None and load.num_kv_blocks_total:
             kv_used = load.num_kv_blocks_used / load.num_kv_blocks_total
+        delay_ms = load.queue_delay_ms(request.service_tier) if load else None
+        ms_per_block = None
+        if load and load.prefill_ms_per_token and state and state.consumer.block_size:
+            ms_per_block = load.prefill_ms_per_token * state.consumer.block_size
         return CandidateLoad(endpoint.name, num_matched, inflight,
-                             (load.num_requests_waiting or 0) if load else 0, kv_used, num_host)
+                             (load.num_requests_waiting or 0) if load else 0, kv_used, num_host,
+                             delay_ms, ms_per_block)
 
     def _is_surely_over_context(self, request: CanonicalRequest,
                                 endpoints: Sequence[Endpoint]) -> bool:

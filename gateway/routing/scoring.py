@@ -6,10 +6,17 @@ For a request of `n` full prompt blocks and each candidate replica r:
                                                     matched blocks only r's host tier holds: each is
                                                     a copy back into the pool, H of a recompute
     active_r  = sum over this gateway's requests in flight to r of (uncached_blocks + D)
-              + waiting_r * (n + D)                 requests the replica reports queued (/metrics)
+              + max(waiting_r * (n + D),            requests the replica reports queued (/metrics),
+                    delay_r / P_r)                  or its predicted queueing delay for the
+                                                    request's class (ms), in blocks, if larger
               + n * max(0, kv_used_r - S) / (1 - S) KV nearly full: new blocks evict cached ones
     cost_r    = W * prefill_r + active_r
 
+    P_r = the replica's prefill ms per block (its aigw_replica_prefill_ms_per_token x block size
+    when it reports one, else queue_ms_per_block, default 4: a CPU replica of the default model;
+    a GPU prefills a block in well under 1 ms). The delay is the replica's own estimate
+    (aigw_replica_predicted_queue_delay_ms, the figure its admission control refuses by), so a
+    replica about to refuse a class costs that class more than one with the same queue length,
     H = host_block_cost (default 0.1: a host-tier hit is cheaper than any miss, dearer than a
     pool hit; bench/results/kv-host-tier-cpu.md measured a restore at ~0.5% of a recompute on a CPU),
     W = prefill_weight (default 1.5), D = decode_blocks_per_request (default 8: a request's decode
@@ -39,8 +46,11 @@ class ScoringConfig:
     decode_blocks_per_request: float = 8.0
     kv_saturation: float = 0.9
     host_block_cost: float = 0.1
+    queue_ms_per_block: float = 4.0
 
     def __post_init__(self) -> None:
+        if not self.queue_ms_per_block > 0:
+            raise ValueError("queue_ms_per_block must be positive")
         if self.prefill_weight < 0 or self.decode_blocks_per_request < 0:
             raise ValueError("weights must be non-negative")
         if not 0.0 <= self.host_block_cost <= 1.0:
@@ -59,6 +69,8 @@ class CandidateLoad:
     num_requests_waiting: int = 0
     kv_used_fraction: float = 0.0
     num_host_blocks: int = 0  # of the matched blocks, those only the replica's host tier holds
+    queue_delay_ms: float | None = None  # the replica's predicted queueing for this request's class
+    ms_per_block: float | None = None  # the replica's prefill cost of one block, if it reports one
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +94,11 @@ def score(config: ScoringConfig, num_blocks: int, candidate: CandidateLoad) -> S
     prefill = float(num_blocks - matched) + config.host_block_cost * host
     decode = config.decode_blocks_per_request
     active = sum(blocks + decode for blocks in candidate.inflight_uncached_blocks)
-    active += candidate.num_requests_waiting * (num_blocks + decode)
+    queued = candidate.num_requests_waiting * (num_blocks + decode)
+    if candidate.queue_delay_ms:
+        ms_per_block = candidate.ms_per_block or config.queue_ms_per_block
+        queued = max(queued, candidate.queue_delay_ms / ms_per_block)
+    active += queued
     over = max(0.0, candidate.kv_used_fraction - config.kv_saturation)
     active += num_blocks * over / (1.0 - config.kv_saturation)
     return Score(candidate.name, matched, prefill, active, config.prefill_weight * prefill + active,

@@ -10,12 +10,17 @@
                                                                counters when scraped
     aigw_routing_decisions_total{policy,reason,replica}
     aigw_fallbacks_total{model,fallback,reason}               hops down a model's fallback chain
+    aigw_latency_refusals_total{model,service_tier,outcome}   replicas' latency_target 429s:
+                                                               outcome retried (the next-best
+                                                               endpoint tried) or passed_on
+                                                               (to a fallback model or the client)
     aigw_batch_lines_total{outcome}, aigw_batch_lines_running, aigw_batch_idle_wait_seconds_total
                                                                the Batch API (gateway/batch/metrics.py)
     aigw_embedded_replica_restarts_total{endpoint}             `aigw serve`'s replicas restarted after
                                                                their process exited
     aigw_endpoint_{healthy,breaker_open,outstanding_requests,
                    requests_running,requests_waiting,kv_usage_ratio}{model,endpoint}
+    aigw_endpoint_predicted_queue_delay_ms{model,endpoint,service_tier}
                                                                read from the Fleet at scrape time
 
 Model and project are "" for requests refused before admission (failed auth, bad body, unknown
@@ -120,6 +125,10 @@ class GatewayMetrics:
         self.fallbacks = Counter("aigw_fallbacks", "Requests handed to a fallback model before "
                                  "their first token, by reason.", ["model", "fallback", "reason"],
                                  registry=r)
+        self.latency_refusals = Counter(
+            "aigw_latency_refusals", "Replica admission refusals (429 latency_target: the "
+            "predicted queueing would break the TTFT target), by what the gateway did next.",
+            ["model", "service_tier", "outcome"], registry=r)
         self._fleet_collector: FleetCollector | None = None
         # families other packages keep, read at scrape time (their sources are set by the app)
         from gateway.guardrails.metrics import GuardrailCollector
@@ -145,6 +154,7 @@ class GatewayMetrics:
         self.ttft_of = LabelCache(self.ttft)
         self.routing_decisions_of = LabelCache(self.routing_decisions)
         self.fallbacks_of = LabelCache(self.fallbacks)
+        self.latency_refusals_of = LabelCache(self.latency_refusals)
         self._usage_children: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
         self._input_tokens_of = LabelCache(self.input_tokens)
         self._cached_tokens_of = LabelCache(self.cached_tokens)
@@ -267,4 +277,12 @@ class FleetCollector(Collector):
             if load.num_kv_blocks_used is not None and load.num_kv_blocks_total:
                 families["kv_usage_ratio"].add_metric(
                     values, load.num_kv_blocks_used / load.num_kv_blocks_total)
+        delays = GaugeMetricFamily(
+            "aigw_endpoint_predicted_queue_delay_ms", "The replica's predicted queueing delay "
+            "for a request of each class, as reported (ms).", labels=[*labels, "service_tier"])
+        for route, endpoint in self._fleet.all_endpoints():
+            reported = endpoint.load.predicted_queue_delay_ms if endpoint.load else None
+            for tier, delay_ms in sorted((reported or {}).items()):
+                delays.add_metric([route.settings.name, endpoint.name, tier], delay_ms)
         yield from families.values()
+        yield delays

@@ -1,0 +1,135 @@
+"""The SLO control loop's pure parts (engine/slo.py): the step-time fit, the step plan that keeps
+decodes inside their TPOT target, and the admission prediction per class."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.slo import (
+    FLEX_TTFT_FACTOR,
+    HEADROOM,
+    MIN_PREFILL_TOKENS,
+    ClassLoad,
+    QueueLoad,
+    StepCost,
+    StepCostModel,
+    plan_step,
+    predict_admission,
+    predict_queue_s,
+)
+
+COST = StepCost(base_s=0.010, prefill_s_per_token=0.0001, decode_s_per_seq=0.001)  # 10k prefill tok/s
+
+
+def test_the_step_cost_model_recovers_a_linear_machine_from_noisy_steps() -> None:
+    model = StepCostModel()
+    rng = random.Random(0)
+    for _ in range(300):
+        prefill, decodes = rng.choice([0, 16, 200, 512]), rng.randint(0, 64)
+        model.observe(prefill, decodes, COST.step_s(prefill, decodes) * rng.uniform(0.97, 1.03))
+    fitted = model.cost
+    assert fitted is not None
+    assert fitted.base_s == pytest.approx(COST.base_s, rel=0.15)
+    assert fitted.prefill_s_per_token == pytest.approx(COST.prefill_s_per_token, rel=0.1)
+    assert fitted.decode_s_per_seq == pytest.approx(COST.decode_s_per_seq, rel=0.15)
+
+
+def test_the_step_cost_model_follows_a_machine_that_slows_down() -> None:
+    model = StepCostModel(half_life_steps=16)
+    slow = StepCost(0.020, 0.0004, 0.002)
+    for cost in (COST, slow):
+        for i in range(200):
+            prefill, decodes = (i * 37) % 300, (i * 11) % 40
+            model.observe(prefill, decodes, cost.step_s(prefill, decodes))
+    assert model.cost is not None
+    assert model.cost.prefill_s_per_token == pytest.approx(slow.prefill_s_per_token, rel=0.05)
+
+
+def test_nothing_is_predicted_before_a_few_steps_and_empty_steps_are_ignored() -> None:
+    model = StepCostModel()
+    model.observe(0, 0, 0.5)
+    model.observe(10, 1, 0.0)
+    for _ in range(3):
+        model.observe(100, 2, 0.02)
+    assert model.cost is None
+    model.observe(100, 2, 0.02)
+    assert model.cost is not None
+
+
+@pytest.mark.parametrize("num_decodes", [0, 8, 20, 28])  # 28: the seat cap below
+def test_the_slo_plan_keeps_the_step_inside_the_tpot_target(num_decodes: int) -> None:
+    plan = plan_step(COST, num_decodes, tpot_target_ms=50.0, max_num_batched_tokens=2048,
+                     max_num_seqs=128)
+    prefill = plan.token_budget - num_decodes
+    assert prefill >= MIN_PREFILL_TOKENS
+    assert COST.step_s(prefill, num_decodes) <= 0.050 * HEADROOM + 1e-9
+    assert COST.step_s(prefill + 1, num_decodes) > 0.050 * HEADROOM  # and takes all the rest
+    # the running batch stops growing where its decodes alone (plus the minimum prefill) fill it
+    assert COST.step_s(MIN_PREFILL_TOKENS, plan.max_num_running) <= 0.050 * HEADROOM + 1e-9
+    assert COST.step_s(MIN_PREFILL_TOKENS, plan.max_num_running + 1) > 0.050 * HEADROOM
+
+
+def test_the_plan_never_exceeds_the_configured_limits_and_keeps_prefill_moving() -> None:
+    loose = plan_step(COST, 4, tpot_target_ms=10_000.0, max_num_batched_tokens=512, max_num_seqs=64)
+    assert (loose.token_budget, loose.max_num_running) == (512, 64)
+    tight = plan_step(COST, 40, tpot_target_ms=5.0, max_num_batched_tokens=512, max_num_seqs=64)
+    assert tight.token_budget == 40 + MIN_PREFILL_TOKENS  # an unreachable target: prefill's floor
+    assert tight.max_num_running == 1
+
+
+def test_without_a_tpot_target_or_a_measurement_the_plan_is_the_fixed_budget() -> None:
+    for cost, target in ((None, 50.0), (COST, None)):
+        plan = plan_step(cost, 10, tpot_target_ms=target, max_num_batched_tokens=512, max_num_seqs=64)
+        assert (plan.token_budget, plan.max_num_running) == (512, 64)
+
+
+def _load(priority_prefill: int, default_prefill: int, flex_prefill: int, num_decodes: int = 0,
+          cost: StepCost | None = COST) -> QueueLoad:
+    """Cumulative loads, as Scheduler.queue_load() makes them (decodes all in the priority class)."""
+    by_class = {-1: ClassLoad(priority_prefill, num_decodes),
+                0: ClassLoad(priority_prefill + default_prefill, num_decodes),
+                1: ClassLoad(priority_prefill + default_prefill + flex_prefill, num_decodes)}
+    return QueueLoad(by_class, num_decodes, token_budget=512, cost=cost)
+
+
+def test_the_queue_is_the_prefill_ahead_at_the_step_rate() -> None:
+    load = _load(0, 5120, 0, num_decodes=12)
+    queue_s, own_s = predict_queue_s(load, 0, 1000)
+    step_s = COST.step_s(500, 12)  # 512 tokens a step less the 12 decodes
+    assert queue_s == pytest.approx(5120 / 500 * step_s)
+    assert own_s == pytest.approx(1000 / 500 * step_s)
+    assert predict_queue_s(load, -1, 1000)[0] == 0.0  # the default class's queue is not ahead of priority
+
+
+def test_a_request_is_refused_only_when_the_queue_breaks_its_target() -> None:
+    load = _load(0, 20_000, 0)
+    refused = predict_admission(load, 0, 100, ttft_target_ms=200.0)
+    assert not refused.is_admitted and refused.queue_ms > 200.0
+    assert predict_admission(load, -1, 100, ttft_target_ms=200.0).is_admitted  # nothing ahead
+    # a prompt that alone takes longer than the target: waiting would not help, it is admitted
+    assert predict_admission(load, 0, 100_000, ttft_target_ms=200.0).is_admitted
+    assert predict_admission(load, 0, 100, ttft_target_ms=None).is_admitted
+    assert predict_admission(_load(0, 20_000, 0, cost=None), 0, 100, 200.0).is_admitted
+
+
+def test_flex_is_held_to_a_looser_bound_and_counts_everything_ahead() -> None:
+    queue_ms = predict_queue_s(_load(0, 0, 6000), 1)[0] * 1000.0
+    target_ms = queue_ms / 2  # breaks the plain target, not flex's
+    assert FLEX_TTFT_FACTOR > 2
+    assert predict_admission(_load(0, 0, 6000), 1, 10, target_ms).is_admitted
+    assert not predict_admission(_load(0, 6000, 0), 0, 10, target_ms).is_admitted
+
+
+def test_pending_tokens_count_as_waiting() -> None:
+    load = _load(0, 0, 0)
+    assert predict_admission(load, 0, 100, 200.0).is_admitted
+    assert not predict_admission(load, 0, 100, 200.0, num_pending_tokens=50_000).is_admitted
+
+
+def test_retry_after_is_whole_seconds_rounded_up_at_least_one() -> None:
+    tiny = predict_admission(_load(0, 600, 0), 0, 10, ttft_target_ms=1.0)
+    assert tiny.retry_after_s == 1
+    big = predict_admission(_load(0, 200_000, 0), 0, 10, ttft_target_ms=1.0)
+    assert big.retry_after_s == int(big.queue_ms // 1000) + 1
