@@ -277,6 +277,9 @@ class EngineConfig:
     replica_id: str = "replica-0"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
+    # N > 1: the model split across N processes, one per CUDA device (cuda:0..N-1) or per share of
+    # the CPU cores (engine/parallel/; the KV budget is the replica's, over all N)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
@@ -287,6 +290,10 @@ class EngineConfig:
             raise ValueError("decode_weights='q4' is a CPU path")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"unsupported quantization {self.quantization!r}")
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(f"tensor_parallel_size must be in 1..64, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and (self.cache.host_tier_bytes or self.compile):
+            raise ValueError("tensor_parallel_size > 1 does not run with the KV host tier or compile")
         for name in ("num_threads", "max_model_len"):  # None means "the default", 0 is no count
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -117,6 +117,13 @@ class LLMEngine:
                     kv_events_token_ids: bool = False) -> LLMEngine:
         from engine.loader import load_checkpoint, load_tokenizer
 
+        if config.tensor_parallel_size > 1:  # N processes, this one rank 0 (engine/parallel/)
+            from engine.parallel.executor import TensorParallelRunner
+
+            tokenizer = load_tokenizer(config.model_path)
+            tp_runner = TensorParallelRunner(config, progress)
+            return cls(config, tp_runner.full_model_config, tp_runner, tokenizer,  # type: ignore[arg-type]
+                       publishers, kv_events_token_ids)
         checkpoint = load_checkpoint(config.model_path, dtype=torch.float32, progress=progress)
         tokenizer = load_tokenizer(config.model_path)
         runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights), dict(checkpoint.raw))

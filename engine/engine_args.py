@@ -120,5 +120,5 @@ def engine_config_from_args(args: argparse.Namespace, replica_id: str = "replica
                                   max_num_seqs=args.max_num_seqs, **slo_scheduler_fields(args)),
         device=args.device, dtype=args.dtype, num_threads=args.threads, compile=args.compile,
         quantization=args.quantization, decode_weights=args.decode_weights, replica_id=replica_id, max_model_len=args.max_model_len,
-        seed=args.seed,
+        seed=args.seed, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
     )

@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,9 @@ from engine.layers.attention import (
 )
 from engine.models.llama_decode import DecodeInputs
 from engine.models.registry import build_model
+
+if TYPE_CHECKING:
+    from engine.parallel.rank import RankShard
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +54,11 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, weights: dict[str, torch.Tensor],
-                 raw_weights: dict | None = None) -> None:
+                 raw_weights: dict | None = None, shard: RankShard | None = None) -> None:
+        """`shard`: this process is one rank of a tensor-parallel replica (engine/parallel/):
+        `model_config` and `weights` are the rank's, and the KV blocks are counted for the replica."""
         self.config = config
+        self.shard = shard
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.resolved_dtype]
@@ -63,6 +70,8 @@ class ModelRunner:
         self.model = build_model(model_config, weights, attention,
                                  make_linear_factory(config, self.device, raw_weights or {}),
                                  self.device, self.dtype)
+        if shard is not None:
+            shard.parallelize(self.model)  # before the native step's check: it refuses the wrappers
         self._forward = self.model.forward
         self._native_decode = _native_decode_step(self.model, config)
         if config.compile:
@@ -109,9 +118,14 @@ class ModelRunner:
         return max(0, self.num_blocks - window_blocks) // num_full_groups * bs
 
     def _num_blocks_for_budget(self) -> int:
-        num_blocks = self.config.cache.kv_cache_memory_bytes // self.bytes_per_block
+        """Blocks the budget holds; a tensor-parallel rank counts the bytes of every rank's slice, so
+        all ranks hold the same block ids and the budget is the replica's."""
+        bytes_per_block = self.bytes_per_block
+        if self.shard is not None:
+            bytes_per_block = self.shard.replica_bytes_per_block(bytes_per_block)
+        num_blocks = self.config.cache.kv_cache_memory_bytes // bytes_per_block
         if num_blocks < 1:
-            raise ValueError(f"--kv-cache-memory must hold at least one block ({self.bytes_per_block} bytes)")
+            raise ValueError(f"--kv-cache-memory must hold at least one block ({bytes_per_block} bytes)")
         return int(num_blocks)
 
     @torch.inference_mode()

@@ -138,7 +138,7 @@ class LlamaModel:
         cfg = self.config
         num_q, num_kv, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos, sin = self.rotary.lookup(positions)  # [T, 1, Dh], shared by every layer
-        hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        hidden = self.embed(input_ids)  # [T, hidden]
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = rms_norm_fast(hidden, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)  # [T, Q + 2K]
@@ -162,6 +162,11 @@ class LlamaModel:
             x = rms_norm_fast(hidden, layer.post_attention_norm, cfg.rms_norm_eps)
             hidden = hidden + layer.mlp(x)
         return rms_norm_fast(hidden, self.norm, cfg.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]. A tensor-parallel rank sets an instance attribute of the
+        same name, the vocab-parallel lookup (engine/parallel/layers.py)."""
+        return F.embedding(input_ids, self.embed_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] (the rows to sample from) -> logits [S, vocab] in float32."""
