@@ -2,6 +2,7 @@
 
     fmt = chat_format_for(architecture, chat_template_source)
     fmt.name             "hermes" | "qwen3" | "harmony" | "deepseek_v3" | "deepseek_r1" | "deepseek_v3_1"
+                         | "llama4"
     fmt.reasoning        None | "think" | "harmony"
     fmt.output_parser(prompt_text=..., tools=..., calls_only=...)  -> OutputParser (chat/output.py)
     fmt.calls_grammar(functions, is_parallel)                      -> Lark text (forced tool_choice)
@@ -17,12 +18,14 @@ on), the architecture (config.json `model_type`) decides where the template says
 | deepseek_v3   | the checkpoint's jinja | `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` + ```json | none |
 | deepseek_r1   | the checkpoint's jinja | as deepseek_v3                  | `<think>...</think>`       |
 | deepseek_v3_1 | the checkpoint's jinja | `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}` | `<think>...</think>` |
+| llama4        | the checkpoint's jinja | `[NAME(key=value, ...), ...]` (or `{"name", "parameters"}`) | none |
 
 A template that writes `<|channel|>` is harmony; one that writes `<think>` has think-style
 reasoning (Qwen3, Qwen3-MoE, DeepSeek-R1 distills, QwQ); a Qwen3 checkpoint whose template has no
 `<think>` (Qwen3-Instruct-2507) has none. A template that writes `<｜tool▁sep｜>` is DeepSeek's:
 V3.1's when the name comes before the separator, V3's (a ```json block) otherwise; with `<think>`
-it reasons (R1, V3.1 with `thinking`). Adding a family (Gemma 3, Llama 4) is an entry in
+it reasons (R1, V3.1 with `thinking`). A template that writes Llama 4's `<|header_start|>` (or
+a llama4 / llama4_text checkpoint) speaks Llama 4's pythonic calls. Adding a family (Gemma 3, Llama 4) is an entry in
 `_FAMILIES` plus, if its syntax is new, one parser module.
 """
 
@@ -41,6 +44,7 @@ from chat.tool_parsers.base import arguments_schema
 
 CHANNEL_TOKEN = "<|channel|>"  # harmony's header token: a template writing it is gpt-oss's
 DEEPSEEK_SEP = "<｜tool▁sep｜>"  # DeepSeek's call separator: a template writing it is DeepSeek's
+LLAMA4_HEADER = "<|header_start|>"  # Llama 4's turn header: a template writing it is Llama 4's
 HarmonyLoader = Callable[[], Any]  # -> openai_harmony.HarmonyEncoding (chat.harmony.load_encoding)
 
 
@@ -116,6 +120,7 @@ HARMONY = ChatFormat("harmony", renderer="harmony", tool_parser="harmony", reaso
 DEEPSEEK_V3 = ChatFormat("deepseek_v3", tool_parser="deepseek_v3")
 DEEPSEEK_R1 = ChatFormat("deepseek_r1", tool_parser="deepseek_v3", reasoning="think")
 DEEPSEEK_V3_1 = ChatFormat("deepseek_v3_1", tool_parser="deepseek_v3_1", reasoning="think")
+LLAMA4 = ChatFormat("llama4", tool_parser="llama4_pythonic")
 
 # config.json model_type -> the family's format where its template does not say
 _FAMILIES: dict[str, ChatFormat] = {
@@ -124,8 +129,10 @@ _FAMILIES: dict[str, ChatFormat] = {
     "qwen3": QWEN3, "qwen3_moe": QWEN3,
     "gpt_oss": HARMONY,
     "deepseek_v3": DEEPSEEK_V3,
+    "llama4": LLAMA4, "llama4_text": LLAMA4,
 }
-FORMATS = {f.name: f for f in (HERMES, QWEN3, HARMONY, DEEPSEEK_V3, DEEPSEEK_R1, DEEPSEEK_V3_1)}
+FORMATS = {f.name: f for f in (HERMES, QWEN3, HARMONY, DEEPSEEK_V3, DEEPSEEK_R1, DEEPSEEK_V3_1,
+                               LLAMA4)}
 
 
 def chat_format_for(architecture: str, chat_template: str | None = None,
@@ -139,6 +146,8 @@ def chat_format_for(architecture: str, chat_template: str | None = None,
             return HARMONY
         if DEEPSEEK_SEP in chat_template:
             return _deepseek_format(chat_template)
+        if LLAMA4_HEADER in chat_template:
+            return LLAMA4
         if THINK_START in chat_template:
             return QWEN3
         if architecture in ("qwen3", "qwen3_moe"):

@@ -5,7 +5,8 @@
 Which format a checkpoint speaks is chat/registry.py's choice (template, then architecture).
 
 ChatML families (Llama-architecture SmolLM2, Qwen, Mixtral/OLMoE fine-tunes) speak the Hermes
-format; DeepSeek-V3/R1 and V3.1 their own (deepseek.py); a family with its own format registers here.
+format; DeepSeek-V3/R1 and V3.1 their own (deepseek.py); Llama 4 pythonic lists of calls
+(`[get_weather(city="Paris")]`, pythonic.py); a family with its own format registers here.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from chat.tool_parsers.base import (
 )
 from chat.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
 from chat.tool_parsers.hermes import HermesToolParser
+from chat.tool_parsers.pythonic import Llama4PythonicToolParser, PythonicToolParser
 
 __all__ = [
     "ParsedToolCalls", "StreamDelta", "ToolCall", "ToolCallStream", "ToolParser", "HermesToolParser",
-    "DeepSeekV3ToolParser", "DeepSeekV31ToolParser",
+    "DeepSeekV3ToolParser", "DeepSeekV31ToolParser", "PythonicToolParser", "Llama4PythonicToolParser",
     "new_tool_call_id", "get_tool_parser", "TOOL_PARSERS",
 ]
 
@@ -33,6 +35,8 @@ TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {
     "hermes": HermesToolParser,
     "deepseek_v3": DeepSeekV3ToolParser,  # DeepSeek-V3 and -R1
     "deepseek_v3_1": DeepSeekV31ToolParser,
+    "pythonic": PythonicToolParser,  # Llama 3.2, ToolACE
+    "llama4_pythonic": Llama4PythonicToolParser,  # Llama 4 (also its JSON calls)
 }
 
 
