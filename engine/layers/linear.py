@@ -33,10 +33,36 @@ class DenseLinear(LinearWeight):
         return self.weight.numel() * self.weight.element_size()
 
 
+MAX_EXACT_ROWS = 16  # row counts up to this run as they are; above it, 8 buckets per doubling
+
+
+def row_bucket(num_rows: int) -> int:
+    """The row count a oneDNN GEMM of `num_rows` rows runs at: `num_rows` up to MAX_EXACT_ROWS,
+    else rounded up to a multiple of 2**(bit_length - 4) (under 12.5% padding, 8 sizes per
+    doubling: 88 sizes up to 8192 rows).
+
+    oneDNN builds (JIT-compiles) a primitive per input shape and keeps it in two caches (ideep's
+    and its own, 1,024 entries each), about 0.55 MiB each: an engine whose token count changes
+    every step would fill them with a primitive per count it ever saw (~1.1 GiB), and churn them
+    past that. Bucketed, a model's primitives are a few per linear shape and created once."""
+    if num_rows <= MAX_EXACT_ROWS:
+        return num_rows
+    step = 1 << (num_rows.bit_length() - 4)
+    return -(-num_rows // step) * step
+
+
+def _rows_padded(x: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """x [T, in] with zero rows appended up to num_rows."""
+    padded = x.new_zeros((num_rows, x.shape[1]))  # [num_rows, in]
+    padded[: x.shape[0]] = x
+    return padded
+
+
 class OneDNNLinear(LinearWeight):
     """Float32 weight prepacked for oneDNN (CPU): ~1.4x the GEMM throughput of the default BLAS path at
     decode batch sizes on AVX2 CPUs, and every row's result independent of how many rows are in the
-    batch (the default path differs between one row and several)."""
+    batch (the default path differs between one row and several). Row counts are bucketed
+    (`row_bucket`), so the set of oneDNN primitives, and the memory they hold, stays bounded."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  batch_size_hint: int = 32) -> None:
@@ -45,7 +71,26 @@ class OneDNNLinear(LinearWeight):
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if x.dim() != 2:  # [..., in]: the rows are every leading index
+            return self(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+        num_rows = x.shape[0]  # x [T, in]
+        bucket = row_bucket(num_rows)
+        if bucket != num_rows:
+            x = _rows_padded(x, bucket)  # [bucket, in]
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return out if bucket == num_rows else out[:num_rows]  # [T, out]
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual [T, out] + x [T, in] @ W^T, as one oneDNN call (a fused add)."""
+        num_rows = x.shape[0]
+        bucket = row_bucket(num_rows)
+        if bucket == num_rows:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias,
+                                                             "add")
+        out = torch.ops.mkldnn._linear_pointwise.binary(
+            _rows_padded(x, bucket), _rows_padded(residual, bucket), self.packed, self.bias,
+            "add")  # [bucket, out]
+        return out[:num_rows]
 
     @property
     def nbytes(self) -> int:

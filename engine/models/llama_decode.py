@@ -165,5 +165,5 @@ class FloatDecodeStep:
 def _add_linear(residual: torch.Tensor, linear: LinearWeight, x: torch.Tensor) -> torch.Tensor:
     """residual + x @ W^T, as one oneDNN call (fused add) when the weight is prepacked for it."""
     if isinstance(linear, OneDNNLinear):
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, linear.packed, linear.bias, "add")
+        return linear.add_to(residual, x)
     return residual + linear(x)
