@@ -48,7 +48,7 @@ from gateway.request.canonical import (
     Usage,
 )
 from gateway.request.errors import UpstreamRejected, UpstreamThrottled, UpstreamUnavailable
-from gateway.upstream.transport import UpstreamRequest, UpstreamResponse
+from gateway.upstream.transport import UpstreamRequest, UpstreamResponse, send_observed
 
 ANTHROPIC_VERSION = "2023-06-01"
 _STOP_REASONS: dict[str, FinishReason] = {
@@ -108,9 +108,10 @@ class AnthropicBackend(Backend):
     async def stream(self, request: CanonicalRequest,
                      endpoint: Endpoint) -> AsyncIterator[CanonicalEvent]:
         payload = orjson.dumps(self.upstream_body(request, endpoint))
-        response = await self.transport.send(UpstreamRequest(
-            "POST", endpoint.url + "/v1/messages", payload, self.upstream_headers(endpoint),
-            self.settings.connect_timeout_s))
+        upstream = UpstreamRequest("POST", endpoint.url + "/v1/messages", payload,
+                                   self.upstream_headers(endpoint), self.settings.connect_timeout_s)
+        call = request.observer.on_upstream_call(upstream)  # (a traced request's CLIENT span)
+        response = await send_observed(self.transport, upstream, call)
         try:
             if response.status >= 400:
                 raise _error_of(response.status, response.headers, await response.read())
@@ -120,8 +121,14 @@ class AnthropicBackend(Backend):
             else:
                 for event in _message_events(_json(await response.read())):
                     yield event
+        except Exception as exc:
+            if call is not None and response.status < 400:  # the body broke off
+                call.on_failed(exc)
+            raise
         finally:
             response.close()
+            if call is not None:
+                call.on_ended()
 
     async def health(self, endpoint: Endpoint) -> bool:
         try:

@@ -37,8 +37,13 @@ from gateway.request.canonical import (
     estimate_num_tokens,
     estimate_prompt_tokens,
 )
-from gateway.request.errors import UpstreamRejected, UpstreamThrottled, UpstreamUnavailable
-from gateway.upstream.transport import UpstreamRequest, UpstreamResponse
+from gateway.request.errors import (
+    UpstreamOverloaded,
+    UpstreamRejected,
+    UpstreamThrottled,
+    UpstreamUnavailable,
+)
+from gateway.upstream.transport import UpstreamRequest, UpstreamResponse, send_observed
 
 log = logging.getLogger("aigw.gateway")
 
@@ -133,7 +138,8 @@ class OpenAICompatBackend(Backend):
         upstream = UpstreamRequest("POST", endpoint.url + path, payload,
                                    self.upstream_headers(request, endpoint),
                                    self.settings.connect_timeout_s)
-        response = await self.transport.send(upstream)
+        call = request.observer.on_upstream_call(upstream)  # (a traced request's CLIENT span)
+        response = await send_observed(self.transport, upstream, call)
         is_answered = False  # the whole answer read: its connection may serve another call
         try:
             if response.status >= 400:
@@ -170,11 +176,17 @@ class OpenAICompatBackend(Backend):
                 yield Finish(folded.finish_reason or "stop", folded.stop_sequence, choice)
             is_answered = True
             yield usage or self._count_usage(request, endpoint, accumulator)
+        except Exception as exc:
+            if call is not None and response.status < 400:  # the body broke off
+                call.on_failed(exc)
+            raise
         finally:
             if is_answered:
                 response.release()
             else:
                 response.close()
+            if call is not None:
+                call.on_ended()
 
     async def _embed(self, request: CanonicalRequest, endpoint: Endpoint
                      ) -> AsyncIterator[CanonicalEvent]:
@@ -183,7 +195,8 @@ class OpenAICompatBackend(Backend):
                                    orjson.dumps(self.embedding_body(request, endpoint)),
                                    self.upstream_headers(request, endpoint),
                                    self.settings.connect_timeout_s)
-        response = await self.transport.send(upstream)
+        call = request.observer.on_upstream_call(upstream)
+        response = await send_observed(self.transport, upstream, call)
         is_answered = False
         try:
             if response.status >= 400:
@@ -203,6 +216,8 @@ class OpenAICompatBackend(Backend):
                 response.release()
             else:
                 response.close()
+            if call is not None:
+                call.on_ended()
 
     def _count_usage(self, request: CanonicalRequest, endpoint: Endpoint, acc: Accumulator) -> Usage:
         response = acc.response()
@@ -301,7 +316,7 @@ async def _raise_for_status(response: UpstreamResponse) -> None:
                                   f"({response.status})")
     if response.status == 429:
         log.warning("upstream throttled (429): %s", body[:200].decode("utf-8", "replace"))
-        raise throttled(response.headers)
+        raise throttled(response.headers, body)
     if 400 <= response.status < 500 and response.status != 408:
         raise _rejected(response.status, body)
     log.warning("upstream answered %d: %s", response.status, body[:500].decode("utf-8", "replace"))
@@ -316,16 +331,40 @@ def _salt_digest(salt: str) -> str:
 THROTTLE_HEADERS = ("retry-after", "retry-after-ms")  # and every x-ratelimit-* header
 
 
-def throttled(headers: Mapping[str, str]) -> UpstreamThrottled:
+def throttled(headers: Mapping[str, str], body: bytes = b"") -> UpstreamThrottled:
     """An upstream's 429 as UpstreamThrottled with its Retry-After / x-ratelimit-* headers (at
     most 32, each value at most 256 characters). Its message is not passed on: a hosted API's
-    names the gateway's own account (OpenAI's: "... in organization org-...")."""
+    names the gateway's own account (OpenAI's: "... in organization org-..."). A replica's
+    admission refusal (error code `latency_target`) is UpstreamOverloaded."""
     kept: dict[str, str] = {}
     for name, value in headers.items():
         lower = name.lower()
         if (lower in THROTTLE_HEADERS or lower.startswith("x-ratelimit-")) and len(kept) < 32:
             kept[lower] = value[:256]
+    if _error_code(body) == LATENCY_TARGET_CODE:
+        predicted = next((value for name, value in headers.items()
+                          if name.lower() == PREDICTED_QUEUE_HEADER), "")
+        return UpstreamOverloaded(
+            "the model's replicas cannot start this request within its latency target; retry "
+            f"after {kept.get('retry-after', '1')} s", kept,
+            int(predicted) if predicted.isdigit() and len(predicted) <= 12 else None)
     return UpstreamThrottled("the model's upstream is rate limiting requests; retry later", kept)
+
+
+LATENCY_TARGET_CODE = "latency_target"  # a replica's admission refusal (engine/server)
+PREDICTED_QUEUE_HEADER = "x-aigw-predicted-queue-ms"
+
+
+def _error_code(body: bytes) -> str | None:
+    """The `error.code` of an OpenAI error body, if it has one (bounded: a refusal is small)."""
+    if not body or len(body) > 16_384:
+        return None
+    try:
+        error = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def _rejected(status: int, body: bytes) -> UpstreamRejected:

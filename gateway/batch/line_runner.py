@@ -129,6 +129,7 @@ class LineRunner:
                request_id: str) -> tuple[CanonicalRequest, Any]:
         canonical = dialect.parse(body, request_id)
         canonical.stream = False
+        canonical.observer = self._pipeline.background_observer  # (counted, never traced)
         canonical.service_tier = "flex"  # batch lines yield to interactive requests on our replicas
         principal.require_model(canonical.model)
         route = self._pipeline.fleet.get(canonical.model)

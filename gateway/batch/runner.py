@@ -47,6 +47,7 @@ from gateway.batch.settings import BatchSettings
 from gateway.batch.store import BatchStore
 from gateway.fleet.endpoints import Fleet
 from gateway.metering.contract import Admission, Meter, UsageRecord
+from gateway.request.observer import NULL_OBSERVER, RequestObserver
 
 log = logging.getLogger("aigw.batch")
 
@@ -65,8 +66,10 @@ def derived_file_id(batch_id: str, kind: str) -> str:
 
 class BatchRunner:
     def __init__(self, store: BatchStore, files: FileDirectory, lines: LineRunner, fleet: Fleet,
-                 meter: Meter, settings: BatchSettings, counts: BatchCounts | None = None) -> None:
+                 meter: Meter, settings: BatchSettings, counts: BatchCounts | None = None,
+                 observer: RequestObserver = NULL_OBSERVER) -> None:
         self._store = store
+        self._observer = observer  # each settled line's usage, for telemetry (`on_usage`)
         self._files = files
         self._lines = lines
         self._fleet = fleet
@@ -202,8 +205,11 @@ class BatchRunner:
         for line in unmetered:
             assert line.usage_record is not None
             record = UsageRecord(**line.usage_record)
-            await self._meter.settle(Admission(record.request_id, principal, record.model, 0),
-                                     record)
+            try:
+                await self._meter.settle(Admission(record.request_id, principal, record.model, 0),
+                                         record)
+            finally:
+                self._observer.on_usage(record)
             await self._store.mark_metered(batch.id, line.index)
         return recorded
 
@@ -338,6 +344,8 @@ class BatchRunner:
             except Exception:  # noqa: BLE001 - recorded unmetered: settled at the finalize
                 log.exception("settling batch line %s failed", record.request_id)
                 return
+            finally:
+                self._observer.on_usage(record)
             await self._store.mark_metered(batch.id, index)
         await self._store.save_batch(batch)
 

@@ -96,7 +96,8 @@ class BatchService:
         self._files = FileDirectory(self.settings.files_dir or data_dir / "batch-files")
         self._runner = BatchRunner(self._store, self._files,
                                    LineRunner(pipeline, self.settings.price_discount), fleet,
-                                   pipeline.meter, self.settings, self.counts)
+                                   pipeline.meter, self.settings, self.counts,
+                                   pipeline.background_observer)
         self._runner.start()
 
     async def close(self) -> None:

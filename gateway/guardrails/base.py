@@ -58,6 +58,9 @@ class GuardedRequest:
     # request it guards (its usage records are named after it)
     principal: Any = None
     request_id: str = ""
+    # what telemetry is told of the guarded request (gateway/request/observer.py): a classifier
+    # call's routing and upstream call, and its usage (`on_usage`), belong to that request
+    observer: Any = None
 
 
 # (model, [(role, content)], max_tokens, the guarded request) -> the model's answer text, the

@@ -145,7 +145,8 @@ class RequestGuards:
 
     def _guarded(self, request: CanonicalRequest) -> GuardedRequest:
         return GuardedRequest(request.model, request.project, _parts_of(request),
-                              request.cache_salt, self._principal, request.request_id)
+                              request.cache_salt, self._principal, request.request_id,
+                              request.observer)
 
     def body_masker(self) -> Callable[[str], str] | None:
         """What the request guards that mask (`mask_text`) do to a text, for the request log's

@@ -17,6 +17,7 @@ from gateway.metering.contract import Admission, UsageRecord
 from gateway.request.canonical import Accumulator, CanonicalRequest, Message, Role
 from gateway.request.dispatch import Timing, dispatch
 from gateway.request.errors import ModelNotFound
+from gateway.request.observer import NULL_OBSERVER
 from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
 from gateway.upstream.retry_budget import RetryBudget
@@ -39,6 +40,7 @@ def make_completer(fleet: Fleet, router: Router, settings: GatewaySettings, budg
         request = CanonicalRequest(
             request_id=f"{_PREFIX}-{next(_ids):x}", model=model, max_tokens=max_tokens,
             temperature=0.0, cache_salt=guarded.cache_salt,
+            observer=guarded.observer if guarded.observer is not None else NULL_OBSERVER,
             messages=[Message(role=cast(Role, role if role in ("system", "user", "assistant")
                                         else "user"), content=text) for role, text in turns])
         started = time.perf_counter()
@@ -73,4 +75,8 @@ async def _meter(meter: Any, guarded: GuardedRequest, model: str, endpoint: str,
         cost(model, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
         if cost is not None else 0.0, latency_ms, 200, time.time(),
         finish_reason=accumulator.finish_reason, tags=(GUARDRAIL_TAG,))
-    await meter.settle(Admission(record_id, principal, model, 0), record)
+    try:
+        await meter.settle(Admission(record_id, principal, model, 0), record)
+    finally:
+        if guarded.observer is not None:
+            guarded.observer.on_usage(record)

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gateway.request.observer import NULL_OBSERVER, RequestObserver
+
 Role = Literal["system", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "tool_calls", "content_filter", "error"]
 
@@ -118,6 +120,9 @@ class CanonicalRequest:
     # (tokenizer path, prompt token ids) when the gateway rendered the prompt at admission (a
     # token limit applies: gateway/request/pipeline.py); the prefix router hashes these, not a new render
     rendered_prompt: tuple[str, list[int]] | None = None
+    # what telemetry is told of this request (gateway/request/observer.py): set by the pipeline
+    # from the middleware's; routing, fallbacks and the backend's upstream call tell it too
+    observer: RequestObserver = NULL_OBSERVER
 
     @property
     def num_prompts(self) -> int:

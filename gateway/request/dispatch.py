@@ -7,8 +7,15 @@
 Retries happen only before the first event, only for retryable `UpstreamError`s, at most
 `settings.num_retries` per request and within the shared `RetryBudget`; each retry goes to an
 endpoint not yet tried for this request. Each failure but a throttle (429) feeds the endpoint's circuit breaker.
-Each call deposits its request in the budget (`RetryBudget.on_request`) unless `deposit` is
+The request's observer (`request.observer`) is told each routing decision and a stream's first
+event. Each call deposits its request in the budget (`RetryBudget.on_request`) unless `deposit` is
 false: a fallback chain's later models (gateway/request/fallback.py) are the same request.
+
+A replica's admission refusal (`UpstreamOverloaded`, 429 `latency_target`: its predicted queueing
+would break the request's TTFT target) is retried on the next-best endpoint once at most, then
+raised with the replica's Retry-After; each refusal is told to the request's observer
+(`on_refused`: whether another endpoint is tried after it). The refused attempt held no engine slot and produced no usage: only
+its `num_outstanding` is given back, as for any failure before the first event.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from gateway.request.canonical import CanonicalEvent, CanonicalRequest
 from gateway.request.errors import (
     NoHealthyEndpoint,
     UpstreamError,
+    UpstreamOverloaded,
     UpstreamThrottled,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -30,6 +38,8 @@ from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
 from gateway.upstream.retry_budget import RetryBudget
 from gateway.upstream.wait_timer import Watchdog
+
+MAX_LATENCY_REFUSALS = 2  # the chosen endpoint and the next-best one
 
 
 @dataclass(slots=True)
@@ -94,6 +104,7 @@ async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
     tried: set[int] = set()
     last_error: UpstreamError | None = None
     num_retries = 0
+    num_refusals = 0  # latency-target refusals (UpstreamOverloaded)
     while True:
         now = time.monotonic()
         candidates = [e for e in route.endpoints if id(e) not in tried and e.can_serve(now)]
@@ -101,7 +112,10 @@ async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
             if last_error is not None:
                 raise last_error
             raise NoHealthyEndpoint(f"no healthy endpoint for model {request.model!r}")
-        endpoint = (await router.choose(request, candidates)).endpoint
+        routing_started_ns = time.time_ns()
+        decision = await router.choose(request, candidates)
+        request.observer.on_routed(request, candidates, decision, routing_started_ns, router)
+        endpoint = decision.endpoint
         endpoint.breaker.on_attempt(now)
         endpoint.num_outstanding += 1
         events = route.backend.stream(request, endpoint)
@@ -112,6 +126,8 @@ async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
                 timer.waiting(timeout_s)
                 first = await anext(events)
             timing.upstream_s += time.perf_counter() - wait_started
+            if request.stream:
+                request.observer.on_first_token()
             return Attempt(route, endpoint, events, first)
         except (UpstreamError, TimeoutError, StopAsyncIteration) as exc:
             timing.upstream_s += time.perf_counter() - wait_started
@@ -127,9 +143,16 @@ async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
                 raise error from None
             if not isinstance(error, UpstreamThrottled):  # (a throttled endpoint is healthy)
                 endpoint.breaker.record_failure(time.monotonic())
-            if (num_retries >= settings.num_retries or not _any_untried(route, tried)
+            overloaded = isinstance(error, UpstreamOverloaded)
+            num_refusals += overloaded
+            if (num_retries >= settings.num_retries or num_refusals >= MAX_LATENCY_REFUSALS
+                    or not _any_untried(route, tried)
                     or not budget.try_withdraw()):  # (no retry spent when none could be made)
+                if overloaded:
+                    request.observer.on_refused(request, route.settings.name, False)
                 raise error from None
+            if overloaded:
+                request.observer.on_refused(request, route.settings.name, True)
             num_retries += 1
         except BaseException:
             endpoint.num_outstanding -= 1

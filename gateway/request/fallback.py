@@ -1,6 +1,6 @@
 """Fallback chains across models: when a model cannot answer, another configured model does.
 
-    chains = FallbackChains(settings, fleet, budget, watchdog, on_fallback)
+    chains = FallbackChains(settings, fleet, budget, watchdog)
     attempt = await chains.dispatch(request, route, router, timing)  # attempt.route: who served
 
 A model's chain is its `fallbacks`, each followed by its own fallbacks (depth first, every model
@@ -11,7 +11,7 @@ A hop is taken only before the first event reaches the client (`dispatch` return
 event; a stream that breaks after it ends with the dialect's error event, never a fallback), and
 only for failures another model may not share (`fallback_reason`):
 
-    throttled          every endpoint tried answered 429
+    throttled          every endpoint tried answered 429 (a replica's latency_target refusal too)
     server_error       5xx, connection refused/reset, a malformed answer, an early end
     timeout            no first event within first_token_timeout_s / response_timeout_s
     breaker_open       no endpoint could be tried: their breakers are open
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from gateway.fleet.endpoints import Fleet, ModelRoute
 from gateway.request.canonical import CanonicalRequest
@@ -54,9 +54,6 @@ from gateway.upstream.wait_timer import Watchdog
 
 FALLBACK_REASONS = ("throttled", "server_error", "timeout", "breaker_open", "no_healthy_endpoint",
                     "context_length")
-
-# (request, from model, to model, reason, the error that made the hop): telemetry's hook
-FallbackObserver = Callable[[CanonicalRequest, str, str, str, GatewayError], None]
 
 # how upstreams say a prompt does not fit when they give no `context_length_exceeded` code:
 # vLLM / OpenAI "maximum context length", Anthropic "prompt is too long", llama.cpp "context size"
@@ -123,12 +120,11 @@ class FallbackChains:
     """Dispatch down a model's chain."""
 
     def __init__(self, settings: GatewaySettings, fleet: Fleet, budget: RetryBudget,
-                 watchdog: Watchdog, on_fallback: FallbackObserver | None = None) -> None:
+                 watchdog: Watchdog) -> None:
         self._settings = settings
         self._fleet = fleet
         self._budget = budget
         self._watchdog = watchdog
-        self._on_fallback = on_fallback
         self.chains = fallback_chains(settings.models)
 
     def context_length(self, route: ModelRoute) -> int | None:
@@ -175,9 +171,8 @@ class FallbackChains:
             target = self._next(request, remaining, reason, refused_context)
             if reason is None or target is None or not self._budget.try_withdraw():
                 raise (answered or error) from None
-            if self._on_fallback is not None:
-                self._on_fallback(request, current.settings.name, target.settings.name, reason,
-                                  error)
+            request.observer.on_fallback(request, current.settings.name, target.settings.name,
+                                         reason, error)
             current = target
             try:
                 return await dispatch(request, current, router, self._settings, self._budget,

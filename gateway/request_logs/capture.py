@@ -24,16 +24,12 @@ def keep_body(request: web.Request, body: Any) -> None:
 def capture(request: web.Request, dialect: Dialect, canonical: CanonicalRequest,
             accumulator: Accumulator, error: tuple[str, str] | None, record: UsageRecord,
             mask: Callable[[str], str] | None = None) -> Capture:
-    """`mask`: the request guards' masking (RequestGuards.body_masker), for the logged body."""
-    from gateway.telemetry.observation import current_observation  # (telemetry imports the
-    # pipeline, which imports this module)
-
-    observation = current_observation()
-    trace = observation.trace if observation is not None else None
+    """`mask`: the request guards' masking (RequestGuards.body_masker), for the logged body; the
+    trace id is the request's observer's (gateway/request/observer.py), when it is traced."""
     body_bytes = max(request.content_length or 0, canonical.text_length())
     return Capture(
         body=request.get(REQUEST_BODY), headers=list(request.headers.items()), path=request.path,
         dialect=dialect, request=canonical,
         response=accumulator.response() if accumulator.num_events else None, error=error,
-        record=record, trace_id=trace.trace_id_hex if trace is not None else None,
+        record=record, trace_id=canonical.observer.trace_id,
         weight_bytes=_FIXED_WEIGHT_BYTES + body_bytes + accumulator.num_generated_chars, mask=mask)

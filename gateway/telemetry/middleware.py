@@ -1,10 +1,12 @@
-"""The outermost middleware: a `RequestTrace` per sampled request (its SERVER span continues an
-incoming `traceparent`), in the `RequestObservation` it makes current, and the request metrics
-once the answer is done; the finished trace goes to the span buffer and any exporter.
+"""The outermost middleware: the request's observer (gateway/telemetry/observers.py:
+`RequestTracing` with a `RequestTrace` for a sampled request, whose SERVER span continues an
+incoming `traceparent`, else `RequestMetrics`), put on the request for the pipeline
+(`request[OBSERVER_KEY]`, gateway/request/observer.py), and the request metrics once the answer
+is done; the finished trace goes to the span buffer and any exporter.
 
 A streamed answer's handler can be cancelled (the client closed the connection right after the
 last event) while the pipeline's shielded settle is still running; the span and the metrics then
-wait for that settle (`observation.on_settled`), so they still carry the usage and the status the
+wait for that settle (`observer.on_done`), so they still carry the usage and the status the
 client got.
 
 Not traced (still counted): /metrics, /health, the dashboard and unknown paths, so scrapes,
@@ -23,21 +25,24 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from opentelemetry import trace as trace_api
+from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.trace import SpanContext, TraceFlags
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from gateway.request.pipeline import OVERHEAD_MS
-from gateway.telemetry.observation import RequestObservation, reset_current, set_current
+from gateway.request.answer import OVERHEAD_MS
+from gateway.request.observer import OBSERVER_KEY, TRACE_ID_HEADER
+from gateway.telemetry.observers import TRACE_FLAGS_HEX, RequestMetrics, RequestTracing
 from gateway.telemetry.recent import LatencySample
 from gateway.telemetry.request_trace import RequestTrace, TraceOrigin
 from gateway.telemetry.sampling import TraceRateLimit
-from gateway.telemetry.upstream import PROPAGATOR, TRACE_FLAGS_HEX
 from infra.telemetry.lean_tracer import new_span_context
 
 if TYPE_CHECKING:
     from gateway.telemetry.access_log import AccessLog
     from gateway.telemetry.telemetry import Telemetry
 
-TRACE_ID_HEADER = "x-aigw-trace-id"
+__all__ = ["TRACE_ID_HEADER", "make_middleware"]
+PROPAGATOR: TextMapPropagator = TraceContextTextMapPropagator()
 STATUS_CLIENT_CLOSED = 499
 _UNTRACED_PREFIXES = ("/metrics", "/health", "/dashboard")
 _SAMPLED = TraceFlags.SAMPLED
@@ -56,7 +61,8 @@ def route_of(request: web.Request) -> str:
 
 def make_middleware(telemetry: Telemetry) -> Middleware:
     """The traced middleware; with tracing off (or a request not sampled) it makes no trace (the
-    observation still carries the usage record and first-line time the metrics need)."""
+    request's `RequestMetrics` still carries the usage record and first-token time the metrics
+    need)."""
     # OpenTelemetry warns, with the whole header, about each malformed `tracestate` it parses (that
     # logger's only warnings): one log line per request a client controls. The W3C rule, drop the
     # bad members, is kept; the warning is not.
@@ -82,11 +88,10 @@ def make_middleware(telemetry: Telemetry) -> Middleware:
                 metrics.requests_of(route, str(untraced.status), "", "").inc()
             return untraced
         started = time.perf_counter()
-        observation = RequestObservation(started, None)
-        if is_tracing:
-            _start_trace(request, route, sample_bound, limit, origin, observation)
-        trace = observation.trace
-        token = set_current(observation)
+        observer = (_observe(telemetry, request, route, started, sample_bound, limit, origin)
+                    if is_tracing else RequestMetrics(telemetry, started))
+        request[OBSERVER_KEY] = observer
+        trace = observer.trace
         response: web.StreamResponse | None = None
         status = 500
         cancelled = False
@@ -103,45 +108,47 @@ def make_middleware(telemetry: Telemetry) -> Middleware:
             status, cancelled = STATUS_CLIENT_CLOSED, True
             raise
         finally:
-            reset_current(token)
-
             def finish() -> None:
-                record = observation.record
+                record = observer.record
                 final = record.status if cancelled and record is not None else status
-                _finish(telemetry, route, final, observation, response)
+                _finish(telemetry, route, final, observer, response)
                 if telemetry.access_log is not None:
-                    _log_access(telemetry.access_log, request, final, observation, response)
+                    _log_access(telemetry.access_log, request, final, observer, response)
 
-            if cancelled and observation.is_admitted and observation.record is None:
-                observation.on_settled = finish  # the settle is still running: wait for it
+            if cancelled and observer.is_admitted and observer.record is None:
+                observer.on_done = finish  # the settle is still running: wait for it
             else:
                 finish()
     return telemetry_middleware
 
 
-def _start_trace(request: web.Request, route: str, sample_bound: int, limit: TraceRateLimit | None,
-                 origin: TraceOrigin, observation: RequestObservation) -> None:
-    """The request's sampling decision, into its observation: a `RequestTrace` when sampled (a
-    child of the caller's sampled `traceparent`, or a new trace the rate limit allows and the ratio
-    keeps), else the `traceparent` that passes the decision not to record on (W3C: the caller's
-    trace id, if any, a span id of ours, flags without "sampled"; and its `tracestate`)."""
+def _observe(telemetry: Telemetry, request: web.Request, route: str, started: float,
+             sample_bound: int, limit: TraceRateLimit | None, origin: TraceOrigin
+             ) -> RequestMetrics:
+    """The request's sampling decision, as its observer: `RequestTracing` with a `RequestTrace`
+    when sampled (a child of the caller's sampled `traceparent`, or a new trace the rate limit
+    allows and the ratio keeps), else `RequestMetrics` with the `traceparent` that passes the
+    decision not to record on (W3C: the caller's trace id, if any, a span id of ours, flags
+    without "sampled"; and its `tracestate`)."""
     parent = _incoming_span(request) if "traceparent" in request.headers else None
-    if parent is None and limit is not None and not limit.allow(observation.started):
+    if parent is None and limit is not None and not limit.allow(started):
         count = next(_unsampled_count)  # (over the limit: no ids drawn)
-        observation.unsampled_traceparent = f"{_UNSAMPLED_PREFIX}{count:016x}-{count:016x}-00"
-        return
+        observer = RequestMetrics(telemetry, started)
+        observer.unsampled_traceparent = f"{_UNSAMPLED_PREFIX}{count:016x}-{count:016x}-00"
+        return observer
     context = new_span_context(parent, sample_bound)
     # (SpanContext is a tuple: trace id, span id, is_remote, trace flags, ...)
     if context[3] & _SAMPLED:
-        observation.trace = RequestTrace(context, parent, request.method, route, origin,
-                                         time.time_ns())
-        return
+        return RequestTracing(telemetry, started, RequestTrace(context, parent, request.method,
+                                                               route, origin, time.time_ns()))
     if parent is None and limit is not None:
         limit.refund()
-    observation.unsampled_traceparent = (f"00-{context[0]:032x}-{context[1]:016x}-"
-                                         + TRACE_FLAGS_HEX[context[3] & ~_SAMPLED])
+    observer = RequestMetrics(telemetry, started)
+    observer.unsampled_traceparent = (f"00-{context[0]:032x}-{context[1]:016x}-"
+                                      + TRACE_FLAGS_HEX[context[3] & ~_SAMPLED])
     if parent is not None and context[4]:  # (W3C: a received tracestate goes on, sampled or not)
-        observation.unsampled_tracestate = context[4].to_header()
+        observer.unsampled_tracestate = context[4].to_header()
+    return observer
 
 
 def _incoming_span(request: web.Request) -> SpanContext | None:
@@ -150,18 +157,18 @@ def _incoming_span(request: web.Request) -> SpanContext | None:
     return parent if parent.is_valid else None
 
 
-def _finish(telemetry: Telemetry, route: str, status: int, observation: RequestObservation,
+def _finish(telemetry: Telemetry, route: str, status: int, observer: RequestMetrics,
             response: web.StreamResponse | None) -> None:
-    trace = observation.trace
+    trace = observer.trace
     if trace is not None:
         trace.status_code = status
         trace.end_ns = time.time_ns()
         telemetry.export(trace)
     metrics = telemetry.metrics
-    latency_s = time.perf_counter() - observation.started
-    record = observation.record
+    latency_s = time.perf_counter() - observer.started
+    record = observer.record
     model, project = ((record.model, record.project) if record is not None
-                      else (observation.model, observation.project))
+                      else (observer.model, observer.project))
     metrics.requests_of(route, str(status), model, metrics.project_label(project)).inc()
     metrics.duration_of(route, model).observe(latency_s)
     overhead_s = None
@@ -170,33 +177,33 @@ def _finish(telemetry: Telemetry, route: str, status: int, observation: RequestO
         overhead_s = overhead_ms / 1000.0
         metrics.overhead_of(route).observe(overhead_s)
     ttft_s = None
-    if record is not None and record.stream and observation.first_upstream_line_at is not None:
-        ttft_s = observation.first_upstream_line_at - observation.started
+    if record is not None and record.stream and observer.first_token_at is not None:
+        ttft_s = observer.first_token_at - observer.started
         metrics.ttft_of(model).observe(ttft_s)
     if record is not None:
         telemetry.latency.add(LatencySample(time.time(), model, latency_s, overhead_s, ttft_s))
 
 
 def _log_access(access_log: AccessLog, request: web.Request, status: int,
-                observation: RequestObservation, response: web.StreamResponse | None) -> None:
+                observer: RequestMetrics, response: web.StreamResponse | None) -> None:
     """The request's access line: its usage record's figures when it was metered, else what
     admission learnt (model, project); the trace id of a sampled trace, or the id its upstream
     calls carried unsampled."""
-    record = observation.record
-    trace = observation.trace
+    record = observer.record
+    trace = observer.trace
     if trace is not None:
         trace_id = trace.trace_id_hex
-    elif observation.unsampled_traceparent is not None:
-        trace_id = observation.unsampled_traceparent[3:35]  # 00-<32 hex>-<16 hex>-00
+    elif observer.unsampled_traceparent is not None:
+        trace_id = observer.unsampled_traceparent[3:35]  # 00-<32 hex>-<16 hex>-00
     else:
         trace_id = ""
     request_id = response.headers.get("x-request-id", "") if response is not None else ""
-    latency_ms = (time.perf_counter() - observation.started) * 1000.0
+    latency_ms = (time.perf_counter() - observer.started) * 1000.0
     if record is not None:
         access_log.write(request.method, request.path, status, record.model, record.project,
                          record.key_id, (record.prompt_tokens, record.cached_tokens,
                                          record.completion_tokens),
                          latency_ms, request_id, trace_id)
     else:
-        access_log.write(request.method, request.path, status, observation.model,
-                         observation.project, "", (0, 0, 0), latency_ms, request_id, trace_id)
+        access_log.write(request.method, request.path, status, observer.model,
+                         observer.project, "", (0, 0, 0), latency_ms, request_id, trace_id)

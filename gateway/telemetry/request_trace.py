@@ -24,6 +24,7 @@ Written and read by the event loop only.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,9 +35,12 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 
 from gateway.metering.contract import UsageRecord
+from gateway.request.observer import UpstreamCallObserver
 from infra.telemetry import attributes as attr
+from infra.telemetry.attributes import exception_attributes
 from infra.telemetry.lean_tracer import new_span_id
 
+_time_ns = time.time_ns
 _UNSET = Status(StatusCode.UNSET)
 _ERROR = Status(StatusCode.ERROR)
 _STREAM_BROKE = Status(StatusCode.ERROR, "the answer ended in an error after it had started")
@@ -69,9 +73,10 @@ class FallbackStep:
     error_code: str
 
 
-class UpstreamCall:
-    """One upstream call of a traced request (the fields that are often unset default to None
-    at class level, so a call is made with four writes)."""
+class UpstreamCall(UpstreamCallObserver):
+    """One upstream call of a traced request, and its observer (the backend that makes the call
+    tells it; the fields that are often unset default to None at class level, so a call is made
+    with four writes)."""
 
     end_ns: int | None = None
     status_code: int | None = None
@@ -81,8 +86,20 @@ class UpstreamCall:
     def __init__(self, span_id: int, name: str, attributes: dict[str, Any], start_ns: int) -> None:
         self.span_id = span_id  # the id sent upstream in `traceparent`
         self.name = name  # "upstream POST /v1/chat/completions"
-        self.attributes = attributes  # shared per URL (gateway/telemetry/upstream.py): never written
+        self.attributes = attributes  # shared per URL (gateway/telemetry/observers.py): never written
         self.start_ns = start_ns
+
+    def on_answered(self, status: int) -> None:
+        self.status_code = status
+
+    def on_failed(self, exc: BaseException) -> None:
+        if self.exception is None:  # (the first failure is the call's)
+            self.end_ns = _time_ns()
+            self.exception = exception_attributes(exc)
+
+    def on_ended(self) -> None:
+        if self.end_ns is None:
+            self.end_ns = _time_ns()
 
 
 class RequestTrace:

@@ -13,11 +13,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.request.observer import UpstreamCallObserver
 
 
 @dataclass(slots=True)  # (not frozen: a frozen init costs a setattr call per field)
 class UpstreamRequest:
-    """One upstream call. `headers` belongs to this request: a transport wrapper may add to it
+    """One upstream call. `headers` belongs to this request: the request's observer may add to it
     (the trace context), so each request gets a dict of its own."""
 
     method: str
@@ -64,6 +68,27 @@ class Transport(ABC):
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release pooled connections."""
+
+
+def send_observed(transport: Transport, request: UpstreamRequest,
+                  call: UpstreamCallObserver | None) -> Awaitable[UpstreamResponse]:
+    """`transport.send(request)`, telling `call` (the request's observer's, when it observes the
+    call: gateway/request/observer.py) that it was answered, or that it failed. Without a `call`
+    it is the transport's own coroutine (no layer of ours on the path)."""
+    if call is None:
+        return transport.send(request)
+    return _send_telling(transport, request, call)
+
+
+async def _send_telling(transport: Transport, request: UpstreamRequest,
+                        call: UpstreamCallObserver) -> UpstreamResponse:
+    try:
+        response = await transport.send(request)
+    except BaseException as exc:
+        call.on_failed(exc)
+        raise
+    call.on_answered(response.status)
+    return response
 
 
 class MockResponse(UpstreamResponse):

@@ -68,7 +68,7 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
     app[SETTINGS] = settings
     app[TRANSPORT] = transport or LeanTransport()
     app[ROUTER] = router or create_router(settings.router, settings)
-    app[FLEET] = Fleet(settings, telemetry.traced_transport(app[TRANSPORT]))
+    app[FLEET] = Fleet(settings, app[TRANSPORT])
     app[DISCOVERY] = Discovery(app[FLEET], app[ROUTER], resolve)
     if not settings.auth_enabled:
         app[AUTHENTICATOR] = authenticator or AnonymousAuthenticator()
@@ -79,11 +79,10 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
         raise ValueError("auth is enabled: inject an authenticator and a meter, or build the app "
                          "with gateway.web.services.create_served_app(settings)")
     telemetry.attach(settings, app[FLEET])
-    app[PIPELINE] = Pipeline(settings, telemetry.traced_authenticator(app[AUTHENTICATOR]),
-                             telemetry.observed_meter(app[METER]),
-                             telemetry.traced_router(app[ROUTER], settings.router), app[FLEET],
-                             cache_salt_of, telemetry.response_stamp(), telemetry.on_fallback,
-                             telemetry.on_cache_turn)
+    app[PIPELINE] = Pipeline(settings, app[AUTHENTICATOR], app[METER], app[ROUTER], app[FLEET],
+                             cache_salt_of)
+    # (each request's observer comes from the telemetry middleware; batch lines use this one)
+    app[PIPELINE].background_observer = telemetry.background_observer()
     app[RESPONSES] = StoredResponses(open_response_store(settings))  # (opens on first use)
     app[BATCH] = BatchService(settings)
     telemetry.metrics.batch.counts = app[BATCH].counts  # aigw_batch_* on /metrics

@@ -15,7 +15,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.dialects import AnthropicMessages, OpenAIChat
-from gateway.request.pipeline import OVERHEAD_MS, error_response, request_id_of
+from gateway.request.admission import request_id_of
+from gateway.request.answer import OVERHEAD_MS, error_response
 from gateway.web.routes import is_anthropic_path
 
 log = logging.getLogger("aigw.gateway")

@@ -18,7 +18,8 @@ from typing import Any
 from aiohttp import web
 
 from gateway.dialects import AnthropicMessages, OpenAIChat
-from gateway.request.pipeline import error_response, new_request_id
+from gateway.request.admission import new_request_id
+from gateway.request.answer import error_response
 from gateway.settings import GatewaySettings
 from gateway.web.keys import PIPELINE
 from gateway.web.routes import is_anthropic_path

@@ -32,9 +32,12 @@ from gateway.metering.contract import (
     ReservationTooLarge,
     UsageRecord,
 )
+from gateway.request.admission import request_ids_of
+from gateway.request.answer import error_response
 from gateway.request.canonical import estimate_prompt_tokens
 from gateway.request.errors import BadRequest, GatewayError, ModelNotFound
-from gateway.request.pipeline import Pipeline, error_response, request_ids_of
+from gateway.request.observer import observer_of
+from gateway.request.pipeline import Pipeline
 
 log = logging.getLogger("aigw.gateway")
 
@@ -58,6 +61,7 @@ async def count_tokens(request: web.Request, pipeline: Pipeline, dialect: Anthro
             raise ModelNotFound(f"the model {canonical.model!r} has no endpoint")
         canonical.project = principal.project
         canonical.cache_salt = pipeline.cache_salt_of(principal)
+        canonical.observer.on_admitting(canonical.model, principal.project)
         try:
             admission = await pipeline.meter.admit(usage_id, principal, canonical.model,
                                                    estimate_prompt_tokens(canonical), 0)
@@ -65,6 +69,7 @@ async def count_tokens(request: web.Request, pipeline: Pipeline, dialect: Anthro
             raise BadRequest(exc.message) from exc
         except MeterBacklogged as exc:  # back-pressure: the usage ledger cannot keep up
             raise GatewayError(exc.message, status=503, code="metering_backlogged") from exc
+        canonical.observer.on_admitted()
     except AuthError as exc:
         return failed(exc.status, exc.code, exc.message)
     except GatewayError as exc:
@@ -94,7 +99,7 @@ async def count_tokens(request: web.Request, pipeline: Pipeline, dialect: Anthro
             model=route.settings.name, endpoint="", prompt_tokens=0, cached_tokens=0,
             completion_tokens=0, cost_usd=0.0, latency_ms=(time.perf_counter() - started) * 1000,
             status=status if answer is None else answer.status, created_at=time.time())
-        await asyncio.shield(pipeline.settle(admission, record))
+        await asyncio.shield(pipeline.settle(admission, record, observer_of(request)))
     if answer is not None:
         return answer
     response = web.json_response({"input_tokens": num_tokens}, headers=admission.headers)

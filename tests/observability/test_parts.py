@@ -17,12 +17,13 @@ from contracts.sampling_params import SamplingParams
 from engine.outputs import RequestOutput
 from engine.server.tracing import TracedEngine
 from gateway.metering.contract import UsageRecord
-from gateway.telemetry.observation import RequestObservation, reset_current, set_current
+from gateway.request.observer import NULL_OBSERVER
+from gateway.telemetry.middleware import PROPAGATOR
+from gateway.telemetry.observers import RequestTracing
 from gateway.telemetry.recent import LatencySample, LatencyWindow, UsageSeries
 from gateway.telemetry.request_trace import RequestTrace, RouteStep
 from gateway.telemetry.telemetry import Telemetry
-from gateway.telemetry.upstream import PROPAGATOR, TracingTransport
-from gateway.upstream.transport import MockResponse, MockTransport, UpstreamRequest
+from gateway.upstream.transport import MockResponse, MockTransport, UpstreamRequest, send_observed
 from infra.telemetry.attributes import exception_attributes
 from infra.telemetry.lean_tracer import new_span_context
 from infra.telemetry.settings import TelemetrySettings
@@ -89,25 +90,27 @@ def test_request_traces_keep_the_newest_and_requests_of_one_callers_trace_stay_t
 
 
 def test_upstream_call_carries_the_traceparent_of_its_client_span() -> None:
+    """The backend's call as a traced request's observer sees it: the CLIENT span's id goes
+    upstream in `traceparent`, the status and the first token are noted, the call ends."""
     telemetry = Telemetry(TelemetrySettings())
 
     async def answer(_: UpstreamRequest) -> MockResponse:
         return MockResponse(200, b"data: 1\n\ndata: [DONE]\n")
 
     mock = MockTransport(answer)
-    transport = TracingTransport(mock)
     trace = _request_trace(telemetry)
+    observer = RequestTracing(telemetry, 0.0, trace)
 
     async def call() -> None:
-        observation = RequestObservation(0.0, trace)
-        token = set_current(observation)
-        try:
-            response = await transport.send(UpstreamRequest("POST", "http://10.0.0.5:8001/v1/x"))
-            lines = [line async for batch in response.line_batches() for line in batch]
-            response.close()
-        finally:
-            reset_current(token)
-        assert lines and observation.first_upstream_line_at is not None
+        upstream = UpstreamRequest("POST", "http://10.0.0.5:8001/v1/x")
+        observed = observer.on_upstream_call(upstream)
+        response = await send_observed(mock, upstream, observed)
+        lines = [line async for batch in response.line_batches() for line in batch]
+        observer.on_first_token()
+        response.close()
+        assert observed is not None
+        observed.on_ended()
+        assert lines and observer.first_token_at is not None
 
     asyncio.run(call())
     trace.end_ns = time.time_ns()
@@ -116,6 +119,9 @@ def test_upstream_call_carries_the_traceparent_of_its_client_span() -> None:
     spans = {s["name"]: s for s in telemetry.spans.trace(trace_id)}
     upstream = spans["upstream POST /v1/x"]
     assert upstream["attributes"]["aigw.replica"] == "10.0.0.5:8001"
+    assert upstream["attributes"]["http.response.status_code"] == 200
+    (call,) = trace.calls
+    assert call.first_line_ns is not None and call.end_ns is not None
     assert upstream["parent_span_id"] == spans["POST /v1/chat/completions"]["span_id"]
     traceparent = mock.requests[0].headers["traceparent"]
     version, sent_trace_id, parent_id, flags = traceparent.split("-")
@@ -130,7 +136,8 @@ def test_calls_outside_a_request_are_not_traced_or_changed() -> None:
         return MockResponse(200, b"ok")
 
     mock = MockTransport(answer)
-    asyncio.run(TracingTransport(mock).send(UpstreamRequest("GET", "http://h:1/health")))
+    upstream = UpstreamRequest("GET", "http://h:1/health")
+    asyncio.run(send_observed(mock, upstream, NULL_OBSERVER.on_upstream_call(upstream)))
     assert "traceparent" not in mock.requests[0].headers and telemetry.spans.recent() == []
 
 
