@@ -16,10 +16,10 @@ instances poll it (and Redis also publishes the key id) to drop cached keys with
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
 
 from auth.keys import KeyRecord, ProjectRecord
 from auth.settings import AuthSettings
+from infra.redis_watch import ChangeFeed
 
 
 class StoreError(Exception):
@@ -36,14 +36,6 @@ class UnknownProject(StoreError):
 
 class UnknownKey(StoreError):
     pass
-
-
-class ChangeFeed(Protocol):
-    async def next_key_id(self, timeout_s: float) -> str | None:
-        """The next changed key id, or None when none came within timeout_s."""
-        ...
-
-    async def aclose(self) -> None: ...
 
 
 class KeyStore(ABC):

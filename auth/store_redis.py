@@ -20,30 +20,13 @@ import json
 from typing import Any
 
 from auth.keys import KeyRecord, ProjectRecord
-from auth.store import ChangeFeed, KeyStore, ProjectExists, UnknownKey
-from infra.redis_client import is_cluster_client
+from auth.store import KeyStore, ProjectExists, UnknownKey
+from infra.redis_watch import ChangeFeed, open_pubsub_feed
 
 PROJECTS_KEY = "aigw:auth:projects"
 REVOCATION_VERSION_KEY = "aigw:auth:revocation_version"
 REVOCATION_CHANNEL = "aigw:auth:revocations"
 PEPPER_KEY = "aigw:auth:pepper"
-
-
-class _PubSubFeed:
-    """Reads with a timeout instead of being cancelled: redis-py may swallow a cancellation that
-    lands inside a blocking pub/sub read, so the watcher stops by flag between reads."""
-
-    def __init__(self, pubsub: Any) -> None:
-        self._pubsub = pubsub
-
-    async def next_key_id(self, timeout_s: float) -> str | None:
-        message = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout_s)
-        if message is None or message.get("type") != "message":
-            return None
-        return str(message["data"])
-
-    async def aclose(self) -> None:
-        await self._pubsub.aclose()
 
 
 def key_record_key(key_id: str) -> str:
@@ -117,11 +100,7 @@ class RedisKeyStore(KeyStore):
         return bytes.fromhex(await self.client.get(PEPPER_KEY))
 
     async def open_change_feed(self) -> ChangeFeed | None:
-        if is_cluster_client(self.client):  # its pub/sub needs the slot map of an opened client
-            await self.client.initialize()
-        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(REVOCATION_CHANNEL)
-        return _PubSubFeed(pubsub)
+        return await open_pubsub_feed(self.client, REVOCATION_CHANNEL)
 
     async def close(self) -> None:
         if self._owns_client:

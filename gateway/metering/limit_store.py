@@ -32,8 +32,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from auth.store import ChangeFeed
 from gateway.metering.settings import Limits
+from infra.redis_watch import ChangeFeed, open_pubsub_feed
 
 log = logging.getLogger("aigw.metering")
 RECORDS_KEY = "aigw:limits:records"
@@ -145,14 +145,7 @@ class RedisLimitStore(LimitStore):
         return 0 if raw is None else int(raw)
 
     async def open_change_feed(self) -> ChangeFeed | None:
-        from auth.store_redis import _PubSubFeed
-        from infra.redis_client import is_cluster_client
-
-        if is_cluster_client(self.client):
-            await self.client.initialize()
-        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(CHANGES_CHANNEL)
-        return _PubSubFeed(pubsub)
+        return await open_pubsub_feed(self.client, CHANGES_CHANNEL)
 
     async def close(self) -> None:
         if self._owns_client:
