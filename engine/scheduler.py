@@ -46,7 +46,8 @@ class Scheduler:
         self._num_head_skips = 0
         self.num_preemptions_total = 0
         self.num_prompt_tokens_computed_total = 0  # prompt positions run through the model (recomputes too)
-        self.step_costs = StepCostModel()
+        self.step_costs = StepCostModel(prefill_scale=config.max_num_batched_tokens,
+                                        decode_scale=config.max_num_seqs)
         self.plan = StepPlan(config.max_num_batched_tokens, config.max_num_seqs)
 
     @property

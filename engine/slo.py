@@ -22,8 +22,9 @@ and the higher ones (waiting prompts, running prompts' unfinished chunks); per s
 the token budget less those classes' decodes. The predicted TTFT is that queue plus its own
 prefill. Classes' TTFT targets (`class_ttft_target_ms`): priority and default have the operator's
 target; flex is best effort with a looser bound (FLEX_TTFT_FACTOR times it) so its queue stays
-bounded too. A request is refused only when the queue is what breaks its target: a prompt whose own
-prefill alone takes longer than the target is admitted (waiting would not help it).
+bounded too. A request is refused only when the queue is what breaks its target: one whose own
+prefill fits the target is refused when queue + prefill exceed it; one whose own prefill alone takes
+longer (a long prompt, or a machine slower than the target) only when the queue alone exceeds it.
 """
 
 from __future__ import annotations
@@ -66,10 +67,16 @@ class StepCost:
 
 class StepCostModel:
     """Least squares of step_s on (1, prefill tokens, decode seqs) with exponential forgetting
-    (`half_life_steps`): the model follows the machine as load and contexts change."""
+    (`half_life_steps`): the model follows the machine as load and contexts change.
 
-    def __init__(self, half_life_steps: float = 64.0) -> None:
+    The features are scaled by the step's limits (`prefill_scale` tokens, `decode_scale` seqs), so
+    where the steps do not tell the terms apart (every step full, say) the minimum-norm solution
+    splits a step's time evenly between its fixed part and its per-token part."""
+
+    def __init__(self, half_life_steps: float = 64.0, prefill_scale: float = 512.0,
+                 decode_scale: float = 64.0) -> None:
         self._decay = 0.5 ** (1.0 / half_life_steps)
+        self._scales = (1.0, float(prefill_scale), float(decode_scale))
         self._xtx = [[0.0] * 3 for _ in range(3)]
         self._xty = [0.0] * 3
         self.num_steps = 0
@@ -78,7 +85,7 @@ class StepCostModel:
     def observe(self, num_prefill_tokens: int, num_decode_seqs: int, step_s: float) -> None:
         if num_prefill_tokens + num_decode_seqs <= 0 or not step_s > 0.0:
             return
-        x = (1.0, num_prefill_tokens / 1000.0, num_decode_seqs / 100.0)  # features near 1
+        x = (1.0, num_prefill_tokens / self._scales[1], num_decode_seqs / self._scales[2])
         for i in range(3):
             for j in range(3):
                 self._xtx[i][j] = self._xtx[i][j] * self._decay + x[i] * x[j]
@@ -86,7 +93,8 @@ class StepCostModel:
         self.num_steps += 1
         if self.num_steps >= MIN_STEPS_FITTED:
             base, prefill, decode = _solve3(self._xtx, self._xty)
-            self.cost = StepCost(max(base, 0.0), max(prefill, 0.0) / 1000.0, max(decode, 0.0) / 100.0)
+            self.cost = StepCost(max(base, 0.0), max(prefill, 0.0) / self._scales[1],
+                                 max(decode, 0.0) / self._scales[2])
 
 
 def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float]:
@@ -116,11 +124,15 @@ class StepPlan:
 def plan_step(cost: StepCost | None, num_decodes: int, tpot_target_ms: float | None,
               max_num_batched_tokens: int, max_num_seqs: int) -> StepPlan:
     """The next step's budget under the `slo` policy (module docstring); the fixed budget when
-    there is no TPOT target or nothing measured yet."""
+    there is no TPOT target, nothing measured yet, or a target this machine cannot meet even
+    with one sequence and the minimum prefill (shrinking the batch would then cost throughput and
+    buy no latency)."""
     fixed = StepPlan(max_num_batched_tokens, max_num_seqs)
     if cost is None or not tpot_target_ms:
         return fixed
     step_target_s = tpot_target_ms / 1000.0 * HEADROOM
+    if cost.step_s(MIN_PREFILL_TOKENS, 1) > step_target_s:
+        return fixed
     room_s = step_target_s - cost.base_s - cost.decode_s_per_seq * num_decodes
     max_prefill = max(max_num_batched_tokens - num_decodes, 0)
     if cost.prefill_s_per_token > 0.0:
@@ -183,7 +195,10 @@ def predict_admission(load: QueueLoad, priority: int, num_prompt_tokens: int,
     target_ms = class_ttft_target_ms(ttft_target_ms, priority)
     queue_s, own_s = predict_queue_s(load, priority, num_prompt_tokens, num_pending_tokens)
     queue_ms, ttft_ms = queue_s * 1000.0, (queue_s + own_s) * 1000.0
-    breaks = target_ms is not None and ttft_ms > target_ms and own_s * 1000.0 <= target_ms
+    if target_ms is None:
+        return Admission(True, queue_ms, ttft_ms, target_ms)
+    own_ms = own_s * 1000.0
+    breaks = ttft_ms > target_ms if own_ms <= target_ms else queue_ms > target_ms
     return Admission(not (breaks and queue_ms > 0.0), queue_ms, ttft_ms, target_ms)
 
 

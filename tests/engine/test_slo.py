@@ -24,7 +24,7 @@ COST = StepCost(base_s=0.010, prefill_s_per_token=0.0001, decode_s_per_seq=0.001
 
 
 def test_the_step_cost_model_recovers_a_linear_machine_from_noisy_steps() -> None:
-    model = StepCostModel()
+    model = StepCostModel(prefill_scale=512, decode_scale=64)
     rng = random.Random(0)
     for _ in range(300):
         prefill, decodes = rng.choice([0, 16, 200, 512]), rng.randint(0, 64)
@@ -58,6 +58,16 @@ def test_nothing_is_predicted_before_a_few_steps_and_empty_steps_are_ignored() -
     assert model.cost is not None
 
 
+def test_steps_that_do_not_tell_the_terms_apart_split_the_time_between_fixed_and_per_token() -> None:
+    model = StepCostModel(prefill_scale=64, decode_scale=8)
+    for _ in range(50):
+        model.observe(64, 0, 2.0)  # every step full: base and per-token cost are not identifiable
+    assert model.cost is not None
+    assert model.cost.step_s(64, 0) == pytest.approx(2.0, rel=1e-3)
+    assert model.cost.base_s == pytest.approx(1.0, rel=0.01)
+    assert model.cost.step_s(16, 0) == pytest.approx(1.25, rel=0.01)  # a small chunk is cheaper
+
+
 @pytest.mark.parametrize("num_decodes", [0, 8, 20, 28])  # 28: the seat cap below
 def test_the_slo_plan_keeps_the_step_inside_the_tpot_target(num_decodes: int) -> None:
     plan = plan_step(COST, num_decodes, tpot_target_ms=50.0, max_num_batched_tokens=2048,
@@ -74,9 +84,15 @@ def test_the_slo_plan_keeps_the_step_inside_the_tpot_target(num_decodes: int) ->
 def test_the_plan_never_exceeds_the_configured_limits_and_keeps_prefill_moving() -> None:
     loose = plan_step(COST, 4, tpot_target_ms=10_000.0, max_num_batched_tokens=512, max_num_seqs=64)
     assert (loose.token_budget, loose.max_num_running) == (512, 64)
-    tight = plan_step(COST, 40, tpot_target_ms=5.0, max_num_batched_tokens=512, max_num_seqs=64)
-    assert tight.token_budget == 40 + MIN_PREFILL_TOKENS  # an unreachable target: prefill's floor
-    assert tight.max_num_running == 1
+    tight = plan_step(COST, 40, tpot_target_ms=30.0, max_num_batched_tokens=512, max_num_seqs=64)
+    assert tight.token_budget == 40 + MIN_PREFILL_TOKENS  # the decodes fill the step: prefill's floor
+    assert tight.max_num_running == 12  # and no new sequence joins until some finish
+
+
+def test_a_target_the_machine_cannot_meet_with_one_sequence_keeps_the_fixed_budget() -> None:
+    # base 10 ms + one decode + 16 prefill tokens > 0.8 * 5 ms: shrinking would buy no latency
+    plan = plan_step(COST, 40, tpot_target_ms=5.0, max_num_batched_tokens=512, max_num_seqs=64)
+    assert (plan.token_budget, plan.max_num_running) == (512, 64)
 
 
 def test_without_a_tpot_target_or_a_measurement_the_plan_is_the_fixed_budget() -> None:
@@ -108,8 +124,12 @@ def test_a_request_is_refused_only_when_the_queue_breaks_its_target() -> None:
     refused = predict_admission(load, 0, 100, ttft_target_ms=200.0)
     assert not refused.is_admitted and refused.queue_ms > 200.0
     assert predict_admission(load, -1, 100, ttft_target_ms=200.0).is_admitted  # nothing ahead
-    # a prompt that alone takes longer than the target: waiting would not help, it is admitted
-    assert predict_admission(load, 0, 100_000, ttft_target_ms=200.0).is_admitted
+    # a prompt whose own prefill alone takes longer than the target is held to the target for its
+    # queueing only: admitted behind a short queue, refused behind a long one
+    short_queue = _load(0, 1000, 0)
+    assert predict_queue_s(short_queue, 0)[0] * 1000.0 < 200.0
+    assert predict_admission(short_queue, 0, 100_000, ttft_target_ms=200.0).is_admitted
+    assert not predict_admission(load, 0, 100_000, ttft_target_ms=200.0).is_admitted
     assert predict_admission(load, 0, 100, ttft_target_ms=None).is_admitted
     assert predict_admission(_load(0, 20_000, 0, cost=None), 0, 100, 200.0).is_admitted
 
