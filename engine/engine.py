@@ -63,6 +63,7 @@ class EngineStats:
     predicted_queue_delay_ms: tuple[tuple[str, float], ...] = ()
     step_token_budget: int = 0  # the current step plan's token budget (policy slo: adaptive)
     max_num_running: int = 0  # and its cap on the running batch
+    prefill_ms_per_token: float = 0.0  # the step-time model's (0: not measured yet)
 
 
 class LLMEngine:
@@ -366,4 +367,6 @@ class LLMEngine:
             predicted_queue_delay_ms=self.predicted_queue_delay_ms(),
             step_token_budget=self.scheduler.plan.token_budget,
             max_num_running=self.scheduler.plan.max_num_running,
+            prefill_ms_per_token=(cost.prefill_s_per_token * 1000.0
+                                  if (cost := self.scheduler.step_costs.cost) else 0.0),
         )

@@ -29,6 +29,7 @@ Latency targets and classes (engine/slo.py), label service_tier (priority, defau
     aigw_replica_predicted_queue_delay_ms{service_tier}   gauge (work ahead of a new request)
     aigw_replica_step_token_budget                        gauge (the step plan's tokens)
     aigw_replica_step_max_num_running                     gauge (the step plan's running batch cap)
+    aigw_replica_prefill_ms_per_token                     gauge (the step-time model's, once measured)
     aigw_replica_ttft_target_ms{service_tier} / aigw_replica_tpot_target_ms   gauge (when set)
     aigw_replica_ttft_seconds{service_tier}               histogram (per engine request)
     aigw_replica_tpot_seconds{service_tier}               histogram (per request: decode time /
@@ -131,6 +132,9 @@ class _EngineStatsCollector(Collector):
                     stats.step_token_budget)
         yield gauge("step_max_num_running", "Sequences the current step plan lets run at once.",
                     stats.max_num_running)
+        if getattr(stats, "prefill_ms_per_token", 0.0):
+            yield gauge("prefill_ms_per_token", "The measured cost of one prefill token in a step, in "
+                        "ms (the step-time model's).", stats.prefill_ms_per_token)
 
 
 def _host_tier_metrics(stats: Any, gauge: Callable[[str, str, float], Metric],

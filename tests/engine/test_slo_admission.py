@@ -98,6 +98,7 @@ def test_a_request_the_queue_would_make_late_is_refused_at_once_and_leaves_nothi
     assert _sample(metrics, "aigw_replica_completed_requests_total", 'service_tier="priority"') == 1.0
     assert _sample(metrics, "aigw_replica_predicted_queue_delay_ms", 'service_tier="flex"') == 0.0
     assert _sample(metrics, "aigw_replica_ttft_target_ms", 'service_tier="flex"') == 4 * TTFT_TARGET_MS
+    assert (_sample(metrics, "aigw_replica_prefill_ms_per_token", "") or 0.0) > 0.0
 
 
 def _sample(text: str, name: str, label: str) -> float | None:
