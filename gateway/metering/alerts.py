@@ -83,7 +83,7 @@ class BudgetAlerts:
         self._claimed: set[tuple[str, str, str, float]] = set()
         self._queue: list[tuple[Spend, float]] = []
         self._worker: asyncio.Task[None] | None = None
-        self._session: Any = None
+        self._transport: Any = None  # a LeanTransport of its own, made on the first alert
 
     def observe(self, spends: list[Spend]) -> None:
         for spend in spends:
@@ -116,25 +116,28 @@ class BudgetAlerts:
                 log.exception("budget alert of %s failed", spend.scope.qualified_name)
 
     async def _send(self, spend: Spend, threshold: float) -> None:
-        import aiohttp
+        from gateway.request.errors import UpstreamError
+        from gateway.upstream.lean_transport import LeanTransport
+        from gateway.upstream.transport import UpstreamRequest
 
         limits = spend.scope.limits
         assert limits.webhook_url is not None and limits.webhook_secret is not None
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=ATTEMPT_TIMEOUT_S))
+        if self._transport is None:  # (the gateway's one HTTP client, gateway/upstream/)
+            self._transport = LeanTransport()
         event_id = uuid.uuid4().hex
         body = orjson.dumps(alert_body(spend, threshold, event_id))
         for attempt in range(NUM_ATTEMPTS):
             headers = {"content-type": "application/json", "x-aigw-event-id": event_id,
                        SIGNATURE_HEADER: signature(limits.webhook_secret, int(time.time()), body)}
             try:
-                async with self._session.post(str(limits.webhook_url), data=body,
-                                              headers=headers) as response:
-                    if response.status < 300:
-                        return
-                    problem = f"HTTP {response.status}"
-            except (aiohttp.ClientError, TimeoutError) as exc:
+                async with asyncio.timeout(ATTEMPT_TIMEOUT_S):
+                    response = await self._transport.send(UpstreamRequest(
+                        "POST", str(limits.webhook_url), body, headers, ATTEMPT_TIMEOUT_S))
+                    response.close()  # (the status is the answer; its body is not read)
+                if response.status < 300:
+                    return
+                problem = f"HTTP {response.status}"
+            except (UpstreamError, TimeoutError, OSError) as exc:
                 problem = f"{type(exc).__name__}: {exc}"
             if attempt + 1 < NUM_ATTEMPTS:
                 await asyncio.sleep(0.5 * 2**attempt)
@@ -146,5 +149,5 @@ class BudgetAlerts:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._worker), NUM_ATTEMPTS * 7)
             self._worker.cancel()
-        if self._session is not None:
-            await self._session.close()
+        if self._transport is not None:
+            await self._transport.aclose()

@@ -1,6 +1,6 @@
 """Keeping the prefix index current: one background task per replica endpoint.
 
-    ReplicaEventConsumer(endpoint, index, session, config).run()     # until cancelled
+    ReplicaEventConsumer(endpoint, index, transport, config).run()   # until cancelled
 
 States of one consumer:
 
@@ -13,7 +13,8 @@ Polling: GET /kv/events?since=<applied seq in the index> every `poll_interval_s`
 Redis client, XREAD BLOCK on the replica's stream (engine/kv_cache/redis_publisher.py). The
 applied seq is read from the index, so gateways sharing a Redis index each skip what another has
 applied already (`ApplyResult.STALE`). The replica id is the one the replica reports (snapshot),
-not the endpoint URL.
+not the endpoint URL. The GETs go through the gateway's one upstream transport
+(gateway/upstream/transport.py: the replica backend's), each within `request_timeout_s`.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 
 from contracts.kv_events import KVSnapshot, batch_from_json, stream_key
 from gateway.fleet.endpoints import Endpoint
+from gateway.request.errors import UpstreamError, UpstreamUnavailable
 from gateway.routing.index import ApplyResult, PrefixIndex
+from gateway.upstream.transport import Transport, UpstreamRequest
 
 log = logging.getLogger("aigw.routing.events")
 
@@ -52,7 +54,7 @@ class _Resync(Exception):
 class ReplicaEventConsumer:
     """Public read-only state for the router: `replica_id`, `model_id`, `block_size`, `is_synced`."""
 
-    def __init__(self, endpoint: Endpoint, index: PrefixIndex, session: aiohttp.ClientSession,
+    def __init__(self, endpoint: Endpoint, index: PrefixIndex, transport: Transport,
                  config: ConsumerConfig = ConsumerConfig(), stream_client: Any = None) -> None:
         self.endpoint = endpoint
         self.index = index
@@ -62,7 +64,7 @@ class ReplicaEventConsumer:
         self.block_size: int | None = None
         self.is_synced = False
         self.num_resyncs = 0
-        self._session = session
+        self._transport = transport
         self._stream = stream_client  # redis.asyncio.Redis or None (HTTP polling)
         self._stream_pos = "0-0"
         self._epoch: str | None = None
@@ -97,7 +99,7 @@ class ReplicaEventConsumer:
         except _Resync as reason:
             log.info("re-syncing %s: %s", self.endpoint.url, reason)
             self.is_synced = False
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except (UpstreamError, TimeoutError, OSError) as exc:
             log.debug("KV events from %s failed: %s", self.endpoint.url, exc)
             await self._fail()
 
@@ -116,12 +118,23 @@ class ReplicaEventConsumer:
         self.is_synced = False
 
     async def _get(self, path: str) -> Any:
-        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
-        async with self._session.get(self.endpoint.url + path, timeout=timeout,
-                                     headers=self.endpoint.auth_headers) as response:
-            if response.status != 200:
-                raise aiohttp.ClientResponseError(response.request_info, (), status=response.status)
-            return orjson.loads(await response.read())
+        """The replica's JSON answer to GET `path`; UpstreamError when it does not answer 200,
+        TimeoutError past `request_timeout_s`."""
+        timeout_s = self.config.request_timeout_s
+        request = UpstreamRequest("GET", self.endpoint.url + path,
+                                  headers=dict(self.endpoint.auth_headers),
+                                  connect_timeout_s=timeout_s)
+        async with asyncio.timeout(timeout_s):
+            response = await self._transport.send(request)
+            try:
+                if response.status != 200:
+                    raise UpstreamUnavailable(f"GET {path} answered {response.status}")
+                body = await response.read()
+            except BaseException:
+                response.close()
+                raise
+        response.release()  # (read whole: the connection serves the next poll)
+        return orjson.loads(body)
 
     async def _resync(self) -> None:
         if self.model_id is None:

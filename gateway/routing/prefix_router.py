@@ -37,8 +37,6 @@ from gateway.routing.index import InProcessIndex, PrefixIndex
 from gateway.routing.scoring import CandidateLoad, ScoringConfig, choose
 
 if TYPE_CHECKING:
-    import aiohttp
-
     from gateway.backends.base import Backend
     from gateway.routing.prompt_hashing import PromptHasher
 
@@ -85,17 +83,16 @@ class PrefixRouter(Router):
         # session digest -> (url, num_blocks): max_sessions entries of fixed size (~200 bytes)
         self._sessions: OrderedDict[bytes, tuple[str, int]] = OrderedDict()
         self._explanations: OrderedDict[str, str] = OrderedDict()
-        self._session: aiohttp.ClientSession | None = None
+        self._is_started = False
         self._stream_client: Any = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="aigw-prompt-hash")
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self, fleet: Fleet) -> None:
         """Open the index and run one event consumer per replica endpoint; a second call is a no-op."""
-        import aiohttp
-
-        if self._session is not None:
+        if self._is_started:
             return
+        self._is_started = True
         if self.index is None:
             if self.config.redis_url:
                 from gateway.routing.redis_index import RedisIndex
@@ -107,7 +104,6 @@ class PrefixRouter(Router):
             from infra.redis_client import connect_redis
 
             self._stream_client = connect_redis(self.config.redis_url)
-        self._session = aiohttp.ClientSession()
         self._fleet = fleet
         for route, endpoint in fleet.all_endpoints():
             if route.settings.backend == "replica":
@@ -139,7 +135,7 @@ class PrefixRouter(Router):
     def track(self, endpoint: Endpoint, backend: Backend) -> ReplicaEventConsumer:
         """Start keeping state for `endpoint` (its consumer is returned, not run: `start` runs it)."""
         assert self.index is not None, "give an index or call start()"
-        consumer = ReplicaEventConsumer(endpoint, self.index, self._session,  # type: ignore[arg-type]
+        consumer = ReplicaEventConsumer(endpoint, self.index, backend.transport,  # (the app's one)
                                         self.config.consumer, self._stream_client)
         self._states[endpoint.url] = _EndpointState(endpoint, backend, consumer)
         return consumer
@@ -150,8 +146,6 @@ class PrefixRouter(Router):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
-        if self._session is not None:
-            await self._session.close()
         if self._stream_client is not None:
             await self._stream_client.aclose()
             self._stream_client = None

@@ -3,7 +3,10 @@
 Backends never touch an HTTP client directly; tests hand them a `MockTransport`. The one real
 transport is `LeanTransport` (gateway/upstream/lean_transport.py: asyncio protocols + httptools,
 keep-alive connections pooled per origin), chosen over aiohttp's `ClientSession` for its CPU cost
-a request (docs/performance.md, "Gateway overhead"). Connection failures surface as `UpstreamUnavailable`, connect timeouts as `UpstreamTimeout`; their
+a request (docs/performance.md, "Gateway overhead"), and the gateway's only HTTP client: model
+calls, health and load probes, the KV event consumers (gateway/routing/events_consumer.py), the
+dashboard's fetches from replicas and budget webhooks (gateway/metering/alerts.py) all go
+through it. Connection failures surface as `UpstreamUnavailable`, connect timeouts as `UpstreamTimeout`; their
 messages reach clients, so they say "upstream failed: <short reason>" and the URL and exception
 details go to the log only.
 """

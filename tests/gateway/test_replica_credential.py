@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import aiohttp
 import httpx
 import pytest
 
@@ -16,9 +15,11 @@ from engine.server import create_app as create_replica_app
 from gateway.dashboard.replicas import fetch
 from gateway.fleet.breaker import CircuitBreaker
 from gateway.fleet.endpoints import Endpoint
+from gateway.request.errors import UpstreamUnavailable
 from gateway.routing.events_consumer import ReplicaEventConsumer
 from gateway.routing.index import InProcessIndex
 from gateway.settings import ModelSettings
+from gateway.upstream.lean_transport import LeanTransport
 from gateway.web.keys import FLEET, TRANSPORT
 from tests.gateway.conftest import GatewayFactory, LoopThread, start_app, wait_until
 from tests.server.fakes import FakeEngine
@@ -46,11 +47,14 @@ def _chat(gateway_url: str) -> httpx.Response:
 
 async def _consumer_reads(endpoint: Endpoint) -> int:
     """The KV event consumer's three reads of a replica; how many answered 200 (a refusal
-    raises ClientResponseError)."""
-    async with aiohttp.ClientSession() as session:
-        consumer = ReplicaEventConsumer(endpoint, InProcessIndex(), session)
+    raises UpstreamUnavailable, naming the status)."""
+    transport = LeanTransport()
+    try:
+        consumer = ReplicaEventConsumer(endpoint, InProcessIndex(), transport)
         for path in ("/v1/models", "/kv/snapshot", "/kv/events?since=0"):
             await consumer._get(path)
+    finally:
+        await transport.aclose()
     return 3
 
 
@@ -79,9 +83,8 @@ def test_without_the_secret_the_same_calls_are_refused(
 
     endpoint = Endpoint(url, ModelSettings(name="m", endpoints=(url,)), CircuitBreaker(3, 1.0))
     assert endpoint.auth_headers == {}
-    with pytest.raises(aiohttp.ClientResponseError) as refused:
+    with pytest.raises(UpstreamUnavailable, match="answered 401"):
         loop_thread.run(_consumer_reads(endpoint))
-    assert refused.value.status == 401
 
 
 def test_a_replica_refusing_the_gateways_credential_is_a_502_not_the_callers_401(

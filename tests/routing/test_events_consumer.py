@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -14,6 +13,7 @@ from gateway.fleet.breaker import CircuitBreaker
 from gateway.fleet.endpoints import Endpoint
 from gateway.routing.events_consumer import ConsumerConfig, ReplicaEventConsumer
 from gateway.settings import ModelSettings
+from gateway.upstream.lean_transport import LeanTransport
 from tests.routing.conftest import IndexUnderTest
 
 
@@ -65,8 +65,8 @@ class Rig:
         url = str(self.server.make_url("")).rstrip("/")
         model = ModelSettings(name="m", endpoints=(url,))
         self.endpoint = Endpoint(url, model, CircuitBreaker(3, 1.0))
-        self.session = index.run(_session())
-        self.consumer = ReplicaEventConsumer(self.endpoint, index.index, self.session,
+        self.transport = LeanTransport()
+        self.consumer = ReplicaEventConsumer(self.endpoint, index.index, self.transport,
                                              ConsumerConfig(num_failures_to_drop=2))
 
     def step(self, num_steps: int = 1) -> None:
@@ -77,12 +77,8 @@ class Rig:
         return self.ix.run(self.ix.index.match(list(hashes), ["rep-a"]))["rep-a"]
 
     def close(self) -> None:
-        self.ix.run(self.session.close())
+        self.ix.run(self.transport.aclose())
         self.ix.run(self.server.close())
-
-
-async def _session() -> aiohttp.ClientSession:
-    return aiohttp.ClientSession()
 
 
 @pytest.fixture
@@ -150,7 +146,7 @@ def test_failed_polls_or_an_unhealthy_endpoint_drop_the_replica(rig: Rig) -> Non
 
 
 def test_two_consumers_sharing_an_index_apply_each_batch_once(rig: Rig, index: IndexUnderTest) -> None:
-    other = ReplicaEventConsumer(rig.endpoint, index.index, rig.session, ConsumerConfig())
+    other = ReplicaEventConsumer(rig.endpoint, index.index, rig.transport, ConsumerConfig())
     rig.step()
     index.run(other.step())
     rig.replica.store(1)

@@ -68,7 +68,7 @@ def test_the_stream_consumer_applies_published_batches_and_resyncs_on_restart(
     replica.log = KVEventLog("rep-a", publishers=(publisher,))
     rig = Rig(index, replica)
     client = redis.asyncio.Redis.from_url(clean_redis_url)
-    rig.consumer = ReplicaEventConsumer(rig.endpoint, index.index, rig.session,
+    rig.consumer = ReplicaEventConsumer(rig.endpoint, index.index, rig.transport,
                                         ConsumerConfig(stream_block_ms=50), stream_client=client)
     try:
         replica.store(1)
