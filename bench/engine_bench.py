@@ -124,6 +124,31 @@ def measure_ours(engine: Any, prompts: Prompts, args: argparse.Namespace) -> dic
     return {"prefill_tok_s": prefill_tok_s, "decode_tok_s": decode_tok_s, "concurrency": rows}
 
 
+def measure_tensor_parallel(args: argparse.Namespace, prompts: Prompts) -> tuple[dict[str, Any], dict[str, Any]]:
+    """measure_ours over a TP engine (its own processes), and rank 0's time in collectives per step."""
+    from engine.engine import LLMEngine
+    from engine.engine_args import engine_config_from_args
+
+    config = engine_config_from_args(args)
+    config = dataclasses.replace(config, decode_weights="float", cache=dataclasses.replace(
+        config.cache, enable_prefix_caching=False))
+    engine = LLMEngine.from_config(config, progress=False)
+    runner = engine.runner
+    try:
+        group = runner.group
+        group.comm_s, group.num_collectives, runner.num_steps = 0.0, 0, 0
+        started = time.perf_counter()
+        figures = measure_ours(engine, prompts, args)
+        wall_s = time.perf_counter() - started
+        steps = max(runner.num_steps, 1)
+        comm = {"num_steps": runner.num_steps, "collectives_per_step": group.num_collectives / steps,
+                "comm_ms_per_step": group.comm_s / steps * 1e3, "step_ms": wall_s / steps * 1e3,
+                "comm_share": group.comm_s / wall_s}
+    finally:
+        runner.close()
+    return figures, comm
+
+
 # ---- transformers --------------------------------------------------------------------------------------
 def measure_transformers(model_path: str, prompts: Prompts, args: argparse.Namespace) -> dict[str, Any]:
     import torch
@@ -263,12 +288,23 @@ def run(args: argparse.Namespace) -> int:
         results[f"ours[{mode}]"] = measure_ours(engine, prompts, args)
         del engine
         print(f"  ours[{mode}] done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if tp > 1:  # the same figures from a tensor-parallel engine, beside the TP=1 rows above
+        started = time.perf_counter()
+        results[f"ours[tp={tp}]"], comm = measure_tensor_parallel(args, prompts)
+        print(f"  ours[tp={tp}] done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     if not args.no_transformers:
         started = time.perf_counter()
         results["transformers"] = measure_transformers(config.model_path, prompts, args)
         print(f"  transformers done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     print(f"\n{title}\n")
     print(report(results, args))
+    if tp > 1:
+        print(f"\ntensor parallel {tp} ranks (float32 weights; ours[float] is TP=1): {comm['num_steps']} steps, "
+              f"{comm['collectives_per_step']:.0f} collectives per step, {comm['comm_ms_per_step']:.1f} ms of "
+              f"{comm['step_ms']:.1f} ms per step in collectives on rank 0 "
+              f"({comm['comm_share']:.0%}; waiting for the slower rank included)")
+        results[f"ours[tp={tp}]"]["communication"] = comm
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"title": title, "results": results}, indent=2))

@@ -111,11 +111,17 @@ def run_replica_command(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:  # a bad flag or model path: no traceback
         return _usage_error(exc)
     async_engine = AsyncEngine(engine)
+    watch = getattr(engine.runner, "watch", None)
+    if watch is not None:  # a lost tensor-parallel rank takes the replica down: drain, exit 1
+        import signal
+        import threading
+
+        watch(lambda exc: threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start())
     try:
         run_replica(async_engine, args.host, args.port, server_settings)
     finally:
         async_engine.shutdown()
-    return 0
+    return 1 if getattr(engine.runner, "failure", None) is not None else 0
 
 
 def _run_embedding_replica(args: argparse.Namespace, replica_id: str, server_settings: object

@@ -85,6 +85,9 @@ class ModelSettings(BaseModel):
     ttft_p90_ms: float | None = Field(default=None, gt=0, lt=3_600_000)
     tpot_p90_ms: float | None = Field(default=None, gt=0, lt=3_600_000)
     reserved_shares: dict[str, float] = {}
+    # Embedded replicas of this model split it across this many processes (`--tensor-parallel-size`:
+    # one per CUDA device, or per share of the CPU cores); each such replica is still one endpoint
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
 
     @field_validator("reserved_shares")
     @classmethod
@@ -100,7 +103,8 @@ class ModelSettings(BaseModel):
         return shares
 
     def replica_args(self) -> list[str]:
-        """This model's latency targets and reserved shares as `aigw replica` flags."""
+        """This model's latency targets, reserved shares and tensor-parallel size as `aigw replica`
+        flags."""
         args: list[str] = []
         if self.ttft_p90_ms is not None:
             args += ["--ttft-p90-ms", f"{self.ttft_p90_ms:g}"]
@@ -108,6 +112,8 @@ class ModelSettings(BaseModel):
             args += ["--tpot-p90-ms", f"{self.tpot_p90_ms:g}"]
         for project, share in sorted(self.reserved_shares.items()):
             args += ["--reserved-share", f"{project}={share:g}"]
+        if self.tensor_parallel_size > 1:
+            args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         return args
 
     @field_validator("endpoints")

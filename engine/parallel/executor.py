@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from engine.batch import ScheduledBatch
@@ -62,8 +63,6 @@ class TensorParallelRunner:
         self._lock = threading.Lock()  # one collective sequence at a time (steps, close)
         self.num_steps = 0
         if config.device.startswith("cuda"):
-            import torch
-
             if torch.cuda.device_count() < self.world_size:
                 raise TensorParallelStartError(
                     f"tensor_parallel_size {self.world_size} needs as many CUDA devices, this machine "
@@ -141,6 +140,8 @@ class TensorParallelRunner:
                 self._fail(failure)
                 raise failure from None
             self.num_steps += 1
+            if not logits.request_ids and not logits.prompt_logits:  # (rank 0's local vocab width)
+                return StepLogits([], torch.empty(0, self.full_model_config.vocab_size))
             return logits
 
     def warmup(self) -> float:
