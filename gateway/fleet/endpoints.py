@@ -7,6 +7,7 @@ an endpoint it removes unhealthy so that in-flight requests holding the old rout
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -75,7 +76,11 @@ class ModelRoute:
     @property
     def context_length(self) -> int | None:
         """The largest context window an endpoint reports (or the configured one), if known."""
-        return max((e.context_length for e in self.endpoints if e.context_length), default=None)
+        # (C-level iteration: this is read on every request's admission)
+        return max(filter(None, map(_context_length_of, self.endpoints)), default=None)
+
+
+_context_length_of = operator.attrgetter("context_length")
 
 
 class Fleet:

@@ -135,7 +135,9 @@ class CanonicalRequest:
 
     def text_length(self) -> int:
         """Characters of prompt text (a cheap input to token estimates)."""
-        num_chars = len(self.prompt) + sum(len(p) for p in self.extra_prompts if isinstance(p, str))
+        num_chars = len(self.prompt)
+        if self.extra_prompts:  # (no generator for the usual one prompt)
+            num_chars += sum(len(p) for p in self.extra_prompts if isinstance(p, str))
         for message in self.messages:
             num_chars += len(message.content)
             for call in message.tool_calls:
@@ -153,7 +155,8 @@ def estimate_num_tokens(num_chars: int) -> int:
 def estimate_prompt_tokens(request: CanonicalRequest) -> int:
     """An admission-time estimate: text tokens plus ~4 tokens of chat framing per message (a
     prompt of token ids counts exactly)."""
-    num_id_tokens = sum(len(p) for p in request.extra_prompts if isinstance(p, list))
+    num_id_tokens = (sum(len(p) for p in request.extra_prompts if isinstance(p, list))
+                     if request.extra_prompts else 0)
     if request.prompt_token_ids is not None:
         num_id_tokens += len(request.prompt_token_ids)
     num_chars = request.text_length()
@@ -314,8 +317,11 @@ class Accumulator:
     @property
     def num_generated_chars_by_choice(self) -> list[int]:
         """`num_generated_chars` of each choice seen, in `choices` order."""
-        own = (sum(map(len, self._text)) + sum(map(len, self._reasoning))
-               + sum(len(part) for parts in self._calls.values() for part in parts[1:]))
+        own = sum(map(len, self._text)) + sum(map(len, self._reasoning))
+        if self._calls:
+            own += sum(len(part) for parts in self._calls.values() for part in parts[1:])
+        if not self.others:
+            return [own]
         return [own, *(self.others[choice].num_generated_chars for choice in sorted(self.others))]
 
     @property
@@ -333,8 +339,9 @@ class Accumulator:
 
     def response(self) -> CanonicalResponse:
         calls = [ToolCall(id=p[0] or f"call_{i}", name=p[1], arguments="".join(p[2:]) or "{}")
-                 for i, p in sorted(self._calls.items())]
-        others = tuple(self.others[c].response() for c in sorted(self.others))
+                 for i, p in sorted(self._calls.items())] if self._calls else []
+        others = (tuple(self.others[c].response() for c in sorted(self.others)) if self.others
+                  else ())
         return CanonicalResponse(text=self.text, tool_calls=calls, finish_reason=self.finish_reason,
                                  usage=self.usage, stop_sequence=self.stop_sequence, others=others,
                                  logprobs=self._logprobs, reasoning="".join(self._reasoning),

@@ -116,5 +116,8 @@ NULL_OBSERVER = RequestObserver()
 
 def observer_of(request: web.BaseRequest) -> RequestObserver:
     """The request's observer (set by the telemetry middleware), else `NULL_OBSERVER`."""
-    observer: RequestObserver = request.get(OBSERVER_KEY, NULL_OBSERVER)
+    try:
+        observer: RequestObserver = request[OBSERVER_KEY]
+    except KeyError:
+        return NULL_OBSERVER
     return observer

@@ -172,10 +172,15 @@ class GatewayMetrics:
                 self._input_tokens_of(*labels), self._cached_tokens_of(*labels),
                 self._output_tokens_of(*labels), self._cost_of(*labels))
         input_tokens, cached_tokens, output_tokens, cost = children
-        input_tokens.inc(record.prompt_tokens)
-        cached_tokens.inc(record.cached_tokens)
-        output_tokens.inc(record.completion_tokens)
-        cost.inc(record.cost_usd)
+        # (a zero is not added: an inc is five Python calls, and the child exists already)
+        if record.prompt_tokens:
+            input_tokens.inc(record.prompt_tokens)
+        if record.cached_tokens:
+            cached_tokens.inc(record.cached_tokens)
+        if record.completion_tokens:
+            output_tokens.inc(record.completion_tokens)
+        if record.cost_usd:
+            cost.inc(record.cost_usd)
 
     def collect(self, per_project: bool = True) -> list[Metric]:
         """Every family /metrics serves (the registry interface `generate_latest` reads);

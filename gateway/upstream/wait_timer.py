@@ -32,11 +32,9 @@ class Watchdog:
     def timer(self) -> WaitTimer:
         return WaitTimer(self)
 
-    def _add(self, timer: WaitTimer) -> None:
-        self._open.add(timer)
-        if self._ticking is None or self._ticking_loop is not timer.loop:  # (a test's new loop)
-            self._ticking_loop = timer.loop
-            self._ticking = timer.loop.call_later(self._tick_s, self._tick, timer.loop)
+    def _start_ticking(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._ticking_loop = loop
+        self._ticking = loop.call_later(self._tick_s, self._tick, loop)
 
     def _remove(self, timer: WaitTimer) -> None:
         self._open.discard(timer)
@@ -77,12 +75,15 @@ class WaitTimer:
             raise RuntimeError("WaitTimer must be used inside a task")
         self._task = task
         self._cancelling = task.cancelling()
-        self._watchdog._add(self)
+        watchdog = self._watchdog  # (Watchdog._add, inline: this runs twice a request)
+        watchdog._open.add(self)
+        if watchdog._ticking is None or watchdog._ticking_loop is not self.loop:
+            watchdog._start_ticking(self.loop)  # (or a test's new loop)
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         traceback: TracebackType | None) -> None:
-        self._watchdog._remove(self)
+        self._watchdog._open.discard(self)
         if self._expired:  # as asyncio.timeout: uncancel what the timer cancelled
             if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
                 raise TimeoutError from exc
