@@ -2,7 +2,8 @@
 JSON API, every call of which needs an admin credential (Scope.ADMIN; with auth disabled the
 gateway is open and so is the API):
 
-    GET /dashboard/api/overview            replicas, latency percentiles, usage series, recent traces
+    GET /dashboard/api/overview            replicas, latency percentiles, usage series, recent traces,
+                                           per-class TTFT/TPOT against the targets (slo)
     GET /dashboard/api/traces/{trace_id}   one trace: gateway spans merged with the replicas' spans
 
 The page keeps the key in sessionStorage and sends it as `Authorization: Bearer ...`.
@@ -19,11 +20,13 @@ from aiohttp import web
 
 from auth.principal import AuthError, Scope
 from gateway.dashboard import STATIC_DIR
-from gateway.dashboard.replicas import cache_hit_ratio, replica_spans
+from gateway.dashboard.replicas import cache_hit_ratio_of, replica_metrics, replica_spans
+from gateway.dashboard.slo import slo_rows
 from gateway.dashboard.views import merge_spans, replica_rows, replicas_in, trace_summary
+from gateway.fleet.endpoints import Endpoint, ModelRoute
 from gateway.telemetry.keys import TELEMETRY
 from gateway.web.credentials import credential_of
-from gateway.web.keys import AUTHENTICATOR, FLEET, METER, SETTINGS, TRANSPORT
+from gateway.web.keys import AUTHENTICATOR, FLEET, METER, SETTINGS, SLO_RATES, TRANSPORT
 from infra.telemetry.settings import TelemetrySettings
 
 REPLICA_TIMEOUT_S = 1.0
@@ -58,23 +61,39 @@ async def overview(request: web.Request) -> web.Response:
         return denied
     app = request.app
     telemetry, fleet = app[TELEMETRY], app[FLEET]
-    replica_endpoints = [e for route, e in fleet.all_endpoints() if route.settings.backend == "replica"]
-    ratios = await asyncio.gather(*(cache_hit_ratio(app[TRANSPORT], e, REPLICA_TIMEOUT_S)
-                                    for e in replica_endpoints))
+    replica_endpoints = [(route, e) for route, e in fleet.all_endpoints()
+                         if route.settings.backend == "replica"]
+    texts = await asyncio.gather(*(replica_metrics(app[TRANSPORT], e, REPLICA_TIMEOUT_S)
+                                   for _, e in replica_endpoints))
+    ratios = [cache_hit_ratio_of(text) for text in texts]
     usage = telemetry.usage.to_json()
     projects = list(usage["projects"])  # type: ignore[call-overload]
     traces = [summary for spans in telemetry.spans.recent(NUM_TRACES_LISTED)
               if (summary := trace_summary(spans)) is not None]
     return _json({
         "now": time.time(),
-        "replicas": replica_rows(fleet, dict(zip([e.name for e in replica_endpoints], ratios, strict=True)),
-                                 time.monotonic()),
+        "replicas": replica_rows(fleet, dict(zip([e.name for _, e in replica_endpoints], ratios,
+                                                 strict=True)), time.monotonic()),
+        "slo": slo_rows(_by_model(replica_endpoints, texts), app[SLO_RATES], time.monotonic()),
         "latency": telemetry.latency.percentiles(),
         "usage": usage,
         "usage_daily": await _usage_daily(app, projects),
         "traces": traces,
         "tracing": _tracing_json(telemetry.settings),
     })
+
+
+def _by_model(endpoints: list[tuple[ModelRoute, Endpoint]], texts: list[str | None]
+              ) -> list[tuple[str, float | None, float | None, list[str]]]:
+    """(model, its configured TTFT / TPOT targets, its replicas' /metrics texts)."""
+    models: dict[str, tuple[str, float | None, float | None, list[str]]] = {}
+    for (route, _), text in zip(endpoints, texts, strict=True):
+        settings = route.settings
+        entry = models.setdefault(settings.name, (settings.name, settings.ttft_p90_ms,
+                                                  settings.tpot_p90_ms, []))
+        if text is not None:
+            entry[3].append(text)
+    return list(models.values())
 
 
 def _tracing_json(settings: TelemetrySettings) -> dict[str, object]:

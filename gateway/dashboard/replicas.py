@@ -1,4 +1,5 @@
-"""What the dashboard asks the replicas: prefix-cache counters from /metrics, and a trace's spans
+"""What the dashboard asks the replicas: /metrics (prefix-cache counters here, the latency-target
+series in gateway/dashboard/slo.py), and a trace's spans
 from /debug/traces (each replica keeps its own span buffer: engine/server/tracing.py).
 
 All fetches are bounded by `timeout_s` and never raise: an unreachable replica yields nothing.
@@ -50,11 +51,21 @@ def parse_cache_counters(metrics_text: str) -> dict[str, float]:
     return totals
 
 
-async def cache_hit_ratio(transport: Transport, endpoint: Endpoint, timeout_s: float) -> float | None:
+MAX_METRICS_BYTES = 4 * 1024 * 1024  # a replica's /metrics is ~20 KiB; more is not read
+
+
+async def replica_metrics(transport: Transport, endpoint: Endpoint, timeout_s: float) -> str | None:
+    """The replica's /metrics text (None: unreachable, or over MAX_METRICS_BYTES)."""
     body = await fetch(transport, endpoint.url + "/metrics", timeout_s, endpoint.auth_headers)
-    if body is None:
+    if body is None or len(body) > MAX_METRICS_BYTES:
         return None
-    totals = parse_cache_counters(body.decode("utf-8", "replace"))
+    return body.decode("utf-8", "replace")
+
+
+def cache_hit_ratio_of(metrics_text: str | None) -> float | None:
+    if metrics_text is None:
+        return None
+    totals = parse_cache_counters(metrics_text)
     queried = totals["prefix_cache_queried_tokens_total"]
     return totals["prefix_cache_hit_tokens_total"] / queried if queried else None
 

@@ -23,6 +23,7 @@ from aiohttp import web
 from auth.authenticator import AnonymousAuthenticator
 from auth.principal import Authenticator
 from gateway.batch.service import BatchService, run_batch_service
+from gateway.dashboard.slo import SloRates
 from gateway.fleet.discovery import Discovery, Resolver, resolve_dns
 from gateway.fleet.endpoints import Fleet
 from gateway.fleet.health import check_fleet, run_health_checks
@@ -45,6 +46,7 @@ from gateway.web.keys import (
     RESPONSES,
     ROUTER,
     SETTINGS,
+    SLO_RATES,
     TRANSPORT,
 )
 from gateway.web.middlewares import envelope_middleware
@@ -85,6 +87,7 @@ def create_app(settings: GatewaySettings, *, authenticator: Authenticator | None
     app[PIPELINE].background_observer = telemetry.background_observer()
     app[RESPONSES] = StoredResponses(open_response_store(settings))  # (opens on first use)
     app[BATCH] = BatchService(settings)
+    app[SLO_RATES] = SloRates()  # the dashboard's per-class goodput and refusals per second
     telemetry.metrics.batch.counts = app[BATCH].counts  # aigw_batch_* on /metrics
     telemetry.metrics.guardrails.guardrails = app[PIPELINE].guardrails  # aigw_guardrail_*
     telemetry.install(app)

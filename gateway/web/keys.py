@@ -6,6 +6,7 @@ from aiohttp import web
 
 from auth.principal import Authenticator
 from gateway.batch.service import BatchService
+from gateway.dashboard.slo import SloRates
 from gateway.fleet.discovery import Discovery
 from gateway.fleet.endpoints import Fleet
 from gateway.metering.contract import Meter
@@ -25,3 +26,4 @@ DISCOVERY = web.AppKey("discovery", Discovery)
 PIPELINE = web.AppKey("pipeline", Pipeline)
 BATCH = web.AppKey("batch", BatchService)
 RESPONSES = web.AppKey("responses", StoredResponses)  # stored Responses API answers
+SLO_RATES = web.AppKey("slo_rates", SloRates)  # the dashboard's goodput/refusal rates

@@ -55,6 +55,18 @@
       + tile("Gateway overhead", latency.overhead_s);
   }
 
+  function renderSlo(rows) {
+    const against = (p90, target, within) => {
+      const badge = within === null ? "" : within ? ' <span class="badge ok">within</span>' : ' <span class="badge bad">over</span>';
+      return `${ms(p90)} / ${target ? num(target) + " ms" : "—"}${badge}`;
+    };
+    $("slo").tBodies[0].innerHTML = (rows || []).map((r) => `<tr><td>${esc(r.model)}</td><td>${esc(r.service_tier)}</td>
+        <td>${against(r.ttft_p90_s, r.ttft_target_ms, r.ttft_within)}</td><td>${against(r.tpot_p90_s, r.tpot_target_ms, r.tpot_within)}</td>
+        <td>${num(r.completed)}</td><td>${num(r.goodput)} (${pct(r.goodput_ratio)})</td><td>${num(r.goodput_per_s, 2)}</td>
+        <td>${num(r.refused)}</td><td>${num(r.refused_per_s, 2)}</td></tr>`).join("")
+      || '<tr><td colspan="9" class="muted">no replica reports per-class latencies yet</td></tr>';
+  }
+
   function renderUsage(usage, daily) {
     document.querySelectorAll(".bucket").forEach((el) => { el.textContent = usage.bucket_s + " s"; });
     const projects = Object.entries(usage.projects);
@@ -198,6 +210,7 @@
       showMain();
       renderReplicas(overview.replicas);
       renderLatency(overview.latency);
+      renderSlo(overview.slo);
       renderUsage(overview.usage, overview.usage_daily || {});
       renderTraces(overview.traces);
       renderTracing(overview.tracing);
