@@ -22,6 +22,10 @@ Latency targets (engine/slo.py): every step's time is measured (`record_step`) i
 model. Under policy "slo" with a TPOT target, each step's token budget and the running batch's size
 come from `plan_step` (decodes keep their target, prefill takes the rest); under "fixed" the budget
 is `max_num_batched_tokens` every step. `queue_load()` is what admission control predicts from.
+
+Reserved shares (engine/reserved_shares.py): with `reserved_shares`, each step other projects'
+requests schedule only what the reserved projects with work leave of the budget and the KV blocks;
+a waiting request that may not (its project has no room) is passed over for the next one that may.
 """
 
 from __future__ import annotations
@@ -34,7 +38,11 @@ from engine.config import SchedulerConfig
 from engine.kv_cache.manager import BlockTable, ComputedBlocks, KVCacheManager
 from engine.outputs import FinishReason
 from engine.request import Request, RequestStatus
+from engine.reserved_shares import ReservedShares
 from engine.slo import STANDARD_CLASSES, ClassLoad, QueueLoad, StepCostModel, StepPlan, plan_step
+
+
+MAX_SHARE_SCAN = 256  # waiting requests looked at for one that a reserved share lets in
 
 
 class Scheduler:
@@ -49,6 +57,8 @@ class Scheduler:
         self.step_costs = StepCostModel(prefill_scale=config.max_num_batched_tokens,
                                         decode_scale=config.max_num_seqs)
         self.plan = StepPlan(config.max_num_batched_tokens, config.max_num_seqs)
+        self.shares = (ReservedShares(dict(config.reserved_shares), kv_cache.num_blocks,
+                                      kv_cache.block_size) if config.reserved_shares else None)
 
     @property
     def num_unfinished(self) -> int:
@@ -66,6 +76,8 @@ class Scheduler:
         self.kv_cache.expire_retention(time.monotonic())
         self.plan = self._plan_step()
         budget = self.plan.token_budget
+        if self.shares is not None:
+            self.shares.begin_step(budget, self.running, self.waiting)
         # running[:index] are scheduled in this step; running[index:] (lower classes) are not yet
         index = 0
         classes = sorted({r.priority for r in self.running} | {r.priority for r in self.waiting})
@@ -117,7 +129,11 @@ class Scheduler:
         preempted, until the request fits or was that one."""
         while index < len(self.running) and self.running[index].priority == priority and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            allowed = self._num_tokens_for(request, budget)
+            if allowed <= 0:  # the budget left is other projects' reserved share
+                index += 1
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, allowed)
             block_tables = self.kv_cache.allocate_slots(request, num_new)
             while block_tables is None:
                 victim = self.running.pop()
@@ -128,6 +144,7 @@ class Scheduler:
             if block_tables is None:
                 break  # the request preempted itself: nothing younger is left to schedule
             batch.sequences.append(self._scheduled(request, num_new, block_tables))
+            self._spend(request, num_new, 0)
             budget -= num_new
             index += 1
         return index, budget
@@ -144,8 +161,12 @@ class Scheduler:
                 num_seats = max(num_seats, len(self.running) + 1)
             if len(self.running) >= num_seats:
                 break
-            request, computed = self._pick_waiting()
-            num_new = min(request.num_tokens - computed.num_computed_tokens, budget)
+            picked = self._pick_within_shares(priority, budget) if self._holds_shares else self._pick_waiting()
+            if picked is None:
+                break  # every waiting request of the class meets another project's reserved share
+            request, computed = picked
+            num_new = min(request.num_tokens - computed.num_computed_tokens,
+                          self._num_tokens_for(request, budget))
             block_tables = self.kv_cache.allocate_slots(request, num_new, computed)
             while block_tables is None and self._has_lower(index, priority):
                 self._preempt(self.running.pop(), batch)
@@ -169,9 +190,45 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.insert(index, request)  # behind its class, ahead of the lower ones
             index += 1
+            num_new_blocks = (self.kv_cache.num_blocks_needed(request.num_computed_tokens + num_new)
+                              - self.kv_cache.num_blocks_needed(request.num_computed_tokens))
             batch.sequences.append(self._scheduled(request, num_new, block_tables))
+            self._spend(request, num_new, num_new_blocks)
             budget -= num_new
         return index, budget
+
+    # ---- reserved shares ------------------------------------------------------------------------------
+    @property
+    def _holds_shares(self) -> bool:
+        return self.shares is not None and self.shares.is_active
+
+    def _num_tokens_for(self, request: Request, budget: int) -> int:
+        return self.shares.num_tokens_for(request, budget) if self._holds_shares else budget  # type: ignore[union-attr]
+
+    def _spend(self, request: Request, num_tokens: int, num_new_blocks: int) -> None:
+        if self.shares is not None:
+            self.shares.spend(request, num_tokens)
+            self.shares.took_blocks(request, num_new_blocks)
+
+    def _pick_within_shares(self, priority: int, budget: int) -> tuple[Request, ComputedBlocks] | None:
+        """The first waiting request of class `priority` (of the first MAX_SHARE_SCAN) whose project
+        may take tokens and the blocks of its first chunk without touching another project's
+        reserved share."""
+        assert self.shares is not None
+        for request in list(self.waiting)[:MAX_SHARE_SCAN]:
+            if request.priority != priority:
+                break
+            allowed = self.shares.num_tokens_for(request, budget)
+            if allowed <= 0:
+                continue
+            computed = self.kv_cache.get_computed_blocks(request)
+            start = computed.num_computed_tokens
+            num_new = min(request.num_tokens - start, allowed)
+            num_new_blocks = (self.kv_cache.num_blocks_needed(start + num_new)
+                              - self.kv_cache.num_blocks_needed(start))
+            if self.shares.can_take_blocks(request, num_new_blocks, self.kv_cache.num_free_blocks):
+                return request, computed
+        return None
 
     def _has_lower(self, index: int, priority: int) -> bool:
         """Whether a running request not yet scheduled in this step is of a lower class."""
