@@ -6,8 +6,10 @@ One run, all on 127.0.0.1: an `aigw replica` on the default model (SmolLM2-135M 
 `aigw serve` with auth and the SQLite meter in front of it (a key per project, `--projects`).
 `--requests` of the mix in bench/soak_workload.py go through `--concurrency` clients, bounded by
 `--max-duration-s` too. Reported:
-  - RSS (VmRSS) of the gateway and the replica process after warm-up, at the middle (of the
-    time) and at the end, and the largest of the samples taken every 2 s; requests/s;
+  - RSS (VmRSS) of the gateway and the replica, sampled every 2 s: after warm-up (the first
+    `--warmup-fraction` of the requests) against the end, the ratio and the slope after warm-up
+    in MiB per 1,000 requests (bench/soak_rss.py); flat when end <= (1 + `--max-rss-growth`) x
+    warm-up, judged on runs of `--rss-min-requests` or more; `--plot PATH` draws both curves;
   - KV: the replica's aigw_replica_kv_blocks_used (and running/waiting requests) back at 0 once
     the clients are done;
   - ledger: every answered request's record (its id starts with the client's x-request-id) has
@@ -15,7 +17,7 @@ One run, all on 127.0.0.1: an `aigw replica` on the default model (SmolLM2-135M 
     one record (status 499, or 200 when its whole answer was out first); a refused request has
     none with tokens; and `aigw usage` per project
     sums to the records.
-Exit status 1 when a check fails.
+Exit status 1 when a check fails (memory that is not flat included).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.soak_ledger import aigw_usage_totals, compare, read_ledger, record_totals
+from bench.soak_rss import PROCESSES, Sample, plot_rss, render_trends, rss_trend
 from bench.soak_workload import Outcome, mix, send
 
 
@@ -51,10 +54,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="replica CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="also write the report (markdown) here")
+    parser.add_argument("--warmup-fraction", type=float, default=0.2,
+                        help="the share of the requests that is warm-up, the RSS baseline after it")
+    parser.add_argument("--max-rss-growth", type=float, default=0.05,
+                        help="flat: RSS at the end <= (1 + this) x RSS after warm-up")
+    parser.add_argument("--rss-min-requests", type=int, default=2000,
+                        help="runs of fewer requests report RSS without judging it")
+    parser.add_argument("--plot", default=None, help="write the RSS curves (PNG) here")
 
 
 def run(args: argparse.Namespace) -> int:
     report = asyncio.run(soak(args))
+    if args.plot:
+        plot_rss(report["samples"], report["trends"], args.plot,
+                 f"aigw bench soak: {report['requests']} requests")
     text = render(report)
     print(text)
     if args.out:
@@ -179,13 +192,20 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         records = read_ledger(work / "data")
         ledger = compare(outcomes, records)
         ledger["aigw_usage_equals_records"] = usage_totals == record_totals(records)
+        samples: list[Sample] = rss.pop("samples")  # type: ignore[assignment]
+        samples.append((elapsed_s, len(outcomes), rss["end"]["gateway"], rss["end"]["replica"]))
+        trends = [rss_trend(samples, process, args.warmup_fraction) for process in PROCESSES]
+        flat = all(t.verdict(args.max_rss_growth, args.rss_min_requests) != "FAIL"
+                   for t in trends)
         ok = (ledger["mismatches"] == 0 and ledger["aigw_usage_equals_records"]
               and kv["kv_blocks_used"] == 0 and kv["num_requests_running"] == 0
-              and kv["num_requests_waiting"] == 0)
+              and kv["num_requests_waiting"] == 0 and flat)
         return {"ok": ok, "requests": len(outcomes), "planned": args.requests,
                 "elapsed_s": elapsed_s, "startup_s": startup_s, "concurrency": args.concurrency,
                 "projects": len(projects), "replica_args": args.replica_args, "rss": rss,
                 "kv": kv, "ledger": ledger, "statuses": _statuses(outcomes),
+                "samples": samples, "trends": trends, "max_rss_growth": args.max_rss_growth,
+                "rss_min_requests": args.rss_min_requests,
                 "work_dir": str(work)}
     finally:
         for process in reversed(processes):
@@ -207,7 +227,7 @@ async def _drive(session: Any, url: str, kinds: list[str], keys: dict[str, str],
     deadline = started + args.max_duration_s
     next_index = 0
 
-    samples: list[tuple[float, int, int]] = []  # (s since start, gateway RSS, replica RSS)
+    samples: list[Sample] = []  # (s since start, requests done, gateway RSS, replica RSS)
 
     async def client() -> None:
         nonlocal next_index
@@ -220,7 +240,7 @@ async def _drive(session: Any, url: str, kinds: list[str], keys: dict[str, str],
 
     async def sample() -> None:
         while True:
-            samples.append((time.monotonic() - started, rss_bytes(gateway_pid),
+            samples.append((time.monotonic() - started, len(outcomes), rss_bytes(gateway_pid),
                             rss_bytes(replica_pid)))
             await asyncio.sleep(2.0)
 
@@ -228,11 +248,9 @@ async def _drive(session: Any, url: str, kinds: list[str], keys: dict[str, str],
     await asyncio.gather(*(client() for _ in range(args.concurrency)))
     sampler.cancel()
     elapsed_s = time.monotonic() - started
-    _, gateway_rss, replica_rss = min(samples, key=lambda s: abs(s[0] - elapsed_s / 2))
-    rss["middle"] = {"gateway": gateway_rss, "replica": replica_rss}
-    rss["max"] = {"gateway": max(s[1] for s in samples), "replica": max(s[2] for s in samples)}
     rss["tenths"] = [min(samples, key=lambda s, t=t: abs(s[0] - elapsed_s * t / 10))
                      for t in range(11)]  # type: ignore[assignment]
+    rss["samples"] = samples  # type: ignore[assignment]
     return sorted(outcomes, key=lambda o: o.index), elapsed_s
 
 
@@ -265,13 +283,11 @@ def render(report: dict[str, Any]) -> str:
              f"start-up (replica load, gateway) {report['startup_s']:.1f} s; requests "
              f"{report['elapsed_s']:.1f} s, {report['requests'] / report['elapsed_s']:.2f} "
              "requests/s", "",
-             "| RSS (MiB) | start | middle | end | max (2 s samples) | end - start |",
-             "|---|---|---|---|---|---|"]
-    for process in ("gateway", "replica"):
-        values = [rss[p][process] / mib for p in ("start", "middle", "end", "max")]
-        lines.append(f"| {process} | {values[0]:.1f} | {values[1]:.1f} | {values[2]:.1f} | "
-                     f"{values[3]:.1f} | {values[2] - values[0]:+.1f} |")
-    for column, process in ((1, "gateway"), (2, "replica")):
+             f"RSS after the 4 warm-up requests: gateway {rss['start']['gateway'] / mib:.1f} MiB, "
+             f"replica {rss['start']['replica'] / mib:.1f} MiB", "",
+             *render_trends(report["trends"], report["max_rss_growth"],
+                            report["rss_min_requests"])]
+    for column, process in ((2, "gateway"), (3, "replica")):
         trend = " ".join(f"{sample[column] / mib:.0f}" for sample in rss["tenths"])
         lines.append(f"\n{process} RSS (MiB) at each tenth of the run: {trend}")
     kv, ledger = report["kv"], report["ledger"]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.soak_ledger import compare
+from bench.soak_rss import plot_rss, render_trends, rss_trend
 from bench.soak_workload import MIX, Outcome, mix
 from tests.tiny_llama import write_tiny_llama
 
@@ -43,6 +44,7 @@ def test_a_tiny_soak_passes_and_reports_rss_kv_and_the_ledger(
     assert f"requests {len(MIX)} of {len(MIX)} planned" in printed
     assert "| gateway |" in printed and "| replica |" in printed
     assert "kv_blocks_used 0.0 of" in printed and "mismatches 0" in printed
+    assert "memory flat: not judged" in printed  # 8 requests: start-up growth, not a trend
     for kind in MIX:  # each kind was sent
         assert f"- {kind}: " in printed
 
@@ -66,3 +68,21 @@ def test_the_ledger_check_catches_a_differing_missing_or_double_record() -> None
     assert compare(outcomes, [*good, good[0]])["mismatches"] == 1  # recorded twice
     billed_refusal = [*good, {**good[0], "request_id": "soak-2/gw3", "status": 400}]
     assert compare(outcomes, billed_refusal)["mismatches"] == 1
+
+
+def test_the_rss_check_finds_growth_after_warm_up_and_passes_a_level_curve(
+        tmp_path: Path) -> None:
+    mib = 1 << 20
+    # (s, requests done, gateway RSS, replica RSS): the replica grows 1 MiB per 100 requests
+    # throughout; the gateway grows in warm-up (the first 20%), then stays level
+    samples = [(i * 2.0, i * 100, (80 + min(i, 10)) * mib, (500 + i) * mib) for i in range(51)]
+    gateway, replica = (rss_trend(samples, p, warmup_fraction=0.2) for p in ("gateway", "replica"))
+    assert (gateway.warmup_requests, gateway.end_requests) == (1000, 5000)
+    assert gateway.ratio == 1.0 and abs(gateway.slope_mib_per_1k) < 1e-9
+    assert gateway.verdict(max_growth=0.05, min_requests=2000) == "PASS"
+    assert replica.ratio == 550 / 510 and abs(replica.slope_mib_per_1k - 10.0) < 1e-9
+    assert replica.verdict(max_growth=0.05, min_requests=2000) == "FAIL"
+    assert replica.verdict(max_growth=0.05, min_requests=10_000) == "not judged"
+    lines = "\n".join(render_trends([gateway, replica], 0.05, 2000))
+    assert "memory flat: FAIL" in lines and "| replica | 510.0 (at 1000 requests) | 550.0" in lines
+    assert plot_rss(samples, [gateway, replica], tmp_path / "rss.png", "t").stat().st_size > 0
