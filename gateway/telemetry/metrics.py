@@ -62,21 +62,24 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
 
-class LabelCache:
-    """`cache(*labels)` is `metric.labels(*labels)`, looked up once per distinct label tuple (the
-    children live as long as the metric does, exactly as prometheus_client keeps them)."""
+class LabelCache(dict[tuple[str, ...], Any]):
+    """`cache[labels]` (or `cache(*labels)`) is `metric.labels(*labels)`, looked up once per
+    distinct label tuple (the children live as long as the metric does, exactly as
+    prometheus_client keeps them). The request path indexes it: a dict lookup in C, no Python
+    call; `labels()` runs in `__missing__`, once."""
 
-    __slots__ = ("_children", "_metric")
+    __slots__ = ("_metric",)
 
     def __init__(self, metric: Any) -> None:
+        super().__init__()
         self._metric = metric
-        self._children: dict[tuple[str, ...], Any] = {}
+
+    def __missing__(self, labels: tuple[str, ...]) -> Any:
+        child = self[labels] = self._metric.labels(*labels)
+        return child
 
     def __call__(self, *labels: str) -> Any:
-        child = self._children.get(labels)
-        if child is None:
-            child = self._children[labels] = self._metric.labels(*labels)
-        return child
+        return self[labels]
 
 
 OTHER_PROJECTS = "_other"  # the label value of every project past the first max_projects

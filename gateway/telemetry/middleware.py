@@ -169,17 +169,17 @@ def _finish(telemetry: Telemetry, route: str, status: int, observer: RequestMetr
     record = observer.record
     model, project = ((record.model, record.project) if record is not None
                       else (observer.model, observer.project))
-    metrics.requests_of(route, str(status), model, metrics.project_label(project)).inc()
-    metrics.duration_of(route, model).observe(latency_s)
+    metrics.requests_of[route, str(status), model, metrics.project_label(project)].inc()
+    metrics.duration_of[route, model].observe(latency_s)
     overhead_s = None
     overhead_ms = response.get(OVERHEAD_MS) if response is not None else None
     if overhead_ms is not None:
         overhead_s = overhead_ms / 1000.0
-        metrics.overhead_of(route).observe(overhead_s)
+        metrics.overhead_of[(route,)].observe(overhead_s)
     ttft_s = None
     if record is not None and record.stream and observer.first_token_at is not None:
         ttft_s = observer.first_token_at - observer.started
-        metrics.ttft_of(model).observe(ttft_s)
+        metrics.ttft_of[(model,)].observe(ttft_s)
     if record is not None:
         telemetry.latency.add(LatencySample(time.time(), model, latency_s, overhead_s, ttft_s))
 

@@ -76,8 +76,8 @@ class RequestMetrics(RequestObserver):
     def on_routed(self, request: CanonicalRequest, candidates: Sequence[Endpoint],
                   decision: Decision, started_ns: int, router: Router) -> None:
         telemetry = self.telemetry
-        telemetry.metrics.routing_decisions_of(telemetry.routing_policy, decision.reason,
-                                               decision.endpoint.name).inc()
+        telemetry.metrics.routing_decisions_of[telemetry.routing_policy, decision.reason,
+                                               decision.endpoint.name].inc()
 
     def on_fallback(self, request: CanonicalRequest, from_model: str, to_model: str,
                     reason: str, error: GatewayError) -> None:
@@ -109,7 +109,9 @@ class RequestMetrics(RequestObserver):
 
 
 class RequestTracing(RequestMetrics):
-    """A sampled request: `RequestMetrics`, and each fact into `trace` too."""
+    """A sampled request: `RequestMetrics`, and each fact into `trace` too. (The overrides that
+    run on every sampled request do RequestMetrics' part inline rather than through `super()`:
+    one Python call each instead of two.)"""
 
     __slots__ = ("_trace", "trace", "trace_id")
 
@@ -129,11 +131,13 @@ class RequestTracing(RequestMetrics):
 
     def on_routed(self, request: CanonicalRequest, candidates: Sequence[Endpoint],
                   decision: Decision, started_ns: int, router: Router) -> None:
-        super().on_routed(request, candidates, decision, started_ns, router)
+        telemetry = self.telemetry
+        telemetry.metrics.routing_decisions_of[telemetry.routing_policy, decision.reason,
+                                               decision.endpoint.name].inc()
         trace = self._trace
         if trace.request is None:
             trace.request = request_values(request)
-        trace.add_route(RouteStep(started_ns, _time_ns(), self.telemetry.routing_policy, decision,
+        trace.add_route(RouteStep(started_ns, _time_ns(), telemetry.routing_policy, decision,
                                   candidates, router.explain(request.request_id)))
 
     def on_fallback(self, request: CanonicalRequest, from_model: str, to_model: str,
@@ -157,7 +161,8 @@ class RequestTracing(RequestMetrics):
         return call
 
     def on_first_token(self) -> None:
-        super().on_first_token()
+        if self.first_token_at is None:
+            self.first_token_at = _perf_counter()
         calls = self._trace.calls
         if calls and calls[-1].first_line_ns is None:
             calls[-1].first_line_ns = _time_ns()
@@ -167,7 +172,10 @@ class RequestTracing(RequestMetrics):
 
     def on_settled(self, record: UsageRecord) -> None:
         self._trace.record = record
-        super().on_settled(record)
+        self.record = record
+        self.telemetry.observe_usage(record)
+        if self.on_done is not None:
+            self.on_done()
 
 
 @lru_cache(maxsize=1024)
