@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,11 +70,15 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, runner: ModelRunner,
                  tokenizer: Tokenizer, publishers: tuple[EventPublisher, ...] = (),
-                 kv_events_token_ids: bool = False) -> None:
+                 kv_events_token_ids: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: the engine's seconds (request timings, retention expiry); time.monotonic
+        unless a benchmark drives the engine in virtual time (bench/agent_pauses.py)."""
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.runner = runner
+        self.compute_info: dict[str, object] = dict(getattr(runner, "compute_info", {}))
         self.block_size = config.cache.block_size
         self.max_model_len = min(model_config.max_position_embeddings,
                                  config.max_model_len or model_config.max_position_embeddings,
@@ -89,7 +94,7 @@ class LLMEngine:
                                        retention_share_per_owner=config.cache.retention_share_per_project,
                                        retention_share_total=config.cache.retention_share_total,
                                        host_tier=self._host_tier(config, runner))
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, clock)
         self.queue_load: QueueLoad = self.scheduler.queue_load()  # replaced, never mutated: any thread reads it
         self.sampler = Sampler(seed=config.seed)
         self.grammars = GrammarCompiler(tokenizer.backend, model_config.vocab_size,
@@ -157,7 +162,7 @@ class LLMEngine:
         self.check_prompt(len(prompt_token_ids))
         request = Request(request_id, list(prompt_token_ids), params,
                           () if params.ignore_eos else self.model_config.eos_token_ids,
-                          self.max_model_len, cache_salt)
+                          self.max_model_len, cache_salt, arrival_time=self.scheduler.clock())
         request.retain_s, request.retention_id = retain_s, retention_id
         request.priority = priority
         if params.grammar is not None:
@@ -258,7 +263,7 @@ class LLMEngine:
         request_ids, sampler_output = sampled
         if sampler_output is None:
             return []
-        now = time.monotonic()
+        now = self.scheduler.clock()
         outputs = []
         for i, request_id in enumerate(request_ids):
             request = self._requests[request_id]
@@ -318,7 +323,7 @@ class LLMEngine:
                       ) -> RequestOutput:
         del self._requests[request.request_id]
         del self._detokenizers[request.request_id]
-        now = time.monotonic()
+        now = self.scheduler.clock()
         first_token = request.first_token_time or now
         scheduled = request.first_scheduled_time or request.arrival_time
         return RequestOutput(
@@ -329,7 +334,8 @@ class LLMEngine:
             timings={"queue_s": max(scheduled - request.arrival_time, 0.0),
                      "prefill_s": max(first_token - scheduled, 0.0),
                      "decode_s": max(now - first_token, 0.0),
-                     "num_prefill_chunks": float(request.num_prefill_chunks)},
+                     "num_prefill_chunks": float(request.num_prefill_chunks),
+                     "num_host_cached_tokens": float(request.num_host_cached_tokens)},
         )
 
     # ---- cache and introspection ---------------------------------------------------------------------

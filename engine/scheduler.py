@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from engine.batch import ScheduledBatch, ScheduledSequence
 from engine.config import SchedulerConfig
@@ -41,14 +42,17 @@ from engine.request import Request, RequestStatus
 from engine.reserved_shares import ReservedShares
 from engine.slo import STANDARD_CLASSES, ClassLoad, QueueLoad, StepCostModel, StepPlan, plan_step
 
-
 MAX_SHARE_SCAN = 256  # waiting requests looked at for one that a reserved share lets in
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: seconds for queue/first-token times and retention expiry (a benchmark passes a
+        virtual clock; engine/engine.py shares it)."""
         self.config = config
         self.kv_cache = kv_cache
+        self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._num_head_skips = 0
@@ -73,7 +77,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        self.kv_cache.expire_retention(time.monotonic())
+        self.kv_cache.expire_retention(self.clock())
         self.plan = self._plan_step()
         budget = self.plan.token_budget
         if self.shares is not None:
@@ -182,11 +186,12 @@ class Scheduler:
             self.waiting.remove(request)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = computed.num_computed_tokens
+                request.num_host_cached_tokens = computed.num_host_tokens
                 self.kv_cache.record_prefix_query(request.num_tokens, computed.num_computed_tokens,
                                                   computed.num_host_tokens)
             request.num_computed_tokens = computed.num_computed_tokens
             if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
+                request.first_scheduled_time = self.clock()
             request.status = RequestStatus.RUNNING
             self.running.insert(index, request)  # behind its class, ahead of the lower ones
             index += 1
@@ -290,7 +295,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         retain = request.retain_s > 0 and reason != FinishReason.ABORT
-        self.kv_cache.free(request, time.monotonic() + request.retain_s if retain else None)
+        self.kv_cache.free(request, self.clock() + request.retain_s if retain else None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason

@@ -110,6 +110,7 @@ class Completion:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list = field(default_factory=list)  # type: ignore[type-arg]
+    timings: dict[str, float] = field(default_factory=dict)  # the final output's
 
 
 def drive(engine: LLMEngine, max_steps: int = 5000,
@@ -135,6 +136,7 @@ def collect(results: dict[str, Completion], output: RequestOutput) -> None:
     done.num_cached_tokens = output.num_cached_tokens
     if output.finished:
         done.finish_reason, done.stop_reason = output.finish_reason, output.stop_reason
+        done.timings = output.timings
 
 
 def generate(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams,

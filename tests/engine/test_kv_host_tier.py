@@ -283,6 +283,7 @@ def test_real_model_tier_hit_restores_the_evicted_kv_and_the_same_tokens(
     again = drive(engine)["a-again"]
     after = engine.stats()
     assert again.num_cached_tokens == 80  # counts as cached tokens
+    assert again.timings["num_host_cached_tokens"] == 80  # per request: all 80 from the tier
     assert after.num_host_tier_hit_tokens - before.num_host_tier_hit_tokens == 80
     assert after.num_prompt_tokens_computed_total - before.num_prompt_tokens_computed_total == 16
     assert again.token_ids == first.token_ids  # greedy after a tier hit == the first computation

@@ -65,6 +65,20 @@ def test_retention_expires_and_its_blocks_become_evictable() -> None:
     manager.check_integrity()
 
 
+def test_retention_runs_on_the_schedulers_clock() -> None:
+    now_s = [1000.0]  # a virtual clock (bench/agent_pauses.py): wall time plays no part
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16),
+                          make_manager(64), clock=lambda: now_s[0])
+    request = retained(tokens(96), 30.0)
+    run(scheduler, request)
+    assert request.first_scheduled_time == 1000.0
+    table = scheduler.kv_cache.retention
+    for now_s[0], expected in ((1029.99, 6), (1030.0, 0)):
+        scheduler.schedule()
+        assert table.num_blocks == expected, now_s[0]
+    scheduler.kv_cache.check_integrity()
+
+
 def test_one_owner_keeps_at_most_its_share_and_others_still_get_theirs() -> None:
     scheduler = scheduler_of(100)  # 25 blocks per owner, 50 in all
     run(scheduler, retained(tokens(320, start=1000), 600, salt="a", session="s1"),
