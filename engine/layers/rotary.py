@@ -1,7 +1,8 @@
 """Rotary position embedding, Hugging Face llama style (rotate_half over the two halves of Dh).
 
 Scalings (`scaling["rope_type"]`): "linear" (positions divided by `factor`: Gemma 3's global layers),
-"llama3" (Llama 3.1 wavelength bands) and "yarn" (gpt-oss,
+"llama3" (Llama 3.1 wavelength bands), "freq_factors" (llama.cpp's `rope_freqs` tensor, as a GGUF
+stores llama3 scaling: each frequency divided by its factor) and "yarn" (gpt-oss,
 transformers' `_compute_yarn_parameters`: a ramp between interpolated and extrapolated frequencies over
 the correction range of `beta_fast` / `beta_slow`, and cos/sin multiplied by the attention factor,
 0.1 ln(factor) + 1 unless the config states `attention_factor`). Other types are refused.
@@ -23,10 +24,15 @@ class RotaryEmbedding:
             inv_freq = inv_freq / float(scaling["factor"])  # type: ignore[index, arg-type]
         elif rope_type == "llama3":
             inv_freq = _llama3_scaled(inv_freq, scaling)  # type: ignore[arg-type]
+        elif rope_type == "freq_factors":  # a GGUF's rope_freqs: theta_i / factor_i
+            factors = torch.tensor(scaling["factors"], dtype=torch.float32)  # type: ignore[index, arg-type]
+            if factors.shape != inv_freq.shape:
+                raise ValueError(f"rope freq factors: {factors.shape[0]} for {inv_freq.shape[0]} frequencies")
+            inv_freq = inv_freq / factors
         elif rope_type == "yarn":
             inv_freq, attention_factor = _yarn_scaled(head_dim, base, scaling)  # type: ignore[arg-type]
         elif rope_type not in (None, "default"):
-            raise NotImplementedError(f"rope scaling {rope_type!r} is not supported (linear, llama3, yarn)")
+            raise NotImplementedError(f"rope scaling {rope_type!r} is not supported (linear, llama3, freq_factors, yarn)")
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [P, Dh/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, Dh]

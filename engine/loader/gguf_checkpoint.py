@@ -1,5 +1,6 @@
 """Llama, Qwen3 and Qwen3-MoE GGUF files -> `Checkpoint` with Hugging Face names and layout
-(gpt-oss files: gguf_gpt_oss.py; DeepSeek-V3's `deepseek2`: gguf_deepseek2.py).
+(gpt-oss files: gguf_gpt_oss.py; DeepSeek-V3's `deepseek2`: gguf_deepseek2.py; `gemma3`:
+gguf_gemma3.py; `llama4`: gguf_llama4.py).
 
 Config: `<arch>.*` metadata -> `ModelConfig`, arch = `general.architecture` ("llama", "qwen3",
 "qwen3moe" -> architecture "llama", "qwen3", "qwen3_moe"); head_dim = embedding_length / head_count
@@ -100,7 +101,8 @@ def model_config_from_gguf(metadata: Mapping[str, object], tensor_names: set[str
     arch = metadata.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise UnsupportedCheckpointError(
-            f"GGUF architecture {arch!r} is not supported (one of {sorted(_ARCHITECTURES)}, gpt-oss, deepseek2)")
+            f"GGUF architecture {arch!r} is not supported (one of {sorted(_ARCHITECTURES)}, "
+            "gpt-oss, deepseek2, gemma3, llama4)")
     if arch == "llama" and metadata.get("llama.expert_count"):
         raise UnsupportedCheckpointError("llama-architecture MoE GGUF files (Mixtral) are not "
                                          "supported; use the HF directory")
@@ -166,6 +168,15 @@ def load_gguf_checkpoint(path: Path, dtype: torch.dtype = torch.float32,
         return load_deepseek2_gguf(path, metadata, infos,
                                    lambda info, ggml_type: _tensor_data(file_view, info, ggml_type),
                                    dtype=dtype, progress=progress)
+    if metadata.get("general.architecture") in ("gemma3", "llama4"):  # gguf_gemma3.py, gguf_llama4.py
+        from engine.loader.gguf_gemma3 import load_gemma3_gguf
+        from engine.loader.gguf_llama4 import load_llama4_gguf
+
+        file_view = np.memmap(path, dtype=np.uint8, mode="r")
+        load = load_gemma3_gguf if metadata["general.architecture"] == "gemma3" else load_llama4_gguf
+        return load(path, metadata, infos,
+                    lambda info, ggml_type: _tensor_data(file_view, info, ggml_type),
+                    dtype=dtype, progress=progress)
     if metadata.get("general.architecture") == "gpt-oss":  # engine/loader/gguf_gpt_oss.py
         from engine.loader.gguf_gpt_oss import load_gpt_oss_gguf
 
