@@ -186,13 +186,13 @@ class TensorParallelRunner:
         if self._failure is not None:
             return
         self._failure = failure
-        logger.error("replica down: %s", failure)
-        self._kill_workers()  # the others too: a TP replica lives or dies whole
-        for callback in list(self._watchers):
+        for callback in list(self._watchers):  # first: /health turns unready, streams end
             try:
                 callback(failure)
             except Exception:  # noqa: BLE001 - one watcher must not silence the next
                 logger.exception("tensor-parallel failure watcher raised")
+        logger.error("replica down: %s", failure)
+        self._kill_workers()  # the others too: a TP replica lives or dies whole
 
     def _lost_rank_message(self, exc: BaseException) -> str:
         deadline = time.monotonic() + 2.0  # a dead peer's exit code may trail the closed socket
@@ -222,7 +222,7 @@ class TensorParallelRunner:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if dist.is_initialized():
+        if self._failure is None and dist.is_initialized():  # (with a peer gone it may hang)
             dist.destroy_process_group()
 
     def _kill_workers(self) -> None:
