@@ -30,7 +30,7 @@ Latency targets and classes (engine/slo.py), label service_tier (priority, defau
     aigw_replica_step_token_budget                        gauge (the step plan's tokens)
     aigw_replica_step_max_num_running                     gauge (the step plan's running batch cap)
     aigw_replica_prefill_ms_per_token                     gauge (the step-time model's, once measured)
-    aigw_replica_ttft_target_ms{service_tier} / aigw_replica_tpot_target_ms   gauge (when set)
+    aigw_replica_ttft_target_ms{service_tier} / aigw_replica_tpot_target_ms   gauge (0: none)
     aigw_replica_ttft_seconds{service_tier}               histogram (per engine request)
     aigw_replica_tpot_seconds{service_tier}               histogram (per request: decode time /
                                                                      (output tokens - 1))
@@ -124,7 +124,7 @@ class _EngineStatsCollector(Collector):
         family = GaugeMetricFamily(PREFIX + "predicted_queue_delay_ms", "Predicted queueing delay "
                                    "of a new request of the class, in ms (the work ahead of it: "
                                    "admission control and the gateway's load score).", labels=names)
-        for tier, delay_ms in delays:
+        for tier, delay_ms in delays if isinstance(delays, tuple) else ():
             family.add_metric([*values, tier], delay_ms)
         yield family
         yield gauge("step_token_budget", "Tokens the current step plan schedules at most "
@@ -196,16 +196,15 @@ class ReplicaMetrics:
         self._labels = labels
 
     def _targets(self, label_names: list[str], labels: dict[str, str]) -> None:
-        if self.ttft_target_ms:
-            ttft = Gauge(PREFIX + "ttft_target_ms", "The class's TTFT target admission holds it to "
-                         "(--ttft-p90-ms; flex: 4x).", [*label_names, "service_tier"],
-                         registry=self.registry)
-            for priority in STANDARD_CLASSES:
-                ttft.labels(**labels, service_tier=service_tier_of(priority)).set(
-                    class_ttft_target_ms(self.ttft_target_ms, priority) or 0.0)
-        if self.tpot_target_ms:
-            Gauge(PREFIX + "tpot_target_ms", "The TPOT target (--tpot-p90-ms).", label_names,
-                  registry=self.registry).labels(**labels).set(self.tpot_target_ms)
+        """The targets as gauges (0: no target)."""
+        ttft = Gauge(PREFIX + "ttft_target_ms", "The class's TTFT target admission holds it to "
+                     "(--ttft-p90-ms; flex: 4x; 0: none).", [*label_names, "service_tier"],
+                     registry=self.registry)
+        for priority in STANDARD_CLASSES:
+            ttft.labels(**labels, service_tier=service_tier_of(priority)).set(
+                class_ttft_target_ms(self.ttft_target_ms, priority) or 0.0)
+        Gauge(PREFIX + "tpot_target_ms", "The TPOT target (--tpot-p90-ms; 0: none).", label_names,
+              registry=self.registry).labels(**labels).set(self.tpot_target_ms or 0.0)
 
     def count_refused(self, priority: int) -> None:
         self._refused.labels(**self._labels, service_tier=service_tier_of(priority)).inc()

@@ -4,6 +4,7 @@ decodes inside their TPOT target, and the admission prediction per class."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -153,3 +154,33 @@ def test_retry_after_is_whole_seconds_rounded_up_at_least_one() -> None:
     assert tiny.retry_after_s == 1
     big = predict_admission(_load(0, 200_000, 0), 0, 10, ttft_target_ms=1.0)
     assert big.retry_after_s == int(big.queue_ms // 1000) + 1
+
+
+def _scheduler_config(*flags: str) -> Any:
+    import argparse
+
+    from engine.engine_args import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    return engine_config_from_args(parser.parse_args(list(flags))).scheduler
+
+
+def test_the_replica_flags_make_the_scheduler_config() -> None:
+    plain = _scheduler_config()
+    assert (plain.ttft_p90_ms, plain.tpot_p90_ms, plain.policy, plain.reserved_shares) == (
+        None, None, "fixed", ())
+    slo = _scheduler_config("--ttft-p90-ms", "800", "--tpot-p90-ms", "60",
+                            "--reserved-share", "acme=0.25", "--reserved-share", "team=x=0.1")
+    assert (slo.ttft_p90_ms, slo.tpot_p90_ms, slo.policy) == (800.0, 60.0, "slo")
+    assert slo.reserved_shares == (("acme", 0.25), ("team=x", 0.1))
+    assert _scheduler_config("--ttft-p90-ms", "800", "--scheduler-policy", "fixed").policy == "fixed"
+    assert _scheduler_config("--ttft-p90-ms", "0").ttft_p90_ms is None  # 0: no target
+
+
+@pytest.mark.parametrize("flags", [
+    ("--reserved-share", "acme"), ("--reserved-share", "=0.5"), ("--reserved-share", "acme=lots"),
+    ("--reserved-share", "acme=1.5"), ("--ttft-p90-ms", "-5"), ("--tpot-p90-ms", "nan")])
+def test_bad_latency_flags_are_a_value_error(flags: tuple[str, ...]) -> None:
+    with pytest.raises(ValueError):
+        _scheduler_config(*flags)
