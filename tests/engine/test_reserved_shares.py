@@ -9,7 +9,14 @@ import pytest
 from engine.config import SchedulerConfig
 from engine.reserved_shares import project_of
 from engine.scheduler import Scheduler
-from tests.engine.fakes import BLOCK_SIZE, make_manager, make_request, run_to_completion, simulate_step, tokens
+from tests.engine.fakes import (
+    BLOCK_SIZE,
+    make_manager,
+    make_request,
+    run_to_completion,
+    simulate_step,
+    tokens,
+)
 
 ACME, OTHER = "project:acme", "project:other"
 
