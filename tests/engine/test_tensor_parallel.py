@@ -153,3 +153,28 @@ def test_an_embedded_model_gives_its_replicas_the_tensor_parallel_flag() -> None
     assert model.replica_args()[-2:] == ["--tensor-parallel-size", "2"]
     assert "--tensor-parallel-size" not in ModelSettings(name="m", backend="replica",
                                                          embedded=True).replica_args()
+
+
+def test_a_moe_checkpoint_splits_its_experts_and_matches_tp1(tmp_path: Any) -> None:
+    """Qwen3-MoE (tiny, random): experts split on their intermediate dim, router replicated, a dense
+    layer between sparse ones, per-head q/k norm; weights read as per-rank safetensors slices."""
+    from tests.models._qwen3 import write_checkpoints
+
+    directory = write_checkpoints(tmp_path, ("qwen3_moe",))["qwen3_moe"].directory
+    engines = {}
+    for tp in (1, 2):
+        config = EngineConfig(model_path=str(directory), num_threads=2, dtype="float32",
+                              tensor_parallel_size=tp, cache=CacheConfig(kv_cache_memory_bytes=4 * MiB),
+                              scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4))
+        engines[tp] = LLMEngine.from_config(config, progress=False)
+    try:
+        prompts = {"long": list(range(3, 43)), "short": [7, 8, 9, 10, 11]}
+        ours, ours_logits, _ = _run_workload(engines[2], prompts)
+        base, base_logits, _ = _run_workload(engines[1], prompts)
+    finally:
+        engines[2].runner.close()  # type: ignore[attr-defined]
+    assert {k: v.token_ids for k, v in ours.items()} == {k: v.token_ids for k, v in base.items()}
+    assert ours["again"].num_cached_tokens == base["again"].num_cached_tokens > 0
+    pairs = [(a, b) for a, b in zip(ours_logits, base_logits, strict=True) if b.numel()]
+    worst = max((a - b).abs().max().item() for a, b in pairs)
+    assert worst <= 1e-5 * max(b.abs().max().item() for _, b in pairs), worst
