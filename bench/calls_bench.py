@@ -17,7 +17,9 @@ Two figures, each beside its baseline in the same run:
 
 Each process runs under bench/call_counter.py (a profile hook counting every Python call, all
 threads); counts are read after a warm-up, over `--requests` sequential requests. Background work
-(health checks, the KV event loop) is counted too, the same way for both sides.
+(health checks, the KV event loop) is counted too, so a slower run counts more of it a request;
+each gateway cell is therefore also given "net of idle": the gateway then idles as long as the
+requests took, and the calls it makes meanwhile are subtracted.
 """
 
 from __future__ import annotations
@@ -72,12 +74,29 @@ class _Counted:
 
 
 def _per_request(counted: _Counted, send: Any, num_warmup: int, num_requests: int) -> float:
+    return _per_request_net(counted, send, num_warmup, num_requests, idle=False)[0]
+
+
+def _per_request_net(counted: _Counted, send: Any, num_warmup: int, num_requests: int,
+                     idle: bool = True) -> tuple[float, float]:
+    """(calls a request, the same less the process's background calls): with `idle`, the process
+    is then left idle as long as the requests took, and what it calls meanwhile (health checks,
+    KV event polls, store polls: work paced by the clock, not by requests) is subtracted. A
+    slower run (a busy machine) counts more background calls a request; the net figure does not."""
     for _ in range(num_warmup):
         send()
     start = counted.calls()
+    started = time.monotonic()
     for _ in range(num_requests):
         send()
-    return (counted.calls() - start) / num_requests
+    elapsed_s = time.monotonic() - started
+    end = counted.calls()
+    gross = (end - start) / num_requests
+    if not idle:
+        return gross, gross
+    time.sleep(elapsed_s)
+    background = counted.calls() - end
+    return gross, (end - start - background) / num_requests
 
 
 def _gateway(procs: _Processes, name: str, tree: Path, upstream: str, args: argparse.Namespace,
@@ -115,7 +134,8 @@ def _gateway(procs: _Processes, name: str, tree: Path, upstream: str, args: argp
                 response.raise_for_status()
                 response.read()
 
-            figures[mode] = _per_request(counted, send, args.warmup, args.requests)
+            figures[mode], figures[f"{mode}, net of idle"] = _per_request_net(
+                counted, send, args.warmup, args.requests)
     procs.stop(counted.process.pid)
     return figures
 
@@ -195,11 +215,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         procs.stop_all()
     print(f"Python calls per request ({args.requests} counted after {args.warmup} warm-up)")
-    print(f"{'process':8} {'case':24} {'calls/req':>10} {'baseline':>10} {'ratio':>7}")
+    print(f"{'process':8} {'case':34} {'calls/req':>10} {'baseline':>10} {'ratio':>7}")
     for part, case, value, baseline in rows:
         ratio = f"{value / baseline:7.3f}" if baseline else "      -"
         shown = f"{baseline:10.0f}" if baseline else "         -"
-        print(f"{part:8} {case:24} {value:10.0f} {shown} {ratio}")
+        print(f"{part:8} {case:34} {value:10.0f} {shown} {ratio}")
     print("baseline: gateway = --baseline-tree (none given: -), or for 'chain unused' the same "
           "gateway without the chain; replica = the same request as messages, rendered by the "
           "replica")

@@ -3,7 +3,7 @@
     aigw_requests_total{route,status,model,project}            every answered request
     aigw_request_duration_seconds{route,model}                 end to end, streams until the end
     aigw_overhead_seconds{route}                               added by the gateway (x-aigw-overhead-ms)
-    aigw_time_to_first_token_seconds{model}                    streams: request in -> first upstream line
+    aigw_time_to_first_token_seconds{model}                    streams: request in -> first upstream event
     aigw_{input,cached,output}_tokens_total{model,project}     usage as settled with the meter
     aigw_cost_usd_total{model,project}
     aigw_prompt_cache_hit_ratio{project}                       cached / input tokens, from the two
