@@ -28,7 +28,17 @@ def make_linear_factory(config: EngineConfig, device: torch.device, raw_weights:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}[config.resolved_dtype]
 
+    from engine.layers.fp8_block_linear import can_run_w8a8
+    from engine.loader.fp8_blocks import RawFP8Blocks
+
+    # a block-scaled FP8 checkpoint's weights as stored run the block-scaled kernel where it is native
+    fp8_blocks = can_run_w8a8(device) and any(isinstance(r, RawFP8Blocks) for r in raw_weights.values())
+
     def make(name: str, weight: torch.Tensor) -> LinearWeight:
+        if fp8_blocks and name != "lm_head.weight":
+            blocked = _make_fp8_blocks(name, weight, raw_weights, device, dtype)
+            if blocked is not None:
+                return blocked
         if config.decode_weights == "q4":
             q4 = _make_q4(name, weight.to(device=device, dtype=dtype), raw_weights)
             if q4 is not None:
@@ -46,6 +56,27 @@ def make_linear_factory(config: EngineConfig, device: torch.device, raw_weights:
 
 
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _make_fp8_blocks(name: str, weight: torch.Tensor, raw_weights: dict,  # type: ignore[type-arg]
+                     device: torch.device, dtype: torch.dtype) -> LinearWeight | None:
+    """The linear `name` from its FP8 blocks as stored (a fused projection: its parts' blocks
+    joined), or None: no blocks for it or one of its parts, parts that split an N block, or
+    blocks that do not dequantize to exactly `weight` (a weight the model transformed at load:
+    Llama 4's permuted q/k rows, a tensor-parallel shard)."""
+    from engine.layers.fp8_block_linear import FP8BlockLinear
+    from engine.loader.fp8_blocks import RawFP8Blocks
+
+    prefix, _, leaf = name.rpartition(".")
+    parent, _, module = prefix.rpartition(".")
+    found = [raw_weights.get(f"{parent}.{p}.{leaf}") for p in _FUSED_PARTS.get(module, (module,))]
+    if not all(isinstance(p, RawFP8Blocks) for p in found) or len({p.block for p in found}) != 1:
+        return None
+    block = found[0].block
+    layer = FP8BlockLinear.concat([(p.wq.to(device), p.scale.to(device)) for p in found], block, dtype)
+    if layer is None or not torch.equal(layer.dequantize(), weight.to(device=device, dtype=dtype)):
+        return None
+    return layer
 
 
 def _make_q4(name: str, weight: torch.Tensor, raw_weights: dict) -> LinearWeight | None:  # type: ignore[type-arg]

@@ -45,7 +45,9 @@ class RawQuantized:
 class Checkpoint:
     config: ModelConfig
     weights: dict[str, torch.Tensor]
-    raw: dict[str, RawQuantized]  # HF weight name -> quantized blocks; empty for safetensors
+    # HF weight name -> quantized blocks: GGUF's (RawQuantized), or a block-scaled FP8 file's
+    # weights as stored (fp8_blocks.RawFP8Blocks); empty for other safetensors
+    raw: dict[str, RawQuantized]
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32,

@@ -8,18 +8,24 @@ tensors:      X.weight            float8_e4m3fn [..., N, K]
 
 (`weight_scale_inv` is the factor that multiplies the stored values, as DeepSeek's `weight_dequant`
 applies it.) The FP8 values are read from the file as they are, never re-quantized, and
-dequantized here at load, on the CPU, into the engine's load dtype: the engine's FP8 kernels
-(engine/kernels/fp8.py, engine/layers/fp8_linear.py) take one scale per output row, not
-[Bn, Bk] blocks, so no block-scaled GEMM runs them as stored. The load therefore needs the dense
-model's memory (DeepSeek-V3-671B: ~1.3 TB in bf16); `--quantization fp8` re-quantizes the dense
-weights per row afterwards, as for any checkpoint. Tensors without a scale (embeddings, norms,
-routers, lm head: the released `modules_to_not_convert`) are stored dense and pass through.
+dequantized here at load, on the CPU, into the engine's load dtype: the dense weights are what the
+models build from (fusing, permuting) and what the CPU computes with. Each 2-D FP8 weight is also
+kept as stored (`RawFP8Blocks`, in `Checkpoint.raw`): on a GPU with FP8 tensor cores the linear
+factory (engine/layers/__init__.py) serves a linear from its blocks with the block-scaled kernel
+(engine/layers/fp8_block_linear.py) when the blocks dequantize to exactly the weight the model asks
+for (a fused projection: its parts joined); a weight the model transformed (Llama 4's permuted q/k
+rows) stays dense. The load therefore needs the dense model's memory plus the FP8 bytes
+(DeepSeek-V3-671B: ~1.3 TB in bf16); `--quantization fp8` re-quantizes per row the dense weights
+no block serves. Stacked expert tensors (3-D) are served dense (or per row under
+`--quantization fp8`). Tensors without a scale (embeddings, norms, routers, lm head: the released
+`modules_to_not_convert`) are stored dense and pass through.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -28,6 +34,17 @@ from engine.models.weights import CheckpointMismatchError
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 SCALE_SUFFIX = "_scale_inv"
+
+
+@dataclass(frozen=True)
+class RawFP8Blocks:
+    """One 2-D weight as the file stores it: wq [N, K] float8_e4m3fn, scale [ceil(N/Bn),
+    ceil(K/Bk)] float32 (w = wq * scale per block), block (Bn, Bk)."""
+
+    wq: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+    ggml_type: ClassVar[None] = None  # no GGML block type: the GGUF q4 paths pass it by
 
 
 def fp8_block_size(config: Mapping[str, Any]) -> tuple[int, int] | None:
@@ -61,9 +78,11 @@ def dequantize_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple
 
 
 def dequantize_checkpoint(weights: dict[str, torch.Tensor], block: tuple[int, int],
-                          dtype: torch.dtype) -> None:
+                          dtype: torch.dtype) -> dict[str, RawFP8Blocks]:
     """Replace every `X.weight` + `X.weight_scale_inv` pair of `weights` by the dense X.weight in
-    `dtype` (in place). A scale without its weight, or an FP8 tensor without a scale, is one line."""
+    `dtype` (in place); -> the 2-D ones as stored, by name. A scale without its weight, or an FP8
+    tensor without a scale, is one line."""
+    raw: dict[str, RawFP8Blocks] = {}
     for scale_name in [n for n in weights if n.endswith(SCALE_SUFFIX)]:
         name = scale_name.removesuffix(SCALE_SUFFIX)
         scale_inv = weights.pop(scale_name)
@@ -74,7 +93,10 @@ def dequantize_checkpoint(weights: dict[str, torch.Tensor], block: tuple[int, in
             raise CheckpointMismatchError(f"checkpoint tensor {name!r} is {weight.dtype}, but has a "
                                           f"block scale: expected {FP8_DTYPES[0]}")
         weights[name] = dequantize_block(weight, scale_inv, block, name).to(dtype)
+        if weight.dim() == 2:
+            raw[name] = RawFP8Blocks(weight, scale_inv.float(), block)
     unscaled = sorted(n for n, t in weights.items() if t.dtype in FP8_DTYPES)
     if unscaled:
         raise CheckpointMismatchError(f"checkpoint tensor {unscaled[0]!r} is FP8 but has no "
                                       f"{SCALE_SUFFIX.lstrip('_')} tensor")
+    return raw

@@ -34,7 +34,8 @@ and qwen3_moe every layer. Any other config that turns one on (`use_sliding_wind
 `sliding_window`, or a "sliding_attention" in `layer_types`) is refused.
 
 rope: `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4.x); a "default"
-rope type means no scaling. Tensor names stay as in the file; `raw` is empty. A block-scaled FP8
+rope type means no scaling. Tensor names stay as in the file; `raw` is empty but for a
+block-scaled FP8 file's weights as stored (`RawFP8Blocks`). A block-scaled FP8
 `quantization_config` (quant_method "fp8" with weight_block_size: DeepSeek-V3, Qwen3-*-FP8) is read
 as stored and dequantized at load (engine/loader/fp8_blocks.py). Not mapped:
 olmoe `clip_qkv`. A missing field a model_type needs, an unknown model_type or a refused setting
@@ -273,9 +274,10 @@ def load_hf_checkpoint(directory: Path, dtype: torch.dtype = torch.float32,
                     keep = as_stored or not tensor.is_floating_point()
                     weights[name] = tensor if keep else tensor.to(dtype)
                     bar.update(1)
+    raw = {}  # a block-scaled FP8 file's 2-D weights as stored (fp8_blocks.py)
     if fp8_block is not None:
-        dequantize_checkpoint(weights, fp8_block, dtype)  # the FP8 values as stored, scaled
-    return Checkpoint(config=config, weights=weights, raw={})
+        raw = dequantize_checkpoint(weights, fp8_block, dtype)  # the FP8 values as stored, scaled
+    return Checkpoint(config=config, weights=weights, raw=raw)  # type: ignore[arg-type]
 
 
 def _tensor_renamer(config: Mapping[str, Any]) -> Callable[[str], str | None]:

@@ -1,0 +1,131 @@
+"""Block-scaled FP8 checkpoints of gemma3_text and llama4_text served from their blocks as stored:
+the loader keeps each 2-D FP8 weight (`RawFP8Blocks`) beside its dequantized twin, and where the
+block-scaled kernel is native (CUDA, compute capability >= 8.9) the linear factory serves each
+projection as an FP8BlockLinear, fused q/k/v and gate/up included, unless the model transformed the
+weight (Llama 4's permuted q/k rows stay dense). On the CPU the factory's choice is forced here;
+the layer then dequantizes per call, so the tokens and logits are the twin's. The GPU test runs
+the w8a8 kernel itself."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.layers.fp8_block_linear import FP8BlockLinear
+from engine.loader import load_checkpoint
+from engine.loader.fp8_blocks import RawFP8Blocks
+from engine.model_runner import ModelRunner
+from tests.models._greedy import greedy
+from tests.models._qwen3 import TinyCheckpoint
+from tests.models.test_fp8_block_checkpoints import BLOCK, dequantize_by_hand, quantize_blocks
+
+PROMPTS = [[(7 * i + 11) % 300 + 6 for i in range(40)], [6, 17, 99, 3, 250, 42, 7]]
+
+
+def write_fp8_checkpoint(source: Path, root: Path) -> tuple[Path, Path]:
+    """(the block-scaled FP8 directory, its dequantized twin) of the checkpoint in `source`: every
+    2-D projection quantized (routers, norms, embeddings and stacked experts stay as they are)."""
+    fp8_dir, twin_dir = root / "fp8", root / "twin"
+    shutil.copytree(source, fp8_dir)
+    shutil.copytree(source, twin_dir)
+    tensors = load_file(str(source / "model.safetensors"))
+    stored, twin = dict(tensors), dict(tensors)
+    for name in [n for n, t in tensors.items() if n.endswith("_proj.weight") and t.dim() == 2]:
+        quantized, scale_inv = quantize_blocks(tensors[name])
+        stored[name], stored[name + "_scale_inv"] = quantized, scale_inv
+        twin[name] = dequantize_by_hand(quantized, scale_inv)
+    save_file(stored, str(fp8_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(twin, str(twin_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((fp8_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    return fp8_dir, twin_dir
+
+
+def _runner(directory: Path, device: str, dtype: str = "float32") -> ModelRunner:
+    from engine.config import CacheConfig, EngineConfig
+    from tests.models._greedy import BLOCK_SIZE
+
+    checkpoint = load_checkpoint(str(directory), progress=False)
+    config = EngineConfig(model_path=str(directory), num_threads=1, dtype=dtype, device=device,
+                          cache=CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory_bytes=16 << 20,
+                                            enable_prefix_caching=False))
+    return ModelRunner(config, checkpoint.config, dict(checkpoint.weights), dict(checkpoint.raw))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(gemma3_checkpoint: TinyCheckpoint, llama4_checkpoints: dict[str, TinyCheckpoint],
+                tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    return {name: write_fp8_checkpoint(source.directory, tmp_path_factory.mktemp(name))
+            for name, source in (("gemma3", gemma3_checkpoint), ("llama4", llama4_checkpoints["moe"]))}
+
+
+def _served_fp8(module: object, depth: int = 3) -> list[str]:
+    """The paths of the model's FP8BlockLinear layers (attributes, list items), `depth` levels
+    down ("layers[1].o_proj", "layers[1].mlp.shared.gate_up")."""
+    names = []
+    for name, value in vars(module).items():
+        items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
+        for i, item in items:
+            path = name if i is None else f"{name}[{i}]"
+            if isinstance(item, FP8BlockLinear):
+                names.append(path)
+            elif depth and hasattr(item, "__dict__") and not isinstance(item, (torch.Tensor, type)):
+                names += [f"{path}.{sub}" for sub in _served_fp8(item, depth - 1)]
+    return names
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama4"])
+def test_fp8_blocks_are_served_as_stored_and_compute_what_the_twin_does(
+        family: str, checkpoints: dict[str, tuple[Path, Path]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    fp8_dir, twin_dir = checkpoints[family]
+    raw = load_checkpoint(str(fp8_dir), progress=False).raw
+    assert raw and all(isinstance(r, RawFP8Blocks) and r.wq.dtype == torch.float8_e4m3fn
+                       for r in raw.values())
+    import engine.layers.fp8_block_linear as fp8_block_linear
+
+    monkeypatch.setattr(fp8_block_linear, "can_run_w8a8", lambda device: True)  # the factory's test
+    fp8 = _runner(fp8_dir, "cpu")
+    monkeypatch.undo()  # the layers dequantize per call on the CPU
+    served = _served_fp8(fp8.model)
+    layer1 = [n for n in served if n.startswith("layers[1].")]
+    if family == "gemma3":
+        assert sorted(n.rsplit(".", 1)[-1] for n in layer1) == ["down", "gate_up", "o_proj", "qkv"]
+    else:  # layer 1 is MoE: its shared expert's blocks; q/k were permuted at load, so qkv is dense
+        assert any("o_proj" in n for n in layer1) and not any(n.endswith(".qkv") for n in layer1)
+        assert any("shared" in n for n in layer1)
+    twin = _runner(twin_dir, "cpu")
+    assert not _served_fp8(twin.model)
+    ours, our_logits = greedy(fp8, PROMPTS, 5)
+    theirs, their_logits = greedy(twin, PROMPTS, 5)
+    assert ours == theirs
+    for a, b in zip(our_logits, their_logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_without_fp8_tensor_cores_the_factory_serves_the_dense_weights(
+        checkpoints: dict[str, tuple[Path, Path]]) -> None:
+    assert not _served_fp8(_runner(checkpoints["gemma3"][0], "cpu").model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["gemma3", "llama4"])
+def test_on_a_gpu_the_block_kernel_serves_the_checkpoint(
+        family: str, checkpoints: dict[str, tuple[Path, Path]]) -> None:
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the block-scaled kernel needs FP8 tensor cores (compute capability >= 8.9)")
+    fp8_dir, twin_dir = checkpoints[family]
+    fp8, twin = _runner(fp8_dir, "cuda", "bfloat16"), _runner(twin_dir, "cuda", "bfloat16")
+    assert _served_fp8(fp8.model) and not _served_fp8(twin.model)
+    _, our_logits = greedy(fp8, PROMPTS, 1)
+    _, their_logits = greedy(twin, PROMPTS, 1)
+    for a, b in zip(our_logits, their_logits, strict=True):  # activations quantized per block
+        assert (a.float() - b.float()).abs().max() < 0.1 * b.float().abs().max()
