@@ -42,7 +42,10 @@ from chat.tool_parsers.base import (
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 MAX_NESTING = 100  # brackets deep: Python's own parser refuses 200; deeper text is no call
 _JSON_NAMES = {"true": True, "false": False, "null": None}
-_NAME_CHAR = re.compile(r"[\w\s]")  # what may precede an element's "(" (its name)
+_NAME_CHAR = re.compile(r"[\w\s.-]")  # what may precede an element's "(" (its name)
+# a call's head: the tool name (OpenAI's names may hold "-"; MCP clients send "server.tool"), "("
+_CALL_HEAD = re.compile(r"\s*([A-Za-z_]\w*(?:[.-]\w+)*)\s*\(", re.ASCII)
+_PLACEHOLDER = "_"  # the name ast parses in place of one that is no Python identifier
 
 
 class NotACall(ValueError):
@@ -77,18 +80,24 @@ def literal_value(node: ast.expr) -> Any:
 
 
 def parse_pythonic_call(text: str) -> ToolCall | None:
-    """One element of the list (`get_weather(city="Paris")`) as a call, or None."""
+    """One element of the list (`get_weather(city="Paris")`) as a call, or None. The name may
+    hold "-" and "." (`brave-search(q="x")`, `github.list_issues(...)`): tool names are the
+    client's, not Python's."""
+    head = _CALL_HEAD.match(text)
+    if head is None:
+        return None
     try:
-        tree = ast.parse(text.strip(), mode="eval")
+        tree = ast.parse(_PLACEHOLDER + text[head.end(1):].strip(), mode="eval")
         call = tree.body
-        if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args:
+        if (not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name)
+                or call.func.id != _PLACEHOLDER or call.args):
             return None
         arguments = {}
         for keyword in call.keywords:
             if keyword.arg is None or keyword.arg in arguments:  # **kwargs, or a repeated name
                 return None
             arguments[keyword.arg] = literal_value(keyword.value)
-        return ToolCall(name=call.func.id, arguments=orjson.dumps(arguments).decode())
+        return ToolCall(name=head.group(1), arguments=orjson.dumps(arguments).decode())
     except (SyntaxError, ValueError, RecursionError, MemoryError, orjson.JSONEncodeError):
         return None  # NotACall is a ValueError; orjson: an integer past 64 bits
 

@@ -29,6 +29,8 @@ ANSWERS = [  # (answer, its content, its calls) as Llama 4 may write them
     ('{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "t", "parameters": {}}', None,
      [("get_weather", {"city": "Rome"}), ("t", {})]),
     ("[f(x=1), g(y=2),]", None, [("f", {"x": 1}), ("g", {"y": 2})]),  # a trailing comma
+    ('[brave-search(q="x"), mcp.fetch(url="u")]', None,  # names Python would not take
+     [("brave-search", {"q": "x"}), ("mcp.fetch", {"url": "u"})]),
     ("The weather is sunny.", "The weather is sunny.", []),
 ]
 
@@ -73,7 +75,7 @@ def test_each_call_is_released_when_its_element_of_the_list_ends() -> None:
 
 
 @pytest.mark.parametrize("text", [
-    "[1, 2, 3]", "[]", "[f(1)]", "[f(x=g())]", "[f(x=y)]", "[obj.f(x=1)]", "[f(**k)]",
+    "[1, 2, 3]", "[]", "[f(1)]", "[f(x=g())]", "[f(x=y)]", "[obj.(x=1)]", "[f(**k)]", "[-f(x=1)]",
     "[f(x=1) g(y=2)]", "[f(x=1]", "[f(x={1: 2})]", "[f(x=b'raw')]", "[f(x=1j)]", "[f(x=1+2)]",
     "[f(x=f'{y}')]", "[f(x=" + "9" * 30 + ")]", "[f(x=" + "[" * 150 + "]" * 150 + ")]",
     "[f(x=1, x=2)]", "[see [1]]", "{not json}", '{"name": 3, "parameters": {}}',
@@ -90,6 +92,13 @@ def test_malformed_calls_stay_content(text: str) -> None:
         stream = parser.stream()
         shown = "".join(stream.feed(ch).content for ch in text) + stream.finish().content
         assert shown == (parsed.content or "")
+
+
+def test_tool_names_with_hyphens_and_dots_are_calls() -> None:
+    """OpenAI's tool names may hold "-", MCP clients name tools "server.tool"; Python would not."""
+    parsed = PythonicToolParser().extract('[brave-search(q="x"), github.list_issues(repo="a/b")]')
+    assert _calls(parsed) == [("brave-search", {"q": "x"}), ("github.list_issues", {"repo": "a/b"})]
+    assert PythonicToolParser().extract("[a - f(x=1)]").tool_calls == ()  # an expression
 
 
 def test_an_element_that_is_no_call_after_calls_is_content_and_the_calls_before_it_stay() -> None:
