@@ -99,25 +99,33 @@ def parse_service_tier(body: dict[str, Any]) -> str | None:
     return {"fast": "priority", "scale": "default"}.get(str(value), str(value))
 
 
+_IDENTITY_KEYS = frozenset(("user", "prompt_cache_key"))
+_SAMPLING_KEYS = frozenset(("temperature", "top_p", "presence_penalty", "frequency_penalty", "n",
+                            "seed"))
+
+
 def parse_sampling(body: dict[str, Any], request: CanonicalRequest, *, max_tokens_keys: tuple[str, ...]
                    ) -> None:
     """temperature, top_p, penalties, n, seed, stop, max tokens, stream, stream_options, user
     prompt_cache_key and the prompt cache retention onto `request`
     (max tokens may be 0 only on a completion that echoes its prompt: it scores the prompt)."""
-    request.user = get_str(body, "user")
-    request.prompt_cache_key = get_str(body, "prompt_cache_key")
+    if not _IDENTITY_KEYS.isdisjoint(body):  # (absent: the request's defaults stand, no calls)
+        request.user = get_str(body, "user")
+        request.prompt_cache_key = get_str(body, "prompt_cache_key")
     request.cache_retention_s = parse_cache_retention(body)
     request.service_tier = parse_service_tier(body)
     for key in max_tokens_keys:
         value = get_int(body, key, minimum=0 if request.echo else 1)
         if value is not None:
             request.max_tokens = value
-    request.temperature = get_number(body, "temperature", minimum=0.0, maximum=2.0)
-    request.top_p = get_number(body, "top_p", minimum=0.0, maximum=1.0)
-    request.presence_penalty = get_number(body, "presence_penalty", minimum=-2.0, maximum=2.0)
-    request.frequency_penalty = get_number(body, "frequency_penalty", minimum=-2.0, maximum=2.0)
-    request.n = get_int(body, "n", minimum=1, maximum=MAX_NUM_CHOICES) or 1
-    request.seed = get_int(body, "seed")
+    if not _SAMPLING_KEYS.isdisjoint(body):  # (a body that sets none: the defaults, no calls)
+        request.temperature = get_number(body, "temperature", minimum=0.0, maximum=2.0)
+        request.top_p = get_number(body, "top_p", minimum=0.0, maximum=1.0)
+        request.presence_penalty = get_number(body, "presence_penalty", minimum=-2.0, maximum=2.0)
+        request.frequency_penalty = get_number(body, "frequency_penalty", minimum=-2.0,
+                                               maximum=2.0)
+        request.n = get_int(body, "n", minimum=1, maximum=MAX_NUM_CHOICES) or 1
+        request.seed = get_int(body, "seed")
     request.stop = get_stop(body, "stop")
     request.stream = bool(get_bool(body, "stream"))
     options = get_object(body, "stream_options")

@@ -70,7 +70,7 @@ class Pipeline:
         self.cache_salt_of = cache_salt_of
         self.authenticator = authenticator
         self.meter = meter
-        self.router = router
+        self._router = router
         self.fleet = fleet
         self.retry_budget = RetryBudget(settings.retry_budget_ratio, settings.num_retries_reserve)
         self.draining = False
@@ -86,6 +86,16 @@ class Pipeline:
         self.guardrails = build_chain(settings, fleet, router, self.retry_budget, watchdog, meter)
         # what requests made outside HTTP (batch lines) tell telemetry (set by the app)
         self.background_observer = RequestObserver()
+
+    @property
+    def router(self) -> Router:
+        return self._router
+
+    @router.setter
+    def router(self, router: Router) -> None:
+        """Another router for every step (a test's): admission's cache estimate, dispatch, the
+        debug header's explanation."""
+        self._router = self.admitter.router = self.answerer.router = router
 
     @property
     def request_log(self) -> RequestLog | None:
@@ -158,7 +168,7 @@ class Pipeline:
         (gateway/request/fallback.py; routing and retries: gateway/request/dispatch.py). After a
         hop the answer names the model that served it, which the usage record bills."""
         canonical = state.canonical
-        attempt = await self._chains.dispatch(canonical, state.route, self.router, state.timing)
+        attempt = await self._chains.dispatch(canonical, state.route, self._router, state.timing)
         state.replica, state.endpoint = attempt.endpoint.name, attempt.endpoint
         if attempt.route is not state.route:
             state.route = attempt.route
