@@ -4,8 +4,9 @@
 
 Hugging Face safetensors: each tensor is read through `safe_open(...).get_slice`, only the rank's
 rows / columns (engine/parallel/shard.py::tensor_slices), so a rank's memory holds its shard only.
-GGUF: the file is memory-mapped and every tensor dequantized, then cut to the rank's slice (the
-whole model passes through each rank's memory once, during the load).
+GGUF (llama, qwen3, qwen3moe): the rank's rows and block-aligned columns of the memory-mapped file,
+dequantized alone (engine/parallel/gguf_slices.py); other GGUF architectures are not split (the
+plan refuses them).
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ def load_rank_weights(path: str | Path, rank: int, world_size: int, dtype: torch
     path = Path(path)
     if not is_gguf_file(path) and path.is_dir() and (path / "config.json").is_file():
         return _load_safetensors_slices(path, rank, world_size, dtype, progress)
+    if is_gguf_file(path):
+        from engine.parallel.gguf_slices import (
+            SLICED_ARCHITECTURES,
+            gguf_architecture,
+            load_gguf_slices,
+        )
+
+        if gguf_architecture(path) in SLICED_ARCHITECTURES:
+            return load_gguf_slices(path, rank, world_size, dtype)
     checkpoint = load_checkpoint(path, dtype=dtype, progress=progress)
     plan = plan_shard(checkpoint.config, rank, world_size)
     return checkpoint.config, shard_weights(dict(checkpoint.weights), checkpoint.config, plan)

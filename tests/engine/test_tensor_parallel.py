@@ -178,3 +178,19 @@ def test_a_moe_checkpoint_splits_its_experts_and_matches_tp1(tmp_path: Any) -> N
     pairs = [(a, b) for a, b in zip(ours_logits, base_logits, strict=True) if b.numel()]
     worst = max((a - b).abs().max().item() for a, b in pairs)
     assert worst <= 1e-5 * max(b.abs().max().item() for _, b in pairs), worst
+
+
+def test_a_rank_reads_its_gguf_slices_equal_to_the_cut_of_the_whole(checkpoint: Any, model_path: str) -> None:
+    """Only the rank's rows (through llama's q/k row order) and block-aligned columns are read and
+    dequantized; the result is the same tensors as dequantizing everything and cutting."""
+    from pathlib import Path
+
+    from engine.parallel.gguf_slices import load_gguf_slices
+    from engine.parallel.shard import shard_weights
+
+    plan = plan_shard(checkpoint.config, 1, 2)
+    want = shard_weights(dict(checkpoint.weights), checkpoint.config, plan)
+    _, got = load_gguf_slices(Path(model_path), 1, 2, torch.float32)
+    assert set(got) == set(want)
+    assert all(torch.equal(got[name], want[name]) for name in want)
+    assert got["model.layers.0.self_attn.q_proj.weight"].shape == (6 * 64, 576)  # rank 1: 2 kv groups
