@@ -355,6 +355,36 @@ def fp8_cases() -> None:
             case("torch.matmul bf16", f"M={m} N={n} K={k}", bf16)
 
 
+def fp8_block_cases() -> None:
+    """The block-scaled FP8 GEMM (DeepSeek-V3 / Qwen3-FP8 checkpoints' 128 x 128 weight blocks,
+    activations per token and K block) beside the per-row FP8 GEMM of the same shape."""
+    import engine.kernels.fp8 as fp8
+    import engine.kernels.fp8_block as fp8_block
+
+    block = (16, 16) if SMOKE else (128, 128)
+    shapes = [(72, 96)] if SMOKE else [(4096, 4096), (7168, 2048), (4096, 14336)]
+    for n, k in shapes:
+        w = torch.randn(n, k, device=DEV)
+        wq, w_scale = fp8_block.quantize_weight_blocks(w, block)
+        wq_row, ws_row = fp8.quantize_weight_per_channel(w)
+        for m in [1, 17] if SMOKE else [1, 16, 128, 1024, 4096]:
+            def body(m=m, n=n, k=k, wq=wq, w_scale=w_scale, wq_row=wq_row, ws_row=ws_row) -> Row:
+                x = torch.randn(m, k, device=DEV)
+                xq, xs = fp8_block.quantize_activation_per_group(x, block[1])
+                got = fp8_block.fp8_block_gemm_triton(xq, wq, xs, w_scale, block, DT)
+                ref = fp8_block.fp8_block_gemm_reference(xq, wq, xs, w_scale, block, torch.float32)
+                ok = check(got, ref, norm_tol=1e-2)
+                ms = median_ms(lambda: fp8_block.fp8_block_gemm_triton(xq, wq, xs, w_scale, block, DT))
+                nbytes = m * k + n * k + m * n * ES + 4 * (xs.numel() + w_scale.numel())
+                row = Row("fp8_block_gemm w8a8", f"M={m} N={n} K={k} B={block[0]}", ok, ms,
+                          nbytes / 1e9, 2 * m * n * k / 1e12, peak="fp8")
+                xq_row, xs_row = fp8.quantize_activation_per_token(x)
+                row_ms = median_ms(lambda: fp8.fp8_gemm_triton(xq_row, wq_row, xs_row, ws_row, DT))
+                row.baseline = f"per-row fp8_gemm {row_ms:.4f} ms"
+                return row
+            case("fp8_block_gemm w8a8", f"M={m} N={n} K={k}", body)
+
+
 def end_to_end() -> None:
     """Tokens/s of a random-weight Mixtral-shaped model through the engine, bf16 and FP8.
 
@@ -416,7 +446,8 @@ def main() -> int:
     name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke, Triton interpreter)"
     print(f"gpu_check on {name}: torch {torch.__version__}, triton {triton.__version__}", flush=True)
     torch.manual_seed(0)
-    sections = (elementwise_cases, attention_cases, end_to_end, moe_cases, gpt_oss_moe_cases, fp8_cases)
+    sections = (elementwise_cases, attention_cases, end_to_end, moe_cases, gpt_oss_moe_cases, fp8_cases,
+                fp8_block_cases)
     chosen = os.environ.get("AIGW_GPU_CHECK_SECTIONS")  # e.g. "fp8_cases,end_to_end"
     if chosen:
         sections = tuple(s for s in sections if s.__name__ in chosen.split(","))

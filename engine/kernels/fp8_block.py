@@ -36,6 +36,19 @@ def quantize_activation_per_group(x: torch.Tensor, group_k: int) -> tuple[torch.
     return xq.view(t, -1)[:, :k].contiguous(), scale
 
 
+def quantize_weight_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (wq [N, K] fp8, w_scale [ceil(N/Bn), ceil(K/Bk)] fp32) by block amax, as a
+    block-scaled checkpoint's converter writes it (partial edge blocks included)."""
+    n, k = w.shape
+    bn, bk = block
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = F.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n))  # [Nb * Bn, Kb * Bk]
+    tiles = padded.view(nb, bn, kb, bk)
+    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=_MIN_SCALE)  # [Nb, Kb]
+    wq = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return wq.view(nb * bn, kb * bk)[:n, :k].contiguous(), scale
+
+
 def dequantize_blocks(wq: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int],
                       dtype: torch.dtype) -> torch.Tensor:
     """wq [N, K] fp8 and its block scales -> [N, K] in `dtype`."""

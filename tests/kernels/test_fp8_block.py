@@ -14,6 +14,7 @@ from engine.kernels.fp8_block import (
     fp8_block_linear_w8a8,
     fp8_block_linear_weight_only,
     quantize_activation_per_group,
+    quantize_weight_blocks,
 )
 from engine.layers.fp8_block_linear import FP8BlockLinear
 from engine.loader.fp8_blocks import dequantize_block
@@ -21,15 +22,9 @@ from tests.kernels._util import DEVICE, DTYPES, assert_close
 
 
 def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (wq fp8, scale [Nb, Kb]) as a checkpoint's converter blocks it."""
-    n, k = w.shape
-    bn, bk = block
-    nb, kb = -(-n // bn), -(-k // bk)
-    padded = torch.nn.functional.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n))
-    tiles = padded.view(nb, bn, kb, bk)
-    scale = (tiles.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)  # [Nb, Kb]
-    wq = (tiles / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return wq.view(nb * bn, kb * bk)[:n, :k].contiguous(), scale
+    wq, scale = quantize_weight_blocks(w, block)
+    assert scale.shape == (-(-w.shape[0] // block[0]), -(-w.shape[1] // block[1]))
+    return wq, scale
 
 
 def test_activation_groups_are_scaled_apart() -> None:
