@@ -425,6 +425,59 @@ def end_to_end() -> None:
         case("e2e", quant or "bf16", body)
 
 
+def tensor_parallel_cases() -> None:
+    """TP=N (every GPU, at most 4) against TP=1 on the default model in bf16: 32 prompts of 256
+    tokens, 64 new tokens each. Rows: generated tok/s of both, the share of sequences with the same
+    greedy tokens (bf16 sums in another order can flip a near-tie), and rank 0's time in
+    collectives per step (NCCL launches are asynchronous: a lower bound). Needs >= 2 GPUs."""
+    num_ranks = min(torch.cuda.device_count(), 4) if DEV == "cuda" else 0
+    if num_ranks < 2:
+        print("[tp] skipped: tensor parallelism needs 2 or more CUDA devices")
+        return
+    from contracts.sampling_params import SamplingParams
+    from engine.config import CacheConfig, EngineConfig
+    from engine.engine import LLMEngine
+    from engine.loader import default_model_path
+
+    prompts = [[(i * 7 + j) % 1000 + 1 for j in range(256)] for i in range(32)]
+    outputs: dict[int, dict[str, list[int]]] = {}
+
+    def run(tp: int) -> Row:
+        config = EngineConfig(model_path=str(default_model_path()), device="cuda", tensor_parallel_size=tp,
+                              cache=CacheConfig(kv_cache_memory_bytes=1 << 30))
+        engine = LLMEngine.from_config(config, progress=False)
+        try:
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=64, temperature=0.0,
+                                                                   ignore_eos=True))
+            tokens: dict[str, list[int]] = {}
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            while engine.has_unfinished_requests:
+                for out in engine.step():
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            elapsed = time.perf_counter() - start
+            outputs[tp] = tokens
+            note = f"{sum(map(len, tokens.values())) / elapsed:.0f} generated tok/s"
+            if tp > 1:
+                runner = engine.runner
+                steps = max(runner.num_steps, 1)  # type: ignore[attr-defined]
+                note += (f", {runner.group.comm_s / steps * 1e3:.2f} ms of {elapsed / steps * 1e3:.2f} ms "  # type: ignore[attr-defined]
+                         "per step in collectives (rank 0)")
+            check_text = "-"
+            if tp > 1 and 1 in outputs:
+                same = sum(outputs[1][k] == v for k, v in tokens.items()) / len(tokens)
+                check_text = f"{'ok' if same >= 0.5 else 'FAIL:'} {same:.0%} sequences equal to TP=1"
+            return Row("tensor parallel", f"TP={tp} 32x(256+64) bf16", check_text, baseline=note)
+        finally:
+            close = getattr(engine.runner, "close", None)
+            if close is not None:
+                close()
+
+    for tp in (1, num_ranks):
+        case("tensor parallel", f"TP={tp}", lambda tp=tp: run(tp))
+
+
 def print_table() -> None:
     head = ["kernel", "case", "check", "ms", "GB/s", "TFLOP/s", "%roof", "baseline"]
     rows = [head] + [r.cells() for r in ROWS]
@@ -447,7 +500,7 @@ def main() -> int:
     print(f"gpu_check on {name}: torch {torch.__version__}, triton {triton.__version__}", flush=True)
     torch.manual_seed(0)
     sections = (elementwise_cases, attention_cases, end_to_end, moe_cases, gpt_oss_moe_cases, fp8_cases,
-                fp8_block_cases)
+                fp8_block_cases, tensor_parallel_cases)
     chosen = os.environ.get("AIGW_GPU_CHECK_SECTIONS")  # e.g. "fp8_cases,end_to_end"
     if chosen:
         sections = tuple(s for s in sections if s.__name__ in chosen.split(","))
