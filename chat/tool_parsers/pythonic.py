@@ -24,6 +24,7 @@ constrained to calls (`calls_grammar`).
 from __future__ import annotations
 
 import ast
+import keyword
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -37,6 +38,7 @@ from chat.tool_parsers.base import (
     ToolCallStream,
     ToolParser,
     _partial_suffix_len,
+    arguments_schema,
 )
 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
@@ -153,6 +155,31 @@ class Llama4PythonicToolParser(PythonicToolParser):
     `<|python_end|>`."""
 
     reads_json_calls = True
+
+    def calls_grammar(self, functions: Sequence[tuple[str, dict[str, Any] | None]],
+                      is_parallel: bool = True) -> str:
+        """The pythonic list (see PythonicToolParser), or, when a function's name or a parameter's
+        cannot be written in it (`from=`, `user-id=`), Llama 4's JSON calls joined by "; ",
+        `{"name": NAME, "parameters": {...}}`, the arguments following each schema."""
+        if all(_is_pythonic(name, parameters) for name, parameters in functions):
+            return super().calls_grammar(functions, is_parallel)
+        rules = []
+        for i, (name, parameters) in enumerate(functions):
+            schema = arguments_schema(parameters, "")
+            schema["x-guidance"] = TEMPLATE_JSON_SPACING
+            head = orjson.dumps(f'{{"name": {orjson.dumps(name).decode()}, "parameters": ').decode()
+            rules.append(f'call{i}: {head} %json {orjson.dumps(schema).decode()} "}}"')
+        calls = 'call ("; " call)*' if is_parallel else "call"
+        return (f"start: {calls}\n"
+                f"call: {' | '.join(f'call{i}' for i in range(len(functions)))}\n"
+                + "\n".join(rules) + "\n")
+
+
+def _is_pythonic(name: str, parameters: dict[str, Any] | None) -> bool:
+    """A call to `name` with these parameters can be written as a pythonic call and read back."""
+    names = list((parameters or {}).get("properties") or {})
+    return (_CALL_HEAD.fullmatch(name + "(") is not None
+            and all(k.isidentifier() and not keyword.iskeyword(k) for k in names))
 
 
 def _arguments_rule(parameters: dict[str, Any]) -> str:

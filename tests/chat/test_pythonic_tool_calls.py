@@ -180,3 +180,20 @@ def test_the_single_call_grammar_admits_one_call() -> None:
     grammar = LLAMA4.calls_grammar([("get_time", None)], is_parallel=False)
     assert grammar.startswith('start: "[" call "]"')
     OutputGrammar.lark(grammar, "tools")
+
+
+def test_a_forced_call_whose_parameters_python_cannot_name_is_decoded_as_llama4_json(
+        compiler_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """`from=` and `user-id=` are no Python keyword arguments: the grammar writes Meta's JSON
+    calls instead, which the llama4 parser reads."""
+    compiler, tokenizer = compiler_and_tokenizer
+    schema = {"type": "object", "properties": {"from": {"type": "string"}, "user-id": {"type": "integer"}},
+              "required": ["from"]}
+    grammar = LLAMA4.calls_grammar([("trips", schema)])
+    text = ('{"name": "trips", "parameters": {"from": "Oslo", "user-id": 7}}; '
+            '{"name": "trips", "parameters": {"from": "Rome"}}')
+    matcher = compiler.matcher(OutputGrammar.lark(grammar, "tools"))
+    assert all(matcher.accept(t) for t in tokenizer.encode(text))
+    parsed = Llama4PythonicToolParser().extract(text, is_calls_only=True)
+    assert _calls(parsed) == [("trips", {"from": "Oslo", "user-id": 7}), ("trips", {"from": "Rome"})]
+    assert LLAMA4.calls_grammar([("trips", {"properties": {"to": {}}})]).startswith('start: "["')
