@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 
 from gateway.fleet.endpoints import Fleet, ModelRoute
 from gateway.request.canonical import CanonicalRequest
@@ -142,18 +142,25 @@ class FallbackChains:
         assert route is not None  # fallback_chains checked every target is a configured model
         return route
 
-    async def dispatch(self, request: CanonicalRequest, route: ModelRoute, router: Router,
-                       timing: Timing) -> Attempt:
+    def dispatch(self, request: CanonicalRequest, route: ModelRoute, router: Router,
+                 timing: Timing) -> Awaitable[Attempt]:
         """The first event from `route`'s model, else from the first model down its chain that
         gives one; raises the error that ended the chain (module docstring). The first model is
-        dispatched as if there were no chain: a chain costs nothing until its model fails."""
+        dispatched as if there were no chain: a chain costs nothing until its model fails, and a
+        model without one is `dispatch()` itself (no coroutine layer of ours)."""
+        chain = self.chains.get(route.settings.name)
+        if not chain:
+            return dispatch(request, route, router, self._settings, self._budget, timing,
+                            self._watchdog)
+        return self._dispatch_chained(request, route, router, chain, timing)
+
+    async def _dispatch_chained(self, request: CanonicalRequest, route: ModelRoute,
+                                router: Router, chain: tuple[str, ...], timing: Timing
+                                ) -> Attempt:
         try:
             return await dispatch(request, route, router, self._settings, self._budget, timing,
                                   self._watchdog)
         except GatewayError as exc:
-            chain = self.chains.get(route.settings.name)
-            if not chain:
-                raise
             return await self._fall_back(request, route, router, chain, exc, timing)
 
     async def _fall_back(self, request: CanonicalRequest, failed: ModelRoute, router: Router,
