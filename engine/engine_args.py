@@ -45,10 +45,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="q4: compute with the GGUF's 4-bit weights and 8-bit activations (native AVX2 "
                              "kernels; ~5x float32 single-stream decode; approximate; CPU only)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="split the model across N processes: one per CUDA device (cuda:0..N-1), or "
-                             "on the CPU each with 1/N of the cores (gloo); the KV budget is the "
-                             "replica's (default 1)")
     add_slo_arguments(parser)
 
 
@@ -83,6 +79,15 @@ def slo_scheduler_fields(args: argparse.Namespace) -> dict[str, object]:
         if not sep or not project:
             raise ValueError(f"--reserved-share {item!r}: expected PROJECT=FRACTION, e.g. acme=0.25")
     return {**targets, "policy": policy, "reserved_shares": tuple(shares)}
+
+
+def add_tensor_parallel_argument(parser: argparse.ArgumentParser) -> None:
+    """--tensor-parallel-size, for the commands that build their engine with LLMEngine.from_config
+    (replica, generate, bench engine); engine_config_from_args reads it when present."""
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="split the model across N processes: one per CUDA device (cuda:0..N-1), or "
+                             "on the CPU each with 1/N of the cores (gloo); the KV budget is the "
+                             "replica's (default 1)")
 
 
 def check_device(device: str) -> None:

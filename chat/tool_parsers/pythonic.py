@@ -5,8 +5,9 @@ vLLM's `pythonic` and `llama4_pythonic` parsers read the same):
 
 The answer is calls when it opens with the list (after whitespace) or after Llama 4's
 `<|python_start|>` marker (text before the marker is content; `<|python_end|>` after the list is
-dropped). Each element is parsed with Python's `ast` (never evaluated) as a call to a plain name
-with keyword arguments whose values are literals: strings, numbers, True/False/None (and JSON's
+dropped). Each element is parsed with Python's `ast` (never evaluated) as a call to a tool name
+(`-` and `.` allowed between its parts) with keyword arguments (Python keywords too:
+`from="Oslo"`) whose values are literals: strings, numbers, True/False/None (and JSON's
 true/false/null), lists, tuples and dicts with string keys. Arguments become a compact JSON object.
 
 Llama 4's JSON spelling, which Meta's own template asks for, is read too (`llama4_pythonic`):
@@ -24,8 +25,10 @@ constrained to calls (`calls_grammar`).
 from __future__ import annotations
 
 import ast
+import io
 import keyword
 import re
+import tokenize
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,20 +91,53 @@ def parse_pythonic_call(text: str) -> ToolCall | None:
     head = _CALL_HEAD.match(text)
     if head is None:
         return None
+    source = _PLACEHOLDER + text[head.end(1):].strip()
+    renames: dict[str, str] = {}
     try:
-        tree = ast.parse(_PLACEHOLDER + text[head.end(1):].strip(), mode="eval")
+        try:
+            tree = ast.parse(source, mode="eval")
+        except SyntaxError:  # a Python keyword as a parameter name (`from="Oslo"`)?
+            source, renames = _keyword_arguments_renamed(source)
+            if not renames:
+                return None
+            tree = ast.parse(source, mode="eval")
         call = tree.body
         if (not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name)
                 or call.func.id != _PLACEHOLDER or call.args):
             return None
         arguments = {}
-        for keyword in call.keywords:
-            if keyword.arg is None or keyword.arg in arguments:  # **kwargs, or a repeated name
+        for kw in call.keywords:
+            name = renames.get(kw.arg, kw.arg) if kw.arg is not None else None
+            if name is None or name in arguments:  # **kwargs, or a repeated name
                 return None
-            arguments[keyword.arg] = literal_value(keyword.value)
+            arguments[name] = literal_value(kw.value)
         return ToolCall(name=head.group(1), arguments=orjson.dumps(arguments).decode())
     except (SyntaxError, ValueError, RecursionError, MemoryError, orjson.JSONEncodeError):
         return None  # NotACall is a ValueError; orjson: an integer past 64 bits
+
+
+def _keyword_arguments_renamed(source: str) -> tuple[str, dict[str, str]]:
+    """`source` with each Python keyword written as an argument name (`from=`, `class=`) renamed
+    to a placeholder, and the placeholders' names; ({} when there is none, or no tokens)."""
+    try:
+        tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                  if t.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT)]
+    except (tokenize.TokenError, SyntaxError):
+        return source, {}
+    line_starts = [0]
+    for line in source.splitlines(keepends=True):
+        line_starts.append(line_starts[-1] + len(line))
+    renames: dict[str, str] = {}
+    pieces, at = [], 0
+    for token, following in zip(tokens, tokens[1:], strict=False):
+        if (token.type == tokenize.NAME and keyword.iskeyword(token.string)
+                and following.type == tokenize.OP and following.string == "="):
+            placeholder = f"_aigw_keyword_{len(renames)}"
+            renames[placeholder] = token.string
+            begin = line_starts[token.start[0] - 1] + token.start[1]
+            pieces += [source[at:begin], placeholder]
+            at = begin + len(token.string)
+    return "".join(pieces) + source[at:], renames
 
 
 def parse_json_call(text: str) -> ToolCall | None:
@@ -159,7 +195,7 @@ class Llama4PythonicToolParser(PythonicToolParser):
     def calls_grammar(self, functions: Sequence[tuple[str, dict[str, Any] | None]],
                       is_parallel: bool = True) -> str:
         """The pythonic list (see PythonicToolParser), or, when a function's name or a parameter's
-        cannot be written in it (`from=`, `user-id=`), Llama 4's JSON calls joined by "; ",
+        cannot be written in it (`user-id=`), Llama 4's JSON calls joined by "; ",
         `{"name": NAME, "parameters": {...}}`, the arguments following each schema."""
         if all(_is_pythonic(name, parameters) for name, parameters in functions):
             return super().calls_grammar(functions, is_parallel)
@@ -179,7 +215,7 @@ def _is_pythonic(name: str, parameters: dict[str, Any] | None) -> bool:
     """A call to `name` with these parameters can be written as a pythonic call and read back."""
     names = list((parameters or {}).get("properties") or {})
     return (_CALL_HEAD.fullmatch(name + "(") is not None
-            and all(k.isidentifier() and not keyword.iskeyword(k) for k in names))
+            and all(k.isidentifier() for k in names))  # keywords (`from=`) are read back
 
 
 def _arguments_rule(parameters: dict[str, Any]) -> str:

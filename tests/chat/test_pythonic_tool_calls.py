@@ -184,8 +184,8 @@ def test_the_single_call_grammar_admits_one_call() -> None:
 
 def test_a_forced_call_whose_parameters_python_cannot_name_is_decoded_as_llama4_json(
         compiler_and_tokenizer) -> None:  # type: ignore[no-untyped-def]
-    """`from=` and `user-id=` are no Python keyword arguments: the grammar writes Meta's JSON
-    calls instead, which the llama4 parser reads."""
+    """`user-id=` is no Python keyword argument: the grammar writes Meta's JSON calls instead,
+    which the llama4 parser reads."""
     compiler, tokenizer = compiler_and_tokenizer
     schema = {"type": "object", "properties": {"from": {"type": "string"}, "user-id": {"type": "integer"}},
               "required": ["from"]}
@@ -196,4 +196,12 @@ def test_a_forced_call_whose_parameters_python_cannot_name_is_decoded_as_llama4_
     assert all(matcher.accept(t) for t in tokenizer.encode(text))
     parsed = Llama4PythonicToolParser().extract(text, is_calls_only=True)
     assert _calls(parsed) == [("trips", {"from": "Oslo", "user-id": 7}), ("trips", {"from": "Rome"})]
-    assert LLAMA4.calls_grammar([("trips", {"properties": {"to": {}}})]).startswith('start: "["')
+    for pythonic in ({"properties": {"to": {}}}, {"properties": {"from": {}}}):
+        assert LLAMA4.calls_grammar([("trips", pythonic)]).startswith('start: "["')
+
+
+def test_python_keywords_as_parameter_names_are_read() -> None:
+    """An email tool's `from`: Python refuses `f(from=...)`, the parser reads it."""
+    parsed = PythonicToolParser().extract('[send(from="a@b.c", to="d@e.f", note="from=1")]')
+    assert _calls(parsed) == [("send", {"from": "a@b.c", "to": "d@e.f", "note": "from=1"})]
+    assert PythonicToolParser().extract("[f(x=from)]").tool_calls == ()  # a keyword as a value
