@@ -33,9 +33,10 @@ BASELINES = "issue, this 2-core CPU: transformers decode 24 / prefill 674 / batc
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from engine.engine_args import add_engine_arguments
+    from engine.engine_args import add_engine_arguments, add_tensor_parallel_argument
 
     add_engine_arguments(parser)
+    add_tensor_parallel_argument(parser)
     parser.set_defaults(threads=2)
     parser.add_argument("--modes", default=None,
                         help="decode-weights modes of our engine, comma-separated (default: --decode-weights)")

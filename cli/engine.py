@@ -7,7 +7,11 @@ import logging
 import sys
 import uuid
 
-from engine.engine_args import add_engine_arguments, engine_config_from_args
+from engine.engine_args import (
+    add_engine_arguments,
+    add_tensor_parallel_argument,
+    engine_config_from_args,
+)
 
 ENGINE_MISSING = ("aigw: this command runs the inference engine, which is not installed (no torch): "
                   "pip install 'aigw[engine]'")
@@ -46,6 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                          help="debugging only: KV events carry each cached block's token ids "
                               "(tenants' prompts) besides its hash")
     add_engine_arguments(replica)
+    add_tensor_parallel_argument(replica)
     replica.set_defaults(func=run_replica_command)
 
     generate = subparsers.add_parser("generate", help="generate from one prompt, streamed to stdout")
@@ -54,6 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--raw", action="store_true", help="no chat template: complete the text")
     add_engine_arguments(generate)
+    add_tensor_parallel_argument(generate)
     generate.set_defaults(func=run_generate_command)
 
 
@@ -171,10 +177,15 @@ def run_generate_command(args: argparse.Namespace) -> int:
         engine.add_request(uuid.uuid4().hex, prompt, params)
     except (FileNotFoundError, ValueError) as exc:  # a bad flag, model path or prompt length
         return _usage_error(exc)
-    while engine.has_unfinished_requests:
-        for output in engine.step():
-            sys.stdout.write(output.text)
-            sys.stdout.flush()
+    try:
+        while engine.has_unfinished_requests:
+            for output in engine.step():
+                sys.stdout.write(output.text)
+                sys.stdout.flush()
+    finally:
+        close = getattr(engine.runner, "close", None)  # tensor parallel: stop the workers
+        if close is not None:
+            close()
     sys.stdout.write("\n")
     return 0
 
