@@ -56,6 +56,7 @@ _LLAMA4 = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm
 def _writer(directory: Path, path: Path, arch: str) -> tuple[gguf.GGUFWriter, dict, dict]:  # type: ignore[type-arg]
     config = json.loads((directory / "config.json").read_text())
     writer = gguf.GGUFWriter(str(path), arch)
+    writer.quantized = False  # type: ignore[attr-defined]  # set by the writers' `quantized`
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -79,11 +80,20 @@ def _safetensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def _add(writer: gguf.GGUFWriter, name: str, tensor: torch.Tensor) -> None:
-    writer.add_tensor(name, tensor.float().contiguous().numpy())
+    """F32, or Q8_0 in a `quantized` file for every matrix whose rows are whole 32-blocks (as
+    llama.cpp quantizes: norms and odd-sized rows stay float)."""
+    values = tensor.float().contiguous().numpy()
+    if writer.quantized and values.ndim >= 2 and values.shape[-1] % 32 == 0:  # type: ignore[attr-defined]
+        q8 = gguf.GGMLQuantizationType.Q8_0
+        writer.add_tensor(name, gguf.quants.quantize(values, q8), raw_dtype=q8)
+    else:
+        writer.add_tensor(name, values)
 
 
-def write_gemma3_gguf(directory: Path, path: Path, *, llama_cpp_defaults: bool = False) -> None:
+def write_gemma3_gguf(directory: Path, path: Path, *, llama_cpp_defaults: bool = False,
+                      quantized: bool = False) -> None:
     w, config, tensors = _writer(directory, path, "gemma3")
+    w.quantized = quantized  # type: ignore[attr-defined]
     full = config["rope_parameters"]["full_attention"]
     w.add_feed_forward_length(config["intermediate_size"])
     w.add_rope_freq_base(full["rope_theta"])
@@ -125,8 +135,9 @@ def _llama3_rope_factors(config: dict) -> list[float]:  # type: ignore[type-arg]
     return factors
 
 
-def write_llama4_gguf(directory: Path, path: Path) -> None:
+def write_llama4_gguf(directory: Path, path: Path, *, quantized: bool = False) -> None:
     w, config, tensors = _writer(directory, path, "llama4")
+    w.quantized = quantized  # type: ignore[attr-defined]
     w.add_feed_forward_length(config["intermediate_size_mlp"])
     w.add_expert_feed_forward_length(config["intermediate_size"])
     w.add_expert_count(config["num_local_experts"])
@@ -260,3 +271,31 @@ def test_without_the_models_own_keys_a_llama4_gguf_gets_llama_cpps_choices(
     assert mobile["attention_chunk_size"] is None and mobile["no_rope_layers"] == [1] * 4
     with pytest.raises(UnsupportedCheckpointError, match="llama4.embedding_length"):
         hf_config({k: v for k, v in plain.items() if k != "llama4.embedding_length"}, None)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama4"])
+def test_a_q8_0_gguf_loads_its_dequantized_blocks_and_generates_what_transformers_does_with_them(
+        family: str, gemma3_checkpoint: TinyCheckpoint, llama4_checkpoints: dict[str, TinyCheckpoint],
+        tmp_path: Path) -> None:
+    """Published GGUFs are quantized: each Q8_0 matrix loads as gguf's own dequantization of its
+    blocks, and the engine's tokens are transformers' on the same (dequantized) weights."""
+    import copy
+
+    source = gemma3_checkpoint if family == "gemma3" else llama4_checkpoints["moe"]
+    path = tmp_path / f"{family}-q8_0.gguf"
+    (write_gemma3_gguf if family == "gemma3" else write_llama4_gguf)(source.directory, path, quantized=True)
+    _, infos = read_gguf_header(path)
+    assert sum(info.ggml_type == gguf.GGMLQuantizationType.Q8_0 for info in infos) >= 10
+    from_gguf = load_checkpoint(path, progress=False)
+    from_dir = load_checkpoint(source.directory, progress=False)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for name in ("model.layers.1.self_attn.q_proj.weight", "model.embed_tokens.weight"):
+        dense = from_dir.weights[name].numpy()
+        expected = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(dense, q8), q8))
+        assert torch.equal(from_gguf.weights[name], expected) and not torch.equal(expected, from_dir.weights[name])
+    model = copy.deepcopy(source.model)
+    missing, unexpected = model.load_state_dict(from_gguf.weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    if family == "gemma3":
+        model.tie_weights()
+    _assert_greedy_tokens_are_transformers(path, TinyCheckpoint(source.name, source.directory, model))
