@@ -33,6 +33,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from itertools import islice
 
 from engine.batch import ScheduledBatch, ScheduledSequence
 from engine.config import SchedulerConfig
@@ -220,7 +221,7 @@ class Scheduler:
         may take tokens and the blocks of its first chunk without touching another project's
         reserved share."""
         assert self.shares is not None
-        for request in list(self.waiting)[:MAX_SHARE_SCAN]:
+        for request in islice(self.waiting, MAX_SHARE_SCAN):
             if request.priority != priority:
                 break
             allowed = self.shares.num_tokens_for(request, budget)
