@@ -62,8 +62,9 @@ def _make_fp8_blocks(name: str, weight: torch.Tensor, raw_weights: dict,  # type
                      device: torch.device, dtype: torch.dtype) -> LinearWeight | None:
     """The linear `name` from its FP8 blocks as stored (a fused projection: its parts' blocks
     joined), or None: no blocks for it or one of its parts, parts that split an N block, or
-    blocks that do not dequantize to exactly `weight` (a weight the model transformed at load:
-    Llama 4's permuted q/k rows, a tensor-parallel shard)."""
+    blocks that do not dequantize to exactly `weight`, up to rows the model reordered within
+    their N blocks (Llama 4's q/k rope permutation, which keeps each row's block scale): a
+    weight transformed otherwise (a tensor-parallel shard) is served dense."""
     from engine.layers.fp8_block_linear import FP8BlockLinear
     from engine.loader.fp8_blocks import RawFP8Blocks
 
@@ -74,9 +75,32 @@ def _make_fp8_blocks(name: str, weight: torch.Tensor, raw_weights: dict,  # type
         return None
     block = found[0].block
     layer = FP8BlockLinear.concat([(p.wq.to(device), p.scale.to(device)) for p in found], block, dtype)
-    if layer is None or not torch.equal(layer.dequantize(), weight.to(device=device, dtype=dtype)):
+    if layer is None:
         return None
-    return layer
+    dense, target = layer.dequantize(), weight.to(device=device, dtype=dtype)
+    if torch.equal(dense, target):
+        return layer
+    order = _rows_within_blocks(dense, target, block[0])
+    if order is None:
+        return None
+    return FP8BlockLinear(layer.wq[order], layer.w_scale, block, dtype)  # [N, K] rows reordered
+
+
+def _rows_within_blocks(dense: torch.Tensor, target: torch.Tensor, block_n: int) -> torch.Tensor | None:
+    """The row order with dense[order] == target (exactly) that moves rows only within their
+    block of `block_n` rows, or None when there is none."""
+    if dense.shape != target.shape:
+        return None
+    as_bytes = lambda rows: rows.contiguous().view(torch.uint8).cpu().numpy()  # noqa: E731
+    order = []
+    for start in range(0, dense.shape[0], block_n):
+        stored = {row.tobytes(): start + i for i, row in enumerate(as_bytes(dense[start:start + block_n]))}
+        for row in as_bytes(target[start:start + block_n]):
+            found = stored.get(row.tobytes())
+            if found is None:
+                return None
+            order.append(found)
+    return torch.tensor(order, device=dense.device)
 
 
 def _make_q4(name: str, weight: torch.Tensor, raw_weights: dict) -> LinearWeight | None:  # type: ignore[type-arg]

@@ -13,8 +13,8 @@ models build from (fusing, permuting) and what the CPU computes with. Each 2-D F
 kept as stored (`RawFP8Blocks`, in `Checkpoint.raw`): on a GPU with FP8 tensor cores the linear
 factory (engine/layers/__init__.py) serves a linear from its blocks with the block-scaled kernel
 (engine/layers/fp8_block_linear.py) when the blocks dequantize to exactly the weight the model asks
-for (a fused projection: its parts joined); a weight the model transformed (Llama 4's permuted q/k
-rows) stays dense. The load therefore needs the dense model's memory plus the FP8 bytes
+for (a fused projection: its parts joined; rows the model reordered within their N blocks, as
+Llama 4's q/k, reordered alike); a weight the model transformed otherwise stays dense. The load therefore needs the dense model's memory plus the FP8 bytes
 (DeepSeek-V3-671B: ~1.3 TB in bf16); `--quantization fp8` re-quantizes per row the dense weights
 no block serves. Stacked expert tensors (3-D) are served dense (or per row under
 `--quantization fp8`). Tensors without a scale (embeddings, norms, routers, lm head: the released
