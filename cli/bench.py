@@ -17,6 +17,7 @@ BENCHMARKS = {
     "kv-tier": "bench.kv_tier_bench",    # TTFT of an evicted prefix: second KV tier vs recompute
     "embed": "bench.embed_bench",        # embedding texts/s vs transformers + pooling
     "batch": "bench.batch_bench",        # Batch API lines in prefix order vs file order
+    "slo": "bench.slo_bench",            # goodput under TTFT/TPOT targets: slo vs fixed scheduler
     "calls": "bench.calls_bench",        # Python calls per request: gateway vs a baseline tree, replica renders
 }
 
