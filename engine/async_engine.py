@@ -45,6 +45,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.replica_id = engine.config.replica_id
         self.max_model_len = engine.max_model_len
+        self.compute_info = engine.compute_info
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()

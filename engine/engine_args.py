@@ -41,9 +41,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model's step")
     parser.add_argument("--quantization", choices=["fp8"], default=None)
-    parser.add_argument("--decode-weights", choices=["float", "q4"], default="float",
-                        help="q4: compute with the GGUF's 4-bit weights and 8-bit activations (native AVX2 "
-                             "kernels; ~5x float32 single-stream decode; approximate; CPU only)")
+    parser.add_argument("--decode-weights", choices=["float", "q4"], default=None,
+                        help="q4: compute with the GGUF's 4-bit weights and 8-bit activations (native "
+                             "kernels; ~5x float32 single-stream decode; approximate; CPU only). float: "
+                             "float32 weights. Default: q4 on the CPU in float32 (a checkpoint without "
+                             "Q4 blocks then runs in float32), float elsewhere")
+    parser.add_argument("--exact", action="store_true",
+                        help="compute in float32 (greedy output equal to transformers'): "
+                             "--decode-weights float")
     parser.add_argument("--seed", type=int, default=0)
     add_slo_arguments(parser)
 
@@ -108,11 +113,29 @@ def check_device(device: str) -> None:
         raise ValueError(f"unsupported device {device!r} (cpu, cuda or cuda:N)")
 
 
+def resolve_decode_weights(args: argparse.Namespace) -> str:
+    """The decode-weights mode the flags ask for: --exact is float; no flag is q4 on the CPU in
+    float32 without --quantization / --compile (the fast path), float elsewhere."""
+    if args.exact:
+        if args.decode_weights == "q4":
+            raise ValueError("--exact computes in float32: it contradicts --decode-weights q4")
+        return "float"
+    if args.decode_weights is not None:
+        return str(args.decode_weights)
+    on_cpu = str(args.device).startswith("cpu")
+    plain = args.dtype in (None, "float32") and args.quantization is None and not args.compile
+    return "q4" if on_cpu and plain else "float"
+
+
 def engine_config_from_args(args: argparse.Namespace, replica_id: str = "replica-0"):  # type: ignore[no-untyped-def]
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.loader import default_model_path
 
     check_device(args.device)
+    if str(args.device).startswith("cpu"):
+        from engine.kernels.cpu import isa
+
+        isa.selection()  # a bad AIGW_CPU_ISA is refused here, before the model loads
     return EngineConfig(
         model_path=str(args.model or default_model_path()),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory,
@@ -124,6 +147,6 @@ def engine_config_from_args(args: argparse.Namespace, replica_id: str = "replica
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, **slo_scheduler_fields(args)),
         device=args.device, dtype=args.dtype, num_threads=args.threads, compile=args.compile,
-        quantization=args.quantization, decode_weights=args.decode_weights, replica_id=replica_id, max_model_len=args.max_model_len,
+        quantization=args.quantization, decode_weights=resolve_decode_weights(args), replica_id=replica_id, max_model_len=args.max_model_len,
         seed=args.seed, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
     )

@@ -74,6 +74,7 @@ class ModelRunner:
             shard.parallelize(self.model)  # before the native step's check: it refuses the wrappers
         self._forward = self.model.forward
         self._native_decode = _native_decode_step(self.model, config)
+        self.compute_info = _compute_info(self.model, config, self._native_decode)
         if config.compile:
             self._forward = _compiled_forward(self.model)
         self.block_size = config.cache.block_size
@@ -314,6 +315,30 @@ class ModelRunner:
         return time.perf_counter() - start
 
 
+def _compute_info(model, config: EngineConfig, native_step: object) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """How this replica computes, for /v1/models and the metrics: the decode-weights mode, whether
+    the weights are the file's quantized blocks (`weights`: q4 native / q4 int4 / float), the fused
+    native step, and on the CPU the kernel variant chosen at start-up (engine/kernels/cpu/isa.py)."""
+    from engine.layers.native_linear import NativeQuantLinear
+    from engine.layers.q4_linear import Q4DecodeLinear
+
+    first = model.layers[0] if len(getattr(model, "layers", ())) else None
+    kinds = {type(getattr(first, name, None)) for name in ("qkv", "o_proj")}
+    weights = ("q4-native" if NativeQuantLinear in kinds else "q4-int4" if Q4DecodeLinear in kinds
+               else config.resolved_dtype)
+    info: dict[str, object] = {"decode_weights": config.decode_weights, "weights": weights,
+                               "native_step": type(native_step).__name__ if native_step is not None else None}
+    if config.device.startswith("cpu"):
+        from engine.kernels import cpu as native
+        from engine.kernels.cpu import isa
+
+        selection = isa.selection()
+        info["cpu_isa"] = native.loaded_variant()  # None: the native kernels are off
+        info["cpu_isa_forced"] = selection.forced
+        info["cpu_features"] = list(selection.features)
+    return info
+
+
 def _native_decode_step(model, config: EngineConfig):  # type: ignore[no-untyped-def]
     """The native decode step for this model and mode (CPU, float32, native kernels built), else None."""
     from engine.kernels import cpu as native
@@ -323,8 +348,8 @@ def _native_decode_step(model, config: EngineConfig):  # type: ignore[no-untyped
         return None  # (the native attention kernel has no sliding window)
     from engine.models.llama_decode import FloatDecodeStep, NativeDecodeStep
 
-    if config.decode_weights == "q4":
-        return NativeDecodeStep.build(model)
+    if config.decode_weights == "q4":  # a model without Q4 blocks has float32 linears: the float step
+        return NativeDecodeStep.build(model) or FloatDecodeStep.build(model)
     return FloatDecodeStep.build(model)
 
 

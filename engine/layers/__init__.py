@@ -28,6 +28,13 @@ def make_linear_factory(config: EngineConfig, device: torch.device, raw_weights:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}[config.resolved_dtype]
 
+    from engine.layers.q4_linear import SUPPORTED_TYPES
+
+    # q4 (the CPU default) applies to a file with Q4 blocks; a float checkpoint keeps float32 whole,
+    # its lm head included (no bfloat16 head for a model with nothing else quantized)
+    q4 = config.decode_weights == "q4" and any(
+        getattr(raw, "ggml_type", None) in SUPPORTED_TYPES for raw in raw_weights.values())
+
     from engine.layers.fp8_block_linear import can_run_w8a8
     from engine.loader.fp8_blocks import RawFP8Blocks
 
@@ -39,10 +46,10 @@ def make_linear_factory(config: EngineConfig, device: torch.device, raw_weights:
             blocked = _make_fp8_blocks(name, weight, raw_weights, device, dtype)
             if blocked is not None:
                 return blocked
-        if config.decode_weights == "q4":
-            q4 = _make_q4(name, weight.to(device=device, dtype=dtype), raw_weights)
-            if q4 is not None:
-                return q4
+        if q4:
+            quantized = _make_q4(name, weight.to(device=device, dtype=dtype), raw_weights)
+            if quantized is not None:
+                return quantized
         if config.quantization == "fp8" and name != "lm_head.weight":
             from engine.layers.fp8_linear import FP8Linear
 

@@ -46,6 +46,7 @@ def create_app(engine: ServedEngine, settings: ReplicaServerSettings | None = No
     metrics = ReplicaMetrics(engine.stats, model=engine.model_config.model_id,
                              replica=engine.replica_id, ttft_target_ms=ttft_target_ms,
                              tpot_target_ms=tpot_target_ms)
+    metrics.set_compute_info(getattr(engine, "compute_info", None))
     engine = install_tracing(app, engine)  # continue the gateway's trace; GET /debug/traces
     app[SERVING_KEY] = ServingContext(engine=engine, settings=settings, metrics=metrics)
     app.on_response_prepare.append(add_request_id)
@@ -68,7 +69,9 @@ class QuietAccessLogger(AccessLogger):
 
 async def _log_lifecycle(app: web.Application) -> AsyncIterator[None]:
     ctx = app[SERVING_KEY]
-    log.info("replica %s serving %s", ctx.engine.replica_id, ctx.engine.model_config.model_id)
+    log.info("replica %s serving %s (%s)", ctx.engine.replica_id, ctx.engine.model_config.model_id,
+             ", ".join(f"{k}={v}" for k, v in (getattr(ctx.engine, "compute_info", None) or {}).items()
+                       if k != "cpu_features"))
     yield
     log.info("replica %s HTTP server stopped", ctx.engine.replica_id)
 

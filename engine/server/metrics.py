@@ -23,6 +23,8 @@ the server as outputs stream out:
     aigw_replica_time_to_first_token_seconds              histogram
     aigw_replica_inter_token_latency_seconds              histogram
     aigw_replica_e2e_request_latency_seconds              histogram
+    aigw_replica_cpu_isa{isa, forced}                     gauge 1 (the CPU kernel variant)
+    aigw_replica_decode_weights{mode, weights}            gauge 1 (how the replica computes)
 
 Latency targets and classes (engine/slo.py), label service_tier (priority, default, flex):
 
@@ -194,6 +196,14 @@ class ReplicaMetrics:
             PREFIX + "prompt_renders", "Chat prompts by who rendered them: the gateway (its token "
             "ids used) or this replica.", [*label_names, "by"], registry=self.registry)
         self._labels = labels
+        self._decode_weights = Gauge(
+            PREFIX + "decode_weights", "How this replica computes: the decode-weights mode (q4 / "
+            "float) and the weights it runs on (q4-native, q4-int4, float32, ...).",
+            [*label_names, "mode", "weights"], registry=self.registry)
+        self._cpu_isa = Gauge(
+            PREFIX + "cpu_isa", "The CPU kernel variant chosen at start-up (avx2, avx512, avx_vnni, "
+            "avx512_vnni; none: the native kernels are off), forced or not by AIGW_CPU_ISA.",
+            [*label_names, "isa", "forced"], registry=self.registry)
 
     def _targets(self, label_names: list[str], labels: dict[str, str]) -> None:
         """The targets as gauges (0: no target)."""
@@ -208,6 +218,18 @@ class ReplicaMetrics:
 
     def count_refused(self, priority: int) -> None:
         self._refused.labels(**self._labels, service_tier=service_tier_of(priority)).inc()
+
+    def set_compute_info(self, info: dict[str, Any] | None) -> None:
+        """aigw_replica_cpu_isa{isa, forced} 1: the CPU kernel variant chosen at start-up
+        (engine/kernels/cpu/isa.py; isa="none" when the native kernels are off), and
+        aigw_replica_decode_weights{mode, weights} 1 (ModelRunner.compute_info)."""
+        if not info:
+            return
+        self._decode_weights.labels(**self._labels, mode=str(info.get("decode_weights")),
+                                    weights=str(info.get("weights"))).set(1)
+        if "cpu_isa" in info:
+            self._cpu_isa.labels(**self._labels, isa=str(info["cpu_isa"] or "none"),
+                                 forced=str(bool(info.get("cpu_isa_forced"))).lower()).set(1)
 
     def count_prompt_render(self, by: str) -> None:
         """`by`: "gateway" (its prompt_token_ids were used) or "replica" (rendered here)."""

@@ -40,7 +40,7 @@ def replica_url() -> Iterator[str]:
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "cli.main", "replica", "--port", str(port), "--threads", "1",
-             "--kv-cache-memory", str(KV_CACHE_BYTES), "--no-auth"],
+             "--kv-cache-memory", str(KV_CACHE_BYTES), "--no-auth", "--exact"],  # float32 answers
             cwd=repo_root, env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
@@ -83,6 +83,19 @@ def metric(replica_url: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not in /metrics")
+
+
+def test_models_and_metrics_say_how_the_replica_computes(replica_url: str) -> None:
+    """--exact: float32 weights; on the CPU the kernel variant chosen at start-up, in both places."""
+    from engine.kernels.cpu import isa
+
+    meta = httpx.get(replica_url + "/v1/models", timeout=10).json()["data"][0]["metadata"]
+    assert (meta["decode_weights"], meta["weights"]) == ("float", "float32")
+    assert meta["cpu_isa"] in (*isa.VARIANTS, None) and meta["cpu_isa_forced"] is False
+    lines = httpx.get(replica_url + "/metrics", timeout=10).text.splitlines()
+    isa_line = next(line for line in lines if line.startswith("aigw_replica_cpu_isa{"))
+    assert f'isa="{meta["cpu_isa"] or "none"}"' in isa_line and isa_line.endswith(" 1.0")
+    assert any(line.startswith("aigw_replica_decode_weights{") and 'mode="float"' in line for line in lines)
 
 
 def test_chat_completion_non_streaming_reports_usage(client: openai.OpenAI, model: str) -> None:

@@ -3,6 +3,10 @@
     load() -> True when torch.ops.aigw_cpu.* are registered (AVX2/FMA/F16C CPU and a C++ compiler);
               False otherwise, once, with the reason logged. Callers then keep the PyTorch path.
 
+The build is the variant engine/kernels/cpu/isa.py selects for this CPU (avx2, avx512, avx_vnni,
+avx512_vnni; `AIGW_CPU_ISA` forces one), one extension per variant: a process loads one of them,
+chosen once and logged.
+
 at::parallel_for is OpenMP in PyTorch's CPU builds, so the extension is compiled with -fopenmp (it
 then shares the libgomp.so.1 that torch has loaded, and torch.set_num_threads applies to it). The
 build takes ~20 s the first time (then it is cached under TORCH_EXTENSIONS_DIR, by default
@@ -19,6 +23,8 @@ import sysconfig
 from pathlib import Path
 
 import torch
+
+from engine.kernels.cpu import isa
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +52,11 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
 
 
+def loaded_variant() -> str | None:
+    """The kernel variant this process runs (isa.VARIANTS), None when the native kernels are off."""
+    return isa.selection().variant if load() else None
+
+
 @functools.cache
 def load() -> bool:
     if os.environ.get("AIGW_NATIVE_KERNELS", "1") == "0":
@@ -54,12 +65,17 @@ def load() -> bool:
     if missing:
         logger.warning("native CPU kernels off: the CPU lacks %s", ", ".join(missing))
         return False
+    chosen = isa.selection()  # a ValueError for a bad AIGW_CPU_ISA: the replica refuses to start
+    assert chosen.variant is not None  # the avx2 variant needs only _REQUIRED_FLAGS
+    logger.info("%s", chosen.describe())
+    _, cflags, defines = isa.VARIANTS[chosen.variant]
     _put_ninja_on_path()
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        load_extension(name="aigw_cpu_decode_ops", sources=[str(_SOURCE)], is_python_module=False,
-                       extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+        load_extension(name=f"aigw_cpu_decode_ops_{chosen.variant}", sources=[str(_SOURCE)],
+                       is_python_module=False,
+                       extra_cflags=["-O3", *cflags, *(f"-D{d}" for d in defines), "-fopenmp"],
                        extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: keep the PyTorch path
         logger.warning("native CPU kernels off: the build failed (%s)", exc)

@@ -1,6 +1,8 @@
-// Native CPU kernels (AVX2 + FMA + F16C), registered as torch.ops.aigw_cpu.*.
+// Native CPU kernels (AVX2 + FMA + F16C; VNNI dot products in the avx512_vnni / avx_vnni builds),
+// registered as torch.ops.aigw_cpu.*.
 //
-// Built on first use by engine/kernels/cpu/__init__.py (torch.utils.cpp_extension.load). They serve
+// Built on first use by engine/kernels/cpu/__init__.py (torch.utils.cpp_extension.load), once per
+// ISA variant with its flags (engine/kernels/cpu/isa.py); every variant gives the same results. They serve
 // every row of the `--decode-weights q4` mode (decode rows and prefill chunks, a row per token) and
 // the float32 mode's decode attention:
 //
@@ -102,6 +104,26 @@ inline int32_t hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+// A block's integer dot product, 4 u8 x s8 products per 32-bit lane, summed over the block's vectors:
+// AVX2 pairs them in int16 (maddubs; exact, the sums stay below 2^15: Q4 codes <= 15, |Q8| <= 128
+// against |x| <= 127, 8 vectors) and widens at the end (madd with ones); the VNNI variants
+// (DECODE_OPS_VNNI, engine/kernels/cpu/isa.py) accumulate straight into int32 (vpdpbusd). Same integers.
+#if defined(DECODE_OPS_VNNI) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+inline __m256i dp_first(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+inline __m256i dp_next(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+inline __m256i dp_total(__m256i acc) { return acc; }
+#elif defined(DECODE_OPS_VNNI) && defined(__AVXVNNI__)
+inline __m256i dp_first(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
+inline __m256i dp_next(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+inline __m256i dp_total(__m256i acc) { return acc; }
+#elif defined(DECODE_OPS_VNNI)
+#error "DECODE_OPS_VNNI needs -mavx512vnni -mavx512vl or -mavxvnni"
+#else
+inline __m256i dp_first(__m256i u, __m256i s) { return _mm256_maddubs_epi16(u, s); }
+inline __m256i dp_next(__m256i acc, __m256i u, __m256i s) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s)); }
+inline __m256i dp_total(__m256i acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+#endif
+
 // prep(x row) -> int8 blocks. mode 0: plain, 1: rms norm with weight, 2: silu(x[:K]) * x[K:].
 // Vectorised (AVX2); rounding is round-half-even like std::nearbyint.
 void quantize_row(const float* x, int64_t k, int mode, const float* norm_w, float eps, int8_t* q,
@@ -167,7 +189,7 @@ inline void dot_q8x8(const uint8_t* w, int64_t nb, const int8_t* const* xq_in, c
     xq[r] = xq_in[r];
     xd[r] = xd_in[r];
   }
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * Q8X8_BYTES;
@@ -180,7 +202,11 @@ inline void dot_q8x8(const uint8_t* w, int64_t nb, const int8_t* const* xq_in, c
       __m256i s32 = _mm256_setzero_si256();
       for (int u = 0; u < 8; ++u) {
         const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(quad + u)), _mm256_loadu_si256(wq + u));
+#if defined(DECODE_OPS_VNNI)
+        s32 = dp_next(s32, aw[u], sx);  // the pair sums need all of int16: no int16 chain here
+#else
         s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(aw[u], sx), ones));
+#endif
       }
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(wd, _mm256_set1_ps(xd[r][b])), acc[r]);
     }
@@ -206,7 +232,6 @@ inline void dot_q4x8(const uint8_t* w, int64_t nb, const int8_t* const* xq_in, c
     xds[r] = xds_in[r];
   }
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * Q4X8_BYTES;
@@ -220,11 +245,9 @@ inline void dot_q4x8(const uint8_t* w, int64_t nb, const int8_t* const* xq_in, c
     }
     for (int r = 0; r < R; ++r) {
       const int32_t* quad = reinterpret_cast<const int32_t*>(xq[r] + b * QK);  // 8 x 4 inputs
-      __m256i s16 = _mm256_maddubs_epi16(q[0], _mm256_set1_epi32(load_i32(quad)));
-      for (int u = 1; u < 8; ++u) {
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[u], _mm256_set1_epi32(load_i32(quad + u))));
-      }
-      const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+      __m256i s16 = dp_first(q[0], _mm256_set1_epi32(load_i32(quad)));
+      for (int u = 1; u < 8; ++u) s16 = dp_next(s16, q[u], _mm256_set1_epi32(load_i32(quad + u)));
+      const __m256 f = _mm256_cvtepi32_ps(dp_total(s16));
       acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(wd, _mm256_set1_ps(xd[r][b])), acc[r]);
       acc[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xds[r][b]), acc[r]);
     }
@@ -266,7 +289,6 @@ inline void dot_q4x8_expanded(const uint8_t* w, int64_t nb, const uint8_t* const
     acc[r] = _mm256_setzero_ps();
   }
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * Q4X8_BYTES;
     const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
@@ -279,9 +301,9 @@ inline void dot_q4x8_expanded(const uint8_t* w, int64_t nb, const uint8_t* const
     }
     for (int r = 0; r < R; ++r) {
       const __m256i* xv = reinterpret_cast<const __m256i*>(xb[r] + b * XB_BYTES);  // 8 x 4 inputs
-      __m256i s16 = _mm256_maddubs_epi16(q[0], _mm256_load_si256(xv));
-      for (int u = 1; u < 8; ++u) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(q[u], _mm256_load_si256(xv + u)));
-      const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+      __m256i s16 = dp_first(q[0], _mm256_load_si256(xv));
+      for (int u = 1; u < 8; ++u) s16 = dp_next(s16, q[u], _mm256_load_si256(xv + u));
+      const __m256 f = _mm256_cvtepi32_ps(dp_total(s16));
       const __m256 xd = _mm256_load_ps(reinterpret_cast<const float*>(xv + 8));
       const __m256 xds = _mm256_load_ps(reinterpret_cast<const float*>(xv + 9));
       acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(wd, xd), acc[r]);
@@ -304,7 +326,6 @@ inline void dot_q4x8_expanded(const uint8_t* w, int64_t nb, const uint8_t* const
 inline void dot_q4x16_expanded(const uint8_t* w0, const uint8_t* w1, int64_t nb, const uint8_t* const* xb,
                                float* acc) {
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int i = 0; i < 64; i += 8) _mm256_store_ps(acc + i, _mm256_setzero_ps());
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* b0 = w0 + b * Q4X8_BYTES;
@@ -319,11 +340,11 @@ inline void dot_q4x16_expanded(const uint8_t* w0, const uint8_t* w1, int64_t nb,
     __m256i x = _mm256_load_si256(XR + (U));                                                      \
     asm("" : "+x"(x));                                                                            \
     if (FIRST) {                                                                                  \
-      SA = _mm256_maddubs_epi16(QA, x);                                                           \
-      SB = _mm256_maddubs_epi16(QB, x);                                                           \
+      SA = dp_first(QA, x);                                                                       \
+      SB = dp_first(QB, x);                                                                       \
     } else {                                                                                      \
-      SA = _mm256_add_epi16(SA, _mm256_maddubs_epi16(QA, x));                                     \
-      SB = _mm256_add_epi16(SB, _mm256_maddubs_epi16(QB, x));                                     \
+      SA = dp_next(SA, QA, x);                                                                    \
+      SB = dp_next(SB, QB, x);                                                                    \
     }                                                                                             \
   }
 #define AIGW_Q4X16_STEP(QA, QB, U, FIRST)                                                         \
@@ -356,9 +377,9 @@ inline void dot_q4x16_expanded(const uint8_t* w0, const uint8_t* w1, int64_t nb,
       const __m256 xd = _mm256_load_ps(xs), xds = _mm256_load_ps(xs + 8);
       float* a = acc + 16 * r;
       __m256 a0 = _mm256_load_ps(a), a1 = _mm256_load_ps(a + 8);
-      a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][0], ones)), _mm256_mul_ps(wd0, xd), a0);
+      a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp_total(sums[r][0])), _mm256_mul_ps(wd0, xd), a0);
       a0 = _mm256_fmadd_ps(wm0, xds, a0);
-      a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][1], ones)), _mm256_mul_ps(wd1, xd), a1);
+      a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp_total(sums[r][1])), _mm256_mul_ps(wd1, xd), a1);
       a1 = _mm256_fmadd_ps(wm1, xds, a1);
       _mm256_store_ps(a, a0);
       _mm256_store_ps(a + 8, a1);

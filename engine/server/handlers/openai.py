@@ -73,4 +73,5 @@ async def models(request: web.Request) -> web.Response:
     ctx = request.app[SERVING_KEY]
     engine = ctx.engine
     return json_response(shapes.model_list(ctx.model_names, engine.model_config.model_id,
-                                           ctx.started_at_s, engine.max_model_len))
+                                           ctx.started_at_s, engine.max_model_len,
+                                           getattr(engine, "compute_info", None)))

@@ -1,0 +1,91 @@
+"""The native CPU kernels' ISA variant (engine/kernels/cpu/isa.py): chosen from the CPU's flags,
+forcible with AIGW_CPU_ISA, refused when the CPU lacks it; and the forced-AVX2 build gives the same
+q4 tokens as this process's native one on reference prompts (on an AVX-512 / VNNI machine the two
+are different builds; on an AVX2-only one the same)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from contracts.sampling_params import SamplingParams
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import LLMEngine
+from engine.kernels import cpu as native
+from engine.kernels.cpu import isa
+from engine.model_runner import ModelRunner
+from tests.engine.fakes import generate
+
+AVX2 = frozenset({"avx2", "fma", "f16c"})
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+PROMPTS = ["What is the capital of France?", "Write a haiku about rain."]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def test_the_best_variant_the_cpu_has_is_chosen() -> None:
+    assert isa.select(AVX2, None).variant == "avx2"
+    assert isa.select(AVX512, "native").variant == "avx512"
+    assert isa.select(AVX512 | {"avx512_vnni"}, None).variant == "avx512_vnni"
+    assert isa.select(AVX2 | {"avx_vnni"}, "").variant == "avx_vnni"
+    chosen = isa.select(AVX512 | {"avx512_vnni", "avx512_bf16", "amx_bf16"}, None)
+    assert not chosen.forced and {"avx512_bf16", "amx_bf16"} <= set(chosen.features)
+    assert isa.select(frozenset({"sse4_2"}), None).variant is None
+
+
+def test_aigw_cpu_isa_forces_a_variant_the_cpu_has_and_refuses_others() -> None:
+    forced = isa.select(AVX512 | {"avx512_vnni"}, "AVX2")
+    assert (forced.variant, forced.forced, forced.native) == ("avx2", True, "avx512_vnni")
+    with pytest.raises(ValueError, match="lacks avx512_vnni"):
+        isa.select(AVX512, "avx512_vnni")
+    with pytest.raises(ValueError, match="unknown"):
+        isa.select(AVX2, "sse9")
+
+
+def test_a_bad_aigw_cpu_isa_stops_the_replica_before_it_loads_a_model() -> None:
+    env = {**os.environ, "AIGW_CPU_ISA": "avx512_vnni" if "avx512_vnni" not in isa.cpu_flags() else "sse9"}
+    done = subprocess.run([sys.executable, "-m", "cli.main", "generate", "hi", "--max-tokens", "1"],
+                          cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0 and "AIGW_CPU_ISA" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+_CHILD = """
+import json, sys
+from engine.kernels import cpu as native
+from tests.engine.test_cpu_isa import q4_tokens
+from engine.loader import load_checkpoint, load_tokenizer
+import torch
+path = sys.argv[1]
+print(json.dumps({"variant": native.loaded_variant(),
+                  "tokens": q4_tokens(path, load_checkpoint(path, dtype=torch.float32, progress=False),
+                                      load_tokenizer(path))}))
+"""
+
+
+def q4_tokens(model_path: str, checkpoint: Any, tokenizer: Any) -> list[list[int]]:
+    config = EngineConfig(model_path=model_path, num_threads=1, decode_weights="q4",
+                          cache=CacheConfig(kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False))
+    runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights), dict(checkpoint.raw))
+    engine = LLMEngine(config, checkpoint.config, runner, tokenizer)
+    prompts = {str(i): tokenizer.encode_chat([{"role": "user", "content": p}]) for i, p in enumerate(PROMPTS)}
+    return [c.token_ids for _, c in sorted(generate(engine, prompts, GREEDY).items())]
+
+
+@pytest.mark.skipif(not native.load(), reason="native CPU kernels unavailable here")
+def test_forced_avx2_kernels_give_the_native_kernels_tokens(model_path: str, checkpoint: Any,
+                                                            tokenizer: Any) -> None:
+    ours = q4_tokens(model_path, checkpoint, tokenizer)
+    env = {**os.environ, "AIGW_CPU_ISA": "avx2"}
+    done = subprocess.run([sys.executable, "-c", _CHILD, model_path], cwd=Path(__file__).resolve().parents[2],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    child = json.loads(done.stdout.strip().splitlines()[-1])
+    assert child["variant"] == "avx2" and native.loaded_variant() == isa.selection().variant
+    assert child["tokens"] == ours and all(len(t) == GREEDY.max_tokens for t in ours)
