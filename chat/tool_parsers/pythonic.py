@@ -262,6 +262,7 @@ class PythonicCallStream(ToolCallStream):
         self._element_at = 0  # where the list's current element (or the JSON call) starts
         self._stack: list[str] = []  # open brackets, and an open string's quote
         self._after_call = False  # the element's call closed: only "," or "]" may follow
+        self._in_name = False  # the element's name has begun (before its "(")
         self._calls: list[ToolCall] = []
         self._content: list[str] = []
 
@@ -359,7 +360,7 @@ class PythonicCallStream(ToolCallStream):
             self._state = self.TEXT
             return True
         self._state = self.LIST if stripped[0] == "[" else self.JSON
-        self._stack, self._scan_at, self._after_call = [], 0, False
+        self._stack, self._scan_at, self._after_call, self._in_name = [], 0, False, False
         self._element_at = 1 if self._state == self.LIST else 0
         return True
 
@@ -395,6 +396,8 @@ class PythonicCallStream(ToolCallStream):
                 else:
                     self._scan_at += 1
                 continue
+            if char in "'\"" and is_list and len(stack) == 1:
+                return self._fall_back()  # a string where a call's name belongs: text
             if char in "'\"":
                 if text[i:] == char * (len(text) - i) and len(text) - i < 3 and not is_final:
                     return False  # a triple quote may be forming
@@ -420,8 +423,12 @@ class PythonicCallStream(ToolCallStream):
                 if char == ",":
                     if not self._element_done(i):
                         return self._fall_back()
-                elif not char.isspace() and (self._after_call or not _NAME_CHAR.match(char)):
-                    return self._fall_back()
+                elif not char.isspace():
+                    if self._after_call or not _NAME_CHAR.match(char):
+                        return self._fall_back()
+                    if self._in_name and text[i - 1].isspace():  # "[Two words": prose, no name
+                        return self._fall_back()
+                    self._in_name = True
         return False
 
     def _element_done(self, at: int) -> bool:
@@ -430,14 +437,14 @@ class PythonicCallStream(ToolCallStream):
         skipped."""
         body = self._pending[self._element_at:at]
         if not body.strip() and self._has_calls:
-            self._element_at, self._after_call = at + 1, False
+            self._element_at, self._after_call, self._in_name = at + 1, False, False
             return True
         call = parse_pythonic_call(body)
         if call is None:
             return False
         self._calls.append(call)
         self._ends_with_call = True
-        self._element_at, self._after_call = at + 1, False
+        self._element_at, self._after_call, self._in_name = at + 1, False, False
         return True
 
     def _end_calls(self, at: int) -> bool:

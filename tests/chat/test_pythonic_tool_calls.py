@@ -205,3 +205,11 @@ def test_python_keywords_as_parameter_names_are_read() -> None:
     parsed = PythonicToolParser().extract('[send(from="a@b.c", to="d@e.f", note="from=1")]')
     assert _calls(parsed) == [("send", {"from": "a@b.c", "to": "d@e.f", "note": "from=1"})]
     assert PythonicToolParser().extract("[f(x=from)]").tool_calls == ()  # a keyword as a value
+
+
+@pytest.mark.parametrize("text", ["[Don't worry, it is fine.", "[Note to self] buy milk", '["a", "b"]'])
+def test_text_that_opens_with_a_bracket_streams_as_soon_as_it_cannot_be_a_call(text: str) -> None:
+    """A string or a second word where a call's name belongs: the answer is prose, shown at once
+    (not held to the end of the answer)."""
+    stream = Llama4PythonicToolParser().stream()
+    assert stream.feed(text).content == text and stream.finish().content == ""
