@@ -222,8 +222,10 @@ class TensorParallelRunner:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if self._failure is None and dist.is_initialized():  # (with a peer gone it may hang)
-            dist.destroy_process_group()
+        if dist.is_initialized():  # with a peer gone it may hang: at most 5 s, on a daemon thread
+            done = threading.Thread(target=dist.destroy_process_group, daemon=True)
+            done.start()
+            done.join(timeout=5)
 
     def _kill_workers(self) -> None:
         for proc in self._workers:
