@@ -44,7 +44,8 @@ def row_bucket(num_rows: int) -> int:
     oneDNN builds (JIT-compiles) a primitive per input shape and keeps it in two caches (ideep's
     and its own, 1,024 entries each), about 0.55 MiB each: an engine whose token count changes
     every step would fill them with a primitive per count it ever saw (~1.1 GiB), and churn them
-    past that. Bucketed, a model's primitives are a few per linear shape and created once."""
+    past that. Bucketed, a model's primitives are a few per linear shape and created once. (Not
+    inside a torch.compile graph, whose row count is symbolic: it runs as it is.)"""
     if num_rows <= MAX_EXACT_ROWS:
         return num_rows
     step = 1 << (num_rows.bit_length() - 4)
@@ -74,7 +75,7 @@ class OneDNNLinear(LinearWeight):
         if x.dim() != 2:  # [..., in]: the rows are every leading index
             return self(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         num_rows = x.shape[0]  # x [T, in]
-        bucket = row_bucket(num_rows)
+        bucket = num_rows if torch.compiler.is_compiling() else row_bucket(num_rows)
         if bucket != num_rows:
             x = _rows_padded(x, bucket)  # [bucket, in]
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -83,7 +84,7 @@ class OneDNNLinear(LinearWeight):
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual [T, out] + x [T, in] @ W^T, as one oneDNN call (a fused add)."""
         num_rows = x.shape[0]
-        bucket = row_bucket(num_rows)
+        bucket = num_rows if torch.compiler.is_compiling() else row_bucket(num_rows)
         if bucket == num_rows:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias,
                                                              "add")
