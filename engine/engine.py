@@ -128,8 +128,12 @@ class LLMEngine:
 
             tokenizer = load_tokenizer(config.model_path)
             tp_runner = TensorParallelRunner(config, progress)
-            return cls(config, tp_runner.full_model_config, tp_runner, tokenizer,  # type: ignore[arg-type]
-                       publishers, kv_events_token_ids)
+            try:
+                return cls(config, tp_runner.full_model_config, tp_runner, tokenizer,  # type: ignore[arg-type]
+                           publishers, kv_events_token_ids)
+            except BaseException:
+                tp_runner.close()  # no workers left behind by a config the engine refuses
+                raise
         checkpoint = load_checkpoint(config.model_path, dtype=torch.float32, progress=progress)
         tokenizer = load_tokenizer(config.model_path)
         runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights), dict(checkpoint.raw))
