@@ -260,7 +260,9 @@ def plot(results: dict[str, dict[str, list[CellSummary]]], path: str, title: str
         ax.set_xlabel("offered requests/s", fontsize=9)
         ax.set_ylabel("requests/s within both targets", fontsize=9)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    import textwrap
+
+    fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=9)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
