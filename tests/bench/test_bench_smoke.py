@@ -30,8 +30,8 @@ def test_engine_bench_tiny_prints_table_and_writes_png(tmp_path: Path, capsys: p
     assert "prefill tok/s" in printed and "TTFT p50 ms" in printed
     assert png.read_bytes().startswith(PNG_MAGIC)
     results = json.loads(out.read_text())["results"]
-    assert list(results) == ["ours[float]"]  # --tiny skips transformers
-    ours = results["ours[float]"]
+    assert list(results) == ["ours[q4]"]  # the CPU default mode; --tiny skips transformers
+    ours = results["ours[q4]"]
     assert ours["prefill_tok_s"] > 0 and ours["decode_tok_s"] > 0
     assert sorted(ours["concurrency"]) == ["1", "2"]
     assert all(row["output_tok_s"] > 0 for row in ours["concurrency"].values())
