@@ -33,6 +33,7 @@ def test_engine_bench_tiny_prints_table_and_writes_png(tmp_path: Path, capsys: p
     assert list(results) == ["ours[q4]"]  # the CPU default mode; --tiny skips transformers
     ours = results["ours[q4]"]
     assert ours["prefill_tok_s"] > 0 and ours["decode_tok_s"] > 0
+    assert ours["shared_prefix"]["output_tok_s"] > 0  # the 16 x 898 row, 2 x 16 in --tiny
     assert sorted(ours["concurrency"]) == ["1", "2"]
     assert all(row["output_tok_s"] > 0 for row in ours["concurrency"].values())
 
