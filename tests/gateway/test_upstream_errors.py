@@ -78,7 +78,9 @@ def test_invalid_parameter_is_named_in_the_openai_error_param(make_gateway: Gate
 
 def test_unreachable_upstream_answers_502_without_its_url_or_an_exception_repr(
         make_gateway: GatewayFactory) -> None:
-    gateway = _gateway_on(make_gateway, "http://127.0.0.1:9", num_retries=0)
+    # No health check before the request (the fixture's 0.2 s interval would mark the endpoint
+    # down first on a slow machine: a 503 no_healthy_endpoint, not the dispatch this tests).
+    gateway = _gateway_on(make_gateway, "http://127.0.0.1:9", num_retries=0, health_interval_s=600)
     response = httpx.post(gateway.url + "/v1/chat/completions", json=CHAT)
     assert response.status_code == 502
     message = response.json()["error"]["message"]
