@@ -56,6 +56,29 @@ def test_agent_bench_tiny_reports_hits_only_with_cache_on(tmp_path: Path,
     assert results["zero-reuse"]["on"]["hit_ratio"] == 0.0
 
 
+@pytest.mark.slow  # four small engines (the block probe, two modes, the fan-out): ~60 s on 2 cores
+def test_agent_pauses_tiny_runs_two_modes_on_virtual_clocks_and_the_fanout_computes_once(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png, out, turns = tmp_path / "pauses.png", tmp_path / "pauses.json", tmp_path / "turns.json"
+    assert run_bench(["agent", "--pauses", "--tiny", "--modes", "retention+tier,oracle", "--plot", str(png),
+                      "--json", str(out), "--turns-json", str(turns)]) == 0
+
+    printed = capsys.readouterr().out
+    assert "tail turns" in printed and "fan-out:" in printed and "virtual clock" in printed
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    document = json.loads(out.read_text())
+    assert list(document["results"]) == ["retention+tier", "oracle"]
+    records = json.loads(turns.read_text())
+    for mode, rows in records.items():
+        assert len(rows) == document["results"][mode]["num_turns"] == 6, mode  # 3 sessions x 2 turns
+        for row in rows:
+            assert 0 <= row["num_host_tokens"] <= row["num_cached_tokens"] < row["num_prompt_tokens"]
+            assert row["ttft_s"] > 0 and row["queue_s"] >= 0
+        assert sorted((r["session"], r["turn"]) for r in rows) == [(s, t) for s in range(3) for t in range(2)]
+    fanout = document["fanout"]  # 3 requests, a new 96-token prefix (6 blocks) + 8 tokens each
+    assert fanout["num_computed_tokens"] == 96 + 3 * 8  # the prefix once, not three times
+
+
 def test_gateway_bench_pairs_tracing_with_off_and_a_twin_on_fresh_gateways(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Two short rounds, each gateway started anew for the second: every cell answered, and the
