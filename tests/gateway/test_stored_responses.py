@@ -6,6 +6,7 @@ upstream, per-project isolation, retention, the bounds, and the store's backends
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -411,6 +412,9 @@ def test_each_turn_of_a_conversation_goes_to_the_replica_of_the_turn_before(
                                        "fake-model", "endpoints": [s.base_url for s in servers]}])
         client = _client(served)
         router = served.app[ROUTER]
+        # The fakes send no KV events: the previous turn's blocks are the router's tentative
+        # entries, which must outlive a turn on a slow machine (the default 5 s did not, once).
+        router.config = dataclasses.replace(router.config, tentative_ttl_s=600.0)
         assert wait_until(lambda: all(
             e.can_serve() and router.consumer(e).is_synced  # type: ignore[attr-defined]
             for e in served.app[FLEET].routes[MODEL].endpoints), 10)
