@@ -38,7 +38,6 @@ SmolLM2) and `model.embed_tokens.weight` (Q8_0 in SmolLM2), which is also the lm
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -51,6 +50,7 @@ from chat.gguf_metadata import GGUFTensorInfo, read_gguf_header
 from chat.special_tokens import collect_eos_token_ids
 from engine.config import ModelConfig
 from engine.loader.checkpoint import Checkpoint, RawQuantized, UnsupportedCheckpointError
+from engine.loader.gguf_names import hf_name_from_tables
 
 _TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -67,7 +67,6 @@ _LAYER_TENSOR_NAMES = {
     "ffn_down_exps": "mlp.experts.down_proj",
 }
 _ARCHITECTURES = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}  # GGUF -> ours
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Present in some llama GGUFs, derivable from the config; we skip them.
 _SKIPPED_TENSORS = {"rope_freqs.weight"}
 _NUMPY_ELEMENT_TYPES = {gguf.GGMLQuantizationType.F32: np.float32,
@@ -79,13 +78,7 @@ _FLOAT_TYPES = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
 
 def hf_tensor_name(gguf_name: str) -> str:
     """The Hugging Face name of a GGUF tensor; KeyError for a tensor we do not know."""
-    if gguf_name in _TENSOR_NAMES:
-        return _TENSOR_NAMES[gguf_name]
-    match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_TENSOR_NAMES:
-        raise KeyError(f"unknown GGUF tensor {gguf_name!r}")
-    layer, module, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_TENSOR_NAMES[module]}.{kind}"
+    return hf_name_from_tables(gguf_name, _TENSOR_NAMES, _LAYER_TENSOR_NAMES)
 
 
 def unpermute_rope_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:

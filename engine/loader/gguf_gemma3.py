@@ -25,7 +25,6 @@ post_feedforward_layernorm. Gemma's NEOX rope is stored unpermuted. The embeddin
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from tqdm import tqdm
 from chat.gguf_metadata import GGUFTensorInfo
 from chat.special_tokens import collect_eos_token_ids
 from engine.loader.checkpoint import Checkpoint, UnsupportedCheckpointError
+from engine.loader.gguf_names import hf_name_from_tables
 
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
@@ -49,7 +49,6 @@ _MODULES = {
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 LLAMA_CPP_SWA_PATTERN = 6  # llama-model.cpp: gemma3's set_swa_pattern(6)
 LLAMA_CPP_LOCAL_ROPE_BASE = 10_000.0  # llama-model.cpp: gemma3's rope_freq_base_train_swa
 TensorReader = Callable[[GGUFTensorInfo, gguf.GGMLQuantizationType], np.ndarray]
@@ -109,12 +108,7 @@ def hf_config(metadata: Mapping[str, object]) -> dict[str, Any]:
 
 def hf_tensor_name(gguf_name: str) -> str:
     """The HF name of a gemma3 GGUF tensor; KeyError for one this engine does not read."""
-    if gguf_name in _TOP:
-        return _TOP[gguf_name]
-    match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _MODULES:
-        raise KeyError(gguf_name)
-    return f"model.layers.{match.group(1)}.{_MODULES[match.group(2)]}.weight"
+    return hf_name_from_tables(gguf_name, _TOP, _MODULES, kinds=("weight",))
 
 
 def load_gemma3_gguf(path: Path, metadata: Mapping[str, object], infos: list[GGUFTensorInfo],

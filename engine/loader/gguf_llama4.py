@@ -31,7 +31,6 @@ and transposed them); ffn_*_shexp is the shared expert, ffn_gate_inp the router.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from tqdm import tqdm
 from chat.gguf_metadata import GGUFTensorInfo
 from chat.special_tokens import collect_eos_token_ids
 from engine.loader.checkpoint import Checkpoint, UnsupportedCheckpointError
+from engine.loader.gguf_names import hf_name_from_tables
 
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
@@ -58,7 +58,6 @@ _MODULES = {
     "ffn_gate_exps": "feed_forward.experts.gate_proj", "ffn_up_exps": "feed_forward.experts.up_proj",
     "ffn_down_exps": "feed_forward.experts.down_proj",
 }
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 LLAMA_CPP_CHUNK_SIZE = 8192  # llama-model.cpp's LLM_ARCH_LLAMA4 n_swa
 LLAMA_CPP_NOPE_STEP = 4  # n_no_rope_layer_step: every 4th layer NoPE
 LLAMA_CPP_TEMPERATURE = (0.1, 8192)  # f_attn_temp_scale, n_attn_temp_floor_scale
@@ -120,12 +119,7 @@ def hf_config(metadata: Mapping[str, object], rope_factors: list[float] | None) 
 def hf_tensor_name(gguf_name: str) -> str:
     """The HF name of a llama4 GGUF tensor (stacked experts: see `_join_experts`); KeyError for
     one this engine does not read."""
-    if gguf_name in _TOP:
-        return _TOP[gguf_name]
-    match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _MODULES:
-        raise KeyError(gguf_name)
-    return f"model.layers.{match.group(1)}.{_MODULES[match.group(2)]}.weight"
+    return hf_name_from_tables(gguf_name, _TOP, _MODULES, kinds=("weight",))
 
 
 def load_llama4_gguf(path: Path, metadata: Mapping[str, object], infos: list[GGUFTensorInfo],
