@@ -127,6 +127,22 @@ def drive(engine: LLMEngine, max_steps: int = 5000,
     raise AssertionError(f"engine still busy after {max_steps} steps")
 
 
+def drive_to_first_tokens(engine: LLMEngine, on_step: Callable[[int], None],
+                          max_steps: int = 5000) -> tuple[dict[str, int], dict[str, Completion]]:
+    """`drive`, also returning the index of the step that gave each request its first token."""
+    first_token_step: dict[str, int] = {}
+    results: dict[str, Completion] = {}
+    for step_index in range(max_steps):
+        on_step(step_index)
+        if not engine.has_unfinished_requests:
+            return first_token_step, results
+        for output in engine.step():
+            if output.new_token_ids:
+                first_token_step.setdefault(output.request_id, step_index)
+            collect(results, output)
+    raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
 def collect(results: dict[str, Completion], output: RequestOutput) -> None:
     done = results.setdefault(output.request_id, Completion())
     done.token_ids += output.new_token_ids

@@ -7,9 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from contracts.sampling_params import SamplingParams
-from engine.outputs import RequestOutput
 from tests.engine.conftest import EngineFactory
-from tests.engine.fakes import Completion, assert_idle_and_clean, collect, drive, generate
+from tests.engine.fakes import assert_idle_and_clean, drive_to_first_tokens, generate
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -23,32 +22,12 @@ def test_a_priority_request_is_not_held_back_by_a_flex_flood(make_engine: Engine
              for i in range(12)}
     for request_id, prompt in flood.items():
         engine.add_request(request_id, prompt, GREEDY, priority=1)
-    first_token_step: dict[str, int] = {}
-    results: dict[str, Completion] = {}
-    step = 0
-
     def on_step(index: int) -> None:
-        nonlocal step
-        step = index
         if index == 3:  # every seat taken by flex requests, eight more waiting
             assert len(engine.scheduler.running) == 4 and len(engine.scheduler.waiting) == 8
             engine.add_request("urgent", urgent_prompt, GREEDY, priority=-1)
 
-    original_step = engine.step
-
-    def recording_step() -> list[RequestOutput]:
-        outputs = original_step()
-        for output in outputs:
-            if output.new_token_ids:
-                first_token_step.setdefault(output.request_id, step)
-            collect(results, output)
-        return outputs
-
-    engine.step = recording_step  # type: ignore[method-assign]
-    try:
-        drive(engine, on_step=on_step)
-    finally:
-        del engine.step
+    first_token_step, results = drive_to_first_tokens(engine, on_step)
     assert first_token_step["urgent"] == 3  # the step right after it arrived
     assert results["urgent"].token_ids == alone.token_ids
     assert all(len(results[r].token_ids) == 12 for r in flood)

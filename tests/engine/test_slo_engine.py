@@ -12,9 +12,14 @@ import pytest
 from contracts.sampling_params import SamplingParams
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
-from engine.outputs import RequestOutput
 from engine.slo import HEADROOM, StepCost, StepCostModel
-from tests.engine.fakes import Completion, assert_idle_and_clean, collect, drive, generate
+from tests.engine.fakes import (
+    Completion,
+    assert_idle_and_clean,
+    drive,
+    drive_to_first_tokens,
+    generate,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -31,34 +36,6 @@ def build(model_path: str, checkpoint: Any, tokenizer: Any) -> Any:
         return LLMEngine(config, checkpoint.config, runner, tokenizer)
 
     return make
-
-
-def _first_token_steps(engine: LLMEngine, on_step: Any) -> tuple[dict[str, int], dict[str, Completion]]:
-    first_token_step: dict[str, int] = {}
-    results: dict[str, Completion] = {}
-    step = 0
-
-    def counting(index: int) -> None:
-        nonlocal step
-        step = index
-        on_step(index)
-
-    original_step = engine.step
-
-    def recording_step() -> list[RequestOutput]:
-        outputs = original_step()
-        for output in outputs:
-            if output.new_token_ids:
-                first_token_step.setdefault(output.request_id, step)
-            collect(results, output)
-        return outputs
-
-    engine.step = recording_step  # type: ignore[method-assign]
-    try:
-        drive(engine, on_step=counting)
-    finally:
-        del engine.step
-    return first_token_step, results
 
 
 def test_a_flex_flood_does_not_delay_a_priority_request_under_the_slo_policy(build: Any,
@@ -78,7 +55,7 @@ def test_a_flex_flood_does_not_delay_a_priority_request_under_the_slo_policy(bui
             admissions["flex"] = engine.admission(1, len(urgent_prompt))
             engine.add_request("urgent", urgent_prompt, GREEDY, priority=-1)
 
-    first_token_step, results = _first_token_steps(engine, on_step)
+    first_token_step, results = drive_to_first_tokens(engine, on_step)
     assert first_token_step["urgent"] == 3  # the step right after it arrived
     assert admissions["priority"].is_admitted and admissions["priority"].queue_ms == 0.0
     assert admissions["flex"].queue_ms > 0.0  # the flood's prompts are ahead of another flex request
@@ -158,7 +135,7 @@ def test_a_reserved_share_gets_its_projects_prompt_through_another_projects_floo
         for i, prompt in enumerate(flood):
             engine.add_request(f"other-{i}", prompt, GREEDY, cache_salt="project:other")
         engine.add_request("acme", acme_prompt, GREEDY, cache_salt="project:acme")
-        steps, results = _first_token_steps(engine, lambda index: None)
+        steps, results = drive_to_first_tokens(engine, lambda index: None)
         assert_idle_and_clean(engine)
         return steps["acme"], results["acme"]
 
