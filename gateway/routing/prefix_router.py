@@ -12,7 +12,7 @@ for long prompts), look up the longest run each candidate holds (one index round
 by our replicas, no consumer has synced yet, or the prompt has no full block. Session affinity
 (the body's `prompt_cache_key`, else `x-session-id`, else `user` / metadata.user_id: the first
 of SESSION_KEY_PRECEDENCE the canonical form carries): the session's last replica is credited
-with the session's last prompt blocks.
+with the session's last prompt blocks, and wins a tie (scoring.py).
 """
 
 from __future__ import annotations
@@ -234,7 +234,8 @@ class PrefixRouter(Router):
         replica_id = state.consumer.replica_id if state and state.consumer.is_synced else None
         num_matched, num_host = matched.get(replica_id, (0, 0)) if replica_id else (0, 0)
         session = self._sessions.get(_session_key(request) or b"")
-        if session is not None and session[0] == endpoint.url:
+        holds_session = session is not None and session[0] == endpoint.url
+        if holds_session:
             num_matched = max(num_matched, min(session[1], num_blocks))
         inflight: Sequence[int] = ()
         if state is not None:
@@ -252,7 +253,7 @@ class PrefixRouter(Router):
             ms_per_block = load.prefill_ms_per_token * state.consumer.block_size
         return CandidateLoad(endpoint.name, num_matched, inflight,
                              (load.num_requests_waiting or 0) if load else 0, kv_used, num_host,
-                             delay_ms, ms_per_block)
+                             delay_ms, ms_per_block, holds_session)
 
     def _is_surely_over_context(self, request: CanonicalRequest,
                                 endpoints: Sequence[Endpoint]) -> bool:

@@ -25,8 +25,9 @@ For a request of `n` full prompt blocks and each candidate replica r:
     come from the simulator (bench/routing_sim.py): W = 1 (Dynamo's default) lost ~40% of the
     hits on the shared-prefix workload under overload; W = 2 unbalanced the agent workload.
 
-The lowest cost wins; ties go to fewer requests in flight, then to a rendezvous hash of the
-request's first block with the replica id, so new prefixes spread evenly and a given prefix keeps
+The lowest cost wins; ties go to the session's last replica (it also holds the blocks of the
+previous turn's output, which no index entry names yet), then to fewer requests in flight, then to
+a rendezvous hash of the request's first block with the replica id, so new prefixes spread evenly and a given prefix keeps
 going to the same replica before any event has arrived. Prefix alone never decides: a holder
 with enough work in flight costs more than recomputing the prefix elsewhere ("sticky until
 saturated").
@@ -71,6 +72,7 @@ class CandidateLoad:
     num_host_blocks: int = 0  # of the matched blocks, those only the replica's host tier holds
     queue_delay_ms: float | None = None  # the replica's predicted queueing for this request's class
     ms_per_block: float | None = None  # the replica's prefill cost of one block, if it reports one
+    holds_session: bool = False  # the replica the request's session last went to
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +116,6 @@ def choose(config: ScoringConfig, num_blocks: int, first_block_hash: int,
     """(index of the winner in `candidates`, every candidate's score)."""
     scores = [score(config, num_blocks, c) for c in candidates]
     best = min(range(len(candidates)), key=lambda i: (
-        scores[i].cost, len(candidates[i].inflight_uncached_blocks),
+        scores[i].cost, not candidates[i].holds_session, len(candidates[i].inflight_uncached_blocks),
         rendezvous(first_block_hash, candidates[i].name)))
     return best, scores

@@ -388,7 +388,8 @@ def test_each_turn_of_a_conversation_goes_to_the_replica_of_the_turn_before(
     """Two replica servers (the fake engine) behind the prefix router: two conversations start at
     once, so on both; each later turn, sent alone to an idle fleet, goes to the replica of its
     conversation (the stored conversation's session credits it with the previous turn's blocks),
-    not to the one an idle tie would pick."""
+    not to the one an idle tie would pick: the session's replica wins the tie (scoring.py; a
+    conversation whose first prompt is a prefix of the other's ties on its second turn)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from engine.server import ReplicaServerSettings

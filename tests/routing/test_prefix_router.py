@@ -217,3 +217,21 @@ def test_prompt_cache_key_is_the_session_key_ahead_of_the_header_and_the_user(
     keyed = request("A fourth new prompt. ", request_id="k4")
     keyed.session_id, keyed.prompt_cache_key = "s-a", "conv-1"  # the key: credited again
     assert rig.choose(keyed) == (chosen, "prefix")
+
+
+@pytest.mark.parametrize("first_holder", [0, 1])
+def test_a_tie_goes_to_the_sessions_last_replica(index: IndexUnderTest, hasher: PromptHasher,
+                                                 first_holder: int) -> None:
+    """Two replicas hold a session's prompt equally; the session's last replica also holds the
+    previous turn's output (no index entry names those blocks yet), so it wins the tie, whichever
+    replica the rendezvous hash would pick: one of the two orders failed when it decided."""
+    rig = Rig(index)
+    turn = request("You are terse. ", request_id="t1")
+    turn.prompt_cache_key = "conv-1"
+    hashes = hashes_of(rig, hasher, turn)
+    rig.hold(rig.endpoints[first_holder], hashes)
+    assert rig.choose(turn)[0] is rig.endpoints[first_holder]
+    rig.hold(rig.endpoints[1 - first_holder], hashes)  # now both hold it
+    again = request("You are terse. ", request_id="t2")
+    again.prompt_cache_key = "conv-1"
+    assert rig.choose(again) == (rig.endpoints[first_holder], "prefix")
