@@ -225,7 +225,9 @@ class SchedulerConfig:
     keep it; "fixed" keeps `max_num_batched_tokens` every step). None: no target.
     `reserved_shares`: (project, fraction) pairs, a project's provisioned share of each step's
     token budget and of the KV blocks, which other projects cannot take while it has work
-    (engine/reserved_shares.py)."""
+    (engine/reserved_shares.py). `flex_max_wait_ms`: a flex request waiting longer is scheduled
+    as default (engine/flex_aging.py; None: 2 x flex's TTFT bound, or 60 s without a TTFT
+    target; inf: never)."""
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
@@ -235,8 +237,12 @@ class SchedulerConfig:
     tpot_p90_ms: float | None = None
     policy: str = "fixed"
     reserved_shares: tuple[tuple[str, float], ...] = ()
+    flex_max_wait_ms: float | None = None
 
     def __post_init__(self) -> None:
+        if self.flex_max_wait_ms is not None and not self.flex_max_wait_ms > 0.0:  # (NaN too)
+            raise ValueError(f"flex_max_wait_ms must be a positive number of milliseconds (or inf), "
+                             f"got {self.flex_max_wait_ms}")
         for name in ("ttft_p90_ms", "tpot_p90_ms"):
             value = getattr(self, name)
             if value is not None and not 0.0 < value < 3_600_000.0:  # (NaN too)

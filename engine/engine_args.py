@@ -68,6 +68,10 @@ def add_slo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reserved-share", action="append", default=[], metavar="PROJECT=FRACTION",
                         help="a project's provisioned share of each step's token budget and of the KV "
                              "blocks, which other projects cannot take while it has work (repeatable)")
+    parser.add_argument("--flex-max-wait-ms", type=float, default=None,
+                        help="a flex request waiting longer than this is scheduled as default (default: "
+                             "2x flex's TTFT bound, i.e. 8x --ttft-p90-ms, or 60000 without a target; "
+                             "inf: never)")
 
 
 def slo_scheduler_fields(args: argparse.Namespace) -> dict[str, object]:
@@ -83,7 +87,8 @@ def slo_scheduler_fields(args: argparse.Namespace) -> dict[str, object]:
             sep = ""
         if not sep or not project:
             raise ValueError(f"--reserved-share {item!r}: expected PROJECT=FRACTION, e.g. acme=0.25")
-    return {**targets, "policy": policy, "reserved_shares": tuple(shares)}
+    return {**targets, "policy": policy, "reserved_shares": tuple(shares),
+            "flex_max_wait_ms": args.flex_max_wait_ms}
 
 
 def add_tensor_parallel_argument(parser: argparse.ArgumentParser) -> None:

@@ -24,8 +24,14 @@ come from `plan_step` (decodes keep their target, prefill takes the rest); under
 is `max_num_batched_tokens` every step. `queue_load()` is what admission control predicts from.
 
 Reserved shares (engine/reserved_shares.py): with `reserved_shares`, each step other projects'
-requests schedule only what the reserved projects with work leave of the budget and the KV blocks;
-a waiting request that may not (its project has no room) is passed over for the next one that may.
+requests schedule only what the reserved projects with work leave of the budget, the KV blocks and
+the seats; a waiting request that may not (its project has no room) is passed over for the next
+one that may. Before anything is scheduled, a reserved project owed blocks or seats that others
+hold takes them back (`_take_back_shares`): other projects' running requests are preempted, lowest
+class and youngest first, never one of a reserved project within its own share.
+
+Flex aging (engine/flex_aging.py): a flex request that waited longer than `flex_max_wait_ms` is
+scheduled as default from then on.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from itertools import islice
 
 from engine.batch import ScheduledBatch, ScheduledSequence
 from engine.config import SchedulerConfig
+from engine.flex_aging import FlexAging, flex_max_wait_s
 from engine.kv_cache.manager import BlockTable, ComputedBlocks, KVCacheManager
 from engine.outputs import FinishReason
 from engine.request import Request, RequestStatus
@@ -64,6 +71,7 @@ class Scheduler:
         self.plan = StepPlan(config.max_num_batched_tokens, config.max_num_seqs)
         self.shares = (ReservedShares(dict(config.reserved_shares), kv_cache.num_blocks,
                                       kv_cache.block_size) if config.reserved_shares else None)
+        self.aging = FlexAging(flex_max_wait_s(config))
 
     @property
     def num_unfinished(self) -> int:
@@ -78,11 +86,16 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        self.kv_cache.expire_retention(self.clock())
+        now_s = self.clock()
+        self.kv_cache.expire_retention(now_s)
+        self.aging.promote(self.waiting, now_s)
         self.plan = self._plan_step()
         budget = self.plan.token_budget
         if self.shares is not None:
-            self.shares.begin_step(budget, self.running, self.waiting)
+            self.shares.begin_step(budget, self.plan.max_num_running, self.running, self.waiting)
+            if self.shares.is_active:
+                self._take_back_shares(batch)
+        num_taken_back = len(batch.preempted_request_ids)
         # running[:index] are scheduled in this step; running[index:] (lower classes) are not yet
         index = 0
         classes = sorted({r.priority for r in self.running} | {r.priority for r in self.waiting})
@@ -90,7 +103,7 @@ class Scheduler:
             if budget <= 0:
                 break
             index, budget = self._schedule_running(batch, budget, index, priority)
-            if not batch.preempted_request_ids:  # no admission in a step that ran out of blocks
+            if len(batch.preempted_request_ids) == num_taken_back:  # none in a step out of blocks
                 index, budget = self._schedule_waiting(batch, budget, index, priority)
         return batch
 
@@ -130,8 +143,9 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int, index: int,
                           priority: int) -> tuple[int, int]:
         """The running requests of class `priority` from running[index]: a decode token each, or the
-        next prefill chunk. Out of blocks, the last running request (lowest class, youngest) is
-        preempted, until the request fits or was that one."""
+        next prefill chunk. Out of blocks (or growing into another project's unmet reservation), the
+        last running request (lowest class, youngest) it may preempt is, until the request fits or
+        was that one."""
         while index < len(self.running) and self.running[index].priority == priority and budget > 0:
             request = self.running[index]
             allowed = self._num_tokens_for(request, budget)
@@ -139,17 +153,20 @@ class Scheduler:
                 index += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, allowed)
-            block_tables = self.kv_cache.allocate_slots(request, num_new)
+            num_new_blocks = self._num_new_blocks(request.num_computed_tokens, num_new)
+            block_tables = self._allocate_running(request, num_new, num_new_blocks)
             while block_tables is None:
-                victim = self.running.pop()
+                position = self._victim(request, index, lower_only=False)
+                assert position is not None  # (at worst the request itself)
+                victim = self.running.pop(position)
                 self._preempt(victim, batch)
                 if victim is request:
                     break
-                block_tables = self.kv_cache.allocate_slots(request, num_new)
+                block_tables = self._allocate_running(request, num_new, num_new_blocks)
             if block_tables is None:
                 break  # the request preempted itself: nothing younger is left to schedule
             batch.sequences.append(self._scheduled(request, num_new, block_tables))
-            self._spend(request, num_new, 0)
+            self._spend(request, num_new, num_new_blocks)
             budget -= num_new
             index += 1
         return index, budget
@@ -159,32 +176,48 @@ class Scheduler:
         """Admit waiting requests of class `priority`, in order, into running[index]; each may
         preempt running requests of lower classes (not yet scheduled in this step) for a seat or
         for KV room."""
-        while self.waiting and self.waiting[0].priority == priority and budget > 0:
+        while self.waiting and budget > 0 and (self.waiting[0].priority == priority or (
+                self._holds_shares and self.waiting[0].priority < priority)):
             num_seats = self.plan.max_num_running
-            if len(self.running) >= num_seats and self._has_lower(index, priority):
-                self._preempt(self.running.pop(), batch)  # one lower-class request gives its seat
-                num_seats = max(num_seats, len(self.running) + 1)
-            if len(self.running) >= num_seats:
+            has_lower = self._has_lower(index, priority)
+            if len(self.running) >= num_seats and not has_lower and not self._owed_seat(priority):
                 break
-            picked = self._pick_within_shares(priority, budget) if self._holds_shares else self._pick_waiting()
+            if self._holds_shares:
+                num_free_seats = max(num_seats - len(self.running), int(has_lower))
+                picked = self._pick_within_shares(priority, budget, num_free_seats)
+            else:
+                picked = self._pick_waiting()
             if picked is None:
                 break  # every waiting request of the class meets another project's reserved share
             request, computed = picked
+            if len(self.running) >= num_seats and self._holds_shares and self.shares.is_short(request):  # type: ignore[union-attr]
+                num_seats = len(self.running) + 1  # a seat its reservation took back this step
+            if len(self.running) >= num_seats:
+                victim = self._victim(request, index, lower_only=True)
+                if victim is None:
+                    break
+                self._preempt(self.running.pop(victim), batch)  # one lower-class request gives its seat
+                num_seats = max(num_seats, len(self.running) + 1)
             num_new = min(request.num_tokens - computed.num_computed_tokens,
                           self._num_tokens_for(request, budget))
             block_tables = self.kv_cache.allocate_slots(request, num_new, computed)
-            while block_tables is None and self._has_lower(index, priority):
-                self._preempt(self.running.pop(), batch)
+            while block_tables is None:
+                victim = self._victim(request, index, lower_only=True)
+                if victim is None:
+                    break
+                self._preempt(self.running.pop(victim), batch)
                 block_tables = self.kv_cache.allocate_slots(request, num_new, computed)
             while block_tables is None and self.kv_cache.release_one_retention():
                 # retained prefixes yield to a waiting request, the soonest to expire first: they
                 # are safe from LRU eviction, never from demand (no request waits on a retention)
                 computed = self.kv_cache.get_computed_blocks(request)
-                num_new = min(request.num_tokens - computed.num_computed_tokens, budget)
+                num_new = min(request.num_tokens - computed.num_computed_tokens,
+                              self._num_tokens_for(request, budget))
                 block_tables = self.kv_cache.allocate_slots(request, num_new, computed)
             if block_tables is None:
                 break  # no room: wait for running requests of its class or higher to finish
             self.waiting.remove(request)
+            self.aging.forget(request)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = computed.num_computed_tokens
                 request.num_host_cached_tokens = computed.num_host_tokens
@@ -196,10 +229,11 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.insert(index, request)  # behind its class, ahead of the lower ones
             index += 1
-            num_new_blocks = (self.kv_cache.num_blocks_needed(request.num_computed_tokens + num_new)
-                              - self.kv_cache.num_blocks_needed(request.num_computed_tokens))
+            num_new_blocks = self._num_new_blocks(request.num_computed_tokens, num_new)
             batch.sequences.append(self._scheduled(request, num_new, block_tables))
             self._spend(request, num_new, num_new_blocks)
+            if self.shares is not None:
+                self.shares.took_seat(request)
             budget -= num_new
         return index, budget
 
@@ -216,24 +250,87 @@ class Scheduler:
             self.shares.spend(request, num_tokens)
             self.shares.took_blocks(request, num_new_blocks)
 
-    def _pick_within_shares(self, priority: int, budget: int) -> tuple[Request, ComputedBlocks] | None:
+    def _pick_within_shares(self, priority: int, budget: int, num_free_seats: int
+                            ) -> tuple[Request, ComputedBlocks] | None:
         """The first waiting request of class `priority` (of the first MAX_SHARE_SCAN) whose project
-        may take tokens and the blocks of its first chunk without touching another project's
-        reserved share."""
+        may take tokens, a seat and the blocks of its first chunk without touching another
+        project's reserved share. Past a higher class's request the share kept waiting, only a
+        request of a project owed its share may go."""
         assert self.shares is not None
+        passed_higher = False
         for request in islice(self.waiting, MAX_SHARE_SCAN):
-            if request.priority != priority:
+            if request.priority < priority:
+                passed_higher = True
+                continue
+            if request.priority > priority:
                 break
+            if passed_higher and not self.shares.is_short(request):
+                continue
             allowed = self.shares.num_tokens_for(request, budget)
             if allowed <= 0:
                 continue
+            if not (self.shares.is_short(request) or self.shares.can_take_seat(request, num_free_seats)):
+                continue
             computed = self.kv_cache.get_computed_blocks(request)
             start = computed.num_computed_tokens
-            num_new = min(request.num_tokens - start, allowed)
-            num_new_blocks = (self.kv_cache.num_blocks_needed(start + num_new)
-                              - self.kv_cache.num_blocks_needed(start))
+            num_new_blocks = self._num_new_blocks(start, min(request.num_tokens - start, allowed))
             if self.shares.can_take_blocks(request, num_new_blocks, self.kv_cache.num_free_blocks):
                 return request, computed
+        return None
+
+    def _owed_seat(self, priority: int) -> bool:
+        """Whether a waiting request of class `priority` (of the first MAX_SHARE_SCAN) belongs to a
+        reserved project owed a seat this step."""
+        if not self._holds_shares:
+            return False
+        assert self.shares is not None
+        return any(r.priority == priority and self.shares.is_short(r)
+                   for r in islice(self.waiting, MAX_SHARE_SCAN))
+
+    def _take_back_shares(self, batch: ScheduledBatch) -> None:
+        """Before the step schedules anything: while the reserved projects with work are owed more
+        blocks than are free, or more seats, preempt other projects' running requests (the lowest
+        class and the youngest first; not those of projects owed a share themselves, nor those of
+        reserved projects within their share). Retained prefixes go before any running request."""
+        shares = self.shares
+        assert shares is not None
+        owed_blocks, owed_seats = shares.shortfall()
+        num_seats_to_free = owed_seats - max(self.plan.max_num_running - len(self.running), 0)
+        while owed_blocks > self.kv_cache.num_free_blocks or num_seats_to_free > 0:
+            if owed_blocks > self.kv_cache.num_free_blocks and self.kv_cache.release_one_retention():
+                continue
+            victim = next((r for r in reversed(self.running)
+                           if not shares.is_short(r) and not shares.is_protected(r, None)), None)
+            if victim is None:
+                return  # what is left is the reserved projects' own (or theirs to finish)
+            self.running.remove(victim)
+            self._preempt(victim, batch)
+            num_seats_to_free -= 1
+
+    def _num_new_blocks(self, num_computed_tokens: int, num_new_tokens: int) -> int:
+        return (self.kv_cache.num_blocks_needed(num_computed_tokens + num_new_tokens)
+                - self.kv_cache.num_blocks_needed(num_computed_tokens))
+
+    def _allocate_running(self, request: Request, num_new: int,
+                          num_new_blocks: int) -> tuple[BlockTable, ...] | None:
+        """A running request's next slots, or None when blocks ran out or its new blocks would be
+        another project's unmet reservation."""
+        if num_new_blocks > 0 and self._holds_shares and not self.shares.can_take_blocks(  # type: ignore[union-attr]
+                request, num_new_blocks, self.kv_cache.num_free_blocks):
+            return None
+        return self.kv_cache.allocate_slots(request, num_new)
+
+    def _victim(self, preemptor: Request, index: int, lower_only: bool) -> int | None:
+        """The position in `running` of the request `preemptor` preempts: the last one (lowest
+        class, youngest) of those not yet scheduled in this step (running[index:]), of a lower
+        class than the preemptor's if `lower_only`, and not inside another reserved project's
+        share. A running preemptor (at running[index]) finds itself at worst."""
+        for position in range(len(self.running) - 1, index - 1, -1):
+            candidate = self.running[position]
+            if lower_only and candidate.priority <= preemptor.priority:
+                return None  # (class order: nothing of a lower class before it)
+            if not (self._holds_shares and self.shares.is_protected(candidate, preemptor)):  # type: ignore[union-attr]
+                return position
         return None
 
     def _has_lower(self, index: int, priority: int) -> bool:
@@ -278,6 +375,9 @@ class Scheduler:
     def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
         """Free a running request's blocks (already out of `running`); it waits at the front of
         its class and later recomputes."""
+        if self.shares is not None:
+            self.shares.released(request, self.shares.blocks_of(request))
+        self.aging.requeued(request, self.clock())
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -295,6 +395,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.aging.forget(request)
         retain = request.retain_s > 0 and reason != FinishReason.ABORT
         self.kv_cache.free(request, self.clock() + request.retain_s if retain else None)
         request.status = RequestStatus.FINISHED

@@ -85,6 +85,9 @@ class ModelSettings(BaseModel):
     ttft_p90_ms: float | None = Field(default=None, gt=0, lt=3_600_000)
     tpot_p90_ms: float | None = Field(default=None, gt=0, lt=3_600_000)
     reserved_shares: dict[str, float] = {}
+    # A flex request waiting longer than this is scheduled as default (`--flex-max-wait-ms`;
+    # none: the replica's default, 2x flex's TTFT bound or 60 s without a target)
+    flex_max_wait_ms: float | None = Field(default=None, gt=0)
     # Embedded replicas of this model split it across this many processes (`--tensor-parallel-size`:
     # one per CUDA device, or per share of the CPU cores); each such replica is still one endpoint
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
@@ -112,6 +115,8 @@ class ModelSettings(BaseModel):
             args += ["--tpot-p90-ms", f"{self.tpot_p90_ms:g}"]
         for project, share in sorted(self.reserved_shares.items()):
             args += ["--reserved-share", f"{project}={share:g}"]
+        if self.flex_max_wait_ms is not None:
+            args += ["--flex-max-wait-ms", f"{self.flex_max_wait_ms:g}"]
         if self.tensor_parallel_size > 1:
             args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         return args

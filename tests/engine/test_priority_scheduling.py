@@ -3,6 +3,8 @@ fake requests and the fake compute step (tests/engine/fakes.py). No model."""
 
 from __future__ import annotations
 
+import pytest
+
 from engine.config import SchedulerConfig
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
@@ -150,3 +152,96 @@ def test_a_priority_arrival_takes_a_seat_from_a_flex_request() -> None:
     run_to_completion(scheduler)
     assert all(r.is_finished for r in (*flex, default, urgent))
     assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
+
+
+# ---- flex aging (engine/flex_aging.py) ------------------------------------------------------------------
+def _flex_under_a_default_stream(flex_max_wait_ms: float, num_steps: int = 80) -> tuple[Request, int | None]:
+    """One seat; one default request arrives every step and takes one step (8 prompt tokens, one
+    output token), so a default request always waits. A flex request arrives first. A virtual clock
+    of one second per step. Returns the flex request and the step it was first scheduled in."""
+    now = [0.0]
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, flex_max_wait_ms=flex_max_wait_ms)
+    scheduler = Scheduler(config, make_manager(256, enable_caching=False), clock=lambda: now[0])
+    flex = classed(FLEX, 8, start=500_000, max_tokens=4, request_id="flex")
+    flex.arrival_time = now[0]
+    scheduler.add_request(flex)
+    first_step = None
+    for step in range(num_steps):
+        default = classed(DEFAULT, 8, start=1000 * (step + 1), max_tokens=1)
+        default.arrival_time = now[0]
+        scheduler.add_request(default)
+        batch = scheduler.schedule()
+        if first_step is None and "flex" in {s.request_id for s in batch.sequences}:
+            first_step = step
+        simulate_step(scheduler, batch)
+        now[0] += 1.0
+    return flex, first_step
+
+
+def test_a_flex_request_starves_under_a_steady_default_stream_without_aging() -> None:
+    flex, first_step = _flex_under_a_default_stream(float("inf"))
+    assert first_step is None and flex.priority == FLEX
+
+
+def test_an_aged_flex_request_is_scheduled_as_default_within_its_bound() -> None:
+    flex, first_step = _flex_under_a_default_stream(10_000.0)  # 10 steps of the virtual clock
+    assert first_step is not None and 10 < first_step <= 12  # promoted past 10 s, ahead of later defaults
+    assert flex.priority == DEFAULT and flex.is_finished
+
+
+def test_an_aged_flex_request_queues_behind_older_defaults_and_ahead_of_younger_ones() -> None:
+    now = [0.0]
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, flex_max_wait_ms=5_000.0)
+    scheduler = Scheduler(config, make_manager(256, enable_caching=False), clock=lambda: now[0])
+    for name, priority, arrival in [("d-old", DEFAULT, 0.0), ("flex", FLEX, 1.0), ("d-young", DEFAULT, 2.0),
+                                    ("p", PRIORITY, 3.0), ("flex-young", FLEX, 4.0)]:
+        request = classed(priority, 8, start=len(name) * 1000 + int(arrival) * 100, request_id=name)
+        request.arrival_time = arrival
+        scheduler.add_request(request)
+    now[0] = 6.5  # flex waited 5.5 s, flex-young 2.5 s
+    assert scheduler.aging.promote(scheduler.waiting, now[0]) == 1
+    assert [r.request_id for r in scheduler.waiting] == ["p", "d-old", "flex", "d-young", "flex-young"]
+    now[0] = 9.5
+    scheduler.schedule()  # flex-young is promoted too, behind every default that waited before it
+    assert [r.request_id for r in scheduler.waiting][-2:] == ["d-young", "flex-young"]
+    assert all(r.priority <= DEFAULT for r in scheduler.waiting)
+    run_to_completion(scheduler)
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
+
+
+def test_a_preempted_flex_request_waits_again_from_its_preemption() -> None:
+    now = [0.0]
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, flex_max_wait_ms=5_000.0)
+    scheduler = Scheduler(config, make_manager(256, enable_caching=False), clock=lambda: now[0])
+    flex = classed(FLEX, 8, start=1000, max_tokens=20, request_id="flex")
+    flex.arrival_time = 0.0
+    scheduler.add_request(flex)
+    now[0] = 4.0
+    simulate_step(scheduler, scheduler.schedule())  # admitted after 4 s
+    now[0] = 20.0
+    scheduler.add_request(classed(DEFAULT, 8, start=2000, max_tokens=20))
+    batch = scheduler.schedule()  # the default request takes its seat
+    assert batch.preempted_request_ids == ["flex"] and flex.priority == FLEX
+    now[0] = 24.0
+    scheduler.schedule()
+    assert flex.priority == FLEX  # 4 s since its preemption, not 24 since its arrival
+    now[0] = 25.5
+    scheduler.schedule()
+    assert flex.priority == DEFAULT
+    run_to_completion(scheduler)
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
+
+
+def test_flex_max_wait_is_validated() -> None:
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="flex_max_wait_ms"):
+            SchedulerConfig(flex_max_wait_ms=bad)
+    assert SchedulerConfig(flex_max_wait_ms=float("inf")).flex_max_wait_ms == float("inf")
+
+
+def test_the_flex_wait_bound_follows_the_ttft_target() -> None:
+    from engine.flex_aging import flex_max_wait_s
+
+    assert flex_max_wait_s(SchedulerConfig(ttft_p90_ms=500.0)) == 2 * 4 * 0.5  # 2 x flex's 4 x target
+    assert flex_max_wait_s(SchedulerConfig()) == 60.0
+    assert flex_max_wait_s(SchedulerConfig(ttft_p90_ms=500.0, flex_max_wait_ms=1500.0)) == 1.5

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import SchedulerConfig
+from engine.request import Request
 from engine.reserved_shares import project_of
 from engine.scheduler import Scheduler
 from tests.engine.fakes import (
@@ -116,3 +117,107 @@ def test_reserved_shares_are_validated() -> None:
         SchedulerConfig(reserved_shares=(("a", 0.0),))
     with pytest.raises(ValueError, match="each project once"):
         SchedulerConfig(reserved_shares=(("a", 0.2), ("a", 0.2)))
+
+
+# ---- taking a share back: others filled the pool and the seats before the project's burst ----------
+def _fill_then_burst(shares: tuple[tuple[str, float], ...], other_classes: tuple[int, ...],
+                     acme_class: int = 0) -> tuple[Scheduler, list[Request], list[Request]]:
+    """32 blocks, 4 seats: four other-project requests of 112 prompt tokens (7 blocks) decode and
+    hold every seat and 28+ blocks; then acme's burst of two 40-token prompts arrives."""
+    scheduler = make_scheduler(shares, num_blocks=32, max_num_batched_tokens=64, max_num_seqs=4)
+    others = []
+    for i, priority in enumerate(other_classes):
+        request = make_request(tokens(112, start=10_000 * (i + 1)), cache_salt=OTHER, max_tokens=24,
+                               request_id=f"other-{i}")
+        request.priority = priority
+        scheduler.add_request(request)
+        others.append(request)
+    while not all(r.num_output_tokens >= 2 for r in others):
+        simulate_step(scheduler, scheduler.schedule())
+    assert len(scheduler.running) == 4 and scheduler.kv_cache.num_free_blocks <= 4
+    burst = []
+    for i in range(2):
+        request = make_request(tokens(40, start=900_000 + 1000 * i), cache_salt=ACME, max_tokens=8,
+                               request_id=f"acme-{i}")
+        request.priority = acme_class
+        scheduler.add_request(request)
+        burst.append(request)
+    return scheduler, others, burst
+
+
+def _finish(scheduler: Scheduler, requests: list[Request]) -> None:
+    run_to_completion(scheduler)
+    assert all(r.is_finished and r.num_output_tokens == r.max_num_tokens - r.num_prompt_tokens
+               for r in requests)
+    scheduler.kv_cache.check_integrity()
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
+
+
+def test_a_reserved_project_takes_its_seats_and_blocks_back_from_other_projects() -> None:
+    # the others are of every class (oldest first): priority, default, default, flex
+    scheduler, others, burst = _fill_then_burst((("acme", 0.5),), (-1, 0, 0, 1))
+    batch = scheduler.schedule()  # the step right after the burst arrived
+    # two seats owed: the lowest class goes first, then the youngest of the next class
+    assert batch.preempted_request_ids == ["other-3", "other-2"]
+    scheduled = {s.request_id: s.num_scheduled_tokens for s in batch.sequences}
+    assert scheduled["acme-0"] == 40 and scheduled["acme-1"] == 64 - 40 - 2  # the rest, after 2 decodes
+    assert scheduled["other-0"] == scheduled["other-1"] == 1  # the older ones keep decoding
+    simulate_step(scheduler, batch)
+    scheduler.kv_cache.check_integrity()
+    assert burst[0].num_output_tokens == 1
+    simulate_step(scheduler, scheduler.schedule())
+    assert burst[1].num_output_tokens == 1  # the burst's first tokens within two steps
+    _finish(scheduler, others + burst)
+    assert all(r.num_preemptions == 0 for r in burst)
+    assert [r.num_preemptions for r in others][:2] == [0, 0]
+
+
+def test_without_a_share_the_burst_waits_for_the_others() -> None:
+    scheduler, others, burst = _fill_then_burst((), (0, 0, 0, 0))
+    num_steps = 0
+    while burst[0].num_output_tokens == 0:
+        batch = scheduler.schedule()
+        assert not batch.preempted_request_ids or set(batch.preempted_request_ids) <= {
+            r.request_id for r in others}
+        simulate_step(scheduler, batch)
+        num_steps += 1
+    assert num_steps >= 15  # until the first of the others finished its 24 tokens
+    _finish(scheduler, others + burst)
+
+
+def test_a_reservation_holds_against_another_projects_higher_class() -> None:
+    # the others are all priority-class: a reservation is capacity, whatever the others' class
+    scheduler, others, burst = _fill_then_burst((("acme", 0.5),), (-1, -1, -1, -1), acme_class=1)
+    batch = scheduler.schedule()
+    assert batch.preempted_request_ids == ["other-3", "other-2"]
+    assert {"acme-0", "acme-1"} <= {s.request_id for s in batch.sequences}
+    simulate_step(scheduler, batch)
+    # inside its share the flex burst is never preempted, though priority requests wait for seats
+    while not all(r.is_finished for r in burst):
+        batch = scheduler.schedule()
+        assert not {"acme-0", "acme-1"} & set(batch.preempted_request_ids)
+        simulate_step(scheduler, batch)
+        scheduler.kv_cache.check_integrity()
+    _finish(scheduler, others + burst)
+    assert all(r.num_preemptions == 0 for r in burst)
+
+
+def test_a_reserved_project_does_not_take_from_another_within_its_share() -> None:
+    scheduler = make_scheduler((("acme", 0.25), ("beta", 0.5)), num_blocks=32,
+                               max_num_batched_tokens=64, max_num_seqs=4)
+    beta = [make_request(tokens(64, start=10_000 * (i + 1)), cache_salt="project:beta", max_tokens=16)
+            for i in range(2)]  # 2 seats and 10 blocks: within beta's half
+    other = [make_request(tokens(64, start=50_000 * (i + 1)), cache_salt=OTHER, max_tokens=16)
+             for i in range(2)]
+    for request in beta + other:
+        scheduler.add_request(request)
+    while not all(r.num_output_tokens >= 1 for r in beta + other):
+        simulate_step(scheduler, scheduler.schedule())
+    acme = make_request(tokens(40, start=900_000), cache_salt=ACME, max_tokens=4)
+    scheduler.add_request(acme)
+    batch = scheduler.schedule()
+    assert len(batch.preempted_request_ids) == 1
+    assert batch.preempted_request_ids[0] in {r.request_id for r in other}  # never one of beta's
+    assert acme.request_id in {s.request_id for s in batch.sequences}
+    _finish(scheduler, beta + other + [acme])
+    assert all(r.num_preemptions == 0 for r in beta + [acme])

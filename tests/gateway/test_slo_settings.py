@@ -16,15 +16,17 @@ def test_targets_and_shares_become_replica_flags_the_replica_parses() -> None:
     import argparse
 
     model = ModelSettings(name="chat", embedded=True, ttft_p90_ms=250, tpot_p90_ms=40.5,
-                          reserved_shares={"team-b": 0.2, "team-a": 0.3})
+                          reserved_shares={"team-b": 0.2, "team-a": 0.3}, flex_max_wait_ms=9000)
     args = model.replica_args()
     assert args == ["--ttft-p90-ms", "250", "--tpot-p90-ms", "40.5",
-                    "--reserved-share", "team-a=0.3", "--reserved-share", "team-b=0.2"]
+                    "--reserved-share", "team-a=0.3", "--reserved-share", "team-b=0.2",
+                    "--flex-max-wait-ms", "9000"]
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     scheduler = engine_config_from_args(parser.parse_args(args)).scheduler
     assert (scheduler.ttft_p90_ms, scheduler.tpot_p90_ms) == (250.0, 40.5)
     assert dict(scheduler.reserved_shares) == {"team-a": 0.3, "team-b": 0.2}
+    assert scheduler.flex_max_wait_ms == 9000.0
     assert scheduler.policy == "slo"  # the default once a target is set
     assert ModelSettings(name="x", endpoints=("http://a",)).replica_args() == []
 
@@ -33,6 +35,7 @@ def test_targets_and_shares_become_replica_flags_the_replica_parses() -> None:
     {"ttft_p90_ms": 0}, {"tpot_p90_ms": -5}, {"ttft_p90_ms": float("nan")},
     {"reserved_shares": {"a": 1.0}}, {"reserved_shares": {"a": 0.5, "b": 0.5}},
     {"reserved_shares": {"": 0.1}}, {"reserved_shares": {"a=b": 0.1}},
+    {"flex_max_wait_ms": 0}, {"flex_max_wait_ms": float("nan")},
 ])
 def test_bad_targets_and_shares_are_refused_at_start(fields: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
