@@ -74,7 +74,12 @@ class ModelRunner:
             shard.parallelize(self.model)  # before the native step's check: it refuses the wrappers
         self._forward = self.model.forward
         self._native_decode = _native_decode_step(self.model, config)
+        self._prefill_step = _bf16_prefill_step(self.model, self._native_decode, shard)
         self.compute_info = _compute_info(self.model, config, self._native_decode)
+        if self._prefill_step is not None:
+            from engine.kernels.cpu import isa
+
+            self.compute_info["cpu_prefill_isa"] = isa.selection().prefill
         if config.compile:
             self._forward = _compiled_forward(self.model)
         self.block_size = config.cache.block_size
@@ -133,14 +138,17 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepLogits:
         if self._native_decode is None:
             return self._execute(batch)
-        runs_prefill = self._native_decode.runs_prefill
+        bf16_prefill = self._prefill_step is not None  # prompt rows: the bf16 step, decode rows native
+        runs_prefill = self._native_decode.runs_prefill and not bf16_prefill
         natives = [s for s in batch.sequences if runs_prefill or _is_decode(s)]
         if not natives:
-            return self._execute(batch)
+            return self._execute_native(batch.sequences, prefill=True) if bf16_prefill else self._execute(batch)
         native = self._execute_native(natives)
         if len(natives) == len(batch.sequences):
             return native
-        rest = self._execute(ScheduledBatch([s for s in batch.sequences if not _is_decode(s)]))
+        prompts = [s for s in batch.sequences if not _is_decode(s)]
+        rest = (self._execute_native(prompts, prefill=True) if bf16_prefill
+                else self._execute(ScheduledBatch(prompts)))
         return StepLogits(native.request_ids + rest.request_ids, torch.cat([native.logits, rest.logits]),
                           {**native.prompt_logits, **rest.prompt_logits})
 
@@ -170,9 +178,10 @@ class ModelRunner:
         logits = logits.cpu() if logits.device.type != "cpu" else logits
         return _split_logits(request_ids, logits, spans)
 
-    def _execute_native(self, seqs: list[ScheduledSequence]) -> StepLogits:
+    def _execute_native(self, seqs: list[ScheduledSequence], prefill: bool = False) -> StepLogits:
         """These sequences through the native kernels (engine/models/llama_decode.py), a row per
-        scheduled token; logits only for each sampling sequence's last row."""
+        scheduled token; logits only for each sampling sequence's last row. `prefill`: prompt
+        chunks through the bf16 prefill step instead (engine/models/llama_prefill.py)."""
         assert self._native_decode is not None
         bs = self.block_size
         tables = block_table_tensor([s.block_table for s in seqs])  # [S, W] (one full group here)
@@ -191,7 +200,11 @@ class ModelRunner:
         step = DecodeInputs(input_ids=torch.tensor([t for s in seqs for t in s.token_ids]),
                             positions=positions, slots=slots, block_tables=row_tables,
                             context_lens=positions + 1, logit_rows=None if every_row else logit_rows)
-        logits = self._native_decode(step, self.kv_caches)  # [len(rows) + span rows, vocab]
+        if prefill:
+            assert self._prefill_step is not None
+            logits = self._prefill_step(step, [s.num_scheduled_tokens for s in seqs], self.kv_caches)
+        else:
+            logits = self._native_decode(step, self.kv_caches)  # [len(rows) + span rows, vocab]
         return _split_logits([seqs[i].request_id for i in sampled], logits, spans)
 
     def _prepare(self, decodes: list[ScheduledSequence], prefills: list[ScheduledSequence],
@@ -335,6 +348,7 @@ def _compute_info(model, config: EngineConfig, native_step: object) -> dict[str,
         selection = isa.selection()
         info["cpu_isa"] = native.loaded_variant()  # None: the native kernels are off
         info["cpu_isa_forced"] = selection.forced
+        info["cpu_prefill_isa"] = None  # the runner sets the bf16 prefill ISA where prompt rows use it
         info["cpu_features"] = list(selection.features)
     return info
 
@@ -351,6 +365,22 @@ def _native_decode_step(model, config: EngineConfig):  # type: ignore[no-untyped
     if config.decode_weights == "q4":  # a model without Q4 blocks has float32 linears: the float step
         return NativeDecodeStep.build(model) or FloatDecodeStep.build(model)
     return FloatDecodeStep.build(model)
+
+
+def _bf16_prefill_step(model, native_step: object, shard: RankShard | None):  # type: ignore[no-untyped-def]
+    """The bf16 prefill step (engine/models/llama_prefill.py) where engine/kernels/cpu/isa.py chose a
+    bf16 prefill ISA and the q4 native step serves this model on one rank; else None."""
+    from engine.models.llama_decode import NativeDecodeStep
+
+    if shard is not None or not isinstance(native_step, NativeDecodeStep):
+        return None
+    from engine.kernels.cpu import isa
+
+    if isa.selection().prefill is None:
+        return None
+    from engine.models.llama_prefill import Bf16PrefillStep
+
+    return Bf16PrefillStep.build(model)
 
 
 def _with_spans(rows: list[int], spans: list[tuple[str, int, int]]) -> list[int]:

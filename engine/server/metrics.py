@@ -23,7 +23,7 @@ the server as outputs stream out:
     aigw_replica_time_to_first_token_seconds              histogram
     aigw_replica_inter_token_latency_seconds              histogram
     aigw_replica_e2e_request_latency_seconds              histogram
-    aigw_replica_cpu_isa{isa, forced}                     gauge 1 (the CPU kernel variant)
+    aigw_replica_cpu_isa{isa, forced, prefill}            gauge 1 (the CPU kernel variant)
     aigw_replica_decode_weights{mode, weights}            gauge 1 (how the replica computes)
 
 Latency targets and classes (engine/slo.py), label service_tier (priority, default, flex):
@@ -202,8 +202,9 @@ class ReplicaMetrics:
             [*label_names, "mode", "weights"], registry=self.registry)
         self._cpu_isa = Gauge(
             PREFIX + "cpu_isa", "The CPU kernel variant chosen at start-up (avx2, avx512, avx_vnni, "
-            "avx512_vnni; none: the native kernels are off), forced or not by AIGW_CPU_ISA.",
-            [*label_names, "isa", "forced"], registry=self.registry)
+            "avx512_vnni; none: the native kernels are off), forced or not by AIGW_CPU_ISA, and what "
+            "prompt rows run on (amx_bf16, avx512_bf16: bf16 GEMMs; none: what decode rows run on).",
+            [*label_names, "isa", "forced", "prefill"], registry=self.registry)
 
     def _targets(self, label_names: list[str], labels: dict[str, str]) -> None:
         """The targets as gauges (0: no target)."""
@@ -220,8 +221,9 @@ class ReplicaMetrics:
         self._refused.labels(**self._labels, service_tier=service_tier_of(priority)).inc()
 
     def set_compute_info(self, info: dict[str, Any] | None) -> None:
-        """aigw_replica_cpu_isa{isa, forced} 1: the CPU kernel variant chosen at start-up
-        (engine/kernels/cpu/isa.py; isa="none" when the native kernels are off), and
+        """aigw_replica_cpu_isa{isa, forced, prefill} 1: the CPU kernel variant chosen at start-up
+        (engine/kernels/cpu/isa.py; isa="none" when the native kernels are off; prefill: the bf16
+        prefill ISA or "none"), and
         aigw_replica_decode_weights{mode, weights} 1 (ModelRunner.compute_info)."""
         if not info:
             return
@@ -229,7 +231,8 @@ class ReplicaMetrics:
                                     weights=str(info.get("weights"))).set(1)
         if "cpu_isa" in info:
             self._cpu_isa.labels(**self._labels, isa=str(info["cpu_isa"] or "none"),
-                                 forced=str(bool(info.get("cpu_isa_forced"))).lower()).set(1)
+                                 forced=str(bool(info.get("cpu_isa_forced"))).lower(),
+                                 prefill=str(info.get("cpu_prefill_isa") or "none")).set(1)
 
     def count_prompt_render(self, by: str) -> None:
         """`by`: "gateway" (its prompt_token_ids were used) or "replica" (rendered here)."""

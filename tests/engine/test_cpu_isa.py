@@ -5,6 +5,7 @@ are different builds; on an AVX2-only one the same)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -47,6 +48,35 @@ def test_aigw_cpu_isa_forces_a_variant_the_cpu_has_and_refuses_others() -> None:
         isa.select(AVX2, "sse9")
 
 
+def test_a_variant_the_os_does_not_enable_is_never_chosen() -> None:
+    """/proc/cpuinfo lists AVX-512 but PyTorch's cpuinfo (XCR0) finds the ZMM state off."""
+    cpu = AVX512 | {"avx512_vnni"}
+    assert isa.select(cpu, None, os_flags=AVX2).variant == "avx2"
+    with pytest.raises(ValueError, match="lacks avx512f"):
+        isa.select(cpu, "avx512_vnni", os_flags=AVX2)
+    assert isa.select(cpu, None, os_flags=cpu).variant == "avx512_vnni"
+    assert isa.os_enabled_flags() is None or {"avx2", "fma"} <= isa.os_enabled_flags()  # type: ignore[operator]
+    if not isa.selection().forced:  # this process: the best of what the CPU and the OS both have
+        usable = isa.cpu_flags() & (isa.os_enabled_flags() or isa.cpu_flags())
+        assert isa.selection().variant == isa.best_variant(usable)
+
+
+def test_bf16_prefill_is_the_best_the_cpu_has_and_forcible_anywhere() -> None:
+    amx = AVX512 | {"avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile"}
+    assert isa.select(amx, None).prefill == "amx_bf16"
+    assert isa.select(AVX512 | {"avx512_bf16"}, None).prefill == "avx512_bf16"
+    assert isa.select(AVX512 | {"avx512_vnni"}, None).prefill is None
+    assert isa.select(amx, "avx512_vnni").prefill is None  # a variant name: integer prefill
+    forced = isa.select(amx, "avx512_bf16")
+    assert (forced.variant, forced.prefill, forced.forced, forced.prefill_emulated) == (
+        "avx512_vnni", "avx512_bf16", True, False)
+    emulated = isa.select(AVX2, "amx_bf16")  # PyTorch's bf16 GEMMs run on any CPU (slow there)
+    assert (emulated.variant, emulated.prefill, emulated.prefill_emulated) == ("avx2", "amx_bf16", True)
+    assert "amx_bf16" in emulated.describe() and emulated.as_dict()["prefill_isa"] == "amx_bf16"
+    with pytest.raises(ValueError, match="AVX2"):
+        isa.select(frozenset({"sse4_2"}), "amx_bf16")
+
+
 def test_a_bad_aigw_cpu_isa_stops_the_replica_before_it_loads_a_model() -> None:
     env = {**os.environ, "AIGW_CPU_ISA": "avx512_vnni" if "avx512_vnni" not in isa.cpu_flags() else "sse9"}
     done = subprocess.run([sys.executable, "-m", "cli.main", "generate", "hi", "--max-tokens", "1"],
@@ -80,7 +110,9 @@ def q4_tokens(model_path: str, checkpoint: Any, tokenizer: Any) -> list[list[int
 
 @pytest.mark.skipif(not native.load(), reason="native CPU kernels unavailable here")
 def test_forced_avx2_kernels_give_the_native_kernels_tokens(model_path: str, checkpoint: Any,
-                                                            tokenizer: Any) -> None:
+                                                            tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    chosen = isa.selection()  # the integer kernels alone: a bf16 prefill (AMX CPUs) is tested apart
+    monkeypatch.setattr(isa, "selection", lambda: dataclasses.replace(chosen, prefill=None))
     ours = q4_tokens(model_path, checkpoint, tokenizer)
     env = {**os.environ, "AIGW_CPU_ISA": "avx2"}
     done = subprocess.run([sys.executable, "-c", _CHILD, model_path], cwd=Path(__file__).resolve().parents[2],

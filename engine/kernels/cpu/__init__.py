@@ -66,16 +66,21 @@ def load() -> bool:
         logger.warning("native CPU kernels off: the CPU lacks %s", ", ".join(missing))
         return False
     chosen = isa.selection()  # a ValueError for a bad AIGW_CPU_ISA: the replica refuses to start
-    assert chosen.variant is not None  # the avx2 variant needs only _REQUIRED_FLAGS
+    if chosen.variant is None:  # /proc lists AVX2 but the OS does not save the YMM state
+        logger.warning("native CPU kernels off: the OS does not enable AVX2 (XCR0)")
+        return False
     logger.info("%s", chosen.describe())
     _, cflags, defines = isa.VARIANTS[chosen.variant]
     _put_ninja_on_path()
     try:
         from torch.utils.cpp_extension import load as load_extension
 
+        # -ffp-contract=off: GCC fuses a * b + c into an FMA where it sees fit, and may decide
+        # differently for a 512-bit build; unfused, the scalar code rounds the same in every variant
         load_extension(name=f"aigw_cpu_decode_ops_{chosen.variant}", sources=[str(_SOURCE)],
                        is_python_module=False,
-                       extra_cflags=["-O3", *cflags, *(f"-D{d}" for d in defines), "-fopenmp"],
+                       extra_cflags=["-O3", *cflags, *(f"-D{d}" for d in defines), "-fopenmp",
+                                     "-ffp-contract=off"],
                        extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: keep the PyTorch path
         logger.warning("native CPU kernels off: the build failed (%s)", exc)

@@ -14,6 +14,7 @@
 //                   steps of several rows, prefill) the Q4 kernel reads pre-broadcast activations,
 //                   4 rows x 16 columns at a time (dot_q4x16_expanded), same results.
 //   q_linear_add_   the same, added into `out` in place (the residual stream).
+//   dequantize_bf16 column groups of a Q4_1 / Q8_0 weight -> bfloat16 rows (the bf16 prefill GEMMs).
 //   decode_attention  one token per row: rotary on q and k, store k/v into the paged cache (float32
 //                   or float16), attend over the row's context (its positions up to its own) straight
 //                   from the cache blocks (no gather); a prefill chunk's rows share passes over K/V.
@@ -543,6 +544,82 @@ void q_linear_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, in
   q_linear_into(x, w, wtype, c10::nullopt, 0.0, silu_mul, out, true);
 }
 
+// 8 float32 -> 8 bfloat16 bits, round to nearest even (the weights are finite: no NaN case).
+inline __m128i to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i packed = _mm256_packus_epi32(rounded, rounded);  // per 128-bit lane: a0-3 a0-3 | a4-7 a4-7
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));  // a0-3 a4-7
+}
+
+// Column j's 32 inputs of one block, as float32 (8 x 4 vectors in input order), from the layouts of
+// dot_q4x8 (w = q d + m) and dot_q8x8 (w = q d).
+inline void column_q4x8(const uint8_t* blk, int j, __m256* v) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  // byte 4j + i of nibble vector t: inputs 8t + i (low) and 8t + 4 + i (high)
+  const __m128i quads = _mm_setr_epi32(load_i32(reinterpret_cast<const int32_t*>(blk + 32 + 4 * j)),
+                                       load_i32(reinterpret_cast<const int32_t*>(blk + 64 + 4 * j)),
+                                       load_i32(reinterpret_cast<const int32_t*>(blk + 96 + 4 * j)),
+                                       load_i32(reinterpret_cast<const int32_t*>(blk + 128 + 4 * j)));
+  const __m128i lo = _mm_and_si128(quads, low), hi = _mm_and_si128(_mm_srli_epi16(quads, 4), low);
+  const __m128i first = _mm_unpacklo_epi32(lo, hi);  // inputs 0..15
+  const __m128i second = _mm_unpackhi_epi32(lo, hi);  // inputs 16..31
+  const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk);
+  const __m256 d = _mm256_set1_ps(_cvtsh_ss(scales[j])), m = _mm256_set1_ps(_cvtsh_ss(scales[8 + j]));
+  const __m128i halves[2] = {first, second};
+  for (int h = 0; h < 2; ++h) {
+    v[2 * h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(halves[h])), d, m);
+    v[2 * h + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(halves[h], 8))), d, m);
+  }
+}
+
+inline void column_q8x8(const uint8_t* blk, int j, __m256* v) {
+  // byte 4j + i of vector u: input 4u + i
+  const int32_t* q = reinterpret_cast<const int32_t*>(blk + 16 + 4 * j);
+  const __m128i first = _mm_setr_epi32(load_i32(q), load_i32(q + 8), load_i32(q + 16), load_i32(q + 24));
+  const __m128i second = _mm_setr_epi32(load_i32(q + 32), load_i32(q + 40), load_i32(q + 48), load_i32(q + 56));
+  const __m256 d = _mm256_set1_ps(_cvtsh_ss(reinterpret_cast<const uint16_t*>(blk)[j]));
+  const __m128i halves[2] = {first, second};
+  for (int h = 0; h < 2; ++h) {
+    v[2 * h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(halves[h])), d);
+    v[2 * h + 1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(halves[h], 8))), d);
+  }
+}
+
+// out[(g1 - g0) * 8, K] bfloat16 = the weight rows (output columns) of column groups [g0, g1): what
+// the bf16 prefill GEMMs read (engine/layers/bf16_linear.py), a tile at a time into a bounded scratch.
+void dequantize_bf16(const at::Tensor& w, int64_t wtype, int64_t g0, int64_t g1, at::Tensor& out) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be [N / 8, bytes] uint8");
+  TORCH_CHECK(wtype == TYPE_Q8X8 || wtype == TYPE_Q4X8, "unknown weight type");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2, "out must be bf16 [rows, K]");
+  TORCH_CHECK(0 <= g0 && g0 < g1 && g1 <= w.size(0), "column groups out of range");
+  const int64_t block_bytes = wtype == TYPE_Q8X8 ? Q8X8_BYTES : Q4X8_BYTES;
+  TORCH_CHECK(w.size(1) % block_bytes == 0, "weight rows are not whole blocks");
+  const int64_t nb = w.size(1) / block_bytes;
+  const int64_t k = nb * QK;
+  TORCH_CHECK(out.size(0) == (g1 - g0) * 8 && out.size(1) == k, "out must be [(g1 - g0) * 8, K]");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(g0, g1, 1, [&](int64_t begin, int64_t end) {
+    __m256 v[4];
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = wp + g * w.size(1) + b * block_bytes;
+        for (int j = 0; j < 8; ++j) {
+          if (wtype == TYPE_Q4X8) {
+            column_q4x8(blk, j, v);
+          } else {
+            column_q8x8(blk, j, v);
+          }
+          uint16_t* dst = op + ((g - g0) * 8 + j) * k + b * QK;
+          for (int i = 0; i < 4; ++i) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 8 * i), to_bf16(v[i]));
+        }
+      }
+    }
+  });
+}
+
 // 8 cache values as float32: the cache holds float32 or float16 (uint16_t bits).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
@@ -867,10 +944,12 @@ TORCH_LIBRARY(aigw_cpu, m) {
   m.def("decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, "
         "int num_kv_heads, float scale) -> Tensor");
+  m.def("dequantize_bf16(Tensor w, int wtype, int group_begin, int group_end, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(aigw_cpu, CPU, m) {
   m.impl("q_linear", &q_linear);
   m.impl("q_linear_add_", &q_linear_add_);
   m.impl("decode_attention", &decode_attention);
+  m.impl("dequantize_bf16", &dequantize_bf16);
 }

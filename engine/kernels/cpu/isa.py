@@ -13,10 +13,27 @@ per variant with that variant's flags and cached under TORCH_EXTENSIONS_DIR):
 Every variant computes the same integers in the same order (vpdpbusd sums the four u8 x s8 products
 that maddubs + madd sum, without saturation, which the AVX2 kernels never reach), so their outputs
 agree bit for bit; a machine with the faster variant checks that by forcing `AIGW_CPU_ISA=avx2`.
-`AIGW_CPU_ISA` names a variant (`avx2`, `avx512`, `avx_vnni`, `avx512_vnni`) or `native` (the
-default: the best the CPU has); a variant the CPU lacks, or an unknown name, is a ValueError at
-start-up. The CPU's other features (AVX512-BF16, AMX) are reported too: the float32 path's GEMMs run
-in oneDNN, which dispatches on them itself.
+A variant is chosen only when /proc/cpuinfo lists every flag of its row and PyTorch's cpuinfo
+(which reads XCR0: the OS saves the YMM / ZMM / tile state) agrees, so neither the CPU nor the OS
+can lack what the loaded build executes.
+
+Prefill in bfloat16 (the q4 mode's prompt chunks, engine/models/llama_prefill.py), best first:
+
+    amx_bf16     AMX-BF16 tiles: oneDNN's bf16 GEMMs (and SDPA's) on AMX
+    avx512_bf16  AVX512-BF16 (vdpbf16ps): the same GEMMs on AVX-512 without AMX
+
+where the CPU has one, prompt rows run in bf16 GEMMs over weights dequantized into a bounded
+scratch and bf16 SDPA (float32 accumulation), decode rows stay on the integer kernels; without
+either, prompt rows take the integer kernels too.
+
+`AIGW_CPU_ISA` is `native` (the default: the best variant and the best bf16 prefill the CPU has),
+a variant name (`avx2`, `avx512`, `avx_vnni`, `avx512_vnni`: that build, integer prefill; a variant
+the CPU lacks is a ValueError at start-up), or a bf16 prefill name (`amx_bf16`, `avx512_bf16`: the
+best variant plus that prefill). A bf16 name is accepted on a CPU without it: the bf16 GEMMs are
+PyTorch's, which dispatch on what the CPU has (without BF16 hardware they are correct and slow),
+so tests run that path anywhere; `avx512_bf16` on an AMX CPU also caps oneDNN below AMX
+(ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16, unless set) so the two bf16 paths can be compared. An unknown
+name is a ValueError.
 """
 
 from __future__ import annotations
@@ -39,6 +56,16 @@ VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = 
                ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"), ()),
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), ()),
 }
+# bf16 prefill ISA -> the CPU flags it needs, best first
+PREFILL_ISAS: dict[str, tuple[str, ...]] = {
+    "amx_bf16": ("amx_bf16", "amx_tile"),
+    "avx512_bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+}
+# PyTorch's cpuinfo names (torch._C._cpu._get_cpu_capability(), OS support checked) -> /proc names
+_CPUINFO_NAMES = {"avx2": "avx2", "fma3": "fma", "f16c": "f16c", "avx512_f": "avx512f",
+                  "avx512_bw": "avx512bw", "avx512_vl": "avx512vl", "avx512_dq": "avx512dq",
+                  "avx512_vnni": "avx512_vnni", "avx_vnni": "avx_vnni", "avx512_bf16": "avx512_bf16",
+                  "amx_bf16": "amx_bf16", "amx_tile": "amx_tile", "amx_int8": "amx_int8"}
 # reported beside the variant (what the CPU has), in this order
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
             "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
@@ -47,21 +74,29 @@ FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vn
 @dataclass(frozen=True)
 class IsaSelection:
     """The kernel variant this process uses (None: the CPU has none of them, the PyTorch paths run),
-    whether AIGW_CPU_ISA forced it, the best variant the CPU has, and its features."""
+    whether AIGW_CPU_ISA forced it, the best variant the CPU has, its features, and the bf16
+    prefill ISA (None: prompt rows on the integer kernels; `prefill_emulated`: forced on a CPU
+    without it, so PyTorch computes the bf16 GEMMs without BF16 hardware)."""
 
     variant: str | None
     forced: bool
     native: str | None
     features: tuple[str, ...]
+    prefill: str | None = None
+    prefill_emulated: bool = False
 
     def describe(self) -> str:
         chosen = self.variant or "none (PyTorch paths)"
         how = f"forced by {ENV}, native {self.native}" if self.forced else "native"
-        return f"CPU kernels {chosen} ({how}; CPU features: {' '.join(self.features) or 'none'})"
+        prefill = "integer kernels" if self.prefill is None else f"bf16 {self.prefill}"
+        if self.prefill_emulated:
+            prefill += " (this CPU lacks it: PyTorch's bf16 without BF16 hardware, slow)"
+        return (f"CPU kernels {chosen} ({how}); prefill {prefill}; "
+                f"CPU features: {' '.join(self.features) or 'none'}")
 
     def as_dict(self) -> dict[str, object]:
         return {"isa": self.variant, "forced": self.forced, "native_isa": self.native,
-                "features": list(self.features)}
+                "features": list(self.features), "prefill_isa": self.prefill}
 
 
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
@@ -77,26 +112,59 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     return frozenset()
 
 
+def os_enabled_flags() -> frozenset[str] | None:
+    """The features PyTorch's cpuinfo finds usable, in /proc names: it checks CPUID and XCR0 (the
+    OS saves YMM / opmask / ZMM / tile state). None when this PyTorch does not say (then the
+    kernel's /proc flags alone decide: Linux clears a flag whose XSAVE state it does not enable)."""
+    try:
+        import torch
+
+        capability = torch._C._cpu._get_cpu_capability()
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    return frozenset(name for key, name in _CPUINFO_NAMES.items() if capability.get(key) is True)
+
+
 def best_variant(flags: frozenset[str]) -> str | None:
     return next((name for name, (needs, _, _) in VARIANTS.items() if set(needs) <= flags), None)
 
 
-def select(flags: frozenset[str], forced: str | None) -> IsaSelection:
-    """The variant for a CPU with `flags` when AIGW_CPU_ISA is `forced` (None or "native": the best)."""
-    native = best_variant(flags)
-    features = tuple(f for f in FEATURES if f in flags)
+def best_prefill(flags: frozenset[str]) -> str | None:
+    return next((name for name, needs in PREFILL_ISAS.items() if set(needs) <= flags), None)
+
+
+def select(flags: frozenset[str], forced: str | None, os_flags: frozenset[str] | None = None
+           ) -> IsaSelection:
+    """The choice for a CPU with `flags` (/proc/cpuinfo's; `os_flags`: what the OS enables, None:
+    all of them) when AIGW_CPU_ISA is `forced` (None or "native": the best)."""
+    usable = flags if os_flags is None else flags & os_flags
+    native = best_variant(usable)
+    features = tuple(f for f in FEATURES if f in usable)
     name = (forced or "").strip().lower()
     if name in ("", "native"):
-        return IsaSelection(native, False, native, features)
+        return IsaSelection(native, False, native, features, best_prefill(usable) if native else None)
+    if name in PREFILL_ISAS:
+        if native is None:
+            raise ValueError(f"{ENV}={name}: bf16 prefill runs beside the native kernels, and this CPU "
+                             f"has none of their variants (AVX2 + FMA + F16C at least)")
+        emulated = not set(PREFILL_ISAS[name]) <= usable
+        return IsaSelection(native, True, native, features, name, emulated)
     if name not in VARIANTS:
-        raise ValueError(f"{ENV}={forced!r}: unknown (native, {', '.join(reversed(VARIANTS))})")
-    missing = [f for f in VARIANTS[name][0] if f not in flags]
+        names = ", ".join([*reversed(VARIANTS), *reversed(PREFILL_ISAS)])
+        raise ValueError(f"{ENV}={forced!r}: unknown (native, {names})")
+    missing = [f for f in VARIANTS[name][0] if f not in usable]
     if missing:
-        raise ValueError(f"{ENV}={name}: this CPU lacks {', '.join(missing)} (it has {native or 'none'})")
+        lacks = ", ".join(missing)
+        raise ValueError(f"{ENV}={name}: this CPU (or its OS) lacks {lacks} (it has {native or 'none'})")
     return IsaSelection(name, True, native, features)
 
 
 @functools.cache
 def selection() -> IsaSelection:
-    """This process's choice: the CPU's flags and AIGW_CPU_ISA, read once."""
-    return select(cpu_flags(), os.environ.get(ENV))
+    """This process's choice: the CPU's flags, what the OS enables, and AIGW_CPU_ISA, read once.
+    Forcing avx512_bf16 on an AMX CPU caps oneDNN at AVX512_CORE_BF16 (before its first use)."""
+    flags = cpu_flags()
+    chosen = select(flags, os.environ.get(ENV), os_enabled_flags())
+    if chosen.forced and chosen.prefill == "avx512_bf16" and "amx_bf16" in chosen.features:
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    return chosen
