@@ -172,7 +172,7 @@ class DeepseekV3Model:
         nope, r, heads = mla.qk_nope_head_dim, mla.kv_lora_rank, cfg.num_heads
         rotate = apply_rotary_interleaved if mla.rope_interleave else apply_rotary
         cos, sin = self.rotary.lookup(positions)  # [T, 1, P]
-        hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        hidden = self.embed(input_ids)  # [T, hidden]
         for i, (layer, (latent_cache, _)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = rms_norm_fast(hidden, layer.input_norm, eps)
             if layer.q_a is not None:
@@ -192,6 +192,11 @@ class DeepseekV3Model:
             hidden = hidden + layer.o_proj(attn.reshape(-1, heads * mla.v_head_dim))
             hidden = hidden + layer.mlp(rms_norm_fast(hidden, layer.post_attention_norm, eps))
         return rms_norm_fast(hidden, self.norm, eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]. A tensor-parallel rank sets an instance attribute of the
+        same name, the vocab-parallel lookup (engine/parallel/layers.py)."""
+        return F.embedding(input_ids, self.embed_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] (the rows to sample from) -> logits [S, vocab] in float32."""

@@ -127,7 +127,7 @@ class Gemma3Model:
         ropes = {None: self.global_rotary.lookup(positions)}  # [T, 1, Dh] cos, sin per layer kind
         if self.local_rotary is not None:
             ropes["local"] = self.local_rotary.lookup(positions)
-        hidden = F.embedding(input_ids, self.embed_tokens) * self.embed_scale  # [T, hidden]
+        hidden = self.embed(input_ids) * self.embed_scale  # [T, hidden]
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             qkv = layer.qkv(gemma_rms_norm(hidden, layer.input_norm, eps))  # [T, Q + 2K]
             heads = qkv.view(-1, num_q + 2 * num_kv, cfg.head_dim)  # [T, H + 2G, Dh]
@@ -146,6 +146,11 @@ class Gemma3Model:
             mlp = layer.down(F.gelu(gate, approximate="tanh") * up)  # [T, I] -> [T, hidden]
             hidden = hidden + gemma_rms_norm(mlp, layer.post_feedforward_norm, eps)
         return gemma_rms_norm(hidden, self.norm, eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden] (unscaled). A tensor-parallel rank sets an instance attribute of the
+        same name, the vocab-parallel lookup (engine/parallel/layers.py)."""
+        return F.embedding(input_ids, self.embed_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] (the rows to sample from) -> logits [S, vocab] in float32."""

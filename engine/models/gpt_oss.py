@@ -115,7 +115,7 @@ class GptOssModel:
         cfg = self.config
         num_q, num_kv, eps = cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
         cos, sin = self.rotary.lookup(positions)  # [T, 1, Dh], shared by every layer
-        hidden = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        hidden = self.embed(input_ids)  # [T, hidden]
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             qkv = layer.qkv(rms_norm(hidden, layer.input_norm, eps)) + layer.qkv_bias  # [T, Q + 2K]
             heads = qkv.view(-1, num_q + 2 * num_kv, cfg.head_dim)  # [T, H + 2G, Dh]
@@ -127,6 +127,11 @@ class GptOssModel:
             hidden = hidden + layer.o_proj(attn.reshape(-1, self.q_size)) + layer.o_bias  # [T, hidden]
             hidden = hidden + layer.mlp(rms_norm(hidden, layer.post_attention_norm, eps))
         return rms_norm(hidden, self.norm, eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]. A tensor-parallel rank sets an instance attribute of the
+        same name, the vocab-parallel lookup (engine/parallel/layers.py)."""
+        return F.embedding(input_ids, self.embed_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] (the rows to sample from) -> logits [S, vocab] in float32."""

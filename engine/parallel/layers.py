@@ -70,9 +70,16 @@ class VocabParallelHead(LinearWeight):
 
 
 def parallelize(model, plan: ShardPlan, group: TPGroup) -> None:  # type: ignore[no-untyped-def]
-    """Wrap a shard-built LlamaModel's cross-rank layers in place (module doc)."""
+    """Wrap a shard-built LlamaModel's cross-rank layers in place (module doc); the other families'
+    models (engine/parallel/families.py) have the same parts."""
+    from engine.parallel.families import parallelize as family_changes
+
+    family_changes(model, plan)
     for layer in model.layers:
         layer.o_proj = RowParallel(layer.o_proj, group)
-        layer.mlp = RowParallel(layer.mlp, group)
+        if hasattr(layer, "mlp"):
+            layer.mlp = RowParallel(layer.mlp, group)
+        else:  # Gemma 3: its post-feedforward norm acts on the summed down projection
+            layer.down = RowParallel(layer.down, group)
     model.embed = VocabParallelEmbedding(model.embed_tokens, plan, group)
     model.lm_head = VocabParallelHead(model.lm_head, plan, group)

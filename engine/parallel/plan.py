@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from engine.config import ModelConfig
 
 _TP_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm",
-                               "mixtral", "qwen2_moe", "qwen3_moe"})
+                               "mixtral", "qwen2_moe", "qwen3_moe",
+                               "gemma3_text", "llama4_text", "gpt_oss", "deepseek_v3"})  # (families.py)
 
 
 class TensorParallelConfigError(ValueError):
@@ -63,14 +64,20 @@ def _split(size: int, rank: int, world_size: int) -> range:
     return range(rank * size // world_size, (rank + 1) * size // world_size)
 
 
+split_range = _split  # rank's part of a dim of `size` (engine/parallel/families.py)
+
+
 def plan_shard(config: ModelConfig, rank: int, world_size: int) -> ShardPlan:
     """The plan for `rank`; TensorParallelConfigError when `config` does not split `world_size` ways."""
+    from engine.parallel import families
+
     arch = config.architecture
     if arch not in _TP_ARCHITECTURES:
         raise TensorParallelConfigError(
             f"tensor parallelism serves {sorted(_TP_ARCHITECTURES)}, not {arch!r}")
     if config.qk_norm == "projection":
         raise TensorParallelConfigError(f"{arch}: q/k norm over all heads is not split across ranks")
+    families.check_splits(config, world_size)
     heads, kv, n = config.num_heads, config.num_kv_heads, world_size
     group = heads // kv  # query heads per kv head
     if kv >= n:
@@ -92,7 +99,7 @@ def plan_shard(config: ModelConfig, rank: int, world_size: int) -> ShardPlan:
     local_vocab = -(-config.vocab_size // n)
     return ShardPlan(rank=rank, world_size=n, q_heads=q_heads, kv_heads=kv_heads,
                      intermediate=_split(config.intermediate_size, rank, n),
-                     expert_intermediate=_split(config.moe_intermediate_size, rank, n),
+                     expert_intermediate=families.expert_intermediate(config, rank, n),
                      shared_intermediate=_split(config.shared_expert_intermediate_size, rank, n),
                      vocab_start=rank * local_vocab, num_local_vocab=local_vocab,
                      vocab_size=config.vocab_size, total_kv_heads=total_kv)
@@ -100,9 +107,11 @@ def plan_shard(config: ModelConfig, rank: int, world_size: int) -> ShardPlan:
 
 def local_config(config: ModelConfig, plan: ShardPlan) -> ModelConfig:
     """The rank's ModelConfig: its own head counts, intermediate sizes and (padded) vocab rows."""
+    from engine.parallel.families import local_changes
+
     return dataclasses.replace(
         config, num_heads=len(plan.q_heads), num_kv_heads=len(plan.kv_heads),
         intermediate_size=len(plan.intermediate) or config.intermediate_size,
         moe_intermediate_size=len(plan.expert_intermediate),
         shared_expert_intermediate_size=len(plan.shared_intermediate),
-        vocab_size=plan.num_local_vocab)
+        vocab_size=plan.num_local_vocab, **local_changes(config, plan))  # type: ignore[arg-type]

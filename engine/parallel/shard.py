@@ -15,6 +15,7 @@ import re
 import torch
 
 from engine.config import ModelConfig
+from engine.parallel.families import is_skipped, layer_slices
 from engine.parallel.plan import ShardPlan, TensorParallelConfigError
 
 Ranges = list[range]  # the indices of one dim the rank keeps (concatenated in order)
@@ -43,6 +44,9 @@ def tensor_slices(name: str, shape: tuple[int, ...], config: ModelConfig, plan: 
     if match is None:
         raise TensorParallelConfigError(f"no tensor-parallel rule for checkpoint tensor {name!r}")
     leaf = match.group(1)
+    family = layer_slices(leaf, shape, config, plan)  # Gemma 3, Llama 4, gpt-oss, DeepSeek-V3
+    if family is not None:
+        return family
     if leaf in _REPLICATED:
         return whole
     if leaf in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
@@ -97,6 +101,8 @@ def shard_weights(weights: dict[str, torch.Tensor], config: ModelConfig, plan: S
     """The rank's tensors of a fully loaded checkpoint (every name kept, each cut to its slice)."""
     out = {}
     for name, tensor in weights.items():
+        if is_skipped(name, config):
+            continue
         out[name] = pad_vocab(name, take_slices(tensor, tensor_slices(name, tuple(tensor.shape),
                                                                       config, plan)), plan).contiguous()
     return out
