@@ -1,7 +1,16 @@
 """Tensor parallelism on the CPU (gloo, 2 ranks) against the single-process engine, on the default
 model (SmolLM2-135M: 9 query heads, 3 kv heads, so the ranks hold 1 and 2 kv groups).
 
-One TP=2 engine for the module (two processes: this one is rank 0); the last test kills its worker.
+One float32 TP=2 engine for the module (two processes: this one is rank 0), shared by the tests up to
+the one that kills its worker; a process holds one TP world at a time, so the q4 and MoE tests after
+it start and close their own.
+
+Logits are compared against a measured floor instead of a fixed absolute 1e-5: the same TP=1 engine
+with its input embeddings scaled by (1 + 2**-23), one float32 rounding of the model's input, moves
+the logits by ~5e-5 in float32 (and by ~0.8 in the q4 mode, whose 8-bit activation quantization
+turns any last-bit change into a different rounding); TP=2's own differences are roundings of the
+same size (the all-reduce adds the ranks' partial sums in another order than one GEMM), so an
+absolute 1e-5 is below what the model resolves in float32. TP=2 must stay within 2x that floor.
 """
 
 from __future__ import annotations
@@ -10,6 +19,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +30,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.outputs import FinishReason
 from engine.parallel.plan import TensorParallelConfigError, local_config, plan_shard
-from tests.engine.fakes import drive
+from tests.engine.fakes import assert_idle_and_clean, drive, generate
 
 MiB = 1 << 20
 KV_BYTES = 32 * MiB  # the replica's budget: the same block count for TP=1 and TP=2
@@ -29,18 +39,50 @@ CHUNK = 64  # max_num_batched_tokens: a 150-token prompt prefills in 3 chunks
 
 @pytest.fixture(scope="module")
 def tp_engine(model_path: str) -> Iterator[LLMEngine]:
-    config = EngineConfig(model_path=model_path, num_threads=2, dtype="float32", tensor_parallel_size=2,
-                          cache=CacheConfig(kv_cache_memory_bytes=KV_BYTES),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK, max_num_seqs=8))
-    engine = LLMEngine.from_config(config, progress=False)
+    engine = _tp2(model_path)
     yield engine
     engine.runner.close()  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer: Any) -> dict[str, list[int]]:
+    text = "The quick brown fox jumps over the lazy dog. " * 15
+    return {"long": tokenizer.encode(text)[:150], "short": tokenizer.encode("The capital of France is")}
 
 
 @pytest.fixture(scope="module")
 def tp1_engine(make_engine: Any) -> LLMEngine:
     return make_engine(kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=CHUNK, max_num_seqs=8,
                        fresh=True)
+
+
+def _tp2(model_path: str, **changes: Any) -> LLMEngine:
+    config = EngineConfig(model_path=model_path, num_threads=2, dtype="float32", tensor_parallel_size=2,
+                          cache=CacheConfig(kv_cache_memory_bytes=KV_BYTES),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK, max_num_seqs=8))
+    return LLMEngine.from_config(dataclasses.replace(config, **changes), progress=False)
+
+
+def _worst(ours: list[torch.Tensor], base: list[torch.Tensor]) -> float:
+    """The largest absolute difference of two runs' logits, step by step."""
+    assert len(ours) == len(base)
+    pairs = [(a, b) for a, b in zip(ours, base, strict=True) if b.numel()]
+    assert all(a.shape == b.shape for a, b in pairs) and pairs
+    return max((a - b).abs().max().item() for a, b in pairs)
+
+
+def _one_rounding_floor(engine: LLMEngine, prompts: dict[str, list[int]], logits: list[torch.Tensor]) -> float:
+    """How far the logits of `engine` (TP=1, `logits` from its run of the workload) move when its input
+    embeddings are scaled by (1 + 2**-23): the model's sensitivity to one float32 rounding."""
+    model = engine.runner.model
+    embed = model.embed_tokens
+    engine.reset_prefix_cache()  # (the rerun computes what the first run did, no cache hits)
+    model.embed_tokens = embed * (1 + 2.0 ** -23)  # the lookup's table only (the tied head keeps its own)
+    try:
+        _, moved, _ = _run_workload(engine, prompts)
+    finally:
+        model.embed_tokens = embed
+    return _worst(moved, logits)
 
 
 def _run_workload(engine: LLMEngine, prompts: dict[str, list[int]]) -> tuple[dict, list[torch.Tensor], list]:
@@ -83,24 +125,37 @@ def _run_workload(engine: LLMEngine, prompts: dict[str, list[int]]) -> tuple[dic
 
 
 def test_tp2_matches_tp1_tokens_logits_cache_hits_and_kv_events(tp_engine: LLMEngine, tp1_engine: LLMEngine,
-                                                                tokenizer: Any) -> None:
+                                                                prompts: dict[str, list[int]]) -> None:
     assert tp_engine.runner.num_blocks == tp1_engine.runner.num_blocks  # one block table per replica
-    text = "The quick brown fox jumps over the lazy dog. " * 15
-    prompts = {"long": tokenizer.encode(text)[:150], "short": tokenizer.encode("The capital of France is")}
+    assert tp_engine.runner.runner.compute_info["native_step"] == "ParallelFloatStep"  # type: ignore[attr-defined]
     ours, ours_logits, ours_events = _run_workload(tp_engine, prompts)
     base, base_logits, base_events = _run_workload(tp1_engine, prompts)
 
     assert {k: v.token_ids for k, v in ours.items()} == {k: v.token_ids for k, v in base.items()}
     assert ours["again"].num_cached_tokens == base["again"].num_cached_tokens >= 144
     assert ours_events == base_events and ours_events  # the same blocks stored and removed
-    assert len(ours_logits) == len(base_logits)
-    pairs = [(a, b) for a, b in zip(ours_logits, base_logits, strict=True) if b.numel()]
-    assert all(a.shape == b.shape for a, b in pairs) and pairs
-    worst = max((a - b).abs().max().item() for a, b in pairs)
-    scale = max(b.abs().max().item() for _, b in pairs)
-    # the all-reduce adds the ranks' partial sums in another order than one GEMM: not bit-equal
+    worst = _worst(ours_logits, base_logits)
+    scale = max(b.abs().max().item() for b in base_logits if b.numel())
     assert worst <= 1e-5 * scale, (worst, scale)
+    floor = _one_rounding_floor(tp1_engine, prompts, base_logits)  # (module doc: ~5e-5)
+    assert 0 < floor and worst <= 2 * floor, (worst, floor)
     assert tp_engine.runner.group.num_collectives > 0  # type: ignore[attr-defined]
+
+
+def test_tp2_under_recompute_preemption_gives_tp1_tokens(tp_engine: LLMEngine, tp1_engine: LLMEngine,
+                                                         tokenizer: Any) -> None:
+    """8 sequences of 120 tokens need 64 blocks; the pool holds 45: the youngest are preempted and
+    recomputed, on both engines at the same steps (one scheduler, the same block count)."""
+    words = "red green blue gold grey pink teal plum".split()
+    prompts = {w: tokenizer.encode(f"{w} " * 200)[:100] for w in words}
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    before = {e: e.stats().num_preemptions_total for e in (tp_engine, tp1_engine)}
+    ours, base = generate(tp_engine, prompts, params), generate(tp1_engine, prompts, params)
+    preempted = {e: e.stats().num_preemptions_total - before[e] for e in (tp_engine, tp1_engine)}
+    assert preempted[tp_engine] == preempted[tp1_engine] > 0
+    assert {k: v.token_ids for k, v in ours.items()} == {k: v.token_ids for k, v in base.items()}
+    assert all(len(v.token_ids) == 20 for v in ours.values())
+    assert_idle_and_clean(tp_engine)
 
 
 def test_a_model_that_does_not_split_is_one_line() -> None:
@@ -146,6 +201,38 @@ def test_killing_a_rank_mid_stream_fails_the_replica_cleanly(tp_engine: LLMEngin
     async_engine.shutdown()
 
 
+def test_tp2_q4_runs_the_native_kernels_on_its_block_slices_and_matches_tp1_q4(
+        model_path: str, checkpoint: Any, tokenizer: Any, prompts: dict[str, list[int]]) -> None:
+    """The CPU default mode: each rank holds its slice of the GGUF's Q4_1 / Q8_0 blocks and runs the
+    native kernels (ParallelNativeStep) with a float16 KV cache; greedy tokens, cached_tokens and KV
+    events equal TP=1's in the same mode, logits within 2x the q4 mode's one-rounding floor."""
+    from engine.model_runner import ModelRunner
+
+    config = EngineConfig(model_path=model_path, num_threads=1, dtype="float32", decode_weights="q4",
+                          cache=CacheConfig(kv_cache_memory_bytes=KV_BYTES),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK, max_num_seqs=8))
+    runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights), dict(checkpoint.raw))
+    tp1 = LLMEngine(config, checkpoint.config, runner, tokenizer)
+    tp2 = _tp2(model_path, decode_weights="q4")
+    try:
+        rank0 = tp2.runner.runner  # type: ignore[attr-defined]
+        assert rank0.compute_info["weights"] == "q4-native"
+        assert rank0.compute_info["native_step"] == "ParallelNativeStep"
+        assert rank0.kv_caches[0][0].dtype == torch.float16 and tp2.runner.num_blocks == runner.num_blocks
+        qkv_rows = rank0.model.layers[0].qkv.blocks.shape[0] * 8  # rank 0: 3 query heads, 1 kv head
+        assert qkv_rows == (3 + 2 * 1) * 64
+        ours, ours_logits, ours_events = _run_workload(tp2, prompts)
+    finally:
+        tp2.runner.close()  # type: ignore[attr-defined]
+    base, base_logits, base_events = _run_workload(tp1, prompts)
+    assert {k: v.token_ids for k, v in ours.items()} == {k: v.token_ids for k, v in base.items()}
+    assert ours["again"].num_cached_tokens == base["again"].num_cached_tokens >= 144
+    assert ours_events == base_events
+    worst = _worst(ours_logits, base_logits)
+    floor = _one_rounding_floor(tp1, prompts, base_logits)  # (module doc: ~0.8)
+    assert 0 < floor and worst <= 2 * floor, (worst, floor)
+
+
 def test_an_embedded_model_gives_its_replicas_the_tensor_parallel_flag() -> None:
     from gateway.settings import ModelSettings
 
@@ -188,9 +275,125 @@ def test_a_rank_reads_its_gguf_slices_equal_to_the_cut_of_the_whole(checkpoint: 
     from engine.parallel.gguf_slices import load_gguf_slices
     from engine.parallel.shard import shard_weights
 
+    import gguf
+    import numpy as np
+
+    from engine.parallel.shard import tensor_slices
+
     plan = plan_shard(checkpoint.config, 1, 2)
     want = shard_weights(dict(checkpoint.weights), checkpoint.config, plan)
-    _, got = load_gguf_slices(Path(model_path), 1, 2, torch.float32)
+    raw: dict[str, Any] = {}
+    _, got = load_gguf_slices(Path(model_path), 1, 2, torch.float32, raw)
     assert set(got) == set(want)
     assert all(torch.equal(got[name], want[name]) for name in want)
     assert got["model.layers.0.self_attn.q_proj.weight"].shape == (6 * 64, 576)  # rank 1: 2 kv groups
+    # the q4 mode's blocks: the rank's rows and whole blocks of columns of the file's, vocab rows padded
+    assert set(raw) == set(checkpoint.raw)
+    for name, whole in checkpoint.raw.items():
+        rows, cols = tensor_slices(name, whole.shape, checkpoint.config, plan)
+        block_elements, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[whole.ggml_type]]
+        data = np.concatenate([whole.data[r.start:r.stop] for r in rows]) if rows else whole.data
+        if cols:
+            data = np.concatenate([data[:, r.start // block_elements * block_bytes:
+                                        r.stop // block_elements * block_bytes] for r in cols], axis=1)
+        assert raw[name].ggml_type == whole.ggml_type and raw[name].shape == tuple(got[name].shape)
+        assert np.array_equal(raw[name].data[:len(data)], data) and not raw[name].data[len(data):].any()
+    assert raw["model.layers.0.self_attn.o_proj.weight"].shape == (576, 6 * 64)
+
+
+# ---- the other families (engine/parallel/families.py): one TP=2 world each, tiny random checkpoints --
+def _write_family(family: str, root: Path) -> Path:
+    """A tiny random checkpoint of `family` in `root`, written by transformers' save_pretrained (the
+    writers of tests/models/)."""
+    import transformers
+
+    if family == "llama4_text":  # chunked RoPE + NoPE layers, L2 q/k norm, MoE (shared expert) + dense
+        from tests.models._llama4 import write_checkpoints
+
+        return write_checkpoints(root)["moe"].directory
+    directory = root / family
+    directory.mkdir()
+    if family == "gemma3_text":  # sliding and global layers, per-head q/k norm, soft-capped logits
+        from tests.models._gemma3 import write_checkpoint
+
+        write_checkpoint(directory)
+    elif family == "gpt_oss":  # sinks, sliding windows, biased experts in MXFP4 (I = 64: one block a rank)
+        from tests.models._gpt_oss import make_config, quantize_experts, write_tokenizer
+
+        config = make_config(write_tokenizer(directory))
+        config.intermediate_size, config.initializer_range = 64, 0.15
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for layer in model.model.layers:  # sinks that take a visible share of each softmax
+                layer.self_attn.sinks.normal_(0.0, 2.0)
+        model.eval().save_pretrained(directory)
+        quantize_experts(directory)
+    elif family == "deepseek_v3":  # MLA (q_lora), grouped top-k, shared expert, a dense first layer,
+        _write_deepseek_fp8(directory)  # block-scaled FP8 projections, an MTP layer to skip
+    return directory
+
+
+def _write_deepseek_fp8(directory: Path) -> None:
+    import json
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from tests.models._deepseek_v3 import VARIANTS, make_config
+    from tests.models._gpt_oss import write_tokenizer
+    from tests.models.test_fp8_block_checkpoints import BLOCK, quantize_blocks
+
+    config = make_config(write_tokenizer(directory), **VARIANTS["lora"])
+    config.initializer_range = 0.15
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # a correction bias that changes which experts are chosen
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.3)
+    model.eval().save_pretrained(directory)
+    file = directory / "model.safetensors"
+    tensors = load_file(str(file))
+    tensors.update({n.replace("model.layers.2.", "model.layers.3."): t.clone()  # an MTP layer
+                    for n, t in tensors.items() if n.startswith("model.layers.2.")})
+    for name in [n for n in tensors if n.endswith(("_proj.weight", "_proj_with_mqa.weight"))]:
+        tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(tensors[name])
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    raw = json.loads((directory / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(BLOCK)}
+    (directory / "config.json").write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "llama4_text", "gpt_oss", "deepseek_v3"])
+def test_each_family_splits_and_matches_tp1(family: str, tmp_path: Path) -> None:
+    """TP=2 against TP=1 on the workload above (chunked prefill, a prefix hit, an abort): the same
+    greedy tokens and cached tokens, every step's logits within 1e-5 ABSOLUTE (not relative to the
+    largest logit as above; the checkpoints' logits reach 1.6 to 10)."""
+    directory = _write_family(family, tmp_path)
+    engines = {}
+    try:
+        for tp in (1, 2):
+            config = EngineConfig(model_path=str(directory), num_threads=2, dtype="float32",
+                                  tensor_parallel_size=tp, cache=CacheConfig(kv_cache_memory_bytes=4 * MiB),
+                                  scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4))
+            engines[tp] = LLMEngine.from_config(config, progress=False)
+        rank0 = engines[2].runner.runner  # type: ignore[attr-defined]
+        assert rank0.model_config.num_heads == engines[1].model_config.num_heads // 2
+        prompts = {"long": list(range(3, 43)), "short": [7, 8, 9, 10, 11]}
+        ours, ours_logits, ours_events = _run_workload(engines[2], prompts)
+        base, base_logits, base_events = _run_workload(engines[1], prompts)
+    finally:
+        if 2 in engines:
+            engines[2].runner.close()  # type: ignore[attr-defined]
+    assert {k: v.token_ids for k, v in ours.items()} == {k: v.token_ids for k, v in base.items()}
+    assert ours["again"].num_cached_tokens == base["again"].num_cached_tokens > 0
+    pairs = [(a, b) for a, b in zip(ours_logits, base_logits, strict=True) if b.numel()]
+    assert pairs and all(a.shape == b.shape for a, b in pairs)
+    worst = max((a - b).abs().max().item() for a, b in pairs)
+    assert worst <= 1e-5, worst
+    if family == "deepseek_v3":  # every rank caches the whole latent: half the blocks per budget
+        mla = engines[1].model_config.mla
+        assert mla is not None and rank0.kv_caches[0][0].shape[2:] == (1, mla.kv_lora_rank + mla.qk_rope_head_dim)
+        assert engines[2].runner.num_blocks == engines[1].runner.num_blocks // 2
+    else:
+        assert ours_events == base_events and engines[2].runner.num_blocks == engines[1].runner.num_blocks
