@@ -135,6 +135,10 @@ class ReservedShares:
         project = project_of(request.cache_salt)
         return bool(self._unmet_blocks.get(project or "") or self._unmet_seats.get(project or ""))
 
+    def owes_seat(self, request: Request) -> bool:
+        """Whether `request`'s project is owed a seat this step."""
+        return bool(self._unmet_seats.get(project_of(request.cache_salt) or ""))
+
     def is_protected(self, victim: Request, preemptor: Request | None) -> bool:
         """Whether `victim` (running) is inside its reserved project's share, which `preemptor`
         (None: a reservation taking blocks back) of another project may not preempt: the project

@@ -72,6 +72,7 @@ class Scheduler:
         self.shares = (ReservedShares(dict(config.reserved_shares), kv_cache.num_blocks,
                                       kv_cache.block_size) if config.reserved_shares else None)
         self.aging = FlexAging(flex_max_wait_s(config))
+        self._taken_back: set[str] = set()
 
     @property
     def num_unfinished(self) -> int:
@@ -96,6 +97,7 @@ class Scheduler:
             if self.shares.is_active:
                 self._take_back_shares(batch)
         num_taken_back = len(batch.preempted_request_ids)
+        self._taken_back = set(batch.preempted_request_ids)  # not readmitted in the step that took them
         # running[:index] are scheduled in this step; running[index:] (lower classes) are not yet
         index = 0
         classes = sorted({r.priority for r in self.running} | {r.priority for r in self.waiting})
@@ -190,7 +192,7 @@ class Scheduler:
             if picked is None:
                 break  # every waiting request of the class meets another project's reserved share
             request, computed = picked
-            if len(self.running) >= num_seats and self._holds_shares and self.shares.is_short(request):  # type: ignore[union-attr]
+            if len(self.running) >= num_seats and self._holds_shares and self.shares.owes_seat(request):  # type: ignore[union-attr]
                 num_seats = len(self.running) + 1  # a seat its reservation took back this step
             if len(self.running) >= num_seats:
                 victim = self._victim(request, index, lower_only=True)
@@ -264,12 +266,12 @@ class Scheduler:
                 continue
             if request.priority > priority:
                 break
-            if passed_higher and not self.shares.is_short(request):
+            if (passed_higher and not self.shares.is_short(request)) or request.request_id in self._taken_back:
                 continue
             allowed = self.shares.num_tokens_for(request, budget)
             if allowed <= 0:
                 continue
-            if not (self.shares.is_short(request) or self.shares.can_take_seat(request, num_free_seats)):
+            if not (self.shares.owes_seat(request) or self.shares.can_take_seat(request, num_free_seats)):
                 continue
             computed = self.kv_cache.get_computed_blocks(request)
             start = computed.num_computed_tokens
@@ -284,7 +286,7 @@ class Scheduler:
         if not self._holds_shares:
             return False
         assert self.shares is not None
-        return any(r.priority == priority and self.shares.is_short(r)
+        return any(r.priority == priority and self.shares.owes_seat(r)
                    for r in islice(self.waiting, MAX_SHARE_SCAN))
 
     def _take_back_shares(self, batch: ScheduledBatch) -> None:

@@ -221,3 +221,32 @@ def test_a_reserved_project_does_not_take_from_another_within_its_share() -> Non
     assert acme.request_id in {s.request_id for s in batch.sequences}
     _finish(scheduler, beta + other + [acme])
     assert all(r.num_preemptions == 0 for r in beta + [acme])
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_mixed_projects_and_classes_under_kv_pressure_all_finish_and_leak_nothing(seed: int) -> None:
+    """Random arrivals of three projects (two reserved) in every class into a small pool: every
+    step the allocator is consistent; every request finishes with all its tokens (no livelock of
+    taking back and readmitting); nothing leaks."""
+    import random
+
+    rng = random.Random(seed)
+    scheduler = make_scheduler((("acme", 0.3), ("beta", 0.2)), num_blocks=40,
+                               max_num_batched_tokens=64, max_num_seqs=6)
+    salts = [ACME, "key:beta:k1", OTHER, None]
+    requests: list[Request] = []
+    for step in range(2000):
+        if step < 150 and rng.random() < 0.4:
+            request = make_request(tokens(rng.randint(4, 90), start=100_000 * (len(requests) + 1)),
+                                   cache_salt=rng.choice(salts), max_tokens=rng.randint(1, 40))
+            request.priority = rng.choice((-1, 0, 1))
+            scheduler.add_request(request)
+            requests.append(request)
+        if not scheduler.num_unfinished and step >= 150:
+            break
+        batch = scheduler.schedule()
+        simulate_step(scheduler, batch)
+        scheduler.kv_cache.check_integrity()
+    assert all(r.is_finished and r.num_tokens == r.max_num_tokens for r in requests)
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
+    assert scheduler.kv_cache.num_requests == 0
