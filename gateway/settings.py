@@ -22,6 +22,7 @@ import contextvars
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -125,6 +126,18 @@ class ModelSettings(BaseModel):
     @classmethod
     def _strip_slash(cls, endpoints: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(url.rstrip("/") for url in endpoints)
+
+    @model_validator(mode="after")
+    def _check_endpoint_urls(self) -> ModelSettings:
+        """A built-in backend's endpoints are http(s) base URLs with a host: one without a
+        scheme (`replica-0:8001`) would only ever fail its health checks."""
+        if self.backend in ("replica", "openai", "anthropic"):
+            for url in self.endpoints:
+                parts = urlsplit(url)
+                if parts.scheme not in ("http", "https") or not parts.hostname:
+                    raise ValueError(f"model {self.name!r}: endpoint {url!r} is not an http:// "
+                                     f"or https:// URL with a host")
+        return self
 
     @field_validator("discover")
     @classmethod
@@ -292,6 +305,14 @@ class GatewaySettings(BaseSettings):
                 <= self.responses_store_max_bytes):
             raise ValueError("responses_store_max_response_bytes <= responses_store_max_project_"
                              "bytes <= responses_store_max_bytes must hold")
+        return self
+
+    @model_validator(mode="after")
+    def _unique_model_names(self) -> GatewaySettings:
+        names = [model.name for model in self.models]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:  # (a second entry would silently shadow the first)
+            raise ValueError(f"models: the name {duplicates[0]!r} is configured more than once")
         return self
 
     @model_validator(mode="after")

@@ -144,7 +144,11 @@ def test_embedded_replicas_get_the_replica_args_and_serve(tmp_path: Path) -> Non
     None,  # no such file
     '[[models]]\nname = "m"\nbackend = "bogus"\nendpoints = ["http://127.0.0.1:9"]\n',
     'router = "bogus"\n',
-], ids=["unknown_key", "wrong_type", "not_toml", "missing_file", "unknown_backend", "unknown_router"])
+    '[[models]]\nname = "m"\nendpoints = ["replica-0:8001"]\n',  # no scheme: never reachable
+    '[[models]]\nname = "m"\nendpoints = ["http://127.0.0.1:9"]\n'
+    '[[models]]\nname = "m"\nendpoints = ["http://127.0.0.1:10"]\n',  # one name, two models
+], ids=["unknown_key", "wrong_type", "not_toml", "missing_file", "unknown_backend", "unknown_router",
+        "endpoint_not_a_url", "duplicate_model_name"])
 def test_a_bad_config_file_is_one_error_message_and_status_1(
         tmp_path: Path, config_text: str | None, capsys: pytest.CaptureFixture[str]) -> None:
     from cli.main import main
