@@ -463,3 +463,55 @@ def test_what_the_families_cannot_split_is_one_line() -> None:
     with pytest.raises(TensorParallelConfigError, match="MXFP4 experts split in whole blocks of 32"):
         tensor_slices("model.layers.0.mlp.experts.down_proj_blocks", (4, 64, 1, 16), small,
                       plan_shard(small, 0, 2))
+
+
+def _gguf_of(family: str, directory: Path, path: Path) -> None:
+    """The family's tiny checkpoint as the GGUF file llama.cpp's converter writes (tests/models/ writers)."""
+    if family == "gpt_oss":
+        from tests.models._gpt_oss import write_gguf
+
+        write_gguf(directory, path)
+    elif family == "deepseek_v3":  # the writer reads dense projections: the FP8 file's dense twin
+        import json
+        import shutil
+
+        from safetensors.torch import load_file, save_file
+
+        from engine.loader.fp8_blocks import dequantize_checkpoint
+        from tests.models.test_deepseek_v3_gguf import write_deepseek2_gguf
+
+        twin = path.parent / "dense"
+        shutil.copytree(directory, twin)
+        tensors = load_file(str(directory / "model.safetensors"))
+        dequantize_checkpoint(tensors, (16, 16), torch.float32)
+        save_file(tensors, str(twin / "model.safetensors"), metadata={"format": "pt"})
+        raw = json.loads((twin / "config.json").read_text())
+        raw.pop("quantization_config")
+        (twin / "config.json").write_text(json.dumps(raw))
+        write_deepseek2_gguf(twin, path)
+    else:
+        from tests.models.test_gemma3_llama4_gguf import write_gemma3_gguf, write_llama4_gguf
+
+        (write_gemma3_gguf if family == "gemma3_text" else write_llama4_gguf)(directory, path)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "llama4_text", "gpt_oss", "deepseek_v3"])
+def test_a_family_gguf_is_cut_into_shards_its_rank_model_takes_whole(family: str, family_checkpoint: Any,
+                                                                     tmp_path: Path) -> None:
+    """These families' GGUF files are loaded whole and cut: every rank's tensors have the shapes of
+    its local config and none is left over (the model takes each by shape and refuses leftovers)."""
+    from engine.layers import make_linear_factory
+    from engine.layers.attention import build_attention_backend
+    from engine.models.registry import build_model
+    from engine.parallel.loading import load_rank_weights
+
+    path = tmp_path / f"{family}.gguf"
+    _gguf_of(family, family_checkpoint(family), path)
+    make_linear = make_linear_factory(EngineConfig(model_path=str(path), decode_weights="float"),
+                                      torch.device("cpu"), {})
+    for rank in (0, 1):
+        config, weights = load_rank_weights(path, rank, 2)
+        local = local_config(config, plan_shard(config, rank, 2))
+        model = build_model(local, weights, build_attention_backend("torch"), make_linear)
+        assert not weights and len(model.layers) == config.num_layers  # (build_model pops what it takes)
+        assert local.num_heads == config.num_heads // 2
