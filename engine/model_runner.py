@@ -76,6 +76,10 @@ class ModelRunner:
         self._native_decode = _native_decode_step(self.model, config)
         self._prefill_step = _bf16_prefill_step(self.model, self._native_decode, shard)
         self.compute_info = _compute_info(self.model, config, self._native_decode)
+        info = self.compute_info
+        logger.info("weights: %s%s, experts: %s, native step: %s", info["weights"],
+                    f" ({info['weights_source']})" if info["weights_source"] else "",
+                    info["experts"] or "none", info["native_step"])
         if self._prefill_step is not None:
             from engine.kernels.cpu import isa
 
@@ -329,17 +333,27 @@ class ModelRunner:
 
 
 def _compute_info(model, config: EngineConfig, native_step: object) -> dict[str, object]:  # type: ignore[no-untyped-def]
-    """How this replica computes, for /v1/models and the metrics: the decode-weights mode, whether
-    the weights are the file's quantized blocks (`weights`: q4 native / q4 int4 / float), the fused
-    native step, and on the CPU the kernel variant chosen at start-up (engine/kernels/cpu/isa.py)."""
+    """How this replica computes, for /v1/models and the metrics: the decode-weights mode, what the
+    first layer's attention projections run on (`weights`: q4-native / q8_0-native on the native
+    kernels' Q4_1 / Q8_0 blocks, q4-int4, or the float dtype) and whether those blocks are the
+    file's or quantized at load (`weights_source`), the same for the MoE experts (`experts`, None
+    for a dense model), the fused native step, and on the CPU the kernel variant chosen at start-up
+    (engine/kernels/cpu/isa.py)."""
     from engine.layers.native_linear import NativeQuantLinear
     from engine.layers.q4_linear import Q4DecodeLinear
 
-    first = model.layers[0] if len(getattr(model, "layers", ())) else None
-    kinds = {type(getattr(first, name, None)) for name in ("qkv", "o_proj")}
-    weights = ("q4-native" if NativeQuantLinear in kinds else "q4-int4" if Q4DecodeLinear in kinds
+    layers = list(getattr(model, "layers", ()))
+    first = layers[0] if layers else None
+    linears = [getattr(first, name, None) for name in ("qkv", "o_proj")]
+    native = next((w for w in linears if isinstance(w, NativeQuantLinear)), None)
+    weights = (f"{_block_label(native.block_type)}-native" if native is not None
+               else "q4-int4" if any(isinstance(w, Q4DecodeLinear) for w in linears)
                else config.resolved_dtype)
+    source = None
+    if native is not None:
+        source = "quantized at load" if native.quantized_at_load else "file"
     info: dict[str, object] = {"decode_weights": config.decode_weights, "weights": weights,
+                               "weights_source": source, "experts": _experts_info(layers, config),
                                "native_step": type(native_step).__name__ if native_step is not None else None}
     if config.device.startswith("cpu"):
         from engine.kernels import cpu as native
@@ -351,6 +365,30 @@ def _compute_info(model, config: EngineConfig, native_step: object) -> dict[str,
         info["cpu_prefill_isa"] = None  # the runner sets the bf16 prefill ISA where prompt rows use it
         info["cpu_features"] = list(selection.features)
     return info
+
+
+def _block_label(block_type: str) -> str:
+    """The kernel block format as /v1/models names it: Q4_1 (the file's Q4_0 / Q4_1) is "q4"."""
+    return "q4" if block_type == "Q4_1" else block_type.lower()
+
+
+def _experts_info(layers: list[object], config: EngineConfig) -> str | None:
+    """What the first MoE layer's routed experts run on: "<format>-native (file|quantized at load)",
+    "mxfp4", "fp8" or the float dtype; None for a model without experts."""
+    from engine.layers.native_experts import NativeExperts
+
+    for layer in layers:
+        mlp = getattr(layer, "mlp", None)
+        if not hasattr(mlp, "router"):  # a dense MLP (every MoE layer class has a router)
+            continue
+        experts = getattr(mlp, "native", None) or getattr(mlp, "experts", None)
+        if isinstance(experts, NativeExperts):
+            source = "quantized at load" if experts.quantized_at_load else "file"
+            return f"{_block_label(experts.block_type)}-native ({source})"
+        if getattr(experts, "is_mxfp4", False):
+            return "mxfp4"
+        return "fp8" if getattr(experts, "fp8", False) else config.resolved_dtype
+    return None
 
 
 def _native_decode_step(model, config: EngineConfig):  # type: ignore[no-untyped-def]

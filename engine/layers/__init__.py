@@ -30,9 +30,12 @@ def make_linear_factory(config: EngineConfig, device: torch.device, raw_weights:
 
     from engine.layers.q4_linear import SUPPORTED_TYPES
 
-    # q4 (the CPU default) applies to a file with Q4 blocks; a float checkpoint keeps float32 whole,
-    # its lm head included (no bfloat16 head for a model with nothing else quantized)
-    q4 = config.decode_weights == "q4" and any(
+    # q4 (the CPU default) with the native kernels: every linear on them, in the file's Q4_0 / Q4_1 /
+    # Q8_0 blocks where it has them, else quantized at load (LOAD_BLOCK_TYPE; the lm head Q8_0).
+    # Without the native kernels, a file with Q4 blocks takes PyTorch's int4 kernel for decode rows
+    # and a float checkpoint keeps float32 whole.
+    native_blocks = native_quantization(config, device, dtype)
+    q4 = config.decode_weights == "q4" and not native_blocks and any(
         getattr(raw, "ggml_type", None) in SUPPORTED_TYPES for raw in raw_weights.values())
 
     from engine.layers.fp8_block_linear import can_run_w8a8
@@ -46,6 +49,10 @@ def make_linear_factory(config: EngineConfig, device: torch.device, raw_weights:
             blocked = _make_fp8_blocks(name, weight, raw_weights, device, dtype)
             if blocked is not None:
                 return blocked
+        if native_blocks:
+            quantized = _make_native(name, weight, raw_weights)
+            if quantized is not None:
+                return quantized
         if q4:
             quantized = _make_q4(name, weight.to(device=device, dtype=dtype), raw_weights)
             if quantized is not None:
@@ -59,7 +66,55 @@ def make_linear_factory(config: EngineConfig, device: torch.device, raw_weights:
             return OneDNNLinear(placed)
         return DenseLinear(placed)
 
+    make.native_blocks = native_blocks  # type: ignore[attr-defined] # read by uses_native_blocks
     return make
+
+
+# The block format a float weight is quantized into at load on the CPU default path (Q8_0 or Q4_1):
+# Q8_0, near-lossless (bench/results/q4-every-family-cpu.md has the measurement behind the choice)
+LOAD_BLOCK_TYPE = "Q8_0"
+
+
+def native_quantization(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether linears (and MoE experts) run on the native CPU kernels' blocks: the q4 mode, on the
+    CPU, in float32, with the kernels built (engine/kernels/cpu)."""
+    if config.decode_weights != "q4" or device.type != "cpu" or dtype != torch.float32:
+        return False
+    from engine.kernels import cpu as native
+
+    return native.load()
+
+
+def uses_native_blocks(make_linear: object) -> bool:
+    """Whether a factory from `make_linear_factory` puts weights on the native kernels' blocks, so
+    a model builds its MoE experts as native per-expert linears (engine/layers/native_experts.py)."""
+    return bool(getattr(make_linear, "native_blocks", False))
+
+
+def _make_native(name: str, weight: torch.Tensor, raw_weights: dict) -> LinearWeight | None:  # type: ignore[type-arg]
+    """The native form of linear `name` ([out, in] float `weight`): the file's blocks for it (a fused
+    projection: its parts', all of one native type), else `weight` quantized now (the lm head to
+    Q8_0, the others to LOAD_BLOCK_TYPE), or None when its shape does not fit the kernels."""
+    from engine.layers.block_quant import can_quantize
+    from engine.layers.native_linear import NativeQuantLinear
+
+    out_features, in_features = weight.shape
+    if name == "lm_head.weight":
+        raw = raw_weights.get(name) or raw_weights.get("model.embed_tokens.weight")
+        found = [raw]
+    else:
+        prefix, _, leaf = name.rpartition(".")  # "...self_attn.qkv_proj", "weight"
+        parent, _, module = prefix.rpartition(".")
+        found = [raw_weights.get(f"{parent}.{p}.{leaf}") for p in _FUSED_PARTS.get(module, (module,))]
+    types = {getattr(p, "ggml_type", None) for p in found}  # None: no GGUF blocks for a part
+    if (len(types) == 1 and None not in types
+            and all(NativeQuantLinear.supports(p.ggml_type, p.shape[0]) for p in found)
+            and sum(p.shape[0] for p in found) == out_features
+            and all(p.shape[1] == in_features for p in found)):
+        return NativeQuantLinear.from_raw([(p.ggml_type, p.data) for p in found])
+    if not can_quantize(weight):
+        return None
+    return NativeQuantLinear.from_float(weight, "Q8_0" if name == "lm_head.weight" else LOAD_BLOCK_TYPE)
 
 
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -43,17 +43,42 @@ def to_native_blocks(ggml_type: str, data: np.ndarray) -> tuple[torch.Tensor, in
 
 
 class NativeQuantLinear(LinearWeight):
-    def __init__(self, blocks: torch.Tensor, weight_type: int) -> None:
+    def __init__(self, blocks: torch.Tensor, weight_type: int, quantized_at_load: bool = False) -> None:
         self.blocks = blocks  # uint8 [out / 8, bytes per 8 rows]: the interleaved blocks
         self.weight_type = weight_type
+        # False: the file's own blocks; True: a float weight quantized at load (engine/layers/block_quant.py)
+        self.quantized_at_load = quantized_at_load
 
     @classmethod
-    def from_raw(cls, parts: list[tuple[str, np.ndarray]]) -> NativeQuantLinear:
+    def from_raw(cls, parts: list[tuple[str, np.ndarray]], quantized_at_load: bool = False
+                 ) -> NativeQuantLinear:
         """`parts`: (ggml type, raw rows) of the matrices fused (stacked by rows) into one weight."""
         converted = [to_native_blocks(t, data) for t, data in parts]
         if len({w for _, w in converted}) != 1:
             raise ValueError("fused parts must share one block type")
-        return cls(torch.cat([b for b, _ in converted]), converted[0][1])
+        return cls(torch.cat([b for b, _ in converted]), converted[0][1], quantized_at_load)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, ggml_type: str) -> NativeQuantLinear:
+        """A float [out, in] weight quantized now into `ggml_type` blocks (Q8_0 or Q4_1;
+        `block_quant.can_quantize(weight)` must hold)."""
+        from engine.layers.block_quant import quantize_rows
+
+        return cls.from_raw([(ggml_type, quantize_rows(weight, ggml_type))], quantized_at_load=True)
+
+    @property
+    def block_type(self) -> str:
+        """The kernel's block format: "Q4_1" (the file's Q4_0 / Q4_1) or "Q8_0"."""
+        return "Q8_0" if self.weight_type == native.WEIGHT_TYPES["Q8_0x8"] else "Q4_1"
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype it takes and returns."""
+        return torch.float32
 
     @staticmethod
     def supports(ggml_type: str, out_features: int) -> bool:

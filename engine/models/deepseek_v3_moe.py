@@ -27,8 +27,9 @@ from engine import kernels
 from engine.config import GroupedTopK, ModelConfig
 from engine.layers.fp8_linear import FP8Linear
 from engine.layers.linear import fuse_rows
+from engine.layers.native_experts import NativeExperts
 from engine.models.llama import DenseMLP, LinearFactory, Weights, dense_mlp_factory
-from engine.models.moe import ExpertWeights, _placement
+from engine.models.moe import ExpertWeights, _placement, build_experts
 from engine.models.weights import take
 
 
@@ -53,7 +54,8 @@ def grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, ro
 class DeepseekV3MoE:
     """x [T, H] -> [T, H]: grouped-top-k routed experts + the shared experts."""
 
-    def __init__(self, router: torch.Tensor, bias: torch.Tensor, experts: ExpertWeights, top_k: int,
+    def __init__(self, router: torch.Tensor, bias: torch.Tensor, experts: ExpertWeights | NativeExperts,
+                 top_k: int,
                  routing: GroupedTopK, renormalize: bool, shared: DenseMLP | None) -> None:
         self.router = router  # [E, H] float32
         self.bias = bias  # [E] float32
@@ -66,6 +68,9 @@ class DeepseekV3MoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         logits = x.float() @ self.router.t()  # [T, E] float32, as transformers' router
         weights, ids = grouped_topk(logits, self.bias, self.top_k, self.routing, self.renormalize)
+        if isinstance(self.experts, NativeExperts):  # the CPU default path
+            out = self.experts(x, weights, ids)  # [T, H]
+            return out + self.shared(x) if self.shared is not None else out
         if self.experts.fp8 and kernels.kernel_backend(x.device) == "torch":
             used = torch.unique(ids)  # CPU: dequantize only the routed experts (engine/models/moe.py)
             w13, w2 = self.experts.dense(used)
@@ -99,7 +104,8 @@ def deepseek_v3_mlp(config: ModelConfig, weights: Weights, layer: int,
         w2 = stack("down_proj", (hidden, inter))  # [E, H, I]
     probe = make_linear(p + "gate.weight", router)  # only to learn the engine's device and dtype
     device, dtype = _placement(probe)
-    experts = ExpertWeights(w13.to(device), w2.to(device), dtype, fp8=isinstance(probe, FP8Linear))
+    experts = build_experts(make_linear, p + "experts.", w13, w2, device, dtype,
+                            fp8=isinstance(probe, FP8Linear))
     shared = None
     size, s = config.shared_expert_intermediate_size, p + "shared_experts."
     if size:

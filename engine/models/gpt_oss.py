@@ -100,7 +100,7 @@ class GptOssModel:
             o_bias=self._place(take(weights, p + "self_attn.o_proj.bias", (h,))),
             sinks=self._norm(take(weights, p + "self_attn.sinks", (cfg.num_heads,))),
             sliding_window=cfg.layer_sliding_window(i),
-            mlp=gpt_oss_moe(cfg, weights, i, self._device, self._dtype, dequantize_mxfp4),
+            mlp=gpt_oss_moe(cfg, weights, i, self._device, self._dtype, dequantize_mxfp4, make_linear),
         )
 
     def _place(self, tensor: torch.Tensor) -> torch.Tensor:

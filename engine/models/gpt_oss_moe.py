@@ -35,18 +35,22 @@ MXFP4 placement, chosen at load:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
 from engine import kernels
 from engine.config import ModelConfig
 from engine.kernels.activation import ClampedSwiGLU
-from engine.layers.linear import DenseLinear
+from engine.layers import uses_native_blocks
+from engine.layers.linear import DenseLinear, LinearWeight
 from engine.layers.mxfp4 import MXFP4Weight
+from engine.layers.native_experts import NativeExperts
 from engine.models.weights import CheckpointMismatchError, take
 
 logger = logging.getLogger(__name__)
 Weights = dict[str, torch.Tensor]
+LinearFactory = Callable[[str, torch.Tensor], LinearWeight]
 
 
 def _split_gate_up(inter: int) -> torch.Tensor:
@@ -90,7 +94,7 @@ class GptOssExperts:
 class GptOssMoE:
     """x [T, H] -> [T, H]: router top-k, then the experts through `engine.kernels.fused_moe`."""
 
-    def __init__(self, router: DenseLinear, experts: GptOssExperts, top_k: int,
+    def __init__(self, router: DenseLinear, experts: GptOssExperts | NativeExperts, top_k: int,
                  activation: ClampedSwiGLU) -> None:
         self.router = router  # [E, H] + bias [E]
         self.experts = experts
@@ -105,6 +109,8 @@ class GptOssMoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        if isinstance(self.experts, NativeExperts):  # the CPU default path (biases, activation inside)
+            return self.experts(x, weights, ids)  # [T, H]
         experts, extra = self.experts, {"activation": self.activation}
         if experts.is_mxfp4 and kernels.kernel_backend(x.device) == "triton":
             from engine.kernels.fused_moe_mxfp4 import fused_moe_mxfp4_triton
@@ -125,9 +131,12 @@ class GptOssMoE:
 
 
 def gpt_oss_moe(config: ModelConfig, weights: Weights, layer: int, device: torch.device,
-                dtype: torch.dtype, dequantize_mxfp4: bool) -> GptOssMoE:
+                dtype: torch.dtype, dequantize_mxfp4: bool,
+                make_linear: LinearFactory | None = None) -> GptOssMoE:
     """Pop layer `layer`'s router and experts (either file layout) out of `weights` and place them;
-    MXFP4 experts are dequantized to `dtype` here when `dequantize_mxfp4`, else kept as stored."""
+    MXFP4 experts are dequantized to `dtype` here when `dequantize_mxfp4`, else kept as stored.
+    On the CPU default path (`make_linear` puts weights on the native blocks) the experts become
+    native per-expert linears instead: MXFP4 re-blocked into Q8_0 exactly, dense ones quantized."""
     p = f"model.layers.{layer}.mlp."
     e, h, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
     router = DenseLinear(take(weights, p + "router.weight", (e, h)).to(device, dtype),
@@ -155,9 +164,17 @@ def gpt_oss_moe(config: ModelConfig, weights: Weights, layer: int, device: torch
         w13 = w13.transpose(1, 2).to(device, dtype).contiguous()
         w2 = take(weights, p + "experts.down_proj", (e, inter, h)).transpose(1, 2).to(device, dtype)
         w2 = w2.contiguous()
+    activation = ClampedSwiGLU(alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+    if make_linear is not None and uses_native_blocks(make_linear):
+        extra = {"w13_bias": b13.float().contiguous(), "w2_bias": b2.float().contiguous(),
+                 "activation": activation}
+        native = (NativeExperts.from_mxfp4(w13, w2, **extra) if isinstance(w13, MXFP4Weight)
+                  and isinstance(w2, MXFP4Weight) else
+                  NativeExperts.build(make_linear, p + "experts.", w13, w2, **extra))  # type: ignore[arg-type]
+        if native is not None:
+            return GptOssMoE(router, native, config.num_experts_per_tok, activation)
     experts = GptOssExperts(w13, w2, b13.to(device, dtype).contiguous(), b2.to(device, dtype).contiguous(),
                             dtype)
-    activation = ClampedSwiGLU(alpha=config.swiglu_alpha, limit=config.swiglu_limit)
     return GptOssMoE(router, experts, config.num_experts_per_tok, activation)
 
 

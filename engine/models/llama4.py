@@ -40,8 +40,10 @@ import torch.nn.functional as F
 
 from engine import kernels
 from engine.config import ModelConfig
+from engine.layers import uses_native_blocks
 from engine.layers.attention import PagedAttentionBackend, layer_metadata
 from engine.layers.linear import DenseLinear, LinearWeight, fuse_rows
+from engine.layers.native_experts import NativeExperts
 from engine.layers.norm import rms_norm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.llama import CPU, DenseMLP, LinearFactory
@@ -51,19 +53,23 @@ from engine.models.weights import Weights, take, take_optional
 class Llama4MoE:
     """x [T, hidden] -> [T, hidden]: sigmoid top-k routed SwiGLU experts plus a shared expert."""
 
-    def __init__(self, router: DenseLinear, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-                 shared: DenseMLP) -> None:
+    def __init__(self, router: DenseLinear, w13: torch.Tensor | None, w2: torch.Tensor | None, top_k: int,
+                 shared: DenseMLP, native: NativeExperts | None = None) -> None:
         self.router = router  # [E, hidden]
-        self.w13 = w13  # [E, 2I, hidden]: gate rows, then up rows
+        self.w13 = w13  # [E, 2I, hidden]: gate rows, then up rows (None: `native` holds the experts)
         self.w2 = w2  # [E, hidden, I]
         self.top_k = top_k
         self.shared = shared
+        self.native = native  # the CPU default path: per-expert native linears
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.router(x)  # [T, E]
         top_logits, top_ids = torch.topk(logits, self.top_k, dim=-1)  # [T, k]
         scores = torch.sigmoid(top_logits.float()).to(x.dtype)  # [T, k]
         out = self.shared(x)  # [T, hidden]
+        if self.native is not None:  # the score scales each expert's input
+            return out + self.native(x, scores, top_ids, scale_inputs=True)
+        assert self.w13 is not None and self.w2 is not None
         ones = torch.ones_like(scores[:, :1])  # [T, 1]: the score already scaled the input
         for j in range(self.top_k):
             routed_in = (x * scores[:, j : j + 1]).contiguous()  # [T, hidden]
@@ -155,9 +161,14 @@ class Llama4Model:
         router = DenseLinear(self._place(take(weights, f + "router.weight", (num_experts, h), what)))
         gate_up = take(weights, f + "experts.gate_up_proj", (num_experts, h, 2 * inter), what)
         down = take(weights, f + "experts.down_proj", (num_experts, inter, h), what)
-        return Llama4MoE(router, self._place(gate_up.transpose(1, 2)).contiguous(),
-                         self._place(down.transpose(1, 2)).contiguous(), cfg.num_experts_per_tok,
-                         swiglu(f + "shared_expert.", inter))
+        w13, w2 = gate_up.transpose(1, 2), down.transpose(1, 2)  # [E, 2I, hidden], [E, hidden, I]
+        shared = swiglu(f + "shared_expert.", inter)
+        if uses_native_blocks(make_linear):
+            native = NativeExperts.build(make_linear, f + "experts.", w13, w2)
+            if native is not None:
+                return Llama4MoE(router, None, None, cfg.num_experts_per_tok, shared, native)
+        return Llama4MoE(router, self._place(w13).contiguous(), self._place(w2).contiguous(),
+                         cfg.num_experts_per_tok, shared)
 
     def _temperature(self, positions: torch.Tensor) -> torch.Tensor:
         """positions [T] -> the NoPE layers' query scale [T, 1, 1] float32."""

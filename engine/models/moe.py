@@ -38,8 +38,10 @@ import torch
 from engine import kernels
 from engine.config import ModelConfig
 from engine.kernels.fp8 import quantize_weight_per_channel
+from engine.layers import uses_native_blocks
 from engine.layers.fp8_linear import FP8Linear
-from engine.layers.linear import DenseLinear, LinearWeight, fuse_rows
+from engine.layers.linear import DenseLinear, LinearWeight, OneDNNLinear, fuse_rows
+from engine.layers.native_experts import NativeExperts
 from engine.models.llama import DenseMLP, LinearFactory, Weights, dense_mlp_factory
 from engine.models.weights import take, take_optional
 
@@ -89,7 +91,8 @@ class ExpertWeights:
 class MoEMLP:
     """x [T, H] -> [T, H]: routed SwiGLU experts (+ an optional gated shared expert)."""
 
-    def __init__(self, router: DenseLinear, experts: ExpertWeights, top_k: int, renormalize: bool,
+    def __init__(self, router: LinearWeight, experts: ExpertWeights | NativeExperts, top_k: int,
+                 renormalize: bool,
                  shared: DenseMLP | None = None, shared_gate: DenseLinear | None = None) -> None:
         self.router = router  # [E, H]
         self.experts = experts
@@ -101,14 +104,17 @@ class MoEMLP:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.router(x)  # [T, E]
         topk_weights, topk_ids = kernels.select_experts(router_logits, self.top_k, self.renormalize)
-        if self.experts.fp8 and kernels.kernel_backend(x.device) == "torch":
+        if isinstance(self.experts, NativeExperts):  # the CPU default path
+            out = self.experts(x, topk_weights, topk_ids)  # [T, H]
+        elif self.experts.fp8 and kernels.kernel_backend(x.device) == "torch":
             # CPU: dequantize only the experts this step routes to (K of E for one decode token)
             used = torch.unique(topk_ids)  # [E'] sorted
             w13, w2 = self.experts.dense(used)
             topk_ids = torch.searchsorted(used, topk_ids).to(torch.int32)  # ids into the E' experts
+            out = kernels.fused_moe(x.contiguous(), w13, w2, topk_weights, topk_ids)  # [T, H]
         else:
             w13, w2 = self.experts.dense()
-        out = kernels.fused_moe(x.contiguous(), w13, w2, topk_weights, topk_ids)  # [T, H]
+            out = kernels.fused_moe(x.contiguous(), w13, w2, topk_weights, topk_ids)  # [T, H]
         if self.shared is not None:
             gate = self.shared_gate(x) if self.shared_gate is not None else None  # [T, 1]
             shared = self.shared(x)  # [T, H]
@@ -146,8 +152,8 @@ def moe_mlp_factory(config: ModelConfig, weights: Weights, layer: int,
     probe = make_linear(p + "mlp.gate.weight", router_weight)
     device, dtype = _placement(probe)
     is_fp8 = isinstance(probe, FP8Linear)
-    router = DenseLinear(router_weight.to(device, dtype)) if is_fp8 else probe  # routers stay float
-    experts = ExpertWeights(w13.to(device), w2.to(device), dtype, fp8=is_fp8)
+    router = float_router(probe, router_weight, device, dtype)  # routers stay float
+    experts = build_experts(make_linear, p + "mlp.experts.", w13, w2, device, dtype, fp8=is_fp8)
 
     shared = shared_gate = None
     s = p + "mlp.shared_expert."
@@ -163,6 +169,28 @@ def moe_mlp_factory(config: ModelConfig, weights: Weights, layer: int,
     for leftover in [k for k in weights if k.startswith(p + "mlp.shared_expert")]:
         weights.pop(leftover)  # zero-size shared expert (shared_expert_intermediate_size == 0)
     return MoEMLP(router, experts, config.num_experts_per_tok, config.norm_topk_prob, shared, shared_gate)
+
+
+def float_router(probe: LinearWeight, weight: torch.Tensor, device: torch.device,
+                 dtype: torch.dtype) -> LinearWeight:
+    """The router as the factory built it when that is a float linear, else (FP8, native blocks)
+    a dense float one: top-k is sensitive to small logit errors (llama.cpp keeps routers float too)."""
+    if isinstance(probe, (DenseLinear, OneDNNLinear)):
+        return probe
+    placed = weight.to(device, dtype)
+    return OneDNNLinear(placed) if OneDNNLinear.is_available(placed) else DenseLinear(placed)
+
+
+def build_experts(make_linear: LinearFactory, prefix: str, w13: torch.Tensor, w2: torch.Tensor,
+                  device: torch.device, dtype: torch.dtype, fp8: bool) -> ExpertWeights | NativeExperts:
+    """A layer's experts, w13 [E, 2I, H] and w2 [E, H, I]: native per-expert linears on the CPU
+    default path (engine/layers/native_experts.py: the file's blocks or quantized at load), else
+    stacked dense / FP8 tensors for the fused MoE."""
+    if not fp8 and uses_native_blocks(make_linear):
+        native = NativeExperts.build(make_linear, prefix, w13, w2)
+        if native is not None:
+            return native
+    return ExpertWeights(w13.to(device), w2.to(device), dtype, fp8=fp8)
 
 
 def _placement(linear: LinearWeight) -> tuple[torch.device, torch.dtype]:

@@ -26,7 +26,8 @@ def replica_url(gpt_oss_checkpoints: dict[str, GptOssCheckpoint]) -> Iterator[st
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIGW_")}
     command = [sys.executable, "-m", "cli.main", "replica", "--port", str(port), "--threads", "1",
                "--kv-cache-memory", str(32 << 20), "--no-auth",
-               "--model", str(gpt_oss_checkpoints["mxfp4"].directory)]
+               "--model", str(gpt_oss_checkpoints["mxfp4"].directory),
+               "--exact"]  # float32: transformers' tokens (the default path quantizes at load)
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -39,7 +39,8 @@ def client(checkpoint: TinyCheckpoint) -> Iterator[openai.OpenAI]:
     env = {**os.environ, "AIGW_REPLICA_SECRET": SECRET}
     process = subprocess.Popen(
         [sys.executable, "-m", "cli", "replica", "--model", str(checkpoint.directory), "--port", str(port),
-         "--threads", "1", "--kv-cache-memory", str(8 << 20), "--max-num-batched-tokens", "32", "--max-num-seqs", "8"],
+         "--threads", "1", "--kv-cache-memory", str(8 << 20), "--max-num-batched-tokens", "32", "--max-num-seqs", "8",
+         "--exact"],  # float32: the replica's answers are transformers' (the default quantizes at load)
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
