@@ -71,9 +71,9 @@ class ModelRunner:
                                  make_linear_factory(config, self.device, raw_weights or {}),
                                  self.device, self.dtype)
         if shard is not None:
-            shard.parallelize(self.model)  # before the native step's check: it refuses the wrappers
+            shard.parallelize(self.model)  # before the native step: a rank's takes the wrappers off itself
         self._forward = self.model.forward
-        self._native_decode = _native_decode_step(self.model, config)
+        self._native_decode = _native_decode_step(self.model, config, shard)
         self._prefill_step = _bf16_prefill_step(self.model, self._native_decode, shard)
         self.compute_info = _compute_info(self.model, config, self._native_decode)
         info = self.compute_info
@@ -153,7 +153,9 @@ class ModelRunner:
         prompts = [s for s in batch.sequences if not _is_decode(s)]
         rest = (self._execute_native(prompts, prefill=True) if bf16_prefill
                 else self._execute(ScheduledBatch(prompts)))
-        return StepLogits(native.request_ids + rest.request_ids, torch.cat([native.logits, rest.logits]),
+        # (a rest without sampled rows is [0, local vocab] on a tensor-parallel rank: not concatenated)
+        logits = torch.cat([native.logits, rest.logits]) if len(rest.logits) else native.logits
+        return StepLogits(native.request_ids + rest.request_ids, logits,
                           {**native.prompt_logits, **rest.prompt_logits})
 
     def _execute(self, batch: ScheduledBatch) -> StepLogits:
@@ -391,13 +393,16 @@ def _experts_info(layers: list[object], config: EngineConfig) -> str | None:
     return None
 
 
-def _native_decode_step(model, config: EngineConfig):  # type: ignore[no-untyped-def]
-    """The native decode step for this model and mode (CPU, float32, native kernels built), else None."""
+def _native_decode_step(model, config: EngineConfig, shard: RankShard | None = None):  # type: ignore[no-untyped-def]
+    """The native decode step for this model and mode (CPU, float32, native kernels built), else None;
+    a tensor-parallel rank's with its collectives (engine/parallel/native_step.py)."""
     from engine.kernels import cpu as native
 
     if (config.compile or config.device != "cpu" or config.resolved_dtype != "float32"
             or not hasattr(model, "layers") or model.config.has_sliding_layers or not native.load()):
         return None  # (the native attention kernel has no sliding window)
+    if shard is not None:
+        return shard.native_step(model, config.decode_weights)
     from engine.models.llama_decode import FloatDecodeStep, NativeDecodeStep
 
     if config.decode_weights == "q4":  # a model without Q4 blocks has float32 linears: the float step

@@ -36,7 +36,7 @@ from engine.batch import ScheduledBatch
 from engine.config import EngineConfig
 from engine.model_runner import StepLogits
 from engine.parallel.group import TPGroup, join_group, master_store
-from engine.parallel.rank import build_rank_runner
+from engine.parallel.rank import build_rank_runner, step_kind
 from engine.parallel.worker import WorkerSpec, startup_error
 
 logger = logging.getLogger(__name__)
@@ -118,12 +118,16 @@ class TensorParallelRunner:
         except Exception as exc:  # noqa: BLE001 - every rank's status is gathered first
             status = startup_error(exc)
         try:
-            statuses = self.group.all_gather_object(status)
+            statuses = self.group.all_gather_object((status, step_kind(built[0]) if built else None))
         except RuntimeError as exc:
             raise TensorParallelStartError(self._lost_rank_message(exc)) from None
-        for rank, line in enumerate(statuses):
+        for rank, (line, _) in enumerate(statuses):
             if line:
                 raise TensorParallelStartError(f"tensor-parallel rank {rank} failed to start: {line}")
+        kinds = [kind for _, kind in statuses]
+        if len(set(kinds)) > 1:  # their collectives or block ids would not line up
+            raise TensorParallelStartError("tensor-parallel ranks would run different steps: " + "; ".join(
+                f"rank {rank}: {kind}" for rank, kind in enumerate(kinds)))
         assert built is not None
         return built
 

@@ -6,10 +6,19 @@ cut at 192 / 384 / 768: all multiples of 32). Only those bytes are read and dequ
 inside a block dequantizes the rank's rows whole, then cuts. llama's q/k rows are stored in GGML's
 RoPE order (engine/loader/gguf_checkpoint.py): the rank's Hugging Face rows are picked through the
 same permutation. Stacked experts (qwen3moe's ffn_*_exps) are dequantized whole and then cut.
+
+`raw` (the q4 mode): the rank's quantized blocks of each 2-D weight as well, `RawQuantized` of the
+slice (the embedding's padded rows are zero bytes: zero weights in Q4_0 / Q4_1 / Q8_0), so the rank
+runs the native kernels on them (engine/layers/native_linear.py). A weight gets blocks on no rank
+unless every rank's cut of it is whole blocks and a multiple of 8 rows (the kernels' row groups):
+the ranks then build the same kinds of layers and agree on the step they run
+(engine/parallel/native_step.py); such a weight is served as a float checkpoint's is (said once in
+the log), and start-up checks that the ranks still agree (engine/parallel/rank.py::step_kind).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import gguf
@@ -18,6 +27,7 @@ import torch
 
 from chat.gguf_metadata import GGUFTensorInfo, read_gguf_header
 from engine.config import ModelConfig
+from engine.loader.checkpoint import RawQuantized
 from engine.loader.gguf_checkpoint import (
     _FLOAT_TYPES,
     _NUMPY_ELEMENT_TYPES,
@@ -31,17 +41,25 @@ from engine.parallel.plan import ShardPlan, plan_shard
 from engine.parallel.shard import Ranges, pad_vocab, take_slices, tensor_slices
 
 SLICED_ARCHITECTURES = ("llama", "qwen3", "qwen3moe")  # general.architecture values read here
+ROW_GROUP = 8  # the native kernels interleave 8 output rows (engine/layers/native_linear.py)
+
+logger = logging.getLogger(__name__)
 
 
 def gguf_architecture(path: Path) -> object:
     return read_gguf_header(path)[0].get("general.architecture")
 
 
-def load_gguf_slices(path: Path, rank: int, world_size: int, dtype: torch.dtype
+def load_gguf_slices(path: Path, rank: int, world_size: int, dtype: torch.dtype,
+                     raw: dict[str, RawQuantized] | None = None
                      ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The rank's float tensors; with `raw` given, also fills it with the rank's quantized blocks
+    of every 2-D weight whose cut is block-aligned on every rank (module doc)."""
     metadata, infos = read_gguf_header(path)
     config = model_config_from_gguf(metadata, {t.name for t in infos}, path.stem)
     plan = plan_shard(config, rank, world_size)
+    plans = [plan_shard(config, r, world_size) for r in range(world_size)]
+    unaligned: list[str] = []
     rope_heads = ({"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
                   if config.architecture == "llama" else {})
     file_bytes = np.memmap(path, dtype=np.uint8, mode="r")
@@ -61,8 +79,22 @@ def load_gguf_slices(path: Path, rank: int, world_size: int, dtype: torch.dtype
         order = None
         if module in rope_heads:  # Hugging Face row j is stored at row order[j]
             order = unpermute_rope_rows(np.arange(info.shape[0]), rope_heads[module])
-        values = _read(view, tuple(info.shape), ggml_type, name, config, plan, order)
+        values, blocks = _read(view, tuple(info.shape), ggml_type, name, config, plan, order)
         weights[name] = pad_vocab(name, values.to(dtype), plan).contiguous()
+        if raw is None or ggml_type in _FLOAT_TYPES or len(info.shape) != 2:
+            continue
+        if blocks is None or not _cut_in_blocks(name, tuple(info.shape), ggml_type, config, plans):
+            unaligned.append(info.name)
+            continue
+        rows = weights[name].shape[0]  # the vocab shard's padding rows: zero bytes, zero weights
+        blocks = np.concatenate([blocks, np.zeros((rows - blocks.shape[0], blocks.shape[1]), np.uint8)])
+        raw[name] = RawQuantized(ggml_type=ggml_type.name, shape=tuple(weights[name].shape), data=blocks)
+    if unaligned:
+        logger.warning("tensor-parallel rank %d/%d: %d quantized weights (%s) do not split into whole "
+                       "quantization blocks and groups of %d rows on every rank: the file's blocks are not "
+                       "used for them (served as a float checkpoint's weights)",
+                       rank, world_size, len(unaligned),
+                       ", ".join(unaligned[:4]) + (", ..." if len(unaligned) > 4 else ""), ROW_GROUP)
     if stacked:
         _fuse_stacked_experts(stacked)
         for name, tensor in stacked.items():
@@ -88,13 +120,30 @@ def _rows(ranges: Ranges | None, num_rows: int, order: np.ndarray | None) -> np.
     return order[rows] if order is not None else rows
 
 
+def _cut_in_blocks(name: str, shape: tuple[int, ...], ggml_type: gguf.GGMLQuantizationType,
+                   config: ModelConfig, plans: list[ShardPlan]) -> bool:
+    """Every rank's slice of `name` is whole quantization blocks of columns and whole row groups."""
+    block_elements = gguf.GGML_QUANT_SIZES[ggml_type][0]
+    for plan in plans:
+        rows, cols = tensor_slices(name, shape, config, plan)
+        num_rows = shape[0] if rows is None else sum(len(r) for r in rows)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            num_rows = plan.num_local_vocab
+        if num_rows % ROW_GROUP or any(r.start % block_elements or r.stop % block_elements
+                                       for r in cols or []):
+            return False
+    return True
+
+
 def _read(view: np.ndarray, shape: tuple[int, ...], ggml_type: gguf.GGMLQuantizationType, name: str,
-          config: ModelConfig, plan: ShardPlan, order: np.ndarray | None) -> torch.Tensor:
-    """The rank's part of one 1-D / 2-D tensor, reading only its rows (and block-aligned columns)."""
+          config: ModelConfig, plan: ShardPlan, order: np.ndarray | None
+          ) -> tuple[torch.Tensor, np.ndarray | None]:
+    """The rank's part of one 1-D / 2-D tensor, reading only its rows (and block-aligned columns);
+    -> (float values, the slice's quantized blocks [rows, bytes] when it is whole blocks, else None)."""
     slices = tensor_slices(name, shape, config, plan)
     if len(shape) == 1:
         values = gguf.quants.dequantize(np.array(view), ggml_type)
-        return take_slices(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)), slices)
+        return take_slices(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)), slices), None
     rows = view[_rows(slices[0], shape[0], order)]  # fancy index: reads those rows only
     cols = slices[1]
     if cols is not None and ggml_type in _FLOAT_TYPES:
@@ -105,6 +154,8 @@ def _read(view: np.ndarray, shape: tuple[int, ...], ggml_type: gguf.GGMLQuantiza
             rows = np.concatenate([rows[:, r.start // block_elements * block_bytes:
                                         r.stop // block_elements * block_bytes] for r in cols], axis=1)
             cols = None
-    values = torch.from_numpy(np.ascontiguousarray(
-        gguf.quants.dequantize(np.ascontiguousarray(rows), ggml_type), dtype=np.float32))
-    return take_slices(values, (None, cols))
+    rows = np.ascontiguousarray(rows)
+    values = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(rows, ggml_type),
+                                                   dtype=np.float32))
+    blocks = rows if ggml_type not in _FLOAT_TYPES and cols is None else None
+    return take_slices(values, (None, cols)), blocks

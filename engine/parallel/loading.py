@@ -21,7 +21,10 @@ from engine.parallel.shard import Slices, pad_vocab, shard_weights, take_slices,
 
 
 def load_rank_weights(path: str | Path, rank: int, world_size: int, dtype: torch.dtype = torch.float32,
-                      progress: bool = False) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+                      progress: bool = False, raw: dict | None = None  # type: ignore[type-arg]
+                      ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """`raw` (the q4 mode): filled with the rank's quantized blocks where the format has them
+    (a sliced GGUF: engine/parallel/gguf_slices.py); elsewhere it stays empty (float weights)."""
     from chat.gguf_metadata import is_gguf_file
     from engine.loader import load_checkpoint
 
@@ -36,7 +39,7 @@ def load_rank_weights(path: str | Path, rank: int, world_size: int, dtype: torch
         )
 
         if gguf_architecture(path) in SLICED_ARCHITECTURES:
-            return load_gguf_slices(path, rank, world_size, dtype)
+            return load_gguf_slices(path, rank, world_size, dtype, raw)
     checkpoint = load_checkpoint(path, dtype=dtype, progress=progress)
     plan = plan_shard(checkpoint.config, rank, world_size)
     return checkpoint.config, shard_weights(dict(checkpoint.weights), checkpoint.config, plan)

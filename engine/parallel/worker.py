@@ -55,7 +55,7 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank {spec.rank} %(levelname)s "
                         "%(name)s: %(message)s")
     from engine.parallel.group import join_group, worker_store
-    from engine.parallel.rank import build_rank_runner
+    from engine.parallel.rank import build_rank_runner, step_kind
 
     store = worker_store(spec.store_port, spec.world_size, spec.timeout_s)
     store.set(f"joined/{spec.rank}", "1")
@@ -66,9 +66,9 @@ def main() -> int:
         runner, _ = build_rank_runner(spec.config, group)
     except Exception as exc:  # noqa: BLE001 - reported to rank 0 as one line
         status = startup_error(exc)
-    statuses = group.all_gather_object(status)
-    if any(statuses):
-        return 1
+    statuses = group.all_gather_object((status, None if status else step_kind(runner)))
+    if any(line for line, _ in statuses) or len({kind for _, kind in statuses}) > 1:
+        return 1  # (rank 0 says why in one line)
     runner.warmup()
     while True:
         batch = group.broadcast_object()

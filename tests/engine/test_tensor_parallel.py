@@ -33,7 +33,7 @@ from engine.parallel.plan import TensorParallelConfigError, local_config, plan_s
 from tests.engine.fakes import assert_idle_and_clean, drive, generate
 
 MiB = 1 << 20
-KV_BYTES = 32 * MiB  # the replica's budget: the same block count for TP=1 and TP=2
+KV_BYTES = 16 * MiB  # the replica's budget: the same block count for TP=1 and TP=2 (22 float32 blocks)
 CHUNK = 64  # max_num_batched_tokens: a 150-token prompt prefills in 3 chunks
 
 
@@ -144,17 +144,18 @@ def test_tp2_matches_tp1_tokens_logits_cache_hits_and_kv_events(tp_engine: LLMEn
 
 def test_tp2_under_recompute_preemption_gives_tp1_tokens(tp_engine: LLMEngine, tp1_engine: LLMEngine,
                                                          tokenizer: Any) -> None:
-    """8 sequences of 120 tokens need 64 blocks; the pool holds 45: the youngest are preempted and
+    """6 sequences of 76 tokens need 30 blocks; the pool holds 22: the youngest are preempted and
     recomputed, on both engines at the same steps (one scheduler, the same block count)."""
-    words = "red green blue gold grey pink teal plum".split()
-    prompts = {w: tokenizer.encode(f"{w} " * 200)[:100] for w in words}
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert tp_engine.runner.num_blocks == 22
+    words = "red green blue gold grey pink".split()
+    prompts = {w: tokenizer.encode(f"{w} " * 100)[:60] for w in words}
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     before = {e: e.stats().num_preemptions_total for e in (tp_engine, tp1_engine)}
     ours, base = generate(tp_engine, prompts, params), generate(tp1_engine, prompts, params)
     preempted = {e: e.stats().num_preemptions_total - before[e] for e in (tp_engine, tp1_engine)}
     assert preempted[tp_engine] == preempted[tp1_engine] > 0
     assert {k: v.token_ids for k, v in ours.items()} == {k: v.token_ids for k, v in base.items()}
-    assert all(len(v.token_ids) == 20 for v in ours.values())
+    assert all(len(v.token_ids) == 16 for v in ours.values())
     assert_idle_and_clean(tp_engine)
 
 
@@ -272,13 +273,11 @@ def test_a_rank_reads_its_gguf_slices_equal_to_the_cut_of_the_whole(checkpoint: 
     dequantized; the result is the same tensors as dequantizing everything and cutting."""
     from pathlib import Path
 
-    from engine.parallel.gguf_slices import load_gguf_slices
-    from engine.parallel.shard import shard_weights
-
     import gguf
     import numpy as np
 
-    from engine.parallel.shard import tensor_slices
+    from engine.parallel.gguf_slices import load_gguf_slices
+    from engine.parallel.shard import shard_weights, tensor_slices
 
     plan = plan_shard(checkpoint.config, 1, 2)
     want = shard_weights(dict(checkpoint.weights), checkpoint.config, plan)
