@@ -20,6 +20,7 @@ its `num_outstanding` is given back, as for any failure before the first event.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -37,17 +38,20 @@ from gateway.request.errors import (
 from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
 from gateway.upstream.retry_budget import RetryBudget
-from gateway.upstream.wait_timer import Watchdog
+from gateway.upstream.wait_timer import WaitTimer, Watchdog
 
 MAX_LATENCY_REFUSALS = 2  # the chosen endpoint and the next-best one
 
 
 @dataclass(slots=True)
 class Timing:
-    """Where a request's time went; `upstream_s` is time spent awaiting the backend."""
+    """Where a request's time went; `upstream_s` is time spent awaiting the backend.
+    `abandoned_at`: the model and endpoint whose first event the request was awaiting when it
+    was cancelled (its client left), which therefore had the request; None otherwise."""
 
     started: float
     upstream_s: float = 0.0
+    abandoned_at: tuple[ModelRoute, Endpoint] | None = None
 
     def overhead_ms(self) -> float:
         return max(0.0, (time.perf_counter() - self.started - self.upstream_s) * 1000.0)
@@ -122,7 +126,7 @@ async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
         wait_started = time.perf_counter()
         timeout_s = first_event_timeout_s(request, settings)
         try:
-            async with watchdog.timer() as timer:
+            async with WaitTimer(watchdog) as timer:
                 timer.waiting(timeout_s)
                 first = await anext(events)
             timing.upstream_s += time.perf_counter() - wait_started
@@ -154,7 +158,9 @@ async def dispatch(request: CanonicalRequest, route: ModelRoute, router: Router,
             if overloaded:
                 request.observer.on_refused(request, route.settings.name, True)
             num_retries += 1
-        except BaseException:
+        except BaseException as exc:
             endpoint.num_outstanding -= 1
+            if isinstance(exc, asyncio.CancelledError):  # the client left while it waited
+                timing.abandoned_at = (route, endpoint)
             await _close(events)
             raise

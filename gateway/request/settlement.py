@@ -79,6 +79,7 @@ class Settler:
             log.exception("settle failed for %s", record.request_id)
 
     async def _settle(self, state: RequestState, queue: bool) -> None:
+        state.adopt_abandoned_attempt()  # (a client that left a non-streamed request)
         if state.needs_prompt_count():  # an answer that broke off before its usage
             task = asyncio.ensure_future(self._count_and_settle(state, queue))
             self._counting.add(task)

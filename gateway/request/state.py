@@ -63,6 +63,18 @@ class RequestState:
 
     def needs_prompt_count(self) -> bool:
         """An endpoint answered (so it processed the prompt) but no usage arrived, not even the
-        prompt's count at its start."""
+        prompt's count at its start; or the client left a non-streamed request while an
+        endpoint computed its answer (after `adopt_abandoned_attempt`)."""
         return (self.endpoint is not None and self.accumulator.usage is None
-                and self.accumulator.prompt_usage is None and self.accumulator.num_events > 0)
+                and self.accumulator.prompt_usage is None
+                and (self.accumulator.num_events > 0 or self.timing.abandoned_at is not None))
+
+    def adopt_abandoned_attempt(self) -> None:
+        """A non-streamed request whose client left while an endpoint was computing its whole
+        answer (one body: no event had come, `Timing.abandoned_at`): that endpoint had the
+        prompt, so it is the one that served, and the record bills the prompt it was given
+        (a stream's first event, the prompt's count, comes before its first token)."""
+        abandoned = self.timing.abandoned_at
+        if self.endpoint is None and abandoned is not None and not self.canonical.stream:
+            self.route, self.endpoint = abandoned
+            self.replica = self.endpoint.name

@@ -67,7 +67,7 @@ def _partial_usage(request: CanonicalRequest, accumulator: Accumulator,
     announced = accumulator.prompt_usage
     if announced is not None:
         return Usage(announced.prompt_tokens, num_completion_tokens, announced.cached_tokens)
-    if not accumulator.num_events:
+    if not accumulator.num_events and num_prompt_tokens is None:
         return Usage(0, num_completion_tokens)
     return Usage(estimate_prompt_tokens(request) if num_prompt_tokens is None else num_prompt_tokens,
                  num_completion_tokens)

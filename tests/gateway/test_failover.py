@@ -137,6 +137,28 @@ def test_a_stream_that_ends_without_usage_bills_the_prompt_the_replica_processed
     assert record.prompt_tokens == expected > 5  # "hi" alone would be estimated at 5
 
 
+def test_a_non_streamed_request_whose_client_left_bills_the_prompt_its_upstream_was_given(
+        make_gateway: GatewayFactory) -> None:
+    """The client gave up while the upstream computed its whole answer (no event had come: a
+    non-streamed answer is one body): the upstream read the prompt, so the 499 record bills it as
+    count_tokens counts it (it billed 0 tokens, however long the upstream had worked)."""
+    gateway = make_gateway(configs=[MockConfig(latency_ms=3000)])
+    expected = httpx.post(gateway.url + "/v1/messages/count_tokens",
+                          json=CHAT).json()["input_tokens"]
+    num_settle_calls = gateway.meter.num_settle_calls
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(gateway.url + "/v1/chat/completions", json=CHAT, timeout=0.5)
+    state = gateway.upstreams[0].state
+    assert wait_until(lambda: len(state.disconnected_ids) == 1)
+    request_id = state.disconnected_ids[0]
+    assert wait_until(lambda: request_id in gateway.meter.settled)
+    record = gateway.meter.settled[request_id]
+    assert record.status == 499 and record.completion_tokens == 0
+    assert record.prompt_tokens == expected > 5
+    assert record.endpoint == gateway.upstreams[0].url.split("://")[1]
+    assert gateway.meter.num_settle_calls == num_settle_calls + 1
+
+
 def test_a_slow_non_streamed_answer_waits_for_the_response_timeout_not_the_first_token_one(
         make_gateway: GatewayFactory) -> None:
     """A non-streamed answer's first event is the whole body: it may take as long as generating
