@@ -14,6 +14,19 @@ Two figures, each beside its baseline in the same run:
 - **fallbacks** (`--parts fallbacks`): the gateway whose model has a fallback chain that no
   request takes (`fallbacks = ["mock-model-b"]`) against the same gateway without it (both with
   the second model configured): what a configured chain costs the path that does not use it.
+- **cpu** (`--parts cpu`): the same two gateways as **gateway**, timed instead of counted: both
+  run side by side (not under the counter), and each round sends `--cpu-requests` sequential
+  requests per mode to each in turn (the order alternating between rounds); the figure is the
+  process's CPU seconds (utime + stime, /proc) a request, also net of what it spends idle for as
+  long afterwards, the median over `--rounds` and each round's ratio to the baseline. Timed CPU
+  moves with the machine's load (other processes' cache and frequency effects), so read it beside
+  the counted calls.
+
+`--rounds N` repeats the gateway cells too (ours and the baseline alternating, each a fresh
+process): the figure is the median over the rounds, with its range. A cell's count moves by a
+few calls between runs with timing alone (a request body that arrives in a second TCP read
+resumes the whole handler chain once more; the SQLite meter batches more rows a transaction
+when requests come faster).
 
 Each process runs under bench/call_counter.py (a profile hook counting every Python call, all
 threads); counts are read after a warm-up, over `--requests` sequential requests. Background work
@@ -26,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import time
@@ -34,7 +48,7 @@ from typing import Any
 
 import httpx
 
-from bench.gateway_bench import MODEL, _free_port, _Processes, _wait_http
+from bench.gateway_bench import MODEL, _cpu_seconds, _free_port, _Processes, _wait_http
 
 COUNTER = Path(__file__).with_name("call_counter.py")
 
@@ -44,7 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--baseline-tree", default=None,
                         help="an earlier checkout (git archive) to count the gateway against")
-    parser.add_argument("--parts", default="gateway,replica")
+    parser.add_argument("--parts", default="gateway,replica",
+                        help="comma-separated: gateway, replica, fallbacks, cpu")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="gateway and cpu cells: rounds, ours and the baseline alternating "
+                             "(the median is reported)")
+    parser.add_argument("--cpu-requests", type=int, default=500,
+                        help="cpu part: sequential requests per mode, gateway and round")
     parser.add_argument("--out-dir", default="bench/out/calls")
     parser.add_argument("--plot", default=None, help="write a PNG here")
 
@@ -99,12 +119,17 @@ def _per_request_net(counted: _Counted, send: Any, num_warmup: int, num_requests
     return gross, (end - start - background) / num_requests
 
 
-def _gateway(procs: _Processes, name: str, tree: Path, upstream: str, args: argparse.Namespace,
-             chain: bool | None = None) -> dict[str, float]:
-    """`chain` None: the bench's one model; False: a second model too; True: the first falls
-    back to the second."""
+MODES = ("nonstream", "stream")
+
+
+def _serve_args(procs: _Processes, name: str, tree: Path, upstream: str,
+                chain: bool | None) -> tuple[list[str], Path, str]:
+    """(`-m MODULE serve ...` arguments, data dir, url) of a gateway in front of the mock, from
+    an empty data dir. `chain` None: the bench's one model; False: a second model too; True:
+    the first falls back to the second."""
     data_dir = procs.out_dir / f"{name}-data"
-    config = procs.out_dir / f"{name}.toml"
+    shutil.rmtree(data_dir, ignore_errors=True)  # (a usage table grown by an earlier run
+    config = procs.out_dir / f"{name}.toml"      # would make its writes costlier)
     fallbacks = f'fallbacks = ["{MODEL}-b"]\n' if chain else ""
     second = "" if chain is None else (f'[[models]]\nname = "{MODEL}-b"\nbackend = "replica"\n'
                                        f'upstream_model = "{MODEL}"\nendpoints = ["{upstream}"]\n')
@@ -113,31 +138,119 @@ def _gateway(procs: _Processes, name: str, tree: Path, upstream: str, args: argp
                       'input_per_token = 1e-7\noutput_per_token = 2e-7\n' + second)
     module = "cli.main" if (tree / "cli" / "main.py").exists() else "gateway.cli"
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AIGW_")}
-    counted = _Counted(procs, name, [module, "serve", "--config", str(config), "--port", str(port),
-                                     "--workers", "1"], tree, env)
-    url = f"http://127.0.0.1:{port}"
-    _wait_http(url + "/health", 90, counted.process)
+    return ([module, "serve", "--config", str(config), "--port", str(port), "--workers", "1"],
+            data_dir, f"http://127.0.0.1:{port}")
+
+
+def _auth_headers(data_dir: Path) -> dict[str, str]:
     key_file = data_dir / "default-key.txt"
     deadline = time.monotonic() + 30
     while not (key_file.exists() and key_file.read_text().strip()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    headers = {"authorization": "Bearer " + key_file.read_text().strip()}
+    return {"authorization": "Bearer " + key_file.read_text().strip()}
+
+
+def _sender(client: httpx.Client, mode: str) -> Any:
+    body = {"model": MODEL, "max_tokens": 16, "stream": mode == "stream",
+            "messages": [{"role": "user", "content": "Hello, how are you today?"}]}
+
+    def send() -> None:
+        response = client.post("/v1/chat/completions", json=body)
+        response.raise_for_status()
+        response.read()
+
+    return send
+
+
+def _gateway_env(tree: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIGW_")}
+    return {**env, "PYTHONPATH": str(tree)}
+
+
+def _gateway(procs: _Processes, name: str, tree: Path, upstream: str, args: argparse.Namespace,
+             chain: bool | None = None) -> dict[str, float]:
+    """Calls a request, plain and streamed (see `_serve_args` for `chain`)."""
+    module_args, data_dir, url = _serve_args(procs, name, tree, upstream, chain)
+    counted = _Counted(procs, name, module_args, tree, _gateway_env(tree))
+    _wait_http(url + "/health", 90, counted.process)
     figures = {}
-    with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
-        for mode in ("nonstream", "stream"):
-            body = {"model": MODEL, "max_tokens": 16, "stream": mode == "stream",
-                    "messages": [{"role": "user", "content": "Hello, how are you today?"}]}
-
-            def send(body: dict[str, Any] = body) -> None:
-                response = client.post("/v1/chat/completions", json=body)
-                response.raise_for_status()
-                response.read()
-
+    with httpx.Client(base_url=url, headers=_auth_headers(data_dir), timeout=60) as client:
+        for mode in MODES:
             figures[mode], figures[f"{mode}, net of idle"] = _per_request_net(
-                counted, send, args.warmup, args.requests)
+                counted, _sender(client, mode), args.warmup, args.requests)
     procs.stop(counted.process.pid)
     return figures
+
+
+def _gateway_rounds(procs: _Processes, trees: dict[str, Path], upstream: str,
+                    args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
+    """Each tree's counted cells over `args.rounds` rounds, the trees' order alternating."""
+    per_round: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
+    names = list(trees)
+    for index in range(args.rounds):
+        for name in (names if index % 2 == 0 else names[::-1]):
+            for case, value in _gateway(procs, name, trees[name], upstream, args).items():
+                per_round[name].setdefault(case, []).append(value)
+    return per_round
+
+
+def _cpu_rounds(procs: _Processes, trees: dict[str, Path], upstream: str,
+                args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
+    """CPU seconds a request of each tree's gateway (all running side by side), per mode and
+    round: its process's utime + stime over `--cpu-requests` sequential requests, and the same
+    less what it spent idle for as long afterwards (health checks, KV event polls)."""
+    running = {}
+    for name, tree in trees.items():
+        module_args, data_dir, url = _serve_args(procs, name + "_cpu", tree, upstream, None)
+        process = procs.start(name + "_cpu", [sys.executable, "-m", *module_args],
+                              _gateway_env(tree), cwd=str(tree))
+        _wait_http(url + "/health", 90, process)
+        client = httpx.Client(base_url=url, headers=_auth_headers(data_dir), timeout=60)
+        running[name] = (process, client)
+    per_round: dict[str, dict[str, list[float]]] = {name: {} for name in trees}
+    names = list(trees)
+    try:
+        for name in names:  # warm-up: imports, connections, first-use caches
+            for mode in MODES:
+                send = _sender(running[name][1], mode)
+                for _ in range(args.warmup):
+                    send()
+        for index in range(args.rounds):
+            for name in (names if index % 2 == 0 else names[::-1]):
+                process, client = running[name]
+                for mode in MODES:
+                    send = _sender(client, mode)
+                    before = _cpu_seconds(process.pid)
+                    started = time.monotonic()
+                    for _ in range(args.cpu_requests):
+                        send()
+                    elapsed_s = time.monotonic() - started
+                    after = _cpu_seconds(process.pid)
+                    time.sleep(elapsed_s)
+                    idle = _cpu_seconds(process.pid) - after
+                    cells = per_round[name]
+                    cells.setdefault(mode, []).append((after - before) / args.cpu_requests)
+                    cells.setdefault(f"{mode}, net of idle", []).append(
+                        (after - before - idle) / args.cpu_requests)
+    finally:
+        for process, client in running.values():
+            client.close()
+            procs.stop(process.pid)
+    return per_round
+
+
+def _ratio_range(values: list[float], baselines: list[float]) -> str:
+    """The per-round ratios (round i of ours over round i of the baseline): median [min, max]."""
+    ratios = sorted(v / b for v, b in zip(values, baselines, strict=True) if b)
+    if not ratios:
+        return ""
+    return f"{_median(ratios):.3f} [{ratios[0]:.3f}, {ratios[-1]:.3f}]"
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _agent_body() -> dict[str, Any]:
@@ -188,25 +301,39 @@ def run(args: argparse.Namespace) -> int:
     procs = _Processes(out_dir)
     parts = set(args.parts.split(","))
     rows: list[tuple[str, str, float, float | None]] = []
+    spreads: dict[tuple[str, str], str] = {}  # (part, case) -> "[min, max]" of its ratio
+    cpu_rows: list[tuple[str, float, float | None, str]] = []
+    here = Path(__file__).resolve().parent.parent
+    trees = {"aigw": here}
+    if args.baseline_tree:
+        trees["aigw_baseline"] = Path(args.baseline_tree).resolve()
     try:
-        if parts & {"gateway", "fallbacks"}:
+        if parts & {"gateway", "fallbacks", "cpu"}:
             mock_port = _free_port()
             mock = procs.start("mock", [sys.executable, "-m", "bench.mock_upstream", "--port",
                                         str(mock_port), "--num-tokens", "16", "--model", MODEL])
             upstream = f"http://127.0.0.1:{mock_port}"
             _wait_http(upstream + "/health", 30, mock)
         if "fallbacks" in parts:
-            here = Path(__file__).resolve().parent.parent
             chained = _gateway(procs, "aigw_chain", here, upstream, args, chain=True)
             plain = _gateway(procs, "aigw_no_chain", here, upstream, args, chain=False)
             for mode, value in chained.items():
                 rows.append(("gateway", f"{mode}, chain unused", value, plain[mode]))
         if "gateway" in parts:
-            ours = _gateway(procs, "aigw", Path(__file__).resolve().parent.parent, upstream, args)
-            base = (_gateway(procs, "aigw_baseline", Path(args.baseline_tree).resolve(), upstream,
-                             args) if args.baseline_tree else {})
-            for mode, value in ours.items():
-                rows.append(("gateway", mode, value, base.get(mode)))
+            counted = _gateway_rounds(procs, trees, upstream, args)
+            ours, base = counted["aigw"], counted.get("aigw_baseline", {})
+            for case, values in ours.items():
+                rows.append(("gateway", case, _median(values),
+                             _median(base[case]) if case in base else None))
+                if case in base and args.rounds > 1:
+                    spreads[("gateway", case)] = _ratio_range(values, base[case])
+        if "cpu" in parts:
+            timed = _cpu_rounds(procs, trees, upstream, args)
+            ours, base = timed["aigw"], timed.get("aigw_baseline", {})
+            for case, values in ours.items():
+                cpu_rows.append((case, _median(values),
+                                 _median(base[case]) if case in base else None,
+                                 _ratio_range(values, base[case]) if case in base else ""))
         if "replica" in parts:
             replica = _replica(procs, args)
             rows.append(("replica", "agent chat, ids given", replica["prompt_token_ids"],
@@ -214,15 +341,27 @@ def run(args: argparse.Namespace) -> int:
             print("\n".join(replica["renders"]))  # type: ignore[arg-type]
     finally:
         procs.stop_all()
-    print(f"Python calls per request ({args.requests} counted after {args.warmup} warm-up)")
-    print(f"{'process':8} {'case':34} {'calls/req':>10} {'baseline':>10} {'ratio':>7}")
-    for part, case, value, baseline in rows:
-        ratio = f"{value / baseline:7.3f}" if baseline else "      -"
-        shown = f"{baseline:10.0f}" if baseline else "         -"
-        print(f"{part:8} {case:34} {value:10.0f} {shown} {ratio}")
-    print("baseline: gateway = --baseline-tree (none given: -), or for 'chain unused' the same "
-          "gateway without the chain; replica = the same request as messages, rendered by the "
-          "replica")
+    if rows:
+        rounds = f", median of {args.rounds} rounds" if args.rounds > 1 and "gateway" in parts else ""
+        print(f"Python calls per request ({args.requests} counted after {args.warmup} warm-up"
+              f"{rounds})")
+        print(f"{'process':8} {'case':34} {'calls/req':>10} {'baseline':>10} {'ratio':>7}")
+        for part, case, value, baseline in rows:
+            ratio = f"{value / baseline:7.3f}" if baseline else "      -"
+            shown = f"{baseline:10.0f}" if baseline else "         -"
+            spread = spreads.get((part, case), "")
+            print(f"{part:8} {case:34} {value:10.0f} {shown} {ratio} {spread}".rstrip())
+        print("baseline: gateway = --baseline-tree (none given: -), or for 'chain unused' the "
+              "same gateway without the chain; replica = the same request as messages, rendered "
+              "by the replica")
+    if cpu_rows:
+        print(f"gateway CPU per request, timed: process utime+stime / {args.cpu_requests} "
+              f"sequential requests, median of {args.rounds} rounds (ratio: median of the "
+              "rounds' ratios [min, max])")
+        print(f"{'case':34} {'cpu us/req':>10} {'baseline':>10} {'ratio':>7}")
+        for case, value, baseline, spread in cpu_rows:
+            shown = f"{baseline * 1e6:10.0f}" if baseline else "         -"
+            print(f"{case:34} {value * 1e6:10.0f} {shown} {spread}".rstrip())
     if args.plot:
         from bench.plotting import BarPanel, write_bar_chart
 
