@@ -514,3 +514,46 @@ def test_a_family_gguf_is_cut_into_shards_its_rank_model_takes_whole(family: str
         model = build_model(local, weights, build_attention_backend("torch"), make_linear)
         assert not weights and len(model.layers) == config.num_layers  # (build_model pops what it takes)
         assert local.num_heads == config.num_heads // 2
+
+
+def test_gpt_oss_dense_experts_split_into_partial_sums_of_the_whole(tmp_path: Path) -> None:
+    """The dense expert layout (save_pretrained's interleaved gate/up [E, Hd, 2I], down [E, I, Hd],
+    biases): the ranks' expert outputs add up to the unsplit layer's, the down bias counted once."""
+    import transformers
+
+    from engine.layers import make_linear_factory
+    from engine.layers.attention import build_attention_backend
+    from engine.loader import load_checkpoint
+    from engine.models.registry import build_model
+    from engine.parallel.families import parallelize
+    from engine.parallel.loading import load_rank_weights
+    from tests.models._gpt_oss import make_config, write_tokenizer
+
+    config = make_config(write_tokenizer(tmp_path))
+    config.intermediate_size, config.num_hidden_layers = 64, 2
+    config.layer_types = config.layer_types[:2]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # (transformers starts the biases at zero)
+        for name, param in model.named_parameters():
+            if name.endswith("_bias"):
+                param.normal_(0.0, 1.0)
+    model.eval().save_pretrained(tmp_path)
+    make_linear = make_linear_factory(EngineConfig(model_path=str(tmp_path), decode_weights="float"),
+                                      torch.device("cpu"), {})
+
+    def build(model_config: Any, weights: dict) -> Any:  # type: ignore[type-arg]
+        return build_model(model_config, weights, build_attention_backend("torch"), make_linear)
+
+    full = load_checkpoint(tmp_path, dtype=torch.float32, progress=False)
+    whole = build(full.config, dict(full.weights))
+    x = torch.randn(5, full.config.hidden_size)
+    partial = torch.zeros_like(x)
+    for rank in (0, 1):
+        model_config, weights = load_rank_weights(tmp_path, rank, 2)
+        plan = plan_shard(model_config, rank, 2)
+        shard = build(local_config(model_config, plan), weights)
+        parallelize(shard, plan)  # rank 1's down bias: zeros
+        assert shard.layers[0].mlp.experts.w13.shape[1] == 64  # 2I / 2
+        partial += shard.layers[0].mlp(x)
+    torch.testing.assert_close(partial, whole.layers[0].mlp(x), rtol=0, atol=1e-5)
