@@ -11,7 +11,9 @@ always does; `expert_weights_norm` when the file says), no sliding window (GGUF 
 
 Tensors: dequantized with `gguf.quants.dequantize`; GGUF names map to HF names (`_TENSOR_NAMES`).
 qwen3moe's stacked experts ffn_gate_exps / ffn_up_exps [E, I, H] become transformers 5's fused
-`mlp.experts.gate_up_proj` [E, 2I, H], ffn_down_exps [E, H, I] `mlp.experts.down_proj`.
+`mlp.experts.gate_up_proj` [E, 2I, H], ffn_down_exps [E, H, I] `mlp.experts.down_proj`; their
+quantized blocks are kept per expert (`mlp.experts.{e}.gate_proj.weight`, ...) for the CPU default
+path.
 
 The q/k permutation (llama only: qwen3 uses GGML's NEOX RoPE, as HF, and is stored unpermuted).
 llama.cpp's converter reorders the rows of q_proj and k_proj (weights and
@@ -208,8 +210,22 @@ def load_gguf_checkpoint(path: Path, dtype: torch.dtype = torch.float32,
             out_features, in_features = values.shape
             raw[name] = RawQuantized(ggml_type=ggml_type.name,
                                      shape=(out_features, in_features), data=blocks)
+        elif blocks is not None and values.ndim == 3 and ".mlp.experts." in name:
+            raw.update(_expert_blocks(name, ggml_type.name, values.shape, blocks))
     _fuse_stacked_experts(weights)
     return Checkpoint(config=config, weights=weights, raw=raw)
+
+
+def _expert_blocks(name: str, ggml_type: str, shape: tuple[int, ...], blocks: np.ndarray
+                   ) -> dict[str, RawQuantized]:
+    """A stacked expert tensor's blocks [E, out, bytes_per_row] -> one RawQuantized per expert,
+    named `...mlp.experts.{e}.gate_proj.weight` (the CPU default path's per-expert linears read
+    them: engine/layers/native_experts.py)."""
+    num_experts, out_features, in_features = shape
+    per_expert = name.replace(".mlp.experts.", ".mlp.experts.{}.")
+    return {per_expert.format(e): RawQuantized(ggml_type=ggml_type, shape=(out_features, in_features),
+                                               data=np.ascontiguousarray(blocks[e]))
+            for e in range(num_experts)}
 
 
 def _fuse_stacked_experts(weights: dict[str, torch.Tensor]) -> None:

@@ -103,10 +103,11 @@ _GGUF_MODULES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "se
 
 
 def write_gguf(hf_directory: Path, path: Path, linear_type: str = "F32",
-               extra_tensors: dict[str, torch.Tensor] | None = None) -> None:
+               extra_tensors: dict[str, torch.Tensor] | None = None, expert_type: str = "F32") -> None:
     """The HF checkpoint as a qwen3 / qwen3moe GGUF: metadata, the byte-level BPE vocabulary, tensors
     (q/k not permuted: NEOX rope); per-expert tensors stacked into ffn_{gate,up,down}_exps. 2-D
-    projection weights in `linear_type` ("F32", "Q8_0" or "Q4_0"; norms and experts stay F32)."""
+    projection weights in `linear_type` ("F32", "Q8_0" or "Q4_0"; norms stay F32), the stacked
+    experts in `expert_type`."""
     import gguf
     from safetensors.torch import load_file
 
@@ -132,9 +133,9 @@ def write_gguf(hf_directory: Path, path: Path, linear_type: str = "F32",
     vocab = add_gguf_vocabulary(writer, tok, "qwen2", lambda t: t.startswith("<|"), config["vocab_size"])
     writer.add_eos_token_id(vocab["<|im_end|>"])
 
-    def add(name: str, tensor: torch.Tensor, quantize: bool) -> None:
+    def add(name: str, tensor: torch.Tensor, quantize: bool, block_type: str = linear_type) -> None:
         values = tensor.float().numpy()
-        qtype = gguf.GGMLQuantizationType[linear_type if quantize else "F32"]
+        qtype = gguf.GGMLQuantizationType[block_type if quantize else "F32"]
         if qtype != gguf.GGMLQuantizationType.F32:
             values = gguf.quants.quantize(values, qtype)
         writer.add_tensor(name, values, raw_dtype=qtype)
@@ -155,7 +156,8 @@ def write_gguf(hf_directory: Path, path: Path, linear_type: str = "F32",
             add(f"blk.{layer}.{_GGUF_MODULES[module]}.{kind}", tensor,
                 quantize=tensor.dim() == 2 and module != "mlp.gate")
     for name, by_expert in experts.items():
-        add(name, torch.stack([by_expert[e] for e in sorted(by_expert)]), quantize=False)  # [E, out, in]
+        add(name, torch.stack([by_expert[e] for e in sorted(by_expert)]), quantize=True,
+            block_type=expert_type)  # [E, out, in]
     for name, tensor in (extra_tensors or {}).items():
         add(name, tensor, quantize=False)
     finish_gguf(writer)

@@ -117,3 +117,22 @@ def test_mxfp4_experts_take_native_q8_0_blocks_that_hold_their_values_exactly(gp
     back = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType.Q8_0)
     expected = MXFP4Weight(blocks[None], scales[None]).dequantize(torch.float32)[0]
     assert torch.equal(torch.from_numpy(back), expected)
+
+
+def test_a_gguf_moe_runs_its_own_expert_blocks_on_the_default_path(tmp_path: Path) -> None:
+    """A qwen3moe GGUF with Q4_0 attention and Q8_0 experts: the default path runs the file's
+    blocks (nothing quantized at load, the experts too) and follows the float32 engine on the same
+    (dequantized) weights."""
+    from tests.models._qwen3 import write_checkpoints, write_gguf
+
+    hf = write_checkpoints(tmp_path, ("qwen3_moe-sparse",))["qwen3_moe-sparse"]  # every layer sparse
+    path = tmp_path / "qwen3_moe-sparse.gguf"
+    write_gguf(hf.directory, path, linear_type="Q4_0", expert_type="Q8_0")
+    exact, default = _runner(path, "float"), _runner(path, "q4")
+    info = default.compute_info
+    assert (info["weights"], info["weights_source"], info["experts"]) == ("q4-native", "file",
+                                                                          "q8_0-native (file)")
+    tokens, exact_logits = greedy(exact, PROMPTS, NUM_NEW_TOKENS)
+    _, default_logits = greedy(default, PROMPTS, NUM_NEW_TOKENS, forced=tokens)
+    errors = torch.cat([(e - d).abs().amax(dim=-1) for e, d in zip(exact_logits, default_logits, strict=True)])
+    assert 0 < errors.median() < MAX_MEDIAN_ERROR_PER_SPREAD * torch.cat(exact_logits).std()
