@@ -65,6 +65,8 @@ class EngineStats:
     step_token_budget: int = 0  # the current step plan's token budget (policy slo: adaptive)
     max_num_running: int = 0  # and its cap on the running batch
     prefill_ms_per_token: float = 0.0  # the step-time model's (0: not measured yet)
+    num_share_preemptions_total: int = 0  # preemptions that took a reserved share back
+    num_flex_promotions_total: int = 0  # flex requests scheduled as default after waiting too long
 
 
 class LLMEngine:
@@ -374,6 +376,8 @@ class LLMEngine:
             num_prompt_tokens_computed_total=self.scheduler.num_prompt_tokens_computed_total,
             num_generation_tokens_total=self._num_generation_tokens_total,
             num_preemptions_total=self.scheduler.num_preemptions_total,
+            num_share_preemptions_total=self.scheduler.num_share_preemptions_total,
+            num_flex_promotions_total=self.scheduler.aging.num_promoted_total,
             predicted_queue_delay_ms=self.predicted_queue_delay_ms(),
             step_token_budget=self.scheduler.plan.token_budget,
             max_num_running=self.scheduler.plan.max_num_running,

@@ -65,6 +65,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._num_head_skips = 0
         self.num_preemptions_total = 0
+        self.num_share_preemptions_total = 0  # of them, to take a reserved share back
         self.num_prompt_tokens_computed_total = 0  # prompt positions run through the model (recomputes too)
         self.step_costs = StepCostModel(prefill_scale=config.max_num_batched_tokens,
                                         decode_scale=config.max_num_seqs)
@@ -307,6 +308,7 @@ class Scheduler:
                 return  # what is left is the reserved projects' own (or theirs to finish)
             self.running.remove(victim)
             self._preempt(victim, batch)
+            self.num_share_preemptions_total += 1
             num_seats_to_free -= 1
 
     def _num_new_blocks(self, num_computed_tokens: int, num_new_tokens: int) -> int:

@@ -12,6 +12,8 @@ the server as outputs stream out:
     aigw_replica_prefix_cache_hit_tokens_total            counter
     aigw_replica_prefix_cache_hit_ratio                   gauge (hit / queried, 0 when none)
     aigw_replica_preemptions_total                        counter
+    aigw_replica_reserved_share_preemptions_total         counter (of them, taking a reserved share back)
+    aigw_replica_flex_promotions_total                    counter (flex requests aged into default)
     aigw_replica_kv_host_tier_hit_tokens_total            counter (of the hit tokens, restored from
                                                                    the second KV tier)
     aigw_replica_kv_host_tier_blocks / _bytes / _budget_bytes      gauge
@@ -113,6 +115,11 @@ class _EngineStatsCollector(Collector):
                     hit / queried if queried else 0.0)
         yield counter("preemptions", "Requests preempted for lack of KV blocks.",
                       stats.num_preemptions_total)
+        yield counter("reserved_share_preemptions", "Of the preemptions, other projects' requests "
+                      "preempted to give a reserved project its share back.",
+                      getattr(stats, "num_share_preemptions_total", 0))
+        yield counter("flex_promotions", "Flex requests scheduled as default after waiting longer "
+                      "than --flex-max-wait-ms.", getattr(stats, "num_flex_promotions_total", 0))
         if getattr(stats, "host_tier_budget_bytes", None) is not None:  # not every engine has a tier
             yield from _host_tier_metrics(stats, gauge, counter)
         yield from self._slo_metrics(stats, gauge)

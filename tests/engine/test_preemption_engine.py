@@ -118,13 +118,15 @@ def _reference_tokens(unpreempted: dict[str, Completion]) -> None:
 
 def test_a_reserved_projects_burst_takes_its_share_back_from_a_full_pool(
         engine: LLMEngine, prompts: dict[str, list[int]], unpreempted: dict[str, Completion]) -> None:
-    before = engine.scheduler.num_preemptions_total
+    before = engine.stats()
     arrived, first_token_step, results = _fill_then_burst(
         engine, prompts, "project:other", 0, ("acme-0", "acme-1"), "project:acme", 0)
     # acme holds half the pool and two of the five seats: the two youngest fillers make room,
     # and both of its prompts run in the very step after the burst arrived
     assert first_token_step["acme-0"] == first_token_step["acme-1"] == arrived
-    assert engine.scheduler.num_preemptions_total - before == 2
+    after = engine.stats()  # (aigw_replica_preemptions_total, _reserved_share_preemptions_total)
+    assert after.num_preemptions_total - before.num_preemptions_total == 2
+    assert after.num_share_preemptions_total - before.num_share_preemptions_total == 2
     assert all(results[r].token_ids == unpreempted[r].token_ids for r in ("acme-0", "acme-1"))
     assert_idle_and_clean(engine)
 
@@ -158,7 +160,7 @@ def test_a_flex_request_under_a_steady_default_stream_finishes_within_its_aging_
         elif index <= num_stream:
             engine.add_request(f"default-{index + 4}", say[index + 4], STREAM)
 
-    promoted_before = engine.scheduler.aging.num_promoted_total
+    promoted_before = engine.stats().num_flex_promotions_total
     first_token_step, results = drive_to_first_tokens(engine, on_step)
     # past its 4 s bound (step 5) it goes ahead of the defaults that arrived after it
     assert FLEX_MAX_WAIT_MS / 1000.0 < first_token_step["flex"] <= FLEX_MAX_WAIT_MS / 1000.0 + 2
@@ -166,5 +168,5 @@ def test_a_flex_request_under_a_steady_default_stream_finishes_within_its_aging_
     assert len(results["flex"].token_ids) == 4
     assert [len(results[f"default-{i}"].token_ids) for i in range(5)] == [1, 2, 3, 4, 5]
     assert all(len(results[f"default-{i + 4}"].token_ids) == 5 for i in range(1, num_stream + 1))
-    assert engine.scheduler.aging.num_promoted_total - promoted_before == 1
+    assert engine.stats().num_flex_promotions_total - promoted_before == 1  # aigw_replica_flex_promotions_total
     assert_idle_and_clean(engine)
