@@ -250,3 +250,26 @@ def test_mixed_projects_and_classes_under_kv_pressure_all_finish_and_leak_nothin
     assert all(r.is_finished and r.num_tokens == r.max_num_tokens for r in requests)
     assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
     assert scheduler.kv_cache.num_requests == 0
+
+
+def test_a_share_takes_back_one_seat_per_seat_owed_when_the_plan_caps_the_batch_below_it() -> None:
+    # the slo policy's plan may cap the running batch below what runs (here 2 seats, 4 running):
+    # acme (one seat owed) takes back one seat, not every seat above the cap
+    from engine.slo import StepPlan
+
+    scheduler = make_scheduler((("acme", 0.5),), num_blocks=64, max_num_batched_tokens=64, max_num_seqs=4)
+    others = [make_request(tokens(20, start=10_000 * (i + 1)), cache_salt=OTHER, max_tokens=30)
+              for i in range(4)]
+    for request in others:
+        scheduler.add_request(request)
+    simulate_step(scheduler, scheduler.schedule())
+    assert len(scheduler.running) == 4
+    scheduler._plan_step = lambda: StepPlan(64, 2)  # type: ignore[method-assign]
+    acme = make_request(tokens(20, start=900_000), cache_salt=ACME, max_tokens=4)
+    scheduler.add_request(acme)
+    batch = scheduler.schedule()
+    assert batch.preempted_request_ids == [others[-1].request_id]
+    assert acme.request_id in {s.request_id for s in batch.sequences}
+    simulate_step(scheduler, batch)
+    run_to_completion(scheduler)
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
