@@ -1,14 +1,20 @@
 """`aigw bench slo`: goodput under latency targets, the SLO scheduler against the fixed budget.
 
-Two replicas of the same model over the same weights: the baseline with `--scheduler-policy
+Two engines of the same model over the same weights: the baseline with `--scheduler-policy
 fixed` and no targets (today's scheduler: the fixed token budget, no admission control; with a
 target even `fixed` would refuse), and one with `--scheduler-policy slo` and the targets
 (`--ttft-p90-ms`, `--tpot-p90-ms`: the step sized from measured step times, admission refusing
 with 429 + Retry-After what would break the TTFT target: engine/slo.py). Both policies' answers
-are judged against the same targets at the client. Both
-are real replica servers (engine/server over AsyncEngine) in this process on 127.0.0.1, driven
-over HTTP by Poisson arrivals (bench/slo_load.py) at each of `--rates`, for `--duration-s` each;
-the two policies alternate cell by cell, so drift on a shared machine hits both alike.
+are judged against the same targets at the client. Poisson arrivals (bench/slo_load.py) at each
+of `--rates`, for `--duration-s` each.
+
+Clock (`--clock`): virtual by default (bench/slo_virtual.py): both engines in this process, driven
+directly, each on its own clock that a step advances by its thread CPU time and that skips idle
+time; the engines' step-time models (the SLO policy's plan and admission) learn the same CPU-time
+step costs, and the two policies interleave within each cell. On a shared machine wall time
+measures the other processes; CPU time the engine. `--clock wall`: real replica servers
+(engine/server over AsyncEngine) in this process on 127.0.0.1, driven over HTTP in real time; the
+two policies alternate cell by cell, so drift on a shared machine hits both alike.
 
 Workloads (bench/workloads.py, deterministic for `--seed`):
   agent  sessions of `--turns` turns on one system prompt with a tool schema; sessions start as a
@@ -54,14 +60,16 @@ POLICIES = ("fixed", "slo")
 WORKLOADS = ("agent", "mixed")
 KNEE_ATTAINMENT = 0.9
 TARGET_GOODPUT_RATIO = 1.3
-RESULTS_PATH = Path("bench/results/slo.md")
+RESULTS_PATHS = {"wall": Path("bench/results/slo.md"), "virtual": Path("bench/results/slo-virtual-cpu.md")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from engine.engine_args import add_engine_arguments
 
     add_engine_arguments(parser)
-    parser.set_defaults(threads=2, ttft_p90_ms=3000.0, tpot_p90_ms=200.0, kv_cache_memory=256 << 20)
+    # threads: None -> 1 on the virtual clock (a step's thread CPU time is then its whole work),
+    # 2 on the wall clock
+    parser.set_defaults(threads=None, ttft_p90_ms=3000.0, tpot_p90_ms=200.0, kv_cache_memory=256 << 20)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--rates", default="0.25,0.5,1,1.5,2,3",
                         help="offered requests per second, comma-separated, rising")
@@ -77,11 +85,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--short-output", type=int, default=32)
     parser.add_argument("--long-tokens", type=int, default=768)
     parser.add_argument("--long-output", type=int, default=8)
+    parser.add_argument("--clock", choices=("virtual", "wall"), default="virtual",
+                        help="virtual: in-process engines, a step costs its thread CPU time, idle "
+                             "time skipped, the policies interleaved; wall: replica servers over "
+                             "HTTP in real time")
     parser.add_argument("--tiny", action="store_true", help="smoke-test sizes; the figures mean nothing")
     parser.add_argument("--plot", default=None, help="write a PNG of goodput vs rate here")
     parser.add_argument("--json", default=None, help="write the cells as JSON here")
-    parser.add_argument("--results", default=str(RESULTS_PATH),
-                        help="write the raw results (markdown) here; 'none': nowhere")
+    parser.add_argument("--results", default=None,
+                        help="write the raw results (markdown) here (default: "
+                             "bench/results/slo-virtual-cpu.md, or slo.md with --clock wall); "
+                             "'none': nowhere")
 
 
 def apply_tiny(args: argparse.Namespace) -> None:
@@ -137,18 +151,18 @@ class ReplicaThread:
         self.engine.shutdown()
 
 
+def policy_args(args: argparse.Namespace, policy: str) -> argparse.Namespace:
+    """The engine arguments of `policy`. The baseline is the scheduler as it runs without targets:
+    the fixed budget and no admission control (a target would make even `fixed` refuse); the
+    targets still judge its answers at the client."""
+    targets = {} if policy == "slo" else {"ttft_p90_ms": None, "tpot_p90_ms": None}
+    return argparse.Namespace(**{**vars(args), "scheduler_policy": policy, **targets})
+
+
 def start_replicas(args: argparse.Namespace) -> dict[str, ReplicaThread]:
     from bench.engine_bench import build_engine
 
-    replicas = {}
-    for policy in POLICIES:
-        # the baseline is the scheduler as it runs without targets: the fixed budget and no
-        # admission control (a target would make even `fixed` refuse); the targets still judge
-        # its answers at the client
-        targets = {} if policy == "slo" else {"ttft_p90_ms": None, "tpot_p90_ms": None}
-        policy_args = argparse.Namespace(**{**vars(args), "scheduler_policy": policy, **targets})
-        replicas[policy] = ReplicaThread(build_engine(policy_args))
-    return replicas
+    return {policy: ReplicaThread(build_engine(policy_args(args, policy))) for policy in POLICIES}
 
 
 # ---- the run ----------------------------------------------------------------------------------------
@@ -276,8 +290,18 @@ def raw_cells(results: dict[str, dict[str, list[CellSummary]]]) -> dict[str, Any
             for workload, by_policy in results.items()}
 
 
+CLOCK_NOTES = {
+    "wall": "A shared 2-core machine is noisy: read the ratios of the two policies (measured "
+            "alternately in one run), not the absolute figures.",
+    "virtual": "Virtual clock: each policy's engine in this process on its own clock, advanced by "
+               "each step's thread CPU time (idle time skipped), the policies interleaved within "
+               "each cell; other processes' load on a shared machine stretches the run's wall "
+               "time, not the figures.",
+}
+
+
 def write_results(path: Path, text: str, title: str,
-                  results: dict[str, dict[str, list[CellSummary]]]) -> None:
+                  results: dict[str, dict[str, list[CellSummary]]], clock: str = "wall") -> None:
     import json
 
     command = " ".join(["aigw", "bench", "slo", *sys.argv[3:]]) if sys.argv[1:3] == ["bench", "slo"] \
@@ -286,39 +310,14 @@ def write_results(path: Path, text: str, title: str,
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         f"# `aigw bench slo`: goodput under latency targets, slo vs fixed scheduler\n\n"
-        f"Raw results of the last run, as it printed them. A shared 2-core machine is noisy: read "
-        f"the ratios of the two policies (measured alternately in one run), not the absolute "
-        f"figures.\n\nCommand: `{command}`\n\n{title}\n\n```\n{text}\n```\n\n"
+        f"Raw results of the last run, as it printed them. {CLOCK_NOTES[clock]}"
+        f"\n\nCommand: `{command}`\n\n{title}\n\n```\n{text}\n```\n\n"
         f"Raw cells:\n\n```json\n{json.dumps(raw, indent=1)}\n```\n")
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from bench.engine_bench import load_model
-    from engine.engine_args import engine_config_from_args
-
-    if args.tiny:
-        apply_tiny(args)
-    rates = [float(r) for r in args.rates.split(",") if r]
-    workloads = [w for w in args.workloads.split(",") if w]
-    if unknown := [w for w in workloads if w not in WORKLOADS]:
-        raise SystemExit(f"unknown workload {unknown[0]!r} (choose from {', '.join(WORKLOADS)})")
-    if not rates or any(r <= 0 for r in rates):
-        raise SystemExit("--rates: positive requests per second, comma-separated")
-    torch.set_num_threads(args.threads)
-    config = engine_config_from_args(args)
-    _, tokenizer = load_model(config.model_path)
-    sessions = []
-    if "agent" in workloads:
-        sessions = agent_sessions(tokenizer, num_sessions=args.sessions, num_turns=args.turns,
-                                  system_tokens=args.agent_system_tokens,
-                                  message_tokens=(20, 60) if args.tiny else (60, 120),
-                                  answer_tokens=(2, 4) if args.tiny else (16, 32), seed=args.seed)
-    title = (f"{Path(config.model_path).name}: targets TTFT p90 {args.ttft_p90_ms:g} ms, TPOT p90 "
-             f"{args.tpot_p90_ms:g} ms; threads={args.threads}; {args.duration_s:g} s per cell; "
-             f"priority fraction {args.priority_fraction:g}")
-    print(f"slo bench, {title}", file=sys.stderr)
+def run_wall(args: argparse.Namespace, workloads: list[str], rates: list[float], tokenizer: Any,
+             sessions: list[Any]) -> dict[str, dict[str, list[CellSummary]]]:
+    """Replica servers over HTTP in real time, the policies alternating cell by cell."""
     replicas = start_replicas(args)
     results: dict[str, dict[str, list[CellSummary]]] = {}
     try:
@@ -336,16 +335,94 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for replica in replicas.values():
             replica.close()
-    text = report(results, args)
+    return results
+
+
+def run_virtual(args: argparse.Namespace, workloads: list[str], rates: list[float], tokenizer: Any,
+                sessions: list[Any], notes: list[str]) -> dict[str, dict[str, list[CellSummary]]]:
+    """In-process engines on virtual clocks, the policies interleaved within each cell
+    (bench/slo_virtual.py)."""
+    from bench.slo_virtual import Lane, VirtualClock, build_engine, probe_costs, run_lanes
+
+    clocks = {policy: VirtualClock() for policy in POLICIES}
+    engines = {policy: build_engine(policy_args(args, policy), clocks[policy]) for policy in POLICIES}
+    for policy in POLICIES:  # the step-time models start fitted, as a warm replica's are
+        costs = probe_costs(engines[policy], TokenSource(tokenizer, seed=args.seed + 2),
+                            args.short_tokens, args.long_tokens)
+        notes.append(f"{policy}: {costs.line()}")
+    print(f"  {notes[-2]}", file=sys.stderr)
+    results: dict[str, dict[str, list[CellSummary]]] = {}
+    for workload in workloads:
+        results[workload] = {policy: [] for policy in POLICIES}
+        for rate in rates:
+            plan = make_plan(args, workload, rate, tokenizer, sessions)
+            started = time.perf_counter()
+            lanes = [Lane(policy, engines[policy], clocks[policy], plan,
+                          TokenSource(tokenizer, seed=args.seed + 1), args.drain_timeout_s,
+                          args.ttft_p90_ms / 1000.0, args.tpot_p90_ms / 1000.0)
+                     for policy in POLICIES]
+            run_lanes(lanes)
+            for lane in lanes:
+                cell = summarize(lane.records, rate, args.duration_s, args.ttft_p90_ms / 1000.0,
+                                 args.tpot_p90_ms / 1000.0)
+                results[workload][lane.policy].append(cell)
+            print(f"  {workload} {rate:g}/s: goodput " + ", ".join(
+                f"{p} {results[workload][p][-1].goodput_per_s:.2f}/s "
+                f"({results[workload][p][-1].num_refused} refused)" for p in POLICIES)
+                + f" ({time.perf_counter() - started:.0f} s wall)", file=sys.stderr)
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from bench.engine_bench import load_model
+    from engine.engine_args import engine_config_from_args
+
+    if args.threads is None:
+        args.threads = 1 if args.clock == "virtual" else 2
+    if args.tiny:
+        apply_tiny(args)
+    rates = [float(r) for r in args.rates.split(",") if r]
+    workloads = [w for w in args.workloads.split(",") if w]
+    if unknown := [w for w in workloads if w not in WORKLOADS]:
+        raise SystemExit(f"unknown workload {unknown[0]!r} (choose from {', '.join(WORKLOADS)})")
+    if not rates or any(not r > 0 for r in rates):
+        raise SystemExit("--rates: positive requests per second, comma-separated")
+    torch.set_num_threads(args.threads)
+    config = engine_config_from_args(args)
+    if not (config.scheduler.ttft_p90_ms and config.scheduler.tpot_p90_ms):
+        raise SystemExit("aigw bench slo needs both targets (--ttft-p90-ms, --tpot-p90-ms)")
+    _, tokenizer = load_model(config.model_path)
+    sessions = []
+    if "agent" in workloads:
+        sessions = agent_sessions(tokenizer, num_sessions=args.sessions, num_turns=args.turns,
+                                  system_tokens=args.agent_system_tokens,
+                                  message_tokens=(20, 60) if args.tiny else (60, 120),
+                                  answer_tokens=(2, 4) if args.tiny else (16, 32), seed=args.seed)
+    clock = ("virtual clock (a step costs its thread CPU time)" if args.clock == "virtual"
+             else "wall clock (HTTP)")
+    title = (f"{Path(config.model_path).name}: targets TTFT p90 {args.ttft_p90_ms:g} ms, TPOT p90 "
+             f"{args.tpot_p90_ms:g} ms; threads={args.threads}; {args.duration_s:g} s per cell; "
+             f"priority fraction {args.priority_fraction:g}; {clock}")
+    print(f"slo bench, {title}", file=sys.stderr)
+    notes: list[str] = []
+    if args.clock == "virtual":
+        results = run_virtual(args, workloads, rates, tokenizer, sessions, notes)
+    else:
+        results = run_wall(args, workloads, rates, tokenizer, sessions)
+    text = "\n".join([report(results, args), *notes])
     print(f"\n{title}\n\n{text}")
-    if args.results and args.results != "none":
-        write_results(Path(args.results), text, title, results)
-        print(f"wrote {args.results}")
+    results_path = args.results or str(RESULTS_PATHS[args.clock])
+    if results_path != "none":
+        write_results(Path(results_path), text, title, results, args.clock)
+        print(f"wrote {results_path}")
     if args.json:
         import json
 
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"title": title, "results": raw_cells(results)}))
+        Path(args.json).write_text(json.dumps({"title": title, "notes": notes,
+                                               "results": raw_cells(results)}))
     if args.plot:
         print(f"wrote {plot(results, args.plot, 'aigw bench slo: goodput vs offered rate - ' + title)}")
     return 0

@@ -38,6 +38,7 @@ import functools
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
@@ -243,6 +244,15 @@ class KVEventLog:
         with self._lock:
             return KVSnapshot(self.replica_id, self._last_seq, block_size, tuple(self._held),
                               tuple(self._held_host))
+
+    def num_leading_held(self, block_hashes: Sequence[int]) -> int:
+        """How many of `block_hashes`, from the first, are held (in the pool or the second tier)
+        as of the last sealed batch; safe to call from any thread."""
+        with self._lock:
+            for i, block_hash in enumerate(block_hashes):
+                if block_hash not in self._held and block_hash not in self._held_host:
+                    return i
+            return len(block_hashes)
 
     def since(self, seq: int) -> EventPage | None:
         """Batches with number > seq, or None when some of them are no longer held (take a snapshot)."""

@@ -104,12 +104,17 @@ class AsyncEngine:
         config = self.engine.config.scheduler
         return config.ttft_p90_ms, config.tpot_p90_ms
 
-    def admit(self, priority: int, num_prompt_tokens: int) -> Admission:
+    def admit(self, priority: int, num_prompt_tokens: int, num_cached_tokens: int = 0) -> Admission:
         """Whether a new request of class `priority` would meet its TTFT target (engine/slo.py),
-        counting requests accepted ahead of it that the engine thread has not queued yet."""
+        counting requests accepted ahead of it that the engine thread has not queued yet;
+        `num_cached_tokens`: its prompt tokens the prefix cache holds (num_cached_prefix_tokens)."""
         with self._pending_lock:
             pending = sum(n for c, n in self._pending_tokens.items() if c <= priority)
-            return self.engine.admission(priority, num_prompt_tokens, pending)
+            return self.engine.admission(priority, num_prompt_tokens, pending, num_cached_tokens)
+
+    def num_cached_prefix_tokens(self, prompt_token_ids: list[int], cache_salt: str | None) -> int:
+        """Prompt tokens a new request would find cached, as of the last step (any thread)."""
+        return self.engine.num_cached_prefix_tokens(prompt_token_ids, cache_salt)
 
     def prepare_grammar(self, grammar: OutputGrammar, cache_salt: str | None = None) -> None:
         self.engine.grammars.prepare(grammar, cache_salt)  # thread-safe; the engine thread copies

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from contracts.block_hash import hash_blocks
 from contracts.kv_events import EventPublisher, KVEventLog, KVSnapshot
 from contracts.sampling_params import SamplingParams
 from engine.batch import ScheduledBatch
@@ -73,9 +74,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, runner: ModelRunner,
                  tokenizer: Tokenizer, publishers: tuple[EventPublisher, ...] = (),
                  kv_events_token_ids: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 step_timer: Callable[[], float] = time.perf_counter) -> None:
         """`clock`: the engine's seconds (request timings, retention expiry); time.monotonic
-        unless a benchmark drives the engine in virtual time (bench/agent_pauses.py)."""
+        unless a benchmark drives the engine in virtual time (bench/agent_pauses.py).
+        `step_timer`: what a step's cost is measured with, the unit of the step-time model that
+        the SLO policy plans and admission predicts in (engine/slo.py): wall time by default; a
+        virtual-clock benchmark passes time.thread_time so both learn the steps' CPU time, the
+        same cost its clock advances by (`last_step_s`; bench/slo_virtual.py)."""
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -97,6 +103,8 @@ class LLMEngine:
                                        retention_share_total=config.cache.retention_share_total,
                                        host_tier=self._host_tier(config, runner))
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, clock)
+        self.step_timer = step_timer
+        self.last_step_s = 0.0  # the last step's cost by step_timer (what the step-time model saw)
         self.queue_load: QueueLoad = self.scheduler.queue_load()  # replaced, never mutated: any thread reads it
         self.sampler = Sampler(seed=config.seed)
         self.grammars = GrammarCompiler(tokenizer.backend, model_config.vocab_size,
@@ -175,6 +183,8 @@ class LLMEngine:
             request.grammar = self.grammars.matcher(params.grammar, cache_salt)  # OutputGrammarError
         if self.kv_cache.enable_caching:
             request.update_block_hashes(self.block_size, self.model_config.model_id)
+            request.num_cached_tokens_predicted = (  # admission's estimate of its prefill
+                self.kv_cache.get_computed_blocks(request).num_computed_tokens)
         self._requests[request_id] = request
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer.backend, params.stop)
         self._num_prompt_tokens_total += len(prompt_token_ids)
@@ -193,14 +203,15 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        started_s = time.perf_counter()  # (wall time even under a virtual clock: admission's unit)
+        started_s = self.step_timer()  # the step-time model's unit (wall time unless injected)
         batch = self.scheduler.schedule()
         if self.host_storage is not None:  # evicted blocks out, tier hits in, before the model runs
             self.host_storage.apply(self.kv_cache.take_transfers())
         sampled = self._run(batch)
         outputs = self._postprocess(batch, sampled)
         self.kv_events.seal()
-        self.scheduler.record_step(batch, time.perf_counter() - started_s)
+        self.last_step_s = self.step_timer() - started_s
+        self.scheduler.record_step(batch, self.last_step_s)
         self.publish_load()
         return outputs
 
@@ -209,11 +220,24 @@ class LLMEngine:
         """Take the scheduler's queue load for admission (engine thread; after adds and steps)."""
         self.queue_load = self.scheduler.queue_load()
 
-    def admission(self, priority: int, num_prompt_tokens: int, num_pending_tokens: int = 0
-                  ) -> Admission:
-        """Whether a new request would meet its class's TTFT target (engine/slo.py); any thread."""
+    def admission(self, priority: int, num_prompt_tokens: int, num_pending_tokens: int = 0,
+                  num_cached_tokens: int = 0) -> Admission:
+        """Whether a new request would meet its class's TTFT target (engine/slo.py); any thread.
+        `num_cached_tokens`: its prompt's prefix the cache holds (`num_cached_prefix_tokens`)."""
         return predict_admission(self.queue_load, priority, num_prompt_tokens,
-                                 self.config.scheduler.ttft_p90_ms, num_pending_tokens)
+                                 self.config.scheduler.ttft_p90_ms, num_pending_tokens,
+                                 num_cached_tokens)
+
+    def num_cached_prefix_tokens(self, prompt_token_ids: Sequence[int],
+                                 cache_salt: str | None = None) -> int:
+        """Prompt tokens a new request would find in the prefix cache, as of the last step (the
+        KV event log's held blocks; any thread). At least the last token is left to compute."""
+        if not self.kv_cache.enable_caching or len(prompt_token_ids) <= self.block_size:
+            return 0
+        num_full = (len(prompt_token_ids) - 1) // self.block_size
+        hashes = hash_blocks(prompt_token_ids[:num_full * self.block_size], self.block_size,
+                             self.model_config.model_id, cache_salt)
+        return self.kv_events.num_leading_held(hashes) * self.block_size
 
     def predicted_queue_delay_ms(self) -> tuple[tuple[str, float], ...]:
         """(service_tier, ms of work ahead of a new request of that class), the standard classes."""

@@ -48,7 +48,7 @@ from engine.kv_cache.manager import BlockTable, ComputedBlocks, KVCacheManager
 from engine.outputs import FinishReason
 from engine.request import Request, RequestStatus
 from engine.reserved_shares import ReservedShares
-from engine.slo import STANDARD_CLASSES, ClassLoad, QueueLoad, StepCostModel, StepPlan, plan_step
+from engine.slo import QueueLoad, StepCostModel, StepPlan, plan_step, queue_load_of
 
 MAX_SHARE_SCAN = 256  # waiting requests looked at for one that a reserved share lets in
 
@@ -124,24 +124,8 @@ class Scheduler:
         self.step_costs.observe(batch.num_scheduled_tokens - num_decodes, num_decodes, step_s)
 
     def queue_load(self) -> QueueLoad:
-        """The work ahead of each class (engine/slo.py::QueueLoad); O(waiting + running)."""
-        prefill: dict[int, int] = dict.fromkeys(STANDARD_CLASSES, 0)
-        decodes: dict[int, int] = dict.fromkeys(STANDARD_CLASSES, 0)
-        for request in self.waiting:
-            prefill[request.priority] = prefill.get(request.priority, 0) + request.num_tokens
-        for request in self.running:
-            remaining = request.num_tokens - request.num_computed_tokens
-            if remaining > 1:
-                prefill[request.priority] = prefill.get(request.priority, 0) + remaining
-            else:
-                decodes[request.priority] = decodes.get(request.priority, 0) + 1
-        by_class: dict[int, ClassLoad] = {}
-        num_prefill = num_decodes = 0
-        for priority in sorted(prefill.keys() | decodes.keys()):  # cumulative: this class and higher
-            num_prefill += prefill.get(priority, 0)
-            num_decodes += decodes.get(priority, 0)
-            by_class[priority] = ClassLoad(num_prefill, num_decodes)
-        return QueueLoad(by_class, num_decodes, self.plan.token_budget, self.step_costs.cost)
+        """The work ahead of each class (engine/slo.py::queue_load_of); O(waiting + running)."""
+        return queue_load_of(self.waiting, self.running, self.plan, self.step_costs.cost)
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int, index: int,
                           priority: int) -> tuple[int, int]:

@@ -18,9 +18,12 @@ running batch only while the batch's decodes alone (plus that minimum prefill) s
     | base_s | decode_s_per_seq * num_decodes | prefill (the rest) |
 
 Admission (`predict_admission`): a request of class c waits behind the prefill work of its class
-and the higher ones (waiting prompts, running prompts' unfinished chunks); per step that work gets
-the token budget less those classes' decodes. The predicted TTFT is that queue plus its own
-prefill. Classes' TTFT targets (`class_ttft_target_ms`): priority and default have the operator's
+and the higher ones (waiting prompts less what the prefix cache holds of them, running prompts'
+unfinished chunks); per step that work gets the token budget less those classes' decodes. It also
+waits for a seat: when the running batch is at the plan's cap, until enough of the seats its class
+can take (its own class's and higher; a lower class gives its seat up) free up, each after its
+remaining output tokens, one a step. The queue is the longer of the two; the predicted TTFT is the
+queue plus its own prefill, the prompt less its prefix-cache hit. Classes' TTFT targets (`class_ttft_target_ms`): priority and default have the operator's
 target; flex is best effort with a looser bound (FLEX_TTFT_FACTOR times it) so its queue stays
 bounded too. A request is refused only when the queue is what breaks its target: one whose own
 prefill fits the target is refused when queue + prefill exceed it; one whose own prefill alone takes
@@ -29,14 +32,19 @@ longer (a long prompt, or a machine slower than the target) only when the queue 
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import islice
+from typing import Protocol
 
 HEADROOM = 0.8  # the step aims at 80% of the TPOT target: the target is a p90, steps are noisy
 MIN_PREFILL_TOKENS = 16  # prefill's floor per step while any prompt waits
 FLEX_TTFT_FACTOR = 4.0  # flex's TTFT bound for admission: this many times the target
 MIN_STEPS_FITTED = 4  # steps measured before the model predicts anything
 STANDARD_CLASSES = (-1, 0, 1)  # priority, default, flex (contracts/replica_protocol.py)
+MAX_SEAT_SAMPLES = 64  # per class, the soonest seat releases admission looks at
 _RIDGE = 1e-6  # keeps the fit solvable before the steps vary in every feature
 
 
@@ -152,8 +160,13 @@ def plan_step(cost: StepCost | None, num_decodes: int, tpot_target_ms: float | N
 class ClassLoad:
     """The work ahead of a new request of one class (that class and the higher ones)."""
 
-    num_prefill_tokens: int  # prompt tokens still to prefill: waiting, and running chunks
+    num_prefill_tokens: int  # prompt tokens still to prefill: waiting (less cached), running chunks
     num_decodes: int  # running sequences past their prompt: one token of budget each per step
+    num_running: int = 0  # sequences holding a seat in the running batch
+    num_waiting: int = 0  # requests queued for a seat
+    # steps until each seat held frees (its remaining output tokens), soonest first, at most
+    # MAX_SEAT_SAMPLES
+    seat_free_steps: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -165,6 +178,7 @@ class QueueLoad:
     num_decodes: int  # all running decodes (they all make the step longer)
     token_budget: int  # the current step plan's
     cost: StepCost | None
+    max_num_running: int = 0  # the current step plan's seats (0: a seat is never waited for)
 
     def ahead_of(self, priority: int) -> ClassLoad:
         """The load ahead of a new request of class `priority` (its own class and higher)."""
@@ -187,13 +201,79 @@ class Admission:
         return max(1, math.ceil(self.queue_ms / 1000.0))
 
 
+class QueuedRequest(Protocol):
+    """What the load is taken from (engine/request.py::Request)."""
+
+    priority: int
+    num_computed_tokens: int
+    num_cached_tokens_predicted: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def max_num_tokens(self) -> int: ...
+
+
+def queue_load_of(waiting: Iterable[QueuedRequest], running: Iterable[QueuedRequest],
+                  plan: StepPlan, cost: StepCost | None) -> QueueLoad:
+    """The scheduler's load for admission; O(waiting + running). A waiting request's prefill is
+    its tokens less the prefix-cache hit found when it arrived (`num_cached_tokens_predicted`);
+    a running one's seat frees after its remaining output tokens (max_tokens: with none, the
+    context window, an upper bound)."""
+    prefill: dict[int, int] = dict.fromkeys(STANDARD_CLASSES, 0)
+    decodes: dict[int, int] = dict.fromkeys(STANDARD_CLASSES, 0)
+    seated: dict[int, list[int]] = {c: [] for c in STANDARD_CLASSES}
+    queued: dict[int, int] = dict.fromkeys(STANDARD_CLASSES, 0)
+    for request in waiting:
+        c = request.priority
+        uncached = request.num_tokens - min(request.num_cached_tokens_predicted, request.num_tokens - 1)
+        prefill[c] = prefill.get(c, 0) + uncached
+        queued[c] = queued.get(c, 0) + 1
+    for request in running:
+        c = request.priority
+        remaining = request.num_tokens - request.num_computed_tokens
+        if remaining > 1:
+            prefill[c] = prefill.get(c, 0) + remaining
+        else:
+            decodes[c] = decodes.get(c, 0) + 1
+        seated.setdefault(c, []).append(max(request.max_num_tokens - request.num_tokens, 1))
+    by_class: dict[int, ClassLoad] = {}
+    num_prefill = num_decodes = num_running = num_waiting = 0
+    seat_steps: tuple[int, ...] = ()
+    for c in sorted(prefill.keys() | decodes.keys() | seated.keys() | queued.keys()):
+        num_prefill += prefill.get(c, 0)  # cumulative: this class and the higher ones
+        num_decodes += decodes.get(c, 0)
+        num_running += len(seated.get(c, ()))
+        num_waiting += queued.get(c, 0)
+        own = heapq.nsmallest(MAX_SEAT_SAMPLES, seated.get(c, ()))
+        seat_steps = tuple(islice(heapq.merge(seat_steps, own), MAX_SEAT_SAMPLES))
+        by_class[c] = ClassLoad(num_prefill, num_decodes, num_running, num_waiting, seat_steps)
+    return QueueLoad(by_class, num_decodes, plan.token_budget, cost, plan.max_num_running)
+
+
+def seat_wait_steps(load: QueueLoad, ahead: ClassLoad) -> int:
+    """Steps until a seat is free for a new request behind `ahead` (0: one is free now): the
+    batch at its cap, it waits for as many of its classes' seats to free as are taken beyond it
+    (the requests waiting ahead take the first ones)."""
+    if not load.max_num_running:
+        return 0
+    num_needed = ahead.num_running + ahead.num_waiting + 1 - load.max_num_running
+    if num_needed <= 0 or not ahead.seat_free_steps:
+        return 0
+    return ahead.seat_free_steps[min(num_needed, len(ahead.seat_free_steps)) - 1]
+
+
 def predict_admission(load: QueueLoad, priority: int, num_prompt_tokens: int,
-                      ttft_target_ms: float | None, num_pending_tokens: int = 0) -> Admission:
+                      ttft_target_ms: float | None, num_pending_tokens: int = 0,
+                      num_cached_tokens: int = 0) -> Admission:
     """Whether a request of class `priority` with `num_prompt_tokens` would meet its class's TTFT
     target (module docstring). `num_pending_tokens`: prompts accepted ahead of it that the engine
-    thread has not queued yet (they count as waiting)."""
+    thread has not queued yet (they count as waiting); `num_cached_tokens`: its prompt's prefix
+    the cache holds (not computed again)."""
     target_ms = class_ttft_target_ms(ttft_target_ms, priority)
-    queue_s, own_s = predict_queue_s(load, priority, num_prompt_tokens, num_pending_tokens)
+    queue_s, own_s = predict_queue_s(load, priority, num_prompt_tokens, num_pending_tokens,
+                                     num_cached_tokens)
     queue_ms, ttft_ms = queue_s * 1000.0, (queue_s + own_s) * 1000.0
     if target_ms is None:
         return Admission(True, queue_ms, ttft_ms, target_ms)
@@ -203,15 +283,19 @@ def predict_admission(load: QueueLoad, priority: int, num_prompt_tokens: int,
 
 
 def predict_queue_s(load: QueueLoad, priority: int, num_prompt_tokens: int = 0,
-                    num_pending_tokens: int = 0) -> tuple[float, float]:
-    """(seconds of work ahead of a new request of class `priority`, seconds of its own prefill);
-    (0, 0) before the step-time model has been fitted."""
+                    num_pending_tokens: int = 0, num_cached_tokens: int = 0) -> tuple[float, float]:
+    """(seconds before a new request of class `priority` starts its prefill: the prefill ahead or
+    the wait for a seat, whichever is longer; seconds of its own prefill, the prompt less its
+    cached prefix); (0, 0) before the step-time model has been fitted."""
     cost = load.cost
     if cost is None:
         return 0.0, 0.0
     ahead = load.ahead_of(priority)
     prefill_per_step = max(load.token_budget - ahead.num_decodes, 1)
     step_s = cost.step_s(prefill_per_step, load.num_decodes)
-    queue_s = (ahead.num_prefill_tokens + num_pending_tokens) / prefill_per_step * step_s
-    own_s = max(num_prompt_tokens / prefill_per_step, 1.0) * step_s if num_prompt_tokens else 0.0
-    return queue_s, own_s
+    prefill_s = (ahead.num_prefill_tokens + num_pending_tokens) / prefill_per_step * step_s
+    queue_s = max(prefill_s, seat_wait_steps(load, ahead) * step_s)
+    if not num_prompt_tokens:
+        return queue_s, 0.0
+    num_uncached = max(num_prompt_tokens - num_cached_tokens, 1)
+    return queue_s, max(num_uncached / prefill_per_step, 1.0) * step_s

@@ -140,7 +140,7 @@ class ServingContext:
                        params=per_choice_params(params, i % params.n))
             for i in range(num_choices)
         ]
-        self.check_admission(priority, sum(len(sub.prompt_token_ids) for sub in subs))
+        self.check_admission(priority, [sub.prompt_token_ids for sub in subs], cache_salt)
         fanout = FanOut(self.engine, subs, metrics=self.metrics, cache_salt=cache_salt,
                         trace_headers=trace_headers(request.headers), retention=retention,
                         priority=priority)
@@ -155,14 +155,18 @@ class ServingContext:
         finally:
             await fanout.aclose()
 
-    def check_admission(self, priority: int, num_prompt_tokens: int) -> None:
+    def check_admission(self, priority: int, prompts: list[list[int]], cache_salt: str | None) -> None:
         """LatencyTargetError (429, before any engine request starts) when the engine predicts
-        that queueing would break the class's TTFT target (engine/slo.py); engines without
-        admission control admit everything."""
+        that queueing would break the class's TTFT target (engine/slo.py), counting what the
+        prefix cache holds of the prompts; engines without admission control or without a TTFT
+        target admit everything."""
         admit = getattr(self.engine, "admit", None)
-        if admit is None:
+        targets = getattr(self.engine, "latency_targets_ms", (None, None))
+        if admit is None or targets[0] is None:
             return
-        admission = admit(priority, num_prompt_tokens)
+        cached = getattr(self.engine, "num_cached_prefix_tokens", None)
+        num_cached = sum(cached(p, cache_salt) for p in prompts) if cached is not None else 0
+        admission = admit(priority, sum(len(p) for p in prompts), num_cached)
         if admission.is_admitted:
             return
         self.metrics.count_refused(priority)

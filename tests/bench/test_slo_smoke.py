@@ -1,6 +1,7 @@
-"""`aigw bench slo --tiny` end to end on the default model: both policies' replicas serve every
-cell over HTTP, the table and the goodput PNG and raw results are written. No figure is compared
-with a time; only what holds at any speed: the fixed budget never refuses, a refusal always
+"""`aigw bench slo --tiny --clock wall` end to end on the default model: both policies' replicas
+serve every cell over HTTP (the virtual clock's in-process path: test_slo_virtual.py), the table
+and the goodput PNG and raw results are written. No figure is compared with a time; only what
+holds at any speed: the fixed budget never refuses, a refusal always
 carries Retry-After, every request sent is refused or finished, goodput <= what was sent."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tests.bench.test_bench_smoke import PNG_MAGIC, run_bench
 def test_slo_bench_tiny_runs_both_policies_and_writes_plot_and_results(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png, md, out = tmp_path / "slo.png", tmp_path / "slo.md", tmp_path / "slo.json"
-    assert run_bench(["slo", "--tiny", "--workloads", "mixed", "--plot", str(png),
+    assert run_bench(["slo", "--tiny", "--clock", "wall", "--workloads", "mixed", "--plot", str(png),
                       "--results", str(md), "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "goodput/s" in printed and "slo/fixed" in printed and "priority" in printed
