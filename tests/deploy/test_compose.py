@@ -239,6 +239,17 @@ def test_dockerfile_builds_cpu_or_cuda_from_build_args_as_a_non_root_aigw() -> N
             assert set(service.get("build", {}).get("args", {})) <= args
 
 
+def test_the_engine_image_has_a_cpp_compiler_for_the_native_cpu_kernels_on_every_base() -> None:
+    """engine/kernels/cpu is compiled (torch cpp_extension, `c++`) on a replica's first start;
+    the slim CPU base has no compiler, and without one the replica ran PyTorch's slower path
+    (its log: "native CPU kernels off: the build failed"). Not only under CUDA torch."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    engine = text[text.index("FROM runtime AS engine"):]
+    runs = [run for run in re.split(r"^RUN ", engine, flags=re.MULTILINE)[1:] if "g++" in run]
+    assert runs, "the engine stage installs no C++ compiler"
+    assert " if " not in " " + runs[0].split("g++")[0]  # unconditionally, not in the CUDA branch
+
+
 def test_dockerfile_copies_only_paths_that_exist_and_are_not_ignored() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
     ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
