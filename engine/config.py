@@ -265,6 +265,9 @@ class SchedulerConfig:
             raise ValueError("prefix_aware_window must be >= 1")
 
 
+QUANTIZE_AT_LOAD = ("q8_0", "q4_1")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str
@@ -280,6 +283,9 @@ class EngineConfig:
     # the fused native decode step and a float16 KV cache (engine/models/llama_decode.py); without
     # them, decode rows use PyTorch's int4 kernel (engine/layers/q4_linear.py). Approximate numerics.
     decode_weights: str = "float"
+    # the q4 mode with the native kernels: the block format a float weight (one the file holds in no
+    # native block type) is quantized into at load: "q8_0" (near-lossless) or "q4_1" (faster, coarser)
+    quantize_at_load: str = "q8_0"
     replica_id: str = "replica-0"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
@@ -292,6 +298,8 @@ class EngineConfig:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
         if self.decode_weights not in ("float", "q4"):
             raise ValueError(f"unsupported decode_weights {self.decode_weights!r}")
+        if self.quantize_at_load not in QUANTIZE_AT_LOAD:
+            raise ValueError(f"quantize_at_load must be one of {QUANTIZE_AT_LOAD}, got {self.quantize_at_load!r}")
         if self.decode_weights == "q4" and not self.device.startswith("cpu"):
             raise ValueError("decode_weights='q4' is a CPU path")
         if self.quantization not in (None, "fp8"):

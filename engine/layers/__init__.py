@@ -31,10 +31,11 @@ def make_linear_factory(config: EngineConfig, device: torch.device, raw_weights:
     from engine.layers.q4_linear import SUPPORTED_TYPES
 
     # q4 (the CPU default) with the native kernels: every linear on them, in the file's Q4_0 / Q4_1 /
-    # Q8_0 blocks where it has them, else quantized at load (LOAD_BLOCK_TYPE; the lm head Q8_0).
+    # Q8_0 blocks where it has them, else quantized at load (config.quantize_at_load; lm head Q8_0).
     # Without the native kernels, a file with Q4 blocks takes PyTorch's int4 kernel for decode rows
     # and a float checkpoint keeps float32 whole.
     native_blocks = native_quantization(config, device, dtype)
+    load_block_type = config.quantize_at_load.upper()  # "Q8_0" or "Q4_1"
     q4 = config.decode_weights == "q4" and not native_blocks and any(
         getattr(raw, "ggml_type", None) in SUPPORTED_TYPES for raw in raw_weights.values())
 
@@ -50,7 +51,7 @@ def make_linear_factory(config: EngineConfig, device: torch.device, raw_weights:
             if blocked is not None:
                 return blocked
         if native_blocks:
-            quantized = _make_native(name, weight, raw_weights)
+            quantized = _make_native(name, weight, raw_weights, load_block_type)
             if quantized is not None:
                 return quantized
         if q4:
@@ -70,11 +71,6 @@ def make_linear_factory(config: EngineConfig, device: torch.device, raw_weights:
     return make
 
 
-# The block format a float weight is quantized into at load on the CPU default path (Q8_0 or Q4_1):
-# Q8_0, near-lossless (bench/results/q4-every-family-cpu.md has the measurement behind the choice)
-LOAD_BLOCK_TYPE = "Q8_0"
-
-
 def native_quantization(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether linears (and MoE experts) run on the native CPU kernels' blocks: the q4 mode, on the
     CPU, in float32, with the kernels built (engine/kernels/cpu)."""
@@ -91,10 +87,12 @@ def uses_native_blocks(make_linear: object) -> bool:
     return bool(getattr(make_linear, "native_blocks", False))
 
 
-def _make_native(name: str, weight: torch.Tensor, raw_weights: dict) -> LinearWeight | None:  # type: ignore[type-arg]
+def _make_native(name: str, weight: torch.Tensor, raw_weights: dict,  # type: ignore[type-arg]
+                 load_block_type: str) -> LinearWeight | None:
     """The native form of linear `name` ([out, in] float `weight`): the file's blocks for it (a fused
     projection: its parts', all of one native type), else `weight` quantized now (the lm head to
-    Q8_0, the others to LOAD_BLOCK_TYPE), or None when its shape does not fit the kernels."""
+    Q8_0, the others to `load_block_type`: Q8_0 by default, bench/results/q4-every-family-cpu.md
+    says why), or None when its shape does not fit the kernels."""
     from engine.layers.block_quant import can_quantize
     from engine.layers.native_linear import NativeQuantLinear
 
@@ -114,7 +112,7 @@ def _make_native(name: str, weight: torch.Tensor, raw_weights: dict) -> LinearWe
         return NativeQuantLinear.from_raw([(p.ggml_type, p.data) for p in found])
     if not can_quantize(weight):
         return None
-    return NativeQuantLinear.from_float(weight, "Q8_0" if name == "lm_head.weight" else LOAD_BLOCK_TYPE)
+    return NativeQuantLinear.from_float(weight, "Q8_0" if name == "lm_head.weight" else load_block_type)
 
 
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

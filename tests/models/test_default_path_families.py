@@ -136,3 +136,22 @@ def test_a_gguf_moe_runs_its_own_expert_blocks_on_the_default_path(tmp_path: Pat
     _, default_logits = greedy(default, PROMPTS, NUM_NEW_TOKENS, forced=tokens)
     errors = torch.cat([(e - d).abs().amax(dim=-1) for e, d in zip(exact_logits, default_logits, strict=True)])
     assert 0 < errors.median() < MAX_MEDIAN_ERROR_PER_SPREAD * torch.cat(exact_logits).std()
+
+
+def test_quantize_at_load_q4_1_takes_q4_1_blocks(directories: dict[str, Path]) -> None:
+    """`--quantize-at-load q4_1`: float weights go into Q4_1 blocks (the lm head stays Q8_0)."""
+    import argparse
+
+    from engine.engine_args import add_engine_arguments, engine_config_from_args
+    from engine.layers.native_linear import NativeQuantLinear
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    config = engine_config_from_args(parser.parse_args(["--model", str(directories["qwen3_moe"]),
+                                                        "--quantize-at-load", "q4_1", "--threads", "1"]))
+    assert (config.decode_weights, config.quantize_at_load) == ("q4", "q4_1")
+    checkpoint = load_checkpoint(directories["qwen3_moe"], progress=False)
+    runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights), dict(checkpoint.raw))
+    info = runner.compute_info
+    assert (info["weights"], info["experts"]) == ("q4-native", "q4-native (quantized at load)")
+    assert isinstance(runner.model.lm_head, NativeQuantLinear) and runner.model.lm_head.block_type == "Q8_0"
