@@ -174,6 +174,7 @@ def parallelize(model, plan: ShardPlan) -> None:  # type: ignore[no-untyped-def]
     """Family changes to a shard-built model before its layers are wrapped (engine/parallel/layers.py):
     gpt-oss's expert down-projection bias stays on rank 0 only."""
     if model.config.architecture == "gpt_oss" and plan.rank:
-        for layer in model.layers:
+        for layer in model.layers:  # (GptOssExperts, or NativeExperts on the CPU q4 path)
             bias = layer.mlp.experts.w2_bias  # [E, Hd], added per routed expert
-            layer.mlp.experts.w2_bias = torch.zeros_like(bias)
+            if bias is not None:
+                layer.mlp.experts.w2_bias = torch.zeros_like(bias)
