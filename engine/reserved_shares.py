@@ -64,6 +64,7 @@ class ReservedShares:
         self._held_blocks: dict[str, int] = {}  # what each reserved project with work holds now
         self._held_seats: dict[str, int] = {}
         self._reserved_seats: dict[str, int] = {}
+        self.waiting_reserved: list[Request] = []  # this step's waiting requests of reserved projects
 
     @property
     def is_active(self) -> bool:
@@ -79,6 +80,7 @@ class ReservedShares:
         need_blocks: dict[str, int] = {}
         num_requests: dict[str, int] = {}
         self._held_blocks, self._held_seats = {}, {}
+        self.waiting_reserved = []
         for request, is_running in [(r, True) for r in running] + [(r, False) for r in waiting]:
             project = project_of(request.cache_salt)
             if project not in self.shares:
@@ -93,6 +95,8 @@ class ReservedShares:
             if is_running:
                 self._held_blocks[project] += self.blocks_of(request)
                 self._held_seats[project] += 1
+            else:
+                self.waiting_reserved.append(request)
         self._reserved_seats = {p: max(int(self.shares[p] * max_num_running), 1) for p in num_requests}
         self._unspent_tokens = {p: min(int(self.shares[p] * token_budget), demand)
                                 for p, demand in demand_tokens.items()}

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import islice
 
 from engine.batch import ScheduledBatch, ScheduledSequence
@@ -242,7 +242,8 @@ class Scheduler:
         """The first waiting request of class `priority` (of the first MAX_SHARE_SCAN) whose project
         may take tokens, a seat and the blocks of its first chunk without touching another
         project's reserved share. Past a higher class's request the share kept waiting, only a
-        request of a project owed its share may go."""
+        request of a project owed its share may go; past the scan, a request of a project owed its
+        share is still found, however deep the queue."""
         assert self.shares is not None
         passed_higher = False
         for request in islice(self.waiting, MAX_SHARE_SCAN):
@@ -251,28 +252,48 @@ class Scheduler:
                 continue
             if request.priority > priority:
                 break
-            if (passed_higher and not self.shares.is_short(request)) or request.request_id in self._taken_back:
+            if passed_higher and not self.shares.is_short(request):
                 continue
-            allowed = self.shares.num_tokens_for(request, budget)
-            if allowed <= 0:
-                continue
-            if not (self.shares.owes_seat(request) or self.shares.can_take_seat(request, num_free_seats)):
-                continue
-            computed = self.kv_cache.get_computed_blocks(request)
-            start = computed.num_computed_tokens
-            num_new_blocks = self._num_new_blocks(start, min(request.num_tokens - start, allowed))
-            if self.shares.can_take_blocks(request, num_new_blocks, self.kv_cache.num_free_blocks):
-                return request, computed
+            if (picked := self._fits_shares(request, budget, num_free_seats)) is not None:
+                return picked
+        for request in self._owed_waiting(priority):
+            if (picked := self._fits_shares(request, budget, num_free_seats)) is not None:
+                return picked
         return None
 
+    def _fits_shares(self, request: Request, budget: int, num_free_seats: int
+                     ) -> tuple[Request, ComputedBlocks] | None:
+        assert self.shares is not None
+        if request.request_id in self._taken_back:
+            return None  # not readmitted in the step that took it back
+        allowed = self.shares.num_tokens_for(request, budget)
+        if allowed <= 0:
+            return None
+        if not (self.shares.owes_seat(request) or self.shares.can_take_seat(request, num_free_seats)):
+            return None
+        computed = self.kv_cache.get_computed_blocks(request)
+        start = computed.num_computed_tokens
+        num_new_blocks = self._num_new_blocks(start, min(request.num_tokens - start, allowed))
+        if self.shares.can_take_blocks(request, num_new_blocks, self.kv_cache.num_free_blocks):
+            return request, computed
+        return None
+
+    def _owed_waiting(self, priority: int) -> Iterator[Request]:
+        """The waiting requests of class `priority` whose reserved project is owed its share this
+        step, in queue order (from the list begin_step took: no scan of the whole queue)."""
+        assert self.shares is not None
+        for request in self.shares.waiting_reserved:
+            if (request.priority == priority and request.status != RequestStatus.RUNNING
+                    and not request.is_finished and self.shares.is_short(request)):
+                yield request
+
     def _owed_seat(self, priority: int) -> bool:
-        """Whether a waiting request of class `priority` (of the first MAX_SHARE_SCAN) belongs to a
-        reserved project owed a seat this step."""
+        """Whether a waiting request of class `priority` belongs to a reserved project owed a seat
+        this step."""
         if not self._holds_shares:
             return False
         assert self.shares is not None
-        return any(r.priority == priority and self.shares.owes_seat(r)
-                   for r in islice(self.waiting, MAX_SHARE_SCAN))
+        return any(self.shares.owes_seat(r) for r in self._owed_waiting(priority))
 
     def _take_back_shares(self, batch: ScheduledBatch) -> None:
         """Before the step schedules anything: while the reserved projects with work are owed more
