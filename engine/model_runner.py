@@ -208,7 +208,7 @@ class ModelRunner:
                             context_lens=positions + 1, logit_rows=None if every_row else logit_rows)
         if prefill:
             assert self._prefill_step is not None
-            logits = self._prefill_step(step, [s.num_scheduled_tokens for s in seqs], self.kv_caches)
+            logits = self._prefill_step(step, self.kv_caches)
         else:
             logits = self._native_decode(step, self.kv_caches)  # [len(rows) + span rows, vocab]
         return _split_logits([seqs[i].request_id for i in sampled], logits, spans)

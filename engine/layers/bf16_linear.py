@@ -15,8 +15,12 @@ accounts for; the scratch is at most `SCRATCH_BYTES` (16 MiB) whatever the model
 a chunk of M rows dequantizes each weight once (N x K conversions, ~2 bytes written a weight)
 against the GEMM's 2 x M x N x K flops, a small share from a few hundred rows on (prompt chunks).
 
-Row counts are bucketed like the float path's (engine/layers/linear.py row_bucket): oneDNN builds
-and caches a primitive per shape, and an unbucketed prefill would add one per chunk length.
+Rows go through the GEMM in tiles of exactly GEMM_ROWS (the last one zero-padded): every call has
+one shape per weight tile, so (1) a row's result does not depend on how many rows share the call,
+nor where it sits among them (every row is in a full tile of the same primitive; a GEMM's kernel,
+its blocking and so its summation order may change with M), which keeps a sequence's output
+independent of its batch and of how its prompt was chunked; and (2) oneDNN, which builds and caches
+a primitive per shape, holds a few per weight rather than one per chunk length.
 """
 
 from __future__ import annotations
@@ -24,10 +28,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.layers.linear import row_bucket
 from engine.layers.native_linear import NativeQuantLinear
 
 SCRATCH_BYTES = 16 << 20  # the dequantized tile's bound (bf16); 8 columns at least
+GEMM_ROWS = 64  # rows of every GEMM call (a multiple of AMX's 16-row tiles)
 
 
 class Bf16Scratch:
@@ -61,18 +65,15 @@ def bf16_linear(x: torch.Tensor, weight: NativeQuantLinear, scratch: Bf16Scratch
     """x [M, in] bf16 -> x @ W^T [M, out] bf16, W dequantized from `weight`'s blocks tile by tile."""
     num_rows, in_features = x.shape
     num_groups = weight.blocks.shape[0]  # 8 output columns each
-    bucket = row_bucket(num_rows)
-    if bucket != num_rows:
-        x = torch.cat([x, x.new_zeros(bucket - num_rows, in_features)])  # [bucket, in]
+    padded = -(-num_rows // GEMM_ROWS) * GEMM_ROWS
+    if padded != num_rows:
+        x = torch.cat([x, x.new_zeros(padded - num_rows, in_features)])  # [padded, in]
+    out = x.new_empty(padded, num_groups * 8)  # [padded, out]
     groups_per_tile = scratch.columns_per_tile(in_features) // 8
-    if groups_per_tile >= num_groups:  # the whole weight in one tile
-        w = scratch.tile(num_groups * 8, in_features)  # [out, in]
-        torch.ops.aigw_cpu.dequantize_bf16(weight.blocks, weight.weight_type, 0, num_groups, w)
-        return F.linear(x, w)[:num_rows]
-    out = x.new_empty(num_rows, num_groups * 8)  # [M, out]
     for g0 in range(0, num_groups, groups_per_tile):
         g1 = min(num_groups, g0 + groups_per_tile)
         w = scratch.tile((g1 - g0) * 8, in_features)  # [tile columns, in]
         torch.ops.aigw_cpu.dequantize_bf16(weight.blocks, weight.weight_type, g0, g1, w)
-        out[:, g0 * 8:g1 * 8] = F.linear(x, w)[:num_rows]
-    return out
+        for r0 in range(0, padded, GEMM_ROWS):
+            out[r0:r0 + GEMM_ROWS, g0 * 8:g1 * 8] = F.linear(x[r0:r0 + GEMM_ROWS], w)  # [64, tile]
+    return out[:num_rows]

@@ -22,6 +22,7 @@ from engine.kernels import cpu as native
 from engine.kernels.cpu import isa
 from engine.model_runner import ModelRunner
 from tests.engine.fakes import generate
+from tests.engine.test_cpu_isa_variants import kernel_outputs
 
 AVX2 = frozenset({"avx2", "fma", "f16c"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
@@ -90,10 +91,11 @@ _CHILD = """
 import json, sys
 from engine.kernels import cpu as native
 from tests.engine.test_cpu_isa import q4_tokens
+from tests.engine.test_cpu_isa_variants import kernel_outputs
 from engine.loader import load_checkpoint, load_tokenizer
 import torch
 path = sys.argv[1]
-print(json.dumps({"variant": native.loaded_variant(),
+print(json.dumps({"variant": native.loaded_variant(), "outputs": kernel_outputs(),
                   "tokens": q4_tokens(path, load_checkpoint(path, dtype=torch.float32, progress=False),
                                       load_tokenizer(path))}))
 """
@@ -109,9 +111,14 @@ def q4_tokens(model_path: str, checkpoint: Any, tokenizer: Any) -> list[list[int
 
 
 @pytest.mark.skipif(not native.load(), reason="native CPU kernels unavailable here")
-def test_forced_avx2_kernels_give_the_native_kernels_tokens(model_path: str, checkpoint: Any,
-                                                            tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_forced_avx2_kernels_give_the_native_kernels_outputs_and_tokens(
+        model_path: str, checkpoint: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every op bit for bit (tests/engine/test_cpu_isa_variants.py kernel_outputs) and the greedy
+    q4 tokens. Not skipped on an AVX-512 / VNNI CPU: there the native build is the best one the CPU
+    and OS have (unless AIGW_CPU_ISA forces another), so two builds are compared."""
     chosen = isa.selection()  # the integer kernels alone: a bf16 prefill (AMX CPUs) is tested apart
+    if not chosen.forced:
+        assert native.loaded_variant() == chosen.native
     monkeypatch.setattr(isa, "selection", lambda: dataclasses.replace(chosen, prefill=None))
     ours = q4_tokens(model_path, checkpoint, tokenizer)
     env = {**os.environ, "AIGW_CPU_ISA": "avx2"}
@@ -120,4 +127,8 @@ def test_forced_avx2_kernels_give_the_native_kernels_tokens(model_path: str, che
     assert done.returncode == 0, done.stderr[-3000:]
     child = json.loads(done.stdout.strip().splitlines()[-1])
     assert child["variant"] == "avx2" and native.loaded_variant() == isa.selection().variant
+    outputs = kernel_outputs()
+    assert outputs.keys() == child["outputs"].keys()
+    for name, values in outputs.items():
+        assert values == child["outputs"][name], f"{name}: {native.loaded_variant()} differs from avx2"
     assert child["tokens"] == ours and all(len(t) == GREEDY.max_tokens for t in ours)

@@ -12,25 +12,19 @@ activations |q| <= 127 give 8 x 2 x 15 x 127 = 30,480 per int16 lane of a block;
 Here: numpy models of both instruction sequences, run on the kernels' interleaved weight layouts,
 agree with each other and with exact integer sums on random and worst-case blocks (and the AVX2
 model does saturate past those bounds, so it is a model of the instruction, not of the sum); the
-build this process loaded reproduces the exact sums on the worst cases; and the build
-`AIGW_CPU_ISA=avx2` loads gives the same bits as this process's (on an AVX-512 / VNNI CPU the two
-are different builds; on an AVX2-only one the same build, and the emulation is what checks VNNI).
+build this process loaded reproduces the exact sums on the worst cases; and (tests/engine/
+test_cpu_isa.py, with `kernel_outputs` below) the build `AIGW_CPU_ISA=avx2` loads gives the same
+bits as this process's on every op (on an AVX-512 / VNNI CPU two builds; on an AVX2-only one the
+same build, and the emulation here is what checks VNNI).
 """
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from engine.kernels import cpu as native
-from engine.kernels.cpu import isa
 from engine.layers.native_linear import interleave_q4_1, interleave_q8_0
 
 QK = 32
@@ -154,16 +148,6 @@ def test_the_loaded_kernels_reach_the_exact_sums_on_worst_case_blocks(num_rows: 
     np.testing.assert_allclose(out8.numpy(), (sums8 * 0.25 * xd[:, None, :]).sum(-1), rtol=1e-5, atol=1e-3)
 
 
-_CHILD = """
-import json, sys
-import torch
-from engine.kernels import cpu as native
-from tests.engine.test_cpu_isa_variants import kernel_outputs
-assert native.load()
-print(json.dumps({"variant": native.loaded_variant(), "outputs": kernel_outputs()}))
-"""
-
-
 def kernel_outputs() -> dict[str, list[float]]:
     """Every op of the kernels on fixed inputs (Q4_1 and Q8_0 at 1, 5 and 70 rows, fused norm and
     SiLU forms, decode attention over a float16 cache)."""
@@ -199,22 +183,3 @@ def kernel_outputs() -> dict[str, list[float]]:
         qkv, angles.cos(), angles.sin(), positions, k_cache, v_cache, slots, tables, positions + 1,
         heads, kv_heads, dh ** -0.5).flatten().tolist()
     return outputs
-
-
-@pytestmark_kernels
-def test_the_forced_avx2_build_gives_this_processs_build_bit_for_bit() -> None:
-    """On a CPU with AVX-512 or VNNI this compares two builds (it is not skipped there: the native
-    build is the best one the CPU and OS have, unless AIGW_CPU_ISA forces another)."""
-    chosen = isa.selection()
-    if not chosen.forced:
-        assert native.loaded_variant() == chosen.native
-    env = {**os.environ, "AIGW_CPU_ISA": "avx2"}
-    done = subprocess.run([sys.executable, "-c", _CHILD], cwd=Path(__file__).resolve().parents[2], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    child = json.loads(done.stdout.strip().splitlines()[-1])
-    assert child["variant"] == "avx2"
-    ours = kernel_outputs()
-    assert ours.keys() == child["outputs"].keys()
-    for name, values in ours.items():
-        assert values == child["outputs"][name], f"{name}: {native.loaded_variant()} differs from avx2"

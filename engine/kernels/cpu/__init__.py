@@ -16,6 +16,7 @@ build takes ~20 s the first time (then it is cached under TORCH_EXTENSIONS_DIR, 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -52,6 +53,14 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
 
 
+def _build_name(variant: str, flags: list[str]) -> str:
+    """The extension's name (its cache directory): the variant and a digest of the source and
+    flags, so processes running different versions of the source (an upgrade beside a running
+    replica, two checkouts) never rebuild each other's library in one directory."""
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    return f"aigw_cpu_decode_ops_{variant}_{digest}"
+
+
 def loaded_variant() -> str | None:
     """The kernel variant this process runs (isa.VARIANTS), None when the native kernels are off."""
     return isa.selection().variant if load() else None
@@ -77,12 +86,16 @@ def load() -> bool:
 
         # -ffp-contract=off: GCC fuses a * b + c into an FMA where it sees fit, and may decide
         # differently for a 512-bit build; unfused, the scalar code rounds the same in every variant
-        load_extension(name=f"aigw_cpu_decode_ops_{chosen.variant}", sources=[str(_SOURCE)],
-                       is_python_module=False,
-                       extra_cflags=["-O3", *cflags, *(f"-D{d}" for d in defines), "-fopenmp",
-                                     "-ffp-contract=off"],
+        flags = ["-O3", *cflags, *(f"-D{d}" for d in defines), "-fopenmp", "-ffp-contract=off"]
+        load_extension(name=_build_name(chosen.variant, flags), sources=[str(_SOURCE)],
+                       is_python_module=False, extra_cflags=flags,
                        extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: keep the PyTorch path
         logger.warning("native CPU kernels off: the build failed (%s)", exc)
         return False
-    return hasattr(torch.ops.aigw_cpu, "q_linear")
+    ops = ("q_linear", "q_linear_add_", "decode_attention", "dequantize_bf16")
+    missing_ops = [op for op in ops if not hasattr(torch.ops.aigw_cpu, op)]
+    if missing_ops:  # a stale build in the cache (another checkout's source)
+        logger.warning("native CPU kernels off: the build lacks %s", ", ".join(missing_ops))
+        return False
+    return True
