@@ -176,11 +176,15 @@ def test_the_replica_flags_make_the_scheduler_config() -> None:
     assert slo.reserved_shares == (("acme", 0.25), ("team=x", 0.1))
     assert _scheduler_config("--ttft-p90-ms", "800", "--scheduler-policy", "fixed").policy == "fixed"
     assert _scheduler_config("--ttft-p90-ms", "0").ttft_p90_ms is None  # 0: no target
+    assert plain.flex_max_wait_ms is None  # the default: from the TTFT target (engine/flex_aging.py)
+    assert _scheduler_config("--flex-max-wait-ms", "2500").flex_max_wait_ms == 2500.0
+    assert _scheduler_config("--flex-max-wait-ms", "inf").flex_max_wait_ms == float("inf")
 
 
 @pytest.mark.parametrize("flags", [
     ("--reserved-share", "acme"), ("--reserved-share", "=0.5"), ("--reserved-share", "acme=lots"),
-    ("--reserved-share", "acme=1.5"), ("--ttft-p90-ms", "-5"), ("--tpot-p90-ms", "nan")])
+    ("--reserved-share", "acme=1.5"), ("--ttft-p90-ms", "-5"), ("--tpot-p90-ms", "nan"),
+    ("--flex-max-wait-ms", "0"), ("--flex-max-wait-ms", "nan")])
 def test_bad_latency_flags_are_a_value_error(flags: tuple[str, ...]) -> None:
     with pytest.raises(ValueError):
         _scheduler_config(*flags)
