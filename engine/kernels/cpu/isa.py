@@ -19,12 +19,12 @@ can lack what the loaded build executes.
 
 Prefill in bfloat16 (the q4 mode's prompt chunks, engine/models/llama_prefill.py), best first:
 
-    amx_bf16     AMX-BF16 tiles: oneDNN's bf16 GEMMs (and SDPA's) on AMX
+    amx_bf16     AMX-BF16 tiles: oneDNN's bf16 GEMMs on AMX
     avx512_bf16  AVX512-BF16 (vdpbf16ps): the same GEMMs on AVX-512 without AMX
 
-where the CPU has one, prompt rows run in bf16 GEMMs over weights dequantized into a bounded
-scratch and bf16 SDPA (float32 accumulation), decode rows stay on the integer kernels; without
-either, prompt rows take the integer kernels too.
+where the CPU has one, prompt rows run their linears as bf16 GEMMs (float32 accumulation) over
+weights dequantized into a bounded scratch, attention on the native kernel; decode rows stay on the
+integer kernels; without either, prompt rows take the integer kernels too.
 
 `AIGW_CPU_ISA` is `native` (the default: the best variant and the best bf16 prefill the CPU has),
 a variant name (`avx2`, `avx512`, `avx_vnni`, `avx512_vnni`: that build, integer prefill; a variant
