@@ -76,6 +76,9 @@ def test_bf16_prefill_is_the_best_the_cpu_has_and_forcible_anywhere() -> None:
     assert "amx_bf16" in emulated.describe() and emulated.as_dict()["prefill_isa"] == "amx_bf16"
     with pytest.raises(ValueError, match="AVX2"):
         isa.select(frozenset({"sse4_2"}), "amx_bf16")
+    assert isa.onednn_cap(forced) == "AVX512_CORE_BF16"  # else oneDNN takes AMX for bf16 anyway
+    assert isa.onednn_cap(isa.select(amx, None)) is None
+    assert isa.onednn_cap(isa.select(AVX512 | {"avx512_bf16"}, "avx512_bf16")) is None
 
 
 def test_a_bad_aigw_cpu_isa_stops_the_replica_before_it_loads_a_model() -> None:

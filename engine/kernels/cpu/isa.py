@@ -163,8 +163,16 @@ def select(flags: frozenset[str], forced: str | None, os_flags: frozenset[str] |
 def selection() -> IsaSelection:
     """This process's choice: the CPU's flags, what the OS enables, and AIGW_CPU_ISA, read once.
     Forcing avx512_bf16 on an AMX CPU caps oneDNN at AVX512_CORE_BF16 (before its first use)."""
-    flags = cpu_flags()
-    chosen = select(flags, os.environ.get(ENV), os_enabled_flags())
-    if chosen.forced and chosen.prefill == "avx512_bf16" and "amx_bf16" in chosen.features:
-        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    chosen = select(cpu_flags(), os.environ.get(ENV), os_enabled_flags())
+    cap = onednn_cap(chosen)
+    if cap is not None:
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", cap)
     return chosen
+
+
+def onednn_cap(chosen: IsaSelection) -> str | None:
+    """The ONEDNN_MAX_CPU_ISA a choice needs: AVX512_CORE_BF16 when avx512_bf16 is forced on a CPU
+    with AMX (oneDNN would take AMX for bf16 otherwise), else None (oneDNN takes the best)."""
+    if chosen.forced and chosen.prefill == "avx512_bf16" and "amx_bf16" in chosen.features:
+        return "AVX512_CORE_BF16"
+    return None
