@@ -85,6 +85,50 @@ def start_chat_upstream(loop_thread: LoopThread, chat: Handler) -> tuple[web.App
     return loop_thread.run(start_app(app))
 
 
+CANNED_ANSWER = {"id": "c1", "object": "chat.completion", "created": 1, "model": MODEL,
+                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "fine"},
+                              "finish_reason": "stop"}],
+                 "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """What a canned upstream answers every call with instead of CANNED_ANSWER."""
+
+    status: int
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+CannedUpstreamFactory = Callable[[Refusal | None], tuple[str, list[dict[str, Any]]]]
+
+
+@pytest.fixture
+def canned_upstreams(loop_thread: LoopThread) -> Iterator[CannedUpstreamFactory]:
+    """make(refusal) -> (url, calls): an OpenAI-wire upstream on 127.0.0.1 that answers every
+    chat call with `refusal` or, when None, with CANNED_ANSWER ("fine", 3 + 1 tokens); `calls`
+    holds each call's JSON body. Torn down after the test."""
+    runners: list[web.AppRunner] = []
+
+    def make(refusal: Refusal | None) -> tuple[str, list[dict[str, Any]]]:
+        calls: list[dict[str, Any]] = []
+
+        async def chat(request: web.Request) -> web.Response:
+            calls.append(await request.json())
+            if refusal is not None:
+                return web.json_response(refusal.body, status=refusal.status,
+                                         headers=refusal.headers)
+            return web.json_response(CANNED_ANSWER)
+
+        runner, url = start_chat_upstream(loop_thread, chat)
+        runners.append(runner)
+        return url, calls
+
+    yield make
+    for runner in runners:
+        loop_thread.run(runner.cleanup())
+
+
 @dataclass
 class Upstream:
     state: MockState

@@ -12,47 +12,19 @@ import anthropic
 import httpx
 import openai
 import pytest
-from aiohttp import web
 
-from tests.gateway.conftest import MODEL, GatewayFactory, LoopThread, start_app, wait_until
+from tests.gateway.conftest import (
+    MODEL,
+    CannedUpstreamFactory,
+    GatewayFactory,
+    Refusal,
+    wait_until,
+)
 
-REFUSAL = {"error": {"message": "predicted queueing 2400 ms would break the TTFT target 500 ms",
-                     "type": "server_overloaded", "code": "latency_target", "param": None}}
-ANSWER = {"id": "c1", "object": "chat.completion", "created": 1, "model": MODEL,
-          "choices": [{"index": 0, "message": {"role": "assistant", "content": "fine"},
-                       "finish_reason": "stop"}],
-          "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
-
-
-@pytest.fixture
-def replicas(loop_thread: LoopThread) -> Any:
-    """make(refuses) -> (url, calls): a replica-like upstream that refuses every request with
-    the admission contract's 429, or answers."""
-    made: list[web.AppRunner] = []
-
-    def make(refuses: bool) -> tuple[str, list[dict[str, Any]]]:
-        calls: list[dict[str, Any]] = []
-
-        async def chat(request: web.Request) -> web.Response:
-            calls.append(await request.json())
-            if refuses:
-                return web.json_response(REFUSAL, status=429, headers={
-                    "retry-after": "3", "x-aigw-predicted-queue-ms": "2400"})
-            return web.json_response(ANSWER)
-
-        async def health(request: web.Request) -> web.Response:
-            return web.Response(text="ok")
-
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", chat)
-        app.router.add_get("/health", health)
-        runner, url = loop_thread.run(start_app(app))
-        made.append(runner)
-        return url, calls
-
-    yield make
-    for runner in made:
-        loop_thread.run(runner.cleanup())
+REFUSAL = Refusal(429, {"error": {
+    "message": "predicted queueing 2400 ms would break the TTFT target 500 ms",
+    "type": "server_overloaded", "code": "latency_target", "param": None}},
+    {"retry-after": "3", "x-aigw-predicted-queue-ms": "2400"})
 
 
 def _gateway(make_gateway: GatewayFactory, urls: list[str]) -> Any:
@@ -73,8 +45,9 @@ def _refusals(gateway: Any) -> dict[str, float]:
 
 
 def test_a_refusal_is_tried_on_the_next_replica_and_settled_once(
-        make_gateway: GatewayFactory, replicas: Any) -> None:
-    (refusing, refused_calls), (serving, served_calls) = replicas(True), replicas(False)
+        make_gateway: GatewayFactory, canned_upstreams: CannedUpstreamFactory) -> None:
+    (refusing, refused_calls) = canned_upstreams(REFUSAL)
+    (serving, served_calls) = canned_upstreams(None)
     gateway = _gateway(make_gateway, [refusing, serving])
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="k", max_retries=0)
     for _ in range(3):
@@ -91,8 +64,8 @@ def test_a_refusal_is_tried_on_the_next_replica_and_settled_once(
 
 
 def test_when_every_replica_refuses_each_dialect_gets_a_429_with_retry_after(
-        make_gateway: GatewayFactory, replicas: Any) -> None:
-    made = [replicas(True) for _ in range(3)]
+        make_gateway: GatewayFactory, canned_upstreams: CannedUpstreamFactory) -> None:
+    made = [canned_upstreams(REFUSAL) for _ in range(3)]
     gateway = _gateway(make_gateway, [url for url, _ in made])
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="k", max_retries=0)
     for stream in (False, True):

@@ -10,51 +10,13 @@ import anthropic
 import httpx
 import openai
 import pytest
-from aiohttp import web
 
-from tests.gateway.conftest import MODEL, GatewayFactory, LoopThread, start_app
+from tests.gateway.conftest import MODEL, CannedUpstreamFactory, GatewayFactory, Refusal
 
 THROTTLE = {"retry-after": "17", "x-ratelimit-limit-requests": "60",
             "x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "17s"}
-ANSWER = {"id": "c1", "object": "chat.completion", "created": 1, "model": MODEL,
-          "choices": [{"index": 0, "message": {"role": "assistant", "content": "fine"},
-                       "finish_reason": "stop"}],
-          "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
-
-
-def _upstream(loop_thread: LoopThread, throttles: bool) -> tuple[web.AppRunner, str, list[int]]:
-    """An OpenAI-compatible upstream on 127.0.0.1 that throttles every call (or answers)."""
-    calls: list[int] = []
-
-    async def chat(request: web.Request) -> web.Response:
-        calls.append(1)
-        if throttles:
-            return web.json_response(
-                {"error": {"message": "Rate limit reached for org-secret-123", "type": "requests",
-                           "code": "rate_limit_exceeded"}}, status=429, headers=THROTTLE)
-        return web.json_response(ANSWER)
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/health", health)
-    runner, url = loop_thread.run(start_app(app))
-    return runner, url, calls
-
-
-@pytest.fixture
-def upstreams(loop_thread: LoopThread) -> Any:
-    made: list[web.AppRunner] = []
-
-    def make(throttles: bool) -> tuple[str, list[int]]:
-        runner, url, calls = _upstream(loop_thread, throttles)
-        made.append(runner)
-        return url, calls
-    yield make
-    for runner in made:
-        loop_thread.run(runner.cleanup())
+THROTTLED = Refusal(429, {"error": {"message": "Rate limit reached for org-secret-123",
+                                    "type": "requests", "code": "rate_limit_exceeded"}}, THROTTLE)
 
 
 def _gateway(make_gateway: GatewayFactory, urls: list[str]) -> Any:
@@ -63,8 +25,8 @@ def _gateway(make_gateway: GatewayFactory, urls: list[str]) -> Any:
 
 
 def test_an_upstream_429_reaches_every_dialect_as_a_429_with_its_headers(
-        make_gateway: GatewayFactory, upstreams: Any) -> None:
-    (first, first_calls), (second, second_calls) = upstreams(True), upstreams(True)
+        make_gateway: GatewayFactory, canned_upstreams: CannedUpstreamFactory) -> None:
+    (first, first_calls), (second, second_calls) = (canned_upstreams(THROTTLED) for _ in range(2))
     gateway = _gateway(make_gateway, [first, second])
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="k", max_retries=0)
     for stream in (False, True):
@@ -91,8 +53,9 @@ def test_an_upstream_429_reaches_every_dialect_as_a_429_with_its_headers(
 
 
 def test_a_throttled_endpoint_is_retried_on_another_before_the_429(
-        make_gateway: GatewayFactory, upstreams: Any) -> None:
-    (throttled, throttled_calls), (serving, serving_calls) = upstreams(True), upstreams(False)
+        make_gateway: GatewayFactory, canned_upstreams: CannedUpstreamFactory) -> None:
+    (throttled, throttled_calls) = canned_upstreams(THROTTLED)
+    (serving, serving_calls) = canned_upstreams(None)
     gateway = _gateway(make_gateway, [throttled, serving])
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="k", max_retries=0)
     for _ in range(4):
