@@ -197,7 +197,10 @@ def _log_access(access_log: AccessLog, request: web.Request, status: int,
         trace_id = observer.unsampled_traceparent[3:35]  # 00-<32 hex>-<16 hex>-00
     else:
         trace_id = ""
-    request_id = response.headers.get("x-request-id", "") if response is not None else ""
+    if response is not None:
+        request_id = response.headers.get("x-request-id", "")
+    else:  # no answer went out (the client left first): the id its usage record carries
+        request_id = record.request_id.partition("/")[0] if record is not None else ""
     latency_ms = (time.perf_counter() - observer.started) * 1000.0
     if record is not None:
         access_log.write(request.method, request.path, status, record.model, record.project,

@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from auth.principal import AuthError, Principal, Scope
+from bench.mock_upstream import MockConfig
 from gateway.telemetry import access_log
 from gateway.telemetry.access_log import LOGGER_NAME, format_line
 from tests.gateway.conftest import MODEL, GatewayFactory, wait_until
@@ -77,6 +78,21 @@ def test_each_request_is_one_text_line_with_its_usage_and_no_secret(
     assert refused["status"] == "401" and refused["key_id"] == '""'
     text = "\n".join(access_lines)
     assert SECRET_KEY not in text and "wrong-key" not in text and PROMPT not in text
+
+
+def test_a_request_whose_client_left_keeps_its_request_id_in_the_line(
+        make_gateway: GatewayFactory, access_lines: list[str]) -> None:
+    """No answer was sent (the client left first): the line still names the request's id, the
+    one its upstream call and usage record carry (it was request_id="")."""
+    gateway = make_gateway(authenticator=OneKey(), configs=[MockConfig(latency_ms=3000)])
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(gateway.url + "/v1/chat/completions", timeout=0.5,
+                   headers={"authorization": f"Bearer {SECRET_KEY}"},
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    assert wait_until(lambda: len(access_lines) >= 1, timeout_s=10)
+    fields = dict(pair.split("=", 1) for pair in access_lines[0].split(" "))
+    assert fields["status"] == "499"
+    assert fields["request_id"] == gateway.upstreams[0].state.request_ids[0] != ""
 
 
 def test_json_when_asked(make_gateway: GatewayFactory, access_lines: list[str],
