@@ -175,29 +175,87 @@ def measure_vllm(python: str, model_dir: str, prompts: Prompts, args: argparse.N
     return result
 
 
-def measure_tensor_parallel(args: argparse.Namespace, prompts: Prompts) -> tuple[dict[str, Any], dict[str, Any]]:
-    """measure_ours over a TP engine (its own processes), and rank 0's time in collectives per step."""
+def measure_tensor_parallel(args: argparse.Namespace, prompts: Prompts, mode: str
+                            ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """measure_ours over a TP engine in `mode` (its own processes: --threads split between the
+    ranks, so TP=N has the TP=1 rows' threads in all), and rank 0's collectives per step."""
     from engine.engine import LLMEngine
     from engine.engine_args import engine_config_from_args
 
     config = engine_config_from_args(args)
-    config = dataclasses.replace(config, decode_weights="float", cache=dataclasses.replace(
-        config.cache, enable_prefix_caching=False))
+    config = dataclasses.replace(config, decode_weights=mode, cache=dataclasses.replace(
+        config.cache, enable_prefix_caching=bool(prompts.shared_prefix)))  # as the TP=1 rows
     engine = LLMEngine.from_config(config, progress=False)
     runner = engine.runner
     try:
         group = runner.group
-        group.comm_s, group.num_collectives, runner.num_steps = 0.0, 0, 0
+        group.reset_counters()
+        runner.num_steps = 0
+        pids = [proc.pid for proc in runner._workers]
+        cpu_s = time.process_time() + sum(_process_cpu_s(pid) for pid in pids)
         started = time.perf_counter()
         figures = measure_ours(engine, prompts, args)
         wall_s = time.perf_counter() - started
+        figures["cpu_s"] = time.process_time() + sum(_process_cpu_s(pid) for pid in pids) - cpu_s  # every rank
         steps = max(runner.num_steps, 1)
         comm = {"num_steps": runner.num_steps, "collectives_per_step": group.num_collectives / steps,
                 "comm_ms_per_step": group.comm_s / steps * 1e3, "step_ms": wall_s / steps * 1e3,
-                "comm_share": group.comm_s / wall_s}
+                "comm_share": group.comm_s / wall_s, "threads_per_rank": runner.runner.config.num_threads,
+                "by_kind": {kind: {"per_step": n / steps, "ms_per_step": s_ / steps * 1e3, "bytes": b}
+                            for kind, (n, s_, b) in group.comm_by_kind.items()},
+                "step_kind": runner.runner.compute_info["native_step"]}
     finally:
         runner.close()
     return figures, comm
+
+
+def _process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used so far (Linux /proc; 0 elsewhere)."""
+    import os
+
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def price_transport(comm: dict[str, Any], world_size: int, hidden_size: int) -> None:
+    """Add to `comm` what its all-reduces and gathers cost with every rank ready (bench/tp_comm.py)."""
+    from bench.tp_comm import measure_transport
+
+    costs = measure_transport(world_size, hidden_size)
+    steps = max(comm["num_steps"], 1)
+    for kind, cost in costs.items():
+        row = comm["by_kind"].get(kind)
+        if row is not None:
+            row["transport_ms_per_step"] = cost.seconds(round(row["per_step"] * steps), row["bytes"]) / steps * 1e3
+            row["latency_us"], row["us_per_kib"] = cost.latency_s * 1e6, cost.s_per_byte * 1024 * 1e6
+
+
+def tensor_parallel_table(results: dict[str, dict[str, Any]], mode: str, tp: int) -> str:
+    """Each figure of ours[mode] (TP=1) beside ours[mode,tp=N] and their ratio."""
+    one, many = _figures(results[f"ours[{mode}]"]), _figures(results[f"ours[{mode},tp={tp}]"])
+    label = "CPU s of the run (every process; lower is better)"
+    one[label], many[label] = results[f"ours[{mode}]"].get("cpu_s"), results[f"ours[{mode},tp={tp}]"].get("cpu_s")
+    rows = [[label, fmt(value), fmt(many.get(label)),
+             f"{many[label] / value:.2f}x" if value and many.get(label) is not None else "-"]
+            for label, value in one.items()]
+    return format_table(["figure", f"ours[{mode}] (TP=1)", f"ours[{mode},tp={tp}]", "TP/TP=1"], rows)
+
+
+def tensor_parallel_report(name: str, comm: dict[str, Any]) -> str:
+    lines = [f"{name}: {comm['num_steps']} steps ({comm['step_kind']}), {comm['threads_per_rank']} thread(s) "
+             f"per rank, {comm['collectives_per_step']:.1f} collectives per step; rank 0 spent "
+             f"{comm['comm_ms_per_step']:.1f} ms of {comm['step_ms']:.1f} ms per step in them "
+             f"({comm['comm_share']:.0%}, waiting for the slower rank included)"]
+    for kind, row in sorted(comm["by_kind"].items()):
+        line = f"  {kind:<10} {row['per_step']:5.1f} per step, {row['ms_per_step']:7.2f} ms per step"
+        if "transport_ms_per_step" in row:
+            line += (f"; transport alone {row['transport_ms_per_step']:6.2f} ms per step "
+                     f"({row['latency_us']:.0f} us + {row['us_per_kib']:.2f} us/KiB per op, every rank ready)")
+        lines.append(line)
+    return "\n".join(lines)
 
 
 # ---- transformers --------------------------------------------------------------------------------------
@@ -367,18 +425,26 @@ def run(args: argparse.Namespace) -> int:
              f"compile={config.compile} max_num_batched_tokens={config.scheduler.max_num_batched_tokens}")
     print(f"engine bench, {title}", file=sys.stderr)
     results: dict[str, dict[str, Any]] = {}
+    tp = getattr(args, "tensor_parallel_size", 1)
+    comms: dict[str, dict[str, Any]] = {}
     for mode in modes:
         started = time.perf_counter()
         # prefix caching only for the shared-prefix row (the other rows' prompts share no block)
         engine = build_engine(args, decode_weights=mode, enable_prefix_caching=bool(prompts.shared_prefix))
+        cpu_s = time.process_time()
         results[f"ours[{mode}]"] = measure_ours(engine, prompts, args)
+        results[f"ours[{mode}]"]["cpu_s"] = time.process_time() - cpu_s  # (this process: the engine)
         del engine
         print(f"  ours[{mode}] done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    tp = getattr(args, "tensor_parallel_size", 1)
-    if tp > 1:  # the same figures from a tensor-parallel engine, beside the TP=1 rows above
-        started = time.perf_counter()
-        results[f"ours[tp={tp}]"], comm = measure_tensor_parallel(args, prompts)
-        print(f"  ours[tp={tp}] done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+        if tp > 1:  # the same figures from a TP engine right after (a shared machine's load drifts)
+            started = time.perf_counter()
+            name = f"ours[{mode},tp={tp}]"
+            results[name], comms[name] = measure_tensor_parallel(args, prompts, mode)
+            print(f"  {name} done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    if comms:
+        checkpoint, _ = load_model(config.model_path)
+        for comm in comms.values():
+            price_transport(comm, tp, checkpoint.config.hidden_size)
     if args.vllm_python:
         if not args.vllm_model:
             raise SystemExit("--vllm-python needs --vllm-model (an HF directory of the same weights)")
@@ -391,12 +457,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  transformers done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     print(f"\n{title}\n")
     print(report(results, args))
-    if tp > 1:
-        print(f"\ntensor parallel {tp} ranks (float32 weights; ours[float] is TP=1): {comm['num_steps']} steps, "
-              f"{comm['collectives_per_step']:.0f} collectives per step, {comm['comm_ms_per_step']:.1f} ms of "
-              f"{comm['step_ms']:.1f} ms per step in collectives on rank 0 "
-              f"({comm['comm_share']:.0%}; waiting for the slower rank included)")
-        results[f"ours[tp={tp}]"]["communication"] = comm
+    for mode, (name, comm) in zip(modes, comms.items(), strict=True):
+        print(f"\n{tensor_parallel_table(results, mode, tp)}\n{tensor_parallel_report(name, comm)}")
+        results[name]["communication"] = comm
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"title": title, "results": results}, indent=2))
