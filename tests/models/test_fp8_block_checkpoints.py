@@ -5,7 +5,6 @@ dense by the test's own arithmetic) computes; a misshapen scale is one line nami
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -17,52 +16,23 @@ from safetensors.torch import load_file, save_file
 from engine.loader import load_checkpoint
 from engine.models.weights import CheckpointMismatchError
 from tests.models._deepseek_v3 import DeepseekCheckpoint
+from tests.models._fp8_blocks import (
+    BLOCK,  # noqa: F401 (tests/engine/test_tensor_parallel.py imports it from here)
+    FP8,
+    quantize_blocks,  # noqa: F401 (likewise)
+    write_fp8_checkpoint,
+)
 from tests.models._greedy import greedy, make_runner
 
-BLOCK = (16, 16)  # the released files use [128, 128]; 16 gives the tiny model partial blocks too
-FP8 = torch.float8_e4m3fn
 QUANTIZED = ("_proj.weight", "_proj_with_mqa.weight")  # attention and MLP projections, not gates
-
-
-def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (fp8 [N, K], scale_inv float32 [ceil(N/Bn), ceil(K/Bk)]) by block amax."""
-    n, k = weight.shape
-    rows, cols = -(-n // BLOCK[0]), -(-k // BLOCK[1])
-    padded = torch.zeros(rows * BLOCK[0], cols * BLOCK[1])
-    padded[:n, :k] = weight
-    blocks = padded.view(rows, BLOCK[0], cols, BLOCK[1])
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(FP8).max  # [rows, cols]
-    quantized = (blocks / scale[:, None, :, None]).view(rows * BLOCK[0], cols * BLOCK[1])
-    return quantized[:n, :k].to(FP8), scale.float()
-
-
-def dequantize_by_hand(quantized: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    rows = torch.arange(quantized.shape[0]) // BLOCK[0]
-    cols = torch.arange(quantized.shape[1]) // BLOCK[1]
-    return quantized.float() * scale_inv[rows[:, None], cols[None, :]]
 
 
 @pytest.fixture(scope="module")
 def fp8_and_twin(deepseek_v3_checkpoints: dict[str, DeepseekCheckpoint],
                  tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    source = deepseek_v3_checkpoints["lora"].directory
-    root = tmp_path_factory.mktemp("fp8_blocks")
-    fp8_dir, twin_dir = root / "fp8", root / "twin"
-    shutil.copytree(source, fp8_dir)
-    shutil.copytree(source, twin_dir)
-    tensors = load_file(str(source / "model.safetensors"))
-    stored, twin = dict(tensors), dict(tensors)
-    for name in [n for n in tensors if n.endswith(QUANTIZED) and not n.startswith("model.layers.3.")]:
-        quantized, scale_inv = quantize_blocks(tensors[name])
-        stored[name], stored[name + "_scale_inv"] = quantized, scale_inv
-        twin[name] = dequantize_by_hand(quantized, scale_inv)
-    save_file(stored, str(fp8_dir / "model.safetensors"), metadata={"format": "pt"})
-    save_file(twin, str(twin_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((fp8_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                     "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
-    (fp8_dir / "config.json").write_text(json.dumps(config))
-    return fp8_dir, twin_dir
+    return write_fp8_checkpoint(
+        deepseek_v3_checkpoints["lora"].directory, tmp_path_factory.mktemp("fp8_blocks"),
+        lambda name, _: name.endswith(QUANTIZED) and not name.startswith("model.layers.3."))
 
 
 def test_a_block_scaled_fp8_checkpoint_computes_what_its_dequantized_twin_does(

@@ -8,44 +8,25 @@ the w8a8 kernel itself."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from engine.layers.fp8_block_linear import FP8BlockLinear
 from engine.loader import load_checkpoint
 from engine.loader.fp8_blocks import RawFP8Blocks
 from engine.model_runner import ModelRunner
+from tests.models._fp8_blocks import write_fp8_checkpoint
 from tests.models._greedy import greedy
 from tests.models._qwen3 import TinyCheckpoint
-from tests.models.test_fp8_block_checkpoints import BLOCK, dequantize_by_hand, quantize_blocks
 
 PROMPTS = [[(7 * i + 11) % 300 + 6 for i in range(40)], [6, 17, 99, 3, 250, 42, 7]]
 
 
-def write_fp8_checkpoint(source: Path, root: Path) -> tuple[Path, Path]:
-    """(the block-scaled FP8 directory, its dequantized twin) of the checkpoint in `source`: every
-    2-D projection quantized (routers, norms, embeddings and stacked experts stay as they are)."""
-    fp8_dir, twin_dir = root / "fp8", root / "twin"
-    shutil.copytree(source, fp8_dir)
-    shutil.copytree(source, twin_dir)
-    tensors = load_file(str(source / "model.safetensors"))
-    stored, twin = dict(tensors), dict(tensors)
-    for name in [n for n, t in tensors.items() if n.endswith("_proj.weight") and t.dim() == 2]:
-        quantized, scale_inv = quantize_blocks(tensors[name])
-        stored[name], stored[name + "_scale_inv"] = quantized, scale_inv
-        twin[name] = dequantize_by_hand(quantized, scale_inv)
-    save_file(stored, str(fp8_dir / "model.safetensors"), metadata={"format": "pt"})
-    save_file(twin, str(twin_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((fp8_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                     "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
-    (fp8_dir / "config.json").write_text(json.dumps(config))
-    return fp8_dir, twin_dir
+def _projections(name: str, tensor: torch.Tensor) -> bool:
+    """Every 2-D projection (routers, norms, embeddings and stacked experts stay as they are)."""
+    return name.endswith("_proj.weight") and tensor.dim() == 2
 
 
 def _runner(directory: Path, device: str, dtype: str = "float32") -> ModelRunner:
@@ -62,7 +43,7 @@ def _runner(directory: Path, device: str, dtype: str = "float32") -> ModelRunner
 @pytest.fixture(scope="module")
 def checkpoints(gemma3_checkpoint: TinyCheckpoint, llama4_checkpoints: dict[str, TinyCheckpoint],
                 tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
-    return {name: write_fp8_checkpoint(source.directory, tmp_path_factory.mktemp(name))
+    return {name: write_fp8_checkpoint(source.directory, tmp_path_factory.mktemp(name), _projections)
             for name, source in (("gemma3", gemma3_checkpoint), ("llama4", llama4_checkpoints["moe"]))}
 
 
