@@ -144,8 +144,7 @@ class LlamaModel:
             qkv = layer.qkv(x)  # [T, Q + 2K]
             if cfg.qk_norm == "projection":
                 q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)  # type: ignore[arg-type]
-                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)  # type: ignore[arg-type]
+                q, k = self.projection_qk_norm(q, k, layer)
                 qkv = torch.cat([q, k, v], dim=-1)
             heads = qkv.view(-1, num_q + 2 * num_kv, head_dim)  # [T, H + 2G, Dh]
             qk = heads[:, : num_q + num_kv]  # [T, H + G, Dh]
@@ -162,6 +161,14 @@ class LlamaModel:
             x = rms_norm_fast(hidden, layer.post_attention_norm, cfg.rms_norm_eps)
             hidden = hidden + layer.mlp(x)
         return rms_norm_fast(hidden, self.norm, cfg.rms_norm_eps)
+
+    def projection_qk_norm(self, q: torch.Tensor, k: torch.Tensor, layer: DecoderLayer
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMoE's q/k norm over the whole projection: q [T, Q], k [T, K] -> the same, normalised. A
+        tensor-parallel rank sets an instance attribute of the same name, whose sums of squares span
+        every rank's heads (engine/parallel/layers.py)."""
+        eps = self.config.rms_norm_eps
+        return rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)  # type: ignore[arg-type]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> [T, hidden]. A tensor-parallel rank sets an instance attribute of the

@@ -1,6 +1,7 @@
 """Tensor-parallel rules of the families whose layers are not Llama's: Gemma 3, Llama 4, gpt-oss and
-DeepSeek-V3 (the Llama family's rules, which these fall back to: engine/parallel/shard.py). As vLLM
-splits them (its gemma3.py, llama4.py, gpt_oss.py, deepseek_v2.py):
+DeepSeek-V3, and OLMoE's q/k norm (the Llama family's rules, which these fall back to:
+engine/parallel/shard.py). As vLLM splits them (its gemma3.py, llama4.py, gpt_oss.py,
+deepseek_v2.py, olmoe.py):
 
     gemma3_text   as Llama: q/k/v and gate/up column parallel, o_proj and down row parallel; the
                   per-head q/k norms and all four layer norms replicated. Its norms after o_proj and
@@ -24,6 +25,9 @@ splits them (its gemma3.py, llama4.py, gpt_oss.py, deepseek_v2.py):
                   (vLLM's MLA does the same); the router and e_score_correction_bias replicated,
                   routed experts and the shared experts split on their intermediate dims, the
                   first_k_dense_replace dense layers as an MLP. MTP-layer tensors are not read.
+    olmoe         Llama's rules, with its q/k norm weights [Q], [K] cut to the rank's heads; the
+                  norm's sums of squares are all-reduced ([T, 2] a layer: engine/parallel/layers.py),
+                  so it still spans every head (refused where kv heads would be replicated).
 """
 
 from __future__ import annotations
@@ -92,6 +96,9 @@ def layer_slices(leaf: str, shape: tuple[int, ...], config: ModelConfig, plan: S
     Llama rules apply (engine/parallel/shard.py)."""
     arch = config.architecture
     whole: Slices = (None,) * len(shape)
+    if arch == "olmoe" and leaf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):  # [Q], [K]
+        heads = plan.q_heads if leaf.startswith("self_attn.q") else plan.kv_heads
+        return (_rows(heads, config.head_dim),)
     if arch == "gemma3_text":
         if leaf in ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"):
             return whole

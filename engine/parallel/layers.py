@@ -69,6 +69,23 @@ class VocabParallelHead(LinearWeight):
         return self.inner.nbytes
 
 
+class ProjectionQKNorm:
+    """OLMoE's q/k RMSNorm over all heads on a rank holding some of them: the rank's sums of squares
+    of q [T, Q / N] and k [T, K / N] all-reduced ([T, 2]), divided by the full Q and K."""
+
+    def __init__(self, q_size: int, kv_size: int, eps: float, group: TPGroup) -> None:
+        self.q_size, self.kv_size = q_size, kv_size  # Q, K of the whole model
+        self.eps = eps
+        self.group = group
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+        q32, k32 = q.float(), k.float()
+        sums = self.group.all_reduce(torch.stack([q32.pow(2).sum(-1), k32.pow(2).sum(-1)], dim=-1))  # [T, 2]
+        q_scale = torch.rsqrt(sums[:, :1] / self.q_size + self.eps)  # [T, 1]
+        k_scale = torch.rsqrt(sums[:, 1:] / self.kv_size + self.eps)
+        return layer.q_norm * (q32 * q_scale).to(q.dtype), layer.k_norm * (k32 * k_scale).to(k.dtype)
+
+
 def parallelize(model, plan: ShardPlan, group: TPGroup) -> None:  # type: ignore[no-untyped-def]
     """Wrap a shard-built LlamaModel's cross-rank layers in place (module doc); the other families'
     models (engine/parallel/families.py) have the same parts."""
@@ -81,5 +98,9 @@ def parallelize(model, plan: ShardPlan, group: TPGroup) -> None:  # type: ignore
             layer.mlp = RowParallel(layer.mlp, group)
         else:  # Gemma 3: its post-feedforward norm acts on the summed down projection
             layer.down = RowParallel(layer.down, group)
+    if model.config.qk_norm == "projection":  # OLMoE (plan_shard refuses replicated kv heads here)
+        dh, group_size = model.config.head_dim, len(plan.q_heads) // len(plan.kv_heads)
+        model.projection_qk_norm = ProjectionQKNorm(plan.total_kv_heads * group_size * dh,
+                                                    plan.total_kv_heads * dh, model.config.rms_norm_eps, group)
     model.embed = VocabParallelEmbedding(model.embed_tokens, plan, group)
     model.lm_head = VocabParallelHead(model.lm_head, plan, group)

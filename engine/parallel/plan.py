@@ -31,7 +31,7 @@ from engine.config import ModelConfig
 
 _TP_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm",
                                "mixtral", "qwen2_moe", "qwen3_moe",
-                               "gemma3_text", "llama4_text", "gpt_oss", "deepseek_v3"})  # (families.py)
+                               "olmoe", "gemma3_text", "llama4_text", "gpt_oss", "deepseek_v3"})  # (families.py)
 
 
 class TensorParallelConfigError(ValueError):
@@ -75,8 +75,10 @@ def plan_shard(config: ModelConfig, rank: int, world_size: int) -> ShardPlan:
     if arch not in _TP_ARCHITECTURES:
         raise TensorParallelConfigError(
             f"tensor parallelism serves {sorted(_TP_ARCHITECTURES)}, not {arch!r}")
-    if config.qk_norm == "projection":
-        raise TensorParallelConfigError(f"{arch}: q/k norm over all heads is not split across ranks")
+    if config.qk_norm == "projection" and config.num_kv_heads < world_size:
+        raise TensorParallelConfigError(
+            f"{arch}: q/k norm over all heads is not split with kv heads replicated ({config.num_kv_heads} "
+            f"kv heads, {world_size} ranks)")
     families.check_splits(config, world_size)
     heads, kv, n = config.num_heads, config.num_kv_heads, world_size
     group = heads // kv  # query heads per kv head

@@ -330,6 +330,14 @@ def _write_family(family: str, root: Path) -> Path:
         quantize_experts(directory)
     elif family == "deepseek_v3":  # MLA (q_lora), grouped top-k, shared expert, a dense first layer,
         _write_deepseek_fp8(directory)  # block-scaled FP8 projections, an MTP layer to skip
+    elif family == "olmoe":  # q/k norm over all heads (its sums of squares all-reduced), 8 experts
+        from tests.models._checkpoints import FAMILIES
+        from tests.models._qwen3 import write_tokenizer
+
+        config = FAMILIES["olmoe"]()
+        config.vocab_size, config.eos_token_id, config.initializer_range = 320, write_tokenizer(directory), 0.1
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().save_pretrained(directory)
     return directory
 
 
@@ -376,7 +384,7 @@ def family_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return get
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "llama4_text", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["gemma3_text", "llama4_text", "gpt_oss", "deepseek_v3", "olmoe"])
 def test_each_family_splits_and_matches_tp1(family: str, family_checkpoint: Any) -> None:
     """TP=2 against TP=1 on the workload above (chunked prefill, a prefix hit, an abort): the same
     greedy tokens and cached tokens, every step's logits within 1e-5 ABSOLUTE (not relative to the
@@ -458,6 +466,11 @@ def test_what_the_families_cannot_split_is_one_line() -> None:
     cuts = [plan_shard(gpt_oss, r, 4).expert_intermediate for r in range(4)]  # 90 blocks: 22 + 23 + 22 + 23
     assert [len(c) // 32 for c in cuts] == [22, 23, 22, 23] and cuts[-1].stop == 2880
     assert all(c.start % 32 == 0 for c in cuts)
+    olmoe = ModelConfig(architecture="olmoe", vocab_size=100, hidden_size=64, intermediate_size=96, num_layers=1,
+                        num_heads=4, num_kv_heads=1, head_dim=16, max_position_embeddings=64, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=32, qk_norm="projection")
+    with pytest.raises(TensorParallelConfigError, match="q/k norm over all heads is not split with kv heads rep"):
+        plan_shard(olmoe, 0, 2)  # (the norm's sums would count a replicated kv head twice)
     small = dataclasses.replace(gpt_oss, moe_intermediate_size=32)  # one block cannot go to two ranks
     with pytest.raises(TensorParallelConfigError, match="MXFP4 experts split in whole blocks of 32"):
         tensor_slices("model.layers.0.mlp.experts.down_proj_blocks", (4, 64, 1, 16), small,
