@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from engine.config import CacheConfig, EngineConfig
+from engine.layers.native_linear import NativeQuantLinear
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner
 from tests.models._greedy import greedy
@@ -87,6 +88,11 @@ def test_default_path_quantizes_every_family_at_load_and_follows_float32(
     assert (info["weights"], info["weights_source"]) == ("q8_0-native", "quantized at load")
     assert info["experts"] == EXPECTED_EXPERTS.get(family, "q8_0-native (quantized at load)")
     assert exact.compute_info["weights"] == "float32"
+    for layer in default.model.layers:  # routers stay float; a shared expert is native like any MLP
+        mlp = getattr(layer, "mlp", None)  # (Gemma 3's layer holds its MLP's linears itself)
+        router, shared = getattr(mlp, "router", None), getattr(mlp, "shared", None)
+        assert not isinstance(router, NativeQuantLinear)
+        assert shared is None or isinstance(shared.down, NativeQuantLinear)
     assert exact.compute_info["experts"] in (None, "float32")
 
     tokens, exact_logits = greedy(exact, PROMPTS, NUM_NEW_TOKENS)
@@ -143,7 +149,6 @@ def test_quantize_at_load_q4_1_takes_q4_1_blocks(directories: dict[str, Path]) -
     import argparse
 
     from engine.engine_args import add_engine_arguments, engine_config_from_args
-    from engine.layers.native_linear import NativeQuantLinear
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
