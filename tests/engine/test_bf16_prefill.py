@@ -29,7 +29,7 @@ from engine.kernels.cpu import isa
 from engine.layers.bf16_linear import Bf16Scratch, bf16_linear
 from engine.layers.native_linear import NativeQuantLinear, to_native_blocks
 from engine.model_runner import ModelRunner
-from tests.engine.fakes import generate
+from tests.engine.fakes import assert_idle_and_clean, generate
 from tests.engine.test_cpu_isa import GREEDY, PROMPTS
 
 pytestmark = pytest.mark.skipif(not native.load(), reason="native CPU kernels unavailable here")
@@ -104,25 +104,32 @@ def test_the_bf16_prefill_isa_is_in_the_runners_metadata(runners: dict[str, Mode
 def _prompt_logits(runner: ModelRunner, tokens: list[int], split: int | None = None,
                    beside: list[int] | None = None) -> torch.Tensor:
     """Logits of every prompt row [len(tokens), vocab]: in one chunk, or in two split at `split`
-    (the second attends to the first's cached K/V), the second beside `beside`'s whole prompt."""
+    (the second attends to the first's cached K/V). `beside`: another prompt prefilled in the
+    first chunk's step, whose first decode row then shares the second chunk's step."""
     bs = runner.block_size
     table = list(range(1, 1 + -(-len(tokens) // bs)))
+    other_table = [len(table) + 1 + b for b in range(-(-(len(beside or []) + 1) // bs))]
     chunks = [(0, len(tokens))] if split is None else [(0, split), (split, len(tokens))]
     rows = []
     for start, end in chunks:
         seqs = [ScheduledSequence("p", tokens[start:end], start, table, end == len(tokens), needs_prompt_logits=True)]
-        if beside is not None and start > 0:
-            other_table = [len(table) + 1 + b for b in range(-(-len(beside) // bs))]
-            seqs.insert(0, ScheduledSequence("o", beside, 0, other_table, True))
-        rows.append(runner.execute(ScheduledBatch(seqs)).prompt_logits["p"])
+        if beside is not None:  # its prompt, then its first decode row (a mixed step)
+            other = ScheduledSequence("o", beside, 0, other_table, True) if start == 0 else \
+                ScheduledSequence("o", [beside[-1]], len(beside), other_table, True)
+            seqs.insert(0, other)
+        done = runner.execute(ScheduledBatch(seqs))
+        assert set(done.request_ids) == ({"o", "p"} if beside is not None and start > 0 else
+                                         {"o"} if beside is not None else {"p"} if end == len(tokens) else set())
+        rows.append(done.prompt_logits["p"])
     return torch.cat(rows)
 
 
 def test_bf16_prefill_logits_are_closer_to_the_float_model_than_the_integer_paths_and_batch_free(
         runners: dict[str, ModelRunner], tokenizer: Any) -> None:
-    """Logits of the 37 prompt rows in two chunks (the second beside another prompt's chunk in one
-    step): ~3x closer to float32's than the integer path's, and the same bits as in one chunk alone
-    (each GEMM runs in fixed 64-row tiles; attention is the native kernel's, row by row)."""
+    """Logits of the 37 prompt rows in two chunks (the first beside another prompt, the second
+    beside that one's decode row): ~3x closer to float32's than the integer path's, and the same
+    bits as in one chunk alone (each GEMM runs in fixed 64-row tiles; attention is the native
+    kernel's, row by row)."""
     tokens = tokenizer.encode_chat([{"role": "user", "content": PROMPTS[0]}])
     beside = tokenizer.encode_chat([{"role": "user", "content": "Hi."}])
     exact = _prompt_logits(runners["float"], tokens, 20)
@@ -139,7 +146,9 @@ def test_bf16_prefill_logits_are_closer_to_the_float_model_than_the_integer_path
 def _tokens(runner: ModelRunner, tokenizer: Any) -> list[list[int]]:
     engine = LLMEngine(runner.config, runner.model_config, runner, tokenizer)
     prompts = {str(i): tokenizer.encode_chat([{"role": "user", "content": p}]) for i, p in enumerate(PROMPTS)}
-    return [c.token_ids for _, c in sorted(generate(engine, prompts, GREEDY).items())]
+    tokens = [c.token_ids for _, c in sorted(generate(engine, prompts, GREEDY).items())]
+    assert_idle_and_clean(engine)
+    return tokens
 
 
 def _leading_agreement(a: list[int], b: list[int]) -> int:
