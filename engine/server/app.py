@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 from aiohttp.web_log import AccessLogger
@@ -34,14 +34,24 @@ from infra.http_server import GuardedAppRunner
 log = logging.getLogger(__name__)
 
 
-def create_app(engine: ServedEngine, settings: ReplicaServerSettings | None = None
-               ) -> web.Application:
-    settings = settings or ReplicaServerSettings.from_env()
+def create_base_app(settings: ReplicaServerSettings) -> web.Application:
+    """An app with what every replica app shares (the chat replica's and the embedding
+    replica's, engine/server/embeddings.py): the error envelope, the credential check when a
+    secret is set, the body timeout, the body size bound and the request id on every response.
+    The caller adds its state, routes and lifecycles."""
     middlewares = [error_middleware]
     if settings.secret is not None:
         middlewares.append(credential_middleware(settings.secret))
     middlewares.append(body_timeout_middleware(settings.client_body_timeout_s))
     app = web.Application(client_max_size=settings.client_max_size_bytes, middlewares=middlewares)
+    app.on_response_prepare.append(add_request_id)
+    return app
+
+
+def create_app(engine: ServedEngine, settings: ReplicaServerSettings | None = None
+               ) -> web.Application:
+    settings = settings or ReplicaServerSettings.from_env()
+    app = create_base_app(settings)
     ttft_target_ms, tpot_target_ms = getattr(engine, "latency_targets_ms", (None, None))
     metrics = ReplicaMetrics(engine.stats, model=engine.model_config.model_id,
                              replica=engine.replica_id, ttft_target_ms=ttft_target_ms,
@@ -49,7 +59,6 @@ def create_app(engine: ServedEngine, settings: ReplicaServerSettings | None = No
     metrics.set_compute_info(getattr(engine, "compute_info", None))
     engine = install_tracing(app, engine)  # continue the gateway's trace; GET /debug/traces
     app[SERVING_KEY] = ServingContext(engine=engine, settings=settings, metrics=metrics)
-    app.on_response_prepare.append(add_request_id)
     app.cleanup_ctx.append(_log_lifecycle)
     setup_routes(app)
     return app
@@ -80,8 +89,13 @@ def create_runner(engine: ServedEngine, settings: ReplicaServerSettings,
                   shutdown_timeout_s: float = 60.0) -> GuardedAppRunner:
     """The app's runner: request headers within `client_header_timeout_s` (infra/http_server.py),
     idle keep-alive connections closed after `keepalive_timeout_s`."""
-    return GuardedAppRunner(create_app(engine, settings),
-                            header_timeout_s=settings.client_header_timeout_s,
+    return runner_for(create_app(engine, settings), settings, shutdown_timeout_s)
+
+
+def runner_for(app: web.Application, settings: ReplicaServerSettings,
+               shutdown_timeout_s: float = 60.0) -> GuardedAppRunner:
+    """A replica app's runner (create_runner's, for any replica app)."""
+    return GuardedAppRunner(app, header_timeout_s=settings.client_header_timeout_s,
                             access_log_class=QuietAccessLogger,
                             handler_cancellation=settings.handler_cancellation,
                             keepalive_timeout=settings.keepalive_timeout_s,
@@ -93,8 +107,14 @@ async def serve(engine: ServedEngine, host: str, port: int,
                 stop: asyncio.Event | None = None) -> None:
     """Serve until cancelled (or `stop` is set); then stop accepting, let in-flight requests
     finish for up to 60 s, and close connections."""
-    settings = settings or ReplicaServerSettings.from_env()
-    runner = create_runner(engine, settings)
+    resolved = settings or ReplicaServerSettings.from_env()
+    await serve_app(lambda: create_app(engine, resolved), host, port, resolved, stop)
+
+
+async def serve_app(make_app: Callable[[], web.Application], host: str, port: int,
+                    settings: ReplicaServerSettings, stop: asyncio.Event | None = None) -> None:
+    """`serve` for any replica app, made by `make_app` on the running loop."""
+    runner = runner_for(make_app(), settings)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
@@ -108,13 +128,19 @@ def run_replica(engine: ServedEngine, host: str, port: int,
                 settings: ReplicaServerSettings | None = None) -> None:
     """Blocking entry point for the CLI: serve until SIGINT/SIGTERM, then shut down gracefully
     (stop accepting, let in-flight requests finish for up to 60 s)."""
-    settings = settings or ReplicaServerSettings.from_env()
+    resolved = settings or ReplicaServerSettings.from_env()
+    run_until_signal(lambda: create_app(engine, resolved), host, port, resolved)
+
+
+def run_until_signal(make_app: Callable[[], web.Application], host: str, port: int,
+                     settings: ReplicaServerSettings) -> None:
+    """`run_replica` for any replica app, made by `make_app` on the loop it runs on."""
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
-        await serve(engine, host, port, settings, stop)
+        await serve_app(make_app, host, port, settings, stop)
 
     asyncio.run(main())

@@ -6,7 +6,8 @@
 Routes: POST /v1/embeddings (OpenAI's wire: contracts/embeddings.py), GET /v1/models, GET /health,
 GET /metrics (the replica's gauge names; no KV blocks), and GET /kv/snapshot and /kv/events,
 which report an empty cache (an encoder caches nothing), so the gateway's prefix router treats it
-as any replica. The middlewares are the chat replica's: error envelope, credential, body timeout.
+as any replica. The middlewares are the chat replica's (engine/server/app.py create_base_app):
+error envelope, credential, body timeout.
 
 A request: parse -> model -> inputs (texts tokenized in a worker thread; token ids taken as the
 model's whole input, special tokens included, as vLLM does) -> each within max_seq_length and
@@ -17,7 +18,6 @@ vectors in `encoding_format`, usage {prompt_tokens, total_tokens}.
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 from dataclasses import dataclass, field
 
@@ -42,17 +42,10 @@ from contracts.replica_errors import (
 )
 from engine.embedding.embedder import Embedder, EmbedderBusy, EmbedderDead
 from engine.embedding.pooling import shorten
-from engine.server.app import QuietAccessLogger
+from engine.server.app import create_base_app, run_until_signal
 from engine.server.metrics import CONTENT_TYPE, ReplicaMetrics
-from engine.server.middlewares import (
-    add_request_id,
-    body_timeout_middleware,
-    credential_middleware,
-    error_middleware,
-)
 from engine.server.responses import model_list
 from engine.server.settings import ReplicaServerSettings
-from infra.http_server import GuardedAppRunner
 
 
 @dataclass
@@ -73,14 +66,9 @@ EMBEDDING_KEY = web.AppKey("embedding", EmbeddingContext)
 def create_embedding_app(embedder: Embedder, settings: ReplicaServerSettings | None = None
                          ) -> web.Application:
     settings = settings or ReplicaServerSettings.from_env()
-    middlewares = [error_middleware]
-    if settings.secret is not None:
-        middlewares.append(credential_middleware(settings.secret))
-    middlewares.append(body_timeout_middleware(settings.client_body_timeout_s))
-    app = web.Application(client_max_size=settings.client_max_size_bytes, middlewares=middlewares)
+    app = create_base_app(settings)
     metrics = ReplicaMetrics(embedder.stats, model=embedder.model_id, replica=embedder.replica_id)
     app[EMBEDDING_KEY] = EmbeddingContext(embedder, settings, metrics)
-    app.on_response_prepare.append(add_request_id)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
@@ -204,23 +192,4 @@ async def kv_events(request: web.Request) -> web.Response:
 def run_embedding_replica(embedder: Embedder, host: str, port: int,
                           settings: ReplicaServerSettings) -> None:
     """Serve until SIGINT/SIGTERM (then in-flight requests get up to 60 s)."""
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        runner = GuardedAppRunner(create_embedding_app(embedder, settings),
-                                  header_timeout_s=settings.client_header_timeout_s,
-                                  access_log_class=QuietAccessLogger,
-                                  handler_cancellation=settings.handler_cancellation,
-                                  keepalive_timeout=settings.keepalive_timeout_s,
-                                  shutdown_timeout=60.0)
-        await runner.setup()
-        try:
-            await web.TCPSite(runner, host, port).start()
-            await stop.wait()
-        finally:
-            await runner.cleanup()
-
-    asyncio.run(main())
+    run_until_signal(lambda: create_embedding_app(embedder, settings), host, port, settings)
