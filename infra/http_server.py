@@ -68,7 +68,9 @@ class _GuardedHandler(RequestHandler):
             if isinstance(message, _ErrInfo):
                 self._error_head = self._head
             self._head = b""
-            self._cancel_header_timer()
+            if self._header_timer is not None:  # (_cancel_header_timer's, inline: per request)
+                self._header_timer.cancel()
+                self._header_timer = None
         elif data and self._header_timer is None and between_requests:
             # bytes of a request whose headers have not all come (not of a body)
             self._header_timer = self._loop.call_later(self._header_timeout_s,

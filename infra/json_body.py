@@ -36,16 +36,20 @@ async def read_json(request: web.Request, max_body_bytes: int,
                     timeout_s: float | None = None) -> Any:
     """The request's JSON body, read within `timeout_s` (None: no bound); raises BodyError
     (408 for a body that did not arrive in time)."""
-    if (request.content_length or 0) > max_body_bytes:
+    content_length = request.content_length
+    if content_length is not None and content_length > max_body_bytes:
         raise BodyError(413, f"body over {max_body_bytes} bytes")
+    # a known length is one read (aiohttp caps it too); a chunked body is counted as it comes
+    reading = (request.read() if content_length is not None
+               else _read_chunked(request, max_body_bytes))
     try:
         if timeout_s is None or request.content.is_eof():
             # (all of it is here, as a small body that came with its headers is: nothing to wait
             # for, so no timer to arm and cancel)
-            raw = await _read_at_most(request, max_body_bytes)
+            raw = await reading
         else:
             async with asyncio.timeout(timeout_s):
-                raw = await _read_at_most(request, max_body_bytes)
+                raw = await reading
     except TimeoutError as exc:
         raise BodyError(408, f"the request body did not arrive within {timeout_s:g}s") from exc
     except web.HTTPRequestEntityTooLarge as exc:  # over the app's own client_max_size
@@ -53,12 +57,14 @@ async def read_json(request: web.Request, max_body_bytes: int,
     except RequestPayloadError as exc:  # e.g. a Content-Encoding: gzip body that is not gzip
         raise BodyError(400, f"body cannot be decoded as its Content-Encoding "
                              f"{request.headers.get('Content-Encoding', '')!r} says") from exc
-    return parse_json(raw)
+    try:  # orjson: the nesting and number bounds above
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BodyError(400, f"body is not valid JSON: {exc}") from exc
 
 
-async def _read_at_most(request: web.Request, max_body_bytes: int) -> bytes:
-    if request.content_length is not None:  # known length: one read (aiohttp caps it too)
-        return await request.read()
+async def _read_chunked(request: web.Request, max_body_bytes: int) -> bytes:
+    """A body of unknown length (chunked), counted against `max_body_bytes` as it comes."""
     chunks: list[bytes] = []
     num_bytes = 0
     while chunk := await request.content.read(_CHUNK_BYTES):
@@ -71,10 +77,3 @@ async def _read_at_most(request: web.Request, max_body_bytes: int) -> bytes:
 
 _CHUNK_BYTES = 64 * 1024
 
-
-def parse_json(raw: bytes) -> Any:
-    """`raw` parsed with the bounds above (raises BodyError(400))."""
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BodyError(400, f"body is not valid JSON: {exc}") from exc

@@ -125,13 +125,15 @@ class EmbeddedMeter(BaseMeter):
 
     async def _record(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
                       delta_tokens: int, delta_nanos: int) -> None:
-        self._limiter.release(admission)
+        if admission.concurrent_scopes:  # (its concurrency slots; none: nothing to release)
+            self._limiter.release(admission)
         if await self._inserts.submit(_row(record, cost_nanos)) and admission.scopes:
             self._observe_spends(self._limiter.settle(admission, delta_tokens, delta_nanos))
 
     def _record_nowait(self, admission: MeterAdmission, record: UsageRecord, cost_nanos: int,
                        delta_tokens: int, delta_nanos: int) -> None:
-        self._limiter.release(admission)
+        if admission.concurrent_scopes:
+            self._limiter.release(admission)
         self._inserts.submit_nowait(_row(record, cost_nanos), partial(
             self._on_inserted, admission, record.request_id, delta_tokens, delta_nanos))
 

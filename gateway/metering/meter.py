@@ -100,8 +100,10 @@ class BaseMeter(ABC):
         """True when a tokens-per-minute limit or a budget applies to this caller: then the
         admission's prompt count decides how far a limit can be overshot, and the gateway counts
         the rendered prompt exactly where it can."""
-        return any(s.limits.tokens_per_minute is not None or s.budgets
-                   for s in self.scopes_for(principal))
+        for scope in self.scopes_for(principal):  # (a loop: any() of a generator is 2 calls)
+            if scope.limits.tokens_per_minute is not None or scope.budgets:
+                return True
+        return False
 
     def backlog_bytes(self) -> int:
         """Bytes of usage writes not yet in the store (queued, in flight, held)."""

@@ -39,7 +39,7 @@ from gateway.request.fallback import FallbackChains
 from gateway.request.keeper import AnswerKeeper
 from gateway.request.observer import RequestObserver
 from gateway.request.retention import RetentionPolicy, RetentionSettings
-from gateway.request.usage_tags import usage_session, usage_tags
+from gateway.request.usage_tags import TAGS_HEADER, usage_session, usage_tags
 from gateway.request_logs import RequestLog
 from gateway.request_logs.capture import keep_body
 from gateway.routing.base import Router
@@ -82,11 +82,11 @@ def request_ids_of(request: web.Request) -> tuple[str, str]:
     settle once per record id, so a client-chosen x-request-id (which clients reuse, e.g. one per
     trace or a constant) gets a fresh suffix; '/' is outside the client ids' alphabet, so no
     client id can name another request's record."""
-    given = _client_request_id(request)
-    if given is None:
-        fresh = _fresh_id()
-        return fresh, fresh
-    return given, f"{given}/{_fresh_id()}"
+    given = request.headers.get("x-request-id")  # (_client_request_id's rule, inline)
+    fresh = f"{_ID_PREFIX}{next(_id_counter):08x}"  # (_fresh_id's)
+    if given and _REQUEST_ID.match(given):
+        return given, f"{given}/{fresh}"
+    return fresh, fresh
 
 
 async def read_json_body(request: web.Request, max_body_bytes: int,
@@ -149,11 +149,15 @@ class Admitter:
         principal.require(Scope.INVOKE)
         body = await read_json_body(request, self.settings.max_body_bytes,
                                     self.settings.client_body_timeout_s)
-        if self.request_log is not None:
-            keep_body(request, body)  # (logged only if this request is sampled)
+        request_log = self.request_log
+        is_logged = request_log is not None and request_log.sample(principal.project)
+        if is_logged:
+            keep_body(request, body)  # (sampled: the log keeps the body as the client sent it)
         canonical = parse(body, request_id)
         canonical.observer = observer
-        canonical.tags = usage_tags(body, request.headers)  # bounded: 400 past them
+        canonical.is_logged = is_logged
+        if TAGS_HEADER in request.headers or (isinstance(body, dict) and "metadata" in body):
+            canonical.tags = usage_tags(body, request.headers)  # bounded: 400 past them
         principal.require_model(canonical.model)
         route = self.fleet.get(canonical.model)
         if route is None:
@@ -171,7 +175,8 @@ class Admitter:
         canonical.session_id = request.headers.get("x-session-id")
         if keeper is not None:  # e.g. a stored conversation before the input (previous_response_id)
             await keeper.prepare(canonical, principal)
-        canonical.usage_session = usage_session(canonical)
+        if canonical.prompt_cache_key is not None or canonical.session_id is not None:
+            canonical.usage_session = usage_session(canonical)  # (else none: no call)
         canonical.kv_retention = self.retention.decide(canonical)
         canonical.service_tier = canonical.service_tier or self.settings.project_service_tiers.get(
             principal.project, self.settings.default_service_tier)

@@ -30,10 +30,16 @@ from gateway.request.dispatch import Attempt, Timing
 from gateway.request.errors import UpstreamError, UpstreamTimeout
 from gateway.request.observer import TRACE_ID_HEADER
 from gateway.request.state import RequestState
-from gateway.request.usage import COST_HEADER, STATUS_CLIENT_CLOSED, cost_usd_of, wants_cost
+from gateway.request.usage import (
+    COST_HEADER,
+    COST_REQUEST_HEADER,
+    STATUS_CLIENT_CLOSED,
+    cost_usd_of,
+    wants_cost,
+)
 from gateway.routing.base import Router
 from gateway.settings import GatewaySettings
-from gateway.upstream.wait_timer import Watchdog
+from gateway.upstream.wait_timer import WaitTimer, Watchdog
 
 log = logging.getLogger("aigw.gateway")
 
@@ -63,18 +69,22 @@ def stamp(response: web.StreamResponse, request_id: str, replica: str, overhead_
     """`show_overhead` is the operator's view (an admin caller, or auth off): only it reads the
     gateway's time and which endpoint served (`x-aigw-replica` is the endpoint's host:port,
     internal topology; others see it only as "none" when nothing was dispatched)."""
-    response.headers["x-request-id"] = request_id
+    headers = response.headers  # (a property: one Python call a read)
+    headers["x-request-id"] = request_id
     if show_overhead or replica == "none":
-        response.headers["x-aigw-replica"] = replica
+        headers["x-aigw-replica"] = replica
     response[OVERHEAD_MS] = overhead_ms
     if show_overhead:
-        response.headers["x-aigw-overhead-ms"] = f"{overhead_ms:.3f}"
+        headers["x-aigw-overhead-ms"] = f"{overhead_ms:.3f}"
+
+
+_ADMIN_SCOPE = Scope.ADMIN.value  # (an Enum's .value is two Python calls a read)
 
 
 def may_see_overhead(principal: Principal) -> bool:
     """Only an operator (the admin scope) reads the gateway's per-request timing (or anyone,
     with auth off: then the dashboard is open too)."""
-    return Scope.ADMIN.value in principal.scopes
+    return _ADMIN_SCOPE in principal.scopes
 
 
 class Answerer:
@@ -113,7 +123,8 @@ class Answerer:
         response = web.Response(body=orjson.dumps(answer), content_type="application/json",
                                 headers=state.admission.headers)
         self._headers(response, state)
-        if wants_cost(state.request.headers):  # the client asked (x-aigw-cost: 1)
+        headers = state.request.headers
+        if COST_REQUEST_HEADER in headers and wants_cost(headers):  # asked: x-aigw-cost: 1
             response.headers[COST_HEADER] = cost_usd_of(canonical, state.route.settings,
                                                         state.accumulator)
         try:
@@ -141,7 +152,7 @@ class Answerer:
                                  + _delta_bytes(encoder, attempt.first_event))
             try:
                 idle_timeout_s = self.settings.idle_timeout_s
-                async with self._watchdog.timer() as timer:
+                async with WaitTimer(self._watchdog) as timer:
                     while True:
                         timer.waiting(idle_timeout_s)
                         try:
@@ -170,7 +181,9 @@ class Answerer:
                 await state.keeper.keep(canonical, answer)  # before its last event goes out
             if state.settles_before_answer:
                 await state.settlement.settle(queue=False)
-            if wants_cost(state.request.headers):  # headers are gone: an SSE comment before the end
+            headers = state.request.headers
+            if COST_REQUEST_HEADER in headers and wants_cost(headers):
+                # (the headers are gone: an SSE comment before the end)
                 tail = (f": {COST_HEADER}={cost_usd_of(canonical, state.route.settings, accumulator)}"
                         "\n\n").encode() + tail
             await response.write_eof(tail)  # the last events and the chunked terminator in one send
@@ -191,22 +204,22 @@ class Answerer:
         canonical = state.canonical
         stamp(response, canonical.request_id, state.replica, state.timing.overhead_ms(),
               state.show_overhead)
-        response.headers[SERVED_MODEL_HEADER] = canonical.model
+        headers = response.headers
+        headers[SERVED_MODEL_HEADER] = canonical.model
         if state.debug:
             _explain_cache(response, state)
         if state.explain_route:
-            response.headers["x-aigw-route"] = (self.router.explain(canonical.request_id)
-                                                or "no decision")
+            headers["x-aigw-route"] = self.router.explain(canonical.request_id) or "no decision"
         trace_id = canonical.observer.trace_id
         if trace_id is not None:
-            response.headers[TRACE_ID_HEADER] = trace_id
+            headers[TRACE_ID_HEADER] = trace_id
 
     async def _drain_events(self, attempt: Attempt, accumulator: Accumulator,
                             timing: Timing) -> None:
         events = attempt.events
         perf_counter = time.perf_counter
         idle_timeout_s = self.settings.idle_timeout_s
-        async with self._watchdog.timer() as timer:
+        async with WaitTimer(self._watchdog) as timer:
             while True:
                 waited = perf_counter()
                 timer.waiting(idle_timeout_s)

@@ -117,6 +117,8 @@ class CanonicalRequest:
     # set after authentication: the key's models (None: every one); a fallback skips the others
     allowed_models: frozenset[str] | None = None
     cache_salt: str | None = None  # set after authentication: auth.cache_salt.cache_salt_for
+    # set after authentication: sampled for the request log (gateway/request_logs/), its body kept
+    is_logged: bool = False
     # (tokenizer path, prompt token ids) when the gateway rendered the prompt at admission (a
     # token limit applies: gateway/request/pipeline.py); the prefix router hashes these, not a new render
     rendered_prompt: tuple[str, list[int]] | None = None

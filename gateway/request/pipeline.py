@@ -132,7 +132,10 @@ class Pipeline:
         try:
             if state.guards is not None:  # (a block is a 400, settled like any refusal)
                 await state.guards.check_request(canonical)
-            attempt = await self._dispatch(state)
+            # dispatch: an endpoint's first event, from the model or one down its fallback chain
+            attempt = await self._chains.dispatch(canonical, state.route, self._router,
+                                                  state.timing)
+            self._dispatched(state, attempt)
             if canonical.stream:
                 return await self.answerer.stream(state, attempt)
             return await self.answerer.respond(state, attempt)
@@ -155,20 +158,20 @@ class Pipeline:
         state.settlement = self.settler.open(state)
         state.keeper = keeper
         state.show_overhead = not self.settings.auth_enabled or may_see_overhead(principal)
-        request_log = self.settler.request_log
-        state.is_logged = request_log is not None and request_log.sample(principal.project)
+        state.is_logged = canonical.is_logged and self.settler.request_log is not None
         if self.guardrails:
             state.guards = self.guardrails.for_request(canonical, principal)
         state.debug = request.headers.get("x-aigw-debug") == "1"
         state.explain_route = state.debug and state.show_overhead  # replicas' load: operators
         return state
 
-    async def _dispatch(self, state: RequestState) -> Attempt:
-        """An endpoint's first event, from the model or one down its fallback chain
+    def _dispatched(self, state: RequestState, attempt: Attempt) -> None:
+        """Who answers: the attempt's endpoint, of the model or one down its fallback chain
         (gateway/request/fallback.py; routing and retries: gateway/request/dispatch.py). After a
-        hop the answer names the model that served it, which the usage record bills."""
+        hop the answer names the model that served it, which the usage record bills. (A plain
+        function after the awaited dispatch, not a coroutine around it: every resume of the
+        request while it waits for the upstream passes one frame fewer.)"""
         canonical = state.canonical
-        attempt = await self._chains.dispatch(canonical, state.route, self._router, state.timing)
         state.replica, state.endpoint = attempt.endpoint.name, attempt.endpoint
         if attempt.route is not state.route:
             state.route = attempt.route
@@ -181,7 +184,6 @@ class Pipeline:
                 canonical.observer.on_cache_turn(state.turn)
             if isinstance(attempt.first_event, PromptUsage):  # a replica's stream announces it
                 state.announced = attempt.first_event
-        return attempt
 
     async def _refuse(self, state: RequestState, exc: GatewayError) -> web.Response:
         """An admitted request that ends in an error before its answer started (a guard's

@@ -48,6 +48,9 @@ class RetentionPolicy:
 
     def decide(self, request: CanonicalRequest) -> tuple[float, str | None]:
         """(seconds, retention id) for `request`; notes its session as seen."""
+        if (request.cache_retention_s is None and not request.prompt_cache_key
+                and not request.session_id):  # (SESSION_ATTRIBUTES: none names a session)
+            return 0.0, None
         digest = session_digest(request)
         repeating = False
         if digest is not None and self.settings.max_sessions:

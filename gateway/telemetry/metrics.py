@@ -85,23 +85,26 @@ class LabelCache(dict[tuple[str, ...], Any]):
 OTHER_PROJECTS = "_other"  # the label value of every project past the first max_projects
 
 
-class ProjectLabels:
-    """`labels(project)`: the project's own name for the first `max_projects` distinct projects
-    seen ("" is not one: no project yet), OTHER_PROJECTS for every later one."""
+class ProjectLabels(dict[str, str]):
+    """`labels[project]` (or `labels(project)`): the project's own name for the first
+    `max_projects` distinct projects seen ("" is not one: no project yet), OTHER_PROJECTS for
+    every later one. A project seen before is a dict lookup in C, no Python call; `__missing__`
+    decides a new one (at most `max_projects` are kept, plus "")."""
 
-    __slots__ = ("_seen", "max_projects")
+    __slots__ = ("max_projects",)
 
     def __init__(self, max_projects: int) -> None:
+        super().__init__({"": ""})
         self.max_projects = max_projects
-        self._seen: set[str] = set()
 
-    def __call__(self, project: str) -> str:
-        if project in self._seen or not project:
-            return project
-        if len(self._seen) < self.max_projects:
-            self._seen.add(project)
+    def __missing__(self, project: str) -> str:
+        if len(self) - 1 < self.max_projects:  # (less "")
+            self[project] = project
             return project
         return OTHER_PROJECTS
+
+    def __call__(self, project: str) -> str:
+        return self[project]
 
 
 class GatewayMetrics:
@@ -168,7 +171,7 @@ class GatewayMetrics:
         self._fleet_collector = FleetCollector(fleet)
 
     def observe_usage(self, record: UsageRecord) -> None:
-        labels = (record.model, self.project_label(record.project))
+        labels = (record.model, self.project_label[record.project])
         children = self._usage_children.get(labels)
         if children is None:
             children = self._usage_children[labels] = (

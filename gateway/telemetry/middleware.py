@@ -108,17 +108,22 @@ def make_middleware(telemetry: Telemetry) -> Middleware:
             status, cancelled = STATUS_CLIENT_CLOSED, True
             raise
         finally:
-            def finish() -> None:
-                record = observer.record
-                final = record.status if cancelled and record is not None else status
-                _finish(telemetry, route, final, observer, response)
+            if not cancelled:
+                _finish(telemetry, route, status, observer, response)
                 if telemetry.access_log is not None:
-                    _log_access(telemetry.access_log, request, final, observer, response)
-
-            if cancelled and observer.is_admitted and observer.record is None:
-                observer.on_done = finish  # the settle is still running: wait for it
+                    _log_access(telemetry.access_log, request, status, observer, response)
             else:
-                finish()
+                def finish() -> None:
+                    record = observer.record
+                    final = record.status if record is not None else status
+                    _finish(telemetry, route, final, observer, response)
+                    if telemetry.access_log is not None:
+                        _log_access(telemetry.access_log, request, final, observer, response)
+
+                if observer.is_admitted and observer.record is None:
+                    observer.on_done = finish  # the settle is still running: wait for it
+                else:
+                    finish()
     return telemetry_middleware
 
 
@@ -169,10 +174,13 @@ def _finish(telemetry: Telemetry, route: str, status: int, observer: RequestMetr
     record = observer.record
     model, project = ((record.model, record.project) if record is not None
                       else (observer.model, observer.project))
-    metrics.requests_of[route, str(status), model, metrics.project_label(project)].inc()
+    metrics.requests_of[route, str(status), model, metrics.project_label[project]].inc()
     metrics.duration_of[route, model].observe(latency_s)
     overhead_s = None
-    overhead_ms = response.get(OVERHEAD_MS) if response is not None else None
+    try:  # (not response.get: Mapping.get is two Python calls, this is one)
+        overhead_ms = response[OVERHEAD_MS] if response is not None else None
+    except KeyError:
+        overhead_ms = None
     if overhead_ms is not None:
         overhead_s = overhead_ms / 1000.0
         metrics.overhead_of[(route,)].observe(overhead_s)

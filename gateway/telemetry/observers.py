@@ -116,7 +116,15 @@ class RequestTracing(RequestMetrics):
     __slots__ = ("_trace", "trace", "trace_id")
 
     def __init__(self, telemetry: Telemetry, started: float, trace: RequestTrace) -> None:
-        super().__init__(telemetry, started)
+        # (RequestMetrics' fields set here, not through super().__init__: one call, not two)
+        self.telemetry = telemetry
+        self.started = started
+        self.record = None
+        self.first_token_at = None
+        self.is_admitted = False
+        self.model = self.project = ""
+        self.on_done = None
+        self.unsampled_traceparent = self.unsampled_tracestate = None
         self.trace = self._trace = trace  # (`_trace`: the same, typed as never None)
         self.trace_id = trace.trace_id_hex
 

@@ -1,7 +1,7 @@
 """Wait timeouts without a loop timer per wait: "this wait for the upstream may last N seconds".
 
     watchdog = Watchdog()                          # one per pipeline
-    async with watchdog.timer() as timer:          # one per request
+    async with watchdog.timer() as timer:          # one per request (or WaitTimer(watchdog))
         timer.waiting(first_token_timeout_s)       # a wait starts, with its limit
         first = await anext(events)                # TimeoutError if it runs over
         timer.done_waiting()

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from auth.principal import AuthError, Scope
 from gateway.dialects import AnthropicMessages, OpenAIChat, OpenAICompletions, OpenAIResponses
 from gateway.dialects.base import Dialect
 from gateway.dialects.openai_embeddings import OpenAIEmbeddings
+from gateway.request.keeper import AnswerKeeper
 from gateway.web import token_count
 from gateway.web.credentials import credential_of
-from gateway.web.keys import AUTHENTICATOR, FLEET, PIPELINE, RESPONSES, SETTINGS
+from gateway.web.keys import AUTHENTICATOR, FLEET, PIPELINE, SETTINGS
 
 OPENAI_CHAT = OpenAIChat()
 OPENAI_COMPLETIONS = OpenAICompletions()
@@ -22,24 +25,12 @@ OPENAI_EMBEDDINGS = OpenAIEmbeddings()
 ANTHROPIC_MESSAGES = AnthropicMessages()
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[PIPELINE].handle(request, OPENAI_CHAT)
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[PIPELINE].handle(request, OPENAI_COMPLETIONS)
-
-
-async def responses(request: web.Request) -> web.StreamResponse:
-    return await request.app[PIPELINE].handle(request, OPENAI_RESPONSES, request.app[RESPONSES])
-
-
-async def embeddings(request: web.Request) -> web.StreamResponse:
-    return await request.app[PIPELINE].handle(request, OPENAI_EMBEDDINGS)
-
-
-async def messages(request: web.Request) -> web.StreamResponse:
-    return await request.app[PIPELINE].handle(request, ANTHROPIC_MESSAGES)
+def model_handler(app: web.Application, dialect: Dialect,
+                  keeper: AnswerKeeper | None = None) -> Handler:
+    """A model route's handler: the app's pipeline's own `handle` for `dialect` (a partial, not
+    an `async def` around it: every resume of a request's coroutine chain, at each upstream wait
+    and each streamed event, then passes one frame fewer)."""
+    return partial(app[PIPELINE].handle, dialect=dialect, keeper=keeper)
 
 
 async def count_tokens(request: web.Request) -> web.Response:

@@ -10,24 +10,32 @@ from gateway.dashboard import handlers as dashboard
 from gateway.dashboard import sessions as dashboard_sessions
 from gateway.telemetry import http as telemetry
 from gateway.web import handlers, stored_responses
+from gateway.web.keys import RESPONSES
 
 
 def setup_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
-    app.router.add_post("/v1/completions", handlers.completions)
-    app.router.add_post("/openai/v1/completions", handlers.completions)
-    app.router.add_post("/v1/responses", handlers.responses)
-    app.router.add_post("/openai/v1/responses", handlers.responses)
+    """After app[PIPELINE] and app[RESPONSES] exist (the model routes' handlers are bound to them)."""
+    model_handler = handlers.model_handler
+    chat_completions = model_handler(app, handlers.OPENAI_CHAT)
+    completions = model_handler(app, handlers.OPENAI_COMPLETIONS)
+    responses = model_handler(app, handlers.OPENAI_RESPONSES, app[RESPONSES])
+    embeddings = model_handler(app, handlers.OPENAI_EMBEDDINGS)
+    messages = model_handler(app, handlers.ANTHROPIC_MESSAGES)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/openai/v1/completions", completions)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/openai/v1/responses", responses)
     for prefix in ("/v1", "/openai/v1"):
         app.router.add_get(prefix + "/responses/{response_id}", stored_responses.retrieve)
         app.router.add_delete(prefix + "/responses/{response_id}", stored_responses.delete)
         app.router.add_get(prefix + "/responses/{response_id}/input_items",
                            stored_responses.input_items)
-    app.router.add_post("/openai/v1/chat/completions", handlers.chat_completions)
-    app.router.add_post("/v1/embeddings", handlers.embeddings)
-    app.router.add_post("/openai/v1/embeddings", handlers.embeddings)
-    app.router.add_post("/anthropic/v1/messages", handlers.messages)
-    app.router.add_post("/v1/messages", handlers.messages)
+    app.router.add_post("/openai/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/openai/v1/embeddings", embeddings)
+    app.router.add_post("/anthropic/v1/messages", messages)
+    app.router.add_post("/v1/messages", messages)
     app.router.add_post("/anthropic/v1/messages/count_tokens", handlers.count_tokens)
     app.router.add_post("/v1/messages/count_tokens", handlers.count_tokens)
     app.router.add_get("/v1/models", handlers.list_models)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -89,7 +90,7 @@ async def create_served_app(settings: GatewaySettings) -> web.Application:
         await auth.close()
         raise
     app = create_app(settings, authenticator=auth.authenticator, meter=meter,
-                     cache_salt_of=lambda principal: cache_salt_for(principal, auth_settings))
+                     cache_salt_of=partial(cache_salt_for, settings=auth_settings))
     app.add_routes(build_admin_routes(auth, ADMIN_PREFIX))
     app.add_routes(build_limit_routes(auth, limits, ADMIN_PREFIX))
     await attach_request_log(app, settings, auth, ADMIN_PREFIX)  # (gateway/request_logs/)
