@@ -43,7 +43,6 @@ from engine.parallel.plan import ShardPlan, TensorParallelConfigError, split_ran
 Ranges = list[range]
 Slices = tuple[Ranges | None, ...]
 
-ARCHITECTURES = frozenset({"gemma3_text", "llama4_text", "gpt_oss", "deepseek_v3"})
 MXFP4_BLOCK = 32  # values per MXFP4 scale (engine/layers/mxfp4.py)
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -58,7 +57,7 @@ def check_splits(config: ModelConfig, world_size: int) -> None:
 
 def expert_intermediate(config: ModelConfig, rank: int, world_size: int) -> range:
     """The rank's part of moe_intermediate_size: gpt-oss in whole MXFP4 blocks where there are at
-    least as many blocks as ranks (gpt-oss-20b's 2880 = 90 blocks: 23 + 22 + 23 + 22 on 4 ranks)."""
+    least as many blocks as ranks (gpt-oss-20b's 2880 = 90 blocks: 22 + 23 + 22 + 23 on 4 ranks)."""
     size = config.moe_intermediate_size
     if config.architecture == "gpt_oss" and size % MXFP4_BLOCK == 0 and size // MXFP4_BLOCK >= world_size:
         blocks = split_range(size // MXFP4_BLOCK, rank, world_size)
