@@ -404,9 +404,10 @@ def _native_decode_step(model, config: EngineConfig, shard: RankShard | None = N
     if shard is not None:
         return shard.native_step(model, config.decode_weights)
     from engine.models.llama_decode import FloatDecodeStep, NativeDecodeStep
+    from engine.models.moe_decode import NativeMoEDecodeStep
 
-    if config.decode_weights == "q4":  # a model without Q4 blocks has float32 linears: the float step
-        return NativeDecodeStep.build(model) or FloatDecodeStep.build(model)
+    if config.decode_weights == "q4":  # a model without native blocks has float32 linears: the float step
+        return NativeDecodeStep.build(model) or NativeMoEDecodeStep.build(model) or FloatDecodeStep.build(model)
     return FloatDecodeStep.build(model)
 
 

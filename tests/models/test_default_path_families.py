@@ -77,6 +77,8 @@ def directories(tmp_path_factory: pytest.TempPathFactory, qwen3_checkpoints: dic
 
 
 EXPECTED_EXPERTS = {"qwen3": None, "gemma3": None}  # else "q8_0-native (quantized at load)"
+EXPECTED_STEP = {"qwen3": "NativeDecodeStep", "qwen3_moe": "NativeMoEDecodeStep",
+                 "mixtral": "NativeMoEDecodeStep"}  # the others: the general forward
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss", "llama4_moe",
@@ -87,6 +89,7 @@ def test_default_path_quantizes_every_family_at_load_and_follows_float32(
     info = default.compute_info
     assert (info["weights"], info["weights_source"]) == ("q8_0-native", "quantized at load")
     assert info["experts"] == EXPECTED_EXPERTS.get(family, "q8_0-native (quantized at load)")
+    assert info["native_step"] == EXPECTED_STEP.get(family)
     assert exact.compute_info["weights"] == "float32"
     for layer in default.model.layers:  # routers stay float; a shared expert is native like any MLP
         mlp = getattr(layer, "mlp", None)  # (Gemma 3's layer holds its MLP's linears itself)

@@ -88,11 +88,13 @@ def test_q4_mode_runs_qwen3_on_the_files_4_bit_blocks(name: str, checkpoints: di
                                                       tmp_path: Path) -> None:
     """Q4_0 projections: q4 mode computes them on the blocks (8-bit activations), float mode on the
     same weights dequantized; the two agree to the q4 mode's approximation. Dense qwen3 runs every
-    row through the fused native step; qwen3_moe the general forward (experts and router in float)."""
+    row through the fused native step; qwen3_moe through its MoE variant (the file's F32 experts
+    quantized at load into Q8_0, the router float)."""
     from engine.kernels import cpu as native
     from engine.layers.native_linear import NativeQuantLinear
     from engine.layers.q4_linear import Q4DecodeLinear
     from engine.models.llama_decode import NativeDecodeStep
+    from engine.models.moe_decode import NativeMoEDecodeStep
 
     path = tmp_path / f"{name}-q4_0.gguf"
     write_gguf(checkpoints[name].directory, path, linear_type="Q4_0")
@@ -102,7 +104,8 @@ def test_q4_mode_runs_qwen3_on_the_files_4_bit_blocks(name: str, checkpoints: di
     expected_type = NativeQuantLinear if native.load() else Q4DecodeLinear
     assert isinstance(q4_engine.runner.model.layers[0].qkv, expected_type)
     if native.load():
-        assert isinstance(q4_engine.runner._native_decode, NativeDecodeStep) == (name == "qwen3")
+        expected_step = NativeDecodeStep if name == "qwen3" else NativeMoEDecodeStep
+        assert type(q4_engine.runner._native_decode) is expected_step
     q4 = generate(q4_engine, {"p": PROMPT}, params)["p"]
     assert q4.token_ids[:2] == exact.token_ids[:2]
     first_exact, first_q4 = dict(exact.logprobs[0].top), dict(q4.logprobs[0].top)
