@@ -544,46 +544,62 @@ void q_linear_add_(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, in
   q_linear_into(x, w, wtype, c10::nullopt, 0.0, silu_mul, out, true);
 }
 
-// 8 float32 -> 8 bfloat16 bits, round to nearest even (the weights are finite: no NaN case).
-inline __m128i to_bf16(__m256 v) {
+// 8 float32 -> bfloat16 bits in the low 16 of each 32-bit lane, round to nearest even (the weights
+// are finite: no NaN case).
+inline __m256i bf16_bits(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i packed = _mm256_packus_epi32(rounded, rounded);  // per 128-bit lane: a0-3 a0-3 | a4-7 a4-7
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));  // a0-3 a4-7
+  return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
 }
 
-// Column j's 32 inputs of one block, as float32 (8 x 4 vectors in input order), from the layouts of
-// dot_q4x8 (w = q d + m) and dot_q8x8 (w = q d).
-inline void column_q4x8(const uint8_t* blk, int j, __m256* v) {
-  const __m128i low = _mm_set1_epi8(0x0F);
-  // byte 4j + i of nibble vector t: inputs 8t + i (low) and 8t + 4 + i (high)
-  const __m128i quads = _mm_setr_epi32(load_i32(reinterpret_cast<const int32_t*>(blk + 32 + 4 * j)),
-                                       load_i32(reinterpret_cast<const int32_t*>(blk + 64 + 4 * j)),
-                                       load_i32(reinterpret_cast<const int32_t*>(blk + 96 + 4 * j)),
-                                       load_i32(reinterpret_cast<const int32_t*>(blk + 128 + 4 * j)));
-  const __m128i lo = _mm_and_si128(quads, low), hi = _mm_and_si128(_mm_srli_epi16(quads, 4), low);
-  const __m128i first = _mm_unpacklo_epi32(lo, hi);  // inputs 0..15
-  const __m128i second = _mm_unpackhi_epi32(lo, hi);  // inputs 16..31
+// 16 float32 (a then b) -> 16 bfloat16.
+inline __m256i to_bf16x16(__m256 a, __m256 b) {
+  const __m256i packed = _mm256_packus_epi32(bf16_bits(a), bf16_bits(b));  // a0-3 b0-3 | a4-7 b4-7
+  return _mm256_permute4x64_epi64(packed, 0xD8);  // a0-7 b0-7
+}
+
+// One block (32 inputs) of a group's 8 columns -> out rows dst[j * k + 0..31], j < 8. Both layouts
+// give, for t < 4, a pair of vectors (A_t, B_t) whose 32-bit lane j holds column j's inputs
+// 8t..8t+3 (A) and 8t+4..8t+7 (B): Q4_1 (dot_q4x8) the low and high nibbles of nibble vector t,
+// Q8_0 (dot_q8x8) vectors 2t and 2t + 1. unpacklo/hi_epi32(A, B) then hold 8 consecutive inputs
+// of columns (0, 1 | 4, 5) and (2, 3 | 6, 7), 8 bytes each.
+template <bool Q4>
+inline void dequantize_block(const uint8_t* blk, int64_t k, uint16_t* dst) {
   const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk);
-  const __m256 d = _mm256_set1_ps(_cvtsh_ss(scales[j])), m = _mm256_set1_ps(_cvtsh_ss(scales[8 + j]));
-  const __m128i halves[2] = {first, second};
-  for (int h = 0; h < 2; ++h) {
-    v[2 * h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(halves[h])), d, m);
-    v[2 * h + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(halves[h], 8))), d, m);
+  __m128i bytes[4][8];  // [t][column]: 8 codes (low 8 bytes)
+  for (int t = 0; t < 4; ++t) {
+    __m256i a, b;
+    if (Q4) {
+      const __m256i low = _mm256_set1_epi8(0x0F);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 + 32 * t));
+      a = _mm256_and_si256(v, low);
+      b = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    } else {
+      a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 64 * t));
+      b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 48 + 64 * t));
+    }
+    const __m256i p0 = _mm256_unpacklo_epi32(a, b), p1 = _mm256_unpackhi_epi32(a, b);
+    const __m128i p0l = _mm256_castsi256_si128(p0), p0h = _mm256_extracti128_si256(p0, 1);
+    const __m128i p1l = _mm256_castsi256_si128(p1), p1h = _mm256_extracti128_si256(p1, 1);
+    bytes[t][0] = p0l;
+    bytes[t][1] = _mm_unpackhi_epi64(p0l, p0l);
+    bytes[t][2] = p1l;
+    bytes[t][3] = _mm_unpackhi_epi64(p1l, p1l);
+    bytes[t][4] = p0h;
+    bytes[t][5] = _mm_unpackhi_epi64(p0h, p0h);
+    bytes[t][6] = p1h;
+    bytes[t][7] = _mm_unpackhi_epi64(p1h, p1h);
   }
-}
-
-inline void column_q8x8(const uint8_t* blk, int j, __m256* v) {
-  // byte 4j + i of vector u: input 4u + i
-  const int32_t* q = reinterpret_cast<const int32_t*>(blk + 16 + 4 * j);
-  const __m128i first = _mm_setr_epi32(load_i32(q), load_i32(q + 8), load_i32(q + 16), load_i32(q + 24));
-  const __m128i second = _mm_setr_epi32(load_i32(q + 32), load_i32(q + 40), load_i32(q + 48), load_i32(q + 56));
-  const __m256 d = _mm256_set1_ps(_cvtsh_ss(reinterpret_cast<const uint16_t*>(blk)[j]));
-  const __m128i halves[2] = {first, second};
-  for (int h = 0; h < 2; ++h) {
-    v[2 * h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(halves[h])), d);
-    v[2 * h + 1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(halves[h], 8))), d);
+  for (int j = 0; j < 8; ++j) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(scales[j]));
+    const __m256 m = Q4 ? _mm256_set1_ps(_cvtsh_ss(scales[8 + j])) : _mm256_setzero_ps();
+    __m256 f[4];
+    for (int t = 0; t < 4; ++t) {
+      const __m256i q = Q4 ? _mm256_cvtepu8_epi32(bytes[t][j]) : _mm256_cvtepi8_epi32(bytes[t][j]);
+      f[t] = Q4 ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m) : _mm256_mul_ps(_mm256_cvtepi32_ps(q), d);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j * k), to_bf16x16(f[0], f[1]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j * k + 16), to_bf16x16(f[2], f[3]));
   }
 }
 
@@ -602,18 +618,14 @@ void dequantize_bf16(const at::Tensor& w, int64_t wtype, int64_t g0, int64_t g1,
   const uint8_t* wp = w.data_ptr<uint8_t>();
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(g0, g1, 1, [&](int64_t begin, int64_t end) {
-    __m256 v[4];
     for (int64_t g = begin; g < end; ++g) {
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = wp + g * w.size(1) + b * block_bytes;
-        for (int j = 0; j < 8; ++j) {
-          if (wtype == TYPE_Q4X8) {
-            column_q4x8(blk, j, v);
-          } else {
-            column_q8x8(blk, j, v);
-          }
-          uint16_t* dst = op + ((g - g0) * 8 + j) * k + b * QK;
-          for (int i = 0; i < 4; ++i) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 8 * i), to_bf16(v[i]));
+        uint16_t* dst = op + (g - g0) * 8 * k + b * QK;
+        if (wtype == TYPE_Q4X8) {
+          dequantize_block<true>(blk, k, dst);
+        } else {
+          dequantize_block<false>(blk, k, dst);
         }
       }
     }
