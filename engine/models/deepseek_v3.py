@@ -43,7 +43,6 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine.config import MLAConfig, ModelConfig
 from engine.layers.attention import PagedAttentionBackend, layer_metadata
@@ -52,6 +51,7 @@ from engine.layers.norm import rms_norm_fast
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.deepseek_v3_moe import DeepseekV3MoE, deepseek_v3_mlp
 from engine.models.llama import CPU, DenseMLP, LinearFactory, Weights
+from engine.models.vocab_ends import VocabEnds
 from engine.models.weights import take
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -103,7 +103,7 @@ class MLALayer:
     mlp: DeepseekV3MoE | DenseMLP
 
 
-class DeepseekV3Model:
+class DeepseekV3Model(VocabEnds):
     def __init__(self, config: ModelConfig, weights: Weights, attention: PagedAttentionBackend,
                  make_linear: LinearFactory, device: torch.device = CPU,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -192,15 +192,6 @@ class DeepseekV3Model:
             hidden = hidden + layer.o_proj(attn.reshape(-1, heads * mla.v_head_dim))
             hidden = hidden + layer.mlp(rms_norm_fast(hidden, layer.post_attention_norm, eps))
         return rms_norm_fast(hidden, self.norm, eps)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> [T, hidden]. A tensor-parallel rank sets an instance attribute of the
-        same name, the vocab-parallel lookup (engine/parallel/layers.py)."""
-        return F.embedding(input_ids, self.embed_tokens)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] (the rows to sample from) -> logits [S, vocab] in float32."""
-        return self.lm_head(hidden).float()
 
 
 def _mla(config: ModelConfig) -> MLAConfig:

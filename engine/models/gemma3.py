@@ -35,7 +35,8 @@ from engine.layers.attention import PagedAttentionBackend, layer_metadata
 from engine.layers.linear import LinearWeight, fuse_rows
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.llama import CPU, LinearFactory
-from engine.models.weights import Weights, take, take_optional
+from engine.models.vocab_ends import VocabEnds, lm_head_weight
+from engine.models.weights import Weights, take
 
 
 def gemma_rms_norm(x: torch.Tensor, one_plus_weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,7 +61,7 @@ class Gemma3Layer:
     sliding_window: int | None  # None on global layers
 
 
-class Gemma3Model:
+class Gemma3Model(VocabEnds):
     def __init__(self, config: ModelConfig, weights: Weights, attention: PagedAttentionBackend,
                  make_linear: LinearFactory, device: torch.device = CPU,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -78,10 +79,7 @@ class Gemma3Model:
         self.embed_tokens = take(weights, "model.embed_tokens.weight", (v, h)).to(device, dtype)
         self.embed_scale = torch.tensor(h ** 0.5, dtype=dtype, device=device)  # as transformers rounds it
         self.norm = self._norm(take(weights, "model.norm.weight", (h,)))
-        lm_head = take_optional(weights, "lm_head.weight", (v, h))
-        if lm_head is None or config.tie_word_embeddings:
-            lm_head = self.embed_tokens
-        self.lm_head = make_linear("lm_head.weight", lm_head)
+        self.lm_head = make_linear("lm_head.weight", lm_head_weight(config, weights, self.embed_tokens))
         scaling = dict(config.rope_scaling) if config.rope_scaling else None
         self.global_rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                              config.rope_theta, scaling, dtype, device)
@@ -147,14 +145,10 @@ class Gemma3Model:
             hidden = hidden + gemma_rms_norm(mlp, layer.post_feedforward_norm, eps)
         return gemma_rms_norm(hidden, self.norm, eps)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> [T, hidden] (unscaled). A tensor-parallel rank sets an instance attribute of the
-        same name, the vocab-parallel lookup (engine/parallel/layers.py)."""
-        return F.embedding(input_ids, self.embed_tokens)
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] (the rows to sample from) -> logits [S, vocab] in float32."""
-        return soft_cap(self.lm_head(hidden).float(), self.gemma.final_logit_softcapping)
+        """hidden [S, hidden] (the rows to sample from) -> soft-capped logits [S, vocab] in float32.
+        (`embed` is VocabEnds', unscaled: forward multiplies by embed_scale.)"""
+        return soft_cap(super().compute_logits(hidden), self.gemma.final_logit_softcapping)
 
 
 def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -32,6 +32,7 @@ from engine.layers.linear import LinearWeight, fuse_rows
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.gpt_oss_moe import GptOssMoE, dequantize_at_load, gpt_oss_moe
 from engine.models.llama import CPU, LinearFactory, Weights
+from engine.models.vocab_ends import VocabEnds
 from engine.models.weights import take
 
 
@@ -56,7 +57,7 @@ class GptOssLayer:
     mlp: GptOssMoE
 
 
-class GptOssModel:
+class GptOssModel(VocabEnds):
     def __init__(self, config: ModelConfig, weights: Weights, attention: PagedAttentionBackend,
                  make_linear: LinearFactory, device: torch.device = CPU,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -127,15 +128,6 @@ class GptOssModel:
             hidden = hidden + layer.o_proj(attn.reshape(-1, self.q_size)) + layer.o_bias  # [T, hidden]
             hidden = hidden + layer.mlp(rms_norm(hidden, layer.post_attention_norm, eps))
         return rms_norm(hidden, self.norm, eps)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> [T, hidden]. A tensor-parallel rank sets an instance attribute of the
-        same name, the vocab-parallel lookup (engine/parallel/layers.py)."""
-        return F.embedding(input_ids, self.embed_tokens)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] (the rows to sample from) -> logits [S, vocab] in float32."""
-        return self.lm_head(hidden).float()
 
 
 def check_config(config: ModelConfig) -> None:

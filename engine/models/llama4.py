@@ -36,7 +36,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine import kernels
 from engine.config import ModelConfig
@@ -47,7 +46,8 @@ from engine.layers.native_experts import NativeExperts
 from engine.layers.norm import rms_norm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.llama import CPU, DenseMLP, LinearFactory
-from engine.models.weights import Weights, take, take_optional
+from engine.models.vocab_ends import VocabEnds, lm_head_weight
+from engine.models.weights import Weights, take
 
 
 class Llama4MoE:
@@ -93,7 +93,7 @@ def rope_pair_permutation(head_dim: int) -> torch.Tensor:
     return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
 
 
-class Llama4Model:
+class Llama4Model(VocabEnds):
     def __init__(self, config: ModelConfig, weights: Weights, attention: PagedAttentionBackend,
                  make_linear: LinearFactory, device: torch.device = CPU,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -110,10 +110,7 @@ class Llama4Model:
         h, v = config.hidden_size, config.vocab_size
         self.embed_tokens = self._place(take(weights, "model.embed_tokens.weight", (v, h)))
         self.norm = self._place(take(weights, "model.norm.weight", (h,)))
-        lm_head = take_optional(weights, "lm_head.weight", (v, h))
-        if lm_head is None or config.tie_word_embeddings:
-            lm_head = self.embed_tokens
-        self.lm_head = make_linear("lm_head.weight", lm_head)
+        self.lm_head = make_linear("lm_head.weight", lm_head_weight(config, weights, self.embed_tokens))
         scaling = dict(config.rope_scaling) if config.rope_scaling else None
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, scaling, dtype, device)
@@ -202,15 +199,6 @@ class Llama4Model:
             hidden = hidden + layer.o_proj(attn.reshape(-1, self.q_size))  # [T, Q] -> [T, hidden]
             hidden = hidden + layer.mlp(rms_norm(hidden, layer.post_attention_norm, eps))
         return rms_norm(hidden, self.norm, eps)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> [T, hidden]. A tensor-parallel rank sets an instance attribute of the
-        same name, the vocab-parallel lookup (engine/parallel/layers.py)."""
-        return F.embedding(input_ids, self.embed_tokens)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] (the rows to sample from) -> logits [S, vocab] in float32."""
-        return self.lm_head(hidden).float()
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
