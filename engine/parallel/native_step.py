@@ -63,7 +63,8 @@ def _unwrapped(model) -> SimpleNamespace | None:  # type: ignore[no-untyped-def]
         return None
     layers = []
     for layer in getattr(model, "layers", ()):
-        if not (isinstance(layer.o_proj, RowParallel) and isinstance(layer.mlp, RowParallel)):
+        if not (isinstance(layer.o_proj, RowParallel)  # (Gemma 3's layers have no `mlp`)
+                and isinstance(getattr(layer, "mlp", None), RowParallel)):
             return None
         layers.append(dataclasses.replace(layer, o_proj=layer.o_proj.inner, mlp=layer.mlp.inner))
     return SimpleNamespace(config=model.config, embed=model.embed, embed_tokens=model.embed_tokens,

@@ -570,3 +570,32 @@ def test_gpt_oss_dense_experts_split_into_partial_sums_of_the_whole(tmp_path: Pa
         assert shard.layers[0].mlp.experts.w13.shape[1] == 64  # 2I / 2
         partial += shard.layers[0].mlp(x)
     torch.testing.assert_close(partial, whole.layers[0].mlp(x), rtol=0, atol=1e-5)
+
+
+def test_a_gemma3_rank_without_sliding_layers_keeps_the_general_forward(family_checkpoint: Any,
+                                                                         tmp_path: Path) -> None:
+    """The ranks' native steps take only Llama-shaped layers: a Gemma 3 rank (gate_up / down, no
+    `mlp`) with every layer global is passed by, not an error at start."""
+    import json
+    import shutil
+
+    from engine.layers import make_linear_factory
+    from engine.layers.attention import build_attention_backend
+    from engine.models.registry import build_model
+    from engine.parallel.layers import parallelize
+    from engine.parallel.loading import load_rank_weights
+    from engine.parallel.native_step import parallel_native_step
+
+    directory = tmp_path / "global"
+    shutil.copytree(family_checkpoint("gemma3_text"), directory)
+    raw = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**raw, "sliding_window": None}))
+    config, weights = load_rank_weights(directory, 0, 2)
+    plan = plan_shard(config, 0, 2)
+    make_linear = make_linear_factory(EngineConfig(model_path=str(directory), decode_weights="float"),
+                                      torch.device("cpu"), {})
+    model = build_model(local_config(config, plan), weights, build_attention_backend("torch"), make_linear)
+    assert not model.config.has_sliding_layers
+    parallelize(model, plan, None)  # type: ignore[arg-type]  # (wrapping calls no collective)
+    assert parallel_native_step(model, "float", None) is None  # type: ignore[arg-type]
+    assert parallel_native_step(model, "q4", None) is None  # type: ignore[arg-type]
