@@ -56,7 +56,17 @@ class Bf16PrefillStep:
 
     @classmethod
     def build(cls, model: LlamaModel) -> Bf16PrefillStep | None:
-        return cls(model) if NativeDecodeStep.build(model) is not None else None
+        """The step for a dense model NativeDecodeStep serves (every layer a DenseMLP, all four
+        linears and the lm head NativeQuantLinear), else None: MoE models (moe_decode.py) keep
+        their integer prefill."""
+        if NativeDecodeStep.build(model) is None:
+            return None
+        for layer in model.layers:
+            mlp = layer.mlp
+            if not isinstance(mlp, DenseMLP) or not all(
+                    isinstance(w, NativeQuantLinear) for w in (layer.qkv, layer.o_proj, mlp.gate_up, mlp.down)):
+                return None
+        return cls(model)
 
     def __call__(self, step: DecodeInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                  ) -> torch.Tensor:
