@@ -1,11 +1,14 @@
 """Tiny random-weight MoE checkpoints of each family, written by transformers' save_pretrained; and
-the small byte-level BPE every tiny checkpoint's tokenizer is trained from (`train_byte_bpe`), and
-the parts every test GGUF writer shares (`add_gguf_vocabulary`, `finish_gguf`)."""
+the small byte-level BPE every tiny checkpoint's tokenizer is trained from (`train_byte_bpe`,
+saved beside a checkpoint by `write_bpe_tokenizer`), the norm weights every family's writer makes
+random (`randomize_norms`), and the parts every test GGUF writer shares (`add_gguf_vocabulary`,
+`finish_gguf`)."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +65,25 @@ def train_byte_bpe(special_tokens: tuple[str, ...], vocab_size: int):  # type: i
     tokenizer.train_from_iterator(CORPUS * 20, trainer)
     assert tokenizer.get_vocab_size() <= vocab_size
     return tokenizer
+
+
+def write_bpe_tokenizer(directory: Path, specials: Sequence[str], vocab_size: int,
+                        **tokenizer_config: Any) -> dict[str, int]:
+    """`train_byte_bpe(specials, vocab_size)` saved as directory/tokenizer.json, and
+    `tokenizer_config` as its tokenizer_config.json; -> the specials' ids by text."""
+    tokenizer = train_byte_bpe(tuple(specials), vocab_size)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return {t: int(tokenizer.token_to_id(t)) for t in specials}
+
+
+def randomize_norms(model: torch.nn.Module, center: float) -> None:
+    """Every "*norm.weight" of `model` set to center + 0.5 * N(0, 1) (torch's global generator):
+    an init's constant norms would hide a norm read wrong (q vs k, per head, 1 + w)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(center + 0.5 * torch.randn_like(param))
 
 
 def add_gguf_vocabulary(writer: Any, tokenizer_json: dict, pre: str, is_special: Callable[[str], bool],

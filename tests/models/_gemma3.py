@@ -9,13 +9,12 @@ with a byte-level BPE tokenizer and a Gemma-style chat template, once per test s
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.models._checkpoints import train_byte_bpe
+from tests.models._checkpoints import randomize_norms, write_bpe_tokenizer
 from tests.models._qwen3 import TinyCheckpoint
 
 VOCAB_SIZE = 320
@@ -39,12 +38,8 @@ GEMMA_TEMPLATE = (
 
 def write_tokenizer(directory: Path) -> dict[str, int]:
     """A byte-level BPE as tokenizer.json + tokenizer_config.json; -> special token ids by name."""
-    tokenizer = train_byte_bpe(tuple(SPECIALS), VOCAB_SIZE)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
-        "chat_template": GEMMA_TEMPLATE}))
-    return {t: int(tokenizer.token_to_id(t)) for t in SPECIALS}
+    return write_bpe_tokenizer(directory, SPECIALS, VOCAB_SIZE, bos_token="<bos>", eos_token="<eos>",
+                               pad_token="<pad>", chat_template=GEMMA_TEMPLATE)
 
 
 def make_config(ids: dict[str, int]):  # type: ignore[no-untyped-def]
@@ -66,10 +61,7 @@ def write_checkpoint(directory: Path) -> TinyCheckpoint:
     config = make_config(write_tokenizer(directory))
     torch.manual_seed(0)
     model = transformers.Gemma3ForCausalLM(config).to(torch.float32).eval()
-    with torch.no_grad():  # Gemma's norms start at 0 (scale 1 + w): make each one's weights matter
-        for param_name, param in model.named_parameters():
-            if param_name.endswith("norm.weight"):
-                param.copy_(0.5 * torch.randn_like(param))
+    randomize_norms(model, 0.0)  # Gemma's norms start at 0 (scale 1 + w)
     model.save_pretrained(directory)
     return TinyCheckpoint("gemma3_text", directory, model)
 

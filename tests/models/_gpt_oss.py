@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models._checkpoints import add_gguf_vocabulary, finish_gguf, train_byte_bpe
+from tests.models._checkpoints import add_gguf_vocabulary, finish_gguf, write_bpe_tokenizer
 
 VOCAB_SIZE = 320
 SPECIALS = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>",
@@ -44,11 +44,8 @@ def make_config(eos_id: int | None):  # type: ignore[no-untyped-def]
 
 def write_tokenizer(directory: Path) -> int:
     """A byte-level BPE (vocab <= VOCAB_SIZE) as tokenizer.json + tokenizer_config.json; -> eos id."""
-    tokenizer = train_byte_bpe(tuple(SPECIALS), VOCAB_SIZE)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|return|>", "pad_token": "<|endoftext|>"}))
-    return int(tokenizer.token_to_id("<|return|>"))
+    return write_bpe_tokenizer(directory, SPECIALS, VOCAB_SIZE, eos_token="<|return|>",
+                               pad_token="<|endoftext|>")["<|return|>"]
 
 
 @dataclass

@@ -12,13 +12,12 @@ with a byte-level BPE tokenizer and a Llama-4-style chat template, once per test
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.models._checkpoints import train_byte_bpe
+from tests.models._checkpoints import randomize_norms, write_bpe_tokenizer
 from tests.models._qwen3 import TinyCheckpoint
 
 VOCAB_SIZE = 320
@@ -36,12 +35,9 @@ VARIANTS = ("dense", "moe")
 
 def write_tokenizer(directory: Path) -> dict[str, int]:
     """A byte-level BPE as tokenizer.json + tokenizer_config.json; -> special token ids by name."""
-    tokenizer = train_byte_bpe(tuple(SPECIALS), VOCAB_SIZE)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>", "pad_token": "<|finetune_right_pad|>",
-        "chat_template": LLAMA4_TEMPLATE}))
-    return {t: int(tokenizer.token_to_id(t)) for t in SPECIALS}
+    return write_bpe_tokenizer(directory, SPECIALS, VOCAB_SIZE, bos_token="<|begin_of_text|>",
+                               eos_token="<|eot|>", pad_token="<|finetune_right_pad|>",
+                               chat_template=LLAMA4_TEMPLATE)
 
 
 def make_config(variant: str, ids: dict[str, int]):  # type: ignore[no-untyped-def]
@@ -72,10 +68,7 @@ def write_checkpoints(root: Path) -> dict[str, TinyCheckpoint]:
         config = make_config(variant, write_tokenizer(directory))
         torch.manual_seed(0)
         model = transformers.Llama4ForCausalLM(config).to(torch.float32).eval()
-        with torch.no_grad():  # norms start at 1: make each one's weights matter
-            for param_name, param in model.named_parameters():
-                if param_name.endswith("norm.weight"):
-                    param.copy_(1 + 0.5 * torch.randn_like(param))
+        randomize_norms(model, 1.0)  # norms start at 1
         model.save_pretrained(directory)
         out[variant] = TinyCheckpoint(f"llama4-{variant}", directory, model)
     return out

@@ -17,7 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models._checkpoints import add_gguf_vocabulary, finish_gguf, train_byte_bpe
+from tests.models._checkpoints import (
+    add_gguf_vocabulary,
+    finish_gguf,
+    randomize_norms,
+    write_bpe_tokenizer,
+)
 
 VOCAB_SIZE = 320  # the tokenizer's 256 bytes + merges + 3 specials fit in it
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -54,11 +59,8 @@ VARIANTS = ("qwen3", "qwen3_moe", "qwen3_moe-step2")
 
 def write_tokenizer(directory: Path) -> int:
     """A byte-level BPE (vocab <= VOCAB_SIZE) as tokenizer.json + tokenizer_config.json; -> eos id."""
-    tokenizer = train_byte_bpe(tuple(SPECIALS), VOCAB_SIZE)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML}))
-    return int(tokenizer.token_to_id("<|im_end|>"))
+    return write_bpe_tokenizer(directory, SPECIALS, VOCAB_SIZE, eos_token="<|im_end|>",
+                               pad_token="<|endoftext|>", chat_template=CHATML)["<|im_end|>"]
 
 
 @dataclass
@@ -78,10 +80,7 @@ def write_checkpoints(root: Path, names: tuple[str, ...] = VARIANTS) -> dict[str
         config = make_config(name, eos_id=write_tokenizer(directory))
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-        with torch.no_grad():  # norms start at 1: make each one's weights matter (q vs k, per head)
-            for param_name, param in model.named_parameters():
-                if param_name.endswith("norm.weight"):
-                    param.copy_(1 + 0.5 * torch.randn_like(param))
+        randomize_norms(model, 1.0)  # norms start at 1
         model.save_pretrained(directory)
         out[name] = TinyCheckpoint(name, directory, model)
     return out

@@ -7,7 +7,7 @@ reference outputs and engine, so what each family's test asserts is unchanged.""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -32,6 +32,27 @@ def make_engine(directory: Path, *, kv_cache_memory_bytes: int = 8 << 20,
                           enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs))
     return LLMEngine.from_config(config, progress=False)
+
+
+def encode_chat_prompts(engine: LLMEngine, target: str, others: Sequence[str],
+                        system: str | None = None) -> dict[str, list[int]]:
+    """{"target": `target` as a user turn (after a `system` turn, if any), "other-{i}": each of
+    `others` as a user turn}, encoded by the engine's chat template."""
+    chat = engine.tokenizer.encode_chat
+    first = [{"role": "system", "content": system}] if system is not None else []
+    encoded = {"target": chat([*first, {"role": "user", "content": target}])}
+    encoded |= {f"other-{i}": chat([{"role": "user", "content": text}]) for i, text in enumerate(others)}
+    return encoded
+
+
+def transformers_reference(model: torch.nn.Module, prompt: list[int], num_new_tokens: int
+                           ) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and their logprobs for `prompt` (on one thread), refusing a
+    degenerate model (the same few tokens) that would make parity say nothing."""
+    torch.set_num_threads(1)
+    tokens, logprobs = hf_greedy(model, prompt, num_new_tokens)
+    assert len(set(tokens)) > 2, "degenerate model: the same few tokens"
+    return tokens, logprobs
 
 
 def assert_matches_transformers(result: Completion, expected: tuple[list[int], list[float]]) -> None:

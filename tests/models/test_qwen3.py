@@ -8,13 +8,11 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 
 from contracts.sampling_params import SamplingParams
 from engine.engine import LLMEngine
 from tests.engine.fakes import assert_idle_and_clean, generate
 from tests.models import _serving_checks as serving
-from tests.models._greedy import hf_greedy
 from tests.models._qwen3 import VARIANTS, TinyCheckpoint
 from tests.models._serving_checks import (
     EngineFactory,
@@ -49,20 +47,14 @@ def engine(make_engine: EngineFactory) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def prompts(engine: LLMEngine) -> dict[str, list[int]]:
-    chat = engine.tokenizer.encode_chat
-    encoded = {"target": chat([{"role": "user", "content": TARGET}])}
-    encoded |= {f"other-{i}": chat([{"role": "user", "content": text}]) for i, text in enumerate(OTHERS)}
+    encoded = serving.encode_chat_prompts(engine, TARGET, OTHERS)
     assert len(encoded["target"]) > 2 * 32  # prefilled in 3 or more chunks of the step budget
     return encoded
 
 
 @pytest.fixture(scope="module")
 def expected(variant: TinyCheckpoint, prompts: dict[str, list[int]]) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens and logprobs for the target prompt."""
-    torch.set_num_threads(1)
-    tokens, logprobs = hf_greedy(variant.model, prompts["target"], NUM_NEW_TOKENS)
-    assert len(set(tokens)) > 2, "degenerate model: the same few tokens"
-    return tokens, logprobs
+    return serving.transformers_reference(variant.model, prompts["target"], NUM_NEW_TOKENS)
 
 
 def test_greedy_tokens_and_logprobs_equal_transformers_with_chunked_prefill(
