@@ -424,7 +424,11 @@ def _bf16_prefill_step(model, native_step: object, shard: RankShard | None):  # 
         return None
     from engine.models.llama_prefill import Bf16PrefillStep
 
-    return Bf16PrefillStep.build(model)
+    step = Bf16PrefillStep.build(model)
+    if step is not None:
+        logger.info("prompt rows: bf16 GEMMs (%s), attention and decode rows on the native kernels",
+                    isa.selection().prefill)
+    return step
 
 
 def _with_spans(rows: list[int], spans: list[tuple[str, int, int]]) -> list[int]:
