@@ -7,7 +7,7 @@ import asyncio
 import io
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -73,16 +73,28 @@ async def write_sse(response: web.StreamResponse, chunks: Iterable[dict[str, Any
     await response.write(b"data: [DONE]\n\n")
 
 
-def start_chat_upstream(loop_thread: LoopThread, chat: Handler) -> tuple[web.AppRunner, str]:
-    """A hand-written upstream for one test: `chat` at /v1/chat/completions, a healthy /health."""
+def chat_upstream_app(chat: Handler, listed_models: Sequence[dict[str, Any]] | None = None
+                      ) -> web.Application:
+    """A hand-written upstream for one test: `chat` at /v1/chat/completions, a healthy /health
+    and, with `listed_models`, GET /v1/models listing them."""
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": list(listed_models or ())})
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
-    return loop_thread.run(start_app(app))
+    if listed_models is not None:
+        app.router.add_get("/v1/models", models)
+    return app
+
+
+def start_chat_upstream(loop_thread: LoopThread, chat: Handler) -> tuple[web.AppRunner, str]:
+    """`chat_upstream_app(chat)` started on 127.0.0.1 -> (runner, url)."""
+    return loop_thread.run(start_app(chat_upstream_app(chat)))
 
 
 CANNED_ANSWER = {"id": "c1", "object": "chat.completion", "created": 1, "model": MODEL,

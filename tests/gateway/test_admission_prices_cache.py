@@ -26,7 +26,7 @@ from gateway.routing.base import LeastOutstandingRouter
 from gateway.routing.prompt_hashing import shared_prompt_hasher
 from gateway.settings import GatewaySettings
 from gateway.web.app import create_app
-from tests.gateway.conftest import MODEL, LoopThread, start_app
+from tests.gateway.conftest import MODEL, LoopThread, chat_upstream_app, start_app
 from tests.gateway.test_auth_seam import KeyAuthenticator
 
 TOKENS_PER_MINUTE = 3_000
@@ -58,18 +58,7 @@ def _cached_replica(served: list[dict[str, int]]) -> web.Application:
             "choices": [{"index": 0, "finish_reason": "length",
                          "message": {"role": "assistant", "content": "ok " * MAX_TOKENS}}]})
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": MODEL, "object": "model", "max_model_len": 8192}]})
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    return app
+    return chat_upstream_app(chat, [{"id": MODEL, "object": "model", "max_model_len": 8192}])
 
 
 class _KnowsTheCache(LeastOutstandingRouter):

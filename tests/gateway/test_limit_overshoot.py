@@ -21,7 +21,7 @@ from gateway.metering.contract import Admission
 from gateway.routing.prompt_hashing import shared_prompt_hasher
 from gateway.settings import GatewaySettings
 from gateway.web.services import create_served_app
-from tests.gateway.conftest import MODEL, LoopThread, start_app
+from tests.gateway.conftest import MODEL, LoopThread, chat_upstream_app, start_app
 
 TOKENS_PER_MINUTE = 3_000
 # ten short turns: the template's framing (a default system prompt, role markers) is most of it
@@ -51,18 +51,7 @@ def _replica_like_upstream(latency_s: float) -> web.Application:
             "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
                       "total_tokens": num_prompt + num_completion}})
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": MODEL, "object": "model", "max_model_len": 8192}]})
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    return app
+    return chat_upstream_app(chat, [{"id": MODEL, "object": "model", "max_model_len": 8192}])
 
 
 @dataclass

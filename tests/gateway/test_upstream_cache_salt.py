@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from auth.principal import AuthError, Principal, Scope
-from tests.gateway.conftest import GatewayFactory, LoopThread, start_app
+from tests.gateway.conftest import GatewayFactory, LoopThread, start_chat_upstream
 
 ANSWER = {"id": "c1", "object": "chat.completion", "created": 1, "model": "m",
           "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
@@ -38,13 +38,7 @@ def recording_upstream(loop_thread: LoopThread) -> Any:
         bodies.append(orjson.loads(await request.read()))
         return web.json_response({**ANSWER, "model": bodies[-1]["model"]})
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/health", health)
-    runner, url = loop_thread.run(start_app(app))
+    runner, url = start_chat_upstream(loop_thread, chat)
     yield url, bodies
     loop_thread.run(runner.cleanup())
 

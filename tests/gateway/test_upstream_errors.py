@@ -10,7 +10,7 @@ import httpx
 from aiohttp import web
 
 from bench.mock_upstream import MockConfig
-from tests.gateway.conftest import MODEL, GatewayFactory, LoopThread, start_app
+from tests.gateway.conftest import MODEL, GatewayFactory, LoopThread, chat_upstream_app, start_app
 from tests.gateway.test_auth_seam import KeyAuthenticator, RecordingMeter
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -23,13 +23,8 @@ def _refusing_upstream(loop_thread: LoopThread) -> tuple[web.AppRunner, str]:
     async def refuse(request: web.Request) -> web.Response:
         return web.json_response(TOO_LONG, status=400)
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", refuse)
+    app = chat_upstream_app(refuse)
     app.router.add_post("/v1/completions", refuse)
-    app.router.add_get("/health", health)
     return loop_thread.run(start_app(app))
 
 
