@@ -44,6 +44,8 @@ from gateway.upstream.wait_timer import WaitTimer, Watchdog
 log = logging.getLogger("aigw.gateway")
 
 _CLIENT_GONE = (ConnectionResetError, ConnectionError)
+DRAIN_DEADLINE = "aigw: the drain deadline"  # the cancel message of a stream the drain ends
+_DRAINING = (503, "draining", "the gateway is shutting down")
 _SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache"}
 SERVED_MODEL_HEADER = "x-aigw-served-model"  # the model that answered (a fallback's, after a hop)
 
@@ -94,6 +96,15 @@ class Answerer:
         self.settings = settings
         self.router = router  # (its `explain`, for x-aigw-debug)
         self._watchdog = watchdog
+        self._streaming: set[asyncio.Task[object]] = set()  # handlers writing a stream now
+
+    def end_streams(self) -> int:
+        """The drain's deadline (gateway/web/server.py): every stream still being written ends
+        with its dialect's error event (503 `draining`) and is settled, instead of being cut
+        mid-chunk when the server closes its connection. Returns how many were ended."""
+        for task in self._streaming:
+            task.cancel(DRAIN_DEADLINE)
+        return len(self._streaming)
 
     async def respond(self, state: RequestState, attempt: Attempt) -> web.Response:
         """The whole answer, sent here (so settling and the telemetry that follow it are not on
@@ -141,12 +152,15 @@ class Answerer:
         accumulator = state.accumulator
         encoder = state.dialect.encoder(canonical)
         response = web.StreamResponse(headers={**_SSE_HEADERS, **state.admission.headers})
+        task = asyncio.current_task()
         try:
             if state.guards is not None:  # (a block on the first event is still a 400)
                 await state.guards.guard_attempt(attempt, canonical)
             self._headers(response, state)
             await response.prepare(state.request)
             state.status = 200
+            if task is not None:
+                self._streaming.add(task)  # (the drain's deadline ends it: end_streams)
             accumulator.add(attempt.first_event)
             await response.write(encoder.start(accumulator.prompt_usage)
                                  + _delta_bytes(encoder, attempt.first_event))
@@ -191,10 +205,20 @@ class Answerer:
         except _CLIENT_GONE:
             state.status = STATUS_CLIENT_CLOSED  # the upstream is closed by release() below
             return response
-        except asyncio.CancelledError:  # the client went away (handler cancellation)
-            state.status = STATUS_CLIENT_CLOSED
-            raise
+        except asyncio.CancelledError as exc:
+            if exc.args != (DRAIN_DEADLINE,) or task is None:  # the client went away
+                state.status = STATUS_CLIENT_CLOSED  # (handler cancellation)
+                raise
+            task.uncancel()  # the drain's deadline: the dialect's error event, not a cut
+            accumulator.finish_reason = "error"
+            state.error = _DRAINING[1:]
+            try:
+                await response.write_eof(encoder.error(*_DRAINING))
+            except _CLIENT_GONE:
+                state.status = STATUS_CLIENT_CLOSED
+            return response
         finally:
+            self._streaming.discard(task)
             await attempt.release()
 
     def _headers(self, response: web.StreamResponse, state: RequestState) -> None:

@@ -73,9 +73,17 @@ def parser_error_answer(path: str, status: int, code: str, message: str) -> web.
 
 async def drain(runner: web.AppRunner) -> None:
     """Refuse new requests (503 `draining`), stop listening, let in-flight ones finish within the
-    runner's shutdown_timeout, then run the cleanup contexts."""
-    runner.app[PIPELINE].draining = True
-    await runner.cleanup()
+    runner's shutdown_timeout (`drain_timeout_s`), then run the cleanup contexts. A stream still
+    running at `drain_timeout_s` ends with its dialect's error event (Answerer.end_streams);
+    aiohttp alone would keep it a second shutdown_timeout, then cut it mid-chunk."""
+    pipeline = runner.app[PIPELINE]
+    pipeline.draining = True
+    deadline = asyncio.get_running_loop().call_later(pipeline.settings.drain_timeout_s,
+                                                     pipeline.answerer.end_streams)
+    try:
+        await runner.cleanup()
+    finally:
+        deadline.cancel()
 
 
 def run_worker(settings_data: dict[str, Any], reuse_port: bool) -> None:

@@ -100,6 +100,38 @@ def test_a_stream_cut_by_the_drain_timeout_is_settled_before_the_meter_closes(
     assert settled_at_close[request_id].prompt_tokens == expected
 
 
+def test_a_stream_still_running_at_the_drain_deadline_ends_with_the_dialects_error_event(
+        loop_thread: LoopThread) -> None:
+    """Past drain_timeout_s the stream is ended, not cut: the dialect's error event (503
+    `draining`) and no `[DONE]`, so an SDK raises an API error rather than a broken transfer; it
+    is settled once, as a stream that failed mid-way is (status 200, finish_reason error)."""
+    state = MockState(MockConfig(token_delay_ms=100, num_tokens=300))  # a 30 s stream
+    mock_runner, upstream = loop_thread.run(start_app(create_mock_app(state)))
+    meter = NullMeter()
+    settings = GatewaySettings(auth_enabled=False, drain_timeout_s=1.0,
+                               models=[{"name": MODEL, "endpoints": [upstream]}])
+    runner, url = loop_thread.run(start_app(create_app(settings, meter=meter)))  # shutdown 1 s
+    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
+            request_id = response.headers["x-request-id"]
+            lines = response.iter_lines()
+            next(lines)
+            started = time.monotonic()
+            draining = asyncio.run_coroutine_threadsafe(drain(runner), loop_thread.loop)
+            rest = list(lines)
+            ended_s = time.monotonic() - started
+            draining.result(30)
+    finally:
+        loop_thread.run(mock_runner.cleanup())
+    events = [line for line in rest if line.startswith("data: ")]
+    assert '"code":"draining"' in events[-1] and "data: [DONE]" not in events
+    assert ended_s < 1.9  # at the deadline, not after aiohttp's second wait
+    record = meter.settled[request_id]
+    assert record.status == 200 and record.finish_reason == "error"
+    assert meter.num_settle_calls == 1
+
+
 class _RouterWhoseCloseHangs(LeastOutstandingRouter):
     """As a router whose Redis index stopped answering: close never returns, cancelled or not."""
 
