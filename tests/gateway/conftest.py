@@ -20,6 +20,7 @@ from bench.mock_upstream import MockConfig, MockState, create_mock_app
 from gateway.metering.null_meter import NullMeter
 from gateway.settings import GatewaySettings
 from gateway.web.app import create_app
+from gateway.web.server import gateway_runner
 
 T = TypeVar("T")
 MODEL = "mock-model"
@@ -57,13 +58,18 @@ class LoopThread:
         self._thread.join(5)
 
 
-async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+async def start_runner(runner: web.BaseRunner) -> str:
+    """Set `runner` up and serve it on a free port of 127.0.0.1 -> its URL."""
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port}"
+
+
+async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    return runner, await start_runner(runner)
 
 
 async def write_sse(response: web.StreamResponse, chunks: Iterable[dict[str, Any]]) -> None:
@@ -197,6 +203,25 @@ def make_gateway(loop_thread: LoopThread) -> Iterator[GatewayFactory]:
 
     yield make
     for runner in reversed(runners):
+        loop_thread.run(runner.cleanup())
+
+
+GatewayServer = Callable[[GatewaySettings], str]
+
+
+@pytest.fixture
+def serve_gateway(loop_thread: LoopThread) -> Iterator[GatewayServer]:
+    """serve(settings) -> URL: the gateway run by the runner `aigw serve` uses (its header and
+    body timeouts, its access log), torn down after the test."""
+    runners: list[web.BaseRunner] = []
+
+    def serve(settings: GatewaySettings) -> str:
+        runner = gateway_runner(create_app(settings), settings)
+        runners.append(runner)
+        return loop_thread.run(start_runner(runner))
+
+    yield serve
+    for runner in runners:
         loop_thread.run(runner.cleanup())
 
 

@@ -4,38 +4,21 @@ not describe) get one warning line, no traceback, and the route's own error enve
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import orjson
 import pytest
 
 from gateway.settings import GatewaySettings
-from gateway.web.app import create_app
-from gateway.web.server import gateway_runner
-from tests.gateway.conftest import MODEL, LoopThread
+from tests.gateway.conftest import MODEL, GatewayServer
 from tests.raw_http import send_raw
 
 CHAT = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
 
 
-async def _start(settings: GatewaySettings) -> tuple[object, str]:
-    from aiohttp import web
-
-    runner = gateway_runner(create_app(settings), settings)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture
-def gateway_url(loop_thread: LoopThread) -> Iterator[str]:
-    settings = GatewaySettings(auth_enabled=False, drain_timeout_s=1.0,
-                               models=[{"name": MODEL, "endpoints": ["http://127.0.0.1:9"]}])
-    runner, url = loop_thread.run(_start(settings))
-    yield url
-    loop_thread.run(runner.cleanup())  # type: ignore[attr-defined]
+def gateway_url(serve_gateway: GatewayServer) -> str:
+    return serve_gateway(GatewaySettings(auth_enabled=False, drain_timeout_s=1.0,
+                                         models=[{"name": MODEL, "endpoints": ["http://127.0.0.1:9"]}]))
 
 
 def _assert_envelope(body: bytes, anthropic: bool) -> None:

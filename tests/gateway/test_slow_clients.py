@@ -6,44 +6,27 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import orjson
 import pytest
 
 from gateway.settings import GatewaySettings
-from gateway.web.app import create_app
-from gateway.web.server import gateway_runner
-from infra.http_server import GuardedAppRunner
-from tests.gateway.conftest import MODEL, LoopThread
+from tests.gateway.conftest import MODEL, GatewayServer
 
 HEADER_TIMEOUT_S = 0.5
 BODY_TIMEOUT_S = 1.0
 CHAT = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
 
 
-async def _start(settings: GatewaySettings) -> tuple[GuardedAppRunner, str]:
-    from aiohttp import web
-
-    runner = gateway_runner(create_app(settings), settings)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture
-def gateway_url(loop_thread: LoopThread) -> Iterator[str]:
+def gateway_url(serve_gateway: GatewayServer) -> str:
     """An open gateway (no model endpoints needed: the bodies never get that far), run by the
     runner `aigw serve` uses."""
-    settings = GatewaySettings(auth_enabled=False, client_header_timeout_s=HEADER_TIMEOUT_S,
-                               client_body_timeout_s=BODY_TIMEOUT_S, drain_timeout_s=1.0,
-                               models=[{"name": MODEL, "endpoints": ["http://127.0.0.1:9"]}])
-    runner, url = loop_thread.run(_start(settings))
-    yield url
-    loop_thread.run(runner.cleanup())
+    return serve_gateway(GatewaySettings(
+        auth_enabled=False, client_header_timeout_s=HEADER_TIMEOUT_S,
+        client_body_timeout_s=BODY_TIMEOUT_S, drain_timeout_s=1.0,
+        models=[{"name": MODEL, "endpoints": ["http://127.0.0.1:9"]}]))
 
 
 def _connect(url: str) -> socket.socket:
