@@ -4,8 +4,8 @@
               False otherwise, once, with the reason logged. Callers then keep the PyTorch path.
 
 The build is the variant engine/kernels/cpu/isa.py selects for this CPU (avx2, avx512, avx_vnni,
-avx512_vnni; `AIGW_CPU_ISA` forces one), one extension per variant: a process loads one of them,
-chosen once and logged.
+avx512_vnni; `AIGW_CPU_ISA` forces one), one extension per variant and version of the source
+(`_build_name`): a process loads one of them, chosen once and logged.
 
 at::parallel_for is OpenMP in PyTorch's CPU builds, so the extension is compiled with -fopenmp (it
 then shares the libgomp.so.1 that torch has loaded, and torch.set_num_threads applies to it). The
