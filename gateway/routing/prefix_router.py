@@ -235,7 +235,7 @@ class PrefixRouter(Router):
         num_matched, num_host = matched.get(replica_id, (0, 0)) if replica_id else (0, 0)
         session = self._sessions.get(_session_key(request) or b"")
         holds_session = session is not None and session[0] == endpoint.url
-        if holds_session:
+        if session is not None and holds_session:
             num_matched = max(num_matched, min(session[1], num_blocks))
         inflight: Sequence[int] = ()
         if state is not None:
