@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from infra.ports import free_port
-from tests.processes import stop_process
+from tests.processes import child_processes, stop_process
 from tests.tiny_llama import write_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -34,18 +34,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _replica_pids(parent: int) -> list[int]:
     """The `aigw replica` children of process `parent`."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "status").read_text()
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"\nPPid:\t{parent}\n" in status and b"replica" in argv:
-            pids.append(int(entry.name))
-    return pids
+    return [pid for pid, argv in child_processes(parent) if "replica" in argv]
 
 
 def _status(url: str) -> tuple[int, str] | None:

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.mock_upstream import MockState, create_mock_app
 from infra.ports import free_port
 from tests.gateway.conftest import MODEL, LoopThread, start_app
-from tests.processes import stop_process
+from tests.processes import child_processes, stop_process
 
 
 @pytest.fixture(autouse=True)
@@ -92,18 +92,7 @@ def _requests_by_status(metrics_text: str) -> dict[str, int]:
 
 def _child_command_lines(pid: int) -> list[list[str]]:
     """The argv of every live child process of `pid` (Linux /proc)."""
-    lines = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "status").read_text()
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"\nPPid:\t{pid}\n" in status:
-            lines.append([a.decode() for a in argv if a])
-    return lines
+    return [argv for _, argv in child_processes(pid)]
 
 
 def test_embedded_replicas_get_the_replica_args_and_serve(tmp_path: Path) -> None:
