@@ -132,3 +132,23 @@ def check_same_tokens_together_and_after_a_prefix_hit(
     assert again.num_cached_tokens >= 16  # at least one whole block came from the prefix cache
     assert_matches_transformers(again, expected)
     assert_idle_and_clean(engine)
+
+
+def check_preemption_matches_roomy(engine: LLMEngine, make_engine: EngineFactory,
+                                   prompts: dict[str, list[int]], expected_tokens: list[int],
+                                   num_blocks: int) -> None:
+    """All `prompts` (24 greedy tokens each) on an engine of `num_blocks` KV blocks, which must
+    preempt: each gets the tokens `engine` (roomy) gives it, the target's first are
+    `expected_tokens` (transformers'), the allocator's invariant holds every step and every block
+    comes back."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    roomy = generate(engine, prompts, params)
+    tight = make_engine(kv_cache_memory_bytes=num_blocks * engine.runner.bytes_per_block)
+    assert tight.kv_cache.num_blocks == num_blocks
+    assert tight.max_model_len >= max(map(len, prompts.values())) + 24  # one request fits alone
+    results = drive_with_checks(tight, prompts, params)
+    assert tight.stats().num_preemptions_total > 0
+    for name in prompts:
+        assert results[name].token_ids == roomy[name].token_ids, name
+    assert results["target"].token_ids[: len(expected_tokens)] == expected_tokens
+    assert_idle_and_clean(tight)

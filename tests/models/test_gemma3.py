@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from chat.registry import chat_format_for
-from contracts.sampling_params import SamplingParams
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.kv_cache.layout import KVCacheLayout, kv_bytes_per_sequence, kv_bytes_per_token
@@ -30,7 +29,6 @@ from tests.models._qwen3 import TinyCheckpoint
 from tests.models._serving_checks import (
     EngineFactory,
     assert_matches_transformers,
-    drive_with_checks,
 )
 from tests.models.test_qwen3 import GREEDY, NUM_NEW_TOKENS, OTHERS, TARGET
 
@@ -88,18 +86,8 @@ def test_same_tokens_among_8_concurrent_requests_and_after_a_prefix_cache_hit(
 def test_outputs_under_preemption_equal_the_roomy_engines(
         engine: LLMEngine, make_engine: EngineFactory, prompts: dict[str, list[int]],
         expected: tuple[list[int], list[float]]) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    roomy = generate(engine, prompts, params)
-    num_blocks = 32  # one request fits (window groups included), the 8 together do not
-    tight = make_engine(kv_cache_memory_bytes=num_blocks * engine.runner.bytes_per_block)
-    assert tight.kv_cache.num_blocks == num_blocks
-    assert tight.max_model_len >= max(map(len, prompts.values())) + 24
-    results = drive_with_checks(tight, prompts, params)
-    assert tight.stats().num_preemptions_total > 0
-    for name in prompts:
-        assert results[name].token_ids == roomy[name].token_ids, name
-    assert results["target"].token_ids[:NUM_NEW_TOKENS] == expected[0]
-    assert_idle_and_clean(tight)
+    # 32 blocks: one request fits (window groups included), the 8 together do not
+    serving.check_preemption_matches_roomy(engine, make_engine, prompts, expected[0], num_blocks=32)
 
 
 def test_a_checkpoint_without_window_layers_matches_transformers_on_the_general_forward(

@@ -17,7 +17,6 @@ from tests.models._qwen3 import VARIANTS, TinyCheckpoint
 from tests.models._serving_checks import (
     EngineFactory,
     assert_matches_transformers,
-    drive_with_checks,
 )
 
 NUM_NEW_TOKENS = 12
@@ -75,15 +74,6 @@ def test_same_tokens_among_8_concurrent_requests_and_after_a_prefix_cache_hit(
 def test_outputs_under_preemption_equal_the_roomy_engines(
         engine: LLMEngine, make_engine: EngineFactory, prompts: dict[str, list[int]],
         expected: tuple[list[int], list[float]]) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    roomy = generate(engine, prompts, params)
-    total_blocks = sum(-(-(len(p) + 24) // 16) for p in prompts.values())
-    bytes_per_block = engine.runner.bytes_per_block
-    tight = make_engine(kv_cache_memory_bytes=(total_blocks // 2) * bytes_per_block)
-    assert tight.kv_cache.num_blocks == total_blocks // 2
-    results = drive_with_checks(tight, prompts, params)
-    assert tight.stats().num_preemptions_total > 0
-    for name in prompts:
-        assert results[name].token_ids == roomy[name].token_ids, name
-    assert results["target"].token_ids[:NUM_NEW_TOKENS] == expected[0]
-    assert_idle_and_clean(tight)
+    total_blocks = sum(-(-(len(p) + 24) // 16) for p in prompts.values())  # half of what all need
+    serving.check_preemption_matches_roomy(engine, make_engine, prompts, expected[0],
+                                           num_blocks=total_blocks // 2)
