@@ -163,3 +163,15 @@ def test_quantize_at_load_q4_1_takes_q4_1_blocks(directories: dict[str, Path]) -
     info = runner.compute_info
     assert (info["weights"], info["experts"]) == ("q4-native", "q4-native (quantized at load)")
     assert isinstance(runner.model.lm_head, NativeQuantLinear) and runner.model.lm_head.block_type == "Q8_0"
+
+
+def test_experts_the_kernels_cannot_block_stay_float_beside_native_linears(llama4_checkpoints: dict) -> None:
+    """The session's Llama 4 MoE has experts 48 wide (not blocks of 32): they stay float32 while
+    the attention and dense layers take Q8_0, and the mix still follows float32."""
+    directory = llama4_checkpoints["moe"].directory
+    exact, default = _runner(directory, "float"), _runner(directory, "q4")
+    assert (default.compute_info["weights"], default.compute_info["experts"]) == ("q8_0-native", "float32")
+    tokens, exact_logits = greedy(exact, PROMPTS, NUM_NEW_TOKENS)
+    _, default_logits = greedy(default, PROMPTS, NUM_NEW_TOKENS, forced=tokens)
+    errors = torch.cat([(e - d).abs().amax(dim=-1) for e, d in zip(exact_logits, default_logits, strict=True)])
+    assert 0 < errors.median() < MAX_MEDIAN_ERROR_PER_SPREAD * torch.cat(exact_logits).std()
