@@ -144,18 +144,19 @@ def test_tp2_matches_tp1_tokens_logits_cache_hits_and_kv_events(tp_engine: LLMEn
 
 def test_tp2_under_recompute_preemption_gives_tp1_tokens(tp_engine: LLMEngine, tp1_engine: LLMEngine,
                                                          tokenizer: Any) -> None:
-    """6 sequences of 76 tokens need 30 blocks; the pool holds 22: the youngest are preempted and
-    recomputed, on both engines at the same steps (one scheduler, the same block count)."""
+    """6 sequences of 68 tokens need 30 blocks; the pool holds 22 (5 sequences of 4 blocks admitted,
+    each needs a 5th at token 64): the youngest are preempted and recomputed, on both engines at the
+    same steps (one scheduler, the same block count)."""
     assert tp_engine.runner.num_blocks == 22
     words = "red green blue gold grey pink".split()
     prompts = {w: tokenizer.encode(f"{w} " * 100)[:60] for w in words}
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     before = {e: e.stats().num_preemptions_total for e in (tp_engine, tp1_engine)}
     ours, base = generate(tp_engine, prompts, params), generate(tp1_engine, prompts, params)
     preempted = {e: e.stats().num_preemptions_total - before[e] for e in (tp_engine, tp1_engine)}
     assert preempted[tp_engine] == preempted[tp1_engine] > 0
     assert {k: v.token_ids for k, v in ours.items()} == {k: v.token_ids for k, v in base.items()}
-    assert all(len(v.token_ids) == 16 for v in ours.values())
+    assert all(len(v.token_ids) == 8 for v in ours.values())
     assert_idle_and_clean(tp_engine)
 
 
