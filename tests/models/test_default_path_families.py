@@ -31,6 +31,14 @@ MAX_MEDIAN_ERROR_PER_SPREAD = 0.25
 MIN_TOKEN_AGREEMENT = 0.75
 
 
+@pytest.fixture(autouse=True)
+def _native_kernels() -> None:
+    from engine.kernels import cpu as native
+
+    if not native.load():  # no compiler or no AVX2: the default path keeps float32 (tested elsewhere)
+        pytest.skip("the native CPU kernels are not available here")
+
+
 def _runner(directory: Path, decode_weights: str) -> ModelRunner:
     checkpoint = load_checkpoint(directory, progress=False)
     config = EngineConfig(model_path=str(directory), num_threads=1, dtype="float32",
