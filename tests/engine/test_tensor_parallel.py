@@ -301,6 +301,30 @@ def test_a_rank_reads_its_gguf_slices_equal_to_the_cut_of_the_whole(checkpoint: 
     assert raw["model.layers.0.self_attn.o_proj.weight"].shape == (576, 6 * 64)
 
 
+def test_a_quantized_weight_keeps_its_blocks_only_where_every_rank_cuts_whole_blocks() -> None:
+    """The q4 blocks of a weight go to the ranks only when every rank's cut is whole 32-value blocks
+    and groups of 8 rows; else no rank gets them (the ranks must build the same layers)."""
+    import gguf
+
+    from engine.config import ModelConfig
+    from engine.parallel.gguf_slices import _cut_in_blocks
+
+    config = ModelConfig(architecture="llama", vocab_size=1000, hidden_size=128, intermediate_size=320,
+                         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=64)
+    q4 = gguf.GGMLQuantizationType.Q4_1
+    plans = [plan_shard(config, r, 2) for r in range(2)]
+
+    def cut(name: str, shape: tuple[int, int], n: int = 2) -> bool:
+        return _cut_in_blocks(name, shape, q4, config, [plan_shard(config, r, n) for r in range(n)])
+
+    assert cut("model.layers.0.mlp.down_proj.weight", (128, 320))  # columns cut at 160: 5 blocks
+    assert not cut("model.layers.0.mlp.down_proj.weight", (128, 320), 4)  # at 80: inside a block
+    assert cut("model.layers.0.mlp.gate_proj.weight", (320, 128))  # 160 rows a rank
+    assert cut("model.layers.0.mlp.gate_proj.weight", (320, 128), 4)  # 80 rows: 10 groups of 8
+    assert cut("model.layers.0.self_attn.o_proj.weight", (128, 128))  # 2 heads of 32 a rank
+    assert plans[1].num_local_vocab == 500 and not cut("model.embed_tokens.weight", (1000, 128))  # 500 % 8
+
+
 # ---- the other families (engine/parallel/families.py): one TP=2 world each, tiny random checkpoints --
 def _write_family(family: str, root: Path) -> Path:
     """A tiny random checkpoint of `family` in `root`, written by transformers' save_pretrained (the
