@@ -39,15 +39,17 @@ async def envelope_middleware(request: web.Request, handler: Handler) -> web.Str
     except Exception:  # noqa: BLE001 - never a traceback to the client
         log.exception("unhandled error on %s %s", request.method, request.path)
         return _error(request, 500, "internal_error", "internal gateway error", started)
-    if not response.prepared and (request.content.exception() is not None
-                                  or response.status == 408):
+    if response.prepared:  # (the pipeline's answers: sent already, nothing to add)
+        return response
+    if request.content.exception() is not None or response.status == 408:
         # the body could not be read (a Content-Encoding it does not have), or did not come in
         # time: the rest of it is unreadable too, so say this connection closes instead of
         # leaving the client to reuse it
         response.force_close()
-    if not response.prepared and "x-request-id" not in response.headers:
-        response.headers["x-request-id"] = request_id_of(request)
-        response.headers.setdefault("x-aigw-replica", "none")
+    headers = response.headers
+    if "x-request-id" not in headers:
+        headers["x-request-id"] = request_id_of(request)
+        headers.setdefault("x-aigw-replica", "none")
         response[OVERHEAD_MS] = (time.perf_counter() - started) * 1000
     return response
 
