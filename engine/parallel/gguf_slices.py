@@ -120,6 +120,21 @@ def _rows(ranges: Ranges | None, num_rows: int, order: np.ndarray | None) -> np.
     return order[rows] if order is not None else rows
 
 
+_WHOLE_ARRAY_TYPES = {gguf.GGMLQuantizationType.Q4_0: gguf.quants.Q4_0, gguf.GGMLQuantizationType.Q4_1:
+                      gguf.quants.Q4_1, gguf.GGMLQuantizationType.Q8_0: gguf.quants.Q8_0}
+
+
+def _dequantize(rows: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> np.ndarray:
+    """gguf's dequantization of [rows, row bytes]; Q4_0 / Q4_1 / Q8_0 as one array (the same
+    element-wise arithmetic, ~3x faster than gguf's loop over groups of rows)."""
+    kind = _WHOLE_ARRAY_TYPES.get(ggml_type)
+    if kind is None or rows.ndim != 2:
+        return gguf.quants.dequantize(rows, ggml_type)
+    block_elements, block_bytes = gguf.GGML_QUANT_SIZES[ggml_type]
+    values = kind.dequantize_blocks(rows.reshape(-1, block_bytes))
+    return values.reshape(rows.shape[0], rows.shape[1] // block_bytes * block_elements)
+
+
 def _cut_in_blocks(name: str, shape: tuple[int, ...], ggml_type: gguf.GGMLQuantizationType,
                    config: ModelConfig, plans: list[ShardPlan]) -> bool:
     """Every rank's slice of `name` is whole quantization blocks of columns and whole row groups."""
@@ -155,7 +170,6 @@ def _read(view: np.ndarray, shape: tuple[int, ...], ggml_type: gguf.GGMLQuantiza
                                         r.stop // block_elements * block_bytes] for r in cols], axis=1)
             cols = None
     rows = np.ascontiguousarray(rows)
-    values = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(rows, ggml_type),
-                                                   dtype=np.float32))
+    values = torch.from_numpy(np.ascontiguousarray(_dequantize(rows, ggml_type), dtype=np.float32))
     blocks = rows if ggml_type not in _FLOAT_TYPES and cols is None else None
     return take_slices(values, (None, cols)), blocks
