@@ -185,17 +185,32 @@ def test_killing_a_rank_mid_stream_fails_the_replica_cleanly(tp_engine: LLMEngin
     worker = tp_engine.runner._workers[0]  # type: ignore[attr-defined]
     received: list[int] = []
 
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
     async def stream() -> None:
-        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         async for output in async_engine.generate("victim", tokenizer.encode("Count: 1, 2, 3,"), params):
             received.extend(output.new_token_ids)
             if len(received) == 2:
                 worker.kill()
 
-    with pytest.raises(EngineDeadError, match="tensor-parallel rank 1 exited"):
-        asyncio.run(asyncio.wait_for(stream(), timeout=60))
+    async def bystander() -> None:  # in flight beside it: ends with the same error
+        async for _ in async_engine.generate("bystander", tokenizer.encode("Letters: a, b, c,"), params):
+            pass
+
+    async def both() -> list[BaseException | None]:
+        return await asyncio.wait_for(asyncio.gather(stream(), bystander(), return_exceptions=True), 60)
+
+    errors = asyncio.run(both())
+    assert all(isinstance(e, EngineDeadError) and "tensor-parallel rank 1 exited" in str(e) for e in errors), errors
     assert 2 <= len(received) < 200
     assert not async_engine.is_alive  # /health answers 503
+
+    async def late() -> None:  # a request after the failure is refused at once
+        async for _ in async_engine.generate("late", [1, 2, 3], params):
+            pass
+
+    with pytest.raises(EngineDeadError, match="tensor-parallel rank 1 exited"):
+        asyncio.run(asyncio.wait_for(late(), timeout=5))
     deadline = time.monotonic() + 10
     while worker.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
