@@ -27,6 +27,7 @@ from engine.layers.linear import DenseLinear, LinearWeight, fuse_rows
 from engine.layers.native_linear import NativeQuantLinear
 from engine.layers.norm import rms_norm, rms_norm_fast
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.models.vocab_ends import VocabEnds, lm_head_weight
 from engine.models.weights import Weights, take, take_optional
 
 CPU = torch.device("cpu")
@@ -70,7 +71,7 @@ class DecoderLayer:
     k_norm: torch.Tensor | None = None  # [K] or [Dh]
 
 
-class LlamaModel:
+class LlamaModel(VocabEnds):
     def __init__(self, config: ModelConfig, weights: Weights, attention: PagedAttentionBackend,
                  make_linear: LinearFactory, mlp_factory: MLPFactory = dense_mlp_factory,
                  device: torch.device = CPU, dtype: torch.dtype = torch.float32) -> None:
@@ -85,10 +86,7 @@ class LlamaModel:
         vocab_hidden = (config.vocab_size, config.hidden_size)
         self.embed_tokens = self._place(take(weights, "model.embed_tokens.weight", vocab_hidden))
         self.norm = self._place(take(weights, "model.norm.weight", (config.hidden_size,)))
-        lm_head = take_optional(weights, "lm_head.weight", vocab_hidden)
-        if lm_head is None or config.tie_word_embeddings:
-            lm_head = self.embed_tokens
-        self.lm_head = make_linear("lm_head.weight", lm_head)
+        self.lm_head = make_linear("lm_head.weight", lm_head_weight(config, weights, self.embed_tokens))
         scaling = dict(config.rope_scaling) if config.rope_scaling else None
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, scaling, dtype, device)
@@ -169,12 +167,3 @@ class LlamaModel:
         every rank's heads (engine/parallel/layers.py)."""
         eps = self.config.rms_norm_eps
         return rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)  # type: ignore[arg-type]
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> [T, hidden]. A tensor-parallel rank sets an instance attribute of the
-        same name, the vocab-parallel lookup (engine/parallel/layers.py)."""
-        return F.embedding(input_ids, self.embed_tokens)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] (the rows to sample from) -> logits [S, vocab] in float32."""
-        return self.lm_head(hidden).float()
