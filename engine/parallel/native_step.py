@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from engine.layers.linear import DenseLinear, OneDNNLinear
 from engine.layers.native_linear import NativeQuantLinear
 from engine.layers.norm import rms_norm_fast
+from engine.models.llama import DecoderLayer
 from engine.models.llama_decode import DecodeInputs, _norm_qk_heads, _plain_layers_of
 from engine.parallel.group import TPGroup
 from engine.parallel.layers import RowParallel, VocabParallelEmbedding, VocabParallelHead
@@ -63,7 +64,8 @@ def _unwrapped(model) -> SimpleNamespace | None:  # type: ignore[no-untyped-def]
         return None
     layers = []
     for layer in getattr(model, "layers", ()):
-        if not (isinstance(layer.o_proj, RowParallel)  # (Gemma 3's layers have no `mlp`)
+        if not (isinstance(layer, DecoderLayer)  # (other families' layers: the general forward)
+                and isinstance(layer.o_proj, RowParallel)  # (Gemma 3's layers have no `mlp`)
                 and isinstance(getattr(layer, "mlp", None), RowParallel)):
             return None
         layers.append(dataclasses.replace(layer, o_proj=layer.o_proj.inner, mlp=layer.mlp.inner))
