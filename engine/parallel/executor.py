@@ -156,6 +156,12 @@ class TensorParallelRunner:
         return self.runner.num_blocks
 
     @property
+    def compute_info(self) -> dict[str, object]:
+        """Rank 0's (every rank runs the same step, checked at start), with the world size: the
+        replica's /v1/models metadata and aigw_replica_decode_weights."""
+        return {**self.runner.compute_info, "tensor_parallel_size": self.world_size}
+
+    @property
     def kv_layout(self):  # type: ignore[no-untyped-def]
         return self.runner.kv_layout
 

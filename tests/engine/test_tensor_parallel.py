@@ -235,6 +235,7 @@ def test_tp2_q4_runs_the_native_kernels_on_its_block_slices_and_matches_tp1_q4(
         rank0 = tp2.runner.runner  # type: ignore[attr-defined]
         assert rank0.compute_info["weights"] == "q4-native"
         assert rank0.compute_info["native_step"] == "ParallelNativeStep"
+        assert tp2.compute_info["weights"] == "q4-native" and tp2.compute_info["tensor_parallel_size"] == 2
         assert rank0.kv_caches[0][0].dtype == torch.float16 and tp2.runner.num_blocks == runner.num_blocks
         qkv_rows = rank0.model.layers[0].qkv.blocks.shape[0] * 8  # rank 0: 3 query heads, 1 kv head
         assert qkv_rows == (3 + 2 * 1) * 64
