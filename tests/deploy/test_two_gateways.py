@@ -21,9 +21,10 @@ from typing import Any
 import httpx
 import pytest
 
-from auth import Scope, open_auth
+from auth import Scope
 from auth.settings import AuthSettings
 from infra.ports import free_port
+from tests.auth._admin_key import make_admin_key
 from tests.deploy.test_neon_example import _clean_env, _process, _wait_healthy
 from tests.redis_server import running_redis_server
 
@@ -47,16 +48,6 @@ def _replica_cmd(port: int, redis_url: str) -> list[str]:
     return [sys.executable, "-m", "cli.main", "replica", "--host", "127.0.0.1",
             "--port", str(port), "--threads", "1", "--kv-cache-memory", "67108864",
             "--redis-url", redis_url]
-
-
-async def _make_admin_key(redis_url: str, data_dir: Path) -> str:
-    services = await open_auth(AuthSettings(redis_url=redis_url, data_dir=data_dir))
-    try:
-        await services.admin.create_project("ops")
-        _, key = await services.admin.create_key("ops", [Scope.ADMIN.value], name="operator")
-        return key
-    finally:
-        await services.close()
 
 
 def _model_id(replica_url: str) -> str:
@@ -91,7 +82,8 @@ def _deployment(tmp: Path) -> Iterator[Deployment]:
             replica_urls.append(f"http://127.0.0.1:{port}")
             replicas.append(stack.enter_context(
                 _process(_replica_cmd(port, redis_url), tmp / f"replica{i}.log", env)))
-        admin_key = asyncio.run(_make_admin_key(redis_url, tmp / "cli"))
+        admin_key = asyncio.run(make_admin_key(AuthSettings(redis_url=redis_url,
+                                                             data_dir=tmp / "cli")))
         for i, (url, process) in enumerate(zip(replica_urls, replicas, strict=True)):
             _wait_healthy(url, process, tmp / f"replica{i}.log", timeout_s=180)
         model = _model_id(replica_urls[0])

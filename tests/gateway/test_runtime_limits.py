@@ -10,18 +10,18 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from aiohttp import web
 
-from auth import AuthSettings, Scope, open_auth
+from auth import AuthSettings
 from bench.mock_upstream import MockState, create_mock_app
 from gateway.metering.alerts import SIGNATURE_HEADER, verify_signature
 from gateway.settings import GatewaySettings
 from gateway.web.services import create_served_app
+from tests.auth._admin_key import make_admin_key
 from tests.gateway.conftest import MODEL, LoopThread, start_app
 
 PRICES = {"input_per_token": 0.001, "output_per_token": 0.001}  # 1 cent per 10 tokens
@@ -55,23 +55,13 @@ def served(tmp_path_factory: pytest.TempPathFactory, loop_thread: LoopThread) ->
         data_dir=tmp_path, models=[{"name": MODEL, "backend": "replica",
                                     "endpoints": [upstream_url], "prices": PRICES}])
     runner, url = loop_thread.run(start_app(loop_thread.run(create_served_app(settings))))
-    key = loop_thread.run(_admin_key(tmp_path))
+    key = loop_thread.run(make_admin_key(AuthSettings(data_dir=tmp_path, enabled=False)))
     try:
         yield Served(url, {"authorization": f"Bearer {key}"}, state, hooks, hook_url + "/hook")
     finally:
         loop_thread.run(runner.cleanup())
         loop_thread.run(hook_runner.cleanup())
         loop_thread.run(upstream.cleanup())
-
-
-async def _admin_key(data_dir: Path) -> str:
-    services = await open_auth(AuthSettings(data_dir=data_dir, enabled=False))
-    try:
-        await services.admin.create_project("ops")
-        _, key = await services.admin.create_key("ops", [Scope.ADMIN.value], name="operator")
-        return key
-    finally:
-        await services.close()
 
 
 def _project(served: Served, name: str) -> str:

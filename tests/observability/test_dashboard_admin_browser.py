@@ -14,24 +14,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from auth import AuthSettings, Scope, open_auth
+from auth import AuthSettings
 from bench.mock_upstream import MockState, create_mock_app
 from gateway.settings import GatewaySettings
 from gateway.web.services import create_served_app
+from tests.auth._admin_key import make_admin_key
 from tests.gateway.conftest import MODEL, LoopThread, start_app
 from tests.observability.test_dashboard_browser import CHROMIUM_ARGS, UI_TIMEOUT_MS, _chromium
 
 pytestmark = pytest.mark.slow
-
-
-async def _admin_key(data_dir: Path) -> str:
-    services = await open_auth(AuthSettings(data_dir=data_dir, enabled=False))
-    try:
-        await services.admin.create_project("ops")
-        _, key = await services.admin.create_key("ops", [Scope.ADMIN.value], name="operator")
-        return key
-    finally:
-        await services.close()
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +36,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str
         "prices": {"input_per_token": 1e-6, "output_per_token": 2e-6}}])
     runner, url = loop_thread.run(start_app(loop_thread.run(create_served_app(settings))))
     try:
-        yield url, loop_thread.run(_admin_key(data_dir)), upstream_url
+        yield url, loop_thread.run(make_admin_key(
+            AuthSettings(data_dir=data_dir, enabled=False))), upstream_url
     finally:
         loop_thread.run(runner.cleanup())
         loop_thread.run(upstream.cleanup())
