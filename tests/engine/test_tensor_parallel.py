@@ -151,6 +151,8 @@ def test_tp2_matches_tp1_tokens_logits_cache_hits_and_kv_events(tp_engine: LLMEn
                                                                 prompts: dict[str, list[int]]) -> None:
     assert tp_engine.runner.num_blocks == tp1_engine.runner.num_blocks  # one block table per replica
     assert tp_engine.runner.runner.compute_info["native_step"] == "ParallelFloatStep"  # type: ignore[attr-defined]
+    for engine in (tp_engine, tp1_engine):  # (an earlier test may have cached blocks on one of them)
+        engine.reset_prefix_cache()
     ours, ours_logits, ours_events = _run_workload(tp_engine, prompts)
     base, base_logits, base_events = _run_workload(tp1_engine, prompts)
 
