@@ -457,9 +457,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"  transformers done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     print(f"\n{title}\n")
     print(report(results, args))
-    for mode, (name, comm) in zip(modes, comms.items(), strict=True):
-        print(f"\n{tensor_parallel_table(results, mode, tp)}\n{tensor_parallel_report(name, comm)}")
-        results[name]["communication"] = comm
+    for mode in modes:  # (TP engines only: none when --tensor-parallel-size is 1)
+        name = f"ours[{mode},tp={tp}]"
+        if name in comms:
+            table, comm_report = tensor_parallel_table(results, mode, tp), tensor_parallel_report(
+                name, comms[name])
+            print(f"\n{table}\n{comm_report}")
+            results[name]["communication"] = comms[name]
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"title": title, "results": results}, indent=2))
