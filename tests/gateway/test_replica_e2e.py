@@ -16,7 +16,7 @@ import pytest
 from gateway.fleet import embedded
 from gateway.settings import GatewaySettings
 from gateway.web.app import create_app
-from tests.gateway.conftest import LoopThread, start_app
+from tests.gateway.conftest import LoopThread, start_app, wait_until
 
 pytestmark = [
     pytest.mark.slow,
@@ -328,6 +328,17 @@ def _retained_until(replica_url: str, since: int) -> list[float]:
             if event["type"] == "BlockRetained"]
 
 
+def _gateway_sees_idle(gateway_url: str, replica_url: str) -> bool:
+    """The gateway's last load report of `replica_url` shows nothing running, queued or predicted
+    to queue: the router's view, which lags the replica by up to a health interval."""
+    endpoint = replica_url.removeprefix("http://")
+    lines = [line for line in httpx.get(gateway_url + "/metrics", timeout=10).text.splitlines()
+             if f'endpoint="{endpoint}"' in line and line.startswith((
+                 "aigw_endpoint_requests_running", "aigw_endpoint_requests_waiting",
+                 "aigw_endpoint_predicted_queue_delay_ms"))]
+    return bool(lines) and all(float(line.rsplit(" ", 1)[1]) == 0.0 for line in lines)
+
+
 def _last_seq(replica_url: str) -> int:
     return int(httpx.get(replica_url + "/kv/events", params={"since": 10**9}, timeout=10)
                .json()["last_seq"])
@@ -363,12 +374,16 @@ def test_sdk_cache_retention_fields_keep_a_prefix_through_pressure_that_evicts_o
                                 max_tokens=1)
     again = bare.completions.create(model=model, prompt=plain, max_tokens=1)
     assert again.usage.prompt_tokens_details is None or not again.usage.prompt_tokens_details.cached_tokens
-    second = client.chat.completions.create(
+    # the router weighs the load it last saw: a report taken while the prompts above ran would
+    # send the turn elsewhere (as it should, under load), which is not what this test is about
+    assert wait_until(lambda: _gateway_sees_idle(url, replica), 30)
+    raw = client.chat.completions.with_raw_response.create(
         model=model, max_tokens=4, temperature=0, prompt_cache_key="harbour-agent-1",
         messages=[*messages, {"role": "assistant", "content": "Free."},  # type: ignore[list-item]
                   {"role": "user", "content": "And berth 5?"}])
-    cached = second.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
-    assert cached >= (num_prompt // 16 - 1) * 16, (cached, num_prompt)
+    cached = raw.parse().usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    assert cached >= (num_prompt // 16 - 1) * 16, (cached, num_prompt, replica,
+                                                   raw.headers.get("x-aigw-replica"))
 
     claude = anthropic.Anthropic(base_url=url + "/anthropic", api_key="x", max_retries=0, timeout=120)
     seqs = {r.url: _last_seq(r.url) for r in two_replicas}
