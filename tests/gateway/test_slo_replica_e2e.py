@@ -117,7 +117,10 @@ def _burst(call: Any) -> list[Any]:
         return list(pool.map(attempt, range(NUM_BURST)))
 
 
-PROMPT = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 10)
+# ~560 tokens: a prefill of ~1-2 s (float32, one thread), so the burst's requests overlap even
+# when a loaded machine spreads their arrivals (with ~140 tokens, five Anthropic calls once
+# arrived one after another, each to an idle replica, and none was refused)
+PROMPT = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 40)
 
 
 def test_a_burst_past_the_ttft_target_is_refused_with_retry_after_and_billed_exactly(
