@@ -15,7 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,9 @@ class AsyncEngine:
         # prompt tokens of requests accepted but not yet queued by the engine thread, per class:
         # admission counts them as waiting (a burst is not all admitted on one stale load)
         self._pending_tokens: dict[int, int] = {}
+        # requests admitted whose generate() has not started: (class, prompt tokens), already in
+        # _pending_tokens (admission and the hold are one step under the lock: see admit)
+        self._held: dict[str, tuple[int, int]] = {}
         self._pending_lock = threading.Lock()
         self._applied_tokens: dict[int, int] = {}  # engine thread: adds applied since the last publish
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -81,7 +84,8 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
         with self._pending_lock:
-            self._pending_tokens[priority] = self._pending_tokens.get(priority, 0) + len(prompt_token_ids)
+            if self._held.pop(request_id, None) is None:  # an admitted request's tokens are in already
+                self._add_pending(priority, len(prompt_token_ids))
         self._commands.put(("add", (request_id, list(prompt_token_ids), params, cache_salt,
                                     retain_s, retention_id, priority)))
         finished = False
@@ -104,13 +108,41 @@ class AsyncEngine:
         config = self.engine.config.scheduler
         return config.ttft_p90_ms, config.tpot_p90_ms
 
-    def admit(self, priority: int, num_prompt_tokens: int, num_cached_tokens: int = 0) -> Admission:
+    def admit(self, priority: int, prompts: Mapping[str, int], num_cached_tokens: int = 0
+              ) -> Admission:
         """Whether a new request of class `priority` would meet its TTFT target (engine/slo.py),
-        counting requests accepted ahead of it that the engine thread has not queued yet;
-        `num_cached_tokens`: its prompt tokens the prefix cache holds (num_cached_prefix_tokens)."""
+        counting requests accepted ahead of it that the engine thread has not queued yet.
+        `prompts`: its engine requests' ids and prompt lengths; `num_cached_tokens`: its prompt
+        tokens the prefix cache holds (num_cached_prefix_tokens). Admitted, its prompts count as
+        pending at once, in the same step as the check: a burst whose requests are all checked
+        before any generate() starts is not admitted whole on one load. generate() takes each
+        hold over; release_holds() drops those of requests that never started."""
         with self._pending_lock:
             pending = sum(n for c, n in self._pending_tokens.items() if c <= priority)
-            return self.engine.admission(priority, num_prompt_tokens, pending, num_cached_tokens)
+            admission = self.engine.admission(priority, sum(prompts.values()), pending,
+                                              num_cached_tokens)
+            if admission.is_admitted:
+                for request_id, num_tokens in prompts.items():
+                    self._held[request_id] = (priority, num_tokens)
+                    self._add_pending(priority, num_tokens)
+            return admission
+
+    def release_holds(self, request_ids: Iterable[str]) -> None:
+        """Drop the admission holds of requests whose generate() never started (an error before
+        it, a client gone); a request that started has none left (any thread, idempotent)."""
+        with self._pending_lock:
+            for request_id in request_ids:
+                held = self._held.pop(request_id, None)
+                if held is not None:
+                    self._add_pending(held[0], -held[1])
+
+    def _add_pending(self, priority: int, num_tokens: int) -> None:
+        """(under _pending_lock)"""
+        left = self._pending_tokens.get(priority, 0) + num_tokens
+        if left > 0:
+            self._pending_tokens[priority] = left
+        else:
+            self._pending_tokens.pop(priority, None)
 
     def num_cached_prefix_tokens(self, prompt_token_ids: list[int], cache_salt: str | None) -> int:
         """Prompt tokens a new request would find cached, as of the last step (any thread)."""
@@ -175,11 +207,7 @@ class AsyncEngine:
         with self._pending_lock:
             self.engine.publish_load()
             for priority, num_tokens in self._applied_tokens.items():
-                left = self._pending_tokens.get(priority, 0) - num_tokens
-                if left > 0:
-                    self._pending_tokens[priority] = left
-                else:
-                    self._pending_tokens.pop(priority, None)
+                self._add_pending(priority, -num_tokens)
         self._applied_tokens.clear()
 
     def _apply_commands(self, block: bool) -> bool:

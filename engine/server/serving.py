@@ -140,7 +140,7 @@ class ServingContext:
                        params=per_choice_params(params, i % params.n))
             for i in range(num_choices)
         ]
-        self.check_admission(priority, [sub.prompt_token_ids for sub in subs], cache_salt)
+        self.check_admission(priority, subs, cache_salt)
         fanout = FanOut(self.engine, subs, metrics=self.metrics, cache_salt=cache_salt,
                         trace_headers=trace_headers(request.headers), retention=retention,
                         priority=priority)
@@ -154,19 +154,25 @@ class ServingContext:
             yield fanout
         finally:
             await fanout.aclose()
+            release_holds = getattr(self.engine, "release_holds", None)
+            if release_holds is not None:  # (admitted requests that never started)
+                release_holds(sub.request_id for sub in subs)
 
-    def check_admission(self, priority: int, prompts: list[list[int]], cache_salt: str | None) -> None:
+    def check_admission(self, priority: int, subs: list[SubRequest], cache_salt: str | None) -> None:
         """LatencyTargetError (429, before any engine request starts) when the engine predicts
         that queueing would break the class's TTFT target (engine/slo.py), counting what the
         prefix cache holds of the prompts; engines without admission control or without a TTFT
-        target admit everything."""
+        target admit everything. Admitted, the engine holds the prompts as pending until each
+        engine request starts (AsyncEngine.admit; released in fanout's exit otherwise)."""
         admit = getattr(self.engine, "admit", None)
         targets = getattr(self.engine, "latency_targets_ms", (None, None))
         if admit is None or targets[0] is None:
             return
         cached = getattr(self.engine, "num_cached_prefix_tokens", None)
-        num_cached = sum(cached(p, cache_salt) for p in prompts) if cached is not None else 0
-        admission = admit(priority, sum(len(p) for p in prompts), num_cached)
+        num_cached = (sum(cached(sub.prompt_token_ids, cache_salt) for sub in subs)
+                      if cached is not None else 0)
+        admission = admit(priority, {sub.request_id: len(sub.prompt_token_ids) for sub in subs},
+                          num_cached)
         if admission.is_admitted:
             return
         self.metrics.count_refused(priority)

@@ -101,6 +101,29 @@ def test_a_request_the_queue_would_make_late_is_refused_at_once_and_leaves_nothi
     assert (_sample(metrics, "aigw_replica_prefill_ms_per_token", "") or 0.0) > 0.0
 
 
+def test_an_admitted_request_counts_as_queued_before_its_engine_request_starts(
+        replica: tuple[ServerThread, LLMEngine]) -> None:
+    """A burst's handlers may all pass admission before any of them starts its engine request
+    (each awaits between the two): the admitted prompt is held as pending in the same step as
+    the check, so the next check sees it; a hold whose request never starts is released."""
+    server, engine = replica
+    async_engine: AsyncEngine = server._engine
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    client.chat.completions.create(model=engine.model_config.model_id, max_tokens=4,
+                                   messages=[{"role": "user", "content": "Say hi."}])
+    assert engine.scheduler.step_costs.cost is not None and not engine.has_unfinished_requests
+    first = async_engine.admit(0, {"held-a": 800})
+    assert first.is_admitted and first.queue_ms == 0.0
+    second = async_engine.admit(0, {"held-b": 8})
+    assert not second.is_admitted and second.queue_ms > TTFT_TARGET_MS
+    assert async_engine.admit(-1, {"held-c": 8}).is_admitted  # the class ahead does not wait
+    async_engine.release_holds(["held-a", "held-b", "held-c"])  # (b was never held)
+    again = async_engine.admit(0, {"held-d": 8})
+    assert again.is_admitted and again.queue_ms == 0.0
+    async_engine.release_holds(["held-d"])
+    assert async_engine._pending_tokens == {} and async_engine._held == {}
+
+
 def _sample(text: str, name: str, label: str) -> float | None:
     for line in text.splitlines():
         if line.startswith(name + "{") and label in line:
