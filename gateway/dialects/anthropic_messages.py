@@ -46,6 +46,7 @@ from gateway.dialects.validate import (
     get_object,
     get_stop,
     get_str,
+    get_tool_name,
     get_tool_schema,
     need_object,
 )
@@ -307,7 +308,7 @@ class AnthropicMessages(Dialect):
         for i, raw in enumerate(get_list(body, "tools") or ()):
             raw = need_object(raw, f"tools[{i}]")
             request.tools.append(Tool(
-                get_str(raw, "name", f"tools[{i}].name", required=True, allow_empty=False) or "",
+                get_tool_name(raw, "name", f"tools[{i}].name"),
                 get_str(raw, "description", f"tools[{i}].description") or "",
                 get_tool_schema(raw, "input_schema", f"tools[{i}].input_schema")))
         request.tool_choice = _parse_tool_choice(body.get("tool_choice"))

@@ -21,6 +21,7 @@ from gateway.dialects.validate import (
     get_list,
     get_object,
     get_str,
+    get_tool_name,
     get_tool_schema,
     need_object,
 )
@@ -65,8 +66,7 @@ def parse_tools(body: dict[str, Any]) -> list[Tool]:
         if raw.get("type") != "function":
             raise InvalidParam(f"tools[{i}].type", "only 'function' tools are supported")
         function = need_object(raw.get("function"), f"tools[{i}].function")
-        tools.append(Tool(get_str(function, "name", f"tools[{i}].function.name", required=True,
-                                  allow_empty=False) or "",
+        tools.append(Tool(get_tool_name(function, "name", f"tools[{i}].function.name"),
                           get_str(function, "description") or "",
                           get_tool_schema(function, "parameters", f"tools[{i}].function.parameters")))
     return tools

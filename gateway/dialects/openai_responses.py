@@ -32,6 +32,7 @@ from gateway.dialects.validate import (
     get_number,
     get_object,
     get_str,
+    get_tool_name,
     get_tool_schema,
     need_object,
 )
@@ -142,8 +143,7 @@ def _parse_tools(body: dict[str, Any]) -> list[Tool]:
         raw = need_object(raw, f"tools[{i}]")
         if raw.get("type") != "function":
             raise InvalidParam(f"tools[{i}].type", "only 'function' tools are supported")
-        tools.append(Tool(get_str(raw, "name", f"tools[{i}].name", required=True,
-                                  allow_empty=False) or "",
+        tools.append(Tool(get_tool_name(raw, "name", f"tools[{i}].name"),
                           get_str(raw, "description", f"tools[{i}].description") or "",
                           get_tool_schema(raw, "parameters", f"tools[{i}].parameters")))
     return tools

@@ -6,6 +6,7 @@ says which parameter is wrong and what was expected.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from contracts.sampling_params import SamplingParams, SamplingParamsError  # pure Python, no torch
@@ -106,6 +107,20 @@ def get_object(body: dict[str, Any], key: str, param: str = "") -> dict[str, Any
     if value is None:
         return None
     return need_object(value, param or key)
+
+
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def get_tool_name(body: dict[str, Any], key: str, param: str) -> str:
+    """A tool's (function's) name: 1 to 64 ASCII letters, digits, `_` or `-`, the pattern
+    OpenAI and Anthropic both require. Another name (a space, a dot, a quote, a newline) would
+    reach the chat template's tool list as the model's text, and no upstream would take it."""
+    name = get_str(body, key, param, required=True, allow_empty=False) or ""
+    if not _TOOL_NAME.fullmatch(name):
+        raise InvalidParam(param, "a tool name must match ^[a-zA-Z0-9_-]{1,64}$, got "
+                           f"{name[:80]!r}")
+    return name
 
 
 def get_tool_schema(body: dict[str, Any], key: str, param: str) -> dict[str, Any]:

@@ -49,10 +49,16 @@ def _cases(path: str) -> list[tuple[str, Any, int]]:
                       {"type": "tool_result", "content": "x"}]}]}, 400),
                   ("tool_choice_type_an_array", {**good, "tool_choice": {"type": ["auto"]}}, 400),
                   ("tool_choice_type_an_object", {**good, "tool_choice": {"type": {}}}, 400),
-                  ("tool_choice_without_type", {**good, "tool_choice": {}}, 400)]
+                  ("tool_choice_without_type", {**good, "tool_choice": {}}, 400),
+                  ("tool_name_with_a_space", {**good, "tools": [
+                      {"name": "get weather", "input_schema": {"type": "object"}}]}, 400),
+                  ("tool_name_over_64", {**good, "tools": [
+                      {"name": "f" * 65, "input_schema": {"type": "object"}}]}, 400)]
     elif path == "/v1/responses":
         cases += [("max_output_tokens_string", {**good, "max_output_tokens": "10"}, 400),
                   ("unsupported_tool_type", {**good, "tools": [{"type": "web_search"}]}, 400),
+                  ("tool_name_with_a_newline", {**good, "tools": [
+                      {"type": "function", "name": "f\nsystem:"}]}, 400),
                   ("previous_response_id", {**good, "previous_response_id": "resp_1"}, 400),
                   ("only_reasoning_items", {**good, "input": [{"type": "reasoning", "summary": []}]}, 400)]
     else:
@@ -76,6 +82,8 @@ def _cases(path: str) -> list[tuple[str, Any, int]]:
                   ("empty_messages", {**good, "messages": []}, 400),
                   ("tool_message_without_id", {**good, "messages": [{"role": "tool", "content": "x"}]}, 400),
                   ("tool_without_name", {**good, "tools": [{"type": "function", "function": {}}]}, 400),
+                  ("tool_name_with_a_dot", {**good, "tools": [
+                      {"type": "function", "function": {"name": "functions.f"}}]}, 400),
                   ("tool_choice_function_not_an_object", {**good, "tool_choice": {
                       "type": "function", "function": "f"}}, 400),
                   ("tool_choice_function_an_array", {**good, "tool_choice": {
