@@ -221,13 +221,20 @@ class _View:
 
 def _summed_over_projects(family: Metric) -> Metric:
     """`family` with its samples' `project` label dropped and the values of samples that then
-    coincide added up (counters and histogram buckets stay counters and buckets)."""
+    coincide added up (counters and histogram buckets stay counters and buckets); a `_created`
+    sample is a timestamp, so the earliest one is kept, not their sum."""
     if not any("project" in sample.labels for sample in family.samples):
         return family
     sums: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
     for sample in family.samples:
         labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "project"))
-        sums[(sample.name, labels)] = sums.get((sample.name, labels), 0.0) + sample.value
+        key = (sample.name, labels)
+        if key not in sums:
+            sums[key] = sample.value
+        elif sample.name.endswith("_created"):
+            sums[key] = min(sums[key], sample.value)
+        else:
+            sums[key] += sample.value
     summed = Metric(family.name, family.documentation, family.type, family.unit)
     for (name, labels), value in sums.items():
         summed.add_sample(name, dict(labels), value)

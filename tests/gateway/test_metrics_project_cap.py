@@ -42,6 +42,25 @@ def test_projects_past_the_cap_are_counted_under_one_other_label() -> None:
     assert tokens == {"a": 10 + 14, "b": 11, OTHER_PROJECTS: 12 + 13 + 15}
 
 
+def test_the_anonymous_view_keeps_a_counters_created_time_not_the_sum_of_its_projects() -> None:
+    """Summing the project label away added the `_created` timestamps of every project's series
+    (a date decades ahead); the summed series was created when its first project's was."""
+    metrics = GatewayMetrics()
+    for project in ("a", "b", "c"):
+        metrics.observe_usage(_record(project, 10))
+
+    def input_token_samples(per_project: bool) -> list[tuple[str, float]]:
+        text = metrics.render(per_project=per_project).decode()
+        return [(sample.name, sample.value) for family in text_string_to_metric_families(text)
+                for sample in family.samples if sample.name.startswith("aigw_input_tokens_")]
+
+    created = [value for name, value in input_token_samples(True)
+               if name == "aigw_input_tokens_created"]
+    assert len(created) == 3
+    assert dict(input_token_samples(False)) == {"aigw_input_tokens_total": 30.0,
+                                                "aigw_input_tokens_created": min(created)}
+
+
 def test_jwt_projects_of_a_trusted_issuer_do_not_grow_the_metrics_labels(
         loop_thread: LoopThread, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIGW_JWT_HS256_SECRET", SECRET)
