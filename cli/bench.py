@@ -8,25 +8,25 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHMARKS = {
-    "engine": "bench.engine_bench",      # prefill/decode/concurrency vs transformers
-    "agent": "bench.agent_bench",        # prompt caching on agent-loop / shared-prefix workloads
-    "gateway": "bench.gateway_bench",    # gateway overhead vs bare proxy and LiteLLM
-    "routing": "bench.routing_bench",    # routing policies, real replicas + simulator
-    "soak": "bench.soak_bench",          # many mixed requests: RSS flat, no KV leak, ledger exact
-    "kv-tier": "bench.kv_tier_bench",    # TTFT of an evicted prefix: second KV tier vs recompute
-    "embed": "bench.embed_bench",        # embedding texts/s vs transformers + pooling
-    "batch": "bench.batch_bench",        # Batch API lines in prefix order vs file order
-    "slo": "bench.slo_bench",            # goodput under TTFT/TPOT targets: slo vs fixed scheduler
-    "calls": "bench.calls_bench",        # Python calls per request: gateway vs a baseline tree, replica renders
+BENCHMARKS = {  # name -> (module, what `aigw bench --help` says it measures)
+    "engine": ("bench.engine_bench", "prefill, decode and concurrency vs transformers"),
+    "agent": ("bench.agent_bench", "prompt caching on agent-loop and shared-prefix workloads"),
+    "gateway": ("bench.gateway_bench", "gateway overhead vs a bare proxy and LiteLLM"),
+    "routing": ("bench.routing_bench", "routing policies, simulated and on real replicas"),
+    "soak": ("bench.soak_bench", "many mixed requests: RSS flat, no KV leak, ledger exact"),
+    "kv-tier": ("bench.kv_tier_bench", "TTFT of an evicted prefix: second KV tier vs recompute"),
+    "embed": ("bench.embed_bench", "embedding texts/s vs transformers + pooling"),
+    "batch": ("bench.batch_bench", "Batch API lines in prefix order vs file order"),
+    "slo": ("bench.slo_bench", "goodput under TTFT/TPOT targets: slo vs fixed scheduler"),
+    "calls": ("bench.calls_bench", "Python calls per request: gateway vs a baseline, replica"),
 }
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench = subparsers.add_parser("bench", help="run a benchmark (not a test)")
     names = bench.add_subparsers(dest="benchmark", required=True)
-    for name, module_name in BENCHMARKS.items():
-        parser = names.add_parser(name, help=f"benchmark: {name}")
+    for name, (module_name, what) in BENCHMARKS.items():
+        parser = names.add_parser(name, help=what, description=f"aigw bench {name}: {what}")
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:

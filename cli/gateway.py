@@ -44,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="extra `aigw replica` options for the embedded replicas, one string "
                              "(e.g. \"--decode-weights q4\" for the native 4-bit decode path)")
     parser.add_argument("--no-auth", action="store_true",
-                        help="local development only: no API keys, no metering")
+                        help="local development only: no API keys, no metering, no /admin API")
     parser.set_defaults(func=run)
 
 

@@ -196,6 +196,23 @@ def test_cli_reference_documents_every_subcommand_and_flag_of_aigw() -> None:
     assert not problems, "docs/reference/cli.md vs `aigw --help`:\n" + "\n".join(problems)
 
 
+def test_cli_reference_overview_lists_every_subcommand() -> None:
+    """The page's first block (`aigw keys create|list|revoke|rotate`, ...) names every command
+    and each of its subcommands (it once left four benchmarks out)."""
+    text = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    overview = text.split("```text\n", 1)[1].split("```", 1)[0]
+    listed: dict[str, set[str]] = {}
+    for command, subcommands in re.findall(r"^aigw ([a-z][\w-]*) ?(\S*)", overview, re.MULTILINE):
+        listed[command] = set(subcommands.split("|")) if "|" in subcommands else set()
+    problems = []
+    for command, subcommands in _command_tree(_aigw_parser()).items():
+        if command not in listed:
+            problems.append(f"`aigw {command}` is not in the overview")
+        elif subcommands - listed[command]:
+            problems.append(f"`aigw {command}`: {sorted(subcommands - listed[command])} missing")
+    assert not problems, "\n".join(problems)
+
+
 # ---- docs/reference/metrics.md against the registries behind GET /metrics
 
 class _NoEndpoints:
