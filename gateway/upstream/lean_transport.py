@@ -47,6 +47,8 @@ log = logging.getLogger("aigw.gateway")
 
 READ_HIGH_WATER_BYTES = 256 * 1024
 RELEASE_GRACE_S = 1.0
+CONNECT_WARNING_INTERVAL_S = 60.0  # one "cannot reach" warning per origin this often, at most
+_MAX_WARNED_ORIGINS = 1024
 
 
 class _Target(NamedTuple):
@@ -335,6 +337,9 @@ class LeanTransport(Transport):
         self._keepalive_timeout_s = keepalive_timeout_s
         self._max_idle_per_origin = max_idle_per_origin
         self._ssl_context = ssl_context
+        # origin -> when its last connect failure was logged as a warning: a down endpoint is
+        # health-checked every few seconds, and each check would add a warning line
+        self._connect_warned_at: dict[str, float] = {}
 
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         target = _target(request.url)
@@ -376,12 +381,27 @@ class LeanTransport(Transport):
                     lambda: _Connection(loop), target.host, target.port, ssl=ssl_context,
                     server_hostname=target.host if ssl_context else None)
         except TimeoutError as exc:
-            log.warning("connecting to %s timed out", target.origin)
+            self._log_connect_failure(target.origin, "connecting to %s timed out", target.origin)
             raise UpstreamTimeout("upstream failed: connecting timed out") from exc
-        except OSError as exc:
-            log.warning("cannot reach %s: %r", target.origin, exc)  # details in the log, not the answer
+        except OSError as exc:  # details in the log, not the answer
+            self._log_connect_failure(target.origin, "cannot reach %s: %r", target.origin, exc)
             raise UpstreamUnavailable("upstream failed: cannot connect") from exc
+        if self._connect_warned_at.pop(target.origin, None) is not None:
+            log.warning("%s is reachable again", target.origin)
         return connection
+
+    def _log_connect_failure(self, origin: str, message: str, *args: object) -> None:
+        """A warning for an origin's first failure and then once per CONNECT_WARNING_INTERVAL_S
+        while it keeps failing (debug in between); its next connect says it is back."""
+        now_s = time.monotonic()
+        warned_at = self._connect_warned_at.get(origin)
+        if warned_at is not None and now_s - warned_at < CONNECT_WARNING_INTERVAL_S:
+            log.debug(message, *args)
+            return
+        if warned_at is None and len(self._connect_warned_at) >= _MAX_WARNED_ORIGINS:
+            self._connect_warned_at.clear()
+        self._connect_warned_at[origin] = now_s
+        log.warning(message + " (repeats logged once a minute until it answers)", *args)
 
     async def _exchange(self, connection: _Connection, head: bytes, body: bytes | None,
                         pool: _Pool) -> UpstreamResponse:

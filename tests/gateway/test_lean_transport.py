@@ -333,6 +333,31 @@ def test_refused_connection_and_connect_timeout_are_named() -> None:
     asyncio.run(main())
 
 
+def test_a_down_origin_is_warned_about_once_and_again_when_it_answers(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A down endpoint's health checks logged a warning every few seconds, forever."""
+    async def main() -> None:
+        transport = LeanTransport()
+        async with _raw_server(lambda r, w: asyncio.sleep(0)) as url:
+            pass  # the port is free again: nothing listens there
+        for _ in range(3):
+            with pytest.raises(UpstreamUnavailable):
+                await transport.send(UpstreamRequest("GET", f"{url}/x"))
+        port = int(url.rsplit(":", 1)[1])
+        server = await asyncio.start_server(_answer_once(b"HTTP/1.1 204 No Content\r\n\r\n"),
+                                            "127.0.0.1", port)
+        try:
+            assert (await transport.send(UpstreamRequest("GET", f"{url}/x"))).status == 204
+        finally:
+            server.close()
+
+    with caplog.at_level("DEBUG", logger="aigw.gateway"):
+        asyncio.run(main())
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "aigw.gateway"]
+    assert [level for level, _ in lines] == ["WARNING", "DEBUG", "DEBUG", "WARNING"]
+    assert "cannot reach" in lines[0][1] and lines[-1][1].endswith("is reachable again")
+
+
 def test_a_line_break_in_a_header_is_refused_before_anything_is_sent() -> None:
     async def main() -> None:
         transport = LeanTransport()
