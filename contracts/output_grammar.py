@@ -14,6 +14,7 @@ from typing import Any, Literal
 import orjson
 
 from contracts.sampling_params import SamplingParamsError
+from contracts.schema_recursion import endless_ref
 
 GrammarKind = Literal["json_object", "json_schema", "lark"]
 _JSON_OPTIONS: Any = {"whitespace_flexible": False}  # llguidance JsonCompileOptions
@@ -40,7 +41,9 @@ class OutputGrammar:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any], param: str = "response_format") -> OutputGrammar:
-        """Raises OutputGrammarError (naming `param`) when llguidance cannot compile the schema."""
+        """Raises OutputGrammarError (naming `param`) when llguidance cannot compile the schema
+        or the schema admits no finite value (check_finite)."""
+        check_finite(schema, param)
         try:
             text = orjson.dumps(schema).decode()  # key order = output order
         except orjson.JSONEncodeError:  # orjson writes 254 levels (and reads 1024)
@@ -58,6 +61,19 @@ class OutputGrammar:
             return replace(self, compiled=grammar_of(self))
         except OutputGrammarError as exc:
             raise OutputGrammarError(f"{param}: {exc}", param) from None
+
+
+def check_finite(schema: Any, param: str) -> None:
+    """OutputGrammarError (naming `param`) when `schema` recurses through a local `$ref` with no
+    way out: llguidance builds such a grammar, which allows no first token (or none a few tokens
+    in), so the answer would be an empty or cut-off 200 (contracts/schema_recursion.py)."""
+    ref = endless_ref(schema)
+    if ref is not None:
+        raise OutputGrammarError(
+            f"{param}: unsupported JSON schema: '$ref': {ref!r} admits no finite value (each "
+            "value must contain itself again); give the recursion a way out: a property that "
+            "is not required, an array that may be empty, or an anyOf alternative without it",
+            param)
 
 
 def grammar_of(spec: OutputGrammar) -> str:

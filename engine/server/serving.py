@@ -20,7 +20,7 @@ from aiohttp import web
 from chat.output import OutputParser
 from chat.registry import ChatFormat, chat_format_for
 from chat.render import ChatPrompt, PromptRenderer
-from contracts.output_grammar import OutputGrammar
+from contracts.output_grammar import OutputGrammar, check_finite
 from contracts.replica_errors import (
     ContextLengthExceeded,
     InvalidRequestError,
@@ -77,6 +77,8 @@ class ServingContext:
 
     def _forced_calls_grammar(self, req: ChatCompletionRequest) -> OutputGrammar:
         is_parallel = req.parallel_tool_calls is not False and req.tool_choice == "required"
+        for tool in req.forced_functions:
+            check_finite(tool.function.parameters, "tools")
         grammar = self.chat_format.calls_grammar(
             [(tool.function.name, tool.function.parameters) for tool in req.forced_functions],
             is_parallel, self.settings.tool_parser)

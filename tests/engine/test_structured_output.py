@@ -118,6 +118,28 @@ def test_real_model_output_follows_the_schema_greedy_and_sampled(engine: LLMEngi
     assert reason.endswith("stop") and isinstance(json.loads(text), dict), text
 
 
+def test_a_recursive_schema_with_a_way_out_is_followed_and_one_without_is_refused(
+        engine: LLMEngine) -> None:
+    """llguidance follows a `$ref` back to the root (a tree); a recursion with no way out (the
+    object's required property is the object again) compiled too, into a grammar that refused
+    the token after `{"child":`, so the answer was cut off with finish_reason "stop"."""
+    tree = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+        "required": ["name", "children"], "additionalProperties": False}
+    text, reason = _generate(engine, {"tree": (
+        _chat(engine, "The root is 'a' with no children, as JSON."),
+        SamplingParams(temperature=0.0, max_tokens=40, grammar=OutputGrammar.json_schema(tree)))
+    })["tree"]
+    value = json.loads(text)
+    assert reason.endswith("stop") and isinstance(value["name"], str), text
+    assert isinstance(value["children"], list), text
+    endless = {"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]}
+    with pytest.raises(OutputGrammarError, match="admits no finite value") as refused:
+        OutputGrammar.json_schema(endless)
+    assert refused.value.param == "response_format"
+
+
 def test_unconstrained_request_is_unchanged_by_a_constrained_neighbour(engine: LLMEngine) -> None:
     free = (_chat(engine, "Write one sentence about rivers."), SamplingParams(temperature=0.0, max_tokens=16))
     alone = _generate(engine, {"free": free})["free"]

@@ -14,7 +14,14 @@ import pytest
 from bench.mock_upstream import MockState, create_mock_app
 from gateway.settings import GatewaySettings
 from gateway.web.services import create_served_app
-from tests.gateway.conftest import MODEL, LoopThread, start_app
+from tests.gateway.conftest import (
+    MODEL,
+    Gateway,
+    GatewayFactory,
+    LoopThread,
+    start_app,
+    wait_until,
+)
 from tests.raw_http import request_bytes, send_raw
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -230,8 +237,8 @@ def test_other_headers_with_bytes_that_are_not_utf8_never_make_a_500(served: Ser
 def test_a_usage_ledger_that_cannot_keep_up_refuses_new_requests_with_a_503(
         served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     """Back-pressure from the meter (its queued usage writes past metering_backlog_max_bytes,
-    tests/metering/test_redis_outage.py makes them with a hung Redis) is a 503 in each route's
-    envelope, and nothing reaches the upstream."""
+    tests/gateway/metering/test_redis_outage.py makes them with a hung Redis) is a 503 in each
+    route's envelope, and nothing reaches the upstream."""
     from gateway.metering.embedded_meter import EmbeddedMeter
 
     monkeypatch.setattr(EmbeddedMeter, "backlog_bytes", lambda self: 1 << 40)
@@ -244,3 +251,48 @@ def test_a_usage_ledger_that_cannot_keep_up_refuses_new_requests_with_a_503(
     answer = httpx.post(served.url + "/v1/messages/count_tokens", json=MESSAGES, headers=headers)
     assert answer.status_code == 503 and answer.json()["type"] == "error", answer.text
     assert not served.state.bodies
+
+
+@pytest.fixture
+def on_replica(make_gateway: GatewayFactory, loop_thread: LoopThread) -> Iterator[Gateway]:
+    """The gateway on a real replica app (engine/server) over the fake engine."""
+    from engine.server import ReplicaServerSettings
+    from engine.server import create_app as create_replica_app
+    from tests.server.fakes import FakeEngine
+
+    engine = FakeEngine()
+    runner, url = loop_thread.run(start_app(create_replica_app(engine, ReplicaServerSettings())))
+    models = [{"name": MODEL, "upstream_model": str(engine.model_config.model_id),
+               "backend": "replica", "endpoints": [url]}]
+    yield make_gateway(models=models)
+    loop_thread.run(runner.cleanup())
+
+
+def test_a_schema_whose_recursion_never_ends_is_each_dialects_400(on_replica: Gateway) -> None:
+    """`{"$ref": "#"}` (or a required property that is the object again) has no finite value:
+    the replica's grammar allowed no first token and the answer was an empty 200."""
+    import anthropic
+    import openai
+
+    endless = {"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]}
+    chat = openai.OpenAI(base_url=on_replica.url + "/v1", api_key="k", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                     response_format={"type": "json_schema", "json_schema": {
+                                         "name": "x", "schema": endless}})
+    assert "'$ref': '#' admits no finite value" in refused.value.message
+    with pytest.raises(openai.BadRequestError):
+        chat.responses.create(model=MODEL, input="hi", text={"format": {
+            "type": "json_schema", "name": "x", "schema": {"$ref": "#"}}})
+    messages = anthropic.Anthropic(base_url=on_replica.url + "/anthropic", api_key="k",
+                                   max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as rejected:
+        messages.messages.create(model=MODEL, max_tokens=8, messages=[
+            {"role": "user", "content": "hi"}], tools=[{"name": "f", "input_schema": endless}],
+            tool_choice={"type": "any"})
+    error = rejected.value.body["error"]  # type: ignore[index]
+    assert error["type"] == "invalid_request_error" and "admits no finite value" in error["message"]
+    # each refusal settled once, at nothing
+    assert wait_until(lambda: on_replica.meter.num_settle_calls == 3)
+    assert {(r.status, r.prompt_tokens, r.completion_tokens, r.cost_usd)
+            for r in on_replica.meter.settled.values()} == {(400, 0, 0, 0.0)}

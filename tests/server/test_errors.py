@@ -230,3 +230,43 @@ def test_unusable_response_format_and_too_many_choices_are_400(http: httpx.Clien
     many = {"model": MODEL, "prompt": ["a"] * 20, "n": 8}
     assert "at most 128 choices" in assert_envelope(http.post("/v1/completions", json=many),
                                                     400)["message"]
+
+
+ENDLESS_SCHEMAS = [  # (schema, the $ref named): each value would have to contain itself again
+    ({"$ref": "#"}, "#"),
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"allOf": [{"$ref": "#/$defs/a"}]}},
+      "$ref": "#/$defs/a"}, "#/$defs/a"),
+    ({"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]}, "#"),
+    ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, "#"),
+]
+
+
+@pytest.mark.parametrize(("schema", "ref"), ENDLESS_SCHEMAS)
+@pytest.mark.parametrize("where", ["response_format", "tools"])
+def test_a_schema_whose_recursion_never_ends_is_400_naming_the_ref(
+        http: httpx.Client, where: str, schema: dict[str, Any], ref: str) -> None:
+    """llguidance compiles these, into a grammar that allows no first token (or none after
+    `{"child":`): the answer was an empty 200."""
+    fields: dict[str, Any] = (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+        if where == "response_format" else
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {  # "#" = these
+            "type": "object", "properties": {"x": schema}, "required": ["x"],
+            "$defs": schema.get("$defs", {})}}}],
+         "tool_choice": "required"})
+    error = assert_envelope(http.post("/v1/chat/completions", json=chat(max_tokens=4, **fields)),
+                            400)
+    assert error["param"] == where and f"'$ref': {ref!r} admits no finite value" in error[
+        "message"], error
+
+
+def test_a_recursive_schema_with_a_way_out_is_served(http: httpx.Client) -> None:
+    tree = {"type": "object", "properties": {"name": {"type": "string"}, "children": {
+        "type": "array", "items": {"$ref": "#"}}}, "required": ["name", "children"]}
+    listed = {"$defs": {"node": {"type": "object", "properties": {"next": {"anyOf": [
+        {"$ref": "#/$defs/node"}, {"type": "null"}]}}, "required": ["next"]}},
+        "$ref": "#/$defs/node"}
+    for schema in (tree, listed):
+        answer = http.post("/v1/chat/completions", json=chat(max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}))
+        assert answer.status_code == 200, answer.text
