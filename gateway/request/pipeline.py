@@ -98,6 +98,12 @@ class Pipeline:
         self._router = self.admitter.router = self.answerer.router = router
 
     @property
+    def fallback_chains(self) -> dict[str, tuple[str, ...]]:
+        """model name -> the models its requests go on to, in order (only models with
+        `fallbacks`; gateway/request/fallback.py)."""
+        return self._chains.chains
+
+    @property
     def request_log(self) -> RequestLog | None:
         """The request log (gateway/request_logs/; set by the served app, whose store it is);
         None: off, nothing done per request."""

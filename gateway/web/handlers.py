@@ -117,16 +117,19 @@ def _json(body: object, status: int = 200) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     """Readiness. 503 "draining" while shutting down, 503 "unready" once some model has had no
-    endpoint that can serve for longer than `unready_after_s` (its requests could only fail);
-    else 200: "degraded" when some model has no endpoint that can serve (yet within the grace),
-    "ok" otherwise. Per model: endpoint counts. Liveness is GET /health/live."""
+    endpoint that can serve for longer than `unready_after_s`, nor any model of its fallback
+    chain (its requests could only fail); else 200: "degraded" when some model has no endpoint
+    that can serve (yet within the grace, or its fallbacks serve its requests), "ok" otherwise.
+    Per model: endpoint counts. Liveness is GET /health/live."""
     pipeline, fleet = request.app[PIPELINE], request.app[FLEET]
     models = {name: {"num_endpoints": len(route.endpoints),
                      "num_healthy_endpoints": sum(e.can_serve() for e in route.endpoints)}
               for name, route in fleet.routes.items()}
     now = time.monotonic()
     grace_s = request.app[SETTINGS].unready_after_s
-    unready = any(fleet.unservable_for_s(name, now) > grace_s for name in models)
+    chains = pipeline.fallback_chains
+    unready = any(min(fleet.unservable_for_s(model, now) for model in (name, *chains.get(name, ())))
+                  > grace_s for name in models)
     degraded = any(m["num_healthy_endpoints"] == 0 for m in models.values())
     status = ("draining" if pipeline.draining else "unready" if unready
               else "degraded" if degraded else "ok")

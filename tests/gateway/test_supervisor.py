@@ -19,9 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.mock_upstream import MockConfig, MockState, create_mock_app
 from gateway.fleet.embedded import ReplicaProcess
 from gateway.fleet.supervisor import ReplicaSupervisor, RestartsCollector, SupervisorSettings
-from tests.gateway.conftest import GatewayFactory, wait_until
+from tests.gateway.conftest import GatewayFactory, LoopThread, start_app, wait_until
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 QUITTER = [sys.executable, "-c", "raise SystemExit(3)"]
@@ -115,3 +116,31 @@ def test_health_turns_unready_after_the_grace_and_ready_when_an_endpoint_is_back
     assert httpx.get(gateway.url + "/health/live").status_code == 200
     upstream.health_status = 200
     assert wait_until(lambda: status() == (200, "ok"), timeout_s=5)
+
+
+def test_a_model_whose_fallback_serves_leaves_the_gateway_ready(
+        make_gateway: GatewayFactory, loop_thread: LoopThread) -> None:
+    """One dead model whose requests its fallback answers took the whole gateway out of
+    rotation (503 unready) though none of its requests failed."""
+    primary, backup = MockConfig(health_status=503), MockConfig()
+    runners, urls = [], []
+    for config in (primary, backup):
+        runner, url = loop_thread.run(start_app(create_mock_app(MockState(config))))
+        runners.append(runner)
+        urls.append(url)
+    try:
+        gateway = make_gateway(health_interval_s=0.05, unready_after_s=0.3, models=[
+            {"name": "dead", "backend": "replica", "endpoints": [urls[0]], "fallbacks": ["backup"]},
+            {"name": "backup", "backend": "replica", "endpoints": [urls[1]]}])
+
+        def status() -> tuple[int, str]:
+            response = httpx.get(gateway.url + "/health")
+            return response.status_code, response.json()["status"]
+
+        assert wait_until(lambda: status() == (200, "degraded"), timeout_s=5)
+        assert not wait_until(lambda: status()[0] == 503, timeout_s=1.0)  # past the grace
+        backup.health_status = 503  # now neither the model nor its chain can serve
+        assert wait_until(lambda: status() == (503, "unready"), timeout_s=5)
+    finally:
+        for runner in runners:
+            loop_thread.run(runner.cleanup())
