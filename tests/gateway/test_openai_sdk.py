@@ -160,3 +160,12 @@ def test_models_list_has_context_length_and_prices(client: openai.OpenAI) -> Non
     assert entry["id"] == MODEL and entry["owned_by"] == "aigw"
     assert entry["context_length"] == 4096
     assert entry["pricing"]["output_per_token"] == 2e-6
+
+
+def test_an_unknown_model_says_where_the_model_names_are(client: openai.OpenAI) -> None:
+    """A user who guessed a model name ("gpt-4o") is told where the real names are listed."""
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert missing.value.code == "model_not_found"
+    assert "GET /v1/models" in missing.value.message
+    assert MODEL in [model.id for model in client.models.list().data]
