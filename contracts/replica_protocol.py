@@ -333,6 +333,9 @@ class CompletionRequest(_SamplingBody):
 
 
 def per_choice_params(params: SamplingParams, choice: int) -> SamplingParams:
-    """The params of one fanned-out engine request: n=1, and seed+choice when seeded."""
-    seed = None if params.seed is None else params.seed + choice
+    """The params of one fanned-out engine request: n=1, and seed+choice when seeded (wrapped
+    within the signed 64-bit range the seed is checked against: torch seeds no larger int)."""
+    if params.seed is None:
+        return replace(params, n=1)
+    seed = (params.seed + choice + (1 << 63)) % (1 << 64) - (1 << 63)
     return replace(params, n=1, seed=seed)

@@ -62,6 +62,8 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
              "prompt_logprobs must be between 0 and 20"),
             (1 <= self.n <= 16, "n", "n must be between 1 and 16"),
+            (self.seed is None or -(1 << 63) <= self.seed < 1 << 63, "seed",
+             "seed must be a signed 64-bit integer"),
             (len(self.stop) <= 16, "stop", "at most 16 stop sequences"),
             (all(isinstance(s, str) and s for s in self.stop), "stop",
              "stop sequences must be non-empty strings"),

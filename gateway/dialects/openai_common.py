@@ -125,7 +125,7 @@ def parse_sampling(body: dict[str, Any], request: CanonicalRequest, *, max_token
         request.frequency_penalty = get_number(body, "frequency_penalty", minimum=-2.0,
                                                maximum=2.0)
         request.n = get_int(body, "n", minimum=1, maximum=MAX_NUM_CHOICES) or 1
-        request.seed = get_int(body, "seed")
+        request.seed = get_int(body, "seed", minimum=-(1 << 63), maximum=(1 << 63) - 1)
     request.stop = get_stop(body, "stop")
     request.stream = bool(get_bool(body, "stream"))
     options = get_object(body, "stream_options")

@@ -180,6 +180,21 @@ def test_n_seeded_choices_are_reproducible_after_a_cache_reset(replica_url: str,
     assert first.choices[0].message.content != first.choices[1].message.content  # seed + choice index
 
 
+def test_a_seed_beyond_64_bits_is_a_400_and_one_at_the_edge_seeds_every_choice(
+        client: openai.OpenAI, model: str) -> None:
+    """torch seeds at most 2**64 - 1: seed 2**64 - 1 with n=2 gave choice 1 the seed 2**64,
+    which failed in the engine thread (a 500); the seed is a signed 64-bit integer (OpenAI's
+    int64), and seed + choice wraps within that range."""
+    messages = [{"role": "user", "content": "Hi."}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=messages,  # type: ignore[arg-type]
+                                       max_tokens=2, temperature=1.0, seed=2**64 - 1, n=2)
+    assert refused.value.body["param"] == "seed"  # type: ignore[index]
+    edge = client.chat.completions.create(model=model, messages=messages,  # type: ignore[arg-type]
+                                          max_tokens=2, temperature=1.0, seed=2**63 - 1, n=2)
+    assert [c.index for c in edge.choices] == [0, 1]
+
+
 def test_client_disconnect_mid_stream_frees_its_blocks(replica_url: str, model: str) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": "Write a very long story about a fox."}],
             "max_tokens": 1000, "ignore_eos": True, "stream": True}

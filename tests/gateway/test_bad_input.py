@@ -69,7 +69,9 @@ def _cases(path: str) -> list[tuple[str, Any, int]]:
                   ("max_tokens_string", {**good, "max_tokens": "10"}, 400),
                   ("n_zero", {**good, "n": 0}, 400),
                   ("n_above_openais_bound", {**good, "n": 129}, 400),
-                  ("n_string", {**good, "n": "2"}, 400)]
+                  ("n_string", {**good, "n": "2"}, 400),
+                  ("seed_beyond_int64", {**good, "seed": 1 << 63}, 400),
+                  ("seed_below_int64", {**good, "seed": -(1 << 63) - 1}, 400)]
     if path == "/v1/completions":
         cases += [("prompts_strings_and_ids", {**good, "prompt": ["a", [1, 2]]}, 400),
                   ("prompts_times_n_over_128", {**good, "prompt": ["a"] * 65, "n": 2}, 400),

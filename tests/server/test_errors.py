@@ -54,7 +54,7 @@ def test_malformed_bodies_are_400(http: httpx.Client, name: str, body: dict[str,
 @pytest.mark.parametrize("fields", [
     {"temperature": 5}, {"top_p": 0}, {"n": 0}, {"max_tokens": 0}, {"top_logprobs": 21,
                                                                     "logprobs": True},
-    {"presence_penalty": 3}, {"stop": [""]},
+    {"presence_penalty": 3}, {"stop": [""]}, {"seed": 1 << 63}, {"seed": -(1 << 63) - 1},
 ])
 def test_out_of_range_sampling_values_are_400(http: httpx.Client, fields: dict[str, Any]) -> None:
     assert_envelope(http.post("/v1/chat/completions", json=chat(**fields)), 400)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contracts.replica_protocol import ChatCompletionRequest, CompletionRequest, per_choice_params
+from contracts.sampling_params import SamplingParams
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -43,6 +44,8 @@ def test_per_choice_params_offset_the_seed_and_split_n() -> None:
         (100, 1), (101, 1), (102, 1)]
     unseeded = ChatCompletionRequest.model_validate({"model": "m", "messages": USER, "n": 2})
     assert per_choice_params(unseeded.to_sampling_params(), 1).seed is None
+    edge = SamplingParams(seed=(1 << 63) - 1, n=2)  # seed + choice wraps within 64 signed bits
+    assert [per_choice_params(edge, i).seed for i in range(2)] == [(1 << 63) - 1, -(1 << 63)]
 
 
 def test_tool_choice_none_keeps_tools_out() -> None:
