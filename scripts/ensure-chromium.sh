@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make sure Debian's headless-capable Chromium is at /usr/bin/chromium for the dashboard browser
-# test (tests/observability/test_dashboard_browser.py, driven by Playwright's Python package).
+# test (tests/gateway/dashboard/test_dashboard_browser.py, driven by Playwright's Python package).
 # Never downloads Playwright's own browser builds. Exits 0 even when it cannot install: the test
 # then skips with the reason.
 set -u

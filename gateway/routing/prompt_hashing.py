@@ -15,7 +15,8 @@ rendered text is cut after every special token (`<|im_end|>` ...); the tokenizer
 special tokens before the BPE model runs, so segments encode independently and an agent loop's
 resent system+tools segment is a cache hit (for the same tenant: the cache is keyed by the
 body's `cache_salt` and bounded in bytes, see `PromptHasher`). See
-tests/routing/test_prompt_hashing.py for the exactness check and the report for measured figures.
+tests/gateway/routing/test_prompt_hashing.py for the exactness check and the report for measured
+figures.
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ Every operation is one round trip (one EVALSHA). `match` walks the request's blo
 stops at the first block no candidate still in its run holds (in either tier; `match_tiers` also
 counts the blocks of each run only the host tier holds). Expired tentative entries are
 ignored by `match` and removed when the replica's entries are cleared (snapshot, drop, reset).
-Measured memory (tests/routing/test_redis_memory.py, redis 7.0, 20,000 random blocks): 218 bytes
-per cached block held by one replica (the block's hash key ~104 B by MEMORY USAGE, the rest the
-replica-set member and dict overhead), 309 B when two replicas hold every block; i.e. 13.6 MB
-per million cached tokens at block_size 16 (one holder).
+Measured memory (tests/gateway/routing/test_redis_memory.py, redis 7.0, 20,000 random blocks):
+218 bytes per cached block held by one replica (the block's hash key ~104 B by MEMORY USAGE, the
+rest the replica-set member and dict overhead), 309 B when two replicas hold every block; i.e.
+13.6 MB per million cached tokens at block_size 16 (one holder).
 """
 
 from __future__ import annotations

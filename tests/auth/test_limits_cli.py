@@ -15,7 +15,8 @@ from tests.auth.test_cli import cli_env  # noqa: F401 - the fixture
 
 @pytest.fixture(params=["redis", "sqlite"])
 def store_kind(request: pytest.FixtureRequest) -> str:
-    """Redis and SQLite (the limit store's Redis Cluster case is in tests/metering/test_budgets.py)."""
+    """Redis and SQLite (the limit store's Redis Cluster case is in
+    tests/gateway/metering/test_budgets.py)."""
     return str(request.param)
 
 

@@ -228,3 +228,10 @@ def serve_gateway(loop_thread: LoopThread) -> Iterator[GatewayServer]:
 @pytest.fixture
 def gateway(make_gateway: GatewayFactory) -> Gateway:
     return make_gateway()
+
+
+# One real replica and an authenticating gateway before it, for tests/gateway/telemetry and
+# tests/gateway/dashboard: registered here, once, so that both folders share the one session
+# replica (a fixture imported into two conftests is two fixtures, started twice). Imported last:
+# served_replica uses LoopThread and start_app above.
+from tests.gateway.served_replica import observability_loop, replica_url, served  # noqa: E402, F401

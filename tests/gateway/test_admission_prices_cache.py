@@ -63,7 +63,7 @@ def _cached_replica(served: list[dict[str, int]]) -> web.Application:
 
 class _KnowsTheCache(LeastOutstandingRouter):
     """The prefix router's estimate as a replica holding every earlier turn would give it
-    (tests/routing/test_expected_cached_tokens.py checks the real one against its index)."""
+    (tests/gateway/routing/test_expected_cached_tokens.py checks the real one against its index)."""
 
     def __init__(self, prices_cache: bool) -> None:
         self.prices_cache = prices_cache

@@ -25,7 +25,7 @@ import pytest
 
 from gateway.fleet import embedded
 from infra.ports import free_port
-from tests.batch.test_batch_api import jsonl, read_jsonl, wait_done
+from tests.gateway.batch.test_batch_api import jsonl, read_jsonl, wait_done
 from tests.processes import stop_process
 
 pytestmark = [

@@ -1,4 +1,6 @@
-"""One real engine replica (a subprocess) and a gateway in front of it, shared by the tests here.
+"""One real engine replica (a subprocess) and a gateway in front of it, shared by the tests of
+tests/gateway/telemetry and tests/gateway/dashboard (session fixtures, registered in
+tests/gateway/conftest.py).
 
 The gateway runs with auth on (a two-key authenticator: an invoking project key and an admin
 key) and the real embedded meter (SQLite under a temp dir), on a background event loop.

@@ -10,8 +10,8 @@ import redis.asyncio
 from contracts.kv_events import BlockStored, KVEventLog, stream_key
 from engine.kv_cache.redis_publisher import RedisEventPublisher
 from gateway.routing.events_consumer import ConsumerConfig, ReplicaEventConsumer
-from tests.routing.conftest import IndexUnderTest
-from tests.routing.test_events_consumer import FakeReplica, Rig
+from tests.gateway.routing.conftest import IndexUnderTest
+from tests.gateway.routing.test_events_consumer import FakeReplica, Rig
 
 
 def wait_for(predicate: object, timeout_s: float = 5.0) -> None:

@@ -14,7 +14,7 @@ from gateway.metering import Limits, MeteringSettings, ModelPrice, RateLimited, 
 from gateway.metering.budgets import Budget
 from gateway.metering.limit_store import LimitScope, StoredLimits, open_limit_store
 from gateway.metering.limits import MeterAdmission, Spend
-from tests.metering.conftest import OpenMeter, principal, record
+from tests.gateway.metering.conftest import OpenMeter, principal, record
 
 PRICES = {"m": ModelPrice(input=1_000.0, output=1_000.0)}  # 0.001 USD a token
 

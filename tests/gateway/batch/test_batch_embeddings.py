@@ -19,7 +19,7 @@ import pytest
 from contracts.default_model import DEFAULT_EMBEDDING_MODEL_NAME as MODEL
 from gateway.settings import GatewaySettings
 from gateway.web.services import create_served_app
-from tests.batch.test_batch_api import jsonl, read_jsonl, wait_done
+from tests.gateway.batch.test_batch_api import jsonl, read_jsonl, wait_done
 from tests.gateway.conftest import LoopThread, start_app
 
 TEXTS = ["A batch runs on idle capacity.", "short", "Zürich im Regen", "A batch runs at night."]

@@ -9,7 +9,7 @@ import redis as sync_redis
 
 from gateway.metering import Limits, MeteringSettings, open_meter
 from gateway.metering.coalescer import Coalescer
-from tests.metering.conftest import principal, record
+from tests.gateway.metering.conftest import principal, record
 
 
 def test_calls_made_together_are_flushed_as_one_batch_with_per_item_results() -> None:

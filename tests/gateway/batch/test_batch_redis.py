@@ -15,7 +15,7 @@ from bench.mock_upstream import MockConfig, MockState, create_mock_app
 from gateway.settings import GatewaySettings
 from gateway.web.keys import METER
 from gateway.web.services import create_served_app
-from tests.batch.test_batch_api import chat_line, jsonl, read_jsonl, wait_done
+from tests.gateway.batch.test_batch_api import chat_line, jsonl, read_jsonl, wait_done
 from tests.gateway.conftest import MODEL, LoopThread, start_app
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from gateway.metering import MeteringSettings, open_meter
-from tests.metering.conftest import principal, record
+from tests.gateway.metering.conftest import principal, record
 from tests.redis_server import free_port, ping
 
 

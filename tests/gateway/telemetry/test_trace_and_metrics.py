@@ -8,7 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.observability.conftest import ADMIN_KEY, PROJECT, USER_KEY, Served
+from tests.gateway.served_replica import ADMIN_KEY, PROJECT, USER_KEY, Served
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 120.0

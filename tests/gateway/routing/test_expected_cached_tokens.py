@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from gateway.request.canonical import CanonicalRequest
 from gateway.routing.prompt_hashing import PromptHasher
-from tests.routing.conftest import IndexUnderTest
-from tests.routing.test_prefix_router import Rig, hasher, hashes_of, request
+from tests.gateway.routing.conftest import IndexUnderTest
+from tests.gateway.routing.test_prefix_router import Rig, hasher, hashes_of, request
 
 __all__ = ["hasher"]  # the module fixture, shared
 

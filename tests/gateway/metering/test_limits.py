@@ -13,7 +13,7 @@ import pytest
 from gateway.metering import Limits, MeteringSettings, ModelPrice, RateLimited, open_meter
 from gateway.metering.contract import ReservationTooLarge
 from gateway.metering.limits import MeterAdmission
-from tests.metering.conftest import OpenMeter, principal, record
+from tests.gateway.metering.conftest import OpenMeter, principal, record
 
 
 def test_requests_over_the_per_minute_limit_get_429_headers(open_test_meter: OpenMeter) -> None:

@@ -14,7 +14,7 @@ from gateway.fleet.endpoints import Endpoint
 from gateway.routing.events_consumer import ConsumerConfig, ReplicaEventConsumer
 from gateway.settings import ModelSettings
 from gateway.upstream.lean_transport import LeanTransport
-from tests.routing.conftest import IndexUnderTest
+from tests.gateway.routing.conftest import IndexUnderTest
 
 
 class FakeReplica:

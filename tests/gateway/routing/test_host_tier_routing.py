@@ -18,8 +18,8 @@ from contracts.kv_events import (
 from gateway.routing.prefix_router import PrefixRouterConfig
 from gateway.routing.prompt_hashing import PromptHasher
 from gateway.routing.scoring import CandidateLoad, ScoringConfig, choose
-from tests.routing.conftest import IndexUnderTest
-from tests.routing.test_prefix_router import Rig, hasher, hashes_of, request
+from tests.gateway.routing.conftest import IndexUnderTest
+from tests.gateway.routing.test_prefix_router import Rig, hasher, hashes_of, request
 
 __all__ = ["hasher"]  # (the module fixture, shared with test_prefix_router)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.observability.conftest import ADMIN_KEY, PROJECT, USER_KEY, Served
+from tests.gateway.served_replica import ADMIN_KEY, PROJECT, USER_KEY, Served
 
 pytestmark = pytest.mark.slow
 CHROMIUM = "/usr/bin/chromium"

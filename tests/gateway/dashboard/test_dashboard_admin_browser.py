@@ -20,7 +20,7 @@ from gateway.settings import GatewaySettings
 from gateway.web.services import create_served_app
 from tests.auth._admin_key import make_admin_key
 from tests.gateway.conftest import MODEL, LoopThread, start_app
-from tests.observability.test_dashboard_browser import CHROMIUM_ARGS, UI_TIMEOUT_MS, _chromium
+from tests.gateway.dashboard.test_dashboard_browser import CHROMIUM_ARGS, UI_TIMEOUT_MS, _chromium
 
 pytestmark = pytest.mark.slow
 

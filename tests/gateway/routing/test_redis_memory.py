@@ -11,7 +11,7 @@ import redis
 
 from contracts.kv_events import KVSnapshot
 from gateway.routing.redis_index import RedisIndex, hash_key
-from tests.routing.conftest import IndexUnderTest
+from tests.gateway.routing.conftest import IndexUnderTest
 
 NUM_BLOCKS = 20_000
 BLOCK_SIZE = 16

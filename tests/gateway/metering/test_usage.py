@@ -16,7 +16,7 @@ from gateway.metering import (
     render_csv,
     render_json,
 )
-from tests.metering.conftest import OpenMeter, principal, record
+from tests.gateway.metering.conftest import OpenMeter, principal, record
 
 PRICES = MeteringSettings(prices={
     "big": ModelPrice(input=3.0, cached_input=0.3, output=15.0),

@@ -12,7 +12,7 @@ from contracts.kv_events import (
     KVSnapshot,
 )
 from gateway.routing.index import ApplyResult
-from tests.routing.conftest import IndexUnderTest
+from tests.gateway.routing.conftest import IndexUnderTest
 
 
 def stored(*hashes: int) -> BlockStored:

@@ -16,7 +16,7 @@ from gateway.request.canonical import CanonicalRequest, Message
 from gateway.routing.prefix_router import PrefixRouter, PrefixRouterConfig
 from gateway.routing.prompt_hashing import PromptHasher
 from gateway.settings import GatewaySettings, ModelSettings
-from tests.routing.conftest import IndexUnderTest
+from tests.gateway.routing.conftest import IndexUnderTest
 
 MODEL = ModelSettings(name="m", endpoints=("http://127.0.0.1:1", "http://127.0.0.1:2"))
 
