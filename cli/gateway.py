@@ -69,9 +69,10 @@ def _positive_int(text: str) -> int:
 
 def _unusable_directory(path: Any) -> str | None:
     """Why `path` cannot hold the key store and default-key.txt (not creatable, not a directory,
-    not writable), or None; it is created here as the store would create it."""
+    not writable), or None; it is created here, readable by this user only (it holds the key
+    hashes, the pepper, prompts and default-key.txt); an existing one keeps its mode."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
         return exc.strerror or str(exc)
     if not os.access(path, os.W_OK | os.X_OK):

@@ -55,6 +55,7 @@ def test_serve_with_config_auth_and_workers_then_drains_on_sigterm(
     try:
         _wait_healthy(url, process)
         key_file = tmp_path / "data" / "default-key.txt"  # written by whichever worker made it
+        assert (tmp_path / "data").stat().st_mode & 0o777 == 0o700  # keys, pepper, prompts
         deadline = time.monotonic() + 30
         while not (key_file.exists() and key_file.read_text().strip()) and time.monotonic() < deadline:
             time.sleep(0.1)
