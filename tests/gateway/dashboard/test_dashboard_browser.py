@@ -23,13 +23,13 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 # The README's picture is refreshed only on request (AIGW_UPDATE_SCREENSHOT=1), so a test run never
 # leaves the checkout modified; otherwise the screenshot goes to pytest's temporary directory.
-README_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "dashboard.png"
+README_SCREENSHOT = Path(__file__).resolve().parents[3] / "docs" / "dashboard.png"
 UI_TIMEOUT_MS = 30_000
 
 
 def _chromium() -> str:
     if not Path(CHROMIUM).exists():
-        script = Path(__file__).resolve().parents[2] / "scripts" / "ensure-chromium.sh"
+        script = Path(__file__).resolve().parents[3] / "scripts" / "ensure-chromium.sh"
         subprocess.run(["bash", str(script)], check=False, timeout=600, capture_output=True)
     if not Path(CHROMIUM).exists():
         pytest.skip(f"{CHROMIUM} is missing and scripts/ensure-chromium.sh could not install it")
