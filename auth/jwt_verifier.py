@@ -20,7 +20,7 @@ from typing import Any
 
 import jwt
 
-from auth.principal import AuthError, Principal
+from auth.principal import AuthError, Principal, is_project_name
 from auth.settings import AuthSettings
 from infra.byte_lru import ByteLRU, str_bytes
 
@@ -86,6 +86,9 @@ class JwtVerifier:
         project = claims.get("project")
         if not isinstance(project, str) or not project:
             raise _invalid("the token has no 'project' claim")
+        if not is_project_name(project):  # (a ':' made stored responses' keys collide)
+            raise _invalid("the token's 'project' claim is not a project name: 1-64 letters, "
+                           "digits and '_.-', starting with a letter or digit")
         scope_claim = claims.get("scope", "")
         scopes = frozenset(scope_claim.split()) if isinstance(scope_claim, str) else frozenset()
         principal = Principal(project=project, key_id=f"jwt:{claims['sub']}", scopes=scopes,

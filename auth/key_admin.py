@@ -7,7 +7,6 @@ the return value of create_key/rotate_key; only their HMAC is handed to the stor
 from __future__ import annotations
 
 import math
-import re
 import time
 from dataclasses import replace
 
@@ -20,10 +19,9 @@ from auth.keys import (
     new_key_id,
     new_secret,
 )
-from auth.principal import Scope
+from auth.principal import Scope, is_project_name
 from auth.store import KeyStore, UnknownKey, UnknownProject
 
-_PROJECT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # fullmatch: "$" let "a\n" in
 _VALID_SCOPES = frozenset(s.value for s in Scope)
 
 
@@ -56,7 +54,7 @@ class KeyAdmin:
         self._pepper = pepper
 
     async def create_project(self, name: str) -> ProjectRecord:
-        if not _PROJECT_NAME.fullmatch(name):
+        if not is_project_name(name):
             raise InvalidRequest(f"invalid project name {name!r}: 1-64 letters, digits and '_.-', "
                                  "starting with a letter or digit")
         project = ProjectRecord(name=name, created_at=time.time())

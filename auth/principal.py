@@ -8,9 +8,19 @@ credential, 403 valid credential without the needed scope or model).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal, Protocol
+
+_PROJECT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # fullmatch: "$" let "a\n" in
+
+
+def is_project_name(name: str) -> bool:
+    """1-64 letters, digits and '_.-', starting with a letter or digit: what every project is
+    named (an API key's, or a JWT's `project` claim). Store keys, metric labels and file names
+    are built from it, so no name holds a separator (':', '{', '}', '/', whitespace)."""
+    return _PROJECT_NAME.fullmatch(name) is not None
 
 
 class Scope(StrEnum):

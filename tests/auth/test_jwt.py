@@ -83,7 +83,13 @@ def test_hs256_rs256_and_es256_tokens_name_the_project_scopes_and_subject(tmp_pa
     {"iss": "https://evil.test"},
     {"exp": None},
     {"project": None},
-], ids=["expired", "nbf_in_future", "wrong_audience", "wrong_issuer", "no_exp", "no_project"])
+    {"project": "team:dev"},  # its stored responses' Redis keys were project dev's, id "X:team"
+    {"project": "a}b"},
+    {"project": "a\nb"},
+    {"project": "p" * 65},
+], ids=["expired", "nbf_in_future", "wrong_audience", "wrong_issuer", "no_exp", "no_project",
+        "project_with_a_colon", "project_with_a_brace", "project_with_a_newline",
+        "project_over_64"])
 def test_tokens_with_bad_claims_are_refused(tmp_path: Path, overrides: dict[str, Any]) -> None:
     verifier = _verifier(tmp_path)
     _refused(verifier, jwt.encode(_claims(**overrides), RSA_KEY, algorithm="RS256",
