@@ -23,7 +23,8 @@ class SqliteRunner:
         self._conn: sqlite3.Connection | None = None
 
     def _connect(self) -> None:
-        self._path.parent.mkdir(parents=True, exist_ok=True)
+        # (data_dir: key hashes, the pepper, usage and prompts; readable by this user only)
+        self._path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         conn = sqlite3.connect(self._path, timeout=10.0, check_same_thread=False,
                                isolation_level=None)  # autocommit; explicit BEGIN where needed
         conn.execute("PRAGMA journal_mode=WAL")

@@ -30,6 +30,8 @@ def cli_env(store_kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 def test_keys_create_prints_only_the_key_on_stdout_and_the_key_works(
         cli_env: AuthSettings, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["projects", "create", "acme"]) == 0
+    if cli_env.redis_url is None:  # the CLI made data_dir: readable by this user only
+        assert cli_env.data_dir.stat().st_mode & 0o777 == 0o700
     capsys.readouterr()
     assert main(["keys", "create", "--project", "acme", "--scope", "ai_gateway:invoke",
                  "--scope", "ai_gateway:usage:read", "--name", "ci", "--model", "m1",
