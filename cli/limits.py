@@ -135,6 +135,8 @@ async def _set(services: Any, args: argparse.Namespace) -> int:
         await store.close()
     _print_scope(scope, limits)
     print("running gateways apply it within a second", file=sys.stderr)
+    if limits.webhook_url is None and any(b.alert_at for b in limits.all_budgets):
+        print("no --webhook-url: the --alert-at thresholds send no alert", file=sys.stderr)
     return 0
 
 

@@ -64,6 +64,9 @@ def test_limits_set_get_list_delete_for_a_project_and_a_key(
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line]
     assert [(line["project"], line["key_id"]) for line in lines[-2:]] == [("acme", None),
                                                                          ("acme", key_id)]
+    assert main(["limits", "set", "--project", "acme", "--budget", "1/day",
+                 "--alert-at", "0.5"]) == 0  # stored, but an alert would go nowhere: said so
+    assert "no --webhook-url" in capsys.readouterr().err
     for bad in (["--budget", "1/week"], ["--rpm", "0"], ["--alert-at", "0.5"],
                 ["--json", "[1]"], ["--webhook-url", "https://x.example/"]):
         assert main(["limits", "set", "--project", "acme", *bad]) == 1, bad
