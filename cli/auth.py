@@ -25,6 +25,14 @@ if TYPE_CHECKING:
 Action = Callable[[Any, argparse.Namespace], Awaitable[int]]
 
 
+def key_id_arg(text: str) -> str:
+    """A KEY_ID argument: the key id, or the whole key `sk-aigw-<key_id>-<secret>` pasted as it
+    was handed out, which stands for its id (so an error never echoes the secret)."""
+    from auth.keys import KEY_PREFIX
+
+    return text[len(KEY_PREFIX):].partition("-")[0] if text.startswith(KEY_PREFIX) else text
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     projects = subparsers.add_parser("projects", help="create and list projects")
     project_cmds = projects.add_subparsers(dest="projects_command", required=True)
@@ -48,10 +56,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     list_keys.add_argument("--project", required=True)
     list_keys.set_defaults(func=_runner(_list_keys))
     revoke = key_cmds.add_parser("revoke", help="revoke a key (every instance within 1 s)")
-    revoke.add_argument("key_id")
+    revoke.add_argument("key_id", type=key_id_arg)
     revoke.set_defaults(func=_runner(_revoke_key))
     rotate = key_cmds.add_parser("rotate", help="new secret, same key id; prints it on stdout")
-    rotate.add_argument("key_id")
+    rotate.add_argument("key_id", type=key_id_arg)
     rotate.add_argument("--grace-seconds", type=float, default=0.0, dest="grace_s")
     rotate.set_defaults(func=_runner(_rotate_key))
 

@@ -22,7 +22,7 @@ from typing import Any
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from cli.auth import _runner
+    from cli.auth import _runner, key_id_arg
 
     limits = subparsers.add_parser("limits", help="run-time limits and budgets of a project or key")
     cmds = limits.add_subparsers(dest="limits_command", required=True)
@@ -31,7 +31,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         parser = cmds.add_parser(name, help=help_text)
         which = parser.add_mutually_exclusive_group(required=True)
         which.add_argument("--project", help="the project's own limits (all its keys together)")
-        which.add_argument("--key", dest="key_id", metavar="KEY_ID", help="one key's limits")
+        which.add_argument("--key", dest="key_id", metavar="KEY_ID", type=key_id_arg,
+                           help="one key's limits")
         return parser
 
     scoped("get", "print the stored and the effective limits (JSON)").set_defaults(

@@ -59,8 +59,8 @@ def test_keys_create_prints_only_the_key_on_stdout_and_the_key_works(
     assert main(["keys", "rotate", key_id, "--grace-seconds", "60"]) == 0
     rotated = capsys.readouterr().out.strip()
     assert rotated.startswith(f"sk-aigw-{key_id}-") and rotated != key
-    assert main(["keys", "revoke", key_id]) == 0
-    capsys.readouterr()
+    assert main(["keys", "revoke", rotated]) == 0  # the whole key, pasted, stands for its id
+    assert rotated[len(f"sk-aigw-{key_id}-"):] not in capsys.readouterr().err
     assert main(["keys", "list", "--project", "acme"]) == 0
     assert json.loads(capsys.readouterr().out)["revoked_at"] is not None
 
@@ -75,6 +75,8 @@ def test_cli_errors_go_to_stderr_with_a_nonzero_status(
     assert out == "" and "nope" in err
     assert main(["keys", "revoke", "000000000000"]) == 1
     capsys.readouterr()
+    assert main(["keys", "rotate", "sk-aigw-000000000000-a-pasted-secret"]) == 1
+    assert capsys.readouterr() == ("", "aigw: UnknownKey: 000000000000\n")  # no secret echoed
     assert main(["keys", "list", "--project", "nope"]) == 1  # docs/reference/cli.md: one error form
     assert capsys.readouterr() == ("", "aigw: UnknownProject: nope\n")
 
