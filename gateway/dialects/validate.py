@@ -12,6 +12,7 @@ from typing import Any
 from contracts.sampling_params import SamplingParams, SamplingParamsError  # pure Python, no torch
 from gateway.request.canonical import CanonicalRequest, Message
 from gateway.request.errors import BadRequest
+from infra.byte_lru import ByteLRU, str_bytes
 
 _MISSING = object()
 
@@ -174,8 +175,11 @@ def get_stop(body: dict[str, Any], key: str, *, max_items: int = 4) -> list[str]
     return list(value)
 
 
-_VALID_SAMPLING: set[tuple[Any, ...]] = set()  # combinations already checked (clients repeat theirs)
-_NUM_VALID_SAMPLING_MAX = 4096
+# combinations already checked (clients repeat theirs), bounded in bytes: a key holds the
+# request's stop strings, which a caller chooses (a count bound alone let 4,096 keys of 32 MiB
+# stop strings each hold gigabytes)
+_VALID_SAMPLING: ByteLRU[tuple[Any, ...], bool] = ByteLRU(1 << 20, max_entry_bytes=4096)
+_SAMPLING_KEY_BYTES = 256  # the key's tuple and its numbers, about
 
 
 def check_sampling(request: CanonicalRequest, param_names: dict[str, str] | None = None) -> None:
@@ -184,16 +188,14 @@ def check_sampling(request: CanonicalRequest, param_names: dict[str, str] | None
     canonical field to the dialect's name (e.g. {"stop": "stop_sequences"})."""
     key = (request.temperature, request.top_p, request.top_k, request.max_tokens, request.echo,
            *request.stop)
-    if key in _VALID_SAMPLING:
+    if _VALID_SAMPLING.get(key):
         return
     try:
         SamplingParams(temperature=1.0 if request.temperature is None else request.temperature,
                        top_p=1.0 if request.top_p is None else request.top_p, top_k=request.top_k,
                        max_tokens=request.max_tokens, stop=tuple(request.stop),
                        prompt_logprobs=0 if request.echo else None)
-        if len(_VALID_SAMPLING) >= _NUM_VALID_SAMPLING_MAX:
-            _VALID_SAMPLING.clear()
-        _VALID_SAMPLING.add(key)
+        _VALID_SAMPLING.put(key, True, _SAMPLING_KEY_BYTES + sum(map(str_bytes, request.stop)))
     except SamplingParamsError as exc:
         message = str(exc)
         field = message.split(" ", 1)[0]

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -258,7 +259,7 @@ def on_replica(make_gateway: GatewayFactory, loop_thread: LoopThread) -> Iterato
     """The gateway on a real replica app (engine/server) over the fake engine."""
     from engine.server import ReplicaServerSettings
     from engine.server import create_app as create_replica_app
-    from tests.server.fakes import FakeEngine
+    from tests.engine.server.fakes import FakeEngine
 
     engine = FakeEngine()
     runner, url = loop_thread.run(start_app(create_replica_app(engine, ReplicaServerSettings())))
@@ -296,3 +297,23 @@ def test_a_schema_whose_recursion_never_ends_is_each_dialects_400(on_replica: Ga
     assert wait_until(lambda: on_replica.meter.num_settle_calls == 3)
     assert {(r.status, r.prompt_tokens, r.completion_tokens, r.cost_usd)
             for r in on_replica.meter.settled.values()} == {(400, 0, 0, 0.0)}
+
+
+def test_the_memo_of_checked_sampling_values_holds_no_callers_stop_strings_in_bulk(
+        gateway: Gateway) -> None:
+    """The dialects remember sampling combinations already checked; a key holds the request's
+    stop strings, and a count bound alone (4,096 keys) let a caller park 4 x 8 MiB of stop
+    strings in each: gigabytes. Now bounded in bytes, and an entry over 4 KiB is not kept."""
+    from gateway.dialects import validate
+
+    def held_bytes() -> int:
+        memo: Any = validate._VALID_SAMPLING
+        keys = getattr(memo, "_entries", memo)
+        return sum(len(part) for key in keys for part in key if isinstance(part, str))
+
+    with httpx.Client(base_url=gateway.url, timeout=30) as client:
+        for i in range(8):
+            stop = [f"{i}-{j}-" + "s" * (200 << 10) for j in range(4)]  # (under 1 MiB)
+            answer = client.post("/v1/chat/completions", json={**CHAT, "stop": stop})
+            assert answer.status_code == 200, answer.text
+    assert held_bytes() < 1 << 20
