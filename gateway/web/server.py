@@ -43,8 +43,10 @@ async def serve(settings: GatewaySettings, *, reuse_port: bool = False) -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(7000, 20, 20)
-    log.warning("aigw serving on http://%s:%s (%d models)", settings.host, settings.port,
-                len(settings.models))
+    names = [model.name for model in settings.models]  # what clients send as `model`
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    log.warning("aigw serving on http://%s:%s, models: %s", settings.host, settings.port,
+                shown or "none")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -74,6 +74,8 @@ def test_serve_with_config_auth_and_workers_then_drains_on_sigterm(
             assert _requests_by_status(httpx.get(url + "/metrics").text) == {"200": 5, "401": 1}
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0
+        assert process.stdout is not None  # the start line names the models clients may send
+        assert f"aigw serving on {url}, models: {MODEL}\n" in process.stdout.read().decode()
     finally:
         if process.poll() is None:
             process.kill()
