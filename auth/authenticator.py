@@ -4,9 +4,10 @@ API keys are looked up by key id and their records cached in process for `key_ca
 hot path is one HMAC and one constant-time compare; once a secret has matched the cached record's
 current hash, the entry remembers it and later requests with that secret compare it in constant
 time instead of re-computing the HMAC (state checks, revocation and expiry still run on every
-request; a rotated or re-read record starts without a remembered secret). The cache is emptied by the revocation watcher
-(auth/revocation.py) within a second of any revoke/rotate on any instance. A presented secret is
-checked before the key's state, so a stranger learns nothing about whether a key id is revoked.
+request; a rotated or re-read record starts without a remembered secret). The cache is emptied by
+the revocation watcher (auth/revocation.py) within a second of any revoke/rotate on any instance. A
+presented secret is checked before the key's state, so a stranger learns nothing about whether a key
+id is revoked.
 
 Store reads are bounded per key id, so garbage credentials cannot turn into a store load:
     unknown key id            remembered as unknown for `key_cache_ttl_s` (key ids are random and
@@ -62,6 +63,16 @@ class KeyAuthenticator:
             return await self._jwt.verify(credential)
         raise AuthError(401, "invalid_api_key", "the API key is not valid")
 
+    async def current_principal(self, key_id: str) -> Principal:
+        """An API key's rights now, by its id alone, for work it started earlier (a batch's
+        lines run long after the request that created them): AuthError(401) once the key is
+        revoked, expired or deleted, seen as soon as a request would see it (the cache's TTL,
+        emptied by the revocation watcher)."""
+        cached = self._cache.get(key_id)
+        if cached is None or time.monotonic() - cached.fetched_at > self._cache_ttl_s:
+            cached = await self._fetch(key_id)
+        return self._check_state(cached, time.time())
+
     def invalidate(self, key_id: str | None = None) -> None:
         """Forget one cached key (or all of them): the next use reads the store."""
         if key_id is None:
@@ -110,7 +121,8 @@ class KeyAuthenticator:
             raise AuthError(401, "invalid_api_key", "the API key is not valid")
         principal = Principal(
             project=record.project, key_id=record.key_id, scopes=frozenset(record.scopes),
-            allowed_models=None if record.allowed_models is None else frozenset(record.allowed_models),
+            allowed_models=(None if record.allowed_models is None
+                            else frozenset(record.allowed_models)),
             via="api_key")
         if len(self._cache) >= _MAX_CACHED_KEYS:
             self._cache.clear()

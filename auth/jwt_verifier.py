@@ -75,7 +75,8 @@ class JwtVerifier:
             claims: dict[str, Any] = jwt.decode(
                 token, key=key, algorithms=[alg], audience=settings.jwt_audience,
                 issuer=settings.jwt_issuer, leeway=settings.jwt_leeway_s,
-                options={"require": ["exp", "sub"], "verify_aud": settings.jwt_audience is not None})
+                options={"require": ["exp", "sub"],
+                         "verify_aud": settings.jwt_audience is not None})
         except jwt.ExpiredSignatureError as exc:
             raise AuthError(401, "expired_token", "the token has expired") from exc
         except jwt.PyJWTError as exc:

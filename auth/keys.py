@@ -1,7 +1,8 @@
 """API keys: the secret's format, its hash at rest, and the stored record.
 
 A key reads `sk-aigw-<key_id>-<secret>`:
-    key_id  12 hex chars, public and stable (survives rotation); stores look keys up by it, never scan
+    key_id  12 hex chars, public and stable (survives rotation); stores look keys up by it, never
+            scan
     secret  secrets.token_urlsafe(32): 256 random bits, shown once, never stored
 
 At rest we keep HMAC-SHA256(pepper, "<key_id>:<secret>"). A slow KDF (bcrypt, argon2) protects

@@ -51,11 +51,13 @@ class Principal:
         # (`_value_`, the member's value as a plain attribute: `.value` is two Python calls, and
         # this runs on every request)
         if scope._value_ not in self.scopes and Scope.ADMIN._value_ not in self.scopes:
-            raise AuthError(403, "insufficient_scope", f"this credential lacks the scope {scope.value}")
+            raise AuthError(403, "insufficient_scope",
+                            f"this credential lacks the scope {scope.value}")
 
     def require_model(self, model: str) -> None:
         if self.allowed_models is not None and model not in self.allowed_models:
-            raise AuthError(403, "model_not_allowed", f"this credential may not call model {model!r}")
+            raise AuthError(403, "model_not_allowed",
+                            f"this credential may not call model {model!r}")
 
     def require_project(self, project: str) -> None:
         if project != self.project and Scope.ADMIN.value not in self.scopes:

@@ -14,7 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-# Asymmetric algorithms take keys from a JWKS; HS256 takes `jwt_hs256_secret`. `none` is never allowed.
+# Asymmetric algorithms take keys from a JWKS; HS256 takes `jwt_hs256_secret`. `none` is never
+# allowed.
 SUPPORTED_JWT_ALGORITHMS = frozenset({"HS256", "RS256", "ES256"})
 
 
@@ -41,7 +42,8 @@ class AuthSettings(BaseModel):
     # of token text: a token is as long as its issuer makes it (up to a header's 8 KiB).
     jwt_cache_max_bytes: int = Field(default=16 * 1024 * 1024, ge=0)
 
-    # Prompt-cache salt: one per project (default), per key, or none (caching shared across projects).
+    # Prompt-cache salt: one per project (default), per key, or none (caching shared across
+    # projects).
     cache_salt_scope: Literal["project", "key", "shared"] = "project"
 
     @field_validator("redis_url")

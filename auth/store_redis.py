@@ -10,8 +10,8 @@ Key layout (every key starts with `aigw:`; `{...}` is a Redis Cluster hash tag):
     aigw:auth:pepper                   string hex pepper, when AuthSettings.key_pepper is unset
 
 No command here touches two keys at once, so no cross-slot script is needed; on Redis Cluster
-the revocation channel is a plain PUBLISH, which the cluster bus carries to every node. The metering keys
-(usage, limits) share the `{p:<project>}` tag: see gateway/metering/redis_meter.py.
+the revocation channel is a plain PUBLISH, which the cluster bus carries to every node. The metering
+keys (usage, limits) share the `{p:<project>}` tag: see gateway/metering/redis_meter.py.
 """
 
 from __future__ import annotations
