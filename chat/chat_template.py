@@ -57,7 +57,8 @@ TOOLS_SYSTEM_FOOTER = (
 
 
 class _GenerationBlock(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` renders its body (transformers tracks it; we don't)."""
+    """`{% generation %}...{% endgeneration %}` renders its body (transformers tracks it; we
+    don't)."""
 
     tags = {"generation"}
 

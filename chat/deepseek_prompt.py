@@ -55,7 +55,8 @@ def tools_section(tools: list[dict[str, Any]], syntax: str) -> str:
         function = tool.get("function", tool)
         parts.append(f"### {function.get('name', '')}\n"
                      f"Description: {function.get('description', '')}\n\n"
-                     f"Parameters: {json.dumps(function.get('parameters', {}), ensure_ascii=False)}\n")
+                     "Parameters: "
+                     f"{json.dumps(function.get('parameters', {}), ensure_ascii=False)}\n")
     parts.append("IMPORTANT: ALWAYS adhere to this exact format for tool use:\n" + syntax + "\n\n"
                  "Where:\n\n"
                  "- `tool_call_name` must be an exact match to one of the available tools\n"

@@ -90,9 +90,11 @@ class GGUFTensorInfo:
 
 
 def read_gguf_header(path: str | Path) -> tuple[dict[str, object], list[GGUFTensorInfo]]:
-    """The key/value pairs and the tensor directory (after them: name, dims, type, offset per tensor).
+    """The key/value pairs and the tensor directory (after them: name, dims, type, offset per
+    tensor).
 
-        tensor info = name (string) | u32 n_dims | n_dims * u64 (innermost first) | u32 type | u64 offset
+        tensor info = name (string) | u32 n_dims | n_dims * u64 (innermost first) | u32 type
+                      | u64 offset
         data starts at the end of the infos rounded up to `general.alignment` (default 32)
     """
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buffer:

@@ -82,7 +82,8 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
 def _post_processor(tokens: list[str], metadata: Mapping[str, object]) -> processors.PostProcessor:
     prefix: list[tuple[str, int]] = []
     suffix: list[tuple[str, int]] = []
-    bos, eos = metadata.get("tokenizer.ggml.bos_token_id"), metadata.get("tokenizer.ggml.eos_token_id")
+    bos, eos = (metadata.get("tokenizer.ggml.bos_token_id"),
+                metadata.get("tokenizer.ggml.eos_token_id"))
     if metadata.get("tokenizer.ggml.add_bos_token") and isinstance(bos, int):
         prefix.append((tokens[bos], bos))
     if metadata.get("tokenizer.ggml.add_eos_token") and isinstance(eos, int):

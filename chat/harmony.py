@@ -225,8 +225,8 @@ class HarmonyOutputParser(OutputParser):
     """The answer's token ids through harmony's StreamableParser: the analysis channel is
     reasoning, a message to `functions.NAME` a tool call (released whole at its `<|call|>`; with
     `parse_tools` False its arguments are content), everything else (final, commentary preambles)
-    content. Tokens of analysis messages (their headers included) count as reasoning tokens. Output harmony cannot parse
-    (a model gone off-format) is released as decoded content from there on."""
+    content. Tokens of analysis messages (their headers included) count as reasoning tokens. Output
+    harmony cannot parse (a model gone off-format) is released as decoded content from there on."""
 
     def __init__(self, encoding: oh.HarmonyEncoding, parse_tools: bool = True) -> None:
         self._encoding = encoding

@@ -1,8 +1,8 @@
 """Model family -> chat format: how its prompts are rendered and its answers parsed.
 
     fmt = chat_format_for(architecture, chat_template_source)
-    fmt.name             "hermes" | "qwen3" | "harmony" | "deepseek_v3" | "deepseek_r1" | "deepseek_v3_1"
-                         | "llama4"
+    fmt.name             "hermes" | "qwen3" | "harmony" | "deepseek_v3" | "deepseek_r1"
+                         | "deepseek_v3_1" | "llama4"
     fmt.reasoning        None | "think" | "harmony"
     fmt.output_parser(prompt_text=..., tools=..., calls_only=...)  -> OutputParser (chat/output.py)
     fmt.calls_grammar(functions, is_parallel)                      -> Lark text (forced tool_choice)
@@ -10,23 +10,29 @@
 Chosen from the checkpoint: the template is sniffed first (it is what the model was trained
 on), the architecture (config.json `model_type`) decides where the template says nothing:
 
-| format  | rendered by            | tool calls                      | reasoning                  |
-| ------- | ---------------------- | ------------------------------- | -------------------------- |
-| hermes  | the checkpoint's jinja | `<tool_call>{json}</tool_call>` | none                       |
-| qwen3   | the checkpoint's jinja | `<tool_call>{json}</tool_call>` | `<think>...</think>`       |
-| harmony | openai-harmony         | commentary `to=functions.NAME`  | the analysis channel       |
-| deepseek_v3   | the checkpoint's jinja | `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` + ```json | none |
-| deepseek_r1   | the checkpoint's jinja | as deepseek_v3                  | `<think>...</think>`       |
-| deepseek_v3_1 | the checkpoint's jinja | `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}` | `<think>...</think>` |
-| llama4        | the checkpoint's jinja | `[NAME(key=value, ...), ...]` (or `{"name", "parameters"}`) | none |
+| format        | rendered by | tool calls                                | reasoning |
+| ------------- | ----------- | ----------------------------------------- | --------- |
+| hermes        | jinja       | `<tool_call>{json}</tool_call>`           | none      |
+| qwen3         | jinja       | `<tool_call>{json}</tool_call>`           | `<think>` |
+| harmony       | harmony     | commentary `to=functions.NAME`            | analysis  |
+| deepseek_v3   | jinja       | V3's (below)                              | none      |
+| deepseek_r1   | jinja       | as deepseek_v3                            | `<think>` |
+| deepseek_v3_1 | jinja       | V3.1's (below)                            | `<think>` |
+| llama4        | jinja       | `[NAME(key=value, ...), ...]` (or JSON    | none      |
+|               |             | `{"name", "parameters"}`)                 |           |
+
+(jinja: the checkpoint's own template; harmony: the openai-harmony package, whose analysis channel
+carries the reasoning; `<think>`: reasoning in `<think>...</think>`; V3's calls:
+`<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and a ```json block, V3.1's:
+`<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}`)
 
 A template that writes `<|channel|>` is harmony; one that writes `<think>` has think-style
 reasoning (Qwen3, Qwen3-MoE, DeepSeek-R1 distills, QwQ); a Qwen3 checkpoint whose template has no
 `<think>` (Qwen3-Instruct-2507) has none. A template that writes `<｜tool▁sep｜>` is DeepSeek's:
 V3.1's when the name comes before the separator, V3's (a ```json block) otherwise; with `<think>`
 it reasons (R1, V3.1 with `thinking`). A template that writes Llama 4's `<|header_start|>` (or
-a llama4 / llama4_text checkpoint) speaks Llama 4's pythonic calls. Adding a family (Gemma 3, Llama 4) is an entry in
-`_FAMILIES` plus, if its syntax is new, one parser module.
+a llama4 / llama4_text checkpoint) speaks Llama 4's pythonic calls. Adding a family (Gemma 3, Llama
+4) is an entry in `_FAMILIES` plus, if its syntax is new, one parser module.
 """
 
 from __future__ import annotations
@@ -110,7 +116,8 @@ def harmony_calls_grammar(functions: Sequence[tuple[str, dict[str, Any] | None]]
                             f'%json {orjson.dumps(schema).decode()} <|call|>')
     calls = " | ".join(f"call{i}" for i in range(len(functions)))
     return ('start: analysis? call\n'
-            'analysis: <|channel|> "analysis" <|message|> /(.|\\n)*/ <|end|> <|start|> "assistant"\n'
+            'analysis: <|channel|> "analysis" <|message|> /(.|\\n)*/ <|end|> <|start|> '
+            '"assistant"\n'
             f'call: {calls}\n' + "\n".join(alternatives) + "\n")
 
 

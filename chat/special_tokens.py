@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>",
-                      "<end_of_turn>", "<|eot|>")  # ... Gemma's, Llama 4's (a GGUF declares one eos)
+                      # ... Gemma's, Llama 4's (a GGUF declares one eos)
+                      "<end_of_turn>", "<|eot|>")
 # harmony (gpt-oss): `<|end|>` closes one message of a turn (the analysis before the answer), so
 # the turn ends on `<|return|>` (answered) or `<|call|>` (a tool call) instead
 HARMONY_CHANNEL_TOKEN = "<|channel|>"

@@ -108,7 +108,8 @@ class Tokenizer:
 GIL_FREE_MIN_CHARS = 4096  # from this length `encode_ids` encodes with the GIL released
 
 
-def encode_ids(backend: _BackendTokenizer, text: str, add_special_tokens: bool = False) -> list[int]:
+def encode_ids(backend: _BackendTokenizer, text: str,
+               add_special_tokens: bool = False) -> list[int]:
     """`backend.encode(text).ids`, but a long text goes through `encode_batch`, which releases the
     GIL while Rust encodes (`encode` holds it throughout): encoding a multi-MB prompt in a worker
     thread then no longer stalls the event loop and every other thread of the process for seconds
@@ -202,7 +203,8 @@ def _tokenizer_from_hf_dir(directory: Path) -> Tokenizer:
         eos_token_id = extra_eos[0]
     bos_token_id = special_id("bos_token")
     if bos_token_id is None:
-        bos_ids = as_id_list(generation_config.get("bos_token_id", model_config.get("bos_token_id")))
+        bos_ids = as_id_list(generation_config.get("bos_token_id",
+                                                   model_config.get("bos_token_id")))
         bos_token_id = bos_ids[0] if bos_ids else None
     return Tokenizer(backend, chat_template=_hf_chat_template(directory, tokenizer_config),
                      bos_token_id=bos_token_id, eos_token_id=eos_token_id,

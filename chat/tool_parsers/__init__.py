@@ -26,9 +26,9 @@ from chat.tool_parsers.hermes import HermesToolParser
 from chat.tool_parsers.pythonic import Llama4PythonicToolParser, PythonicToolParser
 
 __all__ = [
-    "ParsedToolCalls", "StreamDelta", "ToolCall", "ToolCallStream", "ToolParser", "HermesToolParser",
-    "DeepSeekV3ToolParser", "DeepSeekV31ToolParser", "PythonicToolParser", "Llama4PythonicToolParser",
-    "new_tool_call_id", "get_tool_parser", "TOOL_PARSERS",
+    "ParsedToolCalls", "StreamDelta", "ToolCall", "ToolCallStream", "ToolParser",
+    "HermesToolParser", "DeepSeekV3ToolParser", "DeepSeekV31ToolParser", "PythonicToolParser",
+    "Llama4PythonicToolParser", "new_tool_call_id", "get_tool_parser", "TOOL_PARSERS",
 ]
 
 TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {

@@ -27,7 +27,8 @@ from typing import Any
 import orjson
 
 # llguidance JSON options: no free whitespace, items and keys separated as json.dumps does
-TEMPLATE_JSON_SPACING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+TEMPLATE_JSON_SPACING = {"whitespace_flexible": False, "item_separator": ", ",
+                         "key_separator": ": "}
 
 
 def new_tool_call_id() -> str:
@@ -92,7 +93,8 @@ class ToolParser(ABC):
         schema = {"anyOf": [self.call_schema(name, parameters, f"/anyOf/{i}")
                             for i, (name, parameters) in enumerate(functions)],
                   "x-guidance": TEMPLATE_JSON_SPACING}
-        start, end = orjson.dumps(self.start_tag + "\n").decode(), orjson.dumps("\n" + self.end_tag).decode()
+        start, end = (orjson.dumps(self.start_tag + "\n").decode(),
+                      orjson.dumps("\n" + self.end_tag).decode())
         calls = "call+" if is_parallel else "call"
         return (f'start: {calls}\n'
                 f'call: {start} %json {orjson.dumps(schema).decode()} {end} "\\n"?\n')
@@ -213,7 +215,8 @@ class ToolCallStream:
             if call is None and (cut := _partial_suffix_len(pending, self._parser.end_tag)):
                 call = self._parser.parse_call(pending[:-cut])  # the end tag itself was cut off
             calls = () if call is None else (call,)
-            content = "" if call is not None or self._ends_with_call else self._parser.start_tag + pending
+            content = ("" if call is not None or self._ends_with_call
+                       else self._parser.start_tag + pending)
         self.num_calls += len(calls)
         content = self._shown(content)
         if not self._has_text and not self.num_calls:  # a blank answer without calls is content

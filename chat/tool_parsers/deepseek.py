@@ -12,7 +12,8 @@ V3 and R1 (`deepseek_v3`): a type, the name, then the arguments in a fenced JSON
 
 V3.1 (`deepseek_v3_1`): the name, then the arguments as they are
 
-    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}
+    <｜tool▁call▁end｜><｜tool▁calls▁end｜>                (one line: no newline between the two)
 
 The outer `<｜tool▁calls▁begin｜>` / `<｜tool▁calls▁end｜>` pair is dropped from the content; each
 `<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>` is one call. Arguments must be a JSON object; they are
