@@ -2,17 +2,18 @@
 
 Both sides import this module; neither re-implements it.
 
-A request's tokens are cut into blocks of `block_size` tokens. Only FULL blocks are hashed. Block i's hash
-chains from block i-1's, so equal hashes mean equal whole prefixes:
+A request's tokens are cut into blocks of `block_size` tokens. Only FULL blocks are hashed. Block
+i's hash chains from block i-1's, so equal hashes mean equal whole prefixes:
 
     h[0] = xxh3_64( ROOT_SEED || extra_keys(model_id, cache_salt) || le_u32[] tokens[0:B] )
     h[i] = xxh3_64( le_u64(h[i-1]) || le_u32[] tokens[i*B:(i+1)*B] )
 
-`extra_keys` (model id, cache salt, and later an adapter id) enter the FIRST block only, so two tenants with
-different salts share no block at all, while within one tenant every block is still a function of the
-whole prefix. Hashes are unsigned 64-bit ints (xxh3_64, stable across processes and machines; never
-Python's `hash()`). Encoding: token ids as little-endian uint32, the parent as little-endian uint64,
-extra keys as UTF-8 joined by 0x1F (unit separator) after a 0x1E record separator.
+`extra_keys` (model id, cache salt, and later an adapter id) enter the FIRST block only, so two
+tenants with different salts share no block at all, while within one tenant every block is still a
+function of the whole prefix. Hashes are unsigned 64-bit ints (xxh3_64, stable across processes and
+machines; never Python's `hash()`). Encoding: token ids as little-endian uint32, the parent as
+little-endian uint64, extra keys as UTF-8 joined by 0x1F (unit separator) after a 0x1E record
+separator.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
     return data.tobytes()
 
 
-def first_block_prefix(model_id: str, cache_salt: str | None, adapter_id: str | None = None) -> bytes:
+def first_block_prefix(model_id: str, cache_salt: str | None,
+                       adapter_id: str | None = None) -> bytes:
     """The bytes that stand in for the (absent) parent of block 0: seed plus the extra keys."""
     keys = [model_id, cache_salt or "", adapter_id or ""]
     return ROOT_SEED + b"\x1e" + "\x1f".join(keys).encode()
@@ -57,12 +59,13 @@ def hash_blocks(
 ) -> list[int]:
     """Hashes of every full block of `token_ids`.
 
-    `parent_hashes` are hashes already known for the first blocks (they are returned as they are and the
-    chain continues from the last one), so a growing request is hashed incrementally.
+    `parent_hashes` are hashes already known for the first blocks (they are returned as they are and
+    the chain continues from the last one), so a growing request is hashed incrementally.
     """
     num_full_blocks = len(token_ids) // block_size
     hashes = list(parent_hashes[:num_full_blocks])
-    parent: bytes | int = hashes[-1] if hashes else first_block_prefix(model_id, cache_salt, adapter_id)
+    parent: bytes | int = (hashes[-1] if hashes
+                           else first_block_prefix(model_id, cache_salt, adapter_id))
     for block_index in range(len(hashes), num_full_blocks):
         start = block_index * block_size
         parent = hash_block(parent, token_ids[start : start + block_size])

@@ -2,29 +2,32 @@
 
 The records (one module, imported by the engine that emits them and the gateway that consumes them):
 
-    BlockStored     {block_hashes, parent_hash, token_ids, block_size}   blocks became cached (full, hashed)
+    BlockStored     {block_hashes, parent_hash, token_ids, block_size}   blocks became cached (full,
+                                                                         hashed)
     BlockRemoved    {block_hashes}                                        blocks were evicted
     AllBlocksCleared {}                                                   the whole cache was reset
-    BlockRetained   {block_hashes, retained_until_ts}                     cached blocks a finished request
-                                                                          keeps from eviction until then
-                                                                          (unix s; a later event for the
+    BlockRetained   {block_hashes, retained_until_ts}                     cached blocks a finished
+                                                                          request keeps from
+                                                                          eviction until then (unix
+                                                                          s; a later event for the
                                                                           same hashes replaces it)
 
-`BlockRetained` names blocks already stored (the replica's KV retention, engine/kv_cache/retention.py):
-a consumer counts them as held, like `BlockStored`; no event marks a retention's end, since the blocks
-stay cached until a `BlockRemoved` says otherwise.
+`BlockRetained` names blocks already stored (the replica's KV retention,
+engine/kv_cache/retention.py): a consumer counts them as held, like `BlockStored`; no event marks a
+retention's end, since the blocks stay cached until a `BlockRemoved` says otherwise.
 
 `medium` on BlockStored / BlockRemoved says which tier: "main" (the KV pool the model reads; the
 default, and what an event without the field means) or "host" (the replica's second tier, where
-blocks evicted from the pool wait to be restored instead of recomputed: engine/kv_cache/host_tier.py).
-The tiers are two sets: a block moving out of the pool is a BlockRemoved "main" plus a BlockStored
-"host" in the same batch; a block restored into the pool stays in the host tier too (BlockStored
-"main" only). A consumer that routes on hits counts a hash held in either.
+blocks evicted from the pool wait to be restored instead of recomputed:
+engine/kv_cache/host_tier.py). The tiers are two sets: a block moving out of the pool is a
+BlockRemoved "main" plus a BlockStored "host" in the same batch; a block restored into the pool
+stays in the host tier too (BlockStored "main" only). A consumer that routes on hits counts a hash
+held in either.
 
 Events are grouped into an `EventBatch` per engine step, stamped with the replica id and a sequence
-number that increases by exactly one per batch (no gaps). A consumer that sees a gap, or restarts, asks
-for a snapshot (`KVSnapshot`: every hash the replica holds now, with the sequence number it is valid at)
-and continues from there. JSON form: `{"type": "BlockStored", ...}` dicts inside
+number that increases by exactly one per batch (no gaps). A consumer that sees a gap, or restarts,
+asks for a snapshot (`KVSnapshot`: every hash the replica holds now, with the sequence number it is
+valid at) and continues from there. JSON form: `{"type": "BlockStored", ...}` dicts inside
 `{"replica_id", "seq", "ts", "events": [...]}`.
 
 `token_ids` is empty: the log drops them as events are recorded, so neither GET /kv/events nor the
@@ -75,7 +78,8 @@ class BlockRetained:
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | BlockRetained
 
 MEDIUM_MAIN = "main"  # the KV pool the model reads (GPU memory, or host memory on a CPU replica)
-MEDIUM_HOST = "host"  # the second tier blocks evicted from the pool go to (engine/kv_cache/host_tier.py)
+# the second tier blocks evicted from the pool go to (engine/kv_cache/host_tier.py)
+MEDIUM_HOST = "host"
 MEDIA = (MEDIUM_MAIN, MEDIUM_HOST)
 
 
@@ -168,7 +172,8 @@ class KVSnapshot:
 
 
 class EventPublisher(Protocol):
-    """Somewhere batches go besides the in-memory log (e.g. a Redis stream). Must not block for long."""
+    """Somewhere batches go besides the in-memory log (e.g. a Redis stream). Must not block for
+    long."""
 
     def publish(self, batch: EventBatch) -> None: ...
 
@@ -181,7 +186,8 @@ class EventPage:
     batches: list[EventBatch] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"replica_id": self.replica_id, "first_seq": self.first_seq, "last_seq": self.last_seq,
+        return {"replica_id": self.replica_id, "first_seq": self.first_seq,
+                "last_seq": self.last_seq,
                 "snapshot_required": False, "batches": [b.to_json() for b in self.batches]}
 
 
@@ -255,7 +261,8 @@ class KVEventLog:
             return len(block_hashes)
 
     def since(self, seq: int) -> EventPage | None:
-        """Batches with number > seq, or None when some of them are no longer held (take a snapshot)."""
+        """Batches with number > seq, or None when some of them are no longer held (take a
+        snapshot)."""
         with self._lock:
             first = self._batches[0].seq if self._batches else self._last_seq + 1
             if seq + 1 < first and seq < self._last_seq:

@@ -26,10 +26,10 @@ class OutputGrammarError(SamplingParamsError):
 
 @dataclass(frozen=True)
 class OutputGrammar:
-    """What the output must match: `kind` and its text, a JSON schema or a Lark grammar (llguidance's
-    dialect, which embeds JSON schemas with `%json {...}`). Hashable by (kind, text): the engine's
-    matcher cache key. `compiled` is the validated llguidance grammar, kept on the spec by the
-    constructors that check it (so no process-wide cache holds one tenant's grammars)."""
+    """What the output must match: `kind` and its text, a JSON schema or a Lark grammar
+    (llguidance's dialect, which embeds JSON schemas with `%json {...}`). Hashable by (kind, text):
+    the engine's matcher cache key. `compiled` is the validated llguidance grammar, kept on the spec
+    by the constructors that check it (so no process-wide cache holds one tenant's grammars)."""
 
     kind: GrammarKind
     text: str
@@ -86,7 +86,8 @@ def grammar_of(spec: OutputGrammar) -> str:
         grammar = llguidance.LLMatcher.grammar_from_lark(spec.text)
     else:
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=_JSON_OPTIONS)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.text,
+                                                                    defaults=_JSON_OPTIONS)
         except ValueError as exc:
             raise OutputGrammarError(f"invalid JSON schema: {exc}") from exc
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)

@@ -7,11 +7,11 @@ keeps at most one tool call; response_format `json_object` / `json_schema` const
 (engine/structured_output.py). `cache_salt` is our (and vLLM's) extension: requests with
 different salts never share prefix-cache blocks.
 
-KV retention (engine/kv_cache/retention.py): `cache_retention_s` (our extension: seconds, the gateway
-sends it) or OpenAI's `prompt_cache_retention` ("in_memory": 5 minutes, "24h") asks the replica to
-keep the prompt's cached blocks from eviction that long after the request ends (clamped to the
-replica's `--kv-retention-max-s`); `cache_retention_id` (ours) or `prompt_cache_key` names the
-session, whose next retention replaces this one.
+KV retention (engine/kv_cache/retention.py): `cache_retention_s` (our extension: seconds, the
+gateway sends it) or OpenAI's `prompt_cache_retention` ("in_memory": 5 minutes, "24h") asks the
+replica to keep the prompt's cached blocks from eviction that long after the request ends (clamped
+to the replica's `--kv-retention-max-s`); `cache_retention_id` (ours) or `prompt_cache_key` names
+the session, whose next retention replaces this one.
 
 Priority classes (engine/scheduler.py): `priority` (vLLM's field: an int, lower is scheduled first;
 the gateway sends it) or OpenAI's `service_tier` (SERVICE_TIER_PRIORITY: "priority" -1, "default" 0,
@@ -135,7 +135,8 @@ class ResponseFormat(_Body):
         return self
 
     def grammar(self) -> OutputGrammar | None:
-        """Raises OutputGrammarError (a SamplingParamsError) for a schema that cannot be compiled."""
+        """Raises OutputGrammarError (a SamplingParamsError) for a schema that cannot be
+        compiled."""
         if self.type == "text":
             return None
         if self.type == "json_schema" and self.json_schema is not None \
