@@ -91,7 +91,8 @@ class _GuardedHandler(RequestHandler):
         if isinstance(exc, LineTooLong):
             status, code = ((414, "uri_too_long") if b"\r\n" not in self._error_head
                             else (431, "request_header_fields_too_large"))
-            text = "the request line is too long" if status == 414 else "a request header is too long"
+            text = ("the request line is too long" if status == 414
+                    else "a request header is too long")
         else:
             status, code, text = 400, "bad_request", f"the request is malformed: {exc.message}"
         log.warning("refused a request from %s to %s: %s", request.remote, path[:120],

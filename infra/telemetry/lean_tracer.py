@@ -181,7 +181,8 @@ class LeanSpan(trace_api.Span, ReadableSpan):
         if status.status_code is not StatusCode.UNSET:
             self._status = status
 
-    def record_exception(self, exception: BaseException, attributes: Mapping[str, Any] | None = None,
+    def record_exception(self, exception: BaseException,
+                         attributes: Mapping[str, Any] | None = None,
                          timestamp: int | None = None, escaped: bool = False) -> None:
         values = exception_attributes(exception, escaped)
         if attributes:
@@ -258,7 +259,8 @@ class LeanTracerProvider(trace_api.TracerProvider):
     def add_span_processor(self, processor: SpanProcessor) -> None:
         self.processors.append(processor)
 
-    def get_tracer(self, instrumenting_module_name: str, instrumenting_library_version: str | None = None,
+    def get_tracer(self, instrumenting_module_name: str,
+                   instrumenting_library_version: str | None = None,
                    schema_url: str | None = None, attributes: Any = None) -> LeanTracer:
         return LeanTracer(self, InstrumentationScope(instrumenting_module_name,
                                                      instrumenting_library_version, schema_url))

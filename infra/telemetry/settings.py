@@ -5,7 +5,8 @@
     AIGW_TRACE_SAMPLE_RATIO=0.1          head sampling of new traces (parent-based: a sampled
                                          incoming `traceparent` is always kept)
     AIGW_TRACE_MAX_PER_S=100             at most this many new traces a second (per gateway
-                                         process; 0 or inf: no limit); see gateway/telemetry/sampling.py
+                                         process; 0 or inf: no limit); see
+                                         gateway/telemetry/sampling.py
     AIGW_TRACE_BUFFER_TRACES=200         recent traces kept in memory for the dashboard
     OTEL_EXPORTER_OTLP_TRACES_ENDPOINT   also export over OTLP/HTTP (full URL, .../v1/traces)
     OTEL_EXPORTER_OTLP_ENDPOINT          the same, as a base URL (/v1/traces is appended)

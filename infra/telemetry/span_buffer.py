@@ -62,7 +62,8 @@ class SpanBuffer(SpanProcessor):
             num_traces, cap = self._num_traces, self._num_spans_per_trace
             while requests:
                 request = requests.popleft()
-                trace_id = request.context.trace_id  # (requests continuing one caller's trace share it)
+                # (requests continuing one caller's trace share it)
+                trace_id = request.context.trace_id
                 found = traces.get(trace_id)
                 if found is None:
                     traces[trace_id] = [request]
