@@ -32,7 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         except ModuleNotFoundError as exc:
             if exc.name != module_name:
                 raise
-            parser.set_defaults(func=lambda _args, n=name: print(f"benchmark {n!r} is not built") or 2)
+            parser.set_defaults(func=lambda _args, n=name: print(f"benchmark {n!r} is not "
+                                                                 "built") or 2)
             continue
         module.add_arguments(parser)
         parser.set_defaults(func=module.run)

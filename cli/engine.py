@@ -1,4 +1,5 @@
-"""Engine subcommands of `aigw`: `replica` (serve one engine over HTTP) and `generate` (one prompt)."""
+"""Engine subcommands of `aigw`: `replica` (serve one engine over HTTP) and `generate` (one
+prompt)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from engine.engine_args import (
     engine_config_from_args,
 )
 
-ENGINE_MISSING = ("aigw: this command runs the inference engine, which is not installed (no torch): "
-                  "pip install 'aigw[engine]'")
+ENGINE_MISSING = ("aigw: this command runs the inference engine, which is not installed (no "
+                  "torch): pip install 'aigw[engine]'")
 
 
 def engine_missing() -> str | None:
@@ -36,7 +37,8 @@ def _port(text: str) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    replica = subparsers.add_parser("replica", help="serve one engine replica over HTTP (OpenAI API)")
+    replica = subparsers.add_parser("replica",
+                                    help="serve one engine replica over HTTP (OpenAI API)")
     replica.add_argument("--host", default="127.0.0.1")
     replica.add_argument("--port", type=_port, default=8001)
     replica.add_argument("--replica-id", default=None, help="id in KV events (default: host:port)")
@@ -53,7 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     add_tensor_parallel_argument(replica)
     replica.set_defaults(func=run_replica_command)
 
-    generate = subparsers.add_parser("generate", help="generate from one prompt, streamed to stdout")
+    generate = subparsers.add_parser("generate",
+                                     help="generate from one prompt, streamed to stdout")
     generate.add_argument("prompt")
     generate.add_argument("--max-tokens", type=int, default=256)
     generate.add_argument("--temperature", type=float, default=0.0)
@@ -87,7 +90,8 @@ def run_replica_command(args: argparse.Namespace) -> int:
               "(local development: anyone who can reach the port may use every route)",
               file=sys.stderr)
         return 1
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if server_settings.secret is None:
         logging.getLogger("aigw.replica").warning(
             "--no-auth: every route (KV events, /kv/reset, generation) is open to any caller")

@@ -35,8 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--kv-cache-memory", type=int, default=None,
                         help="KV cache bytes per embedded replica")
     parser.add_argument("--kv-host-tier-bytes", type=int, default=None,
-                        help="second KV tier bytes per embedded replica (evicted blocks restored on a "
-                             "prefix hit; `aigw replica --kv-host-tier-bytes`)")
+                        help="second KV tier bytes per embedded replica (evicted blocks restored "
+                             "on a prefix hit; `aigw replica --kv-host-tier-bytes`)")
     parser.add_argument("--embedding-model", default=None,
                         help="embedding model for one more embedded replica (default: the bundled "
                              "all-MiniLM-L6-v2 when installed; `none`: no embedding replica)")
@@ -176,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
                                                embedding_model_path=_embedding_model(args))
             try:
                 embedded.wait_healthy(replicas)
-            except (RuntimeError, TimeoutError) as exc:  # a replica exited (its error is above) or hung
+            # a replica exited (its error is above) or hung
+            except (RuntimeError, TimeoutError) as exc:
                 print(f"aigw: {exc}", file=sys.stderr)
                 return 1
             served = embedded.models_for(replicas, secret)
@@ -209,8 +210,9 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
 
 @contextlib.contextmanager
 def _supervised(replicas: list[Any]) -> Iterator[ReplicaSupervisor | None]:
-    """Restart any embedded replica that dies while the gateway serves (gateway/fleet/supervisor.py);
-    its restart counts reach the workers' /metrics through a file named in their environment."""
+    """Restart any embedded replica that dies while the gateway serves
+    (gateway/fleet/supervisor.py); its restart counts reach the workers' /metrics through a file
+    named in their environment."""
     from gateway.fleet.supervisor import RESTARTS_FILE_ENV, ReplicaSupervisor, SupervisorSettings
 
     if not replicas:
@@ -229,7 +231,8 @@ def _supervised(replicas: list[Any]) -> Iterator[ReplicaSupervisor | None]:
 
 
 def _serve_workers(settings_data: dict[str, Any], num_workers: int) -> int:
-    """Serve until a signal; the exit status: 1 when a worker failed (its error is above), else 0."""
+    """Serve until a signal; the exit status: 1 when a worker failed (its error is above), else
+    0."""
     from gateway.web.server import run_worker
 
     if num_workers == 1:

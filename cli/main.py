@@ -15,12 +15,14 @@ import argparse
 import importlib
 import sys
 
-# Each entry: a module with `register(subparsers) -> None`; handlers are set with set_defaults(func=...).
+# Each entry: a module with `register(subparsers) -> None`; handlers are set with
+# set_defaults(func=...).
 _COMMAND_MODULES = ("cli.gateway", "cli.engine", "cli.auth", "cli.limits", "cli.bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="aigw", description="AI gateway with its own inference engine")
+    parser = argparse.ArgumentParser(prog="aigw",
+                                     description="AI gateway with its own inference engine")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for module_name in _COMMAND_MODULES:
         try:
