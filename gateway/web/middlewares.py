@@ -31,7 +31,8 @@ async def envelope_middleware(request: web.Request, handler: Handler) -> web.Str
     try:
         response = await handler(request)
     except web.HTTPException as exc:
-        return _error(request, exc.status, _CODES.get(exc.status, "http_error"), exc.reason, started)
+        message = _not_found_message(request) if exc.status == 404 else exc.reason
+        return _error(request, exc.status, _CODES.get(exc.status, "http_error"), message, started)
     except (RedisConnectionError, RedisTimeoutError) as exc:  # keys, limits, the admin API
         log.warning("store unavailable on %s %s: %s", request.method, request.path, exc)
         return _error(request, 503, "store_unavailable",
@@ -52,6 +53,25 @@ async def envelope_middleware(request: web.Request, handler: Handler) -> web.Str
         headers.setdefault("x-aigw-replica", "none")
         response[OVERHEAD_MS] = (time.perf_counter() - started) * 1000
     return response
+
+
+def _not_found_message(request: web.Request) -> str:
+    """"Not Found", with the route meant when the path is one an SDK's base_url missed by a
+    `/v1` (OpenAI's base_url without it: /chat/completions) or doubled (Anthropic's base_url
+    with it: /anthropic/v1/v1/messages). Only a known route is named, never the caller's path."""
+    path = request.path
+    if "/v1/v1/" in path:
+        meant = path.replace("/v1/v1/", "/v1/", 1)
+    elif path.startswith("/anthropic/"):
+        meant = "/anthropic/v1/" + path[len("/anthropic/"):]
+    elif path.startswith("/openai/"):
+        meant = "/openai/v1/" + path[len("/openai/"):]
+    else:
+        meant = "/v1" + path
+    if meant not in {resource.canonical for resource in request.app.router.resources()}:
+        return "Not Found"
+    return (f"Not Found; did you mean {meant}? (the OpenAI SDKs' base_url is the gateway's "
+            "URL with /v1, the Anthropic SDKs' the gateway's URL with /anthropic)")
 
 
 def _error(request: web.Request, status: int, code: str, message: str, started: float) -> web.Response:

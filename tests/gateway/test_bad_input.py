@@ -135,6 +135,15 @@ def _check(path: str, response: httpx.Response, status: int) -> str | None:
 def test_unknown_route_and_wrong_method_answer_in_the_envelope(gateway: Gateway) -> None:
     missing = httpx.get(gateway.url + "/v1/nothing")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert missing.json()["error"]["message"] == "Not Found"
+    # an SDK's base_url that missed or doubled the /v1: the answer names the route meant
+    for path, meant in (("/chat/completions", "/v1/chat/completions"),
+                        ("/anthropic/v1/v1/messages", "/anthropic/v1/messages"),
+                        ("/anthropic/messages", "/anthropic/v1/messages")):
+        answer = httpx.post(gateway.url + path, json={})
+        error = answer.json()["error"]
+        assert answer.status_code == 404 and error["code"] == "not_found", path
+        assert f"did you mean {meant}?" in error["message"], error
     wrong_method = httpx.get(gateway.url + "/anthropic/v1/messages")
     assert wrong_method.status_code == 405 and wrong_method.json()["type"] == "error"
     assert wrong_method.headers["x-request-id"]
