@@ -16,8 +16,9 @@ each [BLOCK_K/2] deep. The scale of input k is row n's byte k // 32; 2 ** (s - 1
 its bits (s = 0, 2 ** -127, reads as 0: no real checkpoint uses it). Routing, block alignment and the
 weighting of the second GEMM are fused_moe.py's. Reference: dequantize, then `fused_moe_reference`.
 
-Status: checked against the reference in Triton's interpreter (tests/kernels); not yet timed on a
-GPU, so the engine takes it only when bfloat16 experts would not fit (engine/models/gpt_oss_moe.py).
+Status: checked against the reference in Triton's interpreter (tests/engine/kernels); not yet
+timed on a GPU, so the engine takes it only when bfloat16 experts would not fit
+(engine/models/gpt_oss_moe.py).
 """
 
 from __future__ import annotations

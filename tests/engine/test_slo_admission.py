@@ -21,7 +21,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.server import ReplicaServerSettings
 from tests.engine.fakes import assert_idle_and_clean
-from tests.server.conftest import ServerThread
+from tests.engine.server.conftest import ServerThread
 
 TTFT_TARGET_MS = 200.0
 FLOOD = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)

@@ -22,8 +22,8 @@ from chat.tool_parsers import Llama4PythonicToolParser
 from engine.server import ReplicaServerSettings
 from tests.gateway.conftest import GatewayFactory
 from tests.models._llama4 import write_tokenizer
-from tests.server.conftest import ServerThread
-from tests.server.fakes import FakeEngine
+from tests.engine.server.conftest import ServerThread
+from tests.engine.server.fakes import FakeEngine
 
 # Llama 4's turn layout; tools listed in the system turn, past calls written as Llama 4 writes them
 TEMPLATE = (

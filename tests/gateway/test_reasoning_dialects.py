@@ -15,8 +15,8 @@ import pytest
 from engine.server import ReplicaServerSettings
 from tests.chat.tokenizers import qwen3_like_tokenizer
 from tests.gateway.conftest import GatewayFactory, wait_until
-from tests.server.conftest import ServerThread
-from tests.server.fakes import FakeEngine
+from tests.engine.server.conftest import ServerThread
+from tests.engine.server.fakes import FakeEngine
 
 REASONING = "The user greets me. I should greet back."
 REPLY = f"<think>\n{REASONING}\n</think>\n\nHello there!"

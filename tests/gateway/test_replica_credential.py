@@ -22,7 +22,7 @@ from gateway.settings import ModelSettings
 from gateway.upstream.lean_transport import LeanTransport
 from gateway.web.keys import FLEET, TRANSPORT
 from tests.gateway.conftest import GatewayFactory, LoopThread, start_app, wait_until
-from tests.server.fakes import FakeEngine
+from tests.engine.server.fakes import FakeEngine
 
 SECRET = "replica-secret-for-tests"
 

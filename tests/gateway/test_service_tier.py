@@ -21,7 +21,7 @@ from gateway.dialects.openai_completions import OpenAICompletions
 from gateway.dialects.openai_responses import OpenAIResponses
 from gateway.dialects.validate import InvalidParam
 from tests.gateway.conftest import Gateway, GatewayFactory, LoopThread, start_app
-from tests.server.fakes import FakeEngine
+from tests.engine.server.fakes import FakeEngine
 
 USER = [{"role": "user", "content": "hi"}]
 

@@ -42,7 +42,7 @@ def refusing_replica() -> Iterator[Any]:
     from engine.loader import default_model_path
     from engine.model_runner import ModelRunner
     from engine.server import ReplicaServerSettings
-    from tests.server.conftest import ServerThread
+    from tests.engine.server.conftest import ServerThread
 
     torch.set_num_threads(1)
     path = str(default_model_path())

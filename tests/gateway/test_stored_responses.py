@@ -393,8 +393,8 @@ def test_each_turn_of_a_conversation_goes_to_the_replica_of_the_turn_before(
     from concurrent.futures import ThreadPoolExecutor
 
     from engine.server import ReplicaServerSettings
-    from tests.server.conftest import ServerThread
-    from tests.server.fakes import FakeEngine
+    from tests.engine.server.conftest import ServerThread
+    from tests.engine.server.fakes import FakeEngine
 
     class SyncedFake(FakeEngine):  # a snapshot the prefix router syncs from (no blocks held)
         def kv_snapshot(self) -> dict[str, Any]:

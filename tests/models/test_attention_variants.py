@@ -1,7 +1,8 @@
 """Sliding windows and sinks in both attention backends, on a mixed batch built by ModelRunner (plain
 decodes, a cascade group sharing a prefix, a fresh prefill, a chunk after a cached prefix): the torch
-backend (CPU engine) and the Triton backend (interpreter on CPU) against the kernels' torch reference,
-which tests/kernels/test_paged_attention_variants.py checks against transformers' semantics."""
+backend (CPU engine) and the Triton backend (interpreter on CPU) against the kernels' torch
+reference, which tests/engine/kernels/test_paged_attention_variants.py checks against
+transformers' semantics."""
 
 from __future__ import annotations
 
