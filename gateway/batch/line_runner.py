@@ -114,6 +114,7 @@ class LineRunner:
         dialect = self._dialects[endpoint]
         request_id = line_request_id(batch_id, index)
         try:
+            principal = await self._current(principal)
             canonical, route = self._parse(dialect, body, principal, request_id)
             admission = await self._admit(canonical, principal)
         except GatewayError as exc:
@@ -124,6 +125,15 @@ class LineRunner:
                                  exc.message, None)
         return await self._serve(dialect, batch_id, index, custom_id, canonical, route,
                                  principal, admission)
+
+    async def _current(self, principal: Principal) -> Principal:
+        """The creating key's rights now: a key revoked (or expired) since the batch was created
+        runs none of its remaining lines (each is its 401), a key whose models were narrowed
+        runs them with the narrower set. JWT callers keep the rights their token had."""
+        current = getattr(self._pipeline.authenticator, "current_principal", None)
+        if principal.via != "api_key" or current is None:
+            return principal
+        return await current(principal.key_id)  # type: ignore[no-any-return]
 
     def _parse(self, dialect: Dialect, body: dict[str, Any], principal: Principal,
                request_id: str) -> tuple[CanonicalRequest, Any]:

@@ -25,7 +25,7 @@ from auth.principal import Scope
 from bench.mock_upstream import MockConfig, MockState, create_mock_app
 from gateway.settings import GatewaySettings
 from gateway.web.services import create_served_app
-from tests.gateway.conftest import MODEL, LoopThread, start_app
+from tests.gateway.conftest import MODEL, LoopThread, start_app, wait_until
 
 PRICES = {"input_per_token": 1e-6, "cached_input_per_token": 1e-7, "output_per_token": 2e-6}
 DISCOUNT = 0.5
@@ -463,3 +463,42 @@ def test_create_bodies_of_any_json_get_a_4xx_never_a_5xx(served: Served) -> None
 
     with httpx.Client(timeout=10) as http:
         create()
+
+
+def test_revoking_the_creating_key_stops_the_lines_not_yet_run(served: Served) -> None:
+    """A batch ran every line with the rights its key had at creation: a key revoked as
+    compromised kept spending its project's budget for up to the 24 h window."""
+    import asyncio
+
+    async def create_key() -> tuple[str, str]:
+        auth = await open_auth(AuthSettings(enabled=True, data_dir=served.data_dir))
+        try:
+            record, secret = await auth.admin.create_key("default", [Scope.INVOKE.value])
+            return record.key_id, secret
+        finally:
+            await auth.close()
+
+    async def revoke(key_id: str) -> None:
+        auth = await open_auth(AuthSettings(enabled=True, data_dir=served.data_dir))
+        try:
+            await auth.admin.revoke_key(key_id)
+        finally:
+            await auth.close()
+
+    key_id, key = asyncio.run(create_key())
+    client = served.client(key)
+    num_seen = len(served.state.request_ids)
+    served.state.config.latency_ms = 1500  # the first lines wait at the upstream
+    try:
+        batch = submit(client, [chat_line(f"r-{i}", "hi") for i in range(6)])
+        assert wait_until(lambda: len(served.state.request_ids) > num_seen, 10)
+        asyncio.run(revoke(key_id))
+        assert wait_until(lambda: httpx.get(served.url + "/v1/models", headers={
+            "authorization": f"Bearer {key}"}).status_code == 401, 5)
+    finally:
+        served.state.config.latency_ms = 0
+    done = wait_done(served.client(), batch.id)  # (another key of the project reads it)
+    errors = read_jsonl(served.client(), done.error_file_id)
+    assert done.request_counts is not None and done.request_counts.completed <= 2  # in flight
+    assert len(errors) >= 4 and {e["response"]["status_code"] for e in errors} == {401}
+    assert {e["response"]["body"]["error"]["code"] for e in errors} == {"revoked_api_key"}
