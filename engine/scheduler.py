@@ -48,7 +48,17 @@ from engine.kv_cache.manager import BlockTable, ComputedBlocks, KVCacheManager
 from engine.outputs import FinishReason
 from engine.request import Request, RequestStatus
 from engine.reserved_shares import ReservedShares
-from engine.slo import QueueLoad, StepCostModel, StepPlan, plan_step, queue_load_of
+from engine.slo import (
+    HEADROOM,
+    MAX_PLANNED_PREFILLS,
+    PREFILL_STEP_TTFT_FRACTION,
+    QueueLoad,
+    StepCostModel,
+    StepPlan,
+    attention_pairs,
+    plan_step,
+    queue_load_of,
+)
 
 MAX_SHARE_SCAN = 256  # waiting requests looked at for one that a reserved share lets in
 
@@ -114,14 +124,50 @@ class Scheduler:
         config = self.config
         if config.policy != "slo":
             return StepPlan(config.max_num_batched_tokens, config.max_num_seqs)
-        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens <= 1)
+        num_decodes = num_decode_pairs = 0
+        slack_s: float | None = None
+        gap_s = (config.tpot_p90_ms or 0.0) / 1000.0 * HEADROOM
+        now_s = self.clock()
+        for r in self.running:
+            if r.num_tokens - r.num_computed_tokens <= 1:
+                num_decodes += 1
+                num_decode_pairs += r.num_tokens  # (its context)
+                # the longest step that keeps its mean gap within the target (its next token ends
+                # gap number num_output_tokens)
+                first_s = r.first_token_time if r.first_token_time is not None else now_s
+                own_s = gap_s * max(r.num_output_tokens, 1) - (now_s - first_s)
+                slack_s = own_s if slack_s is None else min(slack_s, own_s)
+        prefill_step_ms = (config.ttft_p90_ms * PREFILL_STEP_TTFT_FRACTION
+                           if config.ttft_p90_ms else None)
         return plan_step(self.step_costs.cost, num_decodes, config.tpot_p90_ms,
-                         config.max_num_batched_tokens, config.max_num_seqs)
+                         config.max_num_batched_tokens, config.max_num_seqs,
+                         self._planned_prefills(), num_decode_pairs, prefill_step_ms, slack_s)
+
+    def _planned_prefills(self) -> list[tuple[int, int]]:
+        """(position, tokens left) of the prompts a step would prefill, in schedule order (class by
+        class: its running prompts, then its waiting ones at their predicted cache hit); at most
+        MAX_PLANNED_PREFILLS."""
+        prefills: list[tuple[int, int, int]] = []  # (class, position, tokens left)
+        for r in self.running:
+            if r.num_tokens - r.num_computed_tokens > 1:
+                prefills.append((r.priority, r.num_computed_tokens,
+                                 r.num_tokens - r.num_computed_tokens))
+                if len(prefills) >= MAX_PLANNED_PREFILLS:
+                    break
+        for r in islice(self.waiting, MAX_PLANNED_PREFILLS):
+            cached = min(r.num_cached_tokens_predicted, r.num_tokens - 1)
+            prefills.append((r.priority, cached, r.num_tokens - cached))
+        prefills.sort(key=lambda p: p[0])  # (stable: running first within a class)
+        return [(start, num_left) for _, start, num_left in prefills[:MAX_PLANNED_PREFILLS]]
 
     def record_step(self, batch: ScheduledBatch, step_s: float) -> None:
         """The measured wall time of the step that ran `batch` (schedule, model, sampling)."""
-        num_decodes = sum(1 for seq in batch.sequences if seq.num_scheduled_tokens == 1)
-        self.step_costs.observe(batch.num_scheduled_tokens - num_decodes, num_decodes, step_s)
+        num_decodes = num_pairs = 0
+        for seq in batch.sequences:
+            num_decodes += seq.num_scheduled_tokens == 1
+            num_pairs += attention_pairs(seq.start_position, seq.num_scheduled_tokens)
+        self.step_costs.observe(batch.num_scheduled_tokens - num_decodes, num_decodes, step_s,
+                                num_pairs)
 
     def queue_load(self) -> QueueLoad:
         """The work ahead of each class (engine/slo.py::queue_load_of); O(waiting + running)."""
@@ -132,14 +178,17 @@ class Scheduler:
         """The running requests of class `priority` from running[index]: a decode token each, or the
         next prefill chunk. Out of blocks (or growing into another project's unmet reservation), the
         last running request (lowest class, youngest) it may preempt is, until the request fits or
-        was that one."""
+        was that one. A prefill chunk leaves a token for every decode behind it
+        (`_num_decodes_from`)."""
         while index < len(self.running) and self.running[index].priority == priority and budget > 0:
             request = self.running[index]
-            allowed = self._num_tokens_for(request, budget)
-            if allowed <= 0:  # the budget left is other projects' reserved share
+            num_left = request.num_tokens - request.num_computed_tokens
+            free = budget - self._num_decodes_from(index + 1) if num_left > 1 else budget
+            allowed = self._num_tokens_for(request, free)
+            if allowed <= 0:  # the budget left is other projects' reserved share, or decodes'
                 index += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, allowed)
+            num_new = min(num_left, allowed)
             num_new_blocks = self._num_new_blocks(request.num_computed_tokens, num_new)
             block_tables = self._allocate_running(request, num_new, num_new_blocks)
             while block_tables is None:
@@ -162,16 +211,19 @@ class Scheduler:
                           priority: int) -> tuple[int, int]:
         """Admit waiting requests of class `priority`, in order, into running[index]; each may
         preempt running requests of lower classes (not yet scheduled in this step) for a seat or
-        for KV room."""
+        for KV room. Its prompt leaves a token for every running decode not yet scheduled."""
         while self.waiting and budget > 0 and (self.waiting[0].priority == priority or (
                 self._holds_shares and self.waiting[0].priority < priority)):
+            free = budget - self._num_decodes_from(index)  # (a victim below only frees more)
+            if free <= 0:
+                break
             num_seats = self.plan.max_num_running
             has_lower = self._has_lower(index, priority)
             if len(self.running) >= num_seats and not has_lower and not self._owed_seat(priority):
                 break
             if self._holds_shares:
                 num_free_seats = max(num_seats - len(self.running), int(has_lower))
-                picked = self._pick_within_shares(priority, budget, num_free_seats)
+                picked = self._pick_within_shares(priority, free, num_free_seats)
             else:
                 picked = self._pick_waiting()
             if picked is None:
@@ -186,7 +238,7 @@ class Scheduler:
                 self._preempt(self.running.pop(victim), batch)  # one lower-class request gives its seat
                 num_seats = max(num_seats, len(self.running) + 1)
             num_new = min(request.num_tokens - computed.num_computed_tokens,
-                          self._num_tokens_for(request, budget))
+                          self._num_tokens_for(request, free))
             block_tables = self.kv_cache.allocate_slots(request, num_new, computed)
             while block_tables is None:
                 victim = self._victim(request, index, lower_only=True)
@@ -199,7 +251,7 @@ class Scheduler:
                 # are safe from LRU eviction, never from demand (no request waits on a retention)
                 computed = self.kv_cache.get_computed_blocks(request)
                 num_new = min(request.num_tokens - computed.num_computed_tokens,
-                              self._num_tokens_for(request, budget))
+                              self._num_tokens_for(request, free))
                 block_tables = self.kv_cache.allocate_slots(request, num_new, computed)
             if block_tables is None:
                 break  # no room: wait for running requests of its class or higher to finish
@@ -341,6 +393,13 @@ class Scheduler:
             if not (self._holds_shares and self.shares.is_protected(candidate, preemptor)):  # type: ignore[union-attr]
                 return position
         return None
+
+    def _num_decodes_from(self, position: int) -> int:
+        """Running decodes at running[position:] (not yet scheduled in this step): a prefill
+        leaves each its token, so a prompt of a higher class (or admitted earlier) never stalls
+        a stream."""
+        return sum(1 for r in islice(self.running, position, None)
+                   if r.num_tokens - r.num_computed_tokens <= 1)
 
     def _has_lower(self, index: int, priority: int) -> bool:
         """Whether a running request not yet scheduled in this step is of a lower class."""

@@ -7,25 +7,43 @@ owns one `StepCostModel` and calls these each step.
 The step-time model (fitted from every step the engine runs, recent steps weigh most):
 
     step_s = base_s + prefill_s_per_token * num_prefill_tokens + decode_s_per_seq * num_decode_seqs
+             + attention_s_per_pair * num_attention_pairs
+
+`num_attention_pairs` is the step's attention work: each scheduled sequence's new tokens times the
+context they attend to (`attention_pairs`; a decode: its context). Without it a prefill chunk deep
+in a long prompt (its queries attend to every position before them) costs far more than the same
+number of tokens at its start, and a plan sized from a flat cost per token overruns the step.
 
 The control loop (`plan_step`, policy `slo` with a TPOT target): a step must last at most
 `tpot_target * HEADROOM` (each running decode gets one token per step, so a step's time is their
 time per output token). The running decodes' share of it is fixed (base + their cost); prefill takes
-the rest, at least MIN_PREFILL_TOKENS so prompts always advance. New sequences are admitted to the
-running batch only while the batch's decodes alone (plus that minimum prefill) still fit the step.
+the rest, at least MIN_PREFILL_TOKENS so prompts always advance: the prompts the step would
+prefill, in schedule order, each chunk costed at its position in its prompt. New sequences are
+admitted to the running batch only while the batch's decodes alone (plus that minimum prefill)
+still fit the step. A step with no decodes streams no tokens: it is bounded by `prefill_step_ms` instead (the scheduler
+passes PREFILL_STEP_TTFT_FRACTION of the TTFT target: the most a request arriving during it waits
+for the step to end), so prompts prefill in larger, cheaper chunks while nothing decodes.
+
+A decode's TPOT is its mean gap, (last token - first token) / gaps: a stream whose steps so far ran
+shorter than the target (no prompt prefilled beside it) has time in hand. With `decode_slack_s`
+(the least, over the running decodes, of `tpot_target * HEADROOM * gaps after this step - time
+since its first token`) the step may last that long, up to the same `prefill_step_ms` bound: every
+stream's mean gap still stays within `tpot_target * HEADROOM`, and a prompt waiting for prefill
+gets the time the streams did not use.
 
     |<------------------ tpot_target * HEADROOM ------------------>|
     | base_s | decode_s_per_seq * num_decodes | prefill (the rest) |
 
 Admission (`predict_admission`): a request of class c waits behind the prefill work of its class
 and the higher ones (waiting prompts less what the prefix cache holds of them, running prompts'
-unfinished chunks); per step that work gets the token budget less those classes' decodes. It also
+unfinished chunks: their tokens and attention, in seconds); per step that work gets the token
+budget less those classes' decodes, and under the slo plan the step's prefill room. It also
 waits for a seat: when the running batch is at the plan's cap, until enough of the seats its class
 can take (its own class's and higher; a lower class gives its seat up) free up, each after its
 remaining output tokens, one a step. The queue is the longer of the two; the predicted TTFT is the
-queue plus its own prefill, the prompt less its prefix-cache hit. Classes' TTFT targets (`class_ttft_target_ms`): priority and default have the operator's
-target; flex is best effort with a looser bound (FLEX_TTFT_FACTOR times it) so its queue stays
-bounded too. A request is refused only when the queue is what breaks its target: one whose own
+queue plus its own prefill, the prompt less its prefix-cache hit. Classes' TTFT targets
+(`class_ttft_target_ms`): priority and default have the operator's target; flex is best effort
+with a looser bound (FLEX_TTFT_FACTOR times it) so its queue stays bounded too. A request is refused only when the queue is what breaks its target: one whose own
 prefill fits the target is refused when queue + prefill exceed it; one whose own prefill alone takes
 longer (a long prompt, or a machine slower than the target) only when the queue alone exceeds it.
 """
@@ -34,12 +52,14 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Protocol
 
 HEADROOM = 0.8  # the step aims at 80% of the TPOT target: the target is a p90, steps are noisy
+PREFILL_STEP_TTFT_FRACTION = 0.1  # a step without decodes: at most this much of the TTFT target
+MAX_PLANNED_PREFILLS = 8  # prompts a step plan costs chunk by chunk (the rest: at position 0)
 MIN_PREFILL_TOKENS = 16  # prefill's floor per step while any prompt waits
 FLEX_TTFT_FACTOR = 4.0  # flex's TTFT bound for admission: this many times the target
 MIN_STEPS_FITTED = 4  # steps measured before the model predicts anything
@@ -60,65 +80,105 @@ def class_ttft_target_ms(ttft_target_ms: float | None, priority: int) -> float |
     return ttft_target_ms * FLEX_TTFT_FACTOR if priority > 0 else ttft_target_ms
 
 
+def attention_pairs(start_position: int, num_tokens: int) -> int:
+    """A chunk's attention work: its `num_tokens` queries times the context they attend to (every
+    position up to the chunk's end; the backends score the chunk's block against all of it)."""
+    return num_tokens * (start_position + num_tokens)
+
+
+def prompt_pairs(start_position: int, num_tokens: int) -> int:
+    """The attention work left in a prompt computed from `start_position` on, `num_tokens` more,
+    in small chunks (each query attends to the positions before it)."""
+    end = start_position + num_tokens
+    return (end * (end + 1) - start_position * (start_position + 1)) // 2
+
+
 @dataclass(frozen=True)
 class StepCost:
-    """Seconds a step takes: base + per prefill token + per decoding sequence."""
+    """Seconds a step takes: base + per prefill token + per decoding sequence + per attention pair
+    (a query times a context position it attends to)."""
 
     base_s: float
     prefill_s_per_token: float
     decode_s_per_seq: float
+    attention_s_per_pair: float = 0.0
 
-    def step_s(self, num_prefill_tokens: float, num_decode_seqs: float) -> float:
+    def step_s(self, num_prefill_tokens: float, num_decode_seqs: float,
+               num_attention_pairs: float = 0.0) -> float:
         return (self.base_s + self.prefill_s_per_token * num_prefill_tokens
-                + self.decode_s_per_seq * num_decode_seqs)
+                + self.decode_s_per_seq * num_decode_seqs
+                + self.attention_s_per_pair * num_attention_pairs)
+
+    def chunk_s(self, start_position: int, num_tokens: int) -> float:
+        """A prefill chunk's share of a step (its tokens and its attention)."""
+        return (self.prefill_s_per_token * num_tokens
+                + self.attention_s_per_pair * attention_pairs(start_position, num_tokens))
+
+    def max_chunk(self, start_position: int, room_s: float) -> int | None:
+        """The most tokens a chunk starting at `start_position` fits into `room_s` (None: any)."""
+        a = self.attention_s_per_pair
+        b = self.prefill_s_per_token + a * start_position
+        if room_s <= 0.0:
+            return 0
+        if a <= 0.0:
+            return None if b <= 0.0 else int(room_s / b)
+        n = int((-b + math.sqrt(b * b + 4.0 * a * room_s)) / (2.0 * a))  # a n^2 + b n <= room
+        while n > 0 and self.chunk_s(start_position, n) > room_s:  # (float rounding)
+            n -= 1
+        return n
 
 
 class StepCostModel:
-    """Least squares of step_s on (1, prefill tokens, decode seqs) with exponential forgetting
-    (`half_life_steps`): the model follows the machine as load and contexts change.
+    """Least squares of step_s on (1, prefill tokens, decode seqs, attention pairs) with
+    exponential forgetting (`half_life_steps`): the model follows the machine as load and contexts
+    change.
 
-    The features are scaled by the step's limits (`prefill_scale` tokens, `decode_scale` seqs), so
-    where the steps do not tell the terms apart (every step full, say) the minimum-norm solution
-    splits a step's time evenly between its fixed part and its per-token part."""
+    The features are scaled by the step's limits (`prefill_scale` tokens, `decode_scale` seqs, a
+    full chunk's pairs `prefill_scale ** 2`), so where the steps do not tell the terms apart (every
+    step full, say) the minimum-norm solution splits a step's time evenly between its parts."""
 
     def __init__(self, half_life_steps: float = 64.0, prefill_scale: float = 512.0,
                  decode_scale: float = 64.0) -> None:
         self._decay = 0.5 ** (1.0 / half_life_steps)
-        self._scales = (1.0, float(prefill_scale), float(decode_scale))
-        self._xtx = [[0.0] * 3 for _ in range(3)]
-        self._xty = [0.0] * 3
+        self._scales = (1.0, float(prefill_scale), float(decode_scale), float(prefill_scale) ** 2)
+        self._xtx = [[0.0] * 4 for _ in range(4)]
+        self._xty = [0.0] * 4
         self.num_steps = 0
         self.cost: StepCost | None = None  # None until MIN_STEPS_FITTED steps were measured
 
-    def observe(self, num_prefill_tokens: int, num_decode_seqs: int, step_s: float) -> None:
+    def observe(self, num_prefill_tokens: int, num_decode_seqs: int, step_s: float,
+                num_attention_pairs: int = 0) -> None:
         if num_prefill_tokens + num_decode_seqs <= 0 or not step_s > 0.0:
             return
-        x = (1.0, num_prefill_tokens / self._scales[1], num_decode_seqs / self._scales[2])
-        for i in range(3):
-            for j in range(3):
+        features = (1.0, num_prefill_tokens, num_decode_seqs, num_attention_pairs)
+        x = [f / scale for f, scale in zip(features, self._scales, strict=True)]
+        for i in range(4):
+            for j in range(4):
                 self._xtx[i][j] = self._xtx[i][j] * self._decay + x[i] * x[j]
             self._xty[i] = self._xty[i] * self._decay + x[i] * step_s
         self.num_steps += 1
         if self.num_steps >= MIN_STEPS_FITTED:
-            base, prefill, decode = _solve3(self._xtx, self._xty)
-            self.cost = StepCost(max(base, 0.0), max(prefill, 0.0) / self._scales[1],
-                                 max(decode, 0.0) / self._scales[2])
+            fitted = _solve(self._xtx, self._xty)
+            base, prefill, decode, pair = (max(v, 0.0) / scale
+                                           for v, scale in zip(fitted, self._scales, strict=True))
+            self.cost = StepCost(base, prefill, decode, pair)
 
 
-def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float]:
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     """(a + ridge) x = b by Gaussian elimination with partial pivoting."""
-    m = [[a[i][j] + (_RIDGE if i == j else 0.0) for j in range(3)] + [b[i]] for i in range(3)]
-    for col in range(3):
-        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+    n = len(b)
+    m = [[a[i][j] + (_RIDGE if i == j else 0.0) for j in range(n)] + [b[i]] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
         m[col], m[pivot] = m[pivot], m[col]
-        for row in range(col + 1, 3):
+        for row in range(col + 1, n):
             factor = m[row][col] / m[col][col]
-            for k in range(col, 4):
+            for k in range(col, n + 1):
                 m[row][k] -= factor * m[col][k]
-    x = [0.0, 0.0, 0.0]
-    for row in (2, 1, 0):
-        x[row] = (m[row][3] - sum(m[row][k] * x[k] for k in range(row + 1, 3))) / m[row][row]
-    return x[0], x[1], x[2]
+    x = [0.0] * n
+    for row in reversed(range(n)):
+        x[row] = (m[row][n] - sum(m[row][k] * x[k] for k in range(row + 1, n))) / m[row][row]
+    return x
 
 
 @dataclass(frozen=True)
@@ -127,33 +187,74 @@ class StepPlan:
 
     token_budget: int
     max_num_running: int
+    # seconds of prefill work a step of this plan holds beside its decodes (None: no time bound,
+    # the token budget alone: the fixed budget); admission's rate of prefill
+    prefill_room_s: float | None = None
 
 
 def plan_step(cost: StepCost | None, num_decodes: int, tpot_target_ms: float | None,
-              max_num_batched_tokens: int, max_num_seqs: int) -> StepPlan:
+              max_num_batched_tokens: int, max_num_seqs: int,
+              prefills: Sequence[tuple[int, int]] = (), num_decode_pairs: int = 0,
+              prefill_step_ms: float | None = None,
+              decode_slack_s: float | None = None) -> StepPlan:
     """The next step's budget under the `slo` policy (module docstring); the fixed budget when
     there is no TPOT target, nothing measured yet, or a target this machine cannot meet even
     with one sequence and the minimum prefill (shrinking the batch would then cost throughput and
-    buy no latency)."""
+    buy no latency).
+
+    `prefills`: (position its chunk starts at, tokens left) of the prompts the step would prefill,
+    in schedule order (at most MAX_PLANNED_PREFILLS are costed; tokens past them count as a prompt
+    at position 0). `num_decode_pairs`: the decodes' contexts (their attention pairs).
+    `prefill_step_ms`: the step's bound when nothing decodes (None: the token budget alone), and
+    the most a step spends of the decodes' slack; `decode_slack_s`: the longest step that keeps
+    every running decode's mean gap within the target (module docstring; None: the flat target)."""
     fixed = StepPlan(max_num_batched_tokens, max_num_seqs)
     if cost is None or not tpot_target_ms:
         return fixed
     step_target_s = tpot_target_ms / 1000.0 * HEADROOM
-    if cost.step_s(MIN_PREFILL_TOKENS, 1) > step_target_s:
+    if cost.step_s(MIN_PREFILL_TOKENS, 1, attention_pairs(0, MIN_PREFILL_TOKENS)) > step_target_s:
         return fixed
-    room_s = step_target_s - cost.base_s - cost.decode_s_per_seq * num_decodes
     max_prefill = max(max_num_batched_tokens - num_decodes, 0)
-    if cost.prefill_s_per_token > 0.0:
-        prefill = int(max(room_s, 0.0) / cost.prefill_s_per_token)
-    else:
-        prefill = max_prefill
+    seats = _max_seats(cost, step_target_s, num_decodes, num_decode_pairs, max_num_seqs)
+    if num_decodes == 0:  # nothing streams: the step only delays what arrives meanwhile
+        if prefill_step_ms is None:
+            return StepPlan(max_num_batched_tokens, seats)
+        step_target_s = max(step_target_s, prefill_step_ms / 1000.0)
+    decodes_s = cost.step_s(0, num_decodes, num_decode_pairs)
+    room_s = max(step_target_s - decodes_s, 0.0)  # (admission's rate: the slack is not lasting)
+    if num_decodes and decode_slack_s is not None and prefill_step_ms is not None:
+        step_target_s = min(max(step_target_s, decode_slack_s),
+                            max(step_target_s, prefill_step_ms / 1000.0))
+    prefill = _prefill_tokens(cost, max(step_target_s - decodes_s, 0.0), prefills, max_prefill)
     prefill = min(max(prefill, MIN_PREFILL_TOKENS), max_prefill)
-    seat_room_s = step_target_s - cost.base_s - cost.prefill_s_per_token * MIN_PREFILL_TOKENS
-    if cost.decode_s_per_seq > 0.0:
-        seats = int(max(seat_room_s, 0.0) / cost.decode_s_per_seq)
-    else:
-        seats = max_num_seqs
-    return StepPlan(token_budget=num_decodes + prefill, max_num_running=min(max(seats, 1), max_num_seqs))
+    return StepPlan(num_decodes + prefill, seats, room_s)
+
+
+def _prefill_tokens(cost: StepCost, room_s: float, prefills: Sequence[tuple[int, int]],
+                    max_prefill: int) -> int:
+    """Prompt tokens that fit `room_s`, chunk by chunk in schedule order, each at its position."""
+    num_tokens = 0
+    for start, num_left in islice(prefills, MAX_PLANNED_PREFILLS):
+        fits = cost.max_chunk(start, room_s)
+        chunk = num_left if fits is None else min(fits, num_left)
+        num_tokens += chunk
+        room_s -= cost.chunk_s(start, chunk)
+        if chunk < num_left or num_tokens >= max_prefill:
+            return num_tokens
+    fits = cost.max_chunk(0, room_s)  # prompts not listed (or arriving): at their start
+    return max_prefill if fits is None else num_tokens + fits
+
+
+def _max_seats(cost: StepCost, step_target_s: float, num_decodes: int, num_decode_pairs: int,
+               max_num_seqs: int) -> int:
+    """The most decodes (at the running decodes' mean context) that, with the minimum prefill,
+    still fit the step."""
+    mean_context = num_decode_pairs / num_decodes if num_decodes else 0.0
+    per_seat_s = cost.decode_s_per_seq + cost.attention_s_per_pair * mean_context
+    seat_room_s = step_target_s - cost.step_s(MIN_PREFILL_TOKENS, 0,
+                                              attention_pairs(0, MIN_PREFILL_TOKENS))
+    seats = int(max(seat_room_s, 0.0) / per_seat_s) if per_seat_s > 0.0 else max_num_seqs
+    return min(max(seats, 1), max_num_seqs)
 
 
 @dataclass(frozen=True)
@@ -167,6 +268,7 @@ class ClassLoad:
     # steps until each seat held frees (its remaining output tokens), soonest first, at most
     # MAX_SEAT_SAMPLES
     seat_free_steps: tuple[int, ...] = ()
+    num_prefill_pairs: int = 0  # the attention work of those prompt tokens (prompt_pairs)
 
 
 @dataclass(frozen=True)
@@ -179,6 +281,8 @@ class QueueLoad:
     token_budget: int  # the current step plan's
     cost: StepCost | None
     max_num_running: int = 0  # the current step plan's seats (0: a seat is never waited for)
+    num_decode_pairs: int = 0  # the running decodes' contexts (their attention work a step)
+    prefill_room_s: float | None = None  # the plan's prefill seconds a step (None: tokens only)
 
     def ahead_of(self, priority: int) -> ClassLoad:
         """The load ahead of a new request of class `priority` (its own class and higher)."""
@@ -222,34 +326,42 @@ def queue_load_of(waiting: Iterable[QueuedRequest], running: Iterable[QueuedRequ
     a running one's seat frees after its remaining output tokens (max_tokens: with none, the
     context window, an upper bound)."""
     prefill: dict[int, int] = dict.fromkeys(STANDARD_CLASSES, 0)
+    pairs: dict[int, int] = dict.fromkeys(STANDARD_CLASSES, 0)
     decodes: dict[int, int] = dict.fromkeys(STANDARD_CLASSES, 0)
+    num_decode_pairs = 0
     seated: dict[int, list[int]] = {c: [] for c in STANDARD_CLASSES}
     queued: dict[int, int] = dict.fromkeys(STANDARD_CLASSES, 0)
     for request in waiting:
         c = request.priority
-        uncached = request.num_tokens - min(request.num_cached_tokens_predicted, request.num_tokens - 1)
-        prefill[c] = prefill.get(c, 0) + uncached
+        cached = min(request.num_cached_tokens_predicted, request.num_tokens - 1)
+        prefill[c] = prefill.get(c, 0) + request.num_tokens - cached
+        pairs[c] = pairs.get(c, 0) + prompt_pairs(cached, request.num_tokens - cached)
         queued[c] = queued.get(c, 0) + 1
     for request in running:
         c = request.priority
         remaining = request.num_tokens - request.num_computed_tokens
         if remaining > 1:
             prefill[c] = prefill.get(c, 0) + remaining
+            pairs[c] = pairs.get(c, 0) + prompt_pairs(request.num_computed_tokens, remaining)
         else:
             decodes[c] = decodes.get(c, 0) + 1
+            num_decode_pairs += request.num_tokens
         seated.setdefault(c, []).append(max(request.max_num_tokens - request.num_tokens, 1))
     by_class: dict[int, ClassLoad] = {}
-    num_prefill = num_decodes = num_running = num_waiting = 0
+    num_prefill = num_pairs = num_decodes = num_running = num_waiting = 0
     seat_steps: tuple[int, ...] = ()
     for c in sorted(prefill.keys() | decodes.keys() | seated.keys() | queued.keys()):
         num_prefill += prefill.get(c, 0)  # cumulative: this class and the higher ones
+        num_pairs += pairs.get(c, 0)
         num_decodes += decodes.get(c, 0)
         num_running += len(seated.get(c, ()))
         num_waiting += queued.get(c, 0)
         own = heapq.nsmallest(MAX_SEAT_SAMPLES, seated.get(c, ()))
         seat_steps = tuple(islice(heapq.merge(seat_steps, own), MAX_SEAT_SAMPLES))
-        by_class[c] = ClassLoad(num_prefill, num_decodes, num_running, num_waiting, seat_steps)
-    return QueueLoad(by_class, num_decodes, plan.token_budget, cost, plan.max_num_running)
+        by_class[c] = ClassLoad(num_prefill, num_decodes, num_running, num_waiting, seat_steps,
+                                num_pairs)
+    return QueueLoad(by_class, num_decodes, plan.token_budget, cost, plan.max_num_running,
+                     num_decode_pairs, plan.prefill_room_s)
 
 
 def seat_wait_steps(load: QueueLoad, ahead: ClassLoad) -> int:
@@ -286,16 +398,34 @@ def predict_queue_s(load: QueueLoad, priority: int, num_prompt_tokens: int = 0,
                     num_pending_tokens: int = 0, num_cached_tokens: int = 0) -> tuple[float, float]:
     """(seconds before a new request of class `priority` starts its prefill: the prefill ahead or
     the wait for a seat, whichever is longer; seconds of its own prefill, the prompt less its
-    cached prefix); (0, 0) before the step-time model has been fitted."""
+    cached prefix); (0, 0) before the step-time model has been fitted.
+
+    Prefill work (its tokens and attention, in seconds) takes as many steps as the plan's token
+    budget less the decodes ahead, or its prefill room (policy slo), allow; each step also costs
+    its fixed part and every running decode."""
     cost = load.cost
     if cost is None:
         return 0.0, 0.0
     ahead = load.ahead_of(priority)
-    prefill_per_step = max(load.token_budget - ahead.num_decodes, 1)
-    step_s = cost.step_s(prefill_per_step, load.num_decodes)
-    prefill_s = (ahead.num_prefill_tokens + num_pending_tokens) / prefill_per_step * step_s
-    queue_s = max(prefill_s, seat_wait_steps(load, ahead) * step_s)
+    tokens_per_step = max(load.token_budget - ahead.num_decodes, 1)
+    overhead_s = cost.step_s(0, load.num_decodes, load.num_decode_pairs)
+
+    def prefill_s(num_tokens: int, num_pairs: int, min_steps: float) -> float:
+        work_s = cost.prefill_s_per_token * num_tokens + cost.attention_s_per_pair * num_pairs
+        num_steps = num_tokens / tokens_per_step
+        if load.prefill_room_s:
+            num_steps = max(num_steps, work_s / load.prefill_room_s)
+        return max(num_steps, min_steps) * overhead_s + work_s
+
+    pending_pairs = num_pending_tokens * num_prompt_tokens // 2  # (prompts like this one)
+    queue_s = prefill_s(ahead.num_prefill_tokens + num_pending_tokens,
+                        ahead.num_prefill_pairs + pending_pairs, 0.0)
+    step_s = overhead_s + cost.chunk_s(0, tokens_per_step)
+    if load.prefill_room_s:
+        step_s = min(step_s, overhead_s + load.prefill_room_s)
+    queue_s = max(queue_s, seat_wait_steps(load, ahead) * step_s)
     if not num_prompt_tokens:
         return queue_s, 0.0
-    num_uncached = max(num_prompt_tokens - num_cached_tokens, 1)
-    return queue_s, max(num_uncached / prefill_per_step, 1.0) * step_s
+    num_cached = min(num_cached_tokens, num_prompt_tokens - 1)
+    num_uncached = num_prompt_tokens - num_cached
+    return queue_s, prefill_s(num_uncached, prompt_pairs(num_cached, num_uncached), 1.0)

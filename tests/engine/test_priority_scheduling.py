@@ -245,3 +245,58 @@ def test_the_flex_wait_bound_follows_the_ttft_target() -> None:
     assert flex_max_wait_s(SchedulerConfig(ttft_p90_ms=500.0)) == 2 * 4 * 0.5  # 2 x flex's 4 x target
     assert flex_max_wait_s(SchedulerConfig()) == 60.0
     assert flex_max_wait_s(SchedulerConfig(ttft_p90_ms=500.0, flex_max_wait_ms=1500.0)) == 1.5
+
+
+def test_a_higher_class_prompt_leaves_every_running_decode_its_token() -> None:
+    # four default requests stream; a long priority prompt arrives. Its chunks go first (class
+    # order) but take the budget less a token per decode: no stream skips a step while it
+    # prefills (the SLO run's default decodes stalled ~22 steps behind priority prompts)
+    scheduler = make_scheduler(max_num_batched_tokens=64, max_num_seqs=16)
+    streams = [classed(DEFAULT, 8, start=1000 * (i + 1), max_tokens=40) for i in range(4)]
+    for request in streams:
+        scheduler.add_request(request)
+    simulate_step(scheduler, scheduler.schedule())  # their prompts; each decodes from now on
+    urgent = classed(PRIORITY, 300, start=90_000, max_tokens=4, request_id="urgent")
+    scheduler.add_request(urgent)
+    chunks = []
+    while urgent.num_computed_tokens < urgent.num_prompt_tokens:
+        batch = scheduler.schedule()
+        by_id = {s.request_id: s.num_scheduled_tokens for s in batch.sequences}
+        assert all(by_id.get(r.request_id) == 1 for r in streams)  # every stream, every step
+        assert batch.num_scheduled_tokens <= 64
+        chunks.append(by_id["urgent"])
+        simulate_step(scheduler, batch)
+    assert chunks[:-1] == [60] * (len(chunks) - 1)  # the budget less the four decodes' tokens
+    assert sum(chunks) == 300
+    run_to_completion(scheduler)
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
+
+
+def test_the_step_plan_spends_only_the_slack_every_stream_has() -> None:
+    from engine.slo import HEADROOM, StepCost, StepCostModel
+
+    now = [100.0]
+    config = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16, prefix_aware_window=8,
+                             policy="slo", tpot_p90_ms=100.0, ttft_p90_ms=4000.0)
+    scheduler = Scheduler(config, make_manager(256, enable_caching=False), clock=lambda: now[0])
+    model = StepCostModel()
+    model.cost = StepCost(base_s=0.010, prefill_s_per_token=0.001, decode_s_per_seq=0.002)
+    scheduler.step_costs = model
+    ahead, fresh = (classed(DEFAULT, 8, start=s, max_tokens=40) for s in (1000, 2000))
+    for request in (ahead, fresh):
+        scheduler.add_request(request)
+    simulate_step(scheduler, scheduler.schedule())  # both decode from here on
+    scheduler.add_request(classed(DEFAULT, 2000, start=5000, max_tokens=2))
+    gap_s = 0.100 * HEADROOM
+    for request in (ahead, fresh):
+        request.output_token_ids.extend([7] * 10)  # 11 tokens: 10 gaps so far
+        request.num_computed_tokens += 10  # (as if their blocks held them: the plan reads counts)
+    ahead.first_token_time = now[0] - 10 * 0.02  # short gaps: 0.6 s in hand
+    fresh.first_token_time = now[0] - 10 * gap_s  # exactly on target: nothing in hand
+    flat = scheduler._plan_step()
+    fresh.first_token_time = ahead.first_token_time
+    spent = scheduler._plan_step()
+    # the fresh stream has no slack: the flat step (base + 2 decodes + chunk = 80 ms)
+    assert flat.token_budget - 2 == int((gap_s - 0.014) / 0.001 + 1e-6)
+    # both ahead: gap * 11 - 0.2 s = 0.68 s, capped at a tenth of the TTFT target (0.4 s)
+    assert spent.token_budget - 2 == int((0.4 - 0.014) / 0.001 + 1e-6)

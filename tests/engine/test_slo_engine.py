@@ -71,7 +71,8 @@ class _FixedCosts(StepCostModel):
         super().__init__()
         self.cost = cost
 
-    def observe(self, num_prefill_tokens: int, num_decode_seqs: int, step_s: float) -> None:
+    def observe(self, num_prefill_tokens: int, num_decode_seqs: int, step_s: float,
+                num_attention_pairs: int = 0) -> None:
         pass
 
 
