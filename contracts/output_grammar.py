@@ -18,6 +18,9 @@ from contracts.schema_recursion import endless_ref
 
 GrammarKind = Literal["json_object", "json_schema", "lark"]
 _JSON_OPTIONS: Any = {"whitespace_flexible": False}  # llguidance JsonCompileOptions
+# llguidance compiles ~100 KiB of schema a second here before its own limits refuse one (a
+# 7.9 MB enum: 15 s of a replica's worker thread); a tool set of 100 large tools is ~200 KiB
+MAX_GRAMMAR_CHARS = 512 * 1024
 
 
 class OutputGrammarError(SamplingParamsError):
@@ -57,6 +60,10 @@ class OutputGrammar:
         return cls("lark", grammar)._checked(param)
 
     def _checked(self, param: str) -> OutputGrammar:
+        if len(self.text) > MAX_GRAMMAR_CHARS:
+            what = "grammar" if self.kind == "lark" else "JSON schema"
+            raise OutputGrammarError(f"{param}: the {what} is over {MAX_GRAMMAR_CHARS} characters "
+                                     f"({len(self.text)})", param)
         try:
             return replace(self, compiled=grammar_of(self))
         except OutputGrammarError as exc:

@@ -270,3 +270,19 @@ def test_a_recursive_schema_with_a_way_out_is_served(http: httpx.Client) -> None
         answer = http.post("/v1/chat/completions", json=chat(max_tokens=4, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}))
         assert answer.status_code == 200, answer.text
+
+
+@pytest.mark.parametrize("where", ["response_format", "tools"])
+def test_a_schema_over_the_grammar_bound_is_400_before_it_is_compiled(
+        http: httpx.Client, where: str) -> None:
+    """llguidance took 15 s of a worker thread on a 7.9 MB enum before refusing it itself."""
+    schema = {"enum": [f"value-{i}" for i in range(60_000)]}  # ~840 KB
+    fields: dict[str, Any] = (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+        if where == "response_format" else
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": schema}, "required": ["x"]}}}],
+         "tool_choice": "required"})
+    error = assert_envelope(http.post("/v1/chat/completions", json=chat(max_tokens=4, **fields)),
+                            400)
+    assert error["param"] == where and "is over 524288 characters" in error["message"], error
