@@ -12,8 +12,8 @@
     context_length = 8192
     prices = { input_per_token = 1e-7, cached_input_per_token = 2.5e-8, output_per_token = 4e-7 }
 
-Precedence: explicit arguments > environment > config file > defaults. With no `models`, `aigw serve`
-starts embedded replicas (gateway/fleet/embedded.py) and fills them in.
+Precedence: explicit arguments > environment > config file > defaults. With no `models`, `aigw
+serve` starts embedded replicas (gateway/fleet/embedded.py) and fills them in.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from gateway.guardrails.settings import GuardrailSettings
 from gateway.metering.budgets import Budget
 from gateway.request_logs.settings import RequestLogSettings
 
-_config_path: contextvars.ContextVar[Path | None] = contextvars.ContextVar("aigw_config", default=None)
+_config_path: contextvars.ContextVar[Path | None] = contextvars.ContextVar("aigw_config",
+                                                                           default=None)
 
 
 class Prices(BaseModel):
@@ -44,9 +45,11 @@ class Prices(BaseModel):
     cached_input_per_token: float = Field(default=0.0, ge=0)
     output_per_token: float = Field(default=0.0, ge=0)
 
-    def cost_usd(self, num_prompt_tokens: int, num_cached_tokens: int, num_completion_tokens: int) -> float:
+    def cost_usd(self, num_prompt_tokens: int, num_cached_tokens: int,
+                 num_completion_tokens: int) -> float:
         num_uncached = max(0, num_prompt_tokens - num_cached_tokens)
-        return (num_uncached * self.input_per_token + num_cached_tokens * self.cached_input_per_token
+        return (num_uncached * self.input_per_token
+                + num_cached_tokens * self.cached_input_per_token
                 + num_completion_tokens * self.output_per_token)
 
 
@@ -60,7 +63,8 @@ class ModelSettings(BaseModel):
     discover: str | None = None  # "dns://<name>:<port>": endpoints from the name's A/AAAA records
     upstream_model: str | None = None  # the name sent upstream; defaults to `name`
     api_key: str | None = None  # for hosted OpenAI-compatible upstreams
-    context_length: int | None = Field(default=None, gt=0)  # else read from the upstream's /v1/models
+    # else read from the upstream's /v1/models
+    context_length: int | None = Field(default=None, gt=0)
     prices: Prices = Prices()
     share_cache_across_projects: bool = False  # replica: omit the per-project cache_salt
     # openai backend: send the tenant's cache_salt (a digest of it) as vLLM's `cache_salt`, so a
@@ -103,7 +107,8 @@ class ModelSettings(BaseModel):
         if not all(0.0 < share < 1.0 for share in shares.values()):
             raise ValueError("reserved_shares: every share must be in (0, 1)")
         if sum(shares.values()) > 0.9:
-            raise ValueError("reserved_shares: the shares may hold at most 0.9 of a replica together")
+            raise ValueError("reserved_shares: the shares may hold at most 0.9 of a replica "
+                             "together")
         return shares
 
     def replica_args(self) -> list[str]:

@@ -193,7 +193,8 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> dict[str, Any] | None:
     return None
 
 
-def _error_of(status: int, headers: Any, body: bytes) -> UpstreamThrottled | UpstreamRejected | UpstreamUnavailable:
+def _error_of(status: int, headers: Any,
+              body: bytes) -> UpstreamThrottled | UpstreamRejected | UpstreamUnavailable:
     if status == 429:
         kept = {name.lower(): value[:256] for name, value in headers.items()
                 if name.lower() in ("retry-after", "retry-after-ms")

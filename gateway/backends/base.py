@@ -2,8 +2,8 @@
 
 Contract of `stream(request, endpoint)`:
   - yields `TextDelta`/`ToolCallDelta`* then exactly one `Finish` then exactly one `Usage`;
-  - raises `UpstreamError` (gateway/request/errors.py) on any failure, before or after the first event,
-    and never ends early without one (a truncated upstream stream is an error, not a finish);
+  - raises `UpstreamError` (gateway/request/errors.py) on any failure, before or after the first
+    event, and never ends early without one (a truncated upstream stream is an error, not a finish);
   - closing the iterator (aclose, or cancelling the task awaiting it) aborts the upstream request
     and releases its connection;
   - it does not apply first-token/idle timeouts: the pipeline does, around each event.
@@ -30,7 +30,8 @@ class Backend(ABC):
         self.settings = settings
 
     @abstractmethod
-    def stream(self, request: CanonicalRequest, endpoint: Endpoint) -> AsyncIterator[CanonicalEvent]:
+    def stream(self, request: CanonicalRequest,
+               endpoint: Endpoint) -> AsyncIterator[CanonicalEvent]:
         """Run the request on `endpoint` (see the module contract)."""
 
     async def abort(self, request_id: str, endpoint: Endpoint) -> None:  # noqa: B027
@@ -41,7 +42,8 @@ class Backend(ABC):
         """True if the endpoint can take requests now. Must not raise."""
 
     async def load(self, endpoint: Endpoint) -> EndpointLoad | None:
-        """What the endpoint reports about its load, or None if it reports nothing. Must not raise."""
+        """What the endpoint reports about its load, or None if it reports nothing. Must not
+        raise."""
         return None
 
     async def context_length(self, endpoint: Endpoint) -> int | None:

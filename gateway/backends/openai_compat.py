@@ -122,7 +122,8 @@ class OpenAICompatBackend(Backend):
     def embedding_body(self, request: CanonicalRequest, endpoint: Endpoint) -> dict[str, Any]:
         return embedding_body(request, endpoint, self.embedding_encoding)
 
-    async def stream(self, request: CanonicalRequest, endpoint: Endpoint) -> AsyncIterator[CanonicalEvent]:
+    async def stream(self, request: CanonicalRequest,
+                     endpoint: Endpoint) -> AsyncIterator[CanonicalEvent]:
         if request.kind == "embedding":
             async for event in self._embed(request, endpoint):
                 yield event
@@ -219,7 +220,8 @@ class OpenAICompatBackend(Backend):
             if call is not None:
                 call.on_ended()
 
-    def _count_usage(self, request: CanonicalRequest, endpoint: Endpoint, acc: Accumulator) -> Usage:
+    def _count_usage(self, request: CanonicalRequest, endpoint: Endpoint,
+                     acc: Accumulator) -> Usage:
         response = acc.response()
         completion = "".join(choice.text + "".join(c.arguments for c in choice.tool_calls)
                              for choice in (response, *response.others))
@@ -530,7 +532,8 @@ def _merged(events: list[CanonicalEvent]) -> list[CanonicalEvent]:
     for event in events:
         last = out[-1] if out else None
         if (isinstance(event, TextDelta) and isinstance(last, TextDelta)
-                and event.choice == last.choice and event.logprobs is None and last.logprobs is None):
+                and event.choice == last.choice and event.logprobs is None
+                and last.logprobs is None):
             out[-1] = TextDelta(last.text + event.text, event.choice)
         elif (isinstance(event, ReasoningDelta) and isinstance(last, ReasoningDelta)
               and event.choice == last.choice):
@@ -538,8 +541,8 @@ def _merged(events: list[CanonicalEvent]) -> list[CanonicalEvent]:
         elif (isinstance(event, ToolCallDelta) and isinstance(last, ToolCallDelta)
               and event.index == last.index and event.choice == last.choice
               and not event.id and not event.name):
-            out[-1] = ToolCallDelta(last.index, last.id, last.name, last.arguments + event.arguments,
-                                    event.choice)
+            out[-1] = ToolCallDelta(last.index, last.id, last.name,
+                                    last.arguments + event.arguments, event.choice)
         else:
             out.append(event)
     return out

@@ -149,7 +149,8 @@ async def upload_file(request: web.Request) -> web.Response:
         # raises ValueError, RuntimeError, HttpProcessingError, AttributeError, ...
         await service.files.delete(file_id)
         reason = _printable(getattr(exc, "message", None) or str(exc) or type(exc).__name__)
-        raise ApiError(400, "invalid_request", f"not a multipart/form-data body: {reason}") from None
+        raise ApiError(400, "invalid_request",
+                       f"not a multipart/form-data body: {reason}") from None
     try:
         record = await _keep_upload(service, principal, file_id, purpose, written)
     except BaseException:

@@ -3,8 +3,10 @@
     aigw:batch:file:<id>                    a file's metadata (JSON)
     aigw:batch:files:<project>[:<purpose>]  the project's file ids, scored by created_at
     aigw:batch:bytes:<project>              the bytes the project's files hold
-    aigw:batch:{<id>}:state                 hash: body (JSON without cancelling_at), cancelling_at, project
-    aigw:batch:{<id>}:lines                 hash: line index -> {ok, output, record} (HSETNX: the first)
+    aigw:batch:{<id>}:state                 hash: body (JSON without cancelling_at), cancelling_at,
+                                            project
+    aigw:batch:{<id>}:lines                 hash: line index -> {ok, output, record} (HSETNX: the
+                                            first)
     aigw:batch:{<id>}:metered               set of metered line indexes
     aigw:batch:{<id>}:lease                 the gateway working it (SET NX PX)
     aigw:batch:batches:<project>            the project's batch ids, scored by created_at
@@ -67,7 +69,8 @@ class RedisBatchStore(BatchStore):
             await redis.decrby(f"{_P}bytes:{record.project}",
                                orjson.loads(previous)["num_bytes"])
         await redis.incrby(f"{_P}bytes:{record.project}", record.num_bytes)
-        for index in (f"{_P}files:{record.project}", f"{_P}files:{record.project}:{record.purpose}"):
+        for index in (f"{_P}files:{record.project}",
+                      f"{_P}files:{record.project}:{record.purpose}"):
             await redis.zadd(index, {record.id: record.created_at})
 
     async def _file_any(self, file_id: str) -> FileRecord | None:

@@ -1,4 +1,5 @@
-"""The Batch API's settings (`[batch]` in the gateway's config, `AIGW_BATCH__*` in the environment)."""
+"""The Batch API's settings (`[batch]` in the gateway's config, `AIGW_BATCH__*` in the
+environment)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ class BatchSettings(BaseModel):
     max_file_bytes: int = Field(default=100 * 1024 * 1024, gt=0)  # one upload (413 above it)
     max_lines: int = Field(default=50_000, gt=0)  # lines of one batch input file (400 above it)
     max_project_bytes: int = Field(default=10 * 1024 * 1024 * 1024, gt=0)  # all files of a project
-    price_discount: float = Field(default=0.5, ge=0.0, le=1.0)  # batch lines cost (1 - this) x the price
+    # batch lines cost (1 - this) x the price
+    price_discount: float = Field(default=0.5, ge=0.0, le=1.0)
     max_concurrent_lines: int = Field(default=4, gt=0)
     max_interactive_in_flight: int = Field(default=1, gt=0)
-    poll_interval_s: float = Field(default=1.0, gt=0)  # how often the runner looks for work and for load
+    # how often the runner looks for work and for load
+    poll_interval_s: float = Field(default=1.0, gt=0)
     lease_s: float = Field(default=30.0, gt=0)  # a batch is run by the gateway holding its lease
     files_dir: Path | None = None  # file contents; default <data_dir>/batch-files
     # "prefix": lines sharing a prompt prefix run together (the prompt cache serves the shared

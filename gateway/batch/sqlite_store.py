@@ -1,7 +1,8 @@
 """The embedded `BatchStore`: one SQLite file (`<data_dir>/batch.sqlite3`), WAL, one writer thread.
 
     files(id PRIMARY KEY, project, purpose, filename, num_bytes, created_at)
-    batches(id PRIMARY KEY, project, created_at, status, body, cancelling_at, lease_owner, lease_until)
+    batches(id PRIMARY KEY, project, created_at, status, body, cancelling_at, lease_owner,
+            lease_until)
     lines(batch_id, idx, ok, output, record, metered, PRIMARY KEY (batch_id, idx))
 
 `INSERT OR IGNORE` on (batch_id, idx) keeps the first result of a line; a batch's `body` is
@@ -127,7 +128,8 @@ class SqliteBatchStore(BatchStore):
                          record.status, _body(record))
 
     async def get_batch(self, project: str, batch_id: str) -> BatchRecord | None:
-        row = await self._one("SELECT body, cancelling_at FROM batches WHERE id = ? AND project = ?",
+        row = await self._one("SELECT body, cancelling_at FROM batches WHERE id = ? AND project = "
+                              "?",
                               batch_id, project)
         return None if row is None else _batch(row)
 

@@ -2,8 +2,8 @@
 JSON API, every call of which needs an admin credential (Scope.ADMIN; with auth disabled the
 gateway is open and so is the API):
 
-    GET /dashboard/api/overview            replicas, latency percentiles, usage series, recent traces,
-                                           per-class TTFT/TPOT against the targets (slo)
+    GET /dashboard/api/overview            replicas, latency percentiles, usage series, recent
+                                           traces, per-class TTFT/TPOT against the targets (slo)
     GET /dashboard/api/traces/{trace_id}   one trace: gateway spans merged with the replicas' spans
 
 The page keeps the key in sessionStorage and sends it as `Authorization: Bearer ...`.
@@ -103,7 +103,8 @@ def _tracing_json(settings: TelemetrySettings) -> dict[str, object]:
             "num_traces_buffered": settings.num_traces_buffered}
 
 
-async def _usage_daily(app: web.Application, projects: list[str]) -> dict[str, list[dict[str, object]]]:
+async def _usage_daily(app: web.Application,
+                       projects: list[str]) -> dict[str, list[dict[str, object]]]:
     """Per project, per UTC day, from metering's read side (empty when metering keeps none)."""
     meter = app[METER]
     read = getattr(meter, "usage_by_project", None)

@@ -8,7 +8,8 @@ from typing import Any
 from gateway.fleet.endpoints import Fleet
 
 
-def replica_rows(fleet: Fleet, cache_ratios: dict[str, float | None], now: float) -> list[dict[str, Any]]:
+def replica_rows(fleet: Fleet, cache_ratios: dict[str, float | None],
+                 now: float) -> list[dict[str, Any]]:
     rows = []
     for route, endpoint in fleet.all_endpoints():
         load = endpoint.load

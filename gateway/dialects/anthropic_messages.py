@@ -6,14 +6,17 @@ Mapping to the canonical form:
                                           (placed before the user's text, as they answer the
                                           previous assistant turn)
   assistant text + `tool_use` blocks   -> one assistant message with tool calls (input -> JSON text)
-  tools[].input_schema                 -> Tool.parameters;  tool_choice auto/any/tool/none -> OpenAI's
+  tools[].input_schema                 -> Tool.parameters;  tool_choice auto/any/tool/none ->
+                                                            OpenAI's
   cache_control on blocks              -> kept per message for a native Anthropic upstream
                                           (backends/anthropic.py); its longest ttl ("5m" /
                                           "1h", anywhere: top level, system, tools, messages)
                                           -> cache_retention_s (our replicas keep the prefix)
   a last assistant message with text   -> prefill: continue_final_message, the answer continues it
-  output_config.format (json_schema)    -> response_format json_schema: the replica constrains decoding
-  thinking disabled / enabled           -> chat_template_kwargs enable_thinking false / true (Qwen3),
+  output_config.format (json_schema)    -> response_format json_schema: the replica constrains
+                                           decoding
+  thinking disabled / enabled           -> chat_template_kwargs enable_thinking false / true
+                                           (Qwen3),
                                           budget_tokens -> reasoning_effort (gpt-oss)
   assistant `thinking` blocks           -> the message's reasoning (sent back upstream)
 The answer's reasoning is a leading `thinking` block (streamed as thinking_delta, then its
@@ -141,7 +144,8 @@ def _parse_message(raw: Any, i: int) -> list[Message]:
             texts.append(get_str(block, "text", f"{where}.text", required=True) or "")
         elif kind == "tool_use" and role == "assistant":
             try:
-                arguments = orjson.dumps(get_object(block, "input", f"{where}.input") or {}).decode()
+                arguments = orjson.dumps(get_object(block, "input", f"{where}.input")
+                                         or {}).decode()
             except orjson.JSONEncodeError:  # orjson writes 254 levels; the body is read up to 1024
                 raise InvalidParam(f"{where}.input", "is nested too deeply (more than ~250 "
                                    "levels)") from None
@@ -340,7 +344,8 @@ class AnthropicMessages(Dialect):
 
     def parse_count_tokens(self, body: Any, request_id: str) -> CanonicalRequest:
         """A `POST /v1/messages/count_tokens` body: a Messages body without `max_tokens`."""
-        return self.parse({**need_object(body, "body"), "max_tokens": 1, "stream": False}, request_id)
+        return self.parse({**need_object(body, "body"), "max_tokens": 1, "stream": False},
+                          request_id)
 
     def render(self, request: CanonicalRequest, response: CanonicalResponse) -> dict[str, Any]:
         content: list[dict[str, Any]] = []
@@ -349,7 +354,8 @@ class AnthropicMessages(Dialect):
                             "signature": thinking_signature(response.reasoning)})
         if response.text:
             content.append({"type": "text", "text": response.text})
-        content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": _json_input(c.arguments)}
+        content += [{"type": "tool_use", "id": c.id, "name": c.name,
+                     "input": _json_input(c.arguments)}
                     for c in response.tool_calls]
         return {"id": f"msg_{request.request_id}", "type": "message", "role": "assistant",
                 "model": request.model, "content": content,
@@ -383,7 +389,8 @@ class _MessagesEncoder(StreamEncoder):
         self._open: str | None = None  # "text" | "thinking" | "tool_use"
         self._thinking: list[str] = []  # the open thinking block's text (for its signature)
         self._call_index: int | None = None  # the ToolCallDelta index of the last tool_use block
-        self._text_head = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":')
+        self._text_head = (b'event: content_block_delta\ndata: '
+                           b'{"type":"content_block_delta","index":')
 
     def start(self, prompt: PromptUsage | None = None) -> bytes:
         """`message_start` carries the input tokens when the upstream announced them (as

@@ -54,7 +54,8 @@ def parse_content(value: Any, param: str) -> str:
     for i, part in enumerate(value):
         part = need_object(part, f"{param}[{i}]")
         if part.get("type") not in ("text", "input_text", "output_text"):
-            raise InvalidParam(f"{param}[{i}].type", f"unsupported content part {part.get('type')!r}")
+            raise InvalidParam(f"{param}[{i}].type",
+                               f"unsupported content part {part.get('type')!r}")
         texts.append(get_str(part, "text", f"{param}[{i}].text", required=True) or "")
     return "".join(texts)
 
@@ -68,7 +69,8 @@ def parse_tools(body: dict[str, Any]) -> list[Tool]:
         function = need_object(raw.get("function"), f"tools[{i}].function")
         tools.append(Tool(get_tool_name(function, "name", f"tools[{i}].function.name"),
                           get_str(function, "description") or "",
-                          get_tool_schema(function, "parameters", f"tools[{i}].function.parameters")))
+                          get_tool_schema(function, "parameters",
+                                          f"tools[{i}].function.parameters")))
     return tools
 
 
@@ -92,8 +94,9 @@ def _parse_message(raw: Any, i: int) -> Message:
     for j, call in enumerate(get_list(raw, "tool_calls", f"{param}.tool_calls") or ()):
         call = need_object(call, f"{param}.tool_calls[{j}]")
         function = need_object(call.get("function"), f"{param}.tool_calls[{j}].function")
-        calls.append(ToolCall(get_str(call, "id", f"{param}.tool_calls[{j}].id", required=True) or "",
-                              get_str(function, "name", f"{param}.tool_calls[{j}].function.name",
+        calls.append(ToolCall(get_str(call, "id", f"{param}.tool_calls[{j}].id", required=True)
+                              or "", get_str(function, "name",
+                                             f"{param}.tool_calls[{j}].function.name",
                                       required=True, allow_empty=False) or "",
                               get_str(function, "arguments",
                                       f"{param}.tool_calls[{j}].function.arguments") or "{}"))
@@ -118,7 +121,8 @@ class OpenAIChat(Dialect):
         request.tools = parse_tools(body)
         request.tool_choice = parse_tool_choice(body.get("tool_choice"))
         request.parallel_tool_calls = get_bool(body, "parallel_tool_calls")
-        common.parse_sampling(body, request, max_tokens_keys=("max_tokens", "max_completion_tokens"))
+        common.parse_sampling(body, request,
+                              max_tokens_keys=("max_tokens", "max_completion_tokens"))
         request.response_format = common.parse_output_format(body.get("response_format"),
                                                              "response_format")
         common.parse_chat_logprobs(body, request)
@@ -163,7 +167,8 @@ def _call_json(call: ToolCall) -> dict[str, Any]:
 
 class _ChatEncoder(StreamEncoder):
     """Chunks as OpenAI streams them: a role delta per choice first, then content, reasoning
-    (`reasoning_content`, as vLLM and DeepSeek stream it) and tool-call deltas (each naming its choice), a finish chunk per choice, the usage chunk if asked, [DONE]."""
+    (`reasoning_content`, as vLLM and DeepSeek stream it) and tool-call deltas (each naming its
+    choice), a finish chunk per choice, the usage chunk if asked, [DONE]."""
 
     def __init__(self, request: CanonicalRequest) -> None:
         self._request = request
@@ -173,7 +178,8 @@ class _ChatEncoder(StreamEncoder):
                               + orjson.dumps(request.model) + b',"service_tier":'
                               + orjson.dumps(request.service_tier or "default")
                               + b',"choices":[{"index":')
-        self._heads = [self._choices_head + str(c).encode() + b',"delta":' for c in range(request.n)]
+        self._heads = [self._choices_head + str(c).encode() + b',"delta":'
+                       for c in range(request.n)]
         self._tail = b',"logprobs":null,"finish_reason":null}]}\n\n'
 
     def _head(self, choice: int) -> bytes:

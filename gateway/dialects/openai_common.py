@@ -34,7 +34,8 @@ def sse_data(obj: Any) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
-MAX_NUM_CHOICES = 128  # OpenAI's own bound on `n` (an upstream may allow fewer: its 400 passes through)
+# OpenAI's own bound on `n` (an upstream may allow fewer: its 400 passes through)
+MAX_NUM_CHOICES = 128
 
 
 def usage_json(usage: Usage | None) -> dict[str, Any]:
@@ -104,7 +105,8 @@ _SAMPLING_KEYS = frozenset(("temperature", "top_p", "presence_penalty", "frequen
                             "seed"))
 
 
-def parse_sampling(body: dict[str, Any], request: CanonicalRequest, *, max_tokens_keys: tuple[str, ...]
+def parse_sampling(body: dict[str, Any], request: CanonicalRequest, *,
+                   max_tokens_keys: tuple[str, ...]
                    ) -> None:
     """temperature, top_p, penalties, n, seed, stop, max tokens, stream, stream_options, user
     prompt_cache_key and the prompt cache retention onto `request`

@@ -1,5 +1,6 @@
 """OpenAI legacy Completions: POST /v1/completions (prompts as text or token ids, one or several
-in a request; `echo` forwarded: the upstream puts the prompt, and its logprobs, before each choice)."""
+in a request; `echo` forwarded: the upstream puts the prompt, and its logprobs, before each
+choice)."""
 
 from __future__ import annotations
 

@@ -152,7 +152,8 @@ def _parse_tools(body: dict[str, Any]) -> list[Tool]:
 def _parse_tool_choice(value: Any) -> str | dict[str, Any] | None:
     if value is None or value in ("none", "auto", "required"):
         return value  # type: ignore[no-any-return]
-    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
+    if (isinstance(value, dict) and value.get("type") == "function"
+        and isinstance(value.get("name"), str)):
         return {"type": "function", "function": {"name": value["name"]}}
     raise InvalidParam("tool_choice", "expected 'none', 'auto', 'required' or a function choice")
 
@@ -199,7 +200,8 @@ def _message_item(request: CanonicalRequest, text: str, status: str) -> dict[str
             "role": "assistant", "content": content}
 
 
-def _call_item(request: CanonicalRequest, index: int, call: ToolCall, status: str) -> dict[str, Any]:
+def _call_item(request: CanonicalRequest, index: int, call: ToolCall,
+               status: str) -> dict[str, Any]:
     return {"type": "function_call", "id": f"fc_{_hex(request)}_{index}", "call_id": call.id,
             "name": call.name, "arguments": call.arguments if status == "completed" else "",
             "status": status}
@@ -217,7 +219,8 @@ def _response(request: CanonicalRequest, response: CanonicalResponse | None) -> 
             output.append(_reasoning_item(request, 0, response.reasoning, "completed"))
         if response.text:
             output.append(_message_item(request, response.text, "completed"))
-        output += [_call_item(request, i, c, "completed") for i, c in enumerate(response.tool_calls)]
+        output += [_call_item(request, i, c, "completed")
+                   for i, c in enumerate(response.tool_calls)]
     stated = request if isinstance(request, ResponsesRequest) else ResponsesRequest("", "")
     return {"id": response_id(request), "object": "response", "created_at": stated.created_at,
             "status": status, "error": None, "incomplete_details": incomplete,
@@ -432,8 +435,8 @@ class _ResponsesEncoder(StreamEncoder):
             self._done_items.append(done)
             return (self._emit("response.output_text.done", item_id=item["id"], output_index=index,
                                content_index=0, text=text, logprobs=[])
-                    + self._emit("response.content_part.done", item_id=item["id"], output_index=index,
-                                 content_index=0, part=part)
+                    + self._emit("response.content_part.done", item_id=item["id"],
+                                 output_index=index, content_index=0, part=part)
                     + self._emit("response.output_item.done", output_index=index, item=done))
         if item["type"] == "reasoning":
             text, self._text = "".join(self._text), []
@@ -484,7 +487,8 @@ class _ResponsesEncoder(StreamEncoder):
             self._args.append(event.arguments)
             assert self._open is not None
             if event.arguments:
-                out += self._emit("response.function_call_arguments.delta", item_id=self._open["id"],
+                out += self._emit("response.function_call_arguments.delta",
+                                  item_id=self._open["id"],
                                   output_index=self._num_items, delta=event.arguments)
         return out
 

@@ -183,9 +183,9 @@ _SAMPLING_KEY_BYTES = 256  # the key's tuple and its numbers, about
 
 
 def check_sampling(request: CanonicalRequest, param_names: dict[str, str] | None = None) -> None:
-    """The replica's own ranges (contracts.sampling_params), checked here so that a value the replica
-    would refuse (e.g. top_p = 0) is a normal 400 naming its parameter. `param_names` maps the
-    canonical field to the dialect's name (e.g. {"stop": "stop_sequences"})."""
+    """The replica's own ranges (contracts.sampling_params), checked here so that a value the
+    replica would refuse (e.g. top_p = 0) is a normal 400 naming its parameter. `param_names` maps
+    the canonical field to the dialect's name (e.g. {"stop": "stop_sequences"})."""
     key = (request.temperature, request.top_p, request.top_k, request.max_tokens, request.echo,
            *request.stop)
     if _VALID_SAMPLING.get(key):

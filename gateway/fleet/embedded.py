@@ -1,7 +1,7 @@
 """The embedded default: with no models configured, `aigw serve` starts N local engine replicas
 (`aigw replica` subprocesses on free ports), waits for their /health, routes to them, restarts one
-that dies (gateway/fleet/supervisor.py), and stops them on exit. This runs before the event loop starts,
-so its blocking waits are fine here.
+that dies (gateway/fleet/supervisor.py), and stops them on exit. This runs before the event loop
+starts, so its blocking waits are fine here.
 
 The replicas get the gateway's replica credential in their environment (AIGW_REPLICA_SECRET, not
 on the command line, which every local user can read): `aigw serve` generates a random one at each
@@ -46,9 +46,9 @@ def start_replicas(num_replicas: int, model_path: str | None, kv_cache_memory_by
                    secret: str | None = None, host_tier_bytes: int | None = None,
                    embedding_model_path: str | None = None) -> list[ReplicaProcess]:
     """Start `aigw replica` processes; without `model_path` each uses the engine's default model.
-    `host_tier_bytes`: each replica's second KV tier (`--kv-host-tier-bytes`; None: the replica's default).
-    `extra_args` go to every replica's command line as they are (`aigw serve --replica-args`).
-    `secret`: the credential they require (None: `--no-auth`, every route open).
+    `host_tier_bytes`: each replica's second KV tier (`--kv-host-tier-bytes`; None: the replica's
+    default). `extra_args` go to every replica's command line as they are (`aigw serve
+    --replica-args`). `secret`: the credential they require (None: `--no-auth`, every route open).
     `embedding_model_path`: one more replica, last, serving that embedding model (an encoder
     checkpoint: `aigw replica` serves it on its embedding path; the extra args go to it too)."""
     replicas = []
@@ -104,7 +104,8 @@ def wait_healthy(replicas: list[ReplicaProcess], timeout_s: float = 300.0) -> No
     while pending:
         for replica in list(pending):
             if replica.process.poll() is not None:
-                raise RuntimeError(f"replica {replica.url} exited with {replica.process.returncode}")
+                raise RuntimeError(f"replica {replica.url} exited with "
+                                   f"{replica.process.returncode}")
             try:
                 with urllib.request.urlopen(replica.url + "/health", timeout=2) as response:
                     if response.status == 200:
@@ -112,7 +113,8 @@ def wait_healthy(replicas: list[ReplicaProcess], timeout_s: float = 300.0) -> No
             except OSError:
                 pass
         if pending and time.monotonic() > deadline:
-            raise TimeoutError(f"replicas not healthy after {timeout_s:g}s: {[r.url for r in pending]}")
+            raise TimeoutError(f"replicas not healthy after {timeout_s:g}s: "
+                               f"{[r.url for r in pending]}")
         if pending:
             time.sleep(0.25)
 
@@ -124,7 +126,8 @@ def model_settings_for(replicas: list[ReplicaProcess], secret: str | None = None
     with urllib.request.urlopen(request, timeout=5) as response:
         entry = json.loads(response.read())["data"][0]
     context_length = entry.get("max_model_len") or entry.get("context_length")
-    return ModelSettings(name=entry["id"], backend="replica", endpoints=tuple(r.url for r in replicas),
+    return ModelSettings(name=entry["id"], backend="replica",
+                         endpoints=tuple(r.url for r in replicas),
                          context_length=context_length, owned_by="aigw")
 
 

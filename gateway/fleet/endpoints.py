@@ -2,7 +2,8 @@
 
 The pipeline is the only writer of `num_outstanding` and the breaker; the health checker is the
 only writer of `is_healthy`, `load` and `context_length` (and `Fleet.set_endpoints`, which marks
-an endpoint it removes unhealthy so that in-flight requests holding the old route never retry on it).
+an endpoint it removes unhealthy so that in-flight requests holding the old route never retry on
+it).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class Endpoint:
         self.context_length: int | None = model.context_length
 
     def can_serve(self, now: float | None = None) -> bool:
-        return self.is_healthy and self.breaker.can_attempt(time.monotonic() if now is None else now)
+        return (self.is_healthy
+                and self.breaker.can_attempt(time.monotonic() if now is None else now))
 
     def __repr__(self) -> str:
         return f"Endpoint({self.url}, healthy={self.is_healthy}, {self.breaker.state.value})"
@@ -128,7 +130,8 @@ class Fleet:
     def _new_endpoint(self, url: str, model: ModelSettings) -> Endpoint:
         settings = self._settings
         credential = model.api_key or (self._replica_secret if model.backend == "replica" else None)
-        return Endpoint(url, model, CircuitBreaker(settings.num_failures_to_eject, settings.ejection_s),
+        return Endpoint(url, model,
+                        CircuitBreaker(settings.num_failures_to_eject, settings.ejection_s),
                         credential)
 
     def note_servable(self, now: float) -> None:

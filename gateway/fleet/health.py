@@ -13,15 +13,17 @@ log = logging.getLogger("aigw.gateway.health")
 
 
 # An endpoint is taken out after this many failed checks in a row (one slow answer from a busy
-# replica is not an outage; real failures also trip the circuit breaker on the request path at once),
-# and back in after one good check.
+# replica is not an outage; real failures also trip the circuit breaker on the request path at
+# once), and back in after one good check.
 UNHEALTHY_AFTER_FAILED_CHECKS = 2
 
 
 async def check_endpoint(route: ModelRoute, endpoint: Endpoint) -> None:
     ok = await route.backend.health(endpoint)
     endpoint.num_failed_checks = 0 if ok else endpoint.num_failed_checks + 1
-    healthy = ok or (endpoint.is_healthy and endpoint.num_failed_checks < UNHEALTHY_AFTER_FAILED_CHECKS)
+    healthy = (ok
+               or (endpoint.is_healthy
+                   and endpoint.num_failed_checks < UNHEALTHY_AFTER_FAILED_CHECKS))
     if healthy != endpoint.is_healthy:
         log.warning("endpoint %s is now %s", endpoint.url, "healthy" if healthy else "unhealthy")
     endpoint.is_healthy = healthy

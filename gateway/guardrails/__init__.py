@@ -46,6 +46,7 @@ def build_guardrails(configured: Sequence[GuardrailSettings], complete: Complete
             for settings in configured]
 
 
-__all__ = ["ENTRY_POINT_GROUP", "GUARDRAILS", "GUARDRAIL_BLOCKED", "Complete", "GuardContext", "GuardedRequest",
-           "Guardrail", "GuardrailBlocked", "GuardrailSettings", "ResponseScanner", "TextPart",
+__all__ = ["ENTRY_POINT_GROUP", "GUARDRAILS", "GUARDRAIL_BLOCKED", "Complete", "GuardContext",
+           "GuardedRequest", "Guardrail", "GuardrailBlocked", "GuardrailSettings",
+           "ResponseScanner", "TextPart",
            "build_guardrails", "get_guardrail_class", "register_guardrail"]

@@ -54,8 +54,8 @@ def make_completer(fleet: Fleet, router: Router, settings: GatewaySettings, budg
         finally:
             await attempt.release()
         if meter is not None and guarded.principal is not None:
-            await _meter(meter, guarded, attempt.route.settings.name, attempt.endpoint.name, accumulator,
-                         (time.perf_counter() - started) * 1000)
+            await _meter(meter, guarded, attempt.route.settings.name, attempt.endpoint.name,
+                         accumulator, (time.perf_counter() - started) * 1000)
         return accumulator.text
     return complete
 

@@ -77,7 +77,8 @@ def find_pii(text: str, kinds: tuple[str, ...]) -> list[tuple[int, int, str]]:
             continue
         for match in _PATTERNS[kind].finditer(text):
             start, end = match.span()
-            if _is_real(kind, match.group()) and not any(s < end and start < e for s, e, _ in spans):
+            if (_is_real(kind, match.group())
+                and not any(s < end and start < e for s, e, _ in spans)):
                 spans.append((start, end, kind))
     spans.sort()
     return spans

@@ -1,8 +1,9 @@
 """The metering contract: the usage record, and the two calls the gateway makes per request.
 
-    admission = await meter.admit(principal, model, num_prompt_tokens, max_tokens)   # may raise RateLimited
+    # may raise RateLimited:
+    admission = await meter.admit(principal, model, num_prompt_tokens, max_tokens)
     ... dispatch, stream ...
-    await meter.settle(admission, record)   # exactly once per request id, even on disconnect/failure
+    await meter.settle(admission, record)  # exactly once per request id, even on disconnect/failure
 
 `settle` is idempotent on `record.request_id`: calling it twice never counts twice. A meter may
 also offer `settle_nowait(admission, record)` (synchronous, never raises: the write is queued);

@@ -172,8 +172,8 @@ class EmbeddedMeter(BaseMeter):
 
     async def usage_records(self, project: str, since: str | None = None,
                             until: str | None = None) -> list[UsageRecord]:
-        sql = (f"SELECT {', '.join(_RECORD_COLUMNS)}, cost_nanos, tags FROM usage WHERE project = ? "
-               "AND day >= ? AND day <= ? ORDER BY created_at, request_id")
+        sql = (f"SELECT {', '.join(_RECORD_COLUMNS)}, cost_nanos, tags FROM usage WHERE project = "
+               "? AND day >= ? AND day <= ? ORDER BY created_at, request_id")
         args = (project, since or "", until or "9999-99-99")
         await self._inserts.flush()
         rows = await self._db.run(lambda conn: conn.execute(sql, args).fetchall())

@@ -3,7 +3,7 @@
     store = await open_limit_store(redis=services.redis, data_dir=settings.data_dir)
     await store.put(LimitScope("acme"), Limits(requests_per_minute=60))      # a project
     await store.put(LimitScope("acme", key_id="k_..."), Limits(...))         # one of its keys
-    stored = await store.load()          # StoredLimits: every record, for BaseMeter.set_stored_limits
+    stored = await store.load()  # StoredLimits: every record, for BaseMeter.set_stored_limits
 
 A stored record replaces the config file's limits of its scope (all of them: a field it leaves
 unset is no limit); deleting it brings the config's back. Every change bumps a store-wide

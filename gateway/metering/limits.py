@@ -2,7 +2,8 @@
 
 Counters per scope (the project, and each key):
     requests    per minute window (unix_s // 60)    +1 at admit
-    tokens      per minute window                   +reserved at admit, +(actual - reserved) at settle
+    tokens      per minute window                   +reserved at admit, +(actual - reserved) at
+                                                    settle
     concurrent  requests admitted and not settled   +1 at admit, -1 at settle (Redis: a sorted set
                                                     of request ids with a lease, so a gateway that
                                                     dies mid-request frees its slots after it)

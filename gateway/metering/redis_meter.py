@@ -23,11 +23,12 @@ moves the counters by (actual - reserved) and adds to the day's sums, also in on
 On Redis Cluster (infra/redis_client.py) the coalesced calls go out concurrently rather than in
 one pipeline (redis-py blocks EVALSHA in cluster pipelines); SCRIPT LOAD reaches every primary.
 
-A queued settle that fails because Redis cannot be reached is held in memory and written again with backoff (0.5 s doubling to 5 s) until Redis answers;
-SET NX makes a repeat of one that did land a no-op, so nothing is counted twice. What is still
-held at shutdown is tried once more, then logged as `settle failed` per request. Held, queued
-and in-flight calls together are bounded in bytes (`backlog_bytes`, settings.backlog_max_bytes):
-past the bound new requests are refused (BaseMeter.admit, MeterBacklogged: 503), none is dropped.
+A queued settle that fails because Redis cannot be reached is held in memory and written again with
+backoff (0.5 s doubling to 5 s) until Redis answers; SET NX makes a repeat of one that did land a
+no-op, so nothing is counted twice. What is still held at shutdown is tried once more, then logged
+as `settle failed` per request. Held, queued and in-flight calls together are bounded in bytes
+(`backlog_bytes`, settings.backlog_max_bytes): past the bound new requests are refused
+(BaseMeter.admit, MeterBacklogged: 503), none is dropped.
 """
 
 from __future__ import annotations
@@ -334,7 +335,8 @@ class RedisMeter(BaseMeter):
             self._held.append((call, request_id))
             self._held_bytes += call_bytes(call)
             if self._retrier is None or self._retrier.done():
-                log.warning("Redis unreachable: holding usage records until it answers (%s)", result)
+                log.warning("Redis unreachable: holding usage records until it answers (%s)",
+                            result)
                 self._retrier = asyncio.get_running_loop().create_task(self._retry_held())
 
     async def _retry_held(self) -> None:

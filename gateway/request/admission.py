@@ -199,7 +199,8 @@ class Admitter:
         observer.on_admitting(canonical.model, principal.project)
         try:
             admission = await self.meter.admit(usage_id, principal, canonical.model,
-                                               num_prompt_tokens, canonical.num_choices * max_tokens)
+                                               num_prompt_tokens,
+                                               canonical.num_choices * max_tokens)
         except ReservationTooLarge as exc:
             raise BadRequest(exc.message, param="max_tokens") from exc
         except MeterBacklogged as exc:  # back-pressure: the usage ledger cannot keep up
@@ -223,8 +224,8 @@ class Admitter:
         template framing included, kept on the request for the prefix router to hash) when a
         token limit or budget applies and the backend renders like its upstream; with another
         upstream's configured tokenizer, its text tokens plus framing (at least the estimate);
-        else the estimate. An estimate without the template's framing let 8 clients on two gateways pass
-        a 3,000 tokens-a-minute limit by 135: admission saw each prompt ~20 tokens short."""
+        else the estimate. An estimate without the template's framing let 8 clients on two gateways
+        pass a 3,000 tokens-a-minute limit by 135: admission saw each prompt ~20 tokens short."""
         render = getattr(route.backend, "render_prompt", None)
         counts_tokens = self._counts_tokens
         estimate = estimate_prompt_tokens(canonical)

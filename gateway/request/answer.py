@@ -180,7 +180,8 @@ class Answerer:
                             await response.write(encoder.event(event))
                 attempt.endpoint.breaker.record_success()
                 tail = encoder.finish(accumulator.response())
-            except GuardrailBlocked as exc:  # a response guard stopped it: the dialect's error event
+            # a response guard stopped it: the dialect's error event
+            except GuardrailBlocked as exc:
                 attempt.endpoint.breaker.record_success()
                 accumulator.finish_reason = "content_filter"
                 state.error = (exc.code, exc.message)
@@ -198,7 +199,8 @@ class Answerer:
             headers = state.request.headers
             if COST_REQUEST_HEADER in headers and wants_cost(headers):
                 # (the headers are gone: an SSE comment before the end)
-                tail = (f": {COST_HEADER}={cost_usd_of(canonical, state.route.settings, accumulator)}"
+                tail = (": "
+                        f"{COST_HEADER}={cost_usd_of(canonical, state.route.settings, accumulator)}"
                         "\n\n").encode() + tail
             await response.write_eof(tail)  # the last events and the chunked terminator in one send
             return response

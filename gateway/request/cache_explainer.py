@@ -14,8 +14,8 @@ A prompt is laid out as its parts: the model (each has its own cache: `model cha
 turn served by a fallback model), the fields a template may read (`response_format`,
 `tool_choice`, `chat_template_kwargs`, `reasoning_effort`), each tool (`tools[i].name`,
 `.description`, `.parameters`), then each message (`messages[i].role`, `.content`,
-`.tool_calls`, ...), the order a chat template writes them in; a completion is its `prompt`. Comparing with the
-previous turn's parts gives the first one that differs:
+`.tool_calls`, ...), the order a chat template writes them in; a completion is its `prompt`.
+Comparing with the previous turn's parts gives the first one that differs:
 
     tools[3].description changed at char 17     a value differs (from its first differing char)
     messages[4] removed / tools[2] added        the parts run out of step
@@ -116,7 +116,8 @@ def prompt_parts(request: CanonicalRequest) -> list[tuple[str, str]]:
     """The prompt as (part name, text) in the order it is laid out (module docstring)."""
     parts: list[tuple[str, str]] = [("model", request.model)]  # (the cache is per model)
     if request.kind != "chat":
-        first = request.prompt if request.prompt_token_ids is None else _json(request.prompt_token_ids)
+        first = (request.prompt if request.prompt_token_ids is None
+                 else _json(request.prompt_token_ids))
         return [*parts, ("prompt", first)]
     for name in _FIELDS:  # first: a template may write them anywhere (and the history grows last)
         value = getattr(request, name)
@@ -126,7 +127,8 @@ def prompt_parts(request: CanonicalRequest) -> list[tuple[str, str]]:
         parts += [(f"tools[{i}].name", tool.name), (f"tools[{i}].description", tool.description),
                   (f"tools[{i}].parameters", _json(tool.parameters))]
     for i, message in enumerate(request.messages):
-        parts += [(f"messages[{i}].role", message.role), (f"messages[{i}].content", message.content)]
+        parts += [(f"messages[{i}].role", message.role),
+                  (f"messages[{i}].content", message.content)]
         if message.tool_calls:
             parts.append((f"messages[{i}].tool_calls", _json(
                 [[c.id, c.name, c.arguments] for c in message.tool_calls])))

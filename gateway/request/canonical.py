@@ -1,6 +1,7 @@
 """The one internal form every dialect translates to and from.
 
-    client JSON --dialect.parse--> CanonicalRequest --backend.stream--> CanonicalEvent* --dialect--> client
+    client JSON --dialect.parse--> CanonicalRequest --backend.stream--> CanonicalEvent*
+                --dialect--> client
 
 A backend yields, in order: at most one `PromptUsage` (when the upstream announces the prompt's
 count as it starts answering), any number of `TextDelta` / `ReasoningDelta` / `ToolCallDelta`
@@ -65,13 +66,15 @@ class CanonicalRequest:
     # kind == "completion": the prompts after the first (OpenAI's several prompts in one request),
     # each a string or token ids; each prompt gets `n` choices, prompt i's at i*n .. i*n + n - 1
     extra_prompts: list[str | list[int]] = field(default_factory=list)
-    echo: bool = False  # kind == "completion": each choice's text (and logprobs) starts with its prompt
+    # kind == "completion": each choice's text (and logprobs) starts with its prompt
+    echo: bool = False
     # kind == "embedding": OpenAI's `dimensions` (None: the model's) and `encoding_format`
     embedding_dimensions: int | None = None
     encoding_format: Literal["float", "base64"] = "float"
     tools: list[Tool] = field(default_factory=list)
     tool_choice: str | dict[str, Any] | None = None  # OpenAI form: "auto"|"none"|"required"|{...}
-    parallel_tool_calls: bool | None = None  # False: at most one call (None: the upstream's default)
+    # False: at most one call (None: the upstream's default)
+    parallel_tool_calls: bool | None = None
     max_tokens: int | None = None  # per choice
     n: int = 1  # choices to generate (OpenAI `n`), each up to max_tokens
     logprobs: bool = False  # return each sampled token's log probability (OpenAI dialects only)
@@ -120,7 +123,8 @@ class CanonicalRequest:
     # set after authentication: sampled for the request log (gateway/request_logs/), its body kept
     is_logged: bool = False
     # (tokenizer path, prompt token ids) when the gateway rendered the prompt at admission (a
-    # token limit applies: gateway/request/pipeline.py); the prefix router hashes these, not a new render
+    # token limit applies: gateway/request/pipeline.py); the prefix router hashes these, not a new
+    # render
     rendered_prompt: tuple[str, list[int]] | None = None
     # what telemetry is told of this request (gateway/request/observer.py): set by the pipeline
     # from the middleware's; routing, fallbacks and the backend's upstream call tell it too

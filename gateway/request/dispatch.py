@@ -6,16 +6,18 @@
 
 Retries happen only before the first event, only for retryable `UpstreamError`s, at most
 `settings.num_retries` per request and within the shared `RetryBudget`; each retry goes to an
-endpoint not yet tried for this request. Each failure but a throttle (429) feeds the endpoint's circuit breaker.
-The request's observer (`request.observer`) is told each routing decision and a stream's first
-event. Each call deposits its request in the budget (`RetryBudget.on_request`) unless `deposit` is
-false: a fallback chain's later models (gateway/request/fallback.py) are the same request.
+endpoint not yet tried for this request. Each failure but a throttle (429) feeds the endpoint's
+circuit breaker. The request's observer (`request.observer`) is told each routing decision and a
+stream's first event. Each call deposits its request in the budget (`RetryBudget.on_request`) unless
+`deposit` is false: a fallback chain's later models (gateway/request/fallback.py) are the same
+request.
 
 A replica's admission refusal (`UpstreamOverloaded`, 429 `latency_target`: its predicted queueing
 would break the request's TTFT target) is retried on the next-best endpoint once at most, then
 raised with the replica's Retry-After; each refusal is told to the request's observer
-(`on_refused`: whether another endpoint is tried after it). The refused attempt held no engine slot and produced no usage: only
-its `num_outstanding` is given back, as for any failure before the first event.
+(`on_refused`: whether another endpoint is tried after it). The refused attempt held no engine slot
+and produced no usage: only its `num_outstanding` is given back, as for any failure before the first
+event.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ fallbacks, guards' classifier calls, the backend's upstream call) reaches the sa
       dispatch   router.choose (each decision)        on_routed(request, candidates, decision, ...)
                  a hop down a fallback chain          on_fallback(from, to, reason, error)
                  a replica's latency-target 429       on_refused(request, model, retried)
-                 backend: the upstream HTTP call      on_upstream_call(upstream) -> UpstreamCallObserver
+                 backend: the upstream HTTP call      on_upstream_call(upstream) ->
+                                                      UpstreamCallObserver
                  the stream's first event             on_first_token()
                  a session's turn explained           on_cache_turn(turn)
       settle     the request's usage record           on_settled(record)
@@ -101,7 +102,8 @@ class RequestObserver:
         """A stream's first event arrived from the upstream that will answer it."""
 
     def on_cache_turn(self, turn: Any) -> None:
-        """The request was explained as its session's next turn (gateway/request/cache_explainer.py)."""
+        """The request was explained as its session's next turn
+        (gateway/request/cache_explainer.py)."""
 
     def on_settled(self, record: UsageRecord) -> None:
         """The request's one usage record went to the meter (queued or written)."""

@@ -1,4 +1,5 @@
-"""RetentionPolicy: how long our replicas keep a request's prompt prefix from eviction after it ends.
+"""RetentionPolicy: how long our replicas keep a request's prompt prefix from eviction after it
+ends.
 
     retain_s, retention_id = policy.decide(request)      # after authentication (project known)
 

@@ -72,7 +72,8 @@ class Settler:
             await asyncio.wait(set(self._counting), timeout=timeout_s)
 
     async def settle_now(self, admission: Admission, record: UsageRecord) -> None:
-        """Write `record` now (for a route outside the pipeline, e.g. count_tokens); never raises."""
+        """Write `record` now (for a route outside the pipeline, e.g. count_tokens); never
+        raises."""
         try:
             await self.meter.settle(admission, record)
         except Exception:  # noqa: BLE001 - a metering outage must not fail the answer

@@ -1,9 +1,10 @@
 """`RequestState`: one admitted request as the pipeline carries it from dispatch to settle.
 
 Made once the meter admitted the request (gateway/request/pipeline.py); the dispatch step sets
-who answers (`endpoint`, `replica`, a fallback's `route`), the answer steps (gateway/request/answer.py)
-fill `accumulator` and `status`, and the request's `Settlement` (gateway/request/settlement.py)
-builds its one usage record from it. Plain fields, no behaviour beyond reading them.
+who answers (`endpoint`, `replica`, a fallback's `route`), the answer steps
+(gateway/request/answer.py) fill `accumulator` and `status`, and the request's `Settlement`
+(gateway/request/settlement.py) builds its one usage record from it. Plain fields, no behaviour
+beyond reading them.
 """
 
 from __future__ import annotations

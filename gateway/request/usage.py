@@ -30,8 +30,9 @@ def build_record(request: CanonicalRequest, principal: Principal, model: ModelSe
     The record's id is `record_id` (unique per gateway request), else the request's id."""
     usage = accumulator.usage or _partial_usage(request, accumulator, num_prompt_tokens)
     return UsageRecord(
-        request_id=record_id or request.request_id, project=principal.project, key_id=principal.key_id,
-        model=model.name, endpoint=endpoint_name, prompt_tokens=usage.prompt_tokens,
+        request_id=record_id or request.request_id, project=principal.project,
+        key_id=principal.key_id, model=model.name, endpoint=endpoint_name,
+        prompt_tokens=usage.prompt_tokens,
         cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens,
         cost_usd=model.prices.cost_usd(usage.prompt_tokens, usage.cached_tokens,
                                        usage.completion_tokens),
@@ -62,15 +63,16 @@ def _partial_usage(request: CanonicalRequest, accumulator: Accumulator,
                    num_prompt_tokens: int | None) -> Usage:
     chars = accumulator.num_generated_chars_by_choice
     echoed = accumulator.num_first_text_chars_by_choice if request.echo else [0] * len(chars)
-    num_completion_tokens = sum(_completion_estimate(num_chars, num_echoed_chars, request.max_tokens)
+    num_completion_tokens = sum(_completion_estimate(num_chars, num_echoed_chars,
+                                                     request.max_tokens)
                                 for num_chars, num_echoed_chars in zip(chars, echoed, strict=True))
     announced = accumulator.prompt_usage
     if announced is not None:
         return Usage(announced.prompt_tokens, num_completion_tokens, announced.cached_tokens)
     if not accumulator.num_events and num_prompt_tokens is None:
         return Usage(0, num_completion_tokens)
-    return Usage(estimate_prompt_tokens(request) if num_prompt_tokens is None else num_prompt_tokens,
-                 num_completion_tokens)
+    return Usage(estimate_prompt_tokens(request) if num_prompt_tokens is None
+                 else num_prompt_tokens, num_completion_tokens)
 
 
 def _completion_estimate(num_chars: int, num_echoed_chars: int, max_tokens: int | None) -> int:

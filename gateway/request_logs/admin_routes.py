@@ -55,7 +55,8 @@ def _time(value: str | None, name: str) -> float | None:
         try:
             parsed = datetime.fromisoformat(value)
         except ValueError:
-            raise _Invalid(f"{name}: unix seconds or an ISO 8601 time, not {value[:40]!r}") from None
+            raise _Invalid(f"{name}: unix seconds or an ISO 8601 time, not "
+                           f"{value[:40]!r}") from None
         if parsed.tzinfo is None:
             parsed = parsed.replace(tzinfo=UTC)
         seconds = parsed.timestamp()

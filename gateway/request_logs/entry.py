@@ -4,8 +4,8 @@ the stored JSON built from it off the request path (`build_entry`).
     {"id", "request_id", "project", "key_id", "model", "endpoint", "trace_id", "created_at",
      "path", "stream", "status", "latency_ms", "finish_reason", "cost_usd",
      "usage": {"prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens"},
-     "headers": {...}, "request": {...}, "response": {...} | null, "error": {"code", "message"} | null,
-     "truncated": false}
+     "headers": {...}, "request": {...}, "response": {...} | null,
+     "error": {"code", "message"} | null, "truncated": false}
 
 `response` is the answer in the dialect's non-streamed form (a stream's too, as its events add
 up). An entry over `max_entry_bytes` keeps its metadata; the bodies are then replaced by their

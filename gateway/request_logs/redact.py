@@ -3,7 +3,8 @@ fields the operator names.
 
 - Header values of `authorization`, `proxy-authorization`, `x-api-key`, `api-key` and `cookie`.
 - The value of any JSON key named like a credential (`api_key`, `authorization`, `password`,
-  `secret`, `client_secret`, `access_token`, `refresh_token`, `id_token`, `private_key`), at any depth.
+  `secret`, `client_secret`, `access_token`, `refresh_token`, `id_token`, `private_key`), at any
+  depth.
 - Inside every string: bearer tokens, `sk-...` keys (OpenAI, Anthropic, this gateway's
   `sk-aigw-...`), JWTs and AWS access key ids.
 - `redact_fields`: dotted paths from the entry's root (`request.metadata.email`,

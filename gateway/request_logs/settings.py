@@ -27,9 +27,11 @@ class RequestLogSettings(BaseModel):
     projects: dict[str, ProjectLogSettings] = {}  # opted in (no project is logged by default)
     store: Literal["auto", "sqlite", "redis"] = "auto"  # auto: Redis when redis_url is set
     retention_s: Annotated[float, Field(gt=0)] = 7 * 86400.0
-    max_entry_bytes: Annotated[int, Field(ge=4096)] = 64 * 1024  # one entry's JSON; bodies cut to fit
+    # one entry's JSON; bodies cut to fit
+    max_entry_bytes: Annotated[int, Field(ge=4096)] = 64 * 1024
     max_project_bytes: Annotated[int, Field(gt=0)] = 256 * 1024 * 1024  # a project's entries in all
-    queue_max_bytes: Annotated[int, Field(gt=0)] = 16 * 1024 * 1024  # waiting to be written; past it, dropped
+    # waiting to be written; past it, dropped
+    queue_max_bytes: Annotated[int, Field(gt=0)] = 16 * 1024 * 1024
     redact_fields: tuple[str, ...] = ()  # dotted JSON paths from the entry's root; `*`: any key
     settings_refresh_s: Annotated[float, Field(gt=0)] = 1.0  # how soon an admin API change is seen
 

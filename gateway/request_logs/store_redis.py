@@ -2,7 +2,8 @@
 
     aigw:{p:<P>}:reqlog                     stream  fields m (model), t (trace id), i (id),
                                                     c (created_at), e (entry)
-    aigw:reqlog:trace:<trace id>            set     "<project> <stream id>" members (EXPIRE: retention)
+    aigw:reqlog:trace:<trace id>            set     "<project> <stream id>" members (EXPIRE:
+                                                    retention)
     aigw:reqlog:settings                    hash    project -> settings JSON (admin API)
 
 Each XADD trims the stream to MAXLEN ~ max_project_bytes // max_entry_bytes entries (so a project

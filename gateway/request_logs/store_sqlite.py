@@ -29,7 +29,8 @@ CREATE TABLE IF NOT EXISTS request_logs (
 CREATE INDEX IF NOT EXISTS request_logs_by_project ON request_logs (project, seq);
 CREATE INDEX IF NOT EXISTS request_logs_by_trace ON request_logs (trace_id);
 CREATE INDEX IF NOT EXISTS request_logs_by_time ON request_logs (created_at);
-CREATE TABLE IF NOT EXISTS request_log_totals (project TEXT PRIMARY KEY, num_bytes INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS request_log_totals (project TEXT PRIMARY KEY,
+                                               num_bytes INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS request_log_settings (project TEXT PRIMARY KEY, settings TEXT NOT NULL);
 """
 

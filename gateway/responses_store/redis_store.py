@@ -1,4 +1,5 @@
-"""Stored responses in Redis: one string key per response with a TTL, and byte totals for the bounds.
+"""Stored responses in Redis: one string key per response with a TTL, and byte totals for the
+bounds.
 
 Key layout (the `{resp}` hash tag keeps every key of a script in one Cluster slot):
 

@@ -43,7 +43,8 @@ class ConsumerConfig:
     stream_block_ms: int = 1000  # XREAD BLOCK, when reading the Redis stream
 
     def __post_init__(self) -> None:
-        if self.poll_interval_s <= 0 or self.request_timeout_s <= 0 or self.num_failures_to_drop < 1:
+        if (self.poll_interval_s <= 0 or self.request_timeout_s <= 0
+            or self.num_failures_to_drop < 1):
             raise ValueError(f"invalid {self}")
 
 
@@ -52,7 +53,8 @@ class _Resync(Exception):
 
 
 class ReplicaEventConsumer:
-    """Public read-only state for the router: `replica_id`, `model_id`, `block_size`, `is_synced`."""
+    """Public read-only state for the router: `replica_id`, `model_id`, `block_size`,
+    `is_synced`."""
 
     def __init__(self, endpoint: Endpoint, index: PrefixIndex, transport: Transport,
                  config: ConsumerConfig = ConsumerConfig(), stream_client: Any = None) -> None:
@@ -69,7 +71,8 @@ class ReplicaEventConsumer:
         self._stream_pos = "0-0"
         self._epoch: str | None = None
         self._num_failures = 0
-        self._holds_entries = False  # entries of this replica may be in the index (since a snapshot)
+        # entries of this replica may be in the index (since a snapshot)
+        self._holds_entries = False
 
     async def run(self) -> None:
         while True:
@@ -184,7 +187,8 @@ class ReplicaEventConsumer:
                     raise _Resync("the replica restarted (new stream epoch)")
                 self._epoch = epoch
                 self._stream_pos = _text(entry_id)
-                if await self.index.apply(batch_from_json(orjson.loads(fields["batch"]))) is ApplyResult.GAP:
+                if (await self.index.apply(batch_from_json(orjson.loads(fields["batch"])))
+                        is ApplyResult.GAP):
                     raise _Resync("sequence gap in the stream")
 
 

@@ -65,7 +65,8 @@ class PrefixIndex(ABC):
         """The last batch applied for this replica; None after a drop or before any snapshot."""
 
     @abstractmethod
-    async def match(self, block_hashes: Sequence[int], replica_ids: Sequence[str]) -> dict[str, int]:
+    async def match(self, block_hashes: Sequence[int],
+                    replica_ids: Sequence[str]) -> dict[str, int]:
         """For each of `replica_ids`: how many blocks from the start it holds without a break."""
 
     async def match_tiers(self, block_hashes: Sequence[int], replica_ids: Sequence[str]
@@ -74,7 +75,8 @@ class PrefixIndex(ABC):
         return {r: (n, 0) for r, n in (await self.match(block_hashes, replica_ids)).items()}
 
     @abstractmethod
-    async def insert_tentative(self, replica_id: str, block_hashes: Sequence[int], ttl_s: float) -> None: ...
+    async def insert_tentative(self, replica_id: str, block_hashes: Sequence[int],
+                               ttl_s: float) -> None: ...
 
     @abstractmethod
     async def num_blocks(self, replica_id: str) -> int:
@@ -177,7 +179,8 @@ class InProcessIndex(PrefixIndex):
             return set()
         return {r for r, expiry in holders.items() if expiry == PERMANENT or expiry > now}
 
-    async def match(self, block_hashes: Sequence[int], replica_ids: Sequence[str]) -> dict[str, int]:
+    async def match(self, block_hashes: Sequence[int],
+                    replica_ids: Sequence[str]) -> dict[str, int]:
         return self.match_now(block_hashes, replica_ids)
 
     def match_now(self, block_hashes: Sequence[int], replica_ids: Sequence[str]) -> dict[str, int]:
@@ -206,7 +209,8 @@ class InProcessIndex(PrefixIndex):
                     host_only[replica_id] += 1
         return {r: (runs[r], host_only[r]) for r in replica_ids}
 
-    async def insert_tentative(self, replica_id: str, block_hashes: Sequence[int], ttl_s: float) -> None:
+    async def insert_tentative(self, replica_id: str, block_hashes: Sequence[int],
+                               ttl_s: float) -> None:
         self._add(replica_id, block_hashes, time.monotonic() + ttl_s)
 
     async def num_blocks(self, replica_id: str) -> int:

@@ -89,7 +89,8 @@ class PrefixRouter(Router):
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self, fleet: Fleet) -> None:
-        """Open the index and run one event consumer per replica endpoint; a second call is a no-op."""
+        """Open the index and run one event consumer per replica endpoint; a second call is a
+        no-op."""
         if self._is_started:
             return
         self._is_started = True
@@ -133,7 +134,8 @@ class PrefixRouter(Router):
                 self._run_consumer(endpoint, route.backend)
 
     def track(self, endpoint: Endpoint, backend: Backend) -> ReplicaEventConsumer:
-        """Start keeping state for `endpoint` (its consumer is returned, not run: `start` runs it)."""
+        """Start keeping state for `endpoint` (its consumer is returned, not run: `start` runs
+        it)."""
         assert self.index is not None, "give an index or call start()"
         consumer = ReplicaEventConsumer(endpoint, self.index, backend.transport,  # (the app's one)
                                         self.config.consumer, self._stream_client)
@@ -211,7 +213,8 @@ class PrefixRouter(Router):
             return 0
         block_size = synced[0].consumer.block_size
         upstream_body = getattr(synced[0].backend, "upstream_body", None)
-        if upstream_body is None or block_size is None or rendered[0] != tokenizer_path(endpoints[0]):
+        if (upstream_body is None or block_size is None
+            or rendered[0] != tokenizer_path(endpoints[0])):
             return 0
         try:
             hashes = await self._hash(request, upstream_body(request, synced[0].endpoint),
@@ -242,7 +245,8 @@ class PrefixRouter(Router):
             while len(state.inflight_uncached) > endpoint.num_outstanding:
                 state.inflight_uncached.popleft()  # the oldest have finished (approximately)
             num_unknown = endpoint.num_outstanding - len(state.inflight_uncached)
-            inflight = (*state.inflight_uncached, *(num_blocks,) * num_unknown)  # not ours: assume n
+            # not ours: assume n
+            inflight = (*state.inflight_uncached, *(num_blocks,) * num_unknown)
         load = endpoint.load
         kv_used = 0.0
         if load and load.num_kv_blocks_used is not None and load.num_kv_blocks_total:
@@ -282,7 +286,8 @@ class PrefixRouter(Router):
             salt = body.get("cache_salt")
             return hash_blocks(rendered[1], block_size, model_id,
                                salt if isinstance(salt, str) else None)
-        if path not in self._hashers or request.text_length() >= self.config.hash_off_loop_min_chars:
+        if (path not in self._hashers
+            or request.text_length() >= self.config.hash_off_loop_min_chars):
             loop = asyncio.get_running_loop()
             ids = await loop.run_in_executor(self._executor, self._token_ids, path, body)
         else:

@@ -53,8 +53,9 @@ class PromptHasher:
     guarded by the GIL; a lost update only costs a cache miss). CPU-bound: call off the loop.
 
     The segment cache is bounded in bytes (segment text + its ids, packed 4 bytes a token,
-    `segment_cache_max_bytes`; one segment at most an eighth of it) and keyed by (cache_salt, segment): what one tenant's
-    requests warm is never a hit, nor a timing difference, for another's."""
+    `segment_cache_max_bytes`; one segment at most an eighth of it) and keyed by (cache_salt,
+    segment): what one tenant's requests warm is never a hit, nor a timing difference, for
+    another's."""
 
     def __init__(self, tokenizer: Tokenizer,
                  segment_cache_max_bytes: int = DEFAULT_SEGMENT_CACHE_MAX_BYTES,
@@ -69,7 +70,9 @@ class PromptHasher:
         self.min_cached_segment_chars = min_cached_segment_chars
         self.segments: ByteLRU[tuple[str | None, str], array.array[int]] = ByteLRU(
             segment_cache_max_bytes, segment_cache_max_bytes // _MAX_SEGMENT_BYTES_FRACTION)
-        specials = sorted({t for t in tokenizer.convert_ids_to_tokens(sorted(tokenizer.special_token_ids))
+        specials = sorted({t
+                           for t in tokenizer.convert_ids_to_tokens(
+                               sorted(tokenizer.special_token_ids))
                            if t}, key=len, reverse=True)
         self._split = re.compile("|".join(map(re.escape, specials))) if specials else None
 
@@ -124,7 +127,8 @@ class PromptHasher:
                           + (str_bytes(salt) if salt else 0))
         return ids
 
-    def block_hashes(self, upstream_body: dict[str, Any], model_id: str, block_size: int) -> list[int]:
+    def block_hashes(self, upstream_body: dict[str, Any], model_id: str,
+                     block_size: int) -> list[int]:
         """Hashes of every full block of the prompt, with the body's cache_salt (None if absent)."""
         salt = upstream_body.get("cache_salt")
         return hash_blocks(self.token_ids(upstream_body), block_size, model_id,

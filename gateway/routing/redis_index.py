@@ -1,4 +1,5 @@
-"""The prefix index in Redis, shared by every gateway instance (the contract: gateway/routing/index.py).
+"""The prefix index in Redis, shared by every gateway instance (the contract:
+gateway/routing/index.py).
 
 Key layout (`<p>` = the key prefix, default "aigw"; every key carries the hash tag `{kv}`, so the
 whole index lives in ONE cluster slot and every Lua script below is cluster-safe):
@@ -7,7 +8,8 @@ whole index lives in ONE cluster slot and every Lua script below is cluster-safe
                                   (from events) until removed; <hash> = 16 lowercase hex digits
     <p>:{kv}:r:<replica>   SET   the <hash>es this replica has entries in (drop in O(its blocks))
     <p>:{kv}:seq           HASH  replica_id -> seq of the last event batch applied
-    <p>:{kv}:h:<hash>      SET   replica_ids whose host tier holds the block (events with medium "host")
+    <p>:{kv}:h:<hash>      SET   replica_ids whose host tier holds the block (events with medium
+                                 "host")
     <p>:{kv}:hr:<replica>  SET   the <hash>es this replica's host tier holds
 
 Every operation is one round trip (one EVALSHA). `match` walks the request's blocks in order and
@@ -208,12 +210,13 @@ class RedisIndex(PrefixIndex):
         return ApplyResult(_text(result))
 
     def _replica_keys(self, replica_id: str) -> list[str]:
-        return [self.seq_key, self.replica_prefix + replica_id, self.host_replica_prefix + replica_id]
+        return [self.seq_key, self.replica_prefix + replica_id,
+                self.host_replica_prefix + replica_id]
 
     async def load_snapshot(self, snapshot: KVSnapshot) -> None:
         await self._reset(keys=self._replica_keys(snapshot.replica_id),
-                          args=[snapshot.replica_id, snapshot.seq, self.block_prefix, self.host_prefix,
-                                len(snapshot.block_hashes),
+                          args=[snapshot.replica_id, snapshot.seq, self.block_prefix,
+                                self.host_prefix, len(snapshot.block_hashes),
                                 *(hash_key(h) for h in snapshot.block_hashes),
                                 *(hash_key(h) for h in snapshot.host_block_hashes)])
 
@@ -225,8 +228,10 @@ class RedisIndex(PrefixIndex):
         value = await self._redis.hget(self.seq_key, replica_id)
         return None if value is None else int(value)
 
-    async def match(self, block_hashes: Sequence[int], replica_ids: Sequence[str]) -> dict[str, int]:
-        return {r: run for r, (run, _) in (await self.match_tiers(block_hashes, replica_ids)).items()}
+    async def match(self, block_hashes: Sequence[int],
+                    replica_ids: Sequence[str]) -> dict[str, int]:
+        return {r: run
+                for r, (run, _) in (await self.match_tiers(block_hashes, replica_ids)).items()}
 
     async def match_tiers(self, block_hashes: Sequence[int], replica_ids: Sequence[str]
                           ) -> dict[str, tuple[int, int]]:
@@ -235,9 +240,11 @@ class RedisIndex(PrefixIndex):
         flat = await self._match(keys=[self.seq_key],
                                  args=[self.block_prefix, self.host_prefix, len(replica_ids),
                                        *replica_ids, *(hash_key(h) for h in block_hashes)])
-        return {_text(flat[i]): (int(flat[i + 1]), int(flat[i + 2])) for i in range(0, len(flat), 3)}
+        return {_text(flat[i]): (int(flat[i + 1]), int(flat[i + 2]))
+                for i in range(0, len(flat), 3)}
 
-    async def insert_tentative(self, replica_id: str, block_hashes: Sequence[int], ttl_s: float) -> None:
+    async def insert_tentative(self, replica_id: str, block_hashes: Sequence[int],
+                               ttl_s: float) -> None:
         if block_hashes:
             await self._tentative(keys=[self.replica_prefix + replica_id],
                                   args=[replica_id, int(ttl_s * 1000), self.block_prefix,

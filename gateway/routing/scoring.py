@@ -18,7 +18,8 @@ For a request of `n` full prompt blocks and each candidate replica r:
     (aigw_replica_predicted_queue_delay_ms, the figure its admission control refuses by), so a
     replica about to refuse a class costs that class more than one with the same queue length,
     H = host_block_cost (default 0.1: a host-tier hit is cheaper than any miss, dearer than a
-    pool hit; bench/results/kv-host-tier-cpu.md measured a restore at ~0.5% of a recompute on a CPU),
+    pool hit; bench/results/kv-host-tier-cpu.md measured a restore at ~0.5% of a recompute on
+    a CPU),
     W = prefill_weight (default 1.5), D = decode_blocks_per_request (default 8: a request's decode
     work in prefill-block units), S = kv_saturation (0.9). W > 1 charges a move for more than its
     prefill: recomputing a prefix elsewhere also evicts that replica's cached blocks. The defaults
@@ -27,10 +28,10 @@ For a request of `n` full prompt blocks and each candidate replica r:
 
 The lowest cost wins; ties go to the session's last replica (it also holds the blocks of the
 previous turn's output, which no index entry names yet), then to fewer requests in flight, then to
-a rendezvous hash of the request's first block with the replica id, so new prefixes spread evenly and a given prefix keeps
-going to the same replica before any event has arrived. Prefix alone never decides: a holder
-with enough work in flight costs more than recomputing the prefix elsewhere ("sticky until
-saturated").
+a rendezvous hash of the request's first block with the replica id, so new prefixes spread evenly
+and a given prefix keeps going to the same replica before any event has arrived. Prefix alone never
+decides: a holder with enough work in flight costs more than recomputing the prefix elsewhere
+("sticky until saturated").
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ class Score:
 
     def describe(self) -> str:
         host = f" host={self.num_host_blocks}" if self.num_host_blocks else ""
-        return (f"{self.name} matched={self.num_matched_blocks}{host} prefill={self.prefill_blocks:g} "
-                f"active={self.active_blocks:g} cost={self.cost:g}")
+        return (f"{self.name} matched={self.num_matched_blocks}{host} "
+                f"prefill={self.prefill_blocks:g} active={self.active_blocks:g} cost={self.cost:g}")
 
 
 def score(config: ScoringConfig, num_blocks: int, candidate: CandidateLoad) -> Score:
@@ -116,6 +117,7 @@ def choose(config: ScoringConfig, num_blocks: int, first_block_hash: int,
     """(index of the winner in `candidates`, every candidate's score)."""
     scores = [score(config, num_blocks, c) for c in candidates]
     best = min(range(len(candidates)), key=lambda i: (
-        scores[i].cost, not candidates[i].holds_session, len(candidates[i].inflight_uncached_blocks),
+        scores[i].cost, not candidates[i].holds_session,
+        len(candidates[i].inflight_uncached_blocks),
         rendezvous(first_block_hash, candidates[i].name)))
     return best, scores

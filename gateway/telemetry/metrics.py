@@ -2,8 +2,10 @@
 
     aigw_requests_total{route,status,model,project}            every answered request
     aigw_request_duration_seconds{route,model}                 end to end, streams until the end
-    aigw_overhead_seconds{route}                               added by the gateway (x-aigw-overhead-ms)
-    aigw_time_to_first_token_seconds{model}                    streams: request in -> first upstream event
+    aigw_overhead_seconds{route}                               added by the gateway
+                                                               (x-aigw-overhead-ms)
+    aigw_time_to_first_token_seconds{model}                    streams: request in -> first upstream
+                                                               event
     aigw_{input,cached,output}_tokens_total{model,project}     usage as settled with the meter
     aigw_cost_usd_total{model,project}
     aigw_prompt_cache_hit_ratio{project}                       cached / input tokens, from the two
@@ -15,9 +17,10 @@
                                                                endpoint tried) or passed_on
                                                                (to a fallback model or the client)
     aigw_batch_lines_total{outcome}, aigw_batch_lines_running, aigw_batch_idle_wait_seconds_total
-                                                               the Batch API (gateway/batch/metrics.py)
-    aigw_embedded_replica_restarts_total{endpoint}             `aigw serve`'s replicas restarted after
-                                                               their process exited
+                                                               the Batch API
+                                                               (gateway/batch/metrics.py)
+    aigw_embedded_replica_restarts_total{endpoint}             `aigw serve`'s replicas restarted
+                                                               after their process exited
     aigw_endpoint_{healthy,breaker_open,outstanding_requests,
                    requests_running,requests_waiting,kv_usage_ratio}{model,endpoint}
     aigw_endpoint_predicted_queue_delay_ms{model,endpoint,service_tier}
@@ -122,9 +125,11 @@ class GatewayMetrics:
                               ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         usage_labels = ["model", "project"]
         self.input_tokens = Counter("aigw_input_tokens", "Prompt tokens.", usage_labels, registry=r)
-        self.cached_tokens = Counter("aigw_cached_tokens", "Prompt tokens served from the prompt cache.",
+        self.cached_tokens = Counter("aigw_cached_tokens",
+                                     "Prompt tokens served from the prompt cache.",
                                      usage_labels, registry=r)
-        self.output_tokens = Counter("aigw_output_tokens", "Completion tokens.", usage_labels, registry=r)
+        self.output_tokens = Counter("aigw_output_tokens", "Completion tokens.", usage_labels,
+                                     registry=r)
         self.cost = Counter("aigw_cost_usd", "Cost in US dollars.", usage_labels, registry=r)
         self.routing_decisions = Counter("aigw_routing_decisions", "Endpoint picks by the router.",
                                          ["policy", "reason", "replica"], registry=r)
@@ -143,7 +148,8 @@ class GatewayMetrics:
         self.guardrails = GuardrailCollector()  # aigw_guardrail_*
         self.request_logs = RequestLogCollector()  # aigw_request_logs_*
         self.extra_collectors: list[Any] = [self.guardrails, self.request_logs]
-        # `aigw serve`'s embedded replicas: restart counts from the supervisor (gateway/fleet/supervisor.py)
+        # `aigw serve`'s embedded replicas: restart counts from the supervisor
+        # (gateway/fleet/supervisor.py)
         self._restarts_collector = restarts_collector_from_env()
         from gateway.batch.metrics import BatchCollector  # aigw_batch_* (counts set by the app)
 
@@ -283,7 +289,8 @@ class FleetCollector(Collector):
         for route, endpoint in self._fleet.all_endpoints():
             values = [route.settings.name, endpoint.name]
             families["healthy"].add_metric(values, float(endpoint.is_healthy))
-            families["breaker_open"].add_metric(values, float(not endpoint.breaker.can_attempt(now)))
+            families["breaker_open"].add_metric(values,
+                                                float(not endpoint.breaker.can_attempt(now)))
             families["outstanding_requests"].add_metric(values, float(endpoint.num_outstanding))
             load = endpoint.load
             if load is None:

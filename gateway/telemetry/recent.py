@@ -93,7 +93,8 @@ class LatencyWindow:
         recent = [s for s in self._samples if s.at_s >= now - window_s]
         return {"window_s": window_s, "num_requests": len(recent),
                 "latency_s": _quantiles([s.latency_s for s in recent]),
-                "overhead_s": _quantiles([s.overhead_s for s in recent if s.overhead_s is not None]),
+                "overhead_s": _quantiles([s.overhead_s for s in recent
+                                          if s.overhead_s is not None]),
                 "ttft_s": _quantiles([s.ttft_s for s in recent if s.ttft_s is not None])}
 
 

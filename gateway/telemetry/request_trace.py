@@ -86,7 +86,8 @@ class UpstreamCall(UpstreamCallObserver):
     def __init__(self, span_id: int, name: str, attributes: dict[str, Any], start_ns: int) -> None:
         self.span_id = span_id  # the id sent upstream in `traceparent`
         self.name = name  # "upstream POST /v1/chat/completions"
-        self.attributes = attributes  # shared per URL (gateway/telemetry/observers.py): never written
+        # shared per URL (gateway/telemetry/observers.py): never written
+        self.attributes = attributes
         self.start_ns = start_ns
 
     def on_answered(self, status: int) -> None:
@@ -157,12 +158,14 @@ def request_values(request: Any) -> tuple[Any, ...]:
             request.temperature, request.top_p, request.seed)
 
 
-def _build(trace: RequestTrace, resource: Resource, scope: InstrumentationScope) -> list[ReadableSpan]:
+def _build(trace: RequestTrace, resource: Resource,
+           scope: InstrumentationScope) -> list[ReadableSpan]:
     server = trace.context
 
     def child(name: str, span_id: int, kind: SpanKind, attributes: dict[str, Any], start_ns: int,
               end_ns: int, status: Status = _UNSET, events: Sequence[Event] = ()) -> ReadableSpan:
-        context = SpanContext(server.trace_id, span_id, False, server.trace_flags, server.trace_state)
+        context = SpanContext(server.trace_id, span_id, False, server.trace_flags,
+                              server.trace_state)
         return ReadableSpan(name, context, server, resource, attributes, events, (), kind, None,
                             status, start_ns, end_ns, scope)
 
@@ -181,7 +184,8 @@ def _build(trace: RequestTrace, resource: Resource, scope: InstrumentationScope)
     if trace.request is not None:
         values.update(_request_attributes(trace.request))
     for step in trace.routes:
-        route = {attr.AIGW_ROUTING_POLICY: step.policy, attr.AIGW_ROUTING_REASON: step.decision.reason,
+        route = {attr.AIGW_ROUTING_POLICY: step.policy,
+                 attr.AIGW_ROUTING_REASON: step.decision.reason,
                  attr.AIGW_REPLICA: step.decision.endpoint.name,
                  attr.AIGW_ROUTING_MODEL: step.decision.endpoint.model.name,
                  **candidate_attributes(step.decision, step.candidates)}

@@ -10,9 +10,10 @@ any case. A caller's sampled `traceparent` is always continued and not counted h
 made that decision (parent-based sampling, as the OpenTelemetry SDK's default).
 
 Checked first, before any id is drawn, so a request over the limit costs a comparison (a new trace
-the ratio then drops gives its token back). A token bucket: it holds up to `max(1, max_per_s)` tokens, starts full and refills at `max_per_s`;
-each new trace takes one. Time is whatever monotonic clock in seconds the caller passes
-(the middleware's `perf_counter` reading of the request's start). Event loop only.
+the ratio then drops gives its token back). A token bucket: it holds up to `max(1, max_per_s)`
+tokens, starts full and refills at `max_per_s`; each new trace takes one. Time is whatever monotonic
+clock in seconds the caller passes (the middleware's `perf_counter` reading of the request's start).
+Event loop only.
 """
 
 from __future__ import annotations

@@ -146,7 +146,8 @@ class _Connection(asyncio.Protocol):
         if self.is_complete:
             return
         # an answer with neither content-length nor chunked encoding ends when the connection does
-        if (self.headers_ready.done() and self.error is None and "content-length" not in self.headers
+        if (self.headers_ready.done() and self.error is None
+            and "content-length" not in self.headers
                 and "chunked" not in self.headers.get("transfer-encoding", "").lower()):
             self.on_message_complete()
             return
@@ -261,7 +262,8 @@ class _LeanResponse(UpstreamResponse):
         connection.is_reading_all = True
         while not connection.is_complete:
             if connection.error is not None:
-                raise UpstreamUnavailable("upstream failed: the answer broke off") from connection.error
+                raise UpstreamUnavailable("upstream failed: the answer broke "
+                                          "off") from connection.error
             await connection.wait_for_body()
         body = connection.take_body()
         self.release()
@@ -293,7 +295,8 @@ class _LeanResponse(UpstreamResponse):
             elif connection.is_complete:
                 return
             elif connection.error is not None:
-                raise UpstreamUnavailable("upstream failed: the stream broke off") from connection.error
+                raise UpstreamUnavailable("upstream failed: the stream broke "
+                                          "off") from connection.error
             else:
                 await connection.wait_for_body()
 
@@ -308,8 +311,8 @@ class _LeanResponse(UpstreamResponse):
         if connection.error is not None or connection.is_closed:
             connection.close()
             return
-        # the answer's last bytes (a stream's closing chunk) are still on the way; nobody reads them,
-        # so they must not pause the socket
+        # the answer's last bytes (a stream's closing chunk) are still on the way; nobody reads
+        # them, so they must not pause the socket
         connection.is_reading_all = True
         connection.resume_reading()
         timer = connection.loop.call_later(RELEASE_GRACE_S, connection.close)
@@ -363,7 +366,8 @@ class LeanTransport(Transport):
         while pool:
             connection = pool.pop()
             connection.is_idle = False
-            if not connection.is_closed and now_s - connection.idle_since_s < self._keepalive_timeout_s:
+            if (not connection.is_closed
+                and now_s - connection.idle_since_s < self._keepalive_timeout_s):
                 return connection
             connection.close()
         return None

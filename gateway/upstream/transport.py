@@ -6,9 +6,9 @@ keep-alive connections pooled per origin), chosen over aiohttp's `ClientSession`
 a request (docs/performance.md, "Gateway overhead"), and the gateway's only HTTP client: model
 calls, health and load probes, the KV event consumers (gateway/routing/events_consumer.py), the
 dashboard's fetches from replicas and budget webhooks (gateway/metering/alerts.py) all go
-through it. Connection failures surface as `UpstreamUnavailable`, connect timeouts as `UpstreamTimeout`; their
-messages reach clients, so they say "upstream failed: <short reason>" and the URL and exception
-details go to the log only.
+through it. Connection failures surface as `UpstreamUnavailable`, connect timeouts as
+`UpstreamTimeout`; their messages reach clients, so they say "upstream failed: <short reason>" and
+the URL and exception details go to the log only.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ class UpstreamResponse(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Drop the connection if the body was not fully read (this is how an upstream is aborted)."""
+        """Drop the connection if the body was not fully read (this is how an upstream is
+        aborted)."""
 
     def release(self) -> None:
         """The caller has all it wants of a body that is ending by itself (a stream past its
@@ -97,7 +98,8 @@ async def _send_telling(transport: Transport, request: UpstreamRequest,
 class MockResponse(UpstreamResponse):
     """A canned answer for tests: `chunks` are yielded as lines (split on newlines)."""
 
-    def __init__(self, status: int, body: bytes = b"", headers: Mapping[str, str] | None = None) -> None:
+    def __init__(self, status: int, body: bytes = b"",
+                 headers: Mapping[str, str] | None = None) -> None:
         self.status = status
         self.headers = dict(headers or {})
         self._body = body

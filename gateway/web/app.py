@@ -1,14 +1,15 @@
 """The app factory: `create_app(settings, authenticator=..., meter=...)`.
 
-Lifecycles (cleanup_ctx, in order): the upstream transport (LeanTransport: keep-alive connections pooled per upstream),
-the first discovery round (models with `discover`: gateway/fleet/discovery.py), the router's own tasks
-(`Router.start/close`), the discovery task (every `health_interval_s`; it tells the router of
-changes), the health checker task, then (on shutdown only) the wait for the settlements still
-counting a prompt (`Pipeline.wait_settled`). The router's close is bounded
-(`ROUTER_CLOSE_TIMEOUT_S`): a Redis index that stopped answering must not hold a drain forever. With
-`settings.auth_enabled` false and nothing injected, auth's AnonymousAuthenticator and
-gateway/metering/null_meter.py's NullMeter are used; with auth on, both must be injected
-(gateway/web/services.py::create_served_app does that with the real auth/ and metering/).
+Lifecycles (cleanup_ctx, in order): the upstream transport (LeanTransport: keep-alive connections
+pooled per upstream), the first discovery round (models with `discover`:
+gateway/fleet/discovery.py), the router's own tasks (`Router.start/close`), the discovery task
+(every `health_interval_s`; it tells the router of changes), the health checker task, then (on
+shutdown only) the wait for the settlements still counting a prompt (`Pipeline.wait_settled`). The
+router's close is bounded (`ROUTER_CLOSE_TIMEOUT_S`): a Redis index that stopped answering must not
+hold a drain forever. With `settings.auth_enabled` false and nothing injected, auth's
+AnonymousAuthenticator and gateway/metering/null_meter.py's NullMeter are used; with auth on, both
+must be injected (gateway/web/services.py::create_served_app does that with the real auth/ and
+metering/).
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ async def _bounded(step: Awaitable[None], timeout_s: float, what: str) -> None:
     done, _ = await asyncio.wait({task}, timeout=timeout_s)
     if not done:
         task.cancel()
-        task.add_done_callback(_retrieve)  # whatever it ends with later is not logged as unretrieved
+        # whatever it ends with later is not logged as unretrieved
+        task.add_done_callback(_retrieve)
         log.warning("%s did not finish within %gs; shutdown goes on without it", what, timeout_s)
     elif task.exception() is not None:
         log.warning("%s failed: %r", what, task.exception())

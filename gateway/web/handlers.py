@@ -60,12 +60,14 @@ async def retrieve_model(request: web.Request) -> web.Response:
     for entry in entries:
         if entry["id"] == name:
             return _json(entry)
-    return _json(OPENAI_CHAT.error_body(404, "model_not_found", f"the model {name!r} does not exist"),
+    return _json(OPENAI_CHAT.error_body(404, "model_not_found",
+                                        f"the model {name!r} does not exist"),
                  404)
 
 
 async def anthropic_models(request: web.Request) -> web.Response:
-    """Anthropic `GET /v1/models[/{model}]` under /anthropic: the same models in Anthropic's form."""
+    """Anthropic `GET /v1/models[/{model}]` under /anthropic: the same models in Anthropic's
+    form."""
     entries = await _visible_models(request, ANTHROPIC_MESSAGES)
     if isinstance(entries, web.Response):
         return entries
@@ -103,7 +105,8 @@ async def _visible_models(request: web.Request, dialect: Dialect
             continue
         context_length = next((e.context_length for e in route.endpoints if e.context_length), None)
         prices = route.settings.prices
-        data.append({"id": name, "object": "model", "created": 0, "owned_by": route.settings.owned_by,
+        data.append({"id": name, "object": "model", "created": 0,
+                     "owned_by": route.settings.owned_by,
                      "context_length": context_length, "max_model_len": context_length,
                      "pricing": {"input_per_token": prices.input_per_token,
                                  "cached_input_per_token": prices.cached_input_per_token,

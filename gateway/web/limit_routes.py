@@ -105,8 +105,9 @@ def build_limit_routes(services: AuthServices, limits: LimitServices,
             "stored": None if stored is None else stored.public_view(),
             "effective": effective.public_view()}
         if scope.key_id is None:
-            body["keys"] = {key_id: v.public_view()
-                            for key_id, v in limits.meter.stored_limits.of_project(scope.project).items()}
+            body["keys"] = {
+                key_id: v.public_view()
+                for key_id, v in limits.meter.stored_limits.of_project(scope.project).items()}
         return body
 
     async def get_limits(request: web.Request) -> web.Response:

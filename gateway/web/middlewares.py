@@ -36,7 +36,8 @@ async def envelope_middleware(request: web.Request, handler: Handler) -> web.Str
     except (RedisConnectionError, RedisTimeoutError) as exc:  # keys, limits, the admin API
         log.warning("store unavailable on %s %s: %s", request.method, request.path, exc)
         return _error(request, 503, "store_unavailable",
-                      "the gateway's data store (keys, limits) is unreachable; retry shortly", started)
+                      "the gateway's data store (keys, limits) is unreachable; retry shortly",
+                      started)
     except Exception:  # noqa: BLE001 - never a traceback to the client
         log.exception("unhandled error on %s %s", request.method, request.path)
         return _error(request, 500, "internal_error", "internal gateway error", started)
@@ -74,7 +75,8 @@ def _not_found_message(request: web.Request) -> str:
             "URL with /v1, the Anthropic SDKs' the gateway's URL with /anthropic)")
 
 
-def _error(request: web.Request, status: int, code: str, message: str, started: float) -> web.Response:
+def _error(request: web.Request, status: int, code: str, message: str,
+           started: float) -> web.Response:
     dialect = _ANTHROPIC if is_anthropic_path(request.path) else _OPENAI
     return error_response(dialect, status, code, message, request_id_of(request),
                           (time.perf_counter() - started) * 1000)

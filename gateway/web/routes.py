@@ -14,7 +14,8 @@ from gateway.web.keys import RESPONSES
 
 
 def setup_routes(app: web.Application) -> None:
-    """After app[PIPELINE] and app[RESPONSES] exist (the model routes' handlers are bound to them)."""
+    """After app[PIPELINE] and app[RESPONSES] exist (the model routes' handlers are bound to
+    them)."""
     model_handler = handlers.model_handler
     chat_completions = model_handler(app, handlers.OPENAI_CHAT)
     completions = model_handler(app, handlers.OPENAI_COMPLETIONS)

@@ -2,7 +2,8 @@
 
     GET    /v1/responses/{response_id}               the response object (?stream=true: its events)
     DELETE /v1/responses/{response_id}               {"id", "object": "response", "deleted": true}
-    GET    /v1/responses/{response_id}/input_items   ?limit=1..100 (20) &order=asc|desc (desc) &after=<item id>
+    GET    /v1/responses/{response_id}/input_items   ?limit=1..100 (20) &order=asc|desc (desc)
+                                                     &after=<item id>
 
 Each needs the invoke scope and sees only its own project's responses: another project's id, a
 deleted or expired one, and one never stored are the same 404, in OpenAI's envelope.

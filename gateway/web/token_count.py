@@ -82,7 +82,8 @@ async def count_tokens(request: web.Request, pipeline: Pipeline, dialect: Anthro
         num_tokens = await asyncio.to_thread(route.backend.count_prompt_tokens, canonical,
                                              route.endpoints[0])
         status = 200
-    except pydantic.ValidationError as exc:  # the replica's own checks (e.g. tool_choice needs tools)
+    # the replica's own checks (e.g. tool_choice needs tools)
+    except pydantic.ValidationError as exc:
         answer = failed(400, "invalid_request",
                         exc.errors()[0]["msg"].removeprefix("Value error, "))
     except Exception as exc:  # noqa: BLE001 - over the context, or a template that refuses it
