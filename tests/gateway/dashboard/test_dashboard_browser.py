@@ -68,6 +68,9 @@ def test_dashboard_shows_replica_usage_and_trace_waterfall(served: Served, tmp_p
             page.fill("#key", USER_KEY)  # a key without the admin scope is refused
             page.click("#login-form button")
             page.wait_for_selector("#login-error:not([hidden])")
+            # the page says how to get a key it takes (the first key is not one)
+            assert ("aigw keys create --project default --scope ai_gateway:admin"
+                    in page.inner_text("#login"))
             page.fill("#key", ADMIN_KEY)
             page.click("#login-form button")
             page.wait_for_selector(f"#replicas tr[data-replica='{replica}'] .badge.ok")
