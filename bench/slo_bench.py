@@ -92,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiny", action="store_true", help="smoke-test sizes; the figures mean nothing")
     parser.add_argument("--plot", default=None, help="write a PNG of goodput vs rate here")
     parser.add_argument("--json", default=None, help="write the cells as JSON here")
+    parser.add_argument("--step-log", default=None,
+                        help="virtual clock: write every engine step (plan, predicted and "
+                             "measured cost, sequences) as JSON lines here")
     parser.add_argument("--results", default=None,
                         help="write the raw results (markdown) here (default: "
                              "bench/results/slo-virtual-cpu.md, or slo.md with --clock wall); "
@@ -342,7 +345,7 @@ def run_virtual(args: argparse.Namespace, workloads: list[str], rates: list[floa
                 sessions: list[Any], notes: list[str]) -> dict[str, dict[str, list[CellSummary]]]:
     """In-process engines on virtual clocks, the policies interleaved within each cell
     (bench/slo_virtual.py)."""
-    from bench.slo_virtual import Lane, VirtualClock, build_engine, probe_costs, run_lanes
+    from bench.slo_virtual import Lane, StepLog, VirtualClock, build_engine, probe_costs, run_lanes
 
     clocks = {policy: VirtualClock() for policy in POLICIES}
     engines = {policy: build_engine(policy_args(args, policy), clocks[policy]) for policy in POLICIES}
@@ -350,6 +353,10 @@ def run_virtual(args: argparse.Namespace, workloads: list[str], rates: list[floa
         costs = probe_costs(engines[policy], TokenSource(tokenizer, seed=args.seed + 2),
                             args.short_tokens, args.long_tokens)
         notes.append(f"{policy}: {costs.line()}")
+    step_log = StepLog(args.step_log) if args.step_log else None
+    if step_log is not None:
+        for policy in POLICIES:
+            step_log.attach(policy, engines[policy], clocks[policy])
     print(f"  {notes[-2]}", file=sys.stderr)
     results: dict[str, dict[str, list[CellSummary]]] = {}
     for workload in workloads:
@@ -357,6 +364,8 @@ def run_virtual(args: argparse.Namespace, workloads: list[str], rates: list[floa
         for rate in rates:
             plan = make_plan(args, workload, rate, tokenizer, sessions)
             started = time.perf_counter()
+            if step_log is not None:
+                step_log.cell = {"workload": workload, "rate": rate}
             lanes = [Lane(policy, engines[policy], clocks[policy], plan,
                           TokenSource(tokenizer, seed=args.seed + 1), args.drain_timeout_s,
                           args.ttft_p90_ms / 1000.0, args.tpot_p90_ms / 1000.0)
@@ -370,6 +379,8 @@ def run_virtual(args: argparse.Namespace, workloads: list[str], rates: list[floa
                 f"{p} {results[workload][p][-1].goodput_per_s:.2f}/s "
                 f"({results[workload][p][-1].num_refused} refused)" for p in POLICIES)
                 + f" ({time.perf_counter() - started:.0f} s wall)", file=sys.stderr)
+    if step_log is not None:
+        step_log.close()
     return results
 
 

@@ -33,13 +33,26 @@ from contracts.replica_protocol import SERVICE_TIER_PRIORITY
 
 
 class VirtualClock:
-    """A policy's seconds: advanced by its engine's step costs, jumped over idle time."""
+    """A policy's seconds: advanced by its engine's step costs, jumped over idle time. Inside a
+    step (`begin_step` .. `end_step`) it runs on with the step's thread CPU time, so what the
+    engine stamps at the step's end (a first token's time, which the slo plan's stream slack is
+    counted from) reads the step's end, as the wall clock would."""
 
     def __init__(self) -> None:
         self.t = 0.0
+        self._step_started: float | None = None
 
     def __call__(self) -> float:
-        return self.t
+        if self._step_started is None:
+            return self.t
+        return self.t + time.thread_time() - self._step_started
+
+    def begin_step(self) -> None:
+        self._step_started = time.thread_time()
+
+    def end_step(self, step_s: float) -> None:
+        self._step_started = None
+        self.t += step_s
 
 
 def build_engine(args: Any, clock: VirtualClock) -> Any:
@@ -168,8 +181,9 @@ class Lane:
             else:
                 self.done = True
             return
+        self.clock.begin_step()
         outputs = self.engine.step()
-        self.clock.t += self.engine.last_step_s
+        self.clock.end_step(self.engine.last_step_s)
         self._collect(outputs, self.clock.t)
 
     def _send(self, client_index: int, now: float) -> None:
@@ -235,6 +249,55 @@ class Lane:
         self._active.clear()
         self.engine.publish_load()
         self.done = True
+
+
+class StepLog:
+    """`--step-log`: one JSON line per engine step of a lane, for tracing which steps overrun the
+    plan and why. Attached by wrapping the scheduler's `record_step` (nothing runs without it):
+
+        {"policy", "workload", "rate", "t_s" (the policy's clock before the step), "step_s"
+         (measured), "predicted_s" (the step-time model before it learnt this step), "token_budget",
+         "max_num_running", "num_running", "num_waiting", "preempted": [ids],
+         "seqs": [[request id, start position, tokens], ...]}
+    """
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "w")  # noqa: SIM115 (closed by close())
+        self.cell: dict[str, Any] = {}
+        self._attached: list[Any] = []  # schedulers whose record_step close() restores
+
+    def attach(self, policy: str, engine: Any, clock: VirtualClock) -> None:
+        import json
+
+        from engine.slo import attention_pairs
+
+        scheduler = engine.scheduler
+        record_step = scheduler.record_step
+
+        def logged(batch: Any, step_s: float) -> None:
+            cost = scheduler.step_costs.cost
+            seqs = [[s.request_id, s.start_position, s.num_scheduled_tokens]
+                    for s in batch.sequences]
+            num_decodes = sum(1 for _, _, n in seqs if n == 1)
+            pairs = sum(attention_pairs(start, n) for _, start, n in seqs)
+            predicted = (None if cost is None else
+                         cost.step_s(batch.num_scheduled_tokens - num_decodes, num_decodes, pairs))
+            self._file.write(json.dumps({
+                "policy": policy, **self.cell, "t_s": clock.t, "step_s": step_s,
+                "predicted_s": predicted, "token_budget": scheduler.plan.token_budget,
+                "max_num_running": scheduler.plan.max_num_running,
+                "num_running": len(scheduler.running), "num_waiting": len(scheduler.waiting),
+                "preempted": list(batch.preempted_request_ids), "seqs": seqs}) + "\n")
+            record_step(batch, step_s)
+
+        scheduler.record_step = logged
+        self._attached.append(scheduler)
+
+    def close(self) -> None:
+        for scheduler in self._attached:
+            del scheduler.record_step  # (the instance attribute: the method again)
+        self._attached.clear()
+        self._file.close()
 
 
 def run_lanes(lanes: list[Lane]) -> None:

@@ -105,3 +105,27 @@ def test_admission_refuses_at_arrival_and_a_cut_cell_leaves_nothing_behind(
     assert not engine.has_unfinished_requests and engine.kv_cache.num_requests == 0
     cell = summarize(lane.records, 1.0, 1.0, 0.001, 100.0)
     assert (cell.num_refused, cell.num_unfinished, cell.num_good) == (len(refused), len(admitted), 0)
+
+
+def test_the_step_log_writes_every_step_with_its_plan_and_costs(
+        tokenizer: Any, slo_engine: tuple[Any, VirtualClock], tmp_path: Any) -> None:
+    import json
+
+    from bench.slo_virtual import StepLog
+
+    engine, clock = slo_engine
+    log = StepLog(str(tmp_path / "steps.jsonl"))
+    log.attach("slo", engine, clock)
+    log.cell = {"workload": "mixed", "rate": 1.0}
+    source = TokenSource(tokenizer, seed=5)
+    plan = [Arrival(0.0, "default", [PlannedRequest(source.take(40), 4)])]
+    run_lanes([_lane(engine, clock, plan, tokenizer)])
+    log.close()
+    assert "record_step" not in vars(engine.scheduler)  # detached
+    lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert len(lines) == 4  # the prompt's step (first token), then three decodes
+    assert lines[0]["seqs"][0][1:] == [0, 40] and all(x["seqs"][0][2] == 1 for x in lines[1:])
+    assert [x["seqs"][0][1] for x in lines[1:]] == [40, 41, 42]
+    assert all(x["step_s"] > 0 and x["predicted_s"] > 0 for x in lines)
+    assert lines[0]["workload"] == "mixed" and lines[0]["policy"] == "slo"
+    assert lines[0]["t_s"] < lines[-1]["t_s"]
