@@ -9,7 +9,8 @@ when the request's metrics are taken, so a stream's line comes after its last ev
 Fields: ts (unix seconds), method, path (no query string), status (the client's: 499 when it
 left), model, project, key_id (the key's id, never the key), prompt_tokens, cached_tokens,
 completion_tokens, ms (the whole request), request_id, trace_id ("" when the request was not
-traced). Never a credential, a header or a body. A value a client chose (model, path) is quoted
+traced). Never a credential (a key pasted into a URL's path keeps its id, its secret becomes
+[REDACTED]), a header or a body. A value a client chose (model, path) is quoted
 in the text form when it holds a space, a quote, `=` or a control character, so one request is
 always one line.
 
@@ -30,6 +31,8 @@ import orjson
 ACCESS_LOG_FORMATS = ("text", "json", "off")
 LOGGER_NAME = "aigw.access"
 _NEEDS_QUOTES = re.compile(r'[\s"=\\\x00-\x1f\x7f]')
+# an API key pasted into a URL (`DELETE /admin/v1/keys/<the whole key>`): its secret goes
+_KEY_IN_PATH = re.compile(r"(sk-aigw-[0-9a-f]{0,12}-?)[^/]*")
 _FORMATTER = logging.Formatter("%(message)s")
 _own_handler: logging.StreamHandler[Any] | None = None  # the stderr handler this module added
 
@@ -65,6 +68,8 @@ class AccessLog:
         if not logger.isEnabledFor(logging.INFO):
             return
         ts, ms = round(time.time(), 3), round(latency_ms, 2)
+        if "sk-aigw-" in path:
+            path = _KEY_IN_PATH.sub(r"\1[REDACTED]", path)
         if self.is_json:
             line = orjson.dumps({
                 "ts": ts, "method": method, "path": path, "status": status, "model": model,
