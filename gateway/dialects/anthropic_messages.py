@@ -302,7 +302,12 @@ class AnthropicMessages(Dialect):
             request.messages.append(Message("system", _text_of(system, "system"),
                                             cache_control=_cache_control_of(system)))
         results = ToolResults()  # each tool_result answers a tool_use of the message before
-        for i, raw in enumerate(get_list(body, "messages", required=True, non_empty=True) or ()):
+        messages = get_list(body, "messages", required=True, non_empty=True) or []
+        for i, raw in enumerate(messages):
+            if (isinstance(raw, dict) and raw.get("content") in ("", [])
+                    and not (i == len(messages) - 1 and raw.get("role") == "assistant")):
+                raise InvalidParam(f"messages[{i}].content", "all messages must have non-empty "
+                                   "content except for the optional final assistant message")
             for message in _parse_message(raw, i):
                 results.add(message, f"messages[{i}].content")
                 request.messages.append(message)
@@ -326,6 +331,8 @@ class AnthropicMessages(Dialect):
         metadata = get_object(body, "metadata")
         if metadata is not None:
             request.user = get_str(metadata, "user_id", "metadata.user_id")
+        if isinstance(body.get("stop_sequences"), str):  # (OpenAI's `stop` may be one string)
+            raise InvalidParam("stop_sequences", "expected an array of strings")
         request.stop = get_stop(body, "stop_sequences", max_items=16)
         request.stream = bool(get_bool(body, "stream"))
         request.response_format = _parse_output_format(body)

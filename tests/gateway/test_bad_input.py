@@ -52,6 +52,11 @@ def _cases(path: str) -> list[tuple[str, Any, int]]:
                   ("tool_choice_without_type", {**good, "tool_choice": {}}, 400),
                   ("tool_name_with_a_space", {**good, "tools": [
                       {"name": "get weather", "input_schema": {"type": "object"}}]}, 400),
+                  ("empty_content", {**good, "messages": [{"role": "user", "content": []}]}, 400),
+                  ("empty_text_content", {**good, "messages": [
+                      {"role": "user", "content": ""},
+                      {"role": "assistant", "content": "a"}]}, 400),
+                  ("stop_sequences_a_string", {**good, "stop_sequences": "x"}, 400),
                   ("tool_name_over_64", {**good, "tools": [
                       {"name": "f" * 65, "input_schema": {"type": "object"}}]}, 400)]
     elif path == "/v1/responses":
@@ -165,3 +170,15 @@ def test_bad_nested_fields_name_their_full_path(gateway: Gateway, path: str, bod
     response = httpx.post(gateway.url + path, json=body)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == param
+
+
+def test_only_a_final_assistant_message_may_be_empty_in_anthropics_dialect(
+        gateway: Gateway) -> None:
+    body = {**ROUTES["/anthropic/v1/messages"], "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": []}]}
+    assert httpx.post(gateway.url + "/anthropic/v1/messages", json=body).status_code == 200
+    body["messages"] = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""},
+                        {"role": "user", "content": "again"}]
+    refused = httpx.post(gateway.url + "/anthropic/v1/messages", json=body)
+    assert refused.status_code == 400 and refused.json()["type"] == "error"
+    assert "non-empty content" in refused.json()["error"]["message"]
