@@ -356,7 +356,7 @@ def _compute_info(model, config: EngineConfig, native_step: object) -> dict[str,
         source = "quantized at load" if native.quantized_at_load else "file"
     info: dict[str, object] = {"decode_weights": config.decode_weights, "weights": weights,
                                "weights_source": source, "experts": _experts_info(layers, config),
-                               "native_step": type(native_step).__name__ if native_step is not None else None}
+                               "native_step": getattr(native_step, "name", None)}
     if config.device.startswith("cpu"):
         from engine.kernels import cpu as native
         from engine.kernels.cpu import isa
@@ -403,28 +403,23 @@ def _native_decode_step(model, config: EngineConfig, shard: RankShard | None = N
         return None  # (the native attention kernel has no sliding window)
     if shard is not None:
         return shard.native_step(model, config.decode_weights)
-    from engine.models.llama_decode import FloatDecodeStep, NativeDecodeStep
-    from engine.models.moe_decode import NativeMoEDecodeStep
+    from engine.models.llama_decode import native_step
 
-    if config.decode_weights == "q4":  # a model without native blocks has float32 linears: the float step
-        return NativeDecodeStep.build(model) or NativeMoEDecodeStep.build(model) or FloatDecodeStep.build(model)
-    return FloatDecodeStep.build(model)
+    return native_step(model, config.decode_weights)  # (q4 without native blocks: the float step)
 
 
 def _bf16_prefill_step(model, native_step: object, shard: RankShard | None):  # type: ignore[no-untyped-def]
     """The bf16 prefill step (engine/models/llama_prefill.py) where engine/kernels/cpu/isa.py chose a
     bf16 prefill ISA and the q4 native step serves this model on one rank; else None."""
-    from engine.models.llama_decode import NativeDecodeStep
-
-    if shard is not None or not isinstance(native_step, NativeDecodeStep):
+    if shard is not None or native_step is None:
         return None
     from engine.kernels.cpu import isa
 
     if isa.selection().prefill is None:
         return None
-    from engine.models.llama_prefill import Bf16PrefillStep
+    from engine.models.llama_prefill import bf16_prefill_step
 
-    step = Bf16PrefillStep.build(model)
+    step = bf16_prefill_step(model)
     if step is not None:
         logger.info("prompt rows: bf16 GEMMs (%s), attention and decode rows on the native kernels",
                     isa.selection().prefill)

@@ -1,6 +1,7 @@
 """Prompt chunks of a q4 Llama model with bfloat16 GEMMs: the prefill half of the q4 mode on a CPU
 with AMX-BF16 or AVX512-BF16 (engine/kernels/cpu/isa.py `prefill`); decode rows stay on the integer
-kernels (engine/models/llama_decode.py NativeDecodeStep), over the same float16 KV cache.
+kernels (engine/models/llama_decode.py), over the same float16 KV cache: the native step's
+layer loop with these kernels.
 
 Dimension legend: M prompt rows of the step (every chunk's, a row per token), H query heads, G kv
 heads, Dh head dim, I intermediate size. Per layer:
@@ -34,67 +35,48 @@ integer path's (tests/engine/test_bf16_prefill.py).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from engine.layers.bf16_linear import Bf16Scratch, bf16_linear
-from engine.layers.native_linear import NativeQuantLinear
 from engine.layers.norm import rms_norm_fast
-from engine.models.llama import DenseMLP, LlamaModel
-from engine.models.llama_decode import DecodeInputs, NativeDecodeStep, _norm_qk_heads
+from engine.models.llama_decode import ONE_PROCESS, Q4_KERNELS, NativeStep, Reduce, native_step
 
 BF16 = torch.bfloat16
 
 
-class Bf16PrefillStep:
-    """Prompt rows of a model NativeDecodeStep serves (every linear a NativeQuantLinear), their
-    GEMMs in bf16. Each row is computed alone and in the same order whatever else the step holds."""
+class Bf16Kernels:
+    """The q4 mode's weights, prompt rows' GEMMs in bf16 (module doc); the lm head stays integer."""
 
-    def __init__(self, model: LlamaModel, scratch: Bf16Scratch | None = None) -> None:
-        self.model = model
-        self.scratch = scratch or Bf16Scratch()
+    name = "bf16"
+    kv_dtype = torch.float16  # the q4 mode's cache
+    runs_prefill = True
 
-    @classmethod
-    def build(cls, model: LlamaModel) -> Bf16PrefillStep | None:
-        """The step for a dense model NativeDecodeStep serves (every layer a DenseMLP, all four
-        linears and the lm head NativeQuantLinear), else None: MoE models (moe_decode.py) keep
-        their integer prefill."""
-        if NativeDecodeStep.build(model) is None:
-            return None
-        for layer in model.layers:
-            mlp = layer.mlp
-            if not isinstance(mlp, DenseMLP) or not all(
-                    isinstance(w, NativeQuantLinear) for w in (layer.qkv, layer.o_proj, mlp.gate_up, mlp.down)):
-                return None
-        return cls(model)
+    def __init__(self, scratch: Bf16Scratch) -> None:
+        self.scratch = scratch
 
-    def __call__(self, step: DecodeInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-                 ) -> torch.Tensor:
-        """`step`: prompt rows, a row per token (row i attends to the positions up to its own).
-        -> logits [S, vocab] float32 of `step.logit_rows` (every row when None)."""
-        model, cfg = self.model, self.model.config
-        eps = cfg.rms_norm_eps
-        cos, sin = model.rotary.cos, model.rotary.sin  # [P, Dh]
-        hidden = F.embedding(step.input_ids, model.embed_tokens)  # [M, hidden] float32
-        for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
-            mlp: DenseMLP = layer.mlp  # type: ignore[assignment]
-            x = rms_norm_fast(hidden, layer.input_norm, eps).to(BF16)
-            qkv = self._linear(x, layer.qkv).float()  # [M, (H + 2G) * Dh]
-            if cfg.qk_norm == "per_head":
-                _norm_qk_heads(qkv, layer, cfg)
-            attn = torch.ops.aigw_cpu.decode_attention(
-                qkv, cos, sin, step.positions, k_cache, v_cache, step.slots, step.block_tables,
-                step.context_lens, cfg.num_heads, cfg.num_kv_heads, model.scale)  # [M, H * Dh]
-            hidden = hidden + self._linear(attn.to(BF16), layer.o_proj).float()
-            x = rms_norm_fast(hidden, layer.post_attention_norm, eps).to(BF16)
-            gate, up = self._linear(x, mlp.gate_up).float().chunk(2, dim=-1)  # 2 x [M, I]
-            hidden = hidden + self._linear((F.silu(gate) * up).to(BF16), mlp.down).float()
-        if step.logit_rows is not None:
-            hidden = hidden.index_select(0, step.logit_rows)  # [S, hidden]
-        lm_head = model.lm_head
-        assert isinstance(lm_head, NativeQuantLinear)
-        return lm_head.native(hidden, model.norm, eps)
+    def normed(self, linear: Any, x: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+        return bf16_linear(rms_norm_fast(x, norm, eps).to(BF16), linear, self.scratch).float()
 
-    def _linear(self, x: torch.Tensor, weight: object) -> torch.Tensor:
-        assert isinstance(weight, NativeQuantLinear)
-        return bf16_linear(x, weight, self.scratch)
+    def add(self, residual: torch.Tensor, linear: Any, x: torch.Tensor, reduce: Reduce,
+            silu_and_mul: bool = False) -> torch.Tensor:
+        """residual + x @ W^T (a new tensor; one process: `reduce` is None)."""
+        if silu_and_mul:
+            gate, up = x.chunk(2, dim=-1)  # 2 x [M, I]
+            x = F.silu(gate) * up
+        return residual + bf16_linear(x.to(BF16), linear, self.scratch).float()
+
+    logits = staticmethod(Q4_KERNELS.logits)
+
+
+def bf16_prefill_step(model: Any, scratch: Bf16Scratch | None = None) -> NativeStep | None:
+    """Prompt rows of a dense model the q4 native step serves in one process (every linear and the
+    lm head a NativeQuantLinear, every layer a DenseMLP), their GEMMs in bf16; else None: MoE
+    models keep their integer prefill. Each row is computed alone and in the same order whatever
+    else the step holds. The step takes `step.logit_rows` and returns their [S, vocab] logits."""
+    step = native_step(model, "q4")
+    if step is None or step.kernels is not Q4_KERNELS or model.config.is_moe:
+        return None
+    return NativeStep(model, Bf16Kernels(scratch or Bf16Scratch()), ONE_PROCESS, "Bf16PrefillStep")

@@ -136,15 +136,16 @@ def test_native_decode_step_refuses_window_layers() -> None:
 
     from engine.layers import make_linear_factory
     from engine.layers.torch_attention import TorchPagedAttention
-    from engine.models.llama_decode import FloatDecodeStep
+    from engine.models.llama_decode import native_step
     from engine.models.registry import build_model
 
     config = EngineConfig(model_path="<random>", device="cpu", dtype="float32", num_threads=1,
                           cache=CacheConfig(kv_cache_memory_bytes=64 * BYTES_PER_BLOCK))
     windowed = ModelRunner(config, CONFIG, _weights())
     assert windowed._native_decode is None
-    assert FloatDecodeStep.build(windowed.model) is None
+    assert native_step(windowed.model, "float") is None
     twin = replace(CONFIG, layer_types=None, sliding_window=None)
     make_linear = make_linear_factory(config, torch.device("cpu"), {})
     twin_model = build_model(twin, _weights(), TorchPagedAttention(), make_linear)
-    assert FloatDecodeStep.build(twin_model) is not None
+    twin_step = native_step(twin_model, "float")
+    assert twin_step is not None and twin_step.name == "FloatDecodeStep"
