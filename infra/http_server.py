@@ -17,7 +17,7 @@ per request and answered text/plain; a body aiohttp fails to decode while discar
 gzip body on a route that did not read it) is one warning line too.
 
 This reaches into aiohttp's RequestHandler (its request count, message queue and `_ErrInfo`,
-pinned by the version in pyproject.toml); tests/gateway/test_slow_clients.py and
+pinned by the version in pyproject.toml); tests/gateway/web/test_slow_clients.py and
 test_log_noise.py fail if a release changes them.
 """
 

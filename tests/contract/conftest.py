@@ -17,9 +17,9 @@ from gateway.fleet import embedded
 from gateway.settings import GatewaySettings
 from gateway.web.app import create_app
 from tests.chat.tokenizers import qwen3_like_tokenizer
-from tests.gateway.conftest import LoopThread, start_app
 from tests.engine.server.conftest import ServerThread
 from tests.engine.server.fakes import FakeEngine
+from tests.gateway.conftest import LoopThread, start_app
 
 FAKE = "fake-model"
 FAILING = "fake-failing"  # its replica fails after three tokens: mid-stream errors

@@ -6,7 +6,6 @@ project sees none of it and warms none of it."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,13 +19,9 @@ from gateway.settings import GatewaySettings
 from gateway.web.app import create_app
 from tests.contract.openapi_schema import schema_errors
 from tests.gateway.conftest import LoopThread, start_app
-from tests.gateway.test_stored_responses import TwoProjects
+from tests.gateway.responses_store.test_stored_responses import TwoProjects
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("cli.engine") is None,
-                       reason="needs the engine replica (cli/engine.py)"),
-]
+pytestmark = pytest.mark.slow
 BLOCK_SIZE = 16  # the replica's KV block, in tokens: only whole blocks are shared
 
 

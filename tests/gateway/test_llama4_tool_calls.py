@@ -20,10 +20,10 @@ import pytest
 from chat.tokenizer import load_tokenizer
 from chat.tool_parsers import Llama4PythonicToolParser
 from engine.server import ReplicaServerSettings
-from tests.gateway.conftest import GatewayFactory
-from tests.models._llama4 import write_tokenizer
 from tests.engine.server.conftest import ServerThread
 from tests.engine.server.fakes import FakeEngine
+from tests.gateway.conftest import GatewayFactory
+from tests.models._llama4 import write_tokenizer
 
 # Llama 4's turn layout; tools listed in the system turn, past calls written as Llama 4 writes them
 TEMPLATE = (

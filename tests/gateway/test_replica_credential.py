@@ -21,8 +21,8 @@ from gateway.routing.index import InProcessIndex
 from gateway.settings import ModelSettings
 from gateway.upstream.lean_transport import LeanTransport
 from gateway.web.keys import FLEET, TRANSPORT
-from tests.gateway.conftest import GatewayFactory, LoopThread, start_app, wait_until
 from tests.engine.server.fakes import FakeEngine
+from tests.gateway.conftest import GatewayFactory, LoopThread, start_app, wait_until
 
 SECRET = "replica-secret-for-tests"
 

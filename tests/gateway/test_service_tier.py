@@ -20,8 +20,8 @@ from gateway.dialects.openai_chat import OpenAIChat
 from gateway.dialects.openai_completions import OpenAICompletions
 from gateway.dialects.openai_responses import OpenAIResponses
 from gateway.dialects.validate import InvalidParam
-from tests.gateway.conftest import Gateway, GatewayFactory, LoopThread, start_app
 from tests.engine.server.fakes import FakeEngine
+from tests.gateway.conftest import Gateway, GatewayFactory, LoopThread, start_app
 
 USER = [{"role": "user", "content": "hi"}]
 

@@ -16,8 +16,8 @@ from gateway.settings import GatewaySettings
 from gateway.web.services import create_served_app
 from tests.gateway.conftest import LoopThread, start_app
 from tests.gateway.dashboard.test_dashboard_browser import CHROMIUM_ARGS, UI_TIMEOUT_MS, _chromium
+from tests.gateway.request_logs.test_request_logs import _keys
 from tests.gateway.scripted_upstream import create_scripted_upstream
-from tests.gateway.test_request_logs import _keys
 
 pytestmark = pytest.mark.slow
 MODEL = "chat-model"

@@ -311,7 +311,7 @@ def test_a_guardrail_from_an_aigw_guardrails_entry_point_runs_on_requests_and_st
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: aigw-upper-guard\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text(
-        "[aigw.guardrails]\nupper = tests.gateway.test_guardrails:UpperGuard\n")
+        "[aigw.guardrails]\nupper = tests.gateway.guardrails.test_guardrails:UpperGuard\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     gateway = _gateway(make_gateway, scripted, [{"name": "upper", "type": "upper"}])
     client = _openai(gateway)

@@ -14,9 +14,9 @@ import pytest
 
 from engine.server import ReplicaServerSettings
 from tests.chat.tokenizers import qwen3_like_tokenizer
-from tests.gateway.conftest import GatewayFactory, wait_until
 from tests.engine.server.conftest import ServerThread
 from tests.engine.server.fakes import FakeEngine
+from tests.gateway.conftest import GatewayFactory, wait_until
 
 REASONING = "The user greets me. I should greet back."
 REPLY = f"<think>\n{REASONING}\n</think>\n\nHello there!"

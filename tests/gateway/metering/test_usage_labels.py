@@ -13,7 +13,7 @@ import httpx
 import openai
 
 from tests.gateway.conftest import MODEL
-from tests.gateway.test_runtime_limits import Served, _project, served  # noqa: F401 - the fixture
+from tests.gateway.metering.test_runtime_limits import Served, _project, served  # noqa: F401 - the fixture
 
 
 def _usage(served: Served, project: str, **query: str) -> httpx.Response:
