@@ -4,7 +4,6 @@ The gateway and its replicas: tests/contract/conftest.py."""
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import anthropic.types as types
@@ -14,11 +13,7 @@ import pytest
 
 from tests.contract.conftest import ASK, FAILING, FAKE, WEATHER, post, sse
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("cli.engine") is None,
-                       reason="needs the engine replica (cli/engine.py)"),
-]
+pytestmark = pytest.mark.slow
 
 STREAM_EVENT: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(types.RawMessageStreamEvent)
 THINKING = {"type": "enabled", "budget_tokens": 1024}

@@ -5,7 +5,6 @@ The gateway and its replicas: tests/contract/conftest.py."""
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import httpx
@@ -14,11 +13,7 @@ import pytest
 from tests.contract.conftest import ASK, FAILING, FAKE, WEATHER, post, sse
 from tests.contract.openapi_schema import schema_errors
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("cli.engine") is None,
-                       reason="needs the engine replica (cli/engine.py)"),
-]
+pytestmark = pytest.mark.slow
 
 CHAT_TOOLS = [{"type": "function", "function": WEATHER}]
 RESPONSES_TOOLS = [{"type": "function", **WEATHER}]

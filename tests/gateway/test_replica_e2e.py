@@ -1,9 +1,8 @@
 """End to end on real engine replicas (the default model): the SDKs through the gateway, and
-failover when one of two replicas is killed mid-run. Runs only where `aigw replica` exists."""
+failover when one of two replicas is killed mid-run."""
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -18,11 +17,7 @@ from gateway.settings import GatewaySettings
 from gateway.web.app import create_app
 from tests.gateway.conftest import LoopThread, start_app, wait_until
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("cli.engine") is None,
-                       reason="needs the engine replica (cli/engine.py)"),
-]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

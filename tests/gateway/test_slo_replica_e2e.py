@@ -7,7 +7,6 @@ the answered requests' tokens: a refusal settles once, with none."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,10 +22,7 @@ from gateway.web.keys import METER
 from gateway.web.services import create_served_app
 from tests.gateway.conftest import LoopThread, start_app, wait_until
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs the engine"),
-]
+pytestmark = pytest.mark.slow
 NUM_BURST = 5
 
 

@@ -6,7 +6,6 @@ line once."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import os
 import signal
@@ -28,11 +27,7 @@ from infra.ports import free_port
 from tests.gateway.batch.test_batch_api import jsonl, read_jsonl, wait_done
 from tests.processes import stop_process
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("cli.engine") is None,
-                       reason="needs the engine replica (cli/engine.py)"),
-]
+pytestmark = pytest.mark.slow
 
 # an agent's system prompt (~300 tokens), shared by every line of the agent-like batch
 AGENT_SYSTEM = ("You are a coding agent working in a large Python repository. " + " ".join(
