@@ -16,7 +16,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from auth.store import StoreError
+from auth.store import StoreError, UnknownKey, UnknownProject
 from infra.config_errors import one_line
 
 if TYPE_CHECKING:
@@ -87,18 +87,31 @@ async def _with_services(action: Action, args: argparse.Namespace) -> int:
     from auth import open_auth
     from auth.settings import AuthSettings
 
+    settings = None
     try:
         # enabled=False: the CLI manages the store but authenticates nobody, so no watcher runs.
-        services = await open_auth(_store_settings(AuthSettings.from_env()).model_copy(
-            update={"enabled": False}))
+        settings = _store_settings(AuthSettings.from_env()).model_copy(update={"enabled": False})
+        services = await open_auth(settings)
         try:
             return await action(services, args)
         finally:
             await services.close()
     except (StoreError, ValueError, OSError, YAMLError,  # a bad AIGW_CONFIG or data dir
             RedisError, RedisClusterException) as exc:  # Redis unreachable
-        print(f"aigw: {type(exc).__name__}: {one_line(exc)}", file=sys.stderr)
+        where = ""
+        if settings is not None and isinstance(exc, (UnknownProject, UnknownKey)):
+            where = f" ({_which_store(settings)})"  # (run elsewhere, the CLI reads another)
+        print(f"aigw: {type(exc).__name__}: {one_line(exc)}{where}", file=sys.stderr)
         return 1
+
+
+def _which_store(settings: AuthSettings) -> str:
+    """Which store the CLI read, for a project or key it did not find there: a CLI run in
+    another directory than `aigw serve` reads another ./.aigw."""
+    store = ("Redis at AIGW_REDIS_URL" if settings.redis_url
+             else f"SQLite under {settings.data_dir.resolve()}")
+    return (f"in {store}; the gateway's store is where its AIGW_DATA_DIR, AIGW_REDIS_URL or "
+            f"AIGW_CONFIG point")
 
 
 def _store_settings(settings: AuthSettings) -> AuthSettings:
