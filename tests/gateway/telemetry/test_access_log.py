@@ -116,6 +116,18 @@ def test_off_writes_nothing(make_gateway: GatewayFactory, access_lines: list[str
     assert not access_lines
 
 
+def test_a_key_pasted_into_a_path_keeps_only_its_id(access_lines: list[str]) -> None:
+    """`DELETE /admin/v1/keys/<the whole key>` (the key given where its id belongs) put the
+    secret into the log; the line keeps the id, the secret is redacted."""
+    key = "sk-aigw-0123456789ab-" + "S3cr3t_" * 6
+    for fmt in ("text", "json"):
+        access_log.AccessLog(fmt).write("DELETE", f"/admin/v1/keys/{key}/rotate", 404, "", "",
+                                        "", (0, 0, 0), 1.0, "req-1", "")
+    assert len(access_lines) == 2 and not any("S3cr3t_" in line for line in access_lines)
+    assert all("/admin/v1/keys/sk-aigw-0123456789ab-[REDACTED]/rotate" in line
+               for line in access_lines)
+
+
 def test_a_value_the_client_chose_cannot_break_the_line() -> None:
     line = format_line({"model": 'a b\nstatus=200 "x"', "status": 404}, is_json=False)
     assert "\n" not in line and line.endswith(" status=404")
