@@ -129,7 +129,8 @@ class RedisLogStore(RequestLogStore):
 
 def _is_stream_id(text: str) -> bool:
     ms, sep, seq = text.partition("-")
-    return ms.isdigit() and (not sep or seq.isdigit())
+    return (text.isascii() and len(text) <= 41 and ms.isdigit()  # (isdigit alone takes '²')
+            and (not sep or seq.isdigit()))
 
 
 def _matches(fields: dict[str, str], query: LogQuery) -> bool:

@@ -109,7 +109,8 @@ class SqliteLogStore(RequestLogStore):
             where.append("created_at < ?")
             args.append(query.until)
         if query.cursor is not None:
-            if not query.cursor.isdigit():
+            cursor = query.cursor
+            if not (cursor.isascii() and cursor.isdigit() and len(cursor) <= 18):  # (not '²')
                 raise ValueError("cursor: not one this store handed out")
             where.append("seq < ?")
             args.append(int(query.cursor))

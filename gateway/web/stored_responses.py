@@ -39,7 +39,7 @@ async def retrieve(request: web.Request) -> web.Response:
 
     async def events(principal: Principal, response_id: str) -> dict[str, Any]:
         after = request.query.get("starting_after")
-        if after is not None and not after.isdigit():
+        if after is not None and not _is_count(after):
             raise BadRequest("starting_after: expected a sequence number", param="starting_after")
         stored = await request.app[RESPONSES].retrieve(principal, response_id)
         streamed.append(openai_responses.replay(stored, None if after is None else int(after)))
@@ -78,8 +78,14 @@ def _error(exc: GatewayError) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=exc.status, content_type="application/json")
 
 
+def _is_count(text: str) -> bool:
+    """ASCII digits that int() reads: str.isdigit() is also true of '²' (int() refuses it) and
+    of a 5,000-digit string (over int()'s 4,300): both were 500s."""
+    return text.isascii() and text.isdigit() and len(text) <= 18
+
+
 def _limit(value: str) -> int:
-    if not value.isdigit() or not 1 <= int(value) <= 100:
+    if not _is_count(value) or not 1 <= int(value) <= 100:
         raise BadRequest("limit: expected an integer from 1 to 100", param="limit")
     return int(value)
 

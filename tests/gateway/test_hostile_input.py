@@ -317,3 +317,16 @@ def test_the_memo_of_checked_sampling_values_holds_no_callers_stop_strings_in_bu
             answer = client.post("/v1/chat/completions", json={**CHAT, "stop": stop})
             assert answer.status_code == 200, answer.text
     assert held_bytes() < 1 << 20
+
+
+def test_query_numbers_int_cannot_read_are_400s_not_500s(gateway: Gateway) -> None:
+    """str.isdigit() is true of '²' and of a 5,000-digit string; int() reads neither."""
+    stored = httpx.post(gateway.url + "/v1/responses", json={"model": MODEL, "input": "hi"})
+    response_id = stored.json()["id"]
+    for value in ("²", "9" * 5000):
+        for path, query in ((f"/v1/responses/{response_id}/input_items", {"limit": value}),
+                            (f"/v1/responses/{response_id}",
+                             {"stream": "true", "starting_after": value})):
+            answer = httpx.get(gateway.url + path, params=query)
+            assert answer.status_code == 400, (path, query, answer.text)
+            assert answer.json()["error"]["param"] in ("limit", "starting_after")

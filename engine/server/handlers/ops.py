@@ -34,7 +34,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def kv_events(request: web.Request) -> web.Response:
     raw = request.query.get("since", "0")
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 18):  # (isdigit alone takes '²')
         raise InvalidRequestError("since must be a non-negative integer", param="since")
     return json_response(request.app[SERVING_KEY].engine.kv_events_since(int(raw)))
 

@@ -73,6 +73,8 @@ def test_kv_events_and_snapshot_delegate_to_the_engine(http: httpx.Client) -> No
     assert http.get("/kv/events", params={"since": 5}).json()["next_seq"] == 5
     assert http.get("/kv/events").json()["next_seq"] == 0
     assert http.get("/kv/events", params={"since": "-1"}).status_code == 400
+    for since in ("²", "9" * 5000):  # str.isdigit() takes both, int() neither: they were 500s
+        assert http.get("/kv/events", params={"since": since}).status_code == 400
     assert http.get("/kv/snapshot").json()["block_hashes"] == []
 
 

@@ -144,6 +144,9 @@ def test_entries_hold_bodies_usage_cost_latency_and_trace_id_with_secrets_redact
     assert len(rest) == 1
     bad = served.admin("GET", "/projects/default/request-logs", params={"since": "yesterday"})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request"
+    for cursor in ("²", "9" * 5000):  # isdigit() takes both; Redis then refused it (503)
+        bad = served.admin("GET", "/projects/default/request-logs", params={"cursor": cursor})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request"
 
 
 def test_logs_are_opt_in_tenant_scoped_and_switched_through_the_admin_api(
