@@ -34,9 +34,12 @@ class UsageSeries:
         self._num_buckets = num_buckets
         self._projects: dict[str, dict[int, UsageBucket]] = {}
 
-    def add(self, record: UsageRecord, cache_savings_per_token: float) -> None:
+    def add(self, record: UsageRecord, cache_savings_per_token: float,
+            project: str | None = None) -> None:
+        """`project`: the series to count it in (default the record's; the telemetry passes
+        the project's capped metrics label, so the series are as many as the labels)."""
         start = int(record.created_at) // self.bucket_s * self.bucket_s
-        buckets = self._projects.setdefault(record.project, {})
+        buckets = self._projects.setdefault(record.project if project is None else project, {})
         bucket = buckets.get(start)
         if bucket is None:
             bucket = buckets[start] = UsageBucket()

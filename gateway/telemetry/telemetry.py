@@ -67,7 +67,8 @@ class Telemetry:
     def observe_usage(self, record: UsageRecord) -> None:
         """A settled usage record: the token and cost counters, the dashboard's usage series."""
         self.metrics.observe_usage(record)
-        self.usage.add(record, self._savings_by_model.get(record.model, 0.0))
+        self.usage.add(record, self._savings_by_model.get(record.model, 0.0),
+                       self.metrics.project_label[record.project])  # (bounded: as the labels)
 
     def install(self, app: web.Application) -> None:
         """app[TELEMETRY] and a clean shutdown of the exporters."""

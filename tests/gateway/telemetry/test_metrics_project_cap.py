@@ -80,6 +80,10 @@ def test_jwt_projects_of_a_trusted_issuer_do_not_grow_the_metrics_labels(
                 "model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
             assert answer.status_code == 200, answer.text
         text = httpx.get(url + "/metrics").text
+        admin = jwt.encode({"sub": "ops", "project": "ops", "iat": now, "exp": now + 300,
+                            "scope": "ai_gateway:admin"}, SECRET, algorithm="HS256")
+        overview = httpx.get(url + "/dashboard/api/overview",
+                             headers={"authorization": f"Bearer {admin}"}).json()
     finally:
         loop_thread.run(runner.cleanup())
         loop_thread.run(upstream.cleanup())
@@ -87,3 +91,7 @@ def test_jwt_projects_of_a_trusted_issuer_do_not_grow_the_metrics_labels(
     assert {p for p in requests if p} == {"tenant-0", "tenant-1", OTHER_PROJECTS}
     assert requests[OTHER_PROJECTS] == 4
     assert set(_samples(text, "aigw_input_tokens")) == {"tenant-0", "tenant-1", OTHER_PROJECTS}
+    # the dashboard's usage series were one per project ever seen, kept for the process's life
+    series = overview["usage"]["projects"]
+    assert set(series) == {"tenant-0", "tenant-1", OTHER_PROJECTS}, list(series)
+    assert sum(series[OTHER_PROJECTS]["series"]["requests"]) == 4
