@@ -255,13 +255,20 @@ def test_a_usage_ledger_that_cannot_keep_up_refuses_new_requests_with_a_503(
 
 
 @pytest.fixture
-def on_replica(make_gateway: GatewayFactory, loop_thread: LoopThread) -> Iterator[Gateway]:
+def fake_engine() -> Any:
+    from tests.engine.server.fakes import FakeEngine
+
+    return FakeEngine()
+
+
+@pytest.fixture
+def on_replica(make_gateway: GatewayFactory, loop_thread: LoopThread,
+               fake_engine: Any) -> Iterator[Gateway]:
     """The gateway on a real replica app (engine/server) over the fake engine."""
     from engine.server import ReplicaServerSettings
     from engine.server import create_app as create_replica_app
-    from tests.engine.server.fakes import FakeEngine
 
-    engine = FakeEngine()
+    engine = fake_engine
     runner, url = loop_thread.run(start_app(create_replica_app(engine, ReplicaServerSettings())))
     models = [{"name": MODEL, "upstream_model": str(engine.model_config.model_id),
                "backend": "replica", "endpoints": [url]}]
@@ -330,3 +337,15 @@ def test_query_numbers_int_cannot_read_are_400s_not_500s(gateway: Gateway) -> No
             answer = httpx.get(gateway.url + path, params=query)
             assert answer.status_code == 400, (path, query, answer.text)
             assert answer.json()["error"]["param"] in ("limit", "starting_after")
+
+
+def test_a_cache_salt_in_the_body_never_replaces_the_callers_own(on_replica: Gateway,
+                                                                 fake_engine: Any) -> None:
+    """The replica keys its prefix cache (and built grammars) by the body's cache_salt: a
+    caller naming another tenant's salt would share that tenant's cache."""
+    for path, body in (("/v1/chat/completions", {**CHAT, "cache_salt": "project:victim"}),
+                       ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                            "cache_salt": ""}),
+                       ("/anthropic/v1/messages", {**MESSAGES, "cache_salt": "project:victim"})):
+        assert httpx.post(on_replica.url + path, json=body).status_code == 200
+    assert [call.cache_salt for call in fake_engine.calls] == ["project:anonymous"] * 3
