@@ -1,12 +1,13 @@
 """AsyncEngine: runs LLMEngine on its own thread and streams each request's outputs to asyncio.
 
-    async for output in engine.generate(request_id, prompt_token_ids, params):   # RequestOutput deltas
+    # RequestOutput deltas:
+    async for output in engine.generate(request_id, prompt_token_ids, params):
         ...
 
 The engine thread owns the LLMEngine; the event loop talks to it only through a command queue (add,
-abort, reset) and receives outputs through `loop.call_soon_threadsafe`, one callback per step. Closing the
-async generator early (client gone, task cancelled) aborts the request, which frees its KV blocks on the
-next step boundary.
+abort, reset) and receives outputs through `loop.call_soon_threadsafe`, one callback per step.
+Closing the async generator early (client gone, task cancelled) aborts the request, which frees its
+KV blocks on the next step boundary.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class AsyncEngine:
         # _pending_tokens (admission and the hold are one step under the lock: see admit)
         self._held: dict[str, tuple[int, int]] = {}
         self._pending_lock = threading.Lock()
-        self._applied_tokens: dict[int, int] = {}  # engine thread: adds applied since the last publish
+        # engine thread: adds applied since the last publish
+        self._applied_tokens: dict[int, int] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         watch = getattr(engine.runner, "watch", None)  # a tensor-parallel replica's lost rank
@@ -69,9 +71,9 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
 
-    # ---- the asyncio side ----------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       cache_salt: str | None = None,
+    # ---- the asyncio side ------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       *, cache_salt: str | None = None,
                        trace_headers: Mapping[str, str] | None = None,
                        retain_s: float = 0.0, retention_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -84,7 +86,8 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
         with self._pending_lock:
-            if self._held.pop(request_id, None) is None:  # an admitted request's tokens are in already
+            # an admitted request's tokens are in already
+            if self._held.pop(request_id, None) is None:
                 self._add_pending(priority, len(prompt_token_ids))
         self._commands.put(("add", (request_id, list(prompt_token_ids), params, cache_salt,
                                     retain_s, retention_id, priority)))
@@ -186,7 +189,7 @@ class AsyncEngine:
             self._error = exc
         self._fail_all(EngineDeadError(f"engine failed: {exc}"))
 
-    # ---- the engine thread ---------------------------------------------------------------------------
+    # ---- the engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
         try:
             while not self._stopped.is_set():

@@ -1,7 +1,9 @@
-"""Block tables -> the CPU tensors of a step's attention metadata (ModelRunner moves them to its device).
+"""Block tables -> the CPU tensors of a step's attention metadata (ModelRunner moves them to its
+device).
 
-Legend: N rows (sequences), W blocks per row, L positions gathered per row. Table entries that are None
-(blocks a sliding window released) become block 0: no attention reads them (the window starts later).
+Legend: N rows (sequences), W blocks per row, L positions gathered per row. Table entries that are
+None (blocks a sliding window released) become block 0: no attention reads them (the window starts
+later).
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ import torch
 
 
 def block_table_tensor(tables: list[list[int | None]]) -> torch.Tensor:
-    """Block tables -> [S, widest] int64, padded with block 0; a None entry (a block a window released)
-    becomes block 0 too: no attention reads it (the window starts after it)."""
+    """Block tables -> [S, widest] int64, padded with block 0; a None entry (a block a window
+    released) becomes block 0 too: no attention reads it (the window starts after it)."""
     width = max(len(t) for t in tables)
     out = torch.zeros(len(tables), width, dtype=torch.int64)
     for i, t in enumerate(tables):
@@ -21,9 +23,10 @@ def block_table_tensor(tables: list[list[int | None]]) -> torch.Tensor:
 
 def window_blocks(tables: torch.Tensor, seq_lens: list[int], window: int, block_size: int,
                   device: torch.device) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """Each decode row's blocks from the first its window reaches: ([N, W] int64 padded with block 0,
-    positions to gather, [N] int64 position of each row's first gathered block)."""
-    firsts = [max(0, n - window) // block_size for n in seq_lens]  # the query at n - 1 sees n - W ..
+    """Each decode row's blocks from the first its window reaches: ([N, W] int64 padded with block
+    0, positions to gather, [N] int64 position of each row's first gathered block)."""
+    # the query at n - 1 sees n - W ..
+    firsts = [max(0, n - window) // block_size for n in seq_lens]
     return blocks_from(tables, seq_lens, firsts, block_size, device)
 
 
@@ -45,7 +48,8 @@ def padded_blocks(tables: torch.Tensor, seq_lens: list[int], first_block: int, b
                   device: torch.device) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """Blocks [first_block, last) of each row, padded with block 0, and the additive mask that hides
     positions past each row's length: ([N, W] int64, positions to use, [N, 1, 1, that] or None)."""
-    lens = [n - first_block * block_size for n in seq_lens]  # positions per row after the first block
+    # positions per row after the first block
+    lens = [n - first_block * block_size for n in seq_lens]
     width = -(-max(lens) // block_size)
     blocks = tables[:, first_block:first_block + width]
     if blocks.shape[1] < width:  # rows are padded to the widest table; widen with block 0 if needed
@@ -54,13 +58,14 @@ def padded_blocks(tables: torch.Tensor, seq_lens: list[int], first_block: int, b
     if all(n == num_positions for n in lens):
         return blocks.to(device), num_positions, None
     valid = torch.arange(num_positions)[None, :] < torch.tensor(lens)[:, None]  # [N, L]
-    mask = torch.zeros(len(lens), 1, 1, num_positions).masked_fill_(~valid.view(len(lens), 1, 1, -1),
-                                                                   float("-inf"))
+    mask = torch.zeros(len(lens), 1, 1, num_positions).masked_fill_(
+        ~valid.view(len(lens), 1, 1, -1), float("-inf"))
     return blocks.to(device), num_positions, mask.to(device)
 
 
 def num_shared_blocks(tables: list[list[int]], seq_lens: list[int], block_size: int) -> int:
-    """Leading block ids every table has in common, excluding each sequence's last (current) block."""
+    """Leading block ids every table has in common, excluding each sequence's last (current)
+    block."""
     limit = min((n - 1) // block_size for n in seq_lens)
     first = tables[0]
     shared = 0

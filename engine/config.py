@@ -41,7 +41,8 @@ class GroupedTopK:
 class GemmaConfig:
     """Gemma 3 text (engine/models/gemma3.py): what sets it apart from the Llama family."""
 
-    local_rope_theta: float  # sliding layers' rope base, unscaled (full layers: rope_theta, rope_scaling)
+    # sliding layers' rope base, unscaled (full layers: rope_theta, rope_scaling)
+    local_rope_theta: float
     query_pre_attn_scalar: float  # softmax scale = query_pre_attn_scalar ** -0.5 (not head_dim's)
     final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
     attn_logit_softcapping: float | None = None  # the same on attention scores (refused at load)
@@ -52,12 +53,14 @@ class Llama4Config:
     """Llama 4 text (engine/models/llama4.py): per-layer RoPE / NoPE, chunked local attention,
     attention temperature tuning, interleaved MoE layers."""
 
-    rope_layers: tuple[bool, ...]  # per layer: RoPE + chunked attention (True) or NoPE, global (False)
+    # per layer: RoPE + chunked attention (True) or NoPE, global (False)
+    rope_layers: tuple[bool, ...]
     attention_chunk_size: int | None  # C: a RoPE layer's query sees its own chunk of C positions
     moe_layers: tuple[int, ...]  # layers with routed experts + a shared expert (others: dense MLP)
     intermediate_size_mlp: int  # the dense layers' MLP (intermediate_size: each expert's)
     use_qk_norm: bool = True  # L2 norm of q and k (no weight) on the RoPE layers, after RoPE
-    attn_temperature_tuning: bool = True  # NoPE layers: q *= 1 + attn_scale * log1p(floor((p + 1) / floor_scale))
+    # NoPE layers: q *= 1 + attn_scale * log1p(floor((p + 1) / floor_scale))
+    attn_temperature_tuning: bool = True
     floor_scale: float = 8192.0
     attn_scale: float = 0.1
 
@@ -77,7 +80,8 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: tuple[tuple[str, object], ...] | None = None  # HF rope_scaling dict as sorted items
+    # HF rope_scaling dict as sorted items
+    rope_scaling: tuple[tuple[str, object], ...] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     # MoE (0 experts = dense MLP)
@@ -87,7 +91,8 @@ class ModelConfig:
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
     # MoE layer placement (Qwen2-MoE / Qwen3-MoE): layer i is sparse iff i not in `mlp_only_layers`
-    # and (i + 1) % decoder_sparse_step == 0; the other layers have a dense MLP of intermediate_size.
+    # and (i + 1) % decoder_sparse_step == 0; the other layers have a dense MLP of
+    # intermediate_size.
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     # RMSNorm of q and k before RoPE: None, "projection" (OLMoE: over all heads' q / k at once,
@@ -97,9 +102,9 @@ class ModelConfig:
     # g = min(gate, limit) (engine/kernels/activation.py::ClampedSwiGLU)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
-    # Attention layout: HF `layer_types` ("full_attention" / "sliding_attention" per layer; None: all
-    # full) and the window W of the sliding layers (a query at p sees positions p-W+1..p; required
-    # when a layer slides).
+    # Attention layout: HF `layer_types` ("full_attention" / "sliding_attention" per layer; None:
+    # all full) and the window W of the sliding layers (a query at p sees positions p-W+1..p;
+    # required when a layer slides).
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
     # Tokens: every id that ends a generation (eos and end-of-turn tokens)
@@ -112,7 +117,8 @@ class ModelConfig:
     grouped_topk: GroupedTopK | None = None
     # Gemma 3 (None elsewhere): local rope base, softmax scale, soft-capping
     gemma: GemmaConfig | None = None
-    # Llama 4 text (None elsewhere): NoPE layers, chunked attention, temperature tuning, MoE placement
+    # Llama 4 text (None elsewhere): NoPE layers, chunked attention, temperature tuning, MoE
+    # placement
     llama4: Llama4Config | None = None
 
     def __post_init__(self) -> None:
@@ -128,7 +134,8 @@ class ModelConfig:
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
         if self.qk_norm not in (None, "projection", "per_head"):
-            raise ValueError(f"qk_norm must be None, 'projection' or 'per_head', got {self.qk_norm!r}")
+            raise ValueError("qk_norm must be None, 'projection' or 'per_head', got "
+                             f"{self.qk_norm!r}")
 
     def _check_attention_layout(self) -> None:
         if self.layer_types is not None:
@@ -137,13 +144,16 @@ class ModelConfig:
                                  f"{self.num_layers}")
             unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
             if unknown:
-                raise ValueError(f"unsupported layer_types {unknown} (supported: {list(LAYER_TYPES)})")
+                raise ValueError(f"unsupported layer_types {unknown} (supported: "
+                                 f"{list(LAYER_TYPES)})")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
         if self.sliding_window is None and "sliding_attention" in (self.layer_types or ()):
-            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not "
+                             "set")
         if self.sliding_window is not None and self.layer_types is None:
-            raise ValueError("sliding_window is set but layer_types is not: name the sliding layers")
+            raise ValueError("sliding_window is set but layer_types is not: name the sliding "
+                             "layers")
 
     def layer_sliding_window(self, layer: int) -> int | None:
         """The window of decoder layer `layer` in tokens, or None for full attention."""
@@ -193,9 +203,9 @@ class CacheConfig:
     max_retention_s: float = 3600.0
     retention_share_per_project: float = 0.25
     retention_share_total: float = 0.5
-    # The second KV tier (engine/kv_cache/host_tier.py): bytes for blocks evicted from the pool, kept to
-    # be restored on a prefix hit instead of recomputed (0: none). CUDA: pinned host memory; CPU: a
-    # mapped file in `host_tier_dir` (None: the system's temporary directory).
+    # The second KV tier (engine/kv_cache/host_tier.py): bytes for blocks evicted from the pool,
+    # kept to be restored on a prefix hit instead of recomputed (0: none). CUDA: pinned host memory;
+    # CPU: a mapped file in `host_tier_dir` (None: the system's temporary directory).
     host_tier_bytes: int = 0
     host_tier_dir: str | None = None
 
@@ -241,7 +251,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.flex_max_wait_ms is not None and not self.flex_max_wait_ms > 0.0:  # (NaN too)
-            raise ValueError(f"flex_max_wait_ms must be a positive number of milliseconds (or inf), "
+            raise ValueError("flex_max_wait_ms must be a positive number of milliseconds (or "
+                             "inf), "
                              f"got {self.flex_max_wait_ms}")
         for name in ("ttft_p90_ms", "tpot_p90_ms"):
             value = getattr(self, name)
@@ -255,12 +266,13 @@ class SchedulerConfig:
         if not all(0.0 < share < 1.0 for _, share in self.reserved_shares):
             raise ValueError("reserved_shares: every share must be in (0, 1)")
         if sum(share for _, share in self.reserved_shares) > 0.9:
-            raise ValueError("reserved_shares: the shares may hold at most 0.9 of the replica together")
+            raise ValueError("reserved_shares: the shares may hold at most 0.9 of the replica "
+                             "together")
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every running request "
-                             "needs a token of budget per step)")
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (every running "
+                             "request needs a token of budget per step)")
         if self.prefix_aware_window < 1:
             raise ValueError("prefix_aware_window must be >= 1")
 
@@ -279,12 +291,14 @@ class EngineConfig:
     compile: bool = False  # torch.compile the decode step
     quantization: str | None = None  # None or "fp8"
     # "float": every linear in `dtype`. "q4": the GGUF's own quantized blocks; with the native CPU
-    # kernels (engine/kernels/cpu) every row runs on them with 8-bit activations, decode rows through
-    # the fused native decode step and a float16 KV cache (engine/models/llama_decode.py); without
-    # them, decode rows use PyTorch's int4 kernel (engine/layers/q4_linear.py). Approximate numerics.
+    # kernels (engine/kernels/cpu) every row runs on them with 8-bit activations, decode rows
+    # through the fused native decode step and a float16 KV cache (engine/models/llama_decode.py);
+    # without them, decode rows use PyTorch's int4 kernel (engine/layers/q4_linear.py). Approximate
+    # numerics.
     decode_weights: str = "float"
     # the q4 mode with the native kernels: the block format a float weight (one the file holds in no
-    # native block type) is quantized into at load: "q8_0" (near-lossless) or "q4_1" (faster, coarser)
+    # native block type) is quantized into at load: "q8_0" (near-lossless) or "q4_1" (faster,
+    # coarser)
     quantize_at_load: str = "q8_0"
     replica_id: str = "replica-0"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -299,15 +313,18 @@ class EngineConfig:
         if self.decode_weights not in ("float", "q4"):
             raise ValueError(f"unsupported decode_weights {self.decode_weights!r}")
         if self.quantize_at_load not in QUANTIZE_AT_LOAD:
-            raise ValueError(f"quantize_at_load must be one of {QUANTIZE_AT_LOAD}, got {self.quantize_at_load!r}")
+            raise ValueError(f"quantize_at_load must be one of {QUANTIZE_AT_LOAD}, got "
+                             f"{self.quantize_at_load!r}")
         if self.decode_weights == "q4" and not self.device.startswith("cpu"):
             raise ValueError("decode_weights='q4' is a CPU path")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"unsupported quantization {self.quantization!r}")
         if not 1 <= self.tensor_parallel_size <= 64:
-            raise ValueError(f"tensor_parallel_size must be in 1..64, got {self.tensor_parallel_size}")
+            raise ValueError("tensor_parallel_size must be in 1..64, got "
+                             f"{self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and (self.cache.host_tier_bytes or self.compile):
-            raise ValueError("tensor_parallel_size > 1 does not run with the KV host tier or compile")
+            raise ValueError("tensor_parallel_size > 1 does not run with the KV host tier or "
+                             "compile")
         for name in ("num_threads", "max_model_len"):  # None means "the default", 0 is no count
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

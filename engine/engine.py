@@ -58,7 +58,8 @@ class EngineStats:
     num_host_tier_restored_blocks_total: int  # blocks copied back into the pool (tier hits)
     num_host_tier_dropped_blocks_total: int  # gave their slot up to newer blocks, or found none
     num_prompt_tokens_total: int
-    num_prompt_tokens_computed_total: int  # prompt tokens prefilled (not served by the prefix cache)
+    # prompt tokens prefilled (not served by the prefix cache)
+    num_prompt_tokens_computed_total: int
     num_generation_tokens_total: int
     num_preemptions_total: int
     # admission control (engine/slo.py): predicted queueing delay of a new request per service_tier
@@ -105,7 +106,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, clock)
         self.step_timer = step_timer
         self.last_step_s = 0.0  # the last step's cost by step_timer (what the step-time model saw)
-        self.queue_load: QueueLoad = self.scheduler.queue_load()  # replaced, never mutated: any thread reads it
+        # replaced, never mutated: any thread reads it
+        self.queue_load: QueueLoad = self.scheduler.queue_load()
         self.sampler = Sampler(seed=config.seed)
         self.grammars = GrammarCompiler(tokenizer.backend, model_config.vocab_size,
                                         model_config.eos_token_ids)
@@ -115,17 +117,19 @@ class LLMEngine:
         self._num_generation_tokens_total = 0
 
     def _host_tier(self, config: EngineConfig, runner: ModelRunner) -> HostTier | None:
-        """The second KV tier's storage (self.host_storage) and bookkeeping, when it has a budget."""
+        """The second KV tier's storage (self.host_storage) and bookkeeping, when it has a
+        budget."""
         self.host_storage: HostTierStorage | None = None
         if not config.cache.host_tier_bytes or not config.cache.enable_prefix_caching:
             return None
         self.host_storage = HostTierStorage.for_kv([t for kv in runner.kv_caches for t in kv],
-                                                   config.cache.host_tier_bytes, config.cache.host_tier_dir)
+                                                   config.cache.host_tier_bytes,
+                                                   config.cache.host_tier_dir)
         logger.info("KV host tier: %d blocks (%.0f MiB) in %s", self.host_storage.num_slots,
                     self.host_storage.num_slots * self.host_storage.bytes_per_block / 2**20,
                     "pinned memory" if self.host_storage.device.type == "cuda" else "a mapped file")
-        return HostTier(self.host_storage.num_slots, self.host_storage.bytes_per_block, self.block_size,
-                        self.kv_events)
+        return HostTier(self.host_storage.num_slots, self.host_storage.bytes_per_block,
+                        self.block_size, self.kv_events)
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True,
@@ -146,15 +150,18 @@ class LLMEngine:
                 raise
         checkpoint = load_checkpoint(config.model_path, dtype=torch.float32, progress=progress)
         tokenizer = load_tokenizer(config.model_path)
-        runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights), dict(checkpoint.raw))
+        runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights),
+                             dict(checkpoint.raw))
         runner.warmup()
         return cls(config, checkpoint.config, runner, tokenizer, publishers, kv_events_token_ids)
 
-    # ---- requests ------------------------------------------------------------------------------------
+    # ---- requests --------------------------------------------------------------------------------
     def check_prompt(self, num_prompt_tokens: int) -> None:
-        """Raise PromptTooLongError when a prompt can never be served (context window or KV cache)."""
+        """Raise PromptTooLongError when a prompt can never be served (context window or KV
+        cache)."""
         if num_prompt_tokens + 1 > self.max_model_len:
-            what = ("context window" if self.max_model_len < self.runner.num_blocks * self.block_size
+            what = ("context window"
+                    if self.max_model_len < self.runner.num_blocks * self.block_size
                     else "context window (bounded by the KV cache)")
             raise PromptTooLongError(num_prompt_tokens, self.max_model_len, what)
         if num_prompt_tokens == 0:
@@ -163,11 +170,11 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, retain_s: float = 0.0,
                     retention_id: str | None = None, priority: int = 0) -> None:
-        """`retain_s` > 0: keep the prompt's cached blocks safe from eviction that long after the request
-        finishes (clamped to CacheConfig.max_retention_s; bounded per cache salt; `retention_id`
-        names the session whose last retention this one supersedes; engine/kv_cache/retention.py).
-        `priority`: the scheduling class, lower first (-1 priority, 0 default, 1 flex;
-        engine/scheduler.py)."""
+        """`retain_s` > 0: keep the prompt's cached blocks safe from eviction that long after the
+        request finishes (clamped to CacheConfig.max_retention_s; bounded per cache salt;
+        `retention_id` names the session whose last retention this one supersedes;
+        engine/kv_cache/retention.py). `priority`: the scheduling class, lower first (-1 priority, 0
+        default, 1 flex; engine/scheduler.py)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         if not retain_s >= 0.0:  # (NaN too)
@@ -180,7 +187,8 @@ class LLMEngine:
         request.retain_s, request.retention_id = retain_s, retention_id
         request.priority = priority
         if params.grammar is not None:
-            request.grammar = self.grammars.matcher(params.grammar, cache_salt)  # OutputGrammarError
+            # OutputGrammarError
+            request.grammar = self.grammars.matcher(params.grammar, cache_salt)
         if self.kv_cache.enable_caching:
             request.update_block_hashes(self.block_size, self.model_config.model_id)
             request.num_cached_tokens_predicted = (  # admission's estimate of its prefill
@@ -201,7 +209,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
-    # ---- the step ------------------------------------------------------------------------------------
+    # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started_s = self.step_timer()  # the step-time model's unit (wall time unless injected)
         batch = self.scheduler.schedule()
@@ -215,7 +223,7 @@ class LLMEngine:
         self.publish_load()
         return outputs
 
-    # ---- admission control ---------------------------------------------------------------------------
+    # ---- admission control -----------------------------------------------------------------------
     def publish_load(self) -> None:
         """Take the scheduler's queue load for admission (engine thread; after adds and steps)."""
         self.queue_load = self.scheduler.queue_load()
@@ -270,11 +278,13 @@ class LLMEngine:
                 continue
             request = self._requests[seq.request_id]
             first = max(seq.start_position, len(request.prompt_logprobs))  # next position to record
-            end = min(seq.seq_len, request.num_prompt_tokens - 1)  # the last prompt token predicts output
+            # the last prompt token predicts output
+            end = min(seq.seq_len, request.num_prompt_tokens - 1)
             if first >= end:
                 continue
             targets = torch.tensor(request.prompt_token_ids[first + 1:end + 1])  # [end - first]
-            rows = logits[first - seq.start_position:end - seq.start_position]  # [end - first, vocab]
+            # [end - first, vocab]
+            rows = logits[first - seq.start_position:end - seq.start_position]
             request.prompt_logprobs.extend(logprobs_of(
                 rows, targets, [request.params.prompt_logprobs or 0] * (end - first)))
 
@@ -359,7 +369,8 @@ class LLMEngine:
         return RequestOutput(
             request.request_id, new_token_ids, text, finish_reason=request.finish_reason,
             stop_reason=request.stop_reason, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=request.num_output_tokens,
             timings={"queue_s": max(scheduled - request.arrival_time, 0.0),
                      "prefill_s": max(first_token - scheduled, 0.0),
@@ -368,7 +379,7 @@ class LLMEngine:
                      "num_host_cached_tokens": float(request.num_host_cached_tokens)},
         )
 
-    # ---- cache and introspection ---------------------------------------------------------------------
+    # ---- cache and introspection -----------------------------------------------------------------
     def reset_prefix_cache(self) -> None:
         self.kv_cache.reset_prefix_cache()
         self.kv_events.seal()

@@ -74,7 +74,8 @@ class FlexAging:
             request.priority = DEFAULT_CLASS
             index = 0  # ahead of the first default request that started waiting after it
             while index < len(queue) and (queue[index].priority < DEFAULT_CLASS or (
-                    queue[index].priority == DEFAULT_CLASS and self.waiting_since(queue[index]) <= since)):
+                    queue[index].priority == DEFAULT_CLASS
+                    and self.waiting_since(queue[index]) <= since)):
                 index += 1
             queue.insert(index, request)
         waiting.clear()

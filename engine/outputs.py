@@ -39,7 +39,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
-    timings: dict[str, float] = field(default_factory=dict)  # queue/prefill/decode seconds at finish
+    # queue/prefill/decode seconds at finish
+    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:

@@ -1,4 +1,5 @@
-"""Request: one sequence's state inside the engine. Counters, token ids and derived properties; no tensors.
+"""Request: one sequence's state inside the engine. Counters, token ids and derived properties; no
+tensors.
 
 Token layout of a request:
 
@@ -44,7 +45,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first admission: what usage reports
-    num_cached_tokens_predicted: int = 0  # the hit found on arrival (admission's estimate, engine/slo.py)
+    # the hit found on arrival (admission's estimate, engine/slo.py)
+    num_cached_tokens_predicted: int = 0
     num_host_cached_tokens: int = 0  # of them, restored from the host KV tier
     num_preemptions: int = 0
     num_prefill_chunks: int = 0  # steps that computed part of the prompt (recomputes included)
@@ -58,9 +60,9 @@ class Request:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    # Keep the prompt's cached blocks for retain_s seconds after finishing (engine/kv_cache/retention.py);
-    # the same retention_key (per cache salt) supersedes; None: the last block's hash (a later
-    # retention that extends this prefix supersedes it all the same).
+    # Keep the prompt's cached blocks for retain_s seconds after finishing
+    # (engine/kv_cache/retention.py); the same retention_key (per cache salt) supersedes; None: the
+    # last block's hash (a later retention that extends this prefix supersedes it all the same).
     retain_s: float = 0.0
     retention_id: str | None = None
 
@@ -75,7 +77,7 @@ class Request:
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
-    # ---- derived -------------------------------------------------------------------------------------
+    # ---- derived ---------------------------------------------------------------------------------
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
@@ -113,5 +115,5 @@ class Request:
     def update_block_hashes(self, block_size: int, model_id: str) -> None:
         """Extend `block_hashes` over blocks that became full (incremental; cheap when none did)."""
         if self.num_tokens // block_size > len(self.block_hashes):
-            self.block_hashes = hash_blocks(self.all_token_ids, block_size, model_id, self.cache_salt,
-                                            parent_hashes=self.block_hashes)
+            self.block_hashes = hash_blocks(self.all_token_ids, block_size, model_id,
+                                            self.cache_salt, parent_hashes=self.block_hashes)

@@ -64,7 +64,8 @@ class ReservedShares:
         self._held_blocks: dict[str, int] = {}  # what each reserved project with work holds now
         self._held_seats: dict[str, int] = {}
         self._reserved_seats: dict[str, int] = {}
-        self.waiting_reserved: list[Request] = []  # this step's waiting requests of reserved projects
+        # this step's waiting requests of reserved projects
+        self.waiting_reserved: list[Request] = []
 
     @property
     def is_active(self) -> bool:
@@ -97,7 +98,8 @@ class ReservedShares:
                 self._held_seats[project] += 1
             else:
                 self.waiting_reserved.append(request)
-        self._reserved_seats = {p: max(int(self.shares[p] * max_num_running), 1) for p in num_requests}
+        self._reserved_seats = {p: max(int(self.shares[p] * max_num_running), 1)
+                                for p in num_requests}
         self._unspent_tokens = {p: min(int(self.shares[p] * token_budget), demand)
                                 for p, demand in demand_tokens.items()}
         self._unmet_blocks = {p: max(min(self.reserved_blocks(p), need) - self._held_blocks[p], 0)
@@ -109,7 +111,7 @@ class ReservedShares:
         """The blocks a running request holds, as reservations count them."""
         return math.ceil(request.num_computed_tokens / self.block_size)
 
-    # ---- what other projects may take -----------------------------------------------------------------
+    # ---- what other projects may take ------------------------------------------------------------
     def num_tokens_for(self, request: Request, budget_left: int) -> int:
         """Tokens `request` may schedule now: the budget left less the other projects' unspent
         reservations."""
@@ -155,7 +157,7 @@ class ReservedShares:
         return (self._held_blocks[project] <= self.reserved_blocks(project)
                 and self._held_seats[project] <= self._reserved_seats[project])
 
-    # ---- bookkeeping as the step schedules ------------------------------------------------------------
+    # ---- bookkeeping as the step schedules -------------------------------------------------------
     def spend(self, request: Request, num_tokens: int) -> None:
         project = project_of(request.cache_salt)
         if project in self._unspent_tokens:

@@ -60,7 +60,8 @@ class SamplingRow:
     @property
     def is_plain_greedy(self) -> bool:
         p = self.params
-        return (p.is_greedy and not p.has_penalties and not p.logprobs and not self.blocked_token_ids
+        return (p.is_greedy and not p.has_penalties and not p.logprobs
+                and not self.blocked_token_ids
                 and self.token_bitmask is None)
 
 

@@ -1,22 +1,24 @@
 """Continuous batching at the iteration level, with one token budget per step.
 
-Each step: running requests first (a decode token each, or the next prefill chunk), then waiting requests
-(chunked prefill: a long prompt takes what is left of the budget, so it never stalls requests that are
-already streaming). When the KV cache runs out, the youngest running request of the lowest class is
-preempted (its blocks are freed; it goes back to the front of its class in the waiting queue and later
-recomputes, mostly from its own prefix-cache hits). Requests never leave the running list except by finishing, aborting or preemption.
+Each step: running requests first (a decode token each, or the next prefill chunk), then waiting
+requests (chunked prefill: a long prompt takes what is left of the budget, so it never stalls
+requests that are already streaming). When the KV cache runs out, the youngest running request of
+the lowest class is preempted (its blocks are freed; it goes back to the front of its class in the
+waiting queue and later recomputes, mostly from its own prefix-cache hits). Requests never leave the
+running list except by finishing, aborting or preemption.
 
-Prefix-aware admission: among the first `prefix_aware_window` waiting requests of the head's class the one
-with the most cached prompt tokens goes first (it costs the least prefill); the head of the queue is passed
-over at most `prefix_aware_window` times, so nothing starves.
+Prefix-aware admission: among the first `prefix_aware_window` waiting requests of the head's class
+the one with the most cached prompt tokens goes first (it costs the least prefill); the head of the
+queue is passed over at most `prefix_aware_window` times, so nothing starves.
 
-Priority classes (`Request.priority`, lower first: OpenAI's service_tier priority -1, default 0, flex 1):
-both queues are kept in class order (FIFO within a class), and each step goes class by class, highest
-first: the class's running requests, then its waiting ones. So a waiting request of a higher class takes
-the budget before lower classes' decodes, and when it finds no KV room (or no free seat) it preempts
-running requests of lower classes, lowest and youngest first; a running request that needs a block
-preempts the lowest class's youngest request too (itself, when it is that). A request is never preempted
-to make room for a lower class's, and a waiting request never preempts its own class.
+Priority classes (`Request.priority`, lower first: OpenAI's service_tier priority -1, default 0,
+flex 1): both queues are kept in class order (FIFO within a class), and each step goes class by
+class, highest first: the class's running requests, then its waiting ones. So a waiting request of a
+higher class takes the budget before lower classes' decodes, and when it finds no KV room (or no
+free seat) it preempts running requests of lower classes, lowest and youngest first; a running
+request that needs a block preempts the lowest class's youngest request too (itself, when it is
+that). A request is never preempted to make room for a lower class's, and a waiting request never
+preempts its own class.
 
 Latency targets (engine/slo.py): every step's time is measured (`record_step`) into a step-time
 model. Under policy "slo" with a TPOT target, each step's token budget and the running batch's size
@@ -76,7 +78,8 @@ class Scheduler:
         self._num_head_skips = 0
         self.num_preemptions_total = 0
         self.num_share_preemptions_total = 0  # of them, to take a reserved share back
-        self.num_prompt_tokens_computed_total = 0  # prompt positions run through the model (recomputes too)
+        # prompt positions run through the model (recomputes too)
+        self.num_prompt_tokens_computed_total = 0
         self.step_costs = StepCostModel(prefill_scale=config.max_num_batched_tokens,
                                         decode_scale=config.max_num_seqs)
         self.plan = StepPlan(config.max_num_batched_tokens, config.max_num_seqs)
@@ -108,7 +111,8 @@ class Scheduler:
             if self.shares.is_active:
                 self._take_back_shares(batch)
         num_taken_back = len(batch.preempted_request_ids)
-        self._taken_back = set(batch.preempted_request_ids)  # not readmitted in the step that took them
+        # not readmitted in the step that took them
+        self._taken_back = set(batch.preempted_request_ids)
         # running[:index] are scheduled in this step; running[index:] (lower classes) are not yet
         index = 0
         classes = sorted({r.priority for r in self.running} | {r.priority for r in self.waiting})
@@ -229,13 +233,15 @@ class Scheduler:
             if picked is None:
                 break  # every waiting request of the class meets another project's reserved share
             request, computed = picked
-            if len(self.running) >= num_seats and self._holds_shares and self.shares.owes_seat(request):  # type: ignore[union-attr]
+            if (len(self.running) >= num_seats and self._holds_shares
+                    and self.shares.owes_seat(request)):  # type: ignore[union-attr]
                 num_seats = len(self.running) + 1  # a seat its reservation took back this step
             if len(self.running) >= num_seats:
                 victim = self._victim(request, index, lower_only=True)
                 if victim is None:
                     break
-                self._preempt(self.running.pop(victim), batch)  # one lower-class request gives its seat
+                # one lower-class request gives its seat
+                self._preempt(self.running.pop(victim), batch)
                 num_seats = max(num_seats, len(self.running) + 1)
             num_new = min(request.num_tokens - computed.num_computed_tokens,
                           self._num_tokens_for(request, free))
@@ -276,7 +282,7 @@ class Scheduler:
             budget -= num_new
         return index, budget
 
-    # ---- reserved shares ------------------------------------------------------------------------------
+    # ---- reserved shares -------------------------------------------------------------------------
     @property
     def _holds_shares(self) -> bool:
         return self.shares is not None and self.shares.is_active
@@ -321,7 +327,8 @@ class Scheduler:
         allowed = self.shares.num_tokens_for(request, budget)
         if allowed <= 0:
             return None
-        if not (self.shares.owes_seat(request) or self.shares.can_take_seat(request, num_free_seats)):
+        if not (self.shares.owes_seat(request)
+                or self.shares.can_take_seat(request, num_free_seats)):
             return None
         computed = self.kv_cache.get_computed_blocks(request)
         start = computed.num_computed_tokens
@@ -357,7 +364,8 @@ class Scheduler:
         owed_blocks, owed_seats = shares.shortfall()
         num_seats_to_free = owed_seats - max(self.plan.max_num_running - len(self.running), 0)
         while owed_blocks > self.kv_cache.num_free_blocks or num_seats_to_free > 0:
-            if owed_blocks > self.kv_cache.num_free_blocks and self.kv_cache.release_one_retention():
+            if (owed_blocks > self.kv_cache.num_free_blocks
+                and self.kv_cache.release_one_retention()):
                 continue
             victim = next((r for r in reversed(self.running)
                            if not shares.is_short(r) and not shares.is_protected(r, None)), None)
@@ -427,7 +435,8 @@ class Scheduler:
         start = request.num_computed_tokens
         if start < request.num_prompt_tokens:
             request.num_prefill_chunks += 1
-            self.num_prompt_tokens_computed_total += min(start + num_new, request.num_prompt_tokens) - start
+            self.num_prompt_tokens_computed_total += min(start + num_new,
+                                                         request.num_prompt_tokens) - start
         request.num_computed_tokens += num_new
         return ScheduledSequence(
             request_id=request.request_id,
@@ -457,7 +466,8 @@ class Scheduler:
             index += 1
         self.waiting.insert(index, request)
 
-    def finish(self, request: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+    def finish(self, request: Request, reason: FinishReason,
+               stop_reason: str | int | None = None) -> None:
         """Take a request out (finished or aborted) and return its blocks at once."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)

@@ -124,7 +124,8 @@ class GrammarCompiler:
                 self._tokenizer = llguidance.LLTokenizer(
                     self._backend.to_str(), n_vocab=self.vocab_size,
                     eos_token=self._eos_token_ids or None)
-        matcher = llguidance.LLMatcher(self._tokenizer, output_grammar.grammar_of(spec), log_level=0)
+        matcher = llguidance.LLMatcher(self._tokenizer, output_grammar.grammar_of(spec),
+                                       log_level=0)
         if matcher.is_error():
             raise OutputGrammarError(f"output grammar: {matcher.get_error()}")
         return matcher

@@ -67,10 +67,10 @@ class EncoderConfig:
 class EmbedderConfig:
     """One forward pass holds at most `max_num_batched_tokens` tokens (packed; its attention's
     padded rows, inputs x the longest input, at most twice that) and at most `max_num_inputs`
-    inputs; inputs of several requests share a pass. What waits is bounded in bytes: `max_num_queued_tokens` token
-    ids (int32, 4 bytes each: 4 MiB) and `max_num_queued_inputs` inputs, each of which holds its
-    output vector (hidden_size float32s: 1.5 KiB for MiniLM, 24 MiB in all); more is refused
-    (EmbedderBusy, a 503)."""
+    inputs; inputs of several requests share a pass. What waits is bounded in bytes:
+    `max_num_queued_tokens` token ids (int32, 4 bytes each: 4 MiB) and `max_num_queued_inputs`
+    inputs, each of which holds its output vector (hidden_size float32s: 1.5 KiB for MiniLM, 24 MiB
+    in all); more is refused (EmbedderBusy, a 503)."""
 
     max_num_batched_tokens: int = 8192
     max_num_inputs: int = 256

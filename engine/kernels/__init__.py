@@ -4,9 +4,9 @@ Each kernel module holds one Triton kernel, its launcher and its torch reference
 what the CPU engine runs. Triton itself is imported only when a Triton kernel is first built, so the
 CPU path never imports it. `AIGW_KERNELS=triton|torch` overrides the choice (triton on CPU needs
 `TRITON_INTERPRET=1`, for tests); it is read once, when this package is first imported (the
-engine's construction), into `FORCED_BACKEND`, never per kernel call. Tuned Triton launch configs are cached per GPU model in
-~/.cache/aigw/kernels/<gpu name>.json (see tuning.py); tuning times launches, so warm the engine
-up (one step per batch shape) before capturing CUDA graphs.
+engine's construction), into `FORCED_BACKEND`, never per kernel call. Tuned Triton launch configs
+are cached per GPU model in ~/.cache/aigw/kernels/<gpu name>.json (see tuning.py); tuning times
+launches, so warm the engine up (one step per batch shape) before capturing CUDA graphs.
 
 Note: the functions below shadow the submodules of the same name (`store_kv`, `fused_moe`,
 `paged_attention`) as attributes of this package; import a module's contents by its full path,
@@ -88,7 +88,8 @@ def paged_attention(
     The keyword hints are host ints the scheduler knows (they save device syncs on CUDA);
     `num_decode_seqs` says the first that many requests are one-token decodes. `sliding_window`:
     each query sees its W latest positions; `sinks` [H] float32: per-head logits in the denominator;
-    `attention_chunk` C: a query at p sees floor(p / C) * C .. p (Llama 4's chunked local attention).
+    `attention_chunk` C: a query at p sees floor(p / C) * C .. p (Llama 4's chunked local
+    attention).
     """
     if _triton(q):
         return _attn.paged_attention_triton(

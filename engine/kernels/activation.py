@@ -26,7 +26,8 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class ClampedSwiGLU:
     """gpt-oss's expert activation over x [..., 2I] (gate half first, then up):
-    gate = min(gate, limit), up = clamp(up, -limit, limit), out = (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = min(gate, limit), up = clamp(up, -limit, limit), out = (up + 1) * gate * sigmoid(alpha *
+    gate)."""
 
     alpha: float = 1.702
     limit: float = 7.0
@@ -37,7 +38,8 @@ class ClampedSwiGLU:
 
 
 def clamped_swiglu_reference(x: torch.Tensor, act: ClampedSwiGLU) -> torch.Tensor:
-    """x [T, 2*I] -> [T, I] in x's dtype (transformers' GptOssExperts._apply_gate on the split halves)."""
+    """x [T, 2*I] -> [T, I] in x's dtype (transformers' GptOssExperts._apply_gate on the split
+    halves)."""
     inter = x.shape[-1] // 2
     gate = x[..., :inter].clamp(max=act.limit)
     up = x[..., inter:].clamp(min=-act.limit, max=act.limit)

@@ -4,10 +4,10 @@
     xq [T, K] float8_e4m3fn, x_scale [T] fp32:   x ~= xq * x_scale[:, None]
     out [T, N] = (xq @ wq^T) * x_scale[:, None] * w_scale[None, :]     (fp32 accumulation)
 
-`fp8_gemm_triton` is the w8a8 kernel (native FP8 tensor cores on Hopper / Ada; the Triton interpreter
-also runs it, which is how the CPU tests check its math). `fp8_linear_weight_only` dequantizes the
-weight and runs a plain matmul in x's dtype: the CPU path and the fallback for GPUs without FP8.
-Triton is imported only when the kernel is first built.
+`fp8_gemm_triton` is the w8a8 kernel (native FP8 tensor cores on Hopper / Ada; the Triton
+interpreter also runs it, which is how the CPU tests check its math). `fp8_linear_weight_only`
+dequantizes the weight and runs a plain matmul in x's dtype: the CPU path and the fallback for GPUs
+without FP8. Triton is imported only when the kernel is first built.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""Block-scaled FP8 (E4M3) GEMM: weights as DeepSeek-V3 / Qwen3-FP8 checkpoints store them, activations
-quantized per token in groups of the weight's K block (DeepSeek's `act_quant`).
+"""Block-scaled FP8 (E4M3) GEMM: weights as DeepSeek-V3 / Qwen3-FP8 checkpoints store them,
+activations quantized per token in groups of the weight's K block (DeepSeek's `act_quant`).
 
-    wq [N, K] float8_e4m3fn, w_scale [ceil(N/Bn), ceil(K/Bk)] fp32:  w[n, k] ~= wq[n, k] * w_scale[n // Bn, k // Bk]
-    xq [T, K] float8_e4m3fn, x_scale [T, ceil(K/Bk)] fp32:          x[t, k] ~= xq[t, k] * x_scale[t, k // Bk]
+    wq [N, K] float8_e4m3fn, w_scale [ceil(N/Bn), ceil(K/Bk)] fp32:  w[n, k] ~= wq[n, k] * w_scale[n
+                                                                     // Bn, k // Bk]
+    xq [T, K] float8_e4m3fn, x_scale [T, ceil(K/Bk)] fp32:          x[t, k] ~= xq[t, k] * x_scale[t,
+                                                                    k // Bk]
     out[t, n] = sum over K blocks b of (xq[t, b] . wq[n, b]) * x_scale[t, b] * w_scale[n // Bn, b]
 
 (fp32 accumulation; one K block per dot, scaled into the float32 sum, as DeepSeek's kernel does).
@@ -25,8 +27,10 @@ from engine.kernels.launch import check_same_device, interpreting
 _MIN_SCALE = 1e-12
 
 
-def quantize_activation_per_group(x: torch.Tensor, group_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (xq [T, K] fp8, x_scale [T, ceil(K / group_k)] fp32), dynamic per token and group."""
+def quantize_activation_per_group(x: torch.Tensor,
+                                  group_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (xq [T, K] fp8, x_scale [T, ceil(K / group_k)] fp32), dynamic per token and
+    group."""
     t, k = x.shape
     num_groups = -(-k // group_k)
     padded = F.pad(x.float(), (0, num_groups * group_k - k))  # [T, G * group_k]
@@ -36,7 +40,8 @@ def quantize_activation_per_group(x: torch.Tensor, group_k: int) -> tuple[torch.
     return xq.view(t, -1)[:, :k].contiguous(), scale
 
 
-def quantize_weight_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_blocks(w: torch.Tensor,
+                           block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (wq [N, K] fp8, w_scale [ceil(N/Bn), ceil(K/Bk)] fp32) by block amax, as a
     block-scaled checkpoint's converter writes it (partial edge blocks included)."""
     n, k = w.shape
@@ -121,8 +126,8 @@ def _launch_config(m: int, block_n: int) -> dict[str, int]:
     if interpreting():
         return {"BLOCK_M": 16, "BLOCK_N": min(32, block_n), "num_warps": 4}
     block_m = 16 if m <= 16 else 64 if m <= 256 else 128
-    return {"BLOCK_M": block_m, "BLOCK_N": min(128, block_n), "num_warps": 4 if block_m < 128 else 8,
-            "num_stages": 3}
+    return {"BLOCK_M": block_m, "BLOCK_N": min(128, block_n),
+            "num_warps": 4 if block_m < 128 else 8, "num_stages": 3}
 
 
 def fp8_block_gemm_triton(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor,
@@ -140,7 +145,8 @@ def fp8_block_gemm_triton(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Ten
         f"scales must be [M, Kb] and [Nb, Kb], got {tuple(x_scale.shape)} / {tuple(w_scale.shape)}"
     assert x_scale.dtype == torch.float32 and w_scale.dtype == torch.float32
     for size in block:
-        assert size >= 16 and size & (size - 1) == 0, f"block sizes must be powers of two >= 16: {block}"
+        assert size >= 16 and size & (size
+                                      - 1) == 0, f"block sizes must be powers of two >= 16: {block}"
     assert xq.stride(1) == 1 and wq.stride(1) == 1, "operands need unit-stride K"
     assert x_scale.stride(1) == 1 and w_scale.stride(1) == 1, "scales need unit-stride K blocks"
     check_same_device(xq, wq, x_scale, w_scale)

@@ -71,7 +71,8 @@ class AlignedRouting(NamedTuple):
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int) -> AlignedRouting:
-    """Sort pairs by expert and pad each expert's group to a multiple of `block_m` (no host sync)."""
+    """Sort pairs by expert and pad each expert's group to a multiple of `block_m` (no host
+    sync)."""
     flat = topk_ids.flatten().to(torch.int64)  # [P]
     num_pairs = flat.numel()
     counts = torch.bincount(flat, minlength=num_experts)  # [E]
@@ -190,7 +191,8 @@ def _kernels() -> SimpleNamespace:
             bias_row = bias_ptr + expert * stride_bias_e
             acc += tl.load(bias_row + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
             if FUSE_SILU:
-                acc_up += tl.load(bias_row + N + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+                acc_up += tl.load(bias_row + N + offs_n, mask=n_valid,
+                                  other=0.0).to(tl.float32)[None, :]
         if FUSE_SILU:
             if CLAMPED_SWIGLU:
                 gate = tl.minimum(acc, swiglu_limit)
@@ -261,9 +263,12 @@ def fused_moe_triton(
     assert not topk_ids.is_floating_point() and topk_weights.is_floating_point()
     assert hidden.dtype == w13.dtype == w2.dtype, "hidden and expert weights must share a dtype"
     assert hidden.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()
-    for bias, shape in ((w13_bias, (num_experts, 2 * inter)), (w2_bias, (num_experts, hidden_size))):
+    for bias, shape in ((w13_bias, (num_experts, 2 * inter)),
+                        (w2_bias, (num_experts, hidden_size))):
         if bias is not None:
-            assert tuple(bias.shape) == shape and bias.stride(-1) == 1, f"bias {tuple(bias.shape)}, want {shape}"
+            assert tuple(bias.shape) == shape and bias.stride(-1) == 1, ("bias "
+                                                                         f"{tuple(bias.shape)}, "
+                                                                         f"want {shape}")
             check_same_device(hidden, bias)
     check_same_device(hidden, w13, w2, topk_weights, topk_ids)
     top_k = topk_ids.shape[1]
@@ -289,7 +294,9 @@ def fused_moe_triton(
         else:
             candidates = _CONFIGS_SMALL_T if num_pairs <= 128 else _CONFIGS_LARGE_T
             bucket = (num_experts, inter, hidden_size, top_k, str(hidden.dtype),
-                      next_pow2(min(num_tokens, 8192)), w13_bias is not None, activation is not None)
+                      next_pow2(min(num_tokens, 8192)), w13_bias is not None,
+                      activation is not None)
             config = pick_config("fused_moe", bucket, candidates, run, hidden.device)
     partial = run(config)
-    return partial.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+    return partial.view(num_tokens, top_k, hidden_size).sum(dim=1,
+                                                            dtype=torch.float32).to(hidden.dtype)

@@ -6,15 +6,18 @@ I expert intermediate, N a GEMM's output rows, Kd its inputs (H, then I), G = Kd
 
     w13 blocks [E, 2I, H/32, 16] uint8, scales [E, 2I, H/32] uint8   gate rows, then up rows
     w2  blocks [E, H, I/32, 16] uint8,  scales [E, H, I/32] uint8
-    b13 [E, 2I], b2 [E, H]                                           optional biases (activation dtype)
-    out [T, H] = sum_k w[t, k] * (w2[e] @ act(w13[e] @ x + b13[e]) + b2[e])   (engine/layers/mxfp4.py
-                 defines the dequantized w13, w2; act: SiLU-and-mul or ClampedSwiGLU)
+    b13 [E, 2I], b2 [E, H]                                           optional biases (activation
+                                                                     dtype)
+    out [T, H] = sum_k w[t, k] * (w2[e] @ act(w13[e] @ x + b13[e]) + b2[e])
+                 (engine/layers/mxfp4.py defines the dequantized w13, w2; act: SiLU-and-mul or
+                 ClampedSwiGLU)
 
 A byte j of a row holds inputs 2j (low nibble) and 2j + 1 (high nibble), so each K step of BLOCK_K
 inputs is two dots: A's even columns times the low nibbles, A's odd columns times the high ones,
 each [BLOCK_K/2] deep. The scale of input k is row n's byte k // 32; 2 ** (s - 127) is built from
-its bits (s = 0, 2 ** -127, reads as 0: no real checkpoint uses it). Routing, block alignment and the
-weighting of the second GEMM are fused_moe.py's. Reference: dequantize, then `fused_moe_reference`.
+its bits (s = 0, 2 ** -127, reads as 0: no real checkpoint uses it). Routing, block alignment and
+the weighting of the second GEMM are fused_moe.py's. Reference: dequantize, then
+`fused_moe_reference`.
 
 Status: checked against the reference in Triton's interpreter (tests/engine/kernels); not yet
 timed on a GPU, so the engine takes it only when bfloat16 experts would not fit
@@ -35,8 +38,10 @@ from engine.kernels.tuning import split_launch_options
 from engine.layers.mxfp4 import GROUP_SIZE, dequantize_mxfp4
 
 
-def fused_moe_mxfp4_reference(hidden: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch.Tensor,
-                              w2_blocks: torch.Tensor, w2_scales: torch.Tensor, topk_weights: torch.Tensor,
+def fused_moe_mxfp4_reference(hidden: torch.Tensor, w13_blocks: torch.Tensor,
+                              w13_scales: torch.Tensor,
+                              w2_blocks: torch.Tensor, w2_scales: torch.Tensor,
+                              topk_weights: torch.Tensor,
                               topk_ids: torch.Tensor, **extra) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """Dequantize every expert to hidden's dtype, then the dense reference."""
     w13 = dequantize_mxfp4(w13_blocks, w13_scales, hidden.dtype)
@@ -126,7 +131,8 @@ def _kernels() -> SimpleNamespace:
             acc = tl.dot(a_even, b_lo.to(a_even.dtype), acc)
             acc = tl.dot(a_odd, b_hi.to(a_odd.dtype), acc)
             if FUSE_SILU:
-                up_lo, up_hi = _load_b(blocks_ptrs + N * stride_blocks_n, scales_ptrs + N * stride_scales_n,
+                up_lo, up_hi = _load_b(blocks_ptrs + N * stride_blocks_n,
+                                       scales_ptrs + N * stride_scales_n,
                                       b_mask)
                 acc_up = tl.dot(a_even, up_lo.to(a_even.dtype), acc_up)
                 acc_up = tl.dot(a_odd, up_hi.to(a_odd.dtype), acc_up)
@@ -137,7 +143,8 @@ def _kernels() -> SimpleNamespace:
             bias_row = bias_ptr + expert * stride_bias_e
             acc += tl.load(bias_row + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
             if FUSE_SILU:
-                acc_up += tl.load(bias_row + N + offs_n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+                acc_up += tl.load(bias_row + N + offs_n, mask=n_valid,
+                                  other=0.0).to(tl.float32)[None, :]
         if FUSE_SILU:
             if CLAMPED_SWIGLU:
                 gate = tl.minimum(acc, swiglu_limit)
@@ -155,7 +162,8 @@ def _kernels() -> SimpleNamespace:
 
 
 # BLOCK_K counts inputs (a multiple of 32: whole scale groups); untimed on GPUs, hence one config.
-_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 2}
+_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4,
+           "num_stages": 2}
 _INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2}
 
 
@@ -167,8 +175,8 @@ def _run_gemm(kern, a, blocks, scales, c, weights, routing, n, k, pairs_per_a_ro
     kern.gemm[grid](
         a, blocks, scales, c, weights, routing.sorted_pair_ids, routing.expert_ids,
         routing.num_pairs_post_padded, bias if bias is not None else weights, n, k, weights.numel(),
-        max_padded, a.stride(0), blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1),
-        c.stride(0), bias.stride(0) if bias is not None else 0,
+        max_padded, a.stride(0), blocks.stride(0), blocks.stride(1), scales.stride(0),
+        scales.stride(1), c.stride(0), bias.stride(0) if bias is not None else 0,
         activation.alpha if activation is not None else 0.0,
         activation.limit if activation is not None else 0.0,
         PAIRS_PER_A_ROW=pairs_per_a_row, FUSE_SILU=fuse_silu, CLAMPED_SWIGLU=activation is not None,
@@ -177,8 +185,9 @@ def _run_gemm(kern, a, blocks, scales, c, weights, routing, n, k, pairs_per_a_ro
 
 
 def fused_moe_mxfp4_triton(
-    hidden: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch.Tensor, w2_blocks: torch.Tensor,
-    w2_scales: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+    hidden: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch.Tensor,
+    w2_blocks: torch.Tensor, w2_scales: torch.Tensor, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, *,
     w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
     activation: ClampedSwiGLU | None = None, config: dict | None = None,
 ) -> torch.Tensor:
@@ -195,7 +204,8 @@ def fused_moe_mxfp4_triton(
     assert w13_blocks.dtype == w13_scales.dtype == w2_blocks.dtype == w2_scales.dtype == torch.uint8
     for t in (hidden, w13_blocks, w13_scales, w2_blocks, w2_scales):
         assert t.is_contiguous()
-    for bias, shape in ((w13_bias, (num_experts, 2 * inter)), (w2_bias, (num_experts, hidden_size))):
+    for bias, shape in ((w13_bias, (num_experts, 2 * inter)),
+                        (w2_bias, (num_experts, hidden_size))):
         if bias is not None:
             assert tuple(bias.shape) == shape and bias.stride(-1) == 1, f"bias {tuple(bias.shape)}"
     check_same_device(hidden, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weights, topk_ids)
@@ -219,4 +229,5 @@ def fused_moe_mxfp4_triton(
     partial = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     _run_gemm(kern, inter_out, w2_b, w2_s, partial, weights, routing, hidden_size, inter, 1,
               False, True, cfg, w2_bias, None)
-    return partial.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+    return partial.view(num_tokens, top_k, hidden_size).sum(dim=1,
+                                                            dtype=torch.float32).to(hidden.dtype)

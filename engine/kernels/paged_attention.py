@@ -49,9 +49,10 @@ def _gather_kv(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     mask: torch.Tensor | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, H, M, D], k/v [B, KVH, N, D], boolean mask broadcastable to [B, H, M, N] (True: visible;
-    every row sees at least one key) -> [B, H, M, D]. sinks [H]: each head's logit joins the softmax
-    denominator with no value (transformers' gpt_oss eager attention, computed in float32)."""
+    """q [B, H, M, D], k/v [B, KVH, N, D], boolean mask broadcastable to [B, H, M, N] (True:
+    visible; every row sees at least one key) -> [B, H, M, D]. sinks [H]: each head's logit joins
+    the softmax denominator with no value (transformers' gpt_oss eager attention, computed in
+    float32)."""
     if sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     group = q.shape[1] // k.shape[1]
@@ -119,7 +120,8 @@ def paged_attention_reference(
         q_s = q[starts[i] : starts[i + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if n == ctx_len and sliding_window is None and sinks is None and attention_chunk is None:
             # no cached prefix: plain causal (lets SDPA pick a fused kernel)
-            o = F.scaled_dot_product_attention(q_s, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q_s, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=True)
         else:
             q_pos = torch.arange(ctx_len - n, ctx_len, device=q.device)[:, None]  # [n, 1]
             k_pos = torch.arange(ctx_len, device=q.device)[None, :]  # [1, L]
@@ -245,7 +247,8 @@ def check_variants(q: torch.Tensor, sliding_window: int | None, sinks: torch.Ten
     assert sliding_window is None or sliding_window >= 1, f"sliding_window {sliding_window}"
     if sinks is not None:
         assert sinks.shape == (q.shape[1],), f"sinks {tuple(sinks.shape)} for {q.shape[1]} heads"
-        assert sinks.dtype == torch.float32 and sinks.is_contiguous(), "sinks must be contiguous fp32"
+        assert sinks.dtype == torch.float32 and sinks.is_contiguous(), ("sinks must be contiguous "
+                                                                        "fp32")
         assert sinks.device == q.device, f"sinks on {sinks.device}, q on {q.device}"
 
 
@@ -328,7 +331,8 @@ def paged_attention_triton(
         paged_decode_triton(q[:num_decode_seqs], k_cache, v_cache, seq_lens[:num_decode_seqs],
                             block_tables[:num_decode_seqs], scale, max_seq_len=max_seq_len,
                             out=out[:num_decode_seqs], num_splits=num_splits,
-                            sliding_window=sliding_window, sinks=sinks, attention_chunk=attention_chunk)
+                            sliding_window=sliding_window, sinks=sinks,
+                            attention_chunk=attention_chunk)
     if num_decode_seqs < num_seqs:
         paged_prefill_triton(q, k_cache, v_cache, cu_query_lens[num_decode_seqs:],
                              seq_lens[num_decode_seqs:], block_tables[num_decode_seqs:], scale,

@@ -143,7 +143,8 @@ def paged_decode_triton(q, k_cache, v_cache, seq_lens, block_tables, scale, *, m
     if attention_chunk is not None:
         max_seq_len = min(max_seq_len, attention_chunk)
     if num_splits is None:
-        num_sms = 4 if interpreting() else torch.cuda.get_device_properties(q.device).multi_processor_count
+        num_sms = (4 if interpreting()
+                   else torch.cuda.get_device_properties(q.device).multi_processor_count)
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
     block_n = 16 if interpreting() else 64
     chunk_len = kern.triton.cdiv(kern.triton.cdiv(max_seq_len, num_splits), block_n) * block_n
@@ -160,14 +161,14 @@ def paged_decode_triton(q, k_cache, v_cache, seq_lens, block_tables, scale, *, m
         part_lse.stride(0), part_lse.stride(1),
         k_cache.shape[1], head_dim, chunk_len,
         GROUP=group, BLOCK_G=max(16, kern.triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=block_d, HAS_WINDOW=sliding_window is not None, HAS_CHUNK=attention_chunk is not None,
-        num_warps=4,
+        BLOCK_D=block_d, HAS_WINDOW=sliding_window is not None,
+        HAS_CHUNK=attention_chunk is not None, num_warps=4,
     )
     kern.reduce[(num_seqs, num_heads)](
         part_out, part_lse, out, sinks if sinks is not None else part_lse,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        num_splits, head_dim, BLOCK_P=max(2, kern.triton.next_power_of_2(num_splits)), BLOCK_D=block_d,
-        HAS_SINKS=sinks is not None,
+        num_splits, head_dim, BLOCK_P=max(2, kern.triton.next_power_of_2(num_splits)),
+        BLOCK_D=block_d, HAS_SINKS=sinks is not None,
     )
     return out

@@ -4,8 +4,8 @@
     normed       = new_residual * rsqrt(mean(new_residual^2) + eps) * weight
 
 x, residual [T, H]; weight [H]. Sums and the norm are fp32; both outputs are in x's dtype, and the
-norm is taken of the fp32 sum (before rounding it to the residual dtype), as vLLM's fused kernel does.
-Triton is imported only when the kernel is first built.
+norm is taken of the fp32 sum (before rounding it to the residual dtype), as vLLM's fused kernel
+does. Triton is imported only when the kernel is first built.
 """
 
 from __future__ import annotations

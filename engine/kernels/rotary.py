@@ -52,7 +52,8 @@ def _kernels() -> SimpleNamespace:
 
     @triton.jit
     def rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_cos, stride_sin,
-                      num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                      num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                      BLOCK_HALF: tl.constexpr):
         """One program per token: rotate all heads of x[tok] in place."""
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -63,7 +64,8 @@ def _kernels() -> SimpleNamespace:
         cos = cos.to(tl.float32)[None, :]
         sin = sin.to(tl.float32)[None, :]
         mask = (heads[:, None] < num_heads) & (dims[None, :] < HALF)
-        p1 = x_ptr + tok * stride_t + heads[:, None] * stride_h + dims[None, :]  # [BLOCK_H, BLOCK_HALF]
+        # [BLOCK_H, BLOCK_HALF]
+        p1 = x_ptr + tok * stride_t + heads[:, None] * stride_h + dims[None, :]
         x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
         tl.store(p1, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
@@ -82,7 +84,8 @@ def apply_rotary_triton(
     """Same contract as `apply_rotary_reference`."""
     assert q.dim() == 3 and k.dim() == 3, "q, k must be [T, heads, head_dim]"
     num_tokens, num_heads, head_dim = q.shape
-    assert k.shape[0] == num_tokens and k.shape[2] == head_dim, f"k {tuple(k.shape)} vs q {tuple(q.shape)}"
+    assert k.shape[0] == num_tokens and k.shape[2] == head_dim, (f"k {tuple(k.shape)} vs q "
+                                                                 f"{tuple(q.shape)}")
     assert positions.shape == (num_tokens,) and not positions.is_floating_point()
     assert cos_cache.shape == sin_cache.shape and cos_cache.dim() == 2
     half = cos_cache.shape[1]

@@ -2,7 +2,8 @@
 
 k, v [T, num_kv_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim];
 slot_mapping [T] int64 with slot = block_id * block_size + offset_in_block. Every slot must be valid
-(callers drop padding tokens before the call). Triton is imported only when the kernel is first built.
+(callers drop padding tokens before the call). Triton is imported only when the kernel is first
+built.
 """
 
 from __future__ import annotations

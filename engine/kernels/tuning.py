@@ -3,8 +3,9 @@
 A kernel offers a short list of candidate configs (dicts of constexpr meta-parameters plus
 `num_warps` / `num_stages`). On CUDA the first launch for a shape bucket times every candidate with
 `triton.testing.do_bench` and remembers the fastest, in memory and in
-`~/.cache/aigw/kernels/<gpu name>.json`; later processes on the same GPU model reuse it without timing.
-Off CUDA (the Triton interpreter in tests) the first candidate is used and nothing is written.
+`~/.cache/aigw/kernels/<gpu name>.json`; later processes on the same GPU model reuse it without
+timing. Off CUDA (the Triton interpreter in tests) the first candidate is used and nothing is
+written.
 
 Only out-of-place kernels are tuned: timing launches a kernel several times on the caller's tensors.
 Set `AIGW_KERNEL_TUNE=0` to skip timing and always use the first candidate.
@@ -28,7 +29,8 @@ Config = dict[str, Any]
 _LOCK = threading.Lock()
 _MEMORY: dict[str, Config] = {}
 _FILE_LOADED: set[str] = set()
-_PICKED: dict[tuple[Any, ...], Config] = {}  # (kernel, key, device index) -> config: the per-launch fast path
+# (kernel, key, device index) -> config: the per-launch fast path
+_PICKED: dict[tuple[Any, ...], Config] = {}
 # AIGW_KERNEL_TUNE=0: the first candidate, untimed; read once at import, not per launch
 TUNING = os.environ.get("AIGW_KERNEL_TUNE") != "0"
 
@@ -37,7 +39,8 @@ def cache_path(device: torch.device) -> Path:
     """The JSON file holding tuned configs for the GPU model of `device`."""
     name = torch.cuda.get_device_name(device)
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "gpu"
-    root = Path(os.environ.get("AIGW_KERNEL_CACHE_DIR", Path.home() / ".cache" / "aigw" / "kernels"))
+    root = Path(os.environ.get("AIGW_KERNEL_CACHE_DIR",
+                               Path.home() / ".cache" / "aigw" / "kernels"))
     return root / f"{safe}.json"
 
 

@@ -1,4 +1,5 @@
-"""BlockPool: the KV block array, the free LRU queue and the hash -> block map. No request bookkeeping.
+"""BlockPool: the KV block array, the free LRU queue and the hash -> block map. No request
+bookkeeping.
 
 Every block is in exactly one of three states:
 
@@ -6,15 +7,16 @@ Every block is in exactly one of three states:
     cached   ref_cnt == 0, block_hash set          (in the free queue, still findable by hash)
     free     ref_cnt == 0, block_hash None         (in the free queue)
 
-The free queue is ordered least-recently-freed first; a new block is taken from its front, and if that block
-was cached its hash is dropped then (eviction, with a BlockRemoved event). `check_integrity()` proves
-free + cached + used == total and that the map and the queue agree.
+The free queue is ordered least-recently-freed first; a new block is taken from its front, and if
+that block was cached its hash is dropped then (eviction, with a BlockRemoved event).
+`check_integrity()` proves free + cached + used == total and that the map and the queue agree.
 
-KV cache groups (engine/kv_cache/layout.py) share the pool: a block serves one group at a time, and the
-map is keyed by (group, hash), since the same prefix has its own block in each group. KV events speak
-for group 0 only (the first full-attention group when the model has one): a stored hash means "group 0
-holds this prefix's blocks", and the other groups' stores and evictions emit nothing. A hit can then be
-shorter than the events suggest (a window group dropped the prefix's tail), never longer.
+KV cache groups (engine/kv_cache/layout.py) share the pool: a block serves one group at a time, and
+the map is keyed by (group, hash), since the same prefix has its own block in each group. KV events
+speak for group 0 only (the first full-attention group when the model has one): a stored hash means
+"group 0 holds this prefix's blocks", and the other groups' stores and evictions emit nothing. A hit
+can then be shorter than the events suggest (a window group dropped the prefix's tail), never
+longer.
 """
 
 from __future__ import annotations
@@ -47,14 +49,15 @@ class BlockPool:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self._free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b)
+                                                                  for b in self.blocks)
         self._cached: dict[CacheKey, KVBlock] = {}
         self._event_log = event_log
         # Told of every block handed out, with the (group, hash) it dropped (None: it was free): the
         # host tier copies evicted blocks out before the step overwrites them (host_tier.py).
         self.taken_listener: Callable[[int, CacheKey | None], None] | None = None
 
-    # ---- queries -------------------------------------------------------------------------------------
+    # ---- queries ---------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (free or evictable cached)."""
@@ -72,10 +75,11 @@ class BlockPool:
         return self._cached.get((group, block_hash))
 
     def cached_hashes(self, group: int = EVENT_GROUP) -> list[int]:
-        """The hashes one group holds (by default the event group's: what the KV events replay to)."""
+        """The hashes one group holds (by default the event group's: what the KV events replay
+        to)."""
         return [h for g, h in self._cached if g == group]
 
-    # ---- actions -------------------------------------------------------------------------------------
+    # ---- actions ---------------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
         """Take `num_blocks` blocks off the front of the free queue (ref_cnt becomes 1)."""
         if num_blocks > len(self._free_queue):
@@ -100,7 +104,8 @@ class BlockPool:
         return taken
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take a reference on cache-hit blocks (pulling them out of the free queue if unreferenced)."""
+        """Take a reference on cache-hit blocks (pulling them out of the free queue if
+        unreferenced)."""
         for block in blocks:
             if block.ref_cnt == 0:
                 del self._free_queue[block.block_id]
@@ -108,7 +113,8 @@ class BlockPool:
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock | None]) -> None:
         """Drop one reference from each block; unreferenced ones join the queue IN THE ORDER GIVEN
-        (callers pass a request's blocks tail first, so its tail is evicted before its shared head)."""
+        (callers pass a request's blocks tail first, so its tail is evicted before its shared
+        head)."""
         for block in ordered_blocks:
             if block is None:  # a slot a sliding window already released
                 continue
@@ -121,11 +127,13 @@ class BlockPool:
     def cache_full_blocks(self, blocks: Sequence[KVBlock | None], block_hashes: Sequence[int],
                           token_ids: Sequence[int], first_block: int, end_block: int,
                           group: int = 0) -> None:
-        """Make blocks [first_block, end_block) of a request's `group` table findable by their hashes.
+        """Make blocks [first_block, end_block) of a request's `group` table findable by their
+        hashes.
 
-        `blocks`, `block_hashes` and `token_ids` are the request's; the blocks must be full (None entries,
-        released by a window, are skipped). A hash that is already cached (another request computed the
-        same prefix concurrently) keeps its first block; the duplicate simply stays uncached.
+        `blocks`, `block_hashes` and `token_ids` are the request's; the blocks must be full (None
+        entries, released by a window, are skipped). A hash that is already cached (another request
+        computed the same prefix concurrently) keeps its first block; the duplicate simply stays
+        uncached.
         """
         if not self.enable_caching or end_block <= first_block:
             return
@@ -174,6 +182,7 @@ class BlockPool:
         for block_id, block in self._free_queue.items():
             assert block.block_id == block_id and block.ref_cnt == 0, block
         for (group, block_hash), block in self._cached.items():
-            assert block.block_hash == block_hash and block.group == group, (group, block_hash, block)
+            assert (block.block_hash == block_hash
+                    and block.group == group), (group, block_hash, block)
         assert sum(1 for b in self.blocks if b.block_hash is not None) == len(self._cached)
         assert all(b.ref_cnt >= 0 for b in self.blocks)

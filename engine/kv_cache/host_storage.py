@@ -9,9 +9,9 @@ slot, engine/kv_cache/layout.py), so a slot is `bytes_per_block` bytes and a cop
 per tensor, bit for bit (no conversion, no compression).
 
 Where the bytes live:
-  CUDA   pinned host memory; copies on a side stream that waits for the model's stream before it reads
-         an evicted block and makes the model's stream wait for it before the step runs, so the host
-         thread goes on preparing the step while the DMA runs.
+  CUDA   pinned host memory; copies on a side stream that waits for the model's stream before it
+         reads an evicted block and makes the model's stream wait for it before the step runs, so
+         the host thread goes on preparing the step while the DMA runs.
   CPU    the pool is host memory already, so the tier must hold more than memory: a file, mapped
          shared (torch.from_file), `budget_bytes` long and unlinked at once (sparse: a slot takes
          disk only once written). A copy is a memcpy into the page cache; the kernel writes pages
@@ -51,7 +51,8 @@ class HostTierStorage:
             self._stream = torch.cuda.Stream(self.device)
         else:
             self.store = _mapped_file(shape, first.dtype, directory)
-        self._in_flight: list[torch.Tensor] = []  # CUDA: staging tensors the side stream still reads
+        # CUDA: staging tensors the side stream still reads
+        self._in_flight: list[torch.Tensor] = []
 
     @classmethod
     def for_kv(cls, kv_tensors: list[torch.Tensor], budget_bytes: int,
@@ -59,7 +60,8 @@ class HostTierStorage:
         per_block = bytes_per_slot(kv_tensors)
         num_slots = budget_bytes // per_block
         if num_slots < 1:
-            raise ValueError(f"the host tier's budget ({budget_bytes} bytes) must hold at least one "
+            raise ValueError(f"the host tier's budget ({budget_bytes} bytes) must hold at least "
+                             "one "
                              f"block ({per_block} bytes)")
         return cls(kv_tensors, int(num_slots), directory)
 
@@ -92,7 +94,8 @@ class HostTierStorage:
         self._stream.wait_stream(compute)  # the evicted blocks' last writes are done
         with torch.cuda.stream(self._stream):
             if transfers.offload_slots:
-                ids = torch.tensor(transfers.offload_block_ids, dtype=torch.long, device=self.device)
+                ids = torch.tensor(transfers.offload_block_ids, dtype=torch.long,
+                                   device=self.device)
                 gathered = torch.stack([t.index_select(0, ids) for t in self.kv_tensors], 1)
                 for i, slot in enumerate(transfers.offload_slots):
                     self.store[slot].copy_(gathered[i], non_blocking=True)
@@ -102,11 +105,13 @@ class HostTierStorage:
                                      dtype=self.store.dtype, device=self.device)
                 for i, slot in enumerate(transfers.restore_slots):
                     staged[i].copy_(self.store[slot], non_blocking=True)
-                ids = torch.tensor(transfers.restore_block_ids, dtype=torch.long, device=self.device)
+                ids = torch.tensor(transfers.restore_block_ids, dtype=torch.long,
+                                   device=self.device)
                 for j, tensor in enumerate(self.kv_tensors):
                     tensor.index_copy_(0, ids, staged[:, j])
                 self._in_flight.append(staged)
-        compute.wait_stream(self._stream)  # the step reads restored blocks, overwrites offloaded ones
+        # the step reads restored blocks, overwrites offloaded ones
+        compute.wait_stream(self._stream)
 
     def synchronize(self) -> None:
         if self._stream is not None:
@@ -114,7 +119,8 @@ class HostTierStorage:
             self._in_flight.clear()
 
     def read_slot(self, slot: int) -> torch.Tensor:
-        """A copy of one slot's bytes, [num_tensors, block_size, G, Dh] (tests, integrity checks)."""
+        """A copy of one slot's bytes, [num_tensors, block_size, G, Dh] (tests, integrity
+        checks)."""
         self.synchronize()
         return self.store[slot].clone()
 

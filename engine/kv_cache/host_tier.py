@@ -1,25 +1,28 @@
 """HostTier: the second KV tier's bookkeeping. Which (group, block hash) sits in which slot, in LRU
-order, within a byte budget, and the copies each step owes. No tensors (engine/kv_cache/host_storage.py
-moves the bytes).
+order, within a byte budget, and the copies each step owes. No tensors
+(engine/kv_cache/host_storage.py moves the bytes).
 
-A block the pool evicts (its hash dropped so the block can hold new tokens) is copied into a tier slot
-before the step that overwrites it runs; a prefix lookup that runs out of pool blocks continues into the
-tier, and the blocks it finds there are restored into fresh pool blocks before the step that reads them.
-The tier is inclusive: a restored block keeps its slot, so when the pool evicts it again nothing is
-copied. Its budget is whole slots: `num_slots = budget_bytes // bytes_per_block`; when every slot is
-taken the least recently stored or restored entry gives its slot up.
+A block the pool evicts (its hash dropped so the block can hold new tokens) is copied into a tier
+slot before the step that overwrites it runs; a prefix lookup that runs out of pool blocks continues
+into the tier, and the blocks it finds there are restored into fresh pool blocks before the step
+that reads them. The tier is inclusive: a restored block keeps its slot, so when the pool evicts it
+again nothing is copied. Its budget is whole slots: `num_slots = budget_bytes // bytes_per_block`;
+when every slot is taken the least recently stored or restored entry gives its slot up.
 
-    pool.get_new_blocks(n)        -> note_taken(block_id, old_key) for each block (evicted: old_key set)
+    pool.get_new_blocks(n)        -> note_taken(block_id, old_key) for each block (evicted: old_key
+                                     set)
     manager.get_computed_blocks   -> contains(key): a hit continues into the tier
-    manager.allocate_slots        -> queue_restore(key, block_id) for each tier hit, into a fresh block
+    manager.allocate_slots        -> queue_restore(key, block_id) for each tier hit, into a fresh
+                                     block
     engine.step, before the model -> take_transfers(): slots for this step's evictions (LRU entries
-                                     give theirs up, never one a restore of this step reads), then the
-                                     copies: offloads (pool -> slot) first, restores (slot -> pool) after
+                                     give theirs up, never one a restore of this step reads), then
+                                     the copies: offloads (pool -> slot) first, restores (slot ->
+                                     pool) after
 
 The same keys as the pool: (group, block hash), the hash chained from the cache salt
-(contracts/block_hash.py), so an entry one tenant's request stored is found only by a request with the
-same salt and the same whole prefix. KV events (group 0 only, as the pool's): BlockStored "host" when a
-block enters the tier, BlockRemoved "host" when it leaves it (its slot given up, or a reset).
+(contracts/block_hash.py), so an entry one tenant's request stored is found only by a request with
+the same salt and the same whole prefix. KV events (group 0 only, as the pool's): BlockStored "host"
+when a block enters the tier, BlockRemoved "host" when it leaves it (its slot given up, or a reset).
 
 A block taken earlier in the same step is never offloaded: its hash was registered for tokens the
 step has not written yet (a fresh block, a restore's target), so its bytes are not that hash's KV.
@@ -69,7 +72,8 @@ class HostTier:
         self.block_size = block_size
         self._entries: OrderedDict[CacheKey, int] = OrderedDict()  # key -> slot, least recent first
         self._free_slots = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
-        self._evicted: dict[int, CacheKey] = {}  # this step's pool evictions: block id -> its old key
+        # this step's pool evictions: block id -> its old key
+        self._evicted: dict[int, CacheKey] = {}
         self._taken: set[int] = set()  # block ids the pool handed out this step
         self._restores: list[tuple[int, int]] = []  # (slot, block id) this step restores
         self._event_log = event_log
@@ -78,7 +82,7 @@ class HostTier:
         self.num_dropped_blocks_total = 0  # entries that gave their slot up to a newer block, and
         # evicted blocks that found no slot (every slot read or written in their step)
 
-    # ---- queries -------------------------------------------------------------------------------------
+    # ---- queries ---------------------------------------------------------------------------------
     @property
     def budget_bytes(self) -> int:
         return self.num_slots * self.bytes_per_block
@@ -97,22 +101,25 @@ class HostTier:
     def hashes(self, group: int = EVENT_GROUP) -> list[int]:
         return [h for g, h in self._entries if g == group]
 
-    # ---- the pool's and the manager's calls ----------------------------------------------------------
+    # ---- the pool's and the manager's calls ------------------------------------------------------
     def note_taken(self, block_id: int, old_key: CacheKey | None) -> None:
-        """The pool handed block `block_id` out; `old_key` is the hash it dropped (None: it was free)."""
+        """The pool handed block `block_id` out; `old_key` is the hash it dropped (None: it was
+        free)."""
         if old_key is not None and block_id not in self._taken:
             self._evicted[block_id] = old_key
         self._taken.add(block_id)
 
     def queue_restore(self, block_hash: int, group: int, block_id: int) -> None:
-        """Copy the tier's entry for (group, hash) into pool block `block_id` before this step runs."""
+        """Copy the tier's entry for (group, hash) into pool block `block_id` before this step
+        runs."""
         key = (group, block_hash)
         slot = self._entries[key]
         self._entries.move_to_end(key)
         self._restores.append((slot, block_id))
 
     def take_transfers(self) -> KVTransfers:
-        """Give this step's evictions their slots and return the copies to make before the model runs."""
+        """Give this step's evictions their slots and return the copies to make before the model
+        runs."""
         pinned = {slot for slot, _ in self._restores}
         new: list[tuple[int, CacheKey]] = []
         for block_id, key in self._evicted.items():  # in eviction order: least recently used first
@@ -125,7 +132,8 @@ class HostTier:
         for block_id, key in reversed(new):  # the most recently used get the slots there are
             slot = self._free_slot(pinned, removed)
             if slot is None:
-                break  # every slot is read or written this step: these blocks are recomputed if needed
+                # every slot is read or written this step: these blocks are recomputed if needed
+                break
             pinned.add(slot)
             assigned.append((block_id, key, slot))
         self.num_dropped_blocks_total += len(new) - len(assigned)
@@ -136,7 +144,8 @@ class HostTier:
         offload_slots = [slot for _, _, slot in assigned]
         stored = [key[1] for _, key, _ in assigned if key[0] == EVENT_GROUP]
         transfers = KVTransfers(tuple(offload_ids), tuple(offload_slots),
-                                tuple(s for s, _ in self._restores), tuple(b for _, b in self._restores))
+                                tuple(s for s, _ in self._restores),
+                                tuple(b for _, b in self._restores))
         self.num_offloaded_blocks_total += len(offload_ids)
         self.num_restored_blocks_total += len(self._restores)
         self._evicted.clear()
@@ -146,7 +155,8 @@ class HostTier:
             if removed:
                 self._event_log.record(BlockRemoved(tuple(removed), MEDIUM_HOST))
             if stored:
-                self._event_log.record(BlockStored(tuple(stored), None, (), self.block_size, MEDIUM_HOST))
+                self._event_log.record(BlockStored(tuple(stored), None, (), self.block_size,
+                                                   MEDIUM_HOST))
         return transfers
 
     def _free_slot(self, pinned: set[int], removed: list[int]) -> int | None:
@@ -174,6 +184,7 @@ class HostTier:
         held = list(self._entries.values())
         assert len(set(held)) == len(held), "two entries share a slot"
         assert not set(held) & set(self._free_slots), "a slot is both free and held"
-        assert len(held) + len(self._free_slots) == self.num_slots, (len(held), len(self._free_slots))
+        assert len(held) + len(self._free_slots) == self.num_slots, (len(held),
+                                                                     len(self._free_slots))
         assert all(0 <= s < self.num_slots for s in held + self._free_slots)
         assert self.used_bytes <= self.budget_bytes

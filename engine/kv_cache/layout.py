@@ -2,20 +2,21 @@
 
 A group is a set of layers with one attention kind (full, sliding window W, or Llama 4's chunked
 local attention of chunk C) that share one block
-table per request; each group's blocks come from the one block pool. Layers of different groups share
-the KV tensors: tensor slot j holds layer j of every group, so a block id is one block of
-`num_tensor_slots` layers, whichever group holds it. Full groups keep a block per `block_size` tokens
-of the context; window groups only the blocks the next token can still see (engine/kv_cache/manager.py).
+table per request; each group's blocks come from the one block pool. Layers of different groups
+share the KV tensors: tensor slot j holds layer j of every group, so a block id is one block of
+`num_tensor_slots` layers, whichever group holds it. Full groups keep a block per `block_size`
+tokens of the context; window groups only the blocks the next token can still see
+(engine/kv_cache/manager.py).
 
     gpt-oss-20b (24 layers, 12 sliding W=128, 12 full):   slots 12
         group 0  full        layers 1, 3, ..., 23      -> tensor slot 0..11
         group 1  window 128  layers 0, 2, ..., 22      -> tensor slot 0..11
 
-Grouping (as vLLM's hybrid allocator): every group has `num_tensor_slots` = the smallest per-kind layer
-count; a kind with more layers is split into several groups (the last one padded: its missing layers'
-slots go unused). Full groups come first, so group 0 is full whenever any layer is. A window at least
-`max_model_len` never binds: such layers count as full (their attention still gets the window); so
-does a chunk at least `max_model_len`.
+Grouping (as vLLM's hybrid allocator): every group has `num_tensor_slots` = the smallest per-kind
+layer count; a kind with more layers is split into several groups (the last one padded: its missing
+layers' slots go unused). Full groups come first, so group 0 is full whenever any layer is. A window
+at least `max_model_len` never binds: such layers count as full (their attention still gets the
+window); so does a chunk at least `max_model_len`.
 
 KV bytes (`kv_bytes_per_sequence`), with e = 2 * num_kv_heads * head_dim * element_size per layer
 and token (K and V), a sequence of n tokens whose last c are being computed (c = 1 when decoding):
@@ -79,7 +80,8 @@ class KVCacheLayout:
             by_kind.setdefault(kind, []).append(layer)
         slots = min(len(layers) for layers in by_kind.values())
         # full first, then windows, then chunks, each by size
-        kinds = sorted(by_kind, key=lambda k: (k != (None, None), k[1] is not None, k[0] or 0, k[1] or 0))
+        kinds = sorted(by_kind,
+                       key=lambda k: (k != (None, None), k[1] is not None, k[0] or 0, k[1] or 0))
         groups = tuple(KVCacheGroup(tuple(by_kind[k][i:i + slots]), *k)
                        for k in kinds for i in range(0, len(by_kind[k]), slots))
         return cls(config.num_layers, groups)
@@ -120,8 +122,8 @@ def kv_bytes_per_token(config: ModelConfig, element_size: int) -> int:
 
 def kv_bytes_per_sequence(layout: KVCacheLayout, config: ModelConfig, num_tokens: int,
                           block_size: int, element_size: int, chunk_tokens: int = 1) -> int:
-    """Bytes of KV one sequence of `num_tokens` holds with this layout (whole blocks, every slot of a
-    block counted), while a step of `chunk_tokens` new tokens runs (1: decoding)."""
+    """Bytes of KV one sequence of `num_tokens` holds with this layout (whole blocks, every slot of
+    a block counted), while a step of `chunk_tokens` new tokens runs (1: decoding)."""
     per_block = layout.num_tensor_slots * block_size * kv_bytes_per_token(config, element_size)
     num_blocks = 0
     for group in layout.groups:

@@ -1,22 +1,23 @@
 """KVCacheManager: which blocks each request holds. The scheduler's only door to the KV cache.
 
-    computed = manager.get_computed_blocks(request)           # prefix-cache hits (no reference taken yet)
-    tables = manager.allocate_slots(request, n, computed)     # None: not enough blocks (preempt and retry)
-    manager.free(request)                                      # on finish, abort or preemption
+    computed = manager.get_computed_blocks(request)  # prefix-cache hits (no reference taken yet)
+    tables = manager.allocate_slots(request, n, computed)  # None: too few blocks (preempt, retry)
+    manager.free(request)  # on finish, abort or preemption
 
-A request holds one block table per KV cache group (engine/kv_cache/layout.py). A full-attention group
-keeps a block for every `block_size` tokens. A sliding-window group (window W) keeps only the blocks the
-next token to compute can see: when the request's next position is p, blocks wholly before p - W + 1
-are released to the pool (their table entries become None) as the window moves, so a sequence holds
-about (W + chunk) / block_size blocks there, whatever its length:
+A request holds one block table per KV cache group (engine/kv_cache/layout.py). A full-attention
+group keeps a block for every `block_size` tokens. A sliding-window group (window W) keeps only the
+blocks the next token to compute can see: when the request's next position is p, blocks wholly
+before p - W + 1 are released to the pool (their table entries become None) as the window moves, so
+a sequence holds about (W + chunk) / block_size blocks there, whatever its length:
 
     window group, W = 40, block_size 16, next position p = 70 (sees 31..70):
-        table  [None, b1, b2, b3, b4]        block 0 (positions 0..15) released; b1 (16..31) still seen
+        table  [None, b1, b2, b3, b4]        block 0 (positions 0..15) released; b1 (16..31) still
+                                             seen
 
-Prefix hits across groups: a hit of k blocks (N = k * block_size tokens) needs every full group's blocks
-0..k-1 cached, and each window group's blocks covering positions N - W + 1 .. N - 1 (the ones the first
-computed token sees). `get_computed_blocks` takes the longest k that every group can serve; the hit's
-window-group tables start with None for blocks no token will read.
+Prefix hits across groups: a hit of k blocks (N = k * block_size tokens) needs every full group's
+blocks 0..k-1 cached, and each window group's blocks covering positions N - W + 1 .. N - 1 (the ones
+the first computed token sees). `get_computed_blocks` takes the longest k that every group can
+serve; the hit's window-group tables start with None for blocks no token will read.
 
 Chunked local attention of chunk C (Llama 4's RoPE layers) is the other local kind, at the same two
 places: what a token at position p can still see (`_first_needed_block`: floor(p / C) * C .. p) and
@@ -63,13 +64,16 @@ class KVCacheManager:
         `group_chunks`: each group's attention chunk (None: none; a group has a window or a chunk).
         `retention_share_*`: the fractions of the pool that retained prefixes may hold, per owner
         (cache salt) and in all (engine/kv_cache/retention.py). `host_tier`: where evicted blocks
-        go and prefix hits continue (engine/kv_cache/host_tier.py); None: evicted blocks are gone."""
+        go and prefix hits continue (engine/kv_cache/host_tier.py); None: evicted blocks are
+        gone."""
         if not group_windows or any(w is not None and w < 1 for w in group_windows):
-            raise ValueError(f"group_windows must name at least one group, windows >= 1: {group_windows}")
+            raise ValueError("group_windows must name at least one group, windows >= 1: "
+                             f"{group_windows}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.group_windows = group_windows
-        self.group_chunks = group_chunks if group_chunks is not None else (None,) * len(group_windows)
+        self.group_chunks = (group_chunks if group_chunks is not None
+                             else (None,) * len(group_windows))
         if (len(self.group_chunks) != len(group_windows)
                 or any(c is not None and c < 1 for c in self.group_chunks)
                 or any(w is not None and c is not None
@@ -99,7 +103,8 @@ class KVCacheManager:
         return len(self.group_windows)
 
     def block_ids(self, request_id: str, group: int = 0) -> BlockTable:
-        return [b.block_id if b is not None else None for b in self._requests[request_id][group].blocks]
+        return [b.block_id if b is not None else None
+                for b in self._requests[request_id][group].blocks]
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -116,10 +121,11 @@ class KVCacheManager:
     def _is_full(self, group: int) -> bool:
         return self.group_windows[group] is None and self.group_chunks[group] is None
 
-    # ---- prefix hits ---------------------------------------------------------------------------------
+    # ---- prefix hits -----------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
-        """The longest cached prefix every group can serve. At least the last token is left to compute
-        (its logits are needed), so a fully cached prompt still recomputes its final token."""
+        """The longest cached prefix every group can serve. At least the last token is left to
+        compute (its logits are needed), so a fully cached prompt still recomputes its final
+        token."""
         if not self.enable_caching or request.wants_prompt_logprobs:
             return ComputedBlocks()  # (prompt logprobs need every position's logits)
         hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
@@ -160,29 +166,34 @@ class KVCacheManager:
         return len(hashes)
 
     def _window_hit(self, group: int, hashes: list[int], num_hit: int) -> int:
-        """The longest hit of at most `num_hit` blocks whose window blocks are all cached in `group`."""
+        """The longest hit of at most `num_hit` blocks whose window blocks are all cached in
+        `group`."""
         while num_hit > 0:
             first = self._first_needed_block(group, num_hit * self.block_size)
             missing = next((i for i in range(num_hit - 1, first - 1, -1)
                             if not self._holds(hashes[i], group)), None)
             if missing is None:
                 return num_hit
-            num_hit = missing  # every longer hit needs block `missing` too (its window starts earlier)
+            # every longer hit needs block `missing` too (its window starts earlier)
+            num_hit = missing
         return 0
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int, num_host_hit_tokens: int = 0
                             ) -> None:
-        """Count one admitted request's lookup (not the scheduler's look-aheads) in the hit statistics."""
+        """Count one admitted request's lookup (not the scheduler's look-aheads) in the hit
+        statistics."""
         self.num_queried_tokens += num_tokens
         self.num_hit_tokens += num_hit_tokens
         self.num_host_hit_tokens += num_host_hit_tokens
 
-    # ---- allocation ----------------------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed: ComputedBlocks = ComputedBlocks()) -> tuple[BlockTable, ...] | None:
-        """Make room for `num_new_tokens` more tokens after the computed ones; take references on the
-        cache hits. Returns the request's block table per group, or None if blocks ran out: then nothing
-        changed except that window groups may have released blocks no future token can see."""
+    # ---- allocation ------------------------------------------------------------------------------
+    def allocate_slots(
+            self, request: Request, num_new_tokens: int,
+            computed: ComputedBlocks = ComputedBlocks()) -> tuple[BlockTable, ...] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones; take references on
+        the cache hits. Returns the request's block table per group, or None if blocks ran out: then
+        nothing changed except that window groups may have released blocks no future token can
+        see."""
         entry = self._requests.get(request.request_id)
         num_computed = request.num_computed_tokens + computed.num_computed_tokens
         if entry is not None:
@@ -191,8 +202,8 @@ class KVCacheManager:
         hits = computed.blocks or ((),) * self.num_groups
         num_new_blocks = [self.num_blocks_needed(num_total_tokens) - len(hits[g])
                           - (len(entry[g].blocks) if entry else 0) for g in range(self.num_groups)]
-        # Cache hits that nobody references sit in the free queue: touching them uses up free blocks;
-        # each host tier hit takes a fresh block to be restored into.
+        # Cache hits that nobody references sit in the free queue: touching them uses up free
+        # blocks; each host tier hit takes a fresh block to be restored into.
         num_evictable_hits = sum(1 for group in hits for b in group
                                  if isinstance(b, KVBlock) and b.ref_cnt == 0)
         num_restores = sum(1 for group in hits for b in group if isinstance(b, TierHit))
@@ -203,15 +214,16 @@ class KVCacheManager:
             entry = self._requests[request.request_id] = [
                 _GroupBlocks(first_live=self._first_needed_block(g, num_computed))
                 for g in range(self.num_groups)]
-        for group in range(self.num_groups):  # every group's hits first: new blocks never evict them
+        # every group's hits first: new blocks never evict them
+        for group in range(self.num_groups):
             self.pool.touch(b for b in hits[group] if isinstance(b, KVBlock))
         for group, blocks in enumerate(entry):
             first = len(blocks.blocks)
             blocks.blocks.extend(self._restored(hit, group) if isinstance(hit, TierHit) else hit
                                  for hit in hits[group])
             if num_restores:  # register the restored blocks (BlockStored "main")
-                self.pool.cache_full_blocks(blocks.blocks, request.block_hashes, request.all_token_ids,
-                                            first, len(blocks.blocks), group)
+                self.pool.cache_full_blocks(blocks.blocks, request.block_hashes,
+                                            request.all_token_ids, first, len(blocks.blocks), group)
             blocks.num_cached_blocks += len(hits[group])
             if num_new_blocks[group] > 0:
                 blocks.blocks.extend(self.pool.get_new_blocks(num_new_blocks[group]))
@@ -235,7 +247,8 @@ class KVCacheManager:
         return self.host_tier.take_transfers() if self.host_tier is not None else KVTransfers()
 
     def _release_slid_out(self, entry: list[_GroupBlocks], next_position: int) -> None:
-        """Window groups: release the blocks wholly before what a token at `next_position` can see."""
+        """Window groups: release the blocks wholly before what a token at `next_position` can
+        see."""
         for group, blocks in enumerate(entry):
             first = min(self._first_needed_block(group, next_position), len(blocks.blocks))
             released = [b for b in blocks.blocks[blocks.first_live:first] if b is not None]
@@ -244,15 +257,18 @@ class KVCacheManager:
                 blocks.first_live = first
                 self.pool.free_blocks(reversed(released))
 
-    def _cache_full_blocks(self, request: Request, entry: list[_GroupBlocks], num_tokens: int) -> None:
-        """Register blocks that will be full once this step's tokens are written (shareable at once)."""
+    def _cache_full_blocks(self, request: Request, entry: list[_GroupBlocks],
+                           num_tokens: int) -> None:
+        """Register blocks that will be full once this step's tokens are written (shareable at
+        once)."""
         if not self.enable_caching:
             return
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         for group, blocks in enumerate(entry):
             if num_full > blocks.num_cached_blocks:
-                self.pool.cache_full_blocks(blocks.blocks, request.block_hashes, request.all_token_ids,
-                                            blocks.num_cached_blocks, num_full, group)
+                self.pool.cache_full_blocks(blocks.blocks, request.block_hashes,
+                                            request.all_token_ids, blocks.num_cached_blocks,
+                                            num_full, group)
                 blocks.num_cached_blocks = num_full
 
     def free(self, request: Request, retain_until_s: float | None = None) -> None:
@@ -301,8 +317,8 @@ class KVCacheManager:
                 blocks.num_cached_blocks = len(blocks.blocks)
 
     def check_integrity(self) -> None:
-        """The pool's invariants, every reference held by exactly one live request's table, a block in
-        one group at a time, and no window group holding a block before its request's window."""
+        """The pool's invariants, every reference held by exactly one live request's table, a block
+        in one group at a time, and no window group holding a block before its request's window."""
         self.pool.check_integrity()
         refs: dict[int, int] = {}
         owner: dict[int, int] = {}
@@ -323,7 +339,8 @@ class KVCacheManager:
         for block in self.retention.references():
             refs[block.block_id] = refs.get(block.block_id, 0) + 1
         for block in self.pool.blocks:
-            assert block.ref_cnt == refs.get(block.block_id, 0), (block, refs.get(block.block_id, 0))
+            assert block.ref_cnt == refs.get(block.block_id, 0), (block,
+                                                                  refs.get(block.block_id, 0))
 
     def num_held_blocks(self, request_id: str, group: int) -> int:
         """Blocks the request references in `group` (window groups: those not yet released)."""

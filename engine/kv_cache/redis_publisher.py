@@ -38,7 +38,8 @@ class RedisEventPublisher:
     def __init__(self, redis_url: str, replica_id: str, *, max_stream_len: int = 10_000,
                  max_queued_batches: int = 4096, max_queued_bytes: int = 16 * 1024 * 1024,
                  give_up_s: float = 5.0, client: Any = None) -> None:
-        # One place builds Redis clients from URLs (plain or `redis+cluster://`), shared with the gateway.
+        # One place builds Redis clients from URLs (plain or `redis+cluster://`), shared with the
+        # gateway.
         from infra.redis_client import connect_redis_sync
 
         self.replica_id = replica_id

@@ -1,4 +1,5 @@
-"""RetentionTable: prefix blocks a finished request asked to keep for a while, safe from LRU eviction.
+"""RetentionTable: prefix blocks a finished request asked to keep for a while, safe from LRU
+eviction.
 
     table.retain(key, blocks, until_s)   # keep `blocks` (head first); supersedes what it extends
     table.expire(now_s)                  # drop the entries whose time is up
@@ -15,8 +16,8 @@ fit keeps its leading blocks (the shared head of the prompt, already kept blocks
 to the bound.
 
 Demand wins: a waiting request that cannot get blocks releases entries, the soonest to expire first,
-until it fits (the scheduler): retention protects a prefix from LRU eviction by other cached content,
-never makes a live request wait.
+until it fits (the scheduler): retention protects a prefix from LRU eviction by other cached
+content, never makes a live request wait.
 
 Superseding: retaining again under the same key (a session's next turn) releases that key's
 previous entry first; and an entry of the same owner whose last block is among the new blocks is

@@ -30,10 +30,10 @@ def make_linear_factory(config: EngineConfig, device: torch.device, raw_weights:
 
     from engine.layers.q4_linear import SUPPORTED_TYPES
 
-    # q4 (the CPU default) with the native kernels: every linear on them, in the file's Q4_0 / Q4_1 /
-    # Q8_0 blocks where it has them, else quantized at load (config.quantize_at_load; lm head Q8_0).
-    # Without the native kernels, a file with Q4 blocks takes PyTorch's int4 kernel for decode rows
-    # and a float checkpoint keeps float32 whole.
+    # q4 (the CPU default) with the native kernels: every linear on them, in the file's Q4_0 / Q4_1
+    # / Q8_0 blocks where it has them, else quantized at load (config.quantize_at_load; lm head
+    # Q8_0). Without the native kernels, a file with Q4 blocks takes PyTorch's int4 kernel for
+    # decode rows and a float checkpoint keeps float32 whole.
     native_blocks = native_quantization(config, device, dtype)
     load_block_type = config.quantize_at_load.upper()  # "Q8_0" or "Q4_1"
     q4 = config.decode_weights == "q4" and not native_blocks and any(
@@ -42,8 +42,10 @@ def make_linear_factory(config: EngineConfig, device: torch.device, raw_weights:
     from engine.layers.fp8_block_linear import can_run_w8a8
     from engine.loader.fp8_blocks import RawFP8Blocks
 
-    # a block-scaled FP8 checkpoint's weights as stored run the block-scaled kernel where it is native
-    fp8_blocks = can_run_w8a8(device) and any(isinstance(r, RawFP8Blocks) for r in raw_weights.values())
+    # a block-scaled FP8 checkpoint's weights as stored run the block-scaled kernel where it is
+    # native
+    fp8_blocks = (can_run_w8a8(device)
+                  and any(isinstance(r, RawFP8Blocks) for r in raw_weights.values()))
 
     def make(name: str, weight: torch.Tensor) -> LinearWeight:
         if fp8_blocks and name != "lm_head.weight":
@@ -83,15 +85,16 @@ def native_quantization(config: EngineConfig, device: torch.device, dtype: torch
 
 def uses_native_blocks(make_linear: object) -> bool:
     """Whether a factory from `make_linear_factory` puts weights on the native kernels' blocks, so
-    a model builds its MoE experts as native per-expert linears (engine/layers/native_experts.py)."""
+    a model builds its MoE experts as native per-expert linears
+    (engine/layers/native_experts.py)."""
     return bool(getattr(make_linear, "native_blocks", False))
 
 
 def _make_native(name: str, weight: torch.Tensor, raw_weights: dict,  # type: ignore[type-arg]
                  load_block_type: str) -> LinearWeight | None:
-    """The native form of linear `name` ([out, in] float `weight`): the file's blocks for it (a fused
-    projection: its parts', all of one native type), else `weight` quantized now (the lm head to
-    Q8_0, the others to `load_block_type`: Q8_0 by default, bench/results/q4-every-family-cpu.md
+    """The native form of linear `name` ([out, in] float `weight`): the file's blocks for it (a
+    fused projection: its parts', all of one native type), else `weight` quantized now (the lm head
+    to Q8_0, the others to `load_block_type`: Q8_0 by default, bench/results/q4-every-family-cpu.md
     says why), or None when its shape does not fit the kernels."""
     from engine.layers.block_quant import can_quantize
     from engine.layers.native_linear import NativeQuantLinear
@@ -103,7 +106,8 @@ def _make_native(name: str, weight: torch.Tensor, raw_weights: dict,  # type: ig
     else:
         prefix, _, leaf = name.rpartition(".")  # "...self_attn.qkv_proj", "weight"
         parent, _, module = prefix.rpartition(".")
-        found = [raw_weights.get(f"{parent}.{p}.{leaf}") for p in _FUSED_PARTS.get(module, (module,))]
+        found = [raw_weights.get(f"{parent}.{p}.{leaf}")
+                 for p in _FUSED_PARTS.get(module, (module,))]
     types = {getattr(p, "ggml_type", None) for p in found}  # None: no GGUF blocks for a part
     if (len(types) == 1 and None not in types
             and all(NativeQuantLinear.supports(p.ggml_type, p.shape[0]) for p in found)
@@ -112,10 +116,12 @@ def _make_native(name: str, weight: torch.Tensor, raw_weights: dict,  # type: ig
         return NativeQuantLinear.from_raw([(p.ggml_type, p.data) for p in found])
     if not can_quantize(weight):
         return None
-    return NativeQuantLinear.from_float(weight, "Q8_0" if name == "lm_head.weight" else load_block_type)
+    return NativeQuantLinear.from_float(weight,
+                                        "Q8_0" if name == "lm_head.weight" else load_block_type)
 
 
-_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def _make_fp8_blocks(name: str, weight: torch.Tensor, raw_weights: dict,  # type: ignore[type-arg]
@@ -134,7 +140,8 @@ def _make_fp8_blocks(name: str, weight: torch.Tensor, raw_weights: dict,  # type
     if not all(isinstance(p, RawFP8Blocks) for p in found) or len({p.block for p in found}) != 1:
         return None
     block = found[0].block
-    layer = FP8BlockLinear.concat([(p.wq.to(device), p.scale.to(device)) for p in found], block, dtype)
+    layer = FP8BlockLinear.concat([(p.wq.to(device), p.scale.to(device)) for p in found], block,
+                                  dtype)
     if layer is None:
         return None
     dense, target = layer.dequantize(), weight.to(device=device, dtype=dtype)
@@ -146,7 +153,8 @@ def _make_fp8_blocks(name: str, weight: torch.Tensor, raw_weights: dict,  # type
     return FP8BlockLinear(layer.wq[order], layer.w_scale, block, dtype)  # [N, K] rows reordered
 
 
-def _rows_within_blocks(dense: torch.Tensor, target: torch.Tensor, block_n: int) -> torch.Tensor | None:
+def _rows_within_blocks(dense: torch.Tensor, target: torch.Tensor,
+                        block_n: int) -> torch.Tensor | None:
     """The row order with dense[order] == target (exactly) that moves rows only within their
     block of `block_n` rows, or None when there is none."""
     if dense.shape != target.shape:
@@ -154,7 +162,8 @@ def _rows_within_blocks(dense: torch.Tensor, target: torch.Tensor, block_n: int)
     as_bytes = lambda rows: rows.contiguous().view(torch.uint8).cpu().numpy()  # noqa: E731
     order = []
     for start in range(0, dense.shape[0], block_n):
-        stored = {row.tobytes(): start + i for i, row in enumerate(as_bytes(dense[start:start + block_n]))}
+        stored = {row.tobytes(): start + i
+                  for i, row in enumerate(as_bytes(dense[start:start + block_n]))}
         for row in as_bytes(target[start:start + block_n]):
             found = stored.get(row.tobytes())
             if found is None:
@@ -166,8 +175,9 @@ def _rows_within_blocks(dense: torch.Tensor, target: torch.Tensor, block_n: int)
 def _make_q4(name: str, weight: torch.Tensor, raw_weights: dict) -> LinearWeight | None:  # type: ignore[type-arg]
     """The q4 decode form of a weight, or None when the file has no Q4 blocks for it.
 
-    With the native CPU kernels (engine/kernels/cpu) every row runs on the file's blocks (the lm head
-    too, from the tied embedding's Q8_0 blocks); without them, decode rows take PyTorch's int4 kernel.
+    With the native CPU kernels (engine/kernels/cpu) every row runs on the file's blocks (the lm
+    head too, from the tied embedding's Q8_0 blocks); without them, decode rows take PyTorch's int4
+    kernel.
     """
     from engine.kernels import cpu as native
     from engine.layers.native_linear import NativeQuantLinear

@@ -1,8 +1,8 @@
 """Prefill GEMMs in bfloat16 over the native kernels' blocks (the q4 mode on a CPU with AMX-BF16 or
 AVX512-BF16, engine/kernels/cpu/isa.py).
 
-    scratch = Bf16Scratch()                       # one bounded bf16 buffer, shared by every linear
-    y = bf16_linear(x, weight, scratch)           # x [M, in] bf16, weight a NativeQuantLinear -> [M, out] bf16
+    scratch = Bf16Scratch()  # one bounded bf16 buffer, shared by every linear
+    y = bf16_linear(x, weight, scratch)  # x [M, in] bf16, a NativeQuantLinear -> [M, out] bf16
 
 The weight stays in its Q4_1 / Q8_0 blocks; each call dequantizes it (torch.ops.aigw_cpu.
 dequantize_bf16, exact: q * d + m in float32, then rounded to bf16) a tile of output columns at a
@@ -62,7 +62,8 @@ class Bf16Scratch:
 
 
 def bf16_linear(x: torch.Tensor, weight: NativeQuantLinear, scratch: Bf16Scratch) -> torch.Tensor:
-    """x [M, in] bf16 -> x @ W^T [M, out] bf16, W dequantized from `weight`'s blocks tile by tile."""
+    """x [M, in] bf16 -> x @ W^T [M, out] bf16, W dequantized from `weight`'s blocks tile by
+    tile."""
     num_rows, in_features = x.shape
     num_groups = weight.blocks.shape[0]  # 8 output columns each
     padded = -(-num_rows // GEMM_ROWS) * GEMM_ROWS

@@ -1,4 +1,5 @@
-"""Float weights -> GGML blocks at load, for the native CPU kernels (engine/layers/native_linear.py).
+"""Float weights -> GGML blocks at load, for the native CPU kernels
+(engine/layers/native_linear.py).
 
 A float checkpoint (safetensors, or a GGUF block type the kernels do not read) takes the CPU's
 default path by quantizing each linear weight here once, into the rows a GGUF file would hold:
@@ -60,7 +61,8 @@ def _q4_1(weight: torch.Tensor) -> np.ndarray:
     inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(d, dtype=torch.float32))
     codes = torch.round((blocks - m.float()) * inv).clamp_(0, 15).to(torch.uint8)  # [N, B, 32]
     nibbles = codes[..., :16] | (codes[..., 16:] << 4)  # [N, B, 16]
-    return _pack(n, [d.view(torch.uint8).view(n, -1, 2), m.view(torch.uint8).view(n, -1, 2), nibbles])
+    return _pack(n,
+                 [d.view(torch.uint8).view(n, -1, 2), m.view(torch.uint8).view(n, -1, 2), nibbles])
 
 
 def _pack(n: int, fields: list[torch.Tensor]) -> np.ndarray:
@@ -72,7 +74,8 @@ def mxfp4_to_q8_0(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
     """One MXFP4 matrix (blocks uint8 [N, G, 16], scales uint8 [N, G]) -> Q8_0 rows [N, G * 34],
     exact where the scale fits a float16 (module docstring)."""
     n, groups = scales.shape
-    values = dequantize_mxfp4(blocks, scales, torch.float32).view(n, groups, GROUP_SIZE)  # [N, G, 32]
+    # [N, G, 32]
+    values = dequantize_mxfp4(blocks, scales, torch.float32).view(n, groups, GROUP_SIZE)
     exponent = scales.to(torch.int32) - SCALE_BIAS - 1  # d = 2^(scale - 128): codes = 2 * e2m1
     exact = ((exponent >= -24) & (exponent <= 15)).unsqueeze(-1)  # [N, G, 1]
     d = torch.ldexp(torch.ones(n, groups, 1), exponent.unsqueeze(-1))  # [N, G, 1] float32

@@ -1,6 +1,8 @@
-"""FP8BlockLinear: a linear weight kept as a block-scaled FP8 checkpoint stores it (never re-quantized).
+"""FP8BlockLinear: a linear weight kept as a block-scaled FP8 checkpoint stores it (never
+re-quantized).
 
-    wq [N, K] float8_e4m3fn, w_scale [ceil(N/Bn), ceil(K/Bk)] fp32:  w[n, k] ~= wq[n, k] * w_scale[n // Bn, k // Bk]
+    wq [N, K] float8_e4m3fn, w_scale [ceil(N/Bn), ceil(K/Bk)] fp32:  w[n, k] ~= wq[n, k] * w_scale[n
+                                                                     // Bn, k // Bk]
 
 Each call goes through engine/kernels/fp8_block.py: on GPUs with FP8 tensor cores (compute
 capability >= 8.9) the activations are quantized per token and K block and the block-scaled w8a8
@@ -49,7 +51,8 @@ class FP8BlockLinear(LinearWeight):
         an N block (its rows would share a block scale with the next part's)."""
         if any(wq.shape[0] % block[0] for wq, _ in parts[:-1]):
             return None
-        return cls(torch.cat([wq for wq, _ in parts]), torch.cat([s for _, s in parts]), block, dtype)
+        return cls(torch.cat([wq for wq, _ in parts]), torch.cat([s for _, s in parts]), block,
+                   dtype)
 
     @property
     def device(self) -> torch.device:

@@ -2,9 +2,10 @@
 
     wq [N, K] float8_e4m3fn, w_scale [N] fp32:   w ~= wq * w_scale[:, None]
 
-Quantized once at load (`from_dense`). Each call goes through `engine.kernels.fp8_linear`: on the CPU
-(and GPUs without FP8 tensor cores) the weight is dequantized per call (weight-only); on Hopper / Ada
-the activations are quantized per token and the w8a8 Triton GEMM runs. Output in the input's dtype.
+Quantized once at load (`from_dense`). Each call goes through `engine.kernels.fp8_linear`: on the
+CPU (and GPUs without FP8 tensor cores) the weight is dequantized per call (weight-only); on Hopper
+/ Ada the activations are quantized per token and the w8a8 Triton GEMM runs. Output in the input's
+dtype.
 """
 
 from __future__ import annotations

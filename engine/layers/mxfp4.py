@@ -2,13 +2,15 @@
 
 Dimension legend: N output rows, K inputs, G = K / 32 groups of a row, E experts.
 
-    blocks  uint8 [..., N, G, 16]  two e2m1 values a byte: value 2j in the low nibble, 2j + 1 in the high
+    blocks  uint8 [..., N, G, 16]  two e2m1 values a byte: value 2j in the low nibble, 2j + 1 in the
+                                   high
     scales  uint8 [..., N, G]      e8m0: the group's power of two, biased by 127
-    weight  [..., N, K]            weight[n, 32 g + i] = e2m1(nibble i of group g) * 2 ** (scales[n, g] - 127)
+    weight  [..., N, K]            weight[n, 32 g + i] = e2m1(nibble i of group g) * 2 ** (scales[n,
+                                   g] - 127)
 
 This is the file layout transformers' `integrations/mxfp4.py::convert_moe_packed_tensors` reads; it
-returns the same values transposed to its [E, K, N] parameter layout, the engine keeps [E, N, K] (rows
-are outputs, like every other weight it holds). e2m1 codes: sign bit 3, then
+returns the same values transposed to its [E, K, N] parameter layout, the engine keeps [E, N, K]
+(rows are outputs, like every other weight it holds). e2m1 codes: sign bit 3, then
 {0, 0.5, 1, 1.5, 2, 3, 4, 6}; every dequantized value is exact in float32 and bfloat16 alike.
 
 `quantize_mxfp4` is the inverse up to rounding (round to the nearest e2m1 value under the smallest
@@ -24,18 +26,23 @@ from dataclasses import dataclass
 import torch
 
 GROUP_SIZE = 32  # values per scale
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0,
+               -6.0)
 SCALE_BIAS = 127
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """blocks uint8 [..., N, G, 16], scales uint8 [..., N, G] -> weight [..., N, G * 32] in `dtype`."""
+    """blocks uint8 [..., N, G, 16], scales uint8 [..., N, G] -> weight [..., N, G * 32] in
+    `dtype`."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise TypeError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+        raise TypeError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and "
+                        f"{scales.dtype}")
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != GROUP_SIZE // 2:
-        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
-    # one gather of (low, high) value pairs per byte: ~5x faster on the CPU than indexing each nibble
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales "
+                         f"{tuple(scales.shape)}")
+    # one gather of (low, high) value pairs per byte: ~5x faster on the CPU than indexing each
+    # nibble
     pairs = _byte_values(dtype, blocks.device).index_select(0, blocks.flatten().int())  # [bytes, 2]
     values = pairs.view(*scales.shape, GROUP_SIZE)  # [..., N, G, 32]: low nibble first
     ones = torch.ones(scales.shape, dtype=dtype, device=scales.device)
@@ -51,16 +58,20 @@ def _byte_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [..., N, K] (K a multiple of 32) -> (blocks uint8 [..., N, K/32, 16], scales uint8 [..., N, K/32])."""
+    """weight [..., N, K] (K a multiple of 32) -> (blocks uint8 [..., N, K/32, 16], scales uint8
+    [..., N, K/32])."""
     if weight.shape[-1] % GROUP_SIZE:
-        raise ValueError(f"MXFP4 needs the input size to be a multiple of {GROUP_SIZE}, got {weight.shape[-1]}")
+        raise ValueError(f"MXFP4 needs the input size to be a multiple of {GROUP_SIZE}, got "
+                         f"{weight.shape[-1]}")
     groups = weight.float().unflatten(-1, (-1, GROUP_SIZE))  # [..., N, G, 32]
     amax = groups.abs().amax(dim=-1, keepdim=True)  # [..., N, G, 1]
     # smallest e with amax / 2^e <= 6 (e2m1's largest magnitude)
-    exponent = torch.ceil(torch.log2(amax.clamp(min=2.0 ** -126) / 6.0)).clamp(-SCALE_BIAS, SCALE_BIAS)
+    exponent = torch.ceil(torch.log2(amax.clamp(min=2.0 ** -126)
+                                     / 6.0)).clamp(-SCALE_BIAS, SCALE_BIAS)
     scaled = groups / torch.exp2(exponent)  # [..., N, G, 32] in [-6, 6]
     magnitudes = torch.tensor(E2M1_VALUES[:8], device=weight.device)  # [8]
-    codes = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)  # [..., N, G, 32] in 0..7
+    # [..., N, G, 32] in 0..7
+    codes = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)
     codes = codes + 8 * (scaled < 0)  # sign bit
     codes = codes.to(torch.uint8).unflatten(-1, (GROUP_SIZE // 2, 2))  # [..., N, G, 16, 2]
     blocks = codes[..., 0] | (codes[..., 1] << 4)

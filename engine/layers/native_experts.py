@@ -5,11 +5,13 @@ Dimension legend: T tokens, H hidden, E experts, K experts per token, P = T * K 
 pairs, I expert intermediate size, n the pairs routed to one expert.
 
     for each expert e with pairs (ascending e):
-        x_e   = x[tokens of its pairs]                          [n, H]   (times the pair's weight when
-                                                                          the router scales the input)
+        x_e   = x[tokens of its pairs]                          [n, H]   (times the pair's weight
+                                                                          when the router scales the
+                                                                          input)
         h     = q_linear(x_e, W13_e)  (+ b13_e)                 [n, 2I]  gate rows, then up rows
-        y     = q_linear(act(h), W2_e)  (+ b2_e)                [n, H]   act = SiLU-and-mul (fused into
-                                                                          the kernel) or ClampedSwiGLU
+        y     = q_linear(act(h), W2_e)  (+ b2_e)                [n, H]   act = SiLU-and-mul (fused
+                                                                          into the kernel) or
+                                                                          ClampedSwiGLU
         out[token] += weight * y                                [T, H]
 
 Every row of a native linear is computed alone (engine/layers/native_linear.py), and a token's K
@@ -73,7 +75,8 @@ class NativeExperts:
             return NativeQuantLinear.from_raw([("Q8_0", rows)], quantized_at_load=True)
 
         num_experts = w13.shape[0]
-        return cls([q8(w13, e) for e in range(num_experts)], [q8(w2, e) for e in range(num_experts)],
+        return cls([q8(w13, e) for e in range(num_experts)],
+                   [q8(w2, e) for e in range(num_experts)],
                    **extra)  # type: ignore[arg-type]
 
     @property

@@ -1,4 +1,5 @@
-"""FP8 block-scaled Hugging Face checkpoints (DeepSeek-V3 / R1, Qwen3-*-FP8, Kimi-K2), read as stored.
+"""FP8 block-scaled Hugging Face checkpoints (DeepSeek-V3 / R1, Qwen3-*-FP8, Kimi-K2), read as
+stored.
 
 config.json:  "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
                                       "weight_block_size": [Bn, Bk]}          (released: [128, 128])
@@ -14,11 +15,11 @@ kept as stored (`RawFP8Blocks`, in `Checkpoint.raw`): on a GPU with FP8 tensor c
 factory (engine/layers/__init__.py) serves a linear from its blocks with the block-scaled kernel
 (engine/layers/fp8_block_linear.py) when the blocks dequantize to exactly the weight the model asks
 for (a fused projection: its parts joined; rows the model reordered within their N blocks, as
-Llama 4's q/k, reordered alike); a weight the model transformed otherwise stays dense. The load therefore needs the dense model's memory plus the FP8 bytes
-(DeepSeek-V3-671B: ~1.3 TB in bf16); `--quantization fp8` re-quantizes per row the dense weights
-no block serves. Stacked expert tensors (3-D) are served dense (or per row under
-`--quantization fp8`). Tensors without a scale (embeddings, norms, routers, lm head: the released
-`modules_to_not_convert`) are stored dense and pass through.
+Llama 4's q/k, reordered alike); a weight the model transformed otherwise stays dense. The load
+therefore needs the dense model's memory plus the FP8 bytes (DeepSeek-V3-671B: ~1.3 TB in bf16);
+`--quantization fp8` re-quantizes per row the dense weights no block serves. Stacked expert tensors
+(3-D) are served dense (or per row under `--quantization fp8`). Tensors without a scale (embeddings,
+norms, routers, lm head: the released `modules_to_not_convert`) are stored dense and pass through.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ def fp8_block_size(config: Mapping[str, Any]) -> tuple[int, int] | None:
     block = quantization.get("weight_block_size")
     if not block or len(block) != 2:
         raise UnsupportedCheckpointError(
-            f"{config.get('model_type')}: quantization_config fp8 without weight_block_size (per-tensor "
-            "scales) is not supported (only block-scaled FP8, as DeepSeek-V3 and Qwen3-FP8 ship)")
+            f"{config.get('model_type')}: quantization_config fp8 without weight_block_size "
+            "(per-tensor scales) is not supported (only block-scaled FP8, as DeepSeek-V3 and "
+            "Qwen3-FP8 ship)")
     if quantization.get("fmt", "e4m3") != "e4m3":
         raise UnsupportedCheckpointError(
             f"{config.get('model_type')}: quantization_config fmt {quantization['fmt']!r} is not "
@@ -90,7 +92,8 @@ def dequantize_checkpoint(weights: dict[str, torch.Tensor], block: tuple[int, in
         if weight is None:
             raise CheckpointMismatchError(f"checkpoint has {scale_name!r} but no tensor {name!r}")
         if weight.dtype not in FP8_DTYPES:
-            raise CheckpointMismatchError(f"checkpoint tensor {name!r} is {weight.dtype}, but has a "
+            raise CheckpointMismatchError(f"checkpoint tensor {name!r} is {weight.dtype}, but has "
+                                          "a "
                                           f"block scale: expected {FP8_DTYPES[0]}")
         weights[name] = dequantize_block(weight, scale_inv, block, name).to(dtype)
         if weight.dim() == 2:

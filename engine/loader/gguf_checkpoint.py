@@ -119,14 +119,16 @@ def model_config_from_gguf(metadata: Mapping[str, object], tensor_names: set[str
     if scaling not in (None, "none"):
         items: dict[str, object] = {"rope_type": scaling, "factor": number("rope.scaling.factor")}
         if metadata.get(f"{arch}.rope.scaling.original_context_length"):
-            items["original_max_position_embeddings"] = count("rope.scaling.original_context_length")
+            items["original_max_position_embeddings"] = count(
+                "rope.scaling.original_context_length")
         rope_scaling = tuple(sorted(items.items()))
     token_index = {token: i for i, token in enumerate(tokens)}
     eos = metadata.get("tokenizer.ggml.eos_token_id")
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     experts: dict[str, object] = {}
     if arch == "qwen3moe":
-        experts = {"num_experts": count("expert_count"), "num_experts_per_tok": count("expert_used_count"),
+        experts = {"num_experts": count("expert_count"),
+                   "num_experts_per_tok": count("expert_used_count"),
                    "moe_intermediate_size": count("expert_feed_forward_length"),
                    "norm_topk_prob": bool(metadata.get("qwen3moe.expert_weights_norm", True))}
     return ModelConfig(
@@ -163,12 +165,14 @@ def load_gguf_checkpoint(path: Path, dtype: torch.dtype = torch.float32,
         return load_deepseek2_gguf(path, metadata, infos,
                                    lambda info, ggml_type: _tensor_data(file_view, info, ggml_type),
                                    dtype=dtype, progress=progress)
-    if metadata.get("general.architecture") in ("gemma3", "llama4"):  # gguf_gemma3.py, gguf_llama4.py
+    # gguf_gemma3.py, gguf_llama4.py
+    if metadata.get("general.architecture") in ("gemma3", "llama4"):
         from engine.loader.gguf_gemma3 import load_gemma3_gguf
         from engine.loader.gguf_llama4 import load_llama4_gguf
 
         file_view = np.memmap(path, dtype=np.uint8, mode="r")
-        load = load_gemma3_gguf if metadata["general.architecture"] == "gemma3" else load_llama4_gguf
+        load = (load_gemma3_gguf if metadata["general.architecture"] == "gemma3"
+                else load_llama4_gguf)
         return load(path, metadata, infos,
                     lambda info, ggml_type: _tensor_data(file_view, info, ggml_type),
                     dtype=dtype, progress=progress)
@@ -223,7 +227,8 @@ def _expert_blocks(name: str, ggml_type: str, shape: tuple[int, ...], blocks: np
     them: engine/layers/native_experts.py)."""
     num_experts, out_features, in_features = shape
     per_expert = name.replace(".mlp.experts.", ".mlp.experts.{}.")
-    return {per_expert.format(e): RawQuantized(ggml_type=ggml_type, shape=(out_features, in_features),
+    return {per_expert.format(e): RawQuantized(ggml_type=ggml_type,
+                                               shape=(out_features, in_features),
                                                data=np.ascontiguousarray(blocks[e]))
             for e in range(num_experts)}
 
@@ -235,7 +240,8 @@ def _fuse_stacked_experts(weights: dict[str, torch.Tensor]) -> None:
         gate, up = weights.pop(gate_name), weights.pop(prefix + "up_proj.weight", None)
         if up is None:
             raise ValueError(f"GGUF has {gate_name!r} but no {prefix}up_proj.weight (ffn_up_exps)")
-        weights[prefix + "gate_up_proj"] = torch.cat([gate, up], dim=1)  # 2 x [E, I, H] -> [E, 2I, H]
+        # 2 x [E, I, H] -> [E, 2I, H]
+        weights[prefix + "gate_up_proj"] = torch.cat([gate, up], dim=1)
         down = weights.pop(prefix + "down_proj.weight", None)
         if down is not None:
             weights[prefix + "down_proj"] = down  # [E, H, I]
@@ -243,7 +249,8 @@ def _fuse_stacked_experts(weights: dict[str, torch.Tensor]) -> None:
 
 def _tensor_data(file_bytes: np.ndarray, info: GGUFTensorInfo,
                  ggml_type: gguf.GGMLQuantizationType) -> np.ndarray:
-    """The tensor's bytes as gguf lays them out: elements for float types, [rows..., row bytes] else."""
+    """The tensor's bytes as gguf lays them out: elements for float types, [rows..., row bytes]
+    else."""
     element_type = _NUMPY_ELEMENT_TYPES.get(ggml_type)
     if element_type is not None:
         item = np.dtype(element_type)

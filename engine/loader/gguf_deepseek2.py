@@ -69,7 +69,8 @@ def hf_config(metadata: Mapping[str, object]) -> dict[str, Any]:
         return value
 
     rope_dims = int(get("rope.dimension_count"))
-    key_length = int(metadata.get("deepseek2.attention.key_length_mla") or get("attention.key_length"))
+    key_length = int(metadata.get("deepseek2.attention.key_length_mla")
+                     or get("attention.key_length"))
     v_head_dim = int(metadata.get("deepseek2.attention.value_length_mla")
                      or get("attention.value_length"))
     gating = int(get("expert_gating_func", _SIGMOID))
@@ -86,8 +87,10 @@ def hf_config(metadata: Mapping[str, object]) -> dict[str, Any]:
     assert isinstance(tokens, list)
     return {
         "model_type": "deepseek_v3", "vocab_size": int(get("vocab_size", len(tokens))),
-        "hidden_size": int(get("embedding_length")), "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")), "num_attention_heads": int(get("attention.head_count")),
+        "hidden_size": int(get("embedding_length")),
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": int(get("attention.head_count")),
         "max_position_embeddings": int(get("context_length")),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_parameters": rope, "rope_interleave": True,
@@ -95,13 +98,15 @@ def hf_config(metadata: Mapping[str, object]) -> dict[str, Any]:
         "kv_lora_rank": int(get("attention.kv_lora_rank")), "qk_rope_head_dim": rope_dims,
         "qk_nope_head_dim": key_length - rope_dims, "v_head_dim": v_head_dim,
         "first_k_dense_replace": int(get("leading_dense_block_count", 0)),
-        "n_routed_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+        "n_routed_experts": int(get("expert_count")),
+        "num_experts_per_tok": int(get("expert_used_count")),
         "n_shared_experts": int(get("expert_shared_count", 0)),
         "moe_intermediate_size": int(get("expert_feed_forward_length")),
         "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
         "norm_topk_prob": bool(get("expert_weights_norm", False)),
         "scoring_func": "sigmoid" if gating == _SIGMOID else f"expert_gating_func {gating}",
-        "n_group": int(get("expert_group_count", 1)), "topk_group": int(get("expert_group_used_count", 1)),
+        "n_group": int(get("expert_group_count", 1)),
+        "topk_group": int(get("expert_group_used_count", 1)),
     }
 
 
@@ -131,7 +136,8 @@ def load_deepseek2_gguf(path: Path, metadata: Mapping[str, object], infos: list[
     config = hf_config(metadata)
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     assert isinstance(tokens, list)
-    eos, bos = metadata.get("tokenizer.ggml.eos_token_id"), metadata.get("tokenizer.ggml.bos_token_id")
+    eos, bos = (metadata.get("tokenizer.ggml.eos_token_id"),
+                metadata.get("tokenizer.ggml.bos_token_id"))
     token_index = {token: i for i, token in enumerate(tokens)}
     model_config = dataclasses.replace(
         model_config_from_fields(config, model_id=path.stem),

@@ -7,7 +7,8 @@ nothing (llama-model.cpp hard-codes them for the architecture):
     attention.sliding_window                  sliding_window
     attention.sliding_window_pattern          per layer, True = local (sliding) layer; absent:
                                               llama.cpp's pattern 6 (five local, then one global)
-    rope.freq_base / rope.freq_base_swa       the global / local layers' bases (local absent: 10,000)
+    rope.freq_base / rope.freq_base_swa       the global / local layers' bases (local absent:
+                                              10,000)
     rope.scaling.type linear + factor         the global layers' scaling
     attention.key_length                      head_dim
     attention.scale                           query_pre_attn_scalar = scale ** -2, rounded to 1e-3;
@@ -79,12 +80,14 @@ def hf_config(metadata: Mapping[str, object]) -> dict[str, Any]:
         query_pre_attn_scalar = round(float(scale) ** -2, 3)
     else:
         query_pre_attn_scalar = float(hidden // num_heads if num_layers == 62 else head_dim)
-    full: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 1_000_000.0))}
+    full: dict[str, Any] = {"rope_type": "default",
+                            "rope_theta": float(get("rope.freq_base", 1_000_000.0))}
     scaling = metadata.get("gemma3.rope.scaling.type")
     if scaling == "linear":
         full.update(rope_type="linear", factor=float(get("rope.scaling.factor")))
     elif scaling not in (None, "none"):
-        raise UnsupportedCheckpointError(f"gemma3 GGUF: rope scaling {scaling!r} is not supported (linear)")
+        raise UnsupportedCheckpointError(f"gemma3 GGUF: rope scaling {scaling!r} is not supported "
+                                         "(linear)")
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     assert isinstance(tokens, list)
     softcap = metadata.get("gemma3.final_logit_softcapping")
@@ -118,7 +121,8 @@ def load_gemma3_gguf(path: Path, metadata: Mapping[str, object], infos: list[GGU
 
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     assert isinstance(tokens, list)
-    eos, bos = metadata.get("tokenizer.ggml.eos_token_id"), metadata.get("tokenizer.ggml.bos_token_id")
+    eos, bos = (metadata.get("tokenizer.ggml.eos_token_id"),
+                metadata.get("tokenizer.ggml.bos_token_id"))
     token_index = {token: i for i, token in enumerate(tokens)}
     names = {info.name for info in infos}
     model_config = dataclasses.replace(
@@ -135,7 +139,8 @@ def load_gemma3_gguf(path: Path, metadata: Mapping[str, object], infos: list[GGU
                 f"{path.name}: GGUF tensor {info.name!r} is not part of a gemma3 model this "
                 "engine reads") from None
         ggml_type = gguf.GGMLQuantizationType(info.ggml_type)
-        values = np.asarray(gguf.quants.dequantize(read(info, ggml_type), ggml_type), dtype=np.float32)
+        values = np.asarray(gguf.quants.dequantize(read(info, ggml_type), ggml_type),
+                            dtype=np.float32)
         if name.endswith("norm.weight"):
             values = values - np.float32(1)  # llama.cpp stores Gemma's 1 + w
         weights[name] = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)

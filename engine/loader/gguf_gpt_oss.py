@@ -1,5 +1,5 @@
-"""gpt-oss GGUF files (llama.cpp's `general.architecture` "gpt-oss") -> `Checkpoint` in the layout of
-the released Hugging Face directories, so engine/models/gpt_oss.py loads both the same way.
+"""gpt-oss GGUF files (llama.cpp's `general.architecture` "gpt-oss") -> `Checkpoint` in the layout
+of the released Hugging Face directories, so engine/models/gpt_oss.py loads both the same way.
 
 Config (`gpt-oss.*` metadata, as llama.cpp's convert_hf_to_gguf writes it): experts from
 expert_count / expert_used_count / expert_feed_forward_length, the window from
@@ -9,18 +9,19 @@ YaRN from rope.scaling.* (beta_fast / beta_slow when the file has them, else the
 
 Tensors (`N` a layer; GGUF -> HF, `p` = "model.layers.N."):
 
-    blk.N.attn_{q,k,v,output}.{weight,bias}   p.self_attn.{q,k,v,o}_proj.*   (NEOX rope: not permuted)
+    blk.N.attn_{q,k,v,output}.{weight,bias}   p.self_attn.{q,k,v,o}_proj.* (NEOX rope: not permuted)
     blk.N.attn_sinks.weight                   p.self_attn.sinks
     blk.N.attn_norm / post_attention_norm     p.input_layernorm / p.post_attention_layernorm
     blk.N.ffn_gate_inp.{weight,bias}          p.mlp.router.*
-    blk.N.ffn_{gate,up}_exps.{weight,bias}    p.mlp.experts.gate_up_proj_{blocks,scales,bias}: gate and
-                                              up rows interleaved again, as the HF files have them
+    blk.N.ffn_{gate,up}_exps.{weight,bias}    p.mlp.experts.gate_up_proj_{blocks,scales,bias}: gate
+                                              and up rows interleaved again, as the HF files have
+                                              them
     blk.N.ffn_down_exps.{weight,bias}         p.mlp.experts.down_proj_{blocks,scales,bias}
 
 GGML's MXFP4 block (17 bytes a 32-value group): the e8m0 scale byte, then 16 bytes whose low nibbles
 are values 0..15 and high nibbles 16..31 (its e2m1 table is doubled and its scale halved: the same
-products). The HF layout (engine/layers/mxfp4.py) packs values 2j, 2j + 1 into byte j; the scale byte
-is the same. Expert tensors of any other type are dequantized and stored as HF's dense
+products). The HF layout (engine/layers/mxfp4.py) packs values 2j, 2j + 1 into byte j; the scale
+byte is the same. Expert tensors of any other type are dequantized and stored as HF's dense
 gate_up_proj [E, H, 2I] / down_proj [E, I, H].
 """
 
@@ -63,16 +64,19 @@ def gpt_oss_config_from_gguf(metadata: Mapping[str, object], model_id: str) -> M
 
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     assert isinstance(tokens, list)
-    num_layers, hidden, num_heads = count("block_count"), count("embedding_length"), count("attention.head_count")
+    num_layers, hidden, num_heads = (count("block_count"), count("embedding_length"),
+                                     count("attention.head_count"))
     rope_scaling = None
     if metadata.get(f"{ARCH}.rope.scaling.type") == "yarn":
         rope_scaling = tuple(sorted({
             "rope_type": "yarn", "factor": number("rope.scaling.factor"),
             "beta_fast": float(number("rope.scaling.yarn_beta_fast", 32.0)),
             "beta_slow": float(number("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False,
-            "original_max_position_embeddings": count("rope.scaling.original_context_length")}.items()))
+            "original_max_position_embeddings": count(
+                "rope.scaling.original_context_length")}.items()))
     elif metadata.get(f"{ARCH}.rope.scaling.type") not in (None, "none"):
-        raise UnsupportedCheckpointError(f"GGUF {ARCH}.rope.scaling.type {metadata.get(f'{ARCH}.rope.scaling.type')!r} "
+        raise UnsupportedCheckpointError(f"GGUF {ARCH}.rope.scaling.type "
+                                         f"{metadata.get(f'{ARCH}.rope.scaling.type')!r} "
                          "is not supported (yarn)")
     eos = metadata.get("tokenizer.ggml.eos_token_id")
     bos = metadata.get("tokenizer.ggml.bos_token_id")
@@ -96,7 +100,8 @@ def gpt_oss_config_from_gguf(metadata: Mapping[str, object], model_id: str) -> M
 
 
 def ggml_mxfp4_to_hf(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGML MXFP4 bytes [..., N, G * 17] -> (blocks uint8 [..., N, G, 16], scales uint8 [..., N, G])."""
+    """GGML MXFP4 bytes [..., N, G * 17] -> (blocks uint8 [..., N, G, 16], scales uint8 [..., N,
+    G])."""
     groups = torch.from_numpy(np.ascontiguousarray(data)).unflatten(-1, (-1, 17))  # [..., G, 17]
     scales, packed = groups[..., 0], groups[..., 1:]  # [..., G], [..., G, 16]
     codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1)  # [..., G, 32] in value order
@@ -161,13 +166,15 @@ def _layer_experts(experts: dict, layer: int, dtype: torch.dtype) -> dict[str, t
         out[p + "gate_up_proj_scales"] = _interleave_rows(gate_s, up_s)  # [E, 2I, G]
         out[p + "down_proj_blocks"], out[p + "down_proj_scales"] = ggml_mxfp4_to_hf(down)
     else:  # dense: HF's [E, H, 2I] and [E, I, H]
-        w13 = _interleave_rows(_float(gate, gate_type, dtype), _float(up, up_type, dtype))  # [E, 2I, H]
+        # [E, 2I, H]
+        w13 = _interleave_rows(_float(gate, gate_type, dtype), _float(up, up_type, dtype))
         out[p + "gate_up_proj"] = w13.transpose(1, 2).contiguous()
         out[p + "down_proj"] = _float(down, down_type, dtype).transpose(1, 2).contiguous()
     return out
 
 
-def _float(data: np.ndarray, ggml_type: gguf.GGMLQuantizationType, dtype: torch.dtype) -> torch.Tensor:
-    values = data if ggml_type in _FLOAT_TYPES and data.dtype != np.uint8 else gguf.quants.dequantize(
-        data, ggml_type)
+def _float(data: np.ndarray, ggml_type: gguf.GGMLQuantizationType,
+           dtype: torch.dtype) -> torch.Tensor:
+    values = (data if ggml_type in _FLOAT_TYPES and data.dtype != np.uint8
+              else gguf.quants.dequantize(data, ggml_type))
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(dtype)

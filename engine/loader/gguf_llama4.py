@@ -19,7 +19,8 @@ we where the file says nothing:
                                                        llama.cpp decides it
     rope.freq_base + the `rope_freqs` tensor           llama3 rope scaling, baked by the converter
                                                        into per-frequency factors: read as they are
-                                                       (rope type "freq_factors", engine/layers/rotary.py)
+                                                       (rope type "freq_factors",
+                                                        engine/layers/rotary.py)
 
 Tensors: Llama 4's rope is interleaved in HF and in GGML alike, so q/k are stored unpermuted (the
 converter's `undo_permute = False`); the model permutes them at load as it does for HF files. The
@@ -55,7 +56,8 @@ _MODULES = {
     "ffn_gate_inp": "feed_forward.router", "ffn_gate_shexp": "feed_forward.shared_expert.gate_proj",
     "ffn_up_shexp": "feed_forward.shared_expert.up_proj",
     "ffn_down_shexp": "feed_forward.shared_expert.down_proj",
-    "ffn_gate_exps": "feed_forward.experts.gate_proj", "ffn_up_exps": "feed_forward.experts.up_proj",
+    "ffn_gate_exps": "feed_forward.experts.gate_proj",
+    "ffn_up_exps": "feed_forward.experts.up_proj",
     "ffn_down_exps": "feed_forward.experts.down_proj",
 }
 LLAMA_CPP_CHUNK_SIZE = 8192  # llama-model.cpp's LLM_ARCH_LLAMA4 n_swa
@@ -90,7 +92,8 @@ def hf_config(metadata: Mapping[str, object], rope_factors: list[float] | None) 
     else:
         uses_rope = [(i + 1) % LLAMA_CPP_NOPE_STEP != 0 for i in range(num_layers)]
     temperature_scale = float(get("attention.temperature_scale", LLAMA_CPP_TEMPERATURE[0]))
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 500_000.0))}
+    rope: dict[str, Any] = {"rope_type": "default",
+                            "rope_theta": float(get("rope.freq_base", 500_000.0))}
     if rope_factors is not None:
         rope.update(rope_type="freq_factors", factors=rope_factors)
     tokens = metadata.get("tokenizer.ggml.tokens") or []
@@ -129,12 +132,14 @@ def load_llama4_gguf(path: Path, metadata: Mapping[str, object], infos: list[GGU
 
     def values_of(info: GGUFTensorInfo) -> np.ndarray:
         ggml_type = gguf.GGMLQuantizationType(info.ggml_type)
-        return np.asarray(gguf.quants.dequantize(read(info, ggml_type), ggml_type), dtype=np.float32)
+        return np.asarray(gguf.quants.dequantize(read(info, ggml_type), ggml_type),
+                          dtype=np.float32)
 
     factors = next((values_of(i).tolist() for i in infos if i.name == "rope_freqs.weight"), None)
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     assert isinstance(tokens, list)
-    eos, bos = metadata.get("tokenizer.ggml.eos_token_id"), metadata.get("tokenizer.ggml.bos_token_id")
+    eos, bos = (metadata.get("tokenizer.ggml.eos_token_id"),
+                metadata.get("tokenizer.ggml.bos_token_id"))
     token_index = {token: i for i, token in enumerate(tokens)}
     model_config = dataclasses.replace(
         model_config_from_fields(hf_config(metadata, factors), model_id=path.stem),
@@ -159,7 +164,8 @@ def load_llama4_gguf(path: Path, metadata: Mapping[str, object], infos: list[GGU
 def _join_experts(weights: dict[str, torch.Tensor]) -> None:
     """Stacked experts (module docstring) -> HF's fused Llama 4 layout, in place."""
     for gate_name in [n for n in weights if n.endswith(".experts.gate_proj.weight")]:
-        prefix = gate_name.removesuffix("gate_proj.weight")  # "model.layers.N.feed_forward.experts."
+        # "model.layers.N.feed_forward.experts."
+        prefix = gate_name.removesuffix("gate_proj.weight")
         gate, up = weights.pop(gate_name), weights.pop(prefix + "up_proj.weight", None)
         down = weights.pop(prefix + "down_proj.weight", None)
         if up is None or down is None:

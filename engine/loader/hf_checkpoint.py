@@ -8,7 +8,8 @@ config.json maps to `ModelConfig` for these `model_type`s (kept as `architecture
                       top-k weights renormalised (norm_topk_prob=True)
     qwen2_moe         num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
                       shared_expert_intermediate_size; q/k/v biases (qkv_bias, default True);
-                      decoder_sparse_step, mlp_only_layers (the dense MLP on the layers they exclude)
+                      decoder_sparse_step, mlp_only_layers (the dense MLP on the layers they
+                      exclude)
     olmoe             num_experts, num_experts_per_tok; expert size = intermediate_size;
                       norm_topk_prob; qk_norm="projection"
     qwen3             dense; head_dim from the config; qk_norm="per_head"; attention_bias from the
@@ -29,9 +30,10 @@ config.json maps to `ModelConfig` for these `model_type`s (kept as `architecture
 Sliding windows: mistral and mixtral apply `sliding_window` to every layer, as transformers does
 (absent: 4096 for mistral, none for mixtral; null: none); gpt_oss has `layer_types`. qwen3 and
 qwen3_moe have a window only with `use_sliding_window` (the released models have it off); then, as
-in transformers, qwen3 slides the layers its `layer_types` names (absent: layers >= max_window_layers)
-and qwen3_moe every layer. Any other config that turns one on (`use_sliding_window` with a
-`sliding_window`, or a "sliding_attention" in `layer_types`) is refused.
+in transformers, qwen3 slides the layers its `layer_types` names (absent: layers >=
+max_window_layers) and qwen3_moe every layer. Any other config that turns one on
+(`use_sliding_window` with a `sliding_window`, or a "sliding_attention" in `layer_types`) is
+refused.
 
 rope: `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (4.x); a "default"
 rope type means no scaling. Tensor names stay as in the file; `raw` is empty but for a
@@ -108,7 +110,8 @@ def _moe_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         return {"num_experts": config["num_experts"],
                 "num_experts_per_tok": config["num_experts_per_tok"],
                 "moe_intermediate_size": config["intermediate_size"],
-                "norm_topk_prob": bool(config.get("norm_topk_prob", False)), "qk_norm": "projection"}
+                "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+                "qk_norm": "projection"}
     if model_type == "qwen2":
         return {"attention_bias": True}
     if model_type == "qwen3":
@@ -133,7 +136,8 @@ def _moe_fields(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _every_layer_window(config: Mapping[str, Any]) -> dict[str, Any]:
-    """mistral / mixtral: one `sliding_window` for every layer (transformers' defaults when absent)."""
+    """mistral / mixtral: one `sliding_window` for every layer (transformers' defaults when
+    absent)."""
     window = config.get("sliding_window", 4096 if config["model_type"] == "mistral" else None)
     if window is None:
         return {}
@@ -147,12 +151,14 @@ def _qwen3_windows(config: Mapping[str, Any]) -> dict[str, Any]:
     if window is None:
         return {}
     num_layers = int(config["num_hidden_layers"])
-    if config["model_type"] == "qwen3_moe":  # Qwen3MoeAttention: config.sliding_window on every layer
+    # Qwen3MoeAttention: config.sliding_window on every layer
+    if config["model_type"] == "qwen3_moe":
         layer_types = ("sliding_attention",) * num_layers
     else:
         first_sliding = int(config.get("max_window_layers", 28))
         layer_types = tuple(config.get("layer_types") or [
-            "sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)])
+            "sliding_attention" if i >= first_sliding else "full_attention"
+            for i in range(num_layers)])
     if "sliding_attention" not in layer_types:
         return {}
     return {"sliding_window": int(window), "layer_types": layer_types}
@@ -213,21 +219,25 @@ def _model_config(directory: Path, config: Mapping[str, Any]) -> ModelConfig:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedCheckpointError(
             f"model_type {model_type!r} is not supported (one of {SUPPORTED_MODEL_TYPES})")
-    if model_type not in ("gpt_oss", "qwen3", "qwen3_moe", "gemma3_text"):  # those map their windows
+    # those map their windows
+    if model_type not in ("gpt_oss", "qwen3", "qwen3_moe", "gemma3_text"):
         _refuse_sliding_window(config)
     generation = _read_json(directory / "generation_config.json")
     num_heads = config["num_attention_heads"]
     rope_theta, rope_scaling = _rope(config)
     bos = as_id_list(generation.get("bos_token_id", config.get("bos_token_id")))
-    declared_eos = as_id_list(config.get("eos_token_id")) + as_id_list(generation.get("eos_token_id"))
+    declared_eos = (as_id_list(config.get("eos_token_id"))
+                    + as_id_list(generation.get("eos_token_id")))
     fields: dict[str, Any] = {
         "attention_bias": bool(config.get("attention_bias", False)), **_moe_fields(config)}
     if model_type in ("mistral", "mixtral"):
         fields.update(_every_layer_window(config))
     if model_type in ("qwen3", "qwen3_moe"):
         fields.update(_qwen3_windows(config))
-    num_kv_heads = fields.pop("num_kv_heads", None) or config.get("num_key_value_heads") or num_heads
-    head_dim = fields.pop("head_dim", None) or config.get("head_dim") or config["hidden_size"] // num_heads
+    num_kv_heads = (fields.pop("num_kv_heads", None) or config.get("num_key_value_heads")
+                    or num_heads)
+    head_dim = (fields.pop("head_dim", None) or config.get("head_dim")
+                or config["hidden_size"] // num_heads)
     rope_theta = fields.pop("rope_theta", rope_theta)  # gemma3_text: the global layers' rope
     rope_scaling = fields.pop("rope_scaling", rope_scaling)
     tied = fields.pop("tie_word_embeddings", bool(config.get("tie_word_embeddings", False)))

@@ -1,21 +1,25 @@
-"""deepseek_v3 config.json (DeepSeek-V3 / R1, Kimi-K2) -> `ModelConfig` fields (read by hf_checkpoint.py).
+"""deepseek_v3 config.json (DeepSeek-V3 / R1, Kimi-K2) -> `ModelConfig` fields (read by
+hf_checkpoint.py).
 
     kv_lora_rank, q_lora_rank (null: plain q_proj),   MLAConfig: the KV cache holds one "kv head" of
     qk_nope_head_dim, qk_rope_head_dim, v_head_dim,   kv_lora_rank + qk_rope_head_dim per token
     rope_interleave (default true)                    (num_kv_heads 1, head_dim that sum)
     n_routed_experts, num_experts_per_tok,            routed experts of moe_intermediate_size
     moe_intermediate_size, norm_topk_prob
-    n_shared_experts                                  one shared MLP of n_shared * moe_intermediate_size
+    n_shared_experts                                  one shared MLP of n_shared *
+                                                      moe_intermediate_size
     n_group, topk_group, routed_scaling_factor        GroupedTopK (sigmoid scores, noaux_tc)
     first_k_dense_replace                             layers 0..k-1 dense (intermediate_size)
     num_nextn_predict_layers                          MTP layers: their tensors (layer index >=
                                                       num_hidden_layers) are skipped at load
-rope: YaRN with mscale / mscale_all_dim from `rope_parameters` / `rope_scaling` (hf_checkpoint._rope);
-the softmax scale is qk_head_dim^-0.5 * yarn_mscale(factor, mscale_all_dim)^2 (engine/models/deepseek_v3.py).
+rope: YaRN with mscale / mscale_all_dim from `rope_parameters` / `rope_scaling`
+(hf_checkpoint._rope); the softmax scale is qk_head_dim^-0.5 * yarn_mscale(factor, mscale_all_dim)^2
+(engine/models/deepseek_v3.py).
 
-quantization_config: the released block-scaled FP8 (quant_method "fp8", weight_block_size [128, 128])
-is read and dequantized at load (engine/loader/fp8_blocks.py); another quant_method is refused.
-Refused, one line each: attention_bias, scoring_func other than sigmoid, topk_method other than noaux_tc, moe_layer_freq != 1.
+quantization_config: the released block-scaled FP8 (quant_method "fp8", weight_block_size [128,
+128]) is read and dequantized at load (engine/loader/fp8_blocks.py); another quant_method is
+refused. Refused, one line each: attention_bias, scoring_func other than sigmoid, topk_method other
+than noaux_tc, moe_layer_freq != 1.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ def deepseek_v3_fields(config: Mapping[str, Any]) -> dict[str, Any]:
         return UnsupportedCheckpointError(f"deepseek_v3: {what} is not supported")
 
     quantization = config.get("quantization_config") or {}
-    if quantization and quantization.get("quant_method") != "fp8":  # fp8: engine/loader/fp8_blocks.py
+    # fp8: engine/loader/fp8_blocks.py
+    if quantization and quantization.get("quant_method") != "fp8":
         raise refuse(f"quantization_config quant_method {quantization.get('quant_method')!r} (only "
                      "the released block-scaled 'fp8')")
     if config.get("attention_bias"):

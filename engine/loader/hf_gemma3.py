@@ -47,7 +47,8 @@ def _ropes(config: Mapping[str, Any]) -> tuple[float, tuple[tuple[str, object], 
         full.setdefault("rope_type", full.pop("type"))
     if local.get("rope_type", "default") != "default":
         raise UnsupportedCheckpointError(
-            f"gemma3_text: scaled rope on the sliding layers ({local['rope_type']!r}) is not supported")
+            f"gemma3_text: scaled rope on the sliding layers ({local['rope_type']!r}) is not "
+            "supported")
     theta = float(full.pop("rope_theta", 1_000_000.0))
     scaling = None
     if full.get("rope_type") not in (None, "default"):
@@ -60,15 +61,18 @@ def gemma3_fields(config: Mapping[str, Any]) -> dict[str, Any]:
                           ("attention_bias", False)):
         value = config.get(name) or refused
         if value != refused:
-            why = ("the attention backends do not soft-cap scores" if name == "attn_logit_softcapping"
+            why = ("the attention backends do not soft-cap scores"
+                   if name == "attn_logit_softcapping"
                    else "Gemma 3 causal LMs have it off")
-            raise UnsupportedCheckpointError(f"gemma3_text: {name}={value!r} is not supported ({why})")
+            raise UnsupportedCheckpointError(f"gemma3_text: {name}={value!r} is not supported "
+                                             f"({why})")
     activation = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
     if activation != "gelu_pytorch_tanh":
         raise UnsupportedCheckpointError(
             f"gemma3_text: hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)")
     num_layers = int(config["num_hidden_layers"])
-    pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6)
+    pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
+                  or 6)
     layer_types = tuple(config.get("layer_types") or [
         "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)])
     window = config.get("sliding_window", 4096)

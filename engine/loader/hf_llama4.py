@@ -7,12 +7,15 @@ Llama4TextConfig reads it:
     layer_types                     must agree with the two above ("chunked_attention" exactly on
                                     the RoPE layers when C is set)
     moe_layers                      the layers with experts; absent: every
-                                    `interleave_moe_layer_step`-th layer (step - 1, 2 * step - 1, ...)
+                                    `interleave_moe_layer_step`-th layer (step - 1, 2 * step - 1,
+                                    ...)
     num_local_experts, num_experts_per_tok, intermediate_size (each expert's and the shared
     expert's), intermediate_size_mlp (the dense layers' MLP)
     use_qk_norm (True)              L2 q/k norm on the RoPE layers
-    attn_temperature_tuning (True), floor_scale (8192), attn_scale (0.1)   the NoPE layers' query scale
-    rope_parameters / rope_theta + rope_scaling   one rope for every RoPE layer (llama3 scaling as released)
+    attn_temperature_tuning (True), floor_scale (8192), attn_scale (0.1)   the NoPE layers' query
+                                                                           scale
+    rope_parameters / rope_theta + rope_scaling   one rope for every RoPE layer (llama3 scaling as
+                                                  released)
 
 Refused in one line: attention_bias, a hidden_act other than silu, layer_types that disagree.
 Multimodal `llama4` checkpoints (Llama4ForConditionalGeneration: a `text_config` inside, tensors
@@ -50,18 +53,21 @@ def llama4_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     if config.get("attention_bias"):
         raise UnsupportedCheckpointError("llama4_text: attention_bias=True is not supported")
     if config.get("hidden_act", "silu") != "silu":
-        raise UnsupportedCheckpointError(f"llama4_text: hidden_act {config['hidden_act']!r} is not supported")
+        raise UnsupportedCheckpointError(f"llama4_text: hidden_act {config['hidden_act']!r} is not "
+                                         "supported")
     interval = int(config.get("no_rope_layer_interval") or 4)
     rope_layers = tuple(bool(v) for v in config.get("no_rope_layers")
                         or [(i + 1) % interval != 0 for i in range(num_layers)])
     if len(rope_layers) != num_layers:
         raise UnsupportedCheckpointError(
-            f"llama4_text: no_rope_layers names {len(rope_layers)} layers, the model has {num_layers}")
+            f"llama4_text: no_rope_layers names {len(rope_layers)} layers, the model has "
+            f"{num_layers}")
     chunk = config.get("attention_chunk_size", 8192)
     chunk = int(chunk) if chunk is not None else None
     if chunk is not None and chunk < 1:
         raise UnsupportedCheckpointError(f"llama4_text: attention_chunk_size={chunk} must be >= 1")
-    expected = ["chunked_attention" if rope and chunk is not None else "full_attention" for rope in rope_layers]
+    expected = ["chunked_attention" if rope and chunk is not None else "full_attention"
+                for rope in rope_layers]
     if config.get("layer_types") and list(config["layer_types"]) != expected:
         raise UnsupportedCheckpointError(
             f"llama4_text: layer_types {config['layer_types']} disagree with no_rope_layers and "

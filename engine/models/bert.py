@@ -11,9 +11,9 @@ Dimensions:  N tokens of the pass (its inputs packed end to end, no padding), B 
 Packed: every linear layer (q, k and v fused into one), norm and activation runs on the N real
 tokens only; attention alone scatters q/k/v into a padded [B, H, T, D] (`flat`: each token's
 row in it), masks padded keys, and gathers the real rows back. So a pass costs its real tokens
-plus the attention's padding, and a token's state does not depend on which inputs share it. The pooler
-(`pooler.dense`, BERT's next-sentence head) is not used by sentence embeddings: its tensors are
-read and dropped. No KV cache: every pass is a whole prompt.
+plus the attention's padding, and a token's state does not depend on which inputs share it. The
+pooler (`pooler.dense`, BERT's next-sentence head) is not used by sentence embeddings: its tensors
+are read and dropped. No KV cache: every pass is a whole prompt.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ class _EncoderLayer:
                    for name in ("query", "key", "value"))
         self.qkv = _Linear.fused((q, k, v))  # one [3C, C] matmul instead of three
         self.attn_out = _Linear(weights, f"{p}.attention.output.dense", c, c, device, dtype)
-        self.attn_norm = _LayerNorm(weights, f"{p}.attention.output.LayerNorm", c, eps, device, dtype)
+        self.attn_norm = _LayerNorm(weights, f"{p}.attention.output.LayerNorm", c, eps, device,
+                                    dtype)
         self.up = _Linear(weights, f"{p}.intermediate.dense", f, c, device, dtype)
         self.down = _Linear(weights, f"{p}.output.dense", c, f, device, dtype)
         self.mlp_norm = _LayerNorm(weights, f"{p}.output.LayerNorm", c, eps, device, dtype)

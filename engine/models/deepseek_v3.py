@@ -2,7 +2,8 @@
 transformers' DeepseekV3: multi-head latent attention (MLA) whose cache holds only the latent.
 
 Dimension legend: T tokens in the step, H query heads, R kv_lora_rank, P qk_rope_head_dim,
-N qk_nope_head_dim, V v_head_dim, Lq q_lora_rank. DeepSeek-V3-671B: H 128, R 512, P 64, N 128, V 128.
+N qk_nope_head_dim, V v_head_dim, Lq q_lora_rank. DeepSeek-V3-671B: H 128, R 512, P 64, N 128, V
+128.
 
 Per layer (checkpoint names under model.layers.{i}.self_attn.):
 
@@ -10,7 +11,8 @@ Per layer (checkpoint names under model.layers.{i}.self_attn.):
     kv  = kv_a_proj_with_mqa(x)            [T, R + P]
     c   = rms_norm(kv[:, :R])              the latent            kv_a_layernorm
     kr  = rope(kv[:, R:])                  the rope key, one for every head
-    K_nope, V per head = c @ W_UK^T, c @ W_UV^T     kv_b_proj [H * (N + V), R] = per head [W_UK; W_UV]
+    K_nope, V per head = c @ W_UK^T, c @ W_UV^T     kv_b_proj [H * (N + V), R] = per head [W_UK;
+                                                    W_UV]
     score = (q_nope . K_nope + rope(q_rope) . kr) * scale,  out = softmax(score) @ V -> o_proj
 
 The KV cache stores, per token and layer, only [c, kr]: one "kv head" of R + P values (ModelConfig:
@@ -70,8 +72,8 @@ def mla_softmax_scale(config: ModelConfig) -> float:
 
 
 def kv_bytes_per_token_mla_and_full(config: ModelConfig, element_size: int) -> tuple[int, int]:
-    """(MLA's cache bytes per token over all layers, a full per-head K/V layout's for the same model:
-    K of N + P and V of V per head)."""
+    """(MLA's cache bytes per token over all layers, a full per-head K/V layout's for the same
+    model: K of N + P and V of V per head)."""
     mla = _mla(config)
     latent = mla.kv_lora_rank + mla.qk_rope_head_dim
     full = config.num_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim)
@@ -115,7 +117,8 @@ class DeepseekV3Model(VocabEnds):
         self.attention = attention
         self.scale = mla_softmax_scale(config)
         h, v = config.hidden_size, config.vocab_size
-        for name in [n for n in weights if (m := _LAYER.match(n)) and int(m[1]) >= config.num_layers]:
+        for name in [n for n in weights
+                     if (m := _LAYER.match(n)) and int(m[1]) >= config.num_layers]:
             weights.pop(name)  # multi-token-prediction layers: not run
         self.embed_tokens = take(weights, "model.embed_tokens.weight", (v, h)).to(device, dtype)
         self.norm = self._place(take(weights, "model.norm.weight", (h,)))
@@ -132,19 +135,23 @@ class DeepseekV3Model(VocabEnds):
     def _load_layer(self, weights: Weights, i: int, make_linear: LinearFactory) -> MLALayer:
         cfg, mla, p = self.config, self.mla, f"model.layers.{i}."
         a, h, heads = p + "self_attn.", cfg.hidden_size, cfg.num_heads
-        qk, r, what = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.kv_lora_rank, f"deepseek_v3 layer {i}"
+        qk, r, what = (mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.kv_lora_rank,
+                       f"deepseek_v3 layer {i}")
         if mla.q_lora_rank is None:
             q_a = q_a_norm = None
-            q_b = make_linear(a + "q_proj.weight", take(weights, a + "q_proj.weight", (heads * qk, h), what))
+            q_b = make_linear(a + "q_proj.weight",
+                              take(weights, a + "q_proj.weight", (heads * qk, h), what))
         else:
             lq = mla.q_lora_rank
-            q_a = make_linear(a + "q_a_proj.weight", take(weights, a + "q_a_proj.weight", (lq, h), what))
+            q_a = make_linear(a + "q_a_proj.weight",
+                              take(weights, a + "q_a_proj.weight", (lq, h), what))
             q_a_norm = self._place(take(weights, a + "q_a_layernorm.weight", (lq,), what))
             q_b = make_linear(a + "q_b_proj.weight",
                               take(weights, a + "q_b_proj.weight", (heads * qk, lq), what))
         kv_b = take(weights, a + "kv_b_proj.weight",
                     (heads * (mla.qk_nope_head_dim + mla.v_head_dim), r), what)
-        kv_b = self._place(kv_b).view(heads, mla.qk_nope_head_dim + mla.v_head_dim, r)  # [H, N + V, R]
+        # [H, N + V, R]
+        kv_b = self._place(kv_b).view(heads, mla.qk_nope_head_dim + mla.v_head_dim, r)
         return MLALayer(
             input_norm=self._place(take(weights, p + "input_layernorm.weight", (h,), what)),
             post_attention_norm=self._place(
@@ -157,7 +164,8 @@ class DeepseekV3Model(VocabEnds):
             w_uk=kv_b[:, : mla.qk_nope_head_dim].contiguous(),
             w_uv=kv_b[:, mla.qk_nope_head_dim :].contiguous(),
             o_proj=make_linear(a + "o_proj.weight",
-                               take(weights, a + "o_proj.weight", (h, heads * mla.v_head_dim), what)),
+                               take(weights, a + "o_proj.weight", (h, heads * mla.v_head_dim),
+                                    what)),
             mlp=deepseek_v3_mlp(cfg, weights, i, make_linear),
         )
 
@@ -196,5 +204,6 @@ class DeepseekV3Model(VocabEnds):
 
 def _mla(config: ModelConfig) -> MLAConfig:
     if config.mla is None or config.grouped_topk is None:
-        raise ValueError(f"{config.architecture} config: deepseek_v3 needs its MLA and routing fields")
+        raise ValueError(f"{config.architecture} config: deepseek_v3 needs its MLA and routing "
+                         "fields")
     return config.mla

@@ -1,5 +1,5 @@
-"""Gemma 3 text (Gemma3ForCausalLM, model_type gemma3_text) over the paged KV cache, verified against
-transformers' Gemma3 modeling.
+"""Gemma 3 text (Gemma3ForCausalLM, model_type gemma3_text) over the paged KV cache, verified
+against transformers' Gemma3 modeling.
 
 Dimension legend: T tokens in the step, H query heads, G kv heads, Dh head dim, Q = H * Dh,
 K = G * Dh, I intermediate size.
@@ -11,7 +11,8 @@ K = G * Dh, I intermediate size.
         q, k, v = x @ Wqkv^T                               one fused [Q + 2K, hidden] GEMM
         q, k = norm_q(q), norm_k(k)                        per head over Dh, (1 + w) again
         q, k = rope(q), rope(k)                            local layers: rope_local_base_freq, no
-                                                           scaling; global: rope_theta + rope_scaling
+                                                           scaling; global: rope_theta +
+                                                           rope_scaling
         attn = attention(q, k, v, scale=query_pre_attn_scalar ** -0.5, window)
         hidden += post_attention_norm(attn @ Wo^T)
         x = pre_feedforward_norm(hidden)
@@ -19,8 +20,8 @@ K = G * Dh, I intermediate size.
     final norm; lm head (tied by default); logits soft-capped c * tanh(logits / c) when
     final_logit_softcapping is set.
 
-Attention-score soft-capping (`attn_logit_softcapping`) is refused at load (engine/loader/hf_gemma3.py):
-no backend applies it.
+Attention-score soft-capping (`attn_logit_softcapping`) is refused at load
+(engine/loader/hf_gemma3.py): no backend applies it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def gemma_rms_norm(x: torch.Tensor, one_plus_weight: torch.Tensor, eps: float) -
     """transformers' Gemma3RMSNorm: normalise and scale by (1 + w) in float32, then cast.
     `one_plus_weight` is 1 + w, float32, computed once at load."""
     x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * one_plus_weight).to(x.dtype)
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+            * one_plus_weight).to(x.dtype)
 
 
 @dataclass
@@ -77,9 +79,11 @@ class Gemma3Model(VocabEnds):
         self.scale = self.gemma.query_pre_attn_scalar ** -0.5
         h, v = config.hidden_size, config.vocab_size
         self.embed_tokens = take(weights, "model.embed_tokens.weight", (v, h)).to(device, dtype)
-        self.embed_scale = torch.tensor(h ** 0.5, dtype=dtype, device=device)  # as transformers rounds it
+        # as transformers rounds it
+        self.embed_scale = torch.tensor(h ** 0.5, dtype=dtype, device=device)
         self.norm = self._norm(take(weights, "model.norm.weight", (h,)))
-        self.lm_head = make_linear("lm_head.weight", lm_head_weight(config, weights, self.embed_tokens))
+        self.lm_head = make_linear("lm_head.weight",
+                                   lm_head_weight(config, weights, self.embed_tokens))
         scaling = dict(config.rope_scaling) if config.rope_scaling else None
         self.global_rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                              config.rope_theta, scaling, dtype, device)
@@ -92,8 +96,10 @@ class Gemma3Model(VocabEnds):
         cfg, p = self.config, f"model.layers.{i}."
         h, inter, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         sizes = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
-        qkv = fuse_rows([take(weights, f"{p}self_attn.{n}_proj.weight", (sizes[n], h)) for n in "qkv"])
-        gate_up = fuse_rows([take(weights, f"{p}mlp.{n}_proj.weight", (inter, h)) for n in ("gate", "up")])
+        qkv = fuse_rows([take(weights, f"{p}self_attn.{n}_proj.weight", (sizes[n], h))
+                         for n in "qkv"])
+        gate_up = fuse_rows([take(weights, f"{p}mlp.{n}_proj.weight", (inter, h))
+                             for n in ("gate", "up")])
 
         def norm(name: str, size: int) -> torch.Tensor:
             return self._norm(take(weights, p + name + ".weight", (size,)))
@@ -138,9 +144,11 @@ class Gemma3Model(VocabEnds):
             v = heads[:, num_q + num_kv :]  # [T, G, Dh]
             attn = self.attention.forward(q, k, v, k_cache, v_cache, self.scale, layer_metadata(i),
                                           sliding_window=layer.sliding_window)
-            attn = layer.o_proj(attn.reshape(-1, self.q_size))  # [T, H, Dh] -> [T, Q] -> [T, hidden]
+            # [T, H, Dh] -> [T, Q] -> [T, hidden]
+            attn = layer.o_proj(attn.reshape(-1, self.q_size))
             hidden = hidden + gemma_rms_norm(attn, layer.post_attention_norm, eps)
-            gate, up = layer.gate_up(gemma_rms_norm(hidden, layer.pre_feedforward_norm, eps)).chunk(2, -1)
+            gate, up = layer.gate_up(gemma_rms_norm(hidden, layer.pre_feedforward_norm,
+                                                    eps)).chunk(2, -1)
             mlp = layer.down(F.gelu(gate, approximate="tanh") * up)  # [T, I] -> [T, hidden]
             hidden = hidden + gemma_rms_norm(mlp, layer.post_feedforward_norm, eps)
         return gemma_rms_norm(hidden, self.norm, eps)

@@ -1,6 +1,8 @@
-"""gpt-oss (openai/gpt-oss-20b, -120b) over the paged KV cache, verified against transformers' GptOss.
+"""gpt-oss (openai/gpt-oss-20b, -120b) over the paged KV cache, verified against transformers'
+GptOss.
 
-Dimension legend: T tokens in the step, H query heads, G kv heads, Dh head dim, Q = H * Dh, K = G * Dh.
+Dimension legend: T tokens in the step, H query heads, G kv heads, Dh head dim, Q = H * Dh, K = G *
+Dh.
 
 Per decoder layer (`layer_types[i]` is "sliding_attention" or "full_attention", alternating in the
 released configs, sliding first):
@@ -89,11 +91,14 @@ class GptOssModel(VocabEnds):
                     dequantize_mxfp4: bool) -> GptOssLayer:
         cfg, p = self.config, f"model.layers.{i}."
         h, sizes = cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
-        qkv = fuse_rows([take(weights, f"{p}self_attn.{n}_proj.weight", (sizes[n], h)) for n in "qkv"])
-        qkv_bias = torch.cat([take(weights, f"{p}self_attn.{n}_proj.bias", (sizes[n],)) for n in "qkv"])
+        qkv = fuse_rows([take(weights, f"{p}self_attn.{n}_proj.weight", (sizes[n], h))
+                         for n in "qkv"])
+        qkv_bias = torch.cat([take(weights, f"{p}self_attn.{n}_proj.bias", (sizes[n],))
+                              for n in "qkv"])
         return GptOssLayer(
             input_norm=self._norm(take(weights, p + "input_layernorm.weight", (h,))),
-            post_attention_norm=self._norm(take(weights, p + "post_attention_layernorm.weight", (h,))),
+            post_attention_norm=self._norm(take(weights, p + "post_attention_layernorm.weight",
+                                                (h,))),
             qkv=make_linear(p + "self_attn.qkv_proj.weight", qkv),
             qkv_bias=self._place(qkv_bias),
             o_proj=make_linear(p + "self_attn.o_proj.weight",
@@ -101,7 +106,8 @@ class GptOssModel(VocabEnds):
             o_bias=self._place(take(weights, p + "self_attn.o_proj.bias", (h,))),
             sinks=self._norm(take(weights, p + "self_attn.sinks", (cfg.num_heads,))),
             sliding_window=cfg.layer_sliding_window(i),
-            mlp=gpt_oss_moe(cfg, weights, i, self._device, self._dtype, dequantize_mxfp4, make_linear),
+            mlp=gpt_oss_moe(cfg, weights, i, self._device, self._dtype, dequantize_mxfp4,
+                            make_linear),
         )
 
     def _place(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -125,7 +131,8 @@ class GptOssModel(VocabEnds):
             v = heads[:, num_q + num_kv :]  # [T, G, Dh]
             attn = self.attention.forward(q, k, v, k_cache, v_cache, self.scale, layer_metadata(i),
                                           sliding_window=layer.sliding_window, sinks=layer.sinks)
-            hidden = hidden + layer.o_proj(attn.reshape(-1, self.q_size)) + layer.o_bias  # [T, hidden]
+            # [T, hidden]
+            hidden = hidden + layer.o_proj(attn.reshape(-1, self.q_size)) + layer.o_bias
             hidden = hidden + layer.mlp(rms_norm(hidden, layer.post_attention_norm, eps))
         return rms_norm(hidden, self.norm, eps)
 

@@ -1,35 +1,41 @@
-"""gpt-oss's MoE MLP: a biased router, top-k of the logits then a softmax over the k, and experts with
-biases and the clamped SwiGLU; expert weights dense or MXFP4 as the released checkpoints store them.
+"""gpt-oss's MoE MLP: a biased router, top-k of the logits then a softmax over the k, and experts
+with biases and the clamped SwiGLU; expert weights dense or MXFP4 as the released checkpoints store
+them.
 
 Dimension legend:
     T tokens   H hidden   E experts   K experts per token   I expert intermediate size   G = H / 32
 
-    router       [E, H] + bias [E]   logits [T, E]; ids = top-K of the logits, weights = softmax over the K
-    w13          [E, 2I, H]          gate rows 0..I-1, then up rows I..2I-1 (the fused-MoE layout), + b13 [E, 2I]
+    router       [E, H] + bias [E]   logits [T, E]; ids = top-K of the logits, weights = softmax
+                                     over the K
+    w13          [E, 2I, H]          gate rows 0..I-1, then up rows I..2I-1 (the fused-MoE layout),
+                                     + b13 [E, 2I]
     w2           [E, H, I]           + b2 [E, H]
-    out [T, H] = sum_k weight[t, k] * (w2[e] @ act(w13[e] @ x + b13[e]) + b2[e]),  act = ClampedSwiGLU
+    out [T, H] = sum_k weight[t, k] * (w2[e] @ act(w13[e] @ x + b13[e]) + b2[e]),
+                 act = ClampedSwiGLU
 
 Checkpoint tensors (HF names, `p` = "model.layers.{i}.mlp."): p.router.weight/bias and either
-    dense (transformers' save_pretrained)   p.experts.gate_up_proj [E, H, 2I], p.experts.down_proj [E, I, H]
-    MXFP4 (the released openai/gpt-oss-*)   p.experts.gate_up_proj_blocks [E, 2I, G, 16] + _scales [E, 2I, G],
-                                            p.experts.down_proj_blocks [E, H, I/32, 16] + _scales [E, H, I/32]
-with p.experts.gate_up_proj_bias [E, 2I] and p.experts.down_proj_bias [E, H]. In both files gate and up
-are interleaved along 2I (gate = [..., ::2], up = [..., 1::2] in transformers' GptOssExperts); they are
-split into halves here at load (for MXFP4 by reordering the blocks' rows: groups run along H, so a row
-moves with its scales).
+    dense (transformers' save_pretrained)   p.experts.gate_up_proj [E, H, 2I], p.experts.down_proj
+                                            [E, I, H]
+    MXFP4 (the released openai/gpt-oss-*)   p.experts.gate_up_proj_blocks [E, 2I, G, 16] + _scales
+                                            [E, 2I, G], p.experts.down_proj_blocks [E, H, I/32, 16]
+                                            + _scales [E, H, I/32]
+with p.experts.gate_up_proj_bias [E, 2I] and p.experts.down_proj_bias [E, H]. In both files gate and
+up are interleaved along 2I (gate = [..., ::2], up = [..., 1::2] in transformers' GptOssExperts);
+they are split into halves here at load (for MXFP4 by reordering the blocks' rows: groups run along
+H, so a row moves with its scales).
 
 MXFP4 placement, chosen at load:
-    CPU     kept as stored (uint8 blocks + scales, ~4.25 bits a weight) and only the experts a step routes
-            to are dequantized, per call: gpt-oss-20b's experts are 19.1 G weights, 76 GB in float32, which
-            no CPU host we run on holds; a decode token dequantizes K of E experts a layer (memory over
-            speed: dequantizing is the CPU step's largest cost).
+    CPU     kept as stored (uint8 blocks + scales, ~4.25 bits a weight) and only the experts a step
+            routes to are dequantized, per call: gpt-oss-20b's experts are 19.1 G weights, 76 GB in
+            float32, which no CPU host we run on holds; a decode token dequantizes K of E experts a
+            layer (memory over speed: dequantizing is the CPU step's largest cost).
     CUDA    dequantized to the engine dtype (bfloat16) at load, so every step runs the tuned Triton
             grouped GEMMs of engine/kernels/fused_moe.py (speed over memory: 20b's experts take
-            38 GB in bfloat16, 3.8x their MXFP4 bytes, which an 80 GB GPU holds). When the bfloat16 experts
-            would not fit in 80% of the free device memory (120b: 229 GB), they stay MXFP4 and run
-            through engine/kernels/fused_moe_mxfp4.py, which dequantizes B tiles in registers (memory
-            over speed: its one launch config is untimed; the interpreter tests and an sm_90 compile
-            check it, no GPU run has yet).
+            38 GB in bfloat16, 3.8x their MXFP4 bytes, which an 80 GB GPU holds). When the bfloat16
+            experts would not fit in 80% of the free device memory (120b: 229 GB), they stay MXFP4
+            and run through engine/kernels/fused_moe_mxfp4.py, which dequantizes B tiles in
+            registers (memory over speed: its one launch config is untimed; the interpreter tests
+            and an sm_90 compile check it, no GPU run has yet).
 """
 
 from __future__ import annotations
@@ -54,7 +60,8 @@ LinearFactory = Callable[[str, torch.Tensor], LinearWeight]
 
 
 def _split_gate_up(inter: int) -> torch.Tensor:
-    """Row order that turns interleaved (gate0, up0, gate1, up1, ...) into (gate..., up...): [2I]."""
+    """Row order that turns interleaved (gate0, up0, gate1, up1, ...) into (gate..., up...):
+    [2I]."""
     return torch.cat([torch.arange(0, 2 * inter, 2), torch.arange(1, 2 * inter, 2)])
 
 
@@ -73,12 +80,15 @@ class GptOssExperts:
 
     def dense(self, experts: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w13 [E', 2I, H], w2 [E', H, I], b13 [E', 2I], b2 [E', H]) of every expert or of `experts` [E']."""
+        """(w13 [E', 2I, H], w2 [E', H, I], b13 [E', 2I], b2 [E', H]) of every expert or of
+        `experts` [E']."""
         if isinstance(self.w13, MXFP4Weight) and isinstance(self.w2, MXFP4Weight):
-            w13, w2 = self.w13.dequantize(self.dtype, experts), self.w2.dequantize(self.dtype, experts)
+            w13, w2 = (self.w13.dequantize(self.dtype, experts),
+                       self.w2.dequantize(self.dtype, experts))
         else:
             assert isinstance(self.w13, torch.Tensor) and isinstance(self.w2, torch.Tensor)
-            w13, w2 = (self.w13, self.w2) if experts is None else (self.w13[experts], self.w2[experts])
+            w13, w2 = ((self.w13, self.w2) if experts is None
+                       else (self.w13[experts], self.w2[experts]))
         if experts is None:
             return w13, w2, self.w13_bias, self.w2_bias
         return w13, w2, self.w13_bias[experts], self.w2_bias[experts]
@@ -109,7 +119,8 @@ class GptOssMoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        if isinstance(self.experts, NativeExperts):  # the CPU default path (biases, activation inside)
+        # the CPU default path (biases, activation inside)
+        if isinstance(self.experts, NativeExperts):
             return self.experts(x, weights, ids)  # [T, H]
         experts, extra = self.experts, {"activation": self.activation}
         if experts.is_mxfp4 and kernels.kernel_backend(x.device) == "triton":
@@ -149,13 +160,16 @@ def gpt_oss_moe(config: ModelConfig, weights: Weights, layer: int, device: torch
     if p + "experts.gate_up_proj_blocks" in weights:
         for size, name in ((h, "gate_up_proj"), (inter, "down_proj")):
             if size % 32:
-                raise CheckpointMismatchError(f"MXFP4 tensor {p}experts.{name}_blocks needs inputs in "
+                raise CheckpointMismatchError(f"MXFP4 tensor {p}experts.{name}_blocks needs inputs "
+                                              "in "
                                               f"groups of 32, the config implies {size}")
-        w13 = MXFP4Weight(take(weights, p + "experts.gate_up_proj_blocks", (e, 2 * inter, h // 32, 16)),
+        w13 = MXFP4Weight(take(weights, p + "experts.gate_up_proj_blocks",
+                               (e, 2 * inter, h // 32, 16)),
                           take(weights, p + "experts.gate_up_proj_scales", (e, 2 * inter, h // 32)))
         w13 = w13.select_rows(order).to(device)
         w2 = MXFP4Weight(take(weights, p + "experts.down_proj_blocks", (e, h, inter // 32, 16)),
-                         take(weights, p + "experts.down_proj_scales", (e, h, inter // 32))).to(device)
+                         take(weights, p + "experts.down_proj_scales",
+                              (e, h, inter // 32))).to(device)
         if dequantize_mxfp4:
             w13, w2 = w13.dequantize(dtype), w2.dequantize(dtype)
     else:
@@ -173,14 +187,14 @@ def gpt_oss_moe(config: ModelConfig, weights: Weights, layer: int, device: torch
                   NativeExperts.build(make_linear, p + "experts.", w13, w2, **extra))  # type: ignore[arg-type]
         if native is not None:
             return GptOssMoE(router, native, config.num_experts_per_tok, activation)
-    experts = GptOssExperts(w13, w2, b13.to(device, dtype).contiguous(), b2.to(device, dtype).contiguous(),
-                            dtype)
+    experts = GptOssExperts(w13, w2, b13.to(device, dtype).contiguous(),
+                            b2.to(device, dtype).contiguous(), dtype)
     return GptOssMoE(router, experts, config.num_experts_per_tok, activation)
 
 
 def dequantize_at_load(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
-    """The MXFP4 placement (module docstring): CUDA, and every layer's experts dequantized to `dtype`
-    fit in 80% of the free device memory. Decided once, before any layer is placed."""
+    """The MXFP4 placement (module docstring): CUDA, and every layer's experts dequantized to
+    `dtype` fit in 80% of the free device memory. Decided once, before any layer is placed."""
     if device.type != "cuda":
         return False
     need = (config.num_layers * config.num_experts * 3 * config.moe_intermediate_size
@@ -188,6 +202,7 @@ def dequantize_at_load(config: ModelConfig, device: torch.device, dtype: torch.d
     free, _ = torch.cuda.mem_get_info(device)
     if need <= 0.8 * free:
         return True
-    logger.warning("gpt_oss: the experts would take %.1f GiB dequantized, %.1f GiB is free: keeping "
-                   "MXFP4 and dequantizing the routed experts per step", need / 2**30, free / 2**30)
+    logger.warning("gpt_oss: the experts would take %.1f GiB dequantized, %.1f GiB is free: "
+                   "keeping MXFP4 and dequantizing the routed experts per step", need / 2**30,
+                   free / 2**30)
     return False

@@ -1,9 +1,10 @@
 """Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3 dense) over the paged KV cache.
 
-Weights arrive with Hugging Face names; q/k/v are fused into one [Q+2K, hidden] matrix and gate/up into
-one [2I, hidden] matrix at load, so each layer runs three GEMMs plus o_proj. The MLP of a layer is a
-callable (`DenseMLP` here; MoE families plug theirs in through `mlp_factory`). Every tensor is taken
-with the shape the config implies (engine/models/weights.py: a misfit is one error line at load).
+Weights arrive with Hugging Face names; q/k/v are fused into one [Q+2K, hidden] matrix and gate/up
+into one [2I, hidden] matrix at load, so each layer runs three GEMMs plus o_proj. The MLP of a layer
+is a callable (`DenseMLP` here; MoE families plug theirs in through `mlp_factory`). Every tensor is
+taken with the shape the config implies (engine/models/weights.py: a misfit is one error line at
+load).
 
 Dimension legend: T tokens, H query heads, G kv heads, Dh head_dim (from the config; Qwen3's need
 not be hidden / H), Q = H * Dh, K = G * Dh, I intermediate size.
@@ -47,7 +48,8 @@ class DenseMLP:
         return self.down(F.silu(gate) * up)
 
 
-MLPFactory = Callable[[ModelConfig, Weights, int, LinearFactory], Callable[[torch.Tensor], torch.Tensor]]
+MLPFactory = Callable[[ModelConfig, Weights, int,
+                       LinearFactory], Callable[[torch.Tensor], torch.Tensor]]
 
 
 def dense_mlp_factory(config: ModelConfig, weights: Weights, layer: int,
@@ -57,7 +59,8 @@ def dense_mlp_factory(config: ModelConfig, weights: Weights, layer: int,
     gate_up = fuse_rows([take(weights, p + "gate_proj.weight", (inter, hidden)),
                          take(weights, p + "up_proj.weight", (inter, hidden))])
     return DenseMLP(make_linear(p + "gate_up_proj.weight", gate_up),
-                    make_linear(p + "down_proj.weight", take(weights, p + "down_proj.weight", (hidden, inter))))
+                    make_linear(p + "down_proj.weight",
+                                take(weights, p + "down_proj.weight", (hidden, inter))))
 
 
 @dataclass
@@ -86,7 +89,8 @@ class LlamaModel(VocabEnds):
         vocab_hidden = (config.vocab_size, config.hidden_size)
         self.embed_tokens = self._place(take(weights, "model.embed_tokens.weight", vocab_hidden))
         self.norm = self._place(take(weights, "model.norm.weight", (config.hidden_size,)))
-        self.lm_head = make_linear("lm_head.weight", lm_head_weight(config, weights, self.embed_tokens))
+        self.lm_head = make_linear("lm_head.weight",
+                                   lm_head_weight(config, weights, self.embed_tokens))
         scaling = dict(config.rope_scaling) if config.rope_scaling else None
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, scaling, dtype, device)
@@ -101,7 +105,8 @@ class LlamaModel(VocabEnds):
         qkv = fuse_rows([take(weights, f"{p}{n}_proj.weight", (rows[n], hidden)) for n in "qkv"])
         bias = None
         if cfg.attention_bias:
-            bias = self._place(torch.cat([take(weights, f"{p}{n}_proj.bias", (rows[n],)) for n in "qkv"]))
+            bias = self._place(torch.cat([take(weights, f"{p}{n}_proj.bias", (rows[n],))
+                                          for n in "qkv"]))
         qkv_linear = (DenseLinear(self._place(qkv), bias) if bias is not None
                       else make_linear(p + "qkv_proj.weight", qkv))
         o_weight = take(weights, p + "o_proj.weight", (hidden, self.q_size))
@@ -117,7 +122,8 @@ class LlamaModel(VocabEnds):
                                       (cfg.head_dim,) if per_head else (self.kv_size,)))
         norm_shape = (hidden,)
         return DecoderLayer(
-            input_norm=self._place(take(weights, f"model.layers.{i}.input_layernorm.weight", norm_shape)),
+            input_norm=self._place(take(weights, f"model.layers.{i}.input_layernorm.weight",
+                                        norm_shape)),
             post_attention_norm=self._place(
                 take(weights, f"model.layers.{i}.post_attention_layernorm.weight", norm_shape)),
             qkv=qkv_linear,

@@ -1,5 +1,5 @@
-"""Llama 4 text (Llama4ForCausalLM, model_type llama4_text) over the paged KV cache, verified against
-transformers' Llama4 modeling.
+"""Llama 4 text (Llama4ForCausalLM, model_type llama4_text) over the paged KV cache, verified
+against transformers' Llama4 modeling.
 
 Dimension legend: T tokens in the step, H query heads, G kv heads, Dh head dim, Q = H * Dh,
 K = G * Dh, E experts, k experts per token, I expert (and shared expert) size, M dense MLP size.
@@ -8,20 +8,23 @@ K = G * Dh, E experts, k experts per token, I expert (and shared expert) size, M
     per layer, RoPE (chunked local attention of chunk C) or NoPE (global):
         x = rms_norm(hidden)
         q, k, v = x @ Wqkv^T                          one fused [Q + 2K, hidden] GEMM
-        RoPE layer:  q, k = rope(q), rope(k)          then, with use_qk_norm, q, k = l2_norm(q), l2_norm(k)
-                                                      (per head over Dh, no weight, eps = rms_norm_eps)
-        NoPE layer:  q *= 1 + attn_scale * log1p(floor((p + 1) / floor_scale))   (temperature tuning)
+        RoPE layer:  q, k = rope(q), rope(k)          then, with use_qk_norm, q, k = l2_norm(q),
+                                                      l2_norm(k) (per head over Dh, no weight, eps =
+                                                      rms_norm_eps)
+        NoPE layer:  q *= 1 + attn_scale * log1p(floor((p + 1) / floor_scale))
+                                                      (temperature tuning)
         attn = attention(q, k, v, scale=Dh ** -0.5, RoPE layer: its own chunk of C positions only)
         hidden += attn @ Wo^T
         x = rms_norm(hidden)
         MoE layer:   hidden += shared(x) + sum_k expert_{e_k}(x * sigmoid(top-k router logit_k))
                      (the router's score scales the expert's input, not its output)
-        dense layer: hidden += W_down(silu(x W_gate) * x W_up)          (size M = intermediate_size_mlp)
+        dense layer: hidden += W_down(silu(x W_gate) * x W_up)          (size M =
+                                                                         intermediate_size_mlp)
     final norm; lm head (untied by default).
 
-RoPE pairs: transformers rotates interleaved pairs (x[2i], x[2i + 1]) as complex numbers; the q/k rows
-of each head are permuted at load (evens, then odds) so the engine's rotate-half rope computes the same
-rotation. q . k is unchanged by one permutation of both, and so is the L2 norm.
+RoPE pairs: transformers rotates interleaved pairs (x[2i], x[2i + 1]) as complex numbers; the q/k
+rows of each head are permuted at load (evens, then odds) so the engine's rotate-half rope computes
+the same rotation. q . k is unchanged by one permutation of both, and so is the L2 norm.
 
 Attention backends: the torch backend (CPU) and the Triton kernels (CUDA) both mask chunks
 (engine/kernels/paged_attention.py, paged_decode.py: tested in Triton's interpreter).
@@ -53,10 +56,11 @@ from engine.models.weights import Weights, take
 class Llama4MoE:
     """x [T, hidden] -> [T, hidden]: sigmoid top-k routed SwiGLU experts plus a shared expert."""
 
-    def __init__(self, router: DenseLinear, w13: torch.Tensor | None, w2: torch.Tensor | None, top_k: int,
-                 shared: DenseMLP, native: NativeExperts | None = None) -> None:
+    def __init__(self, router: DenseLinear, w13: torch.Tensor | None, w2: torch.Tensor | None,
+                 top_k: int, shared: DenseMLP, native: NativeExperts | None = None) -> None:
         self.router = router  # [E, hidden]
-        self.w13 = w13  # [E, 2I, hidden]: gate rows, then up rows (None: `native` holds the experts)
+        # [E, 2I, hidden]: gate rows, then up rows (None: `native` holds the experts)
+        self.w13 = w13
         self.w2 = w2  # [E, hidden, I]
         self.top_k = top_k
         self.shared = shared
@@ -89,7 +93,8 @@ class Llama4Layer:
 
 
 def rope_pair_permutation(head_dim: int) -> torch.Tensor:
-    """[Dh] row order turning interleaved rope pairs (2i, 2i + 1) into rotate-half's (i, i + Dh / 2)."""
+    """[Dh] row order turning interleaved rope pairs (2i, 2i + 1) into rotate-half's (i, i + Dh /
+    2)."""
     return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
 
 
@@ -110,7 +115,8 @@ class Llama4Model(VocabEnds):
         h, v = config.hidden_size, config.vocab_size
         self.embed_tokens = self._place(take(weights, "model.embed_tokens.weight", (v, h)))
         self.norm = self._place(take(weights, "model.norm.weight", (h,)))
-        self.lm_head = make_linear("lm_head.weight", lm_head_weight(config, weights, self.embed_tokens))
+        self.lm_head = make_linear("lm_head.weight",
+                                   lm_head_weight(config, weights, self.embed_tokens))
         scaling = dict(config.rope_scaling) if config.rope_scaling else None
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, scaling, dtype, device)
@@ -133,14 +139,17 @@ class Llama4Model(VocabEnds):
         qkv = fuse_rows([q, k, take(weights, a + "v_proj.weight", (self.kv_size, h))])
         return Llama4Layer(
             input_norm=self._place(take(weights, p + "input_layernorm.weight", (h,))),
-            post_attention_norm=self._place(take(weights, p + "post_attention_layernorm.weight", (h,))),
+            post_attention_norm=self._place(take(weights, p + "post_attention_layernorm.weight",
+                                                 (h,))),
             qkv=make_linear(a + "qkv_proj.weight", qkv),
-            o_proj=make_linear(a + "o_proj.weight", take(weights, a + "o_proj.weight", (h, self.q_size))),
+            o_proj=make_linear(a + "o_proj.weight",
+                               take(weights, a + "o_proj.weight", (h, self.q_size))),
             mlp=self._load_mlp(weights, i, make_linear),
             uses_rope=self.llama4.rope_layers[i],
         )
 
-    def _load_mlp(self, weights: Weights, i: int, make_linear: LinearFactory) -> DenseMLP | Llama4MoE:
+    def _load_mlp(self, weights: Weights, i: int,
+                  make_linear: LinearFactory) -> DenseMLP | Llama4MoE:
         cfg, f = self.config, f"model.layers.{i}.feed_forward."
         h = cfg.hidden_size
 
@@ -155,7 +164,8 @@ class Llama4Model(VocabEnds):
             return swiglu(f, self.llama4.intermediate_size_mlp)
         num_experts, inter = cfg.num_experts, cfg.moe_intermediate_size
         what = f"llama4_text layer {i}"
-        router = DenseLinear(self._place(take(weights, f + "router.weight", (num_experts, h), what)))
+        router = DenseLinear(self._place(take(weights, f + "router.weight", (num_experts, h),
+                                              what)))
         gate_up = take(weights, f + "experts.gate_up_proj", (num_experts, h, 2 * inter), what)
         down = take(weights, f + "experts.down_proj", (num_experts, inter, h), what)
         w13, w2 = gate_up.transpose(1, 2), down.transpose(1, 2)  # [E, 2I, hidden], [E, hidden, I]
@@ -171,7 +181,8 @@ class Llama4Model(VocabEnds):
         """positions [T] -> the NoPE layers' query scale [T, 1, 1] float32."""
         cfg = self.llama4
         floor = torch.floor((positions.float() + 1.0) / cfg.floor_scale)
-        return (torch.log1p(floor) * cfg.attn_scale + 1.0)[:, None, None]  # float32, as transformers
+        # float32, as transformers
+        return (torch.log1p(floor) * cfg.attn_scale + 1.0)[:, None, None]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -18,7 +18,8 @@ _DENSE = {"llama", "mistral", "qwen2", "qwen3", "smollm"}
 _MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"}
 
 
-def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], attention: PagedAttentionBackend,
+def build_model(config: ModelConfig, weights: dict[str, torch.Tensor],
+                attention: PagedAttentionBackend,
                 make_linear: LinearFactory, device: torch.device = CPU,
                 dtype: torch.dtype = torch.float32) -> LlamaModel:
     arch = config.architecture
@@ -41,7 +42,8 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], attention
         from engine.models.gemma3 import Gemma3Model
 
         model = Gemma3Model(config, weights, attention, make_linear, device=device, dtype=dtype)  # type: ignore[assignment]
-    elif arch == "llama4_text":  # chunked RoPE layers, NoPE global layers, interleaved MoE (llama4.py)
+    # chunked RoPE layers, NoPE global layers, interleaved MoE (llama4.py)
+    elif arch == "llama4_text":
         from engine.models.llama4 import Llama4Model
 
         model = Llama4Model(config, weights, attention, make_linear, device=device, dtype=dtype)  # type: ignore[assignment]

@@ -27,7 +27,8 @@ class CheckpointMismatchError(ValueError):
 
 
 def take(weights: Weights, name: str, shape: Sequence[int] | None, what: str = "") -> torch.Tensor:
-    """Pop `name`; raise CheckpointMismatchError when it is missing or not of `shape` (None: any)."""
+    """Pop `name`; raise CheckpointMismatchError when it is missing or not of `shape` (None:
+    any)."""
     tensor = weights.pop(name, None)
     if tensor is None:
         where = f" ({what})" if what else ""

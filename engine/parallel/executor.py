@@ -2,7 +2,7 @@
 every rank at once.
 
     runner = TensorParallelRunner(config)   # ModelRunner's interface to LLMEngine
-    runner.execute(batch)                   # broadcast the batch (once per step), run rank 0's shard
+    runner.execute(batch)                   # broadcast the batch (once a step), run rank 0's shard
     runner.watch(callback)                  # called once with RankFailedError when a rank is lost
     runner.close()                          # stop the workers (they exit), or kill what is left
 
@@ -46,7 +46,8 @@ COLLECTIVE_TIMEOUT_S = 300.0  # a collective waiting this long on a silent rank 
 
 
 class TensorParallelStartError(ValueError):
-    """A rank could not start (one line: which rank, why). A ValueError: the CLI prints it as one line."""
+    """A rank could not start (one line: which rank, why). A ValueError: the CLI prints it as one
+    line."""
 
 
 class RankFailedError(RuntimeError):
@@ -65,7 +66,8 @@ class TensorParallelRunner:
         if config.device.startswith("cuda"):
             if torch.cuda.device_count() < self.world_size:
                 raise TensorParallelStartError(
-                    f"tensor_parallel_size {self.world_size} needs as many CUDA devices, this machine "
+                    f"tensor_parallel_size {self.world_size} needs as many CUDA devices, this "
+                    "machine "
                     f"has {torch.cuda.device_count()}")
         store = master_store(self.world_size, START_TIMEOUT_S)
         self._workers = [self._start_worker(rank, store.port) for rank in range(1, self.world_size)]
@@ -84,13 +86,13 @@ class TensorParallelRunner:
             threading.Thread(target=self._supervise, args=(rank, proc), name=f"tp-rank-{rank}",
                              daemon=True).start()
 
-    # ---- start-up ------------------------------------------------------------------------------------
+    # ---- start-up --------------------------------------------------------------------------------
     def _start_worker(self, rank: int, port: int) -> subprocess.Popen[bytes]:
         root = str(Path(__file__).resolve().parents[2])  # the directory holding engine/
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             p for p in (root, os.environ.get("PYTHONPATH")) if p))
-        proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.worker"], stdin=subprocess.PIPE,
-                                env=env)
+        proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.worker"],
+                                stdin=subprocess.PIPE, env=env)
         assert proc.stdin is not None
         proc.stdin.write(pickle.dumps(WorkerSpec(self.config, rank, self.world_size, port,
                                                  COLLECTIVE_TIMEOUT_S)))
@@ -107,7 +109,8 @@ class TensorParallelRunner:
                         f"tensor-parallel rank {rank} exited with code {proc.returncode} before "
                         "joining the replica")
             if time.monotonic() > deadline:
-                raise TensorParallelStartError(f"tensor-parallel ranks did not join in {START_TIMEOUT_S:.0f} s")
+                raise TensorParallelStartError("tensor-parallel ranks did not join in "
+                                               f"{START_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
 
     def _load(self, progress: bool) -> tuple:  # type: ignore[type-arg]
@@ -118,20 +121,23 @@ class TensorParallelRunner:
         except Exception as exc:  # noqa: BLE001 - every rank's status is gathered first
             status = startup_error(exc)
         try:
-            statuses = self.group.all_gather_object((status, step_kind(built[0]) if built else None))
+            statuses = self.group.all_gather_object((status,
+                                                     step_kind(built[0]) if built else None))
         except RuntimeError as exc:
             raise TensorParallelStartError(self._lost_rank_message(exc)) from None
         for rank, (line, _) in enumerate(statuses):
             if line:
-                raise TensorParallelStartError(f"tensor-parallel rank {rank} failed to start: {line}")
+                raise TensorParallelStartError(f"tensor-parallel rank {rank} failed to start: "
+                                               f"{line}")
         kinds = [kind for _, kind in statuses]
         if len(set(kinds)) > 1:  # their collectives or block ids would not line up
-            raise TensorParallelStartError("tensor-parallel ranks would run different steps: " + "; ".join(
+            raise TensorParallelStartError("tensor-parallel ranks would run different "
+                                           "steps: " + "; ".join(
                 f"rank {rank}: {kind}" for rank, kind in enumerate(kinds)))
         assert built is not None
         return built
 
-    # ---- ModelRunner's interface ---------------------------------------------------------------------
+    # ---- ModelRunner's interface -----------------------------------------------------------------
     def execute(self, batch: ScheduledBatch) -> StepLogits:
         with self._lock:
             if self._failure is not None:
@@ -176,7 +182,7 @@ class TensorParallelRunner:
     def max_num_tokens_per_sequence(self, chunk_tokens: int) -> int:
         return self.runner.max_num_tokens_per_sequence(chunk_tokens)
 
-    # ---- supervision ---------------------------------------------------------------------------------
+    # ---- supervision -----------------------------------------------------------------------------
     @property
     def failure(self) -> RankFailedError | None:
         return self._failure
@@ -211,9 +217,10 @@ class TensorParallelRunner:
                 if proc.poll() is not None:
                     return f"tensor-parallel rank {rank} exited with code {proc.returncode}"
             time.sleep(0.05)
-        return f"tensor-parallel collective failed: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+        return ("tensor-parallel collective failed: "
+                f"{str(exc).splitlines()[0] if str(exc) else exc!r}")
 
-    # ---- shutdown ------------------------------------------------------------------------------------
+    # ---- shutdown --------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the workers (a None batch: they exit 0), waiting up to 10 s; kill what is left."""
         if self._closing:

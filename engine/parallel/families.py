@@ -7,12 +7,12 @@ deepseek_v2.py, olmoe.py):
                   per-head q/k norms and all four layer norms replicated. Its norms after o_proj and
                   after down act on the summed output, so the all-reduces wrap o_proj and down (not
                   the whole MLP); the final soft-cap runs on rank 0's gathered logits.
-    llama4_text   attention as Llama (the q/k rope-row permutation and the L2 q/k norm are per head);
-                  MoE layers: router [E, Hd] replicated, experts gate_up_proj [E, Hd, 2I] -> the
-                  rank's columns of both halves, down_proj [E, I, Hd] -> its rows, the shared expert
-                  split as an MLP of I; dense layers: an MLP of intermediate_size_mlp, split the same
-                  way. Routed and shared outputs are partial sums added before the layer's one
-                  all-reduce.
+    llama4_text   attention as Llama (the q/k rope-row permutation and the L2 q/k norm are per
+                  head); MoE layers: router [E, Hd] replicated, experts gate_up_proj [E, Hd, 2I] ->
+                  the rank's columns of both halves, down_proj [E, I, Hd] -> its rows, the shared
+                  expert split as an MLP of I; dense layers: an MLP of intermediate_size_mlp, split
+                  the same way. Routed and shared outputs are partial sums added before the layer's
+                  one all-reduce.
     gpt_oss       the rank's heads' q/k/v rows and biases, and their sinks [H]; o_proj's bias
                   replicated and added after the all-reduce (the model adds it outside o_proj);
                   router replicated; experts split on I in whole 32-value MXFP4 blocks where I
@@ -26,8 +26,9 @@ deepseek_v2.py, olmoe.py):
                   routed experts and the shared experts split on their intermediate dims, the
                   first_k_dense_replace dense layers as an MLP. MTP-layer tensors are not read.
     olmoe         Llama's rules, with its q/k norm weights [Q], [K] cut to the rank's heads; the
-                  norm's sums of squares are all-reduced ([T, 2] a layer: engine/parallel/layers.py),
-                  so it still spans every head (refused where kv heads would be replicated).
+                  norm's sums of squares are all-reduced ([T, 2] a layer:
+                  engine/parallel/layers.py), so it still spans every head (refused where kv heads
+                  would be replicated).
 """
 
 from __future__ import annotations
@@ -51,15 +52,16 @@ def check_splits(config: ModelConfig, world_size: int) -> None:
     """Refuse, in one line, a family model that does not split `world_size` ways."""
     if config.architecture == "deepseek_v3" and config.num_heads % world_size:
         raise TensorParallelConfigError(
-            f"deepseek_v3: {config.num_heads} attention heads do not split across {world_size} ranks "
-            "(the latent is replicated; the heads are split evenly)")
+            f"deepseek_v3: {config.num_heads} attention heads do not split across {world_size} "
+            "ranks (the latent is replicated; the heads are split evenly)")
 
 
 def expert_intermediate(config: ModelConfig, rank: int, world_size: int) -> range:
     """The rank's part of moe_intermediate_size: gpt-oss in whole MXFP4 blocks where there are at
     least as many blocks as ranks (gpt-oss-20b's 2880 = 90 blocks: 22 + 23 + 22 + 23 on 4 ranks)."""
     size = config.moe_intermediate_size
-    if config.architecture == "gpt_oss" and size % MXFP4_BLOCK == 0 and size // MXFP4_BLOCK >= world_size:
+    if (config.architecture == "gpt_oss" and size % MXFP4_BLOCK == 0
+        and size // MXFP4_BLOCK >= world_size):
         blocks = split_range(size // MXFP4_BLOCK, rank, world_size)
         return range(blocks.start * MXFP4_BLOCK, blocks.stop * MXFP4_BLOCK)
     return split_range(size, rank, world_size)
@@ -82,7 +84,8 @@ def local_changes(config: ModelConfig, plan: ShardPlan) -> dict[str, object]:
 def is_skipped(name: str, config: ModelConfig) -> bool:
     """A checkpoint tensor a rank does not read: DeepSeek's MTP layers (index >= num_layers)."""
     match = _LAYER_INDEX.match(name)
-    return config.architecture == "deepseek_v3" and match is not None and int(match[1]) >= config.num_layers
+    return (config.architecture == "deepseek_v3" and match is not None
+            and int(match[1]) >= config.num_layers)
 
 
 def _rows(r: range, per: int) -> Ranges:
@@ -95,7 +98,8 @@ def layer_slices(leaf: str, shape: tuple[int, ...], config: ModelConfig, plan: S
     Llama rules apply (engine/parallel/shard.py)."""
     arch = config.architecture
     whole: Slices = (None,) * len(shape)
-    if arch == "olmoe" and leaf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):  # [Q], [K]
+    # [Q], [K]
+    if arch == "olmoe" and leaf in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
         heads = plan.q_heads if leaf.startswith("self_attn.q") else plan.kv_heads
         return (_rows(heads, config.head_dim),)
     if arch == "gemma3_text":
@@ -122,7 +126,8 @@ def _llama4(leaf: str, whole: Slices, config: ModelConfig, plan: ShardPlan) -> S
         return (None, None, [r, range(inter + r.start, inter + r.stop)])
     if f == "experts.down_proj":  # [E, I, Hd]
         return (None, [r], None)
-    rows = plan.shared_intermediate if f.startswith("shared_expert.") else llama4_mlp_intermediate(config, plan)
+    rows = (plan.shared_intermediate if f.startswith("shared_expert.")
+            else llama4_mlp_intermediate(config, plan))
     f = f.removeprefix("shared_expert.")
     if f in ("gate_proj.weight", "up_proj.weight"):
         return ([rows], None)
@@ -142,11 +147,13 @@ def _gpt_oss(leaf: str, whole: Slices, config: ModelConfig, plan: ShardPlan) -> 
     if leaf == "mlp.experts.gate_up_proj":  # [E, Hd, 2I]
         return (None, None, pairs)
     if leaf in ("mlp.experts.gate_up_proj_bias", "mlp.experts.gate_up_proj_blocks",
-                "mlp.experts.gate_up_proj_scales"):  # [E, 2I], [E, 2I, Hd / 32, 16], [E, 2I, Hd / 32]
+                # [E, 2I], [E, 2I, Hd / 32, 16], [E, 2I, Hd / 32]
+                "mlp.experts.gate_up_proj_scales"):
         return (None, pairs, *whole[2:])
     if leaf == "mlp.experts.down_proj":  # [E, I, Hd]
         return (None, [r], None)
-    if leaf in ("mlp.experts.down_proj_blocks", "mlp.experts.down_proj_scales"):  # [E, Hd, I / 32, ...]
+    # [E, Hd, I / 32, ...]
+    if leaf in ("mlp.experts.down_proj_blocks", "mlp.experts.down_proj_scales"):
         if r.start % MXFP4_BLOCK or r.stop % MXFP4_BLOCK:
             raise TensorParallelConfigError(
                 f"gpt_oss: MXFP4 experts split in whole blocks of {MXFP4_BLOCK}: intermediate_size "
@@ -177,8 +184,8 @@ def _deepseek_v3(leaf: str, whole: Slices, config: ModelConfig, plan: ShardPlan)
 
 
 def parallelize(model, plan: ShardPlan) -> None:  # type: ignore[no-untyped-def]
-    """Family changes to a shard-built model before its layers are wrapped (engine/parallel/layers.py):
-    gpt-oss's expert down-projection bias stays on rank 0 only."""
+    """Family changes to a shard-built model before its layers are wrapped
+    (engine/parallel/layers.py): gpt-oss's expert down-projection bias stays on rank 0 only."""
     if model.config.architecture == "gpt_oss" and plan.rank:
         for layer in model.layers:  # (GptOssExperts, or NativeExperts on the CPU q4 path)
             bias = layer.mlp.experts.w2_bias  # [E, Hd], added per routed expert

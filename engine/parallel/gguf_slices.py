@@ -87,14 +87,17 @@ def load_gguf_slices(path: Path, rank: int, world_size: int, dtype: torch.dtype,
             unaligned.append(info.name)
             continue
         rows = weights[name].shape[0]  # the vocab shard's padding rows: zero bytes, zero weights
-        blocks = np.concatenate([blocks, np.zeros((rows - blocks.shape[0], blocks.shape[1]), np.uint8)])
-        raw[name] = RawQuantized(ggml_type=ggml_type.name, shape=tuple(weights[name].shape), data=blocks)
+        blocks = np.concatenate([blocks,
+                                 np.zeros((rows - blocks.shape[0], blocks.shape[1]), np.uint8)])
+        raw[name] = RawQuantized(ggml_type=ggml_type.name, shape=tuple(weights[name].shape),
+                                 data=blocks)
     if unaligned:
-        logger.warning("tensor-parallel rank %d/%d: %d quantized weights (%s) do not split into whole "
-                       "quantization blocks and groups of %d rows on every rank: the file's blocks are not "
-                       "used for them (served as a float checkpoint's weights)",
+        logger.warning("tensor-parallel rank %d/%d: %d quantized weights (%s) do not split into "
+                       "whole quantization blocks and groups of %d rows on every rank: the file's "
+                       "blocks are not used for them (served as a float checkpoint's weights)",
                        rank, world_size, len(unaligned),
-                       ", ".join(unaligned[:4]) + (", ..." if len(unaligned) > 4 else ""), ROW_GROUP)
+                       ", ".join(unaligned[:4]) + (", ..." if len(unaligned) > 4 else ""),
+                       ROW_GROUP)
     if stacked:
         _fuse_stacked_experts(stacked)
         for name, tensor in stacked.items():
@@ -105,13 +108,16 @@ def load_gguf_slices(path: Path, rank: int, world_size: int, dtype: torch.dtype,
 
 def _tensor_view(file_bytes: np.ndarray, info: GGUFTensorInfo, ggml_type: gguf.GGMLQuantizationType
                  ) -> np.ndarray:
-    """The tensor in the mapped file (no read yet): elements for float types, [rows, row bytes] else."""
+    """The tensor in the mapped file (no read yet): elements for float types, [rows, row bytes]
+    else."""
     element_type = _NUMPY_ELEMENT_TYPES.get(ggml_type)
     if element_type is not None:
         count = int(np.prod(info.shape)) * np.dtype(element_type).itemsize
-        return file_bytes[info.data_offset:info.data_offset + count].view(element_type).reshape(info.shape)
+        return (file_bytes[info.data_offset:info.data_offset + count].view(element_type)
+                .reshape(info.shape))
     byte_shape = gguf.quant_shape_to_byte_shape(info.shape, ggml_type)
-    return file_bytes[info.data_offset:info.data_offset + int(np.prod(byte_shape))].reshape(byte_shape)
+    return (file_bytes[info.data_offset:info.data_offset + int(np.prod(byte_shape))]
+            .reshape(byte_shape))
 
 
 def _rows(ranges: Ranges | None, num_rows: int, order: np.ndarray | None) -> np.ndarray:
@@ -120,7 +126,8 @@ def _rows(ranges: Ranges | None, num_rows: int, order: np.ndarray | None) -> np.
     return order[rows] if order is not None else rows
 
 
-_WHOLE_ARRAY_TYPES = {gguf.GGMLQuantizationType.Q4_0: gguf.quants.Q4_0, gguf.GGMLQuantizationType.Q4_1:
+_WHOLE_ARRAY_TYPES = {gguf.GGMLQuantizationType.Q4_0: gguf.quants.Q4_0,
+                      gguf.GGMLQuantizationType.Q4_1:
                       gguf.quants.Q4_1, gguf.GGMLQuantizationType.Q8_0: gguf.quants.Q8_0}
 
 
@@ -154,11 +161,13 @@ def _read(view: np.ndarray, shape: tuple[int, ...], ggml_type: gguf.GGMLQuantiza
           config: ModelConfig, plan: ShardPlan, order: np.ndarray | None
           ) -> tuple[torch.Tensor, np.ndarray | None]:
     """The rank's part of one 1-D / 2-D tensor, reading only its rows (and block-aligned columns);
-    -> (float values, the slice's quantized blocks [rows, bytes] when it is whole blocks, else None)."""
+    -> (float values, the slice's quantized blocks [rows, bytes] when it is whole blocks, else
+    None)."""
     slices = tensor_slices(name, shape, config, plan)
     if len(shape) == 1:
         values = gguf.quants.dequantize(np.array(view), ggml_type)
-        return take_slices(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)), slices), None
+        return take_slices(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)),
+                           slices), None
     rows = view[_rows(slices[0], shape[0], order)]  # fancy index: reads those rows only
     cols = slices[1]
     if cols is not None and ggml_type in _FLOAT_TYPES:
@@ -167,7 +176,8 @@ def _read(view: np.ndarray, shape: tuple[int, ...], ggml_type: gguf.GGMLQuantiza
         block_elements, block_bytes = gguf.GGML_QUANT_SIZES[ggml_type]
         if all(r.start % block_elements == 0 and r.stop % block_elements == 0 for r in cols):
             rows = np.concatenate([rows[:, r.start // block_elements * block_bytes:
-                                        r.stop // block_elements * block_bytes] for r in cols], axis=1)
+                                        r.stop // block_elements * block_bytes] for r in cols],
+                                  axis=1)
             cols = None
     rows = np.ascontiguousarray(rows)
     values = torch.from_numpy(np.ascontiguousarray(_dequantize(rows, ggml_type), dtype=np.float32))

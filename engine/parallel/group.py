@@ -1,7 +1,7 @@
 """The process group of a tensor-parallel replica and the collectives its layers call.
 
-    store = master_store(timeout_s)                     # rank 0, before it starts the workers
-    group = join_group(store, rank, world_size, device) # every rank (rank 0 after the workers joined)
+    store = master_store(timeout_s)  # rank 0, before it starts the workers
+    group = join_group(store, rank, world_size, device)  # every rank (rank 0 after workers joined)
 
 Two groups, as vLLM keeps them: `device_group` for tensors (NCCL on CUDA, gloo on the CPU) and
 `cpu_group` (always gloo) for the per-step batch metadata, a pickled Python object. Every
@@ -40,7 +40,8 @@ class TPGroup:
         self.rank = rank
         self.world_size = world_size
         self.device_group = dist.group.WORLD
-        self.cpu_group = dist.new_group(backend="gloo") if device_type == "cuda" else dist.group.WORLD
+        self.cpu_group = (dist.new_group(backend="gloo") if device_type == "cuda"
+                          else dist.group.WORLD)
         self.comm_s = 0.0  # seconds spent in collectives (see the module doc)
         self.num_collectives = 0
         self.comm_by_kind: dict[str, list[float]] = {}  # kind -> [count, seconds, bytes]

@@ -53,7 +53,8 @@ class VocabParallelEmbedding:
 
 
 class VocabParallelHead(LinearWeight):
-    """hidden [S, Hd] -> logits: [S, V] on rank 0 (the padding rows cut), the rank's [S, V / N] elsewhere."""
+    """hidden [S, Hd] -> logits: [S, V] on rank 0 (the padding rows cut), the rank's [S, V / N]
+    elsewhere."""
 
     def __init__(self, inner: LinearWeight, plan: ShardPlan, group: TPGroup) -> None:
         self.inner = inner
@@ -78,12 +79,15 @@ class ProjectionQKNorm:
         self.eps = eps
         self.group = group
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, layer) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    def __call__(self, q: torch.Tensor, k: torch.Tensor,  # type: ignore[no-untyped-def]
+                 layer) -> tuple[torch.Tensor, torch.Tensor]:
         q32, k32 = q.float(), k.float()
-        sums = self.group.all_reduce(torch.stack([q32.pow(2).sum(-1), k32.pow(2).sum(-1)], dim=-1))  # [T, 2]
+        # [T, 2]
+        sums = self.group.all_reduce(torch.stack([q32.pow(2).sum(-1), k32.pow(2).sum(-1)], dim=-1))
         q_scale = torch.rsqrt(sums[:, :1] / self.q_size + self.eps)  # [T, 1]
         k_scale = torch.rsqrt(sums[:, 1:] / self.kv_size + self.eps)
-        return layer.q_norm * (q32 * q_scale).to(q.dtype), layer.k_norm * (k32 * k_scale).to(k.dtype)
+        return (layer.q_norm * (q32 * q_scale).to(q.dtype),
+                layer.k_norm * (k32 * k_scale).to(k.dtype))
 
 
 def parallelize(model, plan: ShardPlan, group: TPGroup) -> None:  # type: ignore[no-untyped-def]
@@ -101,6 +105,7 @@ def parallelize(model, plan: ShardPlan, group: TPGroup) -> None:  # type: ignore
     if model.config.qk_norm == "projection":  # OLMoE (plan_shard refuses replicated kv heads here)
         dh, group_size = model.config.head_dim, len(plan.q_heads) // len(plan.kv_heads)
         model.projection_qk_norm = ProjectionQKNorm(plan.total_kv_heads * group_size * dh,
-                                                    plan.total_kv_heads * dh, model.config.rms_norm_eps, group)
+                                                    plan.total_kv_heads * dh,
+                                                    model.config.rms_norm_eps, group)
     model.embed = VocabParallelEmbedding(model.embed_tokens, plan, group)
     model.lm_head = VocabParallelHead(model.lm_head, plan, group)

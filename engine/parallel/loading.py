@@ -20,7 +20,8 @@ from engine.parallel.plan import plan_shard
 from engine.parallel.shard import Slices, pad_vocab, shard_weights, take_slices, tensor_slices
 
 
-def load_rank_weights(path: str | Path, rank: int, world_size: int, dtype: torch.dtype = torch.float32,
+def load_rank_weights(path: str | Path, rank: int, world_size: int,
+                      dtype: torch.dtype = torch.float32,
                       progress: bool = False, raw: dict | None = None  # type: ignore[type-arg]
                       ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """`raw` (the q4 mode): filled with the rank's quantized blocks where the format has them
@@ -56,7 +57,8 @@ def _load_safetensors_slices(directory: Path, rank: int, world_size: int, dtype:
     config = model_config_from_hf(directory)
     plan = plan_shard(config, rank, world_size)
     raw_config = _read_json(directory / "config.json")
-    rename = _tensor_renamer(raw_config)  # llama4's multimodal files: language_model.* -> the text model's
+    # llama4's multimodal files: language_model.* -> the text model's
+    rename = _tensor_renamer(raw_config)
     fp8_block = fp8_block_size(raw_config)
     files = sorted(directory.glob("*.safetensors"))
     if not files:
@@ -78,7 +80,8 @@ def _load_safetensors_slices(directory: Path, rank: int, world_size: int, dtype:
                 shape = tuple(part.get_shape())
                 slices = tensor_slices(name, shape, config, plan)
                 if stored_name + SCALE_SUFFIX in scale_files:
-                    tensor = _fp8_slices(f.get_tensor(stored_name), scale_files[stored_name + SCALE_SUFFIX],
+                    tensor = _fp8_slices(f.get_tensor(stored_name),
+                                         scale_files[stored_name + SCALE_SUFFIX],
                                          stored_name, fp8_block, slices)  # type: ignore[arg-type]
                 else:
                     tensor = _read_slices(part, shape, slices)

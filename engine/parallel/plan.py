@@ -31,7 +31,8 @@ from engine.config import ModelConfig
 
 _TP_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm",
                                "mixtral", "qwen2_moe", "qwen3_moe",
-                               "olmoe", "gemma3_text", "llama4_text", "gpt_oss", "deepseek_v3"})  # (families.py)
+                               # (families.py)
+                               "olmoe", "gemma3_text", "llama4_text", "gpt_oss", "deepseek_v3"})
 
 
 class TensorParallelConfigError(ValueError):
@@ -68,7 +69,8 @@ split_range = _split  # rank's part of a dim of `size` (engine/parallel/families
 
 
 def plan_shard(config: ModelConfig, rank: int, world_size: int) -> ShardPlan:
-    """The plan for `rank`; TensorParallelConfigError when `config` does not split `world_size` ways."""
+    """The plan for `rank`; TensorParallelConfigError when `config` does not split `world_size`
+    ways."""
     from engine.parallel import families
 
     arch = config.architecture
@@ -77,8 +79,8 @@ def plan_shard(config: ModelConfig, rank: int, world_size: int) -> ShardPlan:
             f"tensor parallelism serves {sorted(_TP_ARCHITECTURES)}, not {arch!r}")
     if config.qk_norm == "projection" and config.num_kv_heads < world_size:
         raise TensorParallelConfigError(
-            f"{arch}: q/k norm over all heads is not split with kv heads replicated ({config.num_kv_heads} "
-            f"kv heads, {world_size} ranks)")
+            f"{arch}: q/k norm over all heads is not split with kv heads replicated "
+            f"({config.num_kv_heads} kv heads, {world_size} ranks)")
     families.check_splits(config, world_size)
     heads, kv, n = config.num_heads, config.num_kv_heads, world_size
     group = heads // kv  # query heads per kv head
@@ -94,8 +96,9 @@ def plan_shard(config: ModelConfig, rank: int, world_size: int) -> ShardPlan:
         total_kv = n
     else:
         raise TensorParallelConfigError(
-            f"{heads} query heads and {kv} kv heads do not split across {n} ranks (with fewer kv heads "
-            "than ranks, the ranks must be a multiple of the kv heads and divide the query heads)")
+            f"{heads} query heads and {kv} kv heads do not split across {n} ranks (with fewer kv "
+            "heads than ranks, the ranks must be a multiple of the kv heads and divide the query "
+            "heads)")
     if config.intermediate_size and config.intermediate_size < n:
         raise TensorParallelConfigError(f"intermediate_size {config.intermediate_size} < {n} ranks")
     local_vocab = -(-config.vocab_size // n)

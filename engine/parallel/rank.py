@@ -34,7 +34,8 @@ class RankShard:
         parallelize(model, self.plan, self.group)
 
     def native_step(self, model, decode_weights: str):  # type: ignore[no-untyped-def]
-        """The rank's native step (engine/parallel/native_step.py) for a parallelized model, or None."""
+        """The rank's native step (engine/parallel/native_step.py) for a parallelized model, or
+        None."""
         from engine.parallel.native_step import parallel_native_step
 
         return parallel_native_step(model, decode_weights, self.group)
@@ -47,7 +48,9 @@ class RankShard:
 def step_kind(runner: ModelRunner) -> str:
     """What a rank's steps run; every rank's must be the same (the same collectives in the same
     order, the same KV blocks), which start-up checks."""
-    return f"step {runner.compute_info['native_step']}, KV {runner.kv_dtype} x {runner.num_blocks} blocks"
+    return (f"step {runner.compute_info['native_step']}, KV {runner.kv_dtype} x "
+            f"{runner.num_blocks} "
+            "blocks")
 
 
 def rank_engine_config(config: EngineConfig, rank: int) -> EngineConfig:
@@ -72,12 +75,14 @@ def build_rank_runner(config: EngineConfig, group: TPGroup, progress: bool = Fal
     raw: dict = {}  # type: ignore[type-arg]  # the q4 mode: the rank's quantized blocks
     full_config, weights = load_rank_weights(config.model_path, group.rank, group.world_size,
                                              progress=progress,
-                                             raw=raw if rank_config.decode_weights == "q4" else None)
+                                             raw=(raw if rank_config.decode_weights == "q4"
+                                                  else None))
     plan = plan_shard(full_config, group.rank, group.world_size)
     runner = ModelRunner(rank_config, local_config(full_config, plan), weights, raw,
                          RankShard(plan, group))
-    logger.info("tensor-parallel rank %d/%d: query heads %d-%d, kv heads %d-%d, %d threads, weights %s, "
-                "step %s", group.rank, group.world_size, plan.q_heads.start, plan.q_heads.stop - 1,
-                plan.kv_heads.start, plan.kv_heads.stop - 1, torch.get_num_threads(),
-                runner.compute_info["weights"], runner.compute_info["native_step"])
+    logger.info("tensor-parallel rank %d/%d: query heads %d-%d, kv heads %d-%d, %d threads, "
+                "weights %s, step %s", group.rank, group.world_size, plan.q_heads.start,
+                plan.q_heads.stop - 1, plan.kv_heads.start, plan.kv_heads.stop - 1,
+                torch.get_num_threads(), runner.compute_info["weights"],
+                runner.compute_info["native_step"])
     return runner, full_config

@@ -1,4 +1,5 @@
-"""A rank's slice of each checkpoint tensor, by Hugging Face name (the rules: engine/parallel/plan.py).
+"""A rank's slice of each checkpoint tensor, by Hugging Face name (the rules:
+engine/parallel/plan.py).
 
     slices = tensor_slices(name, shape, config, plan)   # per dim: a list of index ranges, or None
     weights = shard_weights(full_weights, config, plan)  # the rank's tensors, same names
@@ -23,7 +24,8 @@ Slices = tuple[Ranges | None, ...]  # per dim; None: the whole dim
 
 _LAYER = re.compile(r"model\.layers\.\d+\.(.+)")
 _EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.\d+\.(\w+)\.weight")
-_REPLICATED = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
+_REPLICATED = ("input_layernorm.weight", "post_attention_layernorm.weight",
+               "self_attn.q_norm.weight",
                "self_attn.k_norm.weight", "mlp.gate.weight", "block_sparse_moe.gate.weight",
                "mlp.shared_expert_gate.weight")
 
@@ -32,7 +34,8 @@ def _scaled(heads: range, head_dim: int) -> Ranges:
     return [range(heads.start * head_dim, heads.stop * head_dim)]
 
 
-def tensor_slices(name: str, shape: tuple[int, ...], config: ModelConfig, plan: ShardPlan) -> Slices:
+def tensor_slices(name: str, shape: tuple[int, ...], config: ModelConfig,
+                  plan: ShardPlan) -> Slices:
     """What rank `plan.rank` keeps of tensor `name` of `shape` (all dims None: replicated)."""
     dh = config.head_dim
     whole: Slices = (None,) * len(shape)
@@ -104,5 +107,6 @@ def shard_weights(weights: dict[str, torch.Tensor], config: ModelConfig, plan: S
         if is_skipped(name, config):
             continue
         out[name] = pad_vocab(name, take_slices(tensor, tensor_slices(name, tuple(tensor.shape),
-                                                                      config, plan)), plan).contiguous()
+                                                                      config, plan)),
+                              plan).contiguous()
     return out

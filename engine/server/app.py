@@ -79,7 +79,8 @@ class QuietAccessLogger(AccessLogger):
 async def _log_lifecycle(app: web.Application) -> AsyncIterator[None]:
     ctx = app[SERVING_KEY]
     log.info("replica %s serving %s (%s)", ctx.engine.replica_id, ctx.engine.model_config.model_id,
-             ", ".join(f"{k}={v}" for k, v in (getattr(ctx.engine, "compute_info", None) or {}).items()
+             ", ".join(f"{k}={v}"
+                       for k, v in (getattr(ctx.engine, "compute_info", None) or {}).items()
                        if k != "cpu_features"))
     yield
     log.info("replica %s HTTP server stopped", ctx.engine.replica_id)

@@ -1,9 +1,9 @@
 """Chat completion responses from a started FanOut: one JSON body, or an SSE stream.
 
 Streams follow OpenAI: per choice a first delta {role: "assistant", content: ""}, then content
-(and tool-call, and `reasoning_content`) deltas, then an empty delta carrying finish_reason; a usage chunk (choices: [])
-when stream_options.include_usage; then `data: [DONE]`. If the engine fails mid-stream, an error
-event `data: {"error": {...}}` is sent and the stream closes without [DONE].
+(and tool-call, and `reasoning_content`) deltas, then an empty delta carrying finish_reason; a usage
+chunk (choices: []) when stream_options.include_usage; then `data: [DONE]`. If the engine fails
+mid-stream, an error event `data: {"error": {...}}` is sent and the stream closes without [DONE].
 
 Every answer goes through the checkpoint's output parser (chat/output.py, chosen by
 chat/registry.py): reasoning (`<think>`, harmony's analysis channel) comes out as the message's

@@ -12,12 +12,14 @@ the server as outputs stream out:
     aigw_replica_prefix_cache_hit_tokens_total            counter
     aigw_replica_prefix_cache_hit_ratio                   gauge (hit / queried, 0 when none)
     aigw_replica_preemptions_total                        counter
-    aigw_replica_reserved_share_preemptions_total         counter (of them, taking a reserved share back)
+    aigw_replica_reserved_share_preemptions_total         counter (of them, taking a reserved share
+                                                                   back)
     aigw_replica_flex_promotions_total                    counter (flex requests aged into default)
     aigw_replica_kv_host_tier_hit_tokens_total            counter (of the hit tokens, restored from
                                                                    the second KV tier)
     aigw_replica_kv_host_tier_blocks / _bytes / _budget_bytes      gauge
-    aigw_replica_kv_host_tier_offloaded_blocks_total      counter (evicted from the pool into the tier)
+    aigw_replica_kv_host_tier_offloaded_blocks_total      counter (evicted from the pool into the
+                                                                   tier)
     aigw_replica_kv_host_tier_restored_blocks_total       counter (copied back on a prefix hit)
     aigw_replica_kv_host_tier_dropped_blocks_total        counter (gave their slot up to newer ones,
                                                                    or evicted when none was free)
@@ -33,7 +35,8 @@ Latency targets and classes (engine/slo.py), label service_tier (priority, defau
     aigw_replica_predicted_queue_delay_ms{service_tier}   gauge (work ahead of a new request)
     aigw_replica_step_token_budget                        gauge (the step plan's tokens)
     aigw_replica_step_max_num_running                     gauge (the step plan's running batch cap)
-    aigw_replica_prefill_ms_per_token                     gauge (the step-time model's, once measured)
+    aigw_replica_prefill_ms_per_token                     gauge (the step-time model's, once
+                                                                 measured)
     aigw_replica_ttft_target_ms{service_tier} / aigw_replica_tpot_target_ms   gauge (0: none)
     aigw_replica_ttft_seconds{service_tier}               histogram (per engine request)
     aigw_replica_tpot_seconds{service_tier}               histogram (per request: decode time /
@@ -103,10 +106,13 @@ class _EngineStatsCollector(Collector):
                         "(KV retention: cache_control ttl, prompt_cache_retention, sessions).",
                         num_retained)
         yield counter("prompt_tokens", "Prompt tokens processed.", stats.num_prompt_tokens_total)
-        computed = getattr(stats, "num_prompt_tokens_computed_total", None)  # not every engine has it
+        # not every engine has it
+        computed = getattr(stats, "num_prompt_tokens_computed_total", None)
         if computed is not None:
-            yield counter("prompt_tokens_computed", "Prompt tokens prefilled by the model (the rest came "
-                          "from the prefix cache; recomputes after preemption count again).", computed)
+            yield counter("prompt_tokens_computed",
+                          "Prompt tokens prefilled by the model (the rest came "
+                          "from the prefix cache; recomputes after preemption count again).",
+                          computed)
         yield counter("generation_tokens", "Tokens generated.", stats.num_generation_tokens_total)
         yield counter("prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
                       queried)
@@ -120,7 +126,8 @@ class _EngineStatsCollector(Collector):
                       getattr(stats, "num_share_preemptions_total", 0))
         yield counter("flex_promotions", "Flex requests scheduled as default after waiting longer "
                       "than --flex-max-wait-ms.", getattr(stats, "num_flex_promotions_total", 0))
-        if getattr(stats, "host_tier_budget_bytes", None) is not None:  # not every engine has a tier
+        # not every engine has a tier
+        if getattr(stats, "host_tier_budget_bytes", None) is not None:
             yield from _host_tier_metrics(stats, gauge, counter)
         yield from self._slo_metrics(stats, gauge)
 
@@ -142,24 +149,29 @@ class _EngineStatsCollector(Collector):
         yield gauge("step_max_num_running", "Sequences the current step plan lets run at once.",
                     stats.max_num_running)
         if getattr(stats, "prefill_ms_per_token", 0.0):
-            yield gauge("prefill_ms_per_token", "The measured cost of one prefill token in a step, in "
+            yield gauge("prefill_ms_per_token",
+                        "The measured cost of one prefill token in a step, in "
                         "ms (the step-time model's).", stats.prefill_ms_per_token)
 
 
 def _host_tier_metrics(stats: Any, gauge: Callable[[str, str, float], Metric],
                        counter: Callable[[str, str, float], Metric]) -> Iterator[Metric]:
-    yield counter("kv_host_tier_hit_tokens", "Prompt tokens of the prefix-cache hits that the second "
+    yield counter("kv_host_tier_hit_tokens",
+                  "Prompt tokens of the prefix-cache hits that the second "
                   "KV tier served (restored, not recomputed).", stats.num_host_tier_hit_tokens)
-    yield gauge("kv_host_tier_blocks", "KV blocks the second tier holds.", stats.num_host_tier_blocks)
+    yield gauge("kv_host_tier_blocks", "KV blocks the second tier holds.",
+                stats.num_host_tier_blocks)
     yield gauge("kv_host_tier_bytes", "Bytes of the KV blocks the second tier holds.",
                 stats.num_host_tier_bytes)
     yield gauge("kv_host_tier_budget_bytes", "The second KV tier's budget (0: none).",
                 stats.host_tier_budget_bytes)
-    yield counter("kv_host_tier_offloaded_blocks", "KV blocks evicted from the pool into the second "
+    yield counter("kv_host_tier_offloaded_blocks",
+                  "KV blocks evicted from the pool into the second "
                   "tier.", stats.num_host_tier_offloaded_blocks_total)
     yield counter("kv_host_tier_restored_blocks", "KV blocks the second tier copied back into the "
                   "pool on a prefix hit.", stats.num_host_tier_restored_blocks_total)
-    yield counter("kv_host_tier_dropped_blocks", "KV blocks the second tier let go: entries that gave "
+    yield counter("kv_host_tier_dropped_blocks",
+                  "KV blocks the second tier let go: entries that gave "
                   "their slot up to newer blocks, evicted blocks that found no free slot.",
                   stats.num_host_tier_dropped_blocks_total)
 
@@ -208,9 +220,11 @@ class ReplicaMetrics:
             "float) and the weights it runs on (q4-native, q4-int4, float32, ...).",
             [*label_names, "mode", "weights"], registry=self.registry)
         self._cpu_isa = Gauge(
-            PREFIX + "cpu_isa", "The CPU kernel variant chosen at start-up (avx2, avx512, avx_vnni, "
-            "avx512_vnni; none: the native kernels are off), forced or not by AIGW_CPU_ISA, and what "
-            "prompt rows run on (amx_bf16, avx512_bf16: bf16 GEMMs; none: what decode rows run on).",
+            PREFIX + "cpu_isa",
+            "The CPU kernel variant chosen at start-up (avx2, avx512, avx_vnni, "
+            "avx512_vnni; none: the native kernels are off), forced or not by AIGW_CPU_ISA, and "
+            "what prompt rows run on (amx_bf16, avx512_bf16: bf16 GEMMs; none: what decode rows "
+            "run on).",
             [*label_names, "isa", "forced", "prefill"], registry=self.registry)
 
     def _targets(self, label_names: list[str], labels: dict[str, str]) -> None:
@@ -295,8 +309,10 @@ class RequestLatency:
             tpot_s = (self._last - self._first) / (self._num_tokens - 1)
             metrics._class_tpot.labels(**labels).observe(tpot_s)
         metrics._completed.labels(**labels).inc()
-        ttft_ok = not self._ttft_target_ms or ttft_s is None or ttft_s * 1000.0 <= self._ttft_target_ms
-        tpot_ok = not metrics.tpot_target_ms or tpot_s is None or tpot_s * 1000.0 <= metrics.tpot_target_ms
+        ttft_ok = (not self._ttft_target_ms or ttft_s is None
+                   or ttft_s * 1000.0 <= self._ttft_target_ms)
+        tpot_ok = (not metrics.tpot_target_ms or tpot_s is None
+                   or tpot_s * 1000.0 <= metrics.tpot_target_ms)
         if ttft_ok and tpot_ok:
             metrics._goodput.labels(**labels).inc()
 

@@ -159,7 +159,8 @@ def completion_logprobs(entries: Sequence[TokenLogprob], token_bytes: TokenBytes
 
 def model_list(model_ids: Sequence[str], root: str, created: int, max_model_len: int,
                compute: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`compute`: how the replica computes (ModelRunner.compute_info), as each model's `metadata`."""
+    """`compute`: how the replica computes (ModelRunner.compute_info), as each model's
+    `metadata`."""
     extra = {"metadata": dict(compute)} if compute else {}
     return {"object": "list", "data": [
         {"id": model_id, "object": "model", "created": created, "owned_by": "aigw",

@@ -160,7 +160,8 @@ class ServingContext:
             if release_holds is not None:  # (admitted requests that never started)
                 release_holds(sub.request_id for sub in subs)
 
-    def check_admission(self, priority: int, subs: list[SubRequest], cache_salt: str | None) -> None:
+    def check_admission(self, priority: int, subs: list[SubRequest],
+                        cache_salt: str | None) -> None:
         """LatencyTargetError (429, before any engine request starts) when the engine predicts
         that queueing would break the class's TTFT target (engine/slo.py), counting what the
         prefix cache holds of the prompts; engines without admission control or without a TTFT

@@ -53,8 +53,9 @@ class TracedEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       cache_salt: str | None = None, trace_headers: Mapping[str, str] | None = None,
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       *, cache_salt: str | None = None,
+                       trace_headers: Mapping[str, str] | None = None,
                        retain_s: float = 0.0, retention_id: str | None = None, priority: int = 0
                        ) -> AsyncIterator[RequestOutput]:
         started_ns = time.time_ns()
@@ -105,7 +106,8 @@ class TracedEngine:
         """Spans for an engine request that ended without a final output (module docstring)."""
         attributes = self._attributes(request_id, params, last,
                                       None if error is not None else str(FinishReason.ABORT))
-        root = self._tracer.start_span("replica.generate", context=_PROPAGATOR.extract(trace_headers),
+        root = self._tracer.start_span("replica.generate",
+                                       context=_PROPAGATOR.extract(trace_headers),
                                        kind=SpanKind.SERVER, start_time=started_ns,
                                        attributes=attributes)
         if not root.is_recording():
@@ -130,7 +132,8 @@ class TracedEngine:
         queue_ns = prefill_ns - int(timings.get("queue_s", 0.0) * _NS_PER_S)
         parent = _PROPAGATOR.extract(trace_headers)
         attributes = self._attributes(request_id, params, final,
-                                      None if final.finish_reason is None else str(final.finish_reason))
+                                      None if final.finish_reason is None
+                                      else str(final.finish_reason))
         root = self._tracer.start_span("replica.generate", context=parent, kind=SpanKind.SERVER,
                                        start_time=min(started_ns, queue_ns), attributes=attributes)
         if not root.is_recording():

@@ -46,8 +46,8 @@ def _cpu_flags() -> set[str]:
 
 
 def _put_ninja_on_path() -> None:
-    """cpp_extension runs `ninja` from PATH; the `ninja` wheel (a dependency) installs it beside this
-    interpreter, which is not on PATH when the venv is not activated."""
+    """cpp_extension runs `ninja` from PATH; the `ninja` wheel (a dependency) installs it beside
+    this interpreter, which is not on PATH when the venv is not activated."""
     scripts = sysconfig.get_path("scripts")
     if shutil.which("ninja") is None and scripts and Path(scripts, "ninja").exists():
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")

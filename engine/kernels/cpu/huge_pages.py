@@ -1,4 +1,5 @@
-"""CPU tensors on transparent huge pages, for memory read in scattered pieces every step (the KV cache).
+"""CPU tensors on transparent huge pages, for memory read in scattered pieces every step (the KV
+cache).
 
     zeros(shape, dtype) -> a zeroed, contiguous CPU tensor whose memory starts on a 2 MiB boundary
                            and is advised MADV_HUGEPAGE (Linux); plain memory elsewhere.
@@ -6,10 +7,11 @@
 Why: a decode step's attention reads each row's K/V from its own cache blocks (6 KiB a block in
 SmolLM2's float16 cache, the blocks of 32 sequences interleaved over the cache), ~3 MB a layer at 32
 rows of 128 positions, from memory. With 4 KiB pages every block crosses a page or two (a TLB miss
-each, and the hardware prefetchers stop at page boundaries); on 2 MiB pages the 32-row attention took
-15-30% less time in single-thread micro-benchmarks with cold caches (bench/results/engine-cpu.md). Linux
-often leaves transparent huge pages to `madvise` (/sys/kernel/mm/transparent_hugepage/enabled), which
-PyTorch's allocator does not call unless THP_MEM_ALLOC_ENABLE=1 is set for the whole process.
+each, and the hardware prefetchers stop at page boundaries); on 2 MiB pages the 32-row attention
+took 15-30% less time in single-thread micro-benchmarks with cold caches
+(bench/results/engine-cpu.md). Linux often leaves transparent huge pages to `madvise`
+(/sys/kernel/mm/transparent_hugepage/enabled), which PyTorch's allocator does not call unless
+THP_MEM_ALLOC_ENABLE=1 is set for the whole process.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     start = (-padded.data_ptr()) % HUGE_PAGE_BYTES // element_size  # data_ptr is 64-byte aligned
     tensor = padded[start:start + numel]
     _advise_huge_pages(tensor.data_ptr(), numel * element_size // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES)
-    return tensor.zero_().view(shape)  # the first touch: the kernel backs advised ranges with 2 MiB pages
+    # the first touch: the kernel backs advised ranges with 2 MiB pages
+    return tensor.zero_().view(shape)
 
 
 def _advise_huge_pages(address: int, length: int) -> None:

@@ -1,4 +1,5 @@
-"""Which build of the native CPU kernels (decode_ops.cpp) this process runs: chosen once, at start-up.
+"""Which build of the native CPU kernels (decode_ops.cpp) this process runs: chosen once, at
+start-up.
 
     selection() -> IsaSelection    # read /proc/cpuinfo's flags once; AIGW_CPU_ISA forces a variant
 
@@ -7,7 +8,8 @@ per variant with that variant's flags and cached under TORCH_EXTENSIONS_DIR):
 
     avx512_vnni  AVX-512 (F, BW, VL, DQ) + VNNI: the Q4/Q8 block dot products in vpdpbusd
     avx_vnni     AVX2 + AVX-VNNI (the 256-bit vpdpbusd of Alder Lake and Zen 5 without AVX-512)
-    avx512       AVX-512 (F, BW, VL, DQ): the compiler's loops 512 bits wide, the dot products AVX2's
+    avx512       AVX-512 (F, BW, VL, DQ): the compiler's loops 512 bits wide, the dot products
+                 AVX2's
     avx2         AVX2 + FMA + F16C: maddubs / madd dot products (the reference variant)
 
 Every variant computes the same integers in the same order (vpdpbusd sums the four u8 x s8 products
@@ -47,13 +49,15 @@ ENV = "AIGW_CPU_ISA"
 
 # variant -> (CPU flags it needs, compiler flags, preprocessor defines), best first
 VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
-    "avx512_vnni": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
-                    ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                     "-mavx512vnni"), ("DECODE_OPS_VNNI",)),
+    "avx512_vnni": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+                     "avx512_vnni"),
+                    ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                     "-mavx512dq", "-mavx512vnni"), ("DECODE_OPS_VNNI",)),
     "avx_vnni": (("avx2", "fma", "f16c", "avx_vnni"), ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"),
                  ("DECODE_OPS_VNNI",)),
     "avx512": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
-               ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"), ()),
+               ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+               ()),
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"), ()),
 }
 # bf16 prefill ISA -> the CPU flags it needs, best first
@@ -64,7 +68,8 @@ PREFILL_ISAS: dict[str, tuple[str, ...]] = {
 # PyTorch's cpuinfo names (torch._C._cpu._get_cpu_capability(), OS support checked) -> /proc names
 _CPUINFO_NAMES = {"avx2": "avx2", "fma3": "fma", "f16c": "f16c", "avx512_f": "avx512f",
                   "avx512_bw": "avx512bw", "avx512_vl": "avx512vl", "avx512_dq": "avx512dq",
-                  "avx512_vnni": "avx512_vnni", "avx_vnni": "avx_vnni", "avx512_bf16": "avx512_bf16",
+                  "avx512_vnni": "avx512_vnni", "avx_vnni": "avx_vnni",
+                  "avx512_bf16": "avx512_bf16",
                   "amx_bf16": "amx_bf16", "amx_tile": "amx_tile", "amx_int8": "amx_int8"}
 # reported beside the variant (what the CPU has), in this order
 FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
@@ -142,11 +147,12 @@ def select(flags: frozenset[str], forced: str | None, os_flags: frozenset[str] |
     features = tuple(f for f in FEATURES if f in usable)
     name = (forced or "").strip().lower()
     if name in ("", "native"):
-        return IsaSelection(native, False, native, features, best_prefill(usable) if native else None)
+        return IsaSelection(native, False, native, features,
+                            best_prefill(usable) if native else None)
     if name in PREFILL_ISAS:
         if native is None:
-            raise ValueError(f"{ENV}={name}: bf16 prefill runs beside the native kernels, and this CPU "
-                             f"has none of their variants (AVX2 + FMA + F16C at least)")
+            raise ValueError(f"{ENV}={name}: bf16 prefill runs beside the native kernels, and this "
+                             f"CPU has none of their variants (AVX2 + FMA + F16C at least)")
         emulated = not set(PREFILL_ISAS[name]) <= usable
         return IsaSelection(native, True, native, features, name, emulated)
     if name not in VARIANTS:
@@ -155,7 +161,8 @@ def select(flags: frozenset[str], forced: str | None, os_flags: frozenset[str] |
     missing = [f for f in VARIANTS[name][0] if f not in usable]
     if missing:
         lacks = ", ".join(missing)
-        raise ValueError(f"{ENV}={name}: this CPU (or its OS) lacks {lacks} (it has {native or 'none'})")
+        raise ValueError(f"{ENV}={name}: this CPU (or its OS) lacks {lacks} (it has "
+                         f"{native or 'none'})")
     return IsaSelection(name, True, native, features)
 
 
