@@ -288,7 +288,7 @@ def test_an_embedded_model_gives_its_replicas_the_tensor_parallel_flag() -> None
 def test_a_moe_checkpoint_splits_its_experts_and_matches_tp1(tmp_path: Any) -> None:
     """Qwen3-MoE (tiny, random): experts split on their intermediate dim, router replicated, a dense
     layer between sparse ones, per-head q/k norm; weights read as per-rank safetensors slices."""
-    from tests.models._qwen3 import write_checkpoints
+    from tests.engine.models._qwen3 import write_checkpoints
 
     directory = write_checkpoints(tmp_path, ("qwen3_moe",))["qwen3_moe"].directory
     engines = {}
@@ -370,21 +370,21 @@ def test_a_quantized_weight_keeps_its_blocks_only_where_every_rank_cuts_whole_bl
 # ---- the other families (engine/parallel/families.py): one TP=2 world each, tiny random checkpoints --
 def _write_family(family: str, root: Path) -> Path:
     """A tiny random checkpoint of `family` in `root`, written by transformers' save_pretrained (the
-    writers of tests/models/)."""
+    writers of tests/engine/models/)."""
     import transformers
 
     if family == "llama4_text":  # chunked RoPE + NoPE layers, L2 q/k norm, MoE (shared expert) + dense
-        from tests.models._llama4 import write_checkpoints
+        from tests.engine.models._llama4 import write_checkpoints
 
         return write_checkpoints(root)["moe"].directory
     directory = root / family
     directory.mkdir()
     if family == "gemma3_text":  # sliding and global layers, per-head q/k norm, soft-capped logits
-        from tests.models._gemma3 import write_checkpoint
+        from tests.engine.models._gemma3 import write_checkpoint
 
         write_checkpoint(directory)
     elif family == "gpt_oss":  # sinks, sliding windows, biased experts in MXFP4 (I = 64: one block a rank)
-        from tests.models._gpt_oss import make_config, quantize_experts, write_tokenizer
+        from tests.engine.models._gpt_oss import make_config, quantize_experts, write_tokenizer
 
         config = make_config(write_tokenizer(directory))
         config.intermediate_size, config.initializer_range = 64, 0.15
@@ -398,8 +398,8 @@ def _write_family(family: str, root: Path) -> Path:
     elif family == "deepseek_v3":  # MLA (q_lora), grouped top-k, shared expert, a dense first layer,
         _write_deepseek_fp8(directory)  # block-scaled FP8 projections, an MTP layer to skip
     elif family == "olmoe":  # q/k norm over all heads (its sums of squares all-reduced), 8 experts
-        from tests.models._checkpoints import FAMILIES
-        from tests.models._qwen3 import write_tokenizer
+        from tests.engine.models._checkpoints import FAMILIES
+        from tests.engine.models._qwen3 import write_tokenizer
 
         config = FAMILIES["olmoe"]()
         config.vocab_size, config.eos_token_id, config.initializer_range = 320, write_tokenizer(directory), 0.1
@@ -414,9 +414,9 @@ def _write_deepseek_fp8(directory: Path) -> None:
     import transformers
     from safetensors.torch import load_file, save_file
 
-    from tests.models._deepseek_v3 import VARIANTS, make_config
-    from tests.models._gpt_oss import write_tokenizer
-    from tests.models.test_fp8_block_checkpoints import BLOCK, quantize_blocks
+    from tests.engine.models._deepseek_v3 import VARIANTS, make_config
+    from tests.engine.models._gpt_oss import write_tokenizer
+    from tests.engine.models.test_fp8_block_checkpoints import BLOCK, quantize_blocks
 
     config = make_config(write_tokenizer(directory), **VARIANTS["lora"])
     config.initializer_range = 0.15
@@ -591,9 +591,10 @@ def test_what_the_families_cannot_split_is_one_line() -> None:
 
 
 def _gguf_of(family: str, directory: Path, path: Path) -> None:
-    """The family's tiny checkpoint as the GGUF file llama.cpp's converter writes (tests/models/ writers)."""
+    """The family's tiny checkpoint as the GGUF file llama.cpp's converter writes
+    (tests/engine/models/ writers)."""
     if family == "gpt_oss":
-        from tests.models._gpt_oss import write_gguf
+        from tests.engine.models._gpt_oss import write_gguf
 
         write_gguf(directory, path)
     elif family == "deepseek_v3":  # the writer reads dense projections: the FP8 file's dense twin
@@ -603,7 +604,7 @@ def _gguf_of(family: str, directory: Path, path: Path) -> None:
         from safetensors.torch import load_file, save_file
 
         from engine.loader.fp8_blocks import dequantize_checkpoint
-        from tests.models.test_deepseek_v3_gguf import write_deepseek2_gguf
+        from tests.engine.models.test_deepseek_v3_gguf import write_deepseek2_gguf
 
         twin = path.parent / "dense"
         shutil.copytree(directory, twin)
@@ -615,7 +616,7 @@ def _gguf_of(family: str, directory: Path, path: Path) -> None:
         (twin / "config.json").write_text(json.dumps(raw))
         write_deepseek2_gguf(twin, path)
     else:
-        from tests.models.test_gemma3_llama4_gguf import write_gemma3_gguf, write_llama4_gguf
+        from tests.engine.models.test_gemma3_llama4_gguf import write_gemma3_gguf, write_llama4_gguf
 
         (write_gemma3_gguf if family == "gemma3_text" else write_llama4_gguf)(directory, path)
 
@@ -653,7 +654,7 @@ def test_gpt_oss_dense_experts_split_into_partial_sums_of_the_whole(tmp_path: Pa
     from engine.models.registry import build_model
     from engine.parallel.families import parallelize
     from engine.parallel.loading import load_rank_weights
-    from tests.models._gpt_oss import make_config, write_tokenizer
+    from tests.engine.models._gpt_oss import make_config, write_tokenizer
 
     config = make_config(write_tokenizer(tmp_path))
     config.intermediate_size, config.num_hidden_layers = 64, 2

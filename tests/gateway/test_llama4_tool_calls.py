@@ -1,8 +1,8 @@
 """Llama 4's pythonic tool calls through the gateway with the official SDKs: a replica server over
 the fake engine, which answers with a scripted text in the tiny Llama 4 checkpoint's tokens (its
-byte-level BPE, tests/models/_llama4.py) and a Llama-4-style template that lists the tools and
-writes past calls as a pythonic list. The replica picks the llama4 format for a llama4_text model;
-the gateway hands the calls on as OpenAI tool_calls and Anthropic tool_use blocks."""
+byte-level BPE, tests/engine/models/_llama4.py) and a Llama-4-style template that lists the tools
+and writes past calls as a pythonic list. The replica picks the llama4 format for a llama4_text
+model; the gateway hands the calls on as OpenAI tool_calls and Anthropic tool_use blocks."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ import pytest
 from chat.tokenizer import load_tokenizer
 from chat.tool_parsers import Llama4PythonicToolParser
 from engine.server import ReplicaServerSettings
+from tests.engine.models._llama4 import write_tokenizer
 from tests.engine.server.conftest import ServerThread
 from tests.engine.server.fakes import FakeEngine
 from tests.gateway.conftest import GatewayFactory
-from tests.models._llama4 import write_tokenizer
 
 # Llama 4's turn layout; tools listed in the system turn, past calls written as Llama 4 writes them
 TEMPLATE = (

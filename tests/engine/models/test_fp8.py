@@ -11,8 +11,8 @@ from engine.kernels.fp8 import FP8_DTYPE, quantize_weight_per_channel
 from engine.layers.fp8_linear import FP8Linear
 from engine.layers.linear import DenseLinear, OneDNNLinear
 from engine.loader import load_checkpoint
-from tests.models._checkpoints import write_checkpoint
-from tests.models._greedy import greedy, make_runner
+from tests.engine.models._checkpoints import write_checkpoint
+from tests.engine.models._greedy import greedy, make_runner
 
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7, 8], [1, 2, 3, 4]]
 

@@ -1,5 +1,5 @@
 """Gemma 3 text, served by the engine from a tiny random checkpoint that transformers wrote
-(tests/models/_gemma3.py: local window 20 between global layers, two rope bases, soft-capped
+(tests/engine/models/_gemma3.py: local window 20 between global layers, two rope bases, soft-capped
 logits): greedy tokens equal transformers' and their logprobs agree within 2e-3 (float32) on a
 prompt several windows long, alone with chunked prefill, among 8 concurrent requests, after a
 prefix-cache hit and under preemption; every KV block comes back. Config refusals are one line."""
@@ -22,15 +22,15 @@ from engine.kv_cache.layout import KVCacheLayout, kv_bytes_per_sequence, kv_byte
 from engine.loader.checkpoint import UnsupportedCheckpointError
 from engine.loader.hf_checkpoint import model_config_from_hf
 from tests.engine.fakes import assert_idle_and_clean, generate
-from tests.models import _serving_checks as serving
-from tests.models._gemma3 import SLIDING_WINDOW
-from tests.models._greedy import hf_greedy
-from tests.models._qwen3 import TinyCheckpoint
-from tests.models._serving_checks import (
+from tests.engine.models import _serving_checks as serving
+from tests.engine.models._gemma3 import SLIDING_WINDOW
+from tests.engine.models._greedy import hf_greedy
+from tests.engine.models._qwen3 import TinyCheckpoint
+from tests.engine.models._serving_checks import (
     EngineFactory,
     assert_matches_transformers,
 )
-from tests.models.test_qwen3 import GREEDY, NUM_NEW_TOKENS, OTHERS, TARGET
+from tests.engine.models.test_qwen3 import GREEDY, NUM_NEW_TOKENS, OTHERS, TARGET
 
 
 @pytest.fixture(scope="module")

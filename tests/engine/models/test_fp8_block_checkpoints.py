@@ -15,14 +15,14 @@ from safetensors.torch import load_file, save_file
 
 from engine.loader import load_checkpoint
 from engine.models.weights import CheckpointMismatchError
-from tests.models._deepseek_v3 import DeepseekCheckpoint
-from tests.models._fp8_blocks import (
+from tests.engine.models._deepseek_v3 import DeepseekCheckpoint
+from tests.engine.models._fp8_blocks import (
     BLOCK,  # noqa: F401 (tests/engine/test_tensor_parallel.py imports it from here)
     FP8,
     quantize_blocks,  # noqa: F401 (likewise)
     write_fp8_checkpoint,
 )
-from tests.models._greedy import greedy, make_runner
+from tests.engine.models._greedy import greedy, make_runner
 
 QUANTIZED = ("_proj.weight", "_proj_with_mqa.weight")  # attention and MLP projections, not gates
 

@@ -29,10 +29,10 @@ from engine.engine import LLMEngine
 from engine.layers.rotary import RotaryEmbedding
 from engine.loader import load_checkpoint
 from tests.engine.fakes import assert_idle_and_clean, generate
-from tests.models._checkpoints import add_gguf_vocabulary, finish_gguf
-from tests.models._greedy import hf_greedy
-from tests.models._llama4 import CHUNK_SIZE
-from tests.models._qwen3 import TinyCheckpoint
+from tests.engine.models._checkpoints import add_gguf_vocabulary, finish_gguf
+from tests.engine.models._greedy import hf_greedy
+from tests.engine.models._llama4 import CHUNK_SIZE
+from tests.engine.models._qwen3 import TinyCheckpoint
 
 PROMPT = [(7 * i + 11) % 300 + 6 for i in range(3 * CHUNK_SIZE + 5)]  # no special ids (0..5)
 NUM_NEW_TOKENS = 6

@@ -17,9 +17,9 @@ from engine.layers.fp8_block_linear import FP8BlockLinear
 from engine.loader import load_checkpoint
 from engine.loader.fp8_blocks import RawFP8Blocks
 from engine.model_runner import ModelRunner
-from tests.models._fp8_blocks import write_fp8_checkpoint
-from tests.models._greedy import greedy
-from tests.models._qwen3 import TinyCheckpoint
+from tests.engine.models._fp8_blocks import write_fp8_checkpoint
+from tests.engine.models._greedy import greedy
+from tests.engine.models._qwen3 import TinyCheckpoint
 
 PROMPTS = [[(7 * i + 11) % 300 + 6 for i in range(40)], [6, 17, 99, 3, 250, 42, 7]]
 
@@ -31,7 +31,7 @@ def _projections(name: str, tensor: torch.Tensor) -> bool:
 
 def _runner(directory: Path, device: str, dtype: str = "float32") -> ModelRunner:
     from engine.config import CacheConfig, EngineConfig
-    from tests.models._greedy import BLOCK_SIZE
+    from tests.engine.models._greedy import BLOCK_SIZE
 
     checkpoint = load_checkpoint(str(directory), progress=False)
     config = EngineConfig(model_path=str(directory), num_threads=1, dtype=dtype, device=device,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models._gpt_oss import VOCAB_SIZE, write_tokenizer
+from tests.engine.models._gpt_oss import VOCAB_SIZE, write_tokenizer
 
 YARN = {"rope_type": "yarn", "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
         "mscale_all_dim": 1.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}

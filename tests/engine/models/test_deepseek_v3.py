@@ -18,9 +18,9 @@ from contracts.sampling_params import SamplingParams
 from engine.loader.hf_checkpoint import model_config_from_hf
 from engine.models.deepseek_v3 import kv_bytes_per_token_mla_and_full, mla_softmax_scale
 from tests.engine.fakes import assert_idle_and_clean, generate
-from tests.models import _serving_checks as serving
-from tests.models._deepseek_v3 import DeepseekCheckpoint
-from tests.models._greedy import hf_greedy
+from tests.engine.models import _serving_checks as serving
+from tests.engine.models._deepseek_v3 import DeepseekCheckpoint
+from tests.engine.models._greedy import hf_greedy
 
 NUM_NEW_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=True)
@@ -120,7 +120,8 @@ RELEASED_V3 = {  # deepseek-ai/DeepSeek-V3 config.json, the fields the engine re
 
 
 def test_deepseek_v3_671b_caches_70_kb_per_token_in_bf16_not_4_8_mb(tmp_path: Path) -> None:
-    """The released config (FP8 block-scaled weights: tests/models/test_fp8_block_checkpoints.py)."""
+    """The released config (FP8 block-scaled weights:
+    tests/engine/models/test_fp8_block_checkpoints.py)."""
     (tmp_path / "config.json").write_text(json.dumps(RELEASED_V3))
     config = model_config_from_hf(tmp_path)
     assert (config.num_kv_heads, config.head_dim, config.mlp_only_layers) == (1, 576, (0, 1, 2))
@@ -161,7 +162,7 @@ def test_a_missing_tensor_is_one_error_line_naming_it(
 
     from engine.loader import load_checkpoint
     from engine.models.weights import CheckpointMismatchError
-    from tests.models._greedy import make_runner
+    from tests.engine.models._greedy import make_runner
 
     directory = tmp_path / "broken"
     shutil.copytree(deepseek_v3_checkpoints["lora"].directory, directory)

@@ -1,6 +1,7 @@
 """MLA's absorbed attention on the CUDA backend (here the Triton interpreter on CPU tensors): one kv
 head of a head dim that is no power of two (kv_lora_rank 32 + rope 8), K and V the one latent cache
-tensor, matches TorchPagedAttention on tests/models/test_triton_attention.py's mixed batch."""
+tensor, matches TorchPagedAttention on the mixed batch of
+tests/engine/models/test_triton_attention.py."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch
 from engine.layers.torch_attention import TorchPagedAttention
 from engine.layers.triton_attention import TritonPagedAttention
 from engine.testing import random_weights
-from tests.models._greedy import BLOCK_SIZE, make_runner
-from tests.models.test_triton_attention import CONFIG, mixed_batch
+from tests.engine.models._greedy import BLOCK_SIZE, make_runner
+from tests.engine.models.test_triton_attention import CONFIG, mixed_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs CUDA or TRITON_INTERPRET=1 (set by tests/conftest.py)")

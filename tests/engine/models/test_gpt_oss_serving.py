@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from infra.ports import free_port
-from tests.models._gpt_oss import SLIDING_WINDOW, GptOssCheckpoint
-from tests.models._greedy import hf_greedy
+from tests.engine.models._gpt_oss import SLIDING_WINDOW, GptOssCheckpoint
+from tests.engine.models._greedy import hf_greedy
 
 PROMPT = [(7 * i + 3) % 300 for i in range(3 * SLIDING_WINDOW + 5)]
 NUM_NEW_TOKENS = 10

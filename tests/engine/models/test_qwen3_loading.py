@@ -19,8 +19,8 @@ from engine.loader.checkpoint import UnsupportedCheckpointError
 from engine.loader.hf_checkpoint import model_config_from_hf
 from engine.models.weights import CheckpointMismatchError
 from tests.engine.fakes import assert_idle_and_clean, generate
-from tests.models._greedy import hf_greedy, make_runner
-from tests.models._qwen3 import TinyCheckpoint, make_config
+from tests.engine.models._greedy import hf_greedy, make_runner
+from tests.engine.models._qwen3 import TinyCheckpoint, make_config
 
 
 def test_qwen3_config_maps_head_dim_per_head_qk_norm_and_tied_embeddings(

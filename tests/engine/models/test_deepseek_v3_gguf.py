@@ -19,9 +19,9 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.loader import load_checkpoint
 from tests.engine.fakes import assert_idle_and_clean, generate
-from tests.models._checkpoints import add_gguf_vocabulary, finish_gguf
-from tests.models._deepseek_v3 import DeepseekCheckpoint
-from tests.models._greedy import hf_greedy
+from tests.engine.models._checkpoints import add_gguf_vocabulary, finish_gguf
+from tests.engine.models._deepseek_v3 import DeepseekCheckpoint
+from tests.engine.models._greedy import hf_greedy
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 8, 9, 10, 11, 12, 13, 200, 31, 64]
 _TOP = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm",

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine.loader import load_checkpoint
-from tests.models._checkpoints import FAMILIES, write_checkpoint
-from tests.models._greedy import greedy, make_runner
+from tests.engine.models._checkpoints import FAMILIES, write_checkpoint
+from tests.engine.models._greedy import greedy, make_runner
 
 NUM_NEW_TOKENS = 16
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 200], [1, 2, 3]]

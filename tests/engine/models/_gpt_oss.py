@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models._checkpoints import add_gguf_vocabulary, finish_gguf, write_bpe_tokenizer
+from tests.engine.models._checkpoints import add_gguf_vocabulary, finish_gguf, write_bpe_tokenizer
 
 VOCAB_SIZE = 320
 SPECIALS = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>",

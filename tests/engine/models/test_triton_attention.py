@@ -15,7 +15,7 @@ from engine.layers.torch_attention import TorchPagedAttention
 from engine.layers.triton_attention import TritonPagedAttention, max_lens
 from engine.model_runner import CASCADE_MIN_GROUP, CASCADE_MIN_PREFIX_BLOCKS
 from engine.testing import random_weights
-from tests.models._greedy import BLOCK_SIZE, make_runner
+from tests.engine.models._greedy import BLOCK_SIZE, make_runner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs CUDA or TRITON_INTERPRET=1 (set by tests/conftest.py)")

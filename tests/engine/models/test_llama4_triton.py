@@ -1,7 +1,7 @@
 """Llama 4's chunked local attention on the CUDA backend (here the Triton interpreter on CPU
-tensors): the tiny MoE checkpoint (tests/models/_llama4.py), its RoPE layers' chunk groups and NoPE
-layer run through TritonPagedAttention, gives transformers' greedy tokens and logits (float32) on a
-prompt several chunks long, prefilled in one step and decoded."""
+tensors): the tiny MoE checkpoint (tests/engine/models/_llama4.py), its RoPE layers' chunk groups
+and NoPE layer run through TritonPagedAttention, gives transformers' greedy tokens and logits
+(float32) on a prompt several chunks long, prefilled in one step and decoded."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 
 from engine.layers.triton_attention import TritonPagedAttention
 from engine.loader.hf_checkpoint import load_hf_checkpoint
-from tests.models._greedy import greedy, hf_greedy, make_runner
-from tests.models._llama4 import CHUNK_SIZE
-from tests.models._qwen3 import TinyCheckpoint
+from tests.engine.models._greedy import greedy, hf_greedy, make_runner
+from tests.engine.models._llama4 import CHUNK_SIZE
+from tests.engine.models._qwen3 import TinyCheckpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="needs CUDA or TRITON_INTERPRET=1 (set by tests/conftest.py)")

@@ -23,7 +23,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.layers.native_linear import NativeQuantLinear
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner
-from tests.models._greedy import greedy
+from tests.engine.models._greedy import greedy
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(40, 60)), [200, 100, 50, 25, 12]]
 NUM_NEW_TOKENS = 8
@@ -57,11 +57,11 @@ def directories(tmp_path_factory: pytest.TempPathFactory, qwen3_checkpoints: dic
     logits by their spread)."""
     import transformers
 
-    from tests.models._checkpoints import write_checkpoint
-    from tests.models._gpt_oss import make_config
-    from tests.models._gpt_oss import write_tokenizer as write_gpt_oss_tokenizer
-    from tests.models._llama4 import make_config as llama4_make_config
-    from tests.models._llama4 import write_tokenizer as llama4_write_tokenizer
+    from tests.engine.models._checkpoints import write_checkpoint
+    from tests.engine.models._gpt_oss import make_config
+    from tests.engine.models._gpt_oss import write_tokenizer as write_gpt_oss_tokenizer
+    from tests.engine.models._llama4 import make_config as llama4_make_config
+    from tests.engine.models._llama4 import write_tokenizer as llama4_write_tokenizer
 
     root = tmp_path_factory.mktemp("default-path")
     (root / "llama4").mkdir()  # the session's Llama 4 experts are 48 wide: not blocks of 32
@@ -140,7 +140,7 @@ def test_a_gguf_moe_runs_its_own_expert_blocks_on_the_default_path(tmp_path: Pat
     """A qwen3moe GGUF with Q4_0 attention and Q8_0 experts: the default path runs the file's
     blocks (nothing quantized at load, the experts too) and follows the float32 engine on the same
     (dequantized) weights."""
-    from tests.models._qwen3 import write_checkpoints, write_gguf
+    from tests.engine.models._qwen3 import write_checkpoints, write_gguf
 
     hf = write_checkpoints(tmp_path, ("qwen3_moe-sparse",))["qwen3_moe-sparse"]  # every layer sparse
     path = tmp_path / "qwen3_moe-sparse.gguf"

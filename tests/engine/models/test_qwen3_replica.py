@@ -16,8 +16,8 @@ import pytest
 
 from engine.loader import load_tokenizer
 from infra.ports import free_port
-from tests.models._greedy import hf_greedy
-from tests.models._qwen3 import TinyCheckpoint
+from tests.engine.models._greedy import hf_greedy
+from tests.engine.models._qwen3 import TinyCheckpoint
 from tests.processes import stop_process
 
 SECRET = "qwen3-replica-test"

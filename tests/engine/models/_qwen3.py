@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models._checkpoints import (
+from tests.engine.models._checkpoints import (
     add_gguf_vocabulary,
     finish_gguf,
     randomize_norms,

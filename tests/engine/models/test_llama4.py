@@ -1,8 +1,8 @@
 """Llama 4 text, served by the engine from tiny random checkpoints that transformers wrote
-(tests/models/_llama4.py: chunked local attention of 24 on the RoPE layers, a NoPE global layer with
-temperature tuning, L2 q/k norm; all-dense, and MoE every other layer with a sigmoid top-1 router
-and a shared expert): greedy tokens equal transformers' and their logprobs agree within 2e-3
-(float32) on a prompt several chunks long, prefilled in chunks of the step budget, among 8
+(tests/engine/models/_llama4.py: chunked local attention of 24 on the RoPE layers, a NoPE global
+layer with temperature tuning, L2 q/k norm; all-dense, and MoE every other layer with a sigmoid
+top-1 router and a shared expert): greedy tokens equal transformers' and their logprobs agree within
+2e-3 (float32) on a prompt several chunks long, prefilled in chunks of the step budget, among 8
 concurrent requests, after prefix-cache hits (one branching inside a chunk) and under preemption;
 every KV block comes back. Config refusals are one line."""
 
@@ -22,15 +22,15 @@ from engine.kv_cache.layout import KVCacheLayout, kv_bytes_per_sequence, kv_byte
 from engine.loader.checkpoint import UnsupportedCheckpointError
 from engine.loader.hf_checkpoint import model_config_from_hf
 from tests.engine.fakes import assert_idle_and_clean, drive, generate
-from tests.models import _serving_checks as serving
-from tests.models._greedy import hf_greedy
-from tests.models._llama4 import CHUNK_SIZE, VARIANTS
-from tests.models._qwen3 import TinyCheckpoint
-from tests.models._serving_checks import (
+from tests.engine.models import _serving_checks as serving
+from tests.engine.models._greedy import hf_greedy
+from tests.engine.models._llama4 import CHUNK_SIZE, VARIANTS
+from tests.engine.models._qwen3 import TinyCheckpoint
+from tests.engine.models._serving_checks import (
     EngineFactory,
     assert_matches_transformers,
 )
-from tests.models.test_qwen3 import GREEDY, NUM_NEW_TOKENS, OTHERS, TARGET
+from tests.engine.models.test_qwen3 import GREEDY, NUM_NEW_TOKENS, OTHERS, TARGET
 
 STEP_TOKENS = 32  # the engine's step budget: the target prompt prefills in several chunks
 

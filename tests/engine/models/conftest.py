@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 import torch
 
-from tests.models._deepseek_v3 import deepseek_v3_checkpoints  # noqa: F401 (a session fixture)
-from tests.models._gemma3 import gemma3_checkpoint  # noqa: F401 (a session fixture)
-from tests.models._gpt_oss import gpt_oss_checkpoints  # noqa: F401 (a session fixture)
-from tests.models._llama4 import llama4_checkpoints  # noqa: F401 (a session fixture)
-from tests.models._qwen3 import qwen3_checkpoints  # noqa: F401 (a session fixture)
+from tests.engine.models._deepseek_v3 import deepseek_v3_checkpoints  # noqa: F401 (session fixture)
+from tests.engine.models._gemma3 import gemma3_checkpoint  # noqa: F401 (a session fixture)
+from tests.engine.models._gpt_oss import gpt_oss_checkpoints  # noqa: F401 (a session fixture)
+from tests.engine.models._llama4 import llama4_checkpoints  # noqa: F401 (a session fixture)
+from tests.engine.models._qwen3 import qwen3_checkpoints  # noqa: F401 (a session fixture)
 
 
 @pytest.fixture(scope="session")

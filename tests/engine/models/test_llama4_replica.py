@@ -1,7 +1,8 @@
-"""`aigw replica --model DIR` serves the tiny Llama 4 MoE checkpoint (tests/models/_llama4.py) over
-HTTP; through the openai SDK a token-id prompt several attention chunks long completes with
-transformers' greedy tokens and logprobs (2e-3), and a chat repeated hits the prompt cache (the
-replica and the chat check are test_qwen3_replica.py's, over this checkpoint)."""
+"""`aigw replica --model DIR` serves the tiny Llama 4 MoE checkpoint
+(tests/engine/models/_llama4.py) over HTTP; through the openai SDK a token-id prompt several
+attention chunks long completes with transformers' greedy tokens and logprobs (2e-3), and a chat
+repeated hits the prompt cache (the replica and the chat check are test_qwen3_replica.py's, over
+this checkpoint)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import openai
 import pytest
 
 from engine.loader import load_tokenizer
-from tests.models._greedy import hf_greedy
-from tests.models._llama4 import CHUNK_SIZE
-from tests.models._qwen3 import TinyCheckpoint
-from tests.models.test_qwen3_replica import (  # noqa: F401 (the replica fixture and a shared check)
+from tests.engine.models._greedy import hf_greedy
+from tests.engine.models._llama4 import CHUNK_SIZE
+from tests.engine.models._qwen3 import TinyCheckpoint
+from tests.engine.models.test_qwen3_replica import (  # noqa: F401 (the replica fixture, a check)
     NUM_NEW_TOKENS,
     _assert_logprobs_close,
     client,

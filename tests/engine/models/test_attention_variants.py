@@ -17,8 +17,8 @@ from engine.kernels.paged_attention import paged_attention_reference
 from engine.layers.torch_attention import TorchPagedAttention
 from engine.layers.triton_attention import TritonPagedAttention
 from engine.testing import random_weights
-from tests.models._greedy import BLOCK_SIZE, make_runner
-from tests.models.test_triton_attention import CONFIG, mixed_batch
+from tests.engine.models._greedy import BLOCK_SIZE, make_runner
+from tests.engine.models.test_triton_attention import CONFIG, mixed_batch
 
 VARIANTS = {"window_8": (8, False), "window_40": (40, False), "sinks": (None, True),
             "window_20_and_sinks": (20, True)}

@@ -12,9 +12,9 @@ import pytest
 from contracts.sampling_params import SamplingParams
 from engine.engine import LLMEngine
 from tests.engine.fakes import assert_idle_and_clean, generate
-from tests.models import _serving_checks as serving
-from tests.models._qwen3 import VARIANTS, TinyCheckpoint
-from tests.models._serving_checks import (
+from tests.engine.models import _serving_checks as serving
+from tests.engine.models._qwen3 import VARIANTS, TinyCheckpoint
+from tests.engine.models._serving_checks import (
     EngineFactory,
     assert_matches_transformers,
 )

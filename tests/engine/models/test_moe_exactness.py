@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
-from tests.models._greedy import greedy, make_runner
+from tests.engine.models._greedy import greedy, make_runner
 
 NUM_EXPERTS = 4
 TOP_K = 2

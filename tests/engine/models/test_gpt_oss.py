@@ -17,9 +17,9 @@ from safetensors.torch import load_file, save_file
 from contracts.sampling_params import SamplingParams
 from engine.loader import load_checkpoint
 from tests.engine.fakes import assert_idle_and_clean, generate
-from tests.models import _serving_checks as serving
-from tests.models._gpt_oss import SLIDING_WINDOW, GptOssCheckpoint
-from tests.models._greedy import greedy, hf_greedy, make_runner
+from tests.engine.models import _serving_checks as serving
+from tests.engine.models._gpt_oss import SLIDING_WINDOW, GptOssCheckpoint
+from tests.engine.models._greedy import greedy, hf_greedy, make_runner
 
 NUM_NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=True)
@@ -186,7 +186,7 @@ def test_ggml_mxfp4_bytes_written_here_dequantize_in_gguf_to_the_hf_values() -> 
     import gguf
 
     from engine.layers.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-    from tests.models._gpt_oss import hf_mxfp4_to_ggml
+    from tests.engine.models._gpt_oss import hf_mxfp4_to_ggml
 
     blocks, scales = quantize_mxfp4(torch.randn(3, 8, 96))
     ggml = hf_mxfp4_to_ggml(blocks, scales)
@@ -196,7 +196,7 @@ def test_ggml_mxfp4_bytes_written_here_dequantize_in_gguf_to_the_hf_values() -> 
 
 def test_gguf_file_loads_as_its_hf_directory_and_generates_transformers_tokens(
         gpt_oss_checkpoints: dict[str, GptOssCheckpoint], reference: dict, tmp_path: Path) -> None:
-    from tests.models._gpt_oss import write_gguf
+    from tests.engine.models._gpt_oss import write_gguf
 
     checkpoint = gpt_oss_checkpoints["mxfp4"]
     path = tmp_path / "tiny-gpt-oss.MXFP4.gguf"

@@ -19,8 +19,8 @@ from engine.engine import LLMEngine
 from engine.loader import load_checkpoint
 from engine.loader.checkpoint import UnsupportedCheckpointError
 from tests.engine.fakes import assert_idle_and_clean, generate
-from tests.models._greedy import hf_greedy
-from tests.models._qwen3 import TinyCheckpoint, write_checkpoints, write_gguf
+from tests.engine.models._greedy import hf_greedy
+from tests.engine.models._qwen3 import TinyCheckpoint, write_checkpoints, write_gguf
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 200, 31, 64]
 NUM_NEW_TOKENS = 10

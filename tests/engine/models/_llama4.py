@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.models._checkpoints import randomize_norms, write_bpe_tokenizer
-from tests.models._qwen3 import TinyCheckpoint
+from tests.engine.models._checkpoints import randomize_norms, write_bpe_tokenizer
+from tests.engine.models._qwen3 import TinyCheckpoint
 
 VOCAB_SIZE = 320
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>",

@@ -16,7 +16,7 @@ from contracts.sampling_params import SamplingParams
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from tests.engine.fakes import Completion, assert_idle_and_clean, drive, generate
-from tests.models._greedy import hf_greedy
+from tests.engine.models._greedy import hf_greedy
 
 LOGPROB_TOLERANCE = 2e-3
 EngineFactory = Callable[..., LLMEngine]
