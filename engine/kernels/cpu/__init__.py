@@ -87,9 +87,14 @@ def load() -> bool:
         # -ffp-contract=off: GCC fuses a * b + c into an FMA where it sees fit, and may decide
         # differently for a 512-bit build; unfused, the scalar code rounds the same in every variant
         flags = ["-O3", *cflags, *(f"-D{d}" for d in defines), "-fopenmp", "-ffp-contract=off"]
-        load_extension(name=_build_name(chosen.variant, flags), sources=[str(_SOURCE)],
-                       is_python_module=False, extra_cflags=flags,
-                       extra_ldflags=["-fopenmp"], verbose=False)
+        from torch.utils.cpp_extension import _get_build_directory
+
+        from engine.kernels.cpu.build_lock import build_lock
+
+        name = _build_name(chosen.variant, flags)
+        with build_lock(Path(_get_build_directory(name, False))):  # (a killed build's lock goes)
+            load_extension(name=name, sources=[str(_SOURCE)], is_python_module=False,
+                           extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: keep the PyTorch path
         logger.warning("native CPU kernels off: the build failed (%s)", exc)
         return False
