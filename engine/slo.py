@@ -20,9 +20,10 @@ time per output token). The running decodes' share of it is fixed (base + their 
 the rest, at least MIN_PREFILL_TOKENS so prompts always advance: the prompts the step would
 prefill, in schedule order, each chunk costed at its position in its prompt. New sequences are
 admitted to the running batch only while the batch's decodes alone (plus that minimum prefill)
-still fit the step. A step with no decodes streams no tokens: it is bounded by `prefill_step_ms` instead (the scheduler
-passes PREFILL_STEP_TTFT_FRACTION of the TTFT target: the most a request arriving during it waits
-for the step to end), so prompts prefill in larger, cheaper chunks while nothing decodes.
+still fit the step. A step with no decodes streams no tokens: it is bounded by `prefill_step_ms`
+instead (the scheduler passes PREFILL_STEP_TTFT_FRACTION of the TTFT target: the most a request
+arriving during it waits for the step to end), so prompts prefill in larger, cheaper chunks while
+nothing decodes.
 
 A decode's TPOT is its mean gap, (last token - first token) / gaps: a stream whose steps so far ran
 shorter than the target (no prompt prefilled beside it) has time in hand. With `decode_slack_s`
@@ -43,9 +44,10 @@ can take (its own class's and higher; a lower class gives its seat up) free up, 
 remaining output tokens, one a step. The queue is the longer of the two; the predicted TTFT is the
 queue plus its own prefill, the prompt less its prefix-cache hit. Classes' TTFT targets
 (`class_ttft_target_ms`): priority and default have the operator's target; flex is best effort
-with a looser bound (FLEX_TTFT_FACTOR times it) so its queue stays bounded too. A request is refused only when the queue is what breaks its target: one whose own
-prefill fits the target is refused when queue + prefill exceed it; one whose own prefill alone takes
-longer (a long prompt, or a machine slower than the target) only when the queue alone exceeds it.
+with a looser bound (FLEX_TTFT_FACTOR times it) so its queue stays bounded too. A request is refused
+only when the queue is what breaks its target: one whose own prefill fits the target is refused when
+queue + prefill exceed it; one whose own prefill alone takes longer (a long prompt, or a machine
+slower than the target) only when the queue alone exceeds it.
 """
 
 from __future__ import annotations
@@ -158,10 +160,27 @@ class StepCostModel:
             self._xty[i] = self._xty[i] * self._decay + x[i] * step_s
         self.num_steps += 1
         if self.num_steps >= MIN_STEPS_FITTED:
-            fitted = _solve(self._xtx, self._xty)
+            fitted = _solve_nonnegative(self._xtx, self._xty)
             base, prefill, decode, pair = (max(v, 0.0) / scale
                                            for v, scale in zip(fitted, self._scales, strict=True))
             self.cost = StepCost(base, prefill, decode, pair)
+
+
+def _solve_nonnegative(a: list[list[float]], b: list[float]) -> list[float]:
+    """The least-squares fit (normal equations `a x = b`) with every term >= 0: a term that comes
+    out negative is dropped (the most negative first) and the rest refitted. Clamping it to 0
+    instead would leave the others fitted to it: steps that all look alike (one decode deep in a
+    long context, a term collinear with the others) then predicted 130 ms for a 27 ms step."""
+    terms = list(range(len(b)))
+    while True:
+        x = _solve([[a[i][j] for j in terms] for i in terms], [b[i] for i in terms])
+        if min(x) >= 0.0 or len(terms) == 1:
+            break
+        del terms[x.index(min(x))]
+    full = [0.0] * len(b)
+    for term, value in zip(terms, x, strict=True):
+        full[term] = max(value, 0.0)
+    return full
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
@@ -212,10 +231,14 @@ def plan_step(cost: StepCost | None, num_decodes: int, tpot_target_ms: float | N
     if cost is None or not tpot_target_ms:
         return fixed
     step_target_s = tpot_target_ms / 1000.0 * HEADROOM
-    if cost.step_s(MIN_PREFILL_TOKENS, 1, attention_pairs(0, MIN_PREFILL_TOKENS)) > step_target_s:
+    floor_s = cost.step_s(MIN_PREFILL_TOKENS, 1, attention_pairs(0, MIN_PREFILL_TOKENS))
+    if floor_s > tpot_target_ms / 1000.0:
         return fixed
+    # a floor step past the headroom but inside the target itself: the floor (prefill's minimum),
+    # and seats while the floor fits the target (no cliff to the fixed budget as the fit wobbles)
+    seat_target_s = step_target_s if floor_s <= step_target_s else tpot_target_ms / 1000.0
     max_prefill = max(max_num_batched_tokens - num_decodes, 0)
-    seats = _max_seats(cost, step_target_s, num_decodes, num_decode_pairs, max_num_seqs)
+    seats = _max_seats(cost, seat_target_s, num_decodes, num_decode_pairs, max_num_seqs)
     if num_decodes == 0:  # nothing streams: the step only delays what arrives meanwhile
         if prefill_step_ms is None:
             return StepPlan(max_num_batched_tokens, seats)
