@@ -8,12 +8,14 @@ none after `{"child":`, so the answer was an empty or cut-off 200. `endless_ref`
 
     ref = endless_ref(schema)   # '#/$defs/node', or None when every recursion can end
 
-A least fixpoint over the schema's local `$ref`s: a reference is finite once its target admits
-a value built only from references already known finite. Leaves are judged leniently (any
-primitive type, `enum`, `const`, a type-less schema are finite; remote `$ref`s and keywords it
-does not model too), so only a recursion is ever blamed: a schema whose refusal does not come
-from its `$ref`s is left to llguidance. The work is bounded (`MAX_VISITS` schema nodes, beyond
-which nothing is blamed), so a hostile schema costs at most a few milliseconds here.
+Two fixpoints over the schema's local `$ref`s. The least: a reference is finite once its
+target admits a value built only from references already known finite. The greatest: every
+reference is finite but those whose target admits no value even then. A root finite by the
+greatest and not by the least needs an endless recursion to have a value: that is blamed; a root
+without a value by the greatest too fails for other reasons, left to llguidance. Leaves are
+judged leniently (any primitive type, `enum`, `const`, a type-less schema are finite; remote
+`$ref`s and keywords not modelled too). The work is bounded (`MAX_VISITS` schema nodes, beyond
+which nothing is blamed: a fraction of a second at worst).
 """
 
 from __future__ import annotations
@@ -35,26 +37,29 @@ def endless_ref(schema: Any) -> str | None:
     refs = _local_refs(schema)
     if not refs:
         return None
+    targets = {ref: _resolve(schema, ref) for ref in refs}
     checker = _Checker()
     try:
-        if not checker.is_finite(schema, optimistic=True):
-            return None  # refused without any recursion: llguidance's to judge
-        targets = {ref: _resolve(schema, ref) for ref in refs}
-        finite = {ref for ref, target in targets.items() if target is _UNRESOLVED}
-        grew = True
-        while grew:  # each round adds a reference or ends: at most len(refs) + 1 rounds
-            grew = False
-            checker.finite_refs = frozenset(finite)
-            for ref, target in targets.items():
-                if ref not in finite and checker.is_finite(target):
-                    finite.add(ref)
-                    grew = True
-        checker.finite_refs = frozenset(finite)
+        # Greatest fixpoint: every reference finite but those whose target has no value even
+        # so. A root that admits none then fails without any recursion: llguidance's to judge.
+        checker.finite_refs = frozenset(refs)
+        while dead := {ref for ref in checker.finite_refs
+                       if targets[ref] is not _UNRESOLVED and not checker.is_finite(targets[ref])}:
+            checker.finite_refs -= dead
+        if not checker.is_finite(schema):
+            return None
+        # Least fixpoint: a reference is finite once its target admits a value built from
+        # references already known finite. A root finite above but not here needs an endless
+        # recursion to have a value.
+        checker.finite_refs = frozenset(ref for ref in refs if targets[ref] is _UNRESOLVED)
+        while grown := {ref for ref in refs if ref not in checker.finite_refs
+                        and checker.is_finite(targets[ref])}:
+            checker.finite_refs |= grown
         if checker.is_finite(schema):
             return None
     except _OutOfBudget:
         return None
-    return next(ref for ref in refs if ref not in finite)
+    return next(ref for ref in refs if ref not in checker.finite_refs)
 
 
 _UNRESOLVED = object()
@@ -103,9 +108,9 @@ class _Checker:
         self.finite_refs: frozenset[str] = frozenset()
         self._num_visits = 0
 
-    def is_finite(self, node: Any, *, optimistic: bool = False) -> bool:
+    def is_finite(self, node: Any) -> bool:
         """Whether `node` admits a finite value, counting a local `$ref` finite when it is in
-        `finite_refs` (or, `optimistic`, always)."""
+        `finite_refs`."""
         self._num_visits += 1
         if self._num_visits > MAX_VISITS:
             raise _OutOfBudget
@@ -114,17 +119,16 @@ class _Checker:
         if not isinstance(node, dict):
             return True  # not a schema: llguidance's to refuse
         ref = node.get("$ref")
-        if (isinstance(ref, str) and ref.startswith("#") and not optimistic
-                and ref not in self.finite_refs):
+        if isinstance(ref, str) and ref.startswith("#") and ref not in self.finite_refs:
             return False
         subs = node.get("allOf")
         if isinstance(subs, list) and not all(
-                self.is_finite(sub, optimistic=optimistic) for sub in subs):
+                self.is_finite(sub) for sub in subs):
             return False
         for key in ("anyOf", "oneOf"):
             subs = node.get(key)
             if isinstance(subs, list) and subs and not any(
-                    self.is_finite(sub, optimistic=optimistic) for sub in subs):
+                    self.is_finite(sub) for sub in subs):
                 return False
         if "const" in node or "enum" in node:
             return True
@@ -132,25 +136,25 @@ class _Checker:
         kinds = [kinds] if isinstance(kinds, str) else kinds
         if not isinstance(kinds, list) or any(kind not in _COMPOSITE for kind in kinds):
             return True  # no type (any value), or a primitive one among them
-        return (("object" in kinds and self._object_is_finite(node, optimistic))
-                or ("array" in kinds and self._array_is_finite(node, optimistic)))
+        return (("object" in kinds and self._object_is_finite(node))
+                or ("array" in kinds and self._array_is_finite(node)))
 
-    def _object_is_finite(self, node: dict[str, Any], optimistic: bool) -> bool:
+    def _object_is_finite(self, node: dict[str, Any]) -> bool:
         properties = node.get("properties")
         required = node.get("required")
         if not isinstance(properties, dict) or not isinstance(required, list):
             return True
-        return all(self.is_finite(properties[name], optimistic=optimistic)
+        return all(self.is_finite(properties[name])
                    for name in required if isinstance(name, str) and name in properties)
 
-    def _array_is_finite(self, node: dict[str, Any], optimistic: bool) -> bool:
+    def _array_is_finite(self, node: dict[str, Any]) -> bool:
         min_items = node.get("minItems", 0)
         if not isinstance(min_items, int) or min_items <= 0:
             return True
         prefix = node.get("prefixItems")
         prefix = prefix if isinstance(prefix, list) else []
-        if not all(self.is_finite(sub, optimistic=optimistic) for sub in prefix[:min_items]):
+        if not all(self.is_finite(sub) for sub in prefix[:min_items]):
             return False
         items = node.get("items")
         return (min_items <= len(prefix) or not isinstance(items, dict | bool)
-                or self.is_finite(items, optimistic=optimistic))
+                or self.is_finite(items))

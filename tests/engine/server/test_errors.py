@@ -270,6 +270,12 @@ def test_a_recursive_schema_with_a_way_out_is_served(http: httpx.Client) -> None
         answer = http.post("/v1/chat/completions", json=chat(max_tokens=4, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}))
         assert answer.status_code == 200, answer.text
+    # a $ref to a schema without any value is no recursion: not blamed as one
+    dead_end = {"type": "object", "properties": {"x": {"$ref": "#/$defs/none"}},
+                "required": ["x"], "$defs": {"none": False}}
+    answer = http.post("/v1/chat/completions", json=chat(max_tokens=4, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": dead_end}}))
+    assert "admits no finite value" not in answer.text
 
 
 @pytest.mark.parametrize("where", ["response_format", "tools"])
