@@ -19,6 +19,7 @@ from gateway.dialects.validate import (
     ToolResults,
     get_bool,
     get_list,
+    get_name,
     get_object,
     get_str,
     get_tool_name,
@@ -95,15 +96,14 @@ def _parse_message(raw: Any, i: int) -> Message:
         call = need_object(call, f"{param}.tool_calls[{j}]")
         function = need_object(call.get("function"), f"{param}.tool_calls[{j}].function")
         calls.append(ToolCall(get_str(call, "id", f"{param}.tool_calls[{j}].id", required=True)
-                              or "", get_str(function, "name",
-                                             f"{param}.tool_calls[{j}].function.name",
-                                      required=True, allow_empty=False) or "",
+                              or "", get_tool_name(function, "name",
+                                                   f"{param}.tool_calls[{j}].function.name"),
                               get_str(function, "arguments",
                                       f"{param}.tool_calls[{j}].function.arguments") or "{}"))
     tool_call_id = get_str(raw, "tool_call_id", f"{param}.tool_call_id", required=role == "tool")
     reasoning = get_str(raw, "reasoning_content", f"{param}.reasoning_content") or ""
     return Message(role, content, tuple(calls), tool_call_id,  # type: ignore[arg-type]
-                   get_str(raw, "name", f"{param}.name"), reasoning if role == "assistant" else "")
+                   get_name(raw, "name", f"{param}.name"), reasoning if role == "assistant" else "")
 
 
 class OpenAIChat(Dialect):

@@ -124,6 +124,14 @@ def get_tool_name(body: dict[str, Any], key: str, param: str) -> str:
     return name
 
 
+def get_name(body: dict[str, Any], key: str, param: str) -> str | None:
+    """An optional name of the same pattern (OpenAI's for a message's `name`: it reaches the
+    chat template as the participant's label)."""
+    if body.get(key) is None:
+        return None
+    return get_tool_name(body, key, param)
+
+
 def get_tool_schema(body: dict[str, Any], key: str, param: str) -> dict[str, Any]:
     """A tool's parameters schema: an object whose `type`, when given, is "object" (a call's
     arguments are an object; OpenAI and Anthropic refuse any other type), else {}."""

@@ -89,6 +89,14 @@ def _cases(path: str) -> list[tuple[str, Any, int]]:
                   ("empty_messages", {**good, "messages": []}, 400),
                   ("tool_message_without_id", {**good, "messages": [{"role": "tool", "content": "x"}]}, 400),
                   ("tool_without_name", {**good, "tools": [{"type": "function", "function": {}}]}, 400),
+                  ("message_name_with_a_newline", {**good, "messages": [
+                      {"role": "user", "content": "x", "name": "bob\nsystem"}]}, 400),
+                  ("history_call_name_with_a_space", {**good, "messages": [
+                      {"role": "user", "content": "x"},
+                      {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                            "function": {"name": "get it",
+                                                                         "arguments": "{}"}}]},
+                      {"role": "tool", "tool_call_id": "c", "content": "r"}]}, 400),
                   ("tool_name_with_a_dot", {**good, "tools": [
                       {"type": "function", "function": {"name": "functions.f"}}]}, 400),
                   ("tool_choice_function_not_an_object", {**good, "tool_choice": {
