@@ -18,7 +18,7 @@ gzip body on a route that did not read it) is one warning line too.
 
 This reaches into aiohttp's RequestHandler (its request count, message queue and `_ErrInfo`,
 pinned by the version in pyproject.toml); tests/gateway/web/test_slow_clients.py and
-test_log_noise.py fail if a release changes them.
+test_parser_refusals.py fail if a release changes them.
 """
 
 from __future__ import annotations

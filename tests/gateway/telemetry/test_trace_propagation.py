@@ -1,4 +1,6 @@
-"""A request the gateway does not sample still tells its upstream so (a `traceparent` with flags
+"""The trace context a request carries upstream (`traceparent`, `tracestate`): a caller's trace is
+continued, tracing off sends none, and a request the gateway does not sample (its own choice, the
+caller's, or over the new-trace rate limit) still tells its upstream so (a `traceparent` with flags
 00), so that a replica's parent-based sampler records nothing for it instead of starting a trace of
 its own (an orphan replica-only trace per unsampled request)."""
 
@@ -38,7 +40,8 @@ def _gateway_recording_trace_headers(make_gateway: GatewayFactory, loop_thread: 
         return web.json_response(COMPLETION)
 
     _, upstream_url = start_chat_upstream(loop_thread, chat)
-    gateway = make_gateway(models=[{"name": MODEL, "backend": "replica", "endpoints": [upstream_url]}])
+    gateway = make_gateway(models=[{"name": MODEL, "backend": "replica",
+                                    "endpoints": [upstream_url]}])
     return gateway.url, seen, states
 
 

@@ -1,18 +1,27 @@
-"""Requests aiohttp's parser refuses (a header over its limit, a body its Content-Encoding does
-not describe) get one warning line, no traceback, and the route's own error envelope."""
+"""Requests the HTTP layer refuses before a handler runs (infra/http_server.py under the gateway's
+server): a header over aiohttp's limit is a 431, a body its Content-Encoding does not describe a
+400; each gets one warning line, no traceback, and the route's own error envelope, and the
+connection is announced closed rather than dropped under the client's next request."""
 
 from __future__ import annotations
 
 import logging
 
+import httpx
 import orjson
 import pytest
 
 from gateway.settings import GatewaySettings
-from tests.gateway.conftest import MODEL, GatewayServer
+from tests.gateway.conftest import MODEL, Gateway, GatewayServer
 from tests.raw_http import send_raw
 
 CHAT = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+BODIES = {
+    "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/messages/count_tokens": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+    "/anthropic/v1/messages": {"model": MODEL, "max_tokens": 5,
+                               "messages": [{"role": "user", "content": "hi"}]},
+}
 
 
 @pytest.fixture
@@ -59,3 +68,27 @@ def test_a_body_that_is_not_its_content_encoding_is_a_400_in_the_envelope(
     else:
         assert status == 200  # a GET does not read its body: it is answered as usual
     _no_tracebacks(caplog)
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+@pytest.mark.parametrize("path", list(BODIES))
+def test_a_body_that_is_not_its_content_encoding_is_a_400_and_the_next_request_still_works(
+        gateway: Gateway, path: str, encoding: str) -> None:
+    with httpx.Client(base_url=gateway.url, timeout=10,
+                      limits=httpx.Limits(max_connections=1)) as client:
+        response = client.post(path, content=orjson.dumps(BODIES[path]),
+                               headers={"content-type": "application/json",
+                                        "content-encoding": encoding})
+        assert response.status_code == 400, response.text
+        body = response.json()
+        error = body["error"]
+        if "messages" in path:
+            assert body["type"] == "error" and error["type"] == "invalid_request_error"
+        else:
+            assert error["code"] == "invalid_request" and error["type"] == "invalid_request_error"
+        assert encoding in error["message"]
+        assert response.headers.get("connection", "").lower() == "close"
+        follow_up = client.get("/v1/models")  # a new connection, not the half-read one
+        assert follow_up.status_code == 200
+    assert not gateway.upstreams[0].state.request_ids
+    assert not gateway.meter.settled
