@@ -276,8 +276,15 @@ def _rewrap_cell(src: Source, n: int, column: int, limit: int, last_line: int) -
     if column > limit - 25:
         raise Refused("a table cell too far right to rewrap")
     cell = line[column:]
-    hang = re.match(r"(-> |\w+ \()", cell)  # `x  -> y ...`, `name  gauge (what ...`
+    hang = re.match(r"(-> |\w+ \(|\()", cell)  # `x  -> y ...`, `name  gauge (what ...`
+    if hang and hang.group(0).endswith("(") and _closing_paren(cell, len(hang.group(0)) - 1) \
+            < len(cell.rstrip()) - 2:
+        hang = None  # `absent (dense experts) or ...`: the parenthesis is not the cell
     cont = " " * (column + (len(hang.group(0)) if hang else 0))
+    nxt = src.line(n + 1) if n < last_line else ""
+    nxt_indent = len(nxt) - len(nxt.lstrip())
+    if nxt.strip() and column <= nxt_indent <= column + 4:
+        cont = " " * nxt_indent  # the cell's own continuation lines show where it hangs
     cont += "# " if cell.startswith("# ") else ""
 
     def continues(nxt: str, cont_prefix: str) -> bool:
@@ -287,6 +294,16 @@ def _rewrap_cell(src: Source, n: int, column: int, limit: int, last_line: int) -
         return rest.strip() not in ('"""', "'''") and nxt[:len(cont_prefix)].strip() in ("", "#")
 
     return rewrap_paragraph(src, n, len(cont), cont, limit, continues)
+
+
+def _closing_paren(text: str, start: int) -> int:
+    """The index of the `)` that closes the `(` at `start` (len(text) when none does)."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    return len(text)
 
 
 def _under_bullet(src: Source, n: int, prefix: str, first_line: int, base: int) -> bool:
@@ -643,9 +660,10 @@ def parenthesise(src: Source, n: int, limit: int) -> list[str]:
     raise Refused("no operator to break at in a parenthesised expression")
 
 
-def hang_signature(src: Source, n: int, limit: int) -> list[str]:
+def hang_signature(src: Source, n: int, limit: int, pragma: Tok | None = None) -> list[str]:
     """`def name(params) -> T:` too long: the parameters go on the next lines, indented by 8
-    (and are broken there); the signature may span lines, with no comment in it."""
+    (and are broken there); the signature may span lines, with no comment in it but a pragma
+    at the end of its one line, which stays on the `def` line (where mypy reports)."""
     for node in ast.walk(src.tree):
         if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             continue
@@ -658,18 +676,25 @@ def hang_signature(src: Source, n: int, limit: int) -> list[str]:
         if not paren.line <= n <= colon.line or paren.line != first.line:
             continue
         if any(t.type == tokenize.COMMENT and paren.line <= t.line <= colon.line
-               for t in src.toks):
+               and t is not pragma for t in src.toks):
             raise Refused("a comment in the signature")
+        if pragma is not None and not (paren.line == colon.line == pragma.line):
+            raise Refused("a pragma on a signature of several lines")
         if bracket.align == bracket.col + 1 and bracket.line == paren.line and n == paren.line \
                 and bracket.end_line == n:
             pass  # one line: hang it
         elif src.line(paren.line).rstrip().endswith("("):
             raise Refused("the signature hangs already")
         head = src.line(paren.line)[: paren.col + 1]
-        pieces = [src.line(paren.line)[paren.col + 1:].strip()]
+        first_line = src.line(paren.line)
+        if pragma is not None:
+            first_line = first_line[:pragma.col].rstrip()
+        pieces = [first_line[paren.col + 1:].strip()]
         pieces += [src.line(k).strip() for k in range(paren.line + 1, colon.line + 1)]
         indent = len(head) - len(head.lstrip())
         body = " ".join(p for p in pieces if p).replace("( ", "(")
+        if pragma is not None:
+            head += "  " + pragma.string
         return _replace_many(src, paren.line, colon.line - paren.line + 1,
                              [head, " " * (indent + 8) + body])
     raise Refused("not a signature")
@@ -688,6 +713,8 @@ def fix_line(src: Source, n: int, limit: int) -> list[str]:
     comments = [t for t in src.line_tokens(n) if t.type == tokenize.COMMENT]
     if comments:
         if PRAGMA.match(comments[0].string):
+            if re.match(r"\s*(async\s+)?def ", line) and len(comments) == 1:
+                return hang_signature(src, n, limit, pragma=comments[0])
             raise Refused("a pragma comment must stay on its line")
         return move_trailing_comment(src, n, comments[0])
     if line.rstrip().endswith("\\"):
