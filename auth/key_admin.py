@@ -72,6 +72,10 @@ class KeyAdmin:
             expires_in_s = checked_seconds(expires_in_s, "expires_in", positive=True)
         if allowed_models is not None and not allowed_models:  # [] must not mean "every model"
             raise InvalidRequest("models must name at least one model (omit it for every model)")
+        if allowed_models is not None and not all(
+                isinstance(model, str) and model.strip() for model in allowed_models):
+            # (`--model "$MODEL"` with MODEL unset: a key that can call nothing)
+            raise InvalidRequest("models must be model names, not empty")
         if await self.store.get_project(project) is None:
             raise UnknownProject(project)
         now = time.time()

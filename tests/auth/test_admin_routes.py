@@ -167,6 +167,7 @@ def test_key_fields_that_would_grant_more_or_break_json_are_refused(tmp_path: Pa
                     aiohttp.ClientSession() as http):
             headers = {"Authorization": f"Bearer {admin_key}", "content-type": "application/json"}
             for body in ('{"scopes": ["ai_gateway:invoke"], "models": []}',
+                         '{"scopes": ["ai_gateway:invoke"], "models": [""]}',  # MODEL unset
                          '{"scopes": ["ai_gateway:invoke"], "expires_in": NaN}',
                          '{"scopes": ["ai_gateway:invoke"], "expires_in": Infinity}',
                          '{"scopes": ["ai_gateway:invoke"], "expires_in": true}',

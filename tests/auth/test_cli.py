@@ -75,6 +75,10 @@ def test_cli_errors_go_to_stderr_with_a_nonzero_status(
     assert out == "" and "nope" in err
     assert main(["keys", "revoke", "000000000000"]) == 1
     capsys.readouterr()
+    assert main(["projects", "create", "empty-model"]) == 0  # `--model "$MODEL"`, MODEL unset:
+    assert main(["keys", "create", "--project", "empty-model", "--scope", "ai_gateway:invoke",
+                 "--model", ""]) == 1  # a key that could call nothing
+    assert "models must be model names" in capsys.readouterr().err
     assert main(["keys", "rotate", "sk-aigw-000000000000-a-pasted-secret"]) == 1
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("aigw: UnknownKey: 000000000000 (in ")  # no secret echoed
