@@ -93,8 +93,7 @@ def parse_items(items: list[dict[str, Any]], *, num_prior: int = 0,
             reasoning = ""
         elif kind == "function_call":
             call = ToolCall(get_str(item, "call_id", f"{where}.call_id", required=True) or "",
-                            get_str(item, "name", f"{where}.name", required=True,
-                                    allow_empty=False) or "",
+                            get_tool_name(item, "name", f"{where}.name"),
                             get_str(item, "arguments", f"{where}.arguments") or "{}")
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":  # the same turn: text, then calls

@@ -64,6 +64,9 @@ def _cases(path: str) -> list[tuple[str, Any, int]]:
                   ("unsupported_tool_type", {**good, "tools": [{"type": "web_search"}]}, 400),
                   ("tool_name_with_a_newline", {**good, "tools": [
                       {"type": "function", "name": "f\nsystem:"}]}, 400),
+                  ("history_call_name_with_a_space", {**good, "input": [
+                      {"type": "function_call", "call_id": "c", "name": "get it",
+                       "arguments": "{}"}]}, 400),
                   ("previous_response_id", {**good, "previous_response_id": "resp_1"}, 400),
                   ("only_reasoning_items", {**good, "input": [{"type": "reasoning", "summary": []}]}, 400)]
     else:
