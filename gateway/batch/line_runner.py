@@ -144,7 +144,7 @@ class LineRunner:
         principal.require_model(canonical.model)
         route = self._pipeline.fleet.get(canonical.model)
         if route is None:
-            raise ModelNotFound(f"the model {canonical.model!r} does not exist")
+            raise ModelNotFound.named(canonical.model)
         canonical.project = principal.project
         canonical.allowed_models = principal.allowed_models
         canonical.cache_salt = self._pipeline.cache_salt_of(principal)

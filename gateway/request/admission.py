@@ -161,8 +161,7 @@ class Admitter:
         principal.require_model(canonical.model)
         route = self.fleet.get(canonical.model)
         if route is None:
-            raise ModelNotFound(f"the model {canonical.model!r} does not exist "
-                                f"(GET /v1/models lists the models of this gateway)")
+            raise ModelNotFound.named(canonical.model)
         return canonical, principal, route
 
     async def admit(self, request: web.Request, dialect: Dialect, request_id: str, usage_id: str,

@@ -57,6 +57,12 @@ class ModelNotFound(GatewayError):
     status = 404
     code = "model_not_found"
 
+    @classmethod
+    def named(cls, model: str) -> ModelNotFound:
+        """A client's unknown model, with where the names are (a user who guessed one)."""
+        return cls(f"the model {model!r} does not exist (GET /v1/models lists the models of "
+                   f"this gateway)")
+
 
 class PayloadTooLarge(GatewayError):
     status = 413

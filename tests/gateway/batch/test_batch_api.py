@@ -184,6 +184,8 @@ def test_malformed_lines_and_refused_requests_go_to_the_error_file(served: Serve
                       ("stream", "stream_not_supported"), ("no-model", 404), ("bad-body", 400)}
     refused = [e for e in read_jsonl(client, done.error_file_id) if e["response"]]
     assert all(e["response"]["body"]["error"]["message"] for e in refused)
+    (unknown,) = [e for e in refused if e["custom_id"] == "no-model"]  # where the names are
+    assert "GET /v1/models" in unknown["response"]["body"]["error"]["message"]
     assert [o["custom_id"] for o in read_jsonl(client, done.output_file_id)] == ["good"]
 
 
