@@ -1,17 +1,19 @@
-"""`aigw bench agent`: what the prefix cache buys on agent-shaped traffic, cache ON vs OFF in one run.
+"""`aigw bench agent`: what the prefix cache buys on agent-shaped traffic, cache ON vs OFF in one
+run.
 
 Workloads (bench/workloads.py; deterministic for `--seed`):
   agent          S sessions x T turns in closed loops; one system prompt with a JSON tool schema
-                 (~1,500 tokens, through the chat template); each turn appends a user message or a tool
-                 result (100-200 tokens) after the previous answer, and generates 32-64 tokens.
-  shared-prefix  SGLang's generated-shared-prefix shape: groups x prompts per group, all at t=0. Default:
-                 the issue's comparison case, 16 requests sharing an 898-token prefix, 32 new tokens each.
-  hit30          primed so that 30% of every prompt's tokens are cached (640-token prompts, 1 new token):
-                 prefill throughput ON/OFF against the bound 1 / (1 - 0.3).
+                 (~1,500 tokens, through the chat template); each turn appends a user message or a
+                 tool result (100-200 tokens) after the previous answer, and generates 32-64 tokens.
+  shared-prefix  SGLang's generated-shared-prefix shape: groups x prompts per group, all at t=0.
+                 Default: the issue's comparison case, 16 requests sharing an 898-token prefix, 32
+                 new tokens each.
+  hit30          primed so that 30% of every prompt's tokens are cached (640-token prompts, 1 new
+                 token): prefill throughput ON/OFF against the bound 1 / (1 - 0.3).
   zero-reuse     unique prompts: what the cache costs when it never hits.
 Two engines over the same weights, one with prefix caching and one without; the ON engine's cache is
-reset before each workload. Each (workload, mode) runs `--repeats` times, alternating which mode goes
-first, and the run with the shortest wall time is kept.
+reset before each workload. Each (workload, mode) runs `--repeats` times, alternating which mode
+goes first, and the run with the shortest wall time is kept.
 """
 
 from __future__ import annotations
@@ -53,9 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.set_defaults(threads=2)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--repeats", type=int, default=1, help="runs per (workload, mode); the fastest is kept")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per (workload, mode); the fastest is kept")
     parser.add_argument("--sessions", type=int, default=8, help="agent: concurrent sessions (S)")
-    parser.add_argument("--turns", type=int, default=4, help="agent: sequential turns per session (T)")
+    parser.add_argument("--turns", type=int, default=4,
+                        help="agent: sequential turns per session (T)")
     parser.add_argument("--agent-system-tokens", type=int, default=1500)
     parser.add_argument("--num-groups", type=int, default=1, help="shared-prefix: groups")
     parser.add_argument("--prompts-per-group", type=int, default=16)
@@ -68,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zero-prompts", type=int, default=16)
     parser.add_argument("--zero-prompt-tokens", type=int, default=512)
     parser.add_argument("--zero-output-tokens", type=int, default=16)
-    parser.add_argument("--tiny", action="store_true", help="smoke-test sizes; the figures mean nothing")
+    parser.add_argument("--tiny", action="store_true",
+                        help="smoke-test sizes; the figures mean nothing")
     parser.add_argument("--plot", default=None, help="write a PNG here")
     parser.add_argument("--json", default=None, help="write the figures as JSON here")
     from bench import agent_pauses
@@ -90,7 +95,8 @@ def apply_tiny(args: argparse.Namespace) -> None:
 class Workload:
     name: str
     describe: str
-    make_clients: Callable[[], Sequence[Client]]  # fresh clients per run (agent sessions hold state)
+    # fresh clients per run (agent sessions hold state)
+    make_clients: Callable[[], Sequence[Client]]
     primers: list[list[int]]  # run (1 token each) before the measured requests, not measured
     design_hit_ratio: float | None = None
 
@@ -100,24 +106,30 @@ def make_workloads(args: argparse.Namespace, tokenizer: Any, block_size: int) ->
     out: list[Workload] = []
     for name in [w for w in args.workloads.split(",") if w]:
         if name == "agent":
-            turn_tokens = (min(100, args.agent_system_tokens // 4), min(200, args.agent_system_tokens // 3))
+            turn_tokens = (min(100, args.agent_system_tokens // 4),
+                           min(200, args.agent_system_tokens // 3))
             answer_tokens = (32, 64) if not args.tiny else (3, 5)
 
             sessions = agent_sessions(tokenizer, num_sessions=args.sessions, num_turns=args.turns,
-                                      system_tokens=args.agent_system_tokens, message_tokens=turn_tokens,
+                                      system_tokens=args.agent_system_tokens,
+                                      message_tokens=turn_tokens,
                                       answer_tokens=answer_tokens, seed=args.seed)
             system_tokens = len(sessions[0].segments.system_ids)
-            out.append(Workload(name, f"{args.sessions} sessions x {args.turns} turns, {system_tokens}-token "
-                                      f"system prompt with tools, {turn_tokens} tokens per turn message, "
+            out.append(Workload(name,
+                                f"{args.sessions} sessions x {args.turns} turns, "
+                                f"{system_tokens}-token "
+                                      f"system prompt with tools, {turn_tokens} tokens per turn "
+                                      "message, "
                                       f"{answer_tokens} out",
                                 functools.partial(_fresh_sessions, sessions), []))
         elif name == "shared-prefix":
             prompts = shared_prefix_prompts(source, num_groups=args.num_groups,
                                             prompts_per_group=args.prompts_per_group,
-                                            system_tokens=args.system_prompt_len, question_tokens=args.question_len)
+                                            system_tokens=args.system_prompt_len,
+                                            question_tokens=args.question_len)
             out.append(Workload(name, f"{args.num_groups} x {args.prompts_per_group} requests, "
-                                      f"{args.system_prompt_len}-token prefix + {args.question_len}, "
-                                      f"{args.output_len} out",
+                                      f"{args.system_prompt_len}-token prefix + "
+                                      f"{args.question_len}, {args.output_len} out",
                                 functools.partial(one_shot, prompts, args.output_len), []))
         elif name == "hit30":
             primers, prompts = hit_ratio_prompts(source, num_prompts=args.hit_prompts,
@@ -128,8 +140,10 @@ def make_workloads(args: argparse.Namespace, tokenizer: Any, block_size: int) ->
                                       f"{len(primers[0])} primed ({ratio:.0%}), 1 out",
                                 functools.partial(one_shot, prompts, 1), primers, ratio))
         elif name == "zero-reuse":
-            prompts = unique_prompts(source, num_prompts=args.zero_prompts, prompt_tokens=args.zero_prompt_tokens)
-            out.append(Workload(name, f"{args.zero_prompts} unique x {args.zero_prompt_tokens} tokens, "
+            prompts = unique_prompts(source, num_prompts=args.zero_prompts,
+                                     prompt_tokens=args.zero_prompt_tokens)
+            out.append(Workload(name,
+                                f"{args.zero_prompts} unique x {args.zero_prompt_tokens} tokens, "
                                       f"{args.zero_output_tokens} out",
                                 functools.partial(one_shot, prompts, args.zero_output_tokens), []))
         else:
@@ -164,7 +178,7 @@ def run_once(engine: Any, workload: Workload, caching: bool) -> dict[str, float 
     return summarize(records, engine.stats().num_preemptions_total - preemptions)
 
 
-# ---- report --------------------------------------------------------------------------------------------
+# ---- report --------------------------------------------------------------------------------------
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -176,12 +190,14 @@ def verdicts(name: str, on: dict[str, Any], off: dict[str, Any], workload: Workl
         return "met" if ok else "NOT met"
 
     if name == "shared-prefix":
-        default_shape = (args.num_groups, args.prompts_per_group, args.system_prompt_len, args.output_len) == (
-            1, 16, 898, 32)
+        default_shape = (args.num_groups, args.prompts_per_group, args.system_prompt_len,
+                         args.output_len) == (1, 16, 898, 32)
         note = "" if default_shape else " (not the issue's 16 x 898 + 32 shape: compare with care)"
-        return [f"output tok/s with cache {fmt(on['output_tok_s'])} vs vLLM CPU {VLLM_SHARED_PREFIX_OUT_TOK_S:.0f}: "
+        return [f"output tok/s with cache {fmt(on['output_tok_s'])} vs vLLM CPU "
+                f"{VLLM_SHARED_PREFIX_OUT_TOK_S:.0f}: "
                 f"{check(on['output_tok_s'] >= VLLM_SHARED_PREFIX_OUT_TOK_S)}{note}",
-                f"TTFT p50 with cache {fmt(on['ttft_p50_s'], 2)} s vs vLLM CPU {VLLM_SHARED_PREFIX_TTFT_P50_S} s: "
+                f"TTFT p50 with cache {fmt(on['ttft_p50_s'], 2)} s vs vLLM CPU "
+                f"{VLLM_SHARED_PREFIX_TTFT_P50_S} s: "
                 f"{check(on['ttft_p50_s'] <= VLLM_SHARED_PREFIX_TTFT_P50_S)}"]
     if name == "agent":
         ttft = _ratio(off["ttft_p50_s"], on["ttft_p50_s"]) or 0.0
@@ -193,8 +209,9 @@ def verdicts(name: str, on: dict[str, Any], off: dict[str, Any], workload: Workl
     if name == "hit30":
         bound = 1.0 / (1.0 - (workload.design_hit_ratio or 0.0))
         gain = _ratio(on["input_tok_s"], off["input_tok_s"]) or 0.0
-        return [f"prefill tok/s on/off {gain:.2f}x, bound 1/(1-{workload.design_hit_ratio:.2f}) = {bound:.2f}x: "
-                f"{gain / bound:.0%} of bound (>= {TARGET_HIT_FRACTION_OF_BOUND:.0%}): "
+        return [f"prefill tok/s on/off {gain:.2f}x, bound 1/(1-{workload.design_hit_ratio:.2f}) = "
+                f"{bound:.2f}x: {gain / bound:.0%} of bound (>= "
+                f"{TARGET_HIT_FRACTION_OF_BOUND:.0%}): "
                 f"{check(gain / bound >= TARGET_HIT_FRACTION_OF_BOUND)}"]
     if name == "zero-reuse":
         cost = 1.0 - (_ratio(on["input_tok_s"], off["input_tok_s"]) or 0.0)
@@ -203,25 +220,30 @@ def verdicts(name: str, on: dict[str, Any], off: dict[str, Any], workload: Workl
     return []
 
 
-def report(results: dict[str, dict[str, Any]], workloads: list[Workload], args: argparse.Namespace) -> str:
+def report(results: dict[str, dict[str, Any]], workloads: list[Workload],
+           args: argparse.Namespace) -> str:
     headers = ["workload", "cache", "hit %", "in tok/s", "out tok/s", "TTFT p50 s", "TTFT p90 s",
                "e2e p50 s", "e2e p90 s", "wall s", "preempt"]
     rows = []
     for w in workloads:
         for mode in ("on", "off"):
             r = results[w.name][mode]
-            rows.append([w.name, mode, fmt(100 * r["hit_ratio"]), fmt(r["input_tok_s"]), fmt(r["output_tok_s"]),
-                         *(fmt(r[k], 3) for k in ("ttft_p50_s", "ttft_p90_s", "e2e_p50_s", "e2e_p90_s")),
+            rows.append([w.name, mode, fmt(100 * r["hit_ratio"]), fmt(r["input_tok_s"]),
+                         fmt(r["output_tok_s"]),
+                         *(fmt(r[k], 3)
+                           for k in ("ttft_p50_s", "ttft_p90_s", "e2e_p50_s", "e2e_p90_s")),
                          fmt(r["wall_s"], 2), str(r["num_preemptions"])])
     lines = [format_table(headers, rows), "", "workloads:"]
     lines += [f"  {w.name}: {w.describe}" for w in workloads]
-    lines += ["", "on/off and targets (issue: prompt caching; vLLM CPU on this machine, 16 x 898 + 32: "
+    lines += ["",
+              "on/off and targets (issue: prompt caching; vLLM CPU on this machine, 16 x 898 + 32: "
                   "256 out tok/s and 0.90 s TTFT p50 with its cache, 47.5 and 5.68 s without):"]
     for w in workloads:
         on, off = results[w.name]["on"], results[w.name]["off"]
-        lines.append(f"  {w.name}: TTFT p50 off/on {fmt(_ratio(off['ttft_p50_s'], on['ttft_p50_s']), 2)}x, "
-                     f"input tok/s on/off {fmt(_ratio(on['input_tok_s'], off['input_tok_s']), 2)}x, "
-                     f"output tok/s on/off {fmt(_ratio(on['output_tok_s'], off['output_tok_s']), 2)}x")
+        lines.append(f"  {w.name}: TTFT p50 off/on "
+                     f"{fmt(_ratio(off['ttft_p50_s'], on['ttft_p50_s']), 2)}x, input tok/s on/off "
+                     f"{fmt(_ratio(on['input_tok_s'], off['input_tok_s']), 2)}x, output tok/s "
+                     f"on/off {fmt(_ratio(on['output_tok_s'], off['output_tok_s']), 2)}x")
         lines += [f"    {v}" for v in verdicts(w.name, on, off, w, args)]
     return "\n".join(lines)
 
@@ -230,7 +252,8 @@ def plot(results: dict[str, dict[str, Any]], path: str, title: str) -> Path:
     names = list(results)
 
     def series(key: str, scale: float = 1.0) -> dict[str, list[float | None]]:
-        return {f"cache {m}": [v * scale if (v := results[n][m][key]) is not None else None for n in names]
+        return {f"cache {m}": [v * scale if (v := results[n][m][key]) is not None else None
+                               for n in names]
                 for m in ("on", "off")}
 
     panels = [BarPanel("TTFT p50", "s", names, series("ttft_p50_s")),
@@ -260,8 +283,9 @@ def run(args: argparse.Namespace) -> int:
     workloads = make_workloads(args, tokenizer, config.cache.block_size)
     engines = {"on": build_engine(args, enable_prefix_caching=True),
                "off": build_engine(args, enable_prefix_caching=False)}
-    title = (f"{Path(config.model_path).name}: threads={args.threads} dtype={config.resolved_dtype} "
-             f"decode_weights={config.decode_weights} compile={config.compile} "
+    title = (f"{Path(config.model_path).name}: threads={args.threads} "
+             f"dtype={config.resolved_dtype} decode_weights={config.decode_weights} "
+             f"compile={config.compile} "
              f"max_num_batched_tokens={config.scheduler.max_num_batched_tokens}")
     print(f"agent bench, {title}", file=sys.stderr)
     results: dict[str, dict[str, Any]] = {}

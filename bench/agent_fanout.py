@@ -3,10 +3,10 @@ prefix arrive together; the first computes the prefix and the others wait for it
 cost about one prefill, not N.
 
 Measured on one engine, in the same run: one request alone (its own new prefix), then N at once
-(another new prefix, each with its own suffix), twice, alternating, the faster of each kept. Figures:
-prompt tokens the engine computed (its counter) against one prefill (prefix + N suffixes) and N
-prefills (N x (prefix + suffix)), and the wall time until the last of the N has its first token
-against the single request's.
+(another new prefix, each with its own suffix), twice, alternating, the faster of each kept.
+Figures: prompt tokens the engine computed (its counter) against one prefill (prefix + N suffixes)
+and N prefills (N x (prefix + suffix)), and the wall time until the last of the N has its first
+token against the single request's.
 """
 
 from __future__ import annotations
@@ -41,12 +41,13 @@ class FanoutResult:
 
     def lines(self) -> list[str]:
         cost = self.fanout_s / self.single_s
-        return [f"fan-out: {self.num_requests} requests sharing a new {self.num_prefix_tokens}-token prefix "
-                f"(+{self.num_suffix_tokens} own tokens each) computed {self.num_computed_tokens:,} prompt "
-                f"tokens (one prefill: {self.one_prefill_tokens:,}; {self.num_requests} prefills: "
+        return [f"fan-out: {self.num_requests} requests sharing a new "
+                f"{self.num_prefix_tokens}-token prefix (+{self.num_suffix_tokens} own tokens "
+                f"each) computed {self.num_computed_tokens:,} prompt tokens (one prefill: "
+                f"{self.one_prefill_tokens:,}; {self.num_requests} prefills: "
                 f"{self.n_prefills_tokens:,}); last first token after {fmt(self.fanout_s, 2)} s vs "
-                f"{fmt(self.single_s, 2)} s for one request alone: {cost:.2f}x one prefill "
-                f"(<= {TARGET_FANOUT_COST}x: {'met' if cost <= TARGET_FANOUT_COST else 'NOT met'})"]
+                f"{fmt(self.single_s, 2)} s for one request alone: {cost:.2f}x one prefill (<= "
+                f"{TARGET_FANOUT_COST}x: {'met' if cost <= TARGET_FANOUT_COST else 'NOT met'})"]
 
 
 def _first_tokens(engine: Any, prompts: list[list[int]], tag: str) -> float:
@@ -56,7 +57,8 @@ def _first_tokens(engine: Any, prompts: list[list[int]], tag: str) -> float:
     started = time.perf_counter()
     pending = set()
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        engine.add_request(f"{tag}-{i}", prompt,
+                           SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         pending.add(f"{tag}-{i}")
     elapsed = 0.0
     while engine.has_unfinished_requests:
@@ -70,7 +72,8 @@ def _first_tokens(engine: Any, prompts: list[list[int]], tag: str) -> float:
 
 def run_fanout(args: argparse.Namespace, engine: Any, tokenizer: Any) -> FanoutResult:
     source = TokenSource(tokenizer, seed=args.seed + 7)
-    n, prefix_len, suffix_len = args.fanout_requests, args.fanout_prefix_tokens, args.fanout_suffix_tokens
+    n, prefix_len, suffix_len = (args.fanout_requests, args.fanout_prefix_tokens,
+                                 args.fanout_suffix_tokens)
     singles, fanouts, computed = [], [], []
     for repeat in range(2):
         single = source.take(prefix_len + suffix_len)

@@ -1,5 +1,6 @@
-"""The lanes of `aigw bench agent --pauses` (bench/agent_pauses.py): one mode's engine driven through
-the plan on its own clock, the agent turns it records, and the breakdown of each mode's slowest turns.
+"""The lanes of `aigw bench agent --pauses` (bench/agent_pauses.py): one mode's engine driven
+through the plan on its own clock, the agent turns it records, and the breakdown of each mode's
+slowest turns.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class Lane:
         self._t0 = time.perf_counter()
         self.t = 0.0  # the virtual clock
         self.clients = [s.fresh() for s in plan.sessions]
-        self.due: list[tuple[float, int, int]] = []  # (time, order, session or -1 - background index)
+        # (time, order, session or -1 - background index)
+        self.due: list[tuple[float, int, int]] = []
         self._order = itertools.count()
         for i, start in enumerate(plan.starts_s):
             heapq.heappush(self.due, (start, next(self._order), i))
@@ -143,9 +145,10 @@ class Lane:
 
 
 def run_lanes(lanes: list[Lane], make_engine: Any) -> None:
-    """Wall clock: each lane to its end, one after another. Virtual clock: all lanes at once, the one
-    furthest behind in its own time stepped next, so a burst of load on the machine lands on every
-    mode at the same point of the workload (the modes are compared within one stretch of time)."""
+    """Wall clock: each lane to its end, one after another. Virtual clock: all lanes at once, the
+    one furthest behind in its own time stepped next, so a burst of load on the machine lands on
+    every mode at the same point of the workload (the modes are compared within one stretch of
+    time)."""
     if not lanes:
         return
     if not lanes[0].virtual:
@@ -173,7 +176,8 @@ def turn_record(t: Turn) -> dict[str, Any]:
 def tail_breakdown(lanes: list[Lane]) -> list[str]:
     """Per mode: the turns at or above its TTFT p90, each with what it computed against the
     oracle's same turn, where its cached tokens came from, and what it queued behind."""
-    oracle = {(t.session, t.turn_index): t for lane in lanes if lane.mode == "oracle" for t in lane.turns}
+    oracle = {(t.session, t.turn_index): t for lane in lanes if lane.mode == "oracle"
+              for t in lane.turns}
     lines = ["tail turns (TTFT >= the mode's p90): session/turn TTFT, uncached tokens (oracle's), "
              "host-tier tokens, queue, backlog at arrival"]
     for lane in lanes:
@@ -187,9 +191,11 @@ def tail_breakdown(lanes: list[Lane]) -> list[str]:
             same = f" ({o.num_prompt_tokens - o.num_cached_tokens})" if o is not None else ""
             cells.append(f"s{t.session}/t{t.turn_index} {t.ttft_s:.2f}s, "
                          f"{t.num_prompt_tokens - t.num_cached_tokens}{same} uncached, "
-                         f"{t.num_host_tokens} host, queue {t.queue_s:.2f}s, backlog {t.backlog_tokens}")
+                         f"{t.num_host_tokens} host, queue {t.queue_s:.2f}s, backlog "
+                         f"{t.backlog_tokens}")
         uncached = sum(t.num_prompt_tokens - t.num_cached_tokens for t in lane.turns)
         queue = percentile([t.queue_s for t in lane.turns], 50)
-        lines.append(f"  {lane.mode}: p90 {p90:.2f} s, {uncached} uncached tokens in all, queue p50 "
+        lines.append(f"  {lane.mode}: p90 {p90:.2f} s, {uncached} uncached tokens in all, queue "
+                     "p50 "
                      f"{fmt(queue, 3)} s; " + "; ".join(cells))
     return lines

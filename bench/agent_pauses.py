@@ -1,9 +1,9 @@
-"""`aigw bench agent --pauses`: agent sessions that pause for their tools, on a KV pool too small for
-them, with another tenant's one-shot traffic churning it: plain LRU, retention, retention + the
+"""`aigw bench agent --pauses`: agent sessions that pause for their tools, on a KV pool too small
+for them, with another tenant's one-shot traffic churning it: plain LRU, retention, retention + the
 second KV tier, and an oracle pool that holds everything, in one run.
 
-Workload (deterministic for `--seed`): S sessions (16) of T turns share one system prompt with a tool
-schema (bench/workloads.py: agent_sessions); between turns each session pauses for its tool, a
+Workload (deterministic for `--seed`): S sessions (16) of T turns share one system prompt with a
+tool schema (bench/workloads.py: agent_sessions); between turns each session pauses for its tool, a
 log-uniform 2-60 s, times `--pause-scale` (0.1: 0.2-6 s, so a run takes minutes on 2 cores: the
 pauses are compressed, retention times with them). Sessions start spread over the first pause range.
 A second tenant (another cache salt) sends a unique prompt every `--background-interval-s` (scaled
@@ -11,17 +11,17 @@ too), never reused: it is what evicts a paused session's prefix under plain LRU.
 
 Pool: `--pool-fraction` (0.8) of the sessions' distinct KV footprint (their shared head counted once
 plus every session's own final context), in blocks; the oracle's holds sessions and background with
-room to spare. Retention: every agent turn asks `--retention-s` (300 s, the gateway's session default,
-scaled), keyed by its session; shares `--retention-share-per-project` / `--retention-share-total`.
-Second tier: `--host-tier-fraction` of the footprint in bytes (engine flag --kv-host-tier-bytes; the
-mode is skipped, and the report says so, on an engine without it).
+room to spare. Retention: every agent turn asks `--retention-s` (300 s, the gateway's session
+default, scaled), keyed by its session; shares `--retention-share-per-project` /
+`--retention-share-total`. Second tier: `--host-tier-fraction` of the footprint in bytes (engine
+flag --kv-host-tier-bytes; the mode is skipped, and the report says so, on an engine without it).
 
-Clock (`--clock`): virtual by default. Idle time is skipped (a pause costs no wall time) and the four
-modes run interleaved, each on its own clock, the one furthest behind stepped next; a step advances
-its mode's clock by the CPU time of the thread that ran it (`--step-cost cpu`), what it would take on
-an idle machine. On a shared machine wall time is stretched many times over by other processes
-(a 200-token prefill: 1.06 s of thread CPU time, sd 5%, against 17.2 s wall, sd 7%, at a load
-average of 15 on 2 cores), and with one mode after another each mode met a different load: the
+Clock (`--clock`): virtual by default. Idle time is skipped (a pause costs no wall time) and the
+four modes run interleaved, each on its own clock, the one furthest behind stepped next; a step
+advances its mode's clock by the CPU time of the thread that ran it (`--step-cost cpu`), what it
+would take on an idle machine. On a shared machine wall time is stretched many times over by other
+processes (a 200-token prefill: 1.06 s of thread CPU time, sd 5%, against 17.2 s wall, sd 7%, at a
+load average of 15 on 2 cores), and with one mode after another each mode met a different load: the
 comparison measured the machine, not the cache. `--clock wall` keeps real time, mode after mode.
 With the virtual clock `--pause-scale` no longer buys run time; it sets how densely turns arrive
 (0.1: ten times tighter than the real pauses, so turns queue behind each other).
@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pause-scale", type=float, default=0.1,
                        help="multiply every pause and retention time (compressed time)")
     group.add_argument("--pause-system-tokens", type=int, default=400)
-    group.add_argument("--pause-message-tokens", default="40,80", help="each turn's new message: min,max")
+    group.add_argument("--pause-message-tokens", default="40,80",
+                       help="each turn's new message: min,max")
     group.add_argument("--pause-answer-tokens", default="8,12", help="each answer: min,max")
     group.add_argument("--pool-fraction", type=float, default=0.8,
                        help="the KV pool as a fraction of the sessions' distinct footprint")
@@ -83,9 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="virtual: idle time is skipped and the modes run interleaved on their "
                             "own clocks; wall: real time, one mode after another")
     group.add_argument("--step-cost", choices=("cpu", "wall"), default="cpu",
-                       help="virtual clock: a step costs its thread's CPU time (cpu: robust to other "
-                            "processes' load) or its wall time")
-    group.add_argument("--turns-json", default=None, help="write every agent turn of every mode here")
+                       help="virtual clock: a step costs its thread's CPU time (cpu: robust to "
+                            "other processes' load) or its wall time")
+    group.add_argument("--turns-json", default=None,
+                       help="write every agent turn of every mode here")
     agent_fanout.add_arguments(group)
 
 
@@ -114,8 +116,8 @@ def _pair(text: str) -> tuple[int, int]:
 
 def make_plan(args: argparse.Namespace, tokenizer: Any, block_size: int) -> Plan:
     rng = random.Random(args.seed)
-    sessions = agent_sessions(tokenizer, num_sessions=args.pause_sessions, num_turns=args.pause_turns,
-                              system_tokens=args.pause_system_tokens,
+    sessions = agent_sessions(tokenizer, num_sessions=args.pause_sessions,
+                              num_turns=args.pause_turns, system_tokens=args.pause_system_tokens,
                               message_tokens=_pair(args.pause_message_tokens),
                               answer_tokens=_pair(args.pause_answer_tokens), seed=args.seed)
     lo, hi = math.log(args.pause_min_s), math.log(args.pause_max_s)
@@ -126,7 +128,8 @@ def make_plan(args: argparse.Namespace, tokenizer: Any, block_size: int) -> Plan
     head = len(sessions[0].segments.system_ids)
     own = 0
     for s in sessions:  # each session's final context beyond the shared head (answers at their max)
-        own += sum(len(m) for m in s.turn_message_ids) + sum(s.answer_lengths) + 8 * args.pause_turns
+        own += (sum(len(m) for m in s.turn_message_ids) + sum(s.answer_lengths)
+                + 8 * args.pause_turns)
     footprint = -(-(head + own) // block_size)
     horizon = max(st + sum(p) for st, p in zip(starts, pauses, strict=True)) + 10 * scale
     source = TokenSource(tokenizer, seed=args.seed + 1)
@@ -194,7 +197,8 @@ def verdicts(results: dict[str, dict[str, Any]]) -> list[str]:
         hit = r["hit_ratio"] / oracle["hit_ratio"] if oracle["hit_ratio"] else 0.0
         p90 = r["ttft_p90_s"] / oracle["ttft_p90_s"] if oracle["ttft_p90_s"] else float("inf")
         lines.append(f"{mode}: hit ratio {hit:.0%} of the oracle's (>= {TARGET_HIT_FRACTION:.0%}: "
-                     f"{'met' if hit >= TARGET_HIT_FRACTION else 'NOT met'}), TTFT p90 {p90:.2f}x the "
+                     f"{'met' if hit >= TARGET_HIT_FRACTION else 'NOT met'}), TTFT p90 {p90:.2f}x "
+                     "the "
                      f"oracle's (<= {TARGET_TTFT_P90_RATIO}x: "
                      f"{'met' if p90 <= TARGET_TTFT_P90_RATIO else 'NOT met'})")
     return lines
@@ -202,25 +206,29 @@ def verdicts(results: dict[str, dict[str, Any]]) -> list[str]:
 
 def report(results: dict[str, dict[str, Any]], plan: Plan, pools: dict[str, int], notes: list[str],
            args: argparse.Namespace) -> str:
-    headers = ["mode", "pool blocks", "turns", "hit %", "TTFT p50 s", "TTFT p90 s", "in tok/s (p50)",
-               "vs LRU hit", "vs oracle TTFT p90"]
+    headers = ["mode", "pool blocks", "turns", "hit %", "TTFT p50 s", "TTFT p90 s",
+               "in tok/s (p50)", "vs LRU hit", "vs oracle TTFT p90"]
     lru, oracle = results.get("lru"), results.get("oracle")
     rows = []
     for mode, r in results.items():
         rows.append([mode, str(pools[mode]), str(r["num_turns"]), fmt(100 * r["hit_ratio"]),
                      fmt(r["ttft_p50_s"], 3), fmt(r["ttft_p90_s"], 3), fmt(r["input_tok_s"]),
-                     fmt(r["hit_ratio"] / lru["hit_ratio"], 2) + "x" if lru and lru["hit_ratio"] else "-",
+                     fmt(r["hit_ratio"] / lru["hit_ratio"], 2) + "x" if lru and lru["hit_ratio"]
+                     else "-",
                      fmt(r["ttft_p90_s"] / oracle["ttft_p90_s"], 2) + "x" if oracle else "-"])
     lines = [format_table(headers, rows), "",
              f"workload: {args.pause_sessions} sessions x {args.pause_turns} turns, "
              f"{len(plan.sessions[0].segments.system_ids)}-token shared system prompt with tools, "
-             f"tool pauses log-uniform {args.pause_min_s:g}-{args.pause_max_s:g} s x {args.pause_scale:g} "
-             f"(compressed time), {len(plan.background)} background prompts of {args.background_tokens} "
-             f"tokens every {args.background_interval_s * args.pause_scale:g} s from another tenant",
-             f"sessions' distinct footprint {plan.footprint_blocks} blocks; pool {args.pool_fraction:g} of "
-             f"it; retention {args.retention_s * args.pause_scale:g} s (= {args.retention_s:g} s scaled), "
-             f"shares {args.retention_share_per_project:g} per project / {args.retention_share_total:g} in all",
-             *notes, "", "targets (best retention mode vs the oracle):", *("  " + v for v in verdicts(results))]
+             f"tool pauses log-uniform {args.pause_min_s:g}-{args.pause_max_s:g} s x "
+             f"{args.pause_scale:g} (compressed time), {len(plan.background)} background prompts "
+             f"of {args.background_tokens} tokens every "
+             f"{args.background_interval_s * args.pause_scale:g} s from another tenant",
+             f"sessions' distinct footprint {plan.footprint_blocks} blocks; pool "
+             f"{args.pool_fraction:g} of it; retention {args.retention_s * args.pause_scale:g} s "
+             f"(= {args.retention_s:g} s scaled), shares {args.retention_share_per_project:g} per "
+             f"project / {args.retention_share_total:g} in all",
+             *notes, "", "targets (best retention mode vs the oracle):",
+             *("  " + v for v in verdicts(results))]
     return "\n".join(lines)
 
 
@@ -233,7 +241,8 @@ def plot(results: dict[str, dict[str, Any]], path: str, title: str) -> Path:
     panels = [BarPanel("token hit ratio", "%", ["agent turns"], series("hit_ratio", 100.0)),
               BarPanel("TTFT p50", "s", ["agent turns"], series("ttft_p50_s")),
               BarPanel("TTFT p90", "s", ["agent turns"], series("ttft_p90_s")),
-              BarPanel("input tokens/s (median turn)", "tokens/s", ["agent turns"], series("input_tok_s"))]
+              BarPanel("input tokens/s (median turn)", "tokens/s", ["agent turns"],
+                       series("input_tok_s"))]
     return write_bar_chart(path, title, panels)
 
 
@@ -258,15 +267,18 @@ def run(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m]
     if "retention+tier" in modes and not has_host_tier():
         modes.remove("retention+tier")
-        notes.append("retention+tier: not run, this engine has no second KV tier (CacheConfig.host_tier_bytes)")
-    title = (f"{Path(config.model_path).name}: threads={args.threads} decode_weights={config.decode_weights} "
+        notes.append("retention+tier: not run, this engine has no second KV tier "
+                     "(CacheConfig.host_tier_bytes)")
+    title = (f"{Path(config.model_path).name}: threads={args.threads} "
+             f"decode_weights={config.decode_weights} "
              f"max_num_batched_tokens={config.scheduler.max_num_batched_tokens}")
     virtual = args.clock == "virtual"
     clock = f"virtual clock, step cost {args.step_cost} time" if virtual else "wall clock"
     notes.append(f"clock: {clock}")
     print(f"agent --pauses bench, {title}; modes {modes}; {clock}", file=sys.stderr)
     started = time.perf_counter()
-    lanes = [Lane(mode, plan, 0.0 if mode in ("lru", "oracle") else args.retention_s * args.pause_scale,
+    lanes = [Lane(mode, plan,
+                  0.0 if mode in ("lru", "oracle") else args.retention_s * args.pause_scale,
                   virtual, args.step_cost) for mode in modes]
 
     def make_engine(lane: Lane) -> Any:
@@ -280,8 +292,8 @@ def run(args: argparse.Namespace) -> int:
         results[lane.mode]["engine_step_s"] = lane.step_s
         stats = lane.engine.stats()
         if lane.mode == "retention+tier":
-            notes.append(f"retention+tier: {getattr(stats, 'num_host_tier_hit_tokens', 0)} hit tokens "
-                         f"restored from the tier")
+            notes.append(f"retention+tier: {getattr(stats, 'num_host_tier_hit_tokens', 0)} hit "
+                         f"tokens restored from the tier")
         print(f"  {lane.mode}: hit {results[lane.mode]['hit_ratio']:.1%}, engine steps "
               f"{lane.step_s:.0f} s", file=sys.stderr)
     print(f"  all modes: {time.perf_counter() - started:.0f} s", file=sys.stderr)
@@ -302,7 +314,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{title}\n\n{text}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"title": title, "results": results, **extra}, indent=2))
+        Path(args.json).write_text(json.dumps({"title": title, "results": results, **extra},
+                                              indent=2))
     if args.plot:
         print(f"wrote {plot(results, args.plot, 'aigw bench agent --pauses - ' + title)}")
     return 0

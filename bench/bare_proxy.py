@@ -19,7 +19,8 @@ def create_proxy(upstream: str) -> web.Application:
     async def forward(request: web.Request) -> web.StreamResponse:
         async with request.app["session"].post(upstream + request.path, data=await request.read(),
                                                headers={"content-type": "application/json"}) as up:
-            response = web.StreamResponse(status=up.status, headers={"content-type": up.content_type})
+            response = web.StreamResponse(status=up.status,
+                                          headers={"content-type": up.content_type})
             await response.prepare(request)
             async for chunk in up.content.iter_any():
                 await response.write(chunk)

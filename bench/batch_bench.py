@@ -30,7 +30,8 @@ ORDERS = ("file", "prefix")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="replica model path (default: the bundled one)")
+    parser.add_argument("--model", default=None,
+                        help="replica model path (default: the bundled one)")
     parser.add_argument("--kv-cache-memory", type=int, default=32 << 20,
                         help="the replica's KV cache bytes (smaller than the batch's prompts)")
     parser.add_argument("--num-prefixes", type=int, default=4, help="distinct system prompts")
@@ -46,7 +47,8 @@ def batch_lines(model: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     words = ("read edit test explain small change file repository agent tool call result plan "
              "step careful review").split()
     systems = [f"Agent {p}. " + " ".join(words[(p * 7 + i) % len(words)] for i in
-                                         range(args.prefix_words)) for p in range(args.num_prefixes)]
+                                         range(args.prefix_words))
+                                         for p in range(args.num_prefixes)]
     return [{"custom_id": f"p{p}-{i}", "method": "POST", "url": "/v1/chat/completions",
              "body": {"model": model, "max_tokens": args.max_tokens, "temperature": 0,
                       "messages": [{"role": "system", "content": systems[p]},
@@ -127,5 +129,6 @@ def run(args: argparse.Namespace) -> int:
         write_bar_chart(args.plot, "Batch lines: prefix order vs file order", [
             BarPanel("prompt tokens from the cache", "%", ["cached"],
                      {o: [100 * results[o]["cached_ratio"]] for o in ORDERS}),
-            BarPanel("batch wall time", "s", ["wall"], {o: [results[o]["wall_s"]] for o in ORDERS})])
+            BarPanel("batch wall time", "s", ["wall"],
+                     {o: [results[o]["wall_s"]] for o in ORDERS})])
     return 0

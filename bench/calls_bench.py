@@ -133,7 +133,8 @@ def _serve_args(procs: _Processes, name: str, tree: Path, upstream: str,
     fallbacks = f'fallbacks = ["{MODEL}-b"]\n' if chain else ""
     second = "" if chain is None else (f'[[models]]\nname = "{MODEL}-b"\nbackend = "replica"\n'
                                        f'upstream_model = "{MODEL}"\nendpoints = ["{upstream}"]\n')
-    config.write_text(f'data_dir = "{data_dir}"\n[[models]]\nname = "{MODEL}"\nbackend = "replica"\n'
+    config.write_text(f'data_dir = "{data_dir}"\n[[models]]\nname = "{MODEL}"\nbackend = '
+                      '"replica"\n'
                       f'endpoints = ["{upstream}"]\n{fallbacks}[models.prices]\n'
                       'input_per_token = 1e-7\noutput_per_token = 2e-7\n' + second)
     module = "cli.main" if (tree / "cli" / "main.py").exists() else "gateway.cli"
@@ -342,7 +343,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         procs.stop_all()
     if rows:
-        rounds = f", median of {args.rounds} rounds" if args.rounds > 1 and "gateway" in parts else ""
+        rounds = (f", median of {args.rounds} rounds" if args.rounds > 1 and "gateway" in parts
+                  else "")
         print(f"Python calls per request ({args.requests} counted after {args.warmup} warm-up"
               f"{rounds})")
         print(f"{'process':8} {'case':34} {'calls/req':>10} {'baseline':>10} {'ratio':>7}")

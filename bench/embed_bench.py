@@ -34,13 +34,15 @@ WORDS = ("the gateway routes each request to a replica that holds its prefix in 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="encoder checkpoint (default: bundled all-MiniLM-L6-v2)")
+    parser.add_argument("--model", default=None,
+                        help="encoder checkpoint (default: bundled all-MiniLM-L6-v2)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads, both sides")
     parser.add_argument("--num-texts", type=int, default=512)
     parser.add_argument("--concurrency", type=int, default=32,
                         help="requests in flight in the one-text-a-request row")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tiny", action="store_true", help="smoke-test sizes; the figures mean nothing")
+    parser.add_argument("--tiny", action="store_true",
+                        help="smoke-test sizes; the figures mean nothing")
     parser.add_argument("--plot", default=None, help="write a PNG here")
     parser.add_argument("--json", default=None, help="write the figures as JSON here")
 
@@ -66,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     embedder = Embedder.load(path)
     try:
         baseline = _Baseline(path, embedder.config)
-        ours_single, ours_vectors = _timed(lambda: _ours_concurrent(embedder, texts, args.concurrency))
+        ours_single, ours_vectors = _timed(lambda: _ours_concurrent(embedder, texts,
+                                                                    args.concurrency))
         base_single, _ = _timed(lambda: baseline.encode(texts, batch_size=1))
         ours_batched, _ = _timed(lambda: _ours_batched(embedder, texts, 32))
         base_batched, base_vectors = _timed(lambda: baseline.encode(texts, batch_size=32))
@@ -192,6 +195,7 @@ def _print(rows: dict[str, tuple[float, float]], args: argparse.Namespace, path:
     table = [[name, fmt(ours), fmt(base), f"{ours / base:.2f}x"]
              for name, (ours, base) in rows.items()]
     print(format_table(["row", "ours texts/s", "transformers texts/s", "ratio"], table))
-    print(f"max 1 - cosine(ours, transformers) = {max_gap:.2e}; our passes {stats.num_passes_total},"
-          f" attention rows {stats.num_padded_tokens_total / max(1, stats.num_prompt_tokens_total):.2f}x"
+    print(f"max 1 - cosine(ours, transformers) = {max_gap:.2e}; our passes "
+          f"{stats.num_passes_total}, attention rows "
+          f"{stats.num_padded_tokens_total / max(1, stats.num_prompt_tokens_total):.2f}x"
           " the real tokens (the linear layers run on the real tokens only: packed)")

@@ -1,12 +1,14 @@
-"""FP8 weights on the default model: memory saved and quality lost, against float32 (CPU, ~1-2 minutes).
+"""FP8 weights on the default model: memory saved and quality lost, against float32 (CPU, ~1-2
+minutes).
 
     python -m bench.fp8_quality [--threads 2] [--max-tokens 32]
 
-Prints the weight memory (every LinearWeight's nbytes plus embeddings and norms, tied tensors counted
-once) in float32, bfloat16 (computed: 2 bytes per dense weight) and FP8; then, over 20 varied prompts,
-the greedy-token agreement of FP8 with float32 (identical continuations, mean agreeing prefix, matching
-positions) and the mean KL(float32 || FP8) of the next-token distributions along the float32
-continuation (teacher-forced, so both models see the same contexts).
+Prints the weight memory (every LinearWeight's nbytes plus embeddings and norms, tied tensors
+counted once) in float32, bfloat16 (computed: 2 bytes per dense weight) and FP8; then, over 20
+varied prompts, the greedy-token agreement of FP8 with float32 (identical continuations, mean
+agreeing prefix, matching positions) and the mean KL(float32 || FP8) of the next-token
+distributions along the float32 continuation (teacher-forced, so both models see the same
+contexts).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ BLOCK_SIZE = 16
 
 
 def make_runner(checkpoint, quantization: str | None, threads: int) -> ModelRunner:  # type: ignore[no-untyped-def]
-    config = EngineConfig(model_path="<bench>", num_threads=threads, dtype="float32", quantization=quantization,
+    config = EngineConfig(model_path="<bench>", num_threads=threads, dtype="float32",
+                          quantization=quantization,
                           cache=CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory_bytes=256 << 20,
                                             enable_prefix_caching=False))
     return ModelRunner(config, checkpoint.config, dict(checkpoint.weights), dict(checkpoint.raw))
@@ -101,7 +104,8 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], num_new_tokens: int,
     rows: list[list[torch.Tensor]] = [[] for _ in prompts]
     num_blocks = (max(map(len, prompts)) + num_new_tokens) // BLOCK_SIZE + 1
     for step in range(num_new_tokens):
-        seqs = [ScheduledSequence(str(i), t if step == 0 else t[-1:], 0 if step == 0 else len(t) - 1,
+        seqs = [ScheduledSequence(str(i), t if step == 0 else t[-1:],
+                                  0 if step == 0 else len(t) - 1,
                                   list(range(i * num_blocks, (i + 1) * num_blocks)), True)
                 for i, t in enumerate(tokens)]
         out = runner.execute(ScheduledBatch(seqs))
@@ -129,7 +133,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
@@ -148,24 +153,28 @@ def main() -> None:
     print(f"model: {path.name}  ({len(PROMPTS)} prompts x {args.max_tokens} greedy tokens)")
     print(f"weights float32 : {weight_bytes(fp32) / mib:8.1f} MiB")
     print(f"weights bfloat16: {weight_bytes(fp32, 2) / mib:8.1f} MiB  (computed)")
-    print(f"weights fp8     : {weight_bytes(fp8) / mib:8.1f} MiB  (linears FP8 + scales; embeddings, "
-          f"norms, lm_head float32)")
-    print(f"weights fp8 (bf16 rest): {(weight_bytes(fp8) - _float32_rest(fp8) / 2) / mib:8.1f} MiB  (computed)")
+    print(f"weights fp8     : {weight_bytes(fp8) / mib:8.1f} MiB  (linears FP8 + scales; "
+          f"embeddings, norms, lm_head float32)")
+    print(f"weights fp8 (bf16 rest): {(weight_bytes(fp8) - _float32_rest(fp8) / 2) / mib:8.1f} "
+          "MiB  (computed)")
 
     ref_tokens, ref_logits = greedy(fp32, prompts, args.max_tokens)
     fp8_tokens, _ = greedy(fp8, prompts, args.max_tokens)
     _, forced_logits = greedy(fp8, prompts, args.max_tokens, forced=ref_tokens)
     identical = sum(a == b for a, b in zip(ref_tokens, fp8_tokens, strict=True))
     prefix = [common_prefix(a, b) for a, b in zip(ref_tokens, fp8_tokens, strict=True)]
-    positions = sum(x == y for a, b in zip(ref_tokens, fp8_tokens, strict=True) for x, y in zip(a, b, strict=True))
+    positions = sum(x == y for a, b in zip(ref_tokens, fp8_tokens, strict=True)
+                    for x, y in zip(a, b, strict=True))
     kls = [mean_kl(r, f) for r, f in zip(ref_logits, forced_logits, strict=True)]
-    top1 = sum(int((r.argmax(-1) == f.argmax(-1)).sum()) for r, f in zip(ref_logits, forced_logits, strict=True))
+    top1 = sum(int((r.argmax(-1) == f.argmax(-1)).sum())
+               for r, f in zip(ref_logits, forced_logits, strict=True))
     total = len(prompts) * args.max_tokens
     print(f"identical continuations : {identical}/{len(prompts)}")
     print(f"mean agreeing prefix    : {sum(prefix) / len(prefix):.1f} / {args.max_tokens} tokens")
     print(f"matching positions      : {positions}/{total} ({100 * positions / total:.1f}%)")
     print(f"teacher-forced top-1    : {top1}/{total} ({100 * top1 / total:.1f}%)")
-    print(f"mean KL(fp32 || fp8)    : {sum(kls) / len(kls):.5f} nats (max per prompt {max(kls):.5f})")
+    print(f"mean KL(fp32 || fp8)    : {sum(kls) / len(kls):.5f} nats (max per prompt "
+          f"{max(kls):.5f})")
     print(f"[{time.perf_counter() - start:.0f} s]")
 
 

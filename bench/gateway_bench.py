@@ -187,7 +187,8 @@ def _start_aigw(procs: _Processes, name: str, upstream: str, auth: bool, workers
     port = _free_port()
     data_dir = procs.out_dir / f"{name}-data"
     config = procs.out_dir / f"{name}.toml"
-    config.write_text(f'data_dir = "{data_dir}"\n[[models]]\nname = "{MODEL}"\nbackend = "replica"\n'
+    config.write_text(f'data_dir = "{data_dir}"\n[[models]]\nname = "{MODEL}"\nbackend = '
+                      '"replica"\n'
                       f'endpoints = ["{upstream}"]\n[models.prices]\ninput_per_token = 1e-7\n'
                       'output_per_token = 2e-7\n' + extra_config)
     module = "cli.main"
@@ -205,7 +206,8 @@ def _start_aigw(procs: _Processes, name: str, upstream: str, auth: bool, workers
     if auth:  # the key file is written by whichever worker created the default project
         key_file = data_dir / "default-key.txt"
         deadline = time.monotonic() + 30
-        while not (key_file.exists() and key_file.read_text().strip()) and time.monotonic() < deadline:
+        while (not (key_file.exists() and key_file.read_text().strip())
+               and time.monotonic() < deadline):
             time.sleep(0.1)
         headers["authorization"] = "Bearer " + key_file.read_text().strip()
     return Target(name, url, process.pid, headers)
@@ -217,8 +219,8 @@ def _start_litellm(procs: _Processes, upstream: str) -> Target | str:
     if not binary.exists():
         try:
             subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "litellm[proxy]"], check=True,
-                           timeout=900)
+            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "litellm[proxy]"],
+                           check=True, timeout=900)
         except (subprocess.SubprocessError, OSError) as exc:
             return f"installing litellm[proxy] failed: {exc}"
     port = _free_port()
@@ -241,7 +243,8 @@ def _measure(target: Target, stream: bool, concurrency: int, duration_s: float) 
     spec = {"url": target.url + "/v1/chat/completions", "headers": target.headers, "stream": stream,
             "concurrency": concurrency, "duration_s": duration_s}
     cpu_before = _cpu_seconds(target.pid)
-    done = subprocess.run([sys.executable, "-m", "bench.gateway_bench", "--loadgen", json.dumps(spec)],
+    done = subprocess.run([sys.executable, "-m", "bench.gateway_bench", "--loadgen",
+                           json.dumps(spec)],
                           capture_output=True, timeout=duration_s + 120, check=True)
     cpu_s = _cpu_seconds(target.pid) - cpu_before
     result: dict[str, Any] = json.loads(done.stdout)
@@ -339,10 +342,21 @@ def _paired_cells(per_round: list[dict[str, Any]], first: str,
 
 
 def _spread(values: list[float], spec: str, unit: str = "") -> str:
-    """`median [min, max]` of `values`, each formatted with `spec`, the median followed by `unit`."""
+    """`median [min, max]` of `values`, each formatted with `spec`, the median followed by
+    `unit`."""
     ordered = sorted(values)
     return (f"{ordered[len(ordered) // 2]:{spec}}{unit} "
             f"[{ordered[0]:{spec}}, {ordered[-1]:{spec}}]")
+
+
+def _cpu_differences_us(paired: list[Pair]) -> list[float]:
+    """first's CPU ms a request minus second's, per round, in microseconds."""
+    return [(a["cpu_ms_per_request"] - b["cpu_ms_per_request"]) * 1000 for a, b in paired]
+
+
+def _ratios(paired: list[Pair], key: str) -> list[float]:
+    """first's `key` over second's, per round (a zero second counts as 1e-9)."""
+    return [a[key] / max(b[key], 1e-9) for a, b in paired]
 
 
 def _rps_and_cpu_lines(per_round: list[dict[str, Any]], first: str, second: str,
@@ -351,7 +365,7 @@ def _rps_and_cpu_lines(per_round: list[dict[str, Any]], first: str, second: str,
     return [f"{mode:9} {concurrency:>4}   req/s {label:8} "
             f"{_spread([a['requests_per_s'] / b['requests_per_s'] for a, b in paired], '.3f')}"
             f"   cpu difference "
-            f"{_spread([(a['cpu_ms_per_request'] - b['cpu_ms_per_request']) * 1000 for a, b in paired], '+.0f', ' us')}"
+            f"{_spread(_cpu_differences_us(paired), '+.0f', ' us')}"
             for mode, concurrency, paired in _paired_cells(per_round, first, second)]
 
 
@@ -383,9 +397,9 @@ def _report_policy_cost(per_round: list[dict[str, Any]]) -> None:
     """Request logs at 100% and guardrails on (`aigw_logs_guards`) against both off (`aigw`): the
     CPU ms a request ratio (the cost per request) and the req/s ratio."""
     lines = [f"{mode:9} {concurrency:>4}   cpu/req on/off "
-             f"{_spread([a['cpu_ms_per_request'] / max(b['cpu_ms_per_request'], 1e-9) for a, b in paired], '.3f')}"
+             f"{_spread(_ratios(paired, 'cpu_ms_per_request'), '.3f')}"
              f"   req/s on/off "
-             f"{_spread([a['requests_per_s'] / max(b['requests_per_s'], 1e-9) for a, b in paired], '.3f')}"
+             f"{_spread(_ratios(paired, 'requests_per_s'), '.3f')}"
              for mode, concurrency, paired in _paired_cells(per_round, "aigw_logs_guards", "aigw")]
     _print_section("request logs at 100% + guardrails (regex, PII) vs both off", lines)
 
@@ -422,7 +436,8 @@ def _plot(results: list[dict[str, Any]], path: str) -> None:
             axes[0][column].plot(xs, [r["requests_per_s"] for r in rows], marker="o", label=target)
             axes[1][column].plot(xs, [r["added_p50_ms"] for r in rows], marker="o", label=target)
         axes[0][column].set(title=f"{mode}: requests/s", xscale="log", yscale="log")
-        axes[1][column].set(title=f"{mode}: added p50 latency (ms)", xscale="log", xlabel="concurrency")
+        axes[1][column].set(title=f"{mode}: added p50 latency (ms)", xscale="log",
+                            xlabel="concurrency")
         axes[0][column].legend()
     figure.tight_layout()
     figure.savefig(path)
@@ -436,8 +451,9 @@ def run(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     try:
         mock_port = _free_port()
-        mock = procs.start("mock", [sys.executable, "-m", "bench.mock_upstream", "--port", str(mock_port),
-                                    "--num-tokens", str(args.num_tokens), "--model", MODEL])
+        mock = procs.start("mock", [sys.executable, "-m", "bench.mock_upstream", "--port",
+                                    str(mock_port), "--num-tokens", str(args.num_tokens), "--model",
+                                    MODEL])
         upstream = f"http://127.0.0.1:{mock_port}"
         _wait_http(upstream + "/health", 30, mock)
         wanted = set(args.targets.split(","))
@@ -463,7 +479,8 @@ def run(args: argparse.Namespace) -> int:
             ("aigw_trace_off", True, {"AIGW_TRACING": "0"}, None),
             ("aigw", True, None, None), ("aigw_baseline", True, None, args.baseline_tree),
             ("aigw_twin", True, None, None),
-            ("aigw_fallbacks", True, _chain_env(upstream), None), ("aigw_logs_guards", True, None, None))
+            ("aigw_fallbacks", True, _chain_env(upstream), None),
+            ("aigw_logs_guards", True, None, None))
             if name in wanted]
         for name, auth, extra_env, tree in gateways:
             # each run starts from an empty store (a usage table grown by earlier runs would

@@ -31,7 +31,8 @@ import torch  # noqa: E402
 
 HBM_GBPS = 4800.0  # H200 HBM3e
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # dense tensor-core peaks
-BUDGET_S = float(os.environ.get("AIGW_GPU_CHECK_BUDGET_S", "420"))  # stop starting new cases after this
+# stop starting new cases after this
+BUDGET_S = float(os.environ.get("AIGW_GPU_CHECK_BUDGET_S", "420"))
 START = time.monotonic()
 DEV = "cuda" if torch.cuda.is_available() and not SMOKE else "cpu"
 DT = torch.float32 if SMOKE else torch.bfloat16
@@ -90,7 +91,8 @@ def median_ms(fn: Callable[[], object], target_s: float = 0.25) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
 
 
-def check(got: torch.Tensor, ref: torch.Tensor, tol: float = 3e-2, *, norm_tol: float | None = None) -> str:
+def check(got: torch.Tensor, ref: torch.Tensor, tol: float = 3e-2, *,
+          norm_tol: float | None = None) -> str:
     """Elementwise (|got - ref| <= tol + tol |ref| everywhere) or, with `norm_tol`, the relative
     Frobenius error ||got - ref|| / ||ref|| (METHOD: bf16 operands land between 1e-3 and 1e-2)."""
     if not torch.isfinite(got.float()).all():
@@ -154,7 +156,8 @@ def elementwise_cases() -> None:
 
         def rope(t=t) -> Row:
             q, k = randn(t, heads, head_dim), randn(t, kv_heads, head_dim)
-            freqs = torch.outer(torch.arange(32768.0, device=DEV), torch.rand(head_dim // 2, device=DEV))
+            freqs = torch.outer(torch.arange(32768.0, device=DEV),
+                                torch.rand(head_dim // 2, device=DEV))
             cos, sin = freqs.cos(), freqs.sin()
             pos = torch.randint(0, 32768, (t,), device=DEV)
             q2, k2 = q.clone(), k.clone()
@@ -163,7 +166,8 @@ def elementwise_cases() -> None:
             ok = check(q, q2) if check(k, k2) == "ok" else check(k, k2)
             ms = median_ms(lambda: rotary.apply_rotary_triton(q, k, pos, cos, sin))
             nbytes = 2 * t * (heads + kv_heads) * head_dim * ES + 2 * t * head_dim * 2
-            return Row("rotary (in place)", f"T={t} {heads}/{kv_heads}x{head_dim}", ok, ms, nbytes / 1e9)
+            return Row("rotary (in place)", f"T={t} {heads}/{kv_heads}x{head_dim}", ok, ms,
+                       nbytes / 1e9)
         case("rotary (in place)", f"T={t}", rope)
 
         def store(t=t) -> Row:
@@ -176,7 +180,8 @@ def elementwise_cases() -> None:
             store_kv_reference(k, v, kc2, vc2, slots)
             ok = "ok" if torch.equal(kc, kc2) and torch.equal(vc, vc2) else "FAIL: cache differs"
             ms = median_ms(lambda: store_kv_triton(k, v, kc, vc, slots))
-            return Row("store_kv", f"T={t} {kv_heads}x{head_dim}", ok, ms, 4 * t * kv_heads * head_dim * ES / 1e9)
+            return Row("store_kv", f"T={t} {kv_heads}x{head_dim}", ok, ms,
+                       4 * t * kv_heads * head_dim * ES / 1e9)
         case("store_kv", f"T={t}", store)
 
 
@@ -205,7 +210,8 @@ def attention_cases() -> None:
     scale = head_dim**-0.5
     decode = [(2, 40)] if SMOKE else [(1, 1024), (1, 32768), (16, 8192), (64, 4096), (256, 1024),
                                       (256, 4096)]
-    prefill = ([("prefill 33", [33], [33]), ("decode+prefix mixed", [20, 9, 40], [1, 1, 3])] if SMOKE else [
+    prefill = ([("prefill 33", [33], [33]), ("decode+prefix mixed", [20, 9, 40], [1, 1, 3])]
+               if SMOKE else [
         ("prefill 1x4096", [4096], [4096]),
         ("cached prefix 4x(8192+1024)", [9216] * 4, [1024] * 4),
         ("mixed 128 decode + 4x512 prefill @2048", [2048] * 132, [1] * 128 + [512] * 4),
@@ -220,7 +226,8 @@ def attention_cases() -> None:
             got = paged_attention_triton(*args, scale, **hints)
             ok = check(got, paged_attention_reference(*args, scale))
             ms = median_ms(lambda: paged_attention_triton(*args, scale, **hints))
-            visible = sum(n * (c - n) + n * (n + 1) // 2 for c, n in zip(ctx_lens, q_lens, strict=True))
+            visible = sum(n * (c - n) + n * (n + 1) // 2
+                          for c, n in zip(ctx_lens, q_lens, strict=True))
             kv_bytes = 2 * sum(ctx_lens) * kv_heads * head_dim * ES
             qo_bytes = 2 * sum(q_lens) * heads * head_dim * ES
             row = Row("paged_attention", name, ok, ms, (kv_bytes + qo_bytes) / 1e9,
@@ -230,7 +237,8 @@ def attention_cases() -> None:
                 plain = median_ms(lambda: paged_attention_triton(*args, scale, **hints))
                 row.baseline = f"all rows in the prefill kernel {plain:.4f} ms"
             if len(ctx_lens) == 1 and ctx_lens == q_lens and DEV == "cuda":
-                row.baseline = f"torch sdpa causal dense {dense_sdpa_ms(args, heads, kv_heads):.4f} ms"
+                row.baseline = ("torch sdpa causal dense "
+                                f"{dense_sdpa_ms(args, heads, kv_heads):.4f} ms")
             return row
         case("paged_attention", name, body)
 
@@ -254,13 +262,15 @@ def moe_cases() -> None:
     for t in [1, 9] if SMOKE else [1, 16, 128, 512, 2048, 4096]:
         def body(t=t) -> Row:
             x = randn(t, hidden)
-            weights, ids = select_experts(torch.randn(t, experts, device=DEV), top_k, renormalize=True)
+            weights, ids = select_experts(torch.randn(t, experts, device=DEV), top_k,
+                                          renormalize=True)
             got = fused_moe_triton(x, w13, w2, weights, ids)
             ok = check(got, fused_moe_reference(x, w13, w2, weights, ids))
             ms = median_ms(lambda: fused_moe_triton(x, w13, w2, weights, ids))
             ref_ms = median_ms(lambda: fused_moe_reference(x, w13, w2, weights, ids))
             used = torch.unique(ids).numel()
-            nbytes = used * 3 * hidden * inter * ES + 2 * t * hidden * ES + 2 * t * top_k * (inter + hidden) * ES
+            nbytes = (used * 3 * hidden * inter * ES + 2 * t * hidden * ES
+                      + 2 * t * top_k * (inter + hidden) * ES)
             return Row("fused_moe", f"T={t} E={experts} K={top_k} H={hidden} I={inter}", ok, ms,
                        nbytes / 1e9, 6 * t * top_k * hidden * inter / 1e12,
                        baseline=f"torch per-expert loop {ref_ms:.4f} ms")
@@ -268,8 +278,8 @@ def moe_cases() -> None:
 
 
 def gpt_oss_moe_cases() -> None:
-    """gpt-oss-20b's experts (E 32, top-4, H = I = 2880): biases and the clamped SwiGLU, bf16 weights
-    (fused_moe.py) and MXFP4 weights dequantized in the kernel (fused_moe_mxfp4.py)."""
+    """gpt-oss-20b's experts (E 32, top-4, H = I = 2880): biases and the clamped SwiGLU, bf16
+    weights (fused_moe.py) and MXFP4 weights dequantized in the kernel (fused_moe_mxfp4.py)."""
     from engine.kernels.activation import ClampedSwiGLU
     from engine.kernels.fused_moe import fused_moe_reference, fused_moe_triton
     from engine.kernels.fused_moe_mxfp4 import fused_moe_mxfp4_triton
@@ -279,8 +289,8 @@ def gpt_oss_moe_cases() -> None:
     w13_q = quantize_mxfp4(randn(experts, 2 * inter, hidden, scale=hidden**-0.5))
     w2_q = quantize_mxfp4(randn(experts, hidden, inter, scale=inter**-0.5))
     w13, w2 = dequantize_mxfp4(*w13_q, DT), dequantize_mxfp4(*w2_q, DT)
-    extra = {"w13_bias": randn(experts, 2 * inter, scale=0.1), "w2_bias": randn(experts, hidden, scale=0.1),
-             "activation": ClampedSwiGLU()}
+    extra = {"w13_bias": randn(experts, 2 * inter, scale=0.1),
+             "w2_bias": randn(experts, hidden, scale=0.1), "activation": ClampedSwiGLU()}
     for t in [1, 9] if SMOKE else [1, 16, 128, 512, 2048]:
         def body(t=t, mxfp4=False) -> Row:
             x = randn(t, hidden)
@@ -308,7 +318,8 @@ def fp8_cases() -> None:
     import engine.kernels.fp8 as fp8
 
     shapes = [(72, 96)] if SMOKE else [(4096, 4096), (28672, 4096), (4096, 14336)]
-    promote = os.environ.get("AIGW_GPU_CHECK_FP8_PROMOTE_K")  # e.g. "32,128": sweep the promotion interval
+    # e.g. "32,128": sweep the promotion interval
+    promote = os.environ.get("AIGW_GPU_CHECK_FP8_PROMOTE_K")
     if promote:
         default = fp8._PROMOTE_K
         for value in promote.split(","):
@@ -319,7 +330,8 @@ def fp8_cases() -> None:
                     xq, xs = fp8.quantize_activation_per_token(torch.randn(m, k, device=DEV))
                     wq, ws = fp8.quantize_weight_per_channel(torch.randn(n, k, device=DEV))
                     got = fp8.fp8_gemm_triton(xq, wq, xs, ws, DT)
-                    ok = check(got, fp8.fp8_gemm_reference(xq, wq, xs, ws, torch.float32), norm_tol=1e-2)
+                    ok = check(got, fp8.fp8_gemm_reference(xq, wq, xs, ws, torch.float32),
+                               norm_tol=1e-2)
                     ms = median_ms(lambda: fp8.fp8_gemm_triton(xq, wq, xs, ws, DT))
                     return Row("fp8_gemm promote", f"every {value} M={m} N={n} K={k}", ok, ms,
                                (m * k + n * k + m * n * ES) / 1e9, 2 * m * n * k / 1e12, peak="fp8")
@@ -332,7 +344,8 @@ def fp8_cases() -> None:
             def body(m=m, n=n, k=k, wq=wq, ws=ws) -> Row:
                 xq, xs = fp8.quantize_activation_per_token(torch.randn(m, k, device=DEV))
                 got = fp8.fp8_gemm_triton(xq, wq, xs, ws, DT)
-                ok = check(got, fp8.fp8_gemm_reference(xq, wq, xs, ws, torch.float32), norm_tol=1e-2)
+                ok = check(got, fp8.fp8_gemm_reference(xq, wq, xs, ws, torch.float32),
+                           norm_tol=1e-2)
                 ms = median_ms(lambda: fp8.fp8_gemm_triton(xq, wq, xs, ws, DT))
                 nbytes = m * k + n * k + m * n * ES + 4 * (m + n)
                 row = Row("fp8_gemm w8a8", f"M={m} N={n} K={k}", ok, ms, nbytes / 1e9,
@@ -374,7 +387,8 @@ def fp8_block_cases() -> None:
                 got = fp8_block.fp8_block_gemm_triton(xq, wq, xs, w_scale, block, DT)
                 ref = fp8_block.fp8_block_gemm_reference(xq, wq, xs, w_scale, block, torch.float32)
                 ok = check(got, ref, norm_tol=1e-2)
-                ms = median_ms(lambda: fp8_block.fp8_block_gemm_triton(xq, wq, xs, w_scale, block, DT))
+                ms = median_ms(lambda: fp8_block.fp8_block_gemm_triton(xq, wq, xs, w_scale, block,
+                                                                       DT))
                 nbytes = m * k + n * k + m * n * ES + 4 * (xs.numel() + w_scale.numel())
                 row = Row("fp8_block_gemm w8a8", f"M={m} N={n} K={k} B={block[0]}", ok, ms,
                           nbytes / 1e9, 2 * m * n * k / 1e12, peak="fp8")
@@ -399,12 +413,13 @@ def end_to_end() -> None:
         return
     from engine.testing import mixtral_config
 
-    # Smoke mode (CPU): a tiny Mixtral-shaped config, so the path is exercised without 10 GB of weights.
+    # Smoke mode (CPU): a tiny Mixtral-shaped config, so the path is exercised without 10 GB of
+    # weights.
     tiny = None
     if SMOKE:
         tiny = dataclasses.replace(mixtral_config(2), hidden_size=64, intermediate_size=96,
-                                   moe_intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=16,
-                                   vocab_size=1024)
+                                   moe_intermediate_size=96, num_heads=4, num_kv_heads=2,
+                                   head_dim=16, vocab_size=1024)
     num_prompts, prompt_len, new_tokens = (4, 32, 8) if SMOKE else (64, 512, 128)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for quant in (None, "fp8"):
@@ -420,7 +435,8 @@ def end_to_end() -> None:
             sync()
             dt = time.perf_counter() - t
             generated = sum(len(o.token_ids) for o in outs)
-            return Row("e2e mixtral", f"{quant or 'bf16'} {num_prompts}x({prompt_len}+{new_tokens})", "-",
+            return Row("e2e mixtral",
+                       f"{quant or 'bf16'} {num_prompts}x({prompt_len}+{new_tokens})", "-",
                        baseline=f"{generated / dt:.0f} generated tok/s, {dt:.1f} s")
         case("e2e", quant or "bf16", body)
 
@@ -443,7 +459,8 @@ def tensor_parallel_cases() -> None:
     outputs: dict[int, dict[str, list[int]]] = {}
 
     def run(tp: int) -> Row:
-        config = EngineConfig(model_path=str(default_model_path()), device="cuda", tensor_parallel_size=tp,
+        config = EngineConfig(model_path=str(default_model_path()), device="cuda",
+                              tensor_parallel_size=tp,
                               cache=CacheConfig(kv_cache_memory_bytes=1 << 30))
         engine = LLMEngine.from_config(config, progress=False)
         try:
@@ -462,12 +479,14 @@ def tensor_parallel_cases() -> None:
             if tp > 1:
                 runner = engine.runner
                 steps = max(runner.num_steps, 1)  # type: ignore[attr-defined]
-                note += (f", {runner.group.comm_s / steps * 1e3:.2f} ms of {elapsed / steps * 1e3:.2f} ms "  # type: ignore[attr-defined]
+                note += (f", {runner.group.comm_s / steps * 1e3:.2f} ms "  # type: ignore[attr-defined]
+                         f"of {elapsed / steps * 1e3:.2f} ms "
                          "per step in collectives (rank 0)")
             check_text = "-"
             if tp > 1 and 1 in outputs:
                 same = sum(outputs[1][k] == v for k, v in tokens.items()) / len(tokens)
-                check_text = f"{'ok' if same >= 0.5 else 'FAIL:'} {same:.0%} sequences equal to TP=1"
+                check_text = (f"{'ok' if same >= 0.5 else 'FAIL:'} {same:.0%} sequences equal to "
+                              "TP=1")
             return Row("tensor parallel", f"TP={tp} 32x(256+64) bf16", check_text, baseline=note)
         finally:
             close = getattr(engine.runner, "close", None)
@@ -497,10 +516,11 @@ def main() -> int:
     import triton
 
     name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke, Triton interpreter)"
-    print(f"gpu_check on {name}: torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    print(f"gpu_check on {name}: torch {torch.__version__}, triton {triton.__version__}",
+          flush=True)
     torch.manual_seed(0)
-    sections = (elementwise_cases, attention_cases, end_to_end, moe_cases, gpt_oss_moe_cases, fp8_cases,
-                fp8_block_cases, tensor_parallel_cases)
+    sections = (elementwise_cases, attention_cases, end_to_end, moe_cases, gpt_oss_moe_cases,
+                fp8_cases, fp8_block_cases, tensor_parallel_cases)
     chosen = os.environ.get("AIGW_GPU_CHECK_SECTIONS")  # e.g. "fp8_cases,end_to_end"
     if chosen:
         sections = tuple(s for s in sections if s.__name__ in chosen.split(","))

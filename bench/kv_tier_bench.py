@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_engine_arguments(parser)
     parser.set_defaults(threads=1, kv_host_tier_bytes=256 << 20)
-    parser.add_argument("--prefix-tokens", type=int, default=1024, help="the evicted prefix's length")
+    parser.add_argument("--prefix-tokens", type=int, default=1024,
+                        help="the evicted prefix's length")
     parser.add_argument("--suffix-tokens", type=int, default=32, help="new tokens after the prefix")
     parser.add_argument("--pool-tokens", type=int, default=1536,
                         help="the KV pool's size in tokens (replaces --kv-cache-memory)")
@@ -61,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
             ttft[name].append(t)
             cached[name].append(n)
             if engine is tier:
-                t, n = first_token(engine, prefix + source.take(args.suffix_tokens))  # still in the pool
+                # still in the pool
+                t, n = first_token(engine, prefix + source.take(args.suffix_tokens))
                 ttft["pool hit"].append(t)
                 cached["pool hit"].append(n)
     stats = tier.stats()
@@ -72,21 +74,24 @@ def run(args: argparse.Namespace) -> int:
                                "host_tier_budget_bytes": stats.host_tier_budget_bytes}
     rows = [[name, fmt(results["ttft_ms"][name]), fmt(results["cached_tokens"][name], 0),
              fmt(results["ttft_ms"]["recompute"] / results["ttft_ms"][name], 2)] for name in ttft]
-    print(f"TTFT of a {args.prefix_tokens}+{args.suffix_tokens}-token prompt, median of {args.rounds} "
-          f"(pool {args.pool_tokens} tokens, {args.threads} thread(s); a shared, noisy machine):")
+    print(f"TTFT of a {args.prefix_tokens}+{args.suffix_tokens}-token prompt, median of "
+          f"{args.rounds} (pool {args.pool_tokens} tokens, {args.threads} thread(s); a shared, "
+          "noisy machine):")
     print(format_table(["prefix was", "TTFT ms", "cached tokens", "recompute / this"], rows))
     if not args.no_codecs:
         results["which_tier"] = which_tier(tier, source, args)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args) | {"func": None}, "results": results}, f, indent=2, default=str)
+            json.dump({"args": vars(args) | {"func": None}, "results": results}, f, indent=2,
+                      default=str)
     if args.plot:
         panels = [BarPanel("TTFT, prefix evicted from the pool", "ms", list(ttft),
                            {"TTFT": [results["ttft_ms"][k] for k in ttft]})]
         if "which_tier" in results:
             codecs = results["which_tier"]["codecs"]
             panels.append(BarPanel("lossless codecs on real KV", "ratio", list(codecs),
-                                   {"ratio": [c["ratio"] for c in codecs.values()]}, (1.0, "no gain")))
+                                   {"ratio": [c["ratio"] for c in codecs.values()]},
+                                   (1.0, "no gain")))
         print(f"wrote {write_bar_chart(args.plot, 'aigw bench kv-tier', panels, columns=2)}")
     return 0
 
@@ -101,8 +106,8 @@ def build_engine(args: argparse.Namespace, host_tier_bytes: int) -> Any:
     checkpoint, tokenizer = load_model(config.model_path)
     layout = KVCacheLayout.for_model(checkpoint.config, checkpoint.config.max_position_embeddings)
     element = 2 if config.decode_weights == "q4" else 4  # the KV dtype: float16 on the q4 path
-    per_block = layout.num_tensor_slots * config.cache.block_size * kv_bytes_per_token(checkpoint.config,
-                                                                                        element)
+    per_block = (layout.num_tensor_slots * config.cache.block_size
+                 * kv_bytes_per_token(checkpoint.config, element))
     num_blocks = -(-args.pool_tokens // config.cache.block_size)
     cache = dataclasses.replace(config.cache, kv_cache_memory_bytes=num_blocks * per_block,
                                 host_tier_bytes=host_tier_bytes)
@@ -145,7 +150,7 @@ def evicted_prefix_ttft(engine: Any, prefix: list[int], source: TokenSource,
     return first_token(engine, prefix + source.take(args.suffix_tokens))
 
 
-# ---- which tier --------------------------------------------------------------------------------------
+# ---- which tier ----------------------------------------------------------------------------------
 def which_tier(engine: Any, source: TokenSource, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -183,20 +188,23 @@ def which_tier(engine: Any, source: TokenSource, args: argparse.Namespace) -> di
     t2 = time.perf_counter()
     result = {"bytes_per_block": len(raw[0]), "num_blocks": len(raw),
               "recompute_ms_per_block": recompute_s * 1000, "codecs": codecs,
-              "mapped_file": {"in_gb_s": total / (t1 - t0) / 1e9, "out_gb_s": total / (t2 - t1) / 1e9,
+              "mapped_file": {"in_gb_s": total / (t1 - t0) / 1e9,
+                              "out_gb_s": total / (t2 - t1) / 1e9,
                               "restore_ms_per_block": (t2 - t1) / len(raw) * 1000}}
     rows = [[name, fmt(c["ratio"], 3), fmt(c["in_gb_s"], 2), fmt(c["out_gb_s"], 2),
              fmt(len(raw[0]) / c["out_gb_s"] / 1e6, 3)] for name, c in codecs.items()]
     m = result["mapped_file"]
-    rows.append(["mapped file (chosen)", "1 (no codec)", fmt(m["in_gb_s"], 2), fmt(m["out_gb_s"], 2),
-                 fmt(m["restore_ms_per_block"], 3)])
-    print(f"\nWhich tier: {len(raw)} blocks of real KV, {len(raw[0]):,} bytes each; recomputing one "
+    rows.append(["mapped file (chosen)", "1 (no codec)", fmt(m["in_gb_s"], 2),
+                 fmt(m["out_gb_s"], 2), fmt(m["restore_ms_per_block"], 3)])
+    print(f"\nWhich tier: {len(raw)} blocks of real KV, {len(raw[0]):,} bytes each; recomputing "
+          "one "
           f"costs {recompute_s * 1000:.1f} ms here")
     print(format_table(["tier / codec", "ratio", "in GB/s", "out GB/s", "restore ms/block"], rows))
     return result
 
 
-def _codecs(element_size: int) -> dict[str, tuple[Callable[[bytes], bytes], Callable[[bytes], bytes]]]:
+def _codecs(element_size: int) -> dict[str,
+                                       tuple[Callable[[bytes], bytes], Callable[[bytes], bytes]]]:
     import numpy as np
 
     def planes(data: bytes) -> bytes:  # byte k of every element together: exponents compress
@@ -221,5 +229,6 @@ def _codecs(element_size: int) -> dict[str, tuple[Callable[[bytes], bytes], Call
     except ImportError:
         pass
     for name, (c, d) in list(codecs.items()):
-        codecs[f"planes + {name}"] = ((lambda b, c=c: c(planes(b))), (lambda b, d=d: unplanes(d(b))))
+        codecs[f"planes + {name}"] = ((lambda b, c=c: c(planes(b))),
+                                      (lambda b, d=d: unplanes(d(b))))
     return codecs

@@ -62,7 +62,8 @@ STATE = web.AppKey("mock_state", MockState)
 
 
 def _num_prompt_tokens(body: dict[str, Any]) -> int:
-    text = body.get("prompt") or "".join(str(m.get("content") or "") for m in body.get("messages") or ())
+    text = (body.get("prompt")
+            or "".join(str(m.get("content") or "") for m in body.get("messages") or ()))
     return max(1, len(str(text)) // 4)
 
 
@@ -172,7 +173,8 @@ async def _stream(request: web.Request, body: dict[str, Any], is_chat: bool,
             if config.token_delay_ms:
                 await asyncio.sleep(config.token_delay_ms / 1000)
     delta_key = b'"delta":{}' if is_chat else b'"text":""'
-    await response.write(head + delta_key + b',"finish_reason":' + orjson.dumps(finish) + b"}]}\n\n")
+    await response.write(head + delta_key + b',"finish_reason":' + orjson.dumps(finish)
+                         + b"}]}\n\n")
     if config.send_usage and (body.get("stream_options") or {}).get("include_usage"):
         usage = {"choices": [], "usage": _usage(body, num_tokens, config)}
         await response.write(b"data: " + orjson.dumps(usage) + b"\n\n")
@@ -223,8 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = MockConfig(model=args.model, num_tokens=args.num_tokens, latency_ms=args.latency_ms,
                         token_delay_ms=args.token_delay_ms)
-    web.run_app(create_mock_app(MockState(config, is_recording=False)), host=args.host, port=args.port, print=None,
-                access_log=None, handler_cancellation=True)
+    web.run_app(create_mock_app(MockState(config, is_recording=False)), host=args.host,
+                port=args.port, print=None, access_log=None, handler_cancellation=True)
 
 
 if __name__ == "__main__":

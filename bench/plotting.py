@@ -59,7 +59,8 @@ class BarPanel:
     reference: tuple[float, str] | None = None  # a horizontal line (value, label), e.g. a target
 
 
-def write_bar_chart(path: str | Path, title: str, panels: Sequence[BarPanel], *, columns: int = 3) -> Path:
+def write_bar_chart(path: str | Path, title: str, panels: Sequence[BarPanel], *,
+                    columns: int = 3) -> Path:
     """Grouped bars, one subplot per panel, written as a PNG; returns the path."""
     import matplotlib
 
@@ -68,7 +69,8 @@ def write_bar_chart(path: str | Path, title: str, panels: Sequence[BarPanel], *,
 
     columns = min(columns, len(panels))
     num_rows = (len(panels) + columns - 1) // columns
-    fig, axes = plt.subplots(num_rows, columns, figsize=(5.2 * columns, 3.8 * num_rows), squeeze=False)
+    fig, axes = plt.subplots(num_rows, columns, figsize=(5.2 * columns, 3.8 * num_rows),
+                             squeeze=False)
     for ax, panel in zip(axes.flat, panels, strict=False):
         num_series = max(len(panel.series), 1)
         width = 0.8 / num_series
@@ -81,7 +83,8 @@ def write_bar_chart(path: str | Path, title: str, panels: Sequence[BarPanel], *,
                     ax.annotate(f"{v:.3g}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                                 ha="center", va="bottom", fontsize=7)
         if panel.reference is not None:
-            ax.axhline(panel.reference[0], color="black", linestyle="--", linewidth=1, label=panel.reference[1])
+            ax.axhline(panel.reference[0], color="black", linestyle="--", linewidth=1,
+                       label=panel.reference[1])
         ax.set_xticks(range(len(panel.categories)), list(panel.categories), fontsize=8)
         ax.set_title(panel.title, fontsize=10)
         ax.set_ylabel(panel.ylabel, fontsize=9)

@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ---- simulator ---------------------------------------------------------------------------------
 def sim_workload(name: str, rng: random.Random, rate: float) -> list[Any]:
     if name == "agent":
-        return agent_workload(rng, num_sessions=64, num_turns=6, rate_per_s=rate / 6)  # 6 turns each
+        # 6 turns each
+        return agent_workload(rng, num_sessions=64, num_turns=6, rate_per_s=rate / 6)
     if name == "shared-prefix":
         return shared_prefix_workload(rng, num_groups=32, prompts_per_group=16, rate_per_s=rate,
                                       system_tokens=1024, question_tokens=64, output_tokens=32)
@@ -114,14 +115,17 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
             continue
         if oracle["hit_ratio"] > 0:
             share = ours["hit_ratio"] / oracle["hit_ratio"]
-            lines.append(f"{workload} @{top:g}x: hit ratio {share:.0%} of the oracle's (target >= 90%)")
+            lines.append(f"{workload} @{top:g}x: hit ratio {share:.0%} of the oracle's (target >= "
+                         "90%)")
         lines.append(f"{workload} @{top:g}x: max/mean load {ours['imbalance']:.2f} (target <= 1.3)")
         if workload == "shared-prefix":
             gain = ours["output_tok_s"] / rr["output_tok_s"]
-            lines.append(f"{workload} @{top:g}x: throughput {gain:.2f}x round-robin's (target >= 2x)")
+            lines.append(f"{workload} @{top:g}x: throughput {gain:.2f}x round-robin's (target >= "
+                         "2x)")
         if workload == "zero-reuse":
             ratio = ours["output_tok_s"] / least["output_tok_s"]
-            lines.append(f"{workload} @{top:g}x: throughput {ratio:.3f}x least-load's (target >= ~1)")
+            lines.append(f"{workload} @{top:g}x: throughput {ratio:.3f}x least-load's (target >= "
+                         "~1)")
     return sorted(lines)
 
 
@@ -157,8 +161,8 @@ def run(args: argparse.Namespace) -> int:
 
         if args.calibrate:
             prefill_s, decode_s = calibrate(args)
-            print(f"calibrated: prefill {prefill_s * 1e3:.3f} ms/token, decode {decode_s * 1e3:.3f} "
-                  f"ms/token (marginal, batched)")
+            print(f"calibrated: prefill {prefill_s * 1e3:.3f} ms/token, decode "
+                  f"{decode_s * 1e3:.3f} ms/token (marginal, batched)")
         if args.mode in ("real", "both"):
             started = time.perf_counter()
             rows += run_real(args)

@@ -1,7 +1,9 @@
-"""Real replicas for `aigw bench routing`: cost calibration and short policy runs behind the gateway.
+"""Real replicas for `aigw bench routing`: cost calibration and short policy runs behind the
+gateway.
 
     calibrate(args) -> (prefill_s_per_token, decode_s_per_token)   one replica, ~1 minute
-    run_real(args)  -> rows                                          N replicas, one gateway per policy
+    run_real(args)  -> rows                                          N replicas, one gateway per
+                                                                     policy
 
 Each policy gets a fresh gateway over the same replicas, whose prefix caches are reset
 (POST /kv/reset) before each (workload, policy) run. Imbalance here is max/mean of the requests
@@ -45,12 +47,14 @@ class RoundRobinRouter(Router):
 
 
 class SessionHashRouter(Router):
-    """Consistent choice per conversation: a hash of its first two messages (system + first user)."""
+    """Consistent choice per conversation: a hash of its first two messages (system + first
+    user)."""
 
     def pick(self, request: CanonicalRequest, endpoints: Sequence[Endpoint]) -> Decision:
         key = "".join(m.content for m in request.messages[:2]) or request.prompt
         ordered = sorted(endpoints, key=lambda e: e.url)
-        return Decision(ordered[xxhash.xxh3_64_intdigest(key.encode()) % len(ordered)], "session_hash")
+        return Decision(ordered[xxhash.xxh3_64_intdigest(key.encode()) % len(ordered)],
+                        "session_hash")
 
 
 def make_router(policy: str) -> Router:
@@ -72,7 +76,8 @@ def _start(args: argparse.Namespace, num_replicas: int) -> list[embedded.Replica
     replicas = []
     for _ in range(num_replicas):
         port = ports.free_port()
-        command = [sys.executable, "-m", "cli.main", "replica", "--port", str(port), "--threads", "1",
+        command = [sys.executable, "-m", "cli.main", "replica", "--port", str(port), "--threads",
+                   "1",
                    "--kv-cache-memory", str(args.kv_cache_memory), "--no-auth"]  # loopback bench
         replicas.append(embedded.ReplicaProcess(
             subprocess.Popen(command, stderr=subprocess.DEVNULL), f"http://127.0.0.1:{port}"))
@@ -96,7 +101,8 @@ def calibrate(args: argparse.Namespace) -> tuple[float, float]:
             prefill = []
             for _ in range(3):
                 started = time.perf_counter()
-                body = client.post("/v1/completions", json={"model": model, "prompt": source.text(600),
+                body = client.post("/v1/completions", json={"model": model,
+                                                            "prompt": source.text(600),
                                                              "max_tokens": 1}).json()
                 prefill.append((time.perf_counter() - started) / body["usage"]["prompt_tokens"])
 
@@ -122,7 +128,8 @@ def conversations(workload: str, seed: int) -> list[list[list[dict[str, str]]]]:
         for _ in range(4):
             messages, turns = [{"role": "system", "content": system}], []
             for turn in range(3):
-                messages = [*messages, {"role": "user", "content": source.text(rng.randint(40, 80))}]
+                messages = [*messages,
+                            {"role": "user", "content": source.text(rng.randint(40, 80))}]
                 turns.append(messages)
                 messages = [*messages, {"role": "assistant", "content": f"Step {turn} done."}]
             convs.append(turns)
@@ -154,7 +161,8 @@ async def _chat(client: httpx.AsyncClient, messages: list[dict[str, str]]) -> di
                 first = time.perf_counter() - started
             usage = chunk.get("usage") or usage
     return {"replica": replica, "ttft_s": first or time.perf_counter() - started,
-            "prompt": usage.get("prompt_tokens", 0), "completion": usage.get("completion_tokens", 0),
+            "prompt": usage.get("prompt_tokens", 0),
+            "completion": usage.get("completion_tokens", 0),
             "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
 
 
@@ -193,7 +201,8 @@ async def _run_policy(policy: str, replicas: list[embedded.ReplicaProcess], work
     counts = [per_replica.get(r.url.split("://", 1)[1], 0) for r in replicas]
     ttfts = [r["ttft_s"] for r in results]
     return {"mode": "real", "workload": workload, "load": float(args.concurrency), "policy": policy,
-            "hit_ratio": sum(r["cached"] for r in results) / max(1, sum(r["prompt"] for r in results)),
+            "hit_ratio": sum(r["cached"] for r in results) / max(1,
+                                                                 sum(r["prompt"] for r in results)),
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
             "output_tok_s": sum(r["completion"] for r in results) / wall_s,
             "imbalance": max(counts) / max(1e-9, statistics.mean(counts))}

@@ -66,12 +66,13 @@ def _agent_turn(rng: random.Random, session: int, history: list[int], turn: int,
     prompt = history + _tokens(rng, rng.randint(100, 200))
     request = SimRequest(session, prompt, rng.randint(32, 64), think_s=0.05)
     if turn + 1 < num_turns:
-        request.next_turn = lambda output: _agent_turn(rng, session, prompt + output, turn + 1, num_turns)
+        request.next_turn = lambda output: _agent_turn(rng, session, prompt + output, turn + 1,
+                                                       num_turns)
     return request
 
 
-def shared_prefix_workload(rng: random.Random, num_groups: int, prompts_per_group: int, rate_per_s: float,
-                           system_tokens: int = 1024, question_tokens: int = 128,
+def shared_prefix_workload(rng: random.Random, num_groups: int, prompts_per_group: int,
+                           rate_per_s: float, system_tokens: int = 1024, question_tokens: int = 128,
                            output_tokens: int = 64) -> list[SimRequest]:
     systems = [_tokens(rng, system_tokens) for _ in range(num_groups)]
     order = [g for g in range(num_groups) for _ in range(prompts_per_group)]
@@ -171,7 +172,8 @@ class SimResult:
 
     @property
     def token_hit_ratio(self) -> float:
-        return sum(r.num_cached_tokens for r in self.requests) / max(1, sum(len(r.prompt) for r in self.requests))
+        return (sum(r.num_cached_tokens for r in self.requests)
+                / max(1, sum(len(r.prompt) for r in self.requests)))
 
     def ttft_s(self, q: float) -> float:
         values = sorted(r.ttft_s for r in self.requests)
@@ -200,7 +202,8 @@ def simulate(config: SimConfig, policy: str, first_requests: Sequence[SimRequest
     def push(time_s: float, kind: str, payload: object) -> None:
         heapq.heappush(events, (time_s, next(seq), kind, payload))
 
-    def change_index(now: float, replica: int, added: Sequence[int], removed: Sequence[int]) -> None:
+    def change_index(now: float, replica: int, added: Sequence[int],
+                     removed: Sequence[int]) -> None:
         push(now + config.event_lag_s, "event", (replica, list(added), list(removed)))
 
     def start(replica: int, now: float) -> None:
@@ -246,7 +249,8 @@ def simulate(config: SimConfig, policy: str, first_requests: Sequence[SimRequest
             fleet.inflight[replica].pop(0)
             output = _tokens(random.Random(request.session * 7919 + len(request.prompt)),
                              request.num_output_tokens)
-            full = hash_blocks(request.prompt + output, BLOCK_SIZE, "sim", parent_hashes=request.hashes)
+            full = hash_blocks(request.prompt + output, BLOCK_SIZE, "sim",
+                               parent_hashes=request.hashes)
             change_index(now, replica, full, fleet.caches[replica].insert(full))
             if request.next_turn is not None:
                 follow = request.next_turn(output)

@@ -29,8 +29,9 @@ ends it); TTFT and TPOT p90 of the finished ones; the
 priority class's TTFT p90; goodput = requests a second (over the arrival window) that finished
 within both targets; attainment = the fraction of those sent. The knee is the highest rate at
 which the fixed budget still meets both targets for >= KNEE_ATTAINMENT of what it is sent (when
-no rate does, the rate of its best goodput); the report gives slo's best goodput over fixed's best (the issue: >= 1.3x), and whether priority's
-TTFT p90 under slo stays inside the target at every rate up to 2x the knee.
+no rate does, the rate of its best goodput); the report gives slo's best goodput over fixed's best
+(the issue: >= 1.3x), and whether priority's TTFT p90 under slo stays inside the target at every
+rate up to 2x the knee.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ POLICIES = ("fixed", "slo")
 WORKLOADS = ("agent", "mixed")
 KNEE_ATTAINMENT = 0.9
 TARGET_GOODPUT_RATIO = 1.3
-RESULTS_PATHS = {"wall": Path("bench/results/slo.md"), "virtual": Path("bench/results/slo-virtual-cpu.md")}
+RESULTS_PATHS = {"wall": Path("bench/results/slo.md"),
+                 "virtual": Path("bench/results/slo-virtual-cpu.md")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     # threads: None -> 1 on the virtual clock (a step's thread CPU time is then its whole work),
     # 2 on the wall clock
-    parser.set_defaults(threads=None, ttft_p90_ms=3000.0, tpot_p90_ms=200.0, kv_cache_memory=256 << 20)
+    parser.set_defaults(threads=None, ttft_p90_ms=3000.0, tpot_p90_ms=200.0,
+                        kv_cache_memory=256 << 20)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--rates", default="0.25,0.5,1,1.5,2,3",
                         help="offered requests per second, comma-separated, rising")
@@ -89,7 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="virtual: in-process engines, a step costs its thread CPU time, idle "
                              "time skipped, the policies interleaved; wall: replica servers over "
                              "HTTP in real time")
-    parser.add_argument("--tiny", action="store_true", help="smoke-test sizes; the figures mean nothing")
+    parser.add_argument("--tiny", action="store_true",
+                        help="smoke-test sizes; the figures mean nothing")
     parser.add_argument("--plot", default=None, help="write a PNG of goodput vs rate here")
     parser.add_argument("--json", default=None, help="write the cells as JSON here")
     parser.add_argument("--step-log", default=None,
@@ -109,7 +113,7 @@ def apply_tiny(args: argparse.Namespace) -> None:
     args.kv_cache_memory = min(args.kv_cache_memory, 64 << 20)
 
 
-# ---- the two replicas, served in this process -------------------------------------------------------
+# ---- the two replicas, served in this process ----------------------------------------------------
 class ReplicaThread:
     """One replica server (engine/server) over its own AsyncEngine, on a loop thread."""
 
@@ -168,7 +172,7 @@ def start_replicas(args: argparse.Namespace) -> dict[str, ReplicaThread]:
     return {policy: ReplicaThread(build_engine(policy_args(args, policy))) for policy in POLICIES}
 
 
-# ---- the run ----------------------------------------------------------------------------------------
+# ---- the run -------------------------------------------------------------------------------------
 def make_plan(args: argparse.Namespace, workload: str, rate: float, tokenizer: Any,
               sessions: list[Any]) -> list[Arrival]:
     rng = random.Random(f"{args.seed}/{workload}/{rate}")  # the same plan for both policies
@@ -200,10 +204,12 @@ def knee_rate(cells: list[CellSummary]) -> tuple[float | None, str]:
     if not cells:
         return None, "no cells"
     best = max(cells, key=lambda c: c.goodput_per_s)
-    return best.rate_per_s, f"no rate reached {KNEE_ATTAINMENT:.0%} attainment: fixed's best goodput"
+    return (best.rate_per_s,
+            f"no rate reached {KNEE_ATTAINMENT:.0%} attainment: fixed's best goodput")
 
 
-def verdicts(results: dict[str, dict[str, list[CellSummary]]], args: argparse.Namespace) -> list[str]:
+def verdicts(results: dict[str, dict[str, list[CellSummary]]],
+             args: argparse.Namespace) -> list[str]:
     lines = []
     target_s = args.ttft_p90_ms / 1000.0
     for workload, by_policy in results.items():
@@ -226,17 +232,18 @@ def verdicts(results: dict[str, dict[str, list[CellSummary]]], args: argparse.Na
         worst = max((c.priority_ttft_p90_s for c in upto if c.priority_ttft_p90_s is not None),
                     default=None)
         tested = max((c.rate_per_s for c in upto), default=0.0)
+        short = "" if tested >= 2 * knee else " (the rates stop short of 2x: add higher ones)"
         lines.append(f"  priority TTFT p90 under slo up to 2x the knee ({2 * knee:g} req/s; rates "
                      f"run up to {tested:g}): worst {fmt(worst, 3)} s vs target {target_s:g} s: "
                      f"{'met' if upto and len(inside) == len(upto) else 'NOT met'}"
-                     f"{'' if tested >= 2 * knee else ' (the rates stop short of 2x: add higher ones)'}")
+                     f"{short}")
     return lines
 
 
 def report(results: dict[str, dict[str, list[CellSummary]]], args: argparse.Namespace) -> str:
-    headers = ["workload", "rate/s", "policy", "sent", "refused", "done", "cut", "good", "goodput/s",
-               "attain %", "TTFT p90 s", "TPOT p90 ms", "prio TTFT p90 s", "prio refused",
-               "slo/fixed"]
+    headers = ["workload", "rate/s", "policy", "sent", "refused", "done", "cut", "good",
+               "goodput/s", "attain %", "TTFT p90 s", "TPOT p90 ms", "prio TTFT p90 s",
+               "prio refused", "slo/fixed"]
     rows = []
     for workload, by_policy in results.items():
         for fixed, slo in zip(by_policy["fixed"], by_policy["slo"], strict=True):
@@ -307,8 +314,8 @@ def write_results(path: Path, text: str, title: str,
                   results: dict[str, dict[str, list[CellSummary]]], clock: str = "wall") -> None:
     import json
 
-    command = " ".join(["aigw", "bench", "slo", *sys.argv[3:]]) if sys.argv[1:3] == ["bench", "slo"] \
-        else "aigw bench slo"
+    command = (" ".join(["aigw", "bench", "slo", *sys.argv[3:]])
+               if sys.argv[1:3] == ["bench", "slo"] else "aigw bench slo")
     raw = raw_cells(results)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
@@ -348,7 +355,8 @@ def run_virtual(args: argparse.Namespace, workloads: list[str], rates: list[floa
     from bench.slo_virtual import Lane, StepLog, VirtualClock, build_engine, probe_costs, run_lanes
 
     clocks = {policy: VirtualClock() for policy in POLICIES}
-    engines = {policy: build_engine(policy_args(args, policy), clocks[policy]) for policy in POLICIES}
+    engines = {policy: build_engine(policy_args(args, policy), clocks[policy])
+               for policy in POLICIES}
     for policy in POLICIES:  # the step-time models start fitted, as a warm replica's are
         costs = probe_costs(engines[policy], TokenSource(tokenizer, seed=args.seed + 2),
                             args.short_tokens, args.long_tokens)
@@ -435,5 +443,6 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps({"title": title, "notes": notes,
                                                "results": raw_cells(results)}))
     if args.plot:
-        print(f"wrote {plot(results, args.plot, 'aigw bench slo: goodput vs offered rate - ' + title)}")
+        print("wrote "
+              f"{plot(results, args.plot, 'aigw bench slo: goodput vs offered rate - ' + title)}")
     return 0

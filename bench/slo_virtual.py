@@ -84,10 +84,12 @@ class SingleRequestCosts:
     def line(self) -> str:
         return (f"single request, thread CPU time: prefill {self.num_short_tokens} tokens "
                 f"{self.short_prefill_s * 1000:.0f} ms, {self.num_long_tokens} tokens "
-                f"{self.long_prefill_s * 1000:.0f} ms; decode step {self.decode_step_s * 1000:.1f} ms")
+                f"{self.long_prefill_s * 1000:.0f} ms; decode step {self.decode_step_s * 1000:.1f} "
+                "ms")
 
 
-def probe_costs(engine: Any, source: TokenSource, num_short: int, num_long: int) -> SingleRequestCosts:
+def probe_costs(engine: Any, source: TokenSource, num_short: int,
+                num_long: int) -> SingleRequestCosts:
     """Single-request step costs on `engine` (its step-time model learns them too); the prefix
     cache is reset afterwards."""
     from contracts.sampling_params import SamplingParams
@@ -155,7 +157,8 @@ class Lane:
     def __post_init__(self) -> None:
         self._start = self.clock.t
         self._window_end = self._start + max((a.at_s for a in self.plan), default=0.0)
-        self._clients = [_Client(a.service_tier, a.turns.fresh() if isinstance(a.turns, AgentSession)
+        self._clients = [_Client(a.service_tier,
+                                 a.turns.fresh() if isinstance(a.turns, AgentSession)
                                  else list(a.turns)) for a in self.plan]
         self._order = itertools.count()
         self._due = [(self._start + a.at_s, next(self._order), i) for i, a in enumerate(self.plan)]
@@ -196,7 +199,8 @@ class Lane:
         record = SloRecord(client.service_tier, len(planned.prompt_token_ids), now)
         self.records.append(record)
         priority = SERVICE_TIER_PRIORITY[client.service_tier]
-        prompt = planned.prompt_token_ids  # asked as the replica server asks (engine/server/serving.py)
+        # asked as the replica server asks (engine/server/serving.py)
+        prompt = planned.prompt_token_ids
         admission = self.engine.admission(priority, len(prompt), 0,
                                           self.engine.num_cached_prefix_tokens(prompt, None))
         if not admission.is_admitted:  # the server's 429 + Retry-After; the next turn follows
@@ -230,7 +234,8 @@ class Lane:
                 self._next_turn(active.client, active.max_tokens, now)
 
     def _is_settled(self, now: float) -> bool:
-        """Past the window: drained, out of drain time, or nothing unanswered can meet its targets."""
+        """Past the window: drained, out of drain time, or nothing unanswered can meet its
+        targets."""
         if now - self._window_end >= self.drain_timeout_s:
             return True
         for active in self._active.values():

@@ -178,7 +178,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         timeout = aiohttp.ClientTimeout(total=300)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             for i in range(4):  # warm-up: tokenizers, kernels, the first grammar
-                await send(session, gateway_url, -1 - i, ("chat", "stream", "tools", "anthropic")[i],
+                await send(session, gateway_url, -1 - i,
+                           ("chat", "stream", "tools", "anthropic")[i],
                            keys[projects[0]], projects[0], model, context_len * 4)
             rss["start"] = {"gateway": rss_bytes(gateway.pid), "replica": rss_bytes(replica.pid)}
             outcomes, elapsed_s = await _drive(session, gateway_url, kinds, keys, projects, model,

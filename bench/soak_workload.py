@@ -113,7 +113,8 @@ async def send(session: aiohttp.ClientSession, url: str, index: int, kind: str, 
                         break
                 response.close()
                 return Outcome(index, kind, project, response.status, None)
-            usage = await (_openai_stream(response) if kind == "stream" else _openai_whole(response))
+            usage = await (_openai_stream(response) if kind == "stream"
+                           else _openai_whole(response))
             return Outcome(index, kind, project, response.status, usage)
     except (aiohttp.ClientError, TimeoutError) as exc:
         return Outcome(index, kind, project, 0, None, f"{type(exc).__name__}: {exc}")

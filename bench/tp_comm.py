@@ -1,4 +1,5 @@
-"""The collectives of a tensor-parallel step alone, for `aigw bench engine --tensor-parallel-size N`.
+"""The collectives of a tensor-parallel step alone, for `aigw bench engine --tensor-parallel-size
+N`.
 
     costs = measure_transport(world_size, hidden_size, rows=(1, 64, 512))  # N fresh gloo processes
     costs["all_reduce"].seconds(num_ops, num_bytes)                        # a + b * bytes per op
@@ -8,8 +9,8 @@ measures what the transport costs when every rank is ready: N processes (1 threa
 back-to-back all-reduces and gathers of float32 [rows, hidden] tensors over loopback gloo (a barrier
 before each), and per kind a per-op latency + per-byte cost is fitted to the median times (least
 squares over the sizes). The
-engine run's collectives (engine/parallel/group.py counts their number and bytes) priced with it give
-the step's transport cost; the rest of its time in collectives is waiting.
+engine run's collectives (engine/parallel/group.py counts their number and bytes) priced with it
+give the step's transport cost; the rest of its time in collectives is waiting.
 """
 
 from __future__ import annotations
@@ -39,12 +40,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank(rank: int, world_size: int, port: int, hidden: int, rows: tuple[int, ...], out: mp.Queue) -> None:  # type: ignore[type-arg]
+def _rank(rank: int, world_size: int, port: int, hidden: int, rows: tuple[int, ...],
+          out: mp.Queue) -> None:  # type: ignore[type-arg]
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
     samples = []
     for kind in ("all_reduce", "gather"):
         for n in rows:
@@ -84,7 +87,8 @@ def measure_transport(world_size: int, hidden_size: int, rows: tuple[int, ...] =
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    return {kind: _fit([(b, t) for k, b, t in samples if k == kind]) for kind in ("all_reduce", "gather")}
+    return {kind: _fit([(b, t) for k, b, t in samples if k == kind])
+            for kind in ("all_reduce", "gather")}
 
 
 def _fit(points: list[tuple[int, float]]) -> TransportCost:

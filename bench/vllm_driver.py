@@ -6,7 +6,8 @@ that has vLLM (`--vllm-python`), never imported by the project (it imports nothi
 IN.json: {"model": HF directory (float32 weights), "threads": N, "kv_cache_gib": G,
 "prefill": [[ids], ...] (the first is a warm-up), "decode": [ids], "decode_tokens": N,
 "concurrent": {"C": [[ids], ...]}, "output_tokens": N, "shared_prefix": [[ids], ...],
-"shared_prefix_output_tokens": N, "eager": bool (vLLM without torch.compile)}. OUT.json: the figures in the shape of engine_bench.measure_ours.
+"shared_prefix_output_tokens": N, "eager": bool (vLLM without torch.compile)}. OUT.json: the figures
+in the shape of engine_bench.measure_ours.
 
 Offline `LLM.generate` (greedy, ignore_eos, prompts as token ids, prefix caching on): prefill
 tok/s = prompt tokens / the wall time of a 1-token generate (median after the warm-up); decode tok/s

@@ -1,14 +1,16 @@
-"""Token-level workloads for `aigw bench engine` and `aigw bench agent`, and the loop that replays them.
+"""Token-level workloads for `aigw bench engine` and `aigw bench agent`, and the loop that replays
+them.
 
 Every workload is deterministic for a seed. Text is real English (the docstrings of a fixed list of
 standard-library modules), tokenized ONCE here; the benchmarks then only move token ids around.
 
-A workload is a list of `Client`s. A client is a closed loop: it plans a request, waits for its answer,
-and plans the next one from it (the agent loop appends each answer to its conversation). One-shot
-workloads (shared prefix, zero reuse, concurrency batches) are clients of one request each, so every
-request of a workload arrives at t=0 unless a client is still waiting for an earlier answer.
+A workload is a list of `Client`s. A client is a closed loop: it plans a request, waits for its
+answer, and plans the next one from it (the agent loop appends each answer to its conversation).
+One-shot workloads (shared prefix, zero reuse, concurrency batches) are clients of one request each,
+so every request of a workload arrives at t=0 unless a client is still waiting for an earlier
+answer.
 
-    replay(engine, clients) -> [RequestRecord]   # TTFT, e2e, TPOT, cached / prompt tokens per request
+    replay(engine, clients) -> [RequestRecord]  # TTFT, e2e, TPOT, cached/prompt tokens per request
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 # Fixed so that the corpus (and with it every workload) does not change between runs on one Python.
-_CORPUS_MODULES = ("argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "datetime",
-                   "decimal", "email", "functools", "heapq", "http.client", "itertools", "json", "logging",
-                   "pathlib", "pickle", "re", "shutil", "socket", "sqlite3", "statistics", "string",
-                   "subprocess", "tarfile", "textwrap", "threading", "typing", "unittest", "urllib.parse",
-                   "zipfile")
+_CORPUS_MODULES = ("argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses",
+                   "datetime", "decimal", "email", "functools", "heapq", "http.client", "itertools",
+                   "json", "logging", "pathlib", "pickle", "re", "shutil", "socket", "sqlite3",
+                   "statistics", "string", "subprocess", "tarfile", "textwrap", "threading",
+                   "typing", "unittest", "urllib.parse", "zipfile")
 
 
 def corpus_text() -> str:
@@ -75,7 +77,8 @@ class PlannedRequest:
 
 class Client(Protocol):
     def next_request(self, previous_output_ids: list[int] | None) -> PlannedRequest | None:
-        """The next request given the answer to the previous one (None on the first call); None: done."""
+        """The next request given the answer to the previous one (None on the first call); None:
+        done."""
 
 
 @dataclass
@@ -94,7 +97,7 @@ def one_shot(prompts: Sequence[list[int]], max_tokens: int) -> list[Client]:
     return [OneShotClient(PlannedRequest(list(p), max_tokens)) for p in prompts]
 
 
-# ---- the replay loop ---------------------------------------------------------------------------------
+# ---- the replay loop -----------------------------------------------------------------------------
 @dataclass
 class RequestRecord:
     """One request's timings (perf_counter seconds) and token counts."""
@@ -129,7 +132,8 @@ class RequestRecord:
         return (self.e2e_s - self.ttft_s) / (self.num_output_tokens - 1)
 
 
-def replay(engine: Any, clients: Sequence[Client], *, timeout_s: float = 3600.0) -> list[RequestRecord]:
+def replay(engine: Any, clients: Sequence[Client], *,
+           timeout_s: float = 3600.0) -> list[RequestRecord]:
     """Drive `engine` (an idle LLMEngine) until every client is done; greedy, ignore_eos.
 
     A client's first request is added at once; each later one right after the step that finished
@@ -176,7 +180,7 @@ def replay(engine: Any, clients: Sequence[Client], *, timeout_s: float = 3600.0)
     return records
 
 
-# ---- agent loop --------------------------------------------------------------------------------------
+# ---- agent loop ----------------------------------------------------------------------------------
 class ChatSegments:
     """Token ids of the pieces of a chat, cut out of the tokenizer's own template renderings.
 
@@ -191,7 +195,8 @@ class ChatSegments:
         self.system_ids: list[int] = tokenizer.encode(system_rendered)
         probe = self.system + [{"role": "user", "content": "hello"}]
         head = self._render(probe, False)
-        self.generation_prompt_ids: list[int] = tokenizer.encode(self._render(probe, True)[len(head):])
+        self.generation_prompt_ids: list[int] = tokenizer.encode(
+            self._render(probe, True)[len(head):])
         marker = "ANSWER"
         full = self._render(probe + [{"role": "assistant", "content": marker}], False)
         tail = full[len(self._render(probe, True)):]
@@ -219,8 +224,10 @@ def tool_schema(source: TokenSource, rng: random.Random, index: int) -> dict[str
             "type": rng.choice(["string", "integer", "boolean", "number"]),
             "description": source.text(rng.randint(12, 24)).replace("\n", " ")}
     return {"type": "function", "function": {
-        "name": f"{rng.choice(words)}_{index}", "description": source.text(rng.randint(20, 40)).replace("\n", " "),
-        "parameters": {"type": "object", "properties": properties, "required": sorted(properties)[:1]}}}
+        "name": f"{rng.choice(words)}_{index}",
+        "description": source.text(rng.randint(20, 40)).replace("\n", " "),
+        "parameters": {"type": "object", "properties": properties,
+                       "required": sorted(properties)[:1]}}}
 
 
 @dataclass
@@ -251,9 +258,10 @@ class AgentSession:
 
 
 def agent_sessions(tokenizer: Any, *, num_sessions: int, num_turns: int, system_tokens: int = 1500,
-                   message_tokens: tuple[int, int] = (100, 200), answer_tokens: tuple[int, int] = (32, 64),
-                   seed: int = 0) -> list[AgentSession]:
-    """S sessions x T turns sharing one system prompt with a JSON tool schema of ~`system_tokens`."""
+                   message_tokens: tuple[int, int] = (100, 200),
+                   answer_tokens: tuple[int, int] = (32, 64), seed: int = 0) -> list[AgentSession]:
+    """S sessions x T turns sharing one system prompt with a JSON tool schema of
+    ~`system_tokens`."""
     source, rng = TokenSource(tokenizer, seed), random.Random(seed)
     intro = ("You are a careful software agent. Use the tools when they help, one call at a time, "
              "and answer briefly once you have what you need.")
@@ -275,10 +283,11 @@ def agent_sessions(tokenizer: Any, *, num_sessions: int, num_turns: int, system_
     return sessions
 
 
-# ---- one-shot workloads ------------------------------------------------------------------------------
+# ---- one-shot workloads --------------------------------------------------------------------------
 def shared_prefix_prompts(source: TokenSource, *, num_groups: int, prompts_per_group: int,
                           system_tokens: int, question_tokens: int) -> list[list[int]]:
-    """SGLang's generated-shared-prefix shape: each group shares a system prompt; group-major order."""
+    """SGLang's generated-shared-prefix shape: each group shares a system prompt; group-major
+    order."""
     prompts: list[list[int]] = []
     for _ in range(num_groups):
         system = source.take(system_tokens)
@@ -286,12 +295,13 @@ def shared_prefix_prompts(source: TokenSource, *, num_groups: int, prompts_per_g
     return prompts
 
 
-def hit_ratio_prompts(source: TokenSource, *, num_prompts: int, prompt_tokens: int, hit_ratio: float,
-                      block_size: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(primers, prompts): after the primers ran, each prompt finds `hit_ratio` of its tokens cached.
+def hit_ratio_prompts(source: TokenSource, *, num_prompts: int, prompt_tokens: int,
+                      hit_ratio: float, block_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(primers, prompts): after the primers ran, each prompt finds `hit_ratio` of its tokens
+    cached.
 
-    The shared prefix is rounded to whole KV blocks (only full blocks are cached), so pick sizes where
-    `hit_ratio * prompt_tokens` is a multiple of `block_size` to hit the ratio exactly.
+    The shared prefix is rounded to whole KV blocks (only full blocks are cached), so pick sizes
+    where `hit_ratio * prompt_tokens` is a multiple of `block_size` to hit the ratio exactly.
     """
     num_prefix = round(hit_ratio * prompt_tokens / block_size) * block_size
     prefix = source.take(num_prefix)
