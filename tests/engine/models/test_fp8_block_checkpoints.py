@@ -17,7 +17,7 @@ from engine.loader import load_checkpoint
 from engine.models.weights import CheckpointMismatchError
 from tests.engine.models._deepseek_v3 import DeepseekCheckpoint
 from tests.engine.models._fp8_blocks import (
-    BLOCK,  # noqa: F401 (tests/engine/test_tensor_parallel.py imports it from here)
+    BLOCK,  # noqa: F401 (tests/engine/parallel/test_tensor_parallel.py imports it from here)
     FP8,
     quantize_blocks,  # noqa: F401 (likewise)
     write_fp8_checkpoint,
