@@ -16,7 +16,6 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from auth.store import StoreError, UnknownKey, UnknownProject
 from infra.config_errors import one_line
 
 if TYPE_CHECKING:
@@ -86,6 +85,7 @@ async def _with_services(action: Action, args: argparse.Namespace) -> int:
 
     from auth import open_auth
     from auth.settings import AuthSettings
+    from auth.store import StoreError, UnknownKey, UnknownProject
 
     settings = None
     try:

@@ -14,13 +14,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Sequence
 
 # Each entry: a module with `register(subparsers) -> None`; handlers are set with
 # set_defaults(func=...).
 _COMMAND_MODULES = ("cli.gateway", "cli.engine", "cli.auth", "cli.limits", "cli.bench")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The `aigw` parser. With `argv`, the command line it is about to parse, a benchmark's
+    module is imported only when argv runs that benchmark (`aigw --help` and `aigw keys ...`
+    import no benchmark, the engine nor torch); without it, every flag of every subcommand."""
     parser = argparse.ArgumentParser(prog="aigw",
                                      description="AI gateway with its own inference engine")
     subparsers = parser.add_subparsers(dest="command", required=True)
@@ -31,14 +35,18 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name == module_name:  # that part is not built yet
                 continue
             raise
-        module.register(subparsers)
+        if module_name == "cli.bench":
+            module.register(subparsers, argv)
+        else:
+            module.register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from cli.gateway import attach_replica_args
 
-    args = build_parser().parse_args(attach_replica_args(sys.argv[1:] if argv is None else argv))
+    argv = attach_replica_args(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         result = args.func(args)
     except KeyboardInterrupt:  # Ctrl-C before a server took SIGINT over (a replica still loading)

@@ -194,3 +194,29 @@ def test_a_bad_aigw_config_is_one_cli_error_line(
     assert main(["projects", "list"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("aigw: ") and len(err.splitlines()) == 1
+
+
+_IMPORTED_BY = """
+import sys
+from cli.main import main
+try:
+    main(sys.argv[1:])
+except SystemExit:  # --help
+    pass
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "bench", "transformers"))
+print("heavy:", heavy, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["keys", "--help"], ["bench", "--help"],
+                                  ["projects", "list"]])
+def test_a_command_imports_no_benchmark_nor_torch(argv: list[str], tmp_path: Path) -> None:
+    """Building the parser once imported every benchmark module (and through them aiohttp, the
+    gateway, the engine): seconds before any `aigw` command did anything."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _IMPORTED_BY, *argv], capture_output=True,
+                          text=True, timeout=60, cwd=Path(__file__).parents[2],
+                          env={"PATH": "/usr/bin:/bin", "AIGW_DATA_DIR": str(tmp_path)})
+    assert "heavy: []" in done.stderr, done.stderr
