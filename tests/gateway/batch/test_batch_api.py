@@ -30,7 +30,6 @@ from tests.gateway.conftest import MODEL, LoopThread, start_app, wait_until
 PRICES = {"input_per_token": 1e-6, "cached_input_per_token": 1e-7, "output_per_token": 2e-6}
 DISCOUNT = 0.5
 BLOCKED_WORD = "project-bluebird"
-HAS_GUARDRAILS = "guardrails" in GatewaySettings.model_fields
 
 
 @dataclass
@@ -61,11 +60,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     data_dir = tmp_path_factory.mktemp("batch-api")
     state = MockState(MockConfig(model=MODEL, num_tokens=4))
     upstream, upstream_url = loop_thread.run(start_app(create_mock_app(state)))
-    guardrails = ({"guardrails": [{"name": "no-secret", "type": "regex", "stages": ["request"],
-                                   "options": {"words": [BLOCKED_WORD]}}]}
-                  if HAS_GUARDRAILS else {})
+    guardrails = [{"name": "no-secret", "type": "regex", "stages": ["request"],
+                   "options": {"words": [BLOCKED_WORD]}}]
     settings = GatewaySettings(
-        **guardrails, data_dir=data_dir, health_interval_s=0.2,
+        guardrails=guardrails, data_dir=data_dir, health_interval_s=0.2,
         batch={"max_file_bytes": 64 * 1024, "max_lines": 50, "poll_interval_s": 0.1,
                "price_discount": DISCOUNT, "max_concurrent_lines": 2},
         models=[{"name": MODEL, "backend": "replica", "endpoints": [upstream_url],
@@ -337,7 +335,6 @@ def test_lines_wait_while_interactive_requests_are_in_flight(served: Served) -> 
     assert done.status == "completed" and interactive and batch_line_sent()
 
 
-@pytest.mark.skipif(not HAS_GUARDRAILS, reason="the gateway has no guardrails")
 def test_the_gateways_guardrails_check_batch_lines_too(served: Served) -> None:
     client = served.client()
     done = wait_done(client, submit(client, [chat_line("ok", "hello"),
