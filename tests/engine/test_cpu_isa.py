@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,20 @@ AVX2 = frozenset({"avx2", "fma", "f16c"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 PROMPTS = ["What is the capital of France?", "Write a haiku about rain."]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def test_the_native_kernels_load_wherever_the_cpu_can_run_them() -> None:
+    """The native-kernel tests skip where `native.load()` is False. That must mean a CPU (or an OS,
+    a missing C++ compiler, AIGW_NATIVE_KERNELS=0) that cannot run them, never a build of our
+    source that failed: that is this test's failure, not a run of skips."""
+    if os.environ.get("AIGW_NATIVE_KERNELS", "1") == "0":
+        pytest.skip("AIGW_NATIVE_KERNELS=0 turns the native kernels off")
+    missing = sorted(AVX2 - native._cpu_flags())
+    if missing or isa.selection().variant is None:
+        pytest.skip(f"this CPU cannot run the native kernels ({missing or 'no OS AVX2 state'})")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler to build the native kernels")
+    assert native.load(), "the native CPU kernels did not build here (the warning logged says why)"
 
 
 def test_the_best_variant_the_cpu_has_is_chosen() -> None:
