@@ -11,8 +11,9 @@ status line says it all). The body is bounded by whoever reads it (infra/json_bo
 `timeout_s`). One warning line per closed connection, no traceback.
 
 A request the parser refuses (a header over aiohttp's 8,190-byte limit, a malformed line) is
-answered by the caller's `error_answer` in the route's own envelope (431, 414 or 400; the path is
-read from the request's first bytes), with one warning line, where aiohttp logged a traceback
+answered by the caller's `error_answer` in the route's own envelope (431, 414, 415 for a br or
+zstd body whose decoder is not installed, or 400; the path is read from the request's first
+bytes), with one warning line, where aiohttp logged a traceback
 per request and answered text/plain; a body aiohttp fails to decode while discarding it (a bad
 gzip body on a route that did not read it) is one warning line too.
 
@@ -29,8 +30,10 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
+
+from infra.json_body import undecodable_encoding
 
 log = logging.getLogger("aigw.http")
 _TIMEOUT_ANSWER = (b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n"
@@ -79,8 +82,8 @@ class _GuardedHandler(RequestHandler):
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         """A request the parser refused: one warning line and the route's envelope (431 for a
-        header over the limit, 414 for a request line over it, else 400), not aiohttp's
-        traceback and text/plain."""
+        header over the limit, 414 for a request line over it, 415 for a Content-Encoding not
+        decoded here, else 400), not aiohttp's traceback and text/plain."""
         if self._error_answer is None or not isinstance(exc, HttpProcessingError):
             return super().handle_error(request, status, exc, message)
         if request.writer.output_size > 0:
@@ -88,7 +91,11 @@ class _GuardedHandler(RequestHandler):
         line, _, _ = self._error_head.partition(b"\r\n")
         parts = line.split(b" ")
         path = parts[1].decode("latin-1") if len(parts) > 1 else "/"
-        if isinstance(exc, LineTooLong):
+        refusal = (undecodable_encoding(_header(self._error_head, b"content-encoding") or "?")
+                   if isinstance(exc, ContentEncodingError) else None)
+        if refusal is not None:  # br or zstd, their decoder not installed: not the client's fault
+            status, code, text = 415, "unsupported_media_type", refusal
+        elif isinstance(exc, LineTooLong):
             status, code = ((414, "uri_too_long") if b"\r\n" not in self._error_head
                             else (431, "request_header_fields_too_large"))
             text = ("the request line is too long" if status == 414
@@ -133,6 +140,15 @@ class _GuardedHandler(RequestHandler):
         if transport is not None and not transport.is_closing():
             transport.write(_TIMEOUT_ANSWER)
         self.force_close()
+
+
+def _header(head: bytes, name: bytes) -> str | None:
+    """Header `name` (lowercase) of a request's first bytes, if they hold it."""
+    for line in head.split(b"\r\n")[1:]:
+        key, sep, value = line.partition(b":")
+        if sep and key.strip().lower() == name:
+            return value.strip().decode("latin-1")
+    return None
 
 
 class _GuardedServer(web.Server):

@@ -10,7 +10,9 @@ chunked body), its nesting (orjson stops at 1,024 levels, where
 the standard library's parser recursed until RecursionError: a 500), and its numbers (orjson
 refuses a number beyond a double's range, where `json.loads` made a 400-digit int that later
 overflowed `float()`). Bytes that are not UTF-8 and a Content-Encoding the body does not have
-are 400s. Callers map `BodyError` onto their own error envelope.
+are 400s; a Content-Encoding that is not one of DECODABLE_ENCODINGS (`foo`, two at once) is a 415
+naming those, where aiohttp passed the bytes on as identity. Callers map `BodyError` onto their
+own error envelope.
 """
 
 from __future__ import annotations
@@ -20,11 +22,18 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 from aiohttp.web_protocol import RequestPayloadError
+
+# The Content-Encodings a request body may come in besides identity: those aiohttp decodes here
+# (br with Brotli installed, zstd with Python 3.14's compression.zstd or backports.zstd).
+DECODABLE_ENCODINGS = ("gzip", "deflate", *(("br",) if HAS_BROTLI else ()),
+                       *(("zstd",) if HAS_ZSTD else ()))
 
 
 class BodyError(ValueError):
-    """`status` 413 (too large), 408 (too slow) or 400 (not JSON, not decodable)."""
+    """`status` 413 (too large), 408 (too slow), 415 (an encoding not decoded here) or 400 (not
+    JSON, not what its Content-Encoding says)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -36,6 +45,9 @@ async def read_json(request: web.Request, max_body_bytes: int,
                     timeout_s: float | None = None) -> Any:
     """The request's JSON body, read within `timeout_s` (None: no bound); raises BodyError
     (408 for a body that did not arrive in time)."""
+    refusal = undecodable_encoding(request.headers.get("Content-Encoding"))
+    if refusal is not None:
+        raise BodyError(415, refusal)
     content_length = request.content_length
     if content_length is not None and content_length > max_body_bytes:
         raise BodyError(413, f"body over {max_body_bytes} bytes")
@@ -61,6 +73,16 @@ async def read_json(request: web.Request, max_body_bytes: int,
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise BodyError(400, f"body is not valid JSON: {exc}") from exc
+
+
+def undecodable_encoding(content_encoding: str | None) -> str | None:
+    """None when a body with this Content-Encoding header can be read (no header, identity, one
+    of DECODABLE_ENCODINGS); else the 415's message, naming the encodings that can."""
+    if content_encoding is None or content_encoding.strip().lower() in (
+            "", "identity", *DECODABLE_ENCODINGS):
+        return None
+    return (f"Content-Encoding {content_encoding[:40]!r} is not supported: send the body as "
+            f"{', '.join(DECODABLE_ENCODINGS)} or identity (one encoding, no list)")
 
 
 async def _read_chunked(request: web.Request, max_body_bytes: int) -> bytes:

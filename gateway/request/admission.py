@@ -92,7 +92,8 @@ def request_ids_of(request: web.Request) -> tuple[str, str]:
 async def read_json_body(request: web.Request, max_body_bytes: int,
                          timeout_s: float | None = None) -> Any:
     """The request's JSON body; 413 over the cap, 408 when it does not arrive within
-    `timeout_s`, 400 if it is not JSON (infra/json_body.py)."""
+    `timeout_s`, 415 for a Content-Encoding not decoded here, 400 if it is not JSON
+    (infra/json_body.py)."""
     try:
         return await read_json(request, max_body_bytes, timeout_s)
     except BodyError as exc:
@@ -100,6 +101,8 @@ async def read_json_body(request: web.Request, max_body_bytes: int,
             raise PayloadTooLarge(exc.message) from exc
         if exc.status == 408:
             raise GatewayError(exc.message, status=408, code="request_timeout") from exc
+        if exc.status == 415:
+            raise GatewayError(exc.message, status=415, code="unsupported_media_type") from exc
         raise BadRequest(exc.message) from exc
 
 

@@ -92,3 +92,27 @@ def test_a_body_that_is_not_its_content_encoding_is_a_400_and_the_next_request_s
         assert follow_up.status_code == 200
     assert not gateway.upstreams[0].state.request_ids
     assert not gateway.meter.settled
+
+
+@pytest.mark.parametrize("encoding", ["foo", "br", "zstd", "gzip, deflate", "x-gzip"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/anthropic/v1/messages"])
+def test_a_content_encoding_the_gateway_cannot_decode_is_a_415_naming_those_it_can(
+        gateway_url: str, path: str, encoding: str, caplog: pytest.LogCaptureFixture) -> None:
+    """`foo` (or two encodings at once, which aiohttp does not decode) was read as identity:
+    the JSON underneath answered as if it were the body. br and zstd without their decoder
+    installed were a 400 telling the client to install Brotli on the gateway's machine."""
+    from infra.json_body import DECODABLE_ENCODINGS
+
+    if encoding in DECODABLE_ENCODINGS:
+        pytest.skip(f"{encoding} is decodable in this environment")
+    body = orjson.dumps(BODIES[path])
+    status, _, answer = send_raw(gateway_url, (
+        f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        f"Content-Encoding: {encoding}\r\nContent-Length: {len(body)}\r\n"
+        f"Connection: close\r\n\r\n").encode() + body)
+    assert status == 415, answer
+    _assert_envelope(answer, path.startswith("/anthropic"))
+    message = orjson.loads(answer)["error"]["message"]
+    assert repr(encoding) in message and "gzip, deflate" in message
+    assert "install" not in message.lower()
+    _no_tracebacks(caplog)
