@@ -13,6 +13,10 @@ if TYPE_CHECKING:
 # a tinier one (5e-324 is a valid JSON temperature) overflows them to inf, the softmax of inf is
 # NaN, and inverse-CDF sampling over NaN returns the out-of-vocabulary id `vocab_size`.
 GREEDY_TEMPERATURE_BELOW = 1e-5
+# At most this many UTF-8 bytes in one stop string (a few hundred characters: a closing tag, a
+# delimiter line), at the gateway and the replica alike. OpenAI bounds only their count; here the
+# matcher holds back and rescans up to the longest stop string's length of text per token.
+MAX_STOP_BYTES = 512
 
 
 class SamplingParamsError(ValueError):
@@ -67,6 +71,8 @@ class SamplingParams:
             (len(self.stop) <= 16, "stop", "at most 16 stop sequences"),
             (all(isinstance(s, str) and s for s in self.stop), "stop",
              "stop sequences must be non-empty strings"),
+            (all(len(s.encode()) <= MAX_STOP_BYTES for s in self.stop), "stop",
+             f"each stop sequence must be at most {MAX_STOP_BYTES} bytes (UTF-8)"),
             # min_tokens blocks the end-of-sequence a complete grammar allows alone: no token left
             (self.grammar is None or self.min_tokens == 0, "min_tokens",
              "min_tokens cannot be combined with a JSON response_format"),

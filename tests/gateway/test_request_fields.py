@@ -1,5 +1,6 @@
 """Request fields are applied, forwarded or refused, never silently dropped; the Responses and
-Anthropic answers report what happened (incomplete status, instructions, the matched stop string)."""
+Anthropic answers report what happened (incomplete status, instructions, the matched stop
+string)."""
 
 from __future__ import annotations
 
@@ -27,10 +28,14 @@ MESSAGES = {**CHAT, "max_tokens": 5}
     ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p"),
     ("/v1/responses", {"model": MODEL, "input": "hi", "top_p": 0}, "top_p"),
     ("/v1/chat/completions", {**CHAT, "stop": [""]}, "stop"),
+    ("/v1/chat/completions", {**CHAT, "stop": ["x" * 513]}, "stop"),  # over MAX_STOP_BYTES
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": "\u00e9" * 257}, "stop"),
+    ("/v1/messages", {**MESSAGES, "stop_sequences": ["END", "x" * 513]}, "stop_sequences"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}},
      "response_format.json_schema"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {}}},
+    ("/v1/chat/completions",
+     {**CHAT, "response_format": {"type": "json_schema", "json_schema": {}}},
      "response_format.json_schema.name"),
     ("/v1/chat/completions", {**CHAT, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}},
@@ -47,14 +52,28 @@ def test_values_the_replica_would_refuse_are_a_400_naming_the_param(
         gateway: Any, path: str, body: dict[str, Any], param: str) -> None:
     response = httpx.post(gateway.url + path, json=body)
     assert response.status_code == 400
-    assert response.json()["error"]["param"] == param
+    error = response.json()["error"]
+    # (Anthropic's envelope has no `param`: its message starts with the field's name)
+    assert error["param"] if "param" in error else error["message"].startswith(f"{param}:")
+    assert error.get("param", param) == param
+
+
+def test_stop_strings_at_the_byte_bound_are_forwarded(gateway: Any) -> None:
+    from contracts.sampling_params import MAX_STOP_BYTES
+
+    stop = ["x" * MAX_STOP_BYTES, "\u00e9" * (MAX_STOP_BYTES // 2)]
+    assert httpx.post(gateway.url + "/v1/chat/completions",
+                      json={**CHAT, "stop": stop}).status_code == 200
+    assert gateway.upstreams[0].state.bodies[-1]["stop"] == stop
 
 
 def test_logprobs_are_forwarded_in_each_dialects_own_form(gateway: Any) -> None:
-    httpx.post(gateway.url + "/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 2})
+    httpx.post(gateway.url + "/v1/chat/completions",
+               json={**CHAT, "logprobs": True, "top_logprobs": 2})
     chat = gateway.upstreams[0].state.bodies[-1]
     assert (chat["logprobs"], chat["top_logprobs"]) == (True, 2)
-    httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "logprobs": 0})
+    httpx.post(gateway.url + "/v1/completions",
+               json={"model": MODEL, "prompt": "hi", "logprobs": 0})
     assert gateway.upstreams[0].state.bodies[-1]["logprobs"] == 0
     httpx.post(gateway.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"})
     assert "logprobs" not in gateway.upstreams[0].state.bodies[-1]
@@ -92,13 +111,16 @@ def test_parallel_tool_calls_reaches_the_upstream_only_when_given_with_tools(gat
         "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]})
     assert response.json()["parallel_tool_calls"] is False
     assert gateway.upstreams[0].state.bodies[-1]["parallel_tool_calls"] is False
-    bad = httpx.post(gateway.url + "/v1/chat/completions", json={**CHAT, "parallel_tool_calls": "no"})
+    bad = httpx.post(gateway.url + "/v1/chat/completions",
+                     json={**CHAT, "parallel_tool_calls": "no"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "parallel_tool_calls"
 
 
 def test_penalties_are_range_checked_and_forwarded(gateway: Any) -> None:
-    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"model": MODEL, "prompt": "hi"})):
-        ok = httpx.post(gateway.url + path, json={**body, "presence_penalty": 0.5, "frequency_penalty": -1})
+    for path, body in (("/v1/chat/completions", CHAT),
+                       ("/v1/completions", {"model": MODEL, "prompt": "hi"})):
+        ok = httpx.post(gateway.url + path,
+                        json={**body, "presence_penalty": 0.5, "frequency_penalty": -1})
         assert ok.status_code == 200
         sent = gateway.upstreams[0].state.bodies[-1]
         assert (sent["presence_penalty"], sent["frequency_penalty"]) == (0.5, -1.0)
@@ -118,7 +140,8 @@ def test_completions_echo_is_forwarded(gateway: Any) -> None:
 
 def test_json_output_formats_reach_the_upstream_in_chats_form(gateway: Any) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    given = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
+    given = {"type": "json_schema",
+             "json_schema": {"name": "thing", "schema": schema, "strict": True}}
     assert httpx.post(gateway.url + "/v1/chat/completions",
                       json={**CHAT, "response_format": given}).status_code == 200
     assert gateway.upstreams[0].state.bodies[-1]["response_format"] == given
@@ -164,7 +187,8 @@ def test_responses_function_call_after_assistant_text_joins_that_turn(gateway: A
     call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
     response = httpx.post(gateway.url + "/v1/responses", json={"model": MODEL, "input": [
         {"role": "user", "content": "hi"},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Let me look."}]},
         call, {"type": "function_call_output", "call_id": "call_1", "output": "ok"}]})
     assert response.status_code == 200
     messages = gateway.upstreams[0].state.bodies[-1]["messages"]
@@ -177,7 +201,8 @@ def _sse_event_names(text: str) -> list[str]:
     return [line[len("event: "):] for line in text.splitlines() if line.startswith("event: ")]
 
 
-def test_responses_stream_cut_by_max_output_tokens_ends_with_response_incomplete(gateway: Any) -> None:
+def test_responses_stream_cut_by_max_output_tokens_ends_with_response_incomplete(
+        gateway: Any) -> None:
     response = httpx.post(gateway.url + "/v1/responses", json={
         "model": MODEL, "input": "hi", "max_output_tokens": 2, "stream": True})
     names = _sse_event_names(response.text)
@@ -231,8 +256,8 @@ def test_gateway_reuses_the_replica_sampling_checks_without_importing_torch() ->
     import sys
 
     code = "import sys, gateway.web.app, gateway.dialects.validate; print('torch' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                            check=True)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, check=True)
     assert result.stdout.strip() == "False"
 
 

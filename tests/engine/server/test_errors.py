@@ -63,11 +63,13 @@ def test_out_of_range_sampling_values_are_400(http: httpx.Client, fields: dict[s
 @pytest.mark.parametrize(("fields", "param"), [
     ({"n": 17}, "n"), ({"top_k": 0}, "top_k"), ({"max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ({"min_tokens": -1}, "min_tokens"), ({"stop": ["s"] * 17}, "stop"),
+    ({"stop": ["s" * 513]}, "stop"),  # over MAX_STOP_BYTES
 ])
 def test_a_refused_sampling_value_is_named_in_param(http: httpx.Client, fields: dict[str, Any],
                                                    param: str) -> None:
     # the gateway passes the replica's `param` through (n 17-128 passes its own check): it was null
-    assert assert_envelope(http.post("/v1/chat/completions", json=chat(**fields)), 400)["param"] == param
+    assert (assert_envelope(http.post("/v1/chat/completions", json=chat(**fields)), 400)["param"]
+            == param)
 
 
 def test_completion_logprobs_above_5_are_400(http: httpx.Client) -> None:
@@ -160,7 +162,8 @@ def test_a_schema_nested_deeper_than_orjson_writes_is_400(http: httpx.Client, wh
         if where == "response_format" else
         {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
          "tool_choice": "required"})
-    error = assert_envelope(http.post("/v1/chat/completions", json=chat(max_tokens=4, **fields)), 400)
+    error = assert_envelope(http.post("/v1/chat/completions", json=chat(max_tokens=4, **fields)),
+                            400)
     assert error["message"].startswith(where) and "nested too deeply" in error["message"]
 
 
@@ -219,7 +222,8 @@ def test_engine_failure_before_the_first_token_of_a_stream_is_a_500_envelope(
 
 def test_unusable_response_format_and_too_many_choices_are_400(http: httpx.Client) -> None:
     bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
-    error = assert_envelope(http.post("/v1/chat/completions", json=chat(response_format=bad_schema)), 400)
+    error = assert_envelope(http.post("/v1/chat/completions",
+                                      json=chat(response_format=bad_schema)), 400)
     assert "response_format" in error["message"] and "JSON schema" in error["message"]
     assert_envelope(http.post("/v1/chat/completions", json=chat(
         response_format={"type": "json_schema"})), 400)
