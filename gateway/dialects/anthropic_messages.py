@@ -150,9 +150,7 @@ def _parse_message(raw: Any, i: int) -> list[Message]:
                 raise InvalidParam(f"{where}.input", "is nested too deeply (more than ~250 "
                                    "levels)") from None
             calls.append(ToolCall(get_str(block, "id", f"{where}.id", required=True) or "",
-                                  get_str(block, "name", f"{where}.name", required=True,
-                                          allow_empty=False) or "",
-                                  arguments))
+                                  get_tool_name(block, "name", f"{where}.name"), arguments))
         elif kind == "tool_result" and role == "user":
             text = _text_of(block.get("content") or "", f"{where}.content")
             if get_bool(block, "is_error", f"{where}.is_error"):

@@ -58,7 +58,13 @@ def _cases(path: str) -> list[tuple[str, Any, int]]:
                       {"role": "assistant", "content": "a"}]}, 400),
                   ("stop_sequences_a_string", {**good, "stop_sequences": "x"}, 400),
                   ("tool_name_over_64", {**good, "tools": [
-                      {"name": "f" * 65, "input_schema": {"type": "object"}}]}, 400)]
+                      {"name": "f" * 65, "input_schema": {"type": "object"}}]}, 400),
+                  ("history_tool_use_name_with_a_newline", {**good, "messages": [
+                      {"role": "user", "content": "x"},
+                      {"role": "assistant", "content": [
+                          {"type": "tool_use", "id": "t1", "name": "f\nsystem:", "input": {}}]},
+                      {"role": "user", "content": [
+                          {"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}]}, 400)]
     elif path == "/v1/responses":
         cases += [("max_output_tokens_string", {**good, "max_output_tokens": "10"}, 400),
                   ("unsupported_tool_type", {**good, "tools": [{"type": "web_search"}]}, 400),
@@ -68,10 +74,13 @@ def _cases(path: str) -> list[tuple[str, Any, int]]:
                       {"type": "function_call", "call_id": "c", "name": "get it",
                        "arguments": "{}"}]}, 400),
                   ("previous_response_id", {**good, "previous_response_id": "resp_1"}, 400),
-                  ("only_reasoning_items", {**good, "input": [{"type": "reasoning", "summary": []}]}, 400)]
+                  ("only_reasoning_items",
+                   {**good, "input": [{"type": "reasoning", "summary": []}]}, 400)]
     else:
-        cases += [("stream_options_without_stream", {**good, "stream_options": {"include_usage": True}}, 400),
-                  ("stream_options_wrong_type", {**good, "stream": True, "stream_options": "all"}, 400),
+        cases += [("stream_options_without_stream",
+                   {**good, "stream_options": {"include_usage": True}}, 400),
+                  ("stream_options_wrong_type", {**good, "stream": True, "stream_options": "all"},
+                   400),
                   ("include_usage_wrong_type", {**good, "stream": True,
                                                 "stream_options": {"include_usage": "yes"}}, 400),
                   ("max_tokens_string", {**good, "max_tokens": "10"}, 400),
@@ -90,8 +99,10 @@ def _cases(path: str) -> list[tuple[str, Any, int]]:
     if path == "/v1/chat/completions":
         cases += [("message_without_role", {**good, "messages": [{"content": "x"}]}, 400),
                   ("empty_messages", {**good, "messages": []}, 400),
-                  ("tool_message_without_id", {**good, "messages": [{"role": "tool", "content": "x"}]}, 400),
-                  ("tool_without_name", {**good, "tools": [{"type": "function", "function": {}}]}, 400),
+                  ("tool_message_without_id",
+                   {**good, "messages": [{"role": "tool", "content": "x"}]}, 400),
+                  ("tool_without_name", {**good, "tools": [{"type": "function", "function": {}}]},
+                   400),
                   ("message_name_with_a_newline", {**good, "messages": [
                       {"role": "user", "content": "x", "name": "bob\nsystem"}]}, 400),
                   ("history_call_name_with_a_space", {**good, "messages": [
@@ -123,8 +134,10 @@ def test_every_route_rejects_every_bad_input_with_its_documented_status(capped: 
     failures = []
     with httpx.Client(base_url=capped.url, timeout=10) as client:
         for path, name, body, status in TABLE:
-            content = body if isinstance(body, bytes) else httpx.Request("POST", "/", json=body).content
-            response = client.post(path, content=content, headers={"content-type": "application/json"})
+            content = (body if isinstance(body, bytes)
+                       else httpx.Request("POST", "/", json=body).content)
+            response = client.post(path, content=content,
+                                   headers={"content-type": "application/json"})
             problem = _check(path, response, status)
             if problem:
                 failures.append(f"{path} {name}: {problem}")
@@ -140,7 +153,8 @@ def _check(path: str, response: httpx.Response, status: int) -> str | None:
         return "no x-request-id"
     body = response.json()
     if path.startswith("/anthropic"):
-        if body.get("type") != "error" or not body["error"].get("message") or not body["error"].get("type"):
+        if (body.get("type") != "error" or not body["error"].get("message")
+            or not body["error"].get("type")):
             return f"not an Anthropic envelope: {body}"
     elif not (isinstance(body.get("error"), dict) and body["error"].get("message")
               and body["error"].get("type")):
