@@ -16,6 +16,7 @@ from auth.keys import (
     format_key,
     hash_secret,
     is_key_id,
+    key_id_of,
     new_key_id,
     new_secret,
 )
@@ -89,9 +90,12 @@ class KeyAdmin:
         return record, format_key(key_id, secret)
 
     async def get_key(self, key_id: str) -> KeyRecord:
+        """The key of this id; a whole key given instead stands for its id (key_id_of), and
+        UnknownKey names only the id (at most 64 characters of what was given)."""
+        key_id = key_id_of(key_id)
         record = await self.store.get_key(key_id) if is_key_id(key_id) else None
         if record is None:
-            raise UnknownKey(key_id)
+            raise UnknownKey(key_id[:64])
         return record
 
     async def revoke_key(self, key_id: str) -> KeyRecord:
@@ -106,6 +110,7 @@ class KeyAdmin:
         """A new secret for the same key id; the old one keeps working for grace_s seconds."""
         grace_s = checked_seconds(grace_s, "grace_seconds", positive=False)
         record = await self.get_key(key_id)
+        key_id = record.key_id
         if record.revoked_at is not None:
             raise InvalidRequest(f"key {key_id} is revoked")
         secret = new_secret()

@@ -57,6 +57,12 @@ def parse_key(credential: str) -> ParsedKey | None:
     return ParsedKey(key_id, secret)
 
 
+def key_id_of(text: str) -> str:
+    """The key id `text` names: itself, or for a whole key `sk-aigw-<key_id>-<secret>` pasted
+    where its id belongs, that id (so an answer naming it never echoes the secret)."""
+    return text[len(KEY_PREFIX):].partition("-")[0] if text.startswith(KEY_PREFIX) else text
+
+
 def is_key_id(text: str) -> bool:
     """Shaped like a key id (what `new_key_id` makes): stores are only ever asked for these."""
     return len(text) == _KEY_ID_HEX_CHARS and _KEY_ID.fullmatch(text) is not None

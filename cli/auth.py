@@ -27,9 +27,9 @@ Action = Callable[[Any, argparse.Namespace], Awaitable[int]]
 def key_id_arg(text: str) -> str:
     """A KEY_ID argument: the key id, or the whole key `sk-aigw-<key_id>-<secret>` pasted as it
     was handed out, which stands for its id (so an error never echoes the secret)."""
-    from auth.keys import KEY_PREFIX
+    from auth.keys import key_id_of
 
-    return text[len(KEY_PREFIX):].partition("-")[0] if text.startswith(KEY_PREFIX) else text
+    return key_id_of(text)
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

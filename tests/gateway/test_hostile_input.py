@@ -144,6 +144,26 @@ def test_admin_durations_beyond_any_clock_and_deep_nesting_are_400s(served: Serv
         assert status == 404, (path, answer)
 
 
+def test_a_whole_key_where_its_id_belongs_stands_for_its_id_and_no_answer_echoes_it(
+        served: Served) -> None:
+    """`GET /admin/v1/keys/<the whole key>` was a 404 whose message held the key, secret and
+    all; it stands for its id now, as in `aigw keys revoke`, and an unknown one names its id."""
+    admin = {"authorization": f"Bearer {served.admin_key}"}
+    unknown = "sk-aigw-0123456789ab-" + "s3cr3t" * 6
+    for method, path in (("GET", ""), ("DELETE", ""), ("POST", "/rotate"), ("GET", "/limits"),
+                         ("PUT", "/limits")):
+        answer = httpx.request(method, f"{served.url}/admin/v1/keys/{unknown}{path}",
+                               headers=admin, json={} if method != "GET" else None)
+        assert answer.status_code == 404, (method, path, answer.text)
+        assert "s3cr3t" not in answer.text and "0123456789ab" in answer.text
+    key_id, _, secret = served.key.removeprefix("sk-aigw-").partition("-")
+    got = httpx.get(f"{served.url}/admin/v1/keys/{served.key}", headers=admin)
+    assert got.status_code == 200 and got.json()["key_id"] == key_id
+    limits = httpx.get(f"{served.url}/admin/v1/keys/{served.key}/limits", headers=admin)
+    assert limits.status_code == 200, limits.text
+    assert secret not in got.text + limits.text
+
+
 @pytest.mark.parametrize("served", ["sqlite", "redis"], indirect=True)
 def test_a_max_tokens_no_counter_can_hold_is_a_400_and_counts_nothing(served: Served) -> None:
     headers = {"authorization": f"Bearer {served.key}"}
@@ -310,7 +330,9 @@ def test_the_memo_of_checked_sampling_values_holds_no_callers_stop_strings_in_bu
         gateway: Gateway) -> None:
     """The dialects remember sampling combinations already checked; a key holds the request's
     stop strings, and a count bound alone (4,096 keys) let a caller park 4 x 8 MiB of stop
-    strings in each: gigabytes. Now bounded in bytes, and an entry over 4 KiB is not kept."""
+    strings in each: gigabytes. Now bounded in bytes, and an entry over 4 KiB is not kept; and a
+    stop string over MAX_STOP_BYTES is refused before it is remembered."""
+    from contracts.sampling_params import MAX_STOP_BYTES
     from gateway.dialects import validate
 
     def held_bytes() -> int:
@@ -321,6 +343,9 @@ def test_the_memo_of_checked_sampling_values_holds_no_callers_stop_strings_in_bu
     with httpx.Client(base_url=gateway.url, timeout=30) as client:
         for i in range(8):
             stop = [f"{i}-{j}-" + "s" * (200 << 10) for j in range(4)]  # (under 1 MiB)
+            answer = client.post("/v1/chat/completions", json={**CHAT, "stop": stop})
+            assert answer.status_code == 400, answer.text
+            stop = [f"{i}-{j}-".ljust(MAX_STOP_BYTES, "s") for j in range(4)]
             answer = client.post("/v1/chat/completions", json={**CHAT, "stop": stop})
             assert answer.status_code == 200, answer.text
     assert held_bytes() < 1 << 20
