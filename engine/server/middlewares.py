@@ -8,7 +8,8 @@
   `Authorization: Bearer <secret>`, compared in constant time; else 401 in the envelope.
 - `body_timeout_middleware(timeout_s)`: a request's body is read whole within `timeout_s` before
   its handler runs (aiohttp keeps it for the handler's own read); else 408 in the envelope and
-  the connection closes. Request headers are bounded by the runner (infra/http_server.py).
+  the connection closes. A Content-Encoding it does not decode is a 415 naming those it does.
+  Request headers are bounded by the runner (infra/http_server.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from aiohttp.typedefs import Handler
 
 from contracts.replica_errors import APIError, AuthenticationError, json_error
 from engine.server.keys import REQUEST_ID_KEY
+from infra.json_body import undecodable_encoding
 
 log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "x-request-id"
@@ -111,6 +113,10 @@ def body_timeout_middleware(timeout_s: float) -> Callable[..., Awaitable[web.Str
     @web.middleware
     async def read_body_in_time(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.body_exists:
+            refusal = undecodable_encoding(request.headers.get("Content-Encoding"))
+            if refusal is not None:  # (aiohttp passes an encoding it does not know as identity)
+                return json_error(415, refusal, "invalid_request_error",
+                                  code="unsupported_media_type")
             try:
                 async with asyncio.timeout(timeout_s):
                     await request.read()  # HTTPRequestEntityTooLarge -> 413 (error_middleware)

@@ -77,6 +77,17 @@ def test_completion_logprobs_above_5_are_400(http: httpx.Client) -> None:
     assert assert_envelope(response, 400)["param"] == "logprobs"
 
 
+@pytest.mark.parametrize("encoding", ["foo", "gzip, deflate"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_content_encoding_the_replica_cannot_decode_is_a_415(http: httpx.Client, path: str,
+                                                               encoding: str) -> None:
+    """Read as identity before: the JSON under an encoding nobody decoded was answered."""
+    body = chat() if path.endswith("chat/completions") else {"model": MODEL, "prompt": "x"}
+    response = http.post(path, json=body, headers={"content-encoding": encoding})
+    error = assert_envelope(response, 415, code="unsupported_media_type")
+    assert repr(encoding) in error["message"] and "gzip, deflate" in error["message"]
+
+
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b""])
 def test_non_object_json_is_400(http: httpx.Client, raw: bytes) -> None:
     response = http.post("/v1/chat/completions", content=raw,
