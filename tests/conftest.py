@@ -15,7 +15,8 @@ from tests.redis_cluster import (
 )
 from tests.redis_server import flush_all, running_redis_server
 
-# Triton kernels run in the interpreter on machines without a GPU (set before anything imports triton).
+# Triton kernels run in the interpreter on machines without a GPU (set before anything imports
+# triton).
 if "CUDA_VISIBLE_DEVICES" not in os.environ and not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -37,7 +38,8 @@ def clean_redis_url(redis_url: str) -> str:
 @pytest.fixture(scope="session")
 def redis_cluster_url() -> Iterator[str]:
     """`redis+cluster://127.0.0.1:<port>` of a real three-node Redis Cluster, started once (a
-    missing redis-server or redis-cli is an error naming scripts/ensure-redis.sh, as for the server)."""
+    missing redis-server or redis-cli is an error naming scripts/ensure-redis.sh, as for the
+    server)."""
     with running_redis_cluster() as url:
         yield url
 

@@ -32,7 +32,8 @@ def write_tiny_bert(directory: Path, pooling: str = "mean", normalize: bool = Tr
 
     directory.mkdir(parents=True, exist_ok=True)
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    vocab = {token: i for i, token in enumerate(specials + TINY_WORDS + list("abcdefghijklmnopqrstuvwxyz"))}
+    vocab = {token: i
+             for i, token in enumerate(specials + TINY_WORDS + list("abcdefghijklmnopqrstuvwxyz"))}
     tokenizer = Tokenizer(WordPiece(vocab, unk_token="[UNK]"))
     tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -44,7 +45,8 @@ def write_tiny_bert(directory: Path, pooling: str = "mean", normalize: bool = Tr
     config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2,
                         num_attention_heads=4, intermediate_size=64, max_position_embeddings=64)
     BertModel(config).eval().save_pretrained(directory, safe_serialization=True)
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling",
                 "type": "sentence_transformers.models.Pooling"}]
     if normalize:

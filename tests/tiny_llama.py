@@ -26,8 +26,8 @@ def write_tiny_llama(directory: Path) -> Path:
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator) * 0.2
 
-    weights = {"model.embed_tokens.weight": rand(vocab, hidden), "lm_head.weight": rand(vocab, hidden),
-               "model.norm.weight": torch.ones(hidden)}
+    weights = {"model.embed_tokens.weight": rand(vocab, hidden),
+               "lm_head.weight": rand(vocab, hidden), "model.norm.weight": torch.ones(hidden)}
     for i in range(layers):
         prefix = f"model.layers.{i}."
         weights.update({

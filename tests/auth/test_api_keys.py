@@ -48,7 +48,8 @@ def _all_stored_bytes(settings: AuthSettings) -> bytes:
         conn.close()
 
 
-def test_created_key_authenticates_and_is_stored_only_as_a_hash(auth_settings: AuthSettings) -> None:
+def test_created_key_authenticates_and_is_stored_only_as_a_hash(
+        auth_settings: AuthSettings) -> None:
     async def scenario() -> None:
         services = await _with_project(auth_settings)
         try:
@@ -75,7 +76,8 @@ def test_created_key_authenticates_and_is_stored_only_as_a_hash(auth_settings: A
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("credential", [None, "", "sk-aigw-nope", "Bearer x", "sk-aigw-0123456789ab-x"])
+@pytest.mark.parametrize("credential",
+                         [None, "", "sk-aigw-nope", "Bearer x", "sk-aigw-0123456789ab-x"])
 def test_missing_or_malformed_credentials_are_refused_with_401(
         auth_settings: AuthSettings, credential: str | None) -> None:
     async def scenario() -> None:
@@ -133,7 +135,8 @@ def test_a_revoked_key_is_refused_on_the_same_instance(auth_settings: AuthSettin
     asyncio.run(scenario())
 
 
-def test_rotation_keeps_the_old_secret_only_for_its_grace_period(auth_settings: AuthSettings) -> None:
+def test_rotation_keeps_the_old_secret_only_for_its_grace_period(
+        auth_settings: AuthSettings) -> None:
     async def scenario() -> None:
         services = await _with_project(auth_settings)
         try:
@@ -239,7 +242,8 @@ def test_garbage_credentials_do_not_reach_the_store_on_every_request(
 
 @pytest.mark.parametrize("name", ["acme\n", ".hidden", "-x", "a" * 65, "été", ""])
 def test_a_project_name_outside_the_documented_alphabet_is_refused(name: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """"acme\\n" once passed: the pattern ended in `$`, which also matches before a final newline."""
+    """"acme\\n" once passed: the pattern ended in `$`, which also matches before a final
+    newline."""
     from auth.key_admin import InvalidRequest
 
     async def scenario() -> None:

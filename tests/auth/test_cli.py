@@ -99,7 +99,8 @@ def test_usage_prints_json_and_csv(cli_env: AuthSettings,
     assert json.loads(capsys.readouterr().out) == {"project": "acme", "data": []}
     assert main(["usage", "--project", "acme", "--format", "csv"]) == 0
     assert capsys.readouterr().out.startswith("day,model,requests,")
-    assert main(["usage", "--project", "acme", "--group-by", "model, day"]) == 0  # spaces, as in --help
+    # spaces, as in --help
+    assert main(["usage", "--project", "acme", "--group-by", "model, day"]) == 0
     assert json.loads(capsys.readouterr().out) == {"project": "acme", "data": []}
 
 
@@ -120,7 +121,8 @@ def test_usage_refuses_what_the_usage_api_refuses(
 
 def test_usage_of_a_project_known_only_from_jwts_is_printed(
         cli_env: AuthSettings, capsys: pytest.CaptureFixture[str]) -> None:
-    """Not in the project store (JWT callers name their own), but metered: not an unknown project."""
+    """Not in the project store (JWT callers name their own), but metered: not an unknown
+    project."""
     import time
 
     from auth import Principal
@@ -148,7 +150,8 @@ def test_usage_of_a_project_known_only_from_jwts_is_printed(
 
 @pytest.mark.parametrize(("redis_url", "expected"), [
     ("redis://127.0.0.1:{port}/0", "aigw: ConnectionError: "),  # nothing listens there
-    ("http://user:hunter2@127.0.0.1:{port}", "aigw: ValidationError: redis_url: a Redis URL starts with"),
+    ("http://user:hunter2@127.0.0.1:{port}",
+     "aigw: ValidationError: redis_url: a Redis URL starts with"),
 ], ids=["unreachable", "wrong_scheme"])
 def test_a_bad_or_unreachable_redis_url_is_one_error_line_not_a_traceback(
         redis_url: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -164,7 +167,8 @@ def test_a_bad_or_unreachable_redis_url_is_one_error_line_not_a_traceback(
 
 
 def test_the_cli_uses_the_store_named_in_the_aigw_config_file_as_the_gateway_does(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
     """A data_dir set only in the config file once sent `aigw keys create` to ./.aigw: a key the
     gateway had never heard of."""
     from gateway.settings import load_settings
@@ -180,7 +184,8 @@ def test_the_cli_uses_the_store_named_in_the_aigw_config_file_as_the_gateway_doe
     assert (tmp_path / "from-file" / "aigw.sqlite3").exists() and not (tmp_path / ".aigw").exists()
     monkeypatch.setenv("AIGW_DATA_DIR", str(tmp_path / "from-env"))  # the environment wins
     assert main(["projects", "list"]) == 0
-    assert capsys.readouterr().out == "acme\n"  # printed by `create`; `list` on an empty store adds nothing
+    # printed by `create`; `list` on an empty store adds nothing
+    assert capsys.readouterr().out == "acme\n"
 
 
 @pytest.mark.parametrize("config_text", ["port = \n", None], ids=["not_toml", "missing"])

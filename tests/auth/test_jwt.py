@@ -44,7 +44,8 @@ def _jwks_file(tmp_path: Path) -> Path:
     return path
 
 
-def _verifier(tmp_path: Path, algorithms: tuple[str, ...] = ("HS256", "RS256", "ES256")) -> JwtVerifier:
+def _verifier(tmp_path: Path,
+              algorithms: tuple[str, ...] = ("HS256", "RS256", "ES256")) -> JwtVerifier:
     return JwtVerifier(AuthSettings(
         data_dir=tmp_path, jwt_hs256_secret=HS_SECRET, jwt_jwks_file=_jwks_file(tmp_path),
         jwt_issuer=ISSUER, jwt_audience=AUDIENCE, jwt_algorithms=algorithms))

@@ -1,6 +1,6 @@
-"""`aigw bench engine --tiny` and `aigw bench agent --tiny` run end to end, print their tables and write
-their PNG and JSON. Sizes are tiny and no figure is compared with a time: only what must hold at any speed
-(cache hits only with the cache on, every request counted)."""
+"""`aigw bench engine --tiny` and `aigw bench agent --tiny` run end to end, print their tables and
+write their PNG and JSON. Sizes are tiny and no figure is compared with a time: only what must hold
+at any speed (cache hits only with the cache on, every request counted)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def run_bench(argv: list[str]) -> int:
     return int(args.func(args))
 
 
-def test_engine_bench_tiny_prints_table_and_writes_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_engine_bench_tiny_prints_table_and_writes_png(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
     png, out = tmp_path / "engine.png", tmp_path / "engine.json"
     assert run_bench(["engine", "--tiny", "--plot", str(png), "--json", str(out)]) == 0
 
@@ -38,8 +39,8 @@ def test_engine_bench_tiny_prints_table_and_writes_png(tmp_path: Path, capsys: p
     assert all(row["output_tok_s"] > 0 for row in ours["concurrency"].values())
 
 
-def test_agent_bench_tiny_reports_hits_only_with_cache_on(tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_agent_bench_tiny_reports_hits_only_with_cache_on(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png, out = tmp_path / "agent.png", tmp_path / "agent.json"
     assert run_bench(["agent", "--tiny", "--plot", str(png), "--json", str(out)]) == 0
 
@@ -51,7 +52,8 @@ def test_agent_bench_tiny_reports_hits_only_with_cache_on(tmp_path: Path,
     for name, modes in results.items():
         assert modes["off"]["hit_ratio"] == 0.0, name
         assert modes["on"]["num_requests"] == modes["off"]["num_requests"], name
-    assert results["agent"]["on"]["hit_ratio"] > 0.3  # later turns re-use the system prompt and history
+    # later turns re-use the system prompt and history
+    assert results["agent"]["on"]["hit_ratio"] > 0.3
     assert results["hit30"]["on"]["hit_ratio"] == pytest.approx(0.25)  # 16 of 64 tokens primed
     assert results["zero-reuse"]["on"]["hit_ratio"] == 0.0
 
@@ -60,8 +62,8 @@ def test_agent_bench_tiny_reports_hits_only_with_cache_on(tmp_path: Path,
 def test_agent_pauses_tiny_runs_two_modes_on_virtual_clocks_and_the_fanout_computes_once(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png, out, turns = tmp_path / "pauses.png", tmp_path / "pauses.json", tmp_path / "turns.json"
-    assert run_bench(["agent", "--pauses", "--tiny", "--modes", "retention+tier,oracle", "--plot", str(png),
-                      "--json", str(out), "--turns-json", str(turns)]) == 0
+    assert run_bench(["agent", "--pauses", "--tiny", "--modes", "retention+tier,oracle", "--plot",
+                      str(png), "--json", str(out), "--turns-json", str(turns)]) == 0
 
     printed = capsys.readouterr().out
     assert "tail turns" in printed and "fan-out:" in printed and "virtual clock" in printed
@@ -70,11 +72,14 @@ def test_agent_pauses_tiny_runs_two_modes_on_virtual_clocks_and_the_fanout_compu
     assert list(document["results"]) == ["retention+tier", "oracle"]
     records = json.loads(turns.read_text())
     for mode, rows in records.items():
-        assert len(rows) == document["results"][mode]["num_turns"] == 6, mode  # 3 sessions x 2 turns
+        # 3 sessions x 2 turns
+        assert len(rows) == document["results"][mode]["num_turns"] == 6, mode
         for row in rows:
-            assert 0 <= row["num_host_tokens"] <= row["num_cached_tokens"] < row["num_prompt_tokens"]
+            assert (0 <= row["num_host_tokens"] <= row["num_cached_tokens"]
+                    < row["num_prompt_tokens"])
             assert row["ttft_s"] > 0 and row["queue_s"] >= 0
-        assert sorted((r["session"], r["turn"]) for r in rows) == [(s, t) for s in range(3) for t in range(2)]
+        assert (sorted((r["session"], r["turn"]) for r in rows)
+                == [(s, t) for s in range(3) for t in range(2)])
     fanout = document["fanout"]  # 3 requests, a new 96-token prefix (6 blocks) + 8 tokens each
     assert fanout["num_computed_tokens"] == 96 + 3 * 8  # the prefix once, not three times
 
@@ -90,6 +95,7 @@ def test_gateway_bench_pairs_tracing_with_off_and_a_twin_on_fresh_gateways(
     rows = json.loads((tmp_path / "gateway_bench.json").read_text())
     assert sorted(r["target"] for r in rows) == ["aigw", "aigw_trace_all", "aigw_trace_off",
                                                  "aigw_twin", "direct"]
-    assert all(r["num_rounds"] == 2 and r["num_requests"] > 0 and r["num_errors"] == 0 for r in rows)
+    assert all(r["num_rounds"] == 2 and r["num_requests"] > 0 and r["num_errors"] == 0
+               for r in rows)
     for label in ("on/off", "all/off", "on/twin"):
         assert f"req/s {label}" in printed, printed

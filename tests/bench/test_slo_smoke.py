@@ -17,8 +17,8 @@ from tests.bench.test_bench_smoke import PNG_MAGIC, run_bench
 def test_slo_bench_tiny_runs_both_policies_and_writes_plot_and_results(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png, md, out = tmp_path / "slo.png", tmp_path / "slo.md", tmp_path / "slo.json"
-    assert run_bench(["slo", "--tiny", "--clock", "wall", "--workloads", "mixed", "--plot", str(png),
-                      "--results", str(md), "--json", str(out)]) == 0
+    assert run_bench(["slo", "--tiny", "--clock", "wall", "--workloads", "mixed", "--plot",
+                      str(png), "--results", str(md), "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "goodput/s" in printed and "slo/fixed" in printed and "priority" in printed
     assert png.read_bytes().startswith(PNG_MAGIC)

@@ -44,7 +44,8 @@ def slo_engine(tokenizer: Any) -> tuple[Any, VirtualClock]:
 
 def _lane(engine: Any, clock: VirtualClock, plan: list[Arrival], tokenizer: Any, *,
           drain_timeout_s: float = 60.0, ttft_s: float = 60.0, tpot_s: float = 60.0) -> Lane:
-    return Lane("p", engine, clock, plan, TokenSource(tokenizer, seed=1), drain_timeout_s, ttft_s, tpot_s)
+    return Lane("p", engine, clock, plan, TokenSource(tokenizer, seed=1), drain_timeout_s, ttft_s,
+                tpot_s)
 
 
 def test_idle_time_is_skipped_and_a_request_takes_its_steps_cpu_time(
@@ -104,7 +105,8 @@ def test_admission_refuses_at_arrival_and_a_cut_cell_leaves_nothing_behind(
     assert all(r.finish_s is None for r in admitted)
     assert not engine.has_unfinished_requests and engine.kv_cache.num_requests == 0
     cell = summarize(lane.records, 1.0, 1.0, 0.001, 100.0)
-    assert (cell.num_refused, cell.num_unfinished, cell.num_good) == (len(refused), len(admitted), 0)
+    assert ((cell.num_refused, cell.num_unfinished, cell.num_good)
+            == (len(refused), len(admitted), 0))
 
 
 def test_the_step_log_writes_every_step_with_its_plan_and_costs(

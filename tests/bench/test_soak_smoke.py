@@ -1,7 +1,8 @@
 """`aigw bench soak` end to end with a tiny N (every kind of the mix once) on a tiny random
 Llama with the default model's tokenizer (tests/tiny_llama.py: what the soak checks, the ledger,
-KV blocks and RSS, does not depend on what the model says; the default model made this ~2.5 min): it passes its own checks and reports what it measured; and its ledger check
-catches a record that differs from the client's usage (so a PASS means something)."""
+KV blocks and RSS, does not depend on what the model says; the default model made this ~2.5 min): it
+passes its own checks and reports what it measured; and its ledger check catches a record that
+differs from the client's usage (so a PASS means something)."""
 
 from __future__ import annotations
 

@@ -39,8 +39,8 @@ def test_shared_prefix_groups_share_exactly_the_system_prompt(tokenizer: Any) ->
 
 
 def test_hit_ratio_prefix_is_whole_blocks_and_shared_by_every_prompt(tokenizer: Any) -> None:
-    primers, prompts = hit_ratio_prompts(TokenSource(tokenizer, 0), num_prompts=4, prompt_tokens=640,
-                                         hit_ratio=0.3, block_size=16)
+    primers, prompts = hit_ratio_prompts(TokenSource(tokenizer, 0), num_prompts=4,
+                                         prompt_tokens=640, hit_ratio=0.3, block_size=16)
     assert len(primers) == 1 and len(primers[0]) == 192
     assert all(len(p) == 640 and p[:192] == primers[0] for p in prompts)
 

@@ -33,7 +33,8 @@ V3_ANSWER = ("Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin�
              "{\"location\": \"Shanghai\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
 # DeepSeek-V3.1's model card: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS...`
 V31_ANSWER = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
-              "{\"city\": \"Paris\"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+              "{\"city\": \"Paris\"}<｜tool▁call▁end｜>"
+              "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
               "{\"city\": \"Rome\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
 
 
@@ -69,7 +70,8 @@ def _history(calls: list[dict[str, object]]) -> list[dict[str, object]]:
     return [{"role": "user", "content": "Weather?"},
             {"role": "assistant", "content": None, "tool_calls": [
                 {"id": f"c{i}", "type": "function",
-                 "function": {"name": c["name"], "arguments": orjson.dumps(c["arguments"]).decode()}}
+                 "function": {"name": c["name"],
+                              "arguments": orjson.dumps(c["arguments"]).decode()}}
                 for i, c in enumerate(calls)]},
             {"role": "tool", "tool_call_id": "c0", "content": "sunny"}]
 
@@ -81,7 +83,8 @@ def test_the_parser_reads_back_the_calls_the_template_writes(
     text = template.render(_history(CALLS), TOOLS, special_tokens=SPECIALS)
     turn = text.split("<｜User｜>Weather?<｜Assistant｜>", 1)[1].split(EOS, 1)[0]
     turn = turn.removeprefix("</think>")  # V3.1 closes the (empty) think block first
-    parsed = get_tool_parser(chat_format_for("deepseek_v3", template.source).tool_parser).extract(turn)
+    parsed = get_tool_parser(chat_format_for("deepseek_v3",
+                                             template.source).tool_parser).extract(turn)
     assert parsed.content is None
     assert [(c.name, orjson.loads(c.arguments)) for c in parsed.tool_calls] == [
         (c["name"], c["arguments"]) for c in CALLS]
@@ -149,7 +152,8 @@ def test_v31_thinking_reasons_then_calls_and_without_thinking_answers(v31: ChatT
     prompt = v31.render(ask, TOOLS, special_tokens=SPECIALS, thinking=True)
     assert prompt.endswith("<｜Assistant｜><think>") and DEEPSEEK_V3_1.starts_in_reasoning(prompt)
     answer = "The user wants Paris.</think>" + V31_ANSWER.split("<｜tool▁call▁begin｜>get_weather"
-                                                               "<｜tool▁sep｜>{\"city\": \"Rome\"}")[0]
+                                                               "<｜tool▁sep｜>{\"city\": "
+                                                               "\"Rome\"}")[0]
     parser = DEEPSEEK_V3_1.output_parser(prompt_text=prompt, uses_tools=True)
     pieces = [([i], answer[i:i + 5]) for i in range(0, len(answer), 5)]
     out = parse_output(parser, pieces)
@@ -157,7 +161,8 @@ def test_v31_thinking_reasons_then_calls_and_without_thinking_answers(v31: ChatT
     assert [orjson.loads(c.arguments) for c in out.tool_calls] == [{"city": "Paris"}]
     assert 0 < out.num_reasoning_tokens < len(pieces)
     plain = v31.render(ask, TOOLS, special_tokens=SPECIALS)  # thinking is off by default
-    assert plain.endswith("<｜Assistant｜></think>") and not DEEPSEEK_V3_1.starts_in_reasoning(plain)
+    assert (plain.endswith("<｜Assistant｜></think>")
+            and not DEEPSEEK_V3_1.starts_in_reasoning(plain))
     out = parse_output(DEEPSEEK_V3_1.output_parser(prompt_text=plain, uses_tools=True),
                        [([1], "It is sunny.")])
     assert out.content == "It is sunny." and out.reasoning is None

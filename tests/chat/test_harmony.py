@@ -67,7 +67,8 @@ def test_without_any_local_vocabulary_the_error_says_where_to_get_one(tmp_path: 
 
 @pytest.mark.parametrize("messages, tools", [
     ([{"role": "user", "content": "What is 2 + 2?"}], None),
-    ([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Weather?"}], [WEATHER]),
+    ([{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Weather?"}],
+     [WEATHER]),
 ])
 def test_prompts_match_the_checkpoints_own_template(encoding, messages, tools) -> None:  # type: ignore[no-untyped-def]
     template = ChatTemplate((DATA / "gpt_oss.jinja").read_text())
@@ -84,7 +85,8 @@ def test_reasoning_effort_reaches_the_system_message(encoding) -> None:  # type:
                               reasoning_effort="extreme")
 
 
-def test_a_tool_round_trip_renders_the_call_and_its_result_on_the_commentary_channel(encoding) -> None:  # type: ignore[no-untyped-def]
+def test_a_tool_round_trip_renders_the_call_and_its_result_on_the_commentary_channel(  # type: ignore[no-untyped-def]
+        encoding) -> None:
     messages = [{"role": "user", "content": "Weather in Paris?"},
                 {"role": "assistant", "content": "", "tool_calls": [{
                     "id": "call_1", "type": "function",
@@ -120,11 +122,13 @@ def test_a_commentary_message_to_a_function_is_a_tool_call(encoding) -> None:  #
     parsed = parse_output(HARMONY.output_parser(uses_tools=True, harmony=lambda: encoding),
                           [(ids[i:i + 3], "") for i in range(0, len(ids), 3)])
     assert parsed.reasoning == "Need to use function get_weather."
-    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("get_weather", '{"city":"Tokyo"}')]
+    assert ([(c.name, c.arguments) for c in parsed.tool_calls]
+            == [("get_weather", '{"city":"Tokyo"}')])
     assert parsed.content is None
 
 
-def test_a_call_cut_by_max_tokens_is_dropped_and_an_unfinished_answer_keeps_its_text(encoding) -> None:  # type: ignore[no-untyped-def]
+def test_a_call_cut_by_max_tokens_is_dropped_and_an_unfinished_answer_keeps_its_text(  # type: ignore[no-untyped-def]
+        encoding) -> None:
     cut = _ids(encoding, CALL)[:-4]
     parsed = parse_output(HARMONY.output_parser(uses_tools=True, harmony=lambda: encoding),
                           [(cut, "")])

@@ -16,18 +16,20 @@ from engine.structured_output import GrammarCompiler, OutputGrammar
 
 NESTED = ('[search(q="a, b] (c)", filters={"tags": ["x", "y\'s"], "range": [-1, 2.5e3]}, '
           "exact=True, limit=None, note='say \"hi\"'), get_time()]")
-NESTED_CALLS = [("search", {"q": "a, b] (c)", "filters": {"tags": ["x", "y's"], "range": [-1, 2500.0]},
+NESTED_CALLS = [("search", {"q": "a, b] (c)",
+                            "filters": {"tags": ["x", "y's"], "range": [-1, 2500.0]},
                             "exact": True, "limit": None, "note": 'say "hi"'}),
                 ("get_time", {})]
 ANSWERS = [  # (answer, its content, its calls) as Llama 4 may write them
     (NESTED, None, NESTED_CALLS),
     ('<|python_start|>[get_weather(city="Paris")]<|python_end|>', None,
      [("get_weather", {"city": "Paris"})]),
-    ('Let me look.<|python_start|>[a(x=1)]<|python_end|> Done.', "Let me look. Done.", [("a", {"x": 1})]),
+    ('Let me look.<|python_start|>[a(x=1)]<|python_end|> Done.', "Let me look. Done.",
+     [("a", {"x": 1})]),
     ("\n  [f(s='''multi\nline)''', u='caf\\u00e9', n=-3, b=false)]\n", None,
      [("f", {"s": "multi\nline)", "u": "café", "n": -3, "b": False})]),
-    ('{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "t", "parameters": {}}', None,
-     [("get_weather", {"city": "Rome"}), ("t", {})]),
+    ('{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "t", "parameters": {}}',
+     None, [("get_weather", {"city": "Rome"}), ("t", {})]),
     ("[f(x=1), g(y=2),]", None, [("f", {"x": 1}), ("g", {"y": 2})]),  # a trailing comma
     ('[brave-search(q="x"), mcp.fetch(url="u")]', None,  # names Python would not take
      [("brave-search", {"q": "x"}), ("mcp.fetch", {"url": "u"})]),
@@ -144,7 +146,8 @@ def test_llama4_checkpoints_speak_the_pythonic_format() -> None:
 @pytest.fixture(scope="module")
 def compiler_and_tokenizer():  # type: ignore[no-untyped-def]
     tokenizer = load_tokenizer(default_model_path())
-    return GrammarCompiler(tokenizer.backend, tokenizer.vocab_size, tokenizer.eos_token_ids), tokenizer
+    return (GrammarCompiler(tokenizer.backend, tokenizer.vocab_size, tokenizer.eos_token_ids),
+            tokenizer)
 
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
@@ -187,7 +190,8 @@ def test_a_forced_call_whose_parameters_python_cannot_name_is_decoded_as_llama4_
     """`user-id=` is no Python keyword argument: the grammar writes Meta's JSON calls instead,
     which the llama4 parser reads."""
     compiler, tokenizer = compiler_and_tokenizer
-    schema = {"type": "object", "properties": {"from": {"type": "string"}, "user-id": {"type": "integer"}},
+    schema = {"type": "object",
+              "properties": {"from": {"type": "string"}, "user-id": {"type": "integer"}},
               "required": ["from"]}
     grammar = LLAMA4.calls_grammar([("trips", schema)])
     text = ('{"name": "trips", "parameters": {"from": "Oslo", "user-id": 7}}; '
@@ -195,7 +199,8 @@ def test_a_forced_call_whose_parameters_python_cannot_name_is_decoded_as_llama4_
     matcher = compiler.matcher(OutputGrammar.lark(grammar, "tools"))
     assert all(matcher.accept(t) for t in tokenizer.encode(text))
     parsed = Llama4PythonicToolParser().extract(text, is_calls_only=True)
-    assert _calls(parsed) == [("trips", {"from": "Oslo", "user-id": 7}), ("trips", {"from": "Rome"})]
+    assert (_calls(parsed)
+            == [("trips", {"from": "Oslo", "user-id": 7}), ("trips", {"from": "Rome"})])
     for pythonic in ({"properties": {"to": {}}}, {"properties": {"from": {}}}):
         assert LLAMA4.calls_grammar([("trips", pythonic)]).startswith('start: "["')
 
@@ -207,7 +212,8 @@ def test_python_keywords_as_parameter_names_are_read() -> None:
     assert PythonicToolParser().extract("[f(x=from)]").tool_calls == ()  # a keyword as a value
 
 
-@pytest.mark.parametrize("text", ["[Don't worry, it is fine.", "[Note to self] buy milk", '["a", "b"]'])
+@pytest.mark.parametrize("text",
+                         ["[Don't worry, it is fine.", "[Note to self] buy milk", '["a", "b"]'])
 def test_text_that_opens_with_a_bracket_streams_as_soon_as_it_cannot_be_a_call(text: str) -> None:
     """A string or a second word where a call's name belongs: the answer is prose, shown at once
     (not held to the end of the answer)."""

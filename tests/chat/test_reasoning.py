@@ -100,6 +100,7 @@ def test_reasoning_then_tool_call_parses_both_and_counts_reasoning_tokens(
     parser = TextOutputParser(ThinkStream(), HermesToolParser().stream())
     parsed = parse_output(parser, pieces)
     assert parsed.reasoning == "I should look the weather up." and parsed.content is None
-    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("get_weather", '{"city":"Paris"}')]
+    assert ([(c.name, c.arguments) for c in parsed.tool_calls]
+            == [("get_weather", '{"city":"Paris"}')])
     # "<think>\n...</think>" and its newlines are reasoning; the call is not
     assert parsed.num_reasoning_tokens == len("<think>\nI should look the weather up.\n</think>")

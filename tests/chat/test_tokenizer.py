@@ -55,7 +55,8 @@ def tokenizer(gguf_path) -> Tokenizer:
 @pytest.fixture(scope="module")
 def reference(gguf_path):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent),
+                                                      gguf_file=gguf_path.name)
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -198,8 +199,9 @@ def test_continue_final_message_matches_transformers(tokenizer, reference):
 
 
 def test_continue_final_message_edge_cases():
-    trimming = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>"
-                            "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    trimming = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ "
+                            "m.role }}>{% endfor %}{% if add_generation_prompt %}<assistant>{% "
+                            "endif %}")
     user = {"role": "user", "content": "hi"}
     assert trimming.render([user, {"role": "assistant", "content": " Sure "}],
                            continue_final_message=True) == "<user>hi</user><assistant>Sure"

@@ -95,7 +95,8 @@ def test_a_call_cut_off_after_complete_calls_is_dropped_not_shown(cut: str) -> N
     assert whole.content is None and [c.name for c in whole.tool_calls] == ["get_weather"]
     for step in (1, 4, 1000):
         stream = HermesToolParser().stream()
-        deltas = [stream.feed(text[i:i + step]) for i in range(0, len(text), step)] + [stream.finish()]
+        deltas = ([stream.feed(text[i:i + step]) for i in range(0, len(text), step)]
+                  + [stream.finish()])
         assert "".join(d.content for d in deltas) == ""
         assert [c.name for d in deltas for c in d.tool_calls] == ["get_weather"]
 
@@ -135,7 +136,8 @@ def test_forced_call_arguments_are_objects_whose_local_refs_point_into_their_own
     assert rebased["properties"]["enum"] == {"enum": [{"$ref": "#/data"}]}  # data is kept
     assert arguments_schema({"properties": {}}, "")["type"] == "object"  # no array arguments
     grammar = HermesToolParser().calls_grammar([("other", {"type": "object"}), ("find", nested)])
-    OutputGrammar.lark(grammar, "tools")  # compiles (it raised: Pointer '/$defs/Loc' does not exist)
+    # compiles (it raised: Pointer '/$defs/Loc' does not exist)
+    OutputGrammar.lark(grammar, "tools")
 
 
 def test_unknown_format_names_the_known_ones() -> None:

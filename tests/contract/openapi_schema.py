@@ -30,7 +30,8 @@ def _null_allowed(node: Any) -> Any:
     out = {key: _null_allowed(value) for key, value in node.items() if key != "nullable"}
     if node.get("nullable") is not True:
         return out
-    if "type" in out and "enum" not in out and not any(k in out for k in ("anyOf", "oneOf", "$ref")):
+    if ("type" in out and "enum" not in out
+        and not any(k in out for k in ("anyOf", "oneOf", "$ref"))):
         types = out["type"] if isinstance(out["type"], list) else [out["type"]]
         out["type"] = [*types, "null"] if "null" not in types else types
         return out
@@ -52,7 +53,8 @@ def _registry() -> Registry[Any]:
 
 @functools.cache
 def validator(schema_name: str) -> Draft202012Validator:
-    """A validator for `#/components/schemas/<schema_name>` (KeyError if the spec has no such schema)."""
+    """A validator for `#/components/schemas/<schema_name>` (KeyError if the spec has no such
+    schema)."""
     spec()["components"]["schemas"][schema_name]  # noqa: B018 -- fail early on a misspelt name
     ref = {"$ref": f"{SPEC_URI}#/components/schemas/{schema_name}"}
     return Draft202012Validator(ref, registry=_registry())

@@ -59,7 +59,8 @@ def test_compose_schema_rejects_a_misspelled_service_key() -> None:
         jsonschema.validate(broken, compose_schema())
 
 
-@pytest.mark.skipif(not _compose_docker_available(), reason="the docker compose plugin is not installed")
+@pytest.mark.skipif(not _compose_docker_available(),
+                    reason="the docker compose plugin is not installed")
 def test_docker_compose_renders_the_cpu_and_gpu_stacks() -> None:
     command = ["docker", "compose"]
     for path in COMPOSE_FILES:
@@ -212,7 +213,8 @@ def test_grafana_panels_use_the_provisioned_datasources() -> None:
     assert used <= uids
     provider = yaml.safe_load(
         (DEPLOY / "grafana" / "provisioning" / "dashboards" / "dashboards.yaml").read_text())
-    mounts = dict(v.rsplit(":", 2)[:2] for v in SERVICES["grafana"]["volumes"] if v.startswith("./"))
+    mounts = dict(v.rsplit(":", 2)[:2] for v in SERVICES["grafana"]["volumes"]
+                  if v.startswith("./"))
     assert mounts["./grafana/dashboards"] == provider["providers"][0]["options"]["path"]
 
 

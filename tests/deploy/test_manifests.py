@@ -127,7 +127,8 @@ def test_gateway_drains_within_its_termination_grace_period(tmp_path: Path) -> N
     spec = pod_spec(find(OBJECTS, "Deployment", "aigw-gateway"))
     assert spec is not None
     drain_s = _gateway_settings(tmp_path).drain_timeout_s
-    assert spec["terminationGracePeriodSeconds"] > _pre_stop_sleep_s(spec["containers"][0]) + drain_s
+    assert (spec["terminationGracePeriodSeconds"]
+            > _pre_stop_sleep_s(spec["containers"][0]) + drain_s)
 
 
 def test_gateway_autoscaler_targets_the_gateway_deployment_on_cpu() -> None:
@@ -141,7 +142,8 @@ def test_gateway_autoscaler_targets_the_gateway_deployment_on_cpu() -> None:
 
 @pytest.mark.parametrize("service", [o for o in OBJECTS if o["kind"] == "Service"], ids=_id)
 def test_service_selects_a_workload_and_targets_its_named_ports(service: Obj) -> None:
-    selected = [o for o in OBJECTS if pod_spec(o) is not None and service["spec"]["selector"].items()
+    selected = [o for o in OBJECTS
+                if pod_spec(o) is not None and service["spec"]["selector"].items()
                 <= o["spec"]["template"]["metadata"]["labels"].items()]
     assert len(selected) == 1
     port_names = {p.get("name") for c in pod_spec(selected[0])["containers"]  # type: ignore[index]
@@ -150,7 +152,8 @@ def test_service_selects_a_workload_and_targets_its_named_ports(service: Obj) ->
         assert port["targetPort"] in port_names
 
 
-@pytest.mark.parametrize("pair", [p for p in containers(OBJECTS) if AIGW_IMAGE.match(p[1]["image"])],
+@pytest.mark.parametrize("pair",
+                         [p for p in containers(OBJECTS) if AIGW_IMAGE.match(p[1]["image"])],
                          ids=lambda p: p[1]["name"])
 def test_aigw_container_args_parse_with_the_aigw_cli(pair: tuple[Obj, Obj]) -> None:
     args = expanded_args(OBJECTS, pair[1])

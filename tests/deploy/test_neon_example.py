@@ -38,7 +38,8 @@ def _clean_env() -> dict[str, str]:
 
 
 @contextmanager
-def _process(command: list[str], log_path: Path, env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+def _process(command: list[str], log_path: Path,
+             env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -120,7 +120,8 @@ def _bearer(key: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
 
 
-def _create_key(client: httpx.Client, admin_key: str, project: str, scopes: list[str]) -> dict[str, Any]:
+def _create_key(client: httpx.Client, admin_key: str, project: str,
+                scopes: list[str]) -> dict[str, Any]:
     status = client.post("/admin/v1/projects", headers=_bearer(admin_key),
                          json={"name": project}).status_code
     assert status in (201, 409)  # 409: another test of this module made it
@@ -130,7 +131,8 @@ def _create_key(client: httpx.Client, admin_key: str, project: str, scopes: list
     return dict(response.json())
 
 
-def _chat(client: httpx.Client, key: str, model: str, messages: list[dict[str, str]]) -> httpx.Response:
+def _chat(client: httpx.Client, key: str, model: str,
+          messages: list[dict[str, str]]) -> httpx.Response:
     return client.post("/v1/chat/completions", headers=_bearer(key), json={
         "model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0})
 
@@ -209,7 +211,8 @@ def test_the_tpm_limit_holds_across_both_gateways_and_usage_is_one_sum(
                 "completion_tokens": sum(u["completion_tokens"] for u in everything)}
     deadline = time.monotonic() + 10
     while True:  # settlement follows the response: poll, bounded
-        rows = clients[0].get("/admin/v1/projects/limited/usage", headers=_bearer(key)).json()["data"]
+        rows = clients[0].get("/admin/v1/projects/limited/usage",
+                              headers=_bearer(key)).json()["data"]
         seen = {name: sum(int(r[name]) for r in rows) for name in expected}
         if seen == expected or time.monotonic() > deadline:
             break
@@ -260,7 +263,8 @@ def test_the_replicas_serve_only_the_gateways_credential_and_their_events_hold_n
     assert stored and all(e["token_ids"] == [] and e["block_hashes"] for e in stored)
 
 
-def _usage(client: httpx.Client, admin_key: str, project: str, group_by: str) -> list[dict[str, Any]]:
+def _usage(client: httpx.Client, admin_key: str, project: str,
+           group_by: str) -> list[dict[str, Any]]:
     response = client.get(f"/admin/v1/projects/{project}/usage", headers=_bearer(admin_key),
                           params={"group_by": group_by})
     assert response.status_code == 200, response.text
@@ -381,7 +385,8 @@ def test_a_soft_threshold_fires_one_signed_webhook_and_usage_by_tag_sums_to_the_
     assert not verify_signature("another-secret", headers[SIGNATURE_HEADER], body)
     alert = json.loads(body)
     assert alert["project"] == "alerted" and alert["threshold"] == 0.00001
-    assert alert["spent_usd"] >= 0.001 and alert["window"]["end"] - alert["window"]["start"] == 86_400
+    assert (alert["spent_usd"] >= 0.001
+            and alert["window"]["end"] - alert["window"]["start"] == 86_400)
 
     ledger = _usage(a, deployment.admin_key, "alerted", "")
     by_tag = _usage(clients[1], deployment.admin_key, "alerted", "tag")

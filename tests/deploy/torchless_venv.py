@@ -28,7 +28,8 @@ def core_requirements() -> list[Requirement]:
     return [Requirement(text) for text in project["dependencies"]]
 
 
-def dependency_closure(requirements: list[Requirement]) -> dict[str, importlib.metadata.Distribution]:
+def dependency_closure(requirements: list[Requirement]) -> dict[str,
+                                                                importlib.metadata.Distribution]:
     """Every installed distribution those requirements pull in (markers evaluated here with the
     extras each was asked for), by normalized name; PackageNotFoundError if one is not installed."""
     found: dict[str, importlib.metadata.Distribution] = {}
@@ -65,7 +66,8 @@ def build_gateway_venv(where: Path) -> Path:
     venv = where / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     target = Path(subprocess.run(
-        [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        [str(venv / "bin" / "python"), "-c",
+         "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True, capture_output=True, text=True).stdout.strip())
     for dist in dependency_closure(core_requirements()).values():
         for entry in _top_level_entries(dist):

@@ -28,7 +28,8 @@ PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 DIARY = re.compile(
     r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|this|last|previous|earlier|another)"
     r" session\b|\bthe issue'?s?\b|\b(run|check|re-run) of 20[0-9]{2}-"
-    r"|\b(commit|HEAD) [0-9a-f]{7,40}\b|\b(measured|run|re-run|checked) (on |at )?20[0-9]{2}-[0-9]{2}-"
+    r"|\b(commit|HEAD) [0-9a-f]{7,40}\b|\b(measured|run|re-run|checked) (on |at "
+    r")?20[0-9]{2}-[0-9]{2}-"
     r"|\bissue #[0-9]+|\(#[0-9]+\)",
     re.IGNORECASE)
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
@@ -39,7 +40,8 @@ TOP_DIRS = ("auth", "bench", "chat", "contracts", "deploy", "docs", "engine", "g
 GENERATED = ("bench/out",)
 _TOP = "|".join(map(re.escape, TOP_DIRS))
 CODE_PATH = re.compile(rf"`((?:{_TOP})/[A-Za-z0-9_./-]*)(?::[0-9-]+)?`"  # `engine/kv_cache/`
-                       rf"|(?<![\w/.$-])((?:{_TOP})/[A-Za-z0-9_./-]*\.[a-z]{{1,4}})\b")  # a file in prose
+                       # a file in prose
+                       rf"|(?<![\w/.$-])((?:{_TOP})/[A-Za-z0-9_./-]*\.[a-z]{{1,4}})\b")
 
 
 def _rel(path: Path) -> str:
@@ -120,7 +122,8 @@ def test_commands_the_pages_name_exist() -> None:
     problems = []
     for page in PAGES:
         code = _code_text(page)
-        for first, second in re.findall(r"(?<!-n )(?<![\w/.-])aigw ([a-z][\w-]*)(?: ([a-z][\w-]*))?", code):
+        for first, second in re.findall(r"(?<!-n )(?<![\w/.-])aigw ([a-z][\w-]*)(?: "
+                                        r"([a-z][\w-]*))?", code):
             if first not in tree:
                 problems.append(f"{_rel(page)}: `aigw {first}` is no command")
             elif second and tree[first] and second not in tree[first]:
@@ -131,7 +134,8 @@ def test_commands_the_pages_name_exist() -> None:
                                                          or (path / "__main__.py").exists()):
                 problems.append(f"{_rel(page)}: `python -m {module}`: no such module")
         problems += [f"{_rel(page)}: `make {target}`: no such target"
-                     for target in re.findall(r"\bmake ([a-z][\w-]*)", code) if target not in targets]
+                     for target in re.findall(r"\bmake ([a-z][\w-]*)", code)
+                     if target not in targets]
     assert not problems, "\n".join(problems)
 
 

@@ -1,8 +1,9 @@
-"""Session fixtures for engine tests that run the real default model (SmolLM2-135M, float32, 1 thread).
+"""Session fixtures for engine tests that run the real default model (SmolLM2-135M, float32, 1
+thread).
 
-The checkpoint is read ONCE per session; every engine built here shares its weight tensors (read-only).
-Engines are cached per configuration (`make_engine`), so a test must leave its engine idle (no unfinished
-requests) — `drive()` in fakes.py always runs requests to completion.
+The checkpoint is read ONCE per session; every engine built here shares its weight tensors
+(read-only). Engines are cached per configuration (`make_engine`), so a test must leave its engine
+idle (no unfinished requests) — `drive()` in fakes.py always runs requests to completion.
 """
 
 from __future__ import annotations
@@ -49,25 +50,29 @@ def make_engine(model_path: str, checkpoint: Any, tokenizer: Any) -> EngineFacto
     """make_engine(kv_cache_memory_bytes=..., max_num_batched_tokens=..., max_num_seqs=...,
     enable_prefix_caching=..., fresh=False) -> an LLMEngine over the shared weights.
 
-    Engines with equal settings are shared between tests unless `fresh=True` (then the prefix cache and
-    the event log start empty)."""
+    Engines with equal settings are shared between tests unless `fresh=True` (then the prefix cache
+    and the event log start empty)."""
     from engine.model_runner import ModelRunner
 
     engines: dict[tuple, LLMEngine] = {}  # type: ignore[type-arg]
 
     def make(kv_cache_memory_bytes: int = 256 * MiB, max_num_batched_tokens: int = 512,
-             max_num_seqs: int = 64, enable_prefix_caching: bool = True, fresh: bool = False) -> LLMEngine:
+             max_num_seqs: int = 64, enable_prefix_caching: bool = True,
+             fresh: bool = False) -> LLMEngine:
         key = (kv_cache_memory_bytes, max_num_batched_tokens, max_num_seqs, enable_prefix_caching)
         if not fresh and key in engines:
             engine = engines[key]
-            assert not engine.has_unfinished_requests, "a previous test left requests in this engine"
+            assert not engine.has_unfinished_requests, ("a previous test left requests in this "
+                                                        "engine")
             return engine
         config = EngineConfig(
             model_path=model_path, num_threads=1, dtype="float32",
             cache=CacheConfig(kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs))
-        runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights), dict(checkpoint.raw))
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                      max_num_seqs=max_num_seqs))
+        runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights),
+                             dict(checkpoint.raw))
         engine = LLMEngine(config, checkpoint.config, runner, tokenizer)
         if not fresh:
             engines[key] = engine

@@ -1,8 +1,9 @@
 """Fakes and drivers for engine tests.
 
-Without a model: requests with made-up token ids, and a fake "compute" step that drives the Scheduler and
-KVCacheManager the way LLMEngine does (append one token per sampled row). With a real LLMEngine: `drive`
-and `generate`, which step it until idle and gather each request's outputs into a `Completion`."""
+Without a model: requests with made-up token ids, and a fake "compute" step that drives the
+Scheduler and KVCacheManager the way LLMEngine does (append one token per sampled row). With a real
+LLMEngine: `drive` and `generate`, which step it until idle and gather each request's outputs into a
+`Completion`."""
 
 from __future__ import annotations
 
@@ -31,9 +32,11 @@ def tokens(num_tokens: int, start: int = 1000) -> list[int]:
 
 def make_request(prompt_token_ids: list[int], *, max_tokens: int = 8, cache_salt: str | None = None,
                  request_id: str | None = None, hashed: bool = True) -> Request:
-    """A real Request with fake token ids, its block hashes computed as LLMEngine.add_request does."""
+    """A real Request with fake token ids, its block hashes computed as LLMEngine.add_request
+    does."""
     request = Request(request_id or f"req-{next(_ids)}", list(prompt_token_ids),
-                      SamplingParams(temperature=0.0, max_tokens=max_tokens), (), MAX_MODEL_LEN, cache_salt)
+                      SamplingParams(temperature=0.0, max_tokens=max_tokens), (), MAX_MODEL_LEN,
+                      cache_salt)
     if hashed:
         request.update_block_hashes(BLOCK_SIZE, MODEL_ID)
     return request
@@ -58,7 +61,8 @@ def admit_groups(manager: KVCacheManager, request: Request,
     return tables
 
 
-def admit(manager: KVCacheManager, request: Request, num_new_tokens: int | None = None) -> list[int] | None:
+def admit(manager: KVCacheManager, request: Request,
+          num_new_tokens: int | None = None) -> list[int] | None:
     """`admit_groups` for a one-group (full attention) manager: its only block table."""
     tables = admit_groups(manager, request, num_new_tokens)
     return None if tables is None else [b for b in tables[0] if b is not None]
@@ -115,7 +119,8 @@ class Completion:
 
 def drive(engine: LLMEngine, max_steps: int = 5000,
           on_step: Callable[[int], None] | None = None) -> dict[str, Completion]:
-    """Step `engine` until it is idle; `on_step(step_index)` runs before each step (to add or abort)."""
+    """Step `engine` until it is idle; `on_step(step_index)` runs before each step (to add or
+    abort)."""
     results: dict[str, Completion] = {}
     for step_index in range(max_steps):
         if on_step is not None:

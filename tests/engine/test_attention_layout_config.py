@@ -15,7 +15,8 @@ BASE = dict(architecture="llama", vocab_size=32, hidden_size=16, intermediate_si
 
 
 def test_layer_types_give_each_layer_its_window() -> None:
-    config = ModelConfig(**BASE, layer_types=("sliding_attention", "full_attention") * 2, sliding_window=8)
+    config = ModelConfig(**BASE, layer_types=("sliding_attention", "full_attention") * 2,
+                         sliding_window=8)
     assert [config.layer_sliding_window(i) for i in range(4)] == [8, None, 8, None]
     assert config.has_sliding_layers
     assert not ModelConfig(**BASE).has_sliding_layers  # no layer_types: every layer full

@@ -42,7 +42,8 @@ def quantized(ggml_type: str, out_features: int, in_features: int, seed: int = 0
     weight = rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.1
     qtype = getattr(gguf.GGMLQuantizationType, ggml_type)
     raw = gguf.quants.quantize(weight, qtype)
-    dense = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(out_features, in_features).copy())
+    dense = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(out_features,
+                                                                        in_features).copy())
     return dense, NativeQuantLinear(*to_native_blocks(ggml_type, raw))
 
 
@@ -59,7 +60,8 @@ def test_dequantized_tiles_are_the_file_weights_rounded_to_bf16(ggml_type: str) 
         torch.ops.aigw_cpu.dequantize_bf16(linear.blocks, linear.weight_type, 8, 13, part)
 
 
-@pytest.mark.parametrize("scratch_bytes", [1 << 20, 40 * 160 * 2])  # one tile; 5 tiles, the last short
+# one tile; 5 tiles, the last short
+@pytest.mark.parametrize("scratch_bytes", [1 << 20, 40 * 160 * 2])
 def test_bf16_linear_is_within_bf16_rounding_of_the_float_product(scratch_bytes: int) -> None:
     dense, linear = quantized("Q4_1", 136, 160, seed=1)
     scratch = Bf16Scratch(scratch_bytes)
@@ -82,8 +84,10 @@ def runners(model_path: str, checkpoint: Any) -> Iterator[dict[str, ModelRunner]
     prefill forced (amx_bf16 here whatever the CPU: the GEMMs dispatch on what it has)."""
     def build(decode_weights: str) -> ModelRunner:
         config = EngineConfig(model_path=model_path, num_threads=1, decode_weights=decode_weights,
-                              cache=CacheConfig(kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False))
-        return ModelRunner(config, checkpoint.config, dict(checkpoint.weights), dict(checkpoint.raw))
+                              cache=CacheConfig(kv_cache_memory_bytes=32 << 20,
+                                                enable_prefix_caching=False))
+        return ModelRunner(config, checkpoint.config, dict(checkpoint.weights),
+                           dict(checkpoint.raw))
 
     chosen = isa.selection()
     built = {"float": build("float")}
@@ -112,14 +116,16 @@ def _prompt_logits(runner: ModelRunner, tokens: list[int], split: int | None = N
     chunks = [(0, len(tokens))] if split is None else [(0, split), (split, len(tokens))]
     rows = []
     for start, end in chunks:
-        seqs = [ScheduledSequence("p", tokens[start:end], start, table, end == len(tokens), needs_prompt_logits=True)]
+        seqs = [ScheduledSequence("p", tokens[start:end], start, table, end == len(tokens),
+                                  needs_prompt_logits=True)]
         if beside is not None:  # its prompt, then its first decode row (a mixed step)
             other = ScheduledSequence("o", beside, 0, other_table, True) if start == 0 else \
                 ScheduledSequence("o", [beside[-1]], len(beside), other_table, True)
             seqs.insert(0, other)
         done = runner.execute(ScheduledBatch(seqs))
         assert set(done.request_ids) == ({"o", "p"} if beside is not None and start > 0 else
-                                         {"o"} if beside is not None else {"p"} if end == len(tokens) else set())
+                                         {"o"} if beside is not None else {"p"}
+                                         if end == len(tokens) else set())
         rows.append(done.prompt_logits["p"])
     return torch.cat(rows)
 
@@ -137,15 +143,18 @@ def test_bf16_prefill_logits_are_closer_to_the_float_model_than_the_integer_path
     integer = _prompt_logits(runners["integer"], tokens, 20)
     assert torch.equal(_prompt_logits(runners["bf16"], tokens), bf16)
 
-    def error(logits: torch.Tensor) -> float:  # relative to the float model's, over every prompt row
+    # relative to the float model's, over every prompt row
+    def error(logits: torch.Tensor) -> float:
         return float((logits - exact).norm() / exact.norm())
 
-    assert error(bf16) < error(integer) and error(bf16) < 0.03, (error(bf16), error(integer))  # here: 0.014, 0.044
+    # here: 0.014, 0.044
+    assert error(bf16) < error(integer) and error(bf16) < 0.03, (error(bf16), error(integer))
 
 
 def _tokens(runner: ModelRunner, tokenizer: Any) -> list[list[int]]:
     engine = LLMEngine(runner.config, runner.model_config, runner, tokenizer)
-    prompts = {str(i): tokenizer.encode_chat([{"role": "user", "content": p}]) for i, p in enumerate(PROMPTS)}
+    prompts = {str(i): tokenizer.encode_chat([{"role": "user", "content": p}])
+               for i, p in enumerate(PROMPTS)}
     tokens = [c.token_ids for _, c in sorted(generate(engine, prompts, GREEDY).items())]
     assert_idle_and_clean(engine)
     return tokens
@@ -160,7 +169,8 @@ def test_bf16_prefill_greedy_tokens_follow_the_float_model_at_least_as_far_as_th
     """Decode rows are the integer kernels' in both q4 runs; only the prompt's K/V and first token
     differ. Measured here: bf16 prefill gives the float model's 12 tokens on both prompts; integer
     prefill the same on the haiku prompt, and another first token on the capital-of-France one."""
-    exact, bf16, integer = (_tokens(runners[name], tokenizer) for name in ("float", "bf16", "integer"))
+    exact, bf16, integer = (_tokens(runners[name], tokenizer)
+                            for name in ("float", "bf16", "integer"))
     assert all(len(t) == GREEDY.max_tokens for t in bf16 + integer)
     for e, b, i in zip(exact, bf16, integer, strict=True):
         assert b[0] == e[0]  # the token the prefill alone decides

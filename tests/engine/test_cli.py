@@ -44,7 +44,9 @@ def test_a_bad_engine_flag_is_one_error_line_and_status_1(
 def test_a_cuda_device_without_cuda_is_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replica", "--port", "0", "--device", "cuda"]) == 1
     err = capsys.readouterr().err
-    assert err == "aigw: ValueError: device 'cuda': CUDA is not available to this torch build or machine\n"
+    assert (err
+            == "aigw: ValueError: device 'cuda': CUDA is not available to this torch build or "
+               "machine\n")
 
 
 @pytest.mark.parametrize("port", ["99999", "-1", "x"])
@@ -78,7 +80,8 @@ def test_a_replica_port_in_use_is_one_error_line_before_the_model_loads(
         taken.listen()
         port = taken.getsockname()[1]
         assert main(["replica", "--port", str(port), "--model", "/never/loaded.gguf"]) == 1
-    assert capsys.readouterr().err == f"aigw: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    assert (capsys.readouterr().err
+            == f"aigw: cannot listen on 127.0.0.1:{port}: Address already in use\n")
 
 
 def test_a_replica_without_a_credential_refuses_to_start_before_loading(

@@ -87,7 +87,8 @@ def test_bf16_prefill_is_the_best_the_cpu_has_and_forcible_anywhere() -> None:
     assert (forced.variant, forced.prefill, forced.forced, forced.prefill_emulated) == (
         "avx512_vnni", "avx512_bf16", True, False)
     emulated = isa.select(AVX2, "amx_bf16")  # PyTorch's bf16 GEMMs run on any CPU (slow there)
-    assert (emulated.variant, emulated.prefill, emulated.prefill_emulated) == ("avx2", "amx_bf16", True)
+    assert ((emulated.variant, emulated.prefill, emulated.prefill_emulated)
+            == ("avx2", "amx_bf16", True))
     assert "amx_bf16" in emulated.describe() and emulated.as_dict()["prefill_isa"] == "amx_bf16"
     with pytest.raises(ValueError, match="AVX2"):
         isa.select(frozenset({"sse4_2"}), "amx_bf16")
@@ -97,7 +98,8 @@ def test_bf16_prefill_is_the_best_the_cpu_has_and_forcible_anywhere() -> None:
 
 
 def test_a_bad_aigw_cpu_isa_stops_the_replica_before_it_loads_a_model() -> None:
-    env = {**os.environ, "AIGW_CPU_ISA": "avx512_vnni" if "avx512_vnni" not in isa.cpu_flags() else "sse9"}
+    env = {**os.environ,
+           "AIGW_CPU_ISA": "avx512_vnni" if "avx512_vnni" not in isa.cpu_flags() else "sse9"}
     done = subprocess.run([sys.executable, "-m", "cli.main", "generate", "hi", "--max-tokens", "1"],
                           cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True,
                           text=True, timeout=120)
@@ -114,17 +116,20 @@ from engine.loader import load_checkpoint, load_tokenizer
 import torch
 path = sys.argv[1]
 print(json.dumps({"variant": native.loaded_variant(), "outputs": kernel_outputs(),
-                  "tokens": q4_tokens(path, load_checkpoint(path, dtype=torch.float32, progress=False),
+                  "tokens": q4_tokens(path,
+                                      load_checkpoint(path, dtype=torch.float32, progress=False),
                                       load_tokenizer(path))}))
 """
 
 
 def q4_tokens(model_path: str, checkpoint: Any, tokenizer: Any) -> list[list[int]]:
     config = EngineConfig(model_path=model_path, num_threads=1, decode_weights="q4",
-                          cache=CacheConfig(kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False))
+                          cache=CacheConfig(kv_cache_memory_bytes=32 << 20,
+                                            enable_prefix_caching=False))
     runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights), dict(checkpoint.raw))
     engine = LLMEngine(config, checkpoint.config, runner, tokenizer)
-    prompts = {str(i): tokenizer.encode_chat([{"role": "user", "content": p}]) for i, p in enumerate(PROMPTS)}
+    prompts = {str(i): tokenizer.encode_chat([{"role": "user", "content": p}])
+               for i, p in enumerate(PROMPTS)}
     return [c.token_ids for _, c in sorted(generate(engine, prompts, GREEDY).items())]
 
 
@@ -140,7 +145,8 @@ def test_forced_avx2_kernels_give_the_native_kernels_outputs_and_tokens(
     monkeypatch.setattr(isa, "selection", lambda: dataclasses.replace(chosen, prefill=None))
     ours = q4_tokens(model_path, checkpoint, tokenizer)
     env = {**os.environ, "AIGW_CPU_ISA": "avx2"}
-    done = subprocess.run([sys.executable, "-c", _CHILD, model_path], cwd=Path(__file__).resolve().parents[2],
+    done = subprocess.run([sys.executable, "-c", _CHILD, model_path],
+                          cwd=Path(__file__).resolve().parents[2],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     child = json.loads(done.stdout.strip().splitlines()[-1])
@@ -148,5 +154,6 @@ def test_forced_avx2_kernels_give_the_native_kernels_outputs_and_tokens(
     outputs = kernel_outputs()
     assert outputs.keys() == child["outputs"].keys()
     for name, values in outputs.items():
-        assert values == child["outputs"][name], f"{name}: {native.loaded_variant()} differs from avx2"
+        assert values == child["outputs"][name], (f"{name}: {native.loaded_variant()} differs from "
+                                                  "avx2")
     assert child["tokens"] == ours and all(len(t) == GREEDY.max_tokens for t in ours)

@@ -31,8 +31,8 @@ QK = 32
 
 
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """decode_ops.cpp quantize_row in float32: per 32 values, scale = max|x| / 127, q = rint(x / scale)
-    -> (q int8 [M, K], d [M, nb], d * sum(q) [M, nb])."""
+    """decode_ops.cpp quantize_row in float32: per 32 values, scale = max|x| / 127,
+    q = rint(x / scale) -> (q int8 [M, K], d [M, nb], d * sum(q) [M, nb])."""
     blocks = x.astype(np.float32).reshape(x.shape[0], -1, QK)
     scale = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
     inv = np.where(scale > 0, np.float32(1) / np.where(scale > 0, scale, 1), 0).astype(np.float32)
@@ -53,7 +53,8 @@ def avx2_sums(u: np.ndarray, s: np.ndarray, widen_each_vector: bool) -> np.ndarr
     byte i of the lane) -> the int32 the AVX2 sequence leaves: maddubs per vector (pairs, int16
     saturation), then madd with ones per vector (Q8) or an int16 wrapping chain over the 8 vectors
     first (Q4)."""
-    p = u.astype(np.int64).reshape(*u.shape[:-1], 8, 2, 2) * s.astype(np.int64).reshape(*s.shape[:-1], 8, 2, 2)
+    p = (u.astype(np.int64).reshape(*u.shape[:-1], 8, 2, 2)
+         * s.astype(np.int64).reshape(*s.shape[:-1], 8, 2, 2))
     pairs = _saturate16(p.sum(-1))  # [..., 8 vectors, 2 int16 halves of the lane]
     if widen_each_vector:
         return pairs.sum(-1).sum(-1)  # madd per vector, int32 adds
@@ -65,7 +66,8 @@ def avx2_sums(u: np.ndarray, s: np.ndarray, widen_each_vector: bool) -> np.ndarr
 
 def vnni_sums(u: np.ndarray, s: np.ndarray) -> np.ndarray:
     """The vpdpbusd chain: each vector's 4 u8 x s8 products of a lane added into int32."""
-    p = u.astype(np.int64).reshape(*u.shape[:-1], 8, 4) * s.astype(np.int64).reshape(*s.shape[:-1], 8, 4)
+    p = (u.astype(np.int64).reshape(*u.shape[:-1], 8, 4)
+         * s.astype(np.int64).reshape(*s.shape[:-1], 8, 4))
     acc = np.zeros(u.shape[:-1], dtype=np.int64)
     for v in range(8):
         acc = (acc + p[..., v, :].sum(-1) + 2**31) % 2**32 - 2**31  # int32 lanes, no saturation
@@ -91,8 +93,10 @@ def test_the_avx2_and_vnni_sequences_give_the_exact_integer_sums(case: str) -> N
         x = rng.integers(-127, 128, shape)
     else:  # every product at its largest, one sign and the other
         codes = np.full(shape, 15)
-        w8 = np.where(np.arange(shape[0])[:, None] % 2 == 0, -128, 127) * np.ones(shape, dtype=np.int64)
-        x = np.where(np.arange(shape[0])[:, None] % 4 < 2, 127, -127) * np.ones(shape, dtype=np.int64)
+        w8 = (np.where(np.arange(shape[0])[:, None] % 2 == 0, -128, 127)
+              * np.ones(shape, dtype=np.int64))
+        x = (np.where(np.arange(shape[0])[:, None] % 4 < 2, 127, -127)
+             * np.ones(shape, dtype=np.int64))
     assert np.array_equal(avx2_sums(codes, x, widen_each_vector=False), exact_sums(codes, x))
     assert np.array_equal(vnni_sums(codes, x), exact_sums(codes, x))
     u, s = _q8_operands(w8, x)
@@ -120,32 +124,39 @@ def _q4_1_rows(codes: np.ndarray, d: float, m: float) -> np.ndarray:
 def _q8_0_rows(q: np.ndarray, d: float) -> np.ndarray:
     n, k = q.shape
     scales = np.broadcast_to(np.array([d], dtype=np.float16).view(np.uint8), (n, k // QK, 2))
-    return np.concatenate([scales, q.reshape(n, k // QK, QK).astype(np.int8).view(np.uint8)], axis=-1).reshape(n, -1)
+    return np.concatenate([scales, q.reshape(n, k // QK, QK).astype(np.int8).view(np.uint8)],
+                          axis=-1).reshape(n, -1)
 
 
-pytestmark_kernels = pytest.mark.skipif(not native.load(), reason="native CPU kernels unavailable here")
+pytestmark_kernels = pytest.mark.skipif(not native.load(),
+                                        reason="native CPU kernels unavailable here")
 
 
 @pytestmark_kernels
 @pytest.mark.parametrize("num_rows", [1, 5])  # 5: the many-row (pre-broadcast) Q4 kernel too
 def test_the_loaded_kernels_reach_the_exact_sums_on_worst_case_blocks(num_rows: int) -> None:
     n, k = 16, 128
-    x = np.where(np.arange(k) % 2 == 0, 1.0, -1.0).astype(np.float32) * np.ones((num_rows, k), dtype=np.float32)
+    x = (np.where(np.arange(k) % 2 == 0, 1.0, -1.0).astype(np.float32)
+         * np.ones((num_rows, k), dtype=np.float32))
     x[0] = 1.0  # row 0: every product positive
     q, xd, xds = quantize_activations(x)
     assert np.abs(q).max() == 127
     codes = np.full((n, k), 15)
-    out = torch.ops.aigw_cpu.q_linear(torch.from_numpy(x), interleave_q4_1(torch.from_numpy(_q4_1_rows(codes, 0.5, -4.0))),
+    out = torch.ops.aigw_cpu.q_linear(torch.from_numpy(x), interleave_q4_1(
+                                          torch.from_numpy(_q4_1_rows(codes, 0.5, -4.0))),
                                       native.WEIGHT_TYPES["Q4_1x8"], None, 0.0, False)
     sums = exact_sums(codes[None].repeat(num_rows, 0).reshape(num_rows, n, -1, QK),
                       q.reshape(num_rows, 1, -1, QK))  # [M, N, nb]
     expected = (sums * 0.5 * xd[:, None, :] + -4.0 * xds[:, None, :]).sum(-1)
     np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-3)
     w8 = np.full((n, k), -128)
-    out8 = torch.ops.aigw_cpu.q_linear(torch.from_numpy(x), interleave_q8_0(torch.from_numpy(_q8_0_rows(w8, 0.25))),
+    out8 = torch.ops.aigw_cpu.q_linear(torch.from_numpy(x),
+                                       interleave_q8_0(torch.from_numpy(_q8_0_rows(w8, 0.25))),
                                        native.WEIGHT_TYPES["Q8_0x8"], None, 0.0, False)
-    sums8 = exact_sums(w8[None].repeat(num_rows, 0).reshape(num_rows, n, -1, QK), q.reshape(num_rows, 1, -1, QK))
-    np.testing.assert_allclose(out8.numpy(), (sums8 * 0.25 * xd[:, None, :]).sum(-1), rtol=1e-5, atol=1e-3)
+    sums8 = exact_sums(w8[None].repeat(num_rows, 0).reshape(num_rows, n, -1, QK),
+                       q.reshape(num_rows, 1, -1, QK))
+    np.testing.assert_allclose(out8.numpy(), (sums8 * 0.25 * xd[:, None, :]).sum(-1), rtol=1e-5,
+                               atol=1e-3)
 
 
 def kernel_outputs() -> dict[str, list[float]]:
@@ -173,7 +184,8 @@ def kernel_outputs() -> dict[str, list[float]]:
                 x, blocks, wtype, None, 0.0, True).flatten().tolist()
     heads, kv_heads, dh, bs = 6, 2, 32, 4
     cache = torch.randn(10, bs, kv_heads, dh, generator=gen).to(torch.float16)
-    k_cache, v_cache = cache.clone(), torch.randn(10, bs, kv_heads, dh, generator=gen).to(torch.float16)
+    k_cache, v_cache = (cache.clone(),
+                        torch.randn(10, bs, kv_heads, dh, generator=gen).to(torch.float16))
     positions = torch.tensor([9, 3, 4])
     tables = torch.tensor([[3, 7, 1], [5, 2, 0], [5, 2, 0]])
     slots = tables.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs

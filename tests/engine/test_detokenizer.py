@@ -1,4 +1,5 @@
-"""IncrementalDetokenizer with real ByteLevel BPE tokenizers: one trained here, one from the GGUF."""
+"""IncrementalDetokenizer with real ByteLevel BPE tokenizers: one trained here, one from the
+GGUF."""
 
 from __future__ import annotations
 

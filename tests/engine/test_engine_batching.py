@@ -1,5 +1,6 @@
-"""Continuous batching on the real model: batch invariance, no leaks under aborts, preemption that does
-not change outputs, and the sampling parameters' semantics end to end (one engine, many requests)."""
+"""Continuous batching on the real model: batch invariance, no leaks under aborts, preemption that
+does not change outputs, and the sampling parameters' semantics end to end (one engine, many
+requests)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,12 @@ def no_cache_engine(make_engine: EngineFactory) -> LLMEngine:
 
 
 # ---- batch invariance ----------------------------------------------------------------------------
-def test_greedy_output_is_identical_alone_and_among_16_concurrent_requests(no_cache_engine: LLMEngine,
-                                                                          tokenizer: Any) -> None:
+def test_greedy_output_is_identical_alone_and_among_16_concurrent_requests(
+        no_cache_engine: LLMEngine, tokenizer: Any) -> None:
     target = chat(tokenizer, "lighthouses", repeat=3)
     alone = generate(no_cache_engine, {"target": target}, GREEDY)["target"]
-    others = {f"other-{i}": chat(tokenizer, topic, repeat=i % 7) for i, topic in enumerate(TOPICS[:16])}
+    others = {f"other-{i}": chat(tokenizer, topic, repeat=i % 7)
+              for i, topic in enumerate(TOPICS[:16])}
     lengths = {len(p) for p in others.values()}
     assert len(lengths) >= 5  # prompts of many lengths
     params = {name: SamplingParams(temperature=0.0, max_tokens=16 + i % 2 * 8, ignore_eos=True)
@@ -58,8 +60,8 @@ def test_greedy_output_is_identical_alone_and_among_16_concurrent_requests(no_ca
 
 
 # ---- no leaks ------------------------------------------------------------------------------------
-def test_64_concurrent_requests_with_random_aborts_leave_every_block_free(make_engine: EngineFactory,
-                                                                          tokenizer: Any) -> None:
+def test_64_concurrent_requests_with_random_aborts_leave_every_block_free(
+        make_engine: EngineFactory, tokenizer: Any) -> None:
     engine = make_engine(max_num_batched_tokens=256, fresh=True)
     rng = random.Random(1234)
     shared = chat(tokenizer, "rivers", repeat=4)
@@ -107,14 +109,15 @@ def test_aborting_a_request_frees_its_blocks_at_once(engine: LLMEngine, tokenize
 
 # ---- preemption ----------------------------------------------------------------------------------
 def test_outputs_under_preemption_equal_outputs_with_a_large_budget(make_engine: EngineFactory,
-                                                                    engine: LLMEngine, tokenizer: Any) -> None:
+                                                                    engine: LLMEngine,
+                                                                    tokenizer: Any) -> None:
     prompts = {f"p{i}": chat(tokenizer, topic, repeat=i % 3) for i, topic in enumerate(TOPICS[:6])}
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     roomy = generate(engine, prompts, params)
     bytes_per_block = engine.runner.bytes_per_block
     # 6 requests of ~40-60 + 32 tokens need ~33 blocks together; 14 blocks hold about two of them.
-    tight_engine = make_engine(kv_cache_memory_bytes=14 * bytes_per_block, max_num_batched_tokens=128,
-                               fresh=True)
+    tight_engine = make_engine(kv_cache_memory_bytes=14 * bytes_per_block,
+                               max_num_batched_tokens=128, fresh=True)
     assert tight_engine.kv_cache.num_blocks == 14
     tight = generate(tight_engine, prompts, params)
     assert tight_engine.stats().num_preemptions_total > 0
@@ -125,10 +128,10 @@ def test_outputs_under_preemption_equal_outputs_with_a_large_budget(make_engine:
 
 
 # ---- sampling semantics --------------------------------------------------------------------------
-def test_seeded_sampling_is_reproducible_across_runs_and_batch_compositions(no_cache_engine: LLMEngine,
-                                                                            tokenizer: Any) -> None:
-    """(Without prefix caching: a cache hit computes the prompt's tail differently, equal only up to float
-    rounding, which can move a seeded draw that falls near a boundary.)"""
+def test_seeded_sampling_is_reproducible_across_runs_and_batch_compositions(
+        no_cache_engine: LLMEngine, tokenizer: Any) -> None:
+    """(Without prefix caching: a cache hit computes the prompt's tail differently, equal only up to
+    float rounding, which can move a seeded draw that falls near a boundary.)"""
     engine = no_cache_engine
     prompt = chat(tokenizer, "the sea")
     seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=42, max_tokens=24, ignore_eos=True)
@@ -145,7 +148,8 @@ def test_seeded_sampling_is_reproducible_across_runs_and_batch_compositions(no_c
     assert_idle_and_clean(engine)
 
 
-def test_max_tokens_ends_with_length_and_eos_ends_with_stop(engine: LLMEngine, tokenizer: Any) -> None:
+def test_max_tokens_ends_with_length_and_eos_ends_with_stop(engine: LLMEngine,
+                                                            tokenizer: Any) -> None:
     prompt = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     results = generate(engine, {"p": prompt}, SamplingParams(temperature=0.0, max_tokens=64))
     natural = results["p"]
@@ -158,8 +162,9 @@ def test_max_tokens_ends_with_length_and_eos_ends_with_stop(engine: LLMEngine, t
                                                                ignore_eos=True))["p"]
     assert ignoring.finish_reason == FinishReason.LENGTH and len(ignoring.token_ids) == 20
     assert ignoring.token_ids[: len(natural.token_ids)] == natural.token_ids
-    at_least = generate(engine, {"p": prompt}, SamplingParams(temperature=0.0, max_tokens=40,
-                                                               min_tokens=len(natural.token_ids) + 5))["p"]
+    at_least = generate(engine, {"p": prompt},
+                        SamplingParams(temperature=0.0, max_tokens=40,
+                                       min_tokens=len(natural.token_ids) + 5))["p"]
     eos = set(engine.model_config.eos_token_ids)
     assert len(at_least.token_ids) >= len(natural.token_ids) + 5
     assert not eos & set(at_least.token_ids[: len(natural.token_ids) + 4])
@@ -173,24 +178,29 @@ def test_stop_string_and_stop_token_end_the_output_and_are_not_included(engine: 
     assert len(words) > 4
     stop = " " + words[3]
     expected_text = full.text[: full.text.index(stop)]
-    stopped = generate(engine, {"p": prompt}, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+    stopped = generate(engine, {"p": prompt}, SamplingParams(temperature=0.0, max_tokens=24,
+                                                             ignore_eos=True,
                                                               stop=(stop,)))["p"]
     assert stopped.finish_reason == FinishReason.STOP and stopped.stop_reason == stop
     assert stopped.text == expected_text
     stop_token = full.token_ids[5]
-    by_token = generate(engine, {"p": prompt}, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+    by_token = generate(engine, {"p": prompt}, SamplingParams(temperature=0.0, max_tokens=24,
+                                                              ignore_eos=True,
                                                                stop_token_ids=(stop_token,)))["p"]
     first = full.token_ids.index(stop_token)
     assert by_token.finish_reason == FinishReason.STOP and by_token.stop_reason == stop_token
     assert by_token.token_ids == full.token_ids[: first + 1]
-    assert by_token.text == tokenizer.decode(full.token_ids[:first])  # the stop token's text is left out
+    # the stop token's text is left out
+    assert by_token.text == tokenizer.decode(full.token_ids[:first])
 
 
-def test_stop_string_does_not_end_the_output_before_min_tokens(engine: LLMEngine, tokenizer: Any) -> None:
+def test_stop_string_does_not_end_the_output_before_min_tokens(engine: LLMEngine,
+                                                               tokenizer: Any) -> None:
     prompt = chat(tokenizer, "the desert", repeat=1)
     full = generate(engine, {"p": prompt}, GREEDY)["p"]
     stop = " " + full.text.split()[1]  # appears within the first few tokens
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=(stop,), min_tokens=12)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=(stop,),
+                            min_tokens=12)
     result = generate(engine, {"p": prompt}, params)["p"]
     assert len(result.token_ids) >= 12
     assert result.token_ids == full.token_ids[: len(result.token_ids)]

@@ -1,7 +1,7 @@
-"""The q4 mode with the native CPU kernels on the real model: every linear runs the GGUF's own blocks
-with 8-bit activations (an approximation of the float model, like llama.cpp), and decode rows take
-the native decode step; the float32 mode's decode rows take the native attention (FloatDecodeStep).
-Skipped where the native kernels cannot be built."""
+"""The q4 mode with the native CPU kernels on the real model: every linear runs the GGUF's own
+blocks with 8-bit activations (an approximation of the float model, like llama.cpp), and decode rows
+take the native decode step; the float32 mode's decode rows take the native attention
+(FloatDecodeStep). Skipped where the native kernels cannot be built."""
 
 from __future__ import annotations
 
@@ -26,8 +26,10 @@ TOPICS = ["the moon", "bread", "volcanoes", "jazz", "chess", "rain", "bees", "gl
 
 
 def build(model_path: str, checkpoint: Any, tokenizer: Any, decode_weights: str) -> LLMEngine:
-    config = EngineConfig(model_path=model_path, num_threads=1, dtype="float32", decode_weights=decode_weights,
-                          cache=CacheConfig(kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False))
+    config = EngineConfig(model_path=model_path, num_threads=1, dtype="float32",
+                          decode_weights=decode_weights,
+                          cache=CacheConfig(kv_cache_memory_bytes=64 << 20,
+                                            enable_prefix_caching=False))
     runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights), dict(checkpoint.raw))
     return LLMEngine(config, checkpoint.config, runner, tokenizer)
 
@@ -76,11 +78,13 @@ def test_greedy_output_is_identical_alone_and_among_concurrent_requests(
 
 
 def test_single_sequence_decode_with_4_bit_weights_starts_like_the_float_engine(
-        q4_engine: LLMEngine, prompts: dict[str, list[int]], float_tokens: dict[str, list[int]]) -> None:
+        q4_engine: LLMEngine, prompts: dict[str, list[int]],
+        float_tokens: dict[str, list[int]]) -> None:
     for name in TOPICS[:4]:
         alone = generate(q4_engine, {name: prompts[name]}, GREEDY)[name].token_ids
         assert len(alone) == GREEDY.max_tokens
-        assert alone[:4] == float_tokens[name][:4]  # 8-bit activations: drift comes later, if at all
+        # 8-bit activations: drift comes later, if at all
+        assert alone[:4] == float_tokens[name][:4]
 
 
 def test_quantized_decode_logits_stay_close_to_the_float_models(
@@ -105,9 +109,9 @@ def decode_step_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.T
     return runner.execute(ScheduledBatch(decodes)).logits
 
 
-def test_float_mode_decode_step_reproduces_the_general_forward(model_path: str, checkpoint: Any,
-                                                               tokenizer: Any, prompts: dict[str, list[int]],
-                                                               float_tokens: dict[str, list[int]]) -> None:
+def test_float_mode_decode_step_reproduces_the_general_forward(
+        model_path: str, checkpoint: Any, tokenizer: Any, prompts: dict[str, list[int]],
+        float_tokens: dict[str, list[int]]) -> None:
     """The float32 mode's decode rows take FloatDecodeStep (native attention over float32 K/V, the
     same norms and GEMMs); switched off, the general forward must produce the same greedy tokens."""
     engine = build(model_path, checkpoint, tokenizer, "float")
@@ -129,6 +133,7 @@ def test_q4_prefill_logits_do_not_depend_on_how_the_prompt_is_chunked(
     split = 13
     runner.execute(ScheduledBatch([ScheduledSequence("c", prompt[:split], 0, blocks, False)]))
     chunked = runner.execute(ScheduledBatch([ScheduledSequence("o", other, 0, other_blocks, True),
-                                             ScheduledSequence("c", prompt[split:], split, blocks, True)]))
+                                             ScheduledSequence("c", prompt[split:], split, blocks,
+                                                               True)]))
     assert chunked.request_ids == ["o", "c"]
     assert torch.equal(chunked.logits[1], whole[0])

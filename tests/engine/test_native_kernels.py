@@ -26,7 +26,8 @@ def quantized(ggml_type: str, out_features: int, in_features: int, seed: int = 0
     weight = rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.1
     qtype = getattr(gguf.GGMLQuantizationType, ggml_type)
     raw = gguf.quants.quantize(weight, qtype)
-    dense = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(out_features, in_features).copy())
+    dense = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(out_features,
+                                                                        in_features).copy())
     blocks, weight_type = to_native_blocks(ggml_type, raw)
     return dense, blocks, weight_type
 
@@ -70,7 +71,8 @@ def test_fused_rms_norm_silu_and_mul_and_residual_add_match_their_unfused_forms(
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-def test_decode_attention_matches_the_torch_backend_and_stores_rotated_kv(cache_dtype: torch.dtype) -> None:
+def test_decode_attention_matches_the_torch_backend_and_stores_rotated_kv(
+        cache_dtype: torch.dtype) -> None:
     num_heads, num_kv_heads, head_dim, block_size, num_blocks = 6, 2, 16, 4, 12
     gen = torch.Generator().manual_seed(4)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -86,9 +88,9 @@ def test_decode_attention_matches_the_torch_backend_and_stores_rotated_kv(cache_
     scale = head_dim ** -0.5
 
     k_ours, v_ours = k_cache.clone(), v_cache.clone()
-    out = torch.ops.aigw_cpu.decode_attention(qkv, rotary.cos, rotary.sin, positions, k_ours, v_ours, slots,
-                                              torch.tensor(tables), torch.tensor(lens), num_heads,
-                                              num_kv_heads, scale)
+    out = torch.ops.aigw_cpu.decode_attention(qkv, rotary.cos, rotary.sin, positions, k_ours,
+                                              v_ours, slots, torch.tensor(tables),
+                                              torch.tensor(lens), num_heads, num_kv_heads, scale)
 
     heads = qkv.view(3, num_heads + 2 * num_kv_heads, head_dim)
     cos, sin = rotary.lookup(positions)
@@ -96,9 +98,11 @@ def test_decode_attention_matches_the_torch_backend_and_stores_rotated_kv(cache_
     width = max(lens)
     valid = torch.arange(width)[None, :] < torch.tensor(lens)[:, None]
     mask = torch.zeros(3, 1, 1, width).masked_fill_(~valid.view(3, 1, 1, width), float("-inf"))
-    meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=3, decode_blocks=torch.tensor(tables),
+    meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=3,
+                             decode_blocks=torch.tensor(tables),
                              decode_len=width, decode_mask=mask, prefills=())
-    expected = TorchPagedAttention().forward(qk[:, :num_heads], qk[:, num_heads:], heads[:, num_heads + num_kv_heads:],
+    expected = TorchPagedAttention().forward(qk[:, :num_heads], qk[:, num_heads:],
+                                             heads[:, num_heads + num_kv_heads:],
                                              k_cache, v_cache, scale, meta)
     tolerance = 1e-5 if cache_dtype == torch.float32 else 1e-3
     torch.testing.assert_close(k_ours, k_cache, rtol=tolerance, atol=tolerance)
@@ -107,15 +111,18 @@ def test_decode_attention_matches_the_torch_backend_and_stores_rotated_kv(cache_
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-def test_prefill_chunk_rows_attend_causally_and_match_each_row_computed_alone(cache_dtype: torch.dtype) -> None:
-    """A prefill chunk as rows of one sequence (the q4 mode's prefill): the kernel tiles such rows and
-    walks the context in chunks; each row must come out bit-identical to the row alone, and match
-    causal SDPA over the cached prefix plus the chunk."""
-    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 40, 4  # head_dim 40: a 32-wide and an 8-wide part
+def test_prefill_chunk_rows_attend_causally_and_match_each_row_computed_alone(
+        cache_dtype: torch.dtype) -> None:
+    """A prefill chunk as rows of one sequence (the q4 mode's prefill): the kernel tiles such rows
+    and walks the context in chunks; each row must come out bit-identical to the row alone, and
+    match causal SDPA over the cached prefix plus the chunk."""
+    # head_dim 40: a 32-wide and an 8-wide part
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 40, 4
     num_cached, num_new = 7, 150  # crosses the kernel's row tiles and context chunks
     gen = torch.Generator().manual_seed(5)
     num_blocks = -(-(num_cached + num_new) // block_size)
-    blocks = torch.randperm(num_blocks + 3, generator=gen)[:num_blocks] + 1  # scattered, never block 0
+    # scattered, never block 0
+    blocks = torch.randperm(num_blocks + 3, generator=gen)[:num_blocks] + 1
     shape = (num_blocks + 4, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(cache_dtype)
     v_cache = torch.randn(shape, generator=gen).to(cache_dtype)
@@ -127,9 +134,11 @@ def test_prefill_chunk_rows_attend_causally_and_match_each_row_computed_alone(ca
     scale = head_dim ** -0.5
 
     def attend(rows: slice) -> torch.Tensor:
-        return torch.ops.aigw_cpu.decode_attention(qkv[rows], rotary.cos, rotary.sin, positions[rows], k_cache,
-                                                   v_cache, slots[rows], tables[rows], positions[rows] + 1,
-                                                   num_heads, num_kv_heads, scale)
+        return torch.ops.aigw_cpu.decode_attention(qkv[rows], rotary.cos, rotary.sin,
+                                                   positions[rows], k_cache,
+                                                   v_cache, slots[rows], tables[rows],
+                                                   positions[rows] + 1, num_heads, num_kv_heads,
+                                                   scale)
 
     out = attend(slice(None))
     for i in [0, 1, 15, 16, 17, 100, num_new - 1]:
@@ -139,18 +148,23 @@ def test_prefill_chunk_rows_attend_causally_and_match_each_row_computed_alone(ca
     cos, sin = rotary.lookup(positions)
     q = apply_rotary(heads[:, :num_heads], cos, sin)  # [T, H, Dh]
     context = num_cached + num_new
-    k = k_cache[blocks].flatten(0, 1)[:context].float()  # [C, G, Dh], the chunk's rotated keys included
+    # [C, G, Dh], the chunk's rotated keys included
+    k = k_cache[blocks].flatten(0, 1)[:context].float()
     v = v_cache[blocks].flatten(0, 1)[:context].float()
     causal = torch.arange(context)[None, :] <= positions[:, None]  # [T, C]
     expected = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                              v.transpose(0, 1)[None], attn_mask=causal, scale=scale,
+                                              v.transpose(0, 1)[None], attn_mask=causal,
+                                              scale=scale,
                                               enable_gqa=True)[0].transpose(0, 1)  # [T, H, Dh]
-    torch.testing.assert_close(out.view(num_new, num_heads, head_dim), expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out.view(num_new, num_heads, head_dim), expected, rtol=1e-4,
+                               atol=1e-5)
 
 
-@pytest.mark.parametrize("num_rows", [5, 20, 70])  # decode steps of 5 and 20 rows, a prefill chunk of 70 (a 2-row last tile)
+# decode steps of 5 and 20 rows, a prefill chunk of 70 (a 2-row last tile)
+@pytest.mark.parametrize("num_rows", [5, 20, 70])
 @pytest.mark.parametrize("in_features", [96, 1536])  # 1,536: the down projection's width
-@pytest.mark.parametrize("out_features", [64, 72])  # 72: 9 column groups, the last one without a pair
+# 72: 9 column groups, the last one without a pair
+@pytest.mark.parametrize("out_features", [64, 72])
 def test_many_row_q4_kernel_gives_each_row_what_the_one_row_kernel_gives(
         num_rows: int, in_features: int, out_features: int) -> None:
     """From 4 rows the Q4 kernel reads pre-broadcast activations, 4 rows x 2 column groups at a time
@@ -168,7 +182,8 @@ def test_many_row_q4_kernel_gives_each_row_what_the_one_row_kernel_gives(
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-def test_decode_rows_of_many_sequences_match_each_row_computed_alone(cache_dtype: torch.dtype) -> None:
+def test_decode_rows_of_many_sequences_match_each_row_computed_alone(
+        cache_dtype: torch.dtype) -> None:
     """With enough sequences for every thread an attention task takes all kv heads of a row and
     walks its context once; a row alone is split by kv head. Both must give the same bits."""
     num_heads, num_kv_heads, head_dim, block_size = 6, 2, 24, 4
@@ -179,7 +194,8 @@ def test_decode_rows_of_many_sequences_match_each_row_computed_alone(cache_dtype
     num_blocks = num_rows * width + 1
     tables = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(num_rows, width)  # scattered
     positions = lens - 1
-    slots = tables.gather(1, (positions // block_size)[:, None])[:, 0] * block_size + positions % block_size
+    slots = (tables.gather(1, (positions // block_size)[:, None])[:, 0] * block_size
+             + positions % block_size)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(cache_dtype)
     v_cache = torch.randn(shape, generator=gen).to(cache_dtype)
@@ -187,9 +203,10 @@ def test_decode_rows_of_many_sequences_match_each_row_computed_alone(cache_dtype
     rotary = RotaryEmbedding(head_dim, 64, 10000.0)
 
     def attend(rows: slice) -> torch.Tensor:
-        return torch.ops.aigw_cpu.decode_attention(qkv[rows], rotary.cos, rotary.sin, positions[rows], k_cache,
-                                                   v_cache, slots[rows], tables[rows], lens[rows], num_heads,
-                                                   num_kv_heads, head_dim ** -0.5)
+        return torch.ops.aigw_cpu.decode_attention(qkv[rows], rotary.cos, rotary.sin,
+                                                   positions[rows], k_cache,
+                                                   v_cache, slots[rows], tables[rows], lens[rows],
+                                                   num_heads, num_kv_heads, head_dim ** -0.5)
 
     batched = attend(slice(None))
     for i in range(num_rows):

@@ -70,8 +70,8 @@ def test_prompts_that_may_fit_are_encoded_as_before(tokenizer):
 def test_max_token_bytes_is_a_lower_bound_on_the_token_count(tokenizer):
     assert tokenizer.max_token_bytes is not None
     rnd = random.Random(3)
-    alphabet = ["a", "z", " ", "  ", "\n", "\n\n", "    ", "é", "世界", "🌍", "0", "123", ".", "<|im_end|>",
-                " " * 81, "\t", "the", " the"]
+    alphabet = ["a", "z", " ", "  ", "\n", "\n\n", "    ", "é", "世界", "🌍", "0", "123", ".",
+                "<|im_end|>", " " * 81, "\t", "the", " the"]
     for _ in range(200):
         text = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(1, 300)))
         num_tokens = len(tokenizer.encode(text))

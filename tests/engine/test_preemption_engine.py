@@ -42,12 +42,15 @@ def engine(model_path: str, checkpoint: Any, tokenizer: Any, clock: VirtualClock
     from engine.model_runner import ModelRunner
 
     model = checkpoint.config
-    block_bytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 16 * 4  # K+V, float32
+    # K+V, float32
+    block_bytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 16 * 4
     config = EngineConfig(
         model_path=model_path, num_threads=1, dtype="float32",
-        cache=CacheConfig(kv_cache_memory_bytes=NUM_BLOCKS * block_bytes, enable_prefix_caching=False),
+        cache=CacheConfig(kv_cache_memory_bytes=NUM_BLOCKS * block_bytes,
+                          enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=5,
-                                  reserved_shares=(("acme", 0.5),), flex_max_wait_ms=FLEX_MAX_WAIT_MS))
+                                  reserved_shares=(("acme", 0.5),),
+                                  flex_max_wait_ms=FLEX_MAX_WAIT_MS))
     runner = ModelRunner(config, model, dict(checkpoint.weights), dict(checkpoint.raw))
     engine = LLMEngine(config, model, runner, tokenizer, clock=clock)
     assert engine.kv_cache.num_blocks == NUM_BLOCKS
@@ -56,11 +59,14 @@ def engine(model_path: str, checkpoint: Any, tokenizer: Any, clock: VirtualClock
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer: Any) -> dict[str, list[int]]:
-    fillers = {f"other-{i}": tokenizer.encode(f"Document {i}: the tides, the moon and the harbour. " * 8)[:40]
+    fillers = {f"other-{i}": tokenizer.encode(f"Document {i}: the tides, the moon and the harbour. "
+                                              * 8)[:40]
                for i in range(4)}
-    short = {f"acme-{i}": tokenizer.encode(f"Acme question {i}: why is the sky blue at noon? " * 3)[:20]
+    short = {f"acme-{i}": tokenizer.encode(f"Acme question {i}: why is the sky blue at noon? "
+                                           * 3)[:20]
              for i in range(2)}
-    short["urgent"] = tokenizer.encode("An urgent question about the harbour master's boat. " * 3)[:24]
+    short["urgent"] = tokenizer.encode("An urgent question about the harbour master's boat. "
+                                       * 3)[:24]
     return {**fillers, **short}
 
 
@@ -69,7 +75,8 @@ def unpreempted(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, C
     """Every prompt's greedy output with nothing preempted: the fillers together (they fit the
     pool exactly), the short ones together."""
     results = generate(engine, {k: v for k, v in prompts.items() if k.startswith("other")}, FILLER)
-    results.update(generate(engine, {k: v for k, v in prompts.items() if not k.startswith("other")}, SHORT))
+    results.update(generate(engine, {k: v for k, v in prompts.items() if not k.startswith("other")},
+                            SHORT))
     assert engine.scheduler.num_preemptions_total == 0
     assert_idle_and_clean(engine)
     return results
@@ -97,7 +104,8 @@ def _fill_then_burst(engine: LLMEngine, prompts: dict[str, list[int]], filler_sa
 
     first_token_step, results = drive_to_first_tokens(engine, on_step)
     assert arrival, "the burst never arrived"
-    for request_id in fillers:  # resumed where they stopped: the same tokens, the prompt billed once
+    # resumed where they stopped: the same tokens, the prompt billed once
+    for request_id in fillers:
         assert results[request_id].token_ids == unpreempted_tokens(request_id)
         assert results[request_id].num_prompt_tokens == len(prompts[request_id])
         assert results[request_id].num_cached_tokens == 0
@@ -117,7 +125,8 @@ def _reference_tokens(unpreempted: dict[str, Completion]) -> None:
 
 
 def test_a_reserved_projects_burst_takes_its_share_back_from_a_full_pool(
-        engine: LLMEngine, prompts: dict[str, list[int]], unpreempted: dict[str, Completion]) -> None:
+        engine: LLMEngine, prompts: dict[str, list[int]],
+        unpreempted: dict[str, Completion]) -> None:
     before = engine.stats()
     arrived, first_token_step, results = _fill_then_burst(
         engine, prompts, "project:other", 0, ("acme-0", "acme-1"), "project:acme", 0)
@@ -132,9 +141,11 @@ def test_a_reserved_projects_burst_takes_its_share_back_from_a_full_pool(
 
 
 def test_a_priority_request_preempts_flex_requests_for_kv_room(
-        engine: LLMEngine, prompts: dict[str, list[int]], unpreempted: dict[str, Completion]) -> None:
+        engine: LLMEngine, prompts: dict[str, list[int]],
+        unpreempted: dict[str, Completion]) -> None:
     before = engine.scheduler.num_preemptions_total
-    arrived, first_token_step, results = _fill_then_burst(engine, prompts, None, 1, ("urgent",), None, -1)
+    arrived, first_token_step, results = _fill_then_burst(engine, prompts, None, 1, ("urgent",),
+                                                          None, -1)
     assert first_token_step["urgent"] == arrived  # a seat was free; the KV pool was not
     assert engine.scheduler.num_preemptions_total - before == 1
     assert results["urgent"].token_ids == unpreempted["urgent"].token_ids
@@ -155,7 +166,8 @@ def test_a_flex_request_under_a_steady_default_stream_finishes_within_its_aging_
             for i in range(5):
                 engine.add_request(f"default-{i}", say[i], SamplingParams(
                     temperature=0.0, max_tokens=i + 1, ignore_eos=True))
-            engine.add_request("flex", tokenizer.encode("A flex question, no hurry: what is a harbour?"),
+            engine.add_request("flex",
+                               tokenizer.encode("A flex question, no hurry: what is a harbour?"),
                                SHORT, priority=1)
         elif index <= num_stream:
             engine.add_request(f"default-{index + 4}", say[index + 4], STREAM)
@@ -168,5 +180,6 @@ def test_a_flex_request_under_a_steady_default_stream_finishes_within_its_aging_
     assert len(results["flex"].token_ids) == 4
     assert [len(results[f"default-{i}"].token_ids) for i in range(5)] == [1, 2, 3, 4, 5]
     assert all(len(results[f"default-{i + 4}"].token_ids) == 5 for i in range(1, num_stream + 1))
-    assert engine.stats().num_flex_promotions_total - promoted_before == 1  # aigw_replica_flex_promotions_total
+    # aigw_replica_flex_promotions_total
+    assert engine.stats().num_flex_promotions_total - promoted_before == 1
     assert_idle_and_clean(engine)

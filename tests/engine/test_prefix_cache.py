@@ -1,6 +1,7 @@
-"""Prompt caching on the real model: exact cached_tokens, no partial-block sharing, outputs identical with
-the cache on and off (also under eviction pressure), tenant isolation by cache salt, clean ref counts after
-aborts, and a KV event stream that replays to exactly the hashes the replica holds."""
+"""Prompt caching on the real model: exact cached_tokens, no partial-block sharing, outputs
+identical with the cache on and off (also under eviction pressure), tenant isolation by cache salt,
+clean ref counts after aborts, and a KV event stream that replays to exactly the hashes the replica
+holds."""
 
 from __future__ import annotations
 
@@ -17,14 +18,16 @@ from tests.engine.fakes import Completion, assert_idle_and_clean, collect, gener
 
 BLOCK_SIZE = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-SYSTEM = ("You are a support agent for a bicycle shop. Answer politely, mention the warranty when it "
-          "applies, never invent prices, and keep every answer under three sentences. ") * 3
+SYSTEM = ("You are a support agent for a bicycle shop. Answer politely, mention the warranty when "
+          "it applies, never invent prices, and keep every answer under three sentences. ") * 3
 QUESTIONS = ["Do you repair carbon frames?", "When do you open on Sundays?", "Can I rent a tandem?",
-             "How long does a tune-up take?", "Do you sell helmets for children?", "Is parking free?"]
+             "How long does a tune-up take?", "Do you sell helmets for children?",
+             "Is parking free?"]
 
 
 def conversation(tokenizer: Any, question: str, system: str = SYSTEM) -> list[int]:
-    return tokenizer.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": question}])
+    return tokenizer.encode_chat([{"role": "system", "content": system},
+                                  {"role": "user", "content": question}])
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -40,7 +43,8 @@ def expected_cached_tokens(cached_sequence: list[int], prompt: list[int]) -> int
     return min(shared // BLOCK_SIZE, (len(prompt) - 1) // BLOCK_SIZE) * BLOCK_SIZE
 
 
-def test_shared_prefix_hits_report_exact_cached_tokens(make_engine: EngineFactory, tokenizer: Any) -> None:
+def test_shared_prefix_hits_report_exact_cached_tokens(make_engine: EngineFactory,
+                                                       tokenizer: Any) -> None:
     engine = make_engine(fresh=True)
     first = conversation(tokenizer, QUESTIONS[0])
     warm = generate(engine, {"first": first}, GREEDY)["first"]
@@ -55,8 +59,8 @@ def test_shared_prefix_hits_report_exact_cached_tokens(make_engine: EngineFactor
     assert repeat.num_cached_tokens == (len(first) - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert repeat.token_ids == warm.token_ids
     stats = engine.stats()
-    assert stats.num_prefix_cache_hit_tokens == sum(r.num_cached_tokens for r in results.values()) + \
-        repeat.num_cached_tokens
+    assert stats.num_prefix_cache_hit_tokens == (sum(r.num_cached_tokens for r in results.values())
+                                                 + repeat.num_cached_tokens)
     assert_idle_and_clean(engine)
 
 
@@ -67,9 +71,11 @@ def test_requests_in_the_same_batch_reuse_each_others_blocks(make_engine: Engine
     results = generate(engine, prompts, GREEDY)
     assert results["q0"].num_cached_tokens == 0
     for name in ("q1", "q2"):
-        assert results[name].num_cached_tokens == expected_cached_tokens(prompts["q0"], prompts[name])
+        assert (results[name].num_cached_tokens
+                == expected_cached_tokens(prompts["q0"], prompts[name]))
     alone = generate(make_engine(enable_prefix_caching=False), prompts, GREEDY)
-    assert {k: v.token_ids for k, v in results.items()} == {k: v.token_ids for k, v in alone.items()}
+    assert ({k: v.token_ids for k, v in results.items()}
+            == {k: v.token_ids for k, v in alone.items()})
 
 
 def test_a_partial_block_is_never_shared(make_engine: EngineFactory, tokenizer: Any) -> None:
@@ -99,7 +105,8 @@ def test_different_salts_never_share(make_engine: EngineFactory, tokenizer: Any)
     assert tenant_b.num_cached_tokens == 0 and unsalted.num_cached_tokens == 0
     tenant_a_again = generate(engine, {"a2": prompt}, GREEDY, cache_salt="project-a")["a2"]
     assert tenant_a_again.num_cached_tokens == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
-    assert tenant_a.token_ids == tenant_b.token_ids == unsalted.token_ids == tenant_a_again.token_ids
+    assert (tenant_a.token_ids == tenant_b.token_ids == unsalted.token_ids
+            == tenant_a_again.token_ids)
 
 
 def _workload_prompts(tokenizer: Any, num_questions: int = len(QUESTIONS)) -> dict[str, list[int]]:
@@ -117,7 +124,8 @@ def workload(tokenizer: Any) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def outputs_without_cache(make_engine: EngineFactory, workload: dict[str, list[int]]) -> dict[str, list[int]]:
+def outputs_without_cache(make_engine: EngineFactory,
+                          workload: dict[str, list[int]]) -> dict[str, list[int]]:
     results = generate(make_engine(enable_prefix_caching=False), workload, GREEDY)
     return {name: r.token_ids for name, r in results.items()}
 
@@ -135,14 +143,16 @@ def test_greedy_outputs_are_identical_with_the_cache_on_and_off(
 def test_greedy_outputs_are_identical_under_eviction_pressure(
         make_engine: EngineFactory, engine: LLMEngine, workload: dict[str, list[int]],
         outputs_without_cache: dict[str, list[int]]) -> None:
-    tiny = make_engine(kv_cache_memory_bytes=16 * engine.runner.bytes_per_block, max_num_batched_tokens=128,
-                       fresh=True)
+    tiny = make_engine(kv_cache_memory_bytes=16 * engine.runner.bytes_per_block,
+                       max_num_batched_tokens=128, fresh=True)
     results: dict[str, Completion] = {}
-    for name in ("shop0", "shop1", "chef0", "shop2", "chef1", "chef2"):  # each evicts some of the last
+    # each evicts some of the last
+    for name in ("shop0", "shop1", "chef0", "shop2", "chef1", "chef2"):
         results.update(generate(tiny, {name: workload[name]}, GREEDY))
     page = tiny.kv_events.since(0)
     assert page is not None
-    assert any(isinstance(e, BlockRemoved) for b in page.batches for e in b.events)  # evictions happened
+    # evictions happened
+    assert any(isinstance(e, BlockRemoved) for b in page.batches for e in b.events)
     assert sum(r.num_cached_tokens for r in results.values()) > 0  # and hits still happened
     assert {k: v.token_ids for k, v in results.items()} == outputs_without_cache
     assert_idle_and_clean(tiny)
@@ -150,10 +160,11 @@ def test_greedy_outputs_are_identical_under_eviction_pressure(
 
 @pytest.fixture(scope="module")
 def random_workload(make_engine: EngineFactory, tokenizer: Any) -> LLMEngine:
-    """A fresh engine after a random mix of shared-prefix requests, salts, aborts, preemptions and one cache
-    reset."""
+    """A fresh engine after a random mix of shared-prefix requests, salts, aborts, preemptions and
+    one cache reset."""
     bytes_per_block = make_engine().runner.bytes_per_block
-    engine = make_engine(kv_cache_memory_bytes=16 * bytes_per_block, max_num_batched_tokens=128, fresh=True)
+    engine = make_engine(kv_cache_memory_bytes=16 * bytes_per_block, max_num_batched_tokens=128,
+                         fresh=True)
     rng = random.Random(99)
     prompts = list(_workload_prompts(tokenizer).values())
     results: dict[str, Completion] = {}
@@ -161,7 +172,8 @@ def random_workload(make_engine: EngineFactory, tokenizer: Any) -> LLMEngine:
     for step in range(400):
         if step < 80 and rng.random() < 0.4:
             request_id = f"w{step}"
-            engine.add_request(request_id, rng.choice(prompts), SamplingParams(temperature=0.0, max_tokens=16),
+            engine.add_request(request_id, rng.choice(prompts),
+                               SamplingParams(temperature=0.0, max_tokens=16),
                                cache_salt=rng.choice([None, None, "tenant"]))
             live.append(request_id)
         if live and rng.random() < 0.08:
@@ -181,15 +193,18 @@ def random_workload(make_engine: EngineFactory, tokenizer: Any) -> LLMEngine:
     return engine
 
 
-def test_random_workload_with_aborts_leaves_integrity_and_zero_ref_counts(random_workload: LLMEngine) -> None:
+def test_random_workload_with_aborts_leaves_integrity_and_zero_ref_counts(
+        random_workload: LLMEngine) -> None:
     assert_idle_and_clean(random_workload)
     assert random_workload.kv_cache.pool.num_cached_blocks > 0
 
 
-def test_event_stream_replayed_from_zero_reproduces_the_held_hashes(random_workload: LLMEngine) -> None:
+def test_event_stream_replayed_from_zero_reproduces_the_held_hashes(
+        random_workload: LLMEngine) -> None:
     page = random_workload.kv_events.since(0)
     assert page is not None
-    assert [b.seq for b in page.batches] == list(range(1, random_workload.kv_events.last_seq + 1))  # no gaps
+    # no gaps
+    assert [b.seq for b in page.batches] == list(range(1, random_workload.kv_events.last_seq + 1))
     held: set[int] = set()
     for batch in page.batches:
         apply_events(held, batch.events)

@@ -1,6 +1,6 @@
-"""Priority classes on the real model (SmolLM2-135M): a priority request added behind a flood of flex
-requests that hold every seat gets its first token at the next step, its greedy output is what it is
-alone, and every block is free afterwards."""
+"""Priority classes on the real model (SmolLM2-135M): a priority request added behind a flood of
+flex requests that hold every seat gets its first token at the next step, its greedy output is what
+it is alone, and every block is free afterwards."""
 
 from __future__ import annotations
 

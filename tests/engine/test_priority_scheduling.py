@@ -15,8 +15,8 @@ PRIORITY, DEFAULT, FLEX = -1, 0, 1
 
 def make_scheduler(num_blocks: int = 256, max_num_batched_tokens: int = 64,
                    max_num_seqs: int = 16) -> Scheduler:
-    config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                             prefix_aware_window=8)
+    config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                             max_num_seqs=max_num_seqs, prefix_aware_window=8)
     return Scheduler(config, make_manager(num_blocks, enable_caching=False))
 
 
@@ -90,7 +90,8 @@ def test_preemption_takes_the_lowest_class_first_then_the_youngest() -> None:
     assert preempted[0] == "flex"
     assert next(p for p in preempted if p != "flex") == "default-young"
     assert default_old.num_preemptions == 0  # the older of the class keeps its blocks
-    assert all(r.is_finished and r.num_output_tokens == 50 for r in (flex, default_old, default_young))
+    assert all(r.is_finished and r.num_output_tokens == 50
+               for r in (flex, default_old, default_young))
     assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
 
 
@@ -154,13 +155,15 @@ def test_a_priority_arrival_takes_a_seat_from_a_flex_request() -> None:
     assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
 
 
-# ---- flex aging (engine/flex_aging.py) ------------------------------------------------------------------
-def _flex_under_a_default_stream(flex_max_wait_ms: float, num_steps: int = 80) -> tuple[Request, int | None]:
+# ---- flex aging (engine/flex_aging.py) -----------------------------------------------------------
+def _flex_under_a_default_stream(flex_max_wait_ms: float,
+                                 num_steps: int = 80) -> tuple[Request, int | None]:
     """One seat; one default request arrives every step and takes one step (8 prompt tokens, one
     output token), so a default request always waits. A flex request arrives first. A virtual clock
     of one second per step. Returns the flex request and the step it was first scheduled in."""
     now = [0.0]
-    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, flex_max_wait_ms=flex_max_wait_ms)
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1,
+                             flex_max_wait_ms=flex_max_wait_ms)
     scheduler = Scheduler(config, make_manager(256, enable_caching=False), clock=lambda: now[0])
     flex = classed(FLEX, 8, start=500_000, max_tokens=4, request_id="flex")
     flex.arrival_time = now[0]
@@ -185,7 +188,8 @@ def test_a_flex_request_starves_under_a_steady_default_stream_without_aging() ->
 
 def test_an_aged_flex_request_is_scheduled_as_default_within_its_bound() -> None:
     flex, first_step = _flex_under_a_default_stream(10_000.0)  # 10 steps of the virtual clock
-    assert first_step is not None and 10 < first_step <= 12  # promoted past 10 s, ahead of later defaults
+    # promoted past 10 s, ahead of later defaults
+    assert first_step is not None and 10 < first_step <= 12
     assert flex.priority == DEFAULT and flex.is_finished
 
 
@@ -193,14 +197,16 @@ def test_an_aged_flex_request_queues_behind_older_defaults_and_ahead_of_younger_
     now = [0.0]
     config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=1, flex_max_wait_ms=5_000.0)
     scheduler = Scheduler(config, make_manager(256, enable_caching=False), clock=lambda: now[0])
-    for name, priority, arrival in [("d-old", DEFAULT, 0.0), ("flex", FLEX, 1.0), ("d-young", DEFAULT, 2.0),
+    for name, priority, arrival in [("d-old", DEFAULT, 0.0), ("flex", FLEX, 1.0),
+                                    ("d-young", DEFAULT, 2.0),
                                     ("p", PRIORITY, 3.0), ("flex-young", FLEX, 4.0)]:
         request = classed(priority, 8, start=len(name) * 1000 + int(arrival) * 100, request_id=name)
         request.arrival_time = arrival
         scheduler.add_request(request)
     now[0] = 6.5  # flex waited 5.5 s, flex-young 2.5 s
     assert scheduler.aging.promote(scheduler.waiting, now[0]) == 1
-    assert [r.request_id for r in scheduler.waiting] == ["p", "d-old", "flex", "d-young", "flex-young"]
+    assert ([r.request_id for r in scheduler.waiting]
+            == ["p", "d-old", "flex", "d-young", "flex-young"])
     now[0] = 9.5
     scheduler.schedule()  # flex-young is promoted too, behind every default that waited before it
     assert [r.request_id for r in scheduler.waiting][-2:] == ["d-young", "flex-young"]
@@ -242,7 +248,8 @@ def test_flex_max_wait_is_validated() -> None:
 def test_the_flex_wait_bound_follows_the_ttft_target() -> None:
     from engine.flex_aging import flex_max_wait_s
 
-    assert flex_max_wait_s(SchedulerConfig(ttft_p90_ms=500.0)) == 2 * 4 * 0.5  # 2 x flex's 4 x target
+    # 2 x flex's 4 x target
+    assert flex_max_wait_s(SchedulerConfig(ttft_p90_ms=500.0)) == 2 * 4 * 0.5
     assert flex_max_wait_s(SchedulerConfig()) == 60.0
     assert flex_max_wait_s(SchedulerConfig(ttft_p90_ms=500.0, flex_max_wait_ms=1500.0)) == 1.5
 

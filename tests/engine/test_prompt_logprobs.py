@@ -112,4 +112,5 @@ def test_an_answer_ended_by_eos_has_a_logprob_for_each_token_of_its_text(engine:
     entries = [entry for output in outputs for entry in output.logprobs or ()]
     assert len(entries) == final.num_output_tokens - 1
     assert not {entry.token_id for entry in entries} & set(engine.model_config.eos_token_ids)
-    assert engine.tokenizer.decode([e.token_id for e in entries]) == "".join(o.text for o in outputs)
+    assert (engine.tokenizer.decode([e.token_id for e in entries])
+            == "".join(o.text for o in outputs))

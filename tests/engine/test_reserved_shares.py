@@ -24,8 +24,8 @@ ACME, OTHER = "project:acme", "project:other"
 
 def make_scheduler(shares: tuple[tuple[str, float], ...], num_blocks: int = 512,
                    max_num_batched_tokens: int = 64, max_num_seqs: int = 16) -> Scheduler:
-    config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                             reserved_shares=shares)
+    config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                             max_num_seqs=max_num_seqs, reserved_shares=shares)
     return Scheduler(config, make_manager(num_blocks, enable_caching=False))
 
 
@@ -77,7 +77,8 @@ def test_a_reserved_share_of_the_kv_blocks_holds_while_the_project_has_work() ->
     for i in range(16):  # would take every block: 16 x (64 + 64) tokens = 128 blocks
         scheduler.add_request(make_request(tokens(64, start=10_000 * (i + 1)), cache_salt=OTHER,
                                            max_tokens=64))
-    acme = make_request(tokens(200, start=900_000), cache_salt=ACME, max_tokens=200)  # 25 blocks at the end
+    # 25 blocks at the end
+    acme = make_request(tokens(200, start=900_000), cache_salt=ACME, max_tokens=200)
     scheduler.add_request(acme)
     acme_share = num_blocks // 4
     while not acme.is_finished:
@@ -119,7 +120,7 @@ def test_reserved_shares_are_validated() -> None:
         SchedulerConfig(reserved_shares=(("a", 0.2), ("a", 0.2)))
 
 
-# ---- taking a share back: others filled the pool and the seats before the project's burst ----------
+# ---- taking a share back: others filled the pool and the seats before the project's burst --------
 def _fill_then_burst(shares: tuple[tuple[str, float], ...], other_classes: tuple[int, ...],
                      acme_class: int = 0) -> tuple[Scheduler, list[Request], list[Request]]:
     """32 blocks, 4 seats: four other-project requests of 112 prompt tokens (7 blocks) decode and
@@ -160,7 +161,8 @@ def test_a_reserved_project_takes_its_seats_and_blocks_back_from_other_projects(
     # two seats owed: the lowest class goes first, then the youngest of the next class
     assert batch.preempted_request_ids == ["other-3", "other-2"]
     scheduled = {s.request_id: s.num_scheduled_tokens for s in batch.sequences}
-    assert scheduled["acme-0"] == 40 and scheduled["acme-1"] == 64 - 40 - 2  # the rest, after 2 decodes
+    # the rest, after 2 decodes
+    assert scheduled["acme-0"] == 40 and scheduled["acme-1"] == 64 - 40 - 2
     assert scheduled["other-0"] == scheduled["other-1"] == 1  # the older ones keep decoding
     simulate_step(scheduler, batch)
     scheduler.kv_cache.check_integrity()
@@ -205,7 +207,8 @@ def test_a_reservation_holds_against_another_projects_higher_class() -> None:
 def test_a_reserved_project_does_not_take_from_another_within_its_share() -> None:
     scheduler = make_scheduler((("acme", 0.25), ("beta", 0.5)), num_blocks=32,
                                max_num_batched_tokens=64, max_num_seqs=4)
-    beta = [make_request(tokens(64, start=10_000 * (i + 1)), cache_salt="project:beta", max_tokens=16)
+    beta = [make_request(tokens(64, start=10_000 * (i + 1)), cache_salt="project:beta",
+                         max_tokens=16)
             for i in range(2)]  # 2 seats and 10 blocks: within beta's half
     other = [make_request(tokens(64, start=50_000 * (i + 1)), cache_salt=OTHER, max_tokens=16)
              for i in range(2)]
@@ -224,7 +227,8 @@ def test_a_reserved_project_does_not_take_from_another_within_its_share() -> Non
 
 
 @pytest.mark.parametrize("seed", [1, 2])
-def test_mixed_projects_and_classes_under_kv_pressure_all_finish_and_leak_nothing(seed: int) -> None:
+def test_mixed_projects_and_classes_under_kv_pressure_all_finish_and_leak_nothing(
+        seed: int) -> None:
     """Random arrivals of three projects (two reserved) in every class into a small pool: every
     step the allocator is consistent; every request finishes with all its tokens (no livelock of
     taking back and readmitting); nothing leaks."""
@@ -257,7 +261,8 @@ def test_a_share_takes_back_one_seat_per_seat_owed_when_the_plan_caps_the_batch_
     # acme (one seat owed) takes back one seat, not every seat above the cap
     from engine.slo import StepPlan
 
-    scheduler = make_scheduler((("acme", 0.5),), num_blocks=64, max_num_batched_tokens=64, max_num_seqs=4)
+    scheduler = make_scheduler((("acme", 0.5),), num_blocks=64, max_num_batched_tokens=64,
+                               max_num_seqs=4)
     others = [make_request(tokens(20, start=10_000 * (i + 1)), cache_salt=OTHER, max_tokens=30)
               for i in range(4)]
     for request in others:
@@ -278,9 +283,11 @@ def test_a_share_takes_back_one_seat_per_seat_owed_when_the_plan_caps_the_batch_
 def test_a_reserved_project_is_found_behind_a_deep_queue_of_other_projects() -> None:
     # 300 of another project's requests wait ahead of acme's (more than the scan of the queue):
     # acme's share still gets its prompt in at the next step
-    scheduler = make_scheduler((("acme", 0.25),), num_blocks=128, max_num_batched_tokens=64, max_num_seqs=4)
+    scheduler = make_scheduler((("acme", 0.25),), num_blocks=128, max_num_batched_tokens=64,
+                               max_num_seqs=4)
     for i in range(300):
-        scheduler.add_request(make_request(tokens(8, start=10_000 * (i + 1)), cache_salt=OTHER, max_tokens=6))
+        scheduler.add_request(make_request(tokens(8, start=10_000 * (i + 1)), cache_salt=OTHER,
+                                           max_tokens=6))
     simulate_step(scheduler, scheduler.schedule())
     assert len(scheduler.running) == 4 and len(scheduler.waiting) == 296
     acme = make_request(tokens(16, start=9_000_000), cache_salt=ACME, max_tokens=2)

@@ -10,19 +10,22 @@ from engine.scheduler import Scheduler
 from tests.engine.fakes import make_manager, make_request, run_to_completion, simulate_step, tokens
 
 
-def make_scheduler(num_blocks: int = 256, max_num_batched_tokens: int = 64, max_num_seqs: int | None = None,
+def make_scheduler(num_blocks: int = 256, max_num_batched_tokens: int = 64,
+                   max_num_seqs: int | None = None,
                    prefix_aware_window: int = 8, enable_caching: bool = True) -> Scheduler:
-    # The config requires a token of budget per running sequence: by default as many sequences as that.
+    # The config requires a token of budget per running sequence: by default as many sequences as
+    # that.
     if max_num_seqs is None:
         max_num_seqs = min(64, max_num_batched_tokens)
-    config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                             prefix_aware_window=prefix_aware_window)
+    config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                             max_num_seqs=max_num_seqs, prefix_aware_window=prefix_aware_window)
     return Scheduler(config, make_manager(num_blocks, enable_caching))
 
 
 def test_every_step_respects_the_token_budget_and_every_request_finishes() -> None:
     scheduler = make_scheduler(max_num_batched_tokens=50)
-    requests = [make_request(tokens(n, start=1000 * n), max_tokens=5) for n in (3, 70, 20, 120, 49, 1)]
+    requests = [make_request(tokens(n, start=1000 * n), max_tokens=5)
+                for n in (3, 70, 20, 120, 49, 1)]
     for request in requests:
         scheduler.add_request(request)
     batches = run_to_completion(scheduler)
@@ -136,7 +139,8 @@ def test_preempted_request_recomputes_its_output_tokens_too() -> None:
         simulate_step(scheduler, batch)
     resumed = next(s for s in batch.sequences if s.request_id == young.request_id)
     assert resumed.start_position == 0
-    assert resumed.token_ids == (young.prompt_token_ids + young.output_token_ids)[:len(resumed.token_ids)]
+    assert (resumed.token_ids
+            == (young.prompt_token_ids + young.output_token_ids)[:len(resumed.token_ids)])
     assert young.num_tokens >= num_tokens_at_preemption
 
 
@@ -183,7 +187,8 @@ def test_prefix_cache_statistics_count_each_admitted_request_once() -> None:
     requests = [make_request(shared + [i], max_tokens=3) for i in range(4)]
     for request in requests:
         scheduler.add_request(request)
-    run_to_completion(scheduler)  # one at a time (max_num_seqs=1): the others wait, looked up each step
+    # one at a time (max_num_seqs=1): the others wait, looked up each step
+    run_to_completion(scheduler)
     manager = scheduler.kv_cache
     assert [r.num_cached_tokens for r in requests] == [0, 48, 48, 48]
     assert manager.num_hit_tokens == sum(r.num_cached_tokens for r in requests)

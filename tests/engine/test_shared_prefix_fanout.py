@@ -1,12 +1,13 @@
 """Fan-out: N requests that share a new (uncached) prefix and arrive together prefill it once.
 
-Why it holds (docs/design/architecture.md, "Concurrent requests with the same new prefix"): the leader's
-blocks become findable by hash when they are allocated for the step that writes them; running requests
-take the token budget first, so a follower is admitted only in the step that schedules the leader's last
-prefix chunk (or later); every layer stores the whole step's K/V before it attends, so a follower reading
-the leader's blocks in that same step reads them written. Checked with the fake scheduler driver (any
-budget) and on the real model (tokens prefilled counted by the engine's stats, outputs equal to a run
-without the prefix cache, an abort of the leader mid-prefill)."""
+Why it holds (docs/design/architecture.md, "Concurrent requests with the same new prefix"): the
+leader's blocks become findable by hash when they are allocated for the step that writes them;
+running requests take the token budget first, so a follower is admitted only in the step that
+schedules the leader's last prefix chunk (or later); every layer stores the whole step's K/V before
+it attends, so a follower reading the leader's blocks in that same step reads them written. Checked
+with the fake scheduler driver (any budget) and on the real model (tokens prefilled counted by the
+engine's stats, outputs equal to a run without the prefix cache, an abort of the leader
+mid-prefill)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def test_eight_requests_sharing_a_new_prefix_prefill_it_once(budget: int) -> Non
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=budget), manager)
     prefix = tokens(2000)  # 125 blocks, in no cache yet
     for i in range(N):
-        scheduler.add_request(make_request(prefix + tokens(100, start=5000 + 1000 * i), max_tokens=4))
+        scheduler.add_request(make_request(prefix + tokens(100, start=5000 + 1000 * i),
+                                           max_tokens=4))
     run_to_completion(scheduler)  # checks the manager's integrity after every step
     assert scheduler.num_prompt_tokens_computed_total == len(prefix) + N * 100
     assert manager.num_hit_tokens == (N - 1) * len(prefix)
@@ -53,10 +55,12 @@ def test_eight_requests_sharing_a_new_prefix_prefill_it_once(budget: int) -> Non
 
 
 def _fanout_prompts(tokenizer: Any) -> dict[str, list[int]]:
-    system = ("You orchestrate subagents for a code review. Each subagent reads one file of the change, "
-              "reports bugs with line numbers, and never rewrites code it was not asked to. ") * 3
+    system = ("You orchestrate subagents for a code review. Each subagent reads one file of the "
+              "change, reports bugs with line numbers, and never rewrites code it was not asked "
+              "to. ") * 3
     return {f"sub{i}": tokenizer.encode_chat([{"role": "system", "content": system},
-                                              {"role": "user", "content": f"Review file number {i}."}])
+                                              {"role": "user",
+                                               "content": f"Review file number {i}."}])
             for i in range(N)}
 
 
@@ -70,7 +74,8 @@ def _shared_len(prompts: dict[str, list[int]]) -> int:
 
 @pytest.fixture(scope="module")
 def uncached_outputs(make_engine: EngineFactory, tokenizer: Any) -> dict[str, list[int]]:
-    """Every fan-out prompt's greedy tokens from an engine without the prefix cache (computed once)."""
+    """Every fan-out prompt's greedy tokens from an engine without the prefix cache (computed
+    once)."""
     plain = make_engine(max_num_batched_tokens=64, enable_prefix_caching=False, fresh=True)
     prompts = _fanout_prompts(tokenizer)
     for request_id, prompt in prompts.items():
@@ -121,12 +126,14 @@ def test_aborting_the_leader_mid_prefill_leaves_followers_correct_and_no_block_l
         results[request_id] = completion
     assert_idle_and_clean(engine)
     followers = [k for k in prompts if k != "sub0"]
-    assert {k: results[k].token_ids for k in followers} == {k: uncached_outputs[k] for k in followers}
+    assert ({k: results[k].token_ids for k in followers}
+            == {k: uncached_outputs[k] for k in followers})
     assert all(results[k].num_cached_tokens >= 64 for k in followers)  # the leader's written chunk
 
 
 @pytest.mark.parametrize("seed", range(16))
-def test_staggered_followers_among_other_requests_still_share_the_leaders_prefill(seed: int) -> None:
+def test_staggered_followers_among_other_requests_still_share_the_leaders_prefill(
+        seed: int) -> None:
     """Followers arriving over the leader's first steps, unrelated requests in between, any budget:
     the prefix is prefilled once (each follower may redo the partial block where it diverges)."""
     rng = random.Random(seed)
@@ -137,13 +144,16 @@ def test_staggered_followers_among_other_requests_still_share_the_leaders_prefil
     arrivals: dict[int, list[Request]] = {}
     for i in range(N):
         prompt = prefix + tokens(rng.randrange(1, 100), start=5000 + 1000 * i)
-        arrivals.setdefault(rng.randrange(6), []).append(make_request(prompt, max_tokens=rng.randrange(1, 6)))
+        arrivals.setdefault(rng.randrange(6), []).append(
+            make_request(prompt, max_tokens=rng.randrange(1, 6)))
     for j in range(rng.randrange(4)):
         other = make_request(tokens(rng.randrange(1, 300), start=100_000 + 1000 * j), max_tokens=20)
         arrivals.setdefault(rng.randrange(6), []).append(other)
     requests = [r for arriving in arrivals.values() for r in arriving]
-    num_tails = sum(r.num_prompt_tokens - len(prefix) for r in requests if r.prompt_token_ids[:len(prefix)] == prefix)
-    num_others = sum(r.num_prompt_tokens for r in requests if r.prompt_token_ids[:len(prefix)] != prefix)
+    num_tails = sum(r.num_prompt_tokens - len(prefix) for r in requests
+                    if r.prompt_token_ids[:len(prefix)] == prefix)
+    num_others = sum(r.num_prompt_tokens for r in requests
+                     if r.prompt_token_ids[:len(prefix)] != prefix)
     step = 0
     while step < 6 or scheduler.num_unfinished:
         for request in arrivals.get(step, []):

@@ -23,7 +23,8 @@ from engine.slo import (
     prompt_pairs,
 )
 
-COST = StepCost(base_s=0.010, prefill_s_per_token=0.0001, decode_s_per_seq=0.001)  # 10k prefill tok/s
+# 10k prefill tok/s
+COST = StepCost(base_s=0.010, prefill_s_per_token=0.0001, decode_s_per_seq=0.001)
 
 
 def test_the_step_cost_model_recovers_a_linear_machine_from_noisy_steps() -> None:
@@ -61,7 +62,8 @@ def test_nothing_is_predicted_before_a_few_steps_and_empty_steps_are_ignored() -
     assert model.cost is not None
 
 
-def test_steps_that_do_not_tell_the_terms_apart_split_the_time_between_fixed_and_per_token() -> None:
+def test_steps_that_do_not_tell_the_terms_apart_split_the_time_between_fixed_and_per_token(
+        ) -> None:
     model = StepCostModel(prefill_scale=64, decode_scale=8)
     for _ in range(50):
         model.observe(64, 0, 2.0)  # every step full: base and per-token cost are not identifiable
@@ -200,7 +202,8 @@ def test_the_plan_never_exceeds_the_configured_limits_and_keeps_prefill_moving()
     loose = plan_step(COST, 4, tpot_target_ms=10_000.0, max_num_batched_tokens=512, max_num_seqs=64)
     assert (loose.token_budget, loose.max_num_running) == (512, 64)
     tight = plan_step(COST, 40, tpot_target_ms=30.0, max_num_batched_tokens=512, max_num_seqs=64)
-    assert tight.token_budget == 40 + MIN_PREFILL_TOKENS  # the decodes fill the step: prefill's floor
+    # the decodes fill the step: prefill's floor
+    assert tight.token_budget == 40 + MIN_PREFILL_TOKENS
     assert tight.max_num_running == 12  # and no new sequence joins until some finish
 
 
@@ -247,13 +250,15 @@ def test_the_fit_stays_true_to_steps_that_all_look_alike() -> None:
 
 def test_without_a_tpot_target_or_a_measurement_the_plan_is_the_fixed_budget() -> None:
     for cost, target in ((None, 50.0), (COST, None)):
-        plan = plan_step(cost, 10, tpot_target_ms=target, max_num_batched_tokens=512, max_num_seqs=64)
+        plan = plan_step(cost, 10, tpot_target_ms=target, max_num_batched_tokens=512,
+                         max_num_seqs=64)
         assert (plan.token_budget, plan.max_num_running) == (512, 64)
 
 
 def _load(priority_prefill: int, default_prefill: int, flex_prefill: int, num_decodes: int = 0,
           cost: StepCost | None = COST) -> QueueLoad:
-    """Cumulative loads, as Scheduler.queue_load() makes them (decodes all in the priority class)."""
+    """Cumulative loads, as Scheduler.queue_load() makes them (decodes all in the priority
+    class)."""
     by_class = {-1: ClassLoad(priority_prefill, num_decodes),
                 0: ClassLoad(priority_prefill + default_prefill, num_decodes),
                 1: ClassLoad(priority_prefill + default_prefill + flex_prefill, num_decodes)}
@@ -266,7 +271,8 @@ def test_the_queue_is_the_prefill_ahead_at_the_step_rate() -> None:
     step_s = COST.step_s(500, 12)  # 512 tokens a step less the 12 decodes
     assert queue_s == pytest.approx(5120 / 500 * step_s)
     assert own_s == pytest.approx(1000 / 500 * step_s)
-    assert predict_queue_s(load, -1, 1000)[0] == 0.0  # the default class's queue is not ahead of priority
+    # the default class's queue is not ahead of priority
+    assert predict_queue_s(load, -1, 1000)[0] == 0.0
 
 
 def test_a_request_is_refused_only_when_the_queue_breaks_its_target() -> None:
@@ -323,9 +329,11 @@ def test_the_replica_flags_make_the_scheduler_config() -> None:
                             "--reserved-share", "acme=0.25", "--reserved-share", "team=x=0.1")
     assert (slo.ttft_p90_ms, slo.tpot_p90_ms, slo.policy) == (800.0, 60.0, "slo")
     assert slo.reserved_shares == (("acme", 0.25), ("team=x", 0.1))
-    assert _scheduler_config("--ttft-p90-ms", "800", "--scheduler-policy", "fixed").policy == "fixed"
+    assert (_scheduler_config("--ttft-p90-ms", "800", "--scheduler-policy", "fixed").policy
+            == "fixed")
     assert _scheduler_config("--ttft-p90-ms", "0").ttft_p90_ms is None  # 0: no target
-    assert plain.flex_max_wait_ms is None  # the default: from the TTFT target (engine/flex_aging.py)
+    # the default: from the TTFT target (engine/flex_aging.py)
+    assert plain.flex_max_wait_ms is None
     assert _scheduler_config("--flex-max-wait-ms", "2500").flex_max_wait_ms == 2500.0
     assert _scheduler_config("--flex-max-wait-ms", "inf").flex_max_wait_ms == float("inf")
 

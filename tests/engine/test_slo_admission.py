@@ -28,7 +28,8 @@ FLOOD = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def replica(model_path: str, checkpoint: Any, tokenizer: Any) -> Iterator[tuple[ServerThread, LLMEngine]]:
+def replica(model_path: str, checkpoint: Any,
+            tokenizer: Any) -> Iterator[tuple[ServerThread, LLMEngine]]:
     from engine.model_runner import ModelRunner
 
     config = EngineConfig(
@@ -47,7 +48,8 @@ def replica(model_path: str, checkpoint: Any, tokenizer: Any) -> Iterator[tuple[
 
 
 def _flood(server: ServerThread, async_engine: Any, prompts: list[list[int]]) -> list[Any]:
-    """Engine requests started behind the HTTP edge (admission is the edge's), consumed to the end."""
+    """Engine requests started behind the HTTP edge (admission is the edge's), consumed to the
+    end."""
     async def consume(request_id: str, prompt: list[int]) -> None:
         async for _ in async_engine.generate(request_id, prompt, FLOOD, priority=0):
             pass
@@ -59,7 +61,8 @@ def _flood(server: ServerThread, async_engine: Any, prompts: list[list[int]]) ->
 def test_a_request_the_queue_would_make_late_is_refused_at_once_and_leaves_nothing(
         replica: tuple[ServerThread, LLMEngine], tokenizer: Any) -> None:
     server, engine = replica
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
+                           timeout=300)
     model = engine.model_config.model_id
     short = [{"role": "user", "content": "Say hi."}]
     client.chat.completions.create(model=model, messages=short, max_tokens=8)  # measures the steps
@@ -76,7 +79,8 @@ def test_a_request_the_queue_would_make_late_is_refused_at_once_and_leaves_nothi
     assert predicted_ms > TTFT_TARGET_MS
     assert int(response.headers["Retry-After"]) == max(1, -(-predicted_ms // 1000))
     error = response.json()["error"]
-    assert (error["type"], error["code"], error["param"]) == ("server_overloaded", "latency_target", None)
+    assert ((error["type"], error["code"], error["param"])
+            == ("server_overloaded", "latency_target", None))
     assert "target" in error["message"]
 
     # the same queue is not ahead of the priority class: admitted, answered
@@ -93,11 +97,15 @@ def test_a_request_the_queue_would_make_late_is_refused_at_once_and_leaves_nothi
     assert_idle_and_clean(engine)  # the refused request never reached the engine
 
     metrics = httpx.get(server.base_url + "/metrics", timeout=30).text
-    assert _sample(metrics, "aigw_replica_admissions_refused_total", 'service_tier="default"') == 1.0
-    assert _sample(metrics, "aigw_replica_admissions_refused_total", 'service_tier="priority"') is None
-    assert _sample(metrics, "aigw_replica_completed_requests_total", 'service_tier="priority"') == 1.0
+    assert (_sample(metrics, "aigw_replica_admissions_refused_total", 'service_tier="default"')
+            == 1.0)
+    assert _sample(metrics, "aigw_replica_admissions_refused_total",
+                   'service_tier="priority"') is None
+    assert (_sample(metrics, "aigw_replica_completed_requests_total", 'service_tier="priority"')
+            == 1.0)
     assert _sample(metrics, "aigw_replica_predicted_queue_delay_ms", 'service_tier="flex"') == 0.0
-    assert _sample(metrics, "aigw_replica_ttft_target_ms", 'service_tier="flex"') == 4 * TTFT_TARGET_MS
+    assert (_sample(metrics, "aigw_replica_ttft_target_ms", 'service_tier="flex"')
+            == 4 * TTFT_TARGET_MS)
     assert (_sample(metrics, "aigw_replica_prefill_ms_per_token", "") or 0.0) > 0.0
 
 
@@ -108,7 +116,8 @@ def test_an_admitted_request_counts_as_queued_before_its_engine_request_starts(
     the check, so the next check sees it; a hold whose request never starts is released."""
     server, engine = replica
     async_engine: AsyncEngine = server._engine
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0,
+                           timeout=300)
     client.chat.completions.create(model=engine.model_config.model_id, max_tokens=4,
                                    messages=[{"role": "user", "content": "Say hi."}])
     assert engine.scheduler.step_costs.cost is not None and not engine.has_unfinished_requests

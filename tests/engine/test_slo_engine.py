@@ -30,16 +30,18 @@ def build(model_path: str, checkpoint: Any, tokenizer: Any) -> Any:
 
     def make(**scheduler: Any) -> LLMEngine:
         config = EngineConfig(model_path=model_path, num_threads=1, dtype="float32",
-                              cache=CacheConfig(kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False),
+                              cache=CacheConfig(kv_cache_memory_bytes=64 << 20,
+                                                enable_prefix_caching=False),
                               scheduler=SchedulerConfig(**scheduler))
-        runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights), dict(checkpoint.raw))
+        runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights),
+                             dict(checkpoint.raw))
         return LLMEngine(config, checkpoint.config, runner, tokenizer)
 
     return make
 
 
-def test_a_flex_flood_does_not_delay_a_priority_request_under_the_slo_policy(build: Any,
-                                                                             tokenizer: Any) -> None:
+def test_a_flex_flood_does_not_delay_a_priority_request_under_the_slo_policy(
+        build: Any, tokenizer: Any) -> None:
     engine = build(max_num_batched_tokens=128, max_num_seqs=4, ttft_p90_ms=60_000.0,
                    tpot_p90_ms=60_000.0, policy="slo")
     urgent_prompt = tokenizer.encode_chat([{"role": "user", "content": "Name a colour."}])
@@ -58,7 +60,8 @@ def test_a_flex_flood_does_not_delay_a_priority_request_under_the_slo_policy(bui
     first_token_step, results = drive_to_first_tokens(engine, on_step)
     assert first_token_step["urgent"] == 3  # the step right after it arrived
     assert admissions["priority"].is_admitted and admissions["priority"].queue_ms == 0.0
-    assert admissions["flex"].queue_ms > 0.0  # the flood's prompts are ahead of another flex request
+    # the flood's prompts are ahead of another flex request
+    assert admissions["flex"].queue_ms > 0.0
     assert results["urgent"].token_ids == alone.token_ids
     assert engine.scheduler.step_costs.cost is not None  # measured from the steps it ran
     assert_idle_and_clean(engine)
@@ -76,8 +79,8 @@ class _FixedCosts(StepCostModel):
         pass
 
 
-def test_the_slo_policy_sizes_prefill_chunks_so_decodes_keep_the_tpot_target(build: Any,
-                                                                               tokenizer: Any) -> None:
+def test_the_slo_policy_sizes_prefill_chunks_so_decodes_keep_the_tpot_target(
+        build: Any, tokenizer: Any) -> None:
     cost = StepCost(base_s=0.010, prefill_s_per_token=0.001, decode_s_per_seq=0.002)
     tpot_target_ms = 50.0
     long_prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20)[:120]
@@ -120,7 +123,8 @@ def test_the_slo_policy_sizes_prefill_chunks_so_decodes_keep_the_tpot_target(bui
     for num_decodes, chunk in slo_steps:
         assert num_decodes == 4  # every stream got its token in every step of the prefill
         assert cost.step_s(chunk, num_decodes) <= tpot_target_ms / 1000.0 * HEADROOM + 1e-9
-        assert chunk == 22 or chunk == 120 - 22 * (len(slo_steps) - 1)  # (40 - 10 - 8) ms of prefill
+        # (40 - 10 - 8) ms of prefill
+        assert chunk == 22 or chunk == 120 - 22 * (len(slo_steps) - 1)
     assert sum(chunk for _, chunk in slo_steps) == 120
     assert {k: v.token_ids for k, v in slo_results.items()} == {
         k: v.token_ids for k, v in fixed_results.items()}
@@ -129,7 +133,8 @@ def test_the_slo_policy_sizes_prefill_chunks_so_decodes_keep_the_tpot_target(bui
 def test_a_reserved_share_gets_its_projects_prompt_through_another_projects_flood(
         build: Any, tokenizer: Any) -> None:
     acme_prompt = tokenizer.encode("Acme's question about rockets and roadrunners. " * 8)[:64]
-    flood = [tokenizer.encode(f"Another project's long document number {i}. " * 30)[:128] for i in range(3)]
+    flood = [tokenizer.encode(f"Another project's long document number {i}. " * 30)[:128]
+             for i in range(3)]
 
     def first_token_step(shares: tuple[tuple[str, float], ...]) -> tuple[int, Completion]:
         engine = build(max_num_batched_tokens=64, max_num_seqs=8, reserved_shares=shares)

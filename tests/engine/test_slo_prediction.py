@@ -41,7 +41,8 @@ def test_a_waiting_request_counts_only_its_uncached_tokens() -> None:
     assert load.by_class[0].num_prefill_tokens == 104 + 200
     assert load.by_class[0].num_waiting == 2 and load.by_class[-1].num_waiting == 0
     # a whole prompt cached still computes its last token
-    full = queue_load_of([FakeRequest(0, 64, num_cached_tokens_predicted=64)], [], StepPlan(512, 64), COST)
+    full = queue_load_of([FakeRequest(0, 64, num_cached_tokens_predicted=64)], [],
+                         StepPlan(512, 64), COST)
     assert full.by_class[0].num_prefill_tokens == 1
 
 
@@ -66,7 +67,8 @@ def test_a_full_batch_makes_a_new_request_wait_for_the_soonest_seats() -> None:
     queue_s, _ = predict_queue_s(load, 0, 10)
     assert queue_s == pytest.approx(5 * COST.step_s(512 - 4, 4))
     # two requests already waiting take the first two seats: a third waits for the third
-    waited = queue_load_of([FakeRequest(0, 10), FakeRequest(0, 10)], running, StepPlan(512, 4), COST)
+    waited = queue_load_of([FakeRequest(0, 10), FakeRequest(0, 10)], running, StepPlan(512, 4),
+                           COST)
     assert seat_wait_steps(waited, waited.by_class[0]) == 40
     # a seat free: no wait
     roomy = queue_load_of([], running, StepPlan(512, 5), COST)
@@ -111,15 +113,16 @@ def test_the_engine_finds_a_prompts_cached_prefix_for_admission(caching_engine: 
     prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 12)
     assert len(prompt) > 3 * block
     assert engine.num_cached_prefix_tokens(prompt, "project:a") == 0
-    generate(engine, {"first": prompt}, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-             cache_salt="project:a")
+    generate(engine, {"first": prompt},
+             SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), cache_salt="project:a")
     expected = (len(prompt) - 1) // block * block  # every full block but the last token's
     assert engine.num_cached_prefix_tokens(prompt, "project:a") == expected
     assert engine.num_cached_prefix_tokens(prompt + [11, 12], "project:a") == expected
     assert engine.num_cached_prefix_tokens(prompt, "project:b") == 0  # another tenant's cache
     assert engine.num_cached_prefix_tokens(prompt[: block // 2], "project:a") == 0
     # a queued request carries the hit it found, and the load counts only the rest
-    engine.add_request("again", prompt + [11, 12], SamplingParams(max_tokens=1), cache_salt="project:a")
+    engine.add_request("again", prompt + [11, 12], SamplingParams(max_tokens=1),
+                       cache_salt="project:a")
     engine.publish_load()
     assert engine.scheduler.waiting[0].num_cached_tokens_predicted == expected
     assert engine.queue_load.by_class[0].num_prefill_tokens == len(prompt) + 2 - expected

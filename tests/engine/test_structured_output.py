@@ -108,7 +108,8 @@ def test_real_model_output_follows_the_schema_greedy_and_sampled(engine: LLMEngi
         "hot": (_chat(engine, "Invent a person."),
                 SamplingParams(temperature=1.5, seed=7, max_tokens=80, grammar=schema)),
         "object": (_chat(engine, "List two fruits."),
-                   SamplingParams(temperature=0.0, max_tokens=60, grammar=OutputGrammar.json_object())),
+                   SamplingParams(temperature=0.0, max_tokens=60,
+                                  grammar=OutputGrammar.json_object())),
     })
     for request_id in ("greedy", "hot"):
         text, reason = results[request_id]
@@ -141,12 +142,14 @@ def test_a_recursive_schema_with_a_way_out_is_followed_and_one_without_is_refuse
 
 
 def test_unconstrained_request_is_unchanged_by_a_constrained_neighbour(engine: LLMEngine) -> None:
-    free = (_chat(engine, "Write one sentence about rivers."), SamplingParams(temperature=0.0, max_tokens=16))
+    free = (_chat(engine, "Write one sentence about rivers."),
+            SamplingParams(temperature=0.0, max_tokens=16))
     alone = _generate(engine, {"free": free})["free"]
     together = _generate(engine, {
         "free": free,
         "json": (_chat(engine, "Describe Ann as JSON."),
-                 SamplingParams(temperature=0.0, max_tokens=40, grammar=OutputGrammar.json_schema(PERSON))),
+                 SamplingParams(temperature=0.0, max_tokens=40,
+                                grammar=OutputGrammar.json_schema(PERSON))),
     })
     assert together["free"] == alone
 
@@ -161,7 +164,8 @@ def test_ignore_eos_still_stops_when_the_grammar_is_complete(engine: LLMEngine) 
     assert engine.kv_cache.pool.num_used_blocks == 0
 
 
-def test_each_request_gets_its_own_parser_state_from_a_grammar_built_once(engine: LLMEngine) -> None:
+def test_each_request_gets_its_own_parser_state_from_a_grammar_built_once(
+        engine: LLMEngine) -> None:
     """Building a matcher builds its lexer (~40 ms for 40 tools, in the engine thread): the
     compiler builds each grammar once and hands every request a copy of the fresh matcher."""
     import llguidance

@@ -15,7 +15,8 @@ from engine.testing import RandomEngine, placeholder_tokenizer, random_weights
 
 WINDOW = 24
 CONFIG = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
-                     num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
+                     num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+                     max_position_embeddings=512,
                      layer_types=("sliding_attention", "full_attention") * 2, sliding_window=WINDOW,
                      model_id="tiny-window")
 NUM_NEW = 20
@@ -35,12 +36,14 @@ def _rotate(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     dh = x.shape[-1]
     inv_freq = 1.0 / (CONFIG.rope_theta ** (torch.arange(0, dh, 2).float() / dh))
     freqs = torch.outer(positions.float(), inv_freq)  # [T, Dh/2]
-    cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
+    cos, sin = (torch.cat([freqs, freqs], -1).cos()[:, None],
+                torch.cat([freqs, freqs], -1).sin()[:, None])
     rotated = torch.cat([-x[..., dh // 2:], x[..., :dh // 2]], -1)
     return x * cos + rotated * sin
 
 
-def reference_logits(w: dict[str, torch.Tensor], ids: list[int], windows: bool = True) -> torch.Tensor:
+def reference_logits(w: dict[str, torch.Tensor], ids: list[int],
+                     windows: bool = True) -> torch.Tensor:
     """Dense causal forward over the whole sequence -> the last position's logits [vocab]."""
     cfg = CONFIG
     t = len(ids)
@@ -69,7 +72,8 @@ def reference_logits(w: dict[str, torch.Tensor], ids: list[int], windows: bool =
     return _rms(x, w["model.norm.weight"])[-1] @ w["lm_head.weight"].T
 
 
-def reference_greedy(w: dict[str, torch.Tensor], prompt: list[int], windows: bool = True) -> list[int]:
+def reference_greedy(w: dict[str, torch.Tensor], prompt: list[int],
+                     windows: bool = True) -> list[int]:
     ids = list(prompt)
     for _ in range(NUM_NEW):
         ids.append(int(reference_logits(w, ids, windows).argmax()))
@@ -77,7 +81,8 @@ def reference_greedy(w: dict[str, torch.Tensor], prompt: list[int], windows: boo
 
 
 def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, CONFIG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(0, CONFIG.vocab_size, (n,),
+                         generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 BASE = [_prompt(70, 1), _prompt(45, 2), _prompt(90, 3)]

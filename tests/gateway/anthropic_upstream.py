@@ -89,7 +89,8 @@ def create_anthropic_app(state: AnthropicState) -> web.Application:
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
         await response.write(_sse("message_start", {"message": {
-            **message, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 1}}}))
+            **message, "content": [], "stop_reason": None,
+            "usage": {**usage, "output_tokens": 1}}}))
         if tool:
             await response.write(_sse("content_block_start", {"index": 0, "content_block": {
                 **blocks[0], "input": {}}}))

@@ -173,7 +173,8 @@ GatewayFactory = Callable[..., Gateway]
 
 @pytest.fixture
 def make_gateway(loop_thread: LoopThread) -> Iterator[GatewayFactory]:
-    """make_gateway(num_upstreams=1, configs=None, **settings) -> Gateway, torn down after the test."""
+    """make_gateway(num_upstreams=1, configs=None, **settings) -> Gateway, torn down after the
+    test."""
     runners: list[web.AppRunner] = []
 
     def make(num_upstreams: int = 1, configs: list[MockConfig] | None = None,

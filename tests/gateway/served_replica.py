@@ -37,8 +37,10 @@ class TwoKeyAuthenticator:
     """USER_KEY invokes as project `acme`; ADMIN_KEY is an operator (Scope.ADMIN)."""
 
     PRINCIPALS = {
-        USER_KEY: Principal(project=PROJECT, key_id="key-acme", scopes=frozenset({Scope.INVOKE.value})),
-        ADMIN_KEY: Principal(project="ops", key_id="key-admin", scopes=frozenset({Scope.ADMIN.value})),
+        USER_KEY: Principal(project=PROJECT, key_id="key-acme",
+                            scopes=frozenset({Scope.INVOKE.value})),
+        ADMIN_KEY: Principal(project="ops", key_id="key-admin",
+                             scopes=frozenset({Scope.ADMIN.value})),
     }
 
     async def authenticate(self, credential: str | None) -> Principal:
@@ -94,7 +96,8 @@ def served(replica_url: str, observability_loop: LoopThread,
     from gateway.metering import open_meter
 
     model = embedded.model_settings_for([embedded.ReplicaProcess(None, replica_url)])  # type: ignore[arg-type]
-    model = model.model_copy(update={"prices": Prices(input_per_token=2e-6, cached_input_per_token=5e-7,
+    model = model.model_copy(update={"prices": Prices(input_per_token=2e-6,
+                                                      cached_input_per_token=5e-7,
                                                       output_per_token=8e-6)})
     data_dir: Path = tmp_path_factory.mktemp("aigw-data")
     settings = GatewaySettings(auth_enabled=True, models=[model], data_dir=data_dir,

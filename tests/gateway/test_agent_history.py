@@ -20,7 +20,8 @@ USER = {"role": "user", "content": "list the files"}
 
 
 def _call(call_id: str, name: str = "sh") -> dict[str, Any]:
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": '{"cmd":"ls"}'}}
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": '{"cmd":"ls"}'}}
 
 
 def _calls(*ids: str) -> dict[str, Any]:
@@ -137,7 +138,8 @@ BAD = [
     ("/anthropic/v1/messages", "input_schema_of_type_string",
      _messages([{"role": "user", "content": "go"}], [{"name": "sh",
                                                       "input_schema": {"type": "string"}}]),
-     None, "tools[0].input_schema.type: a tool's parameters must be a JSON schema of type 'object'"),
+     None,
+     "tools[0].input_schema.type: a tool's parameters must be a JSON schema of type 'object'"),
 ]
 
 
@@ -212,7 +214,8 @@ def test_a_thread_to_continue_is_anthropics_404_thread_not_found(gateway: Gatewa
     response = httpx.post(gateway.url + "/anthropic/v1/messages", json=body)
     assert response.status_code == 404
     error = response.json()["error"]
-    assert error["type"] == "not_found_error" and error["details"] == {"error_code": "thread_not_found"}
+    assert (error["type"] == "not_found_error"
+            and error["details"] == {"error_code": "thread_not_found"})
     created = httpx.post(gateway.url + "/anthropic/v1/messages", json={
         **_messages([{"role": "user", "content": "go"}]), "thread": {"type": "create"}})
     assert created.status_code == 200  # nothing to store: answered as without a thread

@@ -75,7 +75,8 @@ def test_tool_use_then_tool_result(gateway: Gateway) -> None:
 
 def test_streamed_tool_use_accumulates_json_input(gateway: Gateway) -> None:
     with _client(gateway).messages.stream(model=MODEL, max_tokens=100, tools=[TOOL],
-                                          messages=[{"role": "user", "content": "weather?"}]) as stream:
+                                          messages=[{"role": "user",
+                                                     "content": "weather?"}]) as stream:
         final = stream.get_final_message()
     assert final.content[0].type == "tool_use" and final.content[0].input == {"city": "Paris"}
     assert final.stop_reason == "tool_use"

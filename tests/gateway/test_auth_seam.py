@@ -98,14 +98,16 @@ def test_auth_errors_answer_in_the_route_envelope(make_gateway: GatewayFactory, 
 
 def test_rate_limited_gives_429_with_the_meters_headers(make_gateway: GatewayFactory) -> None:
     gateway = make_gateway(authenticator=KeyAuthenticator(), meter=RecordingMeter(limited=True))
-    response = httpx.post(gateway.url + "/v1/messages", json=MESSAGES, headers={"x-api-key": "good"})
+    response = httpx.post(gateway.url + "/v1/messages", json=MESSAGES,
+                          headers={"x-api-key": "good"})
     assert response.status_code == 429
     assert response.headers["retry-after"] == "7"
     assert response.json()["error"]["type"] == "rate_limit_error"
     assert not gateway.upstreams[0].state.request_ids
 
 
-def test_models_list_needs_a_credential_and_hides_disallowed_models(make_gateway: GatewayFactory) -> None:
+def test_models_list_needs_a_credential_and_hides_disallowed_models(
+        make_gateway: GatewayFactory) -> None:
     gateway = make_gateway(authenticator=KeyAuthenticator(), meter=RecordingMeter())
     assert httpx.get(gateway.url + "/v1/models").status_code == 401
     narrow = httpx.get(gateway.url + "/v1/models", headers={"authorization": "Bearer narrow"})
@@ -139,7 +141,8 @@ def test_one_model_is_retrieved_by_both_sdks_and_hidden_models_are_not_found(
     with pytest.raises(openai.NotFoundError):
         narrow.models.retrieve(MODEL)  # exists, but this key may not call it
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=gateway.url + "/v1", api_key="bad", max_retries=0).models.retrieve(MODEL)
+        openai.OpenAI(base_url=gateway.url + "/v1", api_key="bad",
+                      max_retries=0).models.retrieve(MODEL)
 
     anthropic_client = anthropic.Anthropic(base_url=gateway.url + "/anthropic", api_key="good",
                                            max_retries=0)
@@ -157,10 +160,12 @@ class StoreDownAuthenticator:
     async def authenticate(self, credential: str | None) -> Principal:
         import redis.exceptions
 
-        raise redis.exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+        raise redis.exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection "
+                                               "refused.")
 
 
-@pytest.mark.parametrize(("path", "body"), [("/v1/chat/completions", CHAT), ("/v1/messages", MESSAGES)])
+@pytest.mark.parametrize(("path", "body"),
+                         [("/v1/chat/completions", CHAT), ("/v1/messages", MESSAGES)])
 def test_an_unreachable_key_store_is_a_503_in_the_routes_envelope_not_a_500(
         make_gateway: GatewayFactory, path: str, body: dict[str, object]) -> None:
     gateway = make_gateway(authenticator=StoreDownAuthenticator(), meter=RecordingMeter())

@@ -104,7 +104,8 @@ def test_token_id_inputs_equal_their_text(client: openai.OpenAI, default_embedde
     assert several.usage.prompt_tokens == len(ids[0]) + len(ids[1])
 
 
-def test_each_request_is_metered_once_as_input_tokens(client: openai.OpenAI, served: tuple[str, str, Any],
+def test_each_request_is_metered_once_as_input_tokens(client: openai.OpenAI,
+                                                      served: tuple[str, str, Any],
                                                       loop_thread: LoopThread) -> None:
     _, _, meter = served
     before = len(_records(loop_thread, meter))
@@ -119,7 +120,8 @@ def test_each_request_is_metered_once_as_input_tokens(client: openai.OpenAI, ser
     assert not wait_until(lambda: len(_records(loop_thread, meter)) > before + 1, timeout_s=0.5)
 
 
-def test_bad_input_is_an_openai_error_and_not_metered(client: openai.OpenAI, served: tuple[str, str, Any],
+def test_bad_input_is_an_openai_error_and_not_metered(client: openai.OpenAI,
+                                                      served: tuple[str, str, Any],
                                                       loop_thread: LoopThread) -> None:
     _, _, meter = served
     before = len(_records(loop_thread, meter))

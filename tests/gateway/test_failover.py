@@ -40,7 +40,8 @@ def test_all_endpoints_failing_gives_502_in_the_envelope(make_gateway: GatewayFa
     assert response.headers["x-request-id"]
 
 
-def test_mid_stream_failure_ends_openai_stream_with_error_chunk(make_gateway: GatewayFactory) -> None:
+def test_mid_stream_failure_ends_openai_stream_with_error_chunk(
+        make_gateway: GatewayFactory) -> None:
     gateway = make_gateway(configs=[MockConfig(fail_mode="mid_stream", fail_after_tokens=2)])
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
     received = []
@@ -53,7 +54,8 @@ def test_mid_stream_failure_ends_openai_stream_with_error_chunk(make_gateway: Ga
     assert record.status == 200 and record.finish_reason == "error"
 
 
-def test_mid_stream_failure_ends_anthropic_stream_with_error_event(make_gateway: GatewayFactory) -> None:
+def test_mid_stream_failure_ends_anthropic_stream_with_error_event(
+        make_gateway: GatewayFactory) -> None:
     gateway = make_gateway(configs=[MockConfig(fail_mode="mid_stream", fail_after_tokens=1)])
     response = httpx.post(gateway.url + "/anthropic/v1/messages", json={**CHAT, "max_tokens": 50,
                                                                         "stream": True})
@@ -79,8 +81,10 @@ def test_hanging_upstream_times_out_with_504(make_gateway: GatewayFactory) -> No
 
 
 def test_stalled_stream_ends_with_timeout_error_event(make_gateway: GatewayFactory) -> None:
-    gateway = make_gateway(configs=[MockConfig(token_delay_ms=3000, num_tokens=3)], idle_timeout_s=0.5)
-    response = httpx.post(gateway.url + "/v1/chat/completions", json={**CHAT, "stream": True}, timeout=10)
+    gateway = make_gateway(configs=[MockConfig(token_delay_ms=3000, num_tokens=3)],
+                           idle_timeout_s=0.5)
+    response = httpx.post(gateway.url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                          timeout=10)
     assert '"code":"upstream_timeout"' in response.text and "[DONE]" not in response.text
 
 
@@ -109,9 +113,11 @@ def test_no_healthy_endpoint_gives_503(make_gateway: GatewayFactory) -> None:
 def test_endpoint_recovers_after_health_returns(make_gateway: GatewayFactory) -> None:
     gateway = make_gateway(configs=[MockConfig(health_status=503)])
     state = gateway.upstreams[0].state
-    assert wait_until(lambda: httpx.post(gateway.url + "/v1/chat/completions", json=CHAT).status_code == 503)
+    assert wait_until(lambda: httpx.post(gateway.url + "/v1/chat/completions",
+                                         json=CHAT).status_code == 503)
     state.config.health_status = 200
-    assert wait_until(lambda: httpx.post(gateway.url + "/v1/chat/completions", json=CHAT).status_code == 200)
+    assert wait_until(lambda: httpx.post(gateway.url + "/v1/chat/completions",
+                                         json=CHAT).status_code == 200)
 
 
 @pytest.mark.parametrize("cause", ["client_disconnect", "upstream_failure"])

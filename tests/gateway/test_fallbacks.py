@@ -251,7 +251,8 @@ def test_a_refusal_of_the_request_itself_does_not_fall_back(
     runner, refusing = start_chat_upstream(loop_thread, refuse)
     serving = make_gateway().upstreams[0]
     gateway = make_gateway(num_upstreams=0, configs=[], models=_models(
-        {"model-a": refusing, "model-b": serving.url}, {"model-a": ["model-b"]}, {"model-a": "openai"}))
+        {"model-a": refusing, "model-b": serving.url}, {"model-a": ["model-b"]},
+        {"model-a": "openai"}))
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="k", max_retries=0)
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="model-a", messages=HI)

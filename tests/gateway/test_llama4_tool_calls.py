@@ -57,17 +57,20 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("llama4-tokenizer")
     write_tokenizer(directory)
     config = json.loads((directory / "tokenizer_config.json").read_text())
-    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                 "chat_template": TEMPLATE}))
     return directory
 
 
 @pytest.fixture
 def served(tokenizer_dir: Path, make_gateway: GatewayFactory) -> Iterator[tuple[FakeEngine, Any]]:
-    fake = FakeEngine(tokenizer=load_tokenizer(tokenizer_dir), reply=CALLS_ANSWER, max_model_len=4096)
+    fake = FakeEngine(tokenizer=load_tokenizer(tokenizer_dir), reply=CALLS_ANSWER,
+                      max_model_len=4096)
     fake.model_config = replace(fake.model_config, architecture="llama4_text")
     thread = ServerThread(fake, ReplicaServerSettings())
     thread.start()
-    gateway = make_gateway(models=[{"name": MODEL, "backend": "replica", "endpoints": [thread.base_url]}],
+    gateway = make_gateway(models=[{"name": MODEL, "backend": "replica",
+                                    "endpoints": [thread.base_url]}],
                            first_token_timeout_s=30.0, idle_timeout_s=30.0)
     yield fake, gateway
     thread.stop()
@@ -77,14 +80,16 @@ def _named(calls: Any) -> list[tuple[str, object]]:
     return [(c.function.name, orjson.loads(c.function.arguments)) for c in calls]
 
 
-def test_openai_chat_returns_the_pythonic_calls_as_tool_calls_whole_and_streamed(served: Any) -> None:
+def test_openai_chat_returns_the_pythonic_calls_as_tool_calls_whole_and_streamed(
+        served: Any) -> None:
     fake, gateway = served
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
     answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=OPENAI_TOOLS)  # type: ignore[arg-type]
     choice = answer.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert _named(choice.message.tool_calls) == CALLS
-    assert '"name": "get_weather"' in fake.prompt_text(fake.calls[0])  # the template listed the tools
+    # the template listed the tools
+    assert '"name": "get_weather"' in fake.prompt_text(fake.calls[0])
     chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=OPENAI_TOOLS,  # type: ignore[arg-type]
                                                  stream=True))
     deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
@@ -97,7 +102,8 @@ def test_openai_chat_returns_the_pythonic_calls_as_tool_calls_whole_and_streamed
 def test_anthropic_messages_return_the_calls_as_tool_use_blocks(served: Any, stream: bool) -> None:
     _, gateway = served
     client = anthropic.Anthropic(base_url=gateway.url + "/anthropic", api_key="x", max_retries=0)
-    ask: dict[str, Any] = {"model": MODEL, "max_tokens": 256, "messages": ASK, "tools": ANTHROPIC_TOOLS}
+    ask: dict[str, Any] = {"model": MODEL, "max_tokens": 256, "messages": ASK,
+                           "tools": ANTHROPIC_TOOLS}
     if stream:
         with client.messages.stream(**ask) as events:
             message = events.get_final_message()
@@ -114,7 +120,8 @@ def test_a_text_answer_with_brackets_stays_text(served: Any) -> None:
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
     answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=OPENAI_TOOLS)  # type: ignore[arg-type]
     assert answer.choices[0].message.content == fake.reply
-    assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason == "stop"
+    assert (answer.choices[0].message.tool_calls is None
+            and answer.choices[0].finish_reason == "stop")
 
 
 def test_a_forced_call_is_decoded_under_the_pythonic_grammar_and_past_calls_read_back(

@@ -33,7 +33,8 @@ def test_chat_completion_returns_text_usage_and_gateway_headers(client: openai.O
 
 def test_client_request_id_is_echoed_and_forwarded(client: openai.OpenAI, gateway: Gateway) -> None:
     raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": "x"}], extra_headers={"x-request-id": "abc-123"})
+        model=MODEL, messages=[{"role": "user", "content": "x"}],
+        extra_headers={"x-request-id": "abc-123"})
     assert raw.headers["x-request-id"] == "abc-123"
     assert gateway.upstreams[0].state.request_ids[-1] == "abc-123"
 
@@ -92,10 +93,12 @@ def test_requests_that_reuse_a_client_request_id_are_each_billed(client: openai.
 
 def test_chat_tool_call_round_trip(client: openai.OpenAI, gateway: Gateway) -> None:
     completion = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "weather in Paris?"}], tools=[WEATHER_TOOL])
+        model=MODEL, messages=[{"role": "user", "content": "weather in Paris?"}],
+        tools=[WEATHER_TOOL])
     call = completion.choices[0].message.tool_calls[0]
     assert completion.choices[0].finish_reason == "tool_calls"
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert (call.function.name == "get_weather"
+            and json.loads(call.function.arguments) == {"city": "Paris"})
     followup = client.chat.completions.create(model=MODEL, tools=[WEATHER_TOOL], messages=[
         {"role": "user", "content": "weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
@@ -116,7 +119,8 @@ def test_chat_stream_tool_call_arrives_in_pieces(client: openai.OpenAI) -> None:
 
 def test_completions_non_stream_and_stream(client: openai.OpenAI) -> None:
     completion = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=5)
-    assert completion.choices[0].text == "tok " * 5 and completion.choices[0].finish_reason == "length"
+    assert (completion.choices[0].text == "tok " * 5
+            and completion.choices[0].finish_reason == "length")
     chunks = list(client.completions.create(model=MODEL, prompt="Once", max_tokens=20, stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "tok " * 8
 
@@ -137,8 +141,10 @@ def test_responses_api_stream_event_sequence(client: openai.OpenAI) -> None:
     assert events[-1].response.output_text == "tok " * 8
 
 
-def test_responses_api_function_call_and_its_output(client: openai.OpenAI, gateway: Gateway) -> None:
-    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER_TOOL["function"]["parameters"]}
+def test_responses_api_function_call_and_its_output(client: openai.OpenAI,
+                                                    gateway: Gateway) -> None:
+    tool = {"type": "function", "name": "get_weather",
+            "parameters": WEATHER_TOOL["function"]["parameters"]}
     response = client.responses.create(model=MODEL, input="weather?", tools=[tool])
     call = response.output[0]
     assert call.type == "function_call" and json.loads(call.arguments) == {"city": "Paris"}
@@ -147,7 +153,8 @@ def test_responses_api_function_call_and_its_output(client: openai.OpenAI, gatew
     assert json.loads(done[0].arguments) == {"city": "Paris"}
     followup = client.responses.create(model=MODEL, tools=[tool], input=[
         {"role": "user", "content": "weather?"},
-        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
     assert followup.output_text == "tok " * 8
     assert gateway.upstreams[0].state.bodies[-1]["messages"][-1] == {

@@ -79,19 +79,21 @@ def test_least_outstanding_router_prefers_idle_then_shorter_queue() -> None:
 
 
 def test_parse_load_reads_replica_gauges_and_skips_junk() -> None:
-    text = ("# HELP x\naigw_replica_num_requests_running 3\naigw_replica_num_requests_waiting{m=\"a\"} 2.0\n"
+    text = ("# HELP x\naigw_replica_num_requests_running "
+            "3\naigw_replica_num_requests_waiting{m=\"a\"} 2.0\n"
             "aigw_replica_kv_blocks_used 10\naigw_replica_kv_blocks_total 100\nbroken line here\n")
     assert parse_load(text) == EndpointLoad(3, 2, 10, 100)
     assert parse_load("nothing_useful 1\n") is None
 
 
-def test_settings_come_from_a_toml_or_yaml_file_with_env_on_top(tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_settings_come_from_a_toml_or_yaml_file_with_env_on_top(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     toml = tmp_path / "g.toml"
     toml.write_text('port = 9000\n[[models]]\nname = "a"\nendpoints = ["http://x:1/"]\n'
                     '[models.prices]\noutput_per_token = 2e-6\n')
     yaml = tmp_path / "g.yaml"
-    yaml.write_text("port: 9001\nmodels:\n  - name: b\n    backend: openai\n    endpoints: [http://y:2]\n")
+    yaml.write_text("port: 9001\nmodels:\n  - name: b\n    backend: openai\n    endpoints: "
+                    "[http://y:2]\n")
     settings = load_settings(toml)
     assert settings.port == 9000 and settings.models[0].endpoints == ("http://x:1",)
     assert settings.models[0].prices.cost_usd(10, 4, 5) == pytest.approx(1e-5)

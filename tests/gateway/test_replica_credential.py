@@ -71,7 +71,8 @@ def test_the_gateway_presents_its_replica_secret_on_every_call(
     assert endpoint.context_length == engine.max_model_len
 
     assert loop_thread.run(_consumer_reads(endpoint)) == 3  # each answered 200
-    traces = loop_thread.run(fetch(gateway.app[TRANSPORT], url + "/debug/traces?trace_id=" + "0" * 32,
+    traces = loop_thread.run(fetch(gateway.app[TRANSPORT],
+                                   url + "/debug/traces?trace_id=" + "0" * 32,
                                    1.0, endpoint.auth_headers))
     assert traces is not None
 

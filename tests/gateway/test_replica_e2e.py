@@ -31,7 +31,8 @@ def two_replicas() -> Iterator[list[embedded.ReplicaProcess]]:
 
 
 @pytest.fixture(scope="module")
-def served(two_replicas: list[embedded.ReplicaProcess], loop_thread: LoopThread) -> Iterator[tuple[str, str]]:
+def served(two_replicas: list[embedded.ReplicaProcess],
+           loop_thread: LoopThread) -> Iterator[tuple[str, str]]:
     model = embedded.model_settings_for(two_replicas)
     settings = GatewaySettings(auth_enabled=False, models=[model], health_interval_s=0.5,
                                first_token_timeout_s=60, idle_timeout_s=30)
@@ -53,7 +54,8 @@ def test_openai_sdk_chat_stream_tools_and_responses(served: tuple[str, str]) -> 
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
     with_tools = client.chat.completions.create(model=model, max_tokens=32, tools=tools,
-                                                messages=[{"role": "user", "content": "Weather in Paris?"}])
+                                                messages=[{"role": "user",
+                                                           "content": "Weather in Paris?"}])
     assert with_tools.choices[0].finish_reason in ("stop", "length", "tool_calls")
     response = client.responses.create(model=model, input="Say hi", max_output_tokens=8)
     assert response.status in ("completed", "incomplete") and response.usage.output_tokens >= 1
@@ -61,7 +63,8 @@ def test_openai_sdk_chat_stream_tools_and_responses(served: tuple[str, str]) -> 
 
 def test_anthropic_sdk_messages_and_stream(served: tuple[str, str]) -> None:
     url, model = served
-    client = anthropic.Anthropic(base_url=url + "/anthropic", api_key="x", max_retries=0, timeout=120)
+    client = anthropic.Anthropic(base_url=url + "/anthropic", api_key="x", max_retries=0,
+                                 timeout=120)
     message = client.messages.create(model=model, max_tokens=8, system="Be brief.",
                                      messages=[{"role": "user", "content": "Say hi"}])
     assert message.content and message.usage.output_tokens >= 1
@@ -98,11 +101,14 @@ def test_openai_sdk_n_choices_pass_through_to_the_replica(served: tuple[str, str
         usage = chunk.usage or usage
     assert sorted(texts) == sorted(finished) == [0, 1] and all(texts.values())
     assert usage is not None and 2 <= usage.completion_tokens <= 12  # both choices counted
-    completion = client.completions.create(model=model, prompt="Once upon a time", max_tokens=4, n=2)
-    assert [c.index for c in completion.choices] == [0, 1] and completion.usage.completion_tokens > 4
+    completion = client.completions.create(model=model, prompt="Once upon a time", max_tokens=4,
+                                           n=2)
+    assert ([c.index for c in completion.choices] == [0, 1]
+            and completion.usage.completion_tokens > 4)
 
 
-def test_logprobs_come_back_through_the_gateway_in_each_dialects_form(served: tuple[str, str]) -> None:
+def test_logprobs_come_back_through_the_gateway_in_each_dialects_form(
+        served: tuple[str, str]) -> None:
     url, model = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
     messages = [{"role": "user", "content": "Say hi"}]
@@ -124,15 +130,17 @@ def test_logprobs_come_back_through_the_gateway_in_each_dialects_form(served: tu
     legacy = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4,
                                        temperature=0, logprobs=1)
     tokens = legacy.choices[0].logprobs.tokens  # type: ignore[union-attr]
-    assert len(tokens) == legacy.usage.completion_tokens and "".join(tokens) == legacy.choices[0].text  # type: ignore[union-attr]
+    assert (len(tokens) == legacy.usage.completion_tokens  # type: ignore[union-attr]
+            and "".join(tokens) == legacy.choices[0].text)
     assert len(legacy.choices[0].logprobs.top_logprobs[0]) == 1  # type: ignore[union-attr,index]
 
 
-def test_a_completions_prompt_of_token_ids_reaches_the_replica_as_ids(served: tuple[str, str]) -> None:
+def test_a_completions_prompt_of_token_ids_reaches_the_replica_as_ids(
+        served: tuple[str, str]) -> None:
     url, model = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
-    as_text = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4,
-                                        temperature=0)
+    as_text = client.completions.create(model=model, prompt="The capital of France is",
+                                        max_tokens=4, temperature=0)
     ids = [504, 3575, 282, 4649, 314]  # SmolLM2's tokens of "The capital of France is"
     as_ids = client.completions.create(model=model, prompt=ids, max_tokens=4, temperature=0)
     nested = client.completions.create(model=model, prompt=[ids], max_tokens=4, temperature=0)
@@ -152,7 +160,8 @@ def test_several_completions_prompts_get_n_choices_each_in_order(served: tuple[s
              for p in prompts]
     both = client.completions.create(model=model, prompt=prompts, max_tokens=5, temperature=0, n=2)
     assert [c.index for c in both.choices] == [0, 1, 2, 3]
-    assert [c.text for c in both.choices] == [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    assert ([c.text for c in both.choices]
+            == [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2)
     assert both.usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[1].usage.prompt_tokens
     assert both.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
     texts: dict[int, str] = {}
@@ -192,11 +201,13 @@ def test_completions_echo_scores_the_prompt_through_the_gateway(served: tuple[st
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
     prompt = "The capital of France is"
     for stream in (False, True):
-        kwargs = dict(model=model, prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=1)
+        kwargs = dict(model=model, prompt=prompt, max_tokens=2, temperature=0, echo=True,
+                      logprobs=1)
         if stream:
             chunks = [c for c in client.completions.create(stream=True, **kwargs) if c.choices]
             text = "".join(c.choices[0].text for c in chunks)
-            tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+            tokens = [t for c in chunks if c.choices[0].logprobs
+                      for t in c.choices[0].logprobs.tokens]
             token_logprobs = [lp for c in chunks if c.choices[0].logprobs
                               for lp in c.choices[0].logprobs.token_logprobs]
         else:
@@ -208,22 +219,27 @@ def test_completions_echo_scores_the_prompt_through_the_gateway(served: tuple[st
         assert text.startswith(prompt) and len(text) > len(prompt)
         assert "".join(tokens) == text
         assert token_logprobs[0] is None and all(lp <= 0 for lp in token_logprobs[1:])
-    scored = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    scored = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True,
+                                       logprobs=0)
     choice = scored.choices[0]
-    assert (choice.text, choice.finish_reason, scored.usage.completion_tokens) == (prompt, "length", 0)
+    assert ((choice.text, choice.finish_reason, scored.usage.completion_tokens)
+            == (prompt, "length", 0))
     assert choice.logprobs.token_logprobs == token_logprobs[:scored.usage.prompt_tokens]
 
 
-def test_anthropic_count_tokens_equals_the_replicas_own_prompt_count(served: tuple[str, str]) -> None:
+def test_anthropic_count_tokens_equals_the_replicas_own_prompt_count(
+        served: tuple[str, str]) -> None:
     url, model = served
-    client = anthropic.Anthropic(base_url=url + "/anthropic", api_key="x", max_retries=0, timeout=120)
+    client = anthropic.Anthropic(base_url=url + "/anthropic", api_key="x", max_retries=0,
+                                 timeout=120)
     tool = {"name": "get_weather", "description": "Weather in a city",
             "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
     conversation = {"system": "You answer with one word.", "tools": [tool], "messages": [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
                                            "input": {"city": "Paris"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]}]}
+        {"role": "user",
+         "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]}]}
     counted = client.messages.count_tokens(model=model, **conversation).input_tokens  # type: ignore[arg-type]
     message = client.messages.create(model=model, max_tokens=2, **conversation)  # type: ignore[arg-type]
     assert counted == message.usage.input_tokens + message.usage.cache_read_input_tokens > 20
@@ -234,13 +250,15 @@ def test_anthropic_prefill_continues_the_assistant_text_on_a_real_replica(
     """The prompt ends inside the assistant turn (3 more tokens than a new turn, no end of turn):
     counted the same by count_tokens and by the replica."""
     url, model = served
-    client = anthropic.Anthropic(base_url=url + "/anthropic", api_key="x", max_retries=0, timeout=120)
+    client = anthropic.Anthropic(base_url=url + "/anthropic", api_key="x", max_retries=0,
+                                 timeout=120)
     question = {"role": "user", "content": "Name a color"}
     prefill = [question, {"role": "assistant", "content": "The color is"}]
     counted = client.messages.count_tokens(model=model, messages=prefill).input_tokens  # type: ignore[arg-type]
     message = client.messages.create(model=model, max_tokens=2, messages=prefill)  # type: ignore[arg-type]
     assert counted == message.usage.input_tokens + message.usage.cache_read_input_tokens
-    assert counted == client.messages.count_tokens(model=model, messages=[question]).input_tokens + 3
+    assert (counted
+            == client.messages.count_tokens(model=model, messages=[question]).input_tokens + 3)
 
 
 def test_an_agent_loop_round_trips_its_calls_and_reads_its_growing_prefix_from_cache(
@@ -349,7 +367,8 @@ def test_sdk_cache_retention_fields_keep_a_prefix_through_pressure_that_evicts_o
 
     url, model = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
-    system = "You are a terse assistant for the harbour office. " + "Tide tables and berth rules. " * 40
+    system = ("You are a terse assistant for the harbour office. "
+              + "Tide tables and berth rules. " * 40)
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Berth 4?"}]
     seqs = {r.url: _last_seq(r.url) for r in two_replicas}
     started = time.time()
@@ -368,7 +387,8 @@ def test_sdk_cache_retention_fields_keep_a_prefix_through_pressure_that_evicts_o
         bare.completions.create(model=model, prompt=f"{k} " + "Granary ledger entry. " * 200,
                                 max_tokens=1)
     again = bare.completions.create(model=model, prompt=plain, max_tokens=1)
-    assert again.usage.prompt_tokens_details is None or not again.usage.prompt_tokens_details.cached_tokens
+    assert (again.usage.prompt_tokens_details is None
+            or not again.usage.prompt_tokens_details.cached_tokens)
     # the router weighs the load it last saw: a report taken while the prompts above ran would
     # send the turn elsewhere (as it should, under load), which is not what this test is about
     assert wait_until(lambda: _gateway_sees_idle(url, replica), 30)
@@ -380,7 +400,8 @@ def test_sdk_cache_retention_fields_keep_a_prefix_through_pressure_that_evicts_o
     assert cached >= (num_prompt // 16 - 1) * 16, (cached, num_prompt, replica,
                                                    raw.headers.get("x-aigw-replica"))
 
-    claude = anthropic.Anthropic(base_url=url + "/anthropic", api_key="x", max_retries=0, timeout=120)
+    claude = anthropic.Anthropic(base_url=url + "/anthropic", api_key="x", max_retries=0,
+                                 timeout=120)
     seqs = {r.url: _last_seq(r.url) for r in two_replicas}
     started = time.time()
     # (the same system prompt: on the replica whose project share the first session filled, its
@@ -396,8 +417,8 @@ def test_sdk_cache_retention_fields_keep_a_prefix_through_pressure_that_evicts_o
 
 
 # last in the module: it kills one of the replicas the other tests share
-def test_killing_one_replica_mid_run_never_hangs_a_request(served: tuple[str, str],
-                                                           two_replicas: list[embedded.ReplicaProcess]) -> None:
+def test_killing_one_replica_mid_run_never_hangs_a_request(
+        served: tuple[str, str], two_replicas: list[embedded.ReplicaProcess]) -> None:
     url, model = served
     results: list[str] = []
 
@@ -407,7 +428,8 @@ def test_killing_one_replica_mid_run_never_hangs_a_request(served: tuple[str, st
                     "model": model, "max_tokens": 48, "stream": True,
                     "messages": [{"role": "user", "content": "Tell a story"}]}) as response:
                 text = response.read().decode()
-            results.append("ok" if "[DONE]" in text else "error_event" if '"error"' in text else "bad")
+            results.append("ok" if "[DONE]" in text else "error_event" if '"error"' in text
+                           else "bad")
         except httpx.HTTPError as exc:
             results.append(f"transport:{exc!r}")
 

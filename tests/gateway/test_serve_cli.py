@@ -1,4 +1,5 @@
-"""`aigw serve` as a process: config file, real auth + metering, two workers on one port, SIGTERM."""
+"""`aigw serve` as a process: config file, real auth + metering, two workers on one port,
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def test_serve_with_config_auth_and_workers_then_drains_on_sigterm(
     port = free_port()
     config = tmp_path / "gateway.toml"
     config.write_text(f'data_dir = "{tmp_path / "data"}"\nhealth_interval_s = 1.0\n'
-                      f'[[models]]\nname = "{MODEL}"\nbackend = "openai"\nendpoints = ["{upstream_url}"]\n'
+                      f'[[models]]\nname = "{MODEL}"\nbackend = "openai"\nendpoints = '
+                      f'["{upstream_url}"]\n'
                       '[models.prices]\ninput_per_token = 1e-6\noutput_per_token = 2e-6\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIGW_")}
     process = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--config", str(config),
@@ -57,7 +59,8 @@ def test_serve_with_config_auth_and_workers_then_drains_on_sigterm(
         key_file = tmp_path / "data" / "default-key.txt"  # written by whichever worker made it
         assert (tmp_path / "data").stat().st_mode & 0o777 == 0o700  # keys, pepper, prompts
         deadline = time.monotonic() + 30
-        while not (key_file.exists() and key_file.read_text().strip()) and time.monotonic() < deadline:
+        while (not (key_file.exists() and key_file.read_text().strip())
+               and time.monotonic() < deadline):
             time.sleep(0.1)
         key = key_file.read_text().strip()
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
@@ -99,26 +102,30 @@ def _child_command_lines(pid: int) -> list[list[str]]:
 
 
 def test_embedded_replicas_get_the_replica_args_and_serve(tmp_path: Path) -> None:
-    """`aigw serve --replica-args "..."` reaches each embedded `aigw replica`; here the native q4 mode."""
+    """`aigw serve --replica-args "..."` reaches each embedded `aigw replica`; here the native q4
+    mode."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIGW_")}
-    process = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--no-auth", "--port", str(port),
-                                "--kv-cache-memory", str(32 << 20),
+    process = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--no-auth", "--port",
+                                str(port), "--kv-cache-memory", str(32 << 20),
                                 "--replica-args", "--decode-weights q4 --threads 1"],
-                               env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                               env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, process, timeout_s=240)
         replicas = [argv for argv in _child_command_lines(process.pid) if "replica" in argv]
         # the chat replica, and the bundled embedding model's beside it (the args reach both)
         assert len(replicas) == 2, _child_command_lines(process.pid)
-        assert [argv[-4:] for argv in replicas] == [["--decode-weights", "q4", "--threads", "1"]] * 2
+        assert ([argv[-4:] for argv in replicas]
+                == [["--decode-weights", "q4", "--threads", "1"]] * 2)
         assert replicas[1][replicas[1].index("--model") + 1].endswith("model.zip")
         models = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
         assert models[1] == "all-MiniLM-L6-v2"
         model = models[0]
         reply = httpx.post(url + "/v1/chat/completions", timeout=60, json={
-            "model": model, "max_tokens": 6, "messages": [{"role": "user", "content": "Name a color."}]})
+            "model": model, "max_tokens": 6,
+            "messages": [{"role": "user", "content": "Name a color."}]})
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] >= 1
         embedded = httpx.post(url + "/v1/embeddings", timeout=60,
@@ -139,8 +146,8 @@ def test_embedded_replicas_get_the_replica_args_and_serve(tmp_path: Path) -> Non
     '[[models]]\nname = "m"\nendpoints = ["replica-0:8001"]\n',  # no scheme: never reachable
     '[[models]]\nname = "m"\nendpoints = ["http://127.0.0.1:9"]\n'
     '[[models]]\nname = "m"\nendpoints = ["http://127.0.0.1:10"]\n',  # one name, two models
-], ids=["unknown_key", "wrong_type", "not_toml", "missing_file", "unknown_backend", "unknown_router",
-        "endpoint_not_a_url", "duplicate_model_name"])
+], ids=["unknown_key", "wrong_type", "not_toml", "missing_file", "unknown_backend",
+        "unknown_router", "endpoint_not_a_url", "duplicate_model_name"])
 def test_a_bad_config_file_is_one_error_message_and_status_1(
         tmp_path: Path, config_text: str | None, capsys: pytest.CaptureFixture[str]) -> None:
     from cli.main import main
@@ -254,7 +261,8 @@ def test_ctrl_c_while_the_replicas_load_stops_them_with_one_line_and_status_130(
 
     stopped: list[list[object]] = []
     monkeypatch.setattr(embedded, "start_replicas", lambda *a, **k: ["replica"])
-    monkeypatch.setattr(embedded, "wait_healthy", lambda replicas: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(embedded, "wait_healthy",
+                        lambda replicas: (_ for _ in ()).throw(KeyboardInterrupt))
     monkeypatch.setattr(embedded, "stop_replicas", stopped.append)
     monkeypatch.delenv("AIGW_REDIS_URL", raising=False)
     assert main(["serve", "--port", str(free_port())]) == 130
@@ -264,7 +272,8 @@ def test_ctrl_c_while_the_replicas_load_stops_them_with_one_line_and_status_130(
 
 @pytest.mark.parametrize("num_workers", ["1", "2"])
 def test_a_port_in_use_is_one_error_line_before_any_replica_starts(
-        num_workers: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        num_workers: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
     """Was a bind traceback after the model load (from each worker, and status 0 with two)."""
     import socket
 
@@ -277,11 +286,13 @@ def test_a_port_in_use_is_one_error_line_before_any_replica_starts(
         taken.listen()
         port = taken.getsockname()[1]
         assert main(["serve", "--port", str(port), "--workers", num_workers]) == 1
-    assert capsys.readouterr().err == f"aigw: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    assert (capsys.readouterr().err
+            == f"aigw: cannot listen on 127.0.0.1:{port}: Address already in use\n")
 
 
 def test_a_data_dir_that_cannot_be_created_is_one_error_line_before_any_replica_starts(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
     """Was a FileExistsError traceback from the worker, after the model load."""
     from cli.main import main
     from gateway.fleet import embedded
@@ -295,7 +306,8 @@ def test_a_data_dir_that_cannot_be_created_is_one_error_line_before_any_replica_
     assert capsys.readouterr().err == f"aigw: cannot use data_dir {str(a_file)!r}: File exists\n"
 
 
-def test_replica_args_with_an_unclosed_quote_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+def test_replica_args_with_an_unclosed_quote_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
     from cli.main import main
 
     with pytest.raises(SystemExit) as exit_info:  # was a ValueError traceback from shlex

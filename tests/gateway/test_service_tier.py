@@ -44,7 +44,8 @@ def replica(loop_thread: LoopThread) -> Iterator[tuple[FakeEngine, str]]:
 
 
 @pytest.fixture
-def served(make_gateway: GatewayFactory, replica: tuple[FakeEngine, str]) -> tuple[Gateway, FakeEngine]:
+def served(make_gateway: GatewayFactory,
+           replica: tuple[FakeEngine, str]) -> tuple[Gateway, FakeEngine]:
     engine, url = replica
     models = [{"name": "m", "upstream_model": str(engine.model_config.model_id),
                "backend": "replica", "endpoints": [url]}]

@@ -21,7 +21,8 @@ from tests.gateway.conftest import (
 
 
 def _piece(index: int, arguments: str, call_id: str | None, name: str | None) -> dict[str, Any]:
-    call: dict[str, Any] = {"index": index, "type": "function", "function": {"arguments": arguments}}
+    call: dict[str, Any] = {"index": index, "type": "function",
+                            "function": {"arguments": arguments}}
     if call_id is not None:
         call["id"] = call_id
     if name is not None:
@@ -31,8 +32,8 @@ def _piece(index: int, arguments: str, call_id: str | None, name: str | None) ->
 
 # each upstream streams read({"path": "a.py"}) and, as call 1, sh({"cmd": "ls"})
 REPEATS_ID_AND_NAME = [_piece(0, "", "call_a", "read"), _piece(0, '{"path": ', "call_a", "read"),
-                       _piece(0, '"a.py"}', "call_a", "read"), _piece(1, '{"cmd": ', "call_b", "sh"),
-                       _piece(1, '"ls"}', "call_b", "sh")]
+                       _piece(0, '"a.py"}', "call_a", "read"),
+                       _piece(1, '{"cmd": ', "call_b", "sh"), _piece(1, '"ls"}', "call_b", "sh")]
 SENDS_NO_IDS = [_piece(0, '{"path": ', None, "read"), _piece(0, '"a.py"}', None, None),
                 _piece(1, '{"cmd": "ls"}', None, "sh")]
 
@@ -131,7 +132,8 @@ def test_arguments_sent_as_an_object_and_content_as_parts_are_taken_as_text(
 
 @pytest.mark.parametrize("choice", [
     {"index": 0, "delta": "text"}, {"index": 0, "delta": {"tool_calls": [{"index": "0"}]}},
-    {"index": 0, "delta": {"tool_calls": "read"}}, {"index": 0, "delta": {}, "finish_reason": {"why": "stop"}},
+    {"index": 0, "delta": {"tool_calls": "read"}},
+    {"index": 0, "delta": {}, "finish_reason": {"why": "stop"}},
 ])
 def test_a_malformed_upstream_answer_is_a_502_not_a_500(make_gateway: GatewayFactory,
                                                          loop_thread: LoopThread,

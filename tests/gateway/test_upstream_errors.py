@@ -85,7 +85,8 @@ def test_unreachable_upstream_answers_502_without_its_url_or_an_exception_repr(
 
 def test_openai_prefixed_completions_route_serves_completions(make_gateway: GatewayFactory) -> None:
     gateway = make_gateway()
-    response = httpx.post(gateway.url + "/openai/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    response = httpx.post(gateway.url + "/openai/v1/completions",
+                          json={"model": MODEL, "prompt": "hi"})
     assert response.status_code == 200
     assert response.json()["object"] == "text_completion"
 

@@ -1,6 +1,7 @@
 """The embedding path against transformers: the bundled all-MiniLM-L6-v2 and tiny random
 BertModels (mean and CLS pooling) give transformers' vectors + the sentence-transformers pooling
-within 1e-5 cosine; inputs of several requests share a forward pass; bad checkpoints fail at load."""
+within 1e-5 cosine; inputs of several requests share a forward pass; bad checkpoints fail at
+load."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def test_minilm_vectors_equal_transformers_with_its_pooling(default_embedder: An
 
 
 @pytest.mark.parametrize(("pooling", "normalize"), [("mean", False), ("cls", True)])
-def test_tiny_random_bert_equals_transformers(tmp_path: Path, pooling: str, normalize: bool) -> None:
+def test_tiny_random_bert_equals_transformers(tmp_path: Path, pooling: str,
+                                              normalize: bool) -> None:
     directory = write_tiny_bert(tmp_path / "tiny", pooling=pooling, normalize=normalize)
     embedder = Embedder.load(directory)
     try:

@@ -55,7 +55,8 @@ def build(name: str, fn, ptr_types: dict[str, str], constexprs: dict, options: d
             signature[arg] = "fp32" if arg in FLOAT_ARGS else "i32"
     start = time.monotonic()
     try:
-        compiled = compile(ASTSource(fn, signature, constexprs, attrs), target=HOPPER, options=options)
+        compiled = compile(ASTSource(fn, signature, constexprs, attrs), target=HOPPER,
+                           options=options)
         shared = compiled.metadata.shared
         pipelined = "async_copy" in compiled.asm["ttgir"] or "async_tma" in compiled.asm["ttgir"]
         ok = shared <= MAX_SHARED_BYTES
@@ -63,7 +64,8 @@ def build(name: str, fn, ptr_types: dict[str, str], constexprs: dict, options: d
     except Exception as exc:  # report every failure, not only the first
         shared, pipelined, ok, error = None, False, False, f"{type(exc).__name__}: {str(exc)[:300]}"
     return {"kernel": name, "constexprs": constexprs, "options": options, "ok": ok,
-            "shared": shared, "pipelined": pipelined, "error": error, "seconds": round(time.monotonic() - start, 1)}
+            "shared": shared, "pipelined": pipelined, "error": error,
+            "seconds": round(time.monotonic() - start, 1)}
 
 
 def split(cfg: dict) -> tuple[dict, dict]:
@@ -108,7 +110,8 @@ def jobs(all_configs: bool):
                    "CLAMPED_SWIGLU": fuse, "HAS_BIAS": True}
         yield ("fused_moe_gemm_gpt_oss", fused_moe._kernels().gemm, moe_ptrs, gpt_oss | meta, opts)
         yield ("fused_moe_mxfp4_gemm", fused_moe_mxfp4._kernels().gemm,
-               moe_ptrs | {"blocks_ptr": "*u8", "scales_ptr": "*u8"}, gpt_oss | mxfp4_meta, mxfp4_opts)
+               moe_ptrs | {"blocks_ptr": "*u8", "scales_ptr": "*u8"}, gpt_oss | mxfp4_meta,
+               mxfp4_opts)
     fp8_ptrs = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32",
                 "b_scale_ptr": "*fp32"}
     for cfg in pick(fp8._CONFIGS_SMALL_M) + pick(fp8._CONFIGS_LARGE_M):

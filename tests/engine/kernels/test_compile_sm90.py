@@ -27,7 +27,8 @@ def test_every_kernel_compiles_for_hopper_and_gemm_loops_are_pipelined():
     assert names == {"rms_norm", "silu_and_mul", "rotary", "store_kv", "paged_prefill",
                      "paged_decode_split", "paged_decode_reduce", "fused_moe_gemm", "fp8_gemm",
                      "fused_moe_gemm_gpt_oss", "fused_moe_mxfp4_gemm"}
-    # (the MXFP4 GEMM dequantizes its B tiles in registers; its loads are not software-pipelined yet)
+    # (the MXFP4 GEMM dequantizes its B tiles in registers; its loads are not software-pipelined
+    # yet)
     for r in results:
         if r["kernel"] in ("paged_prefill", "paged_decode_split", "fused_moe_gemm", "fp8_gemm",
                            "fused_moe_gemm_gpt_oss"):

@@ -42,7 +42,8 @@ def test_rms_norm_matches_reference(dtype, hidden, with_residual):
 
 
 def test_rms_norm_reference_matches_formula_and_returns_summed_residual():
-    x, res, w = torch.randn(3, 10, dtype=torch.float64), torch.randn(3, 10, dtype=torch.float64), torch.randn(10, dtype=torch.float64)
+    x, res, w = (torch.randn(3, 10, dtype=torch.float64), torch.randn(3, 10, dtype=torch.float64),
+                 torch.randn(10, dtype=torch.float64))
     out, new_res = rms_norm_reference(x, w, 1e-5, res)
     s = x + res
     expected = s / torch.sqrt((s * s).mean(-1, keepdim=True) + 1e-5) * w

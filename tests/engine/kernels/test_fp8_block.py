@@ -70,12 +70,14 @@ def test_both_paths_approximate_the_float_linear() -> None:
 
 
 def test_fused_parts_join_only_on_whole_n_blocks() -> None:
-    q, k = quantize_blocks(torch.randn(32, 64), (16, 32)), quantize_blocks(torch.randn(20, 64), (16, 32))
+    q, k = (quantize_blocks(torch.randn(32, 64), (16, 32)),
+            quantize_blocks(torch.randn(20, 64), (16, 32)))
     joined = FP8BlockLinear.concat([q, k], (16, 32), torch.float32)
     assert joined is not None and joined.wq.shape == (52, 64) and joined.w_scale.shape == (4, 2)
     x = torch.randn(3, 64)
     torch.testing.assert_close(joined(x), torch.cat([FP8BlockLinear(*q, (16, 32), torch.float32)(x),
-                                                     FP8BlockLinear(*k, (16, 32), torch.float32)(x)], 1))
+                                                     FP8BlockLinear(*k, (16, 32),
+                                                                    torch.float32)(x)], 1))
     assert FP8BlockLinear.concat([k, q], (16, 32), torch.float32) is None  # 20 rows: a shared block
     assert joined.nbytes == 52 * 64 + 4 * 2 * 4
 
@@ -86,7 +88,8 @@ def test_the_block_kernel_on_gpu_at_checkpoint_blocks() -> None:
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("native FP8 dot needs compute capability >= 8.9")
     x = torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16)
-    wq, ws = quantize_blocks(torch.randn(1000, 4096, device="cuda"), (128, 128))  # a partial N block
+    # a partial N block
+    wq, ws = quantize_blocks(torch.randn(1000, 4096, device="cuda"), (128, 128))
     xq, xs = quantize_activation_per_group(x, 128)
     out = fp8_block_gemm_triton(xq, wq, xs, ws, (128, 128), torch.bfloat16)
     torch.testing.assert_close(out.float(), fp8_block_gemm_reference(xq, wq, xs, ws, (128, 128),

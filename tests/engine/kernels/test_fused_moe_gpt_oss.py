@@ -1,5 +1,6 @@
 """gpt-oss experts in the fused MoE: biases and the clamped SwiGLU, reference vs a naive loop in
-float64 (transformers' formula on the interleaved layout), Triton vs reference (interpreter on CPU)."""
+float64 (transformers' formula on the interleaved layout), Triton vs reference (interpreter on
+CPU)."""
 
 import pytest
 import torch

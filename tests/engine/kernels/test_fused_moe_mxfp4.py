@@ -1,5 +1,6 @@
-"""The MXFP4 fused MoE (B read as e2m1 nibbles + e8m0 scales in the kernel) vs dequantize-then-reference,
-in Triton's interpreter on CPU: gpt-oss's biases and clamped SwiGLU, and the plain SiLU experts."""
+"""The MXFP4 fused MoE (B read as e2m1 nibbles + e8m0 scales in the kernel) vs
+dequantize-then-reference, in Triton's interpreter on CPU: gpt-oss's biases and clamped SwiGLU, and
+the plain SiLU experts."""
 
 import pytest
 import torch
@@ -41,9 +42,11 @@ def test_mxfp4_triton_matches_dequantized_reference_for_silu_experts_without_bia
     assert_close(out, fused_moe_mxfp4_reference(h, *experts, weights, ids), torch.float32)
 
 
-def test_gpt_oss_moe_layer_runs_mxfp4_experts_through_the_kernel_as_the_cpu_path_computes(monkeypatch):
-    """engine/models/gpt_oss_moe.py: on the Triton backend the MXFP4 experts go to the kernel as stored
-    (interleaved gate/up rows split at load), on the torch one the routed experts are dequantized."""
+def test_gpt_oss_moe_layer_runs_mxfp4_experts_through_the_kernel_as_the_cpu_path_computes(
+        monkeypatch):
+    """engine/models/gpt_oss_moe.py: on the Triton backend the MXFP4 experts go to the kernel as
+    stored (interleaved gate/up rows split at load), on the torch one the routed experts are
+    dequantized."""
     from engine.config import ModelConfig
     from engine.models import gpt_oss_moe as moe_module
 
@@ -55,9 +58,11 @@ def test_gpt_oss_moe_layer_runs_mxfp4_experts_through_the_kernel_as_the_cpu_path
     gate_up = quantize_mxfp4(torch.randn(4, 64, 64) / 2)  # [E, 2I, H], gate/up interleaved
     down = quantize_mxfp4(torch.randn(4, 64, 32) / 4)  # [E, H, I]
     weights = {p + "router.weight": torch.randn(4, 64), p + "router.bias": torch.randn(4),
-               p + "experts.gate_up_proj_blocks": gate_up[0], p + "experts.gate_up_proj_scales": gate_up[1],
+               p + "experts.gate_up_proj_blocks": gate_up[0],
+               p + "experts.gate_up_proj_scales": gate_up[1],
                p + "experts.down_proj_blocks": down[0], p + "experts.down_proj_scales": down[1],
-               p + "experts.gate_up_proj_bias": torch.randn(4, 64), p + "experts.down_proj_bias": torch.randn(4, 64)}
+               p + "experts.gate_up_proj_bias": torch.randn(4, 64),
+               p + "experts.down_proj_bias": torch.randn(4, 64)}
     layer = moe_module.gpt_oss_moe(config, dict(weights), 0, torch.device(DEVICE), torch.float32,
                                    dequantize_mxfp4=False)
     assert layer.experts.is_mxfp4
@@ -65,7 +70,8 @@ def test_gpt_oss_moe_layer_runs_mxfp4_experts_through_the_kernel_as_the_cpu_path
     monkeypatch.setattr("engine.kernels.FORCED_BACKEND", "torch")
     expected = layer(x)
     calls = []
-    real_kernel = __import__("engine.kernels.fused_moe_mxfp4", fromlist=["x"]).fused_moe_mxfp4_triton
+    real_kernel = __import__("engine.kernels.fused_moe_mxfp4",
+                             fromlist=["x"]).fused_moe_mxfp4_triton
     monkeypatch.setattr("engine.kernels.fused_moe_mxfp4.fused_moe_mxfp4_triton",
                         lambda *a, **k: calls.append(1) or real_kernel(*a, **k))
     monkeypatch.setattr("engine.kernels.FORCED_BACKEND", "triton")

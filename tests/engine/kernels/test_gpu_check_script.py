@@ -18,8 +18,8 @@ def run_script(**env: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(),
-                    reason="smoke mode is the CPU interpreter path; on a GPU the real check runs instead "
-                           "(the interpreter of Triton 3.6 fails FP8 on a CUDA machine)")
+                    reason="smoke mode is the CPU interpreter path; on a GPU the real check runs "
+                           "instead (the interpreter of Triton 3.6 fails FP8 on a CUDA machine)")
 def test_smoke_mode_checks_every_kernel_and_prints_the_table_last():
     out = run_script(AIGW_GPU_CHECK_SMOKE="1", OMP_NUM_THREADS="2")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

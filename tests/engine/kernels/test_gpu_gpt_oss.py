@@ -31,7 +31,8 @@ def experts():  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("num_tokens", [1, 100, 700])
 def test_gpt_oss_experts_bf16_and_mxfp4_match_the_reference(experts, num_tokens):  # type: ignore[no-untyped-def]
     (w13_blocks, w13_scales), (w2_blocks, w2_scales), biases = experts
-    w13, w2 = dequantize_mxfp4(w13_blocks, w13_scales, BF16), dequantize_mxfp4(w2_blocks, w2_scales, BF16)
+    w13, w2 = (dequantize_mxfp4(w13_blocks, w13_scales, BF16),
+               dequantize_mxfp4(w2_blocks, w2_scales, BF16))
     x = torch.randn(num_tokens, HIDDEN, device="cuda").to(BF16)
     top, ids = torch.topk(torch.randn(num_tokens, EXPERTS, device="cuda"), 4, dim=-1)
     weights, ids = torch.softmax(top, dim=-1), ids.to(torch.int32)

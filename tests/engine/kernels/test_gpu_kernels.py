@@ -44,7 +44,8 @@ def test_elementwise_kernels_bf16():
     x = torch.randn(300, 4096, device="cuda", dtype=BF16)
     res = torch.randn_like(x)
     w = torch.rand(4096, device="cuda", dtype=BF16)
-    for got, ref in zip(rms_norm_triton(x, w, 1e-5, res), rms_norm_reference(x, w, 1e-5, res), strict=True):
+    for got, ref in zip(rms_norm_triton(x, w, 1e-5, res), rms_norm_reference(x, w, 1e-5, res),
+                        strict=True):
         close(got, ref)
     close(silu_and_mul_triton(x), silu_and_mul_reference(x))
     q = torch.randn(300, 32, 128, device="cuda", dtype=BF16)

@@ -1,7 +1,7 @@
-"""Qwen-MoE routing variants through the Triton fused-MoE kernel (Triton's interpreter on CPU) against
-the torch reference: softmax top-k with and without renormalisation (`norm_topk_prob`), and the
-layer plan of `decoder_sparse_step` / `mlp_only_layers` (routed experts on some layers, the dense
-MLP on the others), each layer's MLP built by the engine's own factory."""
+"""Qwen-MoE routing variants through the Triton fused-MoE kernel (Triton's interpreter on CPU)
+against the torch reference: softmax top-k with and without renormalisation (`norm_topk_prob`), and
+the layer plan of `decoder_sparse_step` / `mlp_only_layers` (routed experts on some layers, the
+dense MLP on the others), each layer's MLP built by the engine's own factory."""
 
 import pytest
 import torch
@@ -28,7 +28,8 @@ def routing_reference(router_logits: torch.Tensor, top_k: int, norm_topk_prob: b
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_experts_match_the_reference_with_and_without_renormalised_weights(norm_topk_prob, dtype):
+def test_triton_experts_match_the_reference_with_and_without_renormalised_weights(
+        norm_topk_prob, dtype):
     num_tokens = 5
     hidden = torch.randn(num_tokens, HIDDEN).to(dtype)
     w13 = (torch.randn(NUM_EXPERTS, 2 * MOE_INTER, HIDDEN) / HIDDEN**0.5).to(dtype)
@@ -51,7 +52,8 @@ def _layer_weights(config: ModelConfig, layer: int, dtype: torch.dtype) -> dict[
         return (torch.randn(*shape) / shape[-1] ** 0.5).to(dtype)
 
     if not config.is_sparse_layer(layer):
-        return {p + "gate_proj.weight": randn(INTER, HIDDEN), p + "up_proj.weight": randn(INTER, HIDDEN),
+        return {p + "gate_proj.weight": randn(INTER, HIDDEN),
+                p + "up_proj.weight": randn(INTER, HIDDEN),
                 p + "down_proj.weight": randn(HIDDEN, INTER)}
     weights = {p + "gate.weight": randn(NUM_EXPERTS, HIDDEN)}
     for e in range(NUM_EXPERTS):
@@ -69,11 +71,13 @@ def _layer_weights(config: ModelConfig, layer: int, dtype: torch.dtype) -> dict[
 ])
 def test_layer_plan_builds_routed_and_dense_layers_and_triton_matches_torch(
         step, mlp_only, norm_topk_prob, sparse, dtype, monkeypatch):
-    config = ModelConfig(architecture="qwen3_moe", vocab_size=32, hidden_size=HIDDEN, intermediate_size=INTER,
-                         num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64,
-                         num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=MOE_INTER,
-                         norm_topk_prob=norm_topk_prob, decoder_sparse_step=step, mlp_only_layers=mlp_only,
-                         qk_norm="per_head")
+    config = ModelConfig(architecture="qwen3_moe", vocab_size=32, hidden_size=HIDDEN,
+                         intermediate_size=INTER, num_layers=4, num_heads=4, num_kv_heads=2,
+                         head_dim=16, max_position_embeddings=64,
+                         num_experts=NUM_EXPERTS, num_experts_per_tok=TOP_K,
+                         moe_intermediate_size=MOE_INTER,
+                         norm_topk_prob=norm_topk_prob, decoder_sparse_step=step,
+                         mlp_only_layers=mlp_only, qk_norm="per_head")
     assert [config.is_sparse_layer(i) for i in range(4)] == sparse
     x = torch.randn(7, HIDDEN).to(dtype).to(DEVICE)
     for layer in range(4):

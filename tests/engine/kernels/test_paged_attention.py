@@ -26,7 +26,8 @@ def make_batch(ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, dtype, block
         tables[i, :nb] = torch.tensor(blocks, dtype=torch.int32)
         k = torch.randn(ctx, num_kv_heads, head_dim, dtype=dtype)
         v = torch.randn(ctx, num_kv_heads, head_dim, dtype=dtype)
-        slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(ctx)])
+        slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size
+                              for p in range(ctx)])
         store_kv_reference(k, v, k_cache, v_cache, slots)
         dense_k.append(k)
         dense_v.append(v)

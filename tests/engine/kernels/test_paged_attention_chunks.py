@@ -44,7 +44,8 @@ def test_reference_chunks_match_transformers_semantics(case):
     torch.testing.assert_close(out.cpu().double(), expected, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("case", "dtype"), [(c, DTYPES[i % len(DTYPES)]) for i, c in enumerate(sorted(CASES))])
+@pytest.mark.parametrize(("case", "dtype"),
+                         [(c, DTYPES[i % len(DTYPES)]) for i, c in enumerate(sorted(CASES))])
 def test_triton_chunks_match_reference(case, dtype):
     ctx_lens, q_lens, chunk = CASES[case]
     args, _ = make_batch(ctx_lens, q_lens, 4, 2, 32, dtype)
@@ -64,5 +65,6 @@ def test_table_entries_before_the_chunk_do_not_matter():
     poisoned[1, :2] = spare  # request 1 (rows 32..47) sees 32..47: blocks 0-1 are dead
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     k_cache[spare], v_cache[spare] = 1e4, -1e4
-    out = paged_attention_triton(q, k_cache, v_cache, cu, seq_lens, poisoned, scale=0.25, attention_chunk=32)
+    out = paged_attention_triton(q, k_cache, v_cache, cu, seq_lens, poisoned, scale=0.25,
+                                 attention_chunk=32)
     assert_close(out, expected, torch.float32)

@@ -1,6 +1,6 @@
 """Sliding windows and attention sinks in the paged attention kernels: the torch reference against a
-naive float64 attention written from transformers' definitions, the Triton kernels (interpreter on CPU)
-against the reference."""
+naive float64 attention written from transformers' definitions, the Triton kernels (interpreter on
+CPU) against the reference."""
 
 import pytest
 import torch

@@ -29,7 +29,7 @@ def events_of(log: KVEventLog) -> list:  # type: ignore[type-arg]
     return [e for batch in page.batches for e in batch.events]
 
 
-# ---- allocation and freeing ------------------------------------------------------------------------
+# ---- allocation and freeing ----------------------------------------------------------------------
 def test_blocks_are_allocated_on_demand_as_tokens_are_scheduled() -> None:
     manager = make_manager(8)
     request = make_request(tokens(40))
@@ -123,7 +123,8 @@ def test_fully_cached_prompt_still_computes_its_last_token() -> None:
     manager = make_manager(16)
     admit(manager, make_request(tokens(32)))
     twin = make_request(tokens(32))
-    assert manager.get_computed_blocks(twin).num_computed_tokens == 16  # floor((32 - 1) / 16) blocks
+    # floor((32 - 1) / 16) blocks
+    assert manager.get_computed_blocks(twin).num_computed_tokens == 16
 
 
 def test_different_cache_salts_share_no_block() -> None:
@@ -156,7 +157,8 @@ def test_lru_eviction_takes_the_tail_of_a_freed_sequence_first() -> None:
     old_hashes = list(old.block_hashes)
     manager.free(old)
     manager.check_integrity()
-    # Free queue: the never-used block, then old's blocks tail first. Two new blocks: evicts old's tail.
+    # Free queue: the never-used block, then old's blocks tail first. Two new blocks: evicts old's
+    # tail.
     newcomer = make_request(tokens(20, start=9000))
     admit(manager, newcomer)
     manager.check_integrity()
@@ -261,7 +263,8 @@ def test_events_replayed_from_zero_reproduce_the_snapshot_after_a_random_workloa
     for _ in range(300):
         action = rng.random()
         if action < 0.5:
-            prompt = shared[: rng.randrange(0, 49)] + tokens(rng.randrange(1, 60), start=rng.randrange(10**5))
+            prompt = (shared[: rng.randrange(0, 49)]
+                      + tokens(rng.randrange(1, 60), start=rng.randrange(10**5)))
             request = make_request(prompt, cache_salt=rng.choice([None, "a"]))
             if admit(manager, request) is not None:
                 live.append(request)
@@ -301,7 +304,8 @@ def test_block_hash_is_pinned_to_its_documented_encoding() -> None:
     import xxhash
 
     first = xxhash.xxh3_64_intdigest(b"aigw-kv-v1\x1em\x1fs\x1f" + struct.pack("<16I", *range(16)))
-    second = xxhash.xxh3_64_intdigest(struct.pack("<Q", first) + struct.pack("<16I", *range(16, 32)))
+    second = xxhash.xxh3_64_intdigest(struct.pack("<Q", first)
+                                      + struct.pack("<16I", *range(16, 32)))
     assert hash_blocks(list(range(32)), 16, "m", "s") == [first, second]
 
 
@@ -332,7 +336,8 @@ def test_salt_and_model_id_enter_only_through_the_first_block() -> None:
 def test_incremental_hashing_equals_hashing_all_at_once(split: int) -> None:
     ids = tokens(70)
     known = hash_blocks(ids[:split], 16, MODEL_ID, "s")
-    assert hash_blocks(ids, 16, MODEL_ID, "s", parent_hashes=known) == hash_blocks(ids, 16, MODEL_ID, "s")
+    assert (hash_blocks(ids, 16, MODEL_ID, "s", parent_hashes=known)
+            == hash_blocks(ids, 16, MODEL_ID, "s"))
 
 
 def test_request_block_hashes_grow_with_its_output() -> None:

@@ -176,8 +176,8 @@ def test_abort_mid_decode_returns_every_block_of_every_group() -> None:
 GPT_OSS_20B = ModelConfig(architecture="gpt_oss", vocab_size=201088, hidden_size=2880,
                           intermediate_size=2880, num_layers=24, num_heads=64, num_kv_heads=8,
                           head_dim=64, max_position_embeddings=131072,
-                          layer_types=("sliding_attention", "full_attention") * 12, sliding_window=128,
-                          num_experts=32, num_experts_per_tok=4)
+                          layer_types=("sliding_attention", "full_attention") * 12,
+                          sliding_window=128, num_experts=32, num_experts_per_tok=4)
 
 
 def test_layout_pairs_window_and_full_layers_on_shared_tensor_slots() -> None:
@@ -190,7 +190,8 @@ def test_layout_pairs_window_and_full_layers_on_shared_tensor_slots() -> None:
 
 
 @pytest.mark.parametrize(("num_layers", "full_mib", "windowed_mib"),
-                         [(24, 1536, 771), (36, 2304, 1156.5)])  # gpt-oss-20b, -120b (docs/models.md)
+                         # gpt-oss-20b, -120b (docs/models.md)
+                         [(24, 1536, 771), (36, 2304, 1156.5)])
 def test_a_32k_sequence_needs_about_half_the_kv_bytes_of_full_attention(
         num_layers: int, full_mib: float, windowed_mib: float) -> None:
     config = replace(GPT_OSS_20B, num_layers=num_layers,

@@ -1,6 +1,6 @@
-"""The second KV tier (engine/kv_cache/host_tier.py, host_storage.py): blocks the pool evicts are copied
-out before the step that overwrites them, and a prefix hit that runs out of pool blocks continues into
-the tier and is restored into fresh blocks before the step that reads them.
+"""The second KV tier (engine/kv_cache/host_tier.py, host_storage.py): blocks the pool evicts are
+copied out before the step that overwrites them, and a prefix hit that runs out of pool blocks
+continues into the tier and is restored into fresh blocks before the step that reads them.
 
 Bookkeeping runs on the fake manager with real KV-shaped tensors and the real mapped-file storage;
 the round trip runs on the real default model (SmolLM2-135M): the restored KV equals the evicted KV
@@ -56,7 +56,8 @@ class Tiered:
         return torch.stack([t[block_id] for t in self.kv])
 
     def run(self, prompt: list[int], salt: str | None = None, abort: bool = False) -> Any:
-        """Admit a request for its whole prompt, do the step's copies, write its new blocks, free it."""
+        """Admit a request for its whole prompt, do the step's copies, write its new blocks, free
+        it."""
         request = make_request(prompt, cache_salt=salt)
         table = admit(self.manager, request)
         assert table is not None
@@ -76,7 +77,8 @@ class Tiered:
 
 def test_evicted_blocks_move_to_the_tier_and_come_back_bit_exact() -> None:
     t = Tiered(num_blocks=8, num_slots=16)
-    prompt_a = tokens(80)  # 5 full blocks, 4 of them a later hit can use (the last token is recomputed)
+    # 5 full blocks, 4 of them a later hit can use (the last token is recomputed)
+    prompt_a = tokens(80)
     request, table = t.run(prompt_a)
     kept = {h: t.block_bytes(b).clone() for h, b in zip(request.block_hashes, table, strict=False)}
     other, other_table = t.run(tokens(120, start=5000))  # 8 blocks: evicts every block of A
@@ -163,16 +165,19 @@ def test_nothing_one_salt_stored_is_found_with_another() -> None:
     t.run(tokens(90, start=9000), salt="tenant-a")  # evicts tenant-a's prompt into the tier
     assert t.tier.num_blocks >= 3
     for salt in ("tenant-b", None):
-        assert t.manager.get_computed_blocks(make_request(prompt, cache_salt=salt)).num_computed_tokens == 0
+        assert t.manager.get_computed_blocks(make_request(prompt,
+                                                          cache_salt=salt)).num_computed_tokens == 0
     hit = t.manager.get_computed_blocks(make_request(prompt, cache_salt="tenant-a"))
     assert hit.num_host_tokens == hit.num_computed_tokens == 48
 
 
-def test_an_abort_before_the_restore_runs_leaks_nothing_and_the_block_still_gets_its_bytes() -> None:
+def test_an_abort_before_the_restore_runs_leaks_nothing_and_the_block_still_gets_its_bytes(
+        ) -> None:
     t = Tiered(num_blocks=6, num_slots=16)
     prompt = tokens(64)
     first, table = t.run(prompt)
-    kept = {h: t.block_bytes(b).clone() for h, b in zip(first.block_hashes[:3], table, strict=False)}
+    kept = {h: t.block_bytes(b).clone()
+            for h, b in zip(first.block_hashes[:3], table, strict=False)}
     t.run(tokens(90, start=9000))
     request = make_request(prompt)
     assert admit(t.manager, request) is not None  # restores queued into fresh blocks
@@ -192,7 +197,8 @@ def test_a_slot_being_restored_is_never_given_to_this_steps_eviction() -> None:
     t = Tiered(num_blocks=4, num_slots=2)
     prompt = tokens(48)  # 3 blocks; a hit uses 2
     first, table = t.run(prompt)
-    kept = {h: t.block_bytes(b).clone() for h, b in zip(first.block_hashes[:2], table, strict=False)}
+    kept = {h: t.block_bytes(b).clone()
+            for h, b in zip(first.block_hashes[:2], table, strict=False)}
     t.run(tokens(60, start=9000))  # 4 blocks: A's 3 evicted into 2 slots (its tail dropped again)
     assert t.tier.num_blocks == 2 and all(t.tier.contains(h) for h in kept)
     request, table = t.run(prompt)  # its restores evict blocks while both slots are being read
@@ -227,7 +233,7 @@ def test_a_sliding_window_group_restores_only_the_blocks_its_window_needs() -> N
     assert t.manager.pool.num_free_blocks == t.manager.num_blocks
 
 
-# ---- the real default model -------------------------------------------------------------------------
+# ---- the real default model ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tier_engines(model_path: str, checkpoint: Any, tokenizer: Any) -> tuple[LLMEngine, LLMEngine]:
     """Two engines over the shared weights with a 16-block pool: one with a host tier of 32 blocks,
@@ -236,7 +242,8 @@ def tier_engines(model_path: str, checkpoint: Any, tokenizer: Any) -> tuple[LLME
     from engine.model_runner import ModelRunner
 
     model = checkpoint.config
-    bytes_per_block = 16 * model.num_layers * kv_bytes_per_token(model, 4)  # float32, full attention
+    # float32, full attention
+    bytes_per_block = 16 * model.num_layers * kv_bytes_per_token(model, 4)
 
     def make(host_tier_blocks: int) -> LLMEngine:
         config = EngineConfig(
@@ -244,7 +251,8 @@ def tier_engines(model_path: str, checkpoint: Any, tokenizer: Any) -> tuple[LLME
             cache=CacheConfig(kv_cache_memory_bytes=16 * bytes_per_block,
                               host_tier_bytes=host_tier_blocks * bytes_per_block),
             scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4))
-        runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights), dict(checkpoint.raw))
+        runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights),
+                             dict(checkpoint.raw))
         assert runner.num_blocks == 16
         return LLMEngine(config, checkpoint.config, runner, tokenizer)
 
@@ -260,8 +268,8 @@ def test_real_model_tier_hit_restores_the_evicted_kv_and_the_same_tokens(
         tier_engines: tuple[LLMEngine, LLMEngine], tokenizer: Any) -> None:
     engine, recompute = tier_engines
     greedy = SamplingParams(temperature=0.0, max_tokens=6)
-    text = ("The gateway routes each request to the replica that holds its prefix; the replica keeps "
-            "the prompt's KV blocks so that the next turn of the conversation reuses them.")
+    text = ("The gateway routes each request to the replica that holds its prefix; the replica "
+            "keeps the prompt's KV blocks so that the next turn of the conversation reuses them.")
     prompt = tokenizer.backend.encode(text * 3).ids[:96]  # 6 full blocks; a later hit can use 5
     engine.add_request("a", prompt, greedy)
     first = drive(engine)["a"]
@@ -273,7 +281,8 @@ def test_real_model_tier_hit_restores_the_evicted_kv_and_the_same_tokens(
         assert block is not None
         kept[block_hash] = _kv_of(engine, block.block_id)
     for i in range(2):  # 2 x 10 blocks of other prompts: A's blocks leave the 16-block pool
-        engine.add_request(f"filler-{i}", tokens(150, start=1000 + 3000 * i), SamplingParams(max_tokens=1))
+        engine.add_request(f"filler-{i}", tokens(150, start=1000 + 3000 * i),
+                           SamplingParams(max_tokens=1))
         drive(engine)
     assert all(engine.kv_cache.pool.get_cached_block(h) is None for h in probe.block_hashes[:5])
     assert all(engine.kv_cache.host_tier is not None and engine.kv_cache.host_tier.contains(h)
@@ -321,13 +330,15 @@ def test_the_replica_flags_make_the_engine_config() -> None:
         HostTierStorage.for_kv([torch.zeros(4, 16, 2, 4)], budget_bytes=100)
 
 
-def test_real_model_abort_after_a_restore_leaks_nothing(tier_engines: tuple[LLMEngine, LLMEngine]) -> None:
+def test_real_model_abort_after_a_restore_leaks_nothing(
+        tier_engines: tuple[LLMEngine, LLMEngine]) -> None:
     engine, _ = tier_engines
     prompt = tokens(200, start=20_000)  # 4 steps of 64 tokens
     engine.add_request("long", prompt, SamplingParams(max_tokens=1))
     drive(engine)
     for i in range(2):
-        engine.add_request(f"evict-{i}", tokens(120, start=40_000 + 500 * i), SamplingParams(max_tokens=1))
+        engine.add_request(f"evict-{i}", tokens(120, start=40_000 + 500 * i),
+                           SamplingParams(max_tokens=1))
         drive(engine)
     engine.add_request("long-again", prompt, SamplingParams(max_tokens=4))
     engine.step()  # admitted: its tier hits restored, the first chunk after them computed

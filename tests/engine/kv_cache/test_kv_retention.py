@@ -1,6 +1,7 @@
-"""Retention: a finished request's cached prompt blocks kept safe from LRU eviction for its retention
-time, bounded per owner (cache salt) and in all, superseded by the same session's next retention,
-never kept for an abort, never stalling an idle engine; check_integrity counts retention references."""
+"""Retention: a finished request's cached prompt blocks kept safe from LRU eviction for its
+retention time, bounded per owner (cache salt) and in all, superseded by the same session's next
+retention, never kept for an abort, never stalling an idle engine; check_integrity counts retention
+references."""
 
 from __future__ import annotations
 
@@ -45,8 +46,10 @@ def test_a_retained_prefix_survives_pressure_that_evicts_an_unretained_one() -> 
     kept, plain = tokens(160, start=1000), tokens(160, start=20_000)
     for retain_s, expected in ((600.0, 10), (0.0, 0)):
         scheduler = scheduler_of(60, retention_share_per_owner=0.5)
-        run(scheduler, retained(kept, retain_s), make_request(plain, max_tokens=1))  # 10 blocks each
-        run(scheduler, make_request(tokens(800, start=50_000), max_tokens=1))  # 50 blocks: evicts LRU
+        # 10 blocks each
+        run(scheduler, retained(kept, retain_s), make_request(plain, max_tokens=1))
+        # 50 blocks: evicts LRU
+        run(scheduler, make_request(tokens(800, start=50_000), max_tokens=1))
         assert num_cached_blocks_of(scheduler, kept) == expected  # (kept was freed first: LRU)
         assert num_cached_blocks_of(scheduler, plain) == (0 if retain_s else 10)
         scheduler.kv_cache.check_integrity()
@@ -149,7 +152,8 @@ def test_a_next_turn_without_a_session_id_supersedes_the_prefix_it_extends() -> 
     run(scheduler, retained(turn1, 600), retained(other, 600))
     table = scheduler.kv_cache.retention
     assert table.num_entries == 2 and table.num_blocks == 10 + 4
-    turn2 = turn1 + tokens(2, start=3000) + tokens(62, start=70_000)  # turn 1's prompt, answer, more
+    # turn 1's prompt, answer, more
+    turn2 = turn1 + tokens(2, start=3000) + tokens(62, start=70_000)
     run(scheduler, retained(turn2, 600))
     assert table.num_entries == 2  # turn 1's entry gone, the other session's kept
     assert num_cached_blocks_of(scheduler, other) == 10
@@ -214,7 +218,8 @@ def test_on_the_real_engine_retention_expires_holds_its_project_bound_and_an_abo
     text = engine.tokenizer.encode("Harbour tide tables, berth rules and pilot schedules. " * 30)
     assert len(text) >= 230
     engine.add_request("short", text[:50], params, cache_salt="p1", retain_s=0.05)
-    engine.add_request("long", text[50:150], params, cache_salt="p1", retain_s=600, retention_id="s1")
+    engine.add_request("long", text[50:150], params, cache_salt="p1", retain_s=600,
+                       retention_id="s1")
     engine.add_request("other", text[150:230], params, cache_salt="p2", retain_s=600)
     drive(engine)
     bound = manager.retention.max_blocks_per_owner

@@ -111,7 +111,8 @@ def test_unpermute_inverts_llama_cpp_rope_permutation():
 
 
 def test_unknown_gguf_tensor_names_are_rejected():
-    assert hf_tensor_name("blk.7.ffn_norm.weight") == "model.layers.7.post_attention_layernorm.weight"
+    assert (hf_tensor_name("blk.7.ffn_norm.weight")
+            == "model.layers.7.post_attention_layernorm.weight")
     assert hf_tensor_name("output.weight") == "lm_head.weight"
     with pytest.raises(KeyError):
         hf_tensor_name("blk.0.ffn_gate_shexp.weight")  # a shared expert (qwen2moe): not read

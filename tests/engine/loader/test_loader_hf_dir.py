@@ -77,7 +77,8 @@ def _config_dir(tmp_path, config) -> ModelConfig:
 def test_mixtral_config_maps_experts(tmp_path):
     config = _config_dir(tmp_path, transformers.MixtralConfig(
         **TINY, num_local_experts=4, num_experts_per_tok=2))
-    assert (config.architecture, config.num_experts, config.num_experts_per_tok) == ("mixtral", 4, 2)
+    assert ((config.architecture, config.num_experts, config.num_experts_per_tok)
+            == ("mixtral", 4, 2))
     assert config.moe_intermediate_size == 128 and config.norm_topk_prob
     assert config.head_dim == 16 and config.rope_theta == 1e6 and config.is_moe
 

@@ -21,22 +21,25 @@ COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_l
               tie_word_embeddings=False)
 
 FAMILIES = {
-    "mixtral": lambda: transformers.MixtralConfig(num_local_experts=8, num_experts_per_tok=2, **COMMON),
+    "mixtral": lambda: transformers.MixtralConfig(num_local_experts=8, num_experts_per_tok=2,
+                                                  **COMMON),
     "qwen2_moe-shared": lambda: transformers.Qwen2MoeConfig(
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-        norm_topk_prob=False, **COMMON),
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, norm_topk_prob=False, **COMMON),
     "qwen2_moe-normalized-no-shared": lambda: transformers.Qwen2MoeConfig(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=0,
-        norm_topk_prob=True, **COMMON),
-    "qwen2_moe-mlp-only-layer-0": lambda: transformers.Qwen2MoeConfig(  # layer 0 dense, layer 1 sparse
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-        norm_topk_prob=False, mlp_only_layers=[0], **COMMON),
-    "olmoe": lambda: transformers.OlmoeConfig(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
-                                              **COMMON),
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=0, norm_topk_prob=True, **COMMON),
+    # layer 0 dense, layer 1 sparse
+    "qwen2_moe-mlp-only-layer-0": lambda: transformers.Qwen2MoeConfig(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[0], **COMMON),
+    "olmoe": lambda: transformers.OlmoeConfig(num_experts=8, num_experts_per_tok=2,
+                                              norm_topk_prob=False, **COMMON),
 }
 
 
-def write_checkpoint(family: str, directory: Path, initializer_range: float | None = None) -> torch.nn.Module:
+def write_checkpoint(family: str, directory: Path,
+                     initializer_range: float | None = None) -> torch.nn.Module:
     """Save a seeded random model of `family` into `directory`; returns the transformers model."""
     config = FAMILIES[family]()
     if initializer_range is not None:
@@ -47,7 +50,8 @@ def write_checkpoint(family: str, directory: Path, initializer_range: float | No
     return model
 
 
-CORPUS = ["the quick brown fox jumps over the lazy dog", "tell me one fact about the moon and the sea",
+CORPUS = ["the quick brown fox jumps over the lazy dog",
+          "tell me one fact about the moon and the sea",
           "def prime(n): return all(n % d for d in range(2, n))", "bread, jazz, chess, rain, bees"]
 
 
@@ -61,7 +65,8 @@ def train_byte_bpe(special_tokens: tuple[str, ...], vocab_size: int):  # type: i
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
-                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(CORPUS * 20, trainer)
     assert tokenizer.get_vocab_size() <= vocab_size
     return tokenizer
@@ -86,14 +91,17 @@ def randomize_norms(model: torch.nn.Module, center: float) -> None:
                 param.copy_(center + 0.5 * torch.randn_like(param))
 
 
-def add_gguf_vocabulary(writer: Any, tokenizer_json: dict, pre: str, is_special: Callable[[str], bool],
+def add_gguf_vocabulary(writer: Any, tokenizer_json: dict, pre: str,
+                        is_special: Callable[[str], bool],
                         num_tokens: int | None = None) -> dict[str, int]:
-    """The byte-level BPE in `tokenizer_json` (a tokenizer.json, parsed) as llama.cpp writes a "gpt2"
-    vocabulary: token list, types (3 control, 1 normal), merges. With `num_tokens` the list is padded
-    to that many with "<|pad_{id}|>" for ids the BPE does not use. -> token ids by text."""
+    """The byte-level BPE in `tokenizer_json` (a tokenizer.json, parsed) as llama.cpp writes a
+    "gpt2" vocabulary: token list, types (3 control, 1 normal), merges. With `num_tokens` the list
+    is padded to that many with "<|pad_{id}|>" for ids the BPE does not use. -> token ids by
+    text."""
     model = tokenizer_json["model"]
     vocab = {**model["vocab"], **{t["content"]: t["id"] for t in tokenizer_json["added_tokens"]}}
-    tokens = [f"<|pad_{i}|>" for i in range(num_tokens)] if num_tokens is not None else [""] * len(vocab)
+    tokens = ([f"<|pad_{i}|>" for i in range(num_tokens)] if num_tokens is not None
+              else [""] * len(vocab))
     for token, i in vocab.items():
         tokens[i] = token
     writer.add_tokenizer_model("gpt2")

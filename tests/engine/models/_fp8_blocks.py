@@ -1,6 +1,7 @@
 """Block-scaled FP8 test checkpoints (quantization_config quant_method "fp8" + weight_block_size,
 as DeepSeek-V3 and Qwen3-FP8 ship them) made from a tiny dense one, each beside its dequantized
-twin: the blocks and their `weight_scale_inv` come from the test's own arithmetic, not the engine's."""
+twin: the blocks and their `weight_scale_inv` come from the test's own arithmetic, not the
+engine's."""
 
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def write_fp8_checkpoint(source: Path, root: Path,
     save_file(twin, str(twin_dir / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((fp8_dir / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                     "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": list(BLOCK)}
     (fp8_dir / "config.json").write_text(json.dumps(config))
     return fp8_dir, twin_dir

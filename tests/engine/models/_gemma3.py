@@ -1,10 +1,12 @@
-"""A tiny random Gemma 3 text checkpoint written by transformers' save_pretrained (Gemma3ForCausalLM),
-with a byte-level BPE tokenizer and a Gemma-style chat template, once per test session.
+"""A tiny random Gemma 3 text checkpoint written by transformers' save_pretrained
+(Gemma3ForCausalLM), with a byte-level BPE tokenizer and a Gemma-style chat template, once per test
+session.
 
     4 layers: local (sliding window 20), local, global, local; 4 query heads over 2 kv heads of 32
     (head_dim != hidden / heads); query_pre_attn_scalar 24 (not head_dim); local rope base 100,
     global base 10,000 with linear scaling x2; final_logit_softcapping 3 (binding: the random
-    model's logits exceed it); initializer_range 0.05 (larger ones repeat one token); tied embeddings; every norm weight random (Gemma's init is zeros)
+    model's logits exceed it); initializer_range 0.05 (larger ones repeat one token); tied
+    embeddings; every norm weight random (Gemma's init is zeros)
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "slid
 # assistant's role, strict alternation
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
-    "{% set first_user_prefix = messages[0]['content'] + '\\n\\n' %}{% set loop_messages = messages[1:] %}"
-    "{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}"
-    "{% for message in loop_messages %}"
+    "{% set first_user_prefix = messages[0]['content'] + '\\n\\n' %}{% set loop_messages = "
+    "messages[1:] %}{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% "
+    "endif %}{% for message in loop_messages %}"
     "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
     "{% endif %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
@@ -38,8 +40,8 @@ GEMMA_TEMPLATE = (
 
 def write_tokenizer(directory: Path) -> dict[str, int]:
     """A byte-level BPE as tokenizer.json + tokenizer_config.json; -> special token ids by name."""
-    return write_bpe_tokenizer(directory, SPECIALS, VOCAB_SIZE, bos_token="<bos>", eos_token="<eos>",
-                               pad_token="<pad>", chat_template=GEMMA_TEMPLATE)
+    return write_bpe_tokenizer(directory, SPECIALS, VOCAB_SIZE, bos_token="<bos>",
+                               eos_token="<eos>", pad_token="<pad>", chat_template=GEMMA_TEMPLATE)
 
 
 def make_config(ids: dict[str, int]):  # type: ignore[no-untyped-def]

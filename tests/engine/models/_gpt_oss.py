@@ -1,9 +1,10 @@
 """Tiny random gpt-oss checkpoints, written once per test session.
 
-    dense   transformers' save_pretrained of a seeded random GptOssForCausalLM: 4 layers (sliding, full,
-            sliding, full), sliding_window 8, YaRN as the released config has it (factor 32, beta 32/1,
-            truncate off), 4 experts top-2, hidden 64, expert size 32, 4 query heads over 2 kv heads
-            of 16, large learned sinks; byte-level BPE tokenizer with the harmony specials
+    dense   transformers' save_pretrained of a seeded random GptOssForCausalLM: 4 layers (sliding,
+            full, sliding, full), sliding_window 8, YaRN as the released config has it (factor 32,
+            beta 32/1, truncate off), 4 experts top-2, hidden 64, expert size 32, 4 query heads over
+            2 kv heads of 16, large learned sinks; byte-level BPE tokenizer with the harmony
+            specials
     mxfp4   the same model with its expert weights quantized to MXFP4 and stored as the released
             openai/gpt-oss-* files store them (*_blocks uint8 [E, N, K/32, 16], *_scales uint8
             [E, N, K/32], quantization_config.quant_method "mxfp4"); its reference is transformers'
@@ -28,7 +29,8 @@ SPECIALS = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>
 SLIDING_WINDOW = 8
 YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
         "original_max_position_embeddings": 64, "rope_theta": 150000.0}
-NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                 "lm_head"]
 
 
 def make_config(eos_id: int | None):  # type: ignore[no-untyped-def]
@@ -43,7 +45,8 @@ def make_config(eos_id: int | None):  # type: ignore[no-untyped-def]
 
 
 def write_tokenizer(directory: Path) -> int:
-    """A byte-level BPE (vocab <= VOCAB_SIZE) as tokenizer.json + tokenizer_config.json; -> eos id."""
+    """A byte-level BPE (vocab <= VOCAB_SIZE) as tokenizer.json + tokenizer_config.json; -> eos
+    id."""
     return write_bpe_tokenizer(directory, SPECIALS, VOCAB_SIZE, eos_token="<|return|>",
                                pad_token="<|endoftext|>")["<|return|>"]
 
@@ -68,7 +71,8 @@ def quantize_experts(directory: Path) -> None:
         tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
     save_file(tensors, str(file), metadata={"format": "pt"})
     config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": NOT_CONVERTED}
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": NOT_CONVERTED}
     (directory / "config.json").write_text(json.dumps(config))
 
 
@@ -109,11 +113,12 @@ def gpt_oss_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, G
     return write_checkpoints(tmp_path_factory.mktemp("gpt_oss"))
 
 
-# ---- GGUF, as llama.cpp's convert_hf_to_gguf lays out gpt-oss ----------------------------------------
+# ---- GGUF, as llama.cpp's convert_hf_to_gguf lays out gpt-oss ------------------------------------
 def hf_mxfp4_to_ggml(blocks: torch.Tensor, scales: torch.Tensor):  # type: ignore[no-untyped-def]
     """HF blocks [..., N, G, 16] + scales [..., N, G] -> GGML MXFP4 bytes [..., N, G * 17] (numpy):
     per group the scale byte, then values 0..15 in the low nibbles and 16..31 in the high ones."""
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # [..., G, 32] value order
+    # [..., G, 32] value order
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)
     packed = codes[..., :16] | (codes[..., 16:] << 4)  # [..., G, 16]
     return torch.cat([scales.unsqueeze(-1), packed], dim=-1).flatten(-2).numpy()
 
@@ -146,9 +151,10 @@ def write_gguf(hf_directory: Path, path: Path) -> None:
     vocab = add_gguf_vocabulary(writer, tok, "gpt-4o", lambda t: t in SPECIALS)
     writer.add_eos_token_id(vocab["<|return|>"])
 
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    modules = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    names = {"model.embed_tokens.weight": "token_embd.weight",
+             "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    modules = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
                "post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
     tensors = load_file(str(hf_directory / "model.safetensors"))
@@ -164,18 +170,23 @@ def write_gguf(hf_directory: Path, path: Path) -> None:
         elif module in modules:
             writer.add_tensor(f"{blk}{modules[module]}.{kind}", tensor.float().numpy())
         elif rest == "mlp.experts.gate_up_proj_bias":  # interleaved gate/up -> two tensors
-            writer.add_tensor(blk + "ffn_gate_exps.bias", tensor[:, ::2].float().contiguous().numpy())
-            writer.add_tensor(blk + "ffn_up_exps.bias", tensor[:, 1::2].float().contiguous().numpy())
+            writer.add_tensor(blk + "ffn_gate_exps.bias",
+                              tensor[:, ::2].float().contiguous().numpy())
+            writer.add_tensor(blk + "ffn_up_exps.bias",
+                              tensor[:, 1::2].float().contiguous().numpy())
         elif rest == "mlp.experts.down_proj_bias":
             writer.add_tensor(blk + "ffn_down_exps.bias", tensor.float().numpy())
         elif rest == "mlp.experts.gate_up_proj_blocks":
             scales = tensors[name.replace("_blocks", "_scales")]
-            for target, rows in (("ffn_gate_exps", slice(0, None, 2)), ("ffn_up_exps", slice(1, None, 2))):
+            for target, rows in (("ffn_gate_exps", slice(0, None, 2)),
+                                 ("ffn_up_exps", slice(1, None, 2))):
                 data = hf_mxfp4_to_ggml(tensor[:, rows].contiguous(), scales[:, rows].contiguous())
-                writer.add_tensor(f"{blk}{target}.weight", data, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+                writer.add_tensor(f"{blk}{target}.weight", data,
+                                  raw_dtype=gguf.GGMLQuantizationType.MXFP4)
         elif rest == "mlp.experts.down_proj_blocks":
             data = hf_mxfp4_to_ggml(tensor, tensors[name.replace("_blocks", "_scales")])
-            writer.add_tensor(blk + "ffn_down_exps.weight", data, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            writer.add_tensor(blk + "ffn_down_exps.weight", data,
+                              raw_dtype=gguf.GGMLQuantizationType.MXFP4)
         elif not rest.endswith("_scales"):
             raise AssertionError(f"no GGUF name for {name}")
     finish_gguf(writer)

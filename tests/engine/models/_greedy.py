@@ -14,7 +14,8 @@ BLOCK_SIZE = 16
 
 def make_runner(model_config: ModelConfig, weights: dict[str, torch.Tensor],
                 quantization: str | None = None) -> ModelRunner:
-    config = EngineConfig(model_path="<test>", num_threads=1, dtype="float32", quantization=quantization,
+    config = EngineConfig(model_path="<test>", num_threads=1, dtype="float32",
+                          quantization=quantization,
                           cache=CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory_bytes=16 << 20,
                                             enable_prefix_caching=False))
     return ModelRunner(config, model_config, dict(weights))
@@ -25,20 +26,25 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], num_new_tokens: int,
     """Prefill every prompt in one step, then decode them together.
 
     Returns (new tokens per prompt, logits [num_new_tokens, vocab] per prompt: the distribution each
-    new token was drawn from). With `forced`, those tokens are fed instead of the argmax (teacher forcing).
+    new token was drawn from). With `forced`, those tokens are fed instead of the argmax (teacher
+    forcing).
     """
     tokens = [list(p) for p in prompts]
     new: list[list[int]] = [[] for _ in prompts]
     logits: list[list[torch.Tensor]] = [[] for _ in prompts]
     num_blocks = (max(map(len, prompts)) + num_new_tokens) // BLOCK_SIZE + 1
     layout = getattr(runner, "kv_layout", None)
-    num_groups = len(layout.groups) if layout is not None else 1  # KV cache groups (sliding windows)
-    tables = [[list(range((g * len(prompts) + i) * num_blocks, (g * len(prompts) + i + 1) * num_blocks))
-               for g in range(num_groups)] for i in range(len(prompts))]  # [prompt][group] -> blocks
+    # KV cache groups (sliding windows)
+    num_groups = len(layout.groups) if layout is not None else 1
+    tables = [[list(range((g * len(prompts) + i) * num_blocks,
+                          (g * len(prompts) + i + 1) * num_blocks))
+               # [prompt][group] -> blocks
+               for g in range(num_groups)] for i in range(len(prompts))]
     for step in range(num_new_tokens):
         extra = [{"extra_block_tables": tuple(tables[i][1:])} if num_groups > 1 else {}
                  for i in range(len(prompts))]
-        seqs = [ScheduledSequence(str(i), t if step == 0 else t[-1:], 0 if step == 0 else len(t) - 1,
+        seqs = [ScheduledSequence(str(i), t if step == 0 else t[-1:],
+                                  0 if step == 0 else len(t) - 1,
                                   tables[i][0], True, **extra[i]) for i, t in enumerate(tokens)]
         out = runner.execute(ScheduledBatch(seqs))
         for request_id, row in zip(out.request_ids, out.logits, strict=True):

@@ -1,5 +1,6 @@
-"""Tiny random Llama 4 text checkpoints written by transformers' save_pretrained (Llama4ForCausalLM),
-with a byte-level BPE tokenizer and a Llama-4-style chat template, once per test session.
+"""Tiny random Llama 4 text checkpoints written by transformers' save_pretrained
+(Llama4ForCausalLM), with a byte-level BPE tokenizer and a Llama-4-style chat template, once per
+test session.
 
     both: 4 layers, layers 0, 1, 3 RoPE with chunked attention (chunk 24, not a multiple of the
           16-token block) and layer 2 NoPE (global, temperature tuning with floor_scale 8 and
@@ -27,9 +28,10 @@ CHUNK_SIZE = 24
 NO_ROPE_LAYERS = [1, 1, 0, 1]  # transformers' name: 1 = the layer uses RoPE
 LLAMA4_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|header_start|>' + message['role'] + '<|header_end|>\\n\\n' + message['content'] | trim }}"
-    "{{ '<|eot|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|header_start|>assistant<|header_end|>\\n\\n' }}{% endif %}")
+    "{{ '<|header_start|>' + message['role'] + '<|header_end|>\\n\\n' + message['content'] | trim "
+    "}}{{ '<|eot|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|header_start|>assistant<|header_end|>\\n\\n' }}{% endif "
+    "%}")
 VARIANTS = ("dense", "moe")
 
 
@@ -55,7 +57,8 @@ def make_config(variant: str, ids: dict[str, int]):  # type: ignore[no-untyped-d
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 64},
         tie_word_embeddings=False, pad_token_id=ids["<|finetune_right_pad|>"],
-        bos_token_id=ids["<|begin_of_text|>"], eos_token_id=[ids["<|end_of_text|>"], ids["<|eot|>"]])
+        bos_token_id=ids["<|begin_of_text|>"],
+        eos_token_id=[ids["<|end_of_text|>"], ids["<|eot|>"]])
 
 
 def write_checkpoints(root: Path) -> dict[str, TinyCheckpoint]:

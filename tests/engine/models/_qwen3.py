@@ -4,7 +4,8 @@ byte-level BPE tokenizer (ChatML specials), once per test session.
 Variants (each a directory under one session tmp dir):
     qwen3              dense; head_dim 32 != hidden / heads (16); tied embeddings
     qwen3_moe          8 experts, top-2, norm_topk_prob on, mlp_only_layers [1]: layers 0, 2 sparse
-    qwen3_moe-step2    8 experts, top-2, norm_topk_prob off, decoder_sparse_step 2: layers 1, 3 sparse
+    qwen3_moe-step2    8 experts, top-2, norm_topk_prob off, decoder_sparse_step 2: layers 1, 3
+                       sparse
     qwen3_moe-sparse   2 layers, both sparse (what a qwen3moe GGUF can hold), norm_topk_prob on
 """
 
@@ -26,13 +27,13 @@ from tests.engine.models._checkpoints import (
 
 VOCAB_SIZE = 320  # the tokenizer's 256 bytes + merges + 3 specials fit in it
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
-          " + '<|im_end|>' + '\\n' }}{% endfor %}"
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+          "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=32, max_position_embeddings=512, initializer_range=0.3,
-              rms_norm_eps=1e-6, pad_token_id=None, bos_token_id=None)
+              num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+              initializer_range=0.3, rms_norm_eps=1e-6, pad_token_id=None, bos_token_id=None)
 
 
 def make_config(name: str, eos_id: int | None = None):  # type: ignore[no-untyped-def]
@@ -58,7 +59,8 @@ VARIANTS = ("qwen3", "qwen3_moe", "qwen3_moe-step2")
 
 
 def write_tokenizer(directory: Path) -> int:
-    """A byte-level BPE (vocab <= VOCAB_SIZE) as tokenizer.json + tokenizer_config.json; -> eos id."""
+    """A byte-level BPE (vocab <= VOCAB_SIZE) as tokenizer.json + tokenizer_config.json; -> eos
+    id."""
     return write_bpe_tokenizer(directory, SPECIALS, VOCAB_SIZE, eos_token="<|im_end|>",
                                pad_token="<|endoftext|>", chat_template=CHATML)["<|im_end|>"]
 
@@ -91,10 +93,11 @@ def qwen3_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tin
     return write_checkpoints(tmp_path_factory.mktemp("qwen3"))
 
 
-# ---- GGUF, as llama.cpp's convert_hf_to_gguf lays out qwen3 / qwen3moe ----------------------------
-_GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-               "lm_head.weight": "output.weight"}
-_GGUF_MODULES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+# ---- GGUF, as llama.cpp's convert_hf_to_gguf lays out qwen3 / qwen3moe ---------------------------
+_GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
+               "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+_GGUF_MODULES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v",
                  "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
                  "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
                  "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
@@ -102,10 +105,11 @@ _GGUF_MODULES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "se
 
 
 def write_gguf(hf_directory: Path, path: Path, linear_type: str = "F32",
-               extra_tensors: dict[str, torch.Tensor] | None = None, expert_type: str = "F32") -> None:
-    """The HF checkpoint as a qwen3 / qwen3moe GGUF: metadata, the byte-level BPE vocabulary, tensors
-    (q/k not permuted: NEOX rope); per-expert tensors stacked into ffn_{gate,up,down}_exps. 2-D
-    projection weights in `linear_type` ("F32", "Q8_0" or "Q4_0"; norms stay F32), the stacked
+               extra_tensors: dict[str, torch.Tensor] | None = None,
+               expert_type: str = "F32") -> None:
+    """The HF checkpoint as a qwen3 / qwen3moe GGUF: metadata, the byte-level BPE vocabulary,
+    tensors (q/k not permuted: NEOX rope); per-expert tensors stacked into ffn_{gate,up,down}_exps.
+    2-D projection weights in `linear_type` ("F32", "Q8_0" or "Q4_0"; norms stay F32), the stacked
     experts in `expert_type`."""
     import gguf
     from safetensors.torch import load_file
@@ -129,7 +133,8 @@ def write_gguf(hf_directory: Path, path: Path, linear_type: str = "F32",
         writer.add_expert_count(config["num_local_experts"])
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    vocab = add_gguf_vocabulary(writer, tok, "qwen2", lambda t: t.startswith("<|"), config["vocab_size"])
+    vocab = add_gguf_vocabulary(writer, tok, "qwen2", lambda t: t.startswith("<|"),
+                                config["vocab_size"])
     writer.add_eos_token_id(vocab["<|im_end|>"])
 
     def add(name: str, tensor: torch.Tensor, quantize: bool, block_type: str = linear_type) -> None:

@@ -30,7 +30,8 @@ def make_engine(directory: Path, *, kv_cache_memory_bytes: int = 8 << 20,
         model_path=str(directory), num_threads=1, dtype="float32",
         cache=CacheConfig(kv_cache_memory_bytes=kv_cache_memory_bytes,
                           enable_prefix_caching=enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs))
+        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                  max_num_seqs=max_num_seqs))
     return LLMEngine.from_config(config, progress=False)
 
 
@@ -41,7 +42,8 @@ def encode_chat_prompts(engine: LLMEngine, target: str, others: Sequence[str],
     chat = engine.tokenizer.encode_chat
     first = [{"role": "system", "content": system}] if system is not None else []
     encoded = {"target": chat([*first, {"role": "user", "content": target}])}
-    encoded |= {f"other-{i}": chat([{"role": "user", "content": text}]) for i, text in enumerate(others)}
+    encoded |= {f"other-{i}": chat([{"role": "user", "content": text}])
+                for i, text in enumerate(others)}
     return encoded
 
 
@@ -55,7 +57,8 @@ def transformers_reference(model: torch.nn.Module, prompt: list[int], num_new_to
     return tokens, logprobs
 
 
-def assert_matches_transformers(result: Completion, expected: tuple[list[int], list[float]]) -> None:
+def assert_matches_transformers(result: Completion,
+                                expected: tuple[list[int], list[float]]) -> None:
     tokens, logprobs = expected
     assert result.token_ids == tokens
     ours = [entry.logprob for entry in result.logprobs]
@@ -86,7 +89,8 @@ def check_greedy_parity(engine: LLMEngine, prompts: dict[str, list[int]],
     assert_idle_and_clean(engine)
 
 
-def check_target_among_8_concurrent(engine: LLMEngine, target: list[int], others: dict[str, list[int]],
+def check_target_among_8_concurrent(engine: LLMEngine, target: list[int],
+                                    others: dict[str, list[int]],
                                     expected_tokens: list[int], params: SamplingParams) -> None:
     """`target` with 4 of the 8 `others` at step 0, the rest arriving at steps 3..6 (the engine's
     step budget splits the prefills): the target's tokens are `expected_tokens`."""

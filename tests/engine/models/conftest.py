@@ -1,4 +1,5 @@
-"""Fixtures for model tests: the default model's checkpoint (SmolLM2-135M GGUF), read once per session."""
+"""Fixtures for model tests: the default model's checkpoint (SmolLM2-135M GGUF), read once per
+session."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """DeepSeek-V3 through the engine matches transformers' DeepseekV3: greedy tokens equal and logprobs
-within 2e-3 (float32), with q LoRA and interleaved rope and with a plain q_proj and rotate-half rope;
-the same tokens alone and among 8 concurrent requests with chunked prefill, after a prefix-cache hit
-and after preemption, with no KV block leaked; the KV cache holds only the latent (one vector of
-kv_lora_rank + qk_rope_head_dim per token and layer)."""
+within 2e-3 (float32), with q LoRA and interleaved rope and with a plain q_proj and rotate-half
+rope; the same tokens alone and among 8 concurrent requests with chunked prefill, after a
+prefix-cache hit and after preemption, with no KV block leaked; the KV cache holds only the latent
+(one vector of kv_lora_rank + qk_rope_head_dim per token and layer)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ make_engine = functools.partial(serving.make_engine, kv_cache_memory_bytes=8 << 
 
 
 @pytest.fixture(scope="module")
-def reference(deepseek_v3_checkpoints: dict[str, DeepseekCheckpoint]) -> dict[str, dict[str, tuple]]:
+def reference(deepseek_v3_checkpoints: dict[str,
+                                            DeepseekCheckpoint]) -> dict[str, dict[str, tuple]]:
     """transformers' (tokens, logprobs) per checkpoint and prompt."""
     return {name: {p: hf_greedy(checkpoint.model, prompt, NUM_NEW_TOKENS)
                    for p, prompt in PROMPTS.items()}
@@ -76,15 +77,16 @@ def test_tokens_alone_equal_tokens_among_8_concurrent_requests_with_chunked_pref
                          enable_prefix_caching=False)
     target = PROMPTS["p41"]
     others = {f"o{i}": [_rng.randrange(0, 300) for _ in range(9 + 5 * i)] for i in range(8)}
-    serving.check_target_among_8_concurrent(engine, target, others, reference["lora"]["p41"][0], GREEDY)
+    serving.check_target_among_8_concurrent(engine, target, others, reference["lora"]["p41"][0],
+                                            GREEDY)
 
 
 def test_a_prefix_cache_hit_continues_with_the_same_tokens(
         deepseek_v3_checkpoints: dict[str, DeepseekCheckpoint], reference: dict) -> None:
     checkpoint = deepseek_v3_checkpoints["lora"]
     engine = make_engine(checkpoint.directory)  # blocks of latents
-    serving.check_prefix_cache_hit(engine, checkpoint.model, PROMPTS["p41"], reference["lora"]["p41"][0],
-                                   GREEDY)
+    serving.check_prefix_cache_hit(engine, checkpoint.model, PROMPTS["p41"],
+                                   reference["lora"]["p41"][0], GREEDY)
 
 
 def test_outputs_after_preemption_equal_outputs_with_room(
@@ -92,7 +94,8 @@ def test_outputs_after_preemption_equal_outputs_with_room(
     """A cache of 4 blocks (64 tokens) holds the longest request (41 + 10) alone, not all three."""
     directory = deepseek_v3_checkpoints["lora"].directory
     bytes_per_block = make_engine(directory).runner.bytes_per_block
-    tight = make_engine(directory, kv_cache_memory_bytes=4 * bytes_per_block, max_num_batched_tokens=16)
+    tight = make_engine(directory, kv_cache_memory_bytes=4 * bytes_per_block,
+                        max_num_batched_tokens=16)
     out = generate(tight, PROMPTS, GREEDY)
     assert tight.stats().num_preemptions_total > 0
     for p in PROMPTS:
@@ -112,7 +115,8 @@ RELEASED_V3 = {  # deepseek-ai/DeepSeek-V3 config.json, the fields the engine re
     "norm_topk_prob": True, "scoring_func": "sigmoid", "max_position_embeddings": 163840,
     "rms_norm_eps": 1e-06, "rope_theta": 10000, "tie_word_embeddings": False,
     "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
-                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
     "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1,
     "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                             "weight_block_size": [128, 128]},
@@ -170,5 +174,6 @@ def test_a_missing_tensor_is_one_error_line_naming_it(
     tensors.pop("model.layers.2.mlp.gate.e_score_correction_bias")
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     checkpoint = load_checkpoint(str(directory), progress=False)
-    with pytest.raises(CheckpointMismatchError, match=r"'model\.layers\.2\.mlp\.gate\.e_score_correction_bias'"):
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"'model\.layers\.2\.mlp\.gate\.e_score_correction_bias'"):
         make_runner(checkpoint.config, checkpoint.weights)

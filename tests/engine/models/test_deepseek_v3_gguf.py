@@ -1,7 +1,8 @@
 """A deepseek2 GGUF (llama.cpp's architecture for DeepSeek-V3 / R1), written here from the tiny
 transformers checkpoint as llama.cpp's convert_hf_to_gguf lays it out (MLA metadata with
 head_count_kv 1, kv_b_proj split into attn_k_b (transposed) / attn_v_b, stacked experts, the MTP
-layer left out), loads to the HF directory's config and weights and generates transformers' tokens."""
+layer left out), loads to the HF directory's config and weights and generates transformers'
+tokens."""
 
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ def write_deepseek2_gguf(directory: Path, path: Path) -> None:
     def add(name: str, tensor: torch.Tensor) -> None:
         w.add_tensor(name, tensor.float().contiguous().numpy())
 
-    heads, nope, v_dim = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
+    heads, nope, v_dim = (config["num_attention_heads"], config["qk_nope_head_dim"],
+                          config["v_head_dim"])
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in sorted(load_file(str(directory / "model.safetensors")).items()):
         if name in _TOP:
@@ -115,11 +117,13 @@ def test_deepseek2_gguf_loads_as_the_hf_directory_and_generates_transformers_tok
     source = deepseek_v3_checkpoints["lora"]
     path = tmp_path / "deepseek-v3-tiny.gguf"
     write_deepseek2_gguf(source.directory, path)
-    known = {gguf.TENSOR_NAMES[t].format(bid=i) + s for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.DEEPSEEK2]
+    known = {gguf.TENSOR_NAMES[t].format(bid=i) + s
+             for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH.DEEPSEEK2]
              for i in range(3) for s in (".weight", ".bias")}
     _, infos = read_gguf_header(path)
     assert {info.name for info in infos} <= known  # llama.cpp's names for the architecture
-    assert "blk.1.attn_k_b.weight" in known and "blk.1.attn_kv_b.weight" not in {i.name for i in infos}
+    assert ("blk.1.attn_k_b.weight" in known
+            and "blk.1.attn_kv_b.weight" not in {i.name for i in infos})
 
     from_gguf = load_checkpoint(path, progress=False)
     from_dir = load_checkpoint(source.directory, progress=False)
@@ -132,7 +136,8 @@ def test_deepseek2_gguf_loads_as_the_hf_directory_and_generates_transformers_tok
     for name, tensor in from_gguf.weights.items():
         if name not in fused:
             assert torch.equal(tensor, from_dir.weights[name]), name
-    experts = [from_dir.weights[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"] for e in range(8)]
+    experts = [from_dir.weights[f"model.layers.1.mlp.experts.{e}.gate_proj.weight"]
+               for e in range(8)]
     assert torch.equal(from_gguf.weights["model.layers.1.mlp.experts.gate_up_proj"][:, :32],
                        torch.stack(experts))
     dense = {n for n in from_dir.weights if ".mlp.experts." not in n and ".layers.3." not in n}
@@ -153,7 +158,8 @@ def test_deepseek2_gguf_loads_as_the_hf_directory_and_generates_transformers_tok
 @pytest.mark.parametrize("missing", ["deepseek2.attention.kv_lora_rank",
                                      "deepseek2.expert_feed_forward_length"])
 def test_a_deepseek2_gguf_without_its_mla_or_expert_metadata_is_refused_by_name(
-        missing: str, deepseek_v3_checkpoints: dict[str, DeepseekCheckpoint], tmp_path: Path) -> None:
+        missing: str, deepseek_v3_checkpoints: dict[str, DeepseekCheckpoint],
+        tmp_path: Path) -> None:
     from engine.loader.checkpoint import UnsupportedCheckpointError
     from engine.loader.gguf_deepseek2 import hf_config
 

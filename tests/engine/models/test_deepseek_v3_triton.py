@@ -16,8 +16,10 @@ from engine.testing import random_weights
 from tests.engine.models._greedy import BLOCK_SIZE, make_runner
 from tests.engine.models.test_triton_attention import CONFIG, mixed_batch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="needs CUDA or TRITON_INTERPRET=1 (set by tests/conftest.py)")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available()
+                                and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs CUDA or TRITON_INTERPRET=1 (set by "
+                                       "tests/conftest.py)")
 
 LATENT = 32 + 8  # kv_lora_rank + qk_rope_head_dim
 
@@ -26,9 +28,10 @@ def test_triton_backend_runs_latent_attention_as_the_torch_backend_does(
         monkeypatch: pytest.MonkeyPatch) -> None:
     runner = make_runner(CONFIG, random_weights(CONFIG, torch.device("cpu"), torch.float32))
     seqs = mixed_batch()
-    decodes, num_plain, groups = runner._plan_decodes([s for s in seqs if s.num_scheduled_tokens == 1])
-    _, _, (meta,) = runner._prepare(decodes, [s for s in seqs if s.num_scheduled_tokens > 1], num_plain,
-                                    groups)
+    decodes, num_plain, groups = runner._plan_decodes([s for s in seqs
+                                                       if s.num_scheduled_tokens == 1])
+    _, _, (meta,) = runner._prepare(decodes, [s for s in seqs if s.num_scheduled_tokens > 1],
+                                    num_plain, groups)
     gen = torch.Generator().manual_seed(0)
     num_tokens = int(meta.cu_query_lens[-1])
     q = torch.randn(num_tokens, 4, LATENT, generator=gen)  # [T, H, R + P]: absorbed queries

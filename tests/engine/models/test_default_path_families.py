@@ -35,7 +35,8 @@ MIN_TOKEN_AGREEMENT = 0.75
 def _native_kernels() -> None:
     from engine.kernels import cpu as native
 
-    if not native.load():  # no compiler or no AVX2: the default path keeps float32 (tested elsewhere)
+    # no compiler or no AVX2: the default path keeps float32 (tested elsewhere)
+    if not native.load():
         pytest.skip("the native CPU kernels are not available here")
 
 
@@ -49,7 +50,8 @@ def _runner(directory: Path, decode_weights: str) -> ModelRunner:
 
 
 @pytest.fixture(scope="module")
-def directories(tmp_path_factory: pytest.TempPathFactory, qwen3_checkpoints: dict, gemma3_checkpoint,  # type: ignore[no-untyped-def]
+def directories(tmp_path_factory: pytest.TempPathFactory,  # type: ignore[no-untyped-def]
+                qwen3_checkpoints: dict, gemma3_checkpoint,
                 deepseek_v3_checkpoints: dict) -> dict[str, Path]:
     """Family -> a tiny checkpoint directory: the session's, plus Mixtral, a Llama 4 MoE and a
     gpt-oss written here (the session's gpt-oss has initializer_range 0.3 and sinks of sd 2, so
@@ -68,15 +70,16 @@ def directories(tmp_path_factory: pytest.TempPathFactory, qwen3_checkpoints: dic
     llama4_config = llama4_make_config("moe", llama4_write_tokenizer(root / "llama4"))
     llama4_config.intermediate_size = 64
     torch.manual_seed(0)
-    transformers.Llama4ForCausalLM(llama4_config).to(torch.float32).eval().save_pretrained(root / "llama4")
+    (transformers.Llama4ForCausalLM(llama4_config).to(torch.float32).eval()
+     .save_pretrained(root / "llama4"))
     (root / "mixtral").mkdir()
     write_checkpoint("mixtral", root / "mixtral")
     (root / "gpt_oss").mkdir()
     config = make_config(write_gpt_oss_tokenizer(root / "gpt_oss"))
     config.initializer_range = 0.05
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().save_pretrained(
-        root / "gpt_oss")
+    transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32).eval().save_pretrained(root / "gpt_oss")
     return {"qwen3": qwen3_checkpoints["qwen3"].directory,
             "qwen3_moe": qwen3_checkpoints["qwen3_moe"].directory,
             "mixtral": root / "mixtral", "gemma3": gemma3_checkpoint.directory,
@@ -89,8 +92,8 @@ EXPECTED_STEP = {"qwen3": "NativeDecodeStep", "qwen3_moe": "NativeMoEDecodeStep"
                  "mixtral": "NativeMoEDecodeStep"}  # the others: the general forward
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss", "llama4_moe",
-                                    "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss",
+                                    "llama4_moe", "deepseek_v3"])
 def test_default_path_quantizes_every_family_at_load_and_follows_float32(
         family: str, directories: dict[str, Path]) -> None:
     exact, default = _runner(directories[family], "float"), _runner(directories[family], "q4")
@@ -108,19 +111,24 @@ def test_default_path_quantizes_every_family_at_load_and_follows_float32(
 
     tokens, exact_logits = greedy(exact, PROMPTS, NUM_NEW_TOKENS)
     _, default_logits = greedy(default, PROMPTS, NUM_NEW_TOKENS, forced=tokens)
-    errors = torch.cat([(e - d).abs().amax(dim=-1) for e, d in zip(exact_logits, default_logits, strict=True)])
+    errors = torch.cat([(e - d).abs().amax(dim=-1)
+                        for e, d in zip(exact_logits, default_logits, strict=True)])
     spread = torch.cat(exact_logits).std()
     assert errors.median() < MAX_MEDIAN_ERROR_PER_SPREAD * spread, (errors.median(), spread)
     assert errors.min() > 0  # the default path does compute differently
-    same = torch.cat([e.argmax(-1) == d.argmax(-1) for e, d in zip(exact_logits, default_logits, strict=True)])
+    same = torch.cat([e.argmax(-1) == d.argmax(-1)
+                      for e, d in zip(exact_logits, default_logits, strict=True)])
     assert same.float().mean() >= MIN_TOKEN_AGREEMENT, same.float().mean()
 
     alone = greedy(default, PROMPTS[2:3], NUM_NEW_TOKENS)[0][0]
-    assert greedy(default, PROMPTS, NUM_NEW_TOKENS)[0][2] == alone  # the same request in a batch of 4
+    # the same request in a batch of 4
+    assert greedy(default, PROMPTS, NUM_NEW_TOKENS)[0][2] == alone
 
 
-def test_mxfp4_experts_take_native_q8_0_blocks_that_hold_their_values_exactly(gpt_oss_checkpoints: dict) -> None:
-    """gpt-oss's MXFP4 experts re-blocked into Q8_0 at load dequantize to the MXFP4 values bit for bit."""
+def test_mxfp4_experts_take_native_q8_0_blocks_that_hold_their_values_exactly(
+        gpt_oss_checkpoints: dict) -> None:
+    """gpt-oss's MXFP4 experts re-blocked into Q8_0 at load dequantize to the MXFP4 values bit for
+    bit."""
     import gguf
 
     from engine.layers.block_quant import mxfp4_to_q8_0
@@ -142,7 +150,8 @@ def test_a_gguf_moe_runs_its_own_expert_blocks_on_the_default_path(tmp_path: Pat
     (dequantized) weights."""
     from tests.engine.models._qwen3 import write_checkpoints, write_gguf
 
-    hf = write_checkpoints(tmp_path, ("qwen3_moe-sparse",))["qwen3_moe-sparse"]  # every layer sparse
+    # every layer sparse
+    hf = write_checkpoints(tmp_path, ("qwen3_moe-sparse",))["qwen3_moe-sparse"]
     path = tmp_path / "qwen3_moe-sparse.gguf"
     write_gguf(hf.directory, path, linear_type="Q4_0", expert_type="Q8_0")
     exact, default = _runner(path, "float"), _runner(path, "q4")
@@ -151,7 +160,8 @@ def test_a_gguf_moe_runs_its_own_expert_blocks_on_the_default_path(tmp_path: Pat
                                                                           "q8_0-native (file)")
     tokens, exact_logits = greedy(exact, PROMPTS, NUM_NEW_TOKENS)
     _, default_logits = greedy(default, PROMPTS, NUM_NEW_TOKENS, forced=tokens)
-    errors = torch.cat([(e - d).abs().amax(dim=-1) for e, d in zip(exact_logits, default_logits, strict=True)])
+    errors = torch.cat([(e - d).abs().amax(dim=-1)
+                        for e, d in zip(exact_logits, default_logits, strict=True)])
     assert 0 < errors.median() < MAX_MEDIAN_ERROR_PER_SPREAD * torch.cat(exact_logits).std()
 
 
@@ -164,22 +174,27 @@ def test_quantize_at_load_q4_1_takes_q4_1_blocks(directories: dict[str, Path]) -
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     config = engine_config_from_args(parser.parse_args(["--model", str(directories["qwen3_moe"]),
-                                                        "--quantize-at-load", "q4_1", "--threads", "1"]))
+                                                        "--quantize-at-load", "q4_1", "--threads",
+                                                        "1"]))
     assert (config.decode_weights, config.quantize_at_load) == ("q4", "q4_1")
     checkpoint = load_checkpoint(directories["qwen3_moe"], progress=False)
     runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights), dict(checkpoint.raw))
     info = runner.compute_info
     assert (info["weights"], info["experts"]) == ("q4-native", "q4-native (quantized at load)")
-    assert isinstance(runner.model.lm_head, NativeQuantLinear) and runner.model.lm_head.block_type == "Q8_0"
+    assert (isinstance(runner.model.lm_head, NativeQuantLinear)
+            and runner.model.lm_head.block_type == "Q8_0")
 
 
-def test_experts_the_kernels_cannot_block_stay_float_beside_native_linears(llama4_checkpoints: dict) -> None:
+def test_experts_the_kernels_cannot_block_stay_float_beside_native_linears(
+        llama4_checkpoints: dict) -> None:
     """The session's Llama 4 MoE has experts 48 wide (not blocks of 32): they stay float32 while
     the attention and dense layers take Q8_0, and the mix still follows float32."""
     directory = llama4_checkpoints["moe"].directory
     exact, default = _runner(directory, "float"), _runner(directory, "q4")
-    assert (default.compute_info["weights"], default.compute_info["experts"]) == ("q8_0-native", "float32")
+    assert ((default.compute_info["weights"], default.compute_info["experts"])
+            == ("q8_0-native", "float32"))
     tokens, exact_logits = greedy(exact, PROMPTS, NUM_NEW_TOKENS)
     _, default_logits = greedy(default, PROMPTS, NUM_NEW_TOKENS, forced=tokens)
-    errors = torch.cat([(e - d).abs().amax(dim=-1) for e, d in zip(exact_logits, default_logits, strict=True)])
+    errors = torch.cat([(e - d).abs().amax(dim=-1)
+                        for e, d in zip(exact_logits, default_logits, strict=True)])
     assert 0 < errors.median() < MAX_MEDIAN_ERROR_PER_SPREAD * torch.cat(exact_logits).std()

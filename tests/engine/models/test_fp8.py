@@ -51,7 +51,8 @@ def fake_quantized(weights: dict[str, torch.Tensor], biased_qkv: bool) -> dict[s
     out = dict(weights)
     dense_qkv = {f"self_attn.{n}_proj.weight" for n in "qkv"} if biased_qkv else set()
     for name, w in weights.items():
-        if name.endswith("proj.weight") and w.dim() == 2 and name.split(".", 3)[-1] not in dense_qkv:
+        if (name.endswith("proj.weight") and w.dim() == 2
+            and name.split(".", 3)[-1] not in dense_qkv):
             wq, scale = quantize_weight_per_channel(w)
             out[name] = wq.float() * scale[:, None]
     return out
@@ -62,7 +63,8 @@ def test_fp8_moe_model_computes_with_its_fp8_rounded_weights(tmp_path: Path) -> 
     checkpoint = load_checkpoint(str(tmp_path), dtype=torch.float32, progress=False)
     dense = make_runner(checkpoint.config, checkpoint.weights)
     fp8 = make_runner(checkpoint.config, checkpoint.weights, quantization="fp8")
-    rounded = make_runner(checkpoint.config, fake_quantized(checkpoint.weights, checkpoint.config.attention_bias))
+    rounded = make_runner(checkpoint.config,
+                          fake_quantized(checkpoint.weights, checkpoint.config.attention_bias))
 
     layer = fp8.model.layers[0]
     assert isinstance(layer.o_proj, FP8Linear) and isinstance(layer.mlp.shared.gate_up, FP8Linear)
@@ -78,7 +80,8 @@ def test_fp8_moe_model_computes_with_its_fp8_rounded_weights(tmp_path: Path) -> 
 
 
 def test_fp8_moe_model_stays_close_to_float32(tmp_path: Path) -> None:
-    """Mean KL(float32 || fp8) of the next-token distributions is a few percent of KL(float32 || uniform)."""
+    """Mean KL(float32 || fp8) of the next-token distributions is a few percent of
+    KL(float32 || uniform)."""
     write_checkpoint("mixtral", tmp_path, initializer_range=0.1)
     checkpoint = load_checkpoint(str(tmp_path), dtype=torch.float32, progress=False)
     dense = make_runner(checkpoint.config, checkpoint.weights)

@@ -41,7 +41,8 @@ def test_a_block_scaled_fp8_checkpoint_computes_what_its_dequantized_twin_does(
     with safe_open(str(fp8_dir / "model.safetensors"), framework="pt") as f:
         name = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"  # [40, 64]: a partial row block
         assert f.get_tensor(name).dtype == FP8 and f.get_tensor(name + "_scale_inv").shape == (3, 4)
-    fp8, twin = load_checkpoint(str(fp8_dir), progress=False), load_checkpoint(str(twin_dir), progress=False)
+    fp8, twin = (load_checkpoint(str(fp8_dir), progress=False),
+                 load_checkpoint(str(twin_dir), progress=False))
     assert not any(n.endswith("_scale_inv") for n in fp8.weights)
     for name, tensor in twin.weights.items():
         assert torch.equal(fp8.weights[name], tensor), name
@@ -61,5 +62,6 @@ def test_a_misshapen_block_scale_is_one_error_naming_it(fp8_and_twin: tuple[Path
     name = "model.layers.0.mlp.down_proj.weight_scale_inv"
     tensors[name] = tensors[name][:, :1].contiguous()
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(CheckpointMismatchError, match=r"'model\.layers\.0\.mlp\.down_proj\.weight_scale_inv'"):
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"'model\.layers\.0\.mlp\.down_proj\.weight_scale_inv'"):
         load_checkpoint(str(broken), progress=False)

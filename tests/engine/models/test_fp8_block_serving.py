@@ -2,9 +2,9 @@
 the loader keeps each 2-D FP8 weight (`RawFP8Blocks`) beside its dequantized twin, and where the
 block-scaled kernel is native (CUDA, compute capability >= 8.9) the linear factory serves each
 projection as an FP8BlockLinear, fused q/k/v and gate/up included (Llama 4's q/k rows, which the
-model permutes within their heads for its rope, reordered alike: each keeps its block's scale). On the CPU the factory's choice is forced here;
-the layer then dequantizes per call, so the tokens and logits are the twin's. The GPU test runs
-the w8a8 kernel itself."""
+model permutes within their heads for its rope, reordered alike: each keeps its block's scale). On
+the CPU the factory's choice is forced here; the layer then dequantizes per call, so the tokens and
+logits are the twin's. The GPU test runs the w8a8 kernel itself."""
 
 from __future__ import annotations
 
@@ -43,8 +43,10 @@ def _runner(directory: Path, device: str, dtype: str = "float32") -> ModelRunner
 @pytest.fixture(scope="module")
 def checkpoints(gemma3_checkpoint: TinyCheckpoint, llama4_checkpoints: dict[str, TinyCheckpoint],
                 tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
-    return {name: write_fp8_checkpoint(source.directory, tmp_path_factory.mktemp(name), _projections)
-            for name, source in (("gemma3", gemma3_checkpoint), ("llama4", llama4_checkpoints["moe"]))}
+    return {name: write_fp8_checkpoint(source.directory, tmp_path_factory.mktemp(name),
+                                       _projections)
+            for name, source in (("gemma3", gemma3_checkpoint),
+                                 ("llama4", llama4_checkpoints["moe"]))}
 
 
 def _served_fp8(module: object, depth: int = 3) -> list[str]:

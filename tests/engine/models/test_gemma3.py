@@ -35,7 +35,8 @@ from tests.engine.models.test_qwen3 import GREEDY, NUM_NEW_TOKENS, OTHERS, TARGE
 
 @pytest.fixture(scope="module")
 def make_engine(gemma3_checkpoint: TinyCheckpoint) -> EngineFactory:
-    return functools.partial(serving.make_engine, gemma3_checkpoint.directory, max_num_batched_tokens=32)
+    return functools.partial(serving.make_engine, gemma3_checkpoint.directory,
+                             max_num_batched_tokens=32)
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +56,12 @@ def prompts(engine: LLMEngine) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def expected(gemma3_checkpoint: TinyCheckpoint, prompts: dict[str, list[int]]
              ) -> tuple[list[int], list[float]]:
-    return serving.transformers_reference(gemma3_checkpoint.model, prompts["target"], NUM_NEW_TOKENS)
+    return serving.transformers_reference(gemma3_checkpoint.model, prompts["target"],
+                                          NUM_NEW_TOKENS)
 
 
-def test_gemma_template_renders_bos_model_role_and_system_in_the_first_turn(engine: LLMEngine) -> None:
+def test_gemma_template_renders_bos_model_role_and_system_in_the_first_turn(
+        engine: LLMEngine) -> None:
     text = engine.tokenizer.apply_chat_template(
         [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
          {"role": "assistant", "content": "hello"}, {"role": "user", "content": "jazz?"}])
@@ -71,7 +74,8 @@ def test_gemma_template_renders_bos_model_role_and_system_in_the_first_turn(engi
 
 
 def test_greedy_tokens_and_logprobs_equal_transformers_with_chunked_prefill(
-        engine: LLMEngine, prompts: dict[str, list[int]], expected: tuple[list[int], list[float]]) -> None:
+        engine: LLMEngine, prompts: dict[str, list[int]],
+        expected: tuple[list[int], list[float]]) -> None:
     assert len(engine.runner.kv_layout.groups) > 1  # the local layers hold their own blocks
     result = generate(engine, {"target": prompts["target"]}, GREEDY)["target"]
     assert_matches_transformers(result, expected)
@@ -79,7 +83,8 @@ def test_greedy_tokens_and_logprobs_equal_transformers_with_chunked_prefill(
 
 
 def test_same_tokens_among_8_concurrent_requests_and_after_a_prefix_cache_hit(
-        engine: LLMEngine, prompts: dict[str, list[int]], expected: tuple[list[int], list[float]]) -> None:
+        engine: LLMEngine, prompts: dict[str, list[int]],
+        expected: tuple[list[int], list[float]]) -> None:
     serving.check_same_tokens_together_and_after_a_prefix_hit(engine, prompts, expected, GREEDY)
 
 
@@ -101,7 +106,8 @@ def test_a_checkpoint_without_window_layers_matches_transformers_on_the_general_
     config = json.loads((directory / "config.json").read_text())
     config |= {"layer_types": ["full_attention"] * config["num_hidden_layers"]}
     (directory / "config.json").write_text(json.dumps(config))
-    reference = transformers.Gemma3ForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    reference = transformers.Gemma3ForCausalLM.from_pretrained(directory,
+                                                               dtype=torch.float32).eval()
     expected = hf_greedy(reference, prompts["target"], NUM_NEW_TOKENS)
     engine = LLMEngine.from_config(EngineConfig(
         model_path=str(directory), num_threads=1, dtype="float32",
@@ -119,7 +125,8 @@ def test_a_checkpoint_without_window_layers_matches_transformers_on_the_general_
     ("hidden_activation", "gelu", "hidden_activation 'gelu' is not supported"),
 ])
 def test_a_setting_no_backend_runs_is_refused_in_one_line(
-        gemma3_checkpoint: TinyCheckpoint, tmp_path: Path, field: str, value: object, message: str) -> None:
+        gemma3_checkpoint: TinyCheckpoint, tmp_path: Path, field: str, value: object,
+        message: str) -> None:
     directory = tmp_path / "changed"
     directory.mkdir()
     shutil.copy(gemma3_checkpoint.directory / "config.json", directory / "config.json")
@@ -135,17 +142,21 @@ def test_released_4x_config_fields_map_to_the_same_layers_and_ropes(tmp_path: Pa
         "model_type": "gemma3_text", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
         "num_hidden_layers": 7, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
         "max_position_embeddings": 512, "sliding_window": 16, "sliding_window_pattern": 6,
-        "rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
-        "query_pre_attn_scalar": 256, "final_logit_softcapping": None, "attn_logit_softcapping": None}))
+        "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "query_pre_attn_scalar": 256, "final_logit_softcapping": None,
+        "attn_logit_softcapping": None}))
     config = model_config_from_hf(tmp_path)
     assert [config.layer_sliding_window(i) for i in range(7)] == [16] * 5 + [None, 16]
-    assert config.rope_theta == 1e6 and dict(config.rope_scaling or ()) == {"rope_type": "linear", "factor": 8.0}
+    assert (config.rope_theta == 1e6
+            and dict(config.rope_scaling or ()) == {"rope_type": "linear", "factor": 8.0})
     assert config.gemma is not None and config.gemma.local_rope_theta == 1e4
     assert config.tie_word_embeddings and config.gemma.final_logit_softcapping is None
 
 
 # Released text configs: hidden, layers, heads, kv heads, head_dim, window, max positions
-RELEASED = {"gemma-3-1b": (1152, 26, 4, 1, 256, 512, 32768), "gemma-3-4b": (2560, 34, 8, 4, 256, 1024, 131072),
+RELEASED = {"gemma-3-1b": (1152, 26, 4, 1, 256, 512, 32768),
+            "gemma-3-4b": (2560, 34, 8, 4, 256, 1024, 131072),
             "gemma-3-12b": (3840, 48, 16, 8, 256, 1024, 131072),
             "gemma-3-27b": (5376, 62, 32, 16, 128, 1024, 131072)}
 
@@ -166,6 +177,7 @@ def test_released_shapes_keep_kv_for_the_global_layers_and_one_window_of_the_loc
     config = model_config_from_hf(tmp_path)
     assert sum(config.layer_sliding_window(i) is None for i in range(layers)) == full_layers
     assert kv_bytes_per_token(config, 2) * full_layers == per_token
-    hybrid = kv_bytes_per_sequence(KVCacheLayout.for_model(config, positions), config, 32_768, 16, 2)
+    hybrid = kv_bytes_per_sequence(KVCacheLayout.for_model(config, positions), config, 32_768, 16,
+                                   2)
     full = kv_bytes_per_sequence(KVCacheLayout.full_attention(layers), config, 32_768, 16, 2)
     assert (hybrid / 2**20, full / 2**20) == (with_windows_mib, full_mib)

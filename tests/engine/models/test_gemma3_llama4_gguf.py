@@ -48,7 +48,8 @@ _LLAMA4 = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm
            "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
            "self_attn.o_proj": "attn_output", "feed_forward.gate_proj": "ffn_gate",
            "feed_forward.up_proj": "ffn_up", "feed_forward.down_proj": "ffn_down",
-           "feed_forward.router": "ffn_gate_inp", "feed_forward.shared_expert.gate_proj": "ffn_gate_shexp",
+           "feed_forward.router": "ffn_gate_inp",
+           "feed_forward.shared_expert.gate_proj": "ffn_gate_shexp",
            "feed_forward.shared_expert.up_proj": "ffn_up_shexp",
            "feed_forward.shared_expert.down_proj": "ffn_down_shexp"}
 
@@ -67,7 +68,8 @@ def _writer(directory: Path, path: Path, arch: str) -> tuple[gguf.GGUFWriter, di
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     tokenizer = json.loads((directory / "tokenizer.json").read_text())
-    add_gguf_vocabulary(writer, tokenizer, "qwen2", lambda t: t.startswith("<"), config["vocab_size"])
+    add_gguf_vocabulary(writer, tokenizer, "qwen2", lambda t: t.startswith("<"),
+                        config["vocab_size"])
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"][0])
     return writer, config, _safetensors(directory)
@@ -223,8 +225,9 @@ def test_a_llama4_gguf_loads_as_the_hf_directory_and_generates_transformers_toke
     from_gguf = load_checkpoint(path, progress=False)
     from_dir = load_checkpoint(source.directory, progress=False)
     eps = _float32(from_dir.config.rms_norm_eps)
-    assert dataclasses.replace(from_gguf.config, model_id="", rms_norm_eps=eps, rope_scaling=None) == \
-        dataclasses.replace(from_dir.config, model_id="", rms_norm_eps=eps, rope_scaling=None)
+    assert (dataclasses.replace(from_gguf.config, model_id="", rms_norm_eps=eps, rope_scaling=None)
+            == dataclasses.replace(from_dir.config, model_id="", rms_norm_eps=eps,
+                                   rope_scaling=None))
     assert dict(from_gguf.config.rope_scaling or ())["rope_type"] == "freq_factors"
     config = from_dir.config  # the rope_freqs factors give llama3's tables
     tables = [RotaryEmbedding(config.head_dim, 512, config.rope_theta, dict(c.rope_scaling or ()))
@@ -275,15 +278,16 @@ def test_without_the_models_own_keys_a_llama4_gguf_gets_llama_cpps_choices(
 
 @pytest.mark.parametrize("family", ["gemma3", "llama4"])
 def test_a_q8_0_gguf_loads_its_dequantized_blocks_and_generates_what_transformers_does_with_them(
-        family: str, gemma3_checkpoint: TinyCheckpoint, llama4_checkpoints: dict[str, TinyCheckpoint],
-        tmp_path: Path) -> None:
+        family: str, gemma3_checkpoint: TinyCheckpoint,
+        llama4_checkpoints: dict[str, TinyCheckpoint], tmp_path: Path) -> None:
     """Published GGUFs are quantized: each Q8_0 matrix loads as gguf's own dequantization of its
     blocks, and the engine's tokens are transformers' on the same (dequantized) weights."""
     import copy
 
     source = gemma3_checkpoint if family == "gemma3" else llama4_checkpoints["moe"]
     path = tmp_path / f"{family}-q8_0.gguf"
-    (write_gemma3_gguf if family == "gemma3" else write_llama4_gguf)(source.directory, path, quantized=True)
+    (write_gemma3_gguf if family == "gemma3" else write_llama4_gguf)(source.directory, path,
+                                                                     quantized=True)
     _, infos = read_gguf_header(path)
     assert sum(info.ggml_type == gguf.GGMLQuantizationType.Q8_0 for info in infos) >= 10
     from_gguf = load_checkpoint(path, progress=False)
@@ -292,10 +296,12 @@ def test_a_q8_0_gguf_loads_its_dequantized_blocks_and_generates_what_transformer
     for name in ("model.layers.1.self_attn.q_proj.weight", "model.embed_tokens.weight"):
         dense = from_dir.weights[name].numpy()
         expected = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(dense, q8), q8))
-        assert torch.equal(from_gguf.weights[name], expected) and not torch.equal(expected, from_dir.weights[name])
+        assert (torch.equal(from_gguf.weights[name], expected)
+                and not torch.equal(expected, from_dir.weights[name]))
     model = copy.deepcopy(source.model)
     missing, unexpected = model.load_state_dict(from_gguf.weights, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     if family == "gemma3":
         model.tie_weights()
-    _assert_greedy_tokens_are_transformers(path, TinyCheckpoint(source.name, source.directory, model))
+    _assert_greedy_tokens_are_transformers(path,
+                                           TinyCheckpoint(source.name, source.directory, model))

@@ -1,7 +1,8 @@
 """gpt-oss through the engine matches transformers' GptOss: greedy tokens equal and logprobs within
-2e-3 (float32) on prompts longer than the sliding window, for dense experts and for MXFP4 experts laid
-out as the released checkpoints store them; the same tokens alone and among concurrent requests, with
-chunked prefill, after a prefix-cache hit and after preemption, with no KV block leaked."""
+2e-3 (float32) on prompts longer than the sliding window, for dense experts and for MXFP4 experts
+laid out as the released checkpoints store them; the same tokens alone and among concurrent
+requests, with chunked prefill, after a prefix-cache hit and after preemption, with no KV block
+leaked."""
 
 from __future__ import annotations
 
@@ -88,15 +89,16 @@ def test_tokens_alone_equal_tokens_among_8_concurrent_requests_with_chunked_pref
                          enable_prefix_caching=False)
     target = PROMPTS["p41"]
     others = {f"o{i}": [_rng.randrange(0, 300) for _ in range(9 + 5 * i)] for i in range(8)}
-    serving.check_target_among_8_concurrent(engine, target, others, reference["dense"]["p41"][0], GREEDY)
+    serving.check_target_among_8_concurrent(engine, target, others, reference["dense"]["p41"][0],
+                                            GREEDY)
 
 
 def test_a_prefix_cache_hit_continues_with_the_same_tokens(
         gpt_oss_checkpoints: dict[str, GptOssCheckpoint], reference: dict) -> None:
     checkpoint = gpt_oss_checkpoints["dense"]
     engine = make_engine(checkpoint.directory)
-    serving.check_prefix_cache_hit(engine, checkpoint.model, PROMPTS["p41"], reference["dense"]["p41"][0],
-                                   GREEDY)
+    serving.check_prefix_cache_hit(engine, checkpoint.model, PROMPTS["p41"],
+                                   reference["dense"]["p41"][0], GREEDY)
 
 
 def test_outputs_after_preemption_equal_outputs_with_room(
@@ -125,7 +127,8 @@ def test_mxfp4_dequantization_equals_transformers_converter(dtype: torch.dtype) 
     from engine.layers.mxfp4 import dequantize_mxfp4
 
     gen = torch.Generator().manual_seed(0)
-    blocks = torch.randint(0, 256, (3, 40, 4, 16), dtype=torch.uint8, generator=gen)  # [E, N, G, 16]
+    # [E, N, G, 16]
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), dtype=torch.uint8, generator=gen)
     scales = torch.randint(110, 140, (3, 40, 4), dtype=torch.uint8, generator=gen)  # [E, N, G]
     theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, K, N]
     assert torch.equal(dequantize_mxfp4(blocks, scales, dtype), theirs.transpose(1, 2))
@@ -152,7 +155,8 @@ def test_a_missing_or_misshapen_tensor_is_one_error_line_naming_it(
     from cli.main import main
 
     broken = _broken_copy(gpt_oss_checkpoints["mxfp4"].directory, tmp_path / "broken", edit)
-    assert main(["replica", "--port", "0", "--no-auth", "--threads", "1", "--model", str(broken)]) == 1
+    assert (main(["replica", "--port", "0", "--no-auth", "--threads", "1", "--model", str(broken)])
+            == 1)
     assert _error_line(capsys.readouterr().err).count(named) == 1
 
 
@@ -182,7 +186,8 @@ def _error_line(stderr: str) -> str:
 
 # ---- GGUF --------------------------------------------------------------------------------------
 def test_ggml_mxfp4_bytes_written_here_dequantize_in_gguf_to_the_hf_values() -> None:
-    """The test's GGUF writer is checked against gguf's own MXFP4 dequantizer (llama.cpp's format)."""
+    """The test's GGUF writer is checked against gguf's own MXFP4 dequantizer (llama.cpp's
+    format)."""
     import gguf
 
     from engine.layers.mxfp4 import dequantize_mxfp4, quantize_mxfp4
@@ -210,7 +215,8 @@ def test_gguf_file_loads_as_its_hf_directory_and_generates_transformers_tokens(
     for name, tensor in from_hf.weights.items():
         assert torch.equal(from_gguf.weights[name], tensor), name
     prompts = list(PROMPTS.values())
-    tokens, logits = greedy(make_runner(from_gguf.config, from_gguf.weights), prompts, NUM_NEW_TOKENS)
+    tokens, logits = greedy(make_runner(from_gguf.config, from_gguf.weights), prompts,
+                            NUM_NEW_TOKENS)
     for i, p in enumerate(PROMPTS):
         assert tokens[i] == reference["mxfp4"][p][0], p
 
@@ -227,7 +233,8 @@ RELEASED_20B = {  # openai/gpt-oss-20b config.json (transformers 4.55 keys)
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
     "rms_norm_eps": 1e-05, "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0,
     "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
-                     "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+                     "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                     "truncate": False},
     "tie_word_embeddings": False, "vocab_size": 201088}
 
 
@@ -239,10 +246,12 @@ def test_the_released_20b_config_maps_to_its_architecture(tmp_path: Path) -> Non
 
     (tmp_path / "config.json").write_text(json.dumps(RELEASED_20B))
     config = model_config_from_hf(tmp_path)
-    assert (config.architecture, config.num_experts, config.num_experts_per_tok) == ("gpt_oss", 32, 4)
+    assert ((config.architecture, config.num_experts, config.num_experts_per_tok)
+            == ("gpt_oss", 32, 4))
     assert (config.moe_intermediate_size, config.head_dim, config.num_kv_heads) == (2880, 64, 8)
     assert [config.layer_sliding_window(i) for i in range(4)] == [128, None, 128, None]
-    assert (config.swiglu_limit, config.swiglu_alpha, config.eos_token_ids) == (7.0, 1.702, (200002,))
+    assert ((config.swiglu_limit, config.swiglu_alpha, config.eos_token_ids)
+            == (7.0, 1.702, (200002,)))
     rotary = RotaryEmbedding(64, 8, config.rope_theta, dict(config.rope_scaling))
     assert float(rotary.cos[0, 0]) == pytest.approx(0.1 * torch.log(torch.tensor(32.0)).item() + 1)
 

@@ -1,5 +1,6 @@
-"""`aigw replica --model DIR` serves a gpt-oss checkpoint (MXFP4 experts) over HTTP: the completion of a
-prompt longer than the sliding window is transformers' greedy continuation, logprobs within 2e-3."""
+"""`aigw replica --model DIR` serves a gpt-oss checkpoint (MXFP4 experts) over HTTP: the completion
+of a prompt longer than the sliding window is transformers' greedy continuation, logprobs within
+2e-3."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def replica_url(gpt_oss_checkpoints: dict[str, GptOssCheckpoint]) -> Iterator[st
         deadline = time.monotonic() + 120
         while True:
             if process.poll() is not None:
-                raise AssertionError(f"aigw replica exited: {process.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+                stderr = process.stderr.read().decode()  # type: ignore[union-attr]
+                raise AssertionError(f"aigw replica exited: {stderr[-2000:]}")
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
                     break

@@ -36,13 +36,15 @@ STEP_TOKENS = 32  # the engine's step budget: the target prompt prefills in seve
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
-def variant(request: pytest.FixtureRequest, llama4_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
+def variant(request: pytest.FixtureRequest,
+            llama4_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
     return llama4_checkpoints[request.param]
 
 
 @pytest.fixture(scope="module")
 def make_engine(variant: TinyCheckpoint) -> EngineFactory:
-    return functools.partial(serving.make_engine, variant.directory, max_num_batched_tokens=STEP_TOKENS)
+    return functools.partial(serving.make_engine, variant.directory,
+                             max_num_batched_tokens=STEP_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,8 @@ def prompts(engine: LLMEngine) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(variant: TinyCheckpoint, prompts: dict[str, list[int]]) -> tuple[list[int], list[float]]:
+def expected(variant: TinyCheckpoint,
+             prompts: dict[str, list[int]]) -> tuple[list[int], list[float]]:
     return serving.transformers_reference(variant.model, prompts["target"], NUM_NEW_TOKENS)
 
 
@@ -78,12 +81,14 @@ def test_greedy_tokens_and_logprobs_equal_transformers_with_chunked_prefill(
 def test_chunk_groups_release_the_blocks_of_chunks_left_behind(
         engine: LLMEngine, prompts: dict[str, list[int]]) -> None:
     """The RoPE layers' groups keep only the blocks of the chunk the next token is in (plus the
-    step's), the NoPE layer's group the whole context; the tokens are the same with or without it."""
+    step's), the NoPE layer's group the whole context; the tokens are the same with or without
+    it."""
     layout, manager = engine.runner.kv_layout, engine.kv_cache
     assert layout.groups[0].is_full and layout.groups[0].layers == (2,)
     chunk_groups = [g for g, c in enumerate(layout.group_chunks) if c == CHUNK_SIZE]
     assert [layout.groups[g].layers for g in chunk_groups] == [(0,), (1,), (3,)]
-    held: list[tuple[int, list[int]]] = []  # (context tokens, blocks per chunk group) before each step
+    # (context tokens, blocks per chunk group) before each step
+    held: list[tuple[int, list[int]]] = []
 
     def record(_: int) -> None:
         manager.check_integrity()
@@ -106,7 +111,8 @@ def test_chunk_groups_release_the_blocks_of_chunks_left_behind(
 
 
 def test_same_tokens_among_8_concurrent_requests_and_after_a_prefix_cache_hit(
-        engine: LLMEngine, prompts: dict[str, list[int]], expected: tuple[list[int], list[float]]) -> None:
+        engine: LLMEngine, prompts: dict[str, list[int]],
+        expected: tuple[list[int], list[float]]) -> None:
     serving.check_same_tokens_together_and_after_a_prefix_hit(engine, prompts, expected, GREEDY)
 
 
@@ -116,7 +122,8 @@ def test_a_branch_inside_a_chunk_is_served_from_the_prefix_cache(
     """The hit ends at 32 tokens, inside the chunk 24..47: the first computed token reads the
     cached 24..31 of its chunk and none before."""
     serving.check_prefix_cache_hit(engine, variant.model, prompts["target"], expected[0],
-                                   SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True))
+                                   SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS,
+                                                  ignore_eos=True))
 
 
 def test_outputs_under_preemption_equal_the_roomy_engines(
@@ -126,8 +133,10 @@ def test_outputs_under_preemption_equal_the_roomy_engines(
     serving.check_preemption_matches_roomy(engine, make_engine, prompts, expected[0], num_blocks=40)
 
 
-def test_the_chunks_bind_on_this_prompt(variant: TinyCheckpoint, prompts: dict[str, list[int]]) -> None:
-    """transformers' own logits change when the chunk is lifted, so the parity above checks the mask."""
+def test_the_chunks_bind_on_this_prompt(variant: TinyCheckpoint,
+                                        prompts: dict[str, list[int]]) -> None:
+    """transformers' own logits change when the chunk is lifted, so the parity above checks the
+    mask."""
     import transformers
 
     config = transformers.Llama4TextConfig.from_dict(variant.model.config.to_dict() | {
@@ -136,7 +145,8 @@ def test_the_chunks_bind_on_this_prompt(variant: TinyCheckpoint, prompts: dict[s
     unchunked.load_state_dict(variant.model.state_dict())
     ids = torch.tensor([prompts["target"]])
     with torch.inference_mode():
-        chunked_logits, global_logits = variant.model(input_ids=ids).logits, unchunked(input_ids=ids).logits
+        chunked_logits, global_logits = (variant.model(input_ids=ids).logits,
+                                         unchunked(input_ids=ids).logits)
     assert torch.allclose(chunked_logits[0, :CHUNK_SIZE], global_logits[0, :CHUNK_SIZE], atol=1e-5)
     assert (chunked_logits[0, -1] - global_logits[0, -1]).abs().max() > 1e-2
 
@@ -169,8 +179,8 @@ def test_released_scout_and_maverick_fields_map_to_their_layers(tmp_path: Path) 
     base = {"model_type": "llama4_text", "vocab_size": 202_048, "hidden_size": 5120,
             "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_hidden_layers": 48,
             "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
-            "max_position_embeddings": 10_485_760, "num_local_experts": 16, "num_experts_per_tok": 1,
-            "attention_chunk_size": 8192, "rope_theta": 500_000.0,
+            "max_position_embeddings": 10_485_760, "num_local_experts": 16,
+            "num_experts_per_tok": 1, "attention_chunk_size": 8192, "rope_theta": 500_000.0,
             "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
                              "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}}
     scout = model_config_from_hf(_write_config(tmp_path / "scout", _json_dir(tmp_path / "s", base),
@@ -179,7 +189,8 @@ def test_released_scout_and_maverick_fields_map_to_their_layers(tmp_path: Path) 
         tmp_path / "maverick", _json_dir(tmp_path / "m", base), interleave_moe_layer_step=2,
         num_local_experts=128, use_qk_norm=False))
     assert scout.llama4 is not None and maverick.llama4 is not None
-    assert [i for i, rope in enumerate(scout.llama4.rope_layers) if not rope] == list(range(3, 48, 4))
+    assert ([i for i, rope in enumerate(scout.llama4.rope_layers) if not rope]
+            == list(range(3, 48, 4)))
     assert scout.llama4.moe_layers == tuple(range(48)) and scout.num_experts == 16
     assert maverick.llama4.moe_layers == tuple(range(1, 48, 2)) and not maverick.llama4.use_qk_norm
     assert scout.llama4.attention_chunk_size == 8192 and scout.llama4.floor_scale == 8192
@@ -190,7 +201,8 @@ def test_released_scout_and_maverick_fields_map_to_their_layers(tmp_path: Path) 
     # keep the context, the 36 chunked ones only the current chunk's blocks
     assert kv_bytes_per_token(scout, 2) * 12 == 49_152
     layout = KVCacheLayout.for_model(scout, scout.max_position_embeddings)
-    assert [(g.attention_chunk, len(g.layers)) for g in layout.groups] == [(None, 12)] + [(8192, 12)] * 3
+    assert ([(g.attention_chunk, len(g.layers)) for g in layout.groups]
+            == [(None, 12)] + [(8192, 12)] * 3)
     for num_tokens, chunked_mib, full_mib in ((32_768, 2_688, 6_144), (131_072, 7_296, 24_576)):
         chunked = kv_bytes_per_sequence(layout, scout, num_tokens, 16, 2)
         full = kv_bytes_per_sequence(KVCacheLayout.full_attention(48), scout, num_tokens, 16, 2)
@@ -211,10 +223,11 @@ def test_a_multimodal_llama4_checkpoint_serves_its_text_model(
     import transformers
 
     source = llama4_checkpoints["moe"]
-    vision = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
-              "image_size": 28, "patch_size": 14, "vision_output_dim": 32, "projector_input_dim": 32,
-              "projector_output_dim": 32, "pixel_shuffle_ratio": 0.5}
-    config = transformers.Llama4Config(text_config=source.model.config.to_dict(), vision_config=vision)
+    vision = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "intermediate_size": 64, "image_size": 28, "patch_size": 14, "vision_output_dim": 32,
+              "projector_input_dim": 32, "projector_output_dim": 32, "pixel_shuffle_ratio": 0.5}
+    config = transformers.Llama4Config(text_config=source.model.config.to_dict(),
+                                       vision_config=vision)
     torch.manual_seed(1)
     model = transformers.Llama4ForConditionalGeneration(config).eval()
     model.language_model.load_state_dict(source.model.state_dict())

@@ -22,7 +22,8 @@ from tests.engine.models.test_qwen3_replica import (  # noqa: F401 (the replica 
 
 pytestmark = pytest.mark.slow  # a replica process: ~25 s to start on the 2-core CI machine
 
-PROMPT_IDS = [(7 * i + 11) % 300 + 6 for i in range(3 * CHUNK_SIZE + 5)]  # no special tokens (ids 0..5)
+# no special tokens (ids 0..5)
+PROMPT_IDS = [(7 * i + 11) % 300 + 6 for i in range(3 * CHUNK_SIZE + 5)]
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +35,10 @@ def test_a_prompt_of_several_chunks_completes_with_transformers_tokens(
         client: openai.OpenAI, checkpoint: TinyCheckpoint) -> None:  # noqa: F811
     model = client.models.list().data[0].id
     tokens, logprobs = hf_greedy(checkpoint.model, PROMPT_IDS, NUM_NEW_TOKENS)
-    completion = client.completions.create(model=model, prompt=PROMPT_IDS, max_tokens=NUM_NEW_TOKENS,
-                                           temperature=0, logprobs=1, extra_body={"ignore_eos": True})
+    completion = client.completions.create(model=model, prompt=PROMPT_IDS,
+                                           max_tokens=NUM_NEW_TOKENS,
+                                           temperature=0, logprobs=1,
+                                           extra_body={"ignore_eos": True})
     choice = completion.choices[0]
     assert choice.text == load_tokenizer(checkpoint.directory).decode(tokens)
     _assert_logprobs_close(choice.logprobs.token_logprobs, logprobs)

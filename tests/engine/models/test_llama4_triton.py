@@ -16,8 +16,10 @@ from tests.engine.models._greedy import greedy, hf_greedy, make_runner
 from tests.engine.models._llama4 import CHUNK_SIZE
 from tests.engine.models._qwen3 import TinyCheckpoint
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="needs CUDA or TRITON_INTERPRET=1 (set by tests/conftest.py)")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available()
+                                and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs CUDA or TRITON_INTERPRET=1 (set by "
+                                       "tests/conftest.py)")
 
 NUM_NEW_TOKENS = 4
 

@@ -21,21 +21,25 @@ def as_copied_expert_moe(config: ModelConfig, weights: dict[str, torch.Tensor]
     """Mixtral config + weights: each layer's MLP copied into every expert (the fused expert layout,
     as stride-0 views: no extra memory) and a random router."""
     moe_config = dataclasses.replace(config, architecture="mixtral", num_experts=NUM_EXPERTS,
-                                     num_experts_per_tok=TOP_K, moe_intermediate_size=config.intermediate_size,
+                                     num_experts_per_tok=TOP_K,
+                                     moe_intermediate_size=config.intermediate_size,
                                      norm_topk_prob=True)
     moe = dict(weights)
     gen = torch.Generator().manual_seed(0)
     for i in range(config.num_layers):
         p = f"model.layers.{i}.mlp."
-        gate_up = torch.cat([moe.pop(p + "gate_proj.weight"), moe.pop(p + "up_proj.weight")])  # [2I, H]
+        # [2I, H]
+        gate_up = torch.cat([moe.pop(p + "gate_proj.weight"), moe.pop(p + "up_proj.weight")])
         down = moe.pop(p + "down_proj.weight")  # [H, I]
         moe[p + "experts.gate_up_proj"] = gate_up.expand(NUM_EXPERTS, *gate_up.shape)  # [E, 2I, H]
         moe[p + "experts.down_proj"] = down.expand(NUM_EXPERTS, *down.shape)  # [E, H, I]
-        moe[p + "gate.weight"] = torch.randn(NUM_EXPERTS, config.hidden_size, generator=gen)  # [E, H]
+        # [E, H]
+        moe[p + "gate.weight"] = torch.randn(NUM_EXPERTS, config.hidden_size, generator=gen)
     return moe_config, moe
 
 
-def test_moe_of_identical_experts_generates_what_the_dense_model_does(default_checkpoint: Any) -> None:
+def test_moe_of_identical_experts_generates_what_the_dense_model_does(
+        default_checkpoint: Any) -> None:
     config, weights = default_checkpoint.config, default_checkpoint.weights
     dense_tokens, dense_logits = greedy(make_runner(config, weights), PROMPTS, 16)
     moe_config, moe_weights = as_copied_expert_moe(config, weights)

@@ -1,5 +1,5 @@
-"""Tiny random MoE checkpoints written by transformers' save_pretrained load into our engine and match
-transformers token for token (greedy) and logit for logit (float32)."""
+"""Tiny random MoE checkpoints written by transformers' save_pretrained load into our engine and
+match transformers token for token (greedy) and logit for logit (float32)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ PROMPTS = [[5, 17, 99, 3, 250, 42, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 
 
 
 @torch.inference_mode()
-def hf_greedy(model: torch.nn.Module, prompt: list[int], num_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+def hf_greedy(model: torch.nn.Module, prompt: list[int],
+              num_new_tokens: int) -> tuple[list[int], torch.Tensor]:
     ids = torch.tensor([prompt])
     rows = []
     for _ in range(num_new_tokens):
@@ -51,7 +52,8 @@ def test_engine_matches_transformers_tokens_and_logits(family: str, tmp_path: Pa
 
 def test_fused_expert_layout_of_transformers_5_modules_loads_the_same(tmp_path: Path) -> None:
     """transformers 5 holds experts fused in memory (mlp.experts.gate_up_proj [E, 2I, H], down_proj
-    [E, H, I], router mlp.gate) while save_pretrained writes the per-expert Hub layout: both load."""
+    [E, H, I], router mlp.gate) while save_pretrained writes the per-expert Hub layout: both
+    load."""
     torch.set_num_threads(1)
     model = write_checkpoint("mixtral", tmp_path)
     checkpoint = load_checkpoint(str(tmp_path), dtype=torch.float32, progress=False)

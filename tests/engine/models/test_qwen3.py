@@ -52,12 +52,14 @@ def prompts(engine: LLMEngine) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(variant: TinyCheckpoint, prompts: dict[str, list[int]]) -> tuple[list[int], list[float]]:
+def expected(variant: TinyCheckpoint,
+             prompts: dict[str, list[int]]) -> tuple[list[int], list[float]]:
     return serving.transformers_reference(variant.model, prompts["target"], NUM_NEW_TOKENS)
 
 
 def test_greedy_tokens_and_logprobs_equal_transformers_with_chunked_prefill(
-        engine: LLMEngine, prompts: dict[str, list[int]], expected: tuple[list[int], list[float]]) -> None:
+        engine: LLMEngine, prompts: dict[str, list[int]],
+        expected: tuple[list[int], list[float]]) -> None:
     result = generate(engine, {"target": prompts["target"]}, GREEDY)["target"]
     assert_matches_transformers(result, expected)
     assert_idle_and_clean(engine)
@@ -67,7 +69,8 @@ def test_greedy_tokens_and_logprobs_equal_transformers_with_chunked_prefill(
 
 
 def test_same_tokens_among_8_concurrent_requests_and_after_a_prefix_cache_hit(
-        engine: LLMEngine, prompts: dict[str, list[int]], expected: tuple[list[int], list[float]]) -> None:
+        engine: LLMEngine, prompts: dict[str, list[int]],
+        expected: tuple[list[int], list[float]]) -> None:
     serving.check_same_tokens_together_and_after_a_prefix_hit(engine, prompts, expected, GREEDY)
 
 

@@ -1,7 +1,8 @@
 """qwen3 / qwen3moe GGUF files (written here as llama.cpp's converter lays them out, from the tiny
 transformers checkpoints) load to the same config and bit-identical weights as the HF directories,
 the engine serves them with the GGUF's own vocabulary and generates transformers' tokens, and the
-CPU q4 mode (`--decode-weights q4`) runs qwen3 on the file's 4-bit blocks in the fused native step."""
+CPU q4 mode (`--decode-weights q4`) runs qwen3 on the file's 4-bit blocks in the fused native
+step."""
 
 from __future__ import annotations
 
@@ -55,16 +56,18 @@ def test_gguf_loads_as_the_hf_directory_and_generates_transformers_tokens(
 
     from_gguf = load_checkpoint(path, progress=False)
     from_dir = load_checkpoint(source.directory, progress=False)
-    assert dataclasses.replace(from_gguf.config, rms_norm_eps=1e-6, model_id="") == dataclasses.replace(
-        from_dir.config, model_id="")  # the file's eps is a float32
-    fused = {n for n in from_gguf.weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    assert (dataclasses.replace(from_gguf.config, rms_norm_eps=1e-6, model_id="")
+            == dataclasses.replace(from_dir.config, model_id=""))  # the file's eps is a float32
+    fused = {n for n in from_gguf.weights
+             if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
     assert bool(fused) == (name == "qwen3_moe")
     for tensor_name, tensor in from_gguf.weights.items():
         if tensor_name not in fused:
             assert torch.equal(tensor, from_dir.weights[tensor_name]), tensor_name
 
     engine = engine_for(path)
-    result = generate(engine, {"p": PROMPT}, SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS,
+    result = generate(engine, {"p": PROMPT}, SamplingParams(temperature=0.0,
+                                                            max_tokens=NUM_NEW_TOKENS,
                                                             ignore_eos=True, logprobs=True))["p"]
     tokens, logprobs = hf_greedy(source.model, PROMPT, NUM_NEW_TOKENS)
     assert result.token_ids == tokens
@@ -73,18 +76,20 @@ def test_gguf_loads_as_the_hf_directory_and_generates_transformers_tokens(
     assert_idle_and_clean(engine)
 
 
-def test_a_gguf_tensor_the_architecture_does_not_have_is_named(checkpoints: dict[str, TinyCheckpoint],
-                                                              tmp_path: Path) -> None:
+def test_a_gguf_tensor_the_architecture_does_not_have_is_named(
+        checkpoints: dict[str, TinyCheckpoint], tmp_path: Path) -> None:
     path = tmp_path / "shared-expert.gguf"
     write_gguf(checkpoints["qwen3_moe"].directory, path,
                extra_tensors={"blk.0.ffn_gate_shexp.weight": torch.zeros(32, 64)})
     with pytest.raises(UnsupportedCheckpointError, match=r"^shared-expert\.gguf: GGUF tensor "
-                                                         r"'blk\.0\.ffn_gate_shexp\.weight' is not part"):
+                                                         r"'blk\.0\.ffn_gate_shexp\.weight' is not "
+                                                         r"part"):
         load_checkpoint(path, progress=False)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
-def test_q4_mode_runs_qwen3_on_the_files_4_bit_blocks(name: str, checkpoints: dict[str, TinyCheckpoint],
+def test_q4_mode_runs_qwen3_on_the_files_4_bit_blocks(name: str,
+                                                      checkpoints: dict[str, TinyCheckpoint],
                                                       tmp_path: Path) -> None:
     """Q4_0 projections: q4 mode computes them on the blocks (8-bit activations), float mode on the
     same weights dequantized; the two agree to the q4 mode's approximation. Dense qwen3 runs every
@@ -96,7 +101,8 @@ def test_q4_mode_runs_qwen3_on_the_files_4_bit_blocks(name: str, checkpoints: di
 
     path = tmp_path / f"{name}-q4_0.gguf"
     write_gguf(checkpoints[name].directory, path, linear_type="Q4_0")
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=True, top_logprobs=5)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=True,
+                            top_logprobs=5)
     exact = generate(engine_for(path), {"p": PROMPT}, params)["p"]
     q4_engine = engine_for(path, decode_weights="q4")
     expected_type = NativeQuantLinear if native.load() else Q4DecodeLinear

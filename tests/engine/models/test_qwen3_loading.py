@@ -26,7 +26,8 @@ from tests.engine.models._qwen3 import TinyCheckpoint, make_config
 def test_qwen3_config_maps_head_dim_per_head_qk_norm_and_tied_embeddings(
         qwen3_checkpoints: dict[str, TinyCheckpoint]) -> None:
     config = model_config_from_hf(qwen3_checkpoints["qwen3"].directory)
-    assert (config.architecture, config.head_dim, config.hidden_size // config.num_heads) == ("qwen3", 32, 16)
+    assert ((config.architecture, config.head_dim, config.hidden_size // config.num_heads)
+            == ("qwen3", 32, 16))
     assert config.qk_norm == "per_head" and config.tie_word_embeddings and not config.attention_bias
     assert not config.is_moe and config.layer_types is None and config.sliding_window is None
 
@@ -34,7 +35,8 @@ def test_qwen3_config_maps_head_dim_per_head_qk_norm_and_tied_embeddings(
 def test_qwen3_moe_config_maps_experts_and_which_layers_are_sparse(
         qwen3_checkpoints: dict[str, TinyCheckpoint]) -> None:
     config = model_config_from_hf(qwen3_checkpoints["qwen3_moe"].directory)
-    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (8, 2, 32)
+    assert ((config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size)
+            == (8, 2, 32))
     assert config.norm_topk_prob and config.mlp_only_layers == (1,) and config.qk_norm == "per_head"
     assert [config.is_sparse_layer(i) for i in range(3)] == [True, False, True]
     step2 = model_config_from_hf(qwen3_checkpoints["qwen3_moe-step2"].directory)
@@ -44,7 +46,8 @@ def test_qwen3_moe_config_maps_experts_and_which_layers_are_sparse(
 
 
 def _windowed(name: str, directory: Path) -> torch.nn.Module:
-    """`name` with an 8-token window: qwen3 on layer 1 only (max_window_layers 1), qwen3_moe on all."""
+    """`name` with an 8-token window: qwen3 on layer 1 only (max_window_layers 1), qwen3_moe on
+    all."""
     import transformers
 
     config = make_config(name)
@@ -107,7 +110,8 @@ def _build(directory: Path) -> None:
     make_runner(checkpoint.config, checkpoint.weights)
 
 
-def test_a_missing_tensor_is_named(qwen3_checkpoints: dict[str, TinyCheckpoint], tmp_path: Path) -> None:
+def test_a_missing_tensor_is_named(qwen3_checkpoints: dict[str, TinyCheckpoint],
+                                   tmp_path: Path) -> None:
     name = "model.layers.2.mlp.experts.5.up_proj.weight"
     directory = _copy_with(qwen3_checkpoints["qwen3_moe"].directory, tmp_path,
                            edit_tensors=lambda tensors: tensors.pop(name))
@@ -116,7 +120,8 @@ def test_a_missing_tensor_is_named(qwen3_checkpoints: dict[str, TinyCheckpoint],
         _build(directory)
 
 
-def test_a_tensor_left_unused_is_named(qwen3_checkpoints: dict[str, TinyCheckpoint], tmp_path: Path) -> None:
+def test_a_tensor_left_unused_is_named(qwen3_checkpoints: dict[str, TinyCheckpoint],
+                                       tmp_path: Path) -> None:
     def add_bias(tensors: dict[str, torch.Tensor]) -> None:
         tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(128)
 
@@ -128,22 +133,26 @@ def test_a_tensor_left_unused_is_named(qwen3_checkpoints: dict[str, TinyCheckpoi
 
 def test_an_unsupported_architecture_or_setting_is_one_value_error(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_next"}))
-    with pytest.raises(UnsupportedCheckpointError, match="model_type 'qwen3_next' is not supported"):
+    with pytest.raises(UnsupportedCheckpointError,
+                       match="model_type 'qwen3_next' is not supported"):
         model_config_from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 8}))
-    with pytest.raises(ValueError, match=r"config\.json: no 'num_attention_heads' \(model_type 'qwen3' needs it\)"):
+    with pytest.raises(ValueError,
+                       match=r"config\.json: no 'num_attention_heads' \(model_type 'qwen3' needs "
+                             r"it\)"):
         model_config_from_hf(tmp_path)
 
 
 def test_replica_refuses_a_shape_mismatch_in_one_line_before_serving(
-        qwen3_checkpoints: dict[str, TinyCheckpoint], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
-    """config.json says head_dim 16, the file's q_norm weights are 32 wide: `aigw replica` says which
-    tensor and both shapes, and exits 1 without a traceback (and never listens)."""
+        qwen3_checkpoints: dict[str, TinyCheckpoint], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """config.json says head_dim 16, the file's q_norm weights are 32 wide: `aigw replica` says
+    which tensor and both shapes, and exits 1 without a traceback (and never listens)."""
     from cli.main import main
 
     directory = _copy_with(qwen3_checkpoints["qwen3"].directory, tmp_path,
-                           edit_config=lambda config: config.update(head_dim=16, num_attention_heads=8,
+                           edit_config=lambda config: config.update(head_dim=16,
+                                                                    num_attention_heads=8,
                                                                     num_key_value_heads=4))
     monkeypatch.setenv("AIGW_REPLICA_SECRET", "test-secret")
     status = main(["replica", "--model", str(directory), "--port", "0", "--threads", "1"])

@@ -1,6 +1,6 @@
-"""`aigw replica --model DIR` serves a tiny Qwen3-MoE checkpoint over HTTP; through the openai SDK its
-greedy completions are transformers' tokens with transformers' logprobs (2e-3), for a token-id prompt
-and for a chat, and a repeated chat reports its prompt-cache hit."""
+"""`aigw replica --model DIR` serves a tiny Qwen3-MoE checkpoint over HTTP; through the openai SDK
+its greedy completions are transformers' tokens with transformers' logprobs (2e-3), for a token-id
+prompt and for a chat, and a repeated chat reports its prompt-cache hit."""
 
 from __future__ import annotations
 
@@ -38,9 +38,11 @@ def client(checkpoint: TinyCheckpoint) -> Iterator[openai.OpenAI]:
     port = free_port()
     env = {**os.environ, "AIGW_REPLICA_SECRET": SECRET}
     process = subprocess.Popen(
-        [sys.executable, "-m", "cli", "replica", "--model", str(checkpoint.directory), "--port", str(port),
-         "--threads", "1", "--kv-cache-memory", str(8 << 20), "--max-num-batched-tokens", "32", "--max-num-seqs", "8",
-         "--exact"],  # float32: the replica's answers are transformers' (the default quantizes at load)
+        [sys.executable, "-m", "cli", "replica", "--model", str(checkpoint.directory), "--port",
+         str(port), "--threads", "1", "--kv-cache-memory", str(8 << 20), "--max-num-batched-tokens",
+         "32", "--max-num-seqs", "8",
+         # float32: the replica's answers are transformers' (the default quantizes at load)
+         "--exact"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -76,8 +78,10 @@ def test_completion_of_token_ids_is_transformers_greedy_continuation(
         client: openai.OpenAI, checkpoint: TinyCheckpoint) -> None:
     model = client.models.list().data[0].id
     tokens, logprobs = hf_greedy(checkpoint.model, PROMPT_IDS, NUM_NEW_TOKENS)
-    completion = client.completions.create(model=model, prompt=PROMPT_IDS, max_tokens=NUM_NEW_TOKENS,
-                                           temperature=0, logprobs=1, extra_body={"ignore_eos": True})
+    completion = client.completions.create(model=model, prompt=PROMPT_IDS,
+                                           max_tokens=NUM_NEW_TOKENS,
+                                           temperature=0, logprobs=1,
+                                           extra_body={"ignore_eos": True})
     choice = completion.choices[0]
     assert choice.text == load_tokenizer(checkpoint.directory).decode(tokens)
     _assert_logprobs_close(choice.logprobs.token_logprobs, logprobs)
@@ -94,10 +98,13 @@ def test_chat_is_transformers_greedy_answer_and_a_repeat_hits_the_prompt_cache(
     prompt = tokenizer.encode_chat(messages)
     tokens, logprobs = hf_greedy(checkpoint.model, prompt, NUM_NEW_TOKENS)
     for attempt in range(2):
-        chat = client.chat.completions.create(model=model, messages=messages, max_tokens=NUM_NEW_TOKENS,
-                                              temperature=0, logprobs=True, extra_body={"ignore_eos": True})
+        chat = client.chat.completions.create(model=model, messages=messages,
+                                              max_tokens=NUM_NEW_TOKENS,
+                                              temperature=0, logprobs=True,
+                                              extra_body={"ignore_eos": True})
         assert chat.usage.prompt_tokens == len(prompt)
         assert chat.choices[0].message.content == tokenizer.decode(tokens)
-        _assert_logprobs_close([entry.logprob for entry in chat.choices[0].logprobs.content], logprobs)
+        _assert_logprobs_close([entry.logprob for entry in chat.choices[0].logprobs.content],
+                               logprobs)
         cached = chat.usage.prompt_tokens_details.cached_tokens
         assert (cached >= 16) if attempt else (cached == 0)

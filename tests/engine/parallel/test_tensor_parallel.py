@@ -1,9 +1,9 @@
 """Tensor parallelism on the CPU (gloo, 2 ranks) against the single-process engine, on the default
 model (SmolLM2-135M: 9 query heads, 3 kv heads, so the ranks hold 1 and 2 kv groups).
 
-One float32 TP=2 engine for the module (two processes: this one is rank 0), shared by the tests up to
-the one that kills its worker; a process holds one TP world at a time, so the q4 and MoE tests after
-it start and close their own.
+One float32 TP=2 engine for the module (two processes: this one is rank 0), shared by the tests up
+to the one that kills its worker; a process holds one TP world at a time, so the q4 and MoE tests
+after it start and close their own.
 
 Logits are compared against a measured floor instead of a fixed absolute 1e-5: the same TP=1 engine
 with its input embeddings scaled by (1 + 2**-23), one float32 rounding of the model's input, moves
@@ -33,7 +33,8 @@ from engine.parallel.plan import TensorParallelConfigError, local_config, plan_s
 from tests.engine.fakes import assert_idle_and_clean, drive, generate
 
 MiB = 1 << 20
-KV_BYTES = 16 * MiB  # the replica's budget: the same block count for TP=1 and TP=2 (22 float32 blocks)
+# the replica's budget: the same block count for TP=1 and TP=2 (22 float32 blocks)
+KV_BYTES = 16 * MiB
 CHUNK = 64  # max_num_batched_tokens: a 150-token prompt prefills in 3 chunks
 
 
@@ -69,7 +70,8 @@ def tp_engine(model_path: str) -> LLMEngine:
 @pytest.fixture(scope="module")
 def prompts(tokenizer: Any) -> dict[str, list[int]]:
     text = "The quick brown fox jumps over the lazy dog. " * 15
-    return {"long": tokenizer.encode(text)[:150], "short": tokenizer.encode("The capital of France is")}
+    return {"long": tokenizer.encode(text)[:150],
+            "short": tokenizer.encode("The capital of France is")}
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +82,8 @@ def tp1_engine(make_engine: Any) -> LLMEngine:
 
 def _tp2(model_path: str, **changes: Any) -> LLMEngine:
     _one_world()
-    config = EngineConfig(model_path=model_path, num_threads=2, dtype="float32", tensor_parallel_size=2,
-                          cache=CacheConfig(kv_cache_memory_bytes=KV_BYTES),
+    config = EngineConfig(model_path=model_path, num_threads=2, dtype="float32",
+                          tensor_parallel_size=2, cache=CacheConfig(kv_cache_memory_bytes=KV_BYTES),
                           scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK, max_num_seqs=8))
     return LLMEngine.from_config(dataclasses.replace(config, **changes), progress=False)
 
@@ -94,13 +96,15 @@ def _worst(ours: list[torch.Tensor], base: list[torch.Tensor]) -> float:
     return max((a - b).abs().max().item() for a, b in pairs)
 
 
-def _one_rounding_floor(engine: LLMEngine, prompts: dict[str, list[int]], logits: list[torch.Tensor]) -> float:
-    """How far the logits of `engine` (TP=1, `logits` from its run of the workload) move when its input
-    embeddings are scaled by (1 + 2**-23): the model's sensitivity to one float32 rounding."""
+def _one_rounding_floor(engine: LLMEngine, prompts: dict[str, list[int]],
+                        logits: list[torch.Tensor]) -> float:
+    """How far the logits of `engine` (TP=1, `logits` from its run of the workload) move when its
+    input embeddings are scaled by (1 + 2**-23): the model's sensitivity to one float32 rounding."""
     model = engine.runner.model
     embed = model.embed_tokens
     engine.reset_prefix_cache()  # (the rerun computes what the first run did, no cache hits)
-    model.embed_tokens = embed * (1 + 2.0 ** -23)  # the lookup's table only (the tied head keeps its own)
+    # the lookup's table only (the tied head keeps its own)
+    model.embed_tokens = embed * (1 + 2.0 ** -23)
     try:
         _, moved, _ = _run_workload(engine, prompts)
     finally:
@@ -108,7 +112,8 @@ def _one_rounding_floor(engine: LLMEngine, prompts: dict[str, list[int]], logits
     return _worst(moved, logits)
 
 
-def _run_workload(engine: LLMEngine, prompts: dict[str, list[int]]) -> tuple[dict, list[torch.Tensor], list]:
+def _run_workload(engine: LLMEngine,
+                  prompts: dict[str, list[int]]) -> tuple[dict, list[torch.Tensor], list]:
     """Chunked prefill of a long prompt beside a short one, the long one again (a prefix-cache hit)
     and one aborted after its first step; -> completions, every step's logits, the KV events."""
     captured: list[torch.Tensor] = []
@@ -147,11 +152,13 @@ def _run_workload(engine: LLMEngine, prompts: dict[str, list[int]]) -> tuple[dic
     return results, captured, events
 
 
-def test_tp2_matches_tp1_tokens_logits_cache_hits_and_kv_events(tp_engine: LLMEngine, tp1_engine: LLMEngine,
-                                                                prompts: dict[str, list[int]]) -> None:
-    assert tp_engine.runner.num_blocks == tp1_engine.runner.num_blocks  # one block table per replica
+def test_tp2_matches_tp1_tokens_logits_cache_hits_and_kv_events(
+        tp_engine: LLMEngine, tp1_engine: LLMEngine, prompts: dict[str, list[int]]) -> None:
+    # one block table per replica
+    assert tp_engine.runner.num_blocks == tp1_engine.runner.num_blocks
     assert tp_engine.runner.runner.compute_info["native_step"] == "ParallelFloatStep"  # type: ignore[attr-defined]
-    for engine in (tp_engine, tp1_engine):  # (an earlier test may have cached blocks on one of them)
+    # (an earlier test may have cached blocks on one of them)
+    for engine in (tp_engine, tp1_engine):
         engine.reset_prefix_cache()
     ours, ours_logits, ours_events = _run_workload(tp_engine, prompts)
     base, base_logits, base_events = _run_workload(tp1_engine, prompts)
@@ -167,7 +174,8 @@ def test_tp2_matches_tp1_tokens_logits_cache_hits_and_kv_events(tp_engine: LLMEn
     assert tp_engine.runner.group.num_collectives > 0  # type: ignore[attr-defined]
 
 
-def test_tp2_under_recompute_preemption_gives_tp1_tokens(tp_engine: LLMEngine, tp1_engine: LLMEngine,
+def test_tp2_under_recompute_preemption_gives_tp1_tokens(tp_engine: LLMEngine,
+                                                         tp1_engine: LLMEngine,
                                                          tokenizer: Any) -> None:
     """6 sequences of 68 tokens need 30 blocks; the pool holds 22 (5 sequences of 4 blocks admitted,
     each needs a 5th at token 64): the youngest are preempted and recomputed, on both engines at the
@@ -188,22 +196,27 @@ def test_tp2_under_recompute_preemption_gives_tp1_tokens(tp_engine: LLMEngine, t
 def test_a_model_that_does_not_split_is_one_line() -> None:
     from engine.config import ModelConfig
 
-    config = ModelConfig(architecture="llama", vocab_size=100, hidden_size=64, intermediate_size=128,
-                         num_layers=1, num_heads=6, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+    config = ModelConfig(architecture="llama", vocab_size=100, hidden_size=64,
+                         intermediate_size=128, num_layers=1, num_heads=6, num_kv_heads=2,
+                         head_dim=8, max_position_embeddings=64)
     with pytest.raises(TensorParallelConfigError, match="do not split across 4 ranks"):
         plan_shard(config, 0, 4)
     with pytest.raises(TensorParallelConfigError, match="do not split across 3 ranks"):
         plan_shard(config, 0, 3)
     config = dataclasses.replace(config, num_heads=8)
     shards = [plan_shard(config, r, 4) for r in range(4)]  # fewer kv heads than ranks: replicated
-    assert [list(p.kv_heads) for p in shards] == [[0], [0], [1], [1]] and shards[0].total_kv_heads == 4
+    assert ([list(p.kv_heads) for p in shards] == [[0], [0], [1], [1]]
+            and shards[0].total_kv_heads == 4)
     assert [list(p.q_heads) for p in shards] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert local_config(config, shards[2]).num_kv_heads == 1
-    uneven = [plan_shard(dataclasses.replace(config, num_heads=9, num_kv_heads=3), r, 2) for r in range(2)]
-    assert [len(p.kv_heads) for p in uneven] == [1, 2] and [len(p.q_heads) for p in uneven] == [3, 6]
+    uneven = [plan_shard(dataclasses.replace(config, num_heads=9, num_kv_heads=3), r, 2)
+              for r in range(2)]
+    assert ([len(p.kv_heads) for p in uneven] == [1, 2]
+            and [len(p.q_heads) for p in uneven] == [3, 6])
 
 
-def test_killing_a_rank_mid_stream_fails_the_replica_cleanly(tp_engine: LLMEngine, tokenizer: Any) -> None:
+def test_killing_a_rank_mid_stream_fails_the_replica_cleanly(tp_engine: LLMEngine,
+                                                             tokenizer: Any) -> None:
     from engine.async_engine import AsyncEngine, EngineDeadError
 
     async_engine = AsyncEngine(tp_engine)
@@ -213,20 +226,24 @@ def test_killing_a_rank_mid_stream_fails_the_replica_cleanly(tp_engine: LLMEngin
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 
     async def stream() -> None:
-        async for output in async_engine.generate("victim", tokenizer.encode("Count: 1, 2, 3,"), params):
+        async for output in async_engine.generate("victim", tokenizer.encode("Count: 1, 2, 3,"),
+                                                  params):
             received.extend(output.new_token_ids)
             if len(received) == 2:
                 worker.kill()
 
     async def bystander() -> None:  # in flight beside it: ends with the same error
-        async for _ in async_engine.generate("bystander", tokenizer.encode("Letters: a, b, c,"), params):
+        async for _ in async_engine.generate("bystander", tokenizer.encode("Letters: a, b, c,"),
+                                             params):
             pass
 
     async def both() -> list[BaseException | None]:
-        return await asyncio.wait_for(asyncio.gather(stream(), bystander(), return_exceptions=True), 60)
+        return await asyncio.wait_for(asyncio.gather(stream(), bystander(), return_exceptions=True),
+                                      60)
 
     errors = asyncio.run(both())
-    assert all(isinstance(e, EngineDeadError) and "tensor-parallel rank 1 exited" in str(e) for e in errors), errors
+    assert all(isinstance(e, EngineDeadError) and "tensor-parallel rank 1 exited" in str(e)
+               for e in errors), errors
     assert 2 <= len(received) < 200
     assert not async_engine.is_alive  # /health answers 503
 
@@ -250,8 +267,8 @@ def test_tp2_q4_runs_the_native_kernels_on_its_block_slices_and_matches_tp1_q4(
     events equal TP=1's in the same mode, logits within 2x the q4 mode's one-rounding floor."""
     from engine.model_runner import ModelRunner
 
-    config = EngineConfig(model_path=model_path, num_threads=1, dtype="float32", decode_weights="q4",
-                          cache=CacheConfig(kv_cache_memory_bytes=KV_BYTES),
+    config = EngineConfig(model_path=model_path, num_threads=1, dtype="float32",
+                          decode_weights="q4", cache=CacheConfig(kv_cache_memory_bytes=KV_BYTES),
                           scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK, max_num_seqs=8))
     runner = ModelRunner(config, checkpoint.config, dict(checkpoint.weights), dict(checkpoint.raw))
     tp1 = LLMEngine(config, checkpoint.config, runner, tokenizer)
@@ -260,8 +277,10 @@ def test_tp2_q4_runs_the_native_kernels_on_its_block_slices_and_matches_tp1_q4(
         rank0 = tp2.runner.runner  # type: ignore[attr-defined]
         assert rank0.compute_info["weights"] == "q4-native"
         assert rank0.compute_info["native_step"] == "ParallelNativeStep"
-        assert tp2.compute_info["weights"] == "q4-native" and tp2.compute_info["tensor_parallel_size"] == 2
-        assert rank0.kv_caches[0][0].dtype == torch.float16 and tp2.runner.num_blocks == runner.num_blocks
+        assert (tp2.compute_info["weights"] == "q4-native"
+                and tp2.compute_info["tensor_parallel_size"] == 2)
+        assert (rank0.kv_caches[0][0].dtype == torch.float16
+                and tp2.runner.num_blocks == runner.num_blocks)
         qkv_rows = rank0.model.layers[0].qkv.blocks.shape[0] * 8  # rank 0: 3 query heads, 1 kv head
         assert qkv_rows == (3 + 2 * 1) * 64
         ours, ours_logits, ours_events = _run_workload(tp2, prompts)
@@ -295,7 +314,8 @@ def test_a_moe_checkpoint_splits_its_experts_and_matches_tp1(tmp_path: Any) -> N
     for tp in (1, 2):
         _one_world()
         config = EngineConfig(model_path=str(directory), num_threads=2, dtype="float32",
-                              tensor_parallel_size=tp, cache=CacheConfig(kv_cache_memory_bytes=4 * MiB),
+                              tensor_parallel_size=tp,
+                              cache=CacheConfig(kv_cache_memory_bytes=4 * MiB),
                               scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4))
         engines[tp] = LLMEngine.from_config(config, progress=False)
     try:
@@ -311,7 +331,8 @@ def test_a_moe_checkpoint_splits_its_experts_and_matches_tp1(tmp_path: Any) -> N
     assert worst <= 1e-5 * max(b.abs().max().item() for _, b in pairs), worst
 
 
-def test_a_rank_reads_its_gguf_slices_equal_to_the_cut_of_the_whole(checkpoint: Any, model_path: str) -> None:
+def test_a_rank_reads_its_gguf_slices_equal_to_the_cut_of_the_whole(checkpoint: Any,
+                                                                    model_path: str) -> None:
     """Only the rank's rows (through llama's q/k row order) and block-aligned columns are read and
     dequantized; the result is the same tensors as dequantizing everything and cutting."""
     from pathlib import Path
@@ -328,18 +349,23 @@ def test_a_rank_reads_its_gguf_slices_equal_to_the_cut_of_the_whole(checkpoint: 
     _, got = load_gguf_slices(Path(model_path), 1, 2, torch.float32, raw)
     assert set(got) == set(want)
     assert all(torch.equal(got[name], want[name]) for name in want)
-    assert got["model.layers.0.self_attn.q_proj.weight"].shape == (6 * 64, 576)  # rank 1: 2 kv groups
-    # the q4 mode's blocks: the rank's rows and whole blocks of columns of the file's, vocab rows padded
+    # rank 1: 2 kv groups
+    assert got["model.layers.0.self_attn.q_proj.weight"].shape == (6 * 64, 576)
+    # the q4 mode's blocks: the rank's rows and whole blocks of columns of the file's, vocab rows
+    # padded
     assert set(raw) == set(checkpoint.raw)
     for name, whole in checkpoint.raw.items():
         rows, cols = tensor_slices(name, whole.shape, checkpoint.config, plan)
-        block_elements, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[whole.ggml_type]]
+        block_elements, block_bytes = gguf.GGML_QUANT_SIZES[
+            gguf.GGMLQuantizationType[whole.ggml_type]]
         data = np.concatenate([whole.data[r.start:r.stop] for r in rows]) if rows else whole.data
         if cols:
             data = np.concatenate([data[:, r.start // block_elements * block_bytes:
-                                        r.stop // block_elements * block_bytes] for r in cols], axis=1)
+                                        r.stop // block_elements * block_bytes] for r in cols],
+                                  axis=1)
         assert raw[name].ggml_type == whole.ggml_type and raw[name].shape == tuple(got[name].shape)
-        assert np.array_equal(raw[name].data[:len(data)], data) and not raw[name].data[len(data):].any()
+        assert (np.array_equal(raw[name].data[:len(data)], data)
+                and not raw[name].data[len(data):].any())
     assert raw["model.layers.0.self_attn.o_proj.weight"].shape == (576, 6 * 64)
 
 
@@ -351,8 +377,9 @@ def test_a_quantized_weight_keeps_its_blocks_only_where_every_rank_cuts_whole_bl
     from engine.config import ModelConfig
     from engine.parallel.gguf_slices import _cut_in_blocks
 
-    config = ModelConfig(architecture="llama", vocab_size=1000, hidden_size=128, intermediate_size=320,
-                         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=64)
+    config = ModelConfig(architecture="llama", vocab_size=1000, hidden_size=128,
+                         intermediate_size=320, num_layers=1, num_heads=4, num_kv_heads=2,
+                         head_dim=32, max_position_embeddings=64)
     q4 = gguf.GGMLQuantizationType.Q4_1
     plans = [plan_shard(config, r, 2) for r in range(2)]
 
@@ -364,16 +391,18 @@ def test_a_quantized_weight_keeps_its_blocks_only_where_every_rank_cuts_whole_bl
     assert cut("model.layers.0.mlp.gate_proj.weight", (320, 128))  # 160 rows a rank
     assert cut("model.layers.0.mlp.gate_proj.weight", (320, 128), 4)  # 80 rows: 10 groups of 8
     assert cut("model.layers.0.self_attn.o_proj.weight", (128, 128))  # 2 heads of 32 a rank
-    assert plans[1].num_local_vocab == 500 and not cut("model.embed_tokens.weight", (1000, 128))  # 500 % 8
+    # 500 % 8
+    assert plans[1].num_local_vocab == 500 and not cut("model.embed_tokens.weight", (1000, 128))
 
 
-# ---- the other families (engine/parallel/families.py): one TP=2 world each, tiny random checkpoints --
+# ---- the other families (engine/parallel/families.py): a TP=2 world each, tiny checkpoints -------
 def _write_family(family: str, root: Path) -> Path:
     """A tiny random checkpoint of `family` in `root`, written by transformers' save_pretrained (the
     writers of tests/engine/models/)."""
     import transformers
 
-    if family == "llama4_text":  # chunked RoPE + NoPE layers, L2 q/k norm, MoE (shared expert) + dense
+    # chunked RoPE + NoPE layers, L2 q/k norm, MoE (shared expert) + dense
+    if family == "llama4_text":
         from tests.engine.models._llama4 import write_checkpoints
 
         return write_checkpoints(root)["moe"].directory
@@ -383,7 +412,8 @@ def _write_family(family: str, root: Path) -> Path:
         from tests.engine.models._gemma3 import write_checkpoint
 
         write_checkpoint(directory)
-    elif family == "gpt_oss":  # sinks, sliding windows, biased experts in MXFP4 (I = 64: one block a rank)
+    # sinks, sliding windows, biased experts in MXFP4 (I = 64: one block a rank)
+    elif family == "gpt_oss":
         from tests.engine.models._gpt_oss import make_config, quantize_experts, write_tokenizer
 
         config = make_config(write_tokenizer(directory))
@@ -395,16 +425,19 @@ def _write_family(family: str, root: Path) -> Path:
                 layer.self_attn.sinks.normal_(0.0, 2.0)
         model.eval().save_pretrained(directory)
         quantize_experts(directory)
-    elif family == "deepseek_v3":  # MLA (q_lora), grouped top-k, shared expert, a dense first layer,
+    # MLA (q_lora), grouped top-k, shared expert, a dense first layer,
+    elif family == "deepseek_v3":
         _write_deepseek_fp8(directory)  # block-scaled FP8 projections, an MTP layer to skip
     elif family == "olmoe":  # q/k norm over all heads (its sums of squares all-reduced), 8 experts
         from tests.engine.models._checkpoints import FAMILIES
         from tests.engine.models._qwen3 import write_tokenizer
 
         config = FAMILIES["olmoe"]()
-        config.vocab_size, config.eos_token_id, config.initializer_range = 320, write_tokenizer(directory), 0.1
+        config.vocab_size, config.eos_token_id, config.initializer_range = (
+            320, write_tokenizer(directory), 0.1)
         torch.manual_seed(0)
-        transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().save_pretrained(directory)
+        transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32).eval().save_pretrained(directory)
     return directory
 
 
@@ -434,7 +467,8 @@ def _write_deepseek_fp8(directory: Path) -> None:
         tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(tensors[name])
     save_file(tensors, str(file), metadata={"format": "pt"})
     raw = json.loads((directory / "config.json").read_text())
-    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(BLOCK)}
+    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                  "weight_block_size": list(BLOCK)}
     (directory / "config.json").write_text(json.dumps(raw))
 
 
@@ -451,7 +485,8 @@ def family_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return get
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "llama4_text", "gpt_oss", "deepseek_v3", "olmoe"])
+@pytest.mark.parametrize("family",
+                         ["gemma3_text", "llama4_text", "gpt_oss", "deepseek_v3", "olmoe"])
 def test_each_family_splits_and_matches_tp1(family: str, family_checkpoint: Any) -> None:
     """TP=2 against TP=1 on the workload above (chunked prefill, a prefix hit, an abort): the same
     greedy tokens and cached tokens, every step's logits within 1e-5 ABSOLUTE (not relative to the
@@ -462,8 +497,10 @@ def test_each_family_splits_and_matches_tp1(family: str, family_checkpoint: Any)
         for tp in (1, 2):
             _one_world()
             config = EngineConfig(model_path=str(directory), num_threads=2, dtype="float32",
-                                  tensor_parallel_size=tp, cache=CacheConfig(kv_cache_memory_bytes=4 * MiB),
-                                  scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4))
+                                  tensor_parallel_size=tp,
+                                  cache=CacheConfig(kv_cache_memory_bytes=4 * MiB),
+                                  scheduler=SchedulerConfig(max_num_batched_tokens=16,
+                                                            max_num_seqs=4))
             engines[tp] = LLMEngine.from_config(config, progress=False)
         rank0 = engines[2].runner.runner  # type: ignore[attr-defined]
         assert rank0.model_config.num_heads == engines[1].model_config.num_heads // 2
@@ -481,10 +518,12 @@ def test_each_family_splits_and_matches_tp1(family: str, family_checkpoint: Any)
     assert worst <= 1e-5, worst
     if family == "deepseek_v3":  # every rank caches the whole latent: half the blocks per budget
         mla = engines[1].model_config.mla
-        assert mla is not None and rank0.kv_caches[0][0].shape[2:] == (1, mla.kv_lora_rank + mla.qk_rope_head_dim)
+        assert (mla is not None
+                and rank0.kv_caches[0][0].shape[2:] == (1, mla.kv_lora_rank + mla.qk_rope_head_dim))
         assert engines[2].runner.num_blocks == engines[1].runner.num_blocks // 2
     else:
-        assert ours_events == base_events and engines[2].runner.num_blocks == engines[1].runner.num_blocks
+        assert (ours_events == base_events
+                and engines[2].runner.num_blocks == engines[1].runner.num_blocks)
 
 
 @pytest.mark.parametrize("family", ["llama4_text", "gemma3_text"])
@@ -513,7 +552,8 @@ def test_q4_with_a_rank_weight_off_the_block_grid_stays_as_close_to_tp1_q4_as_q4
         try:
             if tp == 2 and family == "llama4_text":
                 mlp = engine.runner.runner.model.layers[0].mlp.inner  # type: ignore[attr-defined]
-                assert isinstance(mlp.gate_up, NativeQuantLinear) and isinstance(mlp.down, OneDNNLinear)
+                assert (isinstance(mlp.gate_up, NativeQuantLinear)
+                        and isinstance(mlp.down, OneDNNLinear))
             runs[name] = _run_workload(engine, prompts)[1]
         finally:
             if tp == 2:
@@ -544,8 +584,10 @@ def test_a_multimodal_llama4_checkpoint_is_read_as_its_text_model_slices(family_
 
     text = family_checkpoint("llama4_text")
     config = json.loads((text / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama4", "text_config": config}))
-    tensors = {"language_model." + n: t for n, t in load_file(str(text / "model.safetensors")).items()}
+    (tmp_path
+     / "config.json").write_text(json.dumps({"model_type": "llama4", "text_config": config}))
+    tensors = {"language_model." + n: t
+               for n, t in load_file(str(text / "model.safetensors")).items()}
     save_file({**tensors, "vision_model.patch_embedding.weight": torch.zeros(4, 4)},
               str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     _, want = load_rank_weights(text, 1, 2)
@@ -553,39 +595,49 @@ def test_a_multimodal_llama4_checkpoint_is_read_as_its_text_model_slices(family_
     assert full_config.architecture == "llama4_text" and set(got) == set(want)
     assert all(torch.equal(got[n], want[n]) for n in want)
     experts, inter = config["num_local_experts"], config["intermediate_size"]
-    assert got["model.layers.1.feed_forward.experts.gate_up_proj"].shape == (experts, 64, inter)  # [E, Hd, 2I / 2]
+    # [E, Hd, 2I / 2]
+    assert got["model.layers.1.feed_forward.experts.gate_up_proj"].shape == (experts, 64, inter)
 
 
 def test_what_the_families_cannot_split_is_one_line() -> None:
     from engine.config import GroupedTopK, MLAConfig, ModelConfig
     from engine.parallel.shard import tensor_slices
 
-    mla = MLAConfig(kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-    deepseek = ModelConfig(architecture="deepseek_v3", vocab_size=100, hidden_size=64, intermediate_size=96,
-                           num_layers=1, num_heads=4, num_kv_heads=1, head_dim=40, max_position_embeddings=64,
+    mla = MLAConfig(kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                    v_head_dim=16)
+    deepseek = ModelConfig(architecture="deepseek_v3", vocab_size=100, hidden_size=64,
+                           intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=1,
+                           head_dim=40, max_position_embeddings=64,
                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mla=mla,
                            grouped_topk=GroupedTopK(1, 1, 1.0))
-    with pytest.raises(TensorParallelConfigError, match="deepseek_v3: 4 attention heads do not split across 3"):
+    with pytest.raises(TensorParallelConfigError,
+                       match="deepseek_v3: 4 attention heads do not split across 3"):
         plan_shard(deepseek, 0, 3)
     plan = plan_shard(deepseek, 1, 2)  # heads 2, 3: their q rows and kv_b rows, o_proj columns
-    assert tensor_slices("model.layers.0.self_attn.kv_b_proj.weight", (128, 32), deepseek, plan) == (
-        [range(64, 128)], None)
+    assert tensor_slices("model.layers.0.self_attn.kv_b_proj.weight", (128, 32), deepseek,
+                         plan) == ([range(64, 128)], None)
     assert tensor_slices("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", (40, 64), deepseek,
                          plan) == (None, None)  # the latent: replicated
-    gpt_oss = ModelConfig(architecture="gpt_oss", vocab_size=100, hidden_size=64, intermediate_size=2880,
-                          num_layers=2, num_heads=8, num_kv_heads=4, head_dim=16, max_position_embeddings=64,
+    gpt_oss = ModelConfig(architecture="gpt_oss", vocab_size=100, hidden_size=64,
+                          intermediate_size=2880, num_layers=2, num_heads=8, num_kv_heads=4,
+                          head_dim=16, max_position_embeddings=64,
                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=2880,
                           layer_types=("sliding_attention", "full_attention"), sliding_window=8)
-    cuts = [plan_shard(gpt_oss, r, 4).expert_intermediate for r in range(4)]  # 90 blocks: 22 + 23 + 22 + 23
+    # 90 blocks: 22 + 23 + 22 + 23
+    cuts = [plan_shard(gpt_oss, r, 4).expert_intermediate for r in range(4)]
     assert [len(c) // 32 for c in cuts] == [22, 23, 22, 23] and cuts[-1].stop == 2880
     assert all(c.start % 32 == 0 for c in cuts)
-    olmoe = ModelConfig(architecture="olmoe", vocab_size=100, hidden_size=64, intermediate_size=96, num_layers=1,
-                        num_heads=4, num_kv_heads=1, head_dim=16, max_position_embeddings=64, num_experts=4,
+    olmoe = ModelConfig(architecture="olmoe", vocab_size=100, hidden_size=64, intermediate_size=96,
+                        num_layers=1, num_heads=4, num_kv_heads=1, head_dim=16,
+                        max_position_embeddings=64, num_experts=4,
                         num_experts_per_tok=2, moe_intermediate_size=32, qk_norm="projection")
-    with pytest.raises(TensorParallelConfigError, match="q/k norm over all heads is not split with kv heads rep"):
+    with pytest.raises(TensorParallelConfigError,
+                       match="q/k norm over all heads is not split with kv heads rep"):
         plan_shard(olmoe, 0, 2)  # (the norm's sums would count a replicated kv head twice)
-    small = dataclasses.replace(gpt_oss, moe_intermediate_size=32)  # one block cannot go to two ranks
-    with pytest.raises(TensorParallelConfigError, match="MXFP4 experts split in whole blocks of 32"):
+    # one block cannot go to two ranks
+    small = dataclasses.replace(gpt_oss, moe_intermediate_size=32)
+    with pytest.raises(TensorParallelConfigError,
+                       match="MXFP4 experts split in whole blocks of 32"):
         tensor_slices("model.layers.0.mlp.experts.down_proj_blocks", (4, 64, 1, 16), small,
                       plan_shard(small, 0, 2))
 
@@ -622,7 +674,8 @@ def _gguf_of(family: str, directory: Path, path: Path) -> None:
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "llama4_text", "gpt_oss", "deepseek_v3"])
-def test_a_family_gguf_is_cut_into_shards_its_rank_model_takes_whole(family: str, family_checkpoint: Any,
+def test_a_family_gguf_is_cut_into_shards_its_rank_model_takes_whole(family: str,
+                                                                     family_checkpoint: Any,
                                                                      tmp_path: Path) -> None:
     """These families' GGUF files are loaded whole and cut: every rank's tensors have the shapes of
     its local config and none is left over (the model takes each by shape and refuses leftovers)."""
@@ -639,7 +692,8 @@ def test_a_family_gguf_is_cut_into_shards_its_rank_model_takes_whole(family: str
         config, weights = load_rank_weights(path, rank, 2)
         local = local_config(config, plan_shard(config, rank, 2))
         model = build_model(local, weights, build_attention_backend("torch"), make_linear)
-        assert not weights and len(model.layers) == config.num_layers  # (build_model pops what it takes)
+        # (build_model pops what it takes)
+        assert not weights and len(model.layers) == config.num_layers
         assert local.num_heads == config.num_heads // 2
 
 
@@ -666,7 +720,8 @@ def test_gpt_oss_dense_experts_split_into_partial_sums_of_the_whole(tmp_path: Pa
             if name.endswith("_bias"):
                 param.normal_(0.0, 1.0)
     model.eval().save_pretrained(tmp_path)
-    make_linear = make_linear_factory(EngineConfig(model_path=str(tmp_path), decode_weights="float"),
+    make_linear = make_linear_factory(EngineConfig(model_path=str(tmp_path),
+                                                   decode_weights="float"),
                                       torch.device("cpu"), {})
 
     def build(model_config: Any, weights: dict) -> Any:  # type: ignore[type-arg]
@@ -706,9 +761,11 @@ def test_a_gemma3_rank_without_sliding_layers_keeps_the_general_forward(family_c
     (directory / "config.json").write_text(json.dumps({**raw, "sliding_window": None}))
     config, weights = load_rank_weights(directory, 0, 2)
     plan = plan_shard(config, 0, 2)
-    make_linear = make_linear_factory(EngineConfig(model_path=str(directory), decode_weights="float"),
+    make_linear = make_linear_factory(EngineConfig(model_path=str(directory),
+                                                   decode_weights="float"),
                                       torch.device("cpu"), {})
-    model = build_model(local_config(config, plan), weights, build_attention_backend("torch"), make_linear)
+    model = build_model(local_config(config, plan), weights, build_attention_backend("torch"),
+                        make_linear)
     assert not model.config.has_sliding_layers
     parallelize(model, plan, None)  # type: ignore[arg-type]  # (wrapping calls no collective)
     assert parallel_native_step(model, "float", None) is None  # type: ignore[arg-type]

@@ -6,8 +6,9 @@ FakeTokenizer: ids 0..255 are bytes; three specials follow (<|im_start|>, <|im_e
 FakeEngine.generate is an async generator like the real one: PromptTooLongError before the first
 yield, one token per output, the reply text chosen by `reply` (a string or a function of the
 prompt text), stop strings trimmed, max_tokens -> "length", otherwise an eos token -> "stop".
-`ignore_eos` repeats the reply up to max_tokens. Closing the generator early (aclose or cancellation) records the request as aborted. The fake
-runs on the server's event loop (another thread); tests read its records from their own thread.
+`ignore_eos` repeats the reply up to max_tokens. Closing the generator early (aclose or
+cancellation) records the request as aborted. The fake runs on the server's event loop (another
+thread); tests read its records from their own thread.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ def sse_events(response: httpx.Response) -> list[str]:
             if line.startswith("data: ")]
 
 
-def test_chat_completion_returns_reply_and_exact_usage(client: openai.OpenAI, fake_engine: FakeEngine,
-                                                       model: str) -> None:
+def test_chat_completion_returns_reply_and_exact_usage(client: openai.OpenAI,
+                                                       fake_engine: FakeEngine, model: str) -> None:
     completion = client.chat.completions.create(model=model, messages=USER)  # type: ignore[arg-type]
     assert completion.id.startswith("chatcmpl-")
     assert completion.object == "chat.completion"
@@ -134,7 +134,8 @@ def test_stream_sends_role_then_content_then_finish(client: openai.OpenAI, fake_
     assert len({c.id for c in chunks}) == 1
 
 
-def test_stream_usage_chunk_then_done(http: httpx.Client, fake_engine: FakeEngine, model: str) -> None:
+def test_stream_usage_chunk_then_done(http: httpx.Client, fake_engine: FakeEngine,
+                                      model: str) -> None:
     body = {"model": model, "messages": USER, "stream": True,
             "stream_options": {"include_usage": True}}
     with http.stream("POST", "/v1/chat/completions", json=body) as response:

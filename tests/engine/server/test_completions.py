@@ -28,7 +28,8 @@ def test_token_id_prompts_and_n_give_prompt_major_choices(
     completion = client.completions.create(model=model, prompt=[[72, 105], [79, 107, 33]], n=2,
                                            max_tokens=2)
     assert [c.index for c in completion.choices] == [0, 1, 2, 3]
-    prompts = {call.request_id.rsplit("-", 1)[1]: call.prompt_token_ids for call in fake_engine.calls}
+    prompts = {call.request_id.rsplit("-", 1)[1]: call.prompt_token_ids
+               for call in fake_engine.calls}
     assert prompts == {"0": [72, 105], "1": [72, 105], "2": [79, 107, 33], "3": [79, 107, 33]}
     assert completion.usage is not None
     assert completion.usage.prompt_tokens == 2 + 3  # each prompt counted once

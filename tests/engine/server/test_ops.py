@@ -22,7 +22,8 @@ from tests.engine.server.fakes import FakeEngine
 USER = [{"role": "user", "content": "hi"}]
 
 
-def test_health_is_ok_while_the_engine_is_alive(http: httpx.Client, fake_engine: FakeEngine) -> None:
+def test_health_is_ok_while_the_engine_is_alive(http: httpx.Client,
+                                                fake_engine: FakeEngine) -> None:
     response = http.get("/health")
     assert response.status_code == 200 and response.json() == {"status": "ok"}
     fake_engine.is_alive = False
@@ -55,7 +56,8 @@ def test_metrics_expose_engine_state_and_latencies(client: openai.OpenAI, http: 
                  "aigw_replica_e2e_request_latency_seconds_count"):
         assert f"\n{name}{{" in text, name
     finished = re.findall(r'\naigw_replica_requests_total\{finish_reason="(\w+)",'
-                          rf'model="{re.escape(model)}",replica="{re.escape(engine.replica_id)}"\}} 1.0',
+                          rf'model="{re.escape(model)}",'
+                          rf'replica="{re.escape(engine.replica_id)}"\}} 1.0',
                           text)
     assert finished in (["stop"], ["length"])
 

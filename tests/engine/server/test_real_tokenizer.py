@@ -86,7 +86,8 @@ def test_tool_parameters_nested_too_deeply_to_render_are_400(server: Any, model:
     schema = '{"type":"array","items":' * depth + '{"type":"integer"}' + "}" * depth
     head = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}],
                          "max_tokens": 2}).decode()[:-1]
-    body = head + ',"tools":[{"type":"function","function":{"name":"f","parameters":' + schema + "}}]}"
+    body = (head + ',"tools":[{"type":"function","function":{"name":"f","parameters":' + schema
+            + "}}]}")
     response = httpx.post(server.base_url + "/v1/chat/completions", content=body,
                           headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text

@@ -95,7 +95,8 @@ def test_reasoning_then_a_tool_call(client: openai.OpenAI, fake_engine: FakeEngi
         reasoning, content = _extra(message, "reasoning_content"), message.content or ""
         calls = [call.function for call in message.tool_calls or ()]
     assert reasoning == REASONING and content == ""
-    assert [(c.name, orjson.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]  # type: ignore[union-attr]
+    assert ([(c.name, orjson.loads(c.arguments)) for c in calls]  # type: ignore[union-attr]
+            == [("get_weather", {"city": "Paris"})])
 
 
 def test_a_past_turns_reasoning_reaches_the_template(client: openai.OpenAI,

@@ -27,7 +27,8 @@ def test_reply_with_calls_becomes_tool_calls(client: openai.OpenAI, fake_engine:
     assert [c.function.name for c in calls] == ["get_weather", "get_time"]  # type: ignore[union-attr]
     assert orjson.loads(calls[0].function.arguments) == {"city": "Paris"}  # type: ignore[union-attr]
     assert all(c.type == "function" and c.id.startswith("call_") for c in calls)
-    assert "get_weather" in fake_engine.prompt_text(fake_engine.calls[0])  # tools went into the template
+    # tools went into the template
+    assert "get_weather" in fake_engine.prompt_text(fake_engine.calls[0])
 
 
 def test_streamed_calls_arrive_as_indexed_deltas(client: openai.OpenAI, fake_engine: FakeEngine,
@@ -52,7 +53,8 @@ def test_a_streamed_answer_of_calls_and_whitespace_has_no_content_as_the_whole_o
                                                  stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
     whole = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS)  # type: ignore[arg-type]
-    assert whole.choices[0].message.content is None and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert (whole.choices[0].message.content is None
+            and chunks[-1].choices[0].finish_reason == "tool_calls")
 
 
 def test_a_demanded_call_to_a_tool_with_pydantic_defs_is_served(

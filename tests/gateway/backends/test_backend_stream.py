@@ -1,5 +1,6 @@
-"""The replica backend over the real upstream transport (LeanTransport, no wrappers): batched SSE reading keeps
-every token, merges what arrived together, and still reports a cut stream as an error."""
+"""The replica backend over the real upstream transport (LeanTransport, no wrappers): batched SSE
+reading keeps every token, merges what arrived together, and still reports a cut stream as an
+error."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def test_merging_joins_adjacent_text_and_argument_pieces_only() -> None:
 
 
 async def _stream(upstream: str, stream: bool = True) -> list[object]:
-    settings = GatewaySettings(auth_enabled=False, models=[{"name": MODEL, "endpoints": [upstream]}])
+    settings = GatewaySettings(auth_enabled=False,
+                               models=[{"name": MODEL, "endpoints": [upstream]}])
     transport = LeanTransport()
     try:
         route = Fleet(settings, transport).get(MODEL)
@@ -91,7 +93,8 @@ def test_n_choices_keep_their_own_text_tool_calls_and_finish_and_render_as_opena
     request = CanonicalRequest("r", MODEL, messages=[Message("user", "hi")], stream=True, n=2)
 
     async def run() -> list[object]:
-        settings = GatewaySettings(auth_enabled=False, models=[{"name": MODEL, "endpoints": ["http://u:1"]}])
+        settings = GatewaySettings(auth_enabled=False,
+                                   models=[{"name": MODEL, "endpoints": ["http://u:1"]}])
         route = Fleet(settings, MockTransport(answer)).get(MODEL)
         assert route is not None
         return [e async for e in route.backend.stream(request, route.endpoints[0])]
@@ -106,15 +109,18 @@ def test_n_choices_keep_their_own_text_tool_calls_and_finish_and_render_as_opena
     assert (response.text, response.finish_reason) == ("Hello", "stop")
     assert [(o.text, o.tool_calls[0].name) for o in response.others] == [("Bon", "f")]
     chat = OpenAIChat().render(request, response)
-    assert [(c["index"], c["finish_reason"]) for c in chat["choices"]] == [(0, "stop"), (1, "tool_calls")]
+    assert ([(c["index"], c["finish_reason"]) for c in chat["choices"]]
+            == [(0, "stop"), (1, "tool_calls")])
     encoder = OpenAIChat().encoder(request)
     streamed = encoder.start() + b"".join(encoder.event(e) for e in events[:-3])  # type: ignore[arg-type]
     streamed += encoder.finish(response)
     chunks = [orjson.loads(line[6:]) for line in streamed.split(b"\n\n")
               if line.startswith(b"data: {")]
-    roles = [c["choices"][0]["index"] for c in chunks if c["choices"] and "role" in c["choices"][0]["delta"]]
+    roles = [c["choices"][0]["index"] for c in chunks
+             if c["choices"] and "role" in c["choices"][0]["delta"]]
     finishes = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chunks
                 if c["choices"] and c["choices"][0]["finish_reason"]]
     assert roles == [0, 1] and finishes == [(0, "stop"), (1, "tool_calls")]
     completion = CanonicalRequest("r", MODEL, kind="completion", prompt="hi", n=2)
-    assert [c["index"] for c in OpenAICompletions().render(completion, response)["choices"]] == [0, 1]
+    assert ([c["index"] for c in OpenAICompletions().render(completion, response)["choices"]]
+            == [0, 1])

@@ -147,7 +147,8 @@ def test_the_sdk_flow_maps_custom_ids_and_meters_each_line_once_at_the_batch_pri
     assert done.usage.output_tokens == sum(o["response"]["body"]["usage"]["completion_tokens"]
                                            for o in outputs)
     questions = {f"question {i}" for i in range(6)}
-    sent = [b for b in served.state.bodies if b.get("messages", [{}])[-1].get("content") in questions]
+    sent = [b for b in served.state.bodies
+            if b.get("messages", [{}])[-1].get("content") in questions]
     assert len(sent) >= 6 and all(b.get("priority") == 1 for b in sent)  # lines run as flex
     ledger = served.ledger(batch.id + "/")
     assert [row[0] for row in ledger] == [f"{batch.id}/{i}" for i in range(6)]
@@ -266,7 +267,8 @@ def test_bad_requests_get_openai_errors(served: Served, call: str, status: int,
                                         code: str | None) -> None:
     headers = {"authorization": f"Bearer {served.key}"}
     url = served.url + "/v1"
-    uploaded = served.client().files.create(file=("x.jsonl", io.BytesIO(jsonl([chat_line("a", "b")]))),
+    uploaded = served.client().files.create(file=("x.jsonl",
+                                                  io.BytesIO(jsonl([chat_line("a", "b")]))),
                                             purpose="batch")
     create = {"input_file_id": uploaded.id, "endpoint": "/v1/chat/completions",
               "completion_window": "24h"}
@@ -338,7 +340,8 @@ def test_lines_wait_while_interactive_requests_are_in_flight(served: Served) -> 
 def test_the_gateways_guardrails_check_batch_lines_too(served: Served) -> None:
     client = served.client()
     done = wait_done(client, submit(client, [chat_line("ok", "hello"),
-                                             chat_line("blocked", f"tell me of {BLOCKED_WORD}")]).id)
+                                             chat_line("blocked",
+                                                       f"tell me of {BLOCKED_WORD}")]).id)
     (error,) = read_jsonl(client, done.error_file_id)
     assert error["custom_id"] == "blocked" and error["response"]["status_code"] == 400
     assert error["response"]["body"]["error"]["code"] == "guardrail_blocked"

@@ -63,7 +63,8 @@ def test_embedding_lines_equal_the_engines_vectors_and_are_metered_once(
     done = wait_done(client, batch.id)
     assert done.status == "completed" and (done.request_counts.completed,
                                            done.request_counts.failed) == (2, 1)
-    outputs = {o["custom_id"]: o["response"]["body"] for o in read_jsonl(client, done.output_file_id)}
+    outputs = {o["custom_id"]: o["response"]["body"]
+               for o in read_jsonl(client, done.output_file_id)}
     expected = asyncio.run(default_embedder.embed(default_embedder.tokenize(TEXTS)))
     assert np.allclose(outputs["one"]["data"][0]["embedding"], expected[0], atol=1e-6)
     many = [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4")

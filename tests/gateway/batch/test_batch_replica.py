@@ -47,7 +47,8 @@ class ServeProcess:
         config.write_text(
             f'data_dir = "{data_dir}"\nhealth_interval_s = 0.5\nfirst_token_timeout_s = 120\n'
             f'response_timeout_s = 300\n[batch]\npoll_interval_s = 0.2\nmax_concurrent_lines = 2\n'
-            f'[[models]]\nname = "{model["name"]}"\nbackend = "replica"\nendpoints = [{endpoints}]\n'
+            f'[[models]]\nname = "{model["name"]}"\nbackend = "replica"\nendpoints = '
+            f'[{endpoints}]\n'
             f'prices = {{ input_per_token = 1e-6, cached_input_per_token = 1e-7, '
             f'output_per_token = 2e-6 }}\n')
         self.config = config
@@ -136,8 +137,10 @@ def test_the_sdk_batch_flow_on_the_default_model(serve: ServeProcess,
     assert sorted(by_id) == ["chat-0", "chat-1"]
     assert all(body["usage"]["completion_tokens"] >= 1 for body in by_id.values())
     reference = client.chat.completions.create(**chat[1]["body"])  # the same, interactively
-    assert by_id["chat-1"]["choices"][0]["message"]["content"] == reference.choices[0].message.content
-    texts = {o["custom_id"]: o["response"]["body"] for o in read_jsonl(client, text_done.output_file_id)}
+    assert (by_id["chat-1"]["choices"][0]["message"]["content"]
+            == reference.choices[0].message.content)
+    texts = {o["custom_id"]: o["response"]["body"]
+             for o in read_jsonl(client, text_done.output_file_id)}
     assert sorted(texts) == ["text-0"]
     assert all(t["object"] == "text_completion" and t["choices"][0]["text"] for t in texts.values())
     assert ledger(serve.data_dir, chat_id) == [f"{chat_id}/{i}" for i in range(2)]

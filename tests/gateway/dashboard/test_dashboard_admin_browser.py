@@ -118,8 +118,10 @@ def test_an_admin_creates_a_key_sets_a_limit_and_browses_usage_by_tag(
             attacker.goto(other_origin + "/health")
             attacker.evaluate("""async (target) => {
                 for (const init of [
-                    {method: "POST", body: '{"name": "forged"}', headers: {"content-type": "text/plain"}},
-                    {method: "POST", body: '{"name": "forged"}', mode: "no-cors", credentials: "include"}]) {
+                    {method: "POST", body: '{"name": "forged"}',
+                     headers: {"content-type": "text/plain"}},
+                    {method: "POST", body: '{"name": "forged"}', mode: "no-cors",
+                     credentials: "include"}]) {
                   try { await fetch(target + "/admin/v1/projects", init); } catch (e) {}
                 }
             }""", url)

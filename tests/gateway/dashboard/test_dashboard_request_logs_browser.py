@@ -48,7 +48,8 @@ def test_a_trace_shows_its_request_log_entry(gateway: tuple[str, dict[str, str]]
     answer = httpx.post(url + "/v1/chat/completions", timeout=30,
                         headers={"authorization": f"Bearer {keys['default']}"},
                         json={"model": MODEL, "messages": [
-                            {"role": "user", "content": "SAY:logged via sk-abcdefghijklmnopqrstu"}]})
+                            {"role": "user",
+                             "content": "SAY:logged via sk-abcdefghijklmnopqrstu"}]})
     assert answer.status_code == 200, answer.text
     trace_id = answer.headers["x-aigw-trace-id"]
     with tempfile.TemporaryDirectory() as profile, sync_api.sync_playwright() as playwright:

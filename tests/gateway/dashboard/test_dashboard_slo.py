@@ -17,7 +17,8 @@ def _replica(ttft_counts: tuple[int, int, int], refused: int, goodput: int, comp
     lines += ['aigw_replica_tpot_seconds_bucket{model="m",replica="r",service_tier="default",'
               'le="0.05"} 1', 'aigw_replica_tpot_seconds_bucket{model="m",replica="r",'
               'service_tier="default",le="+Inf"} 1',
-              f'aigw_replica_admissions_refused_total{{model="m",service_tier="default"}} {refused}',
+              f'aigw_replica_admissions_refused_total{{model="m",service_tier="default"}} '
+              f'{refused}',
               f'aigw_replica_goodput_requests_total{{model="m",service_tier="default"}} {goodput}',
               f'aigw_replica_completed_requests_total{{model="m",service_tier="default"}} '
               f'{completed}',

@@ -19,7 +19,8 @@ from gateway.request.retention import RetentionPolicy, RetentionSettings
 
 
 def anthropic(**fields: Any) -> CanonicalRequest:
-    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **fields}
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+            **fields}
     return AnthropicMessages().parse(body, "r1")
 
 
@@ -31,14 +32,15 @@ def ephemeral(ttl: str | None = None) -> dict[str, str]:
     ({}, None),
     ({"cache_control": ephemeral()}, 300.0),
     ({"system": [{"type": "text", "text": "s", "cache_control": ephemeral("1h")}]}, 3600.0),
-    ({"tools": [{"name": "t", "input_schema": {"type": "object"}, "cache_control": ephemeral("5m")}]},
+    ({"tools": [{"name": "t", "input_schema": {"type": "object"},
+                 "cache_control": ephemeral("5m")}]},
      300.0),
     ({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "a", "cache_control": ephemeral("5m")},
         {"type": "text", "text": "b", "cache_control": ephemeral("1h")}]}]}, 3600.0),
 ])
-def test_anthropic_cache_control_ttl_becomes_the_longest_retention(fields: dict[str, Any],
-                                                                     expected: float | None) -> None:
+def test_anthropic_cache_control_ttl_becomes_the_longest_retention(
+        fields: dict[str, Any], expected: float | None) -> None:
     assert anthropic(**fields).cache_retention_s == expected
 
 
@@ -66,10 +68,12 @@ def test_a_bad_cache_control_is_refused_naming_where(fields: dict[str, Any], par
 ])
 def test_openai_prompt_cache_retention_in_every_openai_dialect(fields: dict[str, Any],
                                                                expected: float | None) -> None:
-    chat = OpenAIChat().parse({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}, "r")
+    chat = OpenAIChat().parse({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                               **fields}, "r")
     text = OpenAICompletions().parse({"model": "m", "prompt": "hi", **fields}, "r")
     responses = OpenAIResponses().parse({"model": "m", "input": "hi", **fields}, "r")
-    assert chat.cache_retention_s == text.cache_retention_s == responses.cache_retention_s == expected
+    assert (chat.cache_retention_s == text.cache_retention_s == responses.cache_retention_s
+            == expected)
 
 
 @pytest.mark.parametrize(("fields", "param"), [
@@ -79,13 +83,15 @@ def test_openai_prompt_cache_retention_in_every_openai_dialect(fields: dict[str,
 ])
 def test_a_bad_openai_retention_is_refused(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidParam) as raised:
-        OpenAIChat().parse({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}, "r")
+        OpenAIChat().parse({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                            **fields}, "r")
     assert raised.value.param == param
 
 
 def request(project: str = "p", key: str | None = None, session: str | None = None,
             asked: float | None = None) -> CanonicalRequest:
-    canonical = CanonicalRequest("r", "m", project=project, prompt_cache_key=key, session_id=session)
+    canonical = CanonicalRequest("r", "m", project=project, prompt_cache_key=key,
+                                 session_id=session)
     canonical.cache_retention_s = asked
     return canonical
 

@@ -167,7 +167,8 @@ def test_a_forced_call_after_reasoning_in_every_dialect(served: Any) -> None:
     assert [item.type for item in response.output] == ["reasoning", "function_call"]
     claude = anthropic.Anthropic(base_url=gateway.url + "/anthropic", api_key="x", max_retries=0)
     message = claude.messages.create(
-        model=MODEL, max_tokens=256, messages=ASK, tool_choice={"type": "tool", "name": "get_weather"},  # type: ignore[arg-type]
+        model=MODEL, max_tokens=256, messages=ASK,
+        tool_choice={"type": "tool", "name": "get_weather"},  # type: ignore[arg-type]
         tools=[{"name": "get_weather", "input_schema": WEATHER["parameters"]}])
     assert [block.type for block in message.content] == ["thinking", "tool_use"]
     assert message.stop_reason == "tool_use"

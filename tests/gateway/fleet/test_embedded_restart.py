@@ -56,7 +56,8 @@ def _wait_for(condition, timeout_s: float, what: str) -> None:  # type: ignore[n
 
 def _chat(url: str, model: str) -> httpx.Response:
     return httpx.post(url + "/v1/chat/completions", timeout=120, json={
-        "model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "Name a color."}]})
+        "model": model, "max_tokens": 4,
+        "messages": [{"role": "user", "content": "Name a color."}]})
 
 
 def test_a_killed_embedded_replica_makes_health_unready_then_comes_back_and_serves(
@@ -93,7 +94,8 @@ def test_a_killed_embedded_replica_makes_health_unready_then_comes_back_and_serv
         reply = _chat(url, model)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
         metrics = httpx.get(url + "/metrics").text
-        assert re.search(r'^aigw_embedded_replica_restarts_total\{endpoint="127\.0\.0\.1:\d+"\} 1\.0$',
+        assert re.search(r'^aigw_embedded_replica_restarts_total\{endpoint="127\.0\.0\.1:\d+"\} '
+                         r'1\.0$',
                          metrics, re.MULTILINE), metrics[-2000:]
     finally:
         stop_process(process)

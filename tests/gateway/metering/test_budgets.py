@@ -27,7 +27,8 @@ def test_windows_of_each_kind_start_and_end_where_they_should() -> None:
     day = Budget(usd=1).window_at(now)
     assert day.key == "2026-12-31" and day.reset_s(now) == 1800
     hourly = Budget(usd=1, window="custom", window_s=3600, starts_at=600).window_at(now)
-    assert hourly.start_s == now - 1800 + 600 - 3600 + 3600 and hourly.end_s - hourly.start_s == 3600
+    assert (hourly.start_s == now - 1800 + 600 - 3600 + 3600
+            and hourly.end_s - hourly.start_s == 3600)
     assert hourly.start_s <= now < hourly.end_s
     with pytest.raises(ValueError):
         Budget(usd=1, window="custom")
@@ -75,7 +76,8 @@ def test_the_concurrency_limit_frees_a_slot_at_settle(open_test_meter: OpenMeter
     asyncio.run(scenario())
 
 
-def test_stored_limits_replace_the_settings_for_their_scope_only(open_test_meter: OpenMeter) -> None:
+def test_stored_limits_replace_the_settings_for_their_scope_only(
+        open_test_meter: OpenMeter) -> None:
     async def scenario() -> None:
         meter = await open_test_meter(MeteringSettings(
             default_project_limits=Limits(requests_per_minute=100)))
@@ -93,7 +95,8 @@ def test_stored_limits_replace_the_settings_for_their_scope_only(open_test_meter
     asyncio.run(scenario())
 
 
-def test_a_settle_reports_the_spend_and_an_alert_is_claimed_once(open_test_meter: OpenMeter) -> None:
+def test_a_settle_reports_the_spend_and_an_alert_is_claimed_once(
+        open_test_meter: OpenMeter) -> None:
     async def scenario() -> None:
         meter = await open_test_meter(MeteringSettings(prices=PRICES, default_project_limits=Limits(
             budgets=(Budget(usd=1.0, window="day", alert_at=(0.01,)),))))

@@ -39,7 +39,8 @@ def _replica_like_upstream(latency_s: float) -> web.Application:
     async def chat(request: web.Request) -> web.Response:
         body = await request.json()
         if body["messages"][-1]["content"] == "refuse":
-            return web.json_response({"error": {"message": "refused", "type": "invalid_request_error",
+            return web.json_response({"error": {"message": "refused",
+                                                "type": "invalid_request_error",
                                                 "code": "refused"}}, status=400)
         await asyncio.sleep(latency_s)
         num_prompt = len(hasher.token_ids(body))
@@ -235,7 +236,8 @@ def test_another_upstreams_tokenizer_counts_a_limited_prompt_at_admission(
     finally:
         loop_thread.run(runner.cleanup())
         loop_thread.run(upstream.cleanup())
-    estimate = estimate_prompt_tokens(CanonicalRequest("r", MODEL, messages=[Message("user", text)]))
+    estimate = estimate_prompt_tokens(CanonicalRequest("r", MODEL,
+                                                       messages=[Message("user", text)]))
     counted = len(tokenizer.backend.encode(text, add_special_tokens=False).ids) + 4
     assert counted > estimate
     assert meter.admitted_prompt_tokens == [counted]

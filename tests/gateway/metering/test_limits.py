@@ -44,7 +44,8 @@ def test_requests_over_the_per_minute_limit_get_429_headers(open_test_meter: Ope
     asyncio.run(scenario())
 
 
-def test_key_limits_apply_per_key_and_project_limits_to_all_keys(open_test_meter: OpenMeter) -> None:
+def test_key_limits_apply_per_key_and_project_limits_to_all_keys(
+        open_test_meter: OpenMeter) -> None:
     async def scenario() -> None:
         meter = await open_test_meter(MeteringSettings(
             default_project_limits=Limits(requests_per_minute=3),
@@ -93,7 +94,8 @@ def test_a_spent_daily_budget_refuses_until_the_next_utc_day(open_test_meter: Op
             admission = await meter.admit("a", principal(), "m", 10, 20)  # reserves 0.03
             with pytest.raises(RateLimited):
                 await meter.admit("b", principal(), "m", 10, 20)  # 0.06 > 0.05
-            await meter.settle(admission, record("a", 10, 20, cost_usd=meter.cost_usd("m", 10, 0, 20)))
+            await meter.settle(admission,
+                               record("a", 10, 20, cost_usd=meter.cost_usd("m", 10, 0, 20)))
             admission = await meter.admit("c", principal(), "m", 5, 5)  # 0.03 + 0.01
             await meter.settle(admission, record("c", 5, 15, cost_usd=0.02))  # ran over: 0.05
             with pytest.raises(RateLimited) as refused:

@@ -75,7 +75,8 @@ def _project(served: Served, name: str) -> str:
 
 
 def _chat(served: Served, key: str, max_tokens: int = 5, **extra: Any) -> httpx.Response:
-    return httpx.post(served.url + "/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+    return httpx.post(served.url + "/v1/chat/completions",
+                      headers={"authorization": f"Bearer {key}"},
                       json={"model": MODEL, "max_tokens": max_tokens,
                             "messages": [{"role": "user", "content": "hi"}], **extra}, timeout=30)
 

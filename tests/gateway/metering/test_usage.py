@@ -77,7 +77,8 @@ def test_queued_settles_are_seen_by_reads_and_count_once(open_test_meter: OpenMe
     asyncio.run(scenario())
 
 
-def test_usage_totals_equal_the_sum_of_settled_records_over_a_mix(open_test_meter: OpenMeter) -> None:
+def test_usage_totals_equal_the_sum_of_settled_records_over_a_mix(
+        open_test_meter: OpenMeter) -> None:
     """Streamed and plain requests, disconnects (partial completions billed), retries of the
     same request id, two models and two projects, settled concurrently."""
     rng = random.Random(7)

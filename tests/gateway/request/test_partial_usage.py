@@ -39,7 +39,8 @@ def test_a_cut_stream_bills_the_announced_prompt_and_the_text_received() -> None
     accumulator = Accumulator()
     accumulator.add(PromptUsage(38, 16))
     accumulator.add(TextDelta("Hello there, how are"))
-    record = build_record(request, Principal(project="p", key_id="k", scopes=frozenset()), ModelSettings(name="m", endpoints=("http://127.0.0.1:1",)),
+    record = build_record(request, Principal(project="p", key_id="k", scopes=frozenset()),
+                          ModelSettings(name="m", endpoints=("http://127.0.0.1:1",)),
                           "e", accumulator, 499, 1.0)
     assert (record.prompt_tokens, record.cached_tokens, record.completion_tokens) == (38, 16, 5)
     assert accumulator.response().text == "Hello there, how are"
@@ -57,7 +58,8 @@ def test_a_cut_stream_bills_the_completion_of_every_choice_and_its_tool_calls() 
     record = build_record(request, Principal(project="p", key_id="k", scopes=frozenset()),
                           ModelSettings(name="m", endpoints=("http://127.0.0.1:1",)),
                           "e", accumulator, 499, 1.0)
-    assert record.completion_tokens == (20 + 20 + len("get_weather") + len('{"city": "Oslo"') + 3) // 4
+    assert (record.completion_tokens
+            == (20 + 20 + len("get_weather") + len('{"city": "Oslo"') + 3) // 4)
 
 
 def test_a_cut_echo_stream_does_not_bill_the_echoed_prompt_as_completion() -> None:
@@ -77,7 +79,8 @@ def test_a_cut_echo_stream_does_not_bill_the_echoed_prompt_as_completion() -> No
     assert (record.prompt_tokens, record.completion_tokens) == (5, (1 + 2) + 1)
 
 
-def _announcing_upstream(loop_thread: LoopThread, dies_after_headers: bool) -> tuple[web.AppRunner, str]:
+def _announcing_upstream(loop_thread: LoopThread,
+                         dies_after_headers: bool) -> tuple[web.AppRunner, str]:
     """Streams like our replica (prompt usage in the headers); one that `dies_after_headers`
     sends them and closes the connection before any chunk."""
 
@@ -92,7 +95,8 @@ def _announcing_upstream(loop_thread: LoopThread, dies_after_headers: bool) -> t
         await write_sse(response, (
             {"choices": [{"index": 0, "delta": {"content": "all good"}, "finish_reason": None}]},
             {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
-            {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}}))
+            {"choices": [],
+             "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}}))
         return response
 
     return start_chat_upstream(loop_thread, chat)

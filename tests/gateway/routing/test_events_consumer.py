@@ -113,7 +113,8 @@ def test_falling_behind_the_log_resyncs_from_a_snapshot(rig: Rig) -> None:
     assert rig.held(11, 12, 13) == 3 and rig.held(10) == 0
 
 
-def test_a_cleared_cache_and_a_restarted_replica_leave_no_stale_entries(rig: Rig, index: IndexUnderTest) -> None:
+def test_a_cleared_cache_and_a_restarted_replica_leave_no_stale_entries(
+        rig: Rig, index: IndexUnderTest) -> None:
     rig.replica.store(1, 2)
     rig.step(2)
     rig.replica.log.record(AllBlocksCleared())
@@ -145,7 +146,8 @@ def test_failed_polls_or_an_unhealthy_endpoint_drop_the_replica(rig: Rig) -> Non
     assert rig.held(1) == 0 and rig.ix.run(rig.ix.index.applied_seq("rep-a")) is None
 
 
-def test_two_consumers_sharing_an_index_apply_each_batch_once(rig: Rig, index: IndexUnderTest) -> None:
+def test_two_consumers_sharing_an_index_apply_each_batch_once(rig: Rig,
+                                                              index: IndexUnderTest) -> None:
     other = ReplicaEventConsumer(rig.endpoint, index.index, rig.transport, ConsumerConfig())
     rig.step()
     index.run(other.step())

@@ -37,7 +37,8 @@ def apply(index: IndexUnderTest, replica: str, seq: int, *events: KVEvent) -> No
     index.run(index.index.apply(EventBatch(replica, seq, time.time(), tuple(events))))
 
 
-def test_a_run_continues_through_either_tier_and_counts_the_host_blocks(index: IndexUnderTest) -> None:
+def test_a_run_continues_through_either_tier_and_counts_the_host_blocks(
+        index: IndexUnderTest) -> None:
     ix = index.index
     for replica in ("a", "b"):
         index.run(ix.load_snapshot(KVSnapshot(replica, 0, 16, ())))

@@ -73,7 +73,8 @@ def test_the_prefix_holder_wins_and_the_debug_account_shows_matches(
     chosen, reason = rig.choose(req)
     assert chosen is rig.endpoints[1] and reason == "prefix"
     account = rig.router.explain("r1")
-    assert account is not None and f"matched={len(hashes) - 1}" in account and "matched=0" in account
+    assert (account is not None and f"matched={len(hashes) - 1}" in account
+            and "matched=0" in account)
 
 
 def test_the_holder_is_sticky_until_its_load_outweighs_the_prefill_saved(
@@ -141,7 +142,8 @@ def test_unsynced_replicas_fall_back_to_least_outstanding(index: IndexUnderTest)
     assert chosen is rig.endpoints[1] and reason == "least_load:no_index"
 
 
-def test_endpoints_removed_by_discovery_leave_the_router_and_the_index(index: IndexUnderTest) -> None:
+def test_endpoints_removed_by_discovery_leave_the_router_and_the_index(
+        index: IndexUnderTest) -> None:
     rig = Rig(index)
     gone = rig.endpoints[1]
     rig.hold(gone, [1, 2])

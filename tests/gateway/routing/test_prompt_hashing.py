@@ -1,4 +1,5 @@
-"""The gateway's block hashes equal the replica's: same body, same rendering, same tokens, same salt."""
+"""The gateway's block hashes equal the replica's: same body, same rendering, same tokens, same
+salt."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def upstream_body(request: CanonicalRequest, share: bool = False) -> dict[str, A
     model = ModelSettings(name="m", endpoints=("http://127.0.0.1:1",),
                           share_cache_across_projects=share)
     backend = ReplicaBackend(None, GatewaySettings(auth_enabled=False))  # type: ignore[arg-type]
-    return backend.upstream_body(request, Endpoint(model.endpoints[0], model, CircuitBreaker(3, 1.0)))
+    return backend.upstream_body(request,
+                                 Endpoint(model.endpoints[0], model, CircuitBreaker(3, 1.0)))
 
 
 def agent_request(turn: int, project: str = "p1") -> CanonicalRequest:
@@ -77,8 +79,10 @@ def test_tool_choice_required_and_named_render_like_the_replica(tokenizer: Token
 
 
 def test_completion_prompt_tokens_equal_the_replicas(tokenizer: Tokenizer) -> None:
-    body = upstream_body(CanonicalRequest("r", "m", kind="completion", prompt="Once upon a time " * 20))
-    expected = completion_prompts(CompletionRequest.model_validate(body), tokenizer, tokenizer.vocab_size)[0]
+    body = upstream_body(CanonicalRequest("r", "m", kind="completion",
+                                          prompt="Once upon a time " * 20))
+    expected = completion_prompts(CompletionRequest.model_validate(body), tokenizer,
+                                  tokenizer.vocab_size)[0]
     assert PromptHasher(tokenizer).token_ids(body) == expected
 
 
@@ -97,7 +101,8 @@ def test_projects_get_disjoint_hashes_unless_sharing_is_on(tokenizer: Tokenizer)
 def test_segmented_encoding_equals_whole_encoding(tokenizer: Tokenizer) -> None:
     hasher = PromptHasher(tokenizer, min_cached_segment_chars=1)
     text = tokenizer.apply_chat_template(
-        [{"role": "system", "content": "Be brief. <|im_end|> fake"}, {"role": "user", "content": "héllo  \n\n x"}],
+        [{"role": "system", "content": "Be brief. <|im_end|> fake"},
+         {"role": "user", "content": "héllo  \n\n x"}],
         tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
     assert hasher.encode_segmented(text) == tokenizer.encode(text)
 

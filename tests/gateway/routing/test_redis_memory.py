@@ -25,7 +25,8 @@ def measure(url: str, num_holders: int) -> tuple[float, float]:
     hashes = tuple(rng.getrandbits(64) for _ in range(NUM_BLOCKS))
     before = int(sync.info("memory")["used_memory"])
     for holder in range(num_holders):
-        under_test.run(under_test.index.load_snapshot(KVSnapshot(f"10.0.0.{holder}:8001", 1, 16, hashes)))
+        under_test.run(under_test.index.load_snapshot(KVSnapshot(f"10.0.0.{holder}:8001", 1, 16,
+                                                                 hashes)))
     after = int(sync.info("memory")["used_memory"])
     assert isinstance(under_test.index, RedisIndex)
     one_key = int(sync.memory_usage(under_test.index.block_prefix + hash_key(hashes[0])) or 0)

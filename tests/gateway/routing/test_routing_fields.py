@@ -1,5 +1,6 @@
 """What the router gets to see: the end user (OpenAI `user`, Anthropic metadata.user_id), the
-`x-session-id` header, and the routing decision explained back when `x-aigw-debug: 1` asks for it."""
+`x-session-id` header, and the routing decision explained back when `x-aigw-debug: 1` asks for
+it."""
 
 from __future__ import annotations
 

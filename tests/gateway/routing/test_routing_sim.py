@@ -1,4 +1,5 @@
-"""The routing simulator and router factory: small, fast runs that keep `aigw bench routing` honest."""
+"""The routing simulator and router factory: small, fast runs that keep `aigw bench routing`
+honest."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from gateway.settings import GatewaySettings, ModelSettings
 
 
 def shared(rate: float) -> list[object]:
-    return shared_prefix_workload(random.Random(1), num_groups=8, prompts_per_group=8, rate_per_s=rate,
-                                  system_tokens=512, question_tokens=32, output_tokens=16)
+    return shared_prefix_workload(random.Random(1), num_groups=8, prompts_per_group=8,
+                                  rate_per_s=rate, system_tokens=512, question_tokens=32,
+                                  output_tokens=16)
 
 
 def test_prefix_routing_keeps_groups_together_where_round_robin_thrashes() -> None:
@@ -41,14 +43,16 @@ def test_the_bench_reports_every_policy_and_its_targets(capsys: pytest.CaptureFi
     args = parser.parse_args(["--replicas", "4", "--cache-blocks", "200", "--rates", "1",
                               "--workloads", "shared-prefix"])
     rows = routing_bench.run_sim(args, 2e-4, 1e-3)
-    assert {r["policy"] for r in rows} == {"round-robin", "least-load", "session-hash", "prefix", "oracle"}
+    assert ({r["policy"] for r in rows}
+            == {"round-robin", "least-load", "session-hash", "prefix", "oracle"})
     assert any("of the oracle's" in line for line in routing_bench.targets(rows))
 
 
 def test_auto_picks_the_prefix_router_for_two_or_more_replica_endpoints() -> None:
     two = GatewaySettings(auth_enabled=False, models=[
         ModelSettings(name="m", endpoints=("http://127.0.0.1:1", "http://127.0.0.1:2"))])
-    one = GatewaySettings(auth_enabled=False, models=[ModelSettings(name="m", endpoints=("http://a:1",))])
+    one = GatewaySettings(auth_enabled=False,
+                          models=[ModelSettings(name="m", endpoints=("http://a:1",))])
     assert isinstance(create_router("auto", two), PrefixRouter)
     assert isinstance(create_router("auto", one), LeastOutstandingRouter)
     assert isinstance(create_router("prefix"), PrefixRouter)

@@ -18,8 +18,8 @@ def _record(project: str, model: str, prompt_tokens: int, cached_tokens: int) ->
 
 def test_the_cache_hit_ratio_is_cached_over_input_tokens_of_all_a_projects_models() -> None:
     metrics = GatewayMetrics()
-    for record in (_record("a", "m1", 100, 50), _record("a", "m2", 300, 0), _record("b", "m1", 10, 10),
-                   _record("c", "m1", 0, 0)):
+    for record in (_record("a", "m1", 100, 50), _record("a", "m2", 300, 0),
+                   _record("b", "m1", 10, 10), _record("c", "m1", 0, 0)):
         metrics.observe_usage(record)
     ratios = {sample.labels["project"]: sample.value
               for family in text_string_to_metric_families(metrics.render().decode())

@@ -39,7 +39,8 @@ def test_a_rate_limited_request_is_counted_under_its_model_and_project(
     assert _requests_total(gateway.url) == {("429", MODEL, "proj"): 1.0}
 
 
-def test_requests_refused_before_admission_add_no_label_values(make_gateway: GatewayFactory) -> None:
+def test_requests_refused_before_admission_add_no_label_values(
+        make_gateway: GatewayFactory) -> None:
     gateway = make_gateway(authenticator=KeyAuthenticator(), meter=RecordingMeter(),
                            metrics_token=METRICS_TOKEN)
     for _ in range(3):  # a different unknown model name each time

@@ -30,7 +30,8 @@ from infra.telemetry.settings import TelemetrySettings
 from infra.telemetry.tracing import build_tracer_provider
 
 
-def _record(project: str = "p", prompt: int = 100, cached: int = 40, at: float = 1000.0) -> UsageRecord:
+def _record(project: str = "p", prompt: int = 100, cached: int = 40,
+            at: float = 1000.0) -> UsageRecord:
     return UsageRecord(request_id="r", project=project, key_id="k", model="m", endpoint="e",
                        prompt_tokens=prompt, cached_tokens=cached, completion_tokens=10,
                        cost_usd=0.5, latency_ms=12.0, status=200, created_at=at)
@@ -159,10 +160,14 @@ def test_a_request_trace_builds_its_spans_when_read_under_the_callers_span() -> 
         decision = SimpleNamespace(endpoint=endpoint, reason="least_outstanding")
         trace.add_route(RouteStep(trace.start_ns + 30, trace.start_ns + 40, "least_outstanding",
                                   decision, endpoints[index:], None))
-    failed = trace.new_call("upstream POST /v1/chat/completions", {"url.full": "u0"}, trace.start_ns + 50)
-    failed.end_ns, failed.exception = trace.start_ns + 60, exception_attributes(ConnectionRefusedError("no"))
-    served = trace.new_call("upstream POST /v1/chat/completions", {"url.full": "u1"}, trace.start_ns + 70)
-    served.status_code, served.first_line_ns, served.end_ns = 200, trace.start_ns + 80, trace.start_ns + 90
+    failed = trace.new_call("upstream POST /v1/chat/completions", {"url.full": "u0"},
+                            trace.start_ns + 50)
+    failed.end_ns, failed.exception = (trace.start_ns + 60,
+                                       exception_attributes(ConnectionRefusedError("no")))
+    served = trace.new_call("upstream POST /v1/chat/completions", {"url.full": "u1"},
+                            trace.start_ns + 70)
+    served.status_code, served.first_line_ns, served.end_ns = (200, trace.start_ns + 80,
+                                                               trace.start_ns + 90)
     trace.record = _record("proj")
     trace.status_code, trace.end_ns = 200, trace.start_ns + 100
     telemetry.export(trace)
@@ -273,7 +278,8 @@ def test_a_replica_request_the_engine_fails_leaves_an_error_span() -> None:
 
     async def consume() -> None:
         async for _ in engine.generate("req", [1, 2], SamplingParams(max_tokens=5),
-                                       trace_headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"}):
+                                       trace_headers={"traceparent": f"00-{trace_id}-"
+                                                                     "b7ad6b7169203331-01"}):
             pass
 
     with pytest.raises(RuntimeError):
@@ -289,7 +295,8 @@ def test_a_replica_request_the_engine_fails_leaves_an_error_span() -> None:
 def test_the_trace_list_names_the_model_of_a_request_refused_before_routing() -> None:
     from gateway.dashboard.views import trace_summary
 
-    root = {"trace_id": "t", "span_id": "a", "parent_span_id": None, "name": "POST /v1/chat/completions",
+    root = {"trace_id": "t", "span_id": "a", "parent_span_id": None,
+            "name": "POST /v1/chat/completions",
             "start_ns": 0, "end_ns": 1_000_000, "status": "ERROR",
             "attributes": {"http.response.status_code": 503, "gen_ai.response.model": "dead",
                            "aigw.project": "p", "aigw.replica": ""}}

@@ -64,7 +64,8 @@ def test_one_request_is_one_trace_across_gateway_and_replica(served: Served) -> 
     assert attrs["gen_ai.request.temperature"] == 0.0
     assert attrs["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
     assert attrs["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
-    assert attrs["gen_ai.response.finish_reasons"] == [response.json()["choices"][0]["finish_reason"]]
+    assert (attrs["gen_ai.response.finish_reasons"]
+            == [response.json()["choices"][0]["finish_reason"]])
     assert attrs["aigw.project"] == PROJECT and attrs["aigw.key_id"] == "key-acme"
     assert attrs["aigw.replica"] == served.replica_url.split("://")[1]
     assert attrs["aigw.cost_usd"] > 0

@@ -55,7 +55,8 @@ def test_it_needs_a_positive_rate() -> None:
 def test_the_setting_defaults_to_100_and_0_means_no_limit() -> None:
     assert TelemetrySettings.from_env(environ={}).max_traces_per_s == 100.0
     assert TelemetrySettings.from_env(environ={"AIGW_TRACE_MAX_PER_S": "0"}).max_traces_per_s == 0.0
-    assert TelemetrySettings.from_env(environ={"AIGW_TRACE_MAX_PER_S": "2.5"}).max_traces_per_s == 2.5
+    assert (TelemetrySettings.from_env(environ={"AIGW_TRACE_MAX_PER_S": "2.5"}).max_traces_per_s
+            == 2.5)
     for bad in ("-1", "nan"):
         with pytest.raises(ValueError):
             TelemetrySettings.from_env(environ={"AIGW_TRACE_MAX_PER_S": bad})

@@ -20,7 +20,8 @@ from gateway.upstream.transport import UpstreamRequest
 
 
 class _Upstream:
-    """An aiohttp app that notes the connections (client ports) it served and the requests it saw."""
+    """An aiohttp app that notes the connections (client ports) it served and the requests it
+    saw."""
 
     def __init__(self) -> None:
         self.client_ports: set[int] = set()
@@ -37,7 +38,8 @@ class _Upstream:
         return len(self.client_ports)
 
     @web.middleware
-    async def note_connection(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    async def note_connection(self, request: web.Request,
+                              handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                               ) -> web.StreamResponse:
         assert request.transport is not None
         self.client_ports.add(request.transport.get_extra_info("peername")[1])
@@ -75,7 +77,8 @@ class _Upstream:
 
 
 @asynccontextmanager
-async def _serve(upstream: _Upstream, ssl_context: ssl.SSLContext | None = None) -> AsyncIterator[str]:
+async def _serve(upstream: _Upstream,
+                 ssl_context: ssl.SSLContext | None = None) -> AsyncIterator[str]:
     runner = web.AppRunner(upstream.app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context)
@@ -88,7 +91,8 @@ async def _serve(upstream: _Upstream, ssl_context: ssl.SSLContext | None = None)
 
 
 @asynccontextmanager
-async def _raw_server(handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+async def _raw_server(handle: Callable[[asyncio.StreamReader,
+                                        asyncio.StreamWriter], Awaitable[None]]
                       ) -> AsyncIterator[str]:
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -128,7 +132,8 @@ def test_keeps_one_connection_alive_across_calls_and_sends_what_it_was_given() -
             method, path, headers, body = upstream.seen[3]
             assert (method, path, body) == ("POST", "/echo?n=3", b"body 3")
             assert headers["x-request-id"] == "r3" and headers["content-length"] == "6"
-            assert headers["host"] == url.removeprefix("http://") and headers["user-agent"] == "aigw"
+            assert (headers["host"] == url.removeprefix("http://")
+                    and headers["user-agent"] == "aigw")
         await transport.aclose()
 
     asyncio.run(main())
@@ -147,7 +152,9 @@ def test_stream_lines_and_batches_arrive_whole_and_the_connection_is_reused_afte
             response = await transport.send(UpstreamRequest("GET", f"{url}/stream"))
             batches = [batch async for batch in response.line_batches()]
             data = [line for batch in batches for line in batch if line]
-            assert data == [b"data: 0", b"data: 1", b"data: 2", b"data: 3", b"data: 4", b"data: [DONE]"]
+            assert (data
+                    == [b"data: 0", b"data: 1", b"data: 2", b"data: 3", b"data: 4",
+                        b"data: [DONE]"])
             response.release()
             assert upstream.num_connections == 1
         await transport.aclose()
@@ -371,8 +378,8 @@ def test_a_line_break_in_a_header_is_refused_before_anything_is_sent() -> None:
 def test_https_upstream(tmp_path: Path) -> None:
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     try:
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
-                        "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                        str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
                         "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True,
                        timeout=60)
     except FileNotFoundError:
@@ -394,7 +401,8 @@ def test_https_upstream(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
-def test_an_answer_that_ends_in_the_read_that_paused_the_socket_leaves_a_connection_that_still_reads() -> None:
+def test_an_answer_ending_in_the_read_that_paused_the_socket_leaves_a_connection_that_still_reads(
+        ) -> None:
     body = b"x" * (READ_HIGH_WATER_BYTES + 100)  # the read that crosses the high-water mark ends it
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -410,7 +418,8 @@ def test_an_answer_that_ends_in_the_read_that_paused_the_socket_leaves_a_connect
         transport = LeanTransport()
         async with _raw_server(handle) as url:
             for _ in range(2):  # the second call runs on the connection the first one paused
-                response = await asyncio.wait_for(transport.send(UpstreamRequest("GET", f"{url}/x")), 5)
+                response = await asyncio.wait_for(
+                    transport.send(UpstreamRequest("GET", f"{url}/x")), 5)
                 await asyncio.sleep(0.2)  # the whole answer arrives unread
                 assert await asyncio.wait_for(response.read(), 5) == body
         await transport.aclose()
@@ -431,7 +440,8 @@ def test_an_answer_behind_a_released_streams_last_chunk_is_not_the_next_calls_an
             except asyncio.IncompleteReadError:
                 return
             if is_first:  # a stream; its closing chunk and an unasked answer arrive in one read
-                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n")
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n9\r\ndata: "
+                             b"1\n\n\r\n")
                 await writer.drain()
                 await asyncio.sleep(0.1)
                 writer.write(b"0\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nstray")

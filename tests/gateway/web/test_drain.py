@@ -36,7 +36,8 @@ async def _start_gateway(upstream: str) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
 
 
-def test_drain_lets_an_in_flight_stream_finish_and_refuses_new_requests(loop_thread: LoopThread) -> None:
+def test_drain_lets_an_in_flight_stream_finish_and_refuses_new_requests(
+        loop_thread: LoopThread) -> None:
     state = MockState(MockConfig(token_delay_ms=50, num_tokens=20))
     mock_runner, upstream = loop_thread.run(start_app(create_mock_app(state)))
     runner, url = loop_thread.run(_start_gateway(upstream))
@@ -142,9 +143,11 @@ class _RouterWhoseCloseHangs(LeastOutstandingRouter):
 
 
 def test_a_router_whose_close_hangs_does_not_hold_the_shutdown(
-        loop_thread: LoopThread, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        loop_thread: LoopThread, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(gateway.web.app, "ROUTER_CLOSE_TIMEOUT_S", 0.3)
-    settings = GatewaySettings(auth_enabled=False, models=[{"name": MODEL, "endpoints": ["http://127.0.0.1:9"]}])
+    settings = GatewaySettings(auth_enabled=False,
+                               models=[{"name": MODEL, "endpoints": ["http://127.0.0.1:9"]}])
     runner, _ = loop_thread.run(start_app(create_app(settings, router=_RouterWhoseCloseHangs())))
     started = time.monotonic()
     loop_thread.run(runner.cleanup(), timeout_s=10)
