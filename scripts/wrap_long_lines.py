@@ -37,6 +37,7 @@ import io
 import re
 import sys
 import tokenize
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,10 +174,15 @@ def comment_words(text: str) -> list[str]:
     return words
 
 
+def width(text: str) -> int:
+    """Columns on screen, as ruff counts them: a wide (East Asian) character takes two."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
 def is_long(line: str, limit: int) -> bool:
     """Whether ruff's E501 counts the line as too long (roughly: one unbroken word is exempt,
     and so is a trailing pragma comment when the code before it fits)."""
-    if len(line) <= limit:
+    if width(line) <= limit:
         return False
     stripped = line.strip()
     if len(stripped.lstrip("#").split()) <= 1:
@@ -704,6 +710,8 @@ def hang_signature(src: Source, n: int, limit: int, pragma: Tok | None = None) -
 
 def fix_line(src: Source, n: int, limit: int) -> list[str]:
     line = src.line(n)
+    if width(line) != len(line):
+        raise Refused("wide characters (the fixes count characters, not columns)")
     if n in src.docstrings:
         return fix_docstring(src, n, src.docstrings[n], limit)
     if src.string_spanning(n) is not None:
