@@ -122,7 +122,8 @@ def _store_settings(settings: AuthSettings) -> AuthSettings:
     from gateway.settings import load_settings
 
     gateway = load_settings()
-    return settings.model_copy(update={"redis_url": gateway.redis_url, "data_dir": gateway.data_dir})
+    return settings.model_copy(update={"redis_url": gateway.redis_url,
+                                       "data_dir": gateway.data_dir})
 
 
 async def _create_project(services: Any, args: argparse.Namespace) -> int:
@@ -179,7 +180,8 @@ async def _usage(services: Any, args: argparse.Namespace) -> int:
     since, until = validate_day(args.since, "since"), validate_day(args.until, "until")
     reader = await open_usage_reader(services.redis, services.settings.data_dir)
     try:
-        group_by = [part.strip() for part in args.group_by.split(",")]  # "model, day" as --help writes it
+        # "model, day" as --help writes it
+        group_by = [part.strip() for part in args.group_by.split(",")]
         rows = await reader.usage_by_project(args.project, group_by, since=since, until=until)
     finally:
         await reader.close()

@@ -48,15 +48,18 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class StepLogits:
     request_ids: list[str]  # one per logits row, in row order
     logits: torch.Tensor  # [S, vocab] float32
-    # sequences with `needs_prompt_logits`: the logits of every scheduled row, [num_scheduled, vocab]
+    # sequences with `needs_prompt_logits`: the logits of every scheduled row, [num_scheduled,
+    # vocab]
     prompt_logits: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, weights: dict[str, torch.Tensor],
+    def __init__(self, config: EngineConfig, model_config: ModelConfig,
+                 weights: dict[str, torch.Tensor],
                  raw_weights: dict | None = None, shard: RankShard | None = None) -> None:
         """`shard`: this process is one rank of a tensor-parallel replica (engine/parallel/):
-        `model_config` and `weights` are the rank's, and the KV blocks are counted for the replica."""
+        `model_config` and `weights` are the rank's, and the KV blocks are counted for the
+        replica."""
         self.config = config
         self.shard = shard
         self.model_config = model_config
@@ -71,7 +74,8 @@ class ModelRunner:
                                  make_linear_factory(config, self.device, raw_weights or {}),
                                  self.device, self.dtype)
         if shard is not None:
-            shard.parallelize(self.model)  # before the native step: a rank's takes the wrappers off itself
+            # before the native step: a rank's takes the wrappers off itself
+            shard.parallelize(self.model)
         self._forward = self.model.forward
         self._native_decode = _native_decode_step(self.model, config, shard)
         self._prefill_step = _bf16_prefill_step(self.model, self._native_decode, shard)
@@ -92,20 +96,23 @@ class ModelRunner:
         self.kv_layout = KVCacheLayout.for_model(model_config, max_len)
         # cascade shares group 0's prefix blocks: only where group 0 is full attention
         self.enable_cascade = self.device.type == "cpu" and self.kv_layout.groups[0].is_full
-        self.kv_dtype = self._native_decode.kv_dtype if self._native_decode is not None else self.dtype
+        self.kv_dtype = (self._native_decode.kv_dtype if self._native_decode is not None
+                         else self.dtype)
         self.num_blocks = self._num_blocks_for_budget()
         shape = (self.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
         slots = []
         for _ in range(self.kv_layout.num_tensor_slots):
             k = self._kv_tensor(shape)  # MLA: the latent is K and V (one tensor, kv_is_shared)
             slots.append((k, k if model_config.kv_is_shared else self._kv_tensor(shape)))
-        self.kv_caches = [slots[j] for j in self.kv_layout.layer_slot]  # per layer (slots are shared)
+        # per layer (slots are shared)
+        self.kv_caches = [slots[j] for j in self.kv_layout.layer_slot]
         logger.info("KV cache: %d blocks of %d tokens (%.0f MiB), %d group(s)", self.num_blocks,
                     self.block_size, self.num_blocks * self.bytes_per_block / 2**20,
                     len(self.kv_layout.groups))
 
     def _kv_tensor(self, shape: tuple[int, int, int, int]) -> torch.Tensor:
-        """[num_blocks, block_size, G, Dh] zeros; on the CPU on huge pages (engine/kernels/cpu/huge_pages.py)."""
+        """[num_blocks, block_size, G, Dh] zeros; on the CPU on huge pages
+        (engine/kernels/cpu/huge_pages.py)."""
         if self.device.type == "cpu":
             return huge_pages.zeros(shape, self.kv_dtype)
         return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
@@ -120,40 +127,46 @@ class ModelRunner:
     def max_num_tokens_per_sequence(self, chunk_tokens: int) -> int:
         """The longest sequence the cache can hold alone, with prefill chunks of `chunk_tokens`."""
         bs, groups = self.block_size, self.kv_layout.groups
-        spans = [g.sliding_window or g.attention_chunk for g in groups]  # a local group's reach (or None)
+        # a local group's reach (or None)
+        spans = [g.sliding_window or g.attention_chunk for g in groups]
         window_blocks = sum(-(-(w - 1 + chunk_tokens) // bs) + 2 for w in spans if w is not None)
         num_full_groups = sum(1 for w in spans if w is None)
         if not num_full_groups:  # only windows: any length, if one sequence's windows fit at all
-            return self.model_config.max_position_embeddings if window_blocks <= self.num_blocks else 0
+            return (self.model_config.max_position_embeddings if window_blocks <= self.num_blocks
+                    else 0)
         return max(0, self.num_blocks - window_blocks) // num_full_groups * bs
 
     def _num_blocks_for_budget(self) -> int:
-        """Blocks the budget holds; a tensor-parallel rank counts the bytes of every rank's slice, so
-        all ranks hold the same block ids and the budget is the replica's."""
+        """Blocks the budget holds; a tensor-parallel rank counts the bytes of every rank's slice,
+        so all ranks hold the same block ids and the budget is the replica's."""
         bytes_per_block = self.bytes_per_block
         if self.shard is not None:
             bytes_per_block = self.shard.replica_bytes_per_block(bytes_per_block)
         num_blocks = self.config.cache.kv_cache_memory_bytes // bytes_per_block
         if num_blocks < 1:
-            raise ValueError(f"--kv-cache-memory must hold at least one block ({bytes_per_block} bytes)")
+            raise ValueError(f"--kv-cache-memory must hold at least one block ({bytes_per_block} "
+                             "bytes)")
         return int(num_blocks)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepLogits:
         if self._native_decode is None:
             return self._execute(batch)
-        bf16_prefill = self._prefill_step is not None  # prompt rows: the bf16 step, decode rows native
+        # prompt rows: the bf16 step, decode rows native
+        bf16_prefill = self._prefill_step is not None
         runs_prefill = self._native_decode.runs_prefill and not bf16_prefill
         natives = [s for s in batch.sequences if runs_prefill or _is_decode(s)]
         if not natives:
-            return self._execute_native(batch.sequences, prefill=True) if bf16_prefill else self._execute(batch)
+            return (self._execute_native(batch.sequences, prefill=True) if bf16_prefill
+                    else self._execute(batch))
         native = self._execute_native(natives)
         if len(natives) == len(batch.sequences):
             return native
         prompts = [s for s in batch.sequences if not _is_decode(s)]
         rest = (self._execute_native(prompts, prefill=True) if bf16_prefill
                 else self._execute(ScheduledBatch(prompts)))
-        # (a rest without sampled rows is [0, local vocab] on a tensor-parallel rank: not concatenated)
+        # (a rest without sampled rows is [0, local vocab] on a tensor-parallel rank: not
+        # concatenated)
         logits = torch.cat([native.logits, rest.logits]) if len(rest.logits) else native.logits
         return StepLogits(native.request_ids + rest.request_ids, logits,
                           {**native.prompt_logits, **rest.prompt_logits})
@@ -161,7 +174,8 @@ class ModelRunner:
     def _execute(self, batch: ScheduledBatch) -> StepLogits:
         decodes, num_plain, groups = self._plan_decodes(
             [s for s in batch.sequences if s.num_scheduled_tokens == 1 and s.start_position > 0])
-        prefills = [s for s in batch.sequences if not (s.num_scheduled_tokens == 1 and s.start_position > 0)]
+        prefills = [s for s in batch.sequences
+                    if not (s.num_scheduled_tokens == 1 and s.start_position > 0)]
         ordered = decodes + prefills
         input_ids, positions, per_group = self._prepare(decodes, prefills, num_plain, groups)
         per_layer = None
@@ -192,7 +206,8 @@ class ModelRunner:
         bs = self.block_size
         tables = block_table_tensor([s.block_table for s in seqs])  # [S, W] (one full group here)
         seq_index = torch.repeat_interleave(torch.arange(len(seqs)),
-                                            torch.tensor([s.num_scheduled_tokens for s in seqs]))  # [M]
+                                            # [M]
+                                            torch.tensor([s.num_scheduled_tokens for s in seqs]))
         positions = torch.cat([torch.arange(s.start_position, s.seq_len) for s in seqs])  # [M]
         row_tables = tables[seq_index]  # [M, W]
         slots = row_tables.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
@@ -205,7 +220,8 @@ class ModelRunner:
         logit_rows = torch.tensor(_with_spans(rows, spans), dtype=torch.long)  # [S + span rows]
         step = DecodeInputs(input_ids=torch.tensor([t for s in seqs for t in s.token_ids]),
                             positions=positions, slots=slots, block_tables=row_tables,
-                            context_lens=positions + 1, logit_rows=None if every_row else logit_rows)
+                            context_lens=positions + 1,
+                            logit_rows=None if every_row else logit_rows)
         if prefill:
             assert self._prefill_step is not None
             logits = self._prefill_step(step, self.kv_caches)
@@ -250,17 +266,20 @@ class ModelRunner:
         if num_plain:
             plain_lens = [s.seq_len for s in decodes[:num_plain]]
             if group.is_full:
-                decode_blocks, decode_len, decode_mask = padded_blocks(tables[:num_plain], plain_lens,
+                decode_blocks, decode_len, decode_mask = padded_blocks(tables[:num_plain],
+                                                                       plain_lens,
                                                                         0, bs, to)
             else:  # the query at n - 1 sees from its window's or chunk's first position on
                 firsts = [group.first_visible_position(n - 1) // bs for n in plain_lens]
-                decode_blocks, decode_len, first_positions = blocks_from(tables[:num_plain], plain_lens,
+                decode_blocks, decode_len, first_positions = blocks_from(tables[:num_plain],
+                                                                         plain_lens,
                                                                           firsts, bs, to)
             decode_context_lens = torch.tensor(plain_lens, dtype=torch.int64, device=to)
         cascade_groups = []
         for start, end, num_prefix_blocks in groups:
             suffix_blocks, suffix_len, suffix_mask = padded_blocks(
-                tables[start:end], [s.seq_len for s in decodes[start:end]], num_prefix_blocks, bs, to)
+                tables[start:end], [s.seq_len for s in decodes[start:end]], num_prefix_blocks, bs,
+                to)
             cascade_groups.append(CascadeGroup(start, end, tables[start, :num_prefix_blocks].to(to),
                                                suffix_blocks, suffix_len, suffix_mask))
 
@@ -284,7 +303,8 @@ class ModelRunner:
             cascade_groups=tuple(cascade_groups),
             max_query_len=max(s.num_scheduled_tokens for s in seqs),
             max_seq_len=max(s.seq_len for s in seqs),
-            cu_query_lens=torch.tensor(list(accumulate((s.num_scheduled_tokens for s in seqs), initial=0)),
+            cu_query_lens=torch.tensor(list(accumulate((s.num_scheduled_tokens for s in seqs),
+                                                       initial=0)),
                                        dtype=torch.int32, device=to),
             seq_lens=torch.tensor([s.seq_len for s in seqs], dtype=torch.int32, device=to),
             block_tables=tables.to(torch.int32).to(to),
@@ -296,9 +316,10 @@ class ModelRunner:
                       ) -> tuple[list[ScheduledSequence], int, list[tuple[int, int, int]]]:
         """Order decode rows: plain rows first, then cascade groups side by side.
 
-        Returns (ordered rows, number of plain rows, [(row_start, row_end, num_shared_blocks)]). A group
-        is worth it only when >= CASCADE_MIN_GROUP sequences share >= CASCADE_MIN_PREFIX_BLOCKS leading
-        blocks (the same physical blocks: the prefix cache made them shared).
+        Returns (ordered rows, number of plain rows, [(row_start, row_end, num_shared_blocks)]). A
+        group is worth it only when >= CASCADE_MIN_GROUP sequences share >=
+        CASCADE_MIN_PREFIX_BLOCKS leading blocks (the same physical blocks: the prefix cache made
+        them shared).
         """
         if not self.enable_cascade or len(decodes) < CASCADE_MIN_GROUP:
             return decodes, len(decodes), []
@@ -364,7 +385,8 @@ def _compute_info(model, config: EngineConfig, native_step: object) -> dict[str,
         selection = isa.selection()
         info["cpu_isa"] = native.loaded_variant()  # None: the native kernels are off
         info["cpu_isa_forced"] = selection.forced
-        info["cpu_prefill_isa"] = None  # the runner sets the bf16 prefill ISA where prompt rows use it
+        # the runner sets the bf16 prefill ISA where prompt rows use it
+        info["cpu_prefill_isa"] = None
         info["cpu_features"] = list(selection.features)
     return info
 
@@ -394,12 +416,13 @@ def _experts_info(layers: list[object], config: EngineConfig) -> str | None:
 
 
 def _native_decode_step(model, config: EngineConfig, shard: RankShard | None = None):  # type: ignore[no-untyped-def]
-    """The native decode step for this model and mode (CPU, float32, native kernels built), else None;
-    a tensor-parallel rank's with its collectives (engine/parallel/native_step.py)."""
+    """The native decode step for this model and mode (CPU, float32, native kernels built), else
+    None; a tensor-parallel rank's with its collectives (engine/parallel/native_step.py)."""
     from engine.kernels import cpu as native
 
     if (config.compile or config.device != "cpu" or config.resolved_dtype != "float32"
-            or not hasattr(model, "layers") or model.config.has_sliding_layers or not native.load()):
+            or not hasattr(model, "layers") or model.config.has_sliding_layers
+            or not native.load()):
         return None  # (the native attention kernel has no sliding window)
     if shard is not None:
         return shard.native_step(model, config.decode_weights)
@@ -409,8 +432,8 @@ def _native_decode_step(model, config: EngineConfig, shard: RankShard | None = N
 
 
 def _bf16_prefill_step(model, native_step: object, shard: RankShard | None):  # type: ignore[no-untyped-def]
-    """The bf16 prefill step (engine/models/llama_prefill.py) where engine/kernels/cpu/isa.py chose a
-    bf16 prefill ISA and the q4 native step serves this model on one rank; else None."""
+    """The bf16 prefill step (engine/models/llama_prefill.py) where engine/kernels/cpu/isa.py chose
+    a bf16 prefill ISA and the q4 native step serves this model on one rank; else None."""
     if shard is not None or native_step is None:
         return None
     from engine.kernels.cpu import isa
@@ -453,8 +476,9 @@ def _compiled_forward(model):  # type: ignore[no-untyped-def]
 
     Attention reads per-step metadata, so this model's attention call stays eager and splits the
     graph; the element-wise runs between (norms, rotary, residual adds, SiLU-and-mul) and the dense
-    GEMMs are compiled. Measured on the 2-core CPU it is SLOWER than eager (bench/results/engine-cpu.md: the
-    graph breaks cost more than the fusion saves at 135M parameters), so it is off by default.
+    GEMMs are compiled. Measured on the 2-core CPU it is SLOWER than eager
+    (bench/results/engine-cpu.md: the graph breaks cost more than the fusion saves at 135M
+    parameters), so it is off by default.
     """
     model.attention.forward = torch.compiler.disable(model.attention.forward)
     return torch.compile(model.forward, dynamic=True)

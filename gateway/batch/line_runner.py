@@ -69,7 +69,8 @@ def line_request_id(batch_id: str, index: int) -> str:
 
 
 def line_output_id(batch_id: str, index: int) -> str:
-    return "batch_req_" + hashlib.blake2b(f"{batch_id}/{index}".encode(), digest_size=12).hexdigest()
+    return ("batch_req_"
+            + hashlib.blake2b(f"{batch_id}/{index}".encode(), digest_size=12).hexdigest())
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,8 @@ def test_key_fields_that_would_grant_more_or_break_json_are_refused(tmp_path: Pa
     asyncio.run(scenario())
 
 
-def test_a_body_that_is_not_utf8_or_not_its_content_encoding_is_a_400_not_a_500(tmp_path: Path) -> None:
+def test_a_body_that_is_not_utf8_or_not_its_content_encoding_is_a_400_not_a_500(
+        tmp_path: Path) -> None:
     async def scenario() -> None:
         async with (ops_admin_api(AuthSettings(data_dir=tmp_path)) as (_, base, admin_key),
                     aiohttp.ClientSession() as http):
