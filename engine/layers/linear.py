@@ -10,8 +10,17 @@ import abc
 import torch
 import torch.nn.functional as F
 
+CPU = torch.device("cpu")
+
 
 class LinearWeight(abc.ABC):
+    """One form of a linear layer's weight: x [T, in] -> [T, out] on `device`, taking and
+    returning `dtype` (the compute dtype); the CPU kernels' forms state CPU and float32 as class
+    attributes."""
+
+    device: torch.device
+    dtype: torch.dtype
+
     @abc.abstractmethod
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -27,6 +36,14 @@ class DenseLinear(LinearWeight):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+    @property  # type: ignore[override]
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property  # type: ignore[override]
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
 
     @property
     def nbytes(self) -> int:
@@ -65,6 +82,8 @@ class OneDNNLinear(LinearWeight):
     batch (the default path differs between one row and several). Row counts are bucketed
     (`row_bucket`), so the set of oneDNN primitives, and the memory they hold, stays bounded."""
 
+    device, dtype = CPU, torch.float32
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  batch_size_hint: int = 32) -> None:
         self.out_features, self.in_features = weight.shape
@@ -96,14 +115,6 @@ class OneDNNLinear(LinearWeight):
     @property
     def nbytes(self) -> int:
         return self.out_features * self.in_features * 4
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float32
 
     @staticmethod
     def is_available(weight: torch.Tensor) -> bool:

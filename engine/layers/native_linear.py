@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from engine.kernels import cpu as native
-from engine.layers.linear import LinearWeight
+from engine.layers.linear import CPU, LinearWeight
 
 NATIVE_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 
@@ -43,6 +43,8 @@ def to_native_blocks(ggml_type: str, data: np.ndarray) -> tuple[torch.Tensor, in
 
 
 class NativeQuantLinear(LinearWeight):
+    device, dtype = CPU, torch.float32  # it takes and returns float32
+
     def __init__(self, blocks: torch.Tensor, weight_type: int, quantized_at_load: bool = False) -> None:
         self.blocks = blocks  # uint8 [out / 8, bytes per 8 rows]: the interleaved blocks
         self.weight_type = weight_type
@@ -70,15 +72,6 @@ class NativeQuantLinear(LinearWeight):
     def block_type(self) -> str:
         """The kernel's block format: "Q4_1" (the file's Q4_0 / Q4_1) or "Q8_0"."""
         return "Q8_0" if self.weight_type == native.WEIGHT_TYPES["Q8_0x8"] else "Q4_1"
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype it takes and returns."""
-        return torch.float32
 
     @staticmethod
     def supports(ggml_type: str, out_features: int) -> bool:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.attention import current_metadata
-from engine.layers.linear import DenseLinear, LinearWeight, OneDNNLinear
+from engine.layers.linear import CPU, DenseLinear, LinearWeight, OneDNNLinear
 
 GROUP_SIZE = 32
 # The int4 CPU kernel is a GEMV at heart: past a few rows the float GEMM is faster (measured: batch 32
@@ -50,6 +50,8 @@ def unpack_q4_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, int]
 
 
 class Q4DecodeLinear(LinearWeight):
+    device, dtype = CPU, torch.float32  # the CPU's int4 GEMM, float32 in and out
+
     def __init__(self, dense: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                  zero: torch.Tensor) -> None:
         self.dense = OneDNNLinear(dense) if OneDNNLinear.is_available(dense) else DenseLinear(dense)
@@ -85,6 +87,8 @@ class BF16Linear(LinearWeight):
     """The q4 mode's lm head (the file stores it as 8-bit Q8_0): bfloat16 for a few rows (a GEMV,
     bound by reading the weight), the float32 weight for more (bf16 GEMMs are slow without native
     bf16 instructions)."""
+
+    device, dtype = CPU, torch.float32
 
     def __init__(self, dense: torch.Tensor) -> None:
         self.weight = dense.to(torch.bfloat16).contiguous()

@@ -29,7 +29,7 @@ from engine.layers.fp8_linear import FP8Linear
 from engine.layers.linear import fuse_rows
 from engine.layers.native_experts import NativeExperts
 from engine.models.llama import DenseMLP, LinearFactory, Weights, dense_mlp_factory
-from engine.models.moe import ExpertWeights, _placement, build_experts
+from engine.models.moe import ExpertWeights, build_experts
 from engine.models.weights import take
 
 
@@ -103,7 +103,7 @@ def deepseek_v3_mlp(config: ModelConfig, weights: Weights, layer: int,
                         dim=1)  # [E, I, H] x 2 -> [E, 2I, H]
         w2 = stack("down_proj", (hidden, inter))  # [E, H, I]
     probe = make_linear(p + "gate.weight", router)  # only to learn the engine's device and dtype
-    device, dtype = _placement(probe)
+    device, dtype = probe.device, probe.dtype
     experts = build_experts(make_linear, p + "experts.", w13, w2, device, dtype,
                             fp8=isinstance(probe, FP8Linear))
     shared = None

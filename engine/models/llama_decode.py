@@ -6,7 +6,8 @@ for both weight modes, one process or a tensor-parallel rank.
 The loop is the same everywhere; three pieces are chosen once, at build:
 
 - the kernels (`QuantKernels` in the q4 mode: every linear a `NativeQuantLinear`, float16 KV;
-  `FloatKernels` in the float32 mode: oneDNN GEMMs, float32 KV, decode rows only);
+  `FloatKernels` in the float32 mode: oneDNN GEMMs, float32 KV, decode rows only; the q4 mode's
+  bf16 prompt rows, engine/models/llama_prefill.py `Bf16Kernels`);
 - the world (`ONE_PROCESS`: no collectives; a tensor-parallel rank's all-reduce and gather,
   engine/parallel/native_step.py);
 - each layer's MLP (dense: gate_up then down; MoE, one process in the q4 mode: the layer's router

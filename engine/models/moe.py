@@ -150,7 +150,7 @@ def moe_mlp_factory(config: ModelConfig, weights: Weights, layer: int,
 
     # The router goes through make_linear only to learn the engine's device and dtype.
     probe = make_linear(p + "mlp.gate.weight", router_weight)
-    device, dtype = _placement(probe)
+    device, dtype = probe.device, probe.dtype
     is_fp8 = isinstance(probe, FP8Linear)
     router = float_router(probe, router_weight, device, dtype)  # routers stay float
     experts = build_experts(make_linear, p + "mlp.experts.", w13, w2, device, dtype, fp8=is_fp8)
@@ -193,11 +193,3 @@ def build_experts(make_linear: LinearFactory, prefix: str, w13: torch.Tensor, w2
     return ExpertWeights(w13.to(device), w2.to(device), dtype, fp8=fp8)
 
 
-def _placement(linear: LinearWeight) -> tuple[torch.device, torch.dtype]:
-    """Device and compute dtype of a linear the engine's factory built."""
-    if isinstance(linear, DenseLinear):
-        return linear.weight.device, linear.weight.dtype
-    device, dtype = getattr(linear, "device", None), getattr(linear, "dtype", None)
-    if device is None or dtype is None:
-        raise TypeError(f"{type(linear).__name__} does not state its device and dtype")
-    return device, dtype
