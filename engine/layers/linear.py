@@ -1,4 +1,5 @@
-"""Linear weights in the forms the runner can hold them: dense, 4-bit groups (from GGUF Q4_0/Q4_1), FP8.
+"""Linear weights in the forms the runner can hold them: dense, 4-bit groups (from GGUF Q4_0/Q4_1),
+FP8.
 
 Each form is a callable `x [T, in] -> [T, out]`; the model does not know which one it has.
 """
@@ -77,9 +78,9 @@ def _rows_padded(x: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 
 class OneDNNLinear(LinearWeight):
-    """Float32 weight prepacked for oneDNN (CPU): ~1.4x the GEMM throughput of the default BLAS path at
-    decode batch sizes on AVX2 CPUs, and every row's result independent of how many rows are in the
-    batch (the default path differs between one row and several). Row counts are bucketed
+    """Float32 weight prepacked for oneDNN (CPU): ~1.4x the GEMM throughput of the default BLAS path
+    at decode batch sizes on AVX2 CPUs, and every row's result independent of how many rows are in
+    the batch (the default path differs between one row and several). Row counts are bucketed
     (`row_bucket`), so the set of oneDNN primitives, and the memory they hold, stays bounded."""
 
     device, dtype = CPU, torch.float32

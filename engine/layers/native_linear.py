@@ -45,16 +45,19 @@ def to_native_blocks(ggml_type: str, data: np.ndarray) -> tuple[torch.Tensor, in
 class NativeQuantLinear(LinearWeight):
     device, dtype = CPU, torch.float32  # it takes and returns float32
 
-    def __init__(self, blocks: torch.Tensor, weight_type: int, quantized_at_load: bool = False) -> None:
+    def __init__(self, blocks: torch.Tensor, weight_type: int,
+                 quantized_at_load: bool = False) -> None:
         self.blocks = blocks  # uint8 [out / 8, bytes per 8 rows]: the interleaved blocks
         self.weight_type = weight_type
-        # False: the file's own blocks; True: a float weight quantized at load (engine/layers/block_quant.py)
+        # False: the file's own blocks; True: a float weight quantized at load
+        # (engine/layers/block_quant.py)
         self.quantized_at_load = quantized_at_load
 
     @classmethod
     def from_raw(cls, parts: list[tuple[str, np.ndarray]], quantized_at_load: bool = False
                  ) -> NativeQuantLinear:
-        """`parts`: (ggml type, raw rows) of the matrices fused (stacked by rows) into one weight."""
+        """`parts`: (ggml type, raw rows) of the matrices fused (stacked by rows) into one
+        weight."""
         converted = [to_native_blocks(t, data) for t, data in parts]
         if len({w for _, w in converted}) != 1:
             raise ValueError("fused parts must share one block type")
@@ -83,14 +86,16 @@ class NativeQuantLinear(LinearWeight):
     def native(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0
                ) -> torch.Tensor:
         """x [M, in] float32 (RMS-normalised with `norm_weight` first when given) -> [M, out]."""
-        return torch.ops.aigw_cpu.q_linear(x, self.blocks, self.weight_type, norm_weight, eps, False)
+        return torch.ops.aigw_cpu.q_linear(x, self.blocks, self.weight_type, norm_weight, eps,
+                                           False)
 
     def silu_mul_native(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, 2 * in] -> (silu(x[:, :in]) * x[:, in:]) @ W^T [M, out], one op."""
         return torch.ops.aigw_cpu.q_linear(x, self.blocks, self.weight_type, None, 0.0, True)
 
     def add_into(self, residual: torch.Tensor, x: torch.Tensor, silu_and_mul: bool = False) -> None:
-        """residual += x @ W^T in place; x = silu(x[:, :in]) * x[:, in:] first when `silu_and_mul`."""
+        """residual += x @ W^T in place; x = silu(x[:, :in]) * x[:, in:] first when
+        `silu_and_mul`."""
         torch.ops.aigw_cpu.q_linear_add_(residual, x, self.blocks, self.weight_type, silu_and_mul)
 
     @property
@@ -110,7 +115,8 @@ def interleave_q4_1(rows: torch.Tensor) -> torch.Tensor:
     codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # [G, j, b, 32], input k at k
     c = codes.reshape(n // 8, 8, nb, 4, 2, 4)  # k = 8t + 4h + i -> [G, j, b, t, h, i]
     packed = (c[..., 0, :] | (c[..., 1, :] << 4)).transpose(0, 2, 3, 1, 4)  # [G, b, t, j, i]
-    scales = blocks[..., 0:4].reshape(n // 8, 8, nb, 2, 2).transpose(0, 2, 3, 1, 4)  # [G, b, d|m, j, 2]
+    # [G, b, d|m, j, 2]
+    scales = blocks[..., 0:4].reshape(n // 8, 8, nb, 2, 2).transpose(0, 2, 3, 1, 4)
     out = np.concatenate([scales.reshape(n // 8, nb, 32), packed.reshape(n // 8, nb, 128)], axis=-1)
     return torch.from_numpy(np.ascontiguousarray(out.reshape(n // 8, nb * 160)))
 
@@ -124,6 +130,7 @@ def interleave_q8_0(rows: torch.Tensor) -> torch.Tensor:
     blocks = data.reshape(n // 8, 8, -1, 34)  # [G, j, b, 34]
     nb = blocks.shape[2]
     scales = blocks[..., 0:2].transpose(0, 2, 1, 3).reshape(n // 8, nb, 16)  # [G, b, j * 2]
-    values = blocks[..., 2:34].reshape(n // 8, 8, nb, 8, 4).transpose(0, 2, 3, 1, 4)  # [G, b, u, j, i]
+    # [G, b, u, j, i]
+    values = blocks[..., 2:34].reshape(n // 8, 8, nb, 8, 4).transpose(0, 2, 3, 1, 4)
     out = np.concatenate([scales, values.reshape(n // 8, nb, 256)], axis=-1)
     return torch.from_numpy(np.ascontiguousarray(out.reshape(n // 8, nb * 272)))

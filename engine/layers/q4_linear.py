@@ -1,14 +1,15 @@
 """4-bit decode path: run decode tokens through the GGUF file's own Q4_0/Q4_1 weights.
 
-On this class of CPU a decode step is bound by reading the weights: float32 weights cost ~4x the bytes
-of the file's 4-bit blocks. `Q4DecodeLinear` repacks each Q4 block (32 weights sharing a scale and a
-minimum) into PyTorch's int4 CPU format (`_weight_int4pack_mm_for_cpu`, group size 32, exact: the
-4-bit codes and the group parameters are the file's own), and runs decode rows through it with bfloat16
-activations. Prefill rows keep the dense float32 weight (GEMMs are faster there), so the row a token
-takes depends only on whether it is a decode token, never on what else is in the batch.
+On this class of CPU a decode step is bound by reading the weights: float32 weights cost ~4x the
+bytes of the file's 4-bit blocks. `Q4DecodeLinear` repacks each Q4 block (32 weights sharing a scale
+and a minimum) into PyTorch's int4 CPU format (`_weight_int4pack_mm_for_cpu`, group size 32, exact:
+the 4-bit codes and the group parameters are the file's own), and runs decode rows through it with
+bfloat16 activations. Prefill rows keep the dense float32 weight (GEMMs are faster there), so the
+row a token takes depends only on whether it is a decode token, never on what else is in the batch.
 
-Q4_1 block (20 bytes): d f16 | m f16 | 16 bytes of nibbles (low nibbles = weights 0..15, high = 16..31),
-    w = q * d + m.                 int4pack wants w = (q - 8) * scale + zero  ->  scale = d, zero = m + 8d
+Q4_1 block (20 bytes): d f16 | m f16 | 16 bytes of nibbles (low nibbles = weights 0..15,
+    high = 16..31), w = q * d + m. int4pack wants w = (q - 8) * scale + zero
+    ->  scale = d, zero = m + 8d
 Q4_0 block (18 bytes): d f16 | 16 bytes of nibbles, w = (q - 8) * d   ->  scale = d, zero = 0
 """
 
@@ -22,8 +23,9 @@ from engine.layers.attention import current_metadata
 from engine.layers.linear import CPU, DenseLinear, LinearWeight, OneDNNLinear
 
 GROUP_SIZE = 32
-# The int4 CPU kernel is a GEMV at heart: past a few rows the float GEMM is faster (measured: batch 32
-# decode 297 ms/step in int4 vs 194 ms in float32), so bigger decode batches take the dense weight.
+# The int4 CPU kernel is a GEMV at heart: past a few rows the float GEMM is faster (measured: batch
+# 32 decode 297 ms/step in int4 vs 194 ms in float32), so bigger decode batches take the dense
+# weight.
 MAX_INT4_ROWS = 8
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
 SUPPORTED_TYPES = frozenset(_BLOCK_BYTES)
@@ -57,7 +59,8 @@ class Q4DecodeLinear(LinearWeight):
         self.dense = OneDNNLinear(dense) if OneDNNLinear.is_available(dense) else DenseLinear(dense)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
         # [in/32, out, 2] (scale, zero) in the activation dtype, as the kernel wants
-        self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.scales_and_zeros = torch.stack([scale.t(), zero.t()],
+                                            dim=-1).to(torch.bfloat16).contiguous()
 
     @classmethod
     def from_raw(cls, dense: torch.Tensor, parts: list[tuple[str, np.ndarray, tuple[int, int]]]

@@ -1,5 +1,6 @@
-"""DeepSeek-V3's MLP: routed SwiGLU experts with grouped top-k routing, plus always-on shared experts
-(dense SwiGLU MLPs on the first `first_k_dense_replace` layers: `ModelConfig.mlp_only_layers`).
+"""DeepSeek-V3's MLP: routed SwiGLU experts with grouped top-k routing, plus always-on shared
+experts (dense SwiGLU MLPs on the first `first_k_dense_replace` layers:
+`ModelConfig.mlp_only_layers`).
 
 Dimension legend: T tokens, H hidden, E routed experts, K experts per token, N groups (n_group),
 I expert intermediate size, S shared-expert size (n_shared_experts * I).
@@ -14,9 +15,10 @@ Routing, as transformers' DeepseekV3TopkRouter (noaux_tc), in float32:
     out     = sum_k weights_k * expert_{ids_k}(x) + shared(x)
 
 Checkpoint names (p = "model.layers.{i}.mlp."): p.gate.weight [E, H], p.gate.e_score_correction_bias
-[E], p.experts.{e}.gate_proj/up_proj/down_proj.weight (or transformers 5's fused p.experts.gate_up_proj
-[E, 2I, H] / p.experts.down_proj [E, H, I]), p.shared_experts.gate_proj/up_proj/down_proj.weight.
-The experts run through `engine.kernels.fused_moe`, as every MoE family's (engine/models/moe.py).
+[E], p.experts.{e}.gate_proj/up_proj/down_proj.weight (or transformers 5's fused
+p.experts.gate_up_proj [E, 2I, H] / p.experts.down_proj [E, H, I]),
+p.shared_experts.gate_proj/up_proj/down_proj.weight. The experts run through
+`engine.kernels.fused_moe`, as every MoE family's (engine/models/moe.py).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, ro
     num_tokens, num_experts = router_logits.shape
     scores = router_logits.sigmoid()  # [T, E]
     choice = scores + bias  # [T, E]
-    per_group = choice.view(num_tokens, routing.n_group, num_experts // routing.n_group)  # [T, N, E/N]
+    # [T, N, E/N]
+    per_group = choice.view(num_tokens, routing.n_group, num_experts // routing.n_group)
     group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)  # [T, N]
     kept = group_scores.topk(routing.topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
     group_mask = torch.zeros_like(group_scores).scatter_(1, kept, 1.0).bool()  # [T, N]
@@ -54,8 +57,8 @@ def grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, ro
 class DeepseekV3MoE:
     """x [T, H] -> [T, H]: grouped-top-k routed experts + the shared experts."""
 
-    def __init__(self, router: torch.Tensor, bias: torch.Tensor, experts: ExpertWeights | NativeExperts,
-                 top_k: int,
+    def __init__(self, router: torch.Tensor, bias: torch.Tensor,
+                 experts: ExpertWeights | NativeExperts, top_k: int,
                  routing: GroupedTopK, renormalize: bool, shared: DenseMLP | None) -> None:
         self.router = router  # [E, H] float32
         self.bias = bias  # [E] float32
@@ -72,7 +75,8 @@ class DeepseekV3MoE:
             out = self.experts(x, weights, ids)  # [T, H]
             return out + self.shared(x) if self.shared is not None else out
         if self.experts.fp8 and kernels.kernel_backend(x.device) == "torch":
-            used = torch.unique(ids)  # CPU: dequantize only the routed experts (engine/models/moe.py)
+            # CPU: dequantize only the routed experts (engine/models/moe.py)
+            used = torch.unique(ids)
             w13, w2 = self.experts.dense(used)
             ids = torch.searchsorted(used, ids).to(torch.int32)
         else:
@@ -88,7 +92,8 @@ def deepseek_v3_mlp(config: ModelConfig, weights: Weights, layer: int,
         return dense_mlp_factory(config, weights, layer, make_linear)
     assert config.grouped_topk is not None
     p, what = f"model.layers.{layer}.mlp.", f"deepseek_v3 layer {layer}"
-    num_experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    num_experts, hidden, inter = (config.num_experts, config.hidden_size,
+                                  config.moe_intermediate_size)
     router = take(weights, p + "gate.weight", (num_experts, hidden), what)
     bias = take(weights, p + "gate.e_score_correction_bias", (num_experts,), what)
     if p + "experts.gate_up_proj" in weights:  # transformers 5 fused experts
@@ -115,4 +120,5 @@ def deepseek_v3_mlp(config: ModelConfig, weights: Weights, layer: int,
                           make_linear(s + "down_proj.weight",
                                       take(weights, s + "down_proj.weight", (hidden, size), what)))
     return DeepseekV3MoE(router.to(device, torch.float32), bias.to(device, torch.float32), experts,
-                         config.num_experts_per_tok, config.grouped_topk, config.norm_topk_prob, shared)
+                         config.num_experts_per_tok, config.grouped_topk, config.norm_topk_prob,
+                         shared)

@@ -7,28 +7,32 @@ Dimension legend:
     I  expert intermediate size     S  shared-expert intermediate size (Qwen2-MoE)
 
     router        [E, H]        logits = x @ router^T, softmax over E, top-K (renormalised when
-                                `norm_topk_prob`: always for Mixtral, per config for Qwen-MoE / OLMoE)
+                                `norm_topk_prob`: always for Mixtral, per config for Qwen-MoE /
+                                OLMoE)
     w13           [E, 2I, H]    gate rows 0..I-1, then up rows I..2I-1 (one grouped GEMM)
     w2            [E, H, I]
-    out [T, H]  = sum_k topk_weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x) * (w13[e, I:] @ x)), e = topk_ids[t, k]
-                  (+ sigmoid(shared_gate @ x) * shared_mlp(x) for Qwen2-MoE)
+    out [T, H]  = sum_k topk_weights[t, k] * w2[e] @ (silu(w13[e, :I] @ x) * (w13[e, I:] @ x)), e =
+                  topk_ids[t, k] (+ sigmoid(shared_gate @ x) * shared_mlp(x) for Qwen2-MoE)
 
-The experts run through `engine.kernels.fused_moe` (the Triton grouped GEMMs on CUDA, the torch reference
-on the CPU, which loops only over the experts that received tokens).
+The experts run through `engine.kernels.fused_moe` (the Triton grouped GEMMs on CUDA, the torch
+reference on the CPU, which loops only over the experts that received tokens).
 
 Checkpoint layouts read (HF names, `p` = "model.layers.{i}."):
     per expert (Hub files; what transformers 5 `save_pretrained` still writes):
-        mixtral          p.block_sparse_moe.gate.weight, p.block_sparse_moe.experts.{e}.w1/w3/w2.weight
+        mixtral          p.block_sparse_moe.gate.weight,
+                         p.block_sparse_moe.experts.{e}.w1/w3/w2.weight
         qwen2_moe, qwen3_moe, olmoe
                          p.mlp.gate.weight, p.mlp.experts.{e}.gate_proj/up_proj/down_proj.weight
     fused (transformers 5 in-memory modules, any family):
         p.mlp.gate.weight, p.mlp.experts.gate_up_proj [E, 2I, H], p.mlp.experts.down_proj [E, H, I]
-    qwen2_moe shared expert: p.mlp.shared_expert.gate_proj/up_proj/down_proj.weight, p.mlp.shared_expert_gate.weight
+    qwen2_moe shared expert: p.mlp.shared_expert.gate_proj/up_proj/down_proj.weight,
+                             p.mlp.shared_expert_gate.weight
 
-Routers and the shared-expert gate stay dense in the engine dtype (also under FP8: top-k is sensitive to
-small logit errors). Under `--quantization fp8` the experts are kept in FP8 with per-row scales and
-dequantized per layer call, on the CPU only the experts the step routes to (memory, not speed: there
-is no FP8 grouped-GEMM kernel yet, so on CUDA the whole layer is dequantized per call).
+Routers and the shared-expert gate stay dense in the engine dtype (also under FP8: top-k is
+sensitive to small logit errors). Under `--quantization fp8` the experts are kept in FP8 with
+per-row scales and dequantized per layer call, on the CPU only the experts the step routes to
+(memory, not speed: there is no FP8 grouped-GEMM kernel yet, so on CUDA the whole layer is
+dequantized per call).
 """
 
 from __future__ import annotations
@@ -74,8 +78,8 @@ class ExpertWeights:
             self.w13, self.w2 = w13.to(dtype), w2.to(dtype)
 
     def dense(self, experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13 [E', 2I, H], w2 [E', H, I]) in the engine dtype: every expert, or only `experts` [E']
-        (FP8: only those are dequantized)."""
+        """(w13 [E', 2I, H], w2 [E', H, I]) in the engine dtype: every expert, or only `experts`
+        [E'] (FP8: only those are dequantized)."""
         if not self.fp8:
             return (self.w13, self.w2) if experts is None else (self.w13[experts], self.w2[experts])
         index = slice(None) if experts is None else experts
@@ -130,7 +134,8 @@ def moe_mlp_factory(config: ModelConfig, weights: Weights, layer: int,
         return dense_mlp_factory(config, weights, layer, make_linear)
     p = f"model.layers.{layer}."
     module, gate_name, up_name, down_name = _EXPERT_NAMES[config.architecture]
-    num_experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    num_experts, hidden, inter = (config.num_experts, config.hidden_size,
+                                  config.moe_intermediate_size)
     what = f"{config.architecture} layer {layer}"
     if p + "mlp.experts.gate_up_proj" in weights:  # transformers 5 fused experts
         router_weight = take(weights, p + "mlp.gate.weight", (num_experts, hidden), what)
@@ -145,7 +150,8 @@ def moe_mlp_factory(config: ModelConfig, weights: Weights, layer: int,
         ups = [take(weights, f"{m}experts.{i}.{up_name}.weight", (inter, hidden), what) for i in e]
         downs = [take(weights, f"{m}experts.{i}.{down_name}.weight", (hidden, inter), what)
                  for i in e]  # E x [H, I]
-        w13 = torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)  # [E, I, H] x 2 -> [E, 2I, H]
+        # [E, I, H] x 2 -> [E, 2I, H]
+        w13 = torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)
         w2 = torch.stack(downs)  # [E, H, I]
 
     # The router goes through make_linear only to learn the engine's device and dtype.
@@ -163,18 +169,23 @@ def moe_mlp_factory(config: ModelConfig, weights: Weights, layer: int,
                              take(weights, s + "up_proj.weight", (shared_inter, hidden))])
         shared = DenseMLP(make_linear(s + "gate_up_proj.weight", gate_up),
                           make_linear(s + "down_proj.weight",
-                                      take(weights, s + "down_proj.weight", (hidden, shared_inter))))
-        gate_weight = take_optional(weights, p + "mlp.shared_expert_gate.weight", (1, hidden))  # [1, H]
-        shared_gate = DenseLinear(gate_weight.to(device, dtype)) if gate_weight is not None else None
+                                      take(weights, s + "down_proj.weight",
+                                           (hidden, shared_inter))))
+        # [1, H]
+        gate_weight = take_optional(weights, p + "mlp.shared_expert_gate.weight", (1, hidden))
+        shared_gate = (DenseLinear(gate_weight.to(device, dtype)) if gate_weight is not None
+                       else None)
     for leftover in [k for k in weights if k.startswith(p + "mlp.shared_expert")]:
         weights.pop(leftover)  # zero-size shared expert (shared_expert_intermediate_size == 0)
-    return MoEMLP(router, experts, config.num_experts_per_tok, config.norm_topk_prob, shared, shared_gate)
+    return MoEMLP(router, experts, config.num_experts_per_tok, config.norm_topk_prob, shared,
+                  shared_gate)
 
 
 def float_router(probe: LinearWeight, weight: torch.Tensor, device: torch.device,
                  dtype: torch.dtype) -> LinearWeight:
     """The router as the factory built it when that is a float linear, else (FP8, native blocks)
-    a dense float one: top-k is sensitive to small logit errors (llama.cpp keeps routers float too)."""
+    a dense float one: top-k is sensitive to small logit errors (llama.cpp keeps routers float
+    too)."""
     if isinstance(probe, (DenseLinear, OneDNNLinear)):
         return probe
     placed = weight.to(device, dtype)
@@ -182,7 +193,8 @@ def float_router(probe: LinearWeight, weight: torch.Tensor, device: torch.device
 
 
 def build_experts(make_linear: LinearFactory, prefix: str, w13: torch.Tensor, w2: torch.Tensor,
-                  device: torch.device, dtype: torch.dtype, fp8: bool) -> ExpertWeights | NativeExperts:
+                  device: torch.device, dtype: torch.dtype,
+                  fp8: bool) -> ExpertWeights | NativeExperts:
     """A layer's experts, w13 [E, 2I, H] and w2 [E, H, I]: native per-expert linears on the CPU
     default path (engine/layers/native_experts.py: the file's blocks or quantized at load), else
     stacked dense / FP8 tensors for the fused MoE."""
