@@ -25,10 +25,11 @@ run: setup
 test: setup
 	bash scripts/ensure-redis.sh
 	bash scripts/ensure-chromium.sh
+	$(BIN)/ruff check engine gateway auth chat contracts infra cli bench tests scripts
 	$(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check engine gateway auth chat contracts infra cli bench tests
+	$(BIN)/ruff check engine gateway auth chat contracts infra cli bench tests scripts
 	$(BIN)/mypy --strict --follow-imports=silent gateway auth chat contracts infra
 
 clean:
