@@ -26,6 +26,7 @@ test: setup
 	bash scripts/ensure-redis.sh
 	bash scripts/ensure-chromium.sh
 	$(BIN)/ruff check engine gateway auth chat contracts infra cli bench tests scripts
+	$(BIN)/mypy --strict --follow-imports=silent gateway auth chat contracts infra
 	$(BIN)/python -m pytest -q
 
 lint: setup
