@@ -29,6 +29,8 @@ import sqlite3
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from infra.event_wait import event_set_within
+
 LOG_EVERY_NTH_FAILURE = 60  # a store down for a while: one line about every 30 s per loop
 
 
@@ -173,6 +175,5 @@ class ChangeWatch:
                     await feed.aclose()
 
     async def _stopped_within(self, seconds: float) -> bool:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
+        await event_set_within(self._stopping, seconds)
         return self._stopping.is_set()

@@ -35,6 +35,19 @@ def clean_redis_url(redis_url: str) -> str:
     return redis_url
 
 
+_NEXT_DATABASE = iter(range(1, 1 << 30))
+
+
+@pytest.fixture
+def own_redis_database_url(redis_url: str) -> str:
+    """The session's redis-server at a logical database no earlier test used (1-15, then
+    again from 1), emptied: the batch tests' stores, whose keys a background loop of an earlier
+    test's gateway (left running after a failed cleanup) would otherwise find and lease."""
+    url = f"{redis_url.rsplit('/', 1)[0]}/{1 + next(_NEXT_DATABASE) % 15}"
+    flush_all(url)
+    return url
+
+
 @pytest.fixture(scope="session")
 def redis_cluster_url() -> Iterator[str]:
     """`redis+cluster://127.0.0.1:<port>` of a real three-node Redis Cluster, started once (a

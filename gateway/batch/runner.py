@@ -48,6 +48,7 @@ from gateway.batch.store import BatchStore
 from gateway.fleet.endpoints import Fleet
 from gateway.metering.contract import Admission, Meter, UsageRecord
 from gateway.request.observer import NULL_OBSERVER, RequestObserver
+from infra.event_wait import event_set_within
 
 log = logging.getLogger("aigw.batch")
 
@@ -110,8 +111,7 @@ class BatchRunner:
             except Exception:  # noqa: BLE001 - a store outage: try again at the next poll
                 log.exception("the batch runner failed; retrying")
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._settings.poll_interval_s)
+            await event_set_within(self._wake, self._settings.poll_interval_s)
 
     async def _work(self, batch_id: str) -> None:
         """Work the batch while a task keeps its lease (losing it stops the work)."""

@@ -26,6 +26,7 @@ from typing import Any
 from gateway.request_logs.entry import Capture, LogEntry, build_entry
 from gateway.request_logs.settings import ProjectLogSettings, RequestLogSettings
 from gateway.request_logs.store import RequestLogStore
+from infra.event_wait import event_set_within
 
 log = logging.getLogger("aigw.request_logs")
 TRIM_INTERVAL_S = 60.0
@@ -104,8 +105,7 @@ class RequestLog:
         next_refresh = time.monotonic() + refresh_s
         next_trim = time.monotonic()
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(0.0, next_refresh - time.monotonic()))
+            await event_set_within(self._wake, max(0.0, next_refresh - time.monotonic()))
             self._wake.clear()
             await self._write_queued()
             if self._closing:

@@ -19,7 +19,7 @@ from tests.gateway.batch.test_batch_api import chat_line, jsonl, read_jsonl, wai
 from tests.gateway.conftest import MODEL, LoopThread, start_app
 
 
-@pytest.mark.parametrize("fixture", ["clean_redis_url", "clean_redis_cluster_url"])
+@pytest.mark.parametrize("fixture", ["own_redis_database_url", "clean_redis_cluster_url"])
 def test_another_gateway_finishes_a_batch_from_the_shared_store(
         request: pytest.FixtureRequest, fixture: str, loop_thread: LoopThread,
         tmp_path: Path) -> None:
@@ -70,7 +70,7 @@ def test_another_gateway_finishes_a_batch_from_the_shared_store(
 
 
 def test_two_gateways_on_one_store_run_each_line_once(
-        clean_redis_url: str, loop_thread: LoopThread, tmp_path: Path) -> None:
+        own_redis_database_url: str, loop_thread: LoopThread, tmp_path: Path) -> None:
     """The lease is renewed while a gateway works a batch (here for far longer than lease_s), so
     the other gateway never runs its lines too."""
     state = MockState(MockConfig(model=MODEL, num_tokens=2, latency_ms=100.0))
@@ -78,7 +78,7 @@ def test_two_gateways_on_one_store_run_each_line_once(
     gateways = []
     for name in ("a", "b"):
         settings = GatewaySettings(
-            redis_url=clean_redis_url, data_dir=tmp_path / name, health_interval_s=0.2,
+            redis_url=own_redis_database_url, data_dir=tmp_path / name, health_interval_s=0.2,
             batch={"poll_interval_s": 0.05, "lease_s": 1.0, "max_concurrent_lines": 1,
                    "files_dir": tmp_path / "shared-files"},
             models=[{"name": MODEL, "backend": "replica", "endpoints": [upstream_url]}])

@@ -28,7 +28,8 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[An
         from gateway.batch.redis_store import RedisBatchStore
         from infra.redis_client import connect_redis
 
-        fixture = "clean_redis_url" if request.param == "redis" else "clean_redis_cluster_url"
+        fixture = ("own_redis_database_url" if request.param == "redis"
+                   else "clean_redis_cluster_url")
         return RedisBatchStore(connect_redis(request.getfixturevalue(fixture)))
 
     yield open_store
