@@ -29,6 +29,7 @@ from auth.principal import Authenticator, AuthError, Principal, Scope
 from gateway.request_logs.settings import ProjectLogSettings
 from gateway.request_logs.store import MAX_PAGE, LogQuery
 from gateway.request_logs.writer import RequestLog
+from gateway.web.admin_routes import body_refusal
 from gateway.web.credentials import credential_of
 from infra.json_body import BodyError, read_json
 
@@ -151,6 +152,8 @@ def build_request_log_routes(request_log: RequestLog, authenticator: Authenticat
             raise _Invalid(f"the body must be {{\"enabled\": bool, \"sample_rate\": 0..1}}: "
                            f"{problems[:200]}") from None
         except BodyError as exc:
+            if exc.status != 400:  # too large, an encoding not decoded here: as everywhere
+                return body_refusal(exc)
             raise _Invalid(f"the body must be {{\"enabled\": bool, \"sample_rate\": 0..1}}: "
                            f"{str(exc)[:200]}") from None
         if chosen is None:

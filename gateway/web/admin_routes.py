@@ -17,7 +17,9 @@
                                                      &format=json|csv
 
 The credential comes from `Authorization: Bearer ...` or `x-api-key`. Errors are JSON
-{"error": {"type", "code", "message"}} with 400/401/403/404/409.
+{"error": {"type", "code", "message"}} with 400/401/403/404/409; a body is refused as the
+gateway's routes refuse one (`body_refusal`): 413 over its bound, 415 for a Content-Encoding the
+gateway does not decode, 400 when it is not JSON or not what its Content-Encoding says.
 """
 
 from __future__ import annotations
@@ -58,13 +60,19 @@ def _project_in_path(request: web.Request) -> str:
 
 
 MAX_ADMIN_BODY_BYTES = 64 * 1024  # a project name, a key's scopes and models
+_BODY_CODES = {408: "request_timeout", 413: "payload_too_large", 415: "unsupported_media_type"}
+
+
+def body_refusal(exc: BodyError) -> web.Response:
+    """A body infra/json_body.read_json refused, in the admin envelope with the status the rest of
+    the gateway answers it with: 413, 415, 408, else 400 `invalid_request`."""
+    return _error(exc.status, _BODY_CODES.get(exc.status, "invalid_request"), exc.message)
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = (await read_json(request, MAX_ADMIN_BODY_BYTES)) if request.can_read_body else {}
-    except BodyError as exc:  # too large, not JSON, too deep, a number beyond a double
-        raise InvalidRequest(exc.message) from exc
+    """The JSON object a request carries ({} for none); BodyError for one read_json refused
+    (too large, an encoding not decoded here, not JSON, too deep, a number beyond a double)."""
+    body = (await read_json(request, MAX_ADMIN_BODY_BYTES)) if request.can_read_body else {}
     if not isinstance(body, dict):
         raise InvalidRequest("body must be a JSON object")
     return body
@@ -95,6 +103,8 @@ def build_admin_routes(services: AuthServices, prefix: str = "/admin/v1",
                 return _error(exc.status, exc.code, exc.message)
             except InvalidRequest as exc:
                 return _error(400, "invalid_request", str(exc))
+            except BodyError as exc:
+                return body_refusal(exc)
             except ProjectExists as exc:
                 return _error(409, "project_exists", f"project {exc} already exists")
             except UnknownProject as exc:

@@ -32,9 +32,10 @@ from auth.store import UnknownKey, UnknownProject
 from gateway.metering.limit_store import LimitScope, LimitStore
 from gateway.metering.limit_watcher import LimitWatcher
 from gateway.metering.settings import Limits
-from gateway.web.admin_routes import _body, _error, _project_in_path
+from gateway.web.admin_routes import _body, _error, _project_in_path, body_refusal
 from gateway.web.credentials import credential_of
 from gateway.web.origin_check import cross_site_write
+from infra.json_body import BodyError
 
 if TYPE_CHECKING:
     from auth import AuthServices
@@ -78,6 +79,8 @@ def build_limit_routes(services: AuthServices, limits: LimitServices,
                 return _error(exc.status, exc.code, exc.message)
             except InvalidRequest as exc:
                 return _error(400, "invalid_request", str(exc))
+            except BodyError as exc:
+                return body_refusal(exc)
             except ValidationError as exc:
                 return _error(400, "invalid_limits", validation_message(exc))
             except UnknownProject as exc:

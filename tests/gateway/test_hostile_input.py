@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from bench.mock_upstream import MockState, create_mock_app
@@ -374,3 +375,35 @@ def test_a_cache_salt_in_the_body_never_replaces_the_callers_own(on_replica: Gat
                        ("/anthropic/v1/messages", {**MESSAGES, "cache_salt": "project:victim"})):
         assert httpx.post(on_replica.url + path, json=body).status_code == 200
     assert [call.cache_salt for call in fake_engine.calls] == ["project:anonymous"] * 3
+
+
+def test_the_admin_api_refuses_a_body_with_the_status_the_gateway_refuses_it_with(
+        served: Served) -> None:
+    """An admin body in a Content-Encoding not decoded here was a 400 (every other route: 415),
+    one over its bound a 400 (413); now the same statuses, in the admin envelope, on the key,
+    limit and request-log routes alike."""
+    from gateway.web.admin_routes import MAX_ADMIN_BODY_BYTES
+
+    admin = {"Authorization": f"Bearer {served.admin_key}".encode()}
+    writes = [("POST", "/admin/v1/projects", {"name": "p1"}),
+              ("POST", "/admin/v1/projects/default/keys", {"scopes": ["ai_gateway:invoke"]}),
+              ("PUT", "/admin/v1/projects/default/limits", {"requests_per_minute": 5}),
+              ("PUT", "/admin/v1/projects/default/request-log-settings", {"enabled": True})]
+    for method, path, body in writes:
+        for encoding in ("foo", "gzip, deflate"):
+            status, _, answer = send_raw(served.url, request_bytes(
+                method, path, {**admin, "Content-Encoding": encoding.encode()}, body))
+            error = orjson.loads(answer)["error"]
+            assert (status, error["type"], error["code"]) == (
+                415, "admin_error", "unsupported_media_type"), (path, answer)
+            assert repr(encoding) in error["message"]
+        huge = {"name": "x" * MAX_ADMIN_BODY_BYTES}
+        status, _, answer = send_raw(served.url, request_bytes(method, path, admin, huge))
+        assert status == 413 and orjson.loads(answer)["error"]["code"] == "payload_too_large", (
+            path, answer)
+        status, _, answer = send_raw(served.url, request_bytes(
+            method, path, {**admin, "Content-Encoding": b"gzip"}, body))  # not gzip
+        assert status == 400 and orjson.loads(answer)["error"]["code"] == "invalid_request"
+    projects = httpx.get(served.url + "/admin/v1/projects",
+                         headers={"authorization": f"Bearer {served.admin_key}"}).json()
+    assert "p1" not in {p["name"] for p in projects["data"]}  # nothing was written
