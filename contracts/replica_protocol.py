@@ -5,7 +5,9 @@ Types are checked strictly (a string is not a number); value ranges are checked 
 ignored, as OpenAI-compatible servers do (logit_bias included); `parallel_tool_calls: false`
 keeps at most one tool call; response_format `json_object` / `json_schema` constrain decoding
 (engine/structured_output.py). `cache_salt` is our (and vLLM's) extension: requests with
-different salts never share prefix-cache blocks.
+different salts never share prefix-cache blocks; at most MAX_CACHE_SALT_BYTES UTF-8 bytes (the
+salt is part of every prefix-cache and grammar-cache key); `bounded_cache_salt` is what a sender
+makes of a longer one.
 
 KV retention (engine/kv_cache/retention.py): `cache_retention_s` (our extension: seconds, the
 gateway sends it) or OpenAI's `prompt_cache_retention` ("in_memory": 5 minutes, "24h") asks the
@@ -24,7 +26,7 @@ import hashlib
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from contracts.output_grammar import OutputGrammar
 from contracts.sampling_params import SamplingParams
@@ -36,6 +38,28 @@ PROMPT_CACHE_RETENTION_S = {"in_memory": 300.0, "24h": 86_400.0}
 SERVICE_TIER_PRIORITY = {"priority": -1, "default": 0, "flex": 1}
 SERVICE_TIER_ALIASES = {"fast": "priority", "auto": "default", "scale": "default"}
 MAX_ABS_PRIORITY = 1000
+# a cache_salt's UTF-8 bytes: the gateway's salts are `project:<name>` (72 bytes at most) or
+# `key:<project>:<key id>`; a longer one (a JWT's long `sub`) is sent as its digest
+MAX_CACHE_SALT_BYTES = 256
+
+
+def bounded_cache_salt(salt: str) -> str:
+    """`salt` when it is within MAX_CACHE_SALT_BYTES, else `digest:` and 32 hex digits of it
+    (distinct salts stay distinct; the digest is far shorter than the bound)."""
+    raw = salt.encode("utf-8", "surrogatepass")
+    if len(raw) <= MAX_CACHE_SALT_BYTES:
+        return salt
+    return "digest:" + hashlib.blake2b(raw, digest_size=16, person=b"aigw-long-salt").hexdigest()
+
+
+def _check_salt_bytes(salt: str | None) -> str | None:
+    if salt is not None and len(salt.encode("utf-8", "surrogatepass")) > MAX_CACHE_SALT_BYTES:
+        raise ValueError(f"at most {MAX_CACHE_SALT_BYTES} UTF-8 bytes")
+    return salt
+
+
+CacheSalt = Annotated[str | None, Field(default=None, min_length=1),
+                      AfterValidator(_check_salt_bytes)]
 
 
 class _Body(BaseModel):
@@ -172,7 +196,7 @@ class _SamplingBody(_Body):
     ignore_eos: bool = False
     min_tokens: int = 0
     user: str | None = None
-    cache_salt: str | None = Field(default=None, min_length=1)
+    cache_salt: CacheSalt = None
     response_format: ResponseFormat | None = None
     cache_retention_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     cache_retention_id: str | None = Field(default=None, min_length=1, max_length=128)

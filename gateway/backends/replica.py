@@ -20,7 +20,7 @@ import math
 import re
 from typing import Any
 
-from contracts.replica_protocol import SERVICE_TIER_PRIORITY
+from contracts.replica_protocol import SERVICE_TIER_PRIORITY, bounded_cache_salt
 from gateway.backends.openai_compat import OpenAICompatBackend
 from gateway.fleet.endpoints import Endpoint, EndpointLoad
 from gateway.request.canonical import CanonicalRequest, estimate_prompt_tokens
@@ -64,10 +64,12 @@ class ReplicaBackend(OpenAICompatBackend):
 
     def upstream_cache_salt(self, request: CanonicalRequest, endpoint: Endpoint) -> str | None:
         """Our replicas get the tenant's salt as it is (the prefix router hashes blocks with it,
-        as the replica does), unless the model shares its cache across projects."""
+        as the replica does), or its digest when it is over the replica's MAX_CACHE_SALT_BYTES
+        (a JWT's long `sub` in a per-key salt), unless the model shares its cache across
+        projects."""
         if not request.cache_salt or endpoint.model.share_cache_across_projects:
             return None
-        return request.cache_salt
+        return bounded_cache_salt(request.cache_salt)
 
     def render_prompt(self, request: CanonicalRequest, endpoint: Endpoint
                       ) -> tuple[str, list[int]]:

@@ -88,6 +88,25 @@ def test_a_content_encoding_the_replica_cannot_decode_is_a_415(http: httpx.Clien
     assert repr(encoding) in error["message"] and "gzip, deflate" in error["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_cache_salt_over_its_byte_bound_is_400_naming_it(http: httpx.Client,
+                                                          fake_engine: FakeEngine,
+                                                          path: str) -> None:
+    """The salt is part of every prefix-cache and grammar-cache key: one as long as the whole
+    body was accepted, hashed and kept with the grammars built for it. Bounded in UTF-8 bytes,
+    not characters."""
+    from contracts.replica_protocol import MAX_CACHE_SALT_BYTES
+
+    body = chat() if path.endswith("chat/completions") else {"model": MODEL, "prompt": "x"}
+    at_bound = "é" * (MAX_CACHE_SALT_BYTES // 2)  # (two bytes each)
+    for salt in (at_bound + "x", "s" * (512 << 10)):
+        error = assert_envelope(http.post(path, json={**body, "cache_salt": salt}), 400)
+        assert error["param"] == "cache_salt" and str(MAX_CACHE_SALT_BYTES) in error["message"]
+    assert not fake_engine.calls
+    assert http.post(path, json={**body, "cache_salt": at_bound}).status_code == 200
+    assert [call.cache_salt for call in fake_engine.calls] == [at_bound]
+
+
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b""])
 def test_non_object_json_is_400(http: httpx.Client, raw: bytes) -> None:
     response = http.post("/v1/chat/completions", content=raw,
