@@ -17,6 +17,8 @@ GREEDY_TEMPERATURE_BELOW = 1e-5
 # delimiter line), at the gateway and the replica alike. OpenAI bounds only their count; here the
 # matcher holds back and rescans up to the longest stop string's length of text per token.
 MAX_STOP_BYTES = 512
+# At most this many stop token ids (vLLM's extension; each generated token is looked up in them).
+MAX_STOP_TOKEN_IDS = 256
 
 
 class SamplingParamsError(ValueError):
@@ -73,6 +75,10 @@ class SamplingParams:
              "stop sequences must be non-empty strings"),
             (all(len(s.encode()) <= MAX_STOP_BYTES for s in self.stop), "stop",
              f"each stop sequence must be at most {MAX_STOP_BYTES} bytes (UTF-8)"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+             f"at most {MAX_STOP_TOKEN_IDS} stop token ids"),
+            (all(i >= 0 for i in self.stop_token_ids), "stop_token_ids",
+             "stop token ids must be >= 0"),
             # min_tokens blocks the end-of-sequence a complete grammar allows alone: no token left
             (self.grammar is None or self.min_tokens == 0, "min_tokens",
              "min_tokens cannot be combined with a JSON response_format"),

@@ -15,6 +15,14 @@ import torch
 from contracts.block_hash import hash_blocks
 from contracts.kv_events import EventPublisher, KVEventLog, KVSnapshot
 from contracts.sampling_params import SamplingParams
+from engine.admission import (
+    STANDARD_CLASSES,
+    Admission,
+    QueueLoad,
+    predict_admission,
+    predict_queue_s,
+    service_tier_of,
+)
 from engine.batch import ScheduledBatch
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -27,14 +35,6 @@ from engine.outputs import FinishReason, PromptTooLongError, RequestOutput
 from engine.request import Request
 from engine.sampler import Sampler, SamplerOutput, SamplingRow, logprobs_of
 from engine.scheduler import Scheduler
-from engine.slo import (
-    STANDARD_CLASSES,
-    Admission,
-    QueueLoad,
-    predict_admission,
-    predict_queue_s,
-    service_tier_of,
-)
 from engine.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,8 @@ class EngineStats:
     num_prompt_tokens_computed_total: int
     num_generation_tokens_total: int
     num_preemptions_total: int
-    # admission control (engine/slo.py): predicted queueing delay of a new request per service_tier
+    # admission control (engine/admission.py): predicted queueing delay of a new request per
+    # service_tier
     predicted_queue_delay_ms: tuple[tuple[str, float], ...] = ()
     step_token_budget: int = 0  # the current step plan's token budget (policy slo: adaptive)
     max_num_running: int = 0  # and its cap on the running batch
@@ -181,6 +182,7 @@ class LLMEngine:
             raise ValueError(f"retain_s must be >= 0, got {retain_s}")
         retain_s = min(retain_s, self.config.cache.max_retention_s)
         self.check_prompt(len(prompt_token_ids))
+        self._check_token_ids(prompt_token_ids, params)
         request = Request(request_id, list(prompt_token_ids), params,
                           () if params.ignore_eos else self.model_config.eos_token_ids,
                           self.max_model_len, cache_salt, arrival_time=self.scheduler.clock())
@@ -197,6 +199,16 @@ class LLMEngine:
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer.backend, params.stop)
         self._num_prompt_tokens_total += len(prompt_token_ids)
         self.scheduler.add_request(request)
+
+    def _check_token_ids(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """ValueError for a prompt or stop token id outside the vocabulary: the model's embedding
+        and the sampler's logits are indexed with them, and an IndexError there would fail the
+        step, every request in it and the engine loop (the replica's HTTP layer answers 400
+        first; this keeps any other caller from killing the engine)."""
+        vocab_size = self.model_config.vocab_size
+        for name, ids in (("prompt", prompt_token_ids), ("stop", params.stop_token_ids)):
+            if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+                raise ValueError(f"{name} token ids must be in [0, {vocab_size})")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self._requests.get(request_id)
@@ -230,7 +242,8 @@ class LLMEngine:
 
     def admission(self, priority: int, num_prompt_tokens: int, num_pending_tokens: int = 0,
                   num_cached_tokens: int = 0) -> Admission:
-        """Whether a new request would meet its class's TTFT target (engine/slo.py); any thread.
+        """Whether a new request would meet its class's TTFT target (engine/admission.py); any
+        thread.
         `num_cached_tokens`: its prompt's prefix the cache holds (`num_cached_prefix_tokens`)."""
         return predict_admission(self.queue_load, priority, num_prompt_tokens,
                                  self.config.scheduler.ttft_p90_ms, num_pending_tokens,

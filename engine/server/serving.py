@@ -56,14 +56,19 @@ class ServingContext:
                                 code="model_not_found")
 
     def sampling_params(self, req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
-        """The body's SamplingParams; invalid values are 400s. When a chat's `tool_choice` demands
-        a call ("required" or a named function), decoding is constrained to the model's tool-call
-        format (this grammar wins over a `response_format`: the answer is calls, not text): one
-        call to the named function, or one or more (one with `parallel_tool_calls: false`) for
-        "required". Called in a worker thread: it also builds any grammar's matcher for the
-        engine (`prepare_grammar`), so the engine thread only copies it."""
+        """The body's SamplingParams; invalid values are 400s (a stop token id outside the
+        vocabulary too: the sampler indexes the logits with it). When a chat's `tool_choice`
+        demands a call ("required" or a named function), decoding is constrained to the model's
+        tool-call format (this grammar wins over a `response_format`: the answer is calls, not
+        text): one call to the named function, or one or more (one with `parallel_tool_calls:
+        false`) for "required". Called in a worker thread: it also builds any grammar's matcher
+        for the engine (`prepare_grammar`), so the engine thread only copies it."""
         try:
             params = req.to_sampling_params()
+            vocab_size = self.engine.model_config.vocab_size
+            if params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
+                raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})",
+                                          param="stop_token_ids")
             if isinstance(req, ChatCompletionRequest) and req.forced_functions:
                 params = replace(params, grammar=self._forced_calls_grammar(req))
             if params.grammar is not None:
@@ -163,7 +168,7 @@ class ServingContext:
     def check_admission(self, priority: int, subs: list[SubRequest],
                         cache_salt: str | None) -> None:
         """LatencyTargetError (429, before any engine request starts) when the engine predicts
-        that queueing would break the class's TTFT target (engine/slo.py), counting what the
+        that queueing would break the class's TTFT target (engine/admission.py), counting what the
         prefix cache holds of the prompts; engines without admission control or without a TTFT
         target admit everything. Admitted, the engine holds the prompts as pending until each
         engine request starts (AsyncEngine.admit; released in fanout's exit otherwise)."""

@@ -204,3 +204,30 @@ def test_stop_string_does_not_end_the_output_before_min_tokens(engine: LLMEngine
     result = generate(engine, {"p": prompt}, params)["p"]
     assert len(result.token_ids) >= 12
     assert result.token_ids == full.token_ids[: len(result.token_ids)]
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_and_the_engine_keeps_serving(
+        engine: LLMEngine, tokenizer: Any) -> None:
+    """A stop token id past the vocabulary under min_tokens (the sampler blocks stop ids by
+    indexing the logits with them) failed the step with an IndexError: every request in it and
+    the replica's engine loop with it. Refused when added now; the others are served."""
+    from contracts.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParamsError
+
+    vocab_size = engine.model_config.vocab_size
+    prompt = chat(tokenizer, "owls")
+    engine.add_request("running", prompt, GREEDY)
+    for bad_prompt, bad_stop in (([vocab_size], ()), ([1, -1], ()), (prompt, (vocab_size,)),
+                                 (prompt, (1 << 62,))):
+        with pytest.raises(ValueError, match="token ids must be in"):
+            engine.add_request("bad", bad_prompt, SamplingParams(
+                max_tokens=4, min_tokens=2, stop_token_ids=bad_stop))
+    for stop_ids in ((-1,), tuple(range(MAX_STOP_TOKEN_IDS + 1))):
+        with pytest.raises(SamplingParamsError) as refused:
+            SamplingParams(stop_token_ids=stop_ids)
+        assert refused.value.param == "stop_token_ids"
+    edge = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=3, ignore_eos=True,
+                          stop_token_ids=(0, vocab_size - 1))
+    done = generate(engine, {"edge": prompt}, edge)
+    assert len(done["running"].token_ids) == GREEDY.max_tokens
+    assert len(done["edge"].token_ids) >= 3
+    assert_idle_and_clean(engine)

@@ -64,6 +64,9 @@ def test_out_of_range_sampling_values_are_400(http: httpx.Client, fields: dict[s
     ({"n": 17}, "n"), ({"top_k": 0}, "top_k"), ({"max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ({"min_tokens": -1}, "min_tokens"), ({"stop": ["s"] * 17}, "stop"),
     ({"stop": ["s" * 513]}, "stop"),  # over MAX_STOP_BYTES
+    # outside the vocabulary (the sampler indexes the logits with them), over MAX_STOP_TOKEN_IDS
+    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": [1 << 40]}, "stop_token_ids"),
+    ({"stop_token_ids": [1] * 257}, "stop_token_ids"),
 ])
 def test_a_refused_sampling_value_is_named_in_param(http: httpx.Client, fields: dict[str, Any],
                                                    param: str) -> None:
