@@ -7,7 +7,7 @@ project only, so another project's file or batch answers 404 as one that does no
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -25,6 +25,7 @@ from gateway.batch.records import (
     now_s,
 )
 from gateway.batch.service import BatchService
+from gateway.batch.upload_quota import Reservation
 from gateway.dialects.openai_common import error_body as openai_error_body
 from gateway.web.credentials import credential_of
 from gateway.web.keys import AUTHENTICATOR, BATCH
@@ -112,9 +113,27 @@ async def upload_file(request: web.Request) -> web.Response:
     if (request.content_length or 0) > settings.max_file_bytes + 64 * 1024:
         raise ApiError(413, "file_too_large",
                        f"the file is over {settings.max_file_bytes} bytes", "file")
+    with service.uploads.reserving(principal.project) as reservation:
+        # (in flight, its bytes count against the project's max_project_bytes: upload_quota.py)
+        file_id, written, purpose = await _receive(request, service, principal, reservation)
+        try:
+            record = await _keep_upload(service, principal, file_id, purpose, written)
+        except BaseException:
+            await service.files.delete(file_id)
+            raise
+    return _json(record.to_openai())
+
+
+async def _receive(request: web.Request, service: BatchService, principal: Principal,
+                   reservation: Reservation
+                   ) -> tuple[str, tuple[str, int, int] | None, str | None]:
+    """(the new file's id, (filename, bytes, newlines) of its content if the body had a `file`
+    part, the `purpose` field): the upload's parts read, its file streamed to disk."""
+    settings = service.settings
     file_id = new_id("file-")
     purpose: str | None = None
     written: tuple[str, int, int] | None = None  # (filename, bytes, newlines)
+    stored_bytes = await service.store.project_bytes(principal.project)
     try:
         reader = await request.multipart()
         # each chunk within client_body_timeout_s, the whole upload within ten times that
@@ -127,9 +146,12 @@ async def upload_file(request: web.Request) -> web.Response:
                     purpose = raw.decode("utf-8", "replace").strip()
                 elif part.name == "file" and written is None:
                     filename = _printable(part.filename or "upload.jsonl")[:_MAX_FILENAME_CHARS]
+                    chunks = _counted(
+                        _chunks(part, service.gateway_settings.client_body_timeout_s),
+                        reservation, lambda: stored_bytes + service.uploads.in_flight(
+                            principal.project), settings.max_project_bytes)
                     num_bytes, num_newlines = await service.files.write_stream(
-                        file_id, _chunks(part, service.gateway_settings.client_body_timeout_s),
-                        settings.max_file_bytes)
+                        file_id, chunks, settings.max_file_bytes)
                     written = (filename, num_bytes, num_newlines)
                 else:
                     await part.release()
@@ -151,17 +173,30 @@ async def upload_file(request: web.Request) -> web.Response:
         reason = _printable(getattr(exc, "message", None) or str(exc) or type(exc).__name__)
         raise ApiError(400, "invalid_request",
                        f"not a multipart/form-data body: {reason}") from None
-    try:
-        record = await _keep_upload(service, principal, file_id, purpose, written)
-    except BaseException:
-        await service.files.delete(file_id)
-        raise
-    return _json(record.to_openai())
+    return file_id, written, purpose
 
 
 def _printable(text: str) -> str:
     """`text` as valid UTF-8 (a header decoded with surrogate escapes is not), for the JSON."""
     return text.encode("utf-8", "replace").decode("utf-8")[:200]
+
+
+def _over_quota(num_bytes: int, max_project_bytes: int) -> ApiError:
+    return ApiError(413, "storage_limit_exceeded", f"the project's files would hold "
+                    f"{num_bytes} bytes (its uploads in flight included), over its "
+                    f"{max_project_bytes}", "file")
+
+
+async def _counted(chunks: AsyncIterator[bytes], reservation: Reservation,
+                   project_bytes: Callable[[], int], max_project_bytes: int
+                   ) -> AsyncIterator[bytes]:
+    """`chunks`, each added to the upload's reservation; ApiError 413 once the project's bytes
+    (`project_bytes()`: stored and in flight) pass `max_project_bytes`."""
+    async for chunk in chunks:
+        reservation.add(len(chunk))
+        if (num_bytes := project_bytes()) > max_project_bytes:
+            raise _over_quota(num_bytes, max_project_bytes)
+        yield chunk
 
 
 async def _chunks(part: BodyPartReader, idle_timeout_s: float) -> AsyncIterator[bytes]:
@@ -187,11 +222,12 @@ async def _keep_upload(service: BatchService, principal: Principal, file_id: str
     if num_lines > service.settings.max_lines:
         raise ApiError(400, "too_many_lines", f"the file has {num_lines} lines; a batch input "
                        f"file holds at most {service.settings.max_lines}", "file")
-    used = await service.store.project_bytes(principal.project)
-    if used + num_bytes > service.settings.max_project_bytes:
-        raise ApiError(413, "storage_limit_exceeded", f"the project's files would hold "
-                       f"{used + num_bytes} bytes, over its {service.settings.max_project_bytes}",
-                       "file")
+    # stored, and in flight here (this upload's bytes included: its reservation is held until
+    # the record is stored)
+    used = (await service.store.project_bytes(principal.project)
+            + service.uploads.in_flight(principal.project))
+    if used > service.settings.max_project_bytes:
+        raise _over_quota(used, service.settings.max_project_bytes)
     record = FileRecord(file_id, principal.project, PURPOSE_BATCH, filename, num_bytes, now_s())
     await service.store.add_file(record)
     return record

@@ -21,6 +21,7 @@ from gateway.batch.metrics import BatchCounts
 from gateway.batch.runner import BatchRunner
 from gateway.batch.settings import BatchSettings
 from gateway.batch.store import BatchStore
+from gateway.batch.upload_quota import UploadQuota
 from gateway.fleet.endpoints import Fleet
 from gateway.request.pipeline import Pipeline
 from gateway.settings import GatewaySettings
@@ -39,6 +40,7 @@ class BatchService:
         self._parts: tuple[Pipeline, Fleet] | None = None  # set while the app runs
         self._opening = asyncio.Lock()
         self.counts = BatchCounts()  # the runner's, for /metrics (also before it opens)
+        self.uploads = UploadQuota()  # uploads in flight, against max_project_bytes
 
     @property
     def store(self) -> BatchStore:

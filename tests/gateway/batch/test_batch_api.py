@@ -504,3 +504,48 @@ def test_revoking_the_creating_key_stops_the_lines_not_yet_run(served: Served) -
     assert done.request_counts is not None and done.request_counts.completed <= 2  # in flight
     assert len(errors) >= 4 and {e["response"]["status_code"] for e in errors} == {401}
     assert {e["response"]["body"]["error"]["code"] for e in errors} == {"revoked_api_key"}
+
+
+def test_uploads_in_flight_count_against_the_projects_bytes(make_gateway: Any,
+                                                           tmp_path: Path) -> None:
+    """Only a finished upload was checked against batch.max_project_bytes, each alone: a
+    project's concurrent uploads all streamed to disk (max_file_bytes each) before any was
+    checked. Now an upload's bytes count while they stream: a second upload that would take
+    the project over its bound with the first still in flight is refused."""
+    import socket
+
+    from gateway.web.keys import BATCH
+
+    kib = 1024
+    gateway = make_gateway(data_dir=tmp_path, batch={"max_file_bytes": 64 * kib,
+                                                     "max_project_bytes": 100 * kib})
+    uploads = gateway.app[BATCH].uploads
+
+    def upload(num_bytes: int) -> httpx.Response:
+        return httpx.post(gateway.url + "/v1/files", data={"purpose": "batch"},
+                          files={"file": ("b.jsonl", b"{}\n" * (num_bytes // 3))}, timeout=10)
+
+    head = (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--b\r\n'
+            b'Content-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n')
+    content, line, tail = b"{}\n" * (50 * kib // 3), b"{}\n" * 10, b"\r\n--b--\r\n"
+    host, port = gateway.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as slow:
+        slow.sendall(b"POST /v1/files HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
+                     b"Content-Type: multipart/form-data; boundary=b\r\nContent-Length: %d\r\n"
+                     b"\r\n" % len(head + content + line + tail) + head + content)
+        time.sleep(0.2)
+        slow.sendall(line)  # (aiohttp hands on a part's chunk once the next one has come)
+        assert wait_until(lambda: uploads.in_flight("anonymous") >= len(content))
+        refused = upload(60 * kib)  # 50 KiB in flight + 60 KiB: over 100 KiB
+        assert refused.status_code == 413, refused.text
+        assert refused.json()["error"]["code"] == "storage_limit_exceeded"
+        slow.sendall(tail)
+        answer = b""
+        while chunk := slow.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+    assert uploads.in_flight("anonymous") == 0  # released, stored
+    assert upload(60 * kib).status_code == 413  # 50 KiB stored + 60 KiB
+    assert upload(40 * kib).status_code == 200  # the refused one's bytes were released
+    assert uploads.in_flight("anonymous") == 0
+    assert not list((tmp_path / "batch-files").glob("*.part"))
