@@ -376,7 +376,7 @@ def run_virtual(args: argparse.Namespace, workloads: list[str], rates: list[floa
                 step_log.cell = {"workload": workload, "rate": rate}
             lanes = [Lane(policy, engines[policy], clocks[policy], plan,
                           TokenSource(tokenizer, seed=args.seed + 1), args.drain_timeout_s,
-                          args.ttft_p90_ms / 1000.0, args.tpot_p90_ms / 1000.0)
+                          args.ttft_p90_ms / 1000.0, args.tpot_p90_ms / 1000.0, step_log)
                      for policy in POLICIES]
             run_lanes(lanes)
             for lane in lanes:

@@ -151,6 +151,7 @@ class Lane:
     drain_timeout_s: float
     ttft_target_s: float
     tpot_target_s: float
+    step_log: StepLog | None = None  # `--step-log`: each admission decision is a line too
     records: list[SloRecord] = field(default_factory=list)
     done: bool = False
 
@@ -203,11 +204,14 @@ class Lane:
         prompt = planned.prompt_token_ids
         admission = self.engine.admission(priority, len(prompt), 0,
                                           self.engine.num_cached_prefix_tokens(prompt, None))
-        if not admission.is_admitted:  # the server's 429 + Retry-After; the next turn follows
+        request_id = f"{self.policy}-{next(self._ids)}" if admission.is_admitted else None
+        if self.step_log is not None:
+            self.step_log.admission(self.policy, now, request_id, client.service_tier,
+                                    len(prompt), admission)
+        if request_id is None:  # the server's 429 + Retry-After; the next turn follows
             record.status, record.retry_after = 429, str(admission.retry_after_s)
             self._next_turn(client_index, planned.max_tokens, now)
             return
-        request_id = f"{self.policy}-{next(self._ids)}"
         params = SamplingParams(temperature=0.0, max_tokens=planned.max_tokens, ignore_eos=True)
         self.engine.add_request(request_id, planned.prompt_token_ids, params, priority=priority)
         self.engine.publish_load()  # the next arrival at this instant sees this one queued
@@ -264,6 +268,11 @@ class StepLog:
          (measured), "predicted_s" (the step-time model before it learnt this step), "token_budget",
          "max_num_running", "num_running", "num_waiting", "preempted": [ids],
          "seqs": [[request id, start position, tokens], ...]}
+
+    and one per arrival, the admission decision taken on it:
+
+        {"policy", "workload", "rate", "t_s", "admission": request id (null: refused),
+         "service_tier", "num_prompt_tokens", "queue_ms", "ttft_ms" (predicted), "target_ms"}
     """
 
     def __init__(self, path: str) -> None:
@@ -274,7 +283,7 @@ class StepLog:
     def attach(self, policy: str, engine: Any, clock: VirtualClock) -> None:
         import json
 
-        from engine.slo import attention_pairs
+        from engine.step_cost import attention_pairs
 
         scheduler = engine.scheduler
         record_step = scheduler.record_step
@@ -297,6 +306,16 @@ class StepLog:
 
         scheduler.record_step = logged
         self._attached.append(scheduler)
+
+    def admission(self, policy: str, t_s: float, request_id: str | None, service_tier: str,
+                  num_prompt_tokens: int, admission: Any) -> None:
+        import json
+
+        self._file.write(json.dumps({
+            "policy": policy, **self.cell, "t_s": t_s, "admission": request_id,
+            "service_tier": service_tier, "num_prompt_tokens": num_prompt_tokens,
+            "queue_ms": admission.queue_ms, "ttft_ms": admission.ttft_ms,
+            "target_ms": admission.target_ms}) + "\n")
 
     def close(self) -> None:
         for scheduler in self._attached:

@@ -70,7 +70,7 @@ PREDICTED_QUEUE_HEADER = "x-aigw-predicted-queue-ms"
 
 class LatencyTargetError(APIError):
     """The replica refuses a request at once, before any byte of an answer, because its predicted
-    queueing delay would break its class's TTFT target (engine/slo.py). `Retry-After` is the
+    queueing delay would break its class's TTFT target (engine/admission.py). `Retry-After` is the
     estimate in whole seconds (rounded up, at least 1); PREDICTED_QUEUE_HEADER the estimate in
     ms."""
 

@@ -22,9 +22,9 @@ from typing import Any
 
 from contracts.output_grammar import OutputGrammar
 from contracts.sampling_params import SamplingParams
+from engine.admission import Admission
 from engine.engine import EngineStats, LLMEngine
 from engine.outputs import FinishReason, RequestOutput
-from engine.slo import Admission
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +113,9 @@ class AsyncEngine:
 
     def admit(self, priority: int, prompts: Mapping[str, int], num_cached_tokens: int = 0
               ) -> Admission:
-        """Whether a new request of class `priority` would meet its TTFT target (engine/slo.py),
-        counting requests accepted ahead of it that the engine thread has not queued yet.
+        """Whether a new request of class `priority` would meet its TTFT target
+        (engine/admission.py), counting requests accepted ahead of it that the engine thread has
+        not queued yet.
         `prompts`: its engine requests' ids and prompt lengths; `num_cached_tokens`: its prompt
         tokens the prefix cache holds (num_cached_prefix_tokens). Admitted, its prompts count as
         pending at once, in the same step as the check: a burst whose requests are all checked

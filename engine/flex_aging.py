@@ -13,7 +13,7 @@ scheduler's). It goes into the waiting queue ahead of the default requests that 
 after it, so its wait is bounded by `max_wait_s` plus the default work that was queued before it.
 
 The bound (`SchedulerConfig.flex_max_wait_ms`, `--flex-max-wait-ms`): by default
-FLEX_AGING_FACTOR times flex's TTFT bound (engine/slo.py: 4 x `--ttft-p90-ms`), or
+FLEX_AGING_FACTOR times flex's TTFT bound (engine/admission.py: 4 x `--ttft-p90-ms`), or
 NO_TARGET_FLEX_MAX_WAIT_MS without a TTFT target; `inf` never promotes.
 """
 
@@ -22,9 +22,9 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from engine.admission import class_ttft_target_ms
 from engine.config import SchedulerConfig
 from engine.request import Request
-from engine.slo import class_ttft_target_ms
 
 DEFAULT_CLASS, FLEX_CLASS = 0, 1
 FLEX_AGING_FACTOR = 2.0  # x flex's TTFT bound

@@ -45,7 +45,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first admission: what usage reports
-    # the hit found on arrival (admission's estimate, engine/slo.py)
+    # the hit found on arrival (admission's estimate, engine/admission.py)
     num_cached_tokens_predicted: int = 0
     num_host_cached_tokens: int = 0  # of them, restored from the host KV tier
     num_preemptions: int = 0

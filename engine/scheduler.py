@@ -43,6 +43,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from itertools import islice
 
+from engine.admission import QueueLoad, class_ttft_target_ms, queue_load_of
 from engine.batch import ScheduledBatch, ScheduledSequence
 from engine.config import SchedulerConfig
 from engine.flex_aging import FlexAging, flex_max_wait_s
@@ -54,13 +55,11 @@ from engine.slo import (
     HEADROOM,
     MAX_PLANNED_PREFILLS,
     PREFILL_STEP_TTFT_FRACTION,
-    QueueLoad,
-    StepCostModel,
+    TTFT_HEADROOM,
     StepPlan,
-    attention_pairs,
     plan_step,
-    queue_load_of,
 )
+from engine.step_cost import StepCostModel, attention_pairs
 
 MAX_SHARE_SCAN = 256  # waiting requests looked at for one that a reserved share lets in
 
@@ -130,6 +129,8 @@ class Scheduler:
             return StepPlan(config.max_num_batched_tokens, config.max_num_seqs)
         num_decodes = num_decode_pairs = 0
         slack_s: float | None = None
+        # per class: the least slack of its running decodes (how long a step they allow)
+        slack_by_class: dict[int, float] = {}
         gap_s = (config.tpot_p90_ms or 0.0) / 1000.0 * HEADROOM
         now_s = self.clock()
         for r in self.running:
@@ -141,28 +142,53 @@ class Scheduler:
                 first_s = r.first_token_time if r.first_token_time is not None else now_s
                 own_s = gap_s * max(r.num_output_tokens, 1) - (now_s - first_s)
                 slack_s = own_s if slack_s is None else min(slack_s, own_s)
+                slack_by_class[r.priority] = min(slack_by_class.get(r.priority, own_s), own_s)
         prefill_step_ms = (config.ttft_p90_ms * PREFILL_STEP_TTFT_FRACTION
                            if config.ttft_p90_ms else None)
+        planned = self._planned_prefills()
+        deadlines = (self._prefill_deadlines(planned, slack_by_class, prefill_step_ms, now_s)
+                     if prefill_step_ms is not None else [])
         return plan_step(self.step_costs.cost, num_decodes, config.tpot_p90_ms,
                          config.max_num_batched_tokens, config.max_num_seqs,
-                         self._planned_prefills(), num_decode_pairs, prefill_step_ms, slack_s)
+                         [(start, num_left) for _, start, num_left, _ in planned],
+                         num_decode_pairs, prefill_step_ms, slack_s, deadlines)
 
-    def _planned_prefills(self) -> list[tuple[int, int]]:
-        """(position, tokens left) of the prompts a step would prefill, in schedule order (class by
-        class: its running prompts, then its waiting ones at their predicted cache hit); at most
-        MAX_PLANNED_PREFILLS."""
-        prefills: list[tuple[int, int, int]] = []  # (class, position, tokens left)
+    def _prefill_deadlines(self, planned: list[tuple[int, int, int, float]],
+                           slack_by_class: dict[int, float], prefill_step_ms: float,
+                           now_s: float) -> list[tuple[float, float]]:
+        """(seconds until its TTFT deadline, the longest step it may ask for) of the first planned
+        prompts whose class is above the lowest class decoding: a prompt at risk of its class's
+        TTFT target takes step time from lower classes' decodes (their TPOT), never from its own
+        class's or a higher one's beyond their slack (engine/slo.py::deadline_step_s)."""
+        if not slack_by_class or self.config.ttft_p90_ms is None:
+            return []
+        lowest = max(slack_by_class)
+        deadlines = []
+        for priority, _, _, arrival_s in planned:
+            if priority >= lowest:
+                break  # (schedule order: the rest are of this class or lower)
+            target_ms = class_ttft_target_ms(self.config.ttft_p90_ms, priority) or 0.0
+            bound_s = min([prefill_step_ms / 1000.0]
+                          + [s for c, s in slack_by_class.items() if c <= priority])
+            deadlines.append((arrival_s + target_ms / 1000.0 * TTFT_HEADROOM - now_s, bound_s))
+        return deadlines
+
+    def _planned_prefills(self) -> list[tuple[int, int, int, float]]:
+        """(class, position, tokens left, arrival time) of the prompts a step would prefill, in
+        schedule order (class by class: its running prompts, then its waiting ones at their
+        predicted cache hit); at most MAX_PLANNED_PREFILLS."""
+        prefills: list[tuple[int, int, int, float]] = []
         for r in self.running:
             if r.num_tokens - r.num_computed_tokens > 1:
                 prefills.append((r.priority, r.num_computed_tokens,
-                                 r.num_tokens - r.num_computed_tokens))
+                                 r.num_tokens - r.num_computed_tokens, r.arrival_time))
                 if len(prefills) >= MAX_PLANNED_PREFILLS:
                     break
         for r in islice(self.waiting, MAX_PLANNED_PREFILLS):
             cached = min(r.num_cached_tokens_predicted, r.num_tokens - 1)
-            prefills.append((r.priority, cached, r.num_tokens - cached))
+            prefills.append((r.priority, cached, r.num_tokens - cached, r.arrival_time))
         prefills.sort(key=lambda p: p[0])  # (stable: running first within a class)
-        return [(start, num_left) for _, start, num_left in prefills[:MAX_PLANNED_PREFILLS]]
+        return prefills[:MAX_PLANNED_PREFILLS]
 
     def record_step(self, batch: ScheduledBatch, step_s: float) -> None:
         """The measured wall time of the step that ran `batch` (schedule, model, sampling)."""
@@ -174,8 +200,10 @@ class Scheduler:
                                 num_pairs)
 
     def queue_load(self) -> QueueLoad:
-        """The work ahead of each class (engine/slo.py::queue_load_of); O(waiting + running)."""
-        return queue_load_of(self.waiting, self.running, self.plan, self.step_costs.cost)
+        """The work ahead of each class (engine/admission.py::queue_load_of); O(waiting +
+        running)."""
+        return queue_load_of(self.waiting, self.running, self.plan, self.step_costs.cost,
+                             self.config.max_num_batched_tokens)
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int, index: int,
                           priority: int) -> tuple[int, int]:

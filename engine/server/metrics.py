@@ -30,7 +30,7 @@ the server as outputs stream out:
     aigw_replica_cpu_isa{isa, forced, prefill}            gauge 1 (the CPU kernel variant)
     aigw_replica_decode_weights{mode, weights}            gauge 1 (how the replica computes)
 
-Latency targets and classes (engine/slo.py), label service_tier (priority, default, flex):
+Latency targets and classes (engine/admission.py), label service_tier (priority, default, flex):
 
     aigw_replica_predicted_queue_delay_ms{service_tier}   gauge (work ahead of a new request)
     aigw_replica_step_token_budget                        gauge (the step plan's tokens)
@@ -58,8 +58,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.admission import STANDARD_CLASSES, class_ttft_target_ms, service_tier_of
 from engine.outputs import FinishReason, RequestOutput
-from engine.slo import STANDARD_CLASSES, class_ttft_target_ms, service_tier_of
 
 PREFIX = "aigw_replica_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

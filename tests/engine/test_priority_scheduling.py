@@ -280,7 +280,8 @@ def test_a_higher_class_prompt_leaves_every_running_decode_its_token() -> None:
 
 
 def test_the_step_plan_spends_only_the_slack_every_stream_has() -> None:
-    from engine.slo import HEADROOM, StepCost, StepCostModel
+    from engine.slo import HEADROOM
+    from engine.step_cost import StepCost, StepCostModel
 
     now = [100.0]
     config = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16, prefix_aware_window=8,
@@ -307,3 +308,41 @@ def test_the_step_plan_spends_only_the_slack_every_stream_has() -> None:
     assert flat.token_budget - 2 == int((gap_s - 0.014) / 0.001 + 1e-6)
     # both ahead: gap * 11 - 0.2 s = 0.68 s, capped at a tenth of the TTFT target (0.4 s)
     assert spent.token_budget - 2 == int((0.4 - 0.014) / 0.001 + 1e-6)
+
+
+def test_a_prompt_at_risk_of_its_ttft_takes_step_time_from_lower_classes_only() -> None:
+    from engine.step_cost import StepCost, StepCostModel
+
+    def planned_prefill_tokens(prompt_class: int, stream_classes: tuple[int, ...]) -> int:
+        now = [100.0]
+        config = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16,
+                                 prefix_aware_window=8, policy="slo", tpot_p90_ms=100.0,
+                                 ttft_p90_ms=1000.0)
+        scheduler = Scheduler(config, make_manager(256, enable_caching=False),
+                              clock=lambda: now[0])
+        model = StepCostModel()
+        model.cost = StepCost(base_s=0.010, prefill_s_per_token=0.001, decode_s_per_seq=0.002)
+        scheduler.step_costs = model
+        streams = [classed(c, 8, start=1000 * (i + 1), max_tokens=40)
+                   for i, c in enumerate(stream_classes)]
+        for request in streams:
+            scheduler.add_request(request)
+        simulate_step(scheduler, scheduler.schedule())  # they decode from here on
+        for request in streams:
+            request.first_token_time = now[0]  # on target: no slack in hand
+        # 0.8 s of prefill due in 0.9 s (TTFT_HEADROOM of 1 s): it needs ~89% of each step
+        urgent = classed(prompt_class, 800, start=90_000, max_tokens=2)
+        urgent.arrival_time = now[0]
+        scheduler.add_request(urgent)
+        plan = scheduler._plan_step()
+        return plan.token_budget - len(streams)
+
+    overhead_s = 0.010 + 2 * 0.002
+    flat = int((0.080 - overhead_s) / 0.001 + 1e-6)  # the 80 ms step
+    # default streams yield: the step stretches to its bound, a tenth of the TTFT target
+    assert planned_prefill_tokens(PRIORITY, (DEFAULT, FLEX)) == int((0.1 - overhead_s) / 0.001
+                                                                    + 1e-6)
+    # a stream of its own class (or a higher one) keeps its step: no time taken from it
+    assert planned_prefill_tokens(PRIORITY, (PRIORITY, DEFAULT)) == flat
+    assert planned_prefill_tokens(DEFAULT, (DEFAULT, DEFAULT)) == flat
+    assert planned_prefill_tokens(DEFAULT, (FLEX, FLEX)) > flat  # flex yields to default too

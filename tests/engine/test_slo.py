@@ -1,5 +1,6 @@
-"""The SLO control loop's pure parts (engine/slo.py): the step-time fit, the step plan that keeps
-decodes inside their TPOT target, and the admission prediction per class."""
+"""The SLO control loop's pure parts (engine/slo.py, engine/step_cost.py, engine/admission.py):
+the step-time fit, the step plan that keeps decodes inside their TPOT target, and the admission
+prediction per class."""
 
 from __future__ import annotations
 
@@ -8,20 +9,15 @@ from typing import Any
 
 import pytest
 
-from engine.slo import (
+from engine.admission import (
     FLEX_TTFT_FACTOR,
-    HEADROOM,
-    MIN_PREFILL_TOKENS,
     ClassLoad,
     QueueLoad,
-    StepCost,
-    StepCostModel,
-    attention_pairs,
-    plan_step,
     predict_admission,
     predict_queue_s,
-    prompt_pairs,
 )
+from engine.slo import HEADROOM, MIN_PREFILL_TOKENS, deadline_step_s, plan_step
+from engine.step_cost import StepCost, StepCostModel, attention_pairs, prompt_pairs
 
 # 10k prefill tok/s
 COST = StepCost(base_s=0.010, prefill_s_per_token=0.0001, decode_s_per_seq=0.001)
@@ -345,3 +341,51 @@ def test_the_replica_flags_make_the_scheduler_config() -> None:
 def test_bad_latency_flags_are_a_value_error(flags: tuple[str, ...]) -> None:
     with pytest.raises(ValueError):
         _scheduler_config(*flags)
+
+
+def test_a_prompt_at_risk_of_its_deadline_stretches_the_step_to_what_it_needs() -> None:
+    overhead_s = ATTENTION.step_s(0, 2, 200)
+    work_s = ATTENTION.chunk_s(0, 768)
+
+    def needed(deadlines: list[tuple[float, float]], prompts: int = 1) -> float:
+        return deadline_step_s(ATTENTION, overhead_s, [(0, 768), (0, 64)][:prompts], deadlines)
+
+    # plenty of time: any step the flat plan runs is long enough
+    assert needed([(100.0, 5.0)]) < 0.096
+    # prefill must have 95% of the machine: a step whose overhead is a twentieth of it
+    assert needed([(work_s / 0.95, 5.0)]) == pytest.approx(overhead_s / 0.05)
+    assert needed([(work_s / 0.95, 0.15)]) == 0.15  # never past its bound
+    assert needed([(work_s / 2, 0.3)]) == 0.3  # past reach: as long as it may, to end soonest
+    # a prompt behind another needs both prefilled by its deadline
+    behind = needed([(100.0, 5.0), (work_s / 0.9, 5.0)], prompts=2)
+    assert behind == pytest.approx(overhead_s / (1 - (work_s + ATTENTION.chunk_s(0, 64))
+                                                 / (work_s / 0.9)))
+    # the plan takes it: a longer step and its prefill tokens, against the flat plan
+    flat = plan_step(ATTENTION, 2, 120.0, 512, 64, [(0, 768)], 200, 300.0)
+    urgent = plan_step(ATTENTION, 2, 120.0, 512, 64, [(0, 768)], 200, 300.0,
+                       prefill_deadlines=[(work_s / 0.95, 0.25)])
+    chunk = urgent.token_budget - 2
+    assert urgent.token_budget > 2 * flat.token_budget
+    assert 0.24 < ATTENTION.step_s(chunk, 2, 200 + attention_pairs(0, chunk)) <= 0.25
+    assert urgent.prefill_room_s == flat.prefill_room_s  # (admission's own rate is the plan's)
+    assert urgent.deadline_room_s == pytest.approx(0.3 - overhead_s)
+
+
+def test_a_class_with_only_lower_classes_decoding_is_predicted_at_the_deadline_room() -> None:
+    pairs = prompt_pairs(0, 768)
+    by_class = {-1: ClassLoad(768, 0, num_prefill_pairs=pairs),
+                0: ClassLoad(768, 4, num_prefill_pairs=pairs),
+                1: ClassLoad(768, 4, num_prefill_pairs=pairs)}
+    load = QueueLoad(by_class, 4, 40, ATTENTION, prefill_room_s=0.05, deadline_room_s=0.28,
+                     max_token_budget=512)
+    overhead_s = ATTENTION.step_s(0, 4, 0)
+    work_s = 768 * ATTENTION.prefill_s_per_token + pairs * ATTENTION.attention_s_per_pair
+    priority_s, default_s = predict_queue_s(load, -1)[0], predict_queue_s(load, 0)[0]
+    assert priority_s == pytest.approx(work_s / 0.28 * overhead_s + work_s)
+    # default's own class decodes: the plan's room and token budget
+    assert default_s == pytest.approx(max(768 / 36, work_s / 0.05) * overhead_s + work_s)
+    assert priority_s < default_s - 0.5  # (the work is the same: the steps it waits are not)
+    # without the bound (no TTFT target) both are the plan's
+    flat = QueueLoad(by_class, 4, 40, ATTENTION, prefill_room_s=0.05, max_token_budget=512)
+    assert predict_queue_s(flat, -1)[0] == pytest.approx(
+        max(768 / 40, work_s / 0.05) * overhead_s + work_s)

@@ -12,7 +12,8 @@ import pytest
 from contracts.sampling_params import SamplingParams
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
-from engine.slo import HEADROOM, StepCost, StepCostModel
+from engine.slo import HEADROOM
+from engine.step_cost import StepCost, StepCostModel
 from tests.engine.fakes import (
     Completion,
     assert_idle_and_clean,

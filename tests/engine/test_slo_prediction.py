@@ -10,14 +10,9 @@ from typing import Any
 import pytest
 
 from contracts.sampling_params import SamplingParams
-from engine.slo import (
-    StepCost,
-    StepPlan,
-    predict_admission,
-    predict_queue_s,
-    queue_load_of,
-    seat_wait_steps,
-)
+from engine.admission import predict_admission, predict_queue_s, queue_load_of, seat_wait_steps
+from engine.slo import StepPlan
+from engine.step_cost import StepCost
 
 COST = StepCost(base_s=0.010, prefill_s_per_token=0.0001, decode_s_per_seq=0.001)
 
