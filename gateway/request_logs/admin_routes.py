@@ -29,7 +29,7 @@ from auth.principal import Authenticator, AuthError, Principal, Scope
 from gateway.request_logs.settings import ProjectLogSettings
 from gateway.request_logs.store import MAX_PAGE, LogQuery
 from gateway.request_logs.writer import RequestLog
-from gateway.web.admin_routes import body_refusal
+from gateway.web.admin_routes import body_refusal, body_timeout_s
 from gateway.web.credentials import credential_of
 from infra.json_body import BodyError, read_json
 
@@ -142,7 +142,7 @@ def build_request_log_routes(request_log: RequestLog, authenticator: Authenticat
     async def put_settings(request: web.Request, _: Principal) -> web.Response:
         project = _project(request)
         try:
-            body = await read_json(request, 4096)
+            body = await read_json(request, 4096, body_timeout_s(request))
             # strict, as JSON types it: "yes" or 1 is not `true` (pydantic's lax mode took them)
             chosen = (ProjectLogSettings.model_validate_json(orjson.dumps(body), strict=True)
                       if isinstance(body, dict) else None)

@@ -34,6 +34,7 @@ from auth.key_admin import InvalidRequest
 from auth.principal import AuthError, Principal, Scope
 from auth.store import ProjectExists, UnknownKey, UnknownProject
 from gateway.web.credentials import credential_of
+from gateway.web.keys import SETTINGS
 from gateway.web.origin_check import cross_site_write
 from infra.json_body import BodyError, read_json
 
@@ -69,10 +70,18 @@ def body_refusal(exc: BodyError) -> web.Response:
     return _error(exc.status, _BODY_CODES.get(exc.status, "invalid_request"), exc.message)
 
 
+def body_timeout_s(request: web.Request) -> float | None:
+    """The gateway's client_body_timeout_s (None in an app without GatewaySettings)."""
+    settings = request.app.get(SETTINGS)
+    return None if settings is None else settings.client_body_timeout_s
+
+
 async def _body(request: web.Request) -> dict[str, Any]:
     """The JSON object a request carries ({} for none); BodyError for one read_json refused
-    (too large, an encoding not decoded here, not JSON, too deep, a number beyond a double)."""
-    body = (await read_json(request, MAX_ADMIN_BODY_BYTES)) if request.can_read_body else {}
+    (too large, slower than the gateway's client_body_timeout_s, an encoding not decoded here,
+    not JSON, too deep, a number beyond a double)."""
+    body = ((await read_json(request, MAX_ADMIN_BODY_BYTES, body_timeout_s(request)))
+            if request.can_read_body else {})
     if not isinstance(body, dict):
         raise InvalidRequest("body must be a JSON object")
     return body

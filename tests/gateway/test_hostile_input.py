@@ -407,3 +407,36 @@ def test_the_admin_api_refuses_a_body_with_the_status_the_gateway_refuses_it_wit
     projects = httpx.get(served.url + "/admin/v1/projects",
                          headers={"authorization": f"Bearer {served.admin_key}"}).json()
     assert "p1" not in {p["name"] for p in projects["data"]}  # nothing was written
+
+
+def test_an_admin_body_that_does_not_arrive_in_time_is_a_408(loop_thread: LoopThread,
+                                                            tmp_path: Path) -> None:
+    """Admin bodies were read without a deadline: a caller that sent its headers and then a
+    byte now and then held a handler for as long as it liked. client_body_timeout_s holds on
+    the admin routes as on every other."""
+    import socket
+
+    _, admin_key = loop_thread.run(_keys(tmp_path, None))
+    settings = GatewaySettings(data_dir=tmp_path, client_body_timeout_s=0.5, models=[
+        {"name": MODEL, "backend": "replica", "endpoints": ["http://127.0.0.1:9"]}])
+    runner, url = loop_thread.run(start_app(loop_thread.run(create_served_app(settings))))
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        for method, path in (("POST", "/admin/v1/projects"),
+                             ("PUT", "/admin/v1/projects/default/limits"),
+                             ("PUT", "/admin/v1/projects/default/request-log-settings")):
+            with socket.create_connection((host, int(port)), timeout=10) as slow:
+                slow.sendall(f"{method} {path} HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer "
+                             f"{admin_key}\r\nContent-Type: application/json\r\n"
+                             f"Content-Length: 40\r\n\r\n{{\"name\"".encode())
+                started = time.monotonic()
+                answer = b""  # (read to the answer's end: the server lingers on the body)
+                while not answer.endswith(b"}}") and (chunk := slow.recv(65536)):
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408"), (path, answer[:200])
+            assert b"connection: close" in answer.lower()
+            assert time.monotonic() - started < 5
+            error = orjson.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+            assert (error["type"], error["code"]) == ("admin_error", "request_timeout")
+    finally:
+        loop_thread.run(runner.cleanup())
