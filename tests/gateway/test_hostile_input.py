@@ -126,7 +126,7 @@ def test_admin_durations_beyond_any_clock_and_deep_nesting_are_400s(served: Serv
     huge = "1" + "0" * 400
     for raw in (b'{"scopes": ["ai_gateway:invoke"], "expires_in": %s}' % huge.encode(),
                 b'{"scopes": ["ai_gateway:invoke"], "expires_in": 1e300}',
-                b"[" * 100_000 + b"]" * 100_000,
+                b"[" * 2_000 + b"]" * 2_000,  # (over orjson's 1,024 levels, under 64 KiB)
                 b'{"scopes": ["ai_gateway:invoke"], "name": "\xff"}'):
         answer = httpx.post(keys_url, content=raw, headers=admin)
         assert answer.status_code == 400, answer.text
@@ -135,7 +135,7 @@ def test_admin_durations_beyond_any_clock_and_deep_nesting_are_400s(served: Serv
     assert created.status_code == 201
     rotate_url = f"{served.url}/admin/v1/keys/{created.json()['key_id']}/rotate"
     for raw in (b'{"grace_seconds": %s}' % huge.encode(), b'{"grace_seconds": 1e300}',
-                b'{"grace_seconds": true}', b"{" * 100_000):
+                b'{"grace_seconds": true}', b"{" * 2_000):
         answer = httpx.post(rotate_url, content=raw, headers=admin)
         assert answer.status_code == 400, answer.text
     for path in ("/admin/v1/keys/%FF%FE", "/admin/v1/projects/%FF/keys",
