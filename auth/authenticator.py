@@ -52,7 +52,10 @@ class KeyAuthenticator:
     async def authenticate(self, credential: str | None) -> Principal:
         """The caller, or AuthError(401) for a missing/invalid/revoked/expired credential."""
         if not credential:
-            raise AuthError(401, "missing_credential", "no API key or bearer token was given")
+            raise AuthError(401, "missing_credential",
+                            "no API key was given: send it as 'Authorization: Bearer <key>' "
+                            "(what the OpenAI SDKs send) or as 'x-api-key: <key>' (what the "
+                            "Anthropic SDKs send)")
         if not is_printable_ascii(credential):  # keys and JWTs are ASCII by construction; a
             # header byte that is not UTF-8 arrives as a lone surrogate no store can encode
             raise AuthError(401, "invalid_api_key", "the credential is not valid")

@@ -119,6 +119,22 @@ def test_a_credential_with_a_byte_that_is_not_utf8_is_a_401_on_every_route(
     assert not served.state.bodies  # nothing reached the upstream
 
 
+def test_a_key_sent_without_its_bearer_scheme_is_told_how_to_send_it(served: Served) -> None:
+    # a beginner's curl: `-H "Authorization: $KEY"`; the 401 names both ways a key goes
+    for path, body in (("/v1/chat/completions", CHAT), ("/anthropic/v1/messages", MESSAGES)):
+        response = httpx.post(served.url + path, json=body,
+                              headers={"Authorization": served.key})
+        assert response.status_code == 401, response.text
+        error = response.json()["error"]
+        assert error["code"] == "missing_credential"
+        assert "Authorization: Bearer <key>" in error["message"]
+        assert "x-api-key: <key>" in error["message"]
+        with_scheme = httpx.post(served.url + path, json=body,
+                                 headers={"Authorization": f"Bearer {served.key}"})
+        assert with_scheme.status_code == 200, with_scheme.text
+    assert len(served.state.bodies) == 2  # only the two sent with the scheme went upstream
+
+
 @pytest.mark.parametrize("served", ["sqlite", "redis"], indirect=True)
 def test_admin_durations_beyond_any_clock_and_deep_nesting_are_400s(served: Served) -> None:
     admin = {"authorization": f"Bearer {served.admin_key}"}
