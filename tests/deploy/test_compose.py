@@ -65,7 +65,8 @@ def test_docker_compose_renders_the_cpu_and_gpu_stacks() -> None:
     command = ["docker", "compose"]
     for path in COMPOSE_FILES:
         command += ["-f", str(path)]
-    env = {**os.environ, "AIGW_REPLICA_SECRET": "x" * 64}  # required (`${...:?}`): no default
+    env = {**os.environ, "AIGW_REPLICA_SECRET": "x" * 64,  # required (`${...:?}`): no default
+           "AIGW_METRICS_TOKEN": "y" * 64}
     subprocess.run([*command, "config", "--quiet"], check=True, timeout=60, env=env)
 
 
@@ -127,6 +128,22 @@ def test_compose_gateway_and_replicas_share_a_required_replica_secret() -> None:
         environment = SERVICES[name]["environment"]
         assert environment["AIGW_REPLICA_SECRET"] == gateway, name
         assert not any("ADMIN_TOKEN" in key for key in environment), name
+
+
+def test_prometheus_scrapes_the_gateway_with_its_metrics_token() -> None:
+    # without the token the gateway sums every series over projects (metrics.md, "Who sees
+    # what"), and the Grafana dashboard's per-project panels would have nothing to plot
+    token = SERVICES["gateway"]["environment"]["AIGW_METRICS_TOKEN"]
+    assert token.startswith("${AIGW_METRICS_TOKEN:?")  # no default: unset stops `up`
+    assert GatewaySettings(metrics_token="t").metrics_token == "t"
+    secret = compose()["secrets"]["aigw_metrics_token"]
+    assert secret == {"environment": "AIGW_METRICS_TOKEN"}  # the same value, as a file
+    assert "aigw_metrics_token" in SERVICES["prometheus"]["secrets"]
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    job = next(j for j in config["scrape_configs"] if j["job_name"] == "aigw-gateway")
+    assert job["authorization"] == {"credentials_file": "/run/secrets/aigw_metrics_token"}
+    dashboard = (DEPLOY / "grafana" / "dashboards" / "aigw.json").read_text()
+    assert "sum by (project)" in dashboard  # what the token is for
 
 
 def test_compose_redis_persists_with_aof_every_second_and_never_evicts() -> None:
