@@ -27,7 +27,7 @@ from gateway.batch.records import (
 from gateway.batch.service import BatchService
 from gateway.batch.upload_quota import Reservation
 from gateway.dialects.openai_common import error_body as openai_error_body
-from gateway.web.credentials import credential_of
+from gateway.web.credentials import authenticated
 from gateway.web.keys import AUTHENTICATOR, BATCH
 from infra.json_body import BodyError, read_json
 
@@ -58,7 +58,7 @@ async def _caller(request: web.Request) -> tuple[BatchService, Principal]:
     if not service.settings.enabled:
         raise ApiError(404, "not_found", "the Batch API is not enabled on this gateway")
     try:
-        principal = await request.app[AUTHENTICATOR].authenticate(credential_of(request))
+        principal = await authenticated(request, request.app[AUTHENTICATOR])
         principal.require(Scope.INVOKE)
     except AuthError as exc:
         raise ApiError(exc.status, exc.code, exc.message) from None

@@ -215,6 +215,9 @@ def _log_access(access_log: AccessLog, request: web.Request, status: int,
                          record.key_id, (record.prompt_tokens, record.cached_tokens,
                                          record.completion_tokens),
                          latency_ms, request_id, trace_id)
-    else:
-        access_log.write(request.method, request.path, status, observer.model,
-                         observer.project, "", (0, 0, 0), latency_ms, request_id, trace_id)
+    else:  # refused before a record, or a route without one: who called, if known
+        caller = observer.caller
+        project, key_id = ((caller.project, caller.key_id) if caller is not None
+                           else (observer.project, ""))
+        access_log.write(request.method, request.path, status, observer.model, project,
+                         key_id or "", (0, 0, 0), latency_ms, request_id, trace_id)

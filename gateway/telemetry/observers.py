@@ -49,8 +49,9 @@ _perf_counter = time.perf_counter
 class RequestMetrics(RequestObserver):
     """What a request's metrics need; read by the middleware once the answer is done."""
 
-    __slots__ = ("first_token_at", "is_admitted", "model", "on_done", "project", "record",
-                 "started", "telemetry", "unsampled_traceparent", "unsampled_tracestate")
+    __slots__ = ("caller", "first_token_at", "is_admitted", "model", "on_done", "project",
+                 "record", "started", "telemetry", "unsampled_traceparent",
+                 "unsampled_tracestate")
     trace: RequestTrace | None = None  # RequestTracing's
 
     def __init__(self, telemetry: Telemetry, started: float) -> None:
@@ -63,9 +64,16 @@ class RequestMetrics(RequestObserver):
         # caller known), so a refusal there (429) is counted under them although it has no record
         self.model = ""
         self.project = ""
+        # who called, once authenticated (the access log's project and key id for a request
+        # refused after that and before a record: a 429, a bad body, an unknown model)
+        self.caller: Principal | None = None
         self.on_done: Callable[[], None] | None = None  # the middleware's finish, if it must wait
         self.unsampled_traceparent: str | None = None  # tracing on, this request not sampled
         self.unsampled_tracestate: str | None = None  # the caller's `tracestate`, passed on
+
+    def on_authenticated(self, started_ns: int, principal: Principal | None,
+                         error_code: str | None) -> None:
+        self.caller = principal
 
     def on_admitting(self, model: str, project: str) -> None:
         self.model, self.project = model, project  # (a configured model, never free client text)
@@ -123,6 +131,7 @@ class RequestTracing(RequestMetrics):
         self.first_token_at = None
         self.is_admitted = False
         self.model = self.project = ""
+        self.caller = None
         self.on_done = None
         self.unsampled_traceparent = self.unsampled_tracestate = None
         self.trace = self._trace = trace  # (`_trace`: the same, typed as never None)
@@ -130,6 +139,7 @@ class RequestTracing(RequestMetrics):
 
     def on_authenticated(self, started_ns: int, principal: Principal | None,
                          error_code: str | None) -> None:
+        self.caller = principal
         trace = self._trace
         trace.auth_start_ns, trace.auth_end_ns = started_ns, _time_ns()
         if principal is not None:

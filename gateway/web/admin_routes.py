@@ -33,7 +33,7 @@ from aiohttp import web
 from auth.key_admin import InvalidRequest
 from auth.principal import AuthError, Principal, Scope
 from auth.store import ProjectExists, UnknownKey, UnknownProject
-from gateway.web.credentials import credential_of
+from gateway.web.credentials import authenticated
 from gateway.web.keys import SETTINGS
 from gateway.web.origin_check import cross_site_write
 from infra.json_body import BodyError, read_json
@@ -105,7 +105,7 @@ def build_admin_routes(services: AuthServices, prefix: str = "/admin/v1",
             if refused is not None:
                 return _error(403, "cross_site_request", refused)
             try:
-                principal = await services.authenticator.authenticate(credential_of(request))
+                principal = await authenticated(request, services.authenticator)
                 principal.require(scope)
                 return await handler(request, principal)
             except AuthError as exc:

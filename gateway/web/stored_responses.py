@@ -20,7 +20,7 @@ from aiohttp import web
 from auth.principal import AuthError, Principal, Scope
 from gateway.dialects import openai_common, openai_responses
 from gateway.request.errors import BadRequest, GatewayError
-from gateway.web.credentials import credential_of
+from gateway.web.credentials import authenticated
 from gateway.web.keys import AUTHENTICATOR, RESPONSES
 
 
@@ -94,7 +94,7 @@ async def _answer(request: web.Request,
                   answer: Callable[[Principal, str], Awaitable[dict[str, Any]]]) -> web.Response:
     """Authenticate (invoke scope), then `answer`; any refusal in OpenAI's error envelope."""
     try:
-        principal = await request.app[AUTHENTICATOR].authenticate(credential_of(request))
+        principal = await authenticated(request, request.app[AUTHENTICATOR])
         principal.require(Scope.INVOKE)
         body, status = await answer(principal, request.match_info["response_id"]), 200
     except AuthError as exc:

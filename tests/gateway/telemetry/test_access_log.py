@@ -177,3 +177,26 @@ def test_the_direct_stderr_write_is_byte_identical_to_logging(
                   "completion_tokens": args[6][2], "ms": round(args[7], 2),
                   "request_id": args[8], "trace_id": args[9]}
         assert line == format_line(fields, fmt == "json")
+
+
+def test_a_request_refused_after_its_key_was_read_names_its_project_and_key(
+        make_gateway: GatewayFactory, access_lines: list[str]) -> None:
+    """Refused before a usage record (a bad field, an unknown model, a stored response that is
+    not there): the caller was known, so its line names it, as a metered request's does."""
+    gateway = make_gateway(authenticator=OneKey())
+    headers = {"authorization": f"Bearer {SECRET_KEY}"}
+    bad_field = {"model": MODEL, "max_tokens": "3", "messages": [{"role": "user", "content": "x"}]}
+    assert httpx.post(gateway.url + "/v1/chat/completions", json=bad_field,
+                      headers=headers).status_code == 400
+    assert httpx.post(gateway.url + "/v1/chat/completions", headers=headers, json={
+        "model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).status_code == 404
+    assert httpx.get(gateway.url + "/v1/responses/resp_0123", headers=headers).status_code == 404
+    assert httpx.get(gateway.url + "/v1/responses/resp_0123").status_code == 401
+    assert wait_until(lambda: len(access_lines) >= 4)
+    lines = [dict(pair.split("=", 1) for pair in line.split(" ")) for line in access_lines[:4]]
+    assert [f["status"] for f in lines] == ["400", "404", "404", "401"]
+    for fields in lines[:3]:
+        assert (fields["project"], fields["key_id"]) == ("proj-a", "key-17"), fields
+        assert fields["prompt_tokens"] == fields["completion_tokens"] == "0"
+    assert (lines[3]["project"], lines[3]["key_id"]) == ('""', '""')  # no credential: nobody
+    assert SECRET_KEY not in "\n".join(access_lines)
