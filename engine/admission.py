@@ -194,16 +194,16 @@ def predict_queue_s(load: QueueLoad, priority: int, num_prompt_tokens: int = 0,
 
     Prefill work (its tokens and attention, in seconds) takes as many steps as the plan's token
     budget less the decodes ahead, or its prefill room (policy slo), allow; each step also costs
-    its fixed part and every running decode. A class none of whose own or higher classes'
-    sequences decode gets the room a prompt at risk of its deadline takes from lower classes'
-    decodes (`deadline_room_s`, engine/slo.py::deadline_step_s): the scheduler gives it that
-    much when the plan's room would miss the target."""
+    its fixed part and every running decode. A class above a class that decodes gets the room a
+    prompt at risk of its deadline takes from lower classes' decodes (`deadline_room_s`,
+    engine/slo.py::deadline_step_s): the scheduler gives it up to that much when the plan's room
+    would miss the target (less while streams of its own class have no time in hand, so the
+    prediction is the optimistic one for a higher class)."""
     cost = load.cost
     if cost is None:
         return 0.0, 0.0
     ahead = load.ahead_of(priority)
-    takes_lower = (load.deadline_room_s is not None and ahead.num_decodes == 0
-                   and load.num_decodes > 0)
+    takes_lower = load.deadline_room_s is not None and load.num_decodes > ahead.num_decodes
     token_budget = load.max_token_budget if takes_lower else load.token_budget
     room_s = load.deadline_room_s if takes_lower else load.prefill_room_s
     tokens_per_step = max(token_budget - load.num_decodes if takes_lower

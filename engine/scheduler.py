@@ -20,10 +20,12 @@ request that needs a block preempts the lowest class's youngest request too (its
 that). A request is never preempted to make room for a lower class's, and a waiting request never
 preempts its own class.
 
-Latency targets (engine/slo.py): every step's time is measured (`record_step`) into a step-time
-model. Under policy "slo" with a TPOT target, each step's token budget and the running batch's size
-come from `plan_step` (decodes keep their target, prefill takes the rest); under "fixed" the budget
-is `max_num_batched_tokens` every step. `queue_load()` is what admission control predicts from.
+Latency targets (engine/slo.py, engine/step_planner.py): every step's time is measured
+(`record_step`) into a step-time model. Under policy "slo" with a TPOT target, each step's token
+budget and the running batch's size come from `plan_next_step` (decodes keep their target, prefill
+takes the rest, a prompt at risk of its TTFT target takes time from lower classes' streams); under
+"fixed" the budget is `max_num_batched_tokens` every step. `queue_load()` is what admission control
+(engine/admission.py) predicts from.
 
 Reserved shares (engine/reserved_shares.py): with `reserved_shares`, each step other projects'
 requests schedule only what the reserved projects with work leave of the budget, the KV blocks and
@@ -43,7 +45,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from itertools import islice
 
-from engine.admission import QueueLoad, class_ttft_target_ms, queue_load_of
+from engine.admission import QueueLoad, queue_load_of
 from engine.batch import ScheduledBatch, ScheduledSequence
 from engine.config import SchedulerConfig
 from engine.flex_aging import FlexAging, flex_max_wait_s
@@ -51,15 +53,9 @@ from engine.kv_cache.manager import BlockTable, ComputedBlocks, KVCacheManager
 from engine.outputs import FinishReason
 from engine.request import Request, RequestStatus
 from engine.reserved_shares import ReservedShares
-from engine.slo import (
-    HEADROOM,
-    MAX_PLANNED_PREFILLS,
-    PREFILL_STEP_TTFT_FRACTION,
-    TTFT_HEADROOM,
-    StepPlan,
-    plan_step,
-)
+from engine.slo import StepPlan
 from engine.step_cost import StepCostModel, attention_pairs
+from engine.step_planner import plan_next_step
 
 MAX_SHARE_SCAN = 256  # waiting requests looked at for one that a reserved share lets in
 
@@ -124,71 +120,8 @@ class Scheduler:
         return batch
 
     def _plan_step(self) -> StepPlan:
-        config = self.config
-        if config.policy != "slo":
-            return StepPlan(config.max_num_batched_tokens, config.max_num_seqs)
-        num_decodes = num_decode_pairs = 0
-        slack_s: float | None = None
-        # per class: the least slack of its running decodes (how long a step they allow)
-        slack_by_class: dict[int, float] = {}
-        gap_s = (config.tpot_p90_ms or 0.0) / 1000.0 * HEADROOM
-        now_s = self.clock()
-        for r in self.running:
-            if r.num_tokens - r.num_computed_tokens <= 1:
-                num_decodes += 1
-                num_decode_pairs += r.num_tokens  # (its context)
-                # the longest step that keeps its mean gap within the target (its next token ends
-                # gap number num_output_tokens)
-                first_s = r.first_token_time if r.first_token_time is not None else now_s
-                own_s = gap_s * max(r.num_output_tokens, 1) - (now_s - first_s)
-                slack_s = own_s if slack_s is None else min(slack_s, own_s)
-                slack_by_class[r.priority] = min(slack_by_class.get(r.priority, own_s), own_s)
-        prefill_step_ms = (config.ttft_p90_ms * PREFILL_STEP_TTFT_FRACTION
-                           if config.ttft_p90_ms else None)
-        planned = self._planned_prefills()
-        deadlines = (self._prefill_deadlines(planned, slack_by_class, prefill_step_ms, now_s)
-                     if prefill_step_ms is not None else [])
-        return plan_step(self.step_costs.cost, num_decodes, config.tpot_p90_ms,
-                         config.max_num_batched_tokens, config.max_num_seqs,
-                         [(start, num_left) for _, start, num_left, _ in planned],
-                         num_decode_pairs, prefill_step_ms, slack_s, deadlines)
-
-    def _prefill_deadlines(self, planned: list[tuple[int, int, int, float]],
-                           slack_by_class: dict[int, float], prefill_step_ms: float,
-                           now_s: float) -> list[tuple[float, float]]:
-        """(seconds until its TTFT deadline, the longest step it may ask for) of the first planned
-        prompts whose class is above the lowest class decoding: a prompt at risk of its class's
-        TTFT target takes step time from lower classes' decodes (their TPOT), never from its own
-        class's or a higher one's beyond their slack (engine/slo.py::deadline_step_s)."""
-        if not slack_by_class or self.config.ttft_p90_ms is None:
-            return []
-        lowest = max(slack_by_class)
-        deadlines = []
-        for priority, _, _, arrival_s in planned:
-            if priority >= lowest:
-                break  # (schedule order: the rest are of this class or lower)
-            target_ms = class_ttft_target_ms(self.config.ttft_p90_ms, priority) or 0.0
-            bound_s = min([prefill_step_ms / 1000.0]
-                          + [s for c, s in slack_by_class.items() if c <= priority])
-            deadlines.append((arrival_s + target_ms / 1000.0 * TTFT_HEADROOM - now_s, bound_s))
-        return deadlines
-
-    def _planned_prefills(self) -> list[tuple[int, int, int, float]]:
-        """(class, position, tokens left, arrival time) of the prompts a step would prefill, in
-        schedule order (class by class: its running prompts, then its waiting ones at their
-        predicted cache hit); at most MAX_PLANNED_PREFILLS."""
-        prefills: list[tuple[int, int, int, float]] = []
-        for r in self.running:
-            if r.num_tokens - r.num_computed_tokens > 1:
-                prefills.append((r.priority, r.num_computed_tokens,
-                                 r.num_tokens - r.num_computed_tokens, r.arrival_time))
-                if len(prefills) >= MAX_PLANNED_PREFILLS:
-                    break
-        for r in islice(self.waiting, MAX_PLANNED_PREFILLS):
-            cached = min(r.num_cached_tokens_predicted, r.num_tokens - 1)
-            prefills.append((r.priority, cached, r.num_tokens - cached, r.arrival_time))
-        prefills.sort(key=lambda p: p[0])  # (stable: running first within a class)
-        return prefills[:MAX_PLANNED_PREFILLS]
+        return plan_next_step(self.config, self.step_costs.cost, self.running, self.waiting,
+                              self.clock())
 
     def record_step(self, batch: ScheduledBatch, step_s: float) -> None:
         """The measured wall time of the step that ran `batch` (schedule, model, sampling)."""

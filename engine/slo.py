@@ -43,6 +43,9 @@ PREFILL_STEP_TTFT_FRACTION = 0.1  # a step without decodes: at most this much of
 MAX_PLANNED_PREFILLS = 8  # prompts a step plan costs chunk by chunk (the rest: at position 0)
 MIN_PREFILL_TOKENS = 16  # prefill's floor per step while any prompt waits
 TTFT_HEADROOM = 0.9  # a prompt at risk is pushed to end its prefill within this much of its target
+# a lower class's stream lends a prompt at risk the steps that keep its mean gap within this much
+# of the TPOT target (its own plan aims at HEADROOM)
+LEND_HEADROOM = 0.9
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class StepPlan:
     prefill_room_s: float | None = None
     # seconds of prefill a step may hold for a prompt whose TTFT deadline is at risk, beside
     # decodes of lower classes only (`prefill_deadlines`; None: no such bound): admission's rate
-    # for a class none of whose own or higher classes' sequences decode
+    # for a class above a class that decodes
     deadline_room_s: float | None = None
 
 

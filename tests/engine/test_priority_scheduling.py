@@ -313,7 +313,8 @@ def test_the_step_plan_spends_only_the_slack_every_stream_has() -> None:
 def test_a_prompt_at_risk_of_its_ttft_takes_step_time_from_lower_classes_only() -> None:
     from engine.step_cost import StepCost, StepCostModel
 
-    def planned_prefill_tokens(prompt_class: int, stream_classes: tuple[int, ...]) -> int:
+    def planned_prefill_tokens(prompt_class: int, stream_classes: tuple[int, ...],
+                               num_gaps: int = 10) -> int:
         now = [100.0]
         config = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16,
                                  prefix_aware_window=8, policy="slo", tpot_p90_ms=100.0,
@@ -328,8 +329,10 @@ def test_a_prompt_at_risk_of_its_ttft_takes_step_time_from_lower_classes_only() 
         for request in streams:
             scheduler.add_request(request)
         simulate_step(scheduler, scheduler.schedule())  # they decode from here on
-        for request in streams:
-            request.first_token_time = now[0]  # on target: no slack in hand
+        for request in streams:  # num_gaps gaps so far, each on the plan's target (80 ms)
+            request.output_token_ids.extend([7] * num_gaps)
+            request.num_computed_tokens += num_gaps  # (as if their blocks held them)
+            request.first_token_time = now[0] - num_gaps * 0.080
         # 0.8 s of prefill due in 0.9 s (TTFT_HEADROOM of 1 s): it needs ~89% of each step
         urgent = classed(prompt_class, 800, start=90_000, max_tokens=2)
         urgent.arrival_time = now[0]
@@ -338,10 +341,16 @@ def test_a_prompt_at_risk_of_its_ttft_takes_step_time_from_lower_classes_only() 
         return plan.token_budget - len(streams)
 
     overhead_s = 0.010 + 2 * 0.002
-    flat = int((0.080 - overhead_s) / 0.001 + 1e-6)  # the 80 ms step
-    # default streams yield: the step stretches to its bound, a tenth of the TTFT target
-    assert planned_prefill_tokens(PRIORITY, (DEFAULT, FLEX)) == int((0.1 - overhead_s) / 0.001
-                                                                    + 1e-6)
+
+    def tokens_in(step_s: float) -> int:
+        return int((step_s - overhead_s) / 0.001 + 1e-6)
+
+    flat = tokens_in(0.080)
+    # lower classes' streams lend what keeps their mean gap within 0.9 x 100 ms: 11 gaps at
+    # 90 ms less the 0.8 s so far = 0.19 s, so the step stretches to its bound, a tenth of the
+    # TTFT target; streams that just started lend only their next gap's 90 ms
+    assert planned_prefill_tokens(PRIORITY, (DEFAULT, FLEX)) == tokens_in(0.1)
+    assert planned_prefill_tokens(PRIORITY, (DEFAULT, FLEX), num_gaps=0) == tokens_in(0.090)
     # a stream of its own class (or a higher one) keeps its step: no time taken from it
     assert planned_prefill_tokens(PRIORITY, (PRIORITY, DEFAULT)) == flat
     assert planned_prefill_tokens(DEFAULT, (DEFAULT, DEFAULT)) == flat

@@ -385,6 +385,10 @@ def test_a_class_with_only_lower_classes_decoding_is_predicted_at_the_deadline_r
     # default's own class decodes: the plan's room and token budget
     assert default_s == pytest.approx(max(768 / 36, work_s / 0.05) * overhead_s + work_s)
     assert priority_s < default_s - 0.5  # (the work is the same: the steps it waits are not)
+    # one of the four streams its own class's: still above a class that decodes
+    own = QueueLoad({**by_class, -1: ClassLoad(768, 1, num_prefill_pairs=pairs)}, 4, 40,
+                    ATTENTION, prefill_room_s=0.05, deadline_room_s=0.28, max_token_budget=512)
+    assert predict_queue_s(own, -1)[0] == pytest.approx(priority_s)
     # without the bound (no TTFT target) both are the plan's
     flat = QueueLoad(by_class, 4, 40, ATTENTION, prefill_room_s=0.05, max_token_budget=512)
     assert predict_queue_s(flat, -1)[0] == pytest.approx(
