@@ -72,7 +72,18 @@ async def read_json(request: web.Request, max_body_bytes: int,
     try:  # orjson: the nesting and number bounds above
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise BodyError(400, f"body is not valid JSON: {exc}") from exc
+        raise BodyError(400, f"body is not valid JSON: {_not_utf8(raw) or exc}") from exc
+
+
+def _not_utf8(raw: bytes) -> str | None:
+    """What is wrong with a body that is not UTF-8 (a shell's Latin-1 text), else None: orjson
+    says 'str is not valid UTF-8: surrogates not allowed' at char 0, whatever the byte."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return (f"byte {exc.start} (0x{raw[exc.start]:02x}) is not UTF-8: a JSON body is UTF-8 "
+                f"text (send it encoded as UTF-8, or escape the character as \\uXXXX)")
+    return None
 
 
 def undecodable_encoding(content_encoding: str | None) -> str | None:

@@ -1,19 +1,22 @@
 """Requests the HTTP layer refuses before a handler runs (infra/http_server.py under the gateway's
 server): a header over aiohttp's limit is a 431, a body its Content-Encoding does not describe a
 400; each gets one warning line, no traceback, and the route's own error envelope, and the
-connection is announced closed rather than dropped under the client's next request."""
+connection is announced closed rather than dropped under the client's next request. What a
+refusal leaves of a compressed body is never read (nor inflated)."""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import httpx
 import orjson
 import pytest
+from aiohttp import web
 
 from gateway.settings import GatewaySettings
-from tests.gateway.conftest import MODEL, Gateway, GatewayServer
-from tests.raw_http import send_raw
+from tests.gateway.conftest import MODEL, Gateway, GatewayServer, LoopThread, start_runner
+from tests.raw_http import post_gzip_of_zeros, send_raw
 
 CHAT = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
 BODIES = {
@@ -116,3 +119,55 @@ def test_a_content_encoding_the_gateway_cannot_decode_is_a_415_naming_those_it_c
     assert repr(encoding) in message and "gzip, deflate" in message
     assert "install" not in message.lower()
     _no_tracebacks(caplog)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/nowhere"])
+def test_the_rest_of_a_refused_compressed_body_is_never_inflated(loop_thread: LoopThread,
+                                                                  path: str) -> None:
+    """aiohttp reads what a handler left of a body to discard it (its lingering close), and a
+    compressed body is inflated as it is read: a 4 MB gzip body of zeros refused at once (413
+    over max_body_bytes, 404) went on to inflate to GiBs on the event loop (an 8 MB one: ~6 s
+    of CPU after its 413). Now the connection closes, the rest never read."""
+    from gateway.web.app import create_app
+    from gateway.web.server import parser_error_answer
+    from infra.http_server import GuardedAppRunner
+
+    bodies: list[Any] = []
+
+    @web.middleware
+    async def keep_body(request: web.Request, handler: Any) -> web.StreamResponse:
+        bodies.append(request.content)
+        return await handler(request)  # type: ignore[no-any-return]
+
+    settings = GatewaySettings(auth_enabled=False, max_body_bytes=1 << 20,
+                               models=[{"name": MODEL, "endpoints": ["http://127.0.0.1:9"]}])
+    app = create_app(settings)
+    app.middlewares.insert(0, keep_body)
+    runner = GuardedAppRunner(app, header_timeout_s=10, error_answer=parser_error_answer,
+                              lingering_time=1.0, access_log=None)
+    url = loop_thread.run(start_runner(runner))
+    try:
+        answer = post_gzip_of_zeros(url, path, 4096)  # 4 MB -> 4 GiB
+        assert answer.startswith(b"HTTP/1.1 413" if "chat" in path else b"HTTP/1.1 404"), answer
+        assert b"connection: close" in answer.lower()
+        _assert_envelope(answer.partition(b"\r\n\r\n")[2], anthropic=False)
+        (content,) = bodies
+        # inflated: what came before the answer (~1 MiB); 1 s of lingering inflated 100+ MiB
+        assert content.total_bytes < 8 << 20, content.total_bytes
+    finally:
+        loop_thread.run(runner.cleanup())
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/anthropic/v1/messages"])
+def test_a_body_that_is_not_utf8_is_a_400_naming_the_byte(gateway_url: str, path: str) -> None:
+    # a shell that sends Latin-1: "été" as e9 74 e9; orjson alone said "surrogates not allowed"
+    # at char 0, whatever the byte
+    body = orjson.dumps(BODIES[path]).replace(b'"hi"', '"été"'.encode("latin-1"))
+    offset = body.index(b"\xe9")
+    response = httpx.post(gateway_url + path, content=body)
+    assert response.status_code == 400
+    _assert_envelope(response.content, path.startswith("/anthropic"))
+    message = response.json()["error"]["message"]
+    assert f"byte {offset} (0xe9) is not UTF-8" in message and "surrogates" not in message
+    assert httpx.post(gateway_url + path, content=body.decode("latin-1").encode()).status_code \
+        != 400  # the same text in UTF-8 is read (no upstream here: not a 400 for the body)
