@@ -17,6 +17,13 @@ bytes), with one warning line, where aiohttp logged a traceback
 per request and answered text/plain; a body aiohttp fails to decode while discarding it (a bad
 gzip body on a route that did not read it) is one warning line too.
 
+A request whose answer leaves the rest of a compressed body unread (a refusal: 413, 401, ...)
+has that rest abandoned (`abandoning_unread_body`, called by the app's middleware on each
+answer, which makes the handler `abandon_body`): the socket is no
+longer read, where aiohttp's lingering close read and inflated it for up to 10 s to discard it,
+on the event loop (an 8 MB gzip body of zeros: ~6 s of CPU after its 413); the connection closes
+once the lingering time is over, the answer delivered.
+
 This reaches into aiohttp's RequestHandler (its request count, message queue and `_ErrInfo`,
 pinned by the version in pyproject.toml); tests/gateway/web/test_slow_clients.py and
 test_parser_refusals.py fail if a release changes them.
@@ -47,7 +54,7 @@ _HEAD_PREFIX_BYTES = 512  # of a request's first bytes, kept to name its path in
 
 class _GuardedHandler(RequestHandler):
     __slots__ = ("_error_answer", "_error_head", "_head", "_header_timeout_s", "_header_timer",
-                 "_last_payload")
+                 "_is_body_abandoned", "_last_payload")
 
     def __init__(self, *args: Any, header_timeout_s: float, error_answer: ErrorAnswer | None,
                  **kwargs: Any) -> None:
@@ -58,6 +65,7 @@ class _GuardedHandler(RequestHandler):
         self._last_payload: Any = None  # the body stream of the newest request parsed
         self._head = b""  # the first bytes of the request being received
         self._error_head = b""  # ... of the request the parser refused
+        self._is_body_abandoned = False  # the rest of the request's body is not read
 
     def data_received(self, data: bytes) -> None:
         num_requests = self._request_count
@@ -78,6 +86,17 @@ class _GuardedHandler(RequestHandler):
             # bytes of a request whose headers have not all come (not of a body)
             self._header_timer = self._loop.call_later(self._header_timeout_s,
                                                        self._on_header_timeout)
+
+    def abandon_body(self) -> None:
+        """Read no more of this connection: the rest of the request's body is not wanted (its
+        answer refused it, and says the connection closes). aiohttp's lingering close then
+        waits its `lingering_time` for bytes that no longer come, and closes."""
+        self._is_body_abandoned = True
+        self.pause_reading()
+
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        if not self._is_body_abandoned:  # (flow control resumes as the lingering close drains)
+            super().resume_reading(resume_parser)
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -140,6 +159,25 @@ class _GuardedHandler(RequestHandler):
         if transport is not None and not transport.is_closing():
             transport.write(_TIMEOUT_ANSWER)
         self.force_close()
+
+
+def abandoning_unread_body(request: web.BaseRequest,
+                           response: web.StreamResponse) -> web.StreamResponse:
+    """`response`; when it leaves a compressed request body unread (a refusal: too large, no
+    credential, an unknown route, ...), it says the connection closes and the rest of the body
+    is never read (`abandon_body`, under a GuardedAppRunner): aiohttp's lingering close would
+    inflate it to discard it, up to ~1,000x its bytes, on the event loop. A middleware calls
+    this on every answer it returns."""
+    encoding = request.headers.get("Content-Encoding")
+    if (encoding is None or encoding.strip().lower() in ("", "identity")
+            or request.content.is_eof()):
+        return response
+    if not response.prepared:
+        response.force_close()
+    protocol = request.protocol
+    if isinstance(protocol, _GuardedHandler):
+        protocol.abandon_body()
+    return response
 
 
 def _header(head: bytes, name: bytes) -> str | None:

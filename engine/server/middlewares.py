@@ -26,6 +26,7 @@ from aiohttp.typedefs import Handler
 
 from contracts.replica_errors import APIError, AuthenticationError, json_error
 from engine.server.keys import REQUEST_ID_KEY
+from infra.http_server import abandoning_unread_body
 from infra.json_body import undecodable_encoding
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,13 @@ def _http_error(exc: web.HTTPException, request: web.Request) -> web.Response:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Also: an answer that leaves a compressed body unread (a 401, a 413) closes the connection
+    without the rest being read or inflated (infra/http_server.abandoning_unread_body)."""
     request_id_of(request)
+    return abandoning_unread_body(request, await _answer(request, handler))
+
+
+async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except APIError as exc:

@@ -18,6 +18,7 @@ from gateway.dialects import AnthropicMessages, OpenAIChat
 from gateway.request.admission import request_id_of
 from gateway.request.answer import OVERHEAD_MS, error_response
 from gateway.web.routes import is_anthropic_path
+from infra.http_server import abandoning_unread_body
 
 log = logging.getLogger("aigw.gateway")
 _OPENAI = OpenAIChat()
@@ -32,15 +33,20 @@ async def envelope_middleware(request: web.Request, handler: Handler) -> web.Str
         response = await handler(request)
     except web.HTTPException as exc:
         message = _not_found_message(request) if exc.status == 404 else exc.reason
-        return _error(request, exc.status, _CODES.get(exc.status, "http_error"), message, started)
+        response = _error(request, exc.status, _CODES.get(exc.status, "http_error"), message,
+                          started)
+        return abandoning_unread_body(request, response)
     except (RedisConnectionError, RedisTimeoutError) as exc:  # keys, limits, the admin API
         log.warning("store unavailable on %s %s: %s", request.method, request.path, exc)
-        return _error(request, 503, "store_unavailable",
-                      "the gateway's data store (keys, limits) is unreachable; retry shortly",
-                      started)
+        response = _error(request, 503, "store_unavailable",
+                          "the gateway's data store (keys, limits) is unreachable; retry shortly",
+                          started)
+        return abandoning_unread_body(request, response)
     except Exception:  # noqa: BLE001 - never a traceback to the client
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return _error(request, 500, "internal_error", "internal gateway error", started)
+        response = _error(request, 500, "internal_error", "internal gateway error", started)
+        return abandoning_unread_body(request, response)
+    abandoning_unread_body(request, response)
     if response.prepared:  # (the pipeline's answers: sent already, nothing to add)
         return response
     if request.content.exception() is not None or response.status == 408:

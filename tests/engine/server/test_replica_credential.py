@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -105,3 +106,43 @@ def test_the_secret_is_read_from_the_environment_or_a_file(tmp_path: Path) -> No
     with pytest.raises(ValueError, match="empty"):
         read_secret({"AIGW_REPLICA_SECRET_FILE": str(path)})
     assert SECRET not in repr(ReplicaServerSettings(secret=SECRET))
+
+
+@pytest.mark.parametrize("secret", [SECRET, None])
+def test_the_rest_of_a_refused_compressed_body_is_never_inflated(secret: str | None) -> None:
+    """A 4 MB gzip body of zeros without the secret (401), or over client_max_size_bytes (413),
+    went on to inflate to GiBs on the replica's event loop as aiohttp's lingering close read it
+    to discard it; now the connection closes with the answer, the rest never read."""
+    import asyncio
+
+    from aiohttp import web
+
+    from infra.http_server import GuardedAppRunner
+    from tests.raw_http import post_gzip_of_zeros
+
+    app = create_app(FakeEngine(), ReplicaServerSettings(secret=secret,
+                                                         client_max_size_bytes=1 << 20))
+    bodies: list[Any] = []
+
+    @web.middleware
+    async def keep_body(request: web.Request, handler: Any) -> web.StreamResponse:
+        bodies.append(request.content)
+        return await handler(request)  # type: ignore[no-any-return]
+
+    app.middlewares.insert(0, keep_body)
+
+    async def refused() -> bytes:  # (the replica's runner; aiohttp's 10 s lingering: 1 s)
+        runner = GuardedAppRunner(app, header_timeout_s=10, lingering_time=1.0)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            return await asyncio.to_thread(post_gzip_of_zeros, f"http://127.0.0.1:"
+                                           f"{runner.addresses[0][1]}", "/v1/completions", 4096)
+        finally:
+            await runner.cleanup()
+
+    answer = asyncio.run(refused())
+    assert answer.startswith(b"HTTP/1.1 401" if secret else b"HTTP/1.1 413"), answer[:200]
+    assert b"connection: close" in answer.lower() and b'"error"' in answer
+    (content,) = bodies
+    assert content.total_bytes < 8 << 20, content.total_bytes  # (of 4 GiB sent)
