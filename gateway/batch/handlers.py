@@ -310,6 +310,12 @@ async def create_batch(request: web.Request) -> web.Response:
         raise ApiError(400, "invalid_request", "completion_window must be '24h'",
                        "completion_window")
     metadata = _metadata(body.get("metadata"))
+    max_active = service.settings.max_active_batches
+    if await service.store.num_active_batches(principal.project) >= max_active:
+        # (each one is polled by every gateway's runner: their number is one project's to keep)
+        raise ApiError(429, "too_many_active_batches", f"the project has {max_active} batches "
+                       "not yet finished, as many as it may; retry once one has ended (or cancel "
+                       "one)")
     input_file = await service.store.get_file(principal.project, input_file_id)
     if input_file is None:
         raise ApiError(404, "not_found", f"no file with id {input_file_id!r}", "input_file_id")

@@ -11,6 +11,7 @@
     aigw:batch:{<id>}:lease                 the gateway working it (SET NX PX)
     aigw:batch:batches:<project>            the project's batch ids, scored by created_at
     aigw:batch:active                       batches with work left, scored by created_at
+    aigw:batch:active:<project>             the same, one project's (its count is bounded)
 
 A zset orders members of one score by their bytes, so (created_at, id) pages the same as SQLite's
 index. Each call touches one key or keys of one batch (one hash tag): Redis Cluster works too.
@@ -116,6 +117,7 @@ class RedisBatchStore(BatchStore):
                                                            "project": record.project})
         await self._redis.zadd(f"{_P}batches:{record.project}", {record.id: record.created_at})
         await self._redis.zadd(f"{_P}active", {record.id: record.created_at})
+        await self._redis.zadd(f"{_P}active:{record.project}", {record.id: record.created_at})
 
     async def get_batch_any(self, batch_id: str) -> BatchRecord | None:
         body, cancelling_at = await self._redis.hmget(_state(batch_id), ["body", "cancelling_at"])
@@ -139,6 +141,7 @@ class RedisBatchStore(BatchStore):
         await self._redis.hset(_state(record.id), "body", _body(record))
         if not BatchStatus(record.status).is_active:
             await self._redis.zrem(f"{_P}active", record.id)
+            await self._redis.zrem(f"{_P}active:{record.project}", record.id)
 
     async def request_cancel(self, project: str, batch_id: str, at: int) -> BatchRecord | None:
         record = await self.get_batch(project, batch_id)
@@ -150,6 +153,9 @@ class RedisBatchStore(BatchStore):
 
     async def active_batch_ids(self) -> list[str]:
         return [_text(i) for i in await self._redis.zrange(f"{_P}active", 0, -1)]
+
+    async def num_active_batches(self, project: str) -> int:
+        return int(await self._redis.zcard(f"{_P}active:{project}"))
 
     async def try_lease(self, batch_id: str, owner: str, lease_s: float) -> bool:
         return bool(await self._lease(keys=[f"{_P}{{{batch_id}}}:lease"],

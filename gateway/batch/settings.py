@@ -22,6 +22,8 @@ class BatchSettings(BaseModel):
     max_file_bytes: int = Field(default=100 * 1024 * 1024, gt=0)  # one upload (413 above it)
     max_lines: int = Field(default=50_000, gt=0)  # lines of one batch input file (400 above it)
     max_project_bytes: int = Field(default=10 * 1024 * 1024 * 1024, gt=0)  # all files of a project
+    # a project's batches not yet finished (a create past it: 429 too_many_active_batches)
+    max_active_batches: int = Field(default=100, gt=0)
     # batch lines cost (1 - this) x the price
     price_discount: float = Field(default=0.5, ge=0.0, le=1.0)
     max_concurrent_lines: int = Field(default=4, gt=0)

@@ -159,6 +159,11 @@ class SqliteBatchStore(BatchStore):
                                *_ACTIVE)
         return [row[0] for row in rows]
 
+    async def num_active_batches(self, project: str) -> int:
+        row = await self._all("SELECT COUNT(*) FROM batches WHERE project = ? AND status IN "
+                              f"({', '.join('?' * len(_ACTIVE))})", project, *_ACTIVE)
+        return int(row[0][0])
+
     async def try_lease(self, batch_id: str, owner: str, lease_s: float) -> bool:
         now = time.time()
         return await self._exec(

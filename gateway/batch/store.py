@@ -65,6 +65,10 @@ class BatchStore(ABC):
         """Batches the runner still has work on, oldest first."""
 
     @abstractmethod
+    async def num_active_batches(self, project: str) -> int:
+        """How many of the project's batches the runner still has work on."""
+
+    @abstractmethod
     async def try_lease(self, batch_id: str, owner: str, lease_s: float) -> bool:
         """Take or renew the batch's lease for `owner`; False while another owner holds it."""
 

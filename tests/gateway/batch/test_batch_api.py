@@ -549,3 +549,43 @@ def test_uploads_in_flight_count_against_the_projects_bytes(make_gateway: Any,
     assert upload(40 * kib).status_code == 200  # the refused one's bytes were released
     assert uploads.in_flight("anonymous") == 0
     assert not list((tmp_path / "batch-files").glob("*.part"))
+
+
+def test_a_projects_unfinished_batches_are_bounded(make_gateway: Any, loop_thread: LoopThread,
+                                                  tmp_path: Path) -> None:
+    """Batches were created without bound: every gateway's runner polls each active batch, so
+    one project's thousands of waiting batches slowed everyone's. batch.max_active_batches
+    bounds a project's unfinished ones (429 too_many_active_batches past it); another
+    project's are its own, and a finished one makes room."""
+    from auth.principal import Principal
+    from gateway.batch.records import BatchStatus
+    from gateway.web.keys import BATCH
+
+    class TwoProjects:
+        async def authenticate(self, credential: str | None) -> Principal:
+            return Principal(str(credential), "k-" + str(credential),
+                             frozenset({Scope.INVOKE.value}))
+
+    gateway = make_gateway(data_dir=tmp_path, authenticator=TwoProjects(),
+                           batch={"max_active_batches": 2})
+
+    def create(project: str) -> Any:
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=project, max_retries=0)
+        uploaded = client.files.create(file=("in.jsonl", io.BytesIO(jsonl([chat_line("a", "b")]))),
+                                       purpose="batch")
+        return client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                     completion_window="24h")
+
+    openai.OpenAI(base_url=gateway.url + "/v1", api_key="alpha").batches.list()  # (opens it)
+    service = gateway.app[BATCH]
+    loop_thread.run(service.runner.close())  # nothing advances: every batch stays unfinished
+    first = create("alpha")
+    create("alpha")
+    with pytest.raises(openai.RateLimitError) as refused:
+        create("alpha")
+    assert refused.value.code == "too_many_active_batches"
+    create("beta")  # another project's count
+    record = loop_thread.run(service.store.get_batch_any(first.id))
+    record.status = BatchStatus.COMPLETED.value
+    loop_thread.run(service.store.save_batch(record))
+    create("alpha")  # room again

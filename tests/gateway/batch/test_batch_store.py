@@ -82,6 +82,7 @@ def test_the_store_contract(store_factory: Any) -> None:
             reread.status = BatchStatus.CANCELLED.value
             await store.save_batch(reread)
             assert await store.active_batch_ids() == ["batch_1", "batch_2", "batch_q"]
+            assert [await store.num_active_batches(p) for p in ("p", "q", "r")] == [2, 1, 0]
 
             assert await store.try_lease("batch_1", "a", 30)
             assert not await store.try_lease("batch_1", "b", 30)
