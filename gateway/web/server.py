@@ -1,8 +1,9 @@
 """Running the gateway: one process serves until SIGTERM/SIGINT, then drains.
 
 Drain: /health turns 503 and new requests get 503 `draining`, the listening socket closes, and
-in-flight requests get up to `settings.drain_timeout_s` to finish (aiohttp's shutdown_timeout)
-before the cleanup contexts close the upstream sessions and the auth/metering stores.
+in-flight requests get up to `settings.drain_timeout_s` to finish (streams still running then are
+ended with their dialect's error event; aiohttp's shutdown_timeout is `STREAM_END_MARGIN_S`
+longer) before the cleanup contexts close the upstream sessions and the auth/metering stores.
 With `--workers N`, N such processes share the port through SO_REUSEPORT. Every connection must
 send a request's headers within `client_header_timeout_s` (infra/http_server.py).
 """
@@ -28,6 +29,13 @@ from infra.http_server import GuardedAppRunner
 
 log = logging.getLogger("aigw.gateway")
 _OPENAI, _ANTHROPIC = OpenAIChat(), AnthropicMessages()
+# aiohttp's own drain wait (shutdown_timeout) ends this long after `drain_timeout_s`, when the
+# streams still running have been ended (drain): a handler that finished in the same moment as
+# aiohttp's wait timed out made aiohttp log "Unhandled exception ... InvalidStateError" (its
+# waiter was cancelled but not yet cleared); ending a stream (its error event, the upstream's
+# close, the settle) takes milliseconds, so the margin costs nothing unless a non-streamed
+# request is still running then
+STREAM_END_MARGIN_S = 1.0
 
 
 async def serve(settings: GatewaySettings, *, reuse_port: bool = False) -> None:
@@ -64,7 +72,7 @@ def gateway_runner(app: web.Application, settings: GatewaySettings) -> GuardedAp
                             error_answer=parser_error_answer,
                             keepalive_timeout=settings.keepalive_timeout_s,
                             handler_cancellation=True, access_log=None,
-                            shutdown_timeout=settings.drain_timeout_s)
+                            shutdown_timeout=settings.drain_timeout_s + STREAM_END_MARGIN_S)
 
 
 def parser_error_answer(path: str, status: int, code: str, message: str) -> web.Response:
