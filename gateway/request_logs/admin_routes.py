@@ -30,7 +30,7 @@ from gateway.request_logs.settings import ProjectLogSettings
 from gateway.request_logs.store import MAX_PAGE, LogQuery
 from gateway.request_logs.writer import RequestLog
 from gateway.web.admin_routes import body_refusal, body_timeout_s
-from gateway.web.credentials import credential_of
+from gateway.web.credentials import authenticated
 from infra.json_body import BodyError, read_json
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -90,7 +90,7 @@ def build_request_log_routes(request_log: RequestLog, authenticator: Authenticat
                                                Awaitable[web.StreamResponse]]) -> Handler:
         async def wrapper(request: web.Request) -> web.StreamResponse:
             try:
-                principal = await authenticator.authenticate(credential_of(request))
+                principal = await authenticated(request, authenticator)
                 principal.require(scope)
                 return await handler(request, principal)
             except AuthError as exc:

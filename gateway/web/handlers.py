@@ -15,7 +15,7 @@ from gateway.dialects.base import Dialect
 from gateway.dialects.openai_embeddings import OpenAIEmbeddings
 from gateway.request.keeper import AnswerKeeper
 from gateway.web import token_count
-from gateway.web.credentials import credential_of
+from gateway.web.credentials import authenticated
 from gateway.web.keys import AUTHENTICATOR, FLEET, PIPELINE, SETTINGS
 
 OPENAI_CHAT = OpenAIChat()
@@ -95,7 +95,7 @@ async def _visible_models(request: web.Request, dialect: Dialect
     """The OpenAI model entries the caller's credential may call, or its auth error answer (in
     the dialect's envelope)."""
     try:
-        principal = await request.app[AUTHENTICATOR].authenticate(credential_of(request))
+        principal = await authenticated(request, request.app[AUTHENTICATOR])
         principal.require(Scope.INVOKE)
     except AuthError as exc:
         return _json(dialect.error_body(exc.status, exc.code, exc.message), exc.status)

@@ -33,7 +33,7 @@ from gateway.metering.limit_store import LimitScope, LimitStore
 from gateway.metering.limit_watcher import LimitWatcher
 from gateway.metering.settings import Limits
 from gateway.web.admin_routes import _body, _error, _project_in_path, body_refusal
-from gateway.web.credentials import credential_of
+from gateway.web.credentials import authenticated
 from gateway.web.origin_check import cross_site_write
 from infra.json_body import BodyError
 
@@ -71,8 +71,7 @@ def build_limit_routes(services: AuthServices, limits: LimitServices,
             if refused is not None:
                 return _error(403, "cross_site_request", refused)
             try:
-                principal: Principal = await services.authenticator.authenticate(
-                    credential_of(request))
+                principal: Principal = await authenticated(request, services.authenticator)
                 principal.require(Scope.ADMIN)
                 return await handler(request)
             except AuthError as exc:

@@ -182,7 +182,8 @@ def test_the_direct_stderr_write_is_byte_identical_to_logging(
 def test_a_request_refused_after_its_key_was_read_names_its_project_and_key(
         make_gateway: GatewayFactory, access_lines: list[str]) -> None:
     """Refused before a usage record (a bad field, an unknown model, a stored response that is
-    not there): the caller was known, so its line names it, as a metered request's does."""
+    not there), or a route without one (the model list): the caller was known, so its line names
+    it, as a metered request's does."""
     gateway = make_gateway(authenticator=OneKey())
     headers = {"authorization": f"Bearer {SECRET_KEY}"}
     bad_field = {"model": MODEL, "max_tokens": "3", "messages": [{"role": "user", "content": "x"}]}
@@ -191,12 +192,13 @@ def test_a_request_refused_after_its_key_was_read_names_its_project_and_key(
     assert httpx.post(gateway.url + "/v1/chat/completions", headers=headers, json={
         "model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).status_code == 404
     assert httpx.get(gateway.url + "/v1/responses/resp_0123", headers=headers).status_code == 404
+    assert httpx.get(gateway.url + "/v1/models", headers=headers).status_code == 200
     assert httpx.get(gateway.url + "/v1/responses/resp_0123").status_code == 401
-    assert wait_until(lambda: len(access_lines) >= 4)
-    lines = [dict(pair.split("=", 1) for pair in line.split(" ")) for line in access_lines[:4]]
-    assert [f["status"] for f in lines] == ["400", "404", "404", "401"]
-    for fields in lines[:3]:
+    assert wait_until(lambda: len(access_lines) >= 5)
+    lines = [dict(pair.split("=", 1) for pair in line.split(" ")) for line in access_lines[:5]]
+    assert [f["status"] for f in lines] == ["400", "404", "404", "200", "401"]
+    for fields in lines[:4]:
         assert (fields["project"], fields["key_id"]) == ("proj-a", "key-17"), fields
         assert fields["prompt_tokens"] == fields["completion_tokens"] == "0"
-    assert (lines[3]["project"], lines[3]["key_id"]) == ('""', '""')  # no credential: nobody
+    assert (lines[4]["project"], lines[4]["key_id"]) == ('""', '""')  # no credential: nobody
     assert SECRET_KEY not in "\n".join(access_lines)
