@@ -9,7 +9,8 @@ running list except by finishing, aborting or preemption.
 
 Prefix-aware admission: among the first `prefix_aware_window` waiting requests of the head's class
 the one with the most cached prompt tokens goes first (it costs the least prefill); the head of the
-queue is passed over at most `prefix_aware_window` times, so nothing starves.
+queue is passed over at most `prefix_aware_window` times, so nothing starves, and with a TTFT
+target only while a seat is left for the head too.
 
 Priority classes (`Request.priority`, lower first: OpenAI's service_tier priority -1, default 0,
 flex 1): both queues are kept in class order (FIFO within a class), and each step goes class by
@@ -190,7 +191,7 @@ class Scheduler:
                 num_free_seats = max(num_seats - len(self.running), int(has_lower))
                 picked = self._pick_within_shares(priority, free, num_free_seats)
             else:
-                picked = self._pick_waiting()
+                picked = self._pick_waiting(num_seats - len(self.running))
             if picked is None:
                 break  # every waiting request of the class meets another project's reserved share
             request, computed = picked
@@ -374,10 +375,17 @@ class Scheduler:
         """Whether a running request not yet scheduled in this step is of a lower class."""
         return len(self.running) > index and self.running[-1].priority > priority
 
-    def _pick_waiting(self) -> tuple[Request, ComputedBlocks]:
+    def _pick_waiting(self, num_free_seats: int) -> tuple[Request, ComputedBlocks]:
+        """The head of the waiting queue, or the request of its class in the prefix-aware window
+        with the most cached tokens. With a TTFT target, the head is passed over only while a seat
+        is left for it too: a request that takes the last free seat holds it until it finishes, so
+        passing over the head there costs it a whole answer's time, which admission's FIFO
+        prediction did not count (under the slo plan's seat cap the agent workload's first turns
+        waited 8 answers behind later turns' cache hits)."""
         head = self.waiting[0]
         head_computed = self.kv_cache.get_computed_blocks(head)
-        if self._num_head_skips >= self.config.prefix_aware_window or len(self.waiting) == 1:
+        if (self._num_head_skips >= self.config.prefix_aware_window or len(self.waiting) == 1
+                or (self.config.ttft_p90_ms is not None and num_free_seats < 2)):
             self._num_head_skips = 0
             return head, head_computed
         best, best_computed = head, head_computed

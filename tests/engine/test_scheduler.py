@@ -200,3 +200,26 @@ def test_config_refuses_a_budget_smaller_than_the_number_of_running_sequences() 
 
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_num_seqs"):
         SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=16)
+
+
+def test_with_a_ttft_target_the_head_is_not_passed_over_for_the_last_free_seat() -> None:
+    def admitted_order(ttft_p90_ms: float | None, max_num_seqs: int) -> list[str]:
+        config = SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=max_num_seqs,
+                                 prefix_aware_window=8, ttft_p90_ms=ttft_p90_ms)
+        scheduler = Scheduler(config, make_manager(256, enable_caching=True))
+        shared = tokens(64, start=7000)
+        scheduler.add_request(make_request(shared + [1], max_tokens=1))
+        run_to_completion(scheduler)  # leaves 4 cached blocks behind
+        streaming = make_request(tokens(8, start=50), max_tokens=20, request_id="streaming")
+        scheduler.add_request(streaming)
+        simulate_step(scheduler, scheduler.schedule())  # it holds a seat from here on
+        scheduler.add_request(make_request(tokens(65, start=100), max_tokens=1, request_id="cold"))
+        scheduler.add_request(make_request(shared + [2], max_tokens=1, request_id="warm"))
+        batch = scheduler.schedule()
+        return [s.request_id for s in batch.sequences if s.request_id != "streaming"]
+
+    # one seat free: the head takes it (FIFO, as admission predicted); without a target, or with
+    # seats for both, the cache hit goes first
+    assert admitted_order(3000.0, max_num_seqs=2) == ["cold"]
+    assert admitted_order(None, max_num_seqs=2) == ["warm"]
+    assert admitted_order(3000.0, max_num_seqs=3) == ["warm", "cold"]
