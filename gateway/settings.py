@@ -40,7 +40,7 @@ _config_path: contextvars.ContextVar[Path | None] = contextvars.ContextVar("aigw
 class Prices(BaseModel):
     """US dollars per token."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")
     input_per_token: float = Field(default=0.0, ge=0)
     cached_input_per_token: float = Field(default=0.0, ge=0)
     output_per_token: float = Field(default=0.0, ge=0)
@@ -56,7 +56,8 @@ class Prices(BaseModel):
 class ModelSettings(BaseModel):
     """One client-visible model: which backend serves it and on which endpoints."""
 
-    model_config = ConfigDict(frozen=True)
+    # (unknown keys are errors, as at the top level: `upstream_modle = ...` was ignored)
+    model_config = ConfigDict(frozen=True, extra="forbid")
     name: str = Field(min_length=1)
     backend: str = "replica"
     endpoints: tuple[str, ...] = ()  # required unless `discover` is set (then: the first set)
@@ -171,9 +172,10 @@ class ModelSettings(BaseModel):
 
 class LimitDefaults(BaseModel):
     """Limits handed to the meter (None = unlimited): per minute, in flight, and USD budgets
-    (gateway/metering/settings.py::Limits checks them; the admin API's limits replace these)."""
+    (gateway/metering/settings.py::Limits checks them; the admin API's limits replace these).
+    Unknown keys are errors: a misspelt `requests_per_minit` was ignored, leaving no limit."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")
     requests_per_minute: int | None = Field(default=None, gt=0)
     tokens_per_minute: int | None = Field(default=None, gt=0)
     daily_budget_usd: float | None = Field(default=None, gt=0)

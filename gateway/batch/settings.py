@@ -17,7 +17,7 @@ class BatchSettings(BaseModel):
     `max_concurrent_lines` at a time; it is metered at (1 - `price_discount`) of the model's
     prices."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")  # a misspelt key is an error
     enabled: bool = True
     max_file_bytes: int = Field(default=100 * 1024 * 1024, gt=0)  # one upload (413 above it)
     max_lines: int = Field(default=50_000, gt=0)  # lines of one batch input file (400 above it)

@@ -160,6 +160,32 @@ def test_a_bad_config_file_is_one_error_message_and_status_1(
     assert err.startswith("aigw: invalid configuration: ") and "Traceback" not in err
 
 
+@pytest.mark.parametrize(("config_text", "where"), [
+    ('[[models]]\nname = "m"\nendpoints = ["http://127.0.0.1:9"]\nupstream_modle = "x"\n',
+     "models.0.upstream_modle"),
+    ('[[models]]\nname = "m"\nendpoint = ["http://127.0.0.1:9"]\n', "models.0.endpoint"),
+    ('[[models]]\nname = "m"\nendpoints = ["http://127.0.0.1:9"]\n[models.prices]\n'
+     "input_per_tokens = 1e-6\n", "models.0.prices.input_per_tokens"),
+    ("[limits]\nrequests_per_minit = 600\n", "limits.requests_per_minit"),
+    ("[project_limits.team-a]\ntokens_per_minutes = 1000\n",
+     "project_limits.team-a.tokens_per_minutes"),
+    ("[batch]\nmax_line = 10\n", "batch.max_line"),
+])
+def test_a_misspelt_key_in_a_table_is_an_error_naming_it(
+        config_text: str, where: str, tmp_path: Path) -> None:
+    """Unknown keys are errors in every table, as at the top level (configuration.md): a typo
+    in `[limits]` was ignored, so the gateway started with no limit at all, and one in
+    `[[models]]` sent requests upstream under the wrong name."""
+    from gateway.settings import load_settings
+    from infra.config_errors import one_line
+
+    config = tmp_path / "gateway.toml"
+    config.write_text(config_text)
+    with pytest.raises(ValueError) as refused:
+        load_settings(config)
+    assert f"{where}: Extra inputs are not permitted" in one_line(refused.value)
+
+
 @pytest.mark.parametrize("variable", [
     "AIGW_TRACE_SAMPLE_RATIO=abc", "AIGW_TRACE_SAMPLE_RATIO=2", "AIGW_TRACE_BUFFER_TRACES=0",
     "AIGW_TRACE_MAX_PER_S=-1", "AIGW_TRACE_MAX_PER_S=nan",
