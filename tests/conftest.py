@@ -83,3 +83,17 @@ def default_embedder() -> Iterator[object]:
     embedder = Embedder.load(default_embedding_model_path())
     yield embedder
     embedder.shutdown()
+
+
+@pytest.fixture(scope="session")
+def transformers_gguf_tokenizer() -> object:
+    """transformers' own tokenizer of the default GGUF (`AutoTokenizer.from_pretrained(...,
+    gguf_file=...)`), built once for the session: the reference of the tokenizer tests and the
+    tokenizer of the tiny Hugging Face directories (read only; ~10 s to build)."""
+    transformers = pytest.importorskip("transformers")
+    from contracts.default_model import default_model_path
+    from tests.transformers_gguf import quick_gguf_reading
+
+    path = default_model_path()
+    with quick_gguf_reading():
+        return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -53,10 +53,9 @@ def tokenizer(gguf_path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def reference(gguf_path):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent),
-                                                      gguf_file=gguf_path.name)
+def reference(transformers_gguf_tokenizer):
+    """transformers' tokenizer of the same GGUF file (the session's, tests/conftest.py)."""
+    return transformers_gguf_tokenizer
 
 
 @pytest.mark.parametrize("text", TEXTS)

@@ -89,13 +89,17 @@ def engine(make_engine: EngineFactory) -> LLMEngine:
 
 @pytest.fixture(scope="session")
 def hf_model(model_path: str) -> Any:
-    """Hugging Face transformers' own reading of the same GGUF file (slow: ~30 s; load once)."""
+    """Hugging Face transformers' own reading of the same GGUF file (slow: ~30 s; load once;
+    tests/transformers_gguf.py takes out its repeated set-up)."""
     from pathlib import Path
 
     import transformers
 
+    from tests.transformers_gguf import quick_gguf_reading
+
     torch.set_num_threads(1)
     path = Path(model_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32)
+    with quick_gguf_reading():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval()

@@ -19,17 +19,15 @@ TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    """A tiny random Llama saved in two safetensors shards, with SmolLM2's tokenizer."""
+def llama_dir(tmp_path_factory, transformers_gguf_tokenizer):
+    """A tiny random Llama saved in two safetensors shards, with SmolLM2's tokenizer (as
+    transformers reads it from the GGUF: the session's, tests/conftest.py)."""
     directory = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**TINY, eos_token_id=2, bos_token_id=1)
     model = transformers.LlamaForCausalLM(config)
     model.save_pretrained(directory, max_shard_size="8MB")
-    gguf_path = default_model_path()
-    reference = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent),
-                                                           gguf_file=gguf_path.name)
-    reference.save_pretrained(directory)
+    transformers_gguf_tokenizer.save_pretrained(directory)
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
     return directory, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
