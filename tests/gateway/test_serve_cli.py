@@ -249,10 +249,13 @@ def test_replica_args_take_the_next_word_whatever_it_starts_with(
 
 
 def test_a_replica_that_exits_at_start_is_one_error_line_and_status_1(
-        capsys: pytest.CaptureFixture[str]) -> None:
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """On a free port: the default 8000 is often held (a developer's `make run`), and the port
+    check before the replicas start would answer first."""
     from cli.main import main
 
-    assert main(["serve", "--replica-args", "--no-such-flag"]) == 1
+    monkeypatch.delenv("AIGW_REDIS_URL", raising=False)
+    assert main(["serve", "--port", str(free_port()), "--replica-args", "--no-such-flag"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("aigw: replica ") and "exited with 2" in err and "Traceback" not in err
 
