@@ -22,12 +22,15 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(BIN)/aigw serve $(SERVE_ARGS)
 
+# pytest writes bytecode even where PYTHONDONTWRITEBYTECODE is set (as in many container images):
+# without it every test module is assertion-rewritten and every replica/gateway subprocess
+# recompiles the project on each start (__pycache__ is git-ignored)
 test: setup
 	bash scripts/ensure-redis.sh
 	bash scripts/ensure-chromium.sh
 	$(BIN)/ruff check engine gateway auth chat contracts infra cli bench tests scripts
 	$(BIN)/mypy --strict --follow-imports=silent gateway auth chat contracts infra
-	$(BIN)/python -m pytest -q
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q
 
 lint: setup
 	$(BIN)/ruff check engine gateway auth chat contracts infra cli bench tests scripts
