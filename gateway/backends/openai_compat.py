@@ -2,7 +2,8 @@
 
 Streams always ask for `stream_options.include_usage`, so usage is never lost; if an upstream still
 sends none, tokens are counted here: with the model's tokenizer (`ModelSettings.tokenizer`, a
-tokenizer.json) when configured, else `canonical.estimate_num_tokens` (~4 characters per token).
+tokenizer.json) when configured, else `canonical.estimate_num_tokens` (~4 characters per token,
+but at least one token per non-empty delta).
 Endpoint URLs are origins (`http://host:port`); `/v1/...` paths are appended.
 """
 
@@ -226,8 +227,12 @@ class OpenAICompatBackend(Backend):
         completion = "".join(choice.text + "".join(c.arguments for c in choice.tool_calls)
                              for choice in (response, *response.others))
         tokenizer_path = endpoint.model.tokenizer
+        # without a tokenizer: ~4 characters a token, but at least one per non-empty delta (a
+        # stream of digits is a token or two a delta, a quarter of what the characters say)
         num_completion_tokens = (len(encode_ids(_load_tokenizer(tokenizer_path), completion))
-                                 if tokenizer_path else estimate_num_tokens(len(completion)))
+                                 if tokenizer_path
+                                 else max(estimate_num_tokens(len(completion)),
+                                          sum(acc.num_generated_deltas_by_choice)))
         return Usage(self.count_prompt_tokens(request, endpoint), num_completion_tokens)
 
     def count_prompt_tokens(self, request: CanonicalRequest, endpoint: Endpoint) -> int:

@@ -272,6 +272,7 @@ class Accumulator:
         self.prompt_usage: PromptUsage | None = None
         self.embeddings: tuple[bytes, ...] | None = None
         self.num_events = 0
+        self.num_generated_deltas = 0  # this choice's non-empty text, reasoning, tool-call deltas
         self.others: dict[int, Accumulator] = {}  # choice -> its events (n > 1)
 
     def add(self, event: CanonicalEvent) -> None:
@@ -286,14 +287,17 @@ class Accumulator:
 
     def _fold(self, event: CanonicalEvent) -> None:
         if isinstance(event, TextDelta):
+            self.num_generated_deltas += bool(event.text)
             self._text.append(event.text)
             if event.logprobs is not None:
                 if self._logprobs is None:
                     self._logprobs = []
                 self._logprobs.append(event.logprobs)
         elif isinstance(event, ReasoningDelta):
+            self.num_generated_deltas += bool(event.text)
             self._reasoning.append(event.text)
         elif isinstance(event, ToolCallDelta):
+            self.num_generated_deltas += bool(event.name or event.arguments)
             parts = self._calls.setdefault(event.index, ["", ""])
             if event.id:
                 parts[0] = event.id
@@ -329,6 +333,13 @@ class Accumulator:
         if not self.others:
             return [own]
         return [own, *(self.others[choice].num_generated_chars for choice in sorted(self.others))]
+
+    @property
+    def num_generated_deltas_by_choice(self) -> list[int]:
+        """`num_generated_deltas` of each choice seen, in `choices` order: each such delta holds
+        at least one generated token, so a cut stream's completion is at least this many."""
+        return [self.num_generated_deltas, *(self.others[choice].num_generated_deltas
+                                             for choice in sorted(self.others))]
 
     @property
     def num_first_text_chars_by_choice(self) -> list[int]:

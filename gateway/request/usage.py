@@ -26,7 +26,7 @@ def build_record(request: CanonicalRequest, principal: Principal, model: ModelSe
     """Usage as the upstream reported it, else counted from what was produced so far: the
     prompt as the upstream announced it (`PromptUsage`), or `num_prompt_tokens` (the backend's
     count, when the caller made one), or the estimate; the completion from the text and tool calls
-    received, of every choice.
+    received, of every choice (at least one token per non-empty delta).
     The record's id is `record_id` (unique per gateway request), else the request's id."""
     usage = accumulator.usage or _partial_usage(request, accumulator, num_prompt_tokens)
     return UsageRecord(
@@ -63,9 +63,10 @@ def _partial_usage(request: CanonicalRequest, accumulator: Accumulator,
                    num_prompt_tokens: int | None) -> Usage:
     chars = accumulator.num_generated_chars_by_choice
     echoed = accumulator.num_first_text_chars_by_choice if request.echo else [0] * len(chars)
-    num_completion_tokens = sum(_completion_estimate(num_chars, num_echoed_chars,
-                                                     request.max_tokens)
-                                for num_chars, num_echoed_chars in zip(chars, echoed, strict=True))
+    deltas = accumulator.num_generated_deltas_by_choice
+    num_completion_tokens = sum(
+        _completion_estimate(num_chars, num_echoed_chars, num_deltas, request.max_tokens)
+        for num_chars, num_echoed_chars, num_deltas in zip(chars, echoed, deltas, strict=True))
     announced = accumulator.prompt_usage
     if announced is not None:
         return Usage(announced.prompt_tokens, num_completion_tokens, announced.cached_tokens)
@@ -75,14 +76,18 @@ def _partial_usage(request: CanonicalRequest, accumulator: Accumulator,
                  else num_prompt_tokens, num_completion_tokens)
 
 
-def _completion_estimate(num_chars: int, num_echoed_chars: int, max_tokens: int | None) -> int:
-    """One choice's completion from its text and tool calls, at ~4 characters a token; that
-    overshoots on short tokens (digits, punctuation), so never past `max_tokens`, which no choice
-    can exceed. `num_echoed_chars`: with `echo`, the choice's first delta (its prompt, which
-    is not completion, and its first token) counts as one token."""
+def _completion_estimate(num_chars: int, num_echoed_chars: int, num_deltas: int,
+                         max_tokens: int | None) -> int:
+    """One choice's completion from its text and tool calls, at ~4 characters a token but never
+    fewer than its `num_deltas` (non-empty deltas sent: each holds at least one token, and short
+    tokens, digits or punctuation, are under 4 characters: a digit stream was billed a quarter of
+    what it sent); and never past `max_tokens`, which no choice can exceed (the characters
+    overshoot on such tokens). `num_echoed_chars`: with `echo`, the choice's first delta (its
+    prompt, which is not completion, and its first token) counts as one token."""
     if not num_chars:
         return 0
     num_tokens = 1 if num_echoed_chars else 0
     if num_chars > num_echoed_chars:
         num_tokens += estimate_num_tokens(num_chars - num_echoed_chars)
+    num_tokens = max(num_tokens, num_deltas)
     return num_tokens if max_tokens is None else min(num_tokens, max_tokens)

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import httpx
+import orjson
+import pytest
 from aiohttp import web
 
 from auth.principal import Principal
@@ -22,6 +29,7 @@ from tests.gateway.conftest import (
     GatewayFactory,
     LoopThread,
     start_chat_upstream,
+    wait_until,
     write_sse,
 )
 
@@ -140,3 +148,149 @@ def test_a_cut_stream_never_bills_more_completion_than_max_tokens_allows() -> No
     accumulator.add(TextDelta("x" * 400, choice=1))
     assert build_record(request, principal, settings, "e", accumulator, 499, 1.0
                         ).completion_tokens == 16
+
+
+def test_a_cut_stream_bills_at_least_one_token_per_delta_sent() -> None:
+    """Digits are a token or two each: 32 one-character deltas were billed 8 (~4 characters a
+    token); each non-empty delta (text, reasoning, a tool call's name or arguments) holds at
+    least one token."""
+    request = CanonicalRequest("r1", "m", messages=[Message("user", "hi")], stream=True, n=2)
+    accumulator = Accumulator()
+    accumulator.add(PromptUsage(38, 16))
+    for digit in "0123456789" * 3 + "01":
+        accumulator.add(TextDelta(digit))
+    accumulator.add(TextDelta(""))  # no token
+    accumulator.add(ToolCallDelta(0, id="call_1", name="f", arguments=""))
+    accumulator.add(ToolCallDelta(0, arguments="{"))
+    accumulator.add(TextDelta("Hello there, how are", choice=1))  # one delta, 5 by characters
+    record = build_record(request, Principal(project="p", key_id="k", scopes=frozenset()),
+                          ModelSettings(name="m", endpoints=("http://127.0.0.1:1",)),
+                          "e", accumulator, 499, 1.0)
+    assert record.completion_tokens == (32 + 2) + 5
+
+
+_DIALECTS = {  # path -> (body, is this SSE data line a non-empty text delta)
+    "/v1/chat/completions": (
+        {"messages": [{"role": "user", "content": "count"}]},
+        lambda event: bool(event.get("choices") and event["choices"][0]["delta"].get("content"))),
+    "/v1/messages": (
+        {"messages": [{"role": "user", "content": "count"}], "max_tokens": 1000},
+        lambda event: (event.get("type") == "content_block_delta"
+                       and bool(event["delta"].get("text")))),
+    "/v1/responses": (
+        {"input": "count"},
+        lambda event: (event.get("type") == "response.output_text.delta"
+                       and bool(event.get("delta")))),
+}
+_NUM_DIGITS = 40
+
+
+def _digit_upstream(loop_thread: LoopThread, dies: bool) -> tuple[web.AppRunner, str]:
+    """A plain OpenAI-compatible upstream streaming one digit a chunk and no usage: one that
+    `dies` closes the connection after _NUM_DIGITS chunks (no [DONE]); else it streams slowly
+    until the client goes."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(_NUM_DIGITS if dies else 2000):
+            chunk = {"choices": [{"index": 0, "delta": {"content": str(i % 10)},
+                                  "finish_reason": None}]}
+            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            await asyncio.sleep(0.003 if dies else 0.01)
+        request.transport.close()  # type: ignore[union-attr]
+        return response
+
+    return start_chat_upstream(loop_thread, chat)
+
+
+def _sent_deltas(lines: Iterator[str], is_delta: Callable[[dict[str, Any]], bool],
+                 stop_after: int | None = None) -> int:
+    num_deltas = 0
+    for line in lines:
+        if line.startswith("data: {"):
+            num_deltas += is_delta(orjson.loads(line[6:]))
+            if num_deltas == stop_after:
+                break
+    return num_deltas
+
+
+@pytest.mark.parametrize("path", list(_DIALECTS))
+def test_a_stream_its_upstream_cut_bills_at_least_the_deltas_the_client_got(
+        path: str, make_gateway: GatewayFactory, loop_thread: LoopThread) -> None:
+    """Every dialect's stream: 40 digits went out, once billed 10 (~4 characters a token)."""
+    runner, url = _digit_upstream(loop_thread, dies=True)
+    try:
+        gateway = make_gateway(num_upstreams=0, configs=[], models=[
+            {"name": MODEL, "backend": "openai", "endpoints": [url]}])
+        body, is_delta = _DIALECTS[path]
+        with httpx.stream("POST", gateway.url + path,
+                          json={"model": MODEL, "stream": True, **body}, timeout=30) as response:
+            assert response.status_code == 200
+            request_id = response.headers["x-request-id"]
+            num_deltas = _sent_deltas(response.iter_lines(), is_delta)
+        assert 1 <= num_deltas <= _NUM_DIGITS  # (chunks that came together are merged)
+        assert wait_until(lambda: request_id in gateway.meter.settled)
+        record = gateway.meter.settled[request_id]
+        assert record.finish_reason == "error"
+        assert record.completion_tokens >= num_deltas
+        assert record.completion_tokens <= _NUM_DIGITS  # one character: at most one token
+        time.sleep(0.1)
+        assert gateway.meter.num_settle_calls == 1
+    finally:
+        loop_thread.run(runner.cleanup())
+
+
+def test_a_stream_its_client_left_bills_at_least_the_deltas_the_client_got(
+        make_gateway: GatewayFactory, loop_thread: LoopThread) -> None:
+    runner, url = _digit_upstream(loop_thread, dies=False)
+    try:
+        gateway = make_gateway(num_upstreams=0, configs=[], models=[
+            {"name": MODEL, "backend": "openai", "endpoints": [url]}])
+        body, is_delta = _DIALECTS["/v1/chat/completions"]
+        with httpx.stream("POST", gateway.url + "/v1/chat/completions",
+                          json={"model": MODEL, "stream": True, **body}, timeout=30) as response:
+            request_id = response.headers["x-request-id"]
+            assert _sent_deltas(response.iter_lines(), is_delta, stop_after=32) == 32
+        assert wait_until(lambda: request_id in gateway.meter.settled)
+        record = gateway.meter.settled[request_id]
+        assert record.status == 499 and record.completion_tokens >= 32
+        time.sleep(0.1)
+        assert gateway.meter.num_settle_calls == 1
+    finally:
+        loop_thread.run(runner.cleanup())
+
+
+def test_a_whole_stream_without_usage_bills_at_least_the_deltas_the_client_got(
+        make_gateway: GatewayFactory, loop_thread: LoopThread) -> None:
+    """A plain upstream that never sends usage (no tokenizer configured): the same lower bound
+    on the completion the gateway counts itself."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(_NUM_DIGITS):
+            chunk = {"choices": [{"index": 0, "delta": {"content": str(i % 10)},
+                                  "finish_reason": None}]}
+            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            await asyncio.sleep(0.003)
+        await write_sse(response, ({"choices": [{"index": 0, "delta": {},
+                                                 "finish_reason": "stop"}]},))
+        return response
+
+    runner, url = start_chat_upstream(loop_thread, chat)
+    try:
+        gateway = make_gateway(num_upstreams=0, configs=[], models=[
+            {"name": MODEL, "backend": "openai", "endpoints": [url]}])
+        body, is_delta = _DIALECTS["/v1/chat/completions"]
+        with httpx.stream("POST", gateway.url + "/v1/chat/completions",
+                          json={"model": MODEL, "stream": True, **body}, timeout=30) as response:
+            request_id = response.headers["x-request-id"]
+            num_deltas = _sent_deltas(response.iter_lines(), is_delta)
+        assert wait_until(lambda: request_id in gateway.meter.settled)
+        record = gateway.meter.settled[request_id]
+        assert record.finish_reason == "stop"
+        assert num_deltas <= record.completion_tokens <= _NUM_DIGITS
+        assert gateway.meter.num_settle_calls == 1
+    finally:
+        loop_thread.run(runner.cleanup())
