@@ -273,6 +273,9 @@ class GatewaySettings(BaseSettings):
     connect_timeout_s: float = Field(5.0, gt=0)
     first_token_timeout_s: float = Field(60.0, gt=0)  # request sent -> first event (streamed)
     response_timeout_s: float = Field(600.0, gt=0)  # request sent -> a non-streamed whole answer
+    # a non-streamed upstream answer is read whole: past this many bytes it is a 502 (billed as
+    # admitted), not an unbounded buffer
+    max_upstream_answer_bytes: int = Field(64 * 1024 * 1024, gt=0)
     idle_timeout_s: float = Field(60.0, gt=0)  # between two events of a stream
     # Endpoint health
     health_interval_s: float = Field(5.0, gt=0)

@@ -119,7 +119,8 @@ class AnthropicBackend(Backend):
                 async for event in _stream_events(response):
                     yield event
             else:
-                for event in _message_events(_json(await response.read())):
+                body = await response.read(self.settings.max_upstream_answer_bytes)
+                for event in _message_events(_json(body)):
                     yield event
         except Exception as exc:
             if call is not None and response.status < 400:  # the body broke off

@@ -166,7 +166,8 @@ class OpenAICompatBackend(Backend):
                 if announced is not None:  # a stream of no chunk at all
                     yield announced
             else:  # one body: parsed at once, then yielded (no generator per event)
-                for event in _whole_events(await _read_json(response), request.kind):
+                for event in _whole_events(await _read_json(
+                        response, self.settings.max_upstream_answer_bytes), request.kind):
                     if isinstance(event, Usage):
                         usage = event
                         continue
@@ -203,7 +204,7 @@ class OpenAICompatBackend(Backend):
         try:
             if response.status >= 400:
                 await _raise_for_status(response)
-            body = await _read_json(response)
+            body = await _read_json(response, self.settings.max_upstream_answer_bytes)
             vectors = read_embeddings(body, request.num_prompts)
             is_answered = True
             yield EmbeddingVectors(vectors)
@@ -553,9 +554,10 @@ def _merged(events: list[CanonicalEvent]) -> list[CanonicalEvent]:
     return out
 
 
-async def _read_json(response: UpstreamResponse) -> Any:
+async def _read_json(response: UpstreamResponse, max_bytes: int) -> Any:
+    """The whole answer as JSON; one over `max_bytes` raises `UpstreamAnswerTooLarge`."""
     try:
-        return orjson.loads(await response.read())
+        return orjson.loads(await response.read(max_bytes))
     except orjson.JSONDecodeError as exc:
         raise UpstreamUnavailable("upstream sent malformed JSON") from exc
 

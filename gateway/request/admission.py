@@ -196,6 +196,7 @@ class Admitter:
                     f"{context_length} tokens", param="max_tokens", code="context_length_exceeded")
             max_tokens = context_length  # the default reserve, on a small model
         num_prompt_tokens = await self._admission_prompt_tokens(canonical, route, principal)
+        canonical.admitted_tokens = (num_prompt_tokens, canonical.num_choices * max_tokens)
         if canonical.rendered_prompt is not None:  # admission prices the cache: the expected hit
             num_prompt_tokens -= await self._expected_cached_tokens(canonical, route)
         observer.on_admitting(canonical.model, principal.project)

@@ -117,6 +117,9 @@ class CanonicalRequest:
     # asked for, (seconds, session retention id); (0.0, None): none
     kv_retention: tuple[float, str | None] = (0.0, None)
     project: str | None = None  # set after authentication (metering, routing)
+    # set at admission: the (prompt, completion) tokens reserved, before any expected cache hit;
+    # what an answer too large to read is billed (gateway/request/pipeline.py)
+    admitted_tokens: tuple[int, int] = (0, 0)
     # set after authentication: the key's models (None: every one); a fallback skips the others
     allowed_models: frozenset[str] | None = None
     cache_salt: str | None = None  # set after authentication: auth.cache_salt.cache_salt_for

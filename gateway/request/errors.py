@@ -89,6 +89,14 @@ class UpstreamUnavailable(UpstreamError):
     code = "upstream_unavailable"
 
 
+class UpstreamAnswerTooLarge(UpstreamUnavailable):
+    """A non-streamed answer over `max_upstream_answer_bytes`: dropped unread. The upstream did
+    the work (a retry would likely do it again), so no retry; the request is billed as
+    admitted (gateway/request/pipeline.py)."""
+
+    retryable = False
+
+
 class UpstreamTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"

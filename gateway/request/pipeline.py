@@ -44,9 +44,14 @@ from gateway.request.admission import (
 )
 from gateway.request.answer import Answerer, error_response, may_see_overhead
 from gateway.request.cache_explainer import CacheExplainer, session_of
-from gateway.request.canonical import CanonicalRequest, PromptUsage
+from gateway.request.canonical import CanonicalRequest, PromptUsage, Usage
 from gateway.request.dispatch import Attempt, Timing
-from gateway.request.errors import GatewayError, UpstreamError, UpstreamThrottled
+from gateway.request.errors import (
+    GatewayError,
+    UpstreamAnswerTooLarge,
+    UpstreamError,
+    UpstreamThrottled,
+)
 from gateway.request.fallback import FallbackChains
 from gateway.request.keeper import AnswerKeeper
 from gateway.request.observer import RequestObserver, observer_of
@@ -196,6 +201,11 @@ class Pipeline:
         block, no endpoint, an upstream's refusal): settled, then the dialect's error."""
         state.status = exc.status
         state.error = (exc.code, exc.message)
+        if isinstance(exc, UpstreamAnswerTooLarge):
+            # the upstream computed an answer the gateway would not read: billed as admitted
+            # (prompt estimate, max_tokens a choice), finish_reason "error" as a cut stream's
+            state.accumulator.add(Usage(*state.canonical.admitted_tokens))
+            state.accumulator.finish_reason = "error"
         if isinstance(exc, UpstreamError) and exc.endpoint_name:
             state.replica = exc.endpoint_name  # the endpoint that answered with the error
             if exc.model_name != state.route.settings.name:  # a fallback's: bill it there

@@ -35,13 +35,18 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import lru_cache
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 from urllib.parse import urlsplit
 
 import httptools
 
-from gateway.request.errors import UpstreamTimeout, UpstreamUnavailable
-from gateway.upstream.transport import Transport, UpstreamRequest, UpstreamResponse
+from gateway.request.errors import UpstreamAnswerTooLarge, UpstreamTimeout, UpstreamUnavailable
+from gateway.upstream.transport import (
+    Transport,
+    UpstreamRequest,
+    UpstreamResponse,
+    too_large_message,
+)
 
 log = logging.getLogger("aigw.gateway")
 
@@ -240,6 +245,12 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+def _content_length(headers: dict[str, str]) -> int:
+    """The announced body length; -1 when none (or not a number: the parser judges that)."""
+    value = headers.get("content-length", "")
+    return int(value) if value.isdigit() else -1
+
+
 class _Pool(collections.deque[_Connection]):
     """The idle connections of one origin, newest last."""
 
@@ -257,17 +268,30 @@ class _LeanResponse(UpstreamResponse):
         self._pool = pool
         self._is_done = False
 
-    async def read(self) -> bytes:
+    async def read(self, max_bytes: int | None = None) -> bytes:
         connection = self._connection
+        limit = -1 if max_bytes is None else max_bytes
+        if limit >= 0 and _content_length(connection.headers) > limit:
+            self._refuse_too_large(limit)  # announced too large: not one byte of it is read
         connection.is_reading_all = True
         while not connection.is_complete:
             if connection.error is not None:
                 raise UpstreamUnavailable("upstream failed: the answer broke "
                                           "off") from connection.error
+            if 0 <= limit < connection.num_buffered_bytes:
+                self._refuse_too_large(limit)
             await connection.wait_for_body()
+        if 0 <= limit < connection.num_buffered_bytes:
+            self._refuse_too_large(limit)
         body = connection.take_body()
         self.release()
         return body
+
+    def _refuse_too_large(self, max_bytes: int) -> NoReturn:
+        """Drop what came of the answer and its connection (reused only when it had ended)."""
+        self._connection.take_body()
+        self.close()
+        raise UpstreamAnswerTooLarge(too_large_message(max_bytes))
 
     async def lines(self) -> AsyncIterator[bytes]:
         pending = b""

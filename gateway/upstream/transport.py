@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gateway.request.errors import UpstreamAnswerTooLarge
+
 if TYPE_CHECKING:
     from gateway.request.observer import UpstreamCallObserver
 
@@ -34,6 +36,12 @@ class UpstreamRequest:
     connect_timeout_s: float = 5.0
 
 
+def too_large_message(max_bytes: int) -> str:
+    """What a client is told of an answer over `max_bytes` (the setting
+    `max_upstream_answer_bytes`)."""
+    return f"upstream failed: the answer is over {max_bytes} bytes (max_upstream_answer_bytes)"
+
+
 class UpstreamResponse(ABC):
     """An upstream answer whose body is read once, either whole or line by line; close() always."""
 
@@ -41,7 +49,9 @@ class UpstreamResponse(ABC):
     headers: Mapping[str, str]
 
     @abstractmethod
-    async def read(self) -> bytes: ...
+    async def read(self, max_bytes: int | None = None) -> bytes:
+        """The whole body; one over `max_bytes` (when given) raises `UpstreamAnswerTooLarge`
+        and drops the connection, without buffering more than about that."""
 
     @abstractmethod
     def lines(self) -> AsyncIterator[bytes]:
@@ -105,7 +115,10 @@ class MockResponse(UpstreamResponse):
         self._body = body
         self.closed = False
 
-    async def read(self) -> bytes:
+    async def read(self, max_bytes: int | None = None) -> bytes:
+        if max_bytes is not None and len(self._body) > max_bytes:
+            self.close()
+            raise UpstreamAnswerTooLarge(too_large_message(max_bytes))
         return self._body
 
     async def lines(self) -> AsyncIterator[bytes]:

@@ -1,0 +1,109 @@
+"""A non-streamed upstream answer is read whole, but only up to `max_upstream_answer_bytes`:
+past it the client gets the dialect's 502 and the request is billed as admitted, once."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from aiohttp import web
+
+from gateway.request.canonical import CanonicalRequest, Message, estimate_prompt_tokens
+from tests.gateway.conftest import MODEL, GatewayFactory, LoopThread, start_chat_upstream, wait_until
+
+MAX_BYTES = 64 * 1024
+
+
+def _answer(text: str) -> dict[str, Any]:
+    return {"id": "c1", "object": "chat.completion", "created": 1, "model": MODEL,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": "stop"}]}
+
+
+def _upstream(loop_thread: LoopThread) -> tuple[web.AppRunner, str, list[str]]:
+    """Answers by the prompt: "big" a JSON body of 4 x MAX_BYTES with its content-length,
+    "chunked" the same body chunked (no length announced: counted as it comes), else a small
+    answer. `served` lists the prompts answered."""
+    served: list[str] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        prompt = (await request.json())["messages"][-1]["content"]
+        served.append(prompt)
+        if prompt == "small":
+            return web.json_response({**_answer("fine"), "usage": {
+                "prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+        body = orjson.dumps(_answer("x" * (4 * MAX_BYTES)))
+        if prompt == "big":
+            return web.Response(body=body, content_type="application/json")
+        response = web.StreamResponse(headers={"content-type": "application/json"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        try:
+            for start in range(0, len(body), 8192):
+                await response.write(body[start:start + 8192])
+        except ConnectionError:  # the gateway dropped the connection past its bound
+            pass
+        return response
+
+    runner, url = start_chat_upstream(loop_thread, chat)
+    return runner, url, served
+
+
+@pytest.mark.parametrize("prompt", ["big", "chunked"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_an_answer_over_the_bound_is_a_502_billed_as_admitted(
+        prompt: str, path: str, make_gateway: GatewayFactory, loop_thread: LoopThread) -> None:
+    runner, url, served = _upstream(loop_thread)
+    try:
+        gateway = make_gateway(num_upstreams=0, configs=[], max_upstream_answer_bytes=MAX_BYTES,
+                               models=[{"name": MODEL, "backend": "openai",
+                                        "endpoints": [url, url + "/"],
+                                        "prices": {"output_per_token": 1e-6}}])
+        body = {"model": MODEL, "max_tokens": 50,
+                "messages": [{"role": "user", "content": prompt}]}
+        response = httpx.post(gateway.url + path, json=body, timeout=30)
+        assert response.status_code == 502
+        error = response.json()["error"]
+        assert "max_upstream_answer_bytes" in error["message"]
+        if path == "/v1/messages":  # the Anthropic envelope
+            assert response.json()["type"] == "error" and error["type"] == "api_error"
+        else:
+            assert error["code"] == "upstream_unavailable"
+        assert served == [prompt]  # no retry on the other endpoint: it would compute it again
+        request_id = response.headers["x-request-id"]
+        assert wait_until(lambda: request_id in gateway.meter.settled)
+        record = gateway.meter.settled[request_id]
+        assert (record.status, record.finish_reason) == (502, "error")
+        assert record.completion_tokens == 50  # what admission reserved for the one choice
+        if path == "/v1/chat/completions":
+            assert record.prompt_tokens == estimate_prompt_tokens(CanonicalRequest(
+                "r", MODEL, messages=[Message("user", prompt)]))
+        assert record.cost_usd > 0
+        time.sleep(0.1)
+        assert gateway.meter.num_settle_calls == 1
+        # the bound is per answer: the next small one is read (on a fresh connection)
+        small = httpx.post(gateway.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "small"}]})
+        assert small.status_code == 200 and small.json()["choices"][0]["message"]["content"] \
+            == "fine"
+    finally:
+        loop_thread.run(runner.cleanup())
+
+
+def test_an_answer_at_the_bound_is_read(make_gateway: GatewayFactory,
+                                        loop_thread: LoopThread) -> None:
+    runner, url, _ = _upstream(loop_thread)
+    try:
+        big = len(orjson.dumps(_answer("x" * (4 * MAX_BYTES))))
+        gateway = make_gateway(num_upstreams=0, configs=[], max_upstream_answer_bytes=big,
+                               models=[{"name": MODEL, "backend": "openai", "endpoints": [url]}])
+        for prompt in ("big", "chunked"):
+            response = httpx.post(gateway.url + "/v1/chat/completions", timeout=30, json={
+                "model": MODEL, "messages": [{"role": "user", "content": prompt}]})
+            assert response.status_code == 200, response.text
+            assert len(response.json()["choices"][0]["message"]["content"]) == 4 * MAX_BYTES
+    finally:
+        loop_thread.run(runner.cleanup())
