@@ -12,7 +12,13 @@ import pytest
 from aiohttp import web
 
 from gateway.request.canonical import CanonicalRequest, Message, estimate_prompt_tokens
-from tests.gateway.conftest import MODEL, GatewayFactory, LoopThread, start_chat_upstream, wait_until
+from tests.gateway.conftest import (
+    MODEL,
+    GatewayFactory,
+    LoopThread,
+    start_chat_upstream,
+    wait_until,
+)
 
 MAX_BYTES = 64 * 1024
 
