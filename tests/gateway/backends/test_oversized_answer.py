@@ -16,6 +16,7 @@ from tests.gateway.conftest import (
     MODEL,
     GatewayFactory,
     LoopThread,
+    start_app,
     start_chat_upstream,
     wait_until,
 )
@@ -111,5 +112,39 @@ def test_an_answer_at_the_bound_is_read(make_gateway: GatewayFactory,
                 "model": MODEL, "messages": [{"role": "user", "content": prompt}]})
             assert response.status_code == 200, response.text
             assert len(response.json()["choices"][0]["message"]["content"]) == 4 * MAX_BYTES
+    finally:
+        loop_thread.run(runner.cleanup())
+
+
+def test_an_anthropic_upstreams_answer_over_the_bound_is_a_502_billed_as_admitted(
+        make_gateway: GatewayFactory, loop_thread: LoopThread) -> None:
+    """The native anthropic backend reads its whole answers under the same bound."""
+
+    async def messages(request: web.Request) -> web.Response:
+        return web.json_response({
+            "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test",
+            "content": [{"type": "text", "text": "x" * (4 * MAX_BYTES)}],
+            "stop_reason": "end_turn", "usage": {"input_tokens": 3, "output_tokens": 1}})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "claude-test", "type": "model"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_get("/v1/models", models)
+    runner, url = loop_thread.run(start_app(app))
+    try:
+        gateway = make_gateway(num_upstreams=0, configs=[], max_upstream_answer_bytes=MAX_BYTES,
+                               models=[{"name": MODEL, "backend": "anthropic", "endpoints": [url],
+                                        "api_key": "sk-ant-upstream"}])
+        response = httpx.post(gateway.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "max_tokens": 40, "messages": [{"role": "user", "content": "hi"}]})
+        assert response.status_code == 502
+        assert "max_upstream_answer_bytes" in response.json()["error"]["message"]
+        request_id = response.headers["x-request-id"]
+        assert wait_until(lambda: request_id in gateway.meter.settled)
+        record = gateway.meter.settled[request_id]
+        assert (record.completion_tokens, record.finish_reason) == (40, "error")
+        assert gateway.meter.num_settle_calls == 1
     finally:
         loop_thread.run(runner.cleanup())
