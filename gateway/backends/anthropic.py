@@ -48,7 +48,13 @@ from gateway.request.canonical import (
     Usage,
 )
 from gateway.request.errors import UpstreamRejected, UpstreamThrottled, UpstreamUnavailable
-from gateway.upstream.transport import UpstreamRequest, UpstreamResponse, send_observed
+from gateway.upstream.transport import (
+    PROBE_BODY_MAX_BYTES,
+    UpstreamRequest,
+    UpstreamResponse,
+    read_error_body,
+    send_observed,
+)
 
 ANTHROPIC_VERSION = "2023-06-01"
 _STOP_REASONS: dict[str, FinishReason] = {
@@ -114,7 +120,8 @@ class AnthropicBackend(Backend):
         response = await send_observed(self.transport, upstream, call)
         try:
             if response.status >= 400:
-                raise _error_of(response.status, response.headers, await response.read())
+                raise _error_of(response.status, response.headers,
+                                await read_error_body(response))
             if request.stream:
                 async for event in _stream_events(response):
                     yield event
@@ -139,7 +146,7 @@ class AnthropicBackend(Backend):
         except Exception:  # noqa: BLE001 - health must not raise
             return False
         try:
-            await response.read()
+            await response.read(PROBE_BODY_MAX_BYTES)
             return response.status == 200
         except Exception:  # noqa: BLE001
             return False

@@ -44,7 +44,13 @@ from gateway.request.errors import (
     UpstreamThrottled,
     UpstreamUnavailable,
 )
-from gateway.upstream.transport import UpstreamRequest, UpstreamResponse, send_observed
+from gateway.upstream.transport import (
+    PROBE_BODY_MAX_BYTES,
+    UpstreamRequest,
+    UpstreamResponse,
+    read_error_body,
+    send_observed,
+)
 
 log = logging.getLogger("aigw.gateway")
 
@@ -272,7 +278,7 @@ class OpenAICompatBackend(Backend):
         except Exception:  # noqa: BLE001 - health must not raise
             return None
         try:
-            await response.read()
+            await response.read(PROBE_BODY_MAX_BYTES)
             return response.status
         except Exception:  # noqa: BLE001
             return None
@@ -285,7 +291,8 @@ class OpenAICompatBackend(Backend):
                 "GET", endpoint.url + path, headers=dict(endpoint.auth_headers),
                 connect_timeout_s=self.settings.health_timeout_s))
             try:
-                return orjson.loads(await response.read()) if response.status == 200 else None
+                return (orjson.loads(await response.read(PROBE_BODY_MAX_BYTES))
+                        if response.status == 200 else None)
             finally:
                 response.close()
         except Exception:  # noqa: BLE001 - must not raise
@@ -316,7 +323,7 @@ async def _raise_for_status(response: UpstreamResponse) -> None:
     key that theirs is bad."""
     if response.status < 400:
         return
-    body = await response.read()
+    body = await read_error_body(response)
     if response.status in (401, 403):
         log.warning("upstream refused the gateway's credential (%d): %s", response.status,
                     body[:200].decode("utf-8", "replace"))

@@ -24,7 +24,7 @@ from contracts.replica_protocol import SERVICE_TIER_PRIORITY, bounded_cache_salt
 from gateway.backends.openai_compat import OpenAICompatBackend
 from gateway.fleet.endpoints import Endpoint, EndpointLoad
 from gateway.request.canonical import CanonicalRequest, estimate_prompt_tokens
-from gateway.upstream.transport import UpstreamRequest
+from gateway.upstream.transport import PROBE_BODY_MAX_BYTES, UpstreamRequest
 
 _LOAD_SUFFIXES = {
     "num_requests_running": "num_requests_running",
@@ -106,7 +106,7 @@ class ReplicaBackend(OpenAICompatBackend):
                 "GET", endpoint.url + "/metrics", headers=dict(endpoint.auth_headers),
                 connect_timeout_s=self.settings.health_timeout_s))
             try:
-                text = (await response.read()).decode("utf-8", "replace")
+                text = (await response.read(PROBE_BODY_MAX_BYTES)).decode("utf-8", "replace")
                 return parse_load(text) if response.status == 200 else None
             finally:
                 response.close()

@@ -15,7 +15,7 @@ from urllib.parse import quote
 import orjson
 
 from gateway.fleet.endpoints import Endpoint
-from gateway.upstream.transport import Transport, UpstreamRequest
+from gateway.upstream.transport import PROBE_BODY_MAX_BYTES, Transport, UpstreamRequest
 
 _CACHE_COUNTERS = ("prefix_cache_hit_tokens_total", "prefix_cache_queried_tokens_total")
 
@@ -27,7 +27,8 @@ async def fetch(transport: Transport, url: str, timeout_s: float,
             response = await transport.send(UpstreamRequest("GET", url, headers=dict(headers or {}),
                                                             connect_timeout_s=timeout_s))
             try:
-                return await response.read() if response.status == 200 else None
+                return (await response.read(PROBE_BODY_MAX_BYTES) if response.status == 200
+                        else None)
             finally:
                 response.close()
     except Exception:  # noqa: BLE001 - the dashboard shows what it can

@@ -36,6 +36,19 @@ class UpstreamRequest:
     connect_timeout_s: float = 5.0
 
 
+ERROR_BODY_MAX_BYTES = 1024 * 1024  # an upstream's 4xx/5xx body: read for its message alone
+PROBE_BODY_MAX_BYTES = 16 * 1024 * 1024  # health, /v1/models, /metrics answers
+
+
+async def read_error_body(response: UpstreamResponse) -> bytes:
+    """An error answer's body for its message, up to ERROR_BODY_MAX_BYTES; past it, b""
+    (the status alone says what failed)."""
+    try:
+        return await response.read(ERROR_BODY_MAX_BYTES)
+    except UpstreamAnswerTooLarge:
+        return b""
+
+
 def too_large_message(max_bytes: int) -> str:
     """What a client is told of an answer over `max_bytes` (the setting
     `max_upstream_answer_bytes`)."""

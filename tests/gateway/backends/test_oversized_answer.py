@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from gateway.request.canonical import CanonicalRequest, Message, estimate_prompt_tokens
+from gateway.upstream.transport import ERROR_BODY_MAX_BYTES
 from tests.gateway.conftest import (
     MODEL,
     GatewayFactory,
@@ -32,8 +33,8 @@ def _answer(text: str) -> dict[str, Any]:
 
 def _upstream(loop_thread: LoopThread) -> tuple[web.AppRunner, str, list[str]]:
     """Answers by the prompt: "big" a JSON body of 4 x MAX_BYTES with its content-length,
-    "chunked" the same body chunked (no length announced: counted as it comes), else a small
-    answer. `served` lists the prompts answered."""
+    "chunked" the same body chunked (no length announced: counted as it comes), "huge_error" a
+    400 with a body of 2 MiB, else a small answer. `served` lists the prompts answered."""
     served: list[str] = []
 
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -42,6 +43,8 @@ def _upstream(loop_thread: LoopThread) -> tuple[web.AppRunner, str, list[str]]:
         if prompt == "small":
             return web.json_response({**_answer("fine"), "usage": {
                 "prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+        if prompt == "huge_error":  # past ERROR_BODY_MAX_BYTES
+            return web.Response(status=400, body=b"e" * (2 * ERROR_BODY_MAX_BYTES))
         body = orjson.dumps(_answer("x" * (4 * MAX_BYTES)))
         if prompt == "big":
             return web.Response(body=body, content_type="application/json")
@@ -146,5 +149,25 @@ def test_an_anthropic_upstreams_answer_over_the_bound_is_a_502_billed_as_admitte
         record = gateway.meter.settled[request_id]
         assert (record.completion_tokens, record.finish_reason) == (40, "error")
         assert gateway.meter.num_settle_calls == 1
+    finally:
+        loop_thread.run(runner.cleanup())
+
+
+def test_an_error_answer_with_a_huge_body_is_refused_by_its_status_alone(
+        make_gateway: GatewayFactory, loop_thread: LoopThread) -> None:
+    """An upstream's 4xx body is read for its message, up to ERROR_BODY_MAX_BYTES: past it the
+    status alone answers (the body was buffered whole before), and nothing is billed."""
+    runner, url, _ = _upstream(loop_thread)
+    try:
+        gateway = make_gateway(num_upstreams=0, configs=[],
+                               models=[{"name": MODEL, "backend": "openai", "endpoints": [url]}])
+        response = httpx.post(gateway.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "huge_error"}]})
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["message"].startswith("upstream answered 400") and "eee" not in response.text
+        request_id = response.headers["x-request-id"]
+        assert wait_until(lambda: request_id in gateway.meter.settled)
+        assert gateway.meter.settled[request_id].completion_tokens == 0
     finally:
         loop_thread.run(runner.cleanup())
