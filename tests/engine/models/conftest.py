@@ -16,11 +16,10 @@ from tests.engine.models._qwen3 import qwen3_checkpoints  # noqa: F401 (a sessio
 
 
 @pytest.fixture(scope="session")
-def default_checkpoint() -> Any:
-    from engine.loader import default_model_path, load_checkpoint
-
-    torch.set_num_threads(1)
-    return load_checkpoint(str(default_model_path()), dtype=torch.float32, progress=False)
+def default_checkpoint(checkpoint: Any) -> Any:
+    """The default model in float32: the engine tests' session checkpoint (tests/engine/conftest.py,
+    read only), not a second copy of its ~540 MB."""
+    return checkpoint
 
 
 @pytest.fixture(autouse=True)
