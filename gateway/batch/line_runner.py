@@ -38,12 +38,18 @@ from gateway.metering.contract import (
     ReservationTooLarge,
     UsageRecord,
 )
-from gateway.request.canonical import Accumulator, CanonicalRequest, estimate_prompt_tokens
+from gateway.request.canonical import (
+    Accumulator,
+    CanonicalRequest,
+    Usage,
+    estimate_prompt_tokens,
+)
 from gateway.request.dispatch import Timing, dispatch
 from gateway.request.errors import (
     GatewayError,
     ModelNotFound,
     NoHealthyEndpoint,
+    UpstreamAnswerTooLarge,
     UpstreamThrottled,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -155,11 +161,11 @@ class LineRunner:
         max_tokens = canonical.max_tokens
         if max_tokens is None:
             max_tokens = self._pipeline.settings.default_max_tokens
+        canonical.admitted_tokens = (estimate_prompt_tokens(canonical), max_tokens)
         while True:  # a batch line waits out the caller's rate limit rather than failing
             try:
                 return await self._pipeline.meter.admit(
-                    canonical.request_id, principal, canonical.model,
-                    estimate_prompt_tokens(canonical), max_tokens)
+                    canonical.request_id, principal, canonical.model, *canonical.admitted_tokens)
             except RateLimited as exc:
                 await asyncio.sleep(min(max(exc.retry_after_s, 0.1), _ADMIT_WAIT_MAX_S))
             except MeterBacklogged:
@@ -199,6 +205,11 @@ class LineRunner:
                                          pipeline.retry_budget, Timing(started), self._watchdog)
             except GatewayError as exc:
                 error, status = exc, exc.status
+                if isinstance(exc, UpstreamAnswerTooLarge):  # computed, unread: not run again,
+                    endpoint_name = exc.endpoint_name or ""  # billed as admitted (as a request)
+                    accumulator.add(Usage(*canonical.admitted_tokens))
+                    accumulator.finish_reason = "error"
+                    break
                 if isinstance(exc, _PASSING) and attempt_number + 1 < NUM_ATTEMPTS:
                     await asyncio.sleep(pipeline.settings.health_interval_s * (attempt_number + 1))
                     continue

@@ -589,3 +589,30 @@ def test_a_projects_unfinished_batches_are_bounded(make_gateway: Any, loop_threa
     record.status = BatchStatus.COMPLETED.value
     loop_thread.run(service.store.save_batch(record))
     create("alpha")  # room again
+
+
+def test_a_line_whose_answer_is_over_the_byte_bound_is_not_rerun_and_is_billed_as_admitted(
+        served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer past `max_upstream_answer_bytes` (here: any answer over 16 bytes) was computed
+    upstream: the line is a 502 in the error file, run once (not retried as a passing failure),
+    and its usage row bills the reservation (prompt estimate, max_tokens), not 0."""
+    from gateway.backends import openai_compat
+    from gateway.request.canonical import CanonicalRequest, Message, estimate_prompt_tokens
+
+    real = openai_compat._read_json
+
+    async def tiny_bound(response: Any, max_bytes: int) -> Any:
+        return await real(response, 16)
+
+    monkeypatch.setattr(openai_compat, "_read_json", tiny_bound)
+    client = served.client()
+    batch = submit(client, [chat_line("big", "too big to read")])
+    done = wait_done(client, batch.id)
+    (error,) = read_jsonl(client, done.error_file_id)
+    assert error["custom_id"] == "big" and error["response"]["status_code"] == 502
+    assert "max_upstream_answer_bytes" in error["response"]["body"]["error"]["message"]
+    assert sum(b.get("messages", [{}])[-1].get("content") == "too big to read"
+               for b in served.state.bodies) == 1
+    prompt = estimate_prompt_tokens(CanonicalRequest("r", MODEL, messages=[
+        Message("system", "You are terse."), Message("user", "too big to read")]))
+    assert [row[1:3] for row in served.ledger(batch.id + "/")] == [(prompt, 4)]
