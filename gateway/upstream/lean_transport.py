@@ -42,6 +42,7 @@ import httptools
 
 from gateway.request.errors import UpstreamAnswerTooLarge, UpstreamTimeout, UpstreamUnavailable
 from gateway.upstream.transport import (
+    STREAM_LINE_MAX_BYTES,
     Transport,
     UpstreamRequest,
     UpstreamResponse,
@@ -245,6 +246,14 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+def _check_line(pending: bytes) -> None:
+    """A streamed line still without its newline past STREAM_LINE_MAX_BYTES: the stream fails
+    (a cut stream, billed as one) rather than buffer an endless line."""
+    if len(pending) > STREAM_LINE_MAX_BYTES:
+        raise UpstreamUnavailable(f"upstream failed: a stream line is over "
+                                  f"{STREAM_LINE_MAX_BYTES} bytes")
+
+
 def _content_length(headers: dict[str, str]) -> int:
     """The announced body length; -1 when none (or not a number: the parser judges that)."""
     value = headers.get("content-length", "")
@@ -299,6 +308,7 @@ class _LeanResponse(UpstreamResponse):
             *complete, pending = (pending + data).split(b"\n")
             for line in complete:
                 yield line + b"\n"
+            _check_line(pending)
         if pending:
             yield pending
 
@@ -308,6 +318,7 @@ class _LeanResponse(UpstreamResponse):
             *complete, pending = (pending + data).split(b"\n")
             if complete:
                 yield complete
+            _check_line(pending)
         if pending:
             yield [pending]
 

@@ -38,6 +38,7 @@ class UpstreamRequest:
 
 ERROR_BODY_MAX_BYTES = 1024 * 1024  # an upstream's 4xx/5xx body: read for its message alone
 PROBE_BODY_MAX_BYTES = 16 * 1024 * 1024  # health, /v1/models, /metrics answers
+STREAM_LINE_MAX_BYTES = 64 * 1024 * 1024  # one line of a streamed answer (an SSE `data:` line)
 
 
 async def read_error_body(response: UpstreamResponse) -> bytes:

@@ -3,6 +3,7 @@ past it the client gets the dialect's 502 and the request is billed as admitted,
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -169,5 +170,47 @@ def test_an_error_answer_with_a_huge_body_is_refused_by_its_status_alone(
         request_id = response.headers["x-request-id"]
         assert wait_until(lambda: request_id in gateway.meter.settled)
         assert gateway.meter.settled[request_id].completion_tokens == 0
+    finally:
+        loop_thread.run(runner.cleanup())
+
+
+def test_a_stream_line_without_end_past_the_bound_cuts_the_stream(
+        make_gateway: GatewayFactory, loop_thread: LoopThread,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A streamed line is buffered until its newline: one that never ends (here past a bound of
+    4 KiB, 64 MiB by default) fails the stream as a cut one, billed for what was sent."""
+    from gateway.upstream import lean_transport
+
+    monkeypatch.setattr(lean_transport, "STREAM_LINE_MAX_BYTES", 4096)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {"choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": None}]}
+        await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        await asyncio.sleep(0.05)
+        try:
+            for _ in range(8):
+                await response.write(b"x" * 1024)  # no newline, ever
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(5)
+        except ConnectionError:
+            pass
+        return response
+
+    runner, url = start_chat_upstream(loop_thread, chat)
+    try:
+        gateway = make_gateway(num_upstreams=0, configs=[],
+                               models=[{"name": MODEL, "backend": "openai", "endpoints": [url]}])
+        started = time.monotonic()
+        response = httpx.post(gateway.url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        assert time.monotonic() - started < 4  # not at the upstream's end
+        assert '"ok"' in response.text and "a stream line is over 4096 bytes" in response.text
+        request_id = response.headers["x-request-id"]
+        assert wait_until(lambda: request_id in gateway.meter.settled)
+        record = gateway.meter.settled[request_id]
+        assert (record.finish_reason, record.completion_tokens) == ("error", 1)
+        assert gateway.meter.num_settle_calls == 1
     finally:
         loop_thread.run(runner.cleanup())
