@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from engine.kernels.paged_attention import dense_attention
 from engine.layers.attention import (
@@ -101,6 +100,20 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_positions: int) -> to
     return flat[..., :num_positions, :, :]
 
 
+def _lower_right_causal(q_len: int, context_len: int, device: torch.device) -> torch.Tensor:
+    """The causal mask of a chunk that ends the context: query i (at position context_len - q_len +
+    i) sees the keys up to its own position. On the CPU the [q_len, context_len] boolean mask
+    torch.nn.attention.bias.causal_lower_right materializes there anyway; that module is imported
+    only on other devices (where SDPA dispatches its bias to fused kernels): it imports
+    torch._dynamo, seconds of every replica process's start-up."""
+    if device.type == "cpu":
+        return torch.ones(q_len, context_len, dtype=torch.bool, device=device).tril(
+            context_len - q_len)
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(q_len, context_len)
+
+
 def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment,
              scale: float, local: _Local, sinks: torch.Tensor | None) -> torch.Tensor:
     """q [q_len, H, Dh] of one chunk -> [q_len, H, Dh]."""
@@ -114,7 +127,8 @@ def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg:
                                                                        1).unsqueeze(0).to(q.dtype)
     q_len = qs.shape[2]
     if local.is_global and sinks is None and seg.context_start == 0:
-        mask = causal_lower_right(q_len, seg.context_len) if seg.num_cached_tokens else None
+        mask = (_lower_right_causal(q_len, seg.context_len, q.device)
+                if seg.num_cached_tokens else None)
         os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
                                              scale=scale, enable_gqa=True)
     else:
