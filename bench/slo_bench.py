@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--rates", default="0.25,0.5,1,1.5,2,3",
                         help="offered requests per second, comma-separated, rising")
-    parser.add_argument("--duration-s", type=float, default=30.0, help="arrival window per cell")
+    parser.add_argument("--duration-s", type=float, default=60.0, help="arrival window per cell")
     parser.add_argument("--drain-timeout-s", type=float, default=60.0,
                         help="after the window, how long a cell waits for its last answers")
     parser.add_argument("--priority-fraction", type=float, default=0.2)
