@@ -32,6 +32,7 @@ FLEX_TTFT_FACTOR = 4.0  # flex's TTFT bound for admission: this many times the t
 STANDARD_CLASSES = (-1, 0, 1)  # priority, default, flex (contracts/replica_protocol.py)
 MAX_SEAT_SAMPLES = 64  # per class, the soonest seat releases admission looks at
 
+
 def service_tier_of(priority: int) -> str:
     """The OpenAI service_tier name of a scheduling class (a metric label)."""
     return "priority" if priority < 0 else "default" if priority == 0 else "flex"
