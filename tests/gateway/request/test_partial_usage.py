@@ -215,14 +215,27 @@ def _sent_deltas(lines: Iterator[str], is_delta: Callable[[dict[str, Any]], bool
     return num_deltas
 
 
+def _gateway_over(make_gateway: GatewayFactory, url: str) -> Any:
+    """A gateway serving MODEL from the plain OpenAI-compatible upstream at `url`."""
+    return make_gateway(num_upstreams=0, configs=[], models=[
+        {"name": MODEL, "backend": "openai", "endpoints": [url]}])
+
+
+def _the_one_record(gateway: Any, request_id: str) -> Any:
+    """The request's usage record, once settled, after checking it stays the only one."""
+    assert wait_until(lambda: request_id in gateway.meter.settled)
+    time.sleep(0.1)  # (a second settle would have landed by now)
+    assert gateway.meter.num_settle_calls == 1
+    return gateway.meter.settled[request_id]
+
+
 @pytest.mark.parametrize("path", list(_DIALECTS))
 def test_a_stream_its_upstream_cut_bills_at_least_the_deltas_the_client_got(
         path: str, make_gateway: GatewayFactory, loop_thread: LoopThread) -> None:
     """Every dialect's stream: 40 digits went out, once billed 10 (~4 characters a token)."""
     runner, url = _digit_upstream(loop_thread, dies=True)
     try:
-        gateway = make_gateway(num_upstreams=0, configs=[], models=[
-            {"name": MODEL, "backend": "openai", "endpoints": [url]}])
+        gateway = _gateway_over(make_gateway, url)
         body, is_delta = _DIALECTS[path]
         with httpx.stream("POST", gateway.url + path,
                           json={"model": MODEL, "stream": True, **body}, timeout=30) as response:
@@ -230,13 +243,10 @@ def test_a_stream_its_upstream_cut_bills_at_least_the_deltas_the_client_got(
             request_id = response.headers["x-request-id"]
             num_deltas = _sent_deltas(response.iter_lines(), is_delta)
         assert 1 <= num_deltas <= _NUM_DIGITS  # (chunks that came together are merged)
-        assert wait_until(lambda: request_id in gateway.meter.settled)
-        record = gateway.meter.settled[request_id]
+        record = _the_one_record(gateway, request_id)
         assert record.finish_reason == "error"
         assert record.completion_tokens >= num_deltas
         assert record.completion_tokens <= _NUM_DIGITS  # one character: at most one token
-        time.sleep(0.1)
-        assert gateway.meter.num_settle_calls == 1
     finally:
         loop_thread.run(runner.cleanup())
 
@@ -245,18 +255,14 @@ def test_a_stream_its_client_left_bills_at_least_the_deltas_the_client_got(
         make_gateway: GatewayFactory, loop_thread: LoopThread) -> None:
     runner, url = _digit_upstream(loop_thread, dies=False)
     try:
-        gateway = make_gateway(num_upstreams=0, configs=[], models=[
-            {"name": MODEL, "backend": "openai", "endpoints": [url]}])
+        gateway = _gateway_over(make_gateway, url)
         body, is_delta = _DIALECTS["/v1/chat/completions"]
         with httpx.stream("POST", gateway.url + "/v1/chat/completions",
                           json={"model": MODEL, "stream": True, **body}, timeout=30) as response:
             request_id = response.headers["x-request-id"]
             assert _sent_deltas(response.iter_lines(), is_delta, stop_after=32) == 32
-        assert wait_until(lambda: request_id in gateway.meter.settled)
-        record = gateway.meter.settled[request_id]
+        record = _the_one_record(gateway, request_id)
         assert record.status == 499 and record.completion_tokens >= 32
-        time.sleep(0.1)
-        assert gateway.meter.num_settle_calls == 1
     finally:
         loop_thread.run(runner.cleanup())
 
@@ -280,17 +286,14 @@ def test_a_whole_stream_without_usage_bills_at_least_the_deltas_the_client_got(
 
     runner, url = start_chat_upstream(loop_thread, chat)
     try:
-        gateway = make_gateway(num_upstreams=0, configs=[], models=[
-            {"name": MODEL, "backend": "openai", "endpoints": [url]}])
+        gateway = _gateway_over(make_gateway, url)
         body, is_delta = _DIALECTS["/v1/chat/completions"]
         with httpx.stream("POST", gateway.url + "/v1/chat/completions",
                           json={"model": MODEL, "stream": True, **body}, timeout=30) as response:
             request_id = response.headers["x-request-id"]
             num_deltas = _sent_deltas(response.iter_lines(), is_delta)
-        assert wait_until(lambda: request_id in gateway.meter.settled)
-        record = gateway.meter.settled[request_id]
+        record = _the_one_record(gateway, request_id)
         assert record.finish_reason == "stop"
         assert num_deltas <= record.completion_tokens <= _NUM_DIGITS
-        assert gateway.meter.num_settle_calls == 1
     finally:
         loop_thread.run(runner.cleanup())

@@ -102,17 +102,11 @@ def test_a_stream_cut_by_the_drain_timeout_is_settled_before_the_meter_closes(
     assert settled_at_close[request_id].prompt_tokens == expected
 
 
-def test_a_stream_still_running_at_the_drain_deadline_ends_with_the_dialects_error_event(
-        loop_thread: LoopThread) -> None:
-    """Past drain_timeout_s the stream is ended, not cut: the dialect's error event (503
-    `draining`) and no `[DONE]`, so an SDK raises an API error rather than a broken transfer; it
-    is settled once, as a stream that failed mid-way is (status 200, finish_reason error)."""
-    state = MockState(MockConfig(token_delay_ms=100, num_tokens=300))  # a 30 s stream
-    mock_runner, upstream = loop_thread.run(start_app(create_mock_app(state)))
-    meter = NullMeter()
-    settings = GatewaySettings(auth_enabled=False, drain_timeout_s=1.0,
-                               models=[{"name": MODEL, "endpoints": [upstream]}])
-    runner, url = loop_thread.run(start_app(create_app(settings, meter=meter)))  # shutdown 1 s
+def _drain_mid_stream(loop_thread: LoopThread, runner: Any, url: str, upstream: Any
+                      ) -> tuple[str, list[str], float, float]:
+    """A chat stream through the gateway at `url`, drained (`runner`) after its first line, then
+    the upstream's runner cleaned up: (its request id, the lines after the first, seconds from
+    the drain's start until the stream ended, and until the drain ended)."""
     body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     try:
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
@@ -124,8 +118,24 @@ def test_a_stream_still_running_at_the_drain_deadline_ends_with_the_dialects_err
             rest = list(lines)
             ended_s = time.monotonic() - started
             draining.result(30)
+            drained_s = time.monotonic() - started
     finally:
-        loop_thread.run(mock_runner.cleanup())
+        loop_thread.run(upstream.cleanup())
+    return request_id, rest, ended_s, drained_s
+
+
+def test_a_stream_still_running_at_the_drain_deadline_ends_with_the_dialects_error_event(
+        loop_thread: LoopThread) -> None:
+    """Past drain_timeout_s the stream is ended, not cut: the dialect's error event (503
+    `draining`) and no `[DONE]`, so an SDK raises an API error rather than a broken transfer; it
+    is settled once, as a stream that failed mid-way is (status 200, finish_reason error)."""
+    state = MockState(MockConfig(token_delay_ms=100, num_tokens=300))  # a 30 s stream
+    mock_runner, upstream = loop_thread.run(start_app(create_mock_app(state)))
+    meter = NullMeter()
+    settings = GatewaySettings(auth_enabled=False, drain_timeout_s=1.0,
+                               models=[{"name": MODEL, "endpoints": [upstream]}])
+    runner, url = loop_thread.run(start_app(create_app(settings, meter=meter)))  # shutdown 1 s
+    request_id, rest, ended_s, _ = _drain_mid_stream(loop_thread, runner, url, mock_runner)
     events = [line for line in rest if line.startswith("data: ")]
     assert '"code":"draining"' in events[-1] and "data: [DONE]" not in events
     assert ended_s < 1.9  # at the deadline, not after aiohttp's second wait
@@ -151,19 +161,7 @@ def test_aiohttps_own_drain_wait_outlasts_the_deadline_that_ends_the_streams(
     runner = gateway_runner(create_app(settings, meter=NullMeter()), settings)
     assert runner._shutdown_timeout >= settings.drain_timeout_s + 0.5
     url = loop_thread.run(start_runner(runner))
-    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-    try:
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
-            lines = response.iter_lines()
-            next(lines)
-            started = time.monotonic()
-            draining = asyncio.run_coroutine_threadsafe(drain(runner), loop_thread.loop)
-            rest = list(lines)
-            ended_s = time.monotonic() - started
-            draining.result(30)
-            drained_s = time.monotonic() - started
-    finally:
-        loop_thread.run(mock_runner.cleanup())
+    _, rest, ended_s, drained_s = _drain_mid_stream(loop_thread, runner, url, mock_runner)
     assert '"code":"draining"' in [line for line in rest if line.startswith("data: ")][-1]
     assert ended_s < 1.9 and drained_s < 1.9  # at the deadline; aiohttp did not wait it out
     assert not [r for r in caplog.records if r.exc_info], caplog.text
